@@ -1,0 +1,17 @@
+"""Kernel stages of moelora_lib: ``STAGES[name]`` -> :class:`~moelora_lib.kernels.stages.Stage`.
+
+Stages in order: naive -> no_recompile -> split_k -> swizzle -> even_k_fused_add. Every stage runs
+the same layer forward (:class:`~moelora_lib.kernels.stages.LayerRun`) with its own switches.
+"""
+
+from . import even_k_fused_add, naive, no_recompile, split_k, swizzle
+from .config import LayerConfig, OpConfig
+from .launchers import fused_moe_gemm, gated_act, lora_expand, lora_shrink
+from .stages import LayerRun, Stage, default_config
+
+STAGES: dict[str, Stage] = {
+    m.STAGE.name: m.STAGE for m in (naive, no_recompile, split_k, swizzle, even_k_fused_add)
+}
+
+__all__ = ["STAGES", "Stage", "LayerRun", "LayerConfig", "OpConfig", "default_config",
+           "fused_moe_gemm", "lora_shrink", "lora_expand", "gated_act"]

@@ -1,0 +1,157 @@
+"""Launchers of the kernels in :mod:`moelora_lib.kernels.triton_kernels`.
+
+Each launcher checks what the kernel relies on, allocates its output when asked to, computes the grid
+and launches — nothing else. Input validation of user-facing arguments happens once, in
+:func:`moelora_lib.fused_moe_lora`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from ..routing import Alignment
+from .config import OpConfig
+from .triton_kernels import KERNELS
+
+__all__ = ["fused_moe_gemm", "lora_shrink", "lora_expand", "gated_act", "even_k"]
+
+
+def even_k(K: int, block_size_k: int, split_k: int = 1) -> bool:
+    """EVEN_K: the K loop of every split covers K exactly, so loads need no K mask."""
+    return K % (block_size_k * split_k) == 0
+
+
+def _kernel(name: str, specialize_lengths: bool):
+    return KERNELS[name][bool(specialize_lengths)]
+
+
+def fused_moe_gemm(
+    x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: Alignment, cfg: OpConfig, *,
+    rows_div: int, bias: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,
+    use_even_k: bool = True, specialize_lengths: bool = False,
+) -> torch.Tensor:
+    """Base grouped GEMM: out[p] = x[p // rows_div]·w[e]ᵀ (+ bias[e]) (· topk_weights[p]).
+
+    Args:
+        x: [rows, K] activations (hidden_states [T, H] with rows_div = top_k, or the activation
+            output [T·K, I] with rows_div = 1).
+        w: [E, N, K] expert weights (nn.Linear layout).
+        out: [T·K, N] written for every real pair (padding rows never).
+        align: expert-only alignment with BLOCK_SIZE_M = cfg.BLOCK_SIZE_M.
+        cfg: launch config (SPLIT_K must be 1).
+        bias: [E, N] or None. topk_weights: [T·K] float32 or None (multiplies after the bias).
+        use_even_k: allow the unmasked K loop when K % BLOCK_SIZE_K == 0.
+        specialize_lengths: True = Triton's default specialization of length-dependent ints.
+    """
+    assert cfg.BLOCK_SIZE_M == align.block_size_m and cfg.SPLIT_K == 1
+    E, N, K = w.shape
+    grid = (align.num_blocks * triton.cdiv(N, cfg.BLOCK_SIZE_N),)
+    b = bias if bias is not None else w  # dummy pointer when HAS_BIAS is False
+    tw = topk_weights if topk_weights is not None else out
+    _kernel("fused_moe", specialize_lengths)[grid](
+        x, w, out, b, tw,
+        align.sorted_token_ids, align.block_expert_ids, align.num_tokens_post_padded,
+        align.num_pairs, align.num_blocks, N, K, rows_div,
+        x.stride(0), x.stride(1),
+        w.stride(0), w.stride(1), w.stride(2),
+        out.stride(0), out.stride(1),
+        bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
+        BLOCK_SIZE_M=cfg.BLOCK_SIZE_M, BLOCK_SIZE_N=cfg.BLOCK_SIZE_N, BLOCK_SIZE_K=cfg.BLOCK_SIZE_K,
+        GROUP_SIZE_M=cfg.GROUP_SIZE_M, EVEN_K=bool(use_even_k and even_k(K, cfg.BLOCK_SIZE_K)),
+        HAS_BIAS=bias is not None, MUL_ROUTED_WEIGHT=topk_weights is not None,
+        num_warps=cfg.NUM_WARPS, num_stages=cfg.NUM_STAGES,
+    )
+    return out
+
+
+def lora_shrink(
+    x: torch.Tensor, lora_a: torch.Tensor, align: Alignment, cfg: OpConfig, *, rows_div: int,
+    use_even_k: bool = False, specialize_lengths: bool = False,
+) -> torch.Tensor:
+    """LoRA shrink: inter[s, p] = x[p // rows_div]·lora_a[l, e, s]ᵀ for pairs of adapter blocks.
+
+    Args:
+        x: [rows, K] fp16/bf16/fp32.
+        lora_a: [L, E, S, R, K] (gate_up) or [L, E, R, K] (down, S = 1).
+        align: (adapter, expert) alignment with BLOCK_SIZE_M = cfg.BLOCK_SIZE_M.
+        cfg: SPLIT_K > 1 splits the K loop and combines with relaxed fp32 atomics.
+    Returns:
+        inter: [S, T·K, R] float32. Rows of pairs without an adapter are not written (uninitialized
+        when SPLIT_K = 1, zero otherwise). The rank intermediate is kept in fp32 (vLLM keeps it in
+        the activation dtype); the expand rounds it to the weight dtype right before its dot.
+    """
+    assert cfg.BLOCK_SIZE_M == align.block_size_m
+    a5 = lora_a if lora_a.dim() == 5 else lora_a.unsqueeze(2)
+    L, E, S, R, K = a5.shape
+    alloc = torch.zeros if cfg.SPLIT_K > 1 else torch.empty  # atomics need a zeroed buffer
+    inter = alloc((S, align.num_pairs, R), dtype=torch.float32, device=x.device)
+    grid = (cfg.SPLIT_K * align.num_blocks * triton.cdiv(R, cfg.BLOCK_SIZE_N), S)
+    _kernel("lora_shrink", specialize_lengths)[grid](
+        x, a5, inter,
+        align.sorted_token_ids, align.block_expert_ids, align.block_lora_ids, align.num_tokens_post_padded,
+        align.num_pairs, align.num_blocks, R, K, rows_div,
+        x.stride(0), x.stride(1),
+        a5.stride(0), a5.stride(1), a5.stride(2), a5.stride(3), a5.stride(4),
+        inter.stride(0), inter.stride(1), inter.stride(2),
+        BLOCK_SIZE_M=cfg.BLOCK_SIZE_M, BLOCK_SIZE_N=cfg.BLOCK_SIZE_N, BLOCK_SIZE_K=cfg.BLOCK_SIZE_K,
+        GROUP_SIZE_M=cfg.GROUP_SIZE_M, SPLIT_K=cfg.SPLIT_K,
+        EVEN_K=bool(use_even_k and even_k(K, cfg.BLOCK_SIZE_K, cfg.SPLIT_K)),
+        num_warps=cfg.NUM_WARPS, num_stages=cfg.NUM_STAGES,
+    )
+    return inter
+
+
+def lora_expand(
+    inter: torch.Tensor, lora_b: torch.Tensor, out: torch.Tensor, align: Alignment, cfg: OpConfig, *,
+    topk_weights: torch.Tensor | None = None, add_inputs: bool = True, use_even_k: bool = False,
+    specialize_lengths: bool = False,
+) -> torch.Tensor:
+    """LoRA expand: out[p, s·N + n] (+)= (inter[s, p]·lora_b[l, e, s]ᵀ)[n] (· topk_weights[p]).
+
+    Args:
+        inter: [S, T·K, R] float32 from :func:`lora_shrink`.
+        lora_b: [L, E, S, N, R] (gate_up) or [L, E, N, R] (down, S = 1).
+        out: [T·K, S·N]; with add_inputs the delta is added to what ``out`` holds (read-modify-write
+            of the tile, no delta buffer); without, the delta is stored (rows of pairs without an
+            adapter are left untouched).
+        topk_weights: [T·K] float32 or None; multiplies the delta (down projection).
+    """
+    assert cfg.BLOCK_SIZE_M == align.block_size_m and cfg.SPLIT_K == 1
+    b5 = lora_b if lora_b.dim() == 5 else lora_b.unsqueeze(2)
+    L, E, S, N, R = b5.shape
+    tw = topk_weights if topk_weights is not None else inter
+    grid = (align.num_blocks * triton.cdiv(N, cfg.BLOCK_SIZE_N), S)
+    _kernel("lora_expand", specialize_lengths)[grid](
+        inter, b5, out, tw,
+        align.sorted_token_ids, align.block_expert_ids, align.block_lora_ids, align.num_tokens_post_padded,
+        align.num_pairs, align.num_blocks, N, R,
+        inter.stride(0), inter.stride(1), inter.stride(2),
+        b5.stride(0), b5.stride(1), b5.stride(2), b5.stride(3), b5.stride(4),
+        out.stride(0), out.stride(1),
+        BLOCK_SIZE_M=cfg.BLOCK_SIZE_M, BLOCK_SIZE_N=cfg.BLOCK_SIZE_N, BLOCK_SIZE_K=cfg.BLOCK_SIZE_K,
+        GROUP_SIZE_M=cfg.GROUP_SIZE_M, EVEN_K=bool(use_even_k and even_k(R, cfg.BLOCK_SIZE_K)),
+        MUL_ROUTED_WEIGHT=topk_weights is not None, ADD_INPUTS=bool(add_inputs),
+        num_warps=cfg.NUM_WARPS, num_stages=cfg.NUM_STAGES,
+    )
+    return out
+
+
+def gated_act(h: torch.Tensor, activation: str, *, specialize_lengths: bool = False,
+              block_size: int = 1024) -> torch.Tensor:
+    """Gated activation [P, 2I] -> [P, I] in h's dtype (computed in fp32).
+
+    ``"silu"``: silu(h[:, :I])·h[:, I:]; ``"swigluoai"``: GPT-OSS, interleaved gate/up columns,
+    (clamp(up, ±7) + 1)·g·sigmoid(1.702·g) with g = min(gate, 7).
+    """
+    P, two_i = h.shape
+    inter_size = two_i // 2
+    out = torch.empty((P, inter_size), dtype=h.dtype, device=h.device)
+    if P == 0:
+        return out
+    bs = min(block_size, triton.next_power_of_2(inter_size))
+    grid = (P, triton.cdiv(inter_size, bs))
+    _kernel("gated_act", specialize_lengths)[grid](
+        h, out, P, inter_size, h.stride(0), out.stride(0), ACTIVATION=activation, BLOCK_SIZE=bs,
+    )
+    return out

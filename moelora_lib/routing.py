@@ -1,0 +1,173 @@
+"""Top-k routing and the (adapter, expert) token alignment used by every grouped-GEMM kernel.
+
+The alignment follows the contract of vLLM's ``moe_align_block_size`` / ``moe_lora_align_block_size``
+(csrc/moe; see ../shared/notes/upstream-vllm-moe-lora.md §4), re-derived here with plain torch
+ops that never synchronize with the host, so the whole layer can be captured in a CUDA graph:
+
+* every (token, k) pair ``p = t·K + k`` is put in a group ``(slot, expert)``; groups are laid out one
+  after another in a flat array, each padded up to a multiple of BLOCK_SIZE_M;
+* padding entries hold the sentinel ``num_pairs = T·K``, which is ≥ every real pair index, so a
+  kernel masks it with ``row < num_pairs`` and can never mistake it for a real row;
+* each BLOCK_SIZE_M block of the flat array belongs to exactly one group: ``block_expert_ids`` and
+  ``block_lora_ids`` give its expert and adapter (-1 for blocks past the end);
+* the buffer size is a static upper bound (``T·K + min(G, T·K)·(BLOCK_SIZE_M - 1)``, rounded up), and
+  ``num_tokens_post_padded`` says how much of it is used.
+
+There are L + 1 slots: adapters 0..L-1, and slot L for tokens without an adapter (lora id -1), laid
+out last. The LoRA kernels use ``include_no_adapter=False`` (those pairs need no LoRA work); the base
+MoE kernel uses the expert-only alignment (``lora_ids=None``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["route", "Alignment", "align_tokens", "max_padded_pairs"]
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True):
+    """Softmax top-k routing (computed in float32).
+
+    Args:
+        router_logits: [T, E] float tensor.
+        top_k: K, 1 ≤ K ≤ E.
+        renormalize: divide the K kept probabilities by their sum (GPT-OSS, Qwen3-MoE, Mixtral);
+            False keeps the softmax probabilities (DeepSeek-V2 with norm_topk_prob=false).
+    Returns:
+        (topk_weights [T, K] float32, topk_ids [T, K] int32)
+    Raises:
+        ValueError: router_logits not a 2-D float tensor, or top_k outside [1, E].
+    """
+    if not isinstance(router_logits, torch.Tensor) or router_logits.dim() != 2:
+        raise ValueError(f"router_logits must be a 2-D tensor [T, E], got {_desc(router_logits)}")
+    if not router_logits.is_floating_point():
+        raise ValueError(f"router_logits must be a float tensor, got dtype {router_logits.dtype}")
+    E = router_logits.shape[1]
+    if not isinstance(top_k, int) or not 1 <= top_k <= E:
+        raise ValueError(f"top_k must be an int in [1, E={E}], got {top_k!r}")
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+def _desc(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"tensor of shape {tuple(x.shape)} and dtype {x.dtype}"
+    return type(x).__name__
+
+
+@dataclass(frozen=True)
+class Alignment:
+    """Pairs grouped by (slot, expert), each group padded to BLOCK_SIZE_M.
+
+    Attributes:
+        sorted_token_ids: [P] int32, pair indices t·K + k; padding = ``num_pairs`` (the sentinel).
+        block_expert_ids: [P / BLOCK_SIZE_M] int32, expert of each block, -1 past the end.
+        block_lora_ids: [P / BLOCK_SIZE_M] int32, adapter of each block; -1 past the end, for the
+            no-adapter slot, and for every block of the expert-only alignment.
+        num_tokens_post_padded: [1] int32, entries of ``sorted_token_ids`` in use (multiple of BM).
+        block_size_m: BLOCK_SIZE_M.
+        num_pairs: T·K, also the sentinel value.
+    """
+
+    sorted_token_ids: torch.Tensor
+    block_expert_ids: torch.Tensor
+    block_lora_ids: torch.Tensor
+    num_tokens_post_padded: torch.Tensor
+    block_size_m: int
+    num_pairs: int
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the static buffer (an upper bound on the blocks in use)."""
+        return self.block_expert_ids.numel()
+
+
+def max_padded_pairs(num_pairs: int, num_groups: int, block_size_m: int) -> int:
+    """Static size of ``sorted_token_ids``: every non-empty group wastes at most BM - 1 rows."""
+    p = num_pairs + min(num_groups, num_pairs) * (block_size_m - 1)
+    return max(block_size_m, -(-p // block_size_m) * block_size_m)
+
+
+def align_tokens(
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    block_size_m: int,
+    lora_ids: torch.Tensor | None = None,
+    num_adapters: int = 0,
+    include_no_adapter: bool = False,
+) -> Alignment:
+    """Group (token, k) pairs by (adapter slot, expert) and pad each group to BLOCK_SIZE_M.
+
+    Args:
+        topk_ids: [T, K] int32/int64, values in [0, E).
+        num_experts: E.
+        block_size_m: BLOCK_SIZE_M, a power of two ≥ 16.
+        lora_ids: [T] int32, adapter of each token in [-1, L); None = expert-only alignment.
+        num_adapters: L (slots); required with lora_ids.
+        include_no_adapter: keep pairs of tokens with lora id -1 (slot L, laid out last); the LoRA
+            kernels pass False.
+    Returns:
+        :class:`Alignment`. Computed with device-side torch ops only (no host sync).
+    Raises:
+        ValueError: block_size_m not a power of two ≥ 16, or bad tensor shapes.
+    """
+    if block_size_m < 16 or block_size_m & (block_size_m - 1):
+        raise ValueError(f"block_size_m must be a power of two >= 16, got {block_size_m}")
+    if topk_ids.dim() != 2:
+        raise ValueError(f"topk_ids must be [T, K], got {_desc(topk_ids)}")
+    T, K = topk_ids.shape
+    dev = topk_ids.device
+    num_pairs = T * K
+    E = num_experts
+    experts = topk_ids.reshape(-1).long()
+    if lora_ids is None:
+        num_slots = 1
+        key = experts
+    else:
+        if lora_ids.shape != (T,):
+            raise ValueError(f"lora_ids must be [T={T}], got {_desc(lora_ids)}")
+        num_slots = num_adapters + 1
+        slot = lora_ids.long().repeat_interleave(K)
+        slot = torch.where(slot < 0, torch.full_like(slot, num_adapters), slot)
+        key = slot * E + experts
+    G = num_slots * E
+    if lora_ids is not None and not include_no_adapter:
+        key = torch.where(key >= num_adapters * E, torch.full_like(key, G), key)  # G = dropped
+    P = max_padded_pairs(num_pairs, G, block_size_m)
+    BM = block_size_m
+
+    counts = torch.zeros(G + 1, dtype=torch.long, device=dev)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    padded = (counts[:G] + BM - 1) // BM * BM
+    ends = torch.cumsum(padded, 0)
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    # dropped pairs go past the end of the buffer and are cut off below
+    starts_ext = torch.cat([starts, ends.new_full((1,), P)])
+
+    order = torch.argsort(key, stable=True)
+    skey = key[order]
+    sorted_start = torch.cumsum(counts, 0) - counts  # first position of each group in `order`
+    rank = torch.arange(num_pairs, device=dev) - sorted_start[skey]
+    dest = starts_ext[skey] + rank
+    buf = torch.full((P + num_pairs,), num_pairs, dtype=torch.int32, device=dev)
+    buf.scatter_(0, dest, order.to(torch.int32))
+    sorted_token_ids = buf[:P].contiguous()
+
+    num_blocks = P // BM
+    block_start = torch.arange(num_blocks, device=dev) * BM
+    group = torch.searchsorted(ends, block_start, right=True)  # group g: starts[g] <= bs < ends[g]
+    valid = group < G
+    group_c = group.clamp(max=G - 1)
+    block_expert_ids = torch.where(valid, group_c % E, -1).to(torch.int32)
+    if lora_ids is None:
+        block_lora_ids = torch.full((num_blocks,), -1, dtype=torch.int32, device=dev)
+    else:
+        s = group_c // E
+        block_lora_ids = torch.where(valid & (s < num_adapters), s, -1).to(torch.int32)
+    num_post = ends[-1:].to(torch.int32)
+    return Alignment(sorted_token_ids, block_expert_ids, block_lora_ids, num_post, BM, num_pairs)

@@ -1,0 +1,105 @@
+"""Model presets and the shape letters used everywhere in moelora_lib.
+
+Shape letters (fixed here, used in every docstring):
+
+====  =====================================================================
+T     tokens in the batch
+H     hidden size (model dimension)
+I     intermediate size of one expert (``moe_intermediate_size``)
+E     number of routed experts
+K     top_k: experts per token
+L     adapter (LoRA) slots; a token's adapter id is in [-1, L), -1 = no adapter
+R     max LoRA rank of the slots (smaller true ranks are zero-padded to R)
+S     slices of the gate_up LoRA: 2 = separate gate and up adapters (per-expert
+      2-D adapters, Qwen3-MoE/Mixtral/DeepSeek), 1 = one fused slice of 2I rows
+      (GPT-OSS-style 3-D adapters)
+====  =====================================================================
+
+The preset values are taken from each model's published ``config.json`` on the
+Hugging Face hub (openai/gpt-oss-20b, openai/gpt-oss-120b, Qwen/Qwen3-30B-A3B,
+mistralai/Mixtral-8x7B-v0.1, deepseek-ai/DeepSeek-V2-Lite).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["MoEShape", "PRESETS", "get_shape"]
+
+ACTIVATIONS = ("silu", "swigluoai")
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """One MoE layer's dimensions.
+
+    Attributes:
+        name: preset name.
+        hidden: H.
+        intermediate: I, per expert (w13 has 2I rows, w2 has I columns).
+        experts: E, routed experts (shared experts are not modelled here).
+        top_k: K.
+        layers: number of MoE layers in the model (for whole-model estimates).
+        activation: ``"silu"`` (silu(gate)·up on [gate | up] halves) or ``"swigluoai"``
+            (GPT-OSS: gate/up rows interleaved, clamp 7.0, alpha 1.702, (up + 1)).
+        has_bias: the experts carry biases b13 [E, 2I] and b2 [E, H] (GPT-OSS).
+        renormalize: top-k weights renormalized to sum to 1 after the softmax.
+        lora_slices: S used for this model's gate_up adapters (1 for GPT-OSS 3-D adapters, else 2).
+    """
+
+    name: str
+    hidden: int
+    intermediate: int
+    experts: int
+    top_k: int
+    layers: int
+    activation: str = "silu"
+    has_bias: bool = False
+    renormalize: bool = True
+    lora_slices: int = 2
+
+    def __post_init__(self) -> None:
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if not 1 <= self.top_k <= self.experts:
+            raise ValueError(f"top_k must be in [1, experts={self.experts}], got {self.top_k}")
+        if self.lora_slices not in (1, 2):
+            raise ValueError(f"lora_slices must be 1 or 2, got {self.lora_slices}")
+
+    # Bytes/FLOPs of the frozen expert weights (bf16 = 2 bytes/element).
+    def expert_weight_bytes(self, dtype_bytes: int = 2) -> int:
+        """Bytes of one expert's w13 [2I, H] plus w2 [H, I]."""
+        return 3 * self.intermediate * self.hidden * dtype_bytes
+
+    def base_flops(self, tokens: int) -> int:
+        """FLOPs of the two base grouped GEMMs for ``tokens`` tokens (2·m·n·k each)."""
+        pairs = tokens * self.top_k
+        return 2 * pairs * self.hidden * (2 * self.intermediate) + 2 * pairs * self.intermediate * self.hidden
+
+
+PRESETS: dict[str, MoEShape] = {
+    # openai/gpt-oss-20b: hidden 2880, intermediate 2880, 32 local experts, 4 per token, 24 layers,
+    # swiglu_limit 7.0, experts with biases; router softmax over the top-4 logits.
+    "gpt-oss-20b": MoEShape("gpt-oss-20b", 2880, 2880, 32, 4, 24, "swigluoai", True, True, 1),
+    # openai/gpt-oss-120b: same layer shape, 128 experts, 36 layers.
+    "gpt-oss-120b": MoEShape("gpt-oss-120b", 2880, 2880, 128, 4, 36, "swigluoai", True, True, 1),
+    # Qwen/Qwen3-30B-A3B: hidden 2048, moe_intermediate_size 768, 128 experts, 8 per token, 48 layers,
+    # norm_topk_prob true.
+    "qwen3-30b-a3b": MoEShape("qwen3-30b-a3b", 2048, 768, 128, 8, 48, "silu", False, True, 2),
+    # mistralai/Mixtral-8x7B: hidden 4096, intermediate 14336, 8 experts, top-2, 32 layers.
+    "mixtral-8x7b": MoEShape("mixtral-8x7b", 4096, 14336, 8, 2, 32, "silu", False, True, 2),
+    # deepseek-ai/DeepSeek-V2-Lite: hidden 2048, moe_intermediate_size 1408, 64 routed experts, 6 per
+    # token, 27 layers (26 MoE + first dense; 2 shared experts not modelled), norm_topk_prob false.
+    "deepseek-v2-lite": MoEShape("deepseek-v2-lite", 2048, 1408, 64, 6, 26, "silu", False, False, 2),
+    # CPU preset: small enough for the Triton interpreter.
+    "tiny": MoEShape("tiny", 64, 32, 4, 2, 1, "silu", False, True, 2),
+    "tiny-oss": MoEShape("tiny-oss", 64, 32, 4, 2, 1, "swigluoai", True, True, 1),
+}
+
+
+def get_shape(name: str) -> MoEShape:
+    """Return the preset ``name``; raises ValueError listing the known presets."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}") from None

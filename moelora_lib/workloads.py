@@ -1,0 +1,139 @@
+"""Seeded inputs for tests, notebooks and benchmarks.
+
+Values are scaled like a trained layer (unit-variance activations, weights ~ N(0, 1/fan_in)), so
+outputs stay O(1) in bf16, and never zeros (METHOD.md: zeros hide unwritten outputs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .routing import route
+from .shapes import MoEShape
+
+__all__ = ["ADAPTER_PATTERNS", "MoELoRAInputs", "make_inputs", "adapter_ids"]
+
+ADAPTER_PATTERNS = ("uniform", "zipf", "one", "mixed", "none")
+
+
+def adapter_ids(num_tokens: int, num_adapters: int, pattern: str, generator: torch.Generator,
+                used_slots: int | None = None) -> torch.Tensor:
+    """Adapter slot per token, [T] int32 on the CPU.
+
+    Patterns: ``uniform`` — tokens spread evenly over the slots (round robin over a random permutation,
+    like the anchor benchmark); ``zipf`` — slot i drawn with probability ∝ 1/(i+1); ``one`` — every
+    token on slot 0; ``mixed`` — every slot used plus about a quarter of the tokens at -1 (no adapter);
+    ``none`` — all -1. ``used_slots`` restricts uniform/zipf/mixed to the first slots (e.g. L = 8 with
+    two slots in use).
+    """
+    n = used_slots or num_adapters
+    if pattern == "uniform":
+        ids = torch.arange(num_tokens) % n
+        ids = ids[torch.randperm(num_tokens, generator=generator)]
+    elif pattern == "zipf":
+        p = 1.0 / torch.arange(1, n + 1, dtype=torch.float64)
+        ids = torch.multinomial(p / p.sum(), num_tokens, replacement=True, generator=generator)
+    elif pattern == "one":
+        ids = torch.zeros(num_tokens, dtype=torch.long)
+    elif pattern == "mixed":
+        ids = torch.arange(num_tokens) % (n + 1) - 1  # every slot and -1
+        ids = ids[torch.randperm(num_tokens, generator=generator)]
+        extra = torch.rand(num_tokens, generator=generator) < 0.25
+        ids = torch.where(extra, torch.full_like(ids, -1), ids)
+        ids[: min(num_tokens, n)] = torch.arange(min(num_tokens, n))  # keep every slot present
+    elif pattern == "none":
+        ids = torch.full((num_tokens,), -1, dtype=torch.long)
+    else:
+        raise ValueError(f"pattern must be one of {ADAPTER_PATTERNS}, got {pattern!r}")
+    return ids.to(torch.int32)
+
+
+@dataclass
+class MoELoRAInputs:
+    """Everything :func:`moelora_lib.fused_moe_lora` takes, as keyword arguments via :meth:`args`."""
+
+    hidden_states: torch.Tensor
+    w13: torch.Tensor
+    w2: torch.Tensor
+    topk_weights: torch.Tensor
+    topk_ids: torch.Tensor
+    lora_ids: torch.Tensor
+    lora_a13: torch.Tensor
+    lora_b13: torch.Tensor
+    lora_a2: torch.Tensor
+    lora_b2: torch.Tensor
+    activation: str
+    b13: torch.Tensor | None
+    b2: torch.Tensor | None
+    router_logits: torch.Tensor
+
+    def args(self) -> tuple:
+        return (self.hidden_states, self.w13, self.w2, self.topk_weights, self.topk_ids, self.lora_ids,
+                self.lora_a13, self.lora_b13, self.lora_a2, self.lora_b2)
+
+    def kwargs(self) -> dict:
+        return dict(activation=self.activation, b13=self.b13, b2=self.b2)
+
+
+def make_inputs(shape: MoEShape, num_tokens: int, *, rank: int = 16, num_adapters: int = 4,
+                pattern: str = "uniform", slices: int | None = None, true_rank: int | None = None,
+                dtype=torch.float32, device="cpu", seed: int = 0, bias: bool | None = None,
+                used_slots: int | None = None, logit_scale: float = 1.0, act_scale: float = 1.0,
+                experts_override: torch.Tensor | None = None) -> MoELoRAInputs:
+    """Seeded random MoE + LoRA inputs for ``shape``.
+
+    Args:
+        shape: a :class:`~moelora_lib.shapes.MoEShape`.
+        num_tokens: T.
+        rank: R, slot rank; ``true_rank`` < R zero-pads the adapters' ranks (as when a rank-24
+            adapter is loaded into rank-32 slots).
+        num_adapters: L. pattern: see :func:`adapter_ids`.
+        slices: S (default ``shape.lora_slices``).
+        dtype, device: of every float tensor (topk_weights stays float32).
+        bias: expert biases (default ``shape.has_bias``).
+        act_scale: multiplies w13 so pre-activations reach beyond GPT-OSS's clamp (±7).
+        experts_override: [T, K] ids to use instead of routing (e.g. all tokens on one expert).
+    Generation happens on the CPU in float32 with a fixed seed, then moves to device/dtype.
+    """
+    g = torch.Generator().manual_seed(seed)
+    T, H, I, E, K = num_tokens, shape.hidden, shape.intermediate, shape.experts, shape.top_k
+    S = slices or shape.lora_slices
+    L, R = num_adapters, rank
+    r_true = true_rank or R
+
+    def randn(*s, scale=1.0):
+        return torch.randn(*s, generator=g) * scale
+
+    x = randn(T, H)
+    w13 = randn(E, 2 * I, H, scale=act_scale / H**0.5)
+    w2 = randn(E, H, I, scale=1.0 / I**0.5)
+    use_bias = shape.has_bias if bias is None else bias
+    b13 = randn(E, 2 * I, scale=0.1) if use_bias else None
+    b2 = randn(E, H, scale=0.1) if use_bias else None
+    # LoRA: A ~ N(0, 1/in), B ~ N(0, 0.5/R) so the deltas are a sizeable fraction of the base output
+    a13 = randn(L, E, S, R, H, scale=1.0 / H**0.5)
+    b13l = randn(L, E, S, 2 * I // S, R, scale=0.5 / R**0.5)
+    a2 = randn(L, E, R, I, scale=1.0 / I**0.5)
+    b2l = randn(L, E, H, R, scale=0.5 / R**0.5)
+    if r_true < R:  # zero-padded rank, as when loading a smaller adapter into a larger slot
+        a13[..., r_true:, :] = 0
+        b13l[..., r_true:] = 0
+        a2[..., r_true:, :] = 0
+        b2l[..., r_true:] = 0
+    logits = randn(T, E, scale=logit_scale)
+    topk_w, topk_ids = route(logits, K, shape.renormalize)
+    if experts_override is not None:
+        topk_ids = experts_override.to(torch.int32)
+    lora_ids = adapter_ids(T, L, pattern, g, used_slots)
+
+    def dev(t, d=dtype):
+        return None if t is None else t.to(device=device, dtype=d)
+
+    return MoELoRAInputs(
+        hidden_states=dev(x), w13=dev(w13), w2=dev(w2), topk_weights=dev(topk_w, torch.float32),
+        topk_ids=topk_ids.to(device), lora_ids=lora_ids.to(device), lora_a13=dev(a13),
+        lora_b13=dev(b13l), lora_a2=dev(a2), lora_b2=dev(b2l), activation=shape.activation,
+        b13=dev(b13), b2=dev(b2), router_logits=dev(logits, torch.float32),
+    )

@@ -83,7 +83,8 @@ def validate_moe_lora_inputs(hidden_states, w13, w2, topk_weights, topk_ids, lor
             raise ValueError(f"topk_ids values must be in [0, E={E}), got min {lo}, max {hi}")
         lo, hi = int(lora_ids.min()), int(lora_ids.max())
         if lo < -1 or hi >= L:
-            raise ValueError(f"lora_ids values must be in [-1, L={L}) (-1 = no adapter), got min {lo}, max {hi}")
+            raise ValueError(f"lora_ids values must be in [-1, L={L}) (-1 = no adapter), "
+                             f"got min {lo}, max {hi}")
     return dict(T=T, H=H, I=inter, E=E, K=K, L=L, S=S, R=R)
 
 

@@ -14,7 +14,8 @@ from ..routing import Alignment
 from .config import OpConfig
 from .triton_kernels import KERNELS
 
-__all__ = ["fused_moe_gemm", "lora_shrink", "lora_expand", "gated_act", "even_k"]
+__all__ = ["fused_moe_gemm", "lora_shrink", "lora_expand", "gated_act", "even_k",
+           "fused_moe_gemm_args", "lora_shrink_args", "lora_expand_args", "gated_act_args"]
 
 
 def even_k(K: int, block_size_k: int, split_k: int = 1) -> bool:
@@ -24,6 +25,38 @@ def even_k(K: int, block_size_k: int, split_k: int = 1) -> bool:
 
 def _kernel(name: str, specialize_lengths: bool):
     return KERNELS[name][bool(specialize_lengths)]
+
+
+def fused_moe_gemm_args(
+    x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: Alignment, cfg: OpConfig, *,
+    rows_div: int, bias: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,
+    use_even_k: bool = True,
+) -> tuple[tuple, tuple, dict]:
+    """``(grid, args, constexprs)`` of one :func:`fused_moe_gemm` launch; allocates and launches nothing.
+
+    The single source of the launch arguments, shared with compile-only inspection
+    (:mod:`moelora_lib.compile_check`). num_warps/num_stages come from ``cfg``.
+    """
+    assert cfg.BLOCK_SIZE_M == align.block_size_m and cfg.SPLIT_K == 1
+    E, N, K = w.shape
+    grid = (align.num_blocks * triton.cdiv(N, cfg.BLOCK_SIZE_N),)
+    b = bias if bias is not None else w  # dummy pointer when HAS_BIAS is False
+    tw = topk_weights if topk_weights is not None else out
+    args = (
+        x, w, out, b, tw,
+        align.sorted_token_ids, align.block_expert_ids, align.num_tokens_post_padded,
+        align.num_pairs, align.num_blocks, N, K, rows_div,
+        x.stride(0), x.stride(1),
+        w.stride(0), w.stride(1), w.stride(2),
+        out.stride(0), out.stride(1),
+        bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
+    )
+    constexprs = dict(
+        BLOCK_SIZE_M=cfg.BLOCK_SIZE_M, BLOCK_SIZE_N=cfg.BLOCK_SIZE_N, BLOCK_SIZE_K=cfg.BLOCK_SIZE_K,
+        GROUP_SIZE_M=cfg.GROUP_SIZE_M, EVEN_K=bool(use_even_k and even_k(K, cfg.BLOCK_SIZE_K)),
+        HAS_BIAS=bias is not None, MUL_ROUTED_WEIGHT=topk_weights is not None,
+    )
+    return grid, args, constexprs
 
 
 def fused_moe_gemm(
@@ -44,25 +77,36 @@ def fused_moe_gemm(
         use_even_k: allow the unmasked K loop when K % BLOCK_SIZE_K == 0.
         specialize_lengths: True = Triton's default specialization of length-dependent ints.
     """
-    assert cfg.BLOCK_SIZE_M == align.block_size_m and cfg.SPLIT_K == 1
-    E, N, K = w.shape
-    grid = (align.num_blocks * triton.cdiv(N, cfg.BLOCK_SIZE_N),)
-    b = bias if bias is not None else w  # dummy pointer when HAS_BIAS is False
-    tw = topk_weights if topk_weights is not None else out
+    grid, args, constexprs = fused_moe_gemm_args(x, w, out, align, cfg, rows_div=rows_div, bias=bias,
+                                                 topk_weights=topk_weights, use_even_k=use_even_k)
     _kernel("fused_moe", specialize_lengths)[grid](
-        x, w, out, b, tw,
-        align.sorted_token_ids, align.block_expert_ids, align.num_tokens_post_padded,
-        align.num_pairs, align.num_blocks, N, K, rows_div,
-        x.stride(0), x.stride(1),
-        w.stride(0), w.stride(1), w.stride(2),
-        out.stride(0), out.stride(1),
-        bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
-        BLOCK_SIZE_M=cfg.BLOCK_SIZE_M, BLOCK_SIZE_N=cfg.BLOCK_SIZE_N, BLOCK_SIZE_K=cfg.BLOCK_SIZE_K,
-        GROUP_SIZE_M=cfg.GROUP_SIZE_M, EVEN_K=bool(use_even_k and even_k(K, cfg.BLOCK_SIZE_K)),
-        HAS_BIAS=bias is not None, MUL_ROUTED_WEIGHT=topk_weights is not None,
-        num_warps=cfg.NUM_WARPS, num_stages=cfg.NUM_STAGES,
-    )
+        *args, **constexprs, num_warps=cfg.NUM_WARPS, num_stages=cfg.NUM_STAGES)
     return out
+
+
+def lora_shrink_args(
+    x: torch.Tensor, lora_a: torch.Tensor, inter: torch.Tensor, align: Alignment, cfg: OpConfig, *,
+    rows_div: int, use_even_k: bool = False,
+) -> tuple[tuple, tuple, dict]:
+    """``(grid, args, constexprs)`` of one :func:`lora_shrink` launch writing ``inter`` [S, T·K, R]."""
+    assert cfg.BLOCK_SIZE_M == align.block_size_m
+    a5 = lora_a if lora_a.dim() == 5 else lora_a.unsqueeze(2)
+    L, E, S, R, K = a5.shape
+    grid = (cfg.SPLIT_K * align.num_blocks * triton.cdiv(R, cfg.BLOCK_SIZE_N), S)
+    args = (
+        x, a5, inter,
+        align.sorted_token_ids, align.block_expert_ids, align.block_lora_ids, align.num_tokens_post_padded,
+        align.num_pairs, align.num_blocks, R, K, rows_div,
+        x.stride(0), x.stride(1),
+        a5.stride(0), a5.stride(1), a5.stride(2), a5.stride(3), a5.stride(4),
+        inter.stride(0), inter.stride(1), inter.stride(2),
+    )
+    constexprs = dict(
+        BLOCK_SIZE_M=cfg.BLOCK_SIZE_M, BLOCK_SIZE_N=cfg.BLOCK_SIZE_N, BLOCK_SIZE_K=cfg.BLOCK_SIZE_K,
+        GROUP_SIZE_M=cfg.GROUP_SIZE_M, SPLIT_K=cfg.SPLIT_K,
+        EVEN_K=bool(use_even_k and even_k(K, cfg.BLOCK_SIZE_K, cfg.SPLIT_K)),
+    )
+    return grid, args, constexprs
 
 
 def lora_shrink(
@@ -81,25 +125,41 @@ def lora_shrink(
         when SPLIT_K = 1, zero otherwise). The rank intermediate is kept in fp32 (vLLM keeps it in
         the activation dtype); the expand rounds it to the weight dtype right before its dot.
     """
-    assert cfg.BLOCK_SIZE_M == align.block_size_m
     a5 = lora_a if lora_a.dim() == 5 else lora_a.unsqueeze(2)
     L, E, S, R, K = a5.shape
     alloc = torch.zeros if cfg.SPLIT_K > 1 else torch.empty  # atomics need a zeroed buffer
     inter = alloc((S, align.num_pairs, R), dtype=torch.float32, device=x.device)
-    grid = (cfg.SPLIT_K * align.num_blocks * triton.cdiv(R, cfg.BLOCK_SIZE_N), S)
+    grid, args, constexprs = lora_shrink_args(x, lora_a, inter, align, cfg, rows_div=rows_div,
+                                              use_even_k=use_even_k)
     _kernel("lora_shrink", specialize_lengths)[grid](
-        x, a5, inter,
-        align.sorted_token_ids, align.block_expert_ids, align.block_lora_ids, align.num_tokens_post_padded,
-        align.num_pairs, align.num_blocks, R, K, rows_div,
-        x.stride(0), x.stride(1),
-        a5.stride(0), a5.stride(1), a5.stride(2), a5.stride(3), a5.stride(4),
-        inter.stride(0), inter.stride(1), inter.stride(2),
-        BLOCK_SIZE_M=cfg.BLOCK_SIZE_M, BLOCK_SIZE_N=cfg.BLOCK_SIZE_N, BLOCK_SIZE_K=cfg.BLOCK_SIZE_K,
-        GROUP_SIZE_M=cfg.GROUP_SIZE_M, SPLIT_K=cfg.SPLIT_K,
-        EVEN_K=bool(use_even_k and even_k(K, cfg.BLOCK_SIZE_K, cfg.SPLIT_K)),
-        num_warps=cfg.NUM_WARPS, num_stages=cfg.NUM_STAGES,
-    )
+        *args, **constexprs, num_warps=cfg.NUM_WARPS, num_stages=cfg.NUM_STAGES)
     return inter
+
+
+def lora_expand_args(
+    inter: torch.Tensor, lora_b: torch.Tensor, out: torch.Tensor, align: Alignment, cfg: OpConfig, *,
+    topk_weights: torch.Tensor | None = None, add_inputs: bool = True, use_even_k: bool = False,
+) -> tuple[tuple, tuple, dict]:
+    """``(grid, args, constexprs)`` of one :func:`lora_expand` launch."""
+    assert cfg.BLOCK_SIZE_M == align.block_size_m and cfg.SPLIT_K == 1
+    b5 = lora_b if lora_b.dim() == 5 else lora_b.unsqueeze(2)
+    L, E, S, N, R = b5.shape
+    tw = topk_weights if topk_weights is not None else inter
+    grid = (align.num_blocks * triton.cdiv(N, cfg.BLOCK_SIZE_N), S)
+    args = (
+        inter, b5, out, tw,
+        align.sorted_token_ids, align.block_expert_ids, align.block_lora_ids, align.num_tokens_post_padded,
+        align.num_pairs, align.num_blocks, N, R,
+        inter.stride(0), inter.stride(1), inter.stride(2),
+        b5.stride(0), b5.stride(1), b5.stride(2), b5.stride(3), b5.stride(4),
+        out.stride(0), out.stride(1),
+    )
+    constexprs = dict(
+        BLOCK_SIZE_M=cfg.BLOCK_SIZE_M, BLOCK_SIZE_N=cfg.BLOCK_SIZE_N, BLOCK_SIZE_K=cfg.BLOCK_SIZE_K,
+        GROUP_SIZE_M=cfg.GROUP_SIZE_M, EVEN_K=bool(use_even_k and even_k(R, cfg.BLOCK_SIZE_K)),
+        MUL_ROUTED_WEIGHT=topk_weights is not None, ADD_INPUTS=bool(add_inputs),
+    )
+    return grid, args, constexprs
 
 
 def lora_expand(
@@ -117,24 +177,22 @@ def lora_expand(
             adapter are left untouched).
         topk_weights: [T·K] float32 or None; multiplies the delta (down projection).
     """
-    assert cfg.BLOCK_SIZE_M == align.block_size_m and cfg.SPLIT_K == 1
-    b5 = lora_b if lora_b.dim() == 5 else lora_b.unsqueeze(2)
-    L, E, S, N, R = b5.shape
-    tw = topk_weights if topk_weights is not None else inter
-    grid = (align.num_blocks * triton.cdiv(N, cfg.BLOCK_SIZE_N), S)
+    grid, args, constexprs = lora_expand_args(inter, lora_b, out, align, cfg, topk_weights=topk_weights,
+                                              add_inputs=add_inputs, use_even_k=use_even_k)
     _kernel("lora_expand", specialize_lengths)[grid](
-        inter, b5, out, tw,
-        align.sorted_token_ids, align.block_expert_ids, align.block_lora_ids, align.num_tokens_post_padded,
-        align.num_pairs, align.num_blocks, N, R,
-        inter.stride(0), inter.stride(1), inter.stride(2),
-        b5.stride(0), b5.stride(1), b5.stride(2), b5.stride(3), b5.stride(4),
-        out.stride(0), out.stride(1),
-        BLOCK_SIZE_M=cfg.BLOCK_SIZE_M, BLOCK_SIZE_N=cfg.BLOCK_SIZE_N, BLOCK_SIZE_K=cfg.BLOCK_SIZE_K,
-        GROUP_SIZE_M=cfg.GROUP_SIZE_M, EVEN_K=bool(use_even_k and even_k(R, cfg.BLOCK_SIZE_K)),
-        MUL_ROUTED_WEIGHT=topk_weights is not None, ADD_INPUTS=bool(add_inputs),
-        num_warps=cfg.NUM_WARPS, num_stages=cfg.NUM_STAGES,
-    )
+        *args, **constexprs, num_warps=cfg.NUM_WARPS, num_stages=cfg.NUM_STAGES)
     return out
+
+
+def gated_act_args(h: torch.Tensor, out: torch.Tensor, activation: str, *,
+                   block_size: int = 1024) -> tuple[tuple, tuple, dict]:
+    """``(grid, args, constexprs)`` of one :func:`gated_act` launch (Triton's default warps/stages)."""
+    P, two_i = h.shape
+    inter_size = two_i // 2
+    bs = min(block_size, triton.next_power_of_2(inter_size))
+    grid = (P, triton.cdiv(inter_size, bs))
+    args = (h, out, P, inter_size, h.stride(0), out.stride(0))
+    return grid, args, dict(ACTIVATION=activation, BLOCK_SIZE=bs)
 
 
 def gated_act(h: torch.Tensor, activation: str, *, specialize_lengths: bool = False,
@@ -149,9 +207,6 @@ def gated_act(h: torch.Tensor, activation: str, *, specialize_lengths: bool = Fa
     out = torch.empty((P, inter_size), dtype=h.dtype, device=h.device)
     if P == 0:
         return out
-    bs = min(block_size, triton.next_power_of_2(inter_size))
-    grid = (P, triton.cdiv(inter_size, bs))
-    _kernel("gated_act", specialize_lengths)[grid](
-        h, out, P, inter_size, h.stride(0), out.stride(0), ACTIVATION=activation, BLOCK_SIZE=bs,
-    )
+    grid, args, constexprs = gated_act_args(h, out, activation, block_size=block_size)
+    _kernel("gated_act", specialize_lengths)[grid](*args, **constexprs)
     return out

@@ -135,7 +135,7 @@ def _lora_shrink_kernel(
     if EVEN_K:
         offs_n_ld = tl.where(n_mask, offs_n, 0).to(tl.int64)
         a_ptrs = a_base + offs_n_ld[None, :] * stride_an + offs_k[:, None] * stride_ak
-        for k in range(0, tl.cdiv(K, BLOCK_SIZE_K * SPLIT_K)):
+        for _ in range(0, tl.cdiv(K, BLOCK_SIZE_K * SPLIT_K)):
             xa = tl.load(x_ptrs)
             aa = tl.load(a_ptrs)
             acc = tl.dot(xa, aa, acc)

@@ -1,0 +1,202 @@
+"""Whole-layer correctness of every stage against the fp32 reference (curated cases).
+
+On a CPU machine these run through the Triton interpreter in fp32/fp16 (bf16 arithmetic is wrong
+under the interpreter, environment.md §2); tests marked ``gpu`` run bf16 at model shapes.
+"""
+
+import pytest
+import torch
+
+from moelora_lib import STAGES, fused_moe_lora
+from moelora_lib.moe_lora import make_layer_run
+from moelora_lib.reference import moe_lora_loop_reference, moe_lora_reference
+from moelora_lib.shapes import MoEShape, get_shape
+from moelora_lib.testing import TOLERANCES, assert_close_rel
+from moelora_lib.workloads import make_inputs
+
+TINY = get_shape("tiny")          # H 64, I 32, E 4, K 2, silu
+TINY_OSS = get_shape("tiny-oss")  # same with swigluoai, biases, S = 1
+E7 = MoEShape("e7", 64, 48, 7, 3, 1)
+
+# (id, shape, make_inputs kwargs) — one comment per edge.
+CASES = [
+    ("T1", TINY, dict(num_tokens=1)),                                 # a single decode token
+    ("T_lt_BM", TINY, dict(num_tokens=5)),                            # 10 pairs < BLOCK_SIZE_M = 16
+    ("T_not_multiple", TINY, dict(num_tokens=37)),                    # 74 pairs, ragged last blocks
+    ("E7_K3", E7, dict(num_tokens=19)),                               # odd expert count, top-3
+    ("R8", TINY, dict(num_tokens=9, rank=8)),                         # rank < 16: tiles clamped, masked
+    ("R16", TINY, dict(num_tokens=9, rank=16)),
+    ("R32", TINY, dict(num_tokens=9, rank=32)),
+    ("R64", TINY, dict(num_tokens=9, rank=64)),
+    ("true_rank24_in_R32", TINY, dict(num_tokens=9, rank=32, true_rank=24)),  # zero-padded rank
+    ("S1_fused_gate_up", TINY, dict(num_tokens=11, slices=1)),        # GPT-OSS-style 3-D adapter
+    ("S2_gate_and_up", TINY, dict(num_tokens=11, slices=2)),
+    ("swigluoai_beyond_clamp", TINY_OSS, dict(num_tokens=13, act_scale=12.0)),  # |pre-act| >> 7
+    ("silu_with_biases", TINY, dict(num_tokens=13, bias=True)),
+    ("every_slot_plus_minus1", TINY, dict(num_tokens=23, num_adapters=3, pattern="mixed")),
+    ("L8_two_slots_used", TINY, dict(num_tokens=17, num_adapters=8, used_slots=2)),
+    ("zipf_adapters", TINY, dict(num_tokens=29, num_adapters=4, pattern="zipf")),
+]
+
+
+def _inputs(shape, device, dtype, **kw):
+    kw.setdefault("rank", 16)
+    kw.setdefault("num_adapters", 3)
+    kw.setdefault("pattern", "mixed")
+    return make_inputs(shape, dtype=dtype, device=device, **kw)
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_stage_matches_reference_fp32(case, stage, device):
+    _, shape, kw = case
+    inp = _inputs(shape, device, torch.float32, **kw)
+    ref = moe_lora_reference(*inp.args(), **inp.kwargs())
+    out = fused_moe_lora(*inp.args(), **inp.kwargs(), stage=stage)
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    assert_close_rel(out, ref, torch.float32)
+
+
+@pytest.mark.parametrize("stage", ["naive", "even_k_fused_add"])
+@pytest.mark.parametrize("case", [CASES[2], CASES[11], CASES[13]], ids=lambda c: c[0])
+def test_stage_matches_reference_fp16(case, stage, device):
+    _, shape, kw = case
+    inp = _inputs(shape, device, torch.float16, **kw)
+    ref = moe_lora_reference(*inp.args(), **inp.kwargs())
+    out = fused_moe_lora(*inp.args(), **inp.kwargs(), stage=stage)
+    assert out.dtype == torch.float16
+    assert_close_rel(out, ref, torch.float16)
+
+
+def test_lora_delta_is_not_negligible(device):
+    # guards the tests above: dropping the LoRA terms must fail the tolerance by far
+    inp = _inputs(TINY, device, torch.float32, num_tokens=13, pattern="uniform")
+    ref = moe_lora_reference(*inp.args(), **inp.kwargs())
+    base = moe_lora_reference(*inp.args()[:6], None, None, None, None, **inp.kwargs())
+    assert (ref - base).abs().max() > 50 * TOLERANCES[torch.float32] * ref.abs().max()
+
+
+def test_swigluoai_case_reaches_the_clamp():
+    inp = _inputs(TINY_OSS, "cpu", torch.float32, num_tokens=13, act_scale=12.0)
+    h = torch.einsum("th,eih->tei", inp.hidden_states, inp.w13)
+    assert h.abs().max() > 3 * 7.0  # pre-activations well beyond GPT-OSS's limit of 7
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_all_tokens_without_adapter_equal_base_exactly(stage, device):
+    # lora_ids all -1: no LoRA program does any work, so the output is the base MoE bit for bit
+    inp = _inputs(TINY_OSS, device, torch.float32, num_tokens=21, pattern="none")
+    run = make_layer_run(*inp.args(), **inp.kwargs(), stage=stage)
+    with_lora = run().clone()
+    base_only = run.base_part()
+    assert torch.equal(with_lora, base_only)
+
+
+@pytest.mark.parametrize("stage", ["naive", "even_k_fused_add"])
+def test_rows_without_adapter_equal_base_exactly(stage, device):
+    # mixed batch: rows of -1 tokens must be bit-identical to the base-only output (vLLM #42008)
+    inp = _inputs(TINY, device, torch.float32, num_tokens=23, pattern="mixed")
+    run = make_layer_run(*inp.args(), **inp.kwargs(), stage=stage)
+    with_lora = run().clone()
+    base_only = run.base_part()
+    none = inp.lora_ids == -1
+    assert none.any() and (~none).any()
+    assert torch.equal(with_lora[none], base_only[none])
+    assert not torch.equal(with_lora[~none], base_only[~none])
+
+
+@pytest.mark.parametrize("stage", ["naive", "even_k_fused_add"])
+def test_one_expert_takes_all_tokens(stage, device):
+    # every token routes to expert 2 (plus one other): one expert group holds all T tokens
+    T = 40
+    other = torch.tensor([0, 1, 3]).repeat(T // 3 + 1)[:T]
+    ids = torch.stack([torch.full((T,), 2), other], dim=1)
+    inp = _inputs(TINY, device, torch.float32, num_tokens=T, pattern="uniform", experts_override=ids)
+    ref = moe_lora_reference(*inp.args(), **inp.kwargs())
+    out = fused_moe_lora(*inp.args(), **inp.kwargs(), stage=stage)
+    assert_close_rel(out, ref, torch.float32)
+
+
+@pytest.mark.parametrize("stage", ["naive", "even_k_fused_add"])
+def test_routing_weights_applied_once(stage, device):
+    # out = Σ_k w·y is linear in w: doubling every weight doubles the output (weights applied once)
+    inp = _inputs(TINY_OSS, device, torch.float32, num_tokens=9)
+    out1 = fused_moe_lora(*inp.args(), **inp.kwargs(), stage=stage)
+    args = list(inp.args())
+    args[3] = inp.topk_weights * 2
+    out2 = fused_moe_lora(*args, **inp.kwargs(), stage=stage)
+    assert_close_rel(out2, 2 * out1, torch.float32, tol=1e-6)
+
+
+def test_reference_matches_independent_loop():
+    for shape, kw in [(TINY, {}), (TINY_OSS, dict(act_scale=12.0)), (E7, dict(slices=1))]:
+        inp = _inputs(shape, "cpu", torch.float32, num_tokens=7, **kw)
+        ref = moe_lora_reference(*inp.args(), **inp.kwargs())
+        loop = moe_lora_loop_reference(*inp.args(), **inp.kwargs())
+        assert_close_rel(ref, loop, tol=1e-5, what=shape.name)
+
+
+def test_empty_batch_returns_empty(device):
+    inp = _inputs(TINY, device, torch.float32, num_tokens=4)
+    args = [a[:0] if i in (0, 3, 4, 5) else a for i, a in enumerate(inp.args())]
+    out = fused_moe_lora(*args, **inp.kwargs())
+    assert out.shape == (0, TINY.hidden)
+
+
+# --- bad input: a clear ValueError naming the argument ------------------------------------------
+BAD = [
+    ("hidden_states_1d", lambda a: a.update(hidden_states=a["hidden_states"][0]), "hidden_states"),
+    ("hidden_states_int", lambda a: a.update(hidden_states=a["hidden_states"].int()), "hidden_states"),
+    ("w13_wrong_H", lambda a: a.update(w13=a["w13"][..., :-1]), "w13"),
+    ("w2_wrong_I", lambda a: a.update(w2=a["w2"][..., :-1]), "w2"),
+    ("w2_dtype", lambda a: a.update(w2=a["w2"].half()), "w2"),
+    ("topk_weights_fp16", lambda a: a.update(topk_weights=a["topk_weights"].half()), "topk_weights"),
+    ("topk_ids_float", lambda a: a.update(topk_ids=a["topk_ids"].float()), "topk_ids"),
+    ("topk_ids_out_of_range", lambda a: a.update(topk_ids=a["topk_ids"] + 100), "topk_ids"),
+    ("topk_ids_negative", lambda a: a.update(topk_ids=a["topk_ids"] - 100), "topk_ids"),
+    ("lora_ids_too_large", lambda a: a.update(lora_ids=a["lora_ids"] + 10), "lora_ids"),
+    ("lora_ids_below_minus1", lambda a: a.update(lora_ids=a["lora_ids"] - 10), "lora_ids"),
+    ("lora_ids_int64", lambda a: a.update(lora_ids=a["lora_ids"].long()), "lora_ids"),
+    ("lora_ids_wrong_T", lambda a: a.update(lora_ids=a["lora_ids"][:-1]), "lora_ids"),
+    ("lora_a13_4d", lambda a: a.update(lora_a13=a["lora_a13"][:, :, 0]), "lora_a13"),
+    ("lora_b13_wrong_R", lambda a: a.update(lora_b13=a["lora_b13"][..., :-1]), "lora_b13"),
+    ("lora_a2_wrong_E", lambda a: a.update(lora_a2=a["lora_a2"][:, :-1]), "lora_a2"),
+    ("lora_b2_wrong_H", lambda a: a.update(lora_b2=a["lora_b2"][:, :, :-1]), "lora_b2"),
+    ("b13_wrong", lambda a: a.update(b13=a["w13"][:, :, 0][:, :-1]), "b13"),
+    ("activation", lambda a: a.update(activation="gelu"), "activation"),
+    ("stage", lambda a: a.update(stage="fastest"), "stage"),
+    ("config_type", lambda a: a.update(config={"BLOCK_SIZE_M": 16}), "config"),
+]
+
+
+@pytest.mark.parametrize("mutate,name", [(b[1], b[2]) for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_input_raises_value_error_naming_argument(mutate, name):
+    inp = _inputs(TINY, "cpu", torch.float32, num_tokens=6)
+    kw = dict(zip(["hidden_states", "w13", "w2", "topk_weights", "topk_ids", "lora_ids", "lora_a13",
+                   "lora_b13", "lora_a2", "lora_b2"], inp.args()))
+    kw.update(inp.kwargs())
+    mutate(kw)
+    with pytest.raises(ValueError, match=name):
+        fused_moe_lora(**kw)
+
+
+def test_wrong_device_raises():
+    # a tensor on another device than hidden_states (meta stands in for a second GPU on a CPU box)
+    inp = _inputs(TINY, "cpu", torch.float32, num_tokens=6)
+    args = list(inp.args())
+    args[6] = args[6].to("meta")
+    with pytest.raises(ValueError, match="lora_a13"):
+        fused_moe_lora(*args, **inp.kwargs())
+
+
+# --- GPU: bf16 at model shapes ------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("stage", list(STAGES))
+@pytest.mark.parametrize("model,T", [("gpt-oss-20b", 1), ("gpt-oss-20b", 100), ("qwen3-30b-a3b", 64),
+                                     ("qwen3-30b-a3b", 1600)])
+def test_model_shapes_bf16_gpu(model, T, stage):
+    inp = make_inputs(get_shape(model), T, rank=32, num_adapters=8, pattern="mixed",
+                      dtype=torch.bfloat16, device="cuda")
+    ref = moe_lora_reference(*inp.args(), **inp.kwargs())
+    out = fused_moe_lora(*inp.args(), **inp.kwargs(), stage=stage)
+    assert_close_rel(out, ref, torch.bfloat16)

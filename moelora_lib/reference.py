@@ -1,7 +1,7 @@
 """fp32 PyTorch reference of the MoE + multi-LoRA layer: the oracle every kernel is checked against.
 
 Written for clarity, not speed: every term of ../shared/DESIGN.md §4 is computed in float32 with
-plain indexing and einsum, and a token with ``lora_ids[t] == -1`` never indexes the adapter tensors.
+plain indexing and matmuls, and a token with ``lora_ids[t] == -1`` never indexes the adapter tensors.
 
 For token t with adapter a = lora_ids[t] and each routed expert e = topk_ids[t, k] with weight
 w = topk_weights[t, k]:
@@ -72,16 +72,15 @@ def activation_reference(h: torch.Tensor, activation: str) -> torch.Tensor:
 
 
 def _lora_delta(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor) -> torch.Tensor:
-    """(x·Aᵀ)·Bᵀ per row, in fp32. x [P, in], lora_a [P, R, in], lora_b [P, out, R] -> [P, out]."""
-    shrunk = torch.einsum("pi,pri->pr", x, lora_a)
-    return torch.einsum("pr,por->po", shrunk, lora_b)
+    """(x·Aᵀ)·Bᵀ in fp32: x [P, in], lora_a [R, in], lora_b [out, R] -> [P, out]."""
+    return (x @ lora_a.T) @ lora_b.T
 
 
 def moe_lora_reference(
     hidden_states, w13, w2, topk_weights, topk_ids, lora_ids, lora_a13, lora_b13, lora_a2, lora_b2,
     *, activation="silu", b13=None, b2=None,
 ) -> torch.Tensor:
-    """The MoE + multi-LoRA layer in fp32 (vectorized over (token, k) pairs).
+    """The MoE + multi-LoRA layer in fp32, one expert and one (adapter, expert) group at a time.
 
     Shapes as in :func:`moelora_lib.fused_moe_lora`: hidden_states [T, H]; w13 [E, 2I, H];
     w2 [E, H, I]; topk_weights [T, K]; topk_ids [T, K]; lora_ids [T] (-1 = no adapter);
@@ -94,37 +93,43 @@ def moe_lora_reference(
     """
     T, H = hidden_states.shape
     K = topk_ids.shape[1]
+    E = w13.shape[0]
     x = hidden_states.float()
-    ids = topk_ids.long()
     pair_token = torch.arange(T, device=x.device).repeat_interleave(K)  # [T*K]
-    pair_expert = ids.reshape(-1)
+    pair_expert = topk_ids.long().reshape(-1)
+    pair_adapter = lora_ids.long()[pair_token]
     xp = x[pair_token]  # [P, H]
-
-    h = torch.einsum("ph,pnh->pn", xp, w13.float()[pair_expert])
-    if b13 is not None:
-        h = h + b13.float()[pair_expert]
-
-    adapters = lora_ids.long()[pair_token]
-    has = adapters >= 0
-    if lora_a13 is not None and bool(has.any()):
-        sel = has.nonzero().squeeze(1)
-        a_idx, e_idx = adapters[sel], pair_expert[sel]
-        S = lora_a13.shape[2]
-        deltas = [
-            _lora_delta(xp[sel], lora_a13.float()[a_idx, e_idx, s], lora_b13.float()[a_idx, e_idx, s])
-            for s in range(S)
-        ]
-        h[sel] = h[sel] + torch.cat(deltas, dim=-1)
-
+    P = xp.shape[0]
+    h = torch.empty(P, w13.shape[1], dtype=torch.float32, device=x.device)
+    # one expert (and one (adapter, expert) pair) at a time: memory stays O(P·(H + I))
+    for e in range(E):
+        rows = (pair_expert == e).nonzero().squeeze(1)
+        if rows.numel() == 0:
+            continue
+        h[rows] = xp[rows] @ w13[e].float().T
+        if b13 is not None:
+            h[rows] += b13[e].float()
+        for a in pair_adapter[rows].unique().tolist() if lora_a13 is not None else []:
+            if a < 0:
+                continue  # no adapter: never index the adapter tensors with -1
+            r = rows[pair_adapter[rows] == a]
+            S = lora_a13.shape[2]
+            h[r] += torch.cat([_lora_delta(xp[r], lora_a13[a, e, s].float(), lora_b13[a, e, s].float())
+                               for s in range(S)], dim=-1)
     g = activation_reference(h, activation)
-    y = torch.einsum("pi,phi->ph", g, w2.float()[pair_expert])
-    if b2 is not None:
-        y = y + b2.float()[pair_expert]
-    if lora_a2 is not None and bool(has.any()):
-        sel = has.nonzero().squeeze(1)
-        a_idx, e_idx = adapters[sel], pair_expert[sel]
-        y[sel] = y[sel] + _lora_delta(g[sel], lora_a2.float()[a_idx, e_idx], lora_b2.float()[a_idx, e_idx])
-
+    y = torch.empty(P, H, dtype=torch.float32, device=x.device)
+    for e in range(E):
+        rows = (pair_expert == e).nonzero().squeeze(1)
+        if rows.numel() == 0:
+            continue
+        y[rows] = g[rows] @ w2[e].float().T
+        if b2 is not None:
+            y[rows] += b2[e].float()
+        for a in pair_adapter[rows].unique().tolist() if lora_a2 is not None else []:
+            if a < 0:
+                continue
+            r = rows[pair_adapter[rows] == a]
+            y[r] += _lora_delta(g[r], lora_a2[a, e].float(), lora_b2[a, e].float())
     y = y * topk_weights.float().reshape(-1, 1)
     return y.view(T, K, H).sum(dim=1)
 

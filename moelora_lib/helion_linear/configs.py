@@ -1,0 +1,223 @@
+"""M buckets and the tuned-config JSON of the Helion linear backend.
+
+File: ``moelora_lib/configs/helion/<GPU_NAME>.json``, GPU_NAME = ``torch.cuda.get_device_name()`` with
+spaces and '-' replaced by '_' (``NVIDIA_H200``). Structure::
+
+    {
+      "_meta": {...},                                  # optional, free-form (tuner: seconds, versions)
+      "<epilogue>": {                                  # "none" | "bias" | "silu" | "swiglu"
+        "<dtype>": {                                   # "bfloat16" | "float16" | "float32"
+          "<K>,<N>": {                                 # weight shape [N, K]; SwiGLU: N = 2I (merged)
+            "<bucket>": {<helion.Config fields>}       # bucket in 1 2 4 8 16 32 ... 1024 2048
+          }
+        }
+      }
+    }
+
+A config is the keyword arguments of ``helion.Config`` (``block_sizes`` [BM, BN, BK] is required;
+``num_warps``, ``num_stages``, ``indexing``, ``pid_type``, ``l2_groupings``, ... optional; Helion fills
+the rest from its defaults) plus, optionally, ``split_k`` (a power of two ≤ 64): a config with
+``split_k`` runs the split-K kernel (epilogues "none" and "bias" only).
+
+Buckets: an M is served by the smallest bucket ≥ M; every M > 1024 goes to the "≥2048" bucket,
+written ``"2048"``. Errors in a file raise :class:`ConfigFileError` (a ValueError) naming the file and
+the key path. Writes are atomic (temporary file in the same folder + ``os.replace``).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+#: M buckets; the last one means "≥ 2048" and serves every M > 1024.
+BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+EPILOGUES: tuple[str, ...] = ("none", "bias", "silu", "swiglu")
+DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
+#: Epilogues that have a split-K kernel.
+SPLIT_K_EPILOGUES: tuple[str, ...] = ("none", "bias")
+MAX_SPLIT_K = 64
+
+#: Where the shipped per-GPU files live.
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" / "helion"
+
+#: helion.Config keyword names in helion 1.4.0 (used when helion cannot be imported; otherwise the
+#: live signature of ``helion.Config.__init__`` is used).
+_CONFIG_FIELDS_140 = frozenset(
+    """block_sizes num_threads loop_orders flatten_loops l2_groupings reduction_loops range_unroll_factors
+    range_warp_specializes range_num_stages range_multi_buffers range_flattens static_ranges
+    pallas_load_buffer_count load_eviction_policies load_cache_modifiers store_cache_modifiers num_warps
+    num_stages pid_type num_sm_multiplier maxnreg indexing atomic_indexing advanced_controls_file
+    epilogue_subtile xcd_remap""".split()
+)
+
+
+class ConfigFileError(ValueError):
+    """A malformed Helion linear config file or table; the message names the file and the key."""
+
+
+def bucket_for(m: int) -> int:
+    """The M bucket serving ``m`` rows: the smallest bucket ≥ m, or 2048 for every m > 1024.
+
+    Raises ValueError for m < 1.
+    """
+    if not isinstance(m, int) or isinstance(m, bool) or m < 1:
+        raise ValueError(f"m must be an int >= 1, got {m!r}")
+    for b in BUCKETS:
+        if m <= b:
+            return b
+    return BUCKETS[-1]
+
+
+def gpu_config_name(device: Any = None) -> str:
+    """``torch.cuda.get_device_name(device)`` with spaces and '-' replaced by '_' (``NVIDIA_H200``).
+
+    Raises RuntimeError when CUDA is not available.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device: there is no GPU name to pick a Helion config file by")
+    return torch.cuda.get_device_name(device).replace(" ", "_").replace("-", "_")
+
+
+def shipped_config_path(gpu_name: str | None = None) -> Path:
+    """Path of the shipped file for ``gpu_name`` (default: the current GPU); it may not exist."""
+    return CONFIG_DIR / f"{gpu_name or gpu_config_name()}.json"
+
+
+def config_fields() -> frozenset[str]:
+    """The keys a config entry may have: helion.Config's keyword names plus ``split_k``."""
+    try:
+        import inspect
+
+        import helion
+
+        params = inspect.signature(helion.Config.__init__).parameters
+        names = {p.name for p in params.values() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    except Exception:  # helion missing or changed: the 1.4.0 list
+        names = set(_CONFIG_FIELDS_140)
+    return frozenset(names | {"split_k"})
+
+
+def shape_key(k: int, n: int) -> str:
+    """``"<K>,<N>"`` for a weight of shape [N, K]."""
+    return f"{int(k)},{int(n)}"
+
+
+def _fail(source: str, path: list[str], msg: str) -> ConfigFileError:
+    where = "/".join(path) if path else "<top level>"
+    return ConfigFileError(f"{source}: key {where!r}: {msg}")
+
+
+def validate_config_entry(cfg: Any, *, source: str = "<table>", path: list[str] | None = None) -> dict:
+    """Check one config dict (see the module docstring); returns it. Raises ConfigFileError."""
+    path = path or []
+    if not isinstance(cfg, dict):
+        raise _fail(source, path, f"a config must be a JSON object, got {type(cfg).__name__}")
+    unknown = sorted(set(cfg) - config_fields())
+    if unknown:
+        raise _fail(source, path, f"unknown helion.Config field(s) {unknown}")
+    bs = cfg.get("block_sizes")
+    if bs is None:
+        raise _fail(source, path, "missing 'block_sizes' (expected [BM, BN, BK])")
+    if not (isinstance(bs, list) and len(bs) == 3 and all(isinstance(v, int) and v >= 1 for v in bs)):
+        raise _fail(source, path, f"'block_sizes' must be 3 positive ints [BM, BN, BK], got {bs!r}")
+    if "split_k" in cfg:
+        s = cfg["split_k"]
+        if not (isinstance(s, int) and 1 <= s <= MAX_SPLIT_K and s & (s - 1) == 0):
+            raise _fail(source, path, f"'split_k' must be a power of two in [1, {MAX_SPLIT_K}], got {s!r}")
+        if len(path) >= 1 and path[0] not in SPLIT_K_EPILOGUES:
+            raise _fail(source, path, f"'split_k' is only supported for epilogues {SPLIT_K_EPILOGUES}")
+    for name in ("num_warps", "num_stages"):
+        if name in cfg and not (isinstance(cfg[name], int) and cfg[name] >= 1):
+            raise _fail(source, path, f"{name!r} must be a positive int, got {cfg[name]!r}")
+    return cfg
+
+
+def validate_table(table: Any, *, source: str = "<table>") -> dict:
+    """Check a whole table (nested dict, module docstring); returns it. Raises ConfigFileError."""
+    if not isinstance(table, dict):
+        raise _fail(source, [], f"the file must hold a JSON object, got {type(table).__name__}")
+    for epi, by_dtype in table.items():
+        if epi == "_meta":
+            continue
+        if epi not in EPILOGUES:
+            raise _fail(source, [epi], f"unknown epilogue (expected one of {EPILOGUES} or '_meta')")
+        if not isinstance(by_dtype, dict):
+            raise _fail(source, [epi], "expected an object keyed by dtype")
+        for dt, by_shape in by_dtype.items():
+            if dt not in DTYPES:
+                raise _fail(source, [epi, dt], f"unknown dtype (expected one of {DTYPES})")
+            if not isinstance(by_shape, dict):
+                raise _fail(source, [epi, dt], "expected an object keyed by '<K>,<N>'")
+            for sk, by_bucket in by_shape.items():
+                parts = sk.split(",")
+                if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+                    raise _fail(source, [epi, dt, sk], "shape key must be '<K>,<N>' with positive ints")
+                if epi == "swiglu" and int(parts[1]) % 2:
+                    raise _fail(source, [epi, dt, sk], "swiglu N (= 2I rows of w_gate_up) must be even")
+                if not isinstance(by_bucket, dict):
+                    raise _fail(source, [epi, dt, sk], "expected an object keyed by M bucket")
+                for b, cfg in by_bucket.items():
+                    if not (b.isdigit() and int(b) in BUCKETS):
+                        raise _fail(source, [epi, dt, sk, b], f"bucket must be one of {list(BUCKETS)}")
+                    validate_config_entry(cfg, source=source, path=[epi, dt, sk, b])
+    return table
+
+
+def load_configs(path: str | os.PathLike | None = None) -> dict:
+    """Read and validate a config file: ``path`` if given, else the shipped file for the current GPU.
+
+    Raises FileNotFoundError (naming the file) when it does not exist, RuntimeError without a GPU
+    and without ``path``, and ConfigFileError for bad JSON or a malformed table.
+    """
+    p = Path(path) if path is not None else shipped_config_path()
+    if not p.is_file():
+        raise FileNotFoundError(f"Helion linear config file not found: {p}")
+    try:
+        table = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigFileError(f"{p}: invalid JSON: {e}") from e
+    return validate_table(table, source=str(p))
+
+
+def save_configs(table: dict, path: str | os.PathLike) -> Path:
+    """Validate ``table`` and write it to ``path`` atomically (temporary file + ``os.replace``)."""
+    p = Path(path)
+    validate_table(table, source=str(p))
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(table, f, indent=1, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, p)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return p
+
+
+def lookup(table: dict, epilogue: str, dtype: str, k: int, n: int, bucket: int) -> dict | None:
+    """The config dict for (epilogue, dtype, K, N, bucket), or None when the table has none."""
+    entry = table.get(epilogue, {}).get(dtype, {}).get(shape_key(k, n), {}).get(str(bucket))
+    return copy.deepcopy(entry) if entry is not None else None
+
+
+def set_entry(table: dict, epilogue: str, dtype: str, k: int, n: int, bucket: int, cfg: dict) -> dict:
+    """Insert ``cfg`` (validated) into ``table`` in place; returns the table."""
+    validate_config_entry(cfg, path=[epilogue, dtype, shape_key(k, n), str(bucket)])
+    table.setdefault(epilogue, {}).setdefault(dtype, {}).setdefault(shape_key(k, n), {})[str(bucket)] = (
+        copy.deepcopy(cfg)
+    )
+    return table
+
+
+def dtype_name(dtype: Any) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,401 @@
+"""Tune the Helion linear backend: time a short, hand-picked list of configs per (shape, M bucket) and
+write the winners into the per-GPU JSON (moelora_lib/configs/helion/<GPU_NAME>.json format).
+
+Usage (on the GPU; a subprocess from a notebook is fine, it has a proper ``__main__``)::
+
+    python -m moelora_lib.helion_tune --shapes llama3-8b,qwen3-32b,llama3-70b \\
+        --m 1,2,4,8,16,32,256,1024,4096 --epilogues none,swiglu \\
+        --out moelora_lib/configs/helion/NVIDIA_H200.json --csv data/helion_tuning.csv --budget-s 300
+
+Method:
+  * cases: every projection (qkv, o, gate_up, down) of each model for epilogue "none"; gate_up only
+    for "swiglu" (and "silu"); every projection for "bias". Identical (epilogue, K, N) are tuned once.
+    Each ``--m`` value is timed at exactly that M and its config stored under ``bucket_for(M)``.
+  * candidates (:func:`candidates`): 3–5 explicit configs per bucket class — decode (M ≤ 16): BM 16,
+    big BK (128/256), BN 64/128, pointer vs tensor-descriptor (TMA) loads of W, plus one split-K config
+    when the N tiles alone cannot fill the GPU's SMs; M = 32: BM 32; prefill: 64–128 × 128–256 tiles.
+    Decode buckets share their candidate list, so one compile serves several buckets.
+  * compile first, in parallel: spawned worker processes generate the code and compile each
+    (config, Triton M-variant) without launching (``run(..., warmup=True)``), filling Triton's on-disk
+    cache; the timing process then only loads cubins. Failed compiles are logged and skipped.
+  * timing: ``moelora_lib.bench.time_cuda(fn, mode="graph")`` (CUDA-graph replay, L2 flushed) for every
+    candidate and for the PyTorch path (cuBLAS ``F.linear`` + epilogue) at the same M, after a
+    correctness check against PyTorch (relative error < 2e-2 of max |ref| in bf16).
+  * resumable: a (epilogue, dtype, K, N, bucket) already in ``--out`` is skipped (``--force`` redoes
+    it); the JSON is rewritten atomically after every case, the CSV appended after every case.
+  * ``--budget-s``: no new case starts after this many seconds; the rest is left for a later run.
+    The total tuning seconds (summed over runs) are kept in the JSON's ``_meta.tuning_seconds`` and in
+    the CSV column ``tune_elapsed_s``.
+
+CSV: one row per (case, candidate) and one per PyTorch baseline: op (epilogue), models, K, N, M,
+bucket, dtype, impl ("helion" | "torch"), candidate, config (JSON), status ("ok" | "compile_error" |
+"run_error" | "wrong"), error, rel_err, ms_p50/p20/p80, speedup_vs_torch, best, compile_s, plus the
+bench environment columns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, wait
+from pathlib import Path
+from typing import Any
+
+DEFAULT_M = (1, 2, 4, 8, 16, 32, 256, 1024, 4096)
+NUM_SMS_H200 = 132
+
+
+# ---------------------------------------------------------------------------------------------
+# Candidate configs
+# ---------------------------------------------------------------------------------------------
+def _cfg(bm, bn, bk, warps, stages, indexing="pointer", pid="flat", l2=None, split=None) -> dict:
+    c: dict[str, Any] = {
+        "block_sizes": [bm, bn, bk],
+        "num_warps": warps,
+        "num_stages": stages,
+        "indexing": indexing,
+        "pid_type": pid,
+    }
+    if l2:
+        c["l2_groupings"] = [l2]
+    if split:
+        c["split_k"] = split
+    return c
+
+
+def _split_factor(k: int, n: int, bn: int, num_sms: int) -> int | None:
+    """A split_k that brings the N tiles up to about two programs per SM, or None if not needed.
+    Each chunk keeps at least 1024 elements of K."""
+    tiles = math.ceil(n / bn)
+    if tiles >= 2 * num_sms:
+        return None
+    s = 1
+    while tiles * s < 2 * num_sms and k // (2 * s) >= 1024 and s < 16:
+        s *= 2
+    return s if s > 1 else None
+
+
+def candidates(epilogue: str, k: int, n: int, bucket: int, num_sms: int = NUM_SMS_H200) -> list[dict]:
+    """The explicit candidate list for one (epilogue, K, N, bucket); see the module docstring.
+
+    Decode candidates are the same for buckets 1–16, so their compiles are shared.
+    """
+    out: list[dict]
+    if epilogue == "swiglu":  # two W tiles per k step: half the BN (or stages) of the plain GEMM
+        if bucket <= 16:
+            out = [
+                _cfg(16, 64, 128, 4, 4),
+                _cfg(16, 32, 256, 4, 4),
+                _cfg(16, 64, 128, 4, 4, indexing="tensor_descriptor"),
+            ]
+        elif bucket <= 32:
+            out = [_cfg(32, 64, 128, 4, 4), _cfg(32, 32, 256, 4, 3)]
+        else:
+            out = [_cfg(64, 128, 64, 8, 3, l2=8), _cfg(64, 64, 64, 4, 4, l2=8), _cfg(128, 64, 64, 8, 3, l2=8)]
+        return out
+    if bucket <= 16:
+        out = [
+            _cfg(16, 64, 128, 4, 5),
+            _cfg(16, 128, 128, 4, 4),
+            _cfg(16, 64, 256, 4, 3, indexing="tensor_descriptor"),
+        ]
+        s = _split_factor(k, n, 64, num_sms) if epilogue in ("none", "bias") else None
+        if s:
+            out.append(_cfg(16, 64, 128, 4, 4, split=s))
+    elif bucket <= 32:
+        out = [_cfg(32, 64, 128, 4, 4), _cfg(32, 128, 128, 4, 3)]
+        s = _split_factor(k, n, 64, num_sms) if epilogue in ("none", "bias") else None
+        if s:
+            out.append(_cfg(32, 64, 128, 4, 4, split=s))
+    elif bucket <= 256:
+        out = [_cfg(64, 128, 64, 4, 4, l2=8), _cfg(128, 128, 64, 8, 3, l2=8), _cfg(64, 256, 64, 8, 3, l2=8)]
+    else:
+        out = [
+            _cfg(128, 128, 64, 8, 3, l2=8),
+            _cfg(128, 256, 64, 8, 3, l2=8),
+            _cfg(128, 256, 64, 8, 3, indexing="tensor_descriptor", pid="persistent_interleaved", l2=8),
+        ]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Cases
+# ---------------------------------------------------------------------------------------------
+def build_cases(models: list[str], epilogues: list[str], ms: list[int]) -> list[dict]:
+    """``[{"epilogue", "K", "N", "models": "llama3-8b:qkv;...", "m", "bucket"}, ...]``, deduplicated."""
+    from moelora_lib.helion_linear import bucket_for, linear_shapes
+
+    groups: dict[tuple[str, int, int], list[str]] = {}
+    for model, proj, k, n in linear_shapes(models):
+        for epi in epilogues:
+            if epi in ("swiglu", "silu") and proj != "gate_up":
+                continue
+            groups.setdefault((epi, k, n), []).append(f"{model}:{proj}")
+    cases = []
+    for (epi, k, n), names in groups.items():
+        seen = set()
+        for m in ms:
+            b = bucket_for(m)
+            if b in seen:
+                continue
+            seen.add(b)
+            cases.append({"epilogue": epi, "K": k, "N": n, "models": ";".join(names), "m": m, "bucket": b})
+    return cases
+
+
+# ---------------------------------------------------------------------------------------------
+# Parallel precompile (spawned workers; compile without launching)
+# ---------------------------------------------------------------------------------------------
+def _compile_only_launcher(triton_kernel, grid, *args, num_warps, num_stages, **kwargs):
+    """Helion launcher that compiles (and fills Triton's disk cache) but launches nothing."""
+    kwargs.setdefault("launch_cooperative_grid", False)
+    return triton_kernel.run(
+        *args, grid=grid, warmup=True, num_warps=num_warps, num_stages=num_stages, **kwargs
+    )
+
+
+def _precompile(task: dict) -> dict:
+    """Worker: build the runner for task["config"] and compile it for each M in task["ms"]."""
+    t0 = time.perf_counter()
+    try:
+        import torch
+
+        from moelora_lib.helion_linear import build_runner, kernel_args
+
+        dtype = getattr(torch, task["dtype"])
+        k, n, epi = task["K"], task["N"], task["epilogue"]
+        w = torch.empty(n, k, dtype=dtype, device="cuda")
+        b = torch.empty(n, dtype=dtype, device="cuda") if epi == "bias" else None
+        runner = build_runner(epi, task["config"], w, b)
+        for m in task["ms"]:
+            x = torch.empty(m, k, dtype=dtype, device="cuda")
+            runner(*kernel_args(epi, x, w, b), _launcher=_compile_only_launcher)
+        return {**task, "ok": True, "error": "", "compile_s": time.perf_counter() - t0}
+    except Exception as e:  # a config that does not compile (e.g. out of shared memory)
+        return {
+            **task,
+            "ok": False,
+            "error": f"{type(e).__name__}: {str(e)[:300]}",
+            "compile_s": time.perf_counter() - t0,
+        }
+
+
+def _task_key(epi: str, dtype: str, k: int, n: int, cfg: dict) -> str:
+    return json.dumps([epi, dtype, k, n, cfg], sort_keys=True)
+
+
+def precompile(cases: list[dict], dtype: str, jobs: int, timeout_s: float, log) -> dict[str, dict]:
+    """Compile every (case candidate, Triton M-variant) in ``jobs`` spawned processes.
+    Returns {task_key: result}; a task that did not finish within ``timeout_s`` is absent."""
+    from moelora_lib.helion_linear import warm_m_values
+
+    tasks: dict[str, dict] = {}
+    for c in cases:
+        for cfg in candidates(c["epilogue"], c["K"], c["N"], c["bucket"]):
+            key = _task_key(c["epilogue"], dtype, c["K"], c["N"], cfg)
+            t = tasks.setdefault(
+                key,
+                {
+                    "epilogue": c["epilogue"],
+                    "dtype": dtype,
+                    "K": c["K"],
+                    "N": c["N"],
+                    "config": cfg,
+                    "ms": [],
+                },
+            )
+            for m in warm_m_values(c["bucket"]) + [c["m"]]:  # every Triton variant warmup() meets
+                if m not in t["ms"]:
+                    t["ms"].append(m)
+    if jobs <= 0 or not tasks:
+        return {}
+    results: dict[str, dict] = {}
+    log(f"precompiling {len(tasks)} (shape, config) tasks in {jobs} processes")
+    t0 = time.perf_counter()
+    ex = ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn"))
+    try:
+        futs = {ex.submit(_precompile, t): key for key, t in tasks.items()}
+        done, pending = wait(futs, timeout=timeout_s)
+        for f in done:
+            try:
+                results[futs[f]] = f.result()
+            except Exception as e:  # a dead worker
+                results[futs[f]] = {"ok": False, "error": f"worker: {e}", "compile_s": float("nan")}
+        if pending:
+            log(f"precompile: {len(pending)} tasks unfinished after {timeout_s:.0f} s; compiled on demand")
+    finally:
+        ex.shutdown(wait=False, cancel_futures=True)
+    bad = sum(not r["ok"] for r in results.values())
+    log(f"precompile: {len(results)} done ({bad} failed) in {time.perf_counter() - t0:.1f} s")
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
+# Tuning
+# ---------------------------------------------------------------------------------------------
+def _parse(argv):
+    p = argparse.ArgumentParser(prog="python -m moelora_lib.helion_tune", description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", default="llama3-8b,qwen3-32b,llama3-70b", help="models (helion_linear.shapes)")
+    p.add_argument("--m", default=",".join(map(str, DEFAULT_M)), help="M values to time (one per bucket)")
+    p.add_argument("--epilogues", default="none,swiglu")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--out", required=True, help="config JSON to create or extend (atomic writes)")
+    p.add_argument("--csv", required=True, help="CSV of every tried config (appended)")
+    p.add_argument("--budget-s", type=float, default=300.0, help="start no new case after this many seconds")
+    p.add_argument(
+        "--jobs", type=int, default=-1, help="precompile processes (-1: cpu count - 2, max 14; 0: off)"
+    )
+    p.add_argument("--warmup-ms", type=float, default=5.0)
+    p.add_argument("--rep-ms", type=float, default=20.0)
+    p.add_argument("--force", action="store_true", help="re-tune cases already in --out")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    t_start = time.perf_counter()
+    import torch
+    from tqdm.auto import tqdm
+
+    from moelora_lib import bench
+    from moelora_lib.helion_linear import (
+        ConfigFileError,
+        build_runner,
+        gpu_config_name,
+        kernel_args,
+        load_configs,
+        lookup,
+        save_configs,
+        set_entry,
+        torch_reference,
+    )
+
+    def log(msg: str) -> None:
+        print(f"[helion_tune {time.perf_counter() - t_start:6.1f}s] {msg}", flush=True)
+
+    if not torch.cuda.is_available():
+        print("helion_tune needs a CUDA GPU", file=sys.stderr)
+        return 2
+    torch.cuda.set_device(0)
+    out_path = Path(args.out)
+    table: dict = {}
+    if out_path.exists():
+        try:
+            table = load_configs(out_path)
+        except ConfigFileError as e:
+            print(f"refusing to overwrite a malformed config file: {e}", file=sys.stderr)
+            return 2
+    prev_seconds = float(table.get("_meta", {}).get("tuning_seconds", 0.0))
+    dtype = getattr(torch, args.dtype)
+    models = [s for s in args.shapes.split(",") if s]
+    epilogues = [s for s in args.epilogues.split(",") if s]
+    ms = [int(v) for v in args.m.split(",") if v]
+    cases = build_cases(models, epilogues, ms)
+    todo = [
+        c
+        for c in cases
+        if args.force or lookup(table, c["epilogue"], args.dtype, c["K"], c["N"], c["bucket"]) is None
+    ]
+    log(f"{len(cases)} cases, {len(cases) - len(todo)} already in {out_path}, {len(todo)} to tune")
+
+    jobs = args.jobs if args.jobs >= 0 else max(1, min(14, (os.cpu_count() or 4) - 2))
+    compiled = precompile(todo, args.dtype, jobs, timeout_s=0.5 * args.budget_s, log=log)
+
+    gpu = gpu_config_name()
+    timing_kw = dict(mode="graph", flush_l2=True, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
+    weights: dict[tuple, tuple] = {}
+    n_tuned = 0
+    bar = tqdm(todo, desc="helion_tune", unit="case")
+    for case in bar:
+        elapsed = time.perf_counter() - t_start
+        if elapsed > args.budget_s:
+            log(f"budget {args.budget_s:.0f} s reached; {len(todo) - n_tuned} cases left for a later run")
+            break
+        epi, k, n, m, bucket = case["epilogue"], case["K"], case["N"], case["m"], case["bucket"]
+        bar.set_postfix_str(f"{epi} K={k} N={n} M={m}")
+        wkey = (epi, k, n)
+        if wkey not in weights:
+            weights.clear()
+            torch.manual_seed(0)
+            w = torch.randn(n, k, dtype=dtype, device="cuda") * k**-0.5
+            b = torch.randn(n, dtype=dtype, device="cuda") if epi == "bias" else None
+            weights[wkey] = (w, b)
+        w, b = weights[wkey]
+        x = torch.randn(m, k, dtype=dtype, device="cuda")
+        ref = torch_reference(x, w, b, epi).float()
+        common = dict(
+            stage="helion_tune", op=epi, models=case["models"], K=k, N=n, M=m, bucket=bucket, dtype=args.dtype
+        )
+        rows = []
+        t_torch = bench.time_cuda(lambda x=x, w=w, b=b, epi=epi: torch_reference(x, w, b, epi), **timing_kw)
+        rows.append(
+            bench.result_row(**common, impl="torch", candidate=-1, config="", status="ok", timing=t_torch)
+        )
+        best = None
+        for i, cfg in enumerate(candidates(epi, k, n, bucket)):
+            row = dict(**common, impl="helion", candidate=i, config=json.dumps(cfg, sort_keys=True))
+            pre = compiled.get(_task_key(epi, args.dtype, k, n, cfg))
+            row["compile_s"] = pre.get("compile_s") if pre else None
+            if pre is not None and not pre["ok"]:
+                rows.append(bench.result_row(**row, status="compile_error", error=pre["error"]))
+                log(f"skip {epi} K={k} N={n} cand {i}: {pre['error']}")
+                continue
+            try:
+                t0 = time.perf_counter()
+                runner = build_runner(epi, cfg, w, b)
+                args_k = kernel_args(epi, x, w, b)
+                y = runner(*args_k)
+                torch.cuda.synchronize()
+                if pre is None:
+                    row["compile_s"] = time.perf_counter() - t0
+                rel = ((y.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+                row["rel_err"] = rel
+                if not rel < 2e-2:
+                    rows.append(bench.result_row(**row, status="wrong"))
+                    continue
+                t = bench.time_cuda(lambda runner=runner, args_k=args_k: runner(*args_k), **timing_kw)
+            except Exception as e:
+                rows.append(
+                    bench.result_row(**row, status="run_error", error=f"{type(e).__name__}: {str(e)[:300]}")
+                )
+                log(f"run error {epi} K={k} N={n} M={m} cand {i}: {type(e).__name__}: {str(e)[:200]}")
+                continue
+            row["speedup_vs_torch"] = t_torch.ms_p50 / t.ms_p50
+            rows.append(bench.result_row(**row, status="ok", timing=t))
+            if best is None or t.ms_p50 < best[1].ms_p50:
+                best = (cfg, t, len(rows) - 1)
+        total = prev_seconds + (time.perf_counter() - t_start)
+        for r in rows:
+            r["best"] = False
+            r["tune_elapsed_s"] = round(total, 2)
+        if best is not None:
+            rows[best[2]]["best"] = True
+            set_entry(table, epi, args.dtype, k, n, bucket, best[0])
+            n_tuned += 1
+        table["_meta"] = {
+            "gpu": gpu,
+            "tuning_seconds": round(total, 2),
+            "helion": bench.env_record()["helion"],
+            "torch": torch.__version__,
+            "updated_utc": bench.env_record()["timestamp_utc"],
+            "timing": "moelora_lib.bench.time_cuda graph mode, L2 flushed",
+        }
+        save_configs(table, out_path)
+        bench.write_rows(args.csv, rows, append=True)
+        del x, ref
+    bar.close()
+    total = prev_seconds + (time.perf_counter() - t_start)
+    log(
+        f"tuned {n_tuned}/{len(todo)} cases; this run {time.perf_counter() - t_start:.1f} s; "
+        f"total {total:.1f} s"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,329 @@
+"""CPU tests of the Helion linear backend (moelora_lib.helion_linear).
+
+* codegen: every kernel generates Triton source for a fixed config without a GPU and without any
+  interpreter (a subprocess with TRITON_INTERPRET unset), bf16 and fp16;
+* numerics: every kernel through the Triton interpreter (TRITON_INTERPRET=1, set by conftest.py and
+  here as a fallback) in fp32 and fp16 at small shapes against an fp64 PyTorch reference; bf16 is
+  not run (the CPU interpreter multiplies raw bf16 bits, environment.md §2);
+* buckets, config JSON round trip and malformed files, the fallback path (one warning per reason),
+  and ValueError on bad input.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # conftest.py sets it too; read at compile time
+
+import pytest
+import torch
+
+from moelora_lib.helion_linear import (
+    BUCKETS,
+    ConfigFileError,
+    HelionFallbackWarning,
+    HelionLinearMethod,
+    Linear,
+    TorchLinearMethod,
+    bucket_for,
+    load_configs,
+    save_configs,
+    set_entry,
+    warm_m_values,
+)
+
+K_, N_ = 64, 96  # small K, N: the interpreter runs every program in Python
+CFG = {"block_sizes": [16, 32, 32], "num_warps": 4, "num_stages": 2}
+CFG_SPLIT = {**CFG, "split_k": 2}
+
+# fp32: only accumulation-order error; fp16: output rounding (~5e-4 relative) + fp16 inputs.
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+
+
+def _table(dtype: torch.dtype, epilogue: str, cfg: dict, n: int = N_, buckets=(1, 2, 4, 8, 16, 32)) -> dict:
+    t: dict = {}
+    for b in buckets:
+        set_entry(t, epilogue, str(dtype).removeprefix("torch."), K_, n, b, cfg)
+    return t
+
+
+def _ref(x, w, b, epilogue):
+    y = x.double() @ w.double().T
+    if b is not None:
+        y = y + b.double()
+    if epilogue == "silu":
+        y = y * torch.sigmoid(y)
+    if epilogue == "swiglu":
+        g, u = y.chunk(2, dim=-1)
+        y = g * torch.sigmoid(g) * u
+    return y
+
+
+def _rel_err(y, ref):
+    return ((y.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
+
+
+# ---------------------------------------------------------------------------------------------
+# Interpreter numerics (every kernel, fp32 and fp16, M covering 1, a ragged M, and two M tiles)
+# ---------------------------------------------------------------------------------------------
+CASES = [
+    ("none", CFG),
+    ("bias", CFG),
+    ("silu", CFG),
+    ("swiglu", CFG),
+    ("none", CFG_SPLIT),  # split-K: 2 chunks of K reduced by fp32 atomic_add
+    ("bias", CFG_SPLIT),  # split-K with the bias added by the k = 0 chunk only
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize(
+    "epilogue,cfg", CASES, ids=[f"{e}{'-splitk' if 'split_k' in c else ''}" for e, c in CASES]
+)
+def test_interpreter_matches_reference(epilogue, cfg, dtype):
+    torch.manual_seed(0)
+    method = HelionLinearMethod(_table(dtype, epilogue, cfg), epilogue=epilogue, allow_interpreter=True)
+    w = torch.randn(N_, K_, dtype=dtype) / 8
+    b = torch.randn(N_, dtype=dtype) if epilogue == "bias" else None
+    layer = Linear.from_weight(w, method, bias=b)
+    # M = 1 (Triton's constexpr-1 variant) and 17 (two M tiles, the second ragged: masked rows)
+    for m in (1, 17):
+        x = torch.randn(m, K_, dtype=dtype)
+        assert method.path_for(layer, m) == f"helion:{bucket_for(m)}"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", HelionFallbackWarning)
+            y = layer(x)
+        assert y.dtype == dtype
+        assert y.shape == (m, N_ // 2 if epilogue == "swiglu" else N_)
+        assert _rel_err(y, _ref(x, w, b, epilogue)) < TOL[dtype], (epilogue, m)
+
+
+def test_warmup_compiles_every_configured_bucket():
+    method = HelionLinearMethod(
+        _table(torch.float32, "none", CFG, buckets=(1, 2, 16)), allow_interpreter=True
+    )
+    layer = Linear.from_weight(torch.randn(N_, K_), method)
+    paths = method.warmup(layer, max_m=20)
+    assert paths[1] == "helion:1" and paths[2] == "helion:2" and paths[16] == "helion:16"
+    assert paths[4].startswith("torch: bucket 4 not tuned") and paths[32].startswith("torch: bucket 32")
+    assert set(method.last_warmup) == {1, 2, 16}
+    assert 64 not in paths  # bucket_for(20) = 32 is the top
+
+
+# ---------------------------------------------------------------------------------------------
+# Codegen without any interpreter (subprocess: TRITON_INTERPRET unset), bf16 and fp16
+# ---------------------------------------------------------------------------------------------
+_CODEGEN_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, json, torch, helion
+    assert "TRITON_INTERPRET" not in os.environ
+    from moelora_lib.helion_linear import kernels as K
+    from moelora_lib.helion_linear.method import kernel_args
+    out = {}
+    for dt in (torch.bfloat16, torch.float16):
+        w = torch.empty(256, 128, dtype=dt)
+        b = torch.empty(256, dtype=dt)
+        x = torch.empty(2, 128, dtype=dt)
+        for (epi, split), kern in K.KERNELS.items():
+            cfg = dict(block_sizes=[16, 64, 64], num_warps=4, num_stages=3, pid_type="flat")
+            if split:
+                cfg["split_k"] = 2
+            code = kern.bind(kernel_args(epi, x, w, b if epi == "bias" else None)).to_triton_code(helion.Config(**cfg))
+            out[f"{epi}-{split}-{dt}"] = code
+    print(json.dumps(out))
+    """
+)
+
+
+def test_codegen_without_interpreter():
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "HELION_INTERPRET")}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, "-c", _CODEGEN_SCRIPT],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    codes = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(codes) == 12
+    for key, code in codes.items():
+        assert "@triton.jit" in code and "tl.dot(" in code, key
+        assert "tl.range(0, 128" in code or "split" in key.split("-")[1] or "True" in key, (
+            key
+        )  # K specialized
+        assert "_launcher(" in code, key
+        if "True" in key:  # split-K reduces with atomics
+            assert "tl.atomic_add(" in code, key
+        if key.startswith("swiglu"):
+            assert code.count("tl.dot(") == 2 and "tl.sigmoid(" in code, key
+        if key.startswith("silu"):
+            assert "tl.sigmoid(" in code, key
+        dt = "tl.bfloat16" if "bfloat16" in key else "tl.float16"
+        assert dt in code, key
+
+
+# ---------------------------------------------------------------------------------------------
+# Buckets
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "m,bucket",
+    [
+        (1, 1),
+        (2, 2),
+        (3, 4),
+        (4, 4),
+        (5, 8),
+        (16, 16),
+        (17, 32),
+        (33, 64),
+        (1024, 1024),
+        (1025, 2048),
+        (10**6, 2048),
+    ],
+)
+def test_bucket_for(m, bucket):
+    assert bucket_for(m) == bucket
+
+
+def test_bucket_for_rejects_bad_m():
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="m must be"):
+            bucket_for(bad)
+    assert BUCKETS[-1] == 2048
+
+
+def test_warm_m_values_cover_triton_variants():
+    assert warm_m_values(1) == [1]
+    assert warm_m_values(8) == [8]
+    assert warm_m_values(16) == [16, 15] and warm_m_values(2048) == [2048, 2047]
+
+
+# ---------------------------------------------------------------------------------------------
+# Config JSON: round trip and malformed files
+# ---------------------------------------------------------------------------------------------
+def test_config_round_trip(tmp_path):
+    t = _table(
+        torch.bfloat16, "none", {**CFG, "indexing": "tensor_descriptor", "pid_type": "persistent_blocked"}
+    )
+    set_entry(t, "none", "bfloat16", 4096, 4096, 2048, CFG_SPLIT)
+    set_entry(t, "swiglu", "float16", 4096, 28672, 16, CFG)
+    t["_meta"] = {"tuning_seconds": 12.5}
+    p = save_configs(t, tmp_path / "sub" / "NVIDIA_H200.json")
+    assert load_configs(p) == t
+    assert not [f for f in os.listdir(p.parent) if f.endswith(".tmp")]  # atomic write left nothing
+    method = HelionLinearMethod(p)
+    assert method.config_source == str(p)
+
+
+@pytest.mark.parametrize(
+    "content,match",
+    [
+        ("{not json", "invalid JSON"),
+        (
+            '{"none": {"bfloat16": {"64,96": {"16": {"block_sizes": [16, 32, 32], "bogus": 1}}}}}',
+            "unknown helion.Config field",
+        ),
+        ('{"none": {"bfloat16": {"64,96": {"16": {"num_warps": 4}}}}}', "missing 'block_sizes'"),
+        ('{"none": {"bfloat16": {"64,96": {"16": {"block_sizes": [16, 32]}}}}}', "3 positive ints"),
+        ('{"none": {"bfloat16": {"64,96": {"3": {"block_sizes": [16, 32, 32]}}}}}', "bucket must be one of"),
+        ('{"none": {"bfloat16": {"64x96": {}}}}', "shape key"),
+        ('{"gelu": {}}', "unknown epilogue"),
+        ('{"none": {"int8": {}}}', "unknown dtype"),
+        ('{"silu": {"bfloat16": {"64,96": {"16": {"block_sizes": [16, 32, 32], "split_k": 2}}}}}', "split_k"),
+        (
+            '{"none": {"bfloat16": {"64,96": {"16": {"block_sizes": [16, 32, 32], "split_k": 3}}}}}',
+            "power of two",
+        ),
+        ("[]", "JSON object"),
+    ],
+)
+def test_malformed_config_file_errors_name_file_and_key(tmp_path, content, match):
+    p = tmp_path / "bad.json"
+    p.write_text(content)
+    with pytest.raises(ConfigFileError, match=match) as ei:
+        load_configs(p)
+    assert str(p) in str(ei.value)
+    if "bogus" in content or "num_warps" in content:
+        assert "none/bfloat16/64,96/16" in str(ei.value)  # the key path
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not found"):
+        load_configs(tmp_path / "nope.json")
+
+
+# ---------------------------------------------------------------------------------------------
+# Fallback: untuned dtype / shape / bucket / device -> F.linear with exactly one warning per reason
+# ---------------------------------------------------------------------------------------------
+def test_fallback_warns_once_and_matches_torch():
+    torch.manual_seed(0)
+    method = HelionLinearMethod(_table(torch.float32, "none", CFG), allow_interpreter=True)
+    layer = Linear.from_weight(torch.randn(N_, K_, dtype=torch.float16), method)  # fp16 is untuned
+    x = torch.randn(3, K_, dtype=torch.float16)
+    assert method.path_for(layer, 3).startswith("torch: no tuned config for epilogue=none dtype=float16")
+    with pytest.warns(HelionFallbackWarning, match="dtype=float16") as rec:
+        y1 = layer(x)
+        y2 = layer(x)
+    assert len(rec) == 1
+    torch.testing.assert_close(y1, torch.nn.functional.linear(x, layer.weight))
+    torch.testing.assert_close(y1, y2)
+
+
+def test_fallback_untuned_bucket_and_device():
+    method = HelionLinearMethod(_table(torch.float32, "none", CFG, buckets=(1,)), allow_interpreter=True)
+    layer = Linear.from_weight(torch.randn(N_, K_), method)
+    assert method.path_for(layer, 1) == "helion:1"
+    assert method.path_for(layer, 2).startswith("torch: bucket 2 not tuned")
+    no_interp = HelionLinearMethod(_table(torch.float32, "none", CFG))
+    assert no_interp.path_for(layer, 1).startswith("torch: device cpu")
+    capped = HelionLinearMethod(_table(torch.float32, "none", CFG), max_m=1, allow_interpreter=True)
+    assert capped.path_for(layer, 2) == "torch: M=2 above max_m=1"
+
+
+def test_torch_method_swiglu_matches_reference():
+    torch.manual_seed(0)
+    w = torch.randn(N_, K_, dtype=torch.float64)
+    layer = Linear.from_weight(w, TorchLinearMethod("swiglu"))
+    x = torch.randn(4, K_, dtype=torch.float64)
+    assert _rel_err(layer(x), _ref(x, w, None, "swiglu")) < 1e-12
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input -> ValueError naming the argument and what was expected
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("method_cls", [TorchLinearMethod, HelionLinearMethod])
+def test_bad_input_raises_value_error(method_cls):
+    method = method_cls(epilogue="none") if method_cls is TorchLinearMethod else method_cls({}, "none")
+    layer = Linear.from_weight(torch.randn(N_, K_), method)
+    with pytest.raises(ValueError, match=r"x: expected a 2-D tensor \[M, 64\]"):
+        method.apply(layer, torch.randn(2, 3, K_))
+    with pytest.raises(ValueError, match=r"x: expected shape \[M, 64\]"):
+        method.apply(layer, torch.randn(2, K_ + 1))
+    with pytest.raises(ValueError, match="x: expected dtype torch.float32"):
+        method.apply(layer, torch.randn(2, K_, dtype=torch.float16))
+    with pytest.raises(ValueError, match="x: expected device"):
+        method.apply(layer, torch.randn(2, K_, device="meta"))
+    with pytest.raises(ValueError, match="bias: epilogue 'none' takes no bias"):
+        method.apply(layer, torch.randn(2, K_), torch.randn(N_))
+
+
+def test_bad_bias_and_sizes_raise_value_error():
+    method = TorchLinearMethod("bias")
+    layer = Linear.from_weight(torch.randn(N_, K_), method, bias=torch.randn(N_))
+    with pytest.raises(ValueError, match=r"bias: expected shape \[96\]"):
+        method.apply(layer, torch.randn(2, K_), torch.randn(N_ + 1))
+    layer.bias = None
+    with pytest.raises(ValueError, match="bias: epilogue 'bias' needs a bias"):
+        method.apply(layer, torch.randn(2, K_))
+    with pytest.raises(ValueError, match="even"):
+        Linear(K_, 7, TorchLinearMethod("swiglu"), dtype=torch.float32)
+    with pytest.raises(ValueError, match="epilogue must be one of"):
+        HelionLinearMethod({}, "gelu")

@@ -1,0 +1,378 @@
+"""The one benchmark harness: timing, roofline floors, result rows to CSV, the environment record.
+
+Units: ``Timing`` fields are milliseconds (``ms_*``); the floor helpers return microseconds (µs).
+
+Method (GPU, :func:`time_cuda`), following the anchor method of ``triton.testing.do_bench``:
+  * ``fn`` is called a few times and the device synchronized *before* anything is timed, so module
+    load, Triton compilation and autotuning stay out of the numbers;
+  * each repetition is timed with a pair of CUDA events around one call of ``fn`` (or one
+    ``CUDAGraph.replay()`` in graph mode) and the median (p50) with p20/p80 over all repetitions is
+    reported;
+  * with ``flush_l2=True`` the L2 cache is flushed before *every* repetition by zeroing a 256 MB buffer
+    (``triton.testing.do_bench`` does this itself, via ``driver.clear_cache``, before recording the
+    start event, so the flush is not in the timed interval; the H200 L2 is 60 MiB);
+  * ``mode="graph"`` captures ``fn`` once into a ``torch.cuda.CUDAGraph`` (after warm-up, on a side
+    stream) and times ``graph.replay``, which removes the per-launch CPU overhead that dominates
+    decode-sized kernels. The flush is a separate kernel between replays, outside the graph.
+
+CPU (:func:`time_cpu`) is a plain ``time.perf_counter`` wall clock; with ``TRITON_INTERPRET=1`` such
+numbers measure the interpreter, never the kernel, and are not comparable with GPU numbers.
+
+Absolute times are quoted only from the GPU; ratios between stages are measured side by side in one run.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import functools
+import importlib.metadata
+import json
+import os
+import platform
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+#: Measured on the H200 host (shared/notes/environment.md §6): device-to-device copy, bytes read + written.
+H200_COPY_TB_PER_S = 4.3
+#: Measured bf16 dense matmul throughput on the H200 (8192^3 via torch); 790 is the top of the range.
+H200_BF16_TFLOPS = 675.0
+
+QUANTILES = (0.5, 0.2, 0.8)
+#: The columns :func:`result_row` adds to every row.
+ENV_COLUMNS = ("gpu", "torch", "triton", "helion", "git_commit", "tuned_config_folder")
+TUNED_CONFIG_ENV = "MOELORA_TUNED_CONFIG_FOLDER"
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One timing result in milliseconds: median (p50) and the 20th/80th percentiles.
+
+    mode: "graph" (CUDA graph replay), "eager" (direct calls) or "cpu" (perf_counter wall clock).
+    """
+
+    ms_p50: float
+    ms_p20: float
+    ms_p80: float
+    mode: str
+
+    @property
+    def us_p50(self) -> float:
+        """The median in microseconds."""
+        return self.ms_p50 * 1e3
+
+    def as_dict(self) -> dict[str, float | str]:
+        """``{"ms_p50", "ms_p20", "ms_p80", "timing_mode"}`` for a result row."""
+        return {"ms_p50": self.ms_p50, "ms_p20": self.ms_p20, "ms_p80": self.ms_p80, "timing_mode": self.mode}
+
+
+def _quantiles(times_ms: list[float]) -> tuple[float, float, float]:
+    """p50, p20, p80 with linear interpolation (the same definition as ``torch.quantile``)."""
+    xs = sorted(times_ms)
+    if not xs:
+        raise ValueError("no timings")
+
+    def q(p: float) -> float:
+        pos = p * (len(xs) - 1)
+        lo = int(pos)
+        hi = min(lo + 1, len(xs) - 1)
+        return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+    return q(0.5), q(0.2), q(0.8)
+
+
+def _events_no_flush(fn: Callable[[], Any], warmup_ms: float, rep_ms: float) -> list[float]:
+    """The do_bench loop without the L2 flush: per-call CUDA-event times in ms (L2 stays warm)."""
+    import torch
+
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    estimate_ms = max(start.elapsed_time(end) / 5, 1e-4)
+    n_warmup = max(1, int(warmup_ms / estimate_ms))
+    n_repeat = max(1, int(rep_ms / estimate_ms))
+    for _ in range(n_warmup):
+        fn()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n_repeat)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n_repeat)]
+    for s, e in zip(starts, ends):
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+
+
+def time_cuda(
+    fn: Callable[[], Any],
+    *,
+    mode: str = "graph",
+    flush_l2: bool = True,
+    warmup_ms: float = 25,
+    rep_ms: float = 100,
+) -> Timing:
+    """Time ``fn()`` on the current CUDA device; returns ms p50/p20/p80 (see the module docstring).
+
+    fn: a no-argument callable that launches the work (inputs bound in a closure; it may return a
+        tensor, which is ignored). In graph mode it must be capturable: no host synchronization, no
+        data-dependent shapes, no CPU-side allocation decisions that differ between calls.
+    mode: "graph" (capture once, time ``CUDAGraph.replay``) or "eager" (time ``fn`` directly, so the
+        CPU launch overhead is included when it exceeds the GPU time).
+    flush_l2: flush L2 before every repetition (``triton.testing.do_bench``); the flush is not timed.
+        ``False`` times back-to-back calls with a warm L2 (own event loop, same method otherwise).
+    warmup_ms, rep_ms: do_bench's warm-up and measurement budgets, in milliseconds of GPU time.
+
+    Raises RuntimeError when CUDA is not available (use :func:`time_cpu` on the cpu profile).
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            "time_cuda needs a CUDA GPU (torch.cuda.is_available() is False); "
+            "use moelora_lib.bench.time_cpu on the cpu profile"
+        )
+    if mode not in ("graph", "eager"):
+        raise ValueError(f"mode must be 'graph' or 'eager', got {mode!r}")
+
+    # Warm-up outside any timed region: compilation, autotuning, allocator growth.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+
+    target: Callable[[], Any] = fn
+    graph = None
+    if mode == "graph":
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # captures on its own side stream
+            fn()
+        torch.cuda.synchronize()
+        target = graph.replay
+        target()  # first replay uploads the graph; keep it out of the timings
+        torch.cuda.synchronize()
+
+    if flush_l2:
+        import triton.testing
+
+        p50, p20, p80 = triton.testing.do_bench(
+            target, warmup=warmup_ms, rep=rep_ms, quantiles=list(QUANTILES)
+        )
+    else:
+        p50, p20, p80 = _quantiles(_events_no_flush(target, warmup_ms, rep_ms))
+    del graph
+    return Timing(float(p50), float(p20), float(p80), mode)
+
+
+def time_cpu(fn: Callable[[], Any], *, reps: int = 3, warmup: int = 1) -> Timing:
+    """Wall-clock ``fn()`` with ``time.perf_counter``: ``warmup`` untimed calls, then ``reps`` timed ones.
+
+    For the cpu profile (Triton/Helion interpreters): the numbers are interpreter cost in ms, useful
+    only to keep CI fast, never as kernel performance. mode is "cpu".
+    """
+    if reps < 1:
+        raise ValueError("reps must be >= 1")
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    p50, p20, p80 = _quantiles(times)
+    return Timing(p50, p20, p80, "cpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# Roofline floors
+# ---------------------------------------------------------------------------------------------
+
+
+def copy_bandwidth_floor_us(nbytes: float, tb_per_s: float = H200_COPY_TB_PER_S) -> float:
+    """Lower bound in µs to move ``nbytes`` (bytes read + bytes written) at ``tb_per_s`` TB/s (1e12 B/s).
+
+    4.3 TB/s is the measured H200 device-to-device copy rate. Small-M GEMMs stream their weights at
+    about 3 TB/s in practice (cuBLAS, environment.md §6), so treat this as a floor, not a target.
+    """
+    if tb_per_s <= 0:
+        raise ValueError("tb_per_s must be > 0")
+    return float(nbytes) / (tb_per_s * 1e12) * 1e6
+
+
+def compute_floor_us(flops: float, tflops: float = H200_BF16_TFLOPS) -> float:
+    """Lower bound in µs to execute ``flops`` floating-point operations at ``tflops`` TFLOP/s.
+
+    675 TFLOP/s is the measured bf16 dense matmul rate on the H200 (count 2 flops per multiply-add).
+    """
+    if tflops <= 0:
+        raise ValueError("tflops must be > 0")
+    return float(flops) / (tflops * 1e12) * 1e6
+
+
+# ---------------------------------------------------------------------------------------------
+# Environment record and result rows
+# ---------------------------------------------------------------------------------------------
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
+
+
+def _git(*args: str) -> str | None:
+    try:
+        proc = subprocess.run(
+            ["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True, timeout=10, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return proc.stdout.strip() if proc.returncode == 0 else None
+
+
+def git_commit() -> str:
+    """``git rev-parse --short HEAD`` of this repo, with "-dirty" if tracked or new files outside
+    ``data/`` differ from HEAD; "unknown" without git (then ``$MOELORA_GIT_COMMIT`` is used if set,
+    for a copy of the tree without ``.git`` such as the GPU host's)."""
+    head = _git("rev-parse", "--short", "HEAD")
+    if not head:
+        return os.environ.get("MOELORA_GIT_COMMIT") or "unknown"
+    status = _git("status", "--porcelain", "--", ".", ":(exclude)data")
+    return head + ("-dirty" if status else "")
+
+
+def _gpu_info() -> dict[str, Any]:
+    info: dict[str, Any] = {"gpu": "cpu", "gpu_count": 0, "driver": None, "cuda": None}
+    try:
+        import torch
+    except ImportError:
+        return info
+    info["cuda"] = torch.version.cuda
+    if torch.cuda.is_available():
+        info["gpu_count"] = torch.cuda.device_count()
+        info["gpu"] = torch.cuda.get_device_name(0)
+        try:
+            proc = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=20,
+                check=False,
+            )
+            if proc.returncode == 0 and proc.stdout.strip():
+                info["driver"] = proc.stdout.strip().splitlines()[0]
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return info
+
+
+@functools.lru_cache(maxsize=1)
+def _static_env() -> dict[str, Any]:
+    """The parts of the record that do not change within one process (computed once)."""
+    rec = _gpu_info()
+    rec.update(
+        torch=_version("torch"),
+        triton=_version("triton"),
+        helion=_version("helion"),
+        numpy=_version("numpy"),
+        python=platform.python_version(),
+        git_commit=git_commit(),
+        hostname=socket.gethostname(),
+    )
+    return rec
+
+
+def env_record() -> dict[str, Any]:
+    """Where a number was measured: gpu (name or "cpu"), gpu_count, driver, cuda, torch, triton, helion,
+    numpy, python, git_commit, hostname, timestamp_utc, TRITON_INTERPRET, MOELORA_TUNED_CONFIG_FOLDER."""
+    rec = dict(_static_env())
+    rec["timestamp_utc"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    rec["TRITON_INTERPRET"] = os.environ.get("TRITON_INTERPRET")
+    rec[TUNED_CONFIG_ENV] = os.environ.get(TUNED_CONFIG_ENV)
+    return rec
+
+
+def result_row(**fields: Any) -> dict[str, Any]:
+    """``fields`` (stage, op, model, T, H, ..., ms_p50, ...) plus the columns gpu, torch, triton, helion,
+    git_commit and tuned_config_folder (the ``MOELORA_TUNED_CONFIG_FOLDER`` in force, or None).
+
+    A ``Timing`` passed as ``timing=`` is expanded into ms_p50/ms_p20/ms_p80/timing_mode.
+    Explicit fields win over the environment columns.
+    """
+    env = env_record()
+    row: dict[str, Any] = {
+        "gpu": env["gpu"],
+        "torch": env["torch"],
+        "triton": env["triton"],
+        "helion": env["helion"],
+        "git_commit": env["git_commit"],
+        "tuned_config_folder": env[TUNED_CONFIG_ENV],
+    }
+    timing = fields.pop("timing", None)
+    if isinstance(timing, Timing):
+        fields = {**timing.as_dict(), **fields}
+    elif timing is not None:
+        fields["timing"] = timing
+    return {**fields, **{k: v for k, v in row.items() if k not in fields}}
+
+
+def write_rows(path: str | os.PathLike, rows: Iterable[Mapping[str, Any]], *, append: bool = False):
+    """Write ``rows`` as a tidy CSV (one row per measurement) with pandas; returns the DataFrame written.
+
+    Creates parent folders. ``append=True`` keeps the rows already in ``path`` (columns are unioned).
+    """
+    import pandas as pd
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    df = pd.DataFrame([dict(r) for r in rows])
+    if append and path.exists() and path.stat().st_size > 0:
+        df = pd.concat([pd.read_csv(path), df], ignore_index=True)
+    df.to_csv(path, index=False)
+    return df
+
+
+def save_env(path: str | os.PathLike) -> dict[str, Any]:
+    """Write :func:`env_record` as JSON to ``path`` (parents created); returns the record."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rec = env_record()
+    path.write_text(json.dumps(rec, indent=2, sort_keys=True) + "\n")
+    return rec
+
+
+def data_path(*parts: str) -> Path:
+    """``<repo>/data/<parts...>``: where notebooks write CSVs, figures and env records, whatever the
+    kernel's working directory is."""
+    return REPO_ROOT.joinpath("data", *parts)
+
+
+__all__ = [
+    "ENV_COLUMNS",
+    "H200_BF16_TFLOPS",
+    "H200_COPY_TB_PER_S",
+    "Timing",
+    "compute_floor_us",
+    "copy_bandwidth_floor_us",
+    "data_path",
+    "env_record",
+    "git_commit",
+    "result_row",
+    "save_env",
+    "time_cpu",
+    "time_cuda",
+    "write_rows",
+]

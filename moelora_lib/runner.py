@@ -1,0 +1,317 @@
+"""Run the notebook suite headless with papermill.
+
+    python -m moelora_lib.runner [--profile cpu|gpu|auto] [--only 01,02] [--out DIR]
+                                 [--log-output] [--keep-going] [--list]
+
+Every ``notebooks/[0-9][0-9]_*.ipynb`` is executed in name order with ``kernel_name="python3"`` and the
+parameter ``PROFILE=<profile>``; the executed copy goes to ``<out>/<same name>`` and one row per
+notebook (notebook, profile, seconds, status, git_commit, ...) is appended to ``<out>/run_log.csv``.
+
+Profiles:
+  gpu  full shapes on a CUDA GPU. ``TRITON_INTERPRET`` is removed from the kernel's environment.
+  cpu  small shapes; ``TRITON_INTERPRET=1`` is set in the kernel's environment, so Triton kernels run
+       in the interpreter. Executed copies default to ``data/executed/cpu/`` so that a CPU run never
+       overwrites the executed GPU notebooks in ``data/executed/``.
+  auto ``gpu`` if ``torch.cuda.is_available()`` else ``cpu``.
+
+On a failure the runner stops (or, with ``--keep-going``, carries on with the next notebook) and exits
+with status 1 after printing which notebook failed, at which cell (0-based index in the source
+notebook, and its first source line) and with which exception.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import datetime as _dt
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+NOTEBOOK_GLOB = "[0-9][0-9]_*.ipynb"
+PROFILES = ("cpu", "gpu")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RUN_LOG_NAME = "run_log.csv"
+RUN_LOG_COLUMNS = ("notebook", "profile", "seconds", "status", "git_commit", "finished_utc", "error")
+
+
+@dataclass(frozen=True)
+class NotebookResult:
+    """Outcome of one notebook: ``status`` is "ok" or "failed"; ``seconds`` is wall time."""
+
+    notebook: str
+    profile: str
+    seconds: float
+    status: str
+    output: Path
+    error: str | None = None
+
+
+class NotebookFailure(RuntimeError):
+    """Raised by :func:`run_notebooks` (without ``keep_going``) when a notebook fails."""
+
+    def __init__(self, message: str, results: list[NotebookResult]):
+        super().__init__(message)
+        self.results = results
+
+
+def resolve_profile(profile: str) -> str:
+    """Map "auto" to "gpu" when CUDA is available, else "cpu"; validate the others."""
+    if profile == "auto":
+        try:
+            import torch
+
+            return "gpu" if torch.cuda.is_available() else "cpu"
+        except ImportError:
+            return "cpu"
+    if profile not in PROFILES:
+        raise ValueError(f"unknown profile {profile!r}; expected one of {PROFILES + ('auto',)}")
+    return profile
+
+
+def find_notebooks(notebook_dir: str | os.PathLike, only: Sequence[str] | None = None) -> list[Path]:
+    """The stage notebooks ``NN_*.ipynb`` in ``notebook_dir``, sorted; ``only`` filters by prefix.
+
+    ``only`` holds stage numbers or name prefixes (``["01", "2", "03_no"]``); a selector that matches
+    nothing is an error, so a typo does not silently run zero notebooks.
+    """
+    notebooks = sorted(Path(notebook_dir).glob(NOTEBOOK_GLOB))
+    if not only:
+        return notebooks
+    selected: list[Path] = []
+    for sel in only:
+        sel = sel.strip()
+        if not sel:
+            continue
+        if sel.isdigit():
+            sel = f"{int(sel):02d}_"
+        hits = [nb for nb in notebooks if nb.name.startswith(sel)]
+        if not hits:
+            names = ", ".join(nb.name for nb in notebooks) or "none"
+            raise ValueError(f"--only {sel!r} matches no notebook in {notebook_dir} (have: {names})")
+        selected.extend(h for h in hits if h not in selected)
+    return sorted(selected)
+
+
+def default_out_dir(profile: str) -> Path:
+    """``data/executed`` for the gpu profile, ``data/executed/cpu`` for the cpu profile."""
+    base = REPO_ROOT / "data" / "executed"
+    return base if profile == "gpu" else base / "cpu"
+
+
+@contextlib.contextmanager
+def kernel_environment(profile: str) -> Iterator[None]:
+    """Set the environment that the Jupyter kernel inherits, and restore it afterwards.
+
+    cpu: ``TRITON_INTERPRET=1`` (read by ``@triton.jit`` at decoration time, so it must be set before
+    the kernel process imports any kernel module). gpu: ``TRITON_INTERPRET`` removed.
+    """
+    saved = {k: os.environ.get(k) for k in ("TRITON_INTERPRET",)}
+    try:
+        if profile == "cpu":
+            os.environ["TRITON_INTERPRET"] = "1"
+        else:
+            os.environ.pop("TRITON_INTERPRET", None)
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _source_cell_index(notebook: Path, executed_index: int, source: str) -> int:
+    """Map papermill's cell index (in the executed copy, which has an injected-parameters cell) back
+    to the index in the source notebook, by matching the failing cell's source."""
+    try:
+        import nbformat
+
+        cells = nbformat.read(str(notebook), as_version=4).cells
+    except Exception:
+        return executed_index
+    candidates = [i for i, c in enumerate(cells) if c.cell_type == "code" and c.source == source]
+    if not candidates:
+        return executed_index
+    return min(candidates, key=lambda i: (abs(i - (executed_index - 1)), i))
+
+
+def describe_failure(notebook: Path, exc: BaseException) -> str:
+    """One readable message naming the notebook, the failing cell and the exception."""
+    from papermill.exceptions import PapermillExecutionError
+
+    if isinstance(exc, PapermillExecutionError):
+        src_index = _source_cell_index(notebook, exc.cell_index, exc.source)
+        lines = [ln for ln in (exc.source or "").splitlines() if ln.strip()]
+        first = lines[0].strip() if lines else "<empty>"
+        return (
+            f"notebook {notebook.name} failed at cell {src_index} (0-based, In [{exc.exec_count}]; "
+            f"cell {exc.cell_index} in the executed copy): `{first}` -> {exc.ename}: {exc.evalue}"
+        )
+    return f"notebook {notebook.name} failed before or outside a cell: {type(exc).__name__}: {exc}"
+
+
+def _append_run_log(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new_file = not path.exists() or path.stat().st_size == 0
+    with path.open("a", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(RUN_LOG_COLUMNS), extrasaction="ignore")
+        if new_file:
+            writer.writeheader()
+        writer.writerows(rows)
+
+
+def _log_row(out: Path, notebook: str, profile: str, seconds: float, status: str, commit: str, error):
+    row = {
+        "notebook": notebook,
+        "profile": profile,
+        "seconds": f"{seconds:.2f}",
+        "status": status,
+        "git_commit": commit,
+        "finished_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "error": error or "",
+    }
+    _append_run_log(out / RUN_LOG_NAME, [row])
+
+
+def run_notebooks(
+    notebook_dir: str | os.PathLike,
+    out_dir: str | os.PathLike | None,
+    profile: str,
+    only: Sequence[str] | None = None,
+    *,
+    log_output: bool = False,
+    progress_bar: bool = True,
+    keep_going: bool = False,
+    cell_timeout: float | None = None,
+    cwd: str | os.PathLike | None = None,
+) -> list[NotebookResult]:
+    """Execute the stage notebooks of ``notebook_dir`` in order; return one result per notebook run.
+
+    notebook_dir: folder with ``NN_*.ipynb``. out_dir: where the executed copies and ``run_log.csv``
+    go (``None``: :func:`default_out_dir`). profile: "cpu", "gpu" or "auto". only: stage selectors,
+    see :func:`find_notebooks`. cwd: the kernel's working directory (default: the notebook's folder,
+    as in Jupyter). cell_timeout: seconds per cell (``None``: no limit).
+
+    Without ``keep_going`` the first failure raises :class:`NotebookFailure` (its message names the
+    notebook and the cell; ``.results`` holds every result so far, the failed one last). With
+    ``keep_going`` failures are returned as results with ``status == "failed"`` and ``error`` set.
+    """
+    import papermill
+
+    from moelora_lib.bench import git_commit
+
+    profile = resolve_profile(profile)
+    out = Path(out_dir) if out_dir is not None else default_out_dir(profile)
+    notebooks = find_notebooks(notebook_dir, only)
+    if not notebooks:
+        raise FileNotFoundError(f"no notebooks matching {NOTEBOOK_GLOB} in {notebook_dir}")
+    out.mkdir(parents=True, exist_ok=True)
+    commit = git_commit()
+    results: list[NotebookResult] = []
+    n = len(notebooks)
+    for i, nb in enumerate(notebooks, 1):
+        dst = out / nb.name
+        print(f"[{i}/{n}] {nb.name} (profile={profile}) ...", flush=True)
+        t0 = time.perf_counter()
+        error: str | None = None
+        try:
+            with kernel_environment(profile):
+                papermill.execute_notebook(
+                    str(nb),
+                    str(dst),
+                    parameters={"PROFILE": profile},
+                    kernel_name="python3",
+                    progress_bar=progress_bar,
+                    log_output=log_output,
+                    cwd=str(cwd) if cwd is not None else str(nb.parent),
+                    execution_timeout=cell_timeout,
+                )
+        except KeyboardInterrupt:  # e.g. `timeout --signal=INT` in scripts/gpu_job.sh
+            seconds = time.perf_counter() - t0
+            _log_row(out, nb.name, profile, seconds, "interrupted", commit, "interrupted")
+            print(f"[{i}/{n}] {nb.name}: interrupted after {seconds:.1f} s", file=sys.stderr, flush=True)
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure is reported the same way
+            error = describe_failure(nb, exc)
+        seconds = time.perf_counter() - t0
+        result = NotebookResult(nb.name, profile, seconds, "failed" if error else "ok", dst, error)
+        results.append(result)
+        _log_row(out, nb.name, profile, seconds, result.status, commit, error)
+        print(f"[{i}/{n}] {nb.name}: {result.status} in {seconds:.1f} s -> {dst}", flush=True)
+        if error:
+            print(f"FAILED: {error}", file=sys.stderr, flush=True)
+            if not keep_going:
+                raise NotebookFailure(error, results)
+    return results
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m moelora_lib.runner", description=__doc__.split("\n")[0])
+    p.add_argument("--profile", default="auto", choices=[*PROFILES, "auto"])
+    p.add_argument("--only", default=None, help="comma-separated stage numbers or name prefixes, e.g. 01,02")
+    p.add_argument("--out", default=None, help="executed copies + run_log.csv (default: data/executed[/cpu])")
+    p.add_argument("--notebooks", default=str(REPO_ROOT / "notebooks"), help="folder of NN_*.ipynb")
+    p.add_argument("--log-output", action="store_true", help="stream cell outputs to this process's log")
+    p.add_argument("--no-progress", action="store_true", help="no per-cell progress bar")
+    p.add_argument("--keep-going", action="store_true", help="run the remaining notebooks after a failure")
+    p.add_argument("--cell-timeout", type=float, default=None, help="seconds per cell (default: none)")
+    p.add_argument("--list", action="store_true", help="list the notebooks that would run, then exit")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse_args(argv)
+    only = [s for s in args.only.split(",") if s.strip()] if args.only else None
+    try:
+        notebooks = find_notebooks(args.notebooks, only)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.list:
+        for nb in notebooks:
+            print(nb.name)
+        return 0
+    if not notebooks:
+        print(f"error: no notebooks matching {NOTEBOOK_GLOB} in {args.notebooks}", file=sys.stderr)
+        return 2
+    profile = resolve_profile(args.profile)
+    t0 = time.perf_counter()
+    try:
+        results = run_notebooks(
+            args.notebooks,
+            args.out,
+            profile,
+            only,
+            log_output=args.log_output,
+            progress_bar=not args.no_progress,
+            keep_going=args.keep_going,
+            cell_timeout=args.cell_timeout,
+        )
+    except NotebookFailure as exc:
+        results = exc.results
+    except KeyboardInterrupt:
+        print("interrupted; executed copies and run_log.csv so far are kept", file=sys.stderr)
+        return 130
+    failed = [r for r in results if r.status != "ok"]
+    total = time.perf_counter() - t0
+    n_ok = len(results) - len(failed)
+    print(f"\n{n_ok} of {len(notebooks)} notebooks ok, profile={profile}, {total:.1f} s")
+    for r in results:
+        print(f"  {r.status:6s} {r.seconds:8.1f} s  {r.notebook}")
+    not_run = len(notebooks) - len(results)
+    if not_run:
+        print(f"  ({not_run} not run after the first failure; use --keep-going to run them)")
+    if failed:
+        for r in failed:
+            print(f"FAILED: {r.error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -100,7 +100,10 @@ def make_layer_run(hidden_states, w13, w2, topk_weights, topk_ids, lora_ids, lor
     d = validate_moe_lora_inputs(hidden_states, w13, w2, topk_weights, topk_ids, lora_ids, lora_a13,
                                  lora_b13, lora_a2, lora_b2, activation, b13, b2, check_values)
     if config is None:
-        config = default_config(d["T"], d["H"], d["I"], d["E"], d["K"], d["R"], d["L"], d["S"])
+        dims = (d["T"], d["H"], d["I"], d["E"], d["K"], d["R"], d["L"], d["S"])
+        # stage "tuned" loads tuned configs (moelora_lib.configs); the other stages use the defaults
+        pick = getattr(STAGES[stage], "config_for", None)
+        config = pick(*dims) if pick is not None else default_config(*dims)
     elif not isinstance(config, LayerConfig):
         raise ValueError(f"config must be a LayerConfig or None, got {type(config).__name__}")
     return LayerRun(STAGES[stage], hidden_states, w13, w2, topk_weights, topk_ids, lora_ids,
@@ -133,7 +136,8 @@ def fused_moe_lora(hidden_states, w13, w2, topk_weights, topk_ids, lora_ids, lor
         activation: "silu" or "swigluoai".
         b13: [E, 2I] or None; b2: [E, H] or None (expert biases).
         stage: a name in :data:`moelora_lib.kernels.STAGES`.
-        config: a :class:`~moelora_lib.kernels.LayerConfig`; None = :func:`default_config`.
+        config: a :class:`~moelora_lib.kernels.LayerConfig`; None = :func:`default_config`, or for
+            stage "tuned" :func:`moelora_lib.configs.load_layer_config` (tuned files, else defaults).
     Returns:
         [T, H] in hidden_states' dtype ([0, H] when T = 0).
     Raises:

@@ -588,8 +588,11 @@ for m in MODELS_RUN:
                                             warmup_ms=WARMUP_MS, rep_ms=REP_MS, return_output=True)
                 if ref_out is None:
                     ref_out = out
-                    again = mb.lora_op_fn(run, op, dataclasses.replace(getattr(run.cfg, op), {knob}=v))()
-                    row["deterministic_repeat"] = bool(torch.equal(out, again)) if op.endswith("shrink") else None
+                    cfg1 = dataclasses.replace(getattr(run.cfg, op), {knob}=v)
+                    again = mb.lora_op_fn(run, op, cfg1)()
+                    # only a plain store (SPLIT_K = 1) promises bitwise determinism; atomics reorder sums
+                    row["deterministic_repeat"] = (bool(torch.equal(out, again))
+                                                   if op.endswith("shrink") and cfg1.SPLIT_K == 1 else None)
                 row["err_vs_1"] = rel_err(out, ref_out)
                 row["default_value"] = getattr(run.cfg, op).{knob}
                 row["{knob.lower()}"] = v
@@ -627,7 +630,7 @@ fig.savefig(FIG / "{fig_name}", dpi=120)""",
 ops_df = df[df.part.isin(OPS)]
 print(f"max err_vs_1 over all ops and values: {{ops_df.err_vs_1.max():.2e}}")
 assert (ops_df[ops_df["{knob.lower()}"] == 1].err_vs_1 == 0).all()
-assert ops_df.deterministic_repeat.dropna().astype(bool).all(), "value 1 not bitwise deterministic"
+assert ops_df.deterministic_repeat.dropna().astype(bool).all(), "SPLIT_K = 1 shrink not bitwise deterministic"
 assert (ops_df.err_vs_1 <= 1e-3).all(), "error beyond the bound"
 for (m, T, part), d in df.groupby(["model", "T", "part"], sort=False):
     d = d.set_index("{knob.lower()}").us_p50

@@ -1,0 +1,549 @@
+"""Compile-only inspection of the kernels for sm_90 (H200) on a machine without a GPU.
+
+Used by ``tests/test_compile_sm90.py`` and by notebooks 03 and 06 on the CPU machine. It follows
+../shared/notes/environment.md §3: the argument binder of a ``JITFunction`` gives the same
+specialization that ``JITFunction.run`` keys its cache on (it reads only dtypes, ints and the
+16-byte alignment of ``data_ptr()``, so meta tensors stand in for device buffers, like the GPU's
+256-byte aligned allocations), ``_pack_args`` turns it into an ``ASTSource``, and
+``triton.compile(..., target=GPUTarget("cuda", 90, 32))`` runs the whole pipeline down to the
+cubin with the ptxas bundled in the triton wheel. PTX is ``k.asm["ptx"]``; SASS and resource usage
+come from the bundled ``cuobjdump``.
+
+**The kernels must be decorated without ``TRITON_INTERPRET``.** Triton reads the variable when
+``@triton.jit`` runs, so a process that imported the kernels under the interpreter (the test
+suite, see tests/conftest.py) cannot compile them. :func:`run_isolated` runs jobs in a fresh
+``python -m moelora_lib.compile_check batch`` subprocess with the variable removed and returns
+JSON; the same CLI serves humans::
+
+    python -m moelora_lib.compile_check count --kernel lora_shrink --naive --lengths 1 7 16 4096
+    python -m moelora_lib.compile_check inspect --kernel lora_shrink --T 64 --cfg '{"SPLIT_K": 4}'
+
+``TRITON_CACHE_DIR`` is honoured (re-compiles hit the cache). The functions that take a
+``CompiledKernel`` (:func:`ptx`, :func:`sass`, :func:`resource_usage`) and the text helpers
+(:func:`k_loop_bodies`, :func:`masked_global_loads`, :func:`has_atomic_add`, ...) work anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from functools import cache
+
+__all__ = [
+    "SM90", "KERNEL_NAMES", "compile_for_sm90", "specialization_key", "count_variants", "variants",
+    "launch", "ptx", "sass", "resource_usage", "k_loop_bodies", "masked_global_loads",
+    "has_atomic_add", "tensor_core_ops", "run_isolated", "inspect_job",
+]
+
+KERNEL_NAMES = ("fused_moe", "lora_shrink", "lora_expand", "gated_act")
+
+
+# --------------------------------------------------------------------------------------------------
+# compiling
+# --------------------------------------------------------------------------------------------------
+def _target(arch: int = 90):
+    from triton.backends.compiler import GPUTarget
+
+    return GPUTarget("cuda", arch, 32)
+
+
+SM90 = 90
+
+
+@cache
+def _backend(arch: int = SM90):
+    from triton.compiler import make_backend
+
+    return make_backend(_target(arch))
+
+
+@cache
+def _binder(jitfn, arch: int = SM90):
+    from triton.runtime.jit import create_function_from_signature
+
+    return create_function_from_signature(jitfn.signature, jitfn.params, _backend(arch))
+
+
+def _check_jit(jitfn) -> None:
+    from triton.runtime.jit import JITFunction
+
+    if not isinstance(jitfn, JITFunction):
+        raise RuntimeError(
+            f"{jitfn!r} is not a JITFunction (was it decorated under TRITON_INTERPRET=1?); compile "
+            "for sm_90 in a process without TRITON_INTERPRET, e.g. compile_check.run_isolated(jobs)")
+
+
+def _kwargs(jitfn, constexprs: dict, num_warps, num_stages) -> dict:
+    """Keyword arguments exactly as JITFunction.run sees them (it adds debug/instrumentation_mode)."""
+    from triton import knobs
+
+    kw = dict(constexprs)
+    if num_warps is not None:
+        kw["num_warps"] = num_warps
+    if num_stages is not None:
+        kw["num_stages"] = num_stages
+    kw["debug"] = kw.get("debug", jitfn.debug) or knobs.runtime.debug
+    kw["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+    return kw
+
+
+def _bind(jitfn, args, constexprs, num_warps, num_stages, arch):
+    _check_jit(jitfn)
+    kw = _kwargs(jitfn, constexprs, num_warps, num_stages)
+    bound_args, specialization, options = _binder(jitfn, arch)(*args, **kw)
+    return kw, bound_args, specialization, options
+
+
+def specialization_key(jitfn, args, constexprs: dict, num_warps: int | None = None,
+                       num_stages: int | None = None, arch: int = SM90) -> str:
+    """The key ``JITFunction.run`` looks its kernel cache up with, for these launch arguments.
+
+    ``str(specialization) + str(options)``: one entry per parameter, e.g. ``('i32', 'D')`` for an
+    int divisible by 16, ``('constexpr', 1)`` for an int equal to 1 (or ``('i32', None)`` when the
+    parameter is ``do_not_specialize``), plus the constexpr values and num_warps/num_stages.
+    Two launches with the same key reuse one binary; a new key compiles a new one.
+    """
+    from triton.runtime.jit import compute_cache_key
+
+    _, _, specialization, options = _bind(jitfn, args, constexprs, num_warps, num_stages, arch)
+    return compute_cache_key({}, specialization, options)
+
+
+def compile_for_sm90(jitfn, args, constexprs: dict, num_warps: int | None = None,
+                     num_stages: int | None = None, arch: int = SM90):
+    """Compile ``jitfn`` for these launch arguments to a ``CompiledKernel`` for sm_``arch`` (no GPU).
+
+    ``args`` are the positional launch arguments (CPU or meta tensors, ints); ``constexprs`` the
+    keyword constexprs; num_warps/num_stages None = Triton's defaults. Honours TRITON_CACHE_DIR.
+    """
+    import triton
+    from triton.compiler import ASTSource
+
+    backend = _backend(arch)
+    kw, bound_args, specialization, options = _bind(jitfn, args, constexprs, num_warps, num_stages, arch)
+    options, signature, cexprs, attrs = jitfn._pack_args(backend, kw, bound_args, specialization, options)
+    return triton.compile(ASTSource(jitfn, signature, cexprs, attrs), target=_target(arch),
+                          options=options.__dict__)
+
+
+# --------------------------------------------------------------------------------------------------
+# inspecting a CompiledKernel
+# --------------------------------------------------------------------------------------------------
+def _nvidia_bin(tool: str) -> str:
+    import triton
+
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", tool)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{tool} is not bundled with this triton wheel ({path})")
+    return path
+
+
+def ptx(compiled) -> str:
+    """The PTX of a compiled kernel."""
+    return compiled.asm["ptx"]
+
+
+def sass(compiled) -> str:
+    """The SASS of a compiled kernel (``cuobjdump -sass`` of its cubin, via triton.tools.disasm)."""
+    from triton.tools.disasm import get_sass
+
+    os.environ.setdefault("TRITON_CUOBJDUMP_PATH", _nvidia_bin("cuobjdump"))  # used by older wheels
+    return get_sass(compiled.asm["cubin"])
+
+
+def resource_usage(compiled) -> dict:
+    """``cuobjdump -res-usage`` of the cubin as ints: REG, STACK, SHARED (static), LOCAL (> 0 =
+    spills), CONSTANT_0, TEXTURE, SURFACE, SAMPLER; plus DYN_SHARED = ``metadata.shared`` (the
+    dynamic shared memory Triton launches with) and NUM_WARPS."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+        path = f.name
+    try:
+        out = subprocess.run([_nvidia_bin("cuobjdump"), "-res-usage", path], check=True,
+                             capture_output=True, text=True).stdout
+    finally:
+        os.remove(path)
+    m = re.search(r"REG:\d+.*", out)
+    if m is None:
+        raise RuntimeError(f"cannot parse cuobjdump -res-usage output:\n{out}")
+    res = {}
+    for key, val in re.findall(r"([A-Z_]+(?:\[\d+\])?):(\d+)", m.group(0)):
+        res[key.replace("[", "_").replace("]", "")] = int(val)
+    res["DYN_SHARED"] = int(compiled.metadata.shared)
+    res["NUM_WARPS"] = int(compiled.metadata.num_warps)
+    return res
+
+
+# --- text helpers (pure functions over PTX / SASS) -------------------------------------------------
+_LABEL = re.compile(r"^\s*(\$L__\w+):")
+_BRANCH = re.compile(r"\bbra(?:\.uni)?\s+(\$L__\w+)\s*;")
+
+
+def k_loop_bodies(ptx_text: str) -> list[str]:
+    """The bodies of the PTX loops: the lines from a label to the last branch back to it.
+
+    A loop in PTX is a label followed later by a (conditional) ``bra`` to that same label. With
+    ``num_stages=1`` there is no software-pipelined prologue, so every load of the K loop sits in
+    its body. Nested or sequential loops are each returned; outermost spans first.
+    """
+    lines = ptx_text.splitlines()
+    where = {}
+    for i, line in enumerate(lines):
+        m = _LABEL.match(line)
+        if m:
+            where[m.group(1)] = i
+    spans = {}
+    for j, line in enumerate(lines):
+        m = _BRANCH.search(line)
+        if m and m.group(1) in where and where[m.group(1)] < j:
+            spans[m.group(1)] = (where[m.group(1)], j)
+    return ["\n".join(lines[a:b + 1]) for a, b in sorted(spans.values())]
+
+
+_PRED_LD = re.compile(r"^\s*@!?%p\w*\s+ld\.global\b", re.M)
+_CP_ASYNC_ZFILL = re.compile(r"\bcp\.async\.\w+(?:\.\w+)*\s+\[[^\]]+\],\s*\[[^\]]+\],\s*[^,;]+,\s*%r\w*\s*;")
+_PRED_CP_ASYNC = re.compile(r"^\s*@!?%p\w*\s+cp\.async\b", re.M)
+_LD_GLOBAL = re.compile(r"^\s*(?:@!?%p\w*\s+)?ld\.global\b", re.M)
+
+
+def masked_global_loads(ptx_text: str) -> dict:
+    """Count the global loads of a PTX fragment by kind.
+
+    ``predicated``: ``@%p ld.global`` (a masked tl.load without pipelining); ``zero_fill``:
+    ``cp.async [dst], [src], size, %rN`` (the src-size operand zero-fills a masked async copy);
+    ``predicated_cp_async``: ``@%p cp.async``; ``all_ld_global``: every ``ld.global`` line.
+    """
+    return {
+        "predicated": len(_PRED_LD.findall(ptx_text)),
+        "zero_fill": len(_CP_ASYNC_ZFILL.findall(ptx_text)),
+        "predicated_cp_async": len(_PRED_CP_ASYNC.findall(ptx_text)),
+        "all_ld_global": len(_LD_GLOBAL.findall(ptx_text)),
+    }
+
+
+_RED_PTX = re.compile(r"(?<![\w.])red\.global\S*add|atom\.global\S*relaxed\S*add|atom\.global\S*add")
+_RED_SASS = re.compile(r"(?<![\w.])(?:REDG|RED|ATOMG)\.\S*ADD")
+
+
+def has_atomic_add(ptx_text: str | None = None, sass_text: str | None = None) -> dict:
+    """Global atomic adds: PTX ``red.global...add`` / ``atom.global...add`` (with ``relaxed``) and SASS
+    ``REDG...ADD`` / ``ATOMG...ADD`` lines (counts)."""
+    out = {}
+    if ptx_text is not None:
+        hits = _RED_PTX.findall(ptx_text)
+        out["ptx_atomic_add"] = len(hits)
+        out["ptx_relaxed"] = sum("relaxed" in h for h in hits)
+    if sass_text is not None:
+        out["sass_red"] = len(re.findall(r"(?<![\w.])REDG?\.\S*ADD", sass_text))
+        out["sass_atom"] = len(re.findall(r"(?<![\w.])ATOMG?\.\S*ADD", sass_text))
+    return out
+
+
+def tensor_core_ops(ptx_text: str) -> dict:
+    """Counts of ``mma.sync`` and ``wgmma.mma_async`` instructions in PTX."""
+    return {
+        "mma_sync": len(re.findall(r"(?<![\w.])mma\.sync\.aligned\.\S+", ptx_text)),
+        "wgmma": len(re.findall(r"\bwgmma\.mma_async\.\S+", ptx_text)),
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# building the real launch arguments of one layer launch
+# --------------------------------------------------------------------------------------------------
+_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
+           "float32": "float32", "fp32": "float32"}
+
+#: launch name -> (kernel name, which projection)
+LAUNCHES = {
+    "base_gate_up": "fused_moe", "base_down": "fused_moe",
+    "gate_up_shrink": "lora_shrink", "down_shrink": "lora_shrink",
+    "gate_up_expand": "lora_expand", "down_expand": "lora_expand",
+    "act": "gated_act",
+}
+_DEFAULT_LAUNCH = {"fused_moe": "base_gate_up", "lora_shrink": "gate_up_shrink",
+                   "lora_expand": "gate_up_expand", "gated_act": "act"}
+
+
+def _shape(shape):
+    from .shapes import get_shape
+
+    if isinstance(shape, str):
+        return get_shape(shape)
+    from dataclasses import replace
+
+    d = dict(shape)
+    return replace(get_shape(d.pop("base", "gpt-oss-20b")), **d)
+
+
+def _routing(T: int, E: int, K: int, L: int):
+    """Deterministic top-k ids (distinct experts per token) and adapter ids (round robin)."""
+    import torch
+
+    t = torch.arange(T)
+    topk_ids = ((t[:, None] * 7 + torch.arange(K)[None, :] * (E // K if E >= 2 * K else 1)) % E)
+    topk_ids = topk_ids.to(torch.int32)
+    lora_ids = (t % L).to(torch.int32)
+    return topk_ids, lora_ids
+
+
+def _meta_alignment(align):
+    from dataclasses import replace
+
+    return replace(align, **{f: getattr(align, f).to("meta") for f in
+                             ("sorted_token_ids", "block_expert_ids", "block_lora_ids",
+                              "num_tokens_post_padded")})
+
+
+def launch(launch_name: str, T: int, *, shape="gpt-oss-20b", rank: int = 32, adapters: int = 8,
+           dtype: str = "bfloat16", cfg=None, use_even_k: bool = True, with_bias: bool | None = None):
+    """``(kernel_name, args, constexprs, num_warps, num_stages, cfg)`` of one launch of the layer.
+
+    Builds the arguments exactly as :class:`~moelora_lib.kernels.stages.LayerRun` passes them for a
+    prompt of T tokens (via the launchers' ``*_args`` functions: num_pairs = T·K, num_blocks from
+    the real alignment, buffer strides ∝ T·K), with meta tensors for the data.
+
+    Args:
+        launch_name: one of :data:`LAUNCHES` (``gate_up_shrink`` ...) or a kernel name (its gate_up
+            / first launch).
+        cfg: an :class:`~moelora_lib.kernels.config.OpConfig`, a dict of OpConfig fields overriding
+            the default config, or None = ``default_config(T, ...)`` for this launch.
+        use_even_k: the stage switch (EVEN_K is still only set when K divides evenly).
+    """
+    import torch
+
+    from .kernels.config import OpConfig
+    from .kernels.launchers import fused_moe_gemm_args, gated_act_args, lora_expand_args, lora_shrink_args
+    from .kernels.stages import default_config
+    from .routing import align_tokens
+
+    launch_name = _DEFAULT_LAUNCH.get(launch_name, launch_name)
+    kernel = LAUNCHES[launch_name]
+    sh = _shape(shape)
+    dt = getattr(torch, _DTYPES[dtype])
+    H, I, E, K, S, L, R = sh.hidden, sh.intermediate, sh.experts, sh.top_k, sh.lora_slices, adapters, rank
+    P = T * K
+    has_bias = sh.has_bias if with_bias is None else with_bias
+    if kernel != "gated_act":
+        base = getattr(default_config(T, H, I, E, K, R, L, S), launch_name)
+        if cfg is None:
+            cfg = base
+        elif isinstance(cfg, dict):
+            from dataclasses import replace
+
+            cfg = replace(base, **{k.upper(): v for k, v in cfg.items()})
+        assert isinstance(cfg, OpConfig)
+    meta = dict(device="meta", dtype=dt)
+    topk_ids, lora_ids = _routing(T, E, K, L)
+    if kernel == "fused_moe":
+        align = _meta_alignment(align_tokens(topk_ids, E, cfg.BLOCK_SIZE_M))
+        if launch_name == "base_gate_up":
+            x, w = torch.empty(T, H, **meta), torch.empty(E, 2 * I, H, **meta)
+            out = torch.empty(P, 2 * I, **meta)
+            bias, tw, rows_div = (torch.empty(E, 2 * I, **meta) if has_bias else None), None, K
+        else:
+            x, w, out = torch.empty(P, I, **meta), torch.empty(E, H, I, **meta), torch.empty(P, H, **meta)
+            bias = torch.empty(E, H, **meta) if has_bias else None
+            tw, rows_div = torch.empty(P, device="meta", dtype=torch.float32), 1
+        grid, args, cx = fused_moe_gemm_args(x, w, out, align, cfg, rows_div=rows_div, bias=bias,
+                                             topk_weights=tw, use_even_k=use_even_k)
+    elif kernel == "gated_act":
+        h, out = torch.empty(P, 2 * I, **meta), torch.empty(P, I, **meta)
+        grid, args, cx = gated_act_args(h, out, sh.activation)
+        return kernel, args, cx, None, None, None
+    else:
+        align = _meta_alignment(align_tokens(topk_ids, E, cfg.BLOCK_SIZE_M, lora_ids=lora_ids,
+                                             num_adapters=L))
+        gate_up = launch_name.startswith("gate_up")
+        s = S if gate_up else 1
+        inter = torch.empty(s, P, R, device="meta", dtype=torch.float32)
+        if kernel == "lora_shrink":
+            if gate_up:
+                x, a = torch.empty(T, H, **meta), torch.empty(L, E, S, R, H, **meta)
+            else:
+                x, a = torch.empty(P, I, **meta), torch.empty(L, E, R, I, **meta)
+            grid, args, cx = lora_shrink_args(x, a, inter, align, cfg, rows_div=K if gate_up else 1,
+                                              use_even_k=use_even_k)
+        else:
+            if gate_up:
+                b, out, tw = torch.empty(L, E, S, 2 * I // S, R, **meta), torch.empty(P, 2 * I, **meta), None
+            else:
+                b, out = torch.empty(L, E, H, R, **meta), torch.empty(P, H, **meta)
+                tw = torch.empty(P, device="meta", dtype=torch.float32)
+            grid, args, cx = lora_expand_args(inter, b, out, align, cfg, topk_weights=tw,
+                                              add_inputs=True, use_even_k=use_even_k)
+    return kernel, args, cx, cfg.NUM_WARPS, cfg.NUM_STAGES, cfg
+
+
+def _jit(kernel: str, specialize_lengths: bool):
+    from .kernels.triton_kernels import KERNELS
+
+    return KERNELS[kernel][bool(specialize_lengths)]
+
+
+def _interpreted() -> bool:
+    """True when this process decorated the kernels under TRITON_INTERPRET (they cannot compile)."""
+    from triton.runtime.jit import JITFunction
+
+    return not isinstance(_jit("lora_shrink", True), JITFunction)
+
+
+_HASHES: dict = {}
+
+
+def variants(kernel_name: str, specialize_lengths: bool, lengths, *, launch_name: str | None = None,
+             cfg=None, compile: bool = True, **launch_kw) -> dict:
+    """Distinct cache keys (and binaries) of one layer launch over prompt lengths ``lengths``.
+
+    ``cfg``: None = one fixed config for every length (the default config at T = 64); an OpConfig
+    or dict = that config; ``"auto"`` = ``default_config(T)`` per length, as the layer launches.
+    Returns ``{"keys": n, "hashes": n, "configs": n, "per_length": {T: key index}, "key_list": [...]}``
+    where hashes are the distinct ``CompiledKernel.hash`` of the compiled keys (None without compile).
+    """
+    from .kernels.config import OpConfig
+
+    if _interpreted():  # e.g. a CPU notebook that runs the interpreter too: compile in a subprocess
+        job = dict(op="count", kernel=kernel_name, specialize_lengths=bool(specialize_lengths),
+                   lengths=[int(t) for t in lengths], launch_name=launch_name, compile=compile,
+                   cfg=cfg.to_dict() if isinstance(cfg, OpConfig) else cfg, **launch_kw)
+        r = run_isolated([job])[0]
+        r["per_length"] = {int(k): v for k, v in r["per_length"].items()}
+        return r
+    name = launch_name or _DEFAULT_LAUNCH[kernel_name]
+    if LAUNCHES[name] != kernel_name:
+        raise ValueError(f"launch {name!r} runs {LAUNCHES[name]}, not {kernel_name}")
+    fixed = cfg
+    if cfg is None and kernel_name != "gated_act":
+        fixed = launch(name, 64, **launch_kw)[5]
+    keys, per_length, configs, hashes = [], {}, set(), set()
+    jf = _jit(kernel_name, specialize_lengths)
+    for T in lengths:
+        c = None if fixed == "auto" else fixed
+        _, args, cx, nw, ns, used = launch(name, int(T), cfg=c, **launch_kw)
+        configs.add(used if isinstance(used, OpConfig) else None)
+        key = specialization_key(jf, args, cx, nw, ns)
+        if key not in keys:
+            keys.append(key)
+            if compile:
+                if key not in _HASHES:
+                    _HASHES[key] = compile_for_sm90(jf, args, cx, nw, ns).hash
+                hashes.add(_HASHES[key])
+        per_length[int(T)] = keys.index(key)
+    return {"keys": len(keys), "hashes": len(hashes) if compile else None, "configs": len(configs),
+            "per_length": per_length, "key_list": keys}
+
+
+def count_variants(kernel_name: str, specialize_lengths: bool, lengths, **kw) -> tuple[int, int]:
+    """``(n_distinct_keys, n_distinct_hashes)`` of ``kernel_name`` over prompt lengths ``lengths``
+    (see :func:`variants` for the keyword arguments)."""
+    v = variants(kernel_name, specialize_lengths, lengths, **kw)
+    return v["keys"], v["hashes"]
+
+
+def inspect_job(launch_name: str, T: int, *, specialize_lengths: bool = False,
+                want=("res", "ptx", "sass"), **launch_kw) -> dict:
+    """Compile one layer launch for sm_90 and report: hash, key, constexprs, resources, PTX, SASS.
+
+    In a process whose kernels run under the interpreter, the job runs in :func:`run_isolated`."""
+    if _interpreted():
+        cfg = launch_kw.get("cfg")
+        if cfg is not None and not isinstance(cfg, (dict, str)):
+            launch_kw["cfg"] = cfg.to_dict()
+        job = dict(op="inspect", launch=launch_name, T=T, specialize_lengths=specialize_lengths,
+                   want=list(want), **launch_kw)
+        return run_isolated([job])[0]
+    kernel, args, cx, nw, ns, cfg = launch(launch_name, T, **launch_kw)
+    jf = _jit(kernel, specialize_lengths)
+    k = compile_for_sm90(jf, args, cx, nw, ns)
+    out = {"kernel": kernel, "hash": k.hash, "key": specialization_key(jf, args, cx, nw, ns),
+           "constexprs": {n: (v if isinstance(v, (int, bool, str)) else str(v)) for n, v in cx.items()},
+           "cfg": cfg.to_dict() if cfg is not None else None}
+    if "res" in want:
+        out["res"] = resource_usage(k)
+    if "ptx" in want:
+        out["ptx"] = ptx(k)
+    if "sass" in want:
+        out["sass"] = sass(k)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# subprocess runner and CLI
+# --------------------------------------------------------------------------------------------------
+def _run_job(job: dict) -> dict:
+    job = dict(job)
+    op = job.pop("op")
+    if op == "count":
+        return variants(job.pop("kernel"), job.pop("specialize_lengths"), job.pop("lengths"), **job)
+    if op == "inspect":
+        return inspect_job(job.pop("launch"), job.pop("T"), **job)
+    raise ValueError(f"unknown op {op!r}")
+
+
+def run_isolated(jobs: list[dict], timeout: float = 600.0) -> list[dict]:
+    """Run compile jobs in one fresh subprocess without TRITON_INTERPRET; return their results.
+
+    Jobs: ``{"op": "count", "kernel", "specialize_lengths", "lengths", ...variants() kwargs}`` or
+    ``{"op": "inspect", "launch", "T", ...inspect_job() kwargs}``. A failing job raises
+    RuntimeError with the subprocess's stderr.
+    """
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    proc = subprocess.run([sys.executable, "-m", "moelora_lib.compile_check", "batch"],
+                          input=json.dumps(jobs), capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=root)
+    if proc.returncode != 0:
+        raise RuntimeError(f"compile_check subprocess failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}")
+    return json.loads(proc.stdout)
+
+
+def _main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m moelora_lib.compile_check",
+                                description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("batch", help="read a JSON list of jobs on stdin, print a JSON list of results")
+    c = sub.add_parser("count", help="count compiled variants over prompt lengths")
+    c.add_argument("--kernel", required=True, choices=KERNEL_NAMES)
+    c.add_argument("--launch", default=None, choices=sorted(LAUNCHES))
+    c.add_argument("--naive", action="store_true", help="Triton's default specialization (stage naive)")
+    c.add_argument("--lengths", type=int, nargs="+", default=[1, 2, 7, 16, 33, 64, 1000, 4096, 8192])
+    c.add_argument("--auto-config", action="store_true", help="default_config(T) per length")
+    c.add_argument("--shape", default="gpt-oss-20b")
+    i = sub.add_parser("inspect", help="compile one launch; print resources (and PTX/SASS with --asm)")
+    i.add_argument("--launch", required=True, choices=sorted(LAUNCHES) + list(KERNEL_NAMES))
+    i.add_argument("--T", type=int, default=64)
+    i.add_argument("--cfg", default=None, help="JSON dict of OpConfig fields")
+    i.add_argument("--shape", default="gpt-oss-20b")
+    i.add_argument("--dtype", default="bfloat16")
+    i.add_argument("--asm", choices=["ptx", "sass"], default=None)
+    a = p.parse_args(argv)
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("compile_check: unset TRITON_INTERPRET to compile for sm_90", file=sys.stderr)
+        return 2
+    if a.cmd == "batch":
+        jobs = json.load(sys.stdin)
+        results = [_run_job(j) for j in jobs]
+        json.dump(results, sys.stdout)
+    elif a.cmd == "count":
+        v = variants(a.kernel, a.naive, a.lengths, launch_name=a.launch,
+                     cfg="auto" if a.auto_config else None, shape=a.shape)
+        print(json.dumps({k: v[k] for k in ("keys", "hashes", "configs", "per_length")}))
+    else:
+        want = ("res",) + ((a.asm,) if a.asm else ())
+        r = inspect_job(a.launch, a.T, cfg=json.loads(a.cfg) if a.cfg else None, shape=a.shape,
+                        dtype=a.dtype, want=want)
+        if a.asm:
+            print(r[a.asm])
+        print(json.dumps({k: r[k] for k in ("kernel", "hash", "constexprs", "cfg", "res")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

@@ -1,0 +1,261 @@
+"""Tuned-config files: lookup, precedence, errors, atomic writes, the tuner on the interpreter, stage tuned."""
+
+import json
+import os
+import warnings
+
+import pytest
+import torch
+
+from moelora_lib import configs, fused_moe_lora, tuning
+from moelora_lib.kernels import default_config
+from moelora_lib.kernels.config import LORA_OPS
+from moelora_lib.reference import moe_lora_reference
+from moelora_lib.shapes import get_shape
+from moelora_lib.testing import TOLERANCES, rel_err
+from moelora_lib.workloads import make_inputs
+
+GPU = "TEST_GPU"
+# a workload: T, H, I, E, K, R, L, S
+W = dict(T=8, H=64, I=32, E=4, K=2, R=16, L=2, S=2)
+
+
+def leaf(bm=16, **kw):
+    d = {"BLOCK_SIZE_M": bm, "BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 32, "GROUP_SIZE_M": 1, "NUM_WARPS": 4,
+         "NUM_STAGES": 2, "SPLIT_K": 1}
+    d.update(kw)
+    return d
+
+
+def write_folder(folder, tokens=(1, 64), bm=None, base_bm=32, gpu=GPU, w=W, tag=None):
+    """All five files for workload ``w`` at the given T buckets; leaf BLOCK_SIZE_N encodes T (for lookup
+    checks) unless ``tag`` is given (then NUM_STAGES = tag, to tell folders apart)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for op in LORA_OPS:
+        data = {}
+        for T in tokens:
+            lf = leaf(bm or 16, BLOCK_SIZE_N=16 if T < 32 else 64, **({"NUM_STAGES": tag} if tag else {}))
+            configs.set_entry(data, configs.lora_keys(op, T, w["H"], w["I"], w["R"], w["L"], w["S"]), lf)
+        configs.save_config_file(folder / configs.config_file_name(gpu, op), data)
+    data = {}
+    for T in tokens:
+        configs.set_entry(data, configs.base_keys(T, w["H"], w["I"], w["E"]),
+                          {"base_gate_up": leaf(base_bm), "base_down": leaf(base_bm, BLOCK_SIZE_N=64)})
+    configs.save_config_file(folder / configs.config_file_name(gpu, "base"), data)
+    return folder
+
+
+def load(folder=None, gpu=GPU, **over):
+    w = {**W, **over}
+    return configs.load_layer_config(w["T"], w["H"], w["I"], w["E"], w["K"], w["R"], w["L"], w["S"],
+                                     folder=folder, gpu_name=gpu)
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch):
+    monkeypatch.delenv(configs.ENV_VAR, raising=False)
+    configs.clear_cache()
+    yield
+    configs.clear_cache()
+
+
+def test_file_names_and_keys_follow_vllm():
+    assert configs.config_file_name("NVIDIA_H200", "gate_up_shrink") == "NVIDIA_H200_FUSED_MOE_LORA_W13_SHRINK.json"
+    assert configs.config_file_name("NVIDIA_H200", "down_expand") == "NVIDIA_H200_FUSED_MOE_LORA_W2_EXPAND.json"
+    assert configs.config_file_name("NVIDIA_H200", "base") == "NVIDIA_H200_FUSED_MOE_BASE.json"
+    # [max_loras][num_slices][m][k = rank][n = hidden][i = moe_intermediate_size]
+    assert configs.lora_keys("gate_up_shrink", 7, 2048, 768, 16, 4, 2) == (4, 2, 7, 16, 2048, 768)
+    assert configs.lora_keys("gate_up_expand", 7, 2880, 2880, 32, 8, 1) == (8, 1, 7, 32, 2880, 5760)
+    assert configs.lora_keys("down_shrink", 7, 2048, 768, 16, 4, 2) == (4, 1, 7, 16, 2048, 768)
+    assert configs.base_keys(7, 2880, 2880, 32) == (32, 5760, 2880, 7)
+
+
+def test_nearest_bucket_lookup(tmp_path):
+    folder = write_folder(tmp_path / "f", tokens=(1, 64))
+    assert load(folder, T=1).gate_up_shrink.BLOCK_SIZE_N == 16
+    assert load(folder, T=20).gate_up_shrink.BLOCK_SIZE_N == 16     # |20-1| < |20-64|
+    assert load(folder, T=50).gate_up_shrink.BLOCK_SIZE_N == 64
+    assert load(folder, T=9000).down_expand.BLOCK_SIZE_N == 64
+    # other levels are nearest too (rank, hidden, L); the base file likewise
+    cfg = load(folder, T=64, R=64, H=100, L=7, I=40, E=5)
+    assert cfg.gate_up_expand.BLOCK_SIZE_N == 64 and cfg.base_gate_up.BLOCK_SIZE_M == 32
+    assert cfg.base_down.BLOCK_SIZE_N == 64
+    # ties go to the smaller key
+    assert configs.lookup({"2": 1, "4": 2}, (3,))[1] == 1
+
+
+def test_num_slices_must_match_exactly(tmp_path):
+    folder = write_folder(tmp_path / "f")
+    with pytest.warns(UserWarning, match="num_slices"):
+        cfg = load(folder, S=1)  # W13 files only have num_slices 2
+    assert cfg.gate_up_shrink == default_config(8, 64, 32, 4, 2, 16, 2, 1).gate_up_shrink
+    assert cfg.source.endswith("; lora=default") and cfg.base_gate_up.BLOCK_SIZE_M == 32
+
+
+def test_precedence(tmp_path, monkeypatch):
+    explicit = write_folder(tmp_path / "explicit", tag=5)
+    env = write_folder(tmp_path / "env", tag=6)
+    shipped_root = tmp_path / "pkg"
+    write_folder(shipped_root / GPU, tag=7)
+    monkeypatch.setattr(configs, "SHIPPED_DIR", shipped_root)
+    monkeypatch.setenv(configs.ENV_VAR, str(env))
+    c = load(explicit)
+    assert c.gate_up_shrink.NUM_STAGES == 5 and c.source == f"folder:{explicit}"
+    c = load()
+    assert c.gate_up_shrink.NUM_STAGES == 6 and c.source == f"env:{env}"
+    monkeypatch.delenv(configs.ENV_VAR)
+    c = load()
+    assert c.gate_up_shrink.NUM_STAGES == 7 and c.source == f"shipped:{GPU}"
+    c = load(gpu="OTHER_GPU")  # nothing shipped for this GPU
+    assert c == default_config(W["T"], W["H"], W["I"], W["E"], W["K"], W["R"], W["L"], W["S"])
+    assert c.source == "default"
+
+
+def test_env_var_is_read_at_call_time(tmp_path, monkeypatch):
+    env = write_folder(tmp_path / "env", tag=6)
+    assert load().source == "default"  # the CPU has no shipped TEST_GPU folder
+    monkeypatch.setenv(configs.ENV_VAR, str(env))
+    assert load().source == f"env:{env}"
+
+
+def _expect_error(folder, op, match):
+    configs.clear_cache()
+    with pytest.raises(ValueError, match=match) as e:
+        load(folder)
+    assert configs.config_file_name(GPU, op) in str(e.value)
+    return str(e.value)
+
+
+def test_malformed_json_names_file(tmp_path):
+    folder = write_folder(tmp_path / "f")
+    (folder / configs.config_file_name(GPU, "down_shrink")).write_text('{"2": {"1": ')
+    _expect_error(folder, "down_shrink", "malformed JSON")
+
+
+def test_unknown_key_names_file_and_key_path(tmp_path):
+    folder = write_folder(tmp_path / "f")
+    p = folder / configs.config_file_name(GPU, "gate_up_expand")
+    data = json.loads(p.read_text())
+    data["2"]["2"]["64"]["16"]["64"]["32"]["BLOCK_M"] = 16
+    p.write_text(json.dumps(data))
+    msg = _expect_error(folder, "gate_up_expand", "unknown key 'BLOCK_M'")
+    assert '["2"]["2"]["64"]["16"]["64"]["32"]' in msg
+
+
+def test_non_power_of_two_names_file_and_key_path(tmp_path):
+    folder = write_folder(tmp_path / "f")
+    p = folder / configs.config_file_name(GPU, "base")
+    data = json.loads(p.read_text())
+    data["4"]["64"]["64"]["1"]["base_down"]["BLOCK_SIZE_K"] = 48
+    p.write_text(json.dumps(data))
+    msg = _expect_error(folder, "base", "BLOCK_SIZE_K must be a power of two")
+    assert '["4"]["64"]["64"]["1"]["base_down"]' in msg
+
+
+def test_mismatched_block_size_m_names_files_and_keys(tmp_path):
+    folder = write_folder(tmp_path / "f")
+    p = folder / configs.config_file_name(GPU, "down_expand")
+    data = json.loads(p.read_text())
+    data["2"]["1"]["1"]["16"]["64"]["32"]["BLOCK_SIZE_M"] = 32
+    p.write_text(json.dumps(data))
+    msg = _expect_error(folder, "down_expand", "must share BLOCK_SIZE_M")
+    assert configs.config_file_name(GPU, "gate_up_shrink") in msg and "BLOCK_SIZE_M=32" in msg
+
+
+def test_non_integer_key_and_bad_nesting(tmp_path):
+    folder = write_folder(tmp_path / "f")
+    p = folder / configs.config_file_name(GPU, "down_shrink")
+    p.write_text(json.dumps({"2": {"one": {}}}))
+    _expect_error(folder, "down_shrink", "not an integer")
+    p.write_text(json.dumps({"2": [1, 2]}))
+    _expect_error(folder, "down_shrink", "expected a non-empty JSON object")
+
+
+def test_missing_file_warns_once_and_falls_back(tmp_path):
+    folder = write_folder(tmp_path / "f")
+    os.unlink(folder / configs.config_file_name(GPU, "down_expand"))
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        c1 = load(folder)
+        c2 = load(folder, T=64)
+    msgs = [str(w.message) for w in rec if "tuned configs" in str(w.message)]
+    assert len(msgs) == 1 and "FUSED_MOE_LORA_W2_EXPAND" in msgs[0]
+    dflt = default_config(8, 64, 32, 4, 2, 16, 2, 2)
+    assert all(getattr(c1, op) == getattr(dflt, op) for op in LORA_OPS)
+    assert c1.base_gate_up.BLOCK_SIZE_M == 32 and c1.source == f"folder:{folder}; lora=default"
+    assert c2.source == c1.source
+
+
+def test_atomic_write_leaves_no_temp_file(tmp_path, monkeypatch):
+    p = tmp_path / "x.json"
+    configs.save_config_file(p, {"10": {"a": 1}, "9": {"b": 2}})
+    assert list(json.loads(p.read_text())) == ["9", "10"]  # numeric order
+    assert sorted(os.listdir(tmp_path)) == ["x.json"]
+
+    def boom(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(configs.os, "replace", boom)
+    with pytest.raises(KeyboardInterrupt):
+        configs.save_config_file(p, {"1": {}})
+    assert sorted(os.listdir(tmp_path)) == ["x.json"]
+    assert json.loads(p.read_text()) == {"9": {"b": 2}, "10": {"a": 1}}  # the old file intact
+
+
+def test_cache_sees_a_rewritten_file(tmp_path):
+    folder = write_folder(tmp_path / "f", tag=3)
+    assert load(folder).gate_up_shrink.NUM_STAGES == 3
+    write_folder(folder, tag=4)
+    os.utime(folder / configs.config_file_name(GPU, "gate_up_shrink"), ns=(1, 10**18))
+    assert load(folder).gate_up_shrink.NUM_STAGES == 4
+
+
+def test_tiny_tune_writes_a_loadable_file(tmp_path):
+    out, csv_path = tmp_path / "cfg", tmp_path / "trials.csv"
+    s = tuning.tune(["tiny"], [16], 2, [3], out, csv_path, copy_ranks=[32], device="cpu", max_bms=1,
+                    max_cands=2, progress=False)
+    assert s["tuned"] == [("tiny", 16, 3)] and s["copied"] == [("tiny", 32, 3)]
+    sh = get_shape("tiny")
+    cfg = configs.load_layer_config(3, sh.hidden, sh.intermediate, sh.experts, sh.top_k, 16, 2, sh.lora_slices,
+                                    folder=out, gpu_name="cpu")
+    assert cfg.source == f"folder:{out}"
+    import pandas as pd
+
+    df = pd.read_csv(csv_path)
+    assert set(df.kind) >= {"trial", "choice", "bm_sum", "copied", "session"}
+    assert (df[df.kind == "trial"].ms_p50 > 0).all()
+    # resumable: a second run tunes nothing
+    s2 = tuning.tune(["tiny"], [16], 2, [3], out, csv_path, device="cpu", max_bms=1, max_cands=2, progress=False)
+    assert s2["tuned"] == [] and s2["skipped"] == [("tiny", 16, 3)]
+
+
+def test_candidate_lists_are_small_and_valid():
+    for T in (1, 8, 64, 256, 1600, 8192):
+        for m in ("gpt-oss-20b", "qwen3-30b-a3b"):
+            s = get_shape(m)
+            d = default_config(T, s.hidden, s.intermediate, s.experts, s.top_k, 32, 8, s.lora_slices)
+            bms = tuning.lora_bm_candidates(T, s.top_k, s.experts, 8)
+            assert 1 <= len(bms) <= 3 and d.lora_block_size_m in bms
+            assert d.base_block_size_m in tuning.base_bm_candidates(T, s.top_k, s.experts)
+            for op in LORA_OPS:
+                cands = tuning.lora_op_candidates(op, bms[-1], getattr(d, op), 32, s.hidden)
+                assert 2 <= len(cands) <= 8 and all(c.BLOCK_SIZE_M == bms[-1] for c in cands)
+                if op.endswith("expand"):
+                    assert all(c.SPLIT_K == 1 for c in cands)
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-oss"])
+def test_stage_tuned_matches_reference(tmp_path, monkeypatch, model, device):
+    s = get_shape(model)
+    inp = make_inputs(s, 5, rank=16, num_adapters=2, pattern="mixed", device=device, seed=1)
+    # a tuned folder whose configs differ from the defaults (BM 32, BN 32), found through the env var
+    w = dict(T=5, H=s.hidden, I=s.intermediate, E=s.experts, K=s.top_k, R=16, L=2, S=s.lora_slices)
+    folder = write_folder(tmp_path / "f", tokens=(5,), bm=32, w=w, gpu=configs.gpu_name())
+    monkeypatch.setenv(configs.ENV_VAR, str(folder))
+    out = fused_moe_lora(*inp.args(), **inp.kwargs(), stage="tuned")
+    ref = moe_lora_reference(*inp.args(), **inp.kwargs())
+    assert rel_err(out, ref) <= TOLERANCES[torch.float32]
+    from moelora_lib.moe_lora import make_layer_run
+
+    run = make_layer_run(*inp.args(), **inp.kwargs(), stage="tuned")
+    assert run.cfg.source == f"env:{folder}" and run.cfg.lora_block_size_m == 32

@@ -1,0 +1,22 @@
+"""Papermill smoke test: notebooks 01–02 execute end to end on the cpu profile (Triton interpreter).
+
+Each notebook's asserts (reference checks, naive kernel vs the fp32 reference) run inside it, so a
+pass here means the notebooks' own checks passed. Executed copies go to a temp folder; the CSVs go to
+data/cpu/ (git-ignored), never over the GPU evidence in data/.
+"""
+
+from pathlib import Path
+
+import pytest
+
+from moelora_lib.runner import run_notebooks
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("stage", ["01", "02"])
+def test_notebook_runs_on_cpu_profile(stage, tmp_path):
+    results = run_notebooks(ROOT / "notebooks", tmp_path, "cpu", only=[stage], progress_bar=False)
+    assert [r.status for r in results] == ["ok"]
+    executed = list(tmp_path.glob(f"{stage}_*.ipynb"))
+    assert len(executed) == 1 and executed[0].stat().st_size > 0

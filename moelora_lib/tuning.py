@@ -570,3 +570,30 @@ def targets_table(df, anchors=None):
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def cumulative_table(stages_csv, tuned_csv, *, pattern: str = "uniform"):
+    """The cumulative table naive → … → even_k_fused_add → tuned, per model and T (µs, graph mode).
+
+    Args:
+        stages_csv: notebook 06's CSV (every stage up to even_k_fused_add, silu, no biases).
+        tuned_csv: notebook 07's CSV (stage ``tuned``, same shapes and method).
+        pattern: adapter-id pattern of the 06 rows to use (07 ran ``uniform``).
+    Returns:
+        DataFrame with columns model, T, part, one column per stage, ``run`` naming the CSVs. The
+        two CSVs come from separate runs of the same harness, so a ratio between the ``tuned``
+        column and the others is across runs (METHOD.md: compare only beyond run-to-run spread).
+    """
+    import pandas as pd
+
+    order = ["naive", "no_recompile", "split_k", "swizzle", "even_k_fused_add", "tuned"]
+    a = pd.read_csv(stages_csv)
+    a = a[(a.pattern == pattern) & (a.activation == "silu")]
+    b = pd.read_csv(tuned_csv)
+    b = b[b.stage == "tuned"]
+    both = pd.concat([a, b], ignore_index=True)
+    both = both[both.part.isin(["lora", "total"])]
+    t = both.pivot_table(index=["model", "T", "part"], columns="stage", values="us_p50").reset_index()
+    t = t[["model", "T", "part"] + [s for s in order if s in t.columns]]
+    t["run"] = f"{os.path.basename(str(stages_csv))} + {os.path.basename(str(tuned_csv))}"
+    return t

@@ -281,6 +281,20 @@ if PROFILE == "cpu":
 print(f"notebook wall time: {time.perf_counter() - t_notebook:.0f} s")"""
 
 
+CUMUL_MD = """### Cumulative table naive → tuned
+Notebook 06's CSV (every stage to `even_k_fused_add`, same shapes and method) joined with this notebook's
+`tuned` rows (`tuning.cumulative_table`). The two CSVs come from separate runs: ratios against the
+`tuned` column are across runs."""
+
+CUMUL = """stages_csv = DATA / "06_even_k_fused_add.csv"
+if stages_csv.is_file():
+    cum = tuning.cumulative_table(stages_csv, CSV)
+    cum.to_csv(DATA / "07_cumulative.csv", index=False)
+    print(cum.round(1).to_string(index=False))
+else:
+    print(f"{stages_csv} not found: run notebook 06 first for the cumulative table")"""
+
+
 def main() -> None:
     nb = nbf.v4.new_notebook()
     cells = [nbf.v4.new_markdown_cell(MD1)]
@@ -291,6 +305,7 @@ def main() -> None:
               nbf.v4.new_markdown_cell(COMPARE_MD), nbf.v4.new_code_cell(COMPARE), nbf.v4.new_code_cell(CHECK),
               nbf.v4.new_markdown_cell(TARGETS_MD), nbf.v4.new_code_cell(TARGETS),
               nbf.v4.new_markdown_cell(PEROP_MD), nbf.v4.new_code_cell(PEROP), nbf.v4.new_code_cell(FIGS),
+              nbf.v4.new_markdown_cell(CUMUL_MD), nbf.v4.new_code_cell(CUMUL),
               nbf.v4.new_markdown_cell("### Conclusions (read back from the CSVs)"), nbf.v4.new_code_cell(CONCL)]
     nb.cells = cells
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}

@@ -31,6 +31,20 @@ def _check(name: str, t, shape: tuple, dtypes, device) -> None:
         raise ValueError(f"{name} must be on {device} (like hidden_states), got {t.device}")
 
 
+def _check_cpu_backend(dtype: torch.dtype) -> None:
+    """CPU tensors run only through the Triton interpreter, which has no correct bf16 arithmetic."""
+    from .kernels.triton_kernels import KERNELS
+
+    if type(KERNELS["fused_moe"][True]).__name__ != "InterpretedFunction":
+        raise ValueError("hidden_states is on the CPU but the kernels were not built for the Triton "
+                         "interpreter: use CUDA tensors, or set TRITON_INTERPRET=1 before importing "
+                         "moelora_lib")
+    if dtype == torch.bfloat16:
+        raise ValueError("hidden_states: bfloat16 is not supported on the CPU (the Triton interpreter "
+                         "multiplies raw bf16 bit patterns, triton-lang/triton#11584); use float16 or "
+                         "float32 on the CPU, bfloat16 on a GPU")
+
+
 def validate_moe_lora_inputs(hidden_states, w13, w2, topk_weights, topk_ids, lora_ids, lora_a13,
                              lora_b13, lora_a2, lora_b2, activation="silu", b13=None, b2=None,
                              check_values: bool = True) -> dict:
@@ -47,6 +61,8 @@ def validate_moe_lora_inputs(hidden_states, w13, w2, topk_weights, topk_ids, lor
         raise ValueError(f"hidden_states dtype must be float16, bfloat16 or float32, got {dt}")
     if activation not in _ACTIVATIONS:
         raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
+    if dev.type == "cpu":
+        _check_cpu_backend(dt)
     T, H = hidden_states.shape
     if not isinstance(w13, torch.Tensor) or w13.dim() != 3 or w13.shape[2] != H or w13.shape[1] % 2:
         raise ValueError(f"w13 must have shape [E, 2I, H={H}] with an even 2I, got {_desc(w13)}")
@@ -142,13 +158,20 @@ def fused_moe_lora(hidden_states, w13, w2, topk_weights, topk_ids, lora_ids, lor
         [T, H] in hidden_states' dtype ([0, H] when T = 0).
     Raises:
         ValueError: an argument's shape, dtype, device or value range is wrong (the message names
-            it), unknown activation or stage.
+            it), unknown activation or stage; bfloat16 on the CPU (the interpreter's bf16 is wrong).
+
+    The value-range checks of topk_ids and lora_ids synchronize with the host, so this function is
+    not meant for CUDA-graph capture: build a :class:`~moelora_lib.kernels.LayerRun` once with
+    :func:`make_layer_run` (``check_values=False`` after the first validated call) and capture
+    ``run()`` instead, as the benchmarks do.
     """
     if isinstance(hidden_states, torch.Tensor) and hidden_states.dim() == 2 and hidden_states.shape[0] == 0:
         validate_moe_lora_inputs(hidden_states, w13, w2, topk_weights, topk_ids, lora_ids, lora_a13,
                                  lora_b13, lora_a2, lora_b2, activation, b13, b2, check_values=False)
         if stage not in STAGES:
             raise ValueError(f"stage must be one of {list(STAGES)}, got {stage!r}")
+        if config is not None and not isinstance(config, LayerConfig):
+            raise ValueError(f"config must be a LayerConfig or None, got {type(config).__name__}")
         return hidden_states.new_empty((0, hidden_states.shape[1]))
     run = make_layer_run(hidden_states, w13, w2, topk_weights, topk_ids, lora_ids, lora_a13, lora_b13,
                          lora_a2, lora_b2, activation=activation, b13=b13, b2=b2, stage=stage,

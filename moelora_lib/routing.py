@@ -45,7 +45,7 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True):
     if not router_logits.is_floating_point():
         raise ValueError(f"router_logits must be a float tensor, got dtype {router_logits.dtype}")
     E = router_logits.shape[1]
-    if not isinstance(top_k, int) or not 1 <= top_k <= E:
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:
         raise ValueError(f"top_k must be an int in [1, E={E}], got {top_k!r}")
     probs = torch.softmax(router_logits.float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
@@ -100,6 +100,7 @@ def align_tokens(
     lora_ids: torch.Tensor | None = None,
     num_adapters: int = 0,
     include_no_adapter: bool = False,
+    check_values: bool = True,
 ) -> Alignment:
     """Group (token, k) pairs by (adapter slot, expert) and pad each group to BLOCK_SIZE_M.
 
@@ -111,15 +112,39 @@ def align_tokens(
         num_adapters: L (slots); required with lora_ids.
         include_no_adapter: keep pairs of tokens with lora id -1 (slot L, laid out last); the LoRA
             kernels pass False.
+        check_values: also check topk_ids ∈ [0, E) and lora_ids ∈ [-1, L) (a host sync; the layer
+            passes False after :func:`moelora_lib.fused_moe_lora` has checked them).
     Returns:
-        :class:`Alignment`. Computed with device-side torch ops only (no host sync).
+        :class:`Alignment`. Computed with device-side torch ops only (no host sync unless
+        check_values).
     Raises:
-        ValueError: block_size_m not a power of two ≥ 16, or bad tensor shapes.
+        ValueError: block_size_m not a power of two ≥ 16, num_experts < 1, lora_ids without
+            num_adapters ≥ 1, bad tensor shapes or dtypes, or (check_values) ids out of range.
     """
-    if block_size_m < 16 or block_size_m & (block_size_m - 1):
-        raise ValueError(f"block_size_m must be a power of two >= 16, got {block_size_m}")
-    if topk_ids.dim() != 2:
+    if isinstance(block_size_m, bool) or not isinstance(block_size_m, int) or block_size_m < 16 \
+            or block_size_m & (block_size_m - 1):
+        raise ValueError(f"block_size_m must be a power of two >= 16, got {block_size_m!r}")
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts must be an int >= 1, got {num_experts!r}")
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must be [T, K], got {_desc(topk_ids)}")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if lora_ids is not None:
+        if not isinstance(lora_ids, torch.Tensor) or lora_ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"lora_ids must be an int32/int64 tensor [T], got {_desc(lora_ids)}")
+        if isinstance(num_adapters, bool) or not isinstance(num_adapters, int) or num_adapters < 1:
+            raise ValueError(f"num_adapters must be an int >= 1 with lora_ids, got {num_adapters!r}")
+    if check_values and topk_ids.numel():
+        lo, hi = int(topk_ids.min()), int(topk_ids.max())
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(f"topk_ids values must be in [0, num_experts={num_experts}), "
+                             f"got min {lo}, max {hi}")
+        if lora_ids is not None and lora_ids.numel():
+            lo, hi = int(lora_ids.min()), int(lora_ids.max())
+            if lo < -1 or hi >= num_adapters:
+                raise ValueError(f"lora_ids values must be in [-1, num_adapters={num_adapters}), "
+                                 f"got min {lo}, max {hi}")
     T, K = topk_ids.shape
     dev = topk_ids.device
     num_pairs = T * K

@@ -60,16 +60,51 @@ from .kernels.launchers import fused_moe_gemm
 from .shapes import MoEShape, get_shape
 
 __all__ = [
-    "CSV_COLUMNS", "lora_bm_candidates", "base_bm_candidates", "lora_op_candidates",
-    "base_op_candidates", "base_op_fn", "tune_workload", "tune", "main", "compare_tuned_vs_default",
-    "op_breakdown", "targets_table", "TARGETS",
+    "CSV_COLUMNS",
+    "lora_bm_candidates",
+    "base_bm_candidates",
+    "lora_op_candidates",
+    "base_op_candidates",
+    "base_op_fn",
+    "tune_workload",
+    "tune",
+    "main",
+    "compare_tuned_vs_default",
+    "op_breakdown",
+    "targets_table",
+    "TARGETS",
 ]
 
 TUNE_STAGE = "even_k_fused_add"
 CSV_COLUMNS = [
-    "kind", "model", "R", "L", "T", "H", "I", "E", "K", "S", "group", "op", "BLOCK_SIZE_M", "config",
-    "config_json", "ms_p50", "ms_p20", "ms_p80", "mode", "default_ms", "sum_ms", "elapsed_s", "note",
-    "gpu", "torch", "triton", "git_commit", "timestamp_utc",
+    "kind",
+    "model",
+    "R",
+    "L",
+    "T",
+    "H",
+    "I",
+    "E",
+    "K",
+    "S",
+    "group",
+    "op",
+    "BLOCK_SIZE_M",
+    "config",
+    "config_json",
+    "ms_p50",
+    "ms_p20",
+    "ms_p80",
+    "mode",
+    "default_ms",
+    "sum_ms",
+    "elapsed_s",
+    "note",
+    "gpu",
+    "torch",
+    "triton",
+    "git_commit",
+    "timestamp_utc",
 ]
 LORA_BMS = (16, 32, 64)
 BASE_BMS = (16, 32, 64, 128)
@@ -108,7 +143,9 @@ def _dedupe(cands: list[OpConfig], limit: int) -> list[OpConfig]:
     return out[:limit]
 
 
-def lora_op_candidates(op: str, bm: int, dflt: OpConfig, R: int, k_dim: int, limit: int = 6) -> list[OpConfig]:
+def lora_op_candidates(
+    op: str, bm: int, dflt: OpConfig, R: int, k_dim: int, limit: int = 6
+) -> list[OpConfig]:
     """≤ ``limit`` configs of one LoRA op at BLOCK_SIZE_M = bm; the default (with bm) first.
 
     shrink (K = H or I, N = R): BLOCK_SIZE_N = max(16, next_pow2(R)); SPLIT_K in {sk/2, sk, 2·sk}
@@ -120,14 +157,28 @@ def lora_op_candidates(op: str, bm: int, dflt: OpConfig, R: int, k_dim: int, lim
     if op.endswith("shrink"):
         sk = d.SPLIT_K
         raw = [d]
-        for bk, s, w, st in [(64, sk, 4, 3), (64, max(1, sk // 2), 4, 3), (64, min(32, 2 * sk), 4, 3),
-                             (128, sk, 4, 3), (128, max(1, sk // 2), 8, 3), (64, sk, 4, 4)]:
+        for bk, s, w, st in [
+            (64, sk, 4, 3),
+            (64, max(1, sk // 2), 4, 3),
+            (64, min(32, 2 * sk), 4, 3),
+            (128, sk, 4, 3),
+            (128, max(1, sk // 2), 8, 3),
+            (64, sk, 4, 4),
+        ]:
             if bk * s <= k_dim:
                 raw.append(OpConfig(bm, r, bk, 8, s, w, st))
     else:
-        raw = [d] + [OpConfig(bm, bn, r, g, 1, w, st) for bn, g, w, st in
-                     [(64, 8, 4, 2), (128, 8, 4, 2), (128, 8, 4, 3), (256, 8, 8, 3), (64, 1, 4, 3),
-                      (128, 1, 8, 2)]]
+        raw = [d] + [
+            OpConfig(bm, bn, r, g, 1, w, st)
+            for bn, g, w, st in [
+                (64, 8, 4, 2),
+                (128, 8, 4, 2),
+                (128, 8, 4, 3),
+                (256, 8, 8, 3),
+                (64, 1, 4, 3),
+                (128, 1, 8, 2),
+            ]
+        ]
     return _dedupe(raw, limit)
 
 
@@ -136,11 +187,21 @@ def base_op_candidates(bm: int, dflt: OpConfig, limit: int = 5) -> list[OpConfig
     Decode-sized tiles (bm ≤ 32: weight streaming) and prefill-sized tiles (bm ≥ 64: tensor cores)."""
     d = dataclasses.replace(dflt, BLOCK_SIZE_M=bm)
     if bm <= 32:
-        grid = [(64, 64, 1, 4, 5), (64, 128, 1, 4, 4), (128, 64, 1, 4, 4), (128, 128, 1, 8, 3),
-                (32, 128, 1, 4, 5)]
+        grid = [
+            (64, 64, 1, 4, 5),
+            (64, 128, 1, 4, 4),
+            (128, 64, 1, 4, 4),
+            (128, 128, 1, 8, 3),
+            (32, 128, 1, 4, 5),
+        ]
     else:
-        grid = [(128, 64, 8, 4, 4), (128, 64, 8, 8, 4), (128, 128, 8, 8, 3), (256, 64, 8, 8, 3),
-                (64, 128, 8, 4, 4)]
+        grid = [
+            (128, 64, 8, 4, 4),
+            (128, 64, 8, 8, 4),
+            (128, 128, 8, 8, 3),
+            (256, 64, 8, 8, 3),
+            (64, 128, 8, 4, 4),
+        ]
     return _dedupe([d] + [OpConfig(bm, bn, bk, g, 1, w, st) for bn, bk, g, w, st in grid], limit)
 
 
@@ -157,11 +218,21 @@ def base_op_fn(run, op: str, cfg: OpConfig) -> Callable[[], Any]:
         run()
     spec = run.stage.specialize_lengths
     if op == "base_gate_up":
-        return lambda: fused_moe_gemm(run.x, run.w13, run.h, run.base_align, cfg, rows_div=run.K,
-                                      bias=run.b13, specialize_lengths=spec)
+        return lambda: fused_moe_gemm(
+            run.x, run.w13, run.h, run.base_align, cfg, rows_div=run.K, bias=run.b13, specialize_lengths=spec
+        )
     if op == "base_down":
-        return lambda: fused_moe_gemm(run.g, run.w2, run.y, run.base_align, cfg, rows_div=1, bias=run.b2,
-                                      topk_weights=run.topk_w, specialize_lengths=spec)
+        return lambda: fused_moe_gemm(
+            run.g,
+            run.w2,
+            run.y,
+            run.base_align,
+            cfg,
+            rows_div=1,
+            bias=run.b2,
+            topk_weights=run.topk_w,
+            specialize_lengths=spec,
+        )
     raise ValueError(f"op must be one of {BASE_OPS}, got {op!r}")
 
 
@@ -171,7 +242,9 @@ def _op_fn(run, op: str, cfg: OpConfig) -> Callable[[], Any]:
     return base_op_fn(run, op, cfg) if op in BASE_OPS else lora_op_fn(run, op, cfg)
 
 
-def _time(fn: Callable[[], Any], device: torch.device, warmup_ms: float = 5, rep_ms: float = 20) -> bench.Timing:
+def _time(
+    fn: Callable[[], Any], device: torch.device, warmup_ms: float = 5, rep_ms: float = 20
+) -> bench.Timing:
     if device.type == "cuda":
         return bench.time_cuda(fn, mode="graph", warmup_ms=warmup_ms, rep_ms=rep_ms)
     return bench.time_cpu(fn, reps=1, warmup=0)
@@ -212,9 +285,14 @@ class _TrialLog:
         """The chosen configs of a finished workload (empty if none), from ``choice``/``copied`` rows."""
         out = {}
         for r in self.rows:
-            if (r.get("kind") in ("choice", "copied") and r.get("model") == model and r.get("group") == group
-                    and int(float(r["T"])) == T and (R is None or int(float(r["R"])) == R)
-                    and (L is None or int(float(r["L"])) == L)):
+            if (
+                r.get("kind") in ("choice", "copied")
+                and r.get("model") == model
+                and r.get("group") == group
+                and int(float(r["T"])) == T
+                and (R is None or int(float(r["R"])) == R)
+                and (L is None or int(float(r["L"])) == L)
+            ):
                 out[r["op"]] = OpConfig.from_dict(json.loads(r["config_json"]), where=f"{self.path}")
         ops = LORA_OPS if group == "lora" else BASE_OPS
         return out if set(out) == set(ops) else {}
@@ -225,16 +303,37 @@ class _TrialLog:
 # ------------------------------------------------------------------------------------------------
 
 
-def _tune_group(group: str, shape: MoEShape, T: int, R: int, L: int, weights, device, log: _TrialLog,
-                deadline: float, max_bms: int, max_cands: int, t0: float) -> dict[str, OpConfig]:
+def _tune_group(
+    group: str,
+    shape: MoEShape,
+    T: int,
+    R: int,
+    L: int,
+    weights,
+    device,
+    log: _TrialLog,
+    deadline: float,
+    max_bms: int,
+    max_cands: int,
+    t0: float,
+) -> dict[str, OpConfig]:
     from .moe_bench import layer_inputs, make_run
 
     H, I, E, K, S = shape.hidden, shape.intermediate, shape.experts, shape.top_k, weights.lora_a13.shape[2]
     dflt = default_config(T, H, I, E, K, R, L, S)
     ops = LORA_OPS if group == "lora" else BASE_OPS
     bms = lora_bm_candidates(T, K, E, L, max_bms) if group == "lora" else base_bm_candidates(T, K, E, max_bms)
-    inp = layer_inputs(shape, T, rank=R, num_adapters=L, pattern="uniform", weights=weights, seed=0,
-                       activation="silu", bias=False)
+    inp = layer_inputs(
+        shape,
+        T,
+        rank=R,
+        num_adapters=L,
+        pattern="uniform",
+        weights=weights,
+        seed=0,
+        activation="silu",
+        bias=False,
+    )
     k_dims = {"gate_up_shrink": H, "down_shrink": I}
     ids = dict(model=shape.name, R=R, L=L, T=T, H=H, I=I, E=E, K=K, S=S, group=group)
     best: dict[int, dict[str, tuple[float, OpConfig]]] = {}
@@ -249,8 +348,11 @@ def _tune_group(group: str, shape: MoEShape, T: int, R: int, L: int, weights, de
         best[bm] = {}
         for op in ops:
             base_cfg = getattr(dflt, op)
-            cands = (lora_op_candidates(op, bm, base_cfg, R, k_dims.get(op, R), max_cands) if group == "lora"
-                     else base_op_candidates(bm, base_cfg, max_cands))
+            cands = (
+                lora_op_candidates(op, bm, base_cfg, R, k_dims.get(op, R), max_cands)
+                if group == "lora"
+                else base_op_candidates(bm, base_cfg, max_cands)
+            )
             default_ms = None
             for i, c in enumerate(cands):
                 note = "default" if i == 0 else ""
@@ -265,14 +367,28 @@ def _tune_group(group: str, shape: MoEShape, T: int, R: int, L: int, weights, de
                         torch.cuda.synchronize()
                 if i == 0:
                     default_ms = ms
-                log.append(kind="trial", **ids, op=op, BLOCK_SIZE_M=bm, config=c.short(),
-                           config_json=json.dumps(c.to_dict()), ms_p50=ms, default_ms=default_ms,
-                           elapsed_s=round(time.perf_counter() - t0, 2), note=note, **extra)
+                log.append(
+                    kind="trial",
+                    **ids,
+                    op=op,
+                    BLOCK_SIZE_M=bm,
+                    config=c.short(),
+                    config_json=json.dumps(c.to_dict()),
+                    ms_p50=ms,
+                    default_ms=default_ms,
+                    elapsed_s=round(time.perf_counter() - t0, 2),
+                    note=note,
+                    **extra,
+                )
                 if op not in best[bm] or ms < best[bm][op][0]:
                     best[bm][op] = (ms, c)
-        log.append(kind="bm_sum", **ids, BLOCK_SIZE_M=bm,
-                   sum_ms=sum(best[bm][op][0] for op in ops),
-                   config=";".join(f"{op}={best[bm][op][1].short()}" for op in ops))
+        log.append(
+            kind="bm_sum",
+            **ids,
+            BLOCK_SIZE_M=bm,
+            sum_ms=sum(best[bm][op][0] for op in ops),
+            config=";".join(f"{op}={best[bm][op][1].short()}" for op in ops),
+        )
         del run
     win = min(best, key=lambda bm: sum(best[bm][op][0] for op in ops))
     total = sum(best[win][op][0] for op in ops)
@@ -280,20 +396,42 @@ def _tune_group(group: str, shape: MoEShape, T: int, R: int, L: int, weights, de
         raise RuntimeError(f"{shape.name} T={T} {group}: no candidate ran")
     chosen = {op: best[win][op][1] for op in ops}
     for op, c in chosen.items():
-        log.append(kind="choice", **ids, op=op, BLOCK_SIZE_M=win, config=c.short(),
-                   config_json=json.dumps(c.to_dict()), ms_p50=best[win][op][0], sum_ms=total,
-                   elapsed_s=round(time.perf_counter() - t0, 2))
+        log.append(
+            kind="choice",
+            **ids,
+            op=op,
+            BLOCK_SIZE_M=win,
+            config=c.short(),
+            config_json=json.dumps(c.to_dict()),
+            ms_p50=best[win][op][0],
+            sum_ms=total,
+            elapsed_s=round(time.perf_counter() - t0, 2),
+        )
     return chosen
 
 
-def tune_workload(shape: MoEShape, T: int, R: int, L: int, weights, device, log: _TrialLog, *,
-                  deadline: float = math.inf, max_bms: int = 2, max_cands: int = 6, t0: float | None = None,
-                  groups: Sequence[str] = ("lora", "base")) -> dict[str, dict[str, OpConfig]]:
+def tune_workload(
+    shape: MoEShape,
+    T: int,
+    R: int,
+    L: int,
+    weights,
+    device,
+    log: _TrialLog,
+    *,
+    deadline: float = math.inf,
+    max_bms: int = 2,
+    max_cands: int = 6,
+    t0: float | None = None,
+    groups: Sequence[str] = ("lora", "base"),
+) -> dict[str, dict[str, OpConfig]]:
     """Tune the groups ("lora": the four LoRA ops jointly; "base": the two base GEMMs) of one
     workload; returns {group: {op: OpConfig}} and logs every trial to ``log``."""
     t0 = time.perf_counter() if t0 is None else t0
-    return {g: _tune_group(g, shape, T, R, L, weights, device, log, deadline, max_bms, max_cands, t0)
-            for g in groups}
+    return {
+        g: _tune_group(g, shape, T, R, L, weights, device, log, deadline, max_bms, max_cands, t0)
+        for g in groups
+    }
 
 
 # ------------------------------------------------------------------------------------------------
@@ -332,8 +470,10 @@ class _ConfigFiles:
 def _for_rank(cfgs: dict[str, OpConfig], R: int) -> dict[str, OpConfig]:
     """Adjust the rank-sized tile of LoRA configs to rank R (shrink BN, expand BK)."""
     r = max(16, next_pow2(R))
-    return {op: dataclasses.replace(c, **({"BLOCK_SIZE_N": r} if op.endswith("shrink") else {"BLOCK_SIZE_K": r}))
-            for op, c in cfgs.items()}
+    return {
+        op: dataclasses.replace(c, **({"BLOCK_SIZE_N": r} if op.endswith("shrink") else {"BLOCK_SIZE_K": r}))
+        for op, c in cfgs.items()
+    }
 
 
 # ------------------------------------------------------------------------------------------------
@@ -341,10 +481,23 @@ def _for_rank(cfgs: dict[str, OpConfig], R: int) -> dict[str, OpConfig]:
 # ------------------------------------------------------------------------------------------------
 
 
-def tune(models: Sequence[str], ranks: Sequence[int], adapters: int, tokens: Sequence[int], out: str | os.PathLike,
-         csv_path: str | os.PathLike, *, budget_s: float = math.inf, copy_ranks: Sequence[int] = (),
-         device: str | None = None, dtype: torch.dtype | None = None, max_bms: int = 2, max_cands: int = 6,
-         seed: int = 0, progress: bool = True) -> dict[str, Any]:
+def tune(
+    models: Sequence[str],
+    ranks: Sequence[int],
+    adapters: int,
+    tokens: Sequence[int],
+    out: str | os.PathLike,
+    csv_path: str | os.PathLike,
+    *,
+    budget_s: float = math.inf,
+    copy_ranks: Sequence[int] = (),
+    device: str | None = None,
+    dtype: torch.dtype | None = None,
+    max_bms: int = 2,
+    max_cands: int = 6,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict[str, Any]:
     """Tune every (model, rank, T) workload (interleaved over models, T in the given order) and write
     the JSON files into ``out``; returns a summary dict (tuned, skipped, not_tuned, copied, elapsed_s).
     """
@@ -367,25 +520,46 @@ def tune(models: Sequence[str], ranks: Sequence[int], adapters: int, tokens: Seq
     for s, R, T in bar:
         bar.set_postfix_str(f"{s.name} R={R} T={T} {time.perf_counter() - t0:.0f}s")
         S = s.lora_slices
-        need = [g for g in ("lora", "base")
-                if not log.choices(s.name, g, T, R if g == "lora" else None, L=adapters if g == "lora" else None)]
-        done = {g: log.choices(s.name, g, T, R if g == "lora" else None, adapters if g == "lora" else None)
-                for g in ("lora", "base") if g not in need}
+        need = [
+            g
+            for g in ("lora", "base")
+            if not log.choices(s.name, g, T, R if g == "lora" else None, L=adapters if g == "lora" else None)
+        ]
+        done = {
+            g: log.choices(s.name, g, T, R if g == "lora" else None, adapters if g == "lora" else None)
+            for g in ("lora", "base")
+            if g not in need
+        }
         if not need:
             summary["skipped"].append((s.name, R, T))
         elif time.perf_counter() > deadline:
             summary["not_tuned"].append((s.name, R, T))
-            log.append(kind="note", model=s.name, R=R, L=adapters, T=T, note="budget spent: workload not tuned")
+            log.append(
+                kind="note", model=s.name, R=R, L=adapters, T=T, note="budget spent: workload not tuned"
+            )
         else:
             key = (s.name, R)
             if key not in weights:
                 weights.clear()  # keep one model's weights at a time on the device
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
-                weights[key] = layer_inputs(s, 1, rank=R, num_adapters=adapters, dtype=dtype, device=dev,
-                                            seed=seed, bias=False)
-            got = tune_workload(s, T, R, adapters, weights[key], dev, log, deadline=deadline, max_bms=max_bms,
-                                max_cands=max_cands, t0=t0, groups=need)
+                weights[key] = layer_inputs(
+                    s, 1, rank=R, num_adapters=adapters, dtype=dtype, device=dev, seed=seed, bias=False
+                )
+            got = tune_workload(
+                s,
+                T,
+                R,
+                adapters,
+                weights[key],
+                dev,
+                log,
+                deadline=deadline,
+                max_bms=max_bms,
+                max_cands=max_cands,
+                t0=t0,
+                groups=need,
+            )
             done.update(got)
             summary["tuned"].append((s.name, R, T))
         if "lora" in done:
@@ -400,24 +574,43 @@ def tune(models: Sequence[str], ranks: Sequence[int], adapters: int, tokens: Seq
                 continue
             for T in tokens:
                 if log.choices(s.name, "lora", T, Rc, adapters):
-                    files.put_lora(s, T, Rc, adapters, s.lora_slices, log.choices(s.name, "lora", T, Rc, adapters))
+                    files.put_lora(
+                        s, T, Rc, adapters, s.lora_slices, log.choices(s.name, "lora", T, Rc, adapters)
+                    )
                     continue
                 cfgs = log.choices(s.name, "lora", T, src, adapters)
                 if not cfgs:
                     continue
                 cfgs = _for_rank(cfgs, Rc)
                 for op, c in cfgs.items():
-                    log.append(kind="copied", model=s.name, R=Rc, L=adapters, T=T, H=s.hidden, I=s.intermediate,
-                               E=s.experts, K=s.top_k, S=s.lora_slices, group="lora", op=op,
-                               BLOCK_SIZE_M=c.BLOCK_SIZE_M, config=c.short(), config_json=json.dumps(c.to_dict()),
-                               note=f"copied from R={src} (not tuned)")
+                    log.append(
+                        kind="copied",
+                        model=s.name,
+                        R=Rc,
+                        L=adapters,
+                        T=T,
+                        H=s.hidden,
+                        I=s.intermediate,
+                        E=s.experts,
+                        K=s.top_k,
+                        S=s.lora_slices,
+                        group="lora",
+                        op=op,
+                        BLOCK_SIZE_M=c.BLOCK_SIZE_M,
+                        config=c.short(),
+                        config_json=json.dumps(c.to_dict()),
+                        note=f"copied from R={src} (not tuned)",
+                    )
                 files.put_lora(s, T, Rc, adapters, s.lora_slices, cfgs)
                 summary["copied"].append((s.name, Rc, T))
     files.save()
     elapsed = time.perf_counter() - t0
-    log.append(kind="session", elapsed_s=round(elapsed, 2),
-               note=f"tuned {len(summary['tuned'])}, skipped {len(summary['skipped'])}, "
-                    f"not tuned (budget) {len(summary['not_tuned'])}, copied {len(summary['copied'])}")
+    log.append(
+        kind="session",
+        elapsed_s=round(elapsed, 2),
+        note=f"tuned {len(summary['tuned'])}, skipped {len(summary['skipped'])}, "
+        f"not tuned (budget) {len(summary['not_tuned'])}, copied {len(summary['copied'])}",
+    )
     summary["elapsed_s"] = elapsed
     return summary
 
@@ -429,7 +622,9 @@ def _ints(s: str) -> list[int]:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m moelora_lib.tuning", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="preset name(s), comma-separated")
-    p.add_argument("--ranks", default="32", help="ranks to tune, comma-separated (the first is the copy source)")
+    p.add_argument(
+        "--ranks", default="32", help="ranks to tune, comma-separated (the first is the copy source)"
+    )
     p.add_argument("--copy-ranks", default="", help="ranks that get the first rank's choices (not tuned)")
     p.add_argument("--adapters", type=int, default=8, help="L, adapter slots")
     p.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192")
@@ -437,18 +632,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--csv", required=True, help="trials CSV (appended; resumable)")
     p.add_argument("--budget-s", type=float, default=math.inf, help="no new workload starts past this")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    p.add_argument("--max-bms", type=int, default=2, help="BLOCK_SIZE_M candidates per group (+ the default's)")
+    p.add_argument(
+        "--max-bms", type=int, default=2, help="BLOCK_SIZE_M candidates per group (+ the default's)"
+    )
     p.add_argument("--max-candidates", type=int, default=6, help="configs per op and BLOCK_SIZE_M")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
-    summary = tune(a.model.split(","), _ints(a.ranks), a.adapters, _ints(a.tokens), a.out, a.csv,
-                   budget_s=a.budget_s, copy_ranks=_ints(a.copy_ranks), device=a.device, max_bms=a.max_bms,
-                   max_cands=a.max_candidates, seed=a.seed, progress=not a.no_progress)
-    print(f"tuning: {len(summary['tuned'])} workloads tuned, {len(summary['skipped'])} already done, "
-          f"{len(summary['not_tuned'])} not tuned (budget): {summary['not_tuned']}, "
-          f"{len(summary['copied'])} copied; wrote {summary['out']} ({summary['gpu']}); "
-          f"elapsed {summary['elapsed_s']:.1f} s")
+    summary = tune(
+        a.model.split(","),
+        _ints(a.ranks),
+        a.adapters,
+        _ints(a.tokens),
+        a.out,
+        a.csv,
+        budget_s=a.budget_s,
+        copy_ranks=_ints(a.copy_ranks),
+        device=a.device,
+        max_bms=a.max_bms,
+        max_cands=a.max_candidates,
+        seed=a.seed,
+        progress=not a.no_progress,
+    )
+    print(
+        f"tuning: {len(summary['tuned'])} workloads tuned, {len(summary['skipped'])} already done, "
+        f"{len(summary['not_tuned'])} not tuned (budget): {summary['not_tuned']}, "
+        f"{len(summary['copied'])} copied; wrote {summary['out']} ({summary['gpu']}); "
+        f"elapsed {summary['elapsed_s']:.1f} s"
+    )
     return 0
 
 
@@ -457,9 +668,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 # ------------------------------------------------------------------------------------------------
 
 
-def compare_tuned_vs_default(models: Sequence[str], tokens: Sequence[int], *, rank: int = 32, num_adapters: int = 8,
-                             device="cuda", dtype=torch.bfloat16, seed: int = 0, folder=None,
-                             warmup_ms: float = 10, rep_ms: float = 40, progress: bool = True) -> list[dict]:
+def compare_tuned_vs_default(
+    models: Sequence[str],
+    tokens: Sequence[int],
+    *,
+    rank: int = 32,
+    num_adapters: int = 8,
+    device="cuda",
+    dtype=torch.bfloat16,
+    seed: int = 0,
+    folder=None,
+    warmup_ms: float = 10,
+    rep_ms: float = 40,
+    progress: bool = True,
+) -> list[dict]:
     """:func:`moelora_lib.moe_bench.bench_layer` rows (parts base, lora, total) of stage
     ``even_k_fused_add`` with :func:`default_config` and stage ``tuned`` (configs from
     :func:`moelora_lib.configs.load_layer_config`; ``folder`` None = the loader's precedence) per
@@ -471,50 +693,127 @@ def compare_tuned_vs_default(models: Sequence[str], tokens: Sequence[int], *, ra
     rows = []
     for m in models:
         s = get_shape(m)
-        w = layer_inputs(s, 1, rank=rank, num_adapters=num_adapters, dtype=dtype, device=device, seed=seed, bias=False)
+        w = layer_inputs(
+            s, 1, rank=rank, num_adapters=num_adapters, dtype=dtype, device=device, seed=seed, bias=False
+        )
         for T in tqdm(list(tokens), desc=f"{m} tuned vs default", disable=not progress):
             for stage in (TUNE_STAGE, "tuned"):
                 cfg = None
                 if stage == "tuned" and folder is not None:
-                    cfg = configs.load_layer_config(T, s.hidden, s.intermediate, s.experts, s.top_k, rank,
-                                                    num_adapters, s.lora_slices, folder=folder,
-                                                    gpu_name=None if torch.device(device).type == "cuda" else "cpu")
-                rows += bench_layer(stage, s, T, rank=rank, num_adapters=num_adapters, pattern="uniform",
-                                    dtype=dtype, device=device, config=cfg, seed=seed, activation="silu",
-                                    bias=False, weights=w, warmup_ms=warmup_ms, rep_ms=rep_ms)
+                    cfg = configs.load_layer_config(
+                        T,
+                        s.hidden,
+                        s.intermediate,
+                        s.experts,
+                        s.top_k,
+                        rank,
+                        num_adapters,
+                        s.lora_slices,
+                        folder=folder,
+                        gpu_name=None if torch.device(device).type == "cuda" else "cpu",
+                    )
+                rows += bench_layer(
+                    stage,
+                    s,
+                    T,
+                    rank=rank,
+                    num_adapters=num_adapters,
+                    pattern="uniform",
+                    dtype=dtype,
+                    device=device,
+                    config=cfg,
+                    seed=seed,
+                    activation="silu",
+                    bias=False,
+                    weights=w,
+                    warmup_ms=warmup_ms,
+                    rep_ms=rep_ms,
+                )
         del w
         if torch.device(device).type == "cuda":
             torch.cuda.empty_cache()
     return rows
 
 
-def op_breakdown(stage: str, model: str, T: int, *, rank: int = 32, num_adapters: int = 8, device="cuda",
-                 dtype=torch.bfloat16, seed: int = 0, config: LayerConfig | None = None, weights=None,
-                 warmup_ms: float = 10, rep_ms: float = 40) -> list[dict]:
+def op_breakdown(
+    stage: str,
+    model: str,
+    T: int,
+    *,
+    rank: int = 32,
+    num_adapters: int = 8,
+    device="cuda",
+    dtype=torch.bfloat16,
+    seed: int = 0,
+    config: LayerConfig | None = None,
+    weights=None,
+    warmup_ms: float = 10,
+    rep_ms: float = 40,
+) -> list[dict]:
     """Each of the six launches of one layer timed alone (graph mode on the GPU), with its FLOPs,
     bytes, floor and the achieved TB/s and TFLOP/s (:func:`moelora_lib.moe_bench.op_costs`)."""
     from .moe_bench import layer_inputs, make_run, op_costs
 
     s = get_shape(model)
-    inp = layer_inputs(s, T, rank=rank, num_adapters=num_adapters, pattern="uniform", dtype=dtype, device=device,
-                       seed=seed, activation="silu", bias=False, weights=weights)
+    inp = layer_inputs(
+        s,
+        T,
+        rank=rank,
+        num_adapters=num_adapters,
+        pattern="uniform",
+        dtype=dtype,
+        device=device,
+        seed=seed,
+        activation="silu",
+        bias=False,
+        weights=weights,
+    )
     run = make_run(stage, inp, config)
     run()
-    costs = {c["op"]: c for c in op_costs(s, T, rank, inp.lora_a13.shape[2], inp.hidden_states.element_size(),
-                                          inp.topk_ids, lora_ids=inp.lora_ids)}
+    costs = {
+        c["op"]: c
+        for c in op_costs(
+            s,
+            T,
+            rank,
+            inp.lora_a13.shape[2],
+            inp.hidden_states.element_size(),
+            inp.topk_ids,
+            lora_ids=inp.lora_ids,
+        )
+    }
     dev = torch.device(device)
     rows = []
     for op in BASE_OPS + LORA_OPS:
         cfg = getattr(run.cfg, op)
-        tm = (bench.time_cuda(_op_fn(run, op, cfg), mode="graph", warmup_ms=warmup_ms, rep_ms=rep_ms)
-              if dev.type == "cuda" else bench.time_cpu(_op_fn(run, op, cfg), reps=1, warmup=0))
+        tm = (
+            bench.time_cuda(_op_fn(run, op, cfg), mode="graph", warmup_ms=warmup_ms, rep_ms=rep_ms)
+            if dev.type == "cuda"
+            else bench.time_cpu(_op_fn(run, op, cfg), reps=1, warmup=0)
+        )
         c = costs[op]
         sec = tm.ms_p50 * 1e-3
-        rows.append(bench.result_row(stage=stage, model=model, T=T, R=rank, L=num_adapters, op=op,
-                                     config=cfg.short(), config_source=run.cfg.source, mode=tm.mode,
-                                     ms_p50=tm.ms_p50, us_p50=tm.ms_p50 * 1e3, flops=c["flops"], bytes=c["bytes"],
-                                     floor_us=c["floor_us"], bound=c["bound"],
-                                     achieved_tb_s=c["bytes"] / sec / 1e12, achieved_tflops=c["flops"] / sec / 1e12))
+        rows.append(
+            bench.result_row(
+                stage=stage,
+                model=model,
+                T=T,
+                R=rank,
+                L=num_adapters,
+                op=op,
+                config=cfg.short(),
+                config_source=run.cfg.source,
+                mode=tm.mode,
+                ms_p50=tm.ms_p50,
+                us_p50=tm.ms_p50 * 1e3,
+                flops=c["flops"],
+                bytes=c["bytes"],
+                floor_us=c["floor_us"],
+                bound=c["bound"],
+                achieved_tb_s=c["bytes"] / sec / 1e12,
+                achieved_tflops=c["flops"] / sec / 1e12,
+            )
+        )
     return rows
 
 
@@ -546,21 +845,27 @@ def targets_table(df, anchors=None):
     t["base_floor_us"] = floor
     t = t.reset_index()
     if anchors is not None and len(anchors):
-        a = anchors[["model", "T", "lora_best_us", "total_best_us", "base_us"]].rename(columns={"base_us": "vllm_base_us"})
+        a = anchors[["model", "T", "lora_best_us", "total_best_us", "base_us"]].rename(
+            columns={"base_us": "vllm_base_us"}
+        )
         t = t.merge(a, on=["model", "T"], how="left")
     else:
         t["lora_best_us"] = float("nan")
         t["total_best_us"] = float("nan")
         t["vllm_base_us"] = float("nan")
-    t["met_tuned_not_slower"] = ((t.lora_tuned_us <= NOISE * t.lora_default_us)
-                                 & (t.base_tuned_us <= NOISE * t.base_default_us)
-                                 & (t.total_tuned_us <= NOISE * t.total_default_us))
+    t["met_tuned_not_slower"] = (
+        (t.lora_tuned_us <= NOISE * t.lora_default_us)
+        & (t.base_tuned_us <= NOISE * t.base_default_us)
+        & (t.total_tuned_us <= NOISE * t.total_default_us)
+    )
     t["lora_vs_vllm_x"] = t.lora_best_us / t.lora_tuned_us
     need = t["T"].map(lambda T: 2.5 if T <= 64 else 2.0)
     t["met_lora_vs_vllm"] = [None if math.isnan(x) else bool(x >= n) for x, n in zip(t.lora_vs_vllm_x, need)]
     t["lora_share"] = t.lora_tuned_us / t.base_tuned_us
-    t["met_lora_share"] = [bool(sh <= 0.25) if T <= 64 else (bool(sh <= 0.10) if T >= 1600 else None)
-                           for T, sh in zip(t["T"], t.lora_share)]
+    t["met_lora_share"] = [
+        bool(sh <= 0.25) if T <= 64 else (bool(sh <= 0.10) if T >= 1600 else None)
+        for T, sh in zip(t["T"], t.lora_share)
+    ]
     t["total_vs_vllm_x"] = t.total_best_us / t.total_tuned_us
     t["met_total_vs_vllm"] = [None if math.isnan(x) else bool(x >= 1.5) for x in t.total_vs_vllm_x]
     t["base_over_floor"] = t.base_tuned_us / t.base_floor_us

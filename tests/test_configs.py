@@ -21,8 +21,15 @@ W = dict(T=8, H=64, I=32, E=4, K=2, R=16, L=2, S=2)
 
 
 def leaf(bm=16, **kw):
-    d = {"BLOCK_SIZE_M": bm, "BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 32, "GROUP_SIZE_M": 1, "NUM_WARPS": 4,
-         "NUM_STAGES": 2, "SPLIT_K": 1}
+    d = {
+        "BLOCK_SIZE_M": bm,
+        "BLOCK_SIZE_N": 32,
+        "BLOCK_SIZE_K": 32,
+        "GROUP_SIZE_M": 1,
+        "NUM_WARPS": 4,
+        "NUM_STAGES": 2,
+        "SPLIT_K": 1,
+    }
     d.update(kw)
     return d
 
@@ -39,16 +46,20 @@ def write_folder(folder, tokens=(1, 64), bm=None, base_bm=32, gpu=GPU, w=W, tag=
         configs.save_config_file(folder / configs.config_file_name(gpu, op), data)
     data = {}
     for T in tokens:
-        configs.set_entry(data, configs.base_keys(T, w["H"], w["I"], w["E"]),
-                          {"base_gate_up": leaf(base_bm), "base_down": leaf(base_bm, BLOCK_SIZE_N=64)})
+        configs.set_entry(
+            data,
+            configs.base_keys(T, w["H"], w["I"], w["E"]),
+            {"base_gate_up": leaf(base_bm), "base_down": leaf(base_bm, BLOCK_SIZE_N=64)},
+        )
     configs.save_config_file(folder / configs.config_file_name(gpu, "base"), data)
     return folder
 
 
 def load(folder=None, gpu=GPU, **over):
     w = {**W, **over}
-    return configs.load_layer_config(w["T"], w["H"], w["I"], w["E"], w["K"], w["R"], w["L"], w["S"],
-                                     folder=folder, gpu_name=gpu)
+    return configs.load_layer_config(
+        w["T"], w["H"], w["I"], w["E"], w["K"], w["R"], w["L"], w["S"], folder=folder, gpu_name=gpu
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -60,8 +71,13 @@ def _clean(monkeypatch):
 
 
 def test_file_names_and_keys_follow_vllm():
-    assert configs.config_file_name("NVIDIA_H200", "gate_up_shrink") == "NVIDIA_H200_FUSED_MOE_LORA_W13_SHRINK.json"
-    assert configs.config_file_name("NVIDIA_H200", "down_expand") == "NVIDIA_H200_FUSED_MOE_LORA_W2_EXPAND.json"
+    assert (
+        configs.config_file_name("NVIDIA_H200", "gate_up_shrink")
+        == "NVIDIA_H200_FUSED_MOE_LORA_W13_SHRINK.json"
+    )
+    assert (
+        configs.config_file_name("NVIDIA_H200", "down_expand") == "NVIDIA_H200_FUSED_MOE_LORA_W2_EXPAND.json"
+    )
     assert configs.config_file_name("NVIDIA_H200", "base") == "NVIDIA_H200_FUSED_MOE_BASE.json"
     # [max_loras][num_slices][m][k = rank][n = hidden][i = moe_intermediate_size]
     assert configs.lora_keys("gate_up_shrink", 7, 2048, 768, 16, 4, 2) == (4, 2, 7, 16, 2048, 768)
@@ -73,7 +89,7 @@ def test_file_names_and_keys_follow_vllm():
 def test_nearest_bucket_lookup(tmp_path):
     folder = write_folder(tmp_path / "f", tokens=(1, 64))
     assert load(folder, T=1).gate_up_shrink.BLOCK_SIZE_N == 16
-    assert load(folder, T=20).gate_up_shrink.BLOCK_SIZE_N == 16     # |20-1| < |20-64|
+    assert load(folder, T=20).gate_up_shrink.BLOCK_SIZE_N == 16  # |20-1| < |20-64|
     assert load(folder, T=50).gate_up_shrink.BLOCK_SIZE_N == 64
     assert load(folder, T=9000).down_expand.BLOCK_SIZE_N == 64
     # other levels are nearest too (rank, hidden, L); the base file likewise
@@ -212,12 +228,24 @@ def test_cache_sees_a_rewritten_file(tmp_path):
 
 def test_tiny_tune_writes_a_loadable_file(tmp_path):
     out, csv_path = tmp_path / "cfg", tmp_path / "trials.csv"
-    s = tuning.tune(["tiny"], [16], 2, [3], out, csv_path, copy_ranks=[32], device="cpu", max_bms=1,
-                    max_cands=2, progress=False)
+    s = tuning.tune(
+        ["tiny"],
+        [16],
+        2,
+        [3],
+        out,
+        csv_path,
+        copy_ranks=[32],
+        device="cpu",
+        max_bms=1,
+        max_cands=2,
+        progress=False,
+    )
     assert s["tuned"] == [("tiny", 16, 3)] and s["copied"] == [("tiny", 32, 3)]
     sh = get_shape("tiny")
-    cfg = configs.load_layer_config(3, sh.hidden, sh.intermediate, sh.experts, sh.top_k, 16, 2, sh.lora_slices,
-                                    folder=out, gpu_name="cpu")
+    cfg = configs.load_layer_config(
+        3, sh.hidden, sh.intermediate, sh.experts, sh.top_k, 16, 2, sh.lora_slices, folder=out, gpu_name="cpu"
+    )
     assert cfg.source == f"folder:{out}"
     import pandas as pd
 
@@ -225,7 +253,9 @@ def test_tiny_tune_writes_a_loadable_file(tmp_path):
     assert set(df.kind) >= {"trial", "choice", "bm_sum", "copied", "session"}
     assert (df[df.kind == "trial"].ms_p50 > 0).all()
     # resumable: a second run tunes nothing
-    s2 = tuning.tune(["tiny"], [16], 2, [3], out, csv_path, device="cpu", max_bms=1, max_cands=2, progress=False)
+    s2 = tuning.tune(
+        ["tiny"], [16], 2, [3], out, csv_path, device="cpu", max_bms=1, max_cands=2, progress=False
+    )
     assert s2["tuned"] == [] and s2["skipped"] == [("tiny", 16, 3)]
 
 
@@ -259,3 +289,13 @@ def test_stage_tuned_matches_reference(tmp_path, monkeypatch, model, device):
 
     run = make_layer_run(*inp.args(), **inp.kwargs(), stage="tuned")
     assert run.cfg.source == f"env:{folder}" and run.cfg.lora_block_size_m == 32
+
+
+def test_config_folder_that_does_not_exist_raises(tmp_path, monkeypatch):
+    # a typo in an explicitly named folder must not silently drop every tuned config
+    missing = tmp_path / "no_such_folder"
+    with pytest.raises(ValueError, match="folder argument.*not a directory"):
+        configs.load_layer_config(8, 64, 32, 4, 2, 16, 4, 2, folder=missing, gpu_name="TEST_GPU")
+    monkeypatch.setenv(configs.ENV_VAR, str(missing))
+    with pytest.raises(ValueError, match="MOELORA_TUNED_CONFIG_FOLDER"):
+        configs.load_layer_config(8, 64, 32, 4, 2, 16, 4, 2, gpu_name="TEST_GPU")

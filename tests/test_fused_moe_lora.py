@@ -200,3 +200,19 @@ def test_model_shapes_bf16_gpu(model, T, stage):
     ref = moe_lora_reference(*inp.args(), **inp.kwargs())
     out = fused_moe_lora(*inp.args(), **inp.kwargs(), stage=stage)
     assert_close_rel(out, ref, torch.bfloat16)
+
+
+def test_bf16_on_cpu_is_rejected():
+    # the interpreter multiplies raw bf16 bits: refuse instead of returning garbage
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only check")
+    inp = _inputs(TINY, "cpu", torch.bfloat16, num_tokens=4)
+    with pytest.raises(ValueError, match="bfloat16"):
+        fused_moe_lora(*inp.args(), **inp.kwargs())
+
+
+def test_empty_batch_still_checks_config():
+    inp = _inputs(TINY, "cpu", torch.float32, num_tokens=4)
+    args = [a[:0] if i in (0, 3, 4, 5) else a for i, a in enumerate(inp.args())]
+    with pytest.raises(ValueError, match="config"):
+        fused_moe_lora(*args, **inp.kwargs(), config="garbage")

@@ -101,3 +101,29 @@ def test_alignment_rejects_bad_block_size(bm):
     ids, _ = _case(4, 4, 2, 1, "none")
     with pytest.raises(ValueError, match="block_size_m"):
         align_tokens(ids, 4, bm)
+
+
+BAD_ALIGN = [  # (id, kwargs override, argument named in the error)
+    ("expert_id_equal_E", dict(topk_ids=torch.tensor([[0, 4]], dtype=torch.int32)), "topk_ids"),
+    ("expert_id_negative", dict(topk_ids=torch.tensor([[0, -1]], dtype=torch.int32)), "topk_ids"),
+    ("topk_ids_float", dict(topk_ids=torch.zeros(1, 2)), "topk_ids"),
+    ("num_experts_zero", dict(num_experts=0), "num_experts"),
+    ("lora_ids_without_num_adapters", dict(lora_ids=torch.zeros(1, dtype=torch.int32), num_adapters=0),
+     "num_adapters"),
+    ("lora_id_out_of_range", dict(lora_ids=torch.tensor([3], dtype=torch.int32), num_adapters=3), "lora_ids"),
+    ("lora_id_below_minus1", dict(lora_ids=torch.tensor([-2], dtype=torch.int32), num_adapters=3), "lora_ids"),
+    ("block_size_float", dict(block_size_m=16.0), "block_size_m"),
+]
+
+
+@pytest.mark.parametrize("override,name", [(b[1], b[2]) for b in BAD_ALIGN], ids=[b[0] for b in BAD_ALIGN])
+def test_alignment_rejects_bad_input(override, name):
+    kw = dict(topk_ids=torch.tensor([[0, 1]], dtype=torch.int32), num_experts=4, block_size_m=16)
+    kw.update(override)
+    with pytest.raises(ValueError, match=name):
+        align_tokens(**kw)
+
+
+def test_route_rejects_bool_top_k():
+    with pytest.raises(ValueError, match="top_k"):
+        route(torch.randn(4, 3), True)

@@ -71,9 +71,21 @@ from typing import Any
 from ..kernels.config import BASE_OPS, LORA_OPS, LayerConfig, OpConfig
 
 __all__ = [
-    "ENV_VAR", "LORA_FILE_OPS", "BASE_FILE_OP", "SHIPPED_DIR", "gpu_name", "shipped_folder",
-    "config_file_name", "lora_keys", "base_keys", "load_layer_config", "load_config_file",
-    "lookup", "save_config_file", "set_entry", "clear_cache",
+    "ENV_VAR",
+    "LORA_FILE_OPS",
+    "BASE_FILE_OP",
+    "SHIPPED_DIR",
+    "gpu_name",
+    "shipped_folder",
+    "config_file_name",
+    "lora_keys",
+    "base_keys",
+    "load_layer_config",
+    "load_config_file",
+    "lookup",
+    "save_config_file",
+    "set_entry",
+    "clear_cache",
 ]
 
 ENV_VAR = "MOELORA_TUNED_CONFIG_FOLDER"
@@ -154,8 +166,10 @@ def _walk(node: Any, depth: int, path: str, keys: tuple, out: dict, leaf_kind: s
         if leaf_kind == "base" and isinstance(node, dict) and set(node) & set(BASE_OPS):
             unknown = set(node) - set(BASE_OPS)
             if unknown:
-                raise ValueError(f"{where}: unknown key {sorted(unknown)[0]!r}; expected {list(BASE_OPS)} "
-                                 "or the keys of one config")
+                raise ValueError(
+                    f"{where}: unknown key {sorted(unknown)[0]!r}; expected {list(BASE_OPS)} "
+                    "or the keys of one config"
+                )
             cfgs = {op: _parse_leaf(node[op], f"{path} at {_keypath(keys + (op,))}") for op in node}
             if len(cfgs) == 1:  # one given: the other takes the same config
                 only = next(iter(cfgs.values()))
@@ -165,7 +179,9 @@ def _walk(node: Any, depth: int, path: str, keys: tuple, out: dict, leaf_kind: s
                 raise ValueError(f"{where}: base_gate_up and base_down must share BLOCK_SIZE_M, got {bms}")
             for op, c in cfgs.items():
                 if c.SPLIT_K != 1:
-                    raise ValueError(f"{path} at {_keypath(keys + (op, 'SPLIT_K'))}: must be 1 for the base GEMMs")
+                    raise ValueError(
+                        f"{path} at {_keypath(keys + (op, 'SPLIT_K'))}: must be 1 for the base GEMMs"
+                    )
             out[keys] = cfgs
         else:
             c = _parse_leaf(node, where)
@@ -179,8 +195,10 @@ def _walk(node: Any, depth: int, path: str, keys: tuple, out: dict, leaf_kind: s
                 out[keys] = c
         return
     if not isinstance(node, dict) or not node:
-        raise ValueError(f"{path} at {_keypath(keys)}: expected a non-empty JSON object keyed by "
-                         f"integers, got {type(node).__name__}")
+        raise ValueError(
+            f"{path} at {_keypath(keys)}: expected a non-empty JSON object keyed by "
+            f"integers, got {type(node).__name__}"
+        )
     for k, v in node.items():
         try:
             int(k)
@@ -232,7 +250,9 @@ def _pick(node: dict, value: int, exact: bool):
     return min(node, key=lambda key: (abs(int(key) - value), int(key)))
 
 
-def lookup(data: dict, keys: tuple[int, ...], exact_levels: tuple[int, ...] = ()) -> tuple[tuple[str, ...], Any] | None:
+def lookup(
+    data: dict, keys: tuple[int, ...], exact_levels: tuple[int, ...] = ()
+) -> tuple[tuple[str, ...], Any] | None:
     """Walk ``data`` by ``keys``: exact key, else nearest by |int(key) - value| (levels in
     ``exact_levels`` must match exactly). Returns (the keys taken, the leaf) or None."""
     node, taken = data, []
@@ -264,8 +284,9 @@ def _lora_group(folder: Path, gpu: str, T, H, I, R, L, S) -> dict[str, OpConfig]
         data, parsed = _load_cached(str(path), st.st_mtime_ns, st.st_size, LORA_DEPTH, _kind(op))
         hit = lookup(data, lora_keys(op, T, H, I, R, L, S), exact_levels=(1,))
         if hit is None:
-            _warn_once(str(folder), op, f"{path} has no entry for num_slices="
-                       f"{lora_keys(op, T, H, I, R, L, S)[1]}")
+            _warn_once(
+                str(folder), op, f"{path} has no entry for num_slices={lora_keys(op, T, H, I, R, L, S)[1]}"
+            )
             return None
         taken, _ = hit
         found[op] = parsed[taken]
@@ -273,8 +294,9 @@ def _lora_group(folder: Path, gpu: str, T, H, I, R, L, S) -> dict[str, OpConfig]
     bms = {op: c.BLOCK_SIZE_M for op, c in found.items()}
     if len(set(bms.values())) != 1:
         detail = "; ".join(f"{where[op]}: BLOCK_SIZE_M={bm}" for op, bm in bms.items())
-        raise ValueError("the four LoRA ops must share BLOCK_SIZE_M (one alignment serves all four): "
-                         + detail)
+        raise ValueError(
+            "the four LoRA ops must share BLOCK_SIZE_M (one alignment serves all four): " + detail
+        )
     return found
 
 
@@ -289,8 +311,19 @@ def _base_group(folder: Path, gpu: str, T, H, I, E) -> dict[str, OpConfig] | Non
     return parsed[taken]
 
 
-def load_layer_config(T: int, H: int, I: int, E: int, K: int, R: int, L: int, S: int = 2, *,
-                      folder: str | os.PathLike | None = None, gpu_name: str | None = None) -> LayerConfig:
+def load_layer_config(
+    T: int,
+    H: int,
+    I: int,
+    E: int,
+    K: int,
+    R: int,
+    L: int,
+    S: int = 2,
+    *,
+    folder: str | os.PathLike | None = None,
+    gpu_name: str | None = None,
+) -> LayerConfig:
     """The :class:`~moelora_lib.kernels.LayerConfig` for one layer call, from tuned files if any.
 
     Args: the shape letters of :mod:`moelora_lib.shapes` (T tokens, H hidden, I intermediate, E
@@ -299,7 +332,10 @@ def load_layer_config(T: int, H: int, I: int, E: int, K: int, R: int, L: int, S:
             shipped ``moelora_lib/configs/<gpu>/``; else the defaults.
         gpu_name: the GPU part of the file names (default :func:`gpu_name`).
     Returns: a LayerConfig whose ``source`` records where each group came from.
-    Raises: ValueError for a malformed or invalid file (naming the file and key path).
+    Raises: ValueError for a malformed or invalid file (naming the file and key path), or when the
+        folder named by ``folder`` or by ``$MOELORA_TUNED_CONFIG_FOLDER`` is not a directory (a typo
+        there would otherwise silently drop every tuned config). A missing file inside an existing
+        folder falls back to the defaults with one warning.
     """
     from ..kernels.stages import default_config
 
@@ -312,6 +348,9 @@ def load_layer_config(T: int, H: int, I: int, E: int, K: int, R: int, L: int, S:
         where, label = shipped_folder(gpu), f"shipped:{gpu}"
     else:
         return default_config(T, H, I, E, K, R, L, S)
+    if not where.is_dir():
+        origin = "folder argument" if folder is not None else f"${ENV_VAR}"
+        raise ValueError(f"{origin}: config folder {str(where)!r} is not a directory")
     dflt = default_config(T, H, I, E, K, R, L, S)
     lora = _lora_group(where, gpu, T, H, I, R, L, S)
     base = _base_group(where, gpu, T, H, I, E)

@@ -294,6 +294,8 @@ class HelionLinearMethod(LinearMethodBase):
                 return f"torch: device {dev} (Helion needs CUDA, or allow_interpreter=True)", None
             if os.environ.get("TRITON_INTERPRET") != "1":
                 return f"torch: device {dev} needs TRITON_INTERPRET=1 for the interpreter", None
+            if w.dtype == torch.bfloat16:  # the interpreter multiplies raw bf16 bits (triton#11584)
+                return "torch: bfloat16 is wrong under the Triton interpreter", None
         if self.max_m is not None and m > self.max_m:
             return f"torch: M={m} above max_m={self.max_m}", None
         table = self.table()

@@ -127,9 +127,10 @@ class LayerRun:
         self.I = w2.shape[2]
         self.L = lora_a13.shape[0]
         self.topk_w = topk_weights.reshape(-1).float().contiguous()
-        self.base_align: Alignment = align_tokens(topk_ids, E, self.cfg.base_block_size_m)
+        self.base_align: Alignment = align_tokens(topk_ids, E, self.cfg.base_block_size_m,
+                                                  check_values=False)
         self.lora_align: Alignment = align_tokens(topk_ids, E, self.cfg.lora_block_size_m,
-                                                  lora_ids=lora_ids, num_adapters=self.L)
+                                                  lora_ids=lora_ids, num_adapters=self.L, check_values=False)
         P = T * self.K
         dt, dev = hidden_states.dtype, hidden_states.device
         self.h = torch.empty((P, 2 * self.I), dtype=dt, device=dev)

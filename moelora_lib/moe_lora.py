@@ -104,6 +104,13 @@ def validate_moe_lora_inputs(hidden_states, w13, w2, topk_weights, topk_ids, lor
     return dict(T=T, H=H, I=inter, E=E, K=K, L=L, S=S, R=R)
 
 
+def _check_stage_and_config(stage, config) -> None:
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of {list(STAGES)}, got {stage!r}")
+    if config is not None and not isinstance(config, LayerConfig):
+        raise ValueError(f"config must be a LayerConfig or None, got {type(config).__name__}")
+
+
 def make_layer_run(hidden_states, w13, w2, topk_weights, topk_ids, lora_ids, lora_a13, lora_b13,
                    lora_a2, lora_b2, *, activation="silu", b13=None, b2=None, stage="naive",
                    config: LayerConfig | None = None, check_values: bool = True) -> LayerRun:
@@ -111,8 +118,7 @@ def make_layer_run(hidden_states, w13, w2, topk_weights, topk_ids, lora_ids, lor
 
     Benchmarks use it to time parts of the layer or to capture it in a CUDA graph.
     """
-    if stage not in STAGES:
-        raise ValueError(f"stage must be one of {list(STAGES)}, got {stage!r}")
+    _check_stage_and_config(stage, config)
     d = validate_moe_lora_inputs(hidden_states, w13, w2, topk_weights, topk_ids, lora_ids, lora_a13,
                                  lora_b13, lora_a2, lora_b2, activation, b13, b2, check_values)
     if config is None:
@@ -120,8 +126,6 @@ def make_layer_run(hidden_states, w13, w2, topk_weights, topk_ids, lora_ids, lor
         # stage "tuned" loads tuned configs (moelora_lib.configs); the other stages use the defaults
         pick = getattr(STAGES[stage], "config_for", None)
         config = pick(*dims) if pick is not None else default_config(*dims)
-    elif not isinstance(config, LayerConfig):
-        raise ValueError(f"config must be a LayerConfig or None, got {type(config).__name__}")
     return LayerRun(STAGES[stage], hidden_states, w13, w2, topk_weights, topk_ids, lora_ids,
                     lora_a13, lora_b13, lora_a2, lora_b2, activation=activation, b13=b13, b2=b2,
                     config=config)
@@ -168,10 +172,7 @@ def fused_moe_lora(hidden_states, w13, w2, topk_weights, topk_ids, lora_ids, lor
     if isinstance(hidden_states, torch.Tensor) and hidden_states.dim() == 2 and hidden_states.shape[0] == 0:
         validate_moe_lora_inputs(hidden_states, w13, w2, topk_weights, topk_ids, lora_ids, lora_a13,
                                  lora_b13, lora_a2, lora_b2, activation, b13, b2, check_values=False)
-        if stage not in STAGES:
-            raise ValueError(f"stage must be one of {list(STAGES)}, got {stage!r}")
-        if config is not None and not isinstance(config, LayerConfig):
-            raise ValueError(f"config must be a LayerConfig or None, got {type(config).__name__}")
+        _check_stage_and_config(stage, config)
         return hidden_states.new_empty((0, hidden_states.shape[1]))
     run = make_layer_run(hidden_states, w13, w2, topk_weights, topk_ids, lora_ids, lora_a13, lora_b13,
                          lora_a2, lora_b2, activation=activation, b13=b13, b2=b2, stage=stage,

@@ -8,9 +8,16 @@ Method (GPU, :func:`time_cuda`), following the anchor method of ``triton.testing
   * each repetition is timed with a pair of CUDA events around one call of ``fn`` (or one
     ``CUDAGraph.replay()`` in graph mode) and the median (p50) with p20/p80 over all repetitions is
     reported;
-  * with ``flush_l2=True`` the L2 cache is flushed before *every* repetition by zeroing a 256 MB buffer
-    (``triton.testing.do_bench`` does this itself, via ``driver.clear_cache``, before recording the
-    start event, so the flush is not in the timed interval; the H200 L2 is 60 MiB);
+  * with ``flush_l2=True`` (or ``"dirty"``) the L2 cache is flushed before *every* repetition by zeroing
+    a 256 MB buffer (``triton.testing.do_bench`` does this itself, via ``driver.clear_cache``, before
+    recording the start event, so the flush is not in the timed interval; the H200 L2 is 60 MiB).
+    That flush leaves the L2 full of *dirty* lines of the flush buffer, and the timed kernel pays for
+    writing them back to HBM as it evicts them (up to ~60 MB of extra DRAM writes, ~14 µs at
+    4.3 TB/s): invisible for compute-bound kernels, a large share of a memory-bound decode GEMM;
+  * with ``flush_l2="clean"`` the L2 is instead evicted by *reading* a 256 MB buffer before every
+    repetition (a ``torch.sum`` over it), so the timed call starts with a cold L2 that holds only
+    clean lines, as in a decode step of a real model (the previous layer's weights, read-only).
+    Same event loop and repetition count rule as do_bench otherwise;
   * ``mode="graph"`` captures ``fn`` once into a ``torch.cuda.CUDAGraph`` (after warm-up, on a side
     stream) and times ``graph.replay``, which removes the per-launch CPU overhead that dominates
     decode-sized kernels. The flush is a separate kernel between replays, outside the graph.
@@ -87,25 +94,40 @@ def _quantiles(times_ms: list[float]) -> tuple[float, float, float]:
     return q(0.5), q(0.2), q(0.8)
 
 
-def _events_no_flush(fn: Callable[[], Any], warmup_ms: float, rep_ms: float) -> list[float]:
-    """The do_bench loop without the L2 flush: per-call CUDA-event times in ms (L2 stays warm)."""
+#: Bytes read before every repetition by the "clean" L2 flush (4x the H200's 60 MiB L2).
+CLEAN_FLUSH_BYTES = 256 * 1024 * 1024
+
+
+def _events(
+    fn: Callable[[], Any], warmup_ms: float, rep_ms: float, before: Callable[[], Any] | None = None
+) -> list[float]:
+    """The do_bench event loop: per-call CUDA-event times in ms. ``before`` (untimed) runs ahead of
+    every call, e.g. an L2 flush; without it the L2 stays warm between calls. The repetition count
+    comes from an estimate over 5 calls that includes ``before``, like do_bench."""
     import torch
+
+    def once():
+        if before is not None:
+            before()
+        fn()
 
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(5):
-        fn()
+        once()
     end.record()
     torch.cuda.synchronize()
     estimate_ms = max(start.elapsed_time(end) / 5, 1e-4)
     n_warmup = max(1, int(warmup_ms / estimate_ms))
     n_repeat = max(1, int(rep_ms / estimate_ms))
     for _ in range(n_warmup):
-        fn()
+        once()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(n_repeat)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(n_repeat)]
     for s, e in zip(starts, ends):
+        if before is not None:
+            before()
         s.record()
         fn()
         e.record()
@@ -113,11 +135,32 @@ def _events_no_flush(fn: Callable[[], Any], warmup_ms: float, rep_ms: float) -> 
     return [s.elapsed_time(e) for s, e in zip(starts, ends)]
 
 
+def _events_no_flush(fn: Callable[[], Any], warmup_ms: float, rep_ms: float) -> list[float]:
+    """The do_bench loop without the L2 flush: per-call CUDA-event times in ms (L2 stays warm)."""
+    return _events(fn, warmup_ms, rep_ms)
+
+
+@functools.lru_cache(maxsize=1)
+def _clean_flush_buffer(device_index: int):
+    import torch
+
+    return torch.ones(CLEAN_FLUSH_BYTES // 4, dtype=torch.float32, device=f"cuda:{device_index}")
+
+
+def clean_l2_flush() -> Callable[[], Any]:
+    """A callable that evicts the L2 by reading :data:`CLEAN_FLUSH_BYTES` (a ``torch.sum`` over a
+    float32 buffer allocated once per device), leaving only clean lines behind. Needs CUDA."""
+    import torch
+
+    buf = _clean_flush_buffer(torch.cuda.current_device())
+    return lambda: torch.sum(buf)
+
+
 def time_cuda(
     fn: Callable[[], Any],
     *,
     mode: str = "graph",
-    flush_l2: bool = True,
+    flush_l2: bool | str = True,
     warmup_ms: float = 25,
     rep_ms: float = 100,
 ) -> Timing:
@@ -128,14 +171,20 @@ def time_cuda(
         data-dependent shapes, no CPU-side allocation decisions that differ between calls.
     mode: "graph" (capture once, time ``CUDAGraph.replay``) or "eager" (time ``fn`` directly, so the
         CPU launch overhead is included when it exceeds the GPU time).
-    flush_l2: flush L2 before every repetition (``triton.testing.do_bench``); the flush is not timed.
-        ``False`` times back-to-back calls with a warm L2 (own event loop, same method otherwise).
+    flush_l2: ``True`` or ``"dirty"``: flush L2 before every repetition the way
+        ``triton.testing.do_bench`` does (zeroing 256 MB: the flush is not timed, but the dirty lines
+        it leaves are written back during the timed call); ``"clean"``: evict L2 by reading 256 MB
+        (:func:`clean_l2_flush`; own event loop, same method otherwise); ``False``: back-to-back calls
+        with a warm L2 (own event loop).
     warmup_ms, rep_ms: do_bench's warm-up and measurement budgets, in milliseconds of GPU time.
 
-    Raises RuntimeError when CUDA is not available (use :func:`time_cpu` on the cpu profile).
+    Raises RuntimeError when CUDA is not available (use :func:`time_cpu` on the cpu profile);
+    ValueError for an unknown ``mode`` or ``flush_l2``.
     """
     import torch
 
+    if flush_l2 not in (True, False, "dirty", "clean"):
+        raise ValueError(f"flush_l2 must be True, False, 'dirty' or 'clean', got {flush_l2!r}")
     if not torch.cuda.is_available():
         raise RuntimeError(
             "time_cuda needs a CUDA GPU (torch.cuda.is_available() is False); "
@@ -164,7 +213,9 @@ def time_cuda(
         target()  # first replay uploads the graph; keep it out of the timings
         torch.cuda.synchronize()
 
-    if flush_l2:
+    if flush_l2 == "clean":
+        p50, p20, p80 = _quantiles(_events(target, warmup_ms, rep_ms, before=clean_l2_flush()))
+    elif flush_l2:  # True or "dirty"
         import triton.testing
 
         p50, p20, p80 = triton.testing.do_bench(

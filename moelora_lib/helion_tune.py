@@ -11,16 +11,19 @@ Method:
   * cases: every projection (qkv, o, gate_up, down) of each model for epilogue "none"; gate_up only
     for "swiglu" (and "silu"); every projection for "bias". Identical (epilogue, K, N) are tuned once.
     Each ``--m`` value is timed at exactly that M and its config stored under ``bucket_for(M)``.
-  * candidates (:func:`candidates`): 3–5 explicit configs per bucket class — decode (M ≤ 16): BM 16,
-    big BK (128/256), BN 64/128, pointer vs tensor-descriptor (TMA) loads of W, plus one split-K config
-    when the N tiles alone cannot fill the GPU's SMs; M = 32: BM 32; prefill: 64–128 × 128–256 tiles.
+  * candidates (:func:`candidates`): 4–11 explicit configs per bucket class — decode (M ≤ 16): BM 16,
+    BN 16–64, BK 128–512, 3–6 stages, pointer vs tensor-descriptor (TMA) loads of W, and split-K
+    configs when the N tiles alone cannot give every SM two programs; M = 32: BM 32; prefill:
+    64–128 × 64–256 tiles, split-K at M = 256 for narrow N, TMA + persistent programs at M ≥ 1024.
     Decode buckets share their candidate list, so one compile serves several buckets.
   * compile first, in parallel: spawned worker processes generate the code and compile each
     (config, Triton M-variant) without launching (``run(..., warmup=True)``), filling Triton's on-disk
     cache; the timing process then only loads cubins. Failed compiles are logged and skipped.
-  * timing: ``moelora_lib.bench.time_cuda(fn, mode="graph")`` (CUDA-graph replay, L2 flushed) for every
-    candidate and for the PyTorch path (cuBLAS ``F.linear`` + epilogue) at the same M, after a
-    correctness check against PyTorch (relative error < 2e-2 of max |ref| in bf16).
+  * timing: ``moelora_lib.bench.time_cuda(fn, mode="graph", flush_l2=--l2)`` (CUDA-graph replay;
+    by default the L2 is evicted by a read before every call, so the timed call does not also pay
+    for writing back a dirty flush buffer — see moelora_lib.bench) for every candidate and for the
+    PyTorch path (cuBLAS ``F.linear`` + epilogue) at the same M, after a correctness check against
+    PyTorch (relative error < 2e-2 of max |ref| in bf16).
   * resumable: a (epilogue, dtype, K, N, bucket) already in ``--out`` is skipped (``--force`` redoes
     it); the JSON is rewritten atomically after every case, the CSV appended after every case.
   * ``--budget-s``: no new case starts after this many seconds; the rest is left for a later run.
@@ -68,10 +71,10 @@ def _cfg(bm, bn, bk, warps, stages, indexing="pointer", pid="flat", l2=None, spl
     return c
 
 
-def _split_factor(k: int, n: int, bn: int, num_sms: int) -> int | None:
-    """A split_k that brings the N tiles up to about two programs per SM, or None if not needed.
-    Each chunk keeps at least 1024 elements of K."""
-    tiles = math.ceil(n / bn)
+def _split_factor(k: int, n: int, bn: int, num_sms: int, m_tiles: int = 1) -> int | None:
+    """A split_k that brings the output tiles (``m_tiles`` x ceil(N / bn)) up to about two programs
+    per SM, or None if not needed. Each chunk keeps at least 1024 elements of K; at most 16 chunks."""
+    tiles = m_tiles * math.ceil(n / bn)
     if tiles >= 2 * num_sms:
         return None
     s = 1
@@ -80,47 +83,98 @@ def _split_factor(k: int, n: int, bn: int, num_sms: int) -> int | None:
     return s if s > 1 else None
 
 
+#: Largest shared-memory footprint a candidate may ask for (the H200 allows 227 KiB per block).
+SMEM_LIMIT_BYTES = 227 * 1024
+
+
+def smem_bytes(cfg: dict, epilogue: str, elem: int = 2) -> int:
+    """Pipelined shared memory of a candidate: num_stages x (x tile + W tile(s)), in bytes."""
+    bm, bn, bk = cfg["block_sizes"]
+    w_tiles = 2 if epilogue == "swiglu" else 1
+    return cfg["num_stages"] * (bm * bk + w_tiles * bn * bk) * elem
+
+
 def candidates(epilogue: str, k: int, n: int, bucket: int, num_sms: int = NUM_SMS_H200) -> list[dict]:
     """The explicit candidate list for one (epilogue, K, N, bucket); see the module docstring.
 
-    Decode candidates are the same for buckets 1–16, so their compiles are shared.
+    Decode (M <= 16): the weight stream is all that matters, so the list varies what keeps enough
+    bytes in flight on every SM: BN 16-64 (more programs for narrow N), BK 128-512, 3-6 stages,
+    pointer vs tensor-descriptor (TMA) loads, and split-K when the N tiles alone cannot give every
+    SM two programs. M = 32: the same with BM 32. Prefill: 64-128 x 64-256 tiles, L2 grouping 8,
+    split-K when the tiles do not fill the GPU (M = 256 with narrow N), TMA + persistent programs.
+    Decode buckets share their candidate list, so one compile serves several buckets. Candidates
+    whose pipelined tiles exceed :data:`SMEM_LIMIT_BYTES` are dropped.
     """
+    splittable = epilogue in ("none", "bias")
+
+    def split(bm: int, bn: int, bk: int, warps: int, stages: int, m_tiles: int = 1, **kw) -> list[dict]:
+        if not splittable:
+            return []
+        f = _split_factor(k, n, bn, num_sms, m_tiles)
+        return [_cfg(bm, bn, bk, warps, stages, split=f, **kw)] if f else []
+
     out: list[dict]
     if epilogue == "swiglu":  # two W tiles per k step: half the BN (or stages) of the plain GEMM
         if bucket <= 16:
             out = [
                 _cfg(16, 64, 128, 4, 4),
                 _cfg(16, 32, 256, 4, 4),
+                _cfg(16, 32, 256, 4, 5),
+                _cfg(16, 16, 512, 4, 4),
+                _cfg(16, 64, 256, 4, 3),
                 _cfg(16, 64, 128, 4, 4, indexing="tensor_descriptor"),
+                _cfg(16, 32, 256, 4, 4, indexing="tensor_descriptor"),
             ]
         elif bucket <= 32:
-            out = [_cfg(32, 64, 128, 4, 4), _cfg(32, 32, 256, 4, 3)]
+            out = [_cfg(32, 64, 128, 4, 4), _cfg(32, 32, 256, 4, 3), _cfg(32, 32, 256, 4, 4), _cfg(32, 64, 128, 4, 5)]
         else:
-            out = [_cfg(64, 128, 64, 8, 3, l2=8), _cfg(64, 64, 64, 4, 4, l2=8), _cfg(128, 64, 64, 8, 3, l2=8)]
-        return out
-    if bucket <= 16:
+            out = [
+                _cfg(64, 128, 64, 8, 3, l2=8),
+                _cfg(64, 64, 64, 4, 4, l2=8),
+                _cfg(128, 64, 64, 8, 3, l2=8),
+                _cfg(128, 128, 64, 8, 3, l2=8),
+                _cfg(64, 128, 64, 8, 4, indexing="tensor_descriptor", l2=8),
+            ]
+    elif bucket <= 16:
         out = [
             _cfg(16, 64, 128, 4, 5),
-            _cfg(16, 128, 128, 4, 4),
+            _cfg(16, 64, 256, 4, 4),
+            _cfg(16, 32, 256, 4, 4),
+            _cfg(16, 32, 256, 4, 6),
+            _cfg(16, 32, 512, 4, 4),
+            _cfg(16, 16, 512, 4, 4),
+            _cfg(16, 64, 256, 8, 4),
             _cfg(16, 64, 256, 4, 3, indexing="tensor_descriptor"),
+            _cfg(16, 32, 256, 4, 4, indexing="tensor_descriptor"),
         ]
-        s = _split_factor(k, n, 64, num_sms) if epilogue in ("none", "bias") else None
-        if s:
-            out.append(_cfg(16, 64, 128, 4, 4, split=s))
+        out += split(16, 64, 128, 4, 4) + split(16, 32, 256, 4, 4)
     elif bucket <= 32:
-        out = [_cfg(32, 64, 128, 4, 4), _cfg(32, 128, 128, 4, 3)]
-        s = _split_factor(k, n, 64, num_sms) if epilogue in ("none", "bias") else None
-        if s:
-            out.append(_cfg(32, 64, 128, 4, 4, split=s))
+        out = [
+            _cfg(32, 64, 128, 4, 4),
+            _cfg(32, 32, 256, 4, 4),
+            _cfg(32, 64, 256, 4, 3),
+            _cfg(32, 32, 128, 4, 5),
+        ]
+        out += split(32, 64, 128, 4, 4) + split(32, 32, 256, 4, 4)
     elif bucket <= 256:
-        out = [_cfg(64, 128, 64, 4, 4, l2=8), _cfg(128, 128, 64, 8, 3, l2=8), _cfg(64, 256, 64, 8, 3, l2=8)]
+        out = [
+            _cfg(64, 128, 64, 4, 4, l2=8),
+            _cfg(128, 128, 64, 8, 3, l2=8),
+            _cfg(64, 256, 64, 8, 3, l2=8),
+            _cfg(64, 64, 128, 4, 4, l2=8),
+            _cfg(128, 64, 64, 4, 4, l2=8),
+            _cfg(64, 128, 64, 4, 4, indexing="tensor_descriptor", l2=8),
+        ]
+        out += split(64, 128, 64, 4, 4, m_tiles=max(1, bucket // 64), l2=8)
     else:
         out = [
             _cfg(128, 128, 64, 8, 3, l2=8),
             _cfg(128, 256, 64, 8, 3, l2=8),
             _cfg(128, 256, 64, 8, 3, indexing="tensor_descriptor", pid="persistent_interleaved", l2=8),
+            _cfg(128, 128, 64, 8, 4, indexing="tensor_descriptor", pid="persistent_interleaved", l2=8),
+            _cfg(128, 256, 64, 8, 4, indexing="tensor_descriptor", l2=8),
         ]
-    return out
+    return [c for c in out if smem_bytes(c, epilogue) <= SMEM_LIMIT_BYTES]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,6 +306,13 @@ def _parse(argv):
     )
     p.add_argument("--warmup-ms", type=float, default=5.0)
     p.add_argument("--rep-ms", type=float, default=20.0)
+    p.add_argument(
+        "--l2",
+        default="clean",
+        choices=["clean", "dirty"],
+        help="L2 state before every timed call (bench.time_cuda flush_l2): 'clean' (evicted by a read, "
+        "as in a real decode step) or 'dirty' (do_bench's zeroing flush)",
+    )
     p.add_argument("--force", action="store_true", help="re-tune cases already in --out")
     return p.parse_args(argv)
 
@@ -307,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     compiled = precompile(todo, args.dtype, jobs, timeout_s=0.5 * args.budget_s, log=log)
 
     gpu = gpu_config_name()
-    timing_kw = dict(mode="graph", flush_l2=True, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
+    timing_kw = dict(mode="graph", flush_l2=args.l2, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
     weights: dict[tuple, tuple] = {}
     n_tuned = 0
     bar = tqdm(todo, desc="helion_tune", unit="case")
@@ -383,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
             "helion": bench.env_record()["helion"],
             "torch": torch.__version__,
             "updated_utc": bench.env_record()["timestamp_utc"],
-            "timing": "moelora_lib.bench.time_cuda graph mode, L2 flushed",
+            "timing": f"moelora_lib.bench.time_cuda graph mode, flush_l2={args.l2!r}",
         }
         save_configs(table, out_path)
         bench.write_rows(args.csv, rows, append=True)

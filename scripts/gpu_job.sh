@@ -10,6 +10,9 @@
 #      JOB_BUDGET_S wall-clock budget for the whole job (default 560 s: the device allows 600 s per
 #                  command); the notebooks and tests are stopped in time to always pack the results
 #      MOELORA_GIT_COMMIT  recorded as git_commit when the copy has no .git
+#      PRE_CMDS    shell commands run (bash -c, same environment) before the notebooks, e.g. a probe
+#                  or the Helion tuner; their own time counts against JOB_BUDGET_S
+#      NOTEBOOKS=none runs no notebook (only PRE_CMDS and GPU_TESTS)
 #      SITE        where the wheels are installed (default /tmp/site)
 # Uses the host's python3 with its own torch/triton/numpy; installs only the wheelhouse (--no-deps).
 # Always leaves $OUT/results.tar.gz (data/: CSVs, figures, executed notebooks, env JSON) and
@@ -79,14 +82,26 @@ nvidia-smi || echo "gpu_job: nvidia-smi failed"
 python3 -c 'from moelora_lib.bench import save_env; save_env("data/env/gpu_host.json")' \
     || echo "gpu_job: could not save data/env/gpu_host.json"
 
+if [[ -n "${PRE_CMDS:-}" ]]; then
+    t=$(left)
+    echo "gpu_job: PRE_CMDS (timeout ${t}s): $PRE_CMDS"
+    timeout --signal=INT --kill-after=10 "$t" bash -c "$PRE_CMDS"
+    prc=$?
+    echo "gpu_job: PRE_CMDS exit status $prc"
+    [[ $RC == 0 ]] && RC=$prc
+fi
+
 ONLY_ARGS=()
 [[ -n "${NOTEBOOKS:-}" ]] && ONLY_ARGS=(--only "$NOTEBOOKS")
 t=$(left)
-if ((t > 0)); then
+if [[ "${NOTEBOOKS:-}" == none ]]; then
+    echo "gpu_job: NOTEBOOKS=none: no notebook run"
+elif ((t > 0)); then
     echo "gpu_job: running notebooks ${NOTEBOOKS:-all} (timeout ${t}s)"
     timeout --signal=INT --kill-after=10 "$t" \
         python3 -m moelora_lib.runner --profile gpu --keep-going --no-progress --log-output "${ONLY_ARGS[@]}"
-    RC=$?
+    nrc=$?
+    [[ $RC == 0 ]] && RC=$nrc
     ((RC == 124)) && echo "gpu_job: the notebooks ran out of time (JOB_BUDGET_S=$BUDGET)"
 else
     echo "gpu_job: no time left for the notebooks (JOB_BUDGET_S=$BUDGET)"

@@ -9,26 +9,41 @@ MD1 = r"""# 08 — Helion linear backend: tuned Helion GEMMs behind a linear-met
 **What changes.** The dense projections (QKV, O, gate_up, down) of Llama-3.1-8B, Qwen3-32B and
 Llama-3.3-70B run through `moelora_lib.helion_linear.HelionLinearMethod`: Helion 1.4.0 kernels
 (plain GEMM, fused SwiGLU, split-K for small M) with configs pre-tuned per M bucket on this GPU
-(`python -m moelora_lib.helion_tune`, ~4 candidates per bucket, shipped as
+(`python -m moelora_lib.helion_tune`: 4–11 explicit candidates per bucket, shipped as
 `moelora_lib/configs/helion/NVIDIA_H200.json`), compiled once at warm-up, with `F.linear` (cuBLAS)
 as fallback. The baseline is `TorchLinearMethod` (cuBLAS) measured side by side in the same run.
 
 **Why.** At decode (M = 1–32) these GEMMs are bound by weight bandwidth: cuBLAS takes ≈ 40 µs for
-[M, 4096]×[4096, 14336] bf16 (117 MB of weights) at every M ≤ 64, i.e. ≈ 2.9 TB/s of the measured
-4.3 TB/s copy ceiling. A per-shape tuned kernel can close part of that gap.
+[M, 4096]×[4096, 14336] bf16 (117 MB of weights) at every M ≤ 64 under do_bench's method, i.e.
+≈ 2.9 TB/s of the measured 4.3 TB/s copy ceiling. A per-shape tuned kernel can close part of that gap.
 
-**Predictions (written before measuring).**
-* Decode, graph-replayed: ceiling 4.3 TB/s → ≈ 27 µs best case for the 8B gate_up, at most ≈ 1.45×
-  over cuBLAS; realistic target **≥ 1.15×** on the large projections (gate_up, down, 70B QKV), less
-  on the small O projections (33 MB, mostly L2-sized: launch/tail latency dominates; split-K helps
-  only there, and its zero-fill + cast kernels cost ≈ 2 × 2 µs).
+**First run (commit 18fd37d, 2–4 candidates per bucket, timed after do_bench's L2 flush):** decode
+geomean 1.00× cuBLAS, prefill 0.92×, fused SwiGLU 1.09×. Both libraries sat on one line,
+time ≈ (weight bytes + ≈ 50–60 MB) / 4.3 TB/s, for every shape from 33 MB to 940 MB. Hence this run's
+second timing mode.
+
+**The L2 state (hypothesis, written before this run).** do_bench flushes L2 by *zeroing* 256 MB, so
+the timed call starts with ≈ 60 MB of dirty lines of the flush buffer in L2 and writes them back as
+it evicts them: ≈ 14 µs of extra HBM traffic, shared by every implementation, which compresses every
+decode ratio toward 1. In a real decode step the L2 holds the previous layer's weights (clean).
+Predictions: with the L2 evicted by a *read* (`flush_l2="clean"`), cuBLAS M = 1 at 4096×4096
+(33.5 MB) drops from ≈ 19 µs to ≈ 10–11 µs, at 4096×14336 from ≈ 40 to ≈ 29–30 µs, at 8192×28672
+from ≈ 121 to ≈ 110 µs; rotating through enough weight copies to stream 4× the L2 (no flush at all)
+gives the same times as the clean flush. Every ratio below is reported in both modes: `graph`
+(do_bench flush, the method of the MoE anchors) and `graph_clean`.
+
+**Predictions for the ratios (written before this run).**
+* Decode, graph-replayed, clean L2: cuBLAS already streams the large weights at ≈ 3.5–4 TB/s, so the
+  best any kernel can do there is ≈ 1.1× (computed per row below as `max_speedup`); the small
+  projections (O, QKV of 8B: 33–50 MB) leave more room. Expected geomean 1.05–1.15×: the 1.15×
+  target is met only where the bound allows it. With do_bench's flush: ≈ 1.0–1.05×.
 * Decode, eager: Helion **slower** than cuBLAS (≈ 30 µs of Python dispatch per call; vLLM uses Helion
   only under CUDA-graph replay).
-* Prefill (M = 256–4096): compute-bound, cuBLAS ≈ 600–680 TFLOP/s; Helion with a handful of
-  candidates ≈ 0.7–0.95× (helion.md §7 measured 0.66× with an untuned config). Target ≥ 0.95×.
-* Fused SwiGLU vs PyTorch (one merged GEMM + silu·mul): saves the [M, 2I] write+read and one
-  launch; ≈ 1.05–1.2× at decode, more vs two separate GEMMs (x read twice, two launches); the issue's
-  ≥ 1.3× target is likely only vs the two-GEMM path.
+* Prefill (M = 256–4096): the new M = 256 candidates (64×64 tiles, split-K for narrow N) lift the
+  worst rows (0.64–0.77×) to ≥ 0.9×; geomean ≥ 0.95× plausible.
+* Fused SwiGLU vs PyTorch (one merged GEMM + silu·mul): both read the same weights; the fusion saves
+  the [M, 2I] write+read and two small launches, ≈ 5–10 µs of a 70–230 µs decode call, so ≈ 1.05–1.15×;
+  the issue's ≥ 1.3× lies above the bound computed below at every shape.
 
 On `PROFILE = "cpu"` the same code runs tiny shapes (K = 64, N = 96) through the Triton interpreter
 in fp32/fp16: correctness only; its timing table measures the interpreter, not a kernel.
@@ -69,11 +84,29 @@ TUNE_CSV = bench.data_path("helion_tuning.csv")
 t_notebook = time.perf_counter()
 print(bench.env_record())"""
 
+PROBE_MD = """## Ceilings and the L2 state (GPU only)
+Measured here, now: the copy ceiling (bytes read + written) and the read ceiling (a `torch.sum` over
+2 GB: the bound of a weight-streaming GEMM), the graph-replayed cost of one tiny kernel, and one
+decode GEMM (M = 1) per weight size timed four ways: `dirty` (do_bench's zeroing flush), `clean`
+(L2 evicted by a read), `rotate` (no flush; the graph cycles through copies of W that stream 4× the
+L2) and `warm` (no flush, one W)."""
+
+PROBE = """CEIL = None
+if PROFILE == "gpu":
+    CEIL = study.ceilings()
+    print({k: round(v, 3) for k, v in CEIL.items() if k != "nbytes"})
+    probe = pd.DataFrame(study.l2_probe(configs=None))
+    bench.write_rows(bench.data_path("08_l2_probe.csv"), probe.to_dict("records"))
+    probe["us"] = probe.ms_p50 * 1e3
+    print(probe.pivot_table(index=["K", "N", "impl"], columns="l2", values="us").round(2).to_string())
+    print(probe.pivot_table(index=["K", "N", "impl"], columns="l2", values="tb_per_s").round(2).to_string())"""
+
 TUNE_MD = """## Tuning (GPU only)
 The tuner runs as a subprocess (Helion/our precompile workers are spawned processes and need a real
-`__main__`). It times ~3–4 hand-picked configs per (shape, M bucket) with `bench.time_cuda` in graph
-mode, keeps every tried config in `data/helion_tuning.csv`, and writes the winners into the shipped
-JSON; a copy goes to `data/`. It is resumable: buckets already in the JSON are skipped."""
+`__main__`). It times 4–11 hand-picked configs per (shape, M bucket) with `bench.time_cuda` in graph
+mode with a clean L2 (`--l2 clean`), keeps every tried config in `data/helion_tuning.csv`, and writes
+the winners into the shipped JSON; a copy goes to `data/`. It is resumable: buckets already in the
+JSON are skipped (the shipped file was tuned before this notebook ran; see the tuning CSV)."""
 
 TUNE = """CONFIG_PATH = None
 if PROFILE == "gpu":
@@ -125,7 +158,7 @@ if PROFILE == "cpu":
     print("CPU-interpreter timings: interpreter cost, NOT kernel performance")
 print(s[cols].round(3).to_string(index=False))"""
 
-FIGS = """paths = study.plot(df, FIG_DIR)
+FIGS = """paths = study.plot(df, FIG_DIR, read_tb_per_s=CEIL["read_tb_per_s"] if CEIL else None)
 print([str(p) for p in paths])"""
 
 CONCL = """# Conclusions, computed from the CSV just written.
@@ -136,25 +169,50 @@ def gmean(v):
     v = v[np.isfinite(v) & (v > 0)]
     return float(np.exp(np.log(v).mean())) if len(v) else float("nan")
 
-mode = "graph" if PROFILE == "gpu" else "cpu"
-sm = s[s.timing_mode == mode]
-plain = sm[sm.epilogue == "none"]
-decode, prefill = plain[plain.M <= 32], plain[plain.M >= 256]
-sw = sm[sm.epilogue == "swiglu"]
-lines = [
-    f"decode (M<=32, {mode}) Helion vs cuBLAS geomean: {gmean(decode.speedup):.3f}x "
-    f"(min {decode.speedup.min():.3f}, max {decode.speedup.max():.3f}); target >= 1.15x",
-    f"prefill (M>=256, {mode}) geomean: {gmean(prefill.speedup):.3f}x; target >= 0.95x",
-    f"fused SwiGLU vs merged GEMM + silu*mul ({mode}) geomean: {gmean(sw.speedup):.3f}x; "
-    f"vs two GEMMs: {gmean(sw.get('speedup_vs_two_gemm', pd.Series(dtype=float))):.3f}x; target >= 1.3x",
-]
+modes = ["graph", "graph_clean"] if PROFILE == "gpu" else ["cpu"]
+lines, targets = [], []
+for mode in modes:
+    sm = s[s.timing_mode == mode]
+    plain = sm[sm.epilogue == "none"]
+    decode, prefill = plain[plain.M <= 32], plain[plain.M >= 256]
+    sw = sm[sm.epilogue == "swiglu"]
+    sw2 = sw.get("speedup_vs_two_gemm", pd.Series(dtype=float))
+    lines += [
+        f"[{mode}] decode (M<=32) Helion vs cuBLAS geomean {gmean(decode.speedup):.3f}x "
+        f"(min {decode.speedup.min():.3f}, max {decode.speedup.max():.3f}); target >= 1.15x",
+        f"[{mode}] prefill (M>=256) geomean {gmean(prefill.speedup):.3f}x "
+        f"(min {prefill.speedup.min():.3f}); target >= 0.95x",
+        f"[{mode}] fused SwiGLU vs merged GEMM + silu*mul geomean {gmean(sw.speedup):.3f}x, "
+        f"vs two GEMMs {gmean(sw2):.3f}x; target >= 1.3x",
+    ]
+    if PROFILE == "gpu":
+        lines.append(f"[{mode}] decode achieved bandwidth: Helion median {decode.helion_tb_per_s.median():.2f} TB/s, "
+                     f"cuBLAS {decode.torch_tb_per_s.median():.2f} TB/s (read ceiling {CEIL['read_tb_per_s']:.2f}, "
+                     f"copy ceiling {CEIL['copy_tb_per_s']:.2f})")
+        lines.append(f"[{mode}] prefill: Helion median {prefill.helion_tflops.median():.0f} TFLOP/s, "
+                     f"cuBLAS {prefill.torch_tflops.median():.0f}")
+        targets += [
+            dict(mode=mode, target="decode >= 1.15x", measured=gmean(decode.speedup), goal=1.15),
+            dict(mode=mode, target="prefill >= 0.95x", measured=gmean(prefill.speedup), goal=0.95),
+            dict(mode=mode, target="SwiGLU >= 1.3x (vs merged)", measured=gmean(sw.speedup), goal=1.3),
+            dict(mode=mode, target="SwiGLU >= 1.3x (vs two GEMMs)", measured=gmean(sw2), goal=1.3),
+        ]
 if PROFILE == "gpu":
     eager = s[(s.timing_mode == "eager") & (s.epilogue == "none") & (s.M <= 32)]
     lines.append(f"decode eager (Python dispatch included) geomean: {gmean(eager.speedup):.3f}x")
-    lines.append(f"decode Helion achieved bandwidth: median {decode.helion_tb_per_s.median():.2f} TB/s "
-                 f"(cuBLAS {decode.torch_tb_per_s.median():.2f}) vs 4.3 TB/s copy ceiling")
-    lines.append(f"prefill Helion: median {prefill.helion_tflops.median():.0f} TFLOP/s "
-                 f"(cuBLAS {prefill.torch_tflops.median():.0f}) vs ~675-790 dense peak")
+    # The best ratio any kernel could reach: PyTorch's time over the floor (bytes at the read
+    # ceiling or flops at the dense peak, plus one graph-replayed launch), clean-L2 rows.
+    b = study.best_ratio_bounds(s[s.timing_mode == "graph_clean"], CEIL["read_tb_per_s"],
+                                bench.H200_BF16_TFLOPS, launch_us=CEIL["tiny_kernel_us"])
+    bd = b[(b.M <= 32)]
+    lines.append(f"[graph_clean] decode bound (cuBLAS time / floor): geomean {gmean(bd[bd.epilogue == 'none'].max_speedup):.3f}x; "
+                 f"SwiGLU decode bound vs merged: {gmean(bd[bd.epilogue == 'swiglu'].max_speedup):.3f}x")
+    print(b[b.M <= 32][["model", "proj", "epilogue", "M", "torch_us", "helion_us", "floor_us",
+                        "max_speedup", "speedup"]].round(3).to_string(index=False))
+    tt = pd.DataFrame(targets)
+    tt["met"] = tt.measured >= tt.goal
+    tt.to_csv(bench.data_path("08_targets.csv"), index=False)
+    print(tt.round(3).to_string(index=False))
 else:
     lines.append("(cpu profile: interpreter timings, ratios are meaningless)")
 lines.append(f"notebook wall time: {time.perf_counter() - t_notebook:.0f} s")
@@ -167,6 +225,8 @@ def main() -> None:
         nbf.v4.new_markdown_cell(MD1),
         nbf.v4.new_code_cell(PARAMS, metadata={"tags": ["parameters"]}),
         nbf.v4.new_code_cell(DERIVED),
+        nbf.v4.new_markdown_cell(PROBE_MD),
+        nbf.v4.new_code_cell(PROBE),
         nbf.v4.new_markdown_cell(TUNE_MD),
         nbf.v4.new_code_cell(TUNE),
         nbf.v4.new_markdown_cell(SWEEP_MD),

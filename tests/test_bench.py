@@ -72,6 +72,11 @@ def test_time_cpu_quantiles():
     assert bench._quantiles([1.0, 2.0, 3.0, 4.0, 5.0]) == pytest.approx((3.0, 1.8, 4.2))
 
 
+def test_time_cuda_bad_flush_raises():
+    with pytest.raises(ValueError, match="flush_l2"):
+        bench.time_cuda(lambda: None, flush_l2="warm")
+
+
 def test_time_cuda_without_gpu_raises():
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
@@ -82,7 +87,7 @@ def test_time_cuda_without_gpu_raises():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["graph", "eager"])
-@pytest.mark.parametrize("flush_l2", [True, False])
+@pytest.mark.parametrize("flush_l2", [True, False, "clean"])
 def test_time_cuda_copy(mode, flush_l2):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():

@@ -327,3 +327,53 @@ def test_bad_bias_and_sizes_raise_value_error():
         Linear(K_, 7, TorchLinearMethod("swiglu"), dtype=torch.float32)
     with pytest.raises(ValueError, match="epilogue must be one of"):
         HelionLinearMethod({}, "gelu")
+
+
+# ---------------------------------------------------------------------------------------------
+# Tuner candidate lists and the bound helper (no GPU needed)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("epi", ["none", "bias", "silu", "swiglu"])
+@pytest.mark.parametrize("kn", [(4096, 4096), (14336, 4096), (8192, 57344)])
+@pytest.mark.parametrize("bucket", [1, 16, 32, 256, 1024, 2048])
+def test_tuner_candidates_valid(epi, kn, bucket):
+    from moelora_lib import helion_tune as T
+
+    k, n = kn
+    cands = T.candidates(epi, k, n, bucket)
+    assert 3 <= len(cands) <= 12
+    keys = [json.dumps(c, sort_keys=True) for c in cands]
+    assert len(set(keys)) == len(keys), "duplicate candidates"
+    for c in cands:
+        bm, bn, bk = c["block_sizes"]
+        assert all(v >= 16 and v & (v - 1) == 0 for v in (bm, bn, bk)), c
+        assert T.smem_bytes(c, epi) <= T.SMEM_LIMIT_BYTES, c
+        if "split_k" in c:
+            assert epi in ("none", "bias"), c
+            assert 2 <= c["split_k"] <= 16 and k // c["split_k"] >= 1024, c
+        if bucket <= 16:
+            assert bm == 16
+
+
+def test_split_factor_fills_the_sms():
+    from moelora_lib import helion_tune as T
+
+    assert T._split_factor(4096, 4096, 64, 132) == 4  # 64 tiles -> 256 programs
+    assert T._split_factor(4096, 57344, 64, 132) is None  # 896 tiles already fill the GPU
+    assert T._split_factor(4096, 4096, 128, 132, m_tiles=4) == 4
+    assert T._split_factor(2048, 4096, 64, 132) == 2  # chunks keep >= 1024 of K
+
+
+def test_best_ratio_bounds():
+    import pandas as pd
+
+    from moelora_lib.helion_linear import study
+
+    s = pd.DataFrame(
+        dict(M=[1, 4096], K=[4096, 4096], N=[4096, 4096], epilogue=["none", "none"], torch_us=[20.0, 200.0])
+    )
+    b = study.best_ratio_bounds(s, read_tb_per_s=4.0, tflops=500.0, launch_us=2.0)
+    # M = 1: bytes (4096*4096 + 4096 + 4096) * 2 / 4e12 s = 8.39 us + 2 us launch
+    assert b.floor_us[0] == pytest.approx((4096 * 4096 + 2 * 4096) * 2 / 4e12 * 1e6 + 2.0)
+    # M = 4096: flops 2 * 4096^3 / 500e12 = 274.9 us > bytes
+    assert b.floor_us[1] == pytest.approx(2 * 4096**3 / 500e12 * 1e6 + 2.0)
+    assert b.max_speedup[0] == pytest.approx(20.0 / b.floor_us[0])

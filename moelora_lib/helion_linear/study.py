@@ -3,7 +3,9 @@ notebook only imports, calls, checks and plots.
 
 Rows (one per (model, projection, epilogue, M, impl, timing mode)): stage "helion_linear", model,
 proj, epilogue, M, K, N (weight rows; swiglu N = 2I), dtype, impl ("helion" | "torch" |
-"torch_two_gemm"), path (HelionLinearMethod.path_for), timing_mode ("graph" | "eager" | "cpu"),
+"torch_two_gemm"), path (HelionLinearMethod.path_for), timing_mode ("graph": CUDA-graph replay after
+do_bench's zeroing L2 flush, which leaves dirty lines the timed call writes back; "graph_clean":
+graph replay after an L2 eviction by a read, see ``moelora_lib.bench``; "eager"; "cpu"),
 ms_p50/p20/p80, flops (2·M·N·K), bytes (weight + x + output, each read/written once), tb_per_s,
 tflops, rel_err (max |y - ref| / max |ref| against the fp32 PyTorch result), plus the bench
 environment columns.
@@ -11,7 +13,9 @@ environment columns.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
+import math
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -86,7 +90,7 @@ def sweep(
 
     profile "gpu": the models' projections in ``dtype`` on cuda; "none" for qkv/o/gate_up/down,
     "swiglu" for gate_up (torch: merged GEMM + silu·mul, and two GEMMs + silu·mul); timings with
-    ``bench.time_cuda`` in graph and eager mode. configs: HelionLinearMethod's ``configs`` argument
+    ``bench.time_cuda`` in graph mode (do_bench flush and clean L2) and eager mode. configs: HelionLinearMethod's ``configs`` argument
     (None = the shipped file of this GPU).
     profile "cpu": CPU_SHAPE in fp32 and fp16 through the Triton interpreter (needs
     TRITON_INTERPRET=1), ``configs`` ignored (cpu_demo_table), ``bench.time_cpu`` with one rep.
@@ -120,11 +124,14 @@ def sweep(
                     jobs.append((name, proj, k, n, epi, dtype))
         device = "cuda"
         methods = {epi: HelionLinearMethod(configs, epi) for epi in epilogues}
-        modes = ("graph", "eager")
+        modes = ("graph", "graph_clean", "eager")
 
     def timed(fn, mode):
         if mode == "cpu":
             return bench.time_cpu(fn, reps=1, warmup=0)
+        if mode == "graph_clean":
+            t = bench.time_cuda(fn, mode="graph", **{**timing_kw, "flush_l2": "clean"})
+            return dataclasses.replace(t, mode="graph_clean")
         return bench.time_cuda(fn, mode=mode, **timing_kw)
 
     rows: list[dict] = []
@@ -192,12 +199,14 @@ def summary(df):
         out[f"torch_{col}"] = p["torch"]
     paths = df[df.impl == "helion"].groupby(key)["path"].first()
     out["helion_path"] = paths
+    out = out.join(df.groupby(key)[["K", "N"]].first())
     return out.reset_index()
 
 
-def plot(df, out_dir: str | Path, prefix: str = "08") -> list[Path]:
-    """Figures from the sweep CSV: speedup vs M per projection (graph and eager), and achieved TB/s
-    at decode sizes against the copy ceiling. Returns the written PNG paths."""
+def plot(df, out_dir: str | Path, prefix: str = "08", read_tb_per_s: float | None = None) -> list[Path]:
+    """Figures from the sweep CSV: speedup vs M per projection (one panel per timing mode), and
+    achieved TB/s at decode sizes (graph modes) against the copy ceiling and, if given, the measured
+    read ceiling (TB/s). Returns the written PNG paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -209,7 +218,7 @@ def plot(df, out_dir: str | Path, prefix: str = "08") -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     s = summary(df)
     paths = []
-    modes = [m for m in ("graph", "eager", "cpu") if m in set(s.timing_mode)]
+    modes = [m for m in ("graph", "graph_clean", "eager", "cpu") if m in set(s.timing_mode)]
     fig, axes = plt.subplots(1, len(modes), figsize=(6.5 * len(modes), 4.5), squeeze=False)
     for ax, mode in zip(axes[0], modes):
         sub = s[s.timing_mode == mode]
@@ -235,20 +244,133 @@ def plot(df, out_dir: str | Path, prefix: str = "08") -> list[Path]:
     plt.close(fig)
     paths.append(p)
 
-    if "graph" in modes:
-        sub = s[(s.timing_mode == "graph") & (s.M <= 32) & (s.epilogue == "none")]
-        g = sub.groupby(["model", "proj"])[["helion_tb_per_s", "torch_tb_per_s"]].median()
-        fig, ax = plt.subplots(figsize=(9, 4.5))
-        xs = range(len(g))
-        ax.bar([i - 0.2 for i in xs], g.torch_tb_per_s, width=0.4, label="cuBLAS")
-        ax.bar([i + 0.2 for i in xs], g.helion_tb_per_s, width=0.4, label="Helion")
-        ax.axhline(H200_COPY_TB_PER_S, color="r", ls="--", label=f"copy ceiling {H200_COPY_TB_PER_S} TB/s")
-        ax.set_xticks(list(xs), [f"{a}\n{b}" for a, b in g.index], fontsize=7)
-        ax.set_ylabel("achieved TB/s (median over M ≤ 32, graph)")
-        ax.legend()
+    bw_modes = [m for m in ("graph", "graph_clean") if m in modes]
+    if bw_modes:
+        fig, axes = plt.subplots(1, len(bw_modes), figsize=(9 * len(bw_modes), 4.5), squeeze=False)
+        for ax, mode in zip(axes[0], bw_modes):
+            sub = s[(s.timing_mode == mode) & (s.M <= 32) & (s.epilogue == "none")]
+            g = sub.groupby(["model", "proj"])[["helion_tb_per_s", "torch_tb_per_s"]].median()
+            xs = range(len(g))
+            ax.bar([i - 0.2 for i in xs], g.torch_tb_per_s, width=0.4, label="cuBLAS")
+            ax.bar([i + 0.2 for i in xs], g.helion_tb_per_s, width=0.4, label="Helion")
+            ax.axhline(H200_COPY_TB_PER_S, color="r", ls="--", label=f"copy ceiling {H200_COPY_TB_PER_S} TB/s")
+            if read_tb_per_s:
+                ax.axhline(read_tb_per_s, color="m", ls=":", label=f"read ceiling {read_tb_per_s:.2f} TB/s")
+            ax.set_xticks(list(xs), [f"{a}\n{b}" for a, b in g.index], fontsize=7)
+            ax.set_ylabel("achieved TB/s (median over M ≤ 32)")
+            ax.set_title({"graph": "graph replay, do_bench flush (dirty L2)", "graph_clean": "graph replay, clean L2"}[mode])
+            ax.legend(fontsize=7)
         fig.tight_layout()
         p = out_dir / f"{prefix}_decode_bandwidth.png"
         fig.savefig(p, dpi=120)
         plt.close(fig)
         paths.append(p)
     return paths
+
+
+# ---------------------------------------------------------------------------------------------
+# Ceilings, the L2-state probe and the best ratio each target allows
+# ---------------------------------------------------------------------------------------------
+def ceilings(nbytes: int = 2 * 1024**3, timing_kw: dict | None = None) -> dict:
+    """Measured memory ceilings of this GPU (TB/s, 1e12 bytes/s): ``copy`` (device-to-device copy of
+    ``nbytes``, bytes read + written, as KINDS.md measured it) and ``read`` (``torch.sum`` over
+    ``nbytes`` of fp32: a pure read stream, the bound of a weight-streaming decode GEMM), both timed
+    with ``bench.time_cuda`` in eager mode without an L2 flush (the buffers are 35x the L2); and
+    ``tiny_kernel_us``, the graph-replayed time of a one-element kernel (the fixed cost of one
+    launch inside a graph, µs)."""
+    from moelora_lib import bench
+
+    kw = dict(warmup_ms=10, rep_ms=60, **(timing_kw or {}))
+    kw["flush_l2"] = False
+    a = torch.ones(nbytes // 4, dtype=torch.float32, device="cuda")
+    b = torch.empty_like(a)
+    t_copy = bench.time_cuda(lambda: b.copy_(a), mode="eager", **kw)
+    t_read = bench.time_cuda(lambda: torch.sum(a), mode="eager", **kw)
+    tiny = torch.zeros(1, device="cuda")
+    t_tiny = bench.time_cuda(lambda: tiny.add_(1), mode="graph", **kw)
+    out = {
+        "tiny_kernel_us": t_tiny.ms_p50 * 1e3,
+        "copy_tb_per_s": 2 * nbytes / (t_copy.ms_p50 * 1e-3) / 1e12,
+        "read_tb_per_s": nbytes / (t_read.ms_p50 * 1e-3) / 1e12,
+        "nbytes": nbytes,
+    }
+    del a, b
+    torch.cuda.empty_cache()
+    return out
+
+
+def l2_probe(
+    shapes: Iterable[tuple[int, int]] = ((4096, 4096), (4096, 14336), (8192, 28672)),
+    m: int = 1,
+    dtype: str = "bfloat16",
+    configs: Any = None,
+    timing_kw: dict | None = None,
+    seed: int = 0,
+) -> list[dict]:
+    """How the L2 state before a timed call changes a decode GEMM's time, for cuBLAS and Helion.
+
+    For each (K, N), y = x·Wᵀ at ``m`` rows is timed as a CUDA-graph replay four ways:
+    ``dirty`` (do_bench's zeroing flush: L2 full of dirty lines), ``clean`` (L2 evicted by a read),
+    ``rotate`` (no flush; the graph cycles through enough copies of W to stream 4x the L2, the
+    METHOD.md way of never timing a warm cache; time per GEMM = replay time / copies) and ``warm``
+    (no flush, one W: whatever of W fits stays in L2). Rows: K, N, M, impl, l2, ms_p50/p20/p80,
+    weight_bytes, copies, tb_per_s (weight bytes per second), plus the bench environment columns.
+    """
+    from moelora_lib import bench
+
+    kw = dict(warmup_ms=10, rep_ms=40, **(timing_kw or {}))
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    tdtype = getattr(torch, dtype)
+    rows = []
+    method = HelionLinearMethod(configs, "none")
+    for k, n in shapes:
+        wbytes = n * k * tdtype.itemsize
+        copies = max(2, math.ceil(4 * 60 * 2**20 / wbytes))
+        w0 = (torch.randn(n, k, generator=gen) * k**-0.5).to(device="cuda", dtype=tdtype)
+        ws = [w0] + [w0.clone() for _ in range(copies - 1)]
+        x = torch.randn(m, k, generator=gen).to(device="cuda", dtype=tdtype)
+        layers = [Linear.from_weight(w, method) for w in ws]
+        method.warmup(layers[0], m)
+        for lay in layers[1:]:
+            method.warmup(lay, m)
+        tls = [Linear.from_weight(w, TorchLinearMethod("none")) for w in ws]
+        impls = {"helion": layers, "torch": tls}
+        for impl, ls in impls.items():
+            one = ls[0]
+            runs = {
+                "dirty": (lambda one=one: one(x), dict(flush_l2=True), 1),
+                "clean": (lambda one=one: one(x), dict(flush_l2="clean"), 1),
+                "warm": (lambda one=one: one(x), dict(flush_l2=False), 1),
+                "rotate": (lambda ls=ls: [lay(x) for lay in ls], dict(flush_l2=False), len(ls)),
+            }
+            for l2, (fn, fkw, c) in runs.items():
+                t = bench.time_cuda(fn, mode="graph", **{**kw, **fkw})
+                t = dataclasses.replace(t, ms_p50=t.ms_p50 / c, ms_p20=t.ms_p20 / c, ms_p80=t.ms_p80 / c)
+                rows.append(
+                    bench.result_row(
+                        stage="helion_l2_probe", K=k, N=n, M=m, dtype=dtype, impl=impl, l2=l2, copies=c,
+                        weight_bytes=wbytes, timing=t, tb_per_s=wbytes / (t.ms_p50 * 1e-3) / 1e12,
+                        path=method.path_for(layers[0], m) if impl == "helion" else "torch",
+                    )
+                )
+        del ws, layers, tls, w0, x
+        gc.collect()
+        torch.cuda.empty_cache()
+    return rows
+
+
+def best_ratio_bounds(s, read_tb_per_s: float, tflops: float, launch_us: float = 0.0):
+    """The largest speedup over the measured PyTorch time that any kernel could reach, per row of
+    :func:`summary` (graph modes): ``torch_us / floor_us`` with ``floor_us = max(bytes / read ceiling,
+    flops / tflops) + launch_us`` (bytes and flops of the plain GEMM; swiglu: the fused kernel's).
+    A target above this bound cannot be met by any kernel, only by measuring differently."""
+    out = s.copy()
+    elem = 2
+    k, n, m = out.K.astype(float), out.N.astype(float), out.M.astype(float)
+    n_out = n.where(out.epilogue != "swiglu", n / 2)
+    nbytes = (n * k + m * k + m * n_out) * elem
+    flops = 2 * m * n * k
+    floor = (nbytes / (read_tb_per_s * 1e12)).combine(flops / (tflops * 1e12), max) * 1e6 + launch_us
+    out["floor_us"] = floor
+    out["max_speedup"] = out.torch_us / floor
+    return out

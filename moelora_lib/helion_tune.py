@@ -14,7 +14,8 @@ Method:
   * candidates (:func:`candidates`): 4–11 explicit configs per bucket class — decode (M ≤ 16): BM 16,
     BN 16–64, BK 128–512, 3–6 stages, pointer vs tensor-descriptor (TMA) loads of W, and split-K
     configs when the N tiles alone cannot give every SM two programs; M = 32: BM 32; prefill:
-    64–128 × 64–256 tiles, split-K at M = 256 for narrow N, TMA + persistent programs at M ≥ 1024.
+    64–128 × 64–256 tiles, split-K (also with 128 × 128 tiles on two warpgroups) when the tiles do
+    not fill the GPU at M = 256–1024, TMA + persistent programs at M ≥ 1024.
     Decode buckets share their candidate list, so one compile serves several buckets.
   * compile first, in parallel: spawned worker processes generate the code and compile each
     (config, Triton M-variant) without launching (``run(..., warmup=True)``), filling Triton's on-disk
@@ -166,6 +167,9 @@ def candidates(epilogue: str, k: int, n: int, bucket: int, num_sms: int = NUM_SM
             _cfg(64, 128, 64, 4, 4, indexing="tensor_descriptor", l2=8),
         ]
         out += split(64, 128, 64, 4, 4, m_tiles=max(1, bucket // 64), l2=8)
+        # Two warpgroups per tile (the wgmma rate of one SM) and split-K to still fill the GPU.
+        out += split(128, 128, 64, 8, 3, m_tiles=max(1, bucket // 128), l2=8)
+        out += split(128, 128, 64, 8, 4, m_tiles=max(1, bucket // 128), indexing="tensor_descriptor", l2=8)
     else:
         out = [
             _cfg(128, 128, 64, 8, 3, l2=8),
@@ -174,6 +178,7 @@ def candidates(epilogue: str, k: int, n: int, bucket: int, num_sms: int = NUM_SM
             _cfg(128, 128, 64, 8, 4, indexing="tensor_descriptor", pid="persistent_interleaved", l2=8),
             _cfg(128, 256, 64, 8, 4, indexing="tensor_descriptor", l2=8),
         ]
+        out += split(128, 128, 64, 8, 4, m_tiles=max(1, bucket // 128), indexing="tensor_descriptor", l2=8)
     return [c for c in out if smem_bytes(c, epilogue) <= SMEM_LIMIT_BYTES]
 
 

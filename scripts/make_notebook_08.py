@@ -54,7 +54,8 @@ SEED = 0
 TUNE = True
 TUNE_BUDGET_S = 240"""
 
-DERIVED = """import os
+DERIVED = """import json
+import os
 
 if PROFILE == "cpu":
     # Before anything imports triton: @triton.jit reads TRITON_INTERPRET when it decorates (triton's
@@ -94,6 +95,7 @@ L2) and `warm` (no flush, one W)."""
 PROBE = """CEIL = None
 if PROFILE == "gpu":
     CEIL = study.ceilings()
+    bench.data_path("08_ceilings.json").write_text(json.dumps({**CEIL, **bench.env_record()}, indent=1, default=str))
     print({k: round(v, 3) for k, v in CEIL.items() if k != "nbytes"})
     probe = pd.DataFrame(study.l2_probe(configs=None))
     bench.write_rows(bench.data_path("08_l2_probe.csv"), probe.to_dict("records"))

@@ -295,12 +295,15 @@ def _git(*args: str) -> str | None:
 
 
 def git_commit() -> str:
-    """``git rev-parse --short HEAD`` of this repo, with "-dirty" if tracked or new files outside
-    ``data/`` differ from HEAD; "unknown" without git (then ``$MOELORA_GIT_COMMIT`` is used if set,
-    for a copy of the tree without ``.git`` such as the GPU host's)."""
+    """``$MOELORA_GIT_COMMIT`` when set (the GPU job sets it: the device machine's copy of the tree
+    may carry a stale ``.git``), else ``git rev-parse --short HEAD`` of this repo with "-dirty" if
+    tracked or new files outside ``data/`` differ from HEAD, else "unknown"."""
+    env = os.environ.get("MOELORA_GIT_COMMIT")
+    if env:
+        return env
     head = _git("rev-parse", "--short", "HEAD")
     if not head:
-        return os.environ.get("MOELORA_GIT_COMMIT") or "unknown"
+        return "unknown"
     status = _git("status", "--porcelain", "--", ".", ":(exclude)data")
     return head + ("-dirty" if status else "")
 

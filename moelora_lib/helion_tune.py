@@ -165,8 +165,11 @@ def candidates(epilogue: str, k: int, n: int, bucket: int, num_sms: int = NUM_SM
             _cfg(64, 64, 128, 4, 4, l2=8),
             _cfg(128, 64, 64, 4, 4, l2=8),
             _cfg(64, 128, 64, 4, 4, indexing="tensor_descriptor", l2=8),
+            _cfg(64, 128, 64, 4, 5, l2=8),
+            _cfg(64, 256, 64, 4, 3, l2=8),
         ]
         out += split(64, 128, 64, 4, 4, m_tiles=max(1, bucket // 64), l2=8)
+        out += split(128, 256, 64, 8, 3, m_tiles=max(1, bucket // 128), l2=8)
         # Two warpgroups per tile (the wgmma rate of one SM) and split-K to still fill the GPU.
         out += split(128, 128, 64, 8, 3, m_tiles=max(1, bucket // 128), l2=8)
         out += split(128, 128, 64, 8, 4, m_tiles=max(1, bucket // 128), indexing="tensor_descriptor", l2=8)

@@ -377,3 +377,12 @@ def test_best_ratio_bounds():
     # M = 4096: flops 2 * 4096^3 / 500e12 = 274.9 us > bytes
     assert b.floor_us[1] == pytest.approx(2 * 4096**3 / 500e12 * 1e6 + 2.0)
     assert b.max_speedup[0] == pytest.approx(20.0 / b.floor_us[0])
+
+
+def test_rotation_copies():
+    from moelora_lib.helion_linear import study
+
+    assert study.rotation_copies(33_554_432) == 8  # 4096 x 4096 bf16: 8 x 32 MiB = 4 x 60 MiB + ...
+    assert study.rotation_copies(940_000_000) == 2  # never fewer than two
+    with pytest.raises(ValueError, match="weight_bytes"):
+        study.rotation_copies(0)

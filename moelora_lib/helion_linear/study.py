@@ -5,7 +5,10 @@ Rows (one per (model, projection, epilogue, M, impl, timing mode)): stage "helio
 proj, epilogue, M, K, N (weight rows; swiglu N = 2I), dtype, impl ("helion" | "torch" |
 "torch_two_gemm"), path (HelionLinearMethod.path_for), timing_mode ("graph": CUDA-graph replay after
 do_bench's zeroing L2 flush, which leaves dirty lines the timed call writes back; "graph_clean":
-graph replay after an L2 eviction by a read, see ``moelora_lib.bench``; "eager"; "cpu"),
+graph replay after an L2 eviction by a read, see ``moelora_lib.bench``; "graph_rotate" (M <= 32): one
+graph replays the GEMM over ``copies`` copies of W that stream 4x the L2, no flush, time per GEMM =
+replay / copies — back-to-back layers as in a captured decode step, no per-call launch cost;
+"eager"; "cpu"), copies,
 ms_p50/p20/p80, flops (2·M·N·K), bytes (weight + x + output, each read/written once), tb_per_s,
 tflops, rel_err (max |y - ref| / max |ref| against the fp32 PyTorch result), plus the bench
 environment columns.
@@ -28,6 +31,18 @@ from .shapes import LINEAR_MODELS
 
 #: bf16 vs the fp32 PyTorch result of the same bf16 inputs (output rounding + accumulation order).
 REL_TOL = {"bfloat16": 2e-2, "float16": 5e-3, "float32": 1e-5}
+#: graph_rotate: the weight copies of one replay stream at least this many bytes (4x the H200's L2).
+ROTATE_BYTES = 4 * 60 * 2**20
+#: graph_rotate is measured for decode sizes only (M <= this); prefill is compute-bound.
+ROTATE_MAX_M = 32
+
+
+def rotation_copies(weight_bytes: int) -> int:
+    """How many copies of a weight of ``weight_bytes`` one graph_rotate replay cycles through: enough
+    to stream :data:`ROTATE_BYTES` (at least 2), so no call finds its weight in L2."""
+    if weight_bytes <= 0:
+        raise ValueError(f"weight_bytes must be > 0, got {weight_bytes}")
+    return max(2, math.ceil(ROTATE_BYTES / weight_bytes))
 CPU_SHAPE = (64, 96)  # K, N of the cpu-profile demo (swiglu: I = 48)
 CPU_CONFIG = {"block_sizes": [16, 32, 32], "num_warps": 4, "num_stages": 2}
 
@@ -90,7 +105,8 @@ def sweep(
 
     profile "gpu": the models' projections in ``dtype`` on cuda; "none" for qkv/o/gate_up/down,
     "swiglu" for gate_up (torch: merged GEMM + silu·mul, and two GEMMs + silu·mul); timings with
-    ``bench.time_cuda`` in graph mode (do_bench flush and clean L2) and eager mode. configs: HelionLinearMethod's ``configs`` argument
+    ``bench.time_cuda`` in graph mode (do_bench flush, clean L2, and rotating weight copies for
+    M <= 32) and eager mode. configs: HelionLinearMethod's ``configs`` argument
     (None = the shipped file of this GPU).
     profile "cpu": CPU_SHAPE in fp32 and fp16 through the Triton interpreter (needs
     TRITON_INTERPRET=1), ``configs`` ignored (cpu_demo_table), ``bench.time_cpu`` with one rep.
@@ -124,7 +140,7 @@ def sweep(
                     jobs.append((name, proj, k, n, epi, dtype))
         device = "cuda"
         methods = {epi: HelionLinearMethod(configs, epi) for epi in epilogues}
-        modes = ("graph", "graph_clean", "eager")
+        modes = ("graph", "graph_clean", "graph_rotate", "eager")
 
     def timed(fn, mode):
         if mode == "cpu":
@@ -132,6 +148,9 @@ def sweep(
         if mode == "graph_clean":
             t = bench.time_cuda(fn, mode="graph", **{**timing_kw, "flush_l2": "clean"})
             return dataclasses.replace(t, mode="graph_clean")
+        if mode == "graph_rotate":
+            t = bench.time_cuda(fn, mode="graph", **{**timing_kw, "flush_l2": False})
+            return dataclasses.replace(t, mode="graph_rotate")
         return bench.time_cuda(fn, mode=mode, **timing_kw)
 
     rows: list[dict] = []
@@ -143,6 +162,11 @@ def sweep(
         layer = Linear.from_weight(w, method)
         torch_layer = Linear.from_weight(w, TorchLinearMethod(epi))
         method.warmup(layer, max(ms))
+        # graph_rotate: copies of W that together stream ROTATE_BYTES per replay (layers share runners).
+        copies = rotation_copies(n * k * tdtype.itemsize) if "graph_rotate" in modes else 1
+        w_rot = [w] + [w.clone() for _ in range(copies - 1)]
+        layers_rot = [layer] + [Linear.from_weight(wc, method) for wc in w_rot[1:]]
+        torch_rot = [torch_layer] + [Linear.from_weight(wc, TorchLinearMethod(epi)) for wc in w_rot[1:]]
         for m in ms:
             x = torch.randn(m, k, generator=gen).to(device=device, dtype=tdtype)
             ref = torch_reference(x.float(), w.float(), None, epi)
@@ -152,9 +176,22 @@ def sweep(
             common = dict(stage="helion_linear", model=name, proj=proj, epilogue=epi, M=m, K=k, N=n, dtype=dt)
             flops = 2.0 * m * n * k
             nbytes = _bytes(m, k, n, epi, tdtype.itemsize)
+            # (impl, fn, rotating fn over the copies, rel_err, path)
             impls = [
-                ("helion", lambda x=x, layer=layer: layer(x), _rel_err(y_h, ref), path),
-                ("torch", lambda x=x, tl_=torch_layer: tl_(x), _rel_err(y_t, ref), "torch"),
+                (
+                    "helion",
+                    lambda x=x, layer=layer: layer(x),
+                    lambda x=x: [lay(x) for lay in layers_rot],
+                    _rel_err(y_h, ref),
+                    path,
+                ),
+                (
+                    "torch",
+                    lambda x=x, tl_=torch_layer: tl_(x),
+                    lambda x=x: [lay(x) for lay in torch_rot],
+                    _rel_err(y_t, ref),
+                    "torch",
+                ),
             ]
             if epi == "swiglu":
                 i = n // 2
@@ -163,16 +200,25 @@ def sweep(
                     (
                         "torch_two_gemm",
                         lambda x=x, wg=wg, wu=wu: _two_gemm(x, wg, wu),
+                        lambda x=x: [_two_gemm(x, wc[:i], wc[i:]) for wc in w_rot],
                         _rel_err(_two_gemm(x, wg, wu), ref),
                         "torch",
                     )
                 )
-            for impl, fn, err, p in impls:
+            for impl, fn, fn_rot, err, p in impls:
                 for mode in modes:
-                    t = timed(fn, mode)
-                    rows.append(_row(common, t, flops, nbytes, impl=impl, path=p, rel_err=err))
+                    if mode == "graph_rotate":
+                        if m > ROTATE_MAX_M:
+                            continue
+                        t = timed(fn_rot, mode)
+                        t = dataclasses.replace(
+                            t, ms_p50=t.ms_p50 / copies, ms_p20=t.ms_p20 / copies, ms_p80=t.ms_p80 / copies
+                        )
+                    else:
+                        t = timed(fn, mode)
+                    rows.append(_row(common, t, flops, nbytes, impl=impl, path=p, rel_err=err, copies=copies))
             del x, ref, y_h, y_t
-        del w, layer, torch_layer
+        del w, layer, torch_layer, w_rot, layers_rot, torch_rot
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -218,7 +264,7 @@ def plot(df, out_dir: str | Path, prefix: str = "08", read_tb_per_s: float | Non
     out_dir.mkdir(parents=True, exist_ok=True)
     s = summary(df)
     paths = []
-    modes = [m for m in ("graph", "graph_clean", "eager", "cpu") if m in set(s.timing_mode)]
+    modes = [m for m in ("graph", "graph_clean", "graph_rotate", "eager", "cpu") if m in set(s.timing_mode)]
     fig, axes = plt.subplots(1, len(modes), figsize=(6.5 * len(modes), 4.5), squeeze=False)
     for ax, mode in zip(axes[0], modes):
         sub = s[s.timing_mode == mode]
@@ -244,7 +290,7 @@ def plot(df, out_dir: str | Path, prefix: str = "08", read_tb_per_s: float | Non
     plt.close(fig)
     paths.append(p)
 
-    bw_modes = [m for m in ("graph", "graph_clean") if m in modes]
+    bw_modes = [m for m in ("graph", "graph_clean", "graph_rotate") if m in modes]
     if bw_modes:
         fig, axes = plt.subplots(1, len(bw_modes), figsize=(9 * len(bw_modes), 4.5), squeeze=False)
         for ax, mode in zip(axes[0], bw_modes):
@@ -258,7 +304,13 @@ def plot(df, out_dir: str | Path, prefix: str = "08", read_tb_per_s: float | Non
                 ax.axhline(read_tb_per_s, color="m", ls=":", label=f"read ceiling {read_tb_per_s:.2f} TB/s")
             ax.set_xticks(list(xs), [f"{a}\n{b}" for a, b in g.index], fontsize=7)
             ax.set_ylabel("achieved TB/s (median over M ≤ 32)")
-            ax.set_title({"graph": "graph replay, do_bench flush (dirty L2)", "graph_clean": "graph replay, clean L2"}[mode])
+            ax.set_title(
+                {
+                    "graph": "graph replay, do_bench flush (dirty L2)",
+                    "graph_clean": "graph replay, clean L2",
+                    "graph_rotate": "graph replay, rotating weight copies",
+                }[mode]
+            )
             ax.legend(fontsize=7)
         fig.tight_layout()
         p = out_dir / f"{prefix}_decode_bandwidth.png"
@@ -327,7 +379,7 @@ def l2_probe(
     method = HelionLinearMethod(configs, "none")
     for k, n in shapes:
         wbytes = n * k * tdtype.itemsize
-        copies = max(2, math.ceil(4 * 60 * 2**20 / wbytes))
+        copies = rotation_copies(wbytes)
         w0 = (torch.randn(n, k, generator=gen) * k**-0.5).to(device="cuda", dtype=tdtype)
         ws = [w0] + [w0.clone() for _ in range(copies - 1)]
         x = torch.randn(m, k, generator=gen).to(device="cuda", dtype=tdtype)

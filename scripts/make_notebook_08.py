@@ -176,6 +176,9 @@ def gmean(v):
     v = v[np.isfinite(v) & (v > 0)]
     return float(np.exp(np.log(v).mean())) if len(v) else float("nan")
 
+# Dense bf16 peak for the bounds: the top of the 769-798 TFLOP/s that an 8192^3 torch matmul reached on
+# these machines (device tool KINDS.md), so a floor is never above what cuBLAS shows it can do.
+PEAK_TFLOPS = 800.0
 modes = ["graph", "graph_clean", "graph_rotate"] if PROFILE == "gpu" else ["cpu"]
 lines, targets, bounds = [], [], []
 for mode in modes:
@@ -184,37 +187,42 @@ for mode in modes:
     decode, prefill = plain[plain.M <= 32], plain[plain.M >= 256]
     sw = sm[sm.epilogue == "swiglu"]
     sw2 = sw.get("speedup_vs_two_gemm", pd.Series(dtype=float))
-    lines += [
-        f"[{mode}] decode (M<=32) Helion vs cuBLAS geomean {gmean(decode.speedup):.3f}x "
-        f"(min {decode.speedup.min():.3f}, max {decode.speedup.max():.3f}); target >= 1.15x",
-        f"[{mode}] prefill (M>=256) geomean {gmean(prefill.speedup):.3f}x "
-        f"(min {prefill.speedup.min():.3f}); target >= 0.95x",
-        f"[{mode}] fused SwiGLU vs merged GEMM + silu*mul geomean {gmean(sw.speedup):.3f}x, "
-        f"vs two GEMMs {gmean(sw2):.3f}x; target >= 1.3x",
-    ]
+    lines.append(f"[{mode}] decode (M<=32) Helion vs cuBLAS geomean {gmean(decode.speedup):.3f}x "
+                 f"(min {decode.speedup.min():.3f}, max {decode.speedup.max():.3f}); target >= 1.15x")
+    if len(prefill):
+        lines.append(f"[{mode}] prefill (M>=256) geomean {gmean(prefill.speedup):.3f}x "
+                     f"(min {prefill.speedup.min():.3f}); target >= 0.95x")
+    lines.append(f"[{mode}] fused SwiGLU vs merged GEMM + silu*mul geomean {gmean(sw.speedup):.3f}x, "
+                 f"vs two GEMMs {gmean(sw2):.3f}x; target >= 1.3x")
     if PROFILE == "gpu":
         lines.append(f"[{mode}] decode achieved bandwidth: Helion median {decode.helion_tb_per_s.median():.2f} TB/s, "
                      f"cuBLAS {decode.torch_tb_per_s.median():.2f} TB/s (read ceiling {CEIL['read_tb_per_s']:.2f}, "
                      f"copy ceiling {CEIL['copy_tb_per_s']:.2f})")
-        lines.append(f"[{mode}] prefill: Helion median {prefill.helion_tflops.median():.0f} TFLOP/s, "
-                     f"cuBLAS {prefill.torch_tflops.median():.0f}")
+        if len(prefill):
+            lines.append(f"[{mode}] prefill: Helion median {prefill.helion_tflops.median():.0f} TFLOP/s, "
+                         f"cuBLAS {prefill.torch_tflops.median():.0f}")
         # The best ratio any kernel could reach in this mode: PyTorch's time over the floor (bytes at
         # the read ceiling or flops at the dense peak, plus one graph-replayed launch except under
-        # rotation, where back-to-back launches overlap).
-        launch = 0.0 if mode == "graph_rotate" else CEIL["tiny_kernel_us"]
-        b = study.best_ratio_bounds(sm, CEIL["read_tb_per_s"], bench.H200_BF16_TFLOPS, launch_us=launch)
-        bd, bs = b[(b.M <= 32) & (b.epilogue == "none")], b[(b.M <= 32) & (b.epilogue == "swiglu")]
-        lines.append(f"[{mode}] bound (PyTorch time / floor), M<=32: plain geomean {gmean(bd.max_speedup):.3f}x "
-                     f"(max {bd.max_speedup.max():.3f}); SwiGLU vs merged {gmean(bs.max_speedup):.3f}x")
-        bounds.append(b.assign(launch_us=launch))
+        # rotation, where back-to-back launches overlap). Not for "graph": after do_bench's flush the
+        # timed call also writes back dirty lines, a cost this floor does not hold, so the ratio
+        # would overstate what is possible.
+        bound = bound_sw = float("nan")
+        if mode in ("graph_clean", "graph_rotate"):
+            launch = 0.0 if mode == "graph_rotate" else CEIL["tiny_kernel_us"]
+            b = study.best_ratio_bounds(sm, CEIL["read_tb_per_s"], PEAK_TFLOPS, launch_us=launch)
+            bd, bs = b[(b.M <= 32) & (b.epilogue == "none")], b[(b.M <= 32) & (b.epilogue == "swiglu")]
+            bound, bound_sw = gmean(bd.max_speedup), gmean(b[b.epilogue == "swiglu"].max_speedup)
+            lines.append(f"[{mode}] bound (PyTorch time / floor), M<=32: plain geomean {bound:.3f}x "
+                         f"(max {bd.max_speedup.max():.3f}); SwiGLU vs merged {gmean(bs.max_speedup):.3f}x")
+            bounds.append(b.assign(launch_us=launch))
         targets += [
-            dict(mode=mode, target="decode >= 1.15x", measured=gmean(decode.speedup), goal=1.15,
-                 bound=gmean(bd.max_speedup)),
-            dict(mode=mode, target="prefill >= 0.95x", measured=gmean(prefill.speedup), goal=0.95),
+            dict(mode=mode, target="decode >= 1.15x", measured=gmean(decode.speedup), goal=1.15, bound=bound),
             dict(mode=mode, target="SwiGLU >= 1.3x (vs merged)", measured=gmean(sw.speedup), goal=1.3,
-                 bound=gmean(b[b.epilogue == "swiglu"].max_speedup)),
+                 bound=bound_sw),
             dict(mode=mode, target="SwiGLU >= 1.3x (vs two GEMMs)", measured=gmean(sw2), goal=1.3),
         ]
+        if len(prefill):  # graph_rotate times decode sizes only
+            targets.append(dict(mode=mode, target="prefill >= 0.95x", measured=gmean(prefill.speedup), goal=0.95))
 if PROFILE == "gpu":
     eager = s[(s.timing_mode == "eager") & (s.epilogue == "none") & (s.M <= 32)]
     lines.append(f"decode eager (Python dispatch included) geomean: {gmean(eager.speedup):.3f}x")

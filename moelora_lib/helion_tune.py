@@ -13,7 +13,7 @@ Method:
     Each ``--m`` value is timed at exactly that M and its config stored under ``bucket_for(M)``.
   * candidates (:func:`candidates`): 4–11 explicit configs per bucket class — decode (M ≤ 16): BM 16,
     BN 16–64, BK 128–512, 3–6 stages, pointer vs tensor-descriptor (TMA) loads of W, and split-K
-    configs when the N tiles alone cannot give every SM two programs; M = 32: BM 32; prefill:
+    configs when the N tiles alone cannot give every SM two programs; M = 32: BM 32 or 16; prefill:
     64–128 × 64–256 tiles, split-K (also with 128 × 128 tiles on two warpgroups) when the tiles do
     not fill the GPU at M = 256–1024, TMA + persistent programs at M ≥ 1024.
     Decode buckets share their candidate list, so one compile serves several buckets.
@@ -101,7 +101,7 @@ def candidates(epilogue: str, k: int, n: int, bucket: int, num_sms: int = NUM_SM
     Decode (M <= 16): the weight stream is all that matters, so the list varies what keeps enough
     bytes in flight on every SM: BN 16-64 (more programs for narrow N), BK 128-512, 3-6 stages,
     pointer vs tensor-descriptor (TMA) loads, and split-K when the N tiles alone cannot give every
-    SM two programs. M = 32: the same with BM 32. Prefill: 64-128 x 64-256 tiles, L2 grouping 8,
+    SM two programs. M = 32: the same with BM 32, and BM 16 (two row tiles). Prefill: 64-128 x 64-256 tiles, L2 grouping 8,
     split-K when the tiles do not fill the GPU (M = 256 with narrow N), TMA + persistent programs.
     Decode buckets share their candidate list, so one compile serves several buckets. Candidates
     whose pipelined tiles exceed :data:`SMEM_LIMIT_BYTES` are dropped.
@@ -155,6 +155,12 @@ def candidates(epilogue: str, k: int, n: int, bucket: int, num_sms: int = NUM_SM
             _cfg(32, 32, 256, 4, 4),
             _cfg(32, 64, 256, 4, 3),
             _cfg(32, 32, 128, 4, 5),
+            _cfg(32, 32, 256, 4, 6),
+            _cfg(32, 64, 256, 4, 4),
+            _cfg(32, 32, 512, 4, 3),
+            # BM 16 at M = 32: two row tiles share each W tile through L2, half the accumulator.
+            _cfg(16, 64, 128, 4, 5),
+            _cfg(16, 32, 256, 4, 6),
         ]
         out += split(32, 64, 128, 4, 4) + split(32, 32, 256, 4, 4)
     elif bucket <= 256:

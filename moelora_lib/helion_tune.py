@@ -101,8 +101,9 @@ def candidates(epilogue: str, k: int, n: int, bucket: int, num_sms: int = NUM_SM
     Decode (M <= 16): the weight stream is all that matters, so the list varies what keeps enough
     bytes in flight on every SM: BN 16-64 (more programs for narrow N), BK 128-512, 3-6 stages,
     pointer vs tensor-descriptor (TMA) loads, and split-K when the N tiles alone cannot give every
-    SM two programs. M = 32: the same with BM 32, and BM 16 (two row tiles). Prefill: 64-128 x 64-256 tiles, L2 grouping 8,
-    split-K when the tiles do not fill the GPU (M = 256 with narrow N), TMA + persistent programs.
+    SM two programs. M = 32: the same with BM 32, and BM 16 (two row tiles). Prefill: 64-128 x
+    64-256 tiles, L2 grouping 8, split-K when the tiles do not fill the GPU (M = 256-1024 with narrow
+    N, also on 128 x 128 tiles with two warpgroups), TMA + persistent programs.
     Decode buckets share their candidate list, so one compile serves several buckets. Candidates
     whose pipelined tiles exceed :data:`SMEM_LIMIT_BYTES` are dropped.
     """
@@ -127,7 +128,12 @@ def candidates(epilogue: str, k: int, n: int, bucket: int, num_sms: int = NUM_SM
                 _cfg(16, 32, 256, 4, 4, indexing="tensor_descriptor"),
             ]
         elif bucket <= 32:
-            out = [_cfg(32, 64, 128, 4, 4), _cfg(32, 32, 256, 4, 3), _cfg(32, 32, 256, 4, 4), _cfg(32, 64, 128, 4, 5)]
+            out = [
+                _cfg(32, 64, 128, 4, 4),
+                _cfg(32, 32, 256, 4, 3),
+                _cfg(32, 32, 256, 4, 4),
+                _cfg(32, 64, 128, 4, 5),
+            ]
         else:
             out = [
                 _cfg(64, 128, 64, 8, 3, l2=8),

@@ -43,6 +43,8 @@ def rotation_copies(weight_bytes: int) -> int:
     if weight_bytes <= 0:
         raise ValueError(f"weight_bytes must be > 0, got {weight_bytes}")
     return max(2, math.ceil(ROTATE_BYTES / weight_bytes))
+
+
 CPU_SHAPE = (64, 96)  # K, N of the cpu-profile demo (swiglu: I = 48)
 CPU_CONFIG = {"block_sizes": [16, 32, 32], "num_warps": 4, "num_stages": 2}
 
@@ -181,14 +183,14 @@ def sweep(
                 (
                     "helion",
                     lambda x=x, layer=layer: layer(x),
-                    lambda x=x: [lay(x) for lay in layers_rot],
+                    lambda x=x, ls=layers_rot: [lay(x) for lay in ls],
                     _rel_err(y_h, ref),
                     path,
                 ),
                 (
                     "torch",
                     lambda x=x, tl_=torch_layer: tl_(x),
-                    lambda x=x: [lay(x) for lay in torch_rot],
+                    lambda x=x, ls=torch_rot: [lay(x) for lay in ls],
                     _rel_err(y_t, ref),
                     "torch",
                 ),
@@ -200,7 +202,7 @@ def sweep(
                     (
                         "torch_two_gemm",
                         lambda x=x, wg=wg, wu=wu: _two_gemm(x, wg, wu),
-                        lambda x=x: [_two_gemm(x, wc[:i], wc[i:]) for wc in w_rot],
+                        lambda x=x, i=i, ws=w_rot: [_two_gemm(x, wc[:i], wc[i:]) for wc in ws],
                         _rel_err(_two_gemm(x, wg, wu), ref),
                         "torch",
                     )
@@ -299,7 +301,8 @@ def plot(df, out_dir: str | Path, prefix: str = "08", read_tb_per_s: float | Non
             xs = range(len(g))
             ax.bar([i - 0.2 for i in xs], g.torch_tb_per_s, width=0.4, label="cuBLAS")
             ax.bar([i + 0.2 for i in xs], g.helion_tb_per_s, width=0.4, label="Helion")
-            ax.axhline(H200_COPY_TB_PER_S, color="r", ls="--", label=f"copy ceiling {H200_COPY_TB_PER_S} TB/s")
+            copy_label = f"copy ceiling {H200_COPY_TB_PER_S} TB/s"
+            ax.axhline(H200_COPY_TB_PER_S, color="r", ls="--", label=copy_label)
             if read_tb_per_s:
                 ax.axhline(read_tb_per_s, color="m", ls=":", label=f"read ceiling {read_tb_per_s:.2f} TB/s")
             ax.set_xticks(list(xs), [f"{a}\n{b}" for a, b in g.index], fontsize=7)
@@ -336,8 +339,8 @@ def ceilings(nbytes: int = 2 * 1024**3, timing_kw: dict | None = None) -> dict:
     kw["flush_l2"] = False
     a = torch.ones(nbytes // 4, dtype=torch.float32, device="cuda")
     b = torch.empty_like(a)
-    t_copy = bench.time_cuda(lambda: b.copy_(a), mode="eager", **kw)
-    t_read = bench.time_cuda(lambda: torch.sum(a), mode="eager", **kw)
+    t_copy = bench.time_cuda(lambda a=a, b=b: b.copy_(a), mode="eager", **kw)
+    t_read = bench.time_cuda(lambda a=a: torch.sum(a), mode="eager", **kw)
     tiny = torch.zeros(1, device="cuda")
     # After a flush kernel, so the graph is already queued when the start event fires (without one,
     # the CPU's graph-launch latency would be timed instead).
@@ -392,18 +395,27 @@ def l2_probe(
         for impl, ls in impls.items():
             one = ls[0]
             runs = {
-                "dirty": (lambda one=one: one(x), dict(flush_l2=True), 1),
-                "clean": (lambda one=one: one(x), dict(flush_l2="clean"), 1),
-                "warm": (lambda one=one: one(x), dict(flush_l2=False), 1),
-                "rotate": (lambda ls=ls: [lay(x) for lay in ls], dict(flush_l2=False), len(ls)),
+                "dirty": (lambda one=one, x=x: one(x), dict(flush_l2=True), 1),
+                "clean": (lambda one=one, x=x: one(x), dict(flush_l2="clean"), 1),
+                "warm": (lambda one=one, x=x: one(x), dict(flush_l2=False), 1),
+                "rotate": (lambda ls=ls, x=x: [lay(x) for lay in ls], dict(flush_l2=False), len(ls)),
             }
             for l2, (fn, fkw, c) in runs.items():
                 t = bench.time_cuda(fn, mode="graph", **{**kw, **fkw})
                 t = dataclasses.replace(t, ms_p50=t.ms_p50 / c, ms_p20=t.ms_p20 / c, ms_p80=t.ms_p80 / c)
                 rows.append(
                     bench.result_row(
-                        stage="helion_l2_probe", K=k, N=n, M=m, dtype=dtype, impl=impl, l2=l2, copies=c,
-                        weight_bytes=wbytes, timing=t, tb_per_s=wbytes / (t.ms_p50 * 1e-3) / 1e12,
+                        stage="helion_l2_probe",
+                        K=k,
+                        N=n,
+                        M=m,
+                        dtype=dtype,
+                        impl=impl,
+                        l2=l2,
+                        copies=c,
+                        weight_bytes=wbytes,
+                        timing=t,
+                        tb_per_s=wbytes / (t.ms_p50 * 1e-3) / 1e12,
                         path=method.path_for(layers[0], m) if impl == "helion" else "torch",
                     )
                 )

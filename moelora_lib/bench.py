@@ -183,15 +183,15 @@ def time_cuda(
     """
     import torch
 
-    if flush_l2 not in (True, False, "dirty", "clean"):
+    if not (isinstance(flush_l2, bool) or flush_l2 in ("dirty", "clean")):
         raise ValueError(f"flush_l2 must be True, False, 'dirty' or 'clean', got {flush_l2!r}")
+    if mode not in ("graph", "eager"):
+        raise ValueError(f"mode must be 'graph' or 'eager', got {mode!r}")
     if not torch.cuda.is_available():
         raise RuntimeError(
             "time_cuda needs a CUDA GPU (torch.cuda.is_available() is False); "
             "use moelora_lib.bench.time_cpu on the cpu profile"
         )
-    if mode not in ("graph", "eager"):
-        raise ValueError(f"mode must be 'graph' or 'eager', got {mode!r}")
 
     # Warm-up outside any timed region: compilation, autotuning, allocator growth.
     side = torch.cuda.Stream()

@@ -11,7 +11,7 @@ Method:
   * cases: every projection (qkv, o, gate_up, down) of each model for epilogue "none"; gate_up only
     for "swiglu" (and "silu"); every projection for "bias". Identical (epilogue, K, N) are tuned once.
     Each ``--m`` value is timed at exactly that M and its config stored under ``bucket_for(M)``.
-  * candidates (:func:`candidates`): 4–11 explicit configs per bucket class — decode (M ≤ 16): BM 16,
+  * candidates (:func:`candidates`): 4–12 explicit configs per bucket class — decode (M ≤ 16): BM 16,
     BN 16–64, BK 128–512, 3–6 stages, pointer vs tensor-descriptor (TMA) loads of W, and split-K
     configs when the N tiles alone cannot give every SM two programs; M = 32: BM 32 or 16; prefill:
     64–128 × 64–256 tiles, split-K (also with 128 × 128 tiles on two warpgroups) when the tiles do
@@ -107,6 +107,15 @@ def candidates(epilogue: str, k: int, n: int, bucket: int, num_sms: int = NUM_SM
     Decode buckets share their candidate list, so one compile serves several buckets. Candidates
     whose pipelined tiles exceed :data:`SMEM_LIMIT_BYTES` are dropped.
     """
+    from moelora_lib.helion_linear import BUCKETS, EPILOGUES
+
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"epilogue: expected one of {EPILOGUES}, got {epilogue!r}")
+    if bucket not in BUCKETS:
+        raise ValueError(f"bucket: expected one of {BUCKETS}, got {bucket!r}")
+    for name, v in (("k", k), ("n", n), ("num_sms", num_sms)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
     splittable = epilogue in ("none", "bias")
 
     def split(bm: int, bn: int, bk: int, warps: int, stages: int, m_tiles: int = 1, **kw) -> list[dict]:
@@ -334,7 +343,35 @@ def _parse(argv):
         "as in a real decode step) or 'dirty' (do_bench's zeroing flush)",
     )
     p.add_argument("--force", action="store_true", help="re-tune cases already in --out")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    # Validate everything here, before the GPU check, so a typo gets a usage error on any machine.
+    from moelora_lib.helion_linear import EPILOGUES, LINEAR_MODELS
+
+    shapes = [v for v in args.shapes.split(",") if v]
+    bad = [v for v in shapes if v not in LINEAR_MODELS]
+    if not shapes or bad:
+        p.error(f"--shapes: expected a comma-separated list of {sorted(LINEAR_MODELS)}, got {args.shapes!r}")
+    epis = [v for v in args.epilogues.split(",") if v]
+    bad = [v for v in epis if v not in EPILOGUES]
+    if not epis or bad:
+        p.error(f"--epilogues: expected a comma-separated list of {list(EPILOGUES)}, got {args.epilogues!r}")
+    try:
+        ms = [int(v) for v in args.m.split(",") if v]
+    except ValueError:
+        ms = []
+    if not ms or min(ms) < 1:
+        p.error(f"--m: expected a comma-separated list of ints >= 1, got {args.m!r}")
+    for name in ("budget_s", "warmup_ms", "rep_ms"):
+        v = getattr(args, name)
+        if not (v > 0 and math.isfinite(v)):
+            p.error(f"--{name.replace('_', '-')}: expected a number > 0, got {v}")
+    if args.jobs < -1:
+        p.error(f"--jobs: expected -1 (auto), 0 (off) or a positive count, got {args.jobs}")
+    if Path(args.out).is_dir():
+        p.error(f"--out: expected a JSON file path, got a directory {args.out!r}")
+    if Path(args.csv).is_dir():
+        p.error(f"--csv: expected a CSV file path, got a directory {args.csv!r}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:

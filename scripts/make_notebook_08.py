@@ -9,7 +9,7 @@ MD1 = r"""# 08 — Helion linear backend: tuned Helion GEMMs behind a linear-met
 **What changes.** The dense projections (QKV, O, gate_up, down) of Llama-3.1-8B, Qwen3-32B and
 Llama-3.3-70B run through `moelora_lib.helion_linear.HelionLinearMethod`: Helion 1.4.0 kernels
 (plain GEMM, fused SwiGLU, split-K for small M) with configs pre-tuned per M bucket on this GPU
-(`python -m moelora_lib.helion_tune`: 4–11 explicit candidates per bucket, shipped as
+(`python -m moelora_lib.helion_tune`: 4–12 explicit candidates per bucket, shipped as
 `moelora_lib/configs/helion/NVIDIA_H200.json`), compiled once at warm-up, with `F.linear` (cuBLAS)
 as fallback. The baseline is `TorchLinearMethod` (cuBLAS) measured side by side in the same run.
 
@@ -110,7 +110,7 @@ if PROFILE == "gpu":
 
 TUNE_MD = """## Tuning (GPU only)
 The tuner runs as a subprocess (Helion/our precompile workers are spawned processes and need a real
-`__main__`). It times 4–11 hand-picked configs per (shape, M bucket) with `bench.time_cuda` in graph
+`__main__`). It times 4–12 hand-picked configs per (shape, M bucket) with `bench.time_cuda` in graph
 mode with a clean L2 (`--l2 clean`), keeps every tried config in `data/helion_tuning.csv`, and writes
 the winners into the shipped JSON; a copy goes to `data/`. It is resumable: buckets already in the
 JSON are skipped (the shipped file was tuned before this notebook ran; see the tuning CSV)."""

@@ -72,9 +72,15 @@ def test_time_cpu_quantiles():
     assert bench._quantiles([1.0, 2.0, 3.0, 4.0, 5.0]) == pytest.approx((3.0, 1.8, 4.2))
 
 
-def test_time_cuda_bad_flush_raises():
+@pytest.mark.parametrize("flush", ["warm", 1, 0, None])
+def test_time_cuda_bad_flush_raises(flush):
     with pytest.raises(ValueError, match="flush_l2"):
-        bench.time_cuda(lambda: None, flush_l2="warm")
+        bench.time_cuda(lambda: None, flush_l2=flush)
+
+
+def test_time_cuda_bad_mode_raises_before_cuda_check():
+    with pytest.raises(ValueError, match="mode"):
+        bench.time_cuda(lambda: None, mode="bogus")
 
 
 def test_time_cuda_without_gpu_raises():

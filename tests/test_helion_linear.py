@@ -232,7 +232,28 @@ def test_config_round_trip(tmp_path):
             "unknown helion.Config field",
         ),
         ('{"none": {"bfloat16": {"64,96": {"16": {"num_warps": 4}}}}}', "missing 'block_sizes'"),
-        ('{"none": {"bfloat16": {"64,96": {"16": {"block_sizes": [16, 32]}}}}}', "3 positive ints"),
+        ('{"none": {"bfloat16": {"64,96": {"16": {"block_sizes": [16, 32]}}}}}', "3 powers of two"),
+        ('{"none": {"bfloat16": {"64,96": {"16": {"block_sizes": [3, 32, 32]}}}}}', "3 powers of two"),
+        ('{"none": {"bfloat16": {"64,96": {"16": {"block_sizes": [true, 32, 32]}}}}}', "3 powers of two"),
+        (
+            '{"none": {"bfloat16": {"64,96": {"16": {"block_sizes": [16, 32, 32], "indexing": "bogus"}}}}}',
+            "indexing",
+        ),
+        (
+            '{"none": {"bfloat16": {"64,96": {"16": {"block_sizes": [16, 32, 32], "pid_type": 7}}}}}',
+            "pid_type",
+        ),
+        (
+            '{"none": {"bfloat16": {"64,96": {"16": {"block_sizes": [16, 32, 32], "num_warps": 3}}}}}',
+            "num_warps",
+        ),
+        (
+            '{"none": {"bfloat16": {"64,96": {"16": {"block_sizes": [16, 32, 32], "split_k": true}}}}}',
+            "split_k",
+        ),
+        ('{"none": {"bfloat16": {" 64, 96": {"16": {"block_sizes": [16, 32, 32]}}}}}', "shape key"),
+        ('{"none": {"bfloat16": {"64,96": {"01": {"block_sizes": [16, 32, 32]}}}}}', "bucket"),
+        ('{"none": {"bfloat16": {"64,96": {"\u00b2": {"block_sizes": [16, 32, 32]}}}}}', "bucket"),
         ('{"none": {"bfloat16": {"64,96": {"3": {"block_sizes": [16, 32, 32]}}}}}', "bucket must be one of"),
         ('{"none": {"bfloat16": {"64x96": {}}}}', "shape key"),
         ('{"gelu": {}}', "unknown epilogue"),
@@ -253,6 +274,13 @@ def test_malformed_config_file_errors_name_file_and_key(tmp_path, content, match
     assert str(p) in str(ei.value)
     if "bogus" in content or "num_warps" in content:
         assert "none/bfloat16/64,96/16" in str(ei.value)  # the key path
+
+
+def test_config_file_not_utf8(tmp_path):
+    p = tmp_path / "bad.json"
+    p.write_bytes(b"\xff\xfe{}")
+    with pytest.raises(ConfigFileError, match="UTF-8"):
+        load_configs(p)
 
 
 def test_missing_config_file(tmp_path):
@@ -369,7 +397,14 @@ def test_best_ratio_bounds():
     from moelora_lib.helion_linear import study
 
     s = pd.DataFrame(
-        dict(M=[1, 4096], K=[4096, 4096], N=[4096, 4096], epilogue=["none", "none"], torch_us=[20.0, 200.0])
+        dict(
+            M=[1, 4096],
+            K=[4096, 4096],
+            N=[4096, 4096],
+            epilogue=["none", "none"],
+            dtype=["bfloat16", "bfloat16"],
+            torch_us=[20.0, 200.0],
+        )
     )
     b = study.best_ratio_bounds(s, read_tb_per_s=4.0, tflops=500.0, launch_us=2.0)
     # M = 1: bytes (4096*4096 + 4096 + 4096) * 2 / 4e12 s = 8.39 us + 2 us launch
@@ -377,6 +412,15 @@ def test_best_ratio_bounds():
     # M = 4096: flops 2 * 4096^3 / 500e12 = 274.9 us > bytes
     assert b.floor_us[1] == pytest.approx(2 * 4096**3 / 500e12 * 1e6 + 2.0)
     assert b.max_speedup[0] == pytest.approx(20.0 / b.floor_us[0])
+    # fp32 rows count 4 bytes per element
+    b32 = study.best_ratio_bounds(s.assign(dtype="float32"), read_tb_per_s=4.0, tflops=500.0)
+    assert b32.floor_us[0] == pytest.approx((4096 * 4096 + 2 * 4096) * 4 / 4e12 * 1e6)
+    with pytest.raises(ValueError, match="read_tb_per_s"):
+        study.best_ratio_bounds(s, read_tb_per_s=0.0, tflops=500.0)
+    with pytest.raises(ValueError, match="launch_us"):
+        study.best_ratio_bounds(s, read_tb_per_s=4.0, tflops=500.0, launch_us=-1.0)
+    with pytest.raises(ValueError, match="missing column"):
+        study.best_ratio_bounds(s.drop(columns="dtype"), read_tb_per_s=4.0, tflops=500.0)
 
 
 def test_rotation_copies():
@@ -384,5 +428,66 @@ def test_rotation_copies():
 
     assert study.rotation_copies(33_554_432) == 8  # 4096 x 4096 bf16: 8 x 32 MiB = 4 x 60 MiB + ...
     assert study.rotation_copies(940_000_000) == 2  # never fewer than two
-    with pytest.raises(ValueError, match="weight_bytes"):
-        study.rotation_copies(0)
+    for bad in (0, -5, True, 2.5, float("nan"), None, "33"):
+        with pytest.raises(ValueError, match="weight_bytes"):
+            study.rotation_copies(bad)
+
+
+def test_linear_construction_errors():
+    m = TorchLinearMethod("none")
+    with pytest.raises(ValueError, match="bias"):
+        Linear(8, 8, m, bias=True)  # epilogue "none" would silently ignore it
+    with pytest.raises(ValueError, match="dtype"):
+        Linear(8, 8, m, dtype=torch.int32)
+    with pytest.raises(ValueError, match="weight"):
+        Linear.from_weight(torch.randn(8), m)
+    with pytest.raises(ValueError, match="bias"):
+        Linear.from_weight(torch.randn(8, 8), TorchLinearMethod("bias"), bias=torch.randn(7))
+    with pytest.raises(TypeError, match="configs"):
+        HelionLinearMethod([1, 2])
+    with pytest.raises(ValueError, match="max_m"):
+        HelionLinearMethod(None, max_m=0)
+    h = HelionLinearMethod(None)
+    layer = Linear.from_weight(torch.randn(8, 8), h)
+    with pytest.raises(ValueError, match="max_m"):
+        h.warmup(layer, "3")
+
+
+def test_bucket_for_accepts_numpy_ints():
+    import numpy as np
+
+    from moelora_lib.helion_linear import bucket_for
+
+    assert bucket_for(np.int64(5)) == 8
+    with pytest.raises(ValueError, match="m must be"):
+        bucket_for(2.0)
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (["--shapes", "llama9"], "--shapes"),
+        (["--epilogues", "gelu"], "--epilogues"),
+        (["--m", "abc"], "--m"),
+        (["--m", "0"], "--m"),
+        (["--budget-s", "-1"], "--budget-s"),
+    ],
+)
+def test_tuner_cli_rejects_bad_arguments(tmp_path, capsys, extra, match):
+    from moelora_lib import helion_tune
+
+    with pytest.raises(SystemExit) as ei:
+        helion_tune.main(["--out", str(tmp_path / "t.json"), "--csv", str(tmp_path / "t.csv"), *extra])
+    assert ei.value.code == 2
+    assert match in capsys.readouterr().err
+
+
+def test_tuner_candidates_reject_bad_input():
+    from moelora_lib import helion_tune
+
+    with pytest.raises(ValueError, match="epilogue"):
+        helion_tune.candidates("gelu", 4096, 4096, 1)
+    with pytest.raises(ValueError, match="bucket"):
+        helion_tune.candidates("none", 4096, 4096, 3)
+    with pytest.raises(ValueError, match="k"):
+        helion_tune.candidates("none", 0, 4096, 1)

@@ -14,21 +14,26 @@ spaces and '-' replaced by '_' (``NVIDIA_H200``). Structure::
       }
     }
 
-A config is the keyword arguments of ``helion.Config`` (``block_sizes`` [BM, BN, BK] is required;
-``num_warps``, ``num_stages``, ``indexing``, ``pid_type``, ``l2_groupings``, ... optional; Helion fills
-the rest from its defaults) plus, optionally, ``split_k`` (a power of two ≤ 64): a config with
+A config is the keyword arguments of ``helion.Config`` (``block_sizes`` [BM, BN, BK], powers of two
+≥ 16, is required; ``num_warps`` (1–32, power of two), ``num_stages``, ``indexing`` (pointer /
+block_ptr / tensor_descriptor), ``pid_type``, ``l2_groupings``, ... optional; Helion fills the rest
+from its defaults) plus, optionally, ``split_k`` (a power of two ≤ 64): a config with
 ``split_k`` runs the split-K kernel (epilogues "none" and "bias" only).
 
-Buckets: an M is served by the smallest bucket ≥ M; every M > 1024 goes to the "≥2048" bucket,
-written ``"2048"``. Errors in a file raise :class:`ConfigFileError` (a ValueError) naming the file and
-the key path. Writes are atomic (temporary file in the same folder + ``os.replace``).
+Keys are canonical: ``"<K>,<N>"`` without spaces, buckets without leading zeros (anything else
+would never match a lookup, so it is rejected). Buckets: an M is served by the smallest bucket ≥ M;
+every M > 1024 goes to the "≥2048" bucket, written ``"2048"``. Errors in a file raise
+:class:`ConfigFileError` (a ValueError) naming the file and the key path. Writes are atomic
+(temporary file in the same folder + ``os.replace``).
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import operator
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -40,6 +45,12 @@ DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
 #: Epilogues that have a split-K kernel.
 SPLIT_K_EPILOGUES: tuple[str, ...] = ("none", "bias")
 MAX_SPLIT_K = 64
+#: Values helion 1.4.0 accepts for these config fields.
+INDEXING_VALUES: tuple[str, ...] = ("pointer", "block_ptr", "tensor_descriptor")
+PID_TYPES: tuple[str, ...] = ("flat", "xyz", "persistent_blocked", "persistent_interleaved")
+NUM_WARPS_VALUES: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+_SHAPE_KEY = re.compile(r"[1-9][0-9]*,[1-9][0-9]*")
+_BUCKET_KEY = re.compile(r"[1-9][0-9]*")
 
 #: Where the shipped per-GPU files live.
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" / "helion"
@@ -62,9 +73,16 @@ class ConfigFileError(ValueError):
 def bucket_for(m: int) -> int:
     """The M bucket serving ``m`` rows: the smallest bucket ≥ m, or 2048 for every m > 1024.
 
-    Raises ValueError for m < 1.
+    m: a Python or numpy integer (anything with ``__index__``, bools excluded).
+    Raises ValueError for m < 1 or a non-integer m.
     """
-    if not isinstance(m, int) or isinstance(m, bool) or m < 1:
+    if isinstance(m, bool):
+        raise ValueError(f"m must be an int >= 1, got {m!r}")
+    try:
+        m = operator.index(m)
+    except TypeError:
+        raise ValueError(f"m must be an int >= 1, got {m!r}") from None
+    if m < 1:
         raise ValueError(f"m must be an int >= 1, got {m!r}")
     for b in BUCKETS:
         if m <= b:
@@ -124,18 +142,42 @@ def validate_config_entry(cfg: Any, *, source: str = "<table>", path: list[str] 
     bs = cfg.get("block_sizes")
     if bs is None:
         raise _fail(source, path, "missing 'block_sizes' (expected [BM, BN, BK])")
-    if not (isinstance(bs, list) and len(bs) == 3 and all(isinstance(v, int) and v >= 1 for v in bs)):
-        raise _fail(source, path, f"'block_sizes' must be 3 positive ints [BM, BN, BK], got {bs!r}")
+    if not (isinstance(bs, list) and len(bs) == 3 and all(_pow2(v) and v >= 16 for v in bs)):
+        raise _fail(
+            source,
+            path,
+            f"'block_sizes' must be 3 powers of two >= 16 [BM, BN, BK] (tl.dot tiles), got {bs!r}",
+        )
     if "split_k" in cfg:
         s = cfg["split_k"]
-        if not (isinstance(s, int) and 1 <= s <= MAX_SPLIT_K and s & (s - 1) == 0):
+        if not (_pow2(s) and s <= MAX_SPLIT_K):
             raise _fail(source, path, f"'split_k' must be a power of two in [1, {MAX_SPLIT_K}], got {s!r}")
         if len(path) >= 1 and path[0] not in SPLIT_K_EPILOGUES:
             raise _fail(source, path, f"'split_k' is only supported for epilogues {SPLIT_K_EPILOGUES}")
-    for name in ("num_warps", "num_stages"):
-        if name in cfg and not (isinstance(cfg[name], int) and cfg[name] >= 1):
-            raise _fail(source, path, f"{name!r} must be a positive int, got {cfg[name]!r}")
+    if "num_warps" in cfg and not (_int(cfg["num_warps"]) and cfg["num_warps"] in NUM_WARPS_VALUES):
+        raise _fail(source, path, f"'num_warps' must be one of {NUM_WARPS_VALUES}, got {cfg['num_warps']!r}")
+    if "num_stages" in cfg and not (_int(cfg["num_stages"]) and cfg["num_stages"] >= 1):
+        raise _fail(source, path, f"'num_stages' must be a positive int, got {cfg['num_stages']!r}")
+    if "indexing" in cfg:
+        idx = cfg["indexing"]
+        vals = idx if isinstance(idx, list) else [idx]
+        if not vals or not all(isinstance(v, str) and v in INDEXING_VALUES for v in vals):
+            raise _fail(source, path, f"'indexing' must be one of {INDEXING_VALUES} (or a list), got {idx!r}")
+    if "pid_type" in cfg and cfg["pid_type"] not in PID_TYPES:
+        raise _fail(source, path, f"'pid_type' must be one of {PID_TYPES}, got {cfg['pid_type']!r}")
+    if "l2_groupings" in cfg:
+        g = cfg["l2_groupings"]
+        if not (isinstance(g, list) and len(g) == 1 and _int(g[0]) and g[0] >= 1):
+            raise _fail(source, path, f"'l2_groupings' must be [G] with a positive int G, got {g!r}")
     return cfg
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _pow2(v: Any) -> bool:
+    return _int(v) and v >= 1 and v & (v - 1) == 0
 
 
 def validate_table(table: Any, *, source: str = "<table>") -> dict:
@@ -155,15 +197,21 @@ def validate_table(table: Any, *, source: str = "<table>") -> dict:
             if not isinstance(by_shape, dict):
                 raise _fail(source, [epi, dt], "expected an object keyed by '<K>,<N>'")
             for sk, by_bucket in by_shape.items():
+                if not (isinstance(sk, str) and _SHAPE_KEY.fullmatch(sk) and sk.isascii()):
+                    raise _fail(
+                        source,
+                        [epi, dt, sk],
+                        "shape key must be '<K>,<N>': two positive ASCII ints, no spaces",
+                    )
                 parts = sk.split(",")
-                if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
-                    raise _fail(source, [epi, dt, sk], "shape key must be '<K>,<N>' with positive ints")
                 if epi == "swiglu" and int(parts[1]) % 2:
                     raise _fail(source, [epi, dt, sk], "swiglu N (= 2I rows of w_gate_up) must be even")
                 if not isinstance(by_bucket, dict):
                     raise _fail(source, [epi, dt, sk], "expected an object keyed by M bucket")
                 for b, cfg in by_bucket.items():
-                    if not (b.isdigit() and int(b) in BUCKETS):
+                    if not (
+                        isinstance(b, str) and b.isascii() and _BUCKET_KEY.fullmatch(b) and int(b) in BUCKETS
+                    ):
                         raise _fail(source, [epi, dt, sk, b], f"bucket must be one of {list(BUCKETS)}")
                     validate_config_entry(cfg, source=source, path=[epi, dt, sk, b])
     return table
@@ -179,7 +227,9 @@ def load_configs(path: str | os.PathLike | None = None) -> dict:
     if not p.is_file():
         raise FileNotFoundError(f"Helion linear config file not found: {p}")
     try:
-        table = json.loads(p.read_text())
+        table = json.loads(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigFileError(f"{p}: not UTF-8 text: {e}") from e
     except json.JSONDecodeError as e:
         raise ConfigFileError(f"{p}: invalid JSON: {e}") from e
     return validate_table(table, source=str(p))

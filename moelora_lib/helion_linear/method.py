@@ -42,6 +42,11 @@ __all__ = [
 ]
 
 
+#: Weight/activation dtypes a Linear may hold (Helion runs bf16/fp16, fp32 under the CPU interpreter;
+#: fp64 only through TorchLinearMethod, e.g. as a reference).
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
 class HelionFallbackWarning(UserWarning):
     """A shape, dtype or device runs through ``F.linear`` instead of Helion (issued once per reason)."""
 
@@ -247,6 +252,13 @@ class HelionLinearMethod(LinearMethodBase):
         allow_interpreter: bool = False,
     ):
         self.epilogue = _check_epilogue(epilogue)
+        if max_m is not None and (isinstance(max_m, bool) or not isinstance(max_m, int) or max_m < 1):
+            raise ValueError(f"max_m: expected None or an int >= 1, got {max_m!r}")
+        if configs is not None and not isinstance(configs, (dict, str, os.PathLike)):
+            raise TypeError(
+                f"configs: expected a config table (dict), a path (str / os.PathLike) or None, "
+                f"got {type(configs).__name__}"
+            )
         self.max_m = max_m
         self.allow_interpreter = allow_interpreter
         self._table: dict | None = None
@@ -346,8 +358,11 @@ class HelionLinearMethod(LinearMethodBase):
         triggering each Triton variant (:func:`warm_m_values`), so that serving never compiles.
 
         Returns ``{bucket: path}``; compile seconds per bucket are kept in ``self.last_warmup``.
-        A config that fails to compile raises (a shipped config must compile).
+        A config that fails to compile raises (a shipped config must compile); ``max_m`` that is
+        not an int >= 1 raises ValueError.
         """
+        if isinstance(max_m, bool) or not isinstance(max_m, int) or max_m < 1:
+            raise ValueError(f"max_m: expected an int >= 1, got {max_m!r}")
         w = layer.weight
         bias = getattr(layer, "bias", None) if self.epilogue == "bias" else None
         if self.epilogue == "bias" and bias is None:
@@ -414,6 +429,15 @@ class Linear(nn.Module):
         bias: bool = False,
     ):
         super().__init__()
+        if not isinstance(method, LinearMethodBase):
+            raise TypeError(f"method: expected a LinearMethodBase, got {type(method).__name__}")
+        if dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype: expected one of {SUPPORTED_DTYPES}, got {dtype}")
+        if bias and method.epilogue != "bias":
+            raise ValueError(
+                f"bias: epilogue {method.epilogue!r} does not add a bias (it would be ignored); "
+                "use a method with epilogue='bias'"
+            )
         self.method = method
         method.create_weights(self, input_size, output_size, dtype, device)
         if bias:
@@ -428,8 +452,16 @@ class Linear(nn.Module):
         cls, weight: torch.Tensor, method: LinearMethodBase, bias: torch.Tensor | None = None
     ) -> Linear:
         """A layer holding ``weight`` [N, K] (and ``bias`` [N]) with ``process_weights_after_loading``
-        already applied."""
+        already applied. Raises ValueError for a weight that is not a 2-D tensor or a bias that is not
+        [N] (and, via ``__init__``, for an unsupported dtype or a bias with an epilogue other than
+        "bias")."""
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+            raise ValueError(f"weight: expected a 2-D tensor [N, K], got {shape}")
         n, k = weight.shape
+        if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (n,)):
+            shape = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
+            raise ValueError(f"bias: expected a tensor of shape [{n}] (N of weight [{n}, {k}]), got {shape}")
         layer = cls(k, n, method, dtype=weight.dtype, device=weight.device, bias=bias is not None)
         with torch.no_grad():
             layer.weight.copy_(weight)

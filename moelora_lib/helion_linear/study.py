@@ -40,8 +40,8 @@ ROTATE_MAX_M = 32
 def rotation_copies(weight_bytes: int) -> int:
     """How many copies of a weight of ``weight_bytes`` one graph_rotate replay cycles through: enough
     to stream :data:`ROTATE_BYTES` (at least 2), so no call finds its weight in L2."""
-    if weight_bytes <= 0:
-        raise ValueError(f"weight_bytes must be > 0, got {weight_bytes}")
+    if isinstance(weight_bytes, bool) or not isinstance(weight_bytes, int) or weight_bytes < 1:
+        raise ValueError(f"weight_bytes: expected an int >= 1 (bytes of one weight), got {weight_bytes!r}")
     return max(2, math.ceil(ROTATE_BYTES / weight_bytes))
 
 
@@ -118,7 +118,11 @@ def sweep(
 
     from moelora_lib import bench
 
+    if profile not in ("cpu", "gpu"):
+        raise ValueError(f"profile: expected 'cpu' or 'gpu', got {profile!r}")
     timing_kw = dict(timing_kw or {})
+    if "flush_l2" in timing_kw or "mode" in timing_kw:
+        raise ValueError("timing_kw: 'flush_l2' and 'mode' are set by the sweep's timing modes")
     epilogues = tuple(epilogues)
     ms = list(ms)
     if profile == "cpu":
@@ -218,7 +222,8 @@ def sweep(
                         )
                     else:
                         t = timed(fn, mode)
-                    rows.append(_row(common, t, flops, nbytes, impl=impl, path=p, rel_err=err, copies=copies))
+                    c = copies if mode == "graph_rotate" else 1
+                    rows.append(_row(common, t, flops, nbytes, impl=impl, path=p, rel_err=err, copies=c))
             del x, ref, y_h, y_t
         del w, layer, torch_layer, w_rot, layers_rot, torch_rot
         gc.collect()
@@ -228,11 +233,11 @@ def sweep(
 
 
 def summary(df):
-    """One line per (model, proj, epilogue, M, timing_mode): µs of helion / torch (/ two-GEMM),
+    """One line per (model, proj, epilogue, dtype, M, timing_mode): µs of helion / torch (/ two-GEMM),
     speedup torch/helion, achieved TB/s and TFLOP/s of both, Helion's path."""
     import pandas as pd
 
-    key = ["model", "proj", "epilogue", "M", "timing_mode"]
+    key = ["model", "proj", "epilogue", "dtype", "M", "timing_mode"]
     piv = df.pivot_table(index=key, columns="impl", values="ms_p50", aggfunc="first") * 1e3
     out = pd.DataFrame(index=piv.index)
     out["helion_us"] = piv["helion"]
@@ -335,8 +340,7 @@ def ceilings(nbytes: int = 2 * 1024**3, timing_kw: dict | None = None) -> dict:
     (the fixed cost of one launch inside a graph as the sweep's graph modes see it, µs)."""
     from moelora_lib import bench
 
-    kw = dict(warmup_ms=10, rep_ms=60, **(timing_kw or {}))
-    kw["flush_l2"] = False
+    kw = {"warmup_ms": 10, "rep_ms": 60, **(timing_kw or {}), "flush_l2": False}
     a = torch.ones(nbytes // 4, dtype=torch.float32, device="cuda")
     b = torch.empty_like(a)
     t_copy = bench.time_cuda(lambda a=a, b=b: b.copy_(a), mode="eager", **kw)
@@ -375,7 +379,8 @@ def l2_probe(
     """
     from moelora_lib import bench
 
-    kw = dict(warmup_ms=10, rep_ms=40, **(timing_kw or {}))
+    kw = {"warmup_ms": 10, "rep_ms": 40, **(timing_kw or {})}
+    kw.pop("flush_l2", None)  # set per L2 state below
     gen = torch.Generator(device="cpu").manual_seed(seed)
     tdtype = getattr(torch, dtype)
     rows = []
@@ -426,12 +431,30 @@ def l2_probe(
 
 
 def best_ratio_bounds(s, read_tb_per_s: float, tflops: float, launch_us: float = 0.0):
-    """The largest speedup over the measured PyTorch time that any kernel could reach, per row of
-    :func:`summary` (graph modes): ``torch_us / floor_us`` with ``floor_us = max(bytes / read ceiling,
-    flops / tflops) + launch_us`` (bytes and flops of the plain GEMM; swiglu: the fused kernel's).
-    A target above this bound cannot be met by any kernel, only by measuring differently."""
+    """An estimate of the largest speedup over the measured PyTorch time that any kernel could reach,
+    per row of :func:`summary`: ``max_speedup = torch_us / floor_us`` with ``floor_us = max(bytes /
+    read_tb_per_s, flops / tflops) + launch_us`` (bytes: weight + x + output once each, at the row's
+    dtype; flops 2·M·N·K; swiglu: the fused kernel's output [M, N/2]).
+
+    It is a bound only as far as its rates are: pass the best rates seen (the measured read ceiling
+    or the fastest achieved TB/s, the dense peak or the fastest achieved TFLOP/s), and ``launch_us``
+    only where a launch cannot overlap the kernel. Rows whose measured speedup exceeds
+    ``max_speedup`` show where that failed. Meant for graph-replayed rows.
+
+    s: DataFrame with columns M, K, N, epilogue, dtype, torch_us. Returns a copy with ``floor_us`` and
+    ``max_speedup`` added. Raises ValueError for non-positive rates, a negative ``launch_us`` or
+    missing columns.
+    """
+    for name, v in (("read_tb_per_s", read_tb_per_s), ("tflops", tflops)):
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+            raise ValueError(f"{name}: expected a finite rate > 0, got {v!r}")
+    if not (isinstance(launch_us, (int, float)) and math.isfinite(launch_us) and launch_us >= 0):
+        raise ValueError(f"launch_us: expected a finite number >= 0, got {launch_us!r}")
+    missing = sorted({"M", "K", "N", "epilogue", "dtype", "torch_us"} - set(s.columns))
+    if missing:
+        raise ValueError(f"s: missing column(s) {missing} (expected study.summary rows)")
     out = s.copy()
-    elem = 2
+    elem = out.dtype.map(lambda d: getattr(torch, d).itemsize).astype(float)
     k, n, m = out.K.astype(float), out.N.astype(float), out.M.astype(float)
     n_out = n.where(out.epilogue != "swiglu", n / 2)
     nbytes = (n * k + m * k + m * n_out) * elem

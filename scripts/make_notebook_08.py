@@ -20,7 +20,7 @@ as fallback. The baseline is `TorchLinearMethod` (cuBLAS) measured side by side 
 **First run (commit 18fd37d, 2–4 candidates per bucket, timed after do_bench's L2 flush):** decode
 geomean 1.00× cuBLAS, prefill 0.92×, fused SwiGLU 1.09×. Both libraries sat on one line,
 time ≈ (weight bytes + ≈ 50–60 MB) / 4.3 TB/s, for every shape from 33 MB to 940 MB. Hence this run's
-second timing mode.
+other timing modes.
 
 **The L2 state (hypothesis, written before this run).** do_bench flushes L2 by *zeroing* 256 MB, so
 the timed call starts with ≈ 60 MB of dirty lines of the flush buffer in L2 and writes them back as
@@ -192,7 +192,7 @@ for mode in modes:
     if len(prefill):
         lines.append(f"[{mode}] prefill (M>=256) geomean {gmean(prefill.speedup):.3f}x "
                      f"(min {prefill.speedup.min():.3f}); target >= 0.95x")
-    lines.append(f"[{mode}] fused SwiGLU vs merged GEMM + silu*mul geomean {gmean(sw.speedup):.3f}x, "
+    lines.append(f"[{mode}] fused SwiGLU (all M) vs merged GEMM + silu*mul geomean {gmean(sw.speedup):.3f}x, "
                  f"vs two GEMMs {gmean(sw2):.3f}x; target >= 1.3x")
     if PROFILE == "gpu":
         lines.append(f"[{mode}] decode achieved bandwidth: Helion median {decode.helion_tb_per_s.median():.2f} TB/s, "
@@ -201,22 +201,31 @@ for mode in modes:
         if len(prefill):
             lines.append(f"[{mode}] prefill: Helion median {prefill.helion_tflops.median():.0f} TFLOP/s, "
                          f"cuBLAS {prefill.torch_tflops.median():.0f}")
-        # The best ratio any kernel could reach in this mode: PyTorch's time over the floor (bytes at
-        # the read ceiling or flops at the dense peak, plus one graph-replayed launch except under
-        # rotation, where back-to-back launches overlap). Not for "graph": after do_bench's flush the
-        # timed call also writes back dirty lines, a cost this floor does not hold, so the ratio
-        # would overstate what is possible.
-        bound = bound_sw = float("nan")
+        # The best ratio any kernel could reach in this mode (`max_speedup`): PyTorch's time over a
+        # floor = bytes at the best bandwidth seen in this mode (the read ceiling or any row's achieved
+        # TB/s) or flops at the best rate seen (800 or any row's TFLOP/s), no launch cost. Every
+        # measured speedup is <= this by construction (asserted). `est_speedup` adds one graph launch
+        # (the tiny kernel) in the clean mode: an estimate, since a launch partly overlaps the kernel.
+        # Not for "graph": there the timed call also writes back the flush's dirty lines, which no
+        # floor here holds.
+        bound = bound_sw = est = float("nan")
         if mode in ("graph_clean", "graph_rotate"):
-            launch = 0.0 if mode == "graph_rotate" else CEIL["tiny_kernel_us"]
-            b = study.best_ratio_bounds(sm, CEIL["read_tb_per_s"], PEAK_TFLOPS, launch_us=launch)
-            bd, bs = b[(b.M <= 32) & (b.epilogue == "none")], b[(b.M <= 32) & (b.epilogue == "swiglu")]
-            bound, bound_sw = gmean(bd.max_speedup), gmean(b[b.epilogue == "swiglu"].max_speedup)
-            lines.append(f"[{mode}] bound (PyTorch time / floor), M<=32: plain geomean {bound:.3f}x "
-                         f"(max {bd.max_speedup.max():.3f}); SwiGLU vs merged {gmean(bs.max_speedup):.3f}x")
-            bounds.append(b.assign(launch_us=launch))
+            bw = max(CEIL["read_tb_per_s"], sm.helion_tb_per_s.max(), sm.torch_tb_per_s.max())
+            tf = max(PEAK_TFLOPS, sm.helion_tflops.max(), sm.torch_tflops.max())
+            b = study.best_ratio_bounds(sm, bw, tf)
+            launch = CEIL["tiny_kernel_us"] if mode == "graph_clean" else 0.0
+            b["est_speedup"] = study.best_ratio_bounds(sm, bw, tf, launch_us=launch).max_speedup
+            beaten = b[b.speedup > b.max_speedup * (1 + 1e-9)]
+            assert beaten.empty, beaten
+            bd, bs = b[(b.M <= 32) & (b.epilogue == "none")], b[b.epilogue == "swiglu"]
+            bound, bound_sw, est = gmean(bd.max_speedup), gmean(bs.max_speedup), gmean(bd.est_speedup)
+            lines.append(f"[{mode}] best-possible speedup over PyTorch (rates: {bw:.2f} TB/s, {tf:.0f} TFLOP/s): "
+                         f"decode geomean {bound:.3f}x (max {bd.max_speedup.max():.3f}; with one launch "
+                         f"{est:.3f}x); SwiGLU vs merged, all M: {bound_sw:.3f}x")
+            bounds.append(b.assign(bound_tb_per_s=bw, bound_tflops=tf, launch_us=launch))
         targets += [
-            dict(mode=mode, target="decode >= 1.15x", measured=gmean(decode.speedup), goal=1.15, bound=bound),
+            dict(mode=mode, target="decode >= 1.15x", measured=gmean(decode.speedup), goal=1.15, bound=bound,
+                 bound_with_launch=est),
             dict(mode=mode, target="SwiGLU >= 1.3x (vs merged)", measured=gmean(sw.speedup), goal=1.3,
                  bound=bound_sw),
             dict(mode=mode, target="SwiGLU >= 1.3x (vs two GEMMs)", measured=gmean(sw2), goal=1.3),
@@ -228,8 +237,9 @@ if PROFILE == "gpu":
     lines.append(f"decode eager (Python dispatch included) geomean: {gmean(eager.speedup):.3f}x")
     bb = pd.concat(bounds)
     bb.to_csv(bench.data_path("08_bounds.csv"), index=False)
-    print(bb[bb.M <= 32][["timing_mode", "model", "proj", "epilogue", "M", "torch_us", "helion_us", "floor_us",
-                          "max_speedup", "speedup"]].round(3).to_string(index=False))
+    show = ["timing_mode", "model", "proj", "epilogue", "M", "torch_us", "helion_us", "floor_us",
+            "max_speedup", "est_speedup", "speedup"]
+    print(bb[bb.M <= 32][show].round(3).to_string(index=False))
     tt = pd.DataFrame(targets)
     tt["met"] = tt.measured >= tt.goal
     tt.to_csv(bench.data_path("08_targets.csv"), index=False)
@@ -257,6 +267,8 @@ def main() -> None:
         nbf.v4.new_code_cell(FIGS),
         nbf.v4.new_code_cell(CONCL),
     ]
+    for i, c in enumerate(cells):
+        c.id = f"cell-{i:02d}"  # stable ids: regenerating an unchanged notebook changes nothing
     nb.cells = cells
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nb.metadata["language_info"] = {"name": "python"}

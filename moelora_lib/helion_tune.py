@@ -507,6 +507,9 @@ def main(argv: list[str] | None = None) -> int:
         bench.write_rows(args.csv, rows, append=True)
         del x, ref
     bar.close()
+    if not todo:  # nothing tuned: the JSON (and its tuning_seconds) stays as it was
+        log(f"nothing to tune; tuning seconds in {out_path}: {prev_seconds:.1f} s")
+        return 0
     total = prev_seconds + (time.perf_counter() - t_start)
     log(
         f"tuned {n_tuned}/{len(todo)} cases; this run {time.perf_counter() - t_start:.1f} s; "

@@ -10,10 +10,11 @@ Method (GPU, :func:`time_cuda`), following the anchor method of ``triton.testing
     reported;
   * with ``flush_l2=True`` (or ``"dirty"``) the L2 cache is flushed before *every* repetition by zeroing
     a 256 MB buffer (``triton.testing.do_bench`` does this itself, via ``driver.clear_cache``, before
-    recording the start event, so the flush is not in the timed interval; the H200 L2 is 60 MiB).
+    recording the start event, so the flush is not in the timed interval; the H200's L2 is 60 MB as
+    PyTorch reports it).
     That flush leaves the L2 full of *dirty* lines of the flush buffer, and the timed kernel pays for
-    writing them back to HBM as it evicts them (up to ~60 MB of extra DRAM writes, ~14 µs at
-    4.3 TB/s): invisible for compute-bound kernels, a large share of a memory-bound decode GEMM;
+    writing them back to HBM as it evicts them: invisible for compute-bound kernels, 3–9 µs of a
+    memory-bound decode GEMM of 33–470 MB (measured in notebook 08, ``data/08_l2_probe.csv``);
   * with ``flush_l2="clean"`` the L2 is instead evicted by *reading* a 256 MB buffer before every
     repetition (a ``torch.sum`` over it), so the timed call starts with a cold L2 that holds only
     clean lines, as in a decode step of a real model (the previous layer's weights, read-only).
@@ -94,7 +95,7 @@ def _quantiles(times_ms: list[float]) -> tuple[float, float, float]:
     return q(0.5), q(0.2), q(0.8)
 
 
-#: Bytes read before every repetition by the "clean" L2 flush (4x the H200's 60 MiB L2).
+#: Bytes read before every repetition by the "clean" L2 flush (about 4x the H200's 60 MB L2).
 CLEAN_FLUSH_BYTES = 256 * 1024 * 1024
 
 

@@ -61,6 +61,11 @@ def cpu_demo_table(dtypes: Iterable[str] = ("float32", "float16"), epilogues=("n
     return t
 
 
+def _per_call(t, calls: int):
+    """A Timing of one replay of ``calls`` GEMMs, as the time per GEMM."""
+    return dataclasses.replace(t, ms_p50=t.ms_p50 / calls, ms_p20=t.ms_p20 / calls, ms_p80=t.ms_p80 / calls)
+
+
 def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
 
@@ -217,9 +222,7 @@ def sweep(
                         if m > ROTATE_MAX_M:
                             continue
                         t = timed(fn_rot, mode)
-                        t = dataclasses.replace(
-                            t, ms_p50=t.ms_p50 / copies, ms_p20=t.ms_p20 / copies, ms_p80=t.ms_p80 / copies
-                        )
+                        t = _per_call(t, copies)
                     else:
                         t = timed(fn, mode)
                     c = copies if mode == "graph_rotate" else 1
@@ -407,7 +410,7 @@ def l2_probe(
             }
             for l2, (fn, fkw, c) in runs.items():
                 t = bench.time_cuda(fn, mode="graph", **{**kw, **fkw})
-                t = dataclasses.replace(t, ms_p50=t.ms_p50 / c, ms_p20=t.ms_p20 / c, ms_p80=t.ms_p80 / c)
+                t = _per_call(t, c)
                 rows.append(
                     bench.result_row(
                         stage="helion_l2_probe",

@@ -235,7 +235,9 @@ def time_cpu(fn: Callable[[], Any], *, reps: int = 3, warmup: int = 1) -> Timing
     only to keep CI fast, never as kernel performance. mode is "cpu".
     """
     if reps < 1:
-        raise ValueError("reps must be >= 1")
+        raise ValueError(f"reps must be >= 1, got {reps}")
+    if warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup}")
     for _ in range(warmup):
         fn()
     times = []

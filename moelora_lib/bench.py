@@ -136,11 +136,6 @@ def _events(
     return [s.elapsed_time(e) for s, e in zip(starts, ends)]
 
 
-def _events_no_flush(fn: Callable[[], Any], warmup_ms: float, rep_ms: float) -> list[float]:
-    """The do_bench loop without the L2 flush: per-call CUDA-event times in ms (L2 stays warm)."""
-    return _events(fn, warmup_ms, rep_ms)
-
-
 @functools.lru_cache(maxsize=1)
 def _clean_flush_buffer(device_index: int):
     import torch
@@ -223,7 +218,7 @@ def time_cuda(
             target, warmup=warmup_ms, rep=rep_ms, quantiles=list(QUANTILES)
         )
     else:
-        p50, p20, p80 = _quantiles(_events_no_flush(target, warmup_ms, rep_ms))
+        p50, p20, p80 = _quantiles(_events(target, warmup_ms, rep_ms))
     del graph
     return Timing(float(p50), float(p20), float(p80), mode)
 

@@ -107,16 +107,16 @@ def candidates(epilogue: str, k: int, n: int, bucket: int, num_sms: int = NUM_SM
     Decode buckets share their candidate list, so one compile serves several buckets. Candidates
     whose pipelined tiles exceed :data:`SMEM_LIMIT_BYTES` are dropped.
     """
-    from moelora_lib.helion_linear import BUCKETS, EPILOGUES
+    from moelora_lib.helion_linear.configs import BUCKETS, EPILOGUES, SPLIT_K_EPILOGUES, is_int
 
     if epilogue not in EPILOGUES:
         raise ValueError(f"epilogue: expected one of {EPILOGUES}, got {epilogue!r}")
     if bucket not in BUCKETS:
         raise ValueError(f"bucket: expected one of {BUCKETS}, got {bucket!r}")
     for name, v in (("k", k), ("n", n), ("num_sms", num_sms)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        if not (is_int(v) and v >= 1):
             raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
-    splittable = epilogue in ("none", "bias")
+    splittable = epilogue in SPLIT_K_EPILOGUES
 
     def split(bm: int, bn: int, bk: int, warps: int, stages: int, m_tiles: int = 1, **kw) -> list[dict]:
         if not splittable:

@@ -154,9 +154,9 @@ def validate_config_entry(cfg: Any, *, source: str = "<table>", path: list[str] 
             raise _fail(source, path, f"'split_k' must be a power of two in [1, {MAX_SPLIT_K}], got {s!r}")
         if len(path) >= 1 and path[0] not in SPLIT_K_EPILOGUES:
             raise _fail(source, path, f"'split_k' is only supported for epilogues {SPLIT_K_EPILOGUES}")
-    if "num_warps" in cfg and not (_int(cfg["num_warps"]) and cfg["num_warps"] in NUM_WARPS_VALUES):
+    if "num_warps" in cfg and not (is_int(cfg["num_warps"]) and cfg["num_warps"] in NUM_WARPS_VALUES):
         raise _fail(source, path, f"'num_warps' must be one of {NUM_WARPS_VALUES}, got {cfg['num_warps']!r}")
-    if "num_stages" in cfg and not (_int(cfg["num_stages"]) and cfg["num_stages"] >= 1):
+    if "num_stages" in cfg and not (is_int(cfg["num_stages"]) and cfg["num_stages"] >= 1):
         raise _fail(source, path, f"'num_stages' must be a positive int, got {cfg['num_stages']!r}")
     if "indexing" in cfg:
         idx = cfg["indexing"]
@@ -167,17 +167,18 @@ def validate_config_entry(cfg: Any, *, source: str = "<table>", path: list[str] 
         raise _fail(source, path, f"'pid_type' must be one of {PID_TYPES}, got {cfg['pid_type']!r}")
     if "l2_groupings" in cfg:
         g = cfg["l2_groupings"]
-        if not (isinstance(g, list) and len(g) == 1 and _int(g[0]) and g[0] >= 1):
+        if not (isinstance(g, list) and len(g) == 1 and is_int(g[0]) and g[0] >= 1):
             raise _fail(source, path, f"'l2_groupings' must be [G] with a positive int G, got {g!r}")
     return cfg
 
 
-def _int(v: Any) -> bool:
+def is_int(v: Any) -> bool:
+    """True for a Python int that is not a bool (JSON ``true`` must not pass as 1)."""
     return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _pow2(v: Any) -> bool:
-    return _int(v) and v >= 1 and v & (v - 1) == 0
+    return is_int(v) and v >= 1 and v & (v - 1) == 0
 
 
 def validate_table(table: Any, *, source: str = "<table>") -> dict:

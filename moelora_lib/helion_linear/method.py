@@ -47,6 +47,14 @@ __all__ = [
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
+def _check_max_m(max_m: Any, *, allow_none: bool = False) -> None:
+    if allow_none and max_m is None:
+        return
+    if not (C.is_int(max_m) and max_m >= 1):
+        expected = "None or an int >= 1" if allow_none else "an int >= 1"
+        raise ValueError(f"max_m: expected {expected}, got {max_m!r}")
+
+
 class HelionFallbackWarning(UserWarning):
     """A shape, dtype or device runs through ``F.linear`` instead of Helion (issued once per reason)."""
 
@@ -252,8 +260,7 @@ class HelionLinearMethod(LinearMethodBase):
         allow_interpreter: bool = False,
     ):
         self.epilogue = _check_epilogue(epilogue)
-        if max_m is not None and (isinstance(max_m, bool) or not isinstance(max_m, int) or max_m < 1):
-            raise ValueError(f"max_m: expected None or an int >= 1, got {max_m!r}")
+        _check_max_m(max_m, allow_none=True)
         if configs is not None and not isinstance(configs, (dict, str, os.PathLike)):
             raise TypeError(
                 f"configs: expected a config table (dict), a path (str / os.PathLike) or None, "
@@ -361,8 +368,7 @@ class HelionLinearMethod(LinearMethodBase):
         A config that fails to compile raises (a shipped config must compile); ``max_m`` that is
         not an int >= 1 raises ValueError.
         """
-        if isinstance(max_m, bool) or not isinstance(max_m, int) or max_m < 1:
-            raise ValueError(f"max_m: expected an int >= 1, got {max_m!r}")
+        _check_max_m(max_m)
         w = layer.weight
         bias = getattr(layer, "bias", None) if self.epilogue == "bias" else None
         if self.epilogue == "bias" and bias is None:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .configs import DTYPES, set_entry
+from .configs import DTYPES, is_int, set_entry
 from .method import HelionLinearMethod, Linear, TorchLinearMethod, torch_reference
 from .shapes import LINEAR_MODELS
 
@@ -35,12 +35,14 @@ REL_TOL = {"bfloat16": 2e-2, "float16": 5e-3, "float32": 1e-5}
 ROTATE_BYTES = 4 * 60 * 2**20
 #: graph_rotate is measured for decode sizes only (M <= this); prefill is compute-bound.
 ROTATE_MAX_M = 32
+#: The sweep's graph timing modes and the ``bench.time_cuda`` L2 flush each one uses.
+GRAPH_MODE_FLUSH = {"graph": True, "graph_clean": "clean", "graph_rotate": False}
 
 
 def rotation_copies(weight_bytes: int) -> int:
     """How many copies of a weight of ``weight_bytes`` one graph_rotate replay cycles through: enough
     to stream :data:`ROTATE_BYTES` (at least 2), so no call finds its weight in L2."""
-    if isinstance(weight_bytes, bool) or not isinstance(weight_bytes, int) or weight_bytes < 1:
+    if not (is_int(weight_bytes) and weight_bytes >= 1):
         raise ValueError(f"weight_bytes: expected an int >= 1 (bytes of one weight), got {weight_bytes!r}")
     return max(2, math.ceil(ROTATE_BYTES / weight_bytes))
 
@@ -156,13 +158,10 @@ def sweep(
     def timed(fn, mode):
         if mode == "cpu":
             return bench.time_cpu(fn, reps=1, warmup=0)
-        if mode == "graph_clean":
-            t = bench.time_cuda(fn, mode="graph", **{**timing_kw, "flush_l2": "clean"})
-            return dataclasses.replace(t, mode="graph_clean")
-        if mode == "graph_rotate":
-            t = bench.time_cuda(fn, mode="graph", **{**timing_kw, "flush_l2": False})
-            return dataclasses.replace(t, mode="graph_rotate")
-        return bench.time_cuda(fn, mode=mode, **timing_kw)
+        if mode == "eager":
+            return bench.time_cuda(fn, mode="eager", **timing_kw)
+        t = bench.time_cuda(fn, mode="graph", flush_l2=GRAPH_MODE_FLUSH[mode], **timing_kw)
+        return dataclasses.replace(t, mode=mode)
 
     rows: list[dict] = []
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -221,11 +220,9 @@ def sweep(
                     if mode == "graph_rotate":
                         if m > ROTATE_MAX_M:
                             continue
-                        t = timed(fn_rot, mode)
-                        t = _per_call(t, copies)
+                        t, c = _per_call(timed(fn_rot, mode), copies), copies
                     else:
-                        t = timed(fn, mode)
-                    c = copies if mode == "graph_rotate" else 1
+                        t, c = timed(fn, mode), 1
                     rows.append(_row(common, t, flops, nbytes, impl=impl, path=p, rel_err=err, copies=c))
             del x, ref, y_h, y_t
         del w, layer, torch_layer, w_rot, layers_rot, torch_rot
@@ -395,9 +392,7 @@ def l2_probe(
         ws = [w0] + [w0.clone() for _ in range(copies - 1)]
         x = torch.randn(m, k, generator=gen).to(device="cuda", dtype=tdtype)
         layers = [Linear.from_weight(w, method) for w in ws]
-        method.warmup(layers[0], m)
-        for lay in layers[1:]:
-            method.warmup(lay, m)
+        method.warmup(layers[0], m)  # the copies share its runner (cached per shape and config)
         tls = [Linear.from_weight(w, TorchLinearMethod("none")) for w in ws]
         impls = {"helion": layers, "torch": tls}
         for impl, ls in impls.items():

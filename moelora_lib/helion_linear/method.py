@@ -19,6 +19,7 @@ deployment recipe.
 from __future__ import annotations
 
 import abc
+import copy
 import os
 import time
 import warnings
@@ -322,15 +323,17 @@ class HelionLinearMethod(LinearMethodBase):
             return f"torch: no config file ({self._table_error})", None
         n, k = w.shape
         dt = C.dtype_name(w.dtype)
-        by_shape = table.get(self.epilogue, {}).get(dt, {})
-        if C.shape_key(k, n) not in by_shape:
+        by_bucket = table.get(self.epilogue, {}).get(dt, {}).get(C.shape_key(k, n))
+        if by_bucket is None:
             return (
                 f"torch: no tuned config for epilogue={self.epilogue} dtype={dt} K={k} N={n} "
                 f"in {self.config_source}",
                 None,
             )
         b = C.bucket_for(m)
-        cfg = C.lookup(table, self.epilogue, dt, k, n, b)
+        # The table's own entry, read only (no copy on this per-call path): _runner copies it before
+        # handing it to Helion, warmup before exposing it.
+        cfg = by_bucket.get(str(b))
         if cfg is None:
             return f"torch: bucket {b} not tuned for epilogue={self.epilogue} dtype={dt} K={k} N={n}", None
         return f"helion:{b}", cfg
@@ -342,7 +345,7 @@ class HelionLinearMethod(LinearMethodBase):
         key = (self.epilogue, w.dtype, k, n, str(w.device), repr(sorted(cfg.items())))
         runner = self._runners.get(key)
         if runner is None:
-            runner = build_runner(self.epilogue, cfg, w, bias)
+            runner = build_runner(self.epilogue, copy.deepcopy(cfg), w, bias)
             self._runners[key] = runner
         return runner
 
@@ -390,7 +393,7 @@ class HelionLinearMethod(LinearMethodBase):
                 runner(*self._kernel_args(layer, x, bias))
             if w.device.type == "cuda":
                 torch.cuda.synchronize(w.device)
-            self.last_warmup[b] = {"seconds": time.perf_counter() - t0, "config": cfg}
+            self.last_warmup[b] = {"seconds": time.perf_counter() - t0, "config": copy.deepcopy(cfg)}
         return out
 
     # -- forward ------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["MoEShape", "PRESETS", "get_shape"]
+__all__ = ["MoEShape", "Dims", "PRESETS", "get_shape"]
 
 ACTIVATIONS = ("silu", "swigluoai")
 
@@ -103,3 +103,75 @@ def get_shape(name: str) -> MoEShape:
         return PRESETS[name]
     except KeyError:
         raise ValueError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}") from None
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The sizes of one MoE+LoRA layer call, in the shape letters of this module (all ints >= 1).
+
+    Attributes:
+        T: tokens. H: hidden. I: intermediate per expert. E: experts. top_k: K.
+        adapters: L, LoRA slots. rank: R, max rank of the slots. slices: S, gate_up LoRA slices (1 or 2).
+
+    Used instead of loose positional ints wherever a layer's sizes travel together (config keys, default
+    configs, op costs, compile-only launches). Build one with :meth:`of` from a preset, or
+    :meth:`from_tensors` from a layer's inputs. Raises ValueError naming the field for a non-positive
+    size, S not in (1, 2), or top_k > E.
+    """
+
+    T: int
+    H: int
+    I: int
+    E: int
+    top_k: int
+    adapters: int
+    rank: int
+    slices: int = 2
+
+    def __post_init__(self) -> None:
+        for f in ("T", "H", "I", "E", "top_k", "adapters", "rank", "slices"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if f == "T" else 1):
+                raise ValueError(f"Dims.{f} must be an int >= {0 if f == 'T' else 1}, got {v!r}")
+        if self.slices not in (1, 2):
+            raise ValueError(f"Dims.slices must be 1 or 2, got {self.slices}")
+        if self.top_k > self.E:
+            raise ValueError(f"Dims.top_k must be <= E={self.E}, got {self.top_k}")
+
+    # The short letters of shapes.py, for formulas.
+    @property
+    def K(self) -> int:
+        return self.top_k
+
+    @property
+    def L(self) -> int:
+        return self.adapters
+
+    @property
+    def R(self) -> int:
+        return self.rank
+
+    @property
+    def S(self) -> int:
+        return self.slices
+
+    @property
+    def pairs(self) -> int:
+        """T·top_k (token, expert) pairs."""
+        return self.T * self.top_k
+
+    @classmethod
+    def of(cls, shape: MoEShape | str, T: int, *, rank: int = 32, adapters: int = 8,
+           slices: int | None = None) -> Dims:
+        """Dims of preset ``shape`` (a :class:`MoEShape` or its name) at T tokens."""
+        sh = get_shape(shape) if isinstance(shape, str) else shape
+        return cls(T=int(T), H=sh.hidden, I=sh.intermediate, E=sh.experts, top_k=sh.top_k,
+                   adapters=int(adapters), rank=int(rank), slices=int(slices or sh.lora_slices))
+
+    @classmethod
+    def from_tensors(cls, hidden_states, w2, topk_ids, lora_a13) -> Dims:
+        """Dims of a layer call: hidden_states [T, H], w2 [E, H, I], topk_ids [T, K], lora_a13 [L, E, S, R, H]."""
+        T, H = hidden_states.shape
+        E, _, I = w2.shape
+        L, _, S, R, _ = lora_a13.shape
+        return cls(T=T, H=H, I=I, E=E, top_k=topk_ids.shape[1], adapters=L, rank=R, slices=S)

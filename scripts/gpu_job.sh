@@ -79,7 +79,7 @@ print("cuda available:", torch.cuda.is_available(), torch.version.cuda,
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
 PYEOF
 nvidia-smi || echo "gpu_job: nvidia-smi failed"
-python3 -c 'from moelora_lib.bench import save_env; save_env("data/env/gpu_host.json")' \
+python3 -c 'from moelora_lib.studies.bench import save_env; save_env("data/env/gpu_host.json")' \
     || echo "gpu_job: could not save data/env/gpu_host.json"
 
 if [[ -n "${PRE_CMDS:-}" ]]; then
@@ -99,7 +99,7 @@ if [[ "${NOTEBOOKS:-}" == none ]]; then
 elif ((t > 0)); then
     echo "gpu_job: running notebooks ${NOTEBOOKS:-all} (timeout ${t}s)"
     timeout --signal=INT --kill-after=10 "$t" \
-        python3 -m moelora_lib.runner --profile gpu --keep-going --no-progress --log-output "${ONLY_ARGS[@]}"
+        python3 -m moelora_lib.studies.runner --profile gpu --keep-going --no-progress --log-output "${ONLY_ARGS[@]}"
     nrc=$?
     [[ $RC == 0 ]] && RC=$nrc
     ((RC == 124)) && echo "gpu_job: the notebooks ran out of time (JOB_BUDGET_S=$BUDGET)"

@@ -9,7 +9,7 @@ import time
 import torch
 
 from moelora_lib import STAGES
-from moelora_lib.bench import result_row, time_cuda, write_rows
+from moelora_lib.studies.bench import result_row, time_cuda, write_rows
 from moelora_lib.moe_lora import make_layer_run
 from moelora_lib.reference import moe_lora_reference
 from moelora_lib.shapes import get_shape

@@ -1,5 +1,5 @@
 """GPU probe for the Helion linear study (notebook 08): memory ceilings and how the L2 state before a
-timed call changes decode-GEMM times (moelora_lib.helion_linear.study.ceilings / l2_probe).
+timed call changes decode-GEMM times (moelora_lib.studies.helion_study.ceilings / l2_probe).
 
 Usage (GPU host, from the repo root): python3 scripts/helion_probe.py [--configs PATH]
 Writes data/08_ceilings.json and data/08_l2_probe.csv; prints a short table.
@@ -18,8 +18,8 @@ def main() -> int:
     import pandas as pd
     import torch
 
-    from moelora_lib import bench
-    from moelora_lib.helion_linear import study
+    from moelora_lib.studies import bench
+    from moelora_lib.studies import helion_study as study
 
     if not torch.cuda.is_available():
         raise SystemExit("helion_probe needs a CUDA GPU")

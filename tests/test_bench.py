@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from moelora_lib import bench
+from moelora_lib.studies import bench
 
 ENV_KEYS = {
     "gpu", "gpu_count", "driver", "cuda", "torch", "triton", "helion", "numpy", "python",

@@ -1,6 +1,6 @@
 """Compile-only checks of the kernels for sm_90 (H200) on a machine without a GPU.
 
-Every compile runs in ONE subprocess (``moelora_lib.compile_check.run_isolated``) started without
+Every compile runs in ONE subprocess (``moelora_lib.studies.compile_check.run_isolated``) started without
 TRITON_INTERPRET: the kernels must be decorated without the interpreter, while conftest sets it for
 this test process (environment.md §2–§3). The jobs are submitted once by a module fixture; each
 test reads its results. Launch arguments are built by the launchers' own ``*_args`` functions at
@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from moelora_lib.compile_check import (
+from moelora_lib.studies.compile_check import (
     KERNEL_NAMES,
     has_atomic_add,
     k_loop_bodies,

@@ -7,7 +7,8 @@ import warnings
 import pytest
 import torch
 
-from moelora_lib import configs, fused_moe_lora, tuning
+from moelora_lib import configs, fused_moe_lora
+from moelora_lib.studies import tuning
 from moelora_lib.kernels import default_config
 from moelora_lib.kernels.config import LORA_OPS
 from moelora_lib.reference import moe_lora_reference

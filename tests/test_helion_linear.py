@@ -364,7 +364,7 @@ def test_bad_bias_and_sizes_raise_value_error():
 @pytest.mark.parametrize("kn", [(4096, 4096), (14336, 4096), (8192, 57344)])
 @pytest.mark.parametrize("bucket", [1, 16, 32, 256, 1024, 2048])
 def test_tuner_candidates_valid(epi, kn, bucket):
-    from moelora_lib import helion_tune as T
+    from moelora_lib.studies import helion_tune as T
 
     k, n = kn
     cands = T.candidates(epi, k, n, bucket)
@@ -383,7 +383,7 @@ def test_tuner_candidates_valid(epi, kn, bucket):
 
 
 def test_split_factor_fills_the_sms():
-    from moelora_lib import helion_tune as T
+    from moelora_lib.studies import helion_tune as T
 
     assert T._split_factor(4096, 4096, 64, 132) == 4  # 64 tiles -> 256 programs
     assert T._split_factor(4096, 57344, 64, 132) is None  # 896 tiles already fill the GPU
@@ -394,7 +394,7 @@ def test_split_factor_fills_the_sms():
 def test_best_ratio_bounds():
     import pandas as pd
 
-    from moelora_lib.helion_linear import study
+    from moelora_lib.studies import helion_study as study
 
     s = pd.DataFrame(
         dict(
@@ -424,7 +424,7 @@ def test_best_ratio_bounds():
 
 
 def test_rotation_copies():
-    from moelora_lib.helion_linear import study
+    from moelora_lib.studies import helion_study as study
 
     assert study.rotation_copies(33_554_432) == 8  # 4096 x 4096 bf16: 8 x 32 MiB = 4 x 60 MiB + ...
     assert study.rotation_copies(940_000_000) == 2  # never fewer than two
@@ -474,7 +474,7 @@ def test_bucket_for_accepts_numpy_ints():
     ],
 )
 def test_tuner_cli_rejects_bad_arguments(tmp_path, capsys, extra, match):
-    from moelora_lib import helion_tune
+    from moelora_lib.studies import helion_tune
 
     with pytest.raises(SystemExit) as ei:
         helion_tune.main(["--out", str(tmp_path / "t.json"), "--csv", str(tmp_path / "t.csv"), *extra])
@@ -483,7 +483,7 @@ def test_tuner_cli_rejects_bad_arguments(tmp_path, capsys, extra, match):
 
 
 def test_tuner_candidates_reject_bad_input():
-    from moelora_lib import helion_tune
+    from moelora_lib.studies import helion_tune
 
     with pytest.raises(ValueError, match="epilogue"):
         helion_tune.candidates("gelu", 4096, 4096, 1)

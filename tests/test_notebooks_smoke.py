@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from moelora_lib.runner import run_notebooks
+from moelora_lib.studies.runner import run_notebooks
 
 ROOT = Path(__file__).resolve().parents[1]
 

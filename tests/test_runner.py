@@ -11,7 +11,7 @@ import pytest
 nbformat = pytest.importorskip("nbformat")
 pytest.importorskip("papermill")
 
-from moelora_lib import runner  # noqa: E402
+from moelora_lib.studies import runner  # noqa: E402
 
 
 def _notebook(*code_cells: str, parameters: str = 'PROFILE = "gpu"'):

@@ -27,7 +27,7 @@ What is here
   ``warmup(layer, max_m)``, ``path_for(layer, m)`` ("helion:<bucket>" or "torch: <reason>") and a
   one-warning-per-reason fallback; ``Linear`` is a minimal layer using them.
 * ``shapes`` — the dense-model projections (Llama-3.1-8B, Qwen3-32B, Llama-3.3-70B) used by the
-  tuner (``python -m moelora_lib.helion_tune``) and notebook 08.
+  tuner (``python -m moelora_lib.studies.helion_tune``) and notebook 08.
 
 Errors: bad input to ``apply`` (x not 2-D, K mismatch, dtype or device different from the weight's,
 bias not fitting the epilogue) raises ValueError naming the argument and the expected shape/dtype.

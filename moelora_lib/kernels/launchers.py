@@ -35,7 +35,7 @@ def fused_moe_gemm_args(
     """``(grid, args, constexprs)`` of one :func:`fused_moe_gemm` launch; allocates and launches nothing.
 
     The single source of the launch arguments, shared with compile-only inspection
-    (:mod:`moelora_lib.compile_check`). num_warps/num_stages come from ``cfg``.
+    (:mod:`moelora_lib.studies.compile_check`). num_warps/num_stages come from ``cfg``.
     """
     assert cfg.BLOCK_SIZE_M == align.block_size_m and cfg.SPLIT_K == 1
     E, N, K = w.shape

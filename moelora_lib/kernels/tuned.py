@@ -4,7 +4,7 @@ Same switches as :mod:`.even_k_fused_add` (split-K, grouped order, EVEN_K, fused
 specialization); what changes is where the launch configs come from when the caller passes none:
 :func:`moelora_lib.configs.load_layer_config` (an explicit folder, else
 ``$MOELORA_TUNED_CONFIG_FOLDER``, else the configs shipped for this GPU, else the defaults), instead
-of :func:`~.stages.default_config`. The configs are written by :mod:`moelora_lib.tuning`.
+of :func:`~.stages.default_config`. The configs are written by :mod:`moelora_lib.studies.tuning`.
 """
 
 from __future__ import annotations

@@ -12,11 +12,11 @@ come from the bundled ``cuobjdump``.
 **The kernels must be decorated without ``TRITON_INTERPRET``.** Triton reads the variable when
 ``@triton.jit`` runs, so a process that imported the kernels under the interpreter (the test
 suite, see tests/conftest.py) cannot compile them. :func:`run_isolated` runs jobs in a fresh
-``python -m moelora_lib.compile_check batch`` subprocess with the variable removed and returns
+``python -m moelora_lib.studies.compile_check batch`` subprocess with the variable removed and returns
 JSON; the same CLI serves humans::
 
-    python -m moelora_lib.compile_check count --kernel lora_shrink --naive --lengths 1 7 16 4096
-    python -m moelora_lib.compile_check inspect --kernel lora_shrink --T 64 --cfg '{"SPLIT_K": 4}'
+    python -m moelora_lib.studies.compile_check count --kernel lora_shrink --naive --lengths 1 7 16 4096
+    python -m moelora_lib.studies.compile_check inspect --kernel lora_shrink --T 64 --cfg '{"SPLIT_K": 4}'
 
 ``TRITON_CACHE_DIR`` is honoured (re-compiles hit the cache). The functions that take a
 ``CompiledKernel`` (:func:`ptx`, :func:`sass`, :func:`resource_usage`) and the text helpers
@@ -270,7 +270,7 @@ _DEFAULT_LAUNCH = {"fused_moe": "base_gate_up", "lora_shrink": "gate_up_shrink",
 
 
 def _shape(shape):
-    from .shapes import get_shape
+    from ..shapes import get_shape
 
     if isinstance(shape, str):
         return get_shape(shape)
@@ -316,10 +316,10 @@ def launch(launch_name: str, T: int, *, shape="gpt-oss-20b", rank: int = 32, ada
     """
     import torch
 
-    from .kernels.config import OpConfig
-    from .kernels.launchers import fused_moe_gemm_args, gated_act_args, lora_expand_args, lora_shrink_args
-    from .kernels.stages import default_config
-    from .routing import align_tokens
+    from ..kernels.config import OpConfig
+    from ..kernels.launchers import fused_moe_gemm_args, gated_act_args, lora_expand_args, lora_shrink_args
+    from ..kernels.stages import default_config
+    from ..routing import align_tokens
 
     launch_name = _DEFAULT_LAUNCH.get(launch_name, launch_name)
     kernel = LAUNCHES[launch_name]
@@ -380,7 +380,7 @@ def launch(launch_name: str, T: int, *, shape="gpt-oss-20b", rank: int = 32, ada
 
 
 def _jit(kernel: str, specialize_lengths: bool):
-    from .kernels.triton_kernels import KERNELS
+    from ..kernels.triton_kernels import KERNELS
 
     return KERNELS[kernel][bool(specialize_lengths)]
 
@@ -404,7 +404,7 @@ def variants(kernel_name: str, specialize_lengths: bool, lengths, *, launch_name
     Returns ``{"keys": n, "hashes": n, "configs": n, "per_length": {T: key index}, "key_list": [...]}``
     where hashes are the distinct ``CompiledKernel.hash`` of the compiled keys (None without compile).
     """
-    from .kernels.config import OpConfig
+    from ..kernels.config import OpConfig
 
     if _interpreted():  # e.g. a CPU notebook that runs the interpreter too: compile in a subprocess
         job = dict(op="count", kernel=kernel_name, specialize_lengths=bool(specialize_lengths),
@@ -495,7 +495,7 @@ def run_isolated(jobs: list[dict], timeout: float = 600.0) -> list[dict]:
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    proc = subprocess.run([sys.executable, "-m", "moelora_lib.compile_check", "batch"],
+    proc = subprocess.run([sys.executable, "-m", "moelora_lib.studies.compile_check", "batch"],
                           input=json.dumps(jobs), capture_output=True, text=True, env=env,
                           timeout=timeout, cwd=root)
     if proc.returncode != 0:
@@ -504,7 +504,7 @@ def run_isolated(jobs: list[dict], timeout: float = 600.0) -> list[dict]:
 
 
 def _main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m moelora_lib.compile_check",
+    p = argparse.ArgumentParser(prog="python -m moelora_lib.studies.compile_check",
                                 description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("batch", help="read a JSON list of jobs on stdin, print a JSON list of results")

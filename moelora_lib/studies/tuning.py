@@ -2,11 +2,11 @@
 
 Run::
 
-    python -m moelora_lib.tuning --model gpt-oss-20b,qwen3-30b-a3b --ranks 32 --copy-ranks 16,64 \\
+    python -m moelora_lib.studies.tuning --model gpt-oss-20b,qwen3-30b-a3b --ranks 32 --copy-ranks 16,64 \\
         --adapters 8 --tokens 1,8,64,256,1600,8192 --out moelora_lib/configs/NVIDIA_H200 \\
         --csv data/07_tuning_trials.csv --budget-s 240
 
-What it does per workload (model, R, L, T), on the inputs of :func:`moelora_lib.moe_bench.layer_inputs`
+What it does per workload (model, R, L, T), on the inputs of :func:`moelora_lib.studies.moe_bench.layer_inputs`
 (uniform adapter ids, silu, no biases — the vLLM side-by-side setting; activation and biases do not
 change the GEMM shapes):
 
@@ -16,14 +16,14 @@ change the GEMM shapes):
    :class:`~moelora_lib.kernels.LayerRun` of stage ``even_k_fused_add`` is built with that BM, and
    each op's other parameters are tuned independently over a short list
    (:func:`lora_op_candidates`: ≤ 6, the default config first), timing the op alone
-   (:func:`moelora_lib.moe_bench.lora_op_fn`). The BM with the smallest **sum** of the four best
+   (:func:`moelora_lib.studies.moe_bench.lora_op_fn`). The BM with the smallest **sum** of the four best
    medians wins (as vLLM's ``benchmark_lora_tuning.py``), its four configs are written.
 2. **Base GEMMs**, the same way: BM shared by base_gate_up and base_down
    (:func:`base_bm_candidates`, :func:`base_op_candidates`), sum of the two best medians. Tuned once
    per (model, T) (the rank does not change them).
 
-Timing: :func:`moelora_lib.bench.time_cuda` (CUDA graph replay, L2 flushed, warm-up 5 ms, rep 20 ms)
-on a GPU; :func:`moelora_lib.bench.time_cpu` (one interpreted call) on the CPU, where the "tuning" is
+Timing: :func:`moelora_lib.studies.bench.time_cuda` (CUDA graph replay, L2 flushed, warm-up 5 ms, rep 20 ms)
+on a GPU; :func:`moelora_lib.studies.bench.time_cpu` (one interpreted call) on the CPU, where the "tuning" is
 only a functional test of this code path.
 
 Bookkeeping: every tried config and its time is appended, row by row, to the trials CSV
@@ -53,11 +53,12 @@ from typing import Any
 
 import torch
 
-from . import bench, configs
-from .kernels import default_config
-from .kernels.config import BASE_OPS, LORA_OPS, LayerConfig, OpConfig, next_pow2
-from .kernels.launchers import fused_moe_gemm
-from .shapes import MoEShape, get_shape
+from . import bench
+from .. import configs
+from ..kernels import default_config
+from ..kernels.config import BASE_OPS, LORA_OPS, LayerConfig, OpConfig, next_pow2
+from ..kernels.launchers import fused_moe_gemm
+from ..shapes import MoEShape, get_shape
 
 __all__ = [
     "CSV_COLUMNS",
@@ -620,7 +621,7 @@ def _ints(s: str) -> list[int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m moelora_lib.tuning", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m moelora_lib.studies.tuning", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="preset name(s), comma-separated")
     p.add_argument(
         "--ranks", default="32", help="ranks to tune, comma-separated (the first is the copy source)"
@@ -682,7 +683,7 @@ def compare_tuned_vs_default(
     rep_ms: float = 40,
     progress: bool = True,
 ) -> list[dict]:
-    """:func:`moelora_lib.moe_bench.bench_layer` rows (parts base, lora, total) of stage
+    """:func:`moelora_lib.studies.moe_bench.bench_layer` rows (parts base, lora, total) of stage
     ``even_k_fused_add`` with :func:`default_config` and stage ``tuned`` (configs from
     :func:`moelora_lib.configs.load_layer_config`; ``folder`` None = the loader's precedence) per
     (model, T); uniform ids, silu, no biases (the vLLM side-by-side setting), graph mode."""
@@ -751,7 +752,7 @@ def op_breakdown(
     rep_ms: float = 40,
 ) -> list[dict]:
     """Each of the six launches of one layer timed alone (graph mode on the GPU), with its FLOPs,
-    bytes, floor and the achieved TB/s and TFLOP/s (:func:`moelora_lib.moe_bench.op_costs`)."""
+    bytes, floor and the achieved TB/s and TFLOP/s (:func:`moelora_lib.studies.moe_bench.op_costs`)."""
     from .moe_bench import layer_inputs, make_run, op_costs
 
     s = get_shape(model)
@@ -830,7 +831,7 @@ NOISE = 1.03
 
 def targets_table(df, anchors=None):
     """One row per (model, T) from :func:`compare_tuned_vs_default` rows (a DataFrame) with the
-    tuned and default µs per part, vLLM's figures (``anchors``: :func:`moelora_lib.moe_bench.anchor_table`,
+    tuned and default µs per part, vLLM's figures (``anchors``: :func:`moelora_lib.studies.moe_bench.anchor_table`,
     joined where present), the ratios and a met? column per target (None where a target does not
     apply or vLLM has no figure)."""
     import pandas as pd

@@ -1,6 +1,6 @@
 """Run the notebook suite headless with papermill.
 
-    python -m moelora_lib.runner [--profile cpu|gpu|auto] [--only 01,02] [--out DIR]
+    python -m moelora_lib.studies.runner [--profile cpu|gpu|auto] [--only 01,02] [--out DIR]
                                  [--log-output] [--keep-going] [--list]
 
 Every ``notebooks/[0-9][0-9]_*.ipynb`` is executed in name order with ``kernel_name="python3"`` and the
@@ -203,7 +203,7 @@ def run_notebooks(
     """
     import papermill
 
-    from moelora_lib.bench import git_commit
+    from moelora_lib.studies.bench import git_commit
 
     profile = resolve_profile(profile)
     out = Path(out_dir) if out_dir is not None else default_out_dir(profile)
@@ -251,7 +251,7 @@ def run_notebooks(
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m moelora_lib.runner", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m moelora_lib.studies.runner", description=__doc__.split("\n")[0])
     p.add_argument("--profile", default="auto", choices=[*PROFILES, "auto"])
     p.add_argument("--only", default=None, help="comma-separated stage numbers or name prefixes, e.g. 01,02")
     p.add_argument("--out", default=None, help="executed copies + run_log.csv (default: data/executed[/cpu])")

@@ -5,7 +5,7 @@ Rows (one per (model, projection, epilogue, M, impl, timing mode)): stage "helio
 proj, epilogue, M, K, N (weight rows; swiglu N = 2I), dtype, impl ("helion" | "torch" |
 "torch_two_gemm"), path (HelionLinearMethod.path_for), timing_mode ("graph": CUDA-graph replay after
 do_bench's zeroing L2 flush, which leaves dirty lines the timed call writes back; "graph_clean":
-graph replay after an L2 eviction by a read, see ``moelora_lib.bench``; "graph_rotate" (M <= 32): one
+graph replay after an L2 eviction by a read, see ``moelora_lib.studies.bench``; "graph_rotate" (M <= 32): one
 graph replays the GEMM over ``copies`` copies of W that stream 4x the L2, no flush, time per GEMM =
 replay / copies — back-to-back layers as in a captured decode step, no per-call launch cost;
 "eager"; "cpu"), copies,
@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from .configs import DTYPES, is_int, set_entry
-from .method import HelionLinearMethod, Linear, TorchLinearMethod, torch_reference
-from .shapes import LINEAR_MODELS
+from ..helion_linear.configs import DTYPES, is_int, set_entry
+from ..helion_linear.method import HelionLinearMethod, Linear, TorchLinearMethod, torch_reference
+from ..helion_linear.shapes import LINEAR_MODELS
 
 #: bf16 vs the fp32 PyTorch result of the same bf16 inputs (output rounding + accumulation order).
 REL_TOL = {"bfloat16": 2e-2, "float16": 5e-3, "float32": 1e-5}
@@ -78,7 +78,7 @@ def _bytes(m: int, k: int, n: int, epilogue: str, elem: int) -> int:
 
 
 def _row(common: dict, timing, flops: float, nbytes: float, **extra) -> dict:
-    from moelora_lib import bench
+    from moelora_lib.studies import bench
 
     us = timing.ms_p50 * 1e3
     return bench.result_row(
@@ -123,7 +123,7 @@ def sweep(
     """
     from tqdm.auto import tqdm
 
-    from moelora_lib import bench
+    from moelora_lib.studies import bench
 
     if profile not in ("cpu", "gpu"):
         raise ValueError(f"profile: expected 'cpu' or 'gpu', got {profile!r}")
@@ -265,7 +265,7 @@ def plot(df, out_dir: str | Path, prefix: str = "08", read_tb_per_s: float | Non
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from moelora_lib.bench import H200_COPY_TB_PER_S
+    from moelora_lib.studies.bench import H200_COPY_TB_PER_S
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -338,7 +338,7 @@ def ceilings(nbytes: int = 2 * 1024**3, timing_kw: dict | None = None) -> dict:
     with ``bench.time_cuda`` in eager mode without an L2 flush (the buffers are 35x the L2); and
     ``tiny_kernel_us``, the graph-replayed time of a one-element kernel timed after a clean L2 flush
     (the fixed cost of one launch inside a graph as the sweep's graph modes see it, µs)."""
-    from moelora_lib import bench
+    from moelora_lib.studies import bench
 
     kw = {"warmup_ms": 10, "rep_ms": 60, **(timing_kw or {}), "flush_l2": False}
     a = torch.ones(nbytes // 4, dtype=torch.float32, device="cuda")
@@ -377,7 +377,7 @@ def l2_probe(
     (no flush, one W: whatever of W fits stays in L2). Rows: K, N, M, impl, l2, ms_p50/p20/p80,
     weight_bytes, copies, tb_per_s (weight bytes per second), plus the bench environment columns.
     """
-    from moelora_lib import bench
+    from moelora_lib.studies import bench
 
     kw = {"warmup_ms": 10, "rep_ms": 40, **(timing_kw or {})}
     kw.pop("flush_l2", None)  # set per L2 state below

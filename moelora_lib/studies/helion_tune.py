@@ -3,7 +3,7 @@ write the winners into the per-GPU JSON (moelora_lib/configs/helion/<GPU_NAME>.j
 
 Usage (on the GPU; a subprocess from a notebook is fine, it has a proper ``__main__``)::
 
-    python -m moelora_lib.helion_tune --shapes llama3-8b,qwen3-32b,llama3-70b \\
+    python -m moelora_lib.studies.helion_tune --shapes llama3-8b,qwen3-32b,llama3-70b \\
         --m 1,2,4,8,16,32,256,1024,4096 --epilogues none,swiglu \\
         --out moelora_lib/configs/helion/NVIDIA_H200.json --csv data/helion_tuning.csv --budget-s 300
 
@@ -20,9 +20,9 @@ Method:
   * compile first, in parallel: spawned worker processes generate the code and compile each
     (config, Triton M-variant) without launching (``run(..., warmup=True)``), filling Triton's on-disk
     cache; the timing process then only loads cubins. Failed compiles are logged and skipped.
-  * timing: ``moelora_lib.bench.time_cuda(fn, mode="graph", flush_l2=--l2)`` (CUDA-graph replay;
+  * timing: ``moelora_lib.studies.bench.time_cuda(fn, mode="graph", flush_l2=--l2)`` (CUDA-graph replay;
     by default the L2 is evicted by a read before every call, so the timed call does not also pay
-    for writing back a dirty flush buffer — see moelora_lib.bench) for every candidate and for the
+    for writing back a dirty flush buffer — see moelora_lib.studies.bench) for every candidate and for the
     PyTorch path (cuBLAS ``F.linear`` + epilogue) at the same M, after a correctness check against
     PyTorch (relative error < 2e-2 of max |ref| in bf16).
   * resumable: a (epilogue, dtype, K, N, bucket) already in ``--out`` is skipped (``--force`` redoes
@@ -322,7 +322,7 @@ def precompile(cases: list[dict], dtype: str, jobs: int, timeout_s: float, log) 
 # Tuning
 # ---------------------------------------------------------------------------------------------
 def _parse(argv):
-    p = argparse.ArgumentParser(prog="python -m moelora_lib.helion_tune", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m moelora_lib.studies.helion_tune", description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default="llama3-8b,qwen3-32b,llama3-70b", help="models (helion_linear.shapes)")
     p.add_argument("--m", default=",".join(map(str, DEFAULT_M)), help="M values to time (one per bucket)")
     p.add_argument("--epilogues", default="none,swiglu")
@@ -380,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from tqdm.auto import tqdm
 
-    from moelora_lib import bench
+    from moelora_lib.studies import bench
     from moelora_lib.helion_linear import (
         ConfigFileError,
         build_runner,
@@ -501,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
             "helion": bench.env_record()["helion"],
             "torch": torch.__version__,
             "updated_utc": bench.env_record()["timestamp_utc"],
-            "timing": f"moelora_lib.bench.time_cuda graph mode, flush_l2={args.l2!r}",
+            "timing": f"moelora_lib.studies.bench.time_cuda graph mode, flush_l2={args.l2!r}",
         }
         save_configs(table, out_path)
         bench.write_rows(args.csv, rows, append=True)

@@ -186,7 +186,7 @@ def time_cuda(
     if not torch.cuda.is_available():
         raise RuntimeError(
             "time_cuda needs a CUDA GPU (torch.cuda.is_available() is False); "
-            "use moelora_lib.bench.time_cpu on the cpu profile"
+            "use moelora_lib.studies.bench.time_cpu on the cpu profile"
         )
 
     # Warm-up outside any timed region: compilation, autotuning, allocator growth.

@@ -1,4 +1,4 @@
-"""MoE-LoRA measurement layer on top of :mod:`moelora_lib.bench` (no timing code of its own).
+"""MoE-LoRA measurement layer on top of :mod:`moelora_lib.studies.bench` (no timing code of its own).
 
 What it gives the notebooks:
 
@@ -14,19 +14,19 @@ What it gives the notebooks:
   without an adapter get exactly the base MoE.
 * :data:`VLLM_ANCHORS_H200` / :func:`anchor_table` — vLLM's figures on the same H200.
 * :func:`length_spec_keys` / :func:`count_compiled_variants` and the ``recompile`` / ``ncu-shrink``
-  command line (``python -m moelora_lib.moe_bench ...``) used by notebooks 03 and 05 in fresh processes.
+  command line (``python -m moelora_lib.studies.moe_bench ...``) used by notebooks 03 and 05 in fresh processes.
 
 Units: times in ms (``ms_p50/p20/p80``) and µs (``us_p50``, ``floor_us``); FLOPs count 2 per
 multiply-add; bytes are bytes read + written. Shapes use the letters of :mod:`moelora_lib.shapes`
 (T, H, I, E, K, L, R, S); P = T·K (token, expert) pairs.
 
-Method (GPU; the anchor method of ../shared/notes/anchors-h200.md): :func:`moelora_lib.bench.time_cuda`
+Method (GPU; the anchor method of ../shared/notes/anchors-h200.md): :func:`moelora_lib.studies.bench.time_cuda`
 — ``triton.testing.do_bench`` median with p20/p80, L2 flushed before every repetition, the timed
 callable captured once into a CUDA graph and the graph replayed (``mode="graph"``), or called directly
 (``mode="eager"``, which includes Python launch cost). Compilation happens in an untimed first call.
 Routing and the (adapter, expert) alignment are built when the :class:`~moelora_lib.kernels.LayerRun`
 is made and are not timed (vLLM's anchor excluded them too). On the CPU (``device="cpu"``, Triton
-interpreter) :func:`moelora_lib.bench.time_cpu` is used and rows say ``mode="cpu-interpreter"``:
+interpreter) :func:`moelora_lib.studies.bench.time_cpu` is used and rows say ``mode="cpu-interpreter"``:
 those numbers measure the interpreter, never the kernels, and are no performance numbers.
 """
 
@@ -44,14 +44,14 @@ from typing import Any
 import torch
 
 from . import bench
-from .kernels import STAGES, LayerConfig, default_config
-from .kernels.config import LORA_OPS
-from .kernels.launchers import lora_expand, lora_shrink
-from .reference import moe_lora_reference
-from .routing import max_padded_pairs, route
-from .shapes import MoEShape, get_shape
-from .testing import rel_err
-from .workloads import MoELoRAInputs, adapter_ids, make_inputs
+from ..kernels import STAGES, LayerConfig, default_config
+from ..kernels.config import LORA_OPS
+from ..kernels.launchers import lora_expand, lora_shrink
+from ..reference import moe_lora_reference
+from ..routing import max_padded_pairs, route
+from ..shapes import MoEShape, get_shape
+from ..testing import rel_err
+from ..workloads import MoELoRAInputs, adapter_ids, make_inputs
 
 __all__ = [
     "VLLM_ANCHORS_H200", "ANCHOR_SOURCE", "anchor_table", "op_costs", "layer_inputs", "bench_layer",
@@ -249,7 +249,7 @@ def layer_inputs(shape: MoEShape | str, T: int, *, rank: int = 32, num_adapters:
 def make_run(stage: str, inp: MoELoRAInputs, config: LayerConfig | None = None):
     """The :class:`~moelora_lib.kernels.LayerRun` of ``stage`` on ``inp`` (validated shapes, no value
     check — no host sync); ``config`` None = :func:`default_config` for its T."""
-    from .moe_lora import make_layer_run
+    from ..moe_lora import make_layer_run
 
     return make_layer_run(*inp.args(), **inp.kwargs(), stage=stage, config=config, check_values=False)
 
@@ -290,14 +290,14 @@ def bench_layer(stage: str, shape: MoEShape | str, T: int, *, rank: int = 32, nu
     the MoE layer without LoRA); "lora" = :meth:`LayerRun.lora_part` (the four LoRA ops, with the
     delta buffers and adds in stages without fused add); "total" = the whole layer ``run()``.
     The layer is built (routing and alignment, untimed), called once (compilation, untimed), then
-    each part is timed with :func:`moelora_lib.bench.time_cuda` for every mode in ``modes`` ("graph",
-    "eager"); on the CPU with :func:`moelora_lib.bench.time_cpu` (mode "cpu-interpreter", one call:
+    each part is timed with :func:`moelora_lib.studies.bench.time_cuda` for every mode in ``modes`` ("graph",
+    "eager"); on the CPU with :func:`moelora_lib.studies.bench.time_cpu` (mode "cpu-interpreter", one call:
     no performance number).
 
     Args: see :func:`layer_inputs` for the inputs (``weights`` reuses expert/adapter weights);
         config: a LayerConfig (None = :func:`moelora_lib.kernels.default_config` for this T).
     Returns:
-        rows (:func:`moelora_lib.bench.result_row`) with stage, part, model, T, H, I, E, K, L, R, S,
+        rows (:func:`moelora_lib.studies.bench.result_row`) with stage, part, model, T, H, I, E, K, L, R, S,
         dtype, activation, bias, pattern, config, config_source, mode, ms_p50, ms_p20, ms_p80, us_p50,
         flops, bytes, floor_us (µs; bytes at 4.3 TB/s vs flops at 675 TFLOP/s, the larger), warmup_ms,
         rep_ms, plus the environment columns.
@@ -470,7 +470,7 @@ def length_spec_keys(stage: str, shape: MoEShape, T: int, rank: int, num_adapter
     from triton.backends.compiler import BaseBackend
     from triton.runtime.jit import native_specialize_impl
 
-    from .kernels.triton_kernels import LENGTH_ARGS
+    from ..kernels.triton_kernels import LENGTH_ARGS
 
     spec = STAGES[stage].specialize_lengths
     K, E = shape.top_k, shape.experts
@@ -510,7 +510,7 @@ def count_compiled_variants(specialize_lengths: bool, device: int | None = None)
     ``JITFunction.run`` in triton/runtime/jit.py: one entry per specialization + options key). GPU only;
     under the interpreter the kernels are not JITFunctions and nothing is compiled.
     """
-    from .kernels.triton_kernels import KERNELS
+    from ..kernels.triton_kernels import KERNELS
 
     dev = torch.cuda.current_device() if device is None else device
     out = {}
@@ -561,7 +561,7 @@ def run_recompile(stage: str, model: str, lengths: Sequence[int], *, rank: int =
 def recompile_in_subprocess(stage: str, model: str, lengths: Sequence[int], *, rank: int = 32,
                             num_adapters: int = 8, dtype: str = "bfloat16", seed: int = 0,
                             timeout_s: float = 400) -> list[dict[str, Any]]:
-    """:func:`run_recompile` in a fresh Python process (``python -m moelora_lib.moe_bench recompile``)
+    """:func:`run_recompile` in a fresh Python process (``python -m moelora_lib.studies.moe_bench recompile``)
     with an empty ``TRITON_CACHE_DIR``, so every binary is really compiled (no in-process JIT cache,
     no on-disk cache from earlier runs). Returns its rows; raises RuntimeError with the tail of the
     child's output if it fails."""
@@ -573,7 +573,7 @@ def recompile_in_subprocess(stage: str, model: str, lengths: Sequence[int], *, r
         out = os.path.join(tmp, "rows.json")
         env = dict(os.environ, TRITON_CACHE_DIR=cache)
         env.pop("TRITON_INTERPRET", None)
-        cmd = [sys.executable, "-m", "moelora_lib.moe_bench", "recompile", "--stage", stage, "--model", model,
+        cmd = [sys.executable, "-m", "moelora_lib.studies.moe_bench", "recompile", "--stage", stage, "--model", model,
                "--lengths", ",".join(str(int(t)) for t in lengths), "--rank", str(rank), "--adapters",
                str(num_adapters), "--dtype", dtype, "--seed", str(seed), "--out", out]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env,
@@ -617,7 +617,7 @@ def ncu_l2_hit_rate(model: str, T: int, group_size_m: int, *, rank: int = 32, nu
     if ncu is None:
         return dict(ok=False, l2_hit_pct=float("nan"), launches=0, message="ncu not found on PATH")
     cmd = [ncu, "--clock-control", "none", "--metrics", "lts__t_sector_hit_rate.pct", "--csv",
-           "-k", "regex:_lora_shrink_kernel", sys.executable, "-m", "moelora_lib.moe_bench", "ncu-target",
+           "-k", "regex:_lora_shrink_kernel", sys.executable, "-m", "moelora_lib.studies.moe_bench", "ncu-target",
            "--model", model, "--T", str(T), "--group-size-m", str(group_size_m), "--rank", str(rank),
            "--adapters", str(num_adapters), "--seed", str(seed)]
     try:
@@ -646,9 +646,9 @@ def ncu_l2_hit_rate(model: str, T: int, group_size_m: int, *, rank: int = 32, nu
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m moelora_lib.moe_bench recompile --stage S --model M --lengths 1,7,... --out F.json``
+    """``python -m moelora_lib.studies.moe_bench recompile --stage S --model M --lengths 1,7,... --out F.json``
     or ``... ncu-target --model M --T 64 --group-size-m 8``."""
-    p = argparse.ArgumentParser(prog="python -m moelora_lib.moe_bench")
+    p = argparse.ArgumentParser(prog="python -m moelora_lib.studies.moe_bench")
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("recompile", help="compiled variants and first/warm call latency per length")
     r.add_argument("--stage", required=True, choices=list(STAGES))

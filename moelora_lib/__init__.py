@@ -2,11 +2,40 @@
 
 Public entry points: :func:`fused_moe_lora` (the MoE + multi-LoRA layer) and :func:`route`
 (softmax top-k routing). Kernel stages are listed in :data:`moelora_lib.kernels.STAGES`.
-Importing the package runs no kernel and reads no environment variable.
+
+Importing the package runs no kernel, reads no environment variable and does not import the kernel
+modules: the names below load on first use (PEP 562), so a notebook or script can set
+``TRITON_INTERPRET=1`` (CPU) after ``import moelora_lib`` and before the first kernel is touched.
+
+Layout: the product (shapes, workloads, reference, routing, kernels, moe_lora, configs, helion_linear,
+hardware, common, testing) never imports :mod:`moelora_lib.studies` (benchmarks, tuners, compile-only
+checks, the notebook runner).
 """
 
-from .kernels import STAGES, LayerConfig, OpConfig
-from .moe_lora import fused_moe_lora
-from .routing import route
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __all__ = ["fused_moe_lora", "route", "STAGES", "LayerConfig", "OpConfig"]
+
+_LAZY = {
+    "fused_moe_lora": ("moe_lora", "fused_moe_lora"),
+    "route": ("routing", "route"),
+    "STAGES": ("kernels", "STAGES"),
+    "LayerConfig": ("kernels", "LayerConfig"),
+    "OpConfig": ("kernels", "OpConfig"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        value = getattr(importlib.import_module(f".{module}", __name__), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(_LAZY))

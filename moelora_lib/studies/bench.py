@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 #: Measured on the H200 host (shared/notes/environment.md §6): device-to-device copy, bytes read + written.
 H200_COPY_TB_PER_S = 4.3

@@ -32,6 +32,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 from functools import cache
 
 __all__ = [
@@ -493,7 +494,7 @@ def run_isolated(jobs: list[dict], timeout: float = 600.0) -> list[dict]:
     """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     proc = subprocess.run([sys.executable, "-m", "moelora_lib.studies.compile_check", "batch"],
                           input=json.dumps(jobs), capture_output=True, text=True, env=env,

@@ -34,7 +34,7 @@ from pathlib import Path
 
 NOTEBOOK_GLOB = "[0-9][0-9]_*.ipynb"
 PROFILES = ("cpu", "gpu")
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 RUN_LOG_NAME = "run_log.csv"
 RUN_LOG_COLUMNS = ("notebook", "profile", "seconds", "status", "git_commit", "finished_utc", "error")
 

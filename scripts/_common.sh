@@ -1,5 +1,5 @@
 # Sourced by the scripts in this folder (not run directly).
-# Sets ROOT, VENV_PY and keeps every cache inside the repo under .cache/ (environment.md §1),
+# Sets ROOT, VENV_PY and keeps every cache inside the repo under .cache/,
 # so nothing is written to $HOME and CI runs start from the same state.
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"

@@ -18,7 +18,7 @@ ABI="cp${PYVER/./}"
 # What the notebooks need on the host beyond its own stack. helion must be 1.4.0 there (torch 2.11).
 ROOTS=(papermill==2.7.0 nbclient nbformat ipykernel ipywidgets helion==1.4.0 filecheck)
 
-# Packages present on the GPU host (shared/notes/environment.md §6 and its pip list). Anything not
+# Packages present on the GPU host (its pip list; docs/gpu_host.md). Anything not
 # listed is treated as missing and shipped.
 HOST_HAS=(
     accelerate aiohttp anyio attrs certifi charset-normalizer click cloudpickle filelock fsspec idna

@@ -15,7 +15,8 @@
 #      NOTEBOOKS=none runs no notebook (only PRE_CMDS and GPU_TESTS)
 #      SITE        where the wheels are installed (default /tmp/site)
 # Uses the host's python3 with its own torch/triton/numpy; installs only the wheelhouse (--no-deps).
-# Always leaves $OUT/results.tar.gz (data/: CSVs, figures, executed notebooks, env JSON) and
+# Always leaves $OUT/results.tar.gz (data/: CSVs, figures, executed notebooks and the runner's
+# data/executed/run_log.csv, env JSON) and
 # $OUT/gpu_job.log, also on failure or timeout. Exit status: the runner's (or pytest's) status.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -53,18 +54,13 @@ if ! ls .whl/*.whl >/dev/null 2>&1; then
 fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
     || { echo "gpu_job: wheel install failed"; RC=3; exit 3; }
+# Exported, so the notebook kernels (started by the runner with this same python3) see the wheels too.
 export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PATH="$SITE/bin:$PATH"
-export JUPYTER_PATH="$SITE/share/jupyter${JUPYTER_PATH:+:$JUPYTER_PATH}"
 # Keep the caches inside the repo copy, as on the CPU machines.
 source "$ROOT/scripts/_common.sh"
 unset TRITON_INTERPRET HELION_INTERPRET
-
-if ! jupyter kernelspec list 2>/dev/null | grep -qw python3; then
-    echo "gpu_job: registering the python3 kernelspec under $SITE"
-    python3 -m ipykernel install --prefix "$SITE" --name python3
-fi
-jupyter kernelspec list
+# No kernelspec is registered: the runner writes its own (argv[0] = this python3) and checks it.
 
 python3 - <<'PYEOF'
 import importlib.metadata as md, sys
@@ -77,6 +73,7 @@ for n in ("torch", "triton", "numpy", "helion", "papermill", "nbclient", "ipyker
         print(f"{n:11s} absent")
 print("cuda available:", torch.cuda.is_available(), torch.version.cuda,
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
+import ipykernel, papermill  # the runner and its kernels need both, from $SITE
 PYEOF
 nvidia-smi || echo "gpu_job: nvidia-smi failed"
 python3 -c 'from moelora_lib.studies.bench import save_env; save_env("data/env/gpu_host.json")' \
@@ -99,7 +96,8 @@ if [[ "${NOTEBOOKS:-}" == none ]]; then
 elif ((t > 0)); then
     echo "gpu_job: running notebooks ${NOTEBOOKS:-all} (timeout ${t}s)"
     timeout --signal=INT --kill-after=10 "$t" \
-        python3 -m moelora_lib.studies.runner --profile gpu --keep-going --no-progress --log-output "${ONLY_ARGS[@]}"
+        python3 -m moelora_lib.studies.runner --profile gpu --out data/executed --keep-going --no-progress \
+        --log-output "${ONLY_ARGS[@]}"
     nrc=$?
     [[ $RC == 0 ]] && RC=$nrc
     ((RC == 124)) && echo "gpu_job: the notebooks ran out of time (JOB_BUDGET_S=$BUDGET)"

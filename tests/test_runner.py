@@ -1,9 +1,14 @@
-"""The notebook runner: executes NN_*.ipynb with papermill, writes executed copies and a run log, and
-names the failing notebook and cell. Uses two tiny notebooks built with nbformat in a temp dir."""
+"""The notebook runner: executes NN_*.ipynb with papermill in its own interpreter's kernel, writes
+executed copies and a run log, and names the failing notebook and cell. Uses tiny notebooks built with
+nbformat in a temp dir."""
 
 from __future__ import annotations
 
 import csv
+import json
+import os
+import stat
+import sys
 from pathlib import Path
 
 import pytest
@@ -63,6 +68,15 @@ def test_passing_notebook_is_executed_and_logged(nb_dir: Path, tmp_path: Path):
         rows = list(csv.DictReader(fh))
     assert rows[0]["notebook"] == "01_ok.ipynb" and rows[0]["status"] == "ok"
     assert rows[0]["profile"] == "cpu" and float(rows[0]["seconds"]) > 0 and rows[0]["git_commit"]
+    # The executed copy opens like its source: the source's kernelspec, not the runner's private one,
+    # and no absolute machine paths in papermill's metadata.
+    assert executed.metadata["kernelspec"]["name"] == "python3"
+    pm = executed.metadata["papermill"]
+    assert not os.path.isabs(pm["input_path"]) and not os.path.isabs(pm["output_path"])
+    # A second run appends one row per notebook to the same log (the runner creates it when missing).
+    runner.run_notebooks(nb_dir, out, "cpu", only=["01"], progress_bar=False)
+    with open(out / "run_log.csv") as fh:
+        assert [r["notebook"] for r in csv.DictReader(fh)] == ["01_ok.ipynb", "01_ok.ipynb"]
 
 
 def test_failure_names_notebook_and_cell(nb_dir: Path, tmp_path: Path):
@@ -90,3 +104,72 @@ def test_main_exit_code_and_list(nb_dir: Path, tmp_path: Path, capsys):
     err = capsys.readouterr().err
     assert "FAILED: notebook 02_fails.ipynb failed at cell 3" in err
     assert runner.main(["--notebooks", str(nb_dir), "--only", "9"]) == 2
+
+
+def _kernelspec(jupyter_dir: Path, name: str, argv0: str) -> Path:
+    spec_dir = jupyter_dir / "kernels" / name
+    spec_dir.mkdir(parents=True)
+    spec = {"argv": [argv0, "-m", "ipykernel_launcher", "-f", "{connection_file}"], "language": "python"}
+    (spec_dir / "kernel.json").write_text(json.dumps(spec))
+    return spec_dir
+
+
+def test_runs_in_its_own_interpreter_despite_a_foreign_python3_kernelspec(tmp_path: Path, monkeypatch):
+    """A `python3` kernelspec for another interpreter first on JUPYTER_PATH (here a wrapper that marks
+    that it was used, then starts Python) must not be used: the notebook runs in sys.executable."""
+    marker = tmp_path / "foreign_kernel_was_started"
+    fake = tmp_path / "other-env" / "bin" / "python3"
+    fake.parent.mkdir(parents=True)
+    fake.write_text(f'#!/bin/sh\necho used > "{marker}"\nexec "{sys.executable}" "$@"\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    foreign = tmp_path / "foreign_jupyter"
+    _kernelspec(foreign, "python3", str(fake))
+    monkeypatch.setenv("JUPYTER_PATH", str(foreign))
+
+    d = tmp_path / "notebooks"
+    d.mkdir()
+    seen = tmp_path / "executable.txt"
+    nbformat.write(
+        _notebook(f"import sys\nopen({str(seen)!r}, 'w').write(sys.executable)"), str(d / "01_which.ipynb")
+    )
+    results = runner.run_notebooks(d, tmp_path / "executed", "cpu", progress_bar=False)
+    assert [r.status for r in results] == ["ok"]
+    assert os.path.abspath(seen.read_text()) == os.path.abspath(sys.executable)
+    assert not marker.exists(), "the foreign python3 kernelspec was started"
+    assert os.environ["JUPYTER_PATH"] == str(foreign)  # restored after the run
+
+
+def test_kernelspec_check_names_a_mismatched_spec(tmp_path: Path, monkeypatch):
+    jupyter_dir = tmp_path / "jupyter"
+    spec_dir = _kernelspec(jupyter_dir, "moelora-foreign", "/opt/other-env/bin/python3")
+    monkeypatch.setenv("JUPYTER_PATH", str(jupyter_dir))
+    with pytest.raises(runner.KernelSpecMismatch) as info:
+        runner.check_kernelspec("moelora-foreign")
+    msg = str(info.value)
+    assert "'moelora-foreign'" in msg and str(spec_dir) in msg and "/opt/other-env/bin/python3" in msg
+    assert sys.executable in msg
+    with pytest.raises(runner.KernelSpecMismatch, match="not found"):
+        runner.check_kernelspec("moelora-no-such-kernel")
+
+
+def test_own_kernel_spec_points_at_this_interpreter(monkeypatch, tmp_path: Path):
+    monkeypatch.delenv("JUPYTER_PATH", raising=False)
+    with runner.own_kernel() as name:
+        assert name == runner.kernel_name_for(sys.executable) and name.startswith("moelora-")
+        spec = runner.check_kernelspec(name)
+        assert spec.argv[0] == os.path.abspath(sys.executable)
+        assert spec.argv[1:3] == ["-m", "ipykernel_launcher"] and "{connection_file}" in spec.argv
+    assert "JUPYTER_PATH" not in os.environ
+    # Another interpreter gets another name, so the two can never shadow each other.
+    assert runner.kernel_name_for("/opt/other-env/bin/python3") != name
+
+
+def test_main_reports_a_kernelspec_mismatch(nb_dir: Path, tmp_path: Path, monkeypatch, capsys):
+    def refuse(name, executable=None):
+        raise runner.KernelSpecMismatch(f"kernelspec {name!r} (resource dir X) starts '/bin/false'")
+
+    monkeypatch.setattr(runner, "check_kernelspec", refuse)
+    rc = runner.main(["--notebooks", str(nb_dir), "--out", str(tmp_path / "out"), "--profile", "cpu"])
+    assert rc == 2
+    assert "kernelspec 'moelora-" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "run_log.csv").exists()  # nothing ran, nothing logged

@@ -153,12 +153,17 @@ def save_figure(fig, session: NotebookSession, name: str, *, dpi: int = 120) -> 
     return path
 
 
-def conclude(markdown: str):
-    """Display ``markdown`` as a rendered Markdown output (the notebook's written conclusion)."""
+def conclude(markdown: str) -> None:
+    """Display ``markdown`` as a rendered Markdown output (the notebook's written conclusion).
+
+    Returns None, so that a cell ending in ``conclude(...)`` shows the rendered text once.
+    Raises TypeError for anything but a non-empty str.
+    """
     from IPython.display import Markdown, display
 
+    if not (isinstance(markdown, str) and markdown.strip()):
+        raise TypeError(f"markdown: expected a non-empty str, got {type(markdown).__name__}")
     display(Markdown(markdown))
-    return markdown
 
 
 def rel(path: str | os.PathLike) -> str:

@@ -3,9 +3,17 @@
     python -m moelora_lib.studies.runner [--profile cpu|gpu|auto] [--only 01,02] [--out DIR]
                                  [--log-output] [--keep-going] [--list]
 
-Every ``notebooks/[0-9][0-9]_*.ipynb`` is executed in name order with ``kernel_name="python3"`` and the
-parameter ``PROFILE=<profile>``; the executed copy goes to ``<out>/<same name>`` and one row per
-notebook (notebook, profile, seconds, status, git_commit, ...) is appended to ``<out>/run_log.csv``.
+Every ``notebooks/[0-9][0-9]_*.ipynb`` is executed in name order with the parameter
+``PROFILE=<profile>``; the executed copy goes to ``<out>/<same name>`` and one row per notebook
+(notebook, profile, seconds, status, git_commit, ...) is appended to ``<out>/run_log.csv`` (created when
+missing; nothing else writes it).
+
+Kernel: the notebooks run in the interpreter that runs the runner (``sys.executable``), never in
+whatever ``python3`` kernelspec happens to be on ``JUPYTER_PATH``. The runner writes its own kernelspec
+``moelora-<hash of sys.executable>`` into a temporary folder, puts that folder first on ``JUPYTER_PATH``
+for the run, resolves the name with jupyter_client's ``KernelSpecManager`` and refuses to run (naming
+the kernelspec it found) unless its ``argv[0]`` is ``sys.executable``. The executed copies keep the
+source notebook's ``metadata.kernelspec``, so they open in JupyterLab as the sources do.
 
 Profiles:
   gpu  full shapes on a CUDA GPU. ``TRITON_INTERPRET`` is removed from the kernel's environment.
@@ -25,8 +33,11 @@ import argparse
 import contextlib
 import csv
 import datetime as _dt
+import hashlib
+import json
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -49,6 +60,10 @@ class NotebookResult:
     status: str
     output: Path
     error: str | None = None
+
+
+class KernelSpecMismatch(RuntimeError):
+    """The kernelspec the runner would execute with does not start this interpreter."""
 
 
 class NotebookFailure(RuntimeError):
@@ -123,6 +138,103 @@ def kernel_environment(profile: str) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def kernel_name_for(executable: str | None = None) -> str:
+    """The runner's kernelspec name for ``executable`` (default ``sys.executable``): ``moelora-<hash>``."""
+    exe = os.path.abspath(executable or sys.executable)
+    return "moelora-" + hashlib.sha256(exe.encode()).hexdigest()[:10]
+
+
+def write_kernelspec(jupyter_dir: str | os.PathLike, executable: str | None = None) -> str:
+    """Write ``<jupyter_dir>/kernels/<name>/kernel.json`` for an ipykernel in ``executable``; return name.
+
+    ``jupyter_dir`` is meant to be an entry of ``JUPYTER_PATH``. The kernel inherits this process's
+    environment (``PYTHONPATH``, ``TRITON_INTERPRET``, ...), as any Jupyter kernel does.
+    """
+    exe = os.path.abspath(executable or sys.executable)
+    name = kernel_name_for(exe)
+    spec_dir = Path(jupyter_dir) / "kernels" / name
+    spec_dir.mkdir(parents=True, exist_ok=True)
+    spec = {
+        "argv": [exe, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "Python 3 (moelora runner)",
+        "language": "python",
+        "metadata": {"debugger": False},
+    }
+    (spec_dir / "kernel.json").write_text(json.dumps(spec, indent=1) + "\n")
+    return name
+
+
+def check_kernelspec(name: str, executable: str | None = None):
+    """Resolve kernelspec ``name`` as papermill will (jupyter_client's ``KernelSpecManager``, which
+    reads ``JUPYTER_PATH`` now) and return it; raise :class:`KernelSpecMismatch` naming the spec (name,
+    resource dir, argv[0]) unless it starts ``executable`` (default ``sys.executable``)."""
+    from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+
+    exe = os.path.abspath(executable or sys.executable)
+    try:
+        spec = KernelSpecManager().get_kernel_spec(name)
+    except NoSuchKernel as exc:
+        raise KernelSpecMismatch(
+            f"kernelspec {name!r} not found (JUPYTER_PATH={os.environ.get('JUPYTER_PATH', '')!r})"
+        ) from exc
+    argv0 = spec.argv[0] if spec.argv else "<empty argv>"
+    # Compare paths, not resolved files: a venv's python is a symlink to the base interpreter.
+    if os.path.abspath(argv0) != exe:
+        raise KernelSpecMismatch(
+            f"kernelspec {name!r} (resource dir {spec.resource_dir}) starts {argv0!r}, not this "
+            f"interpreter {exe!r}; the notebooks would run in another environment. Remove or rename "
+            f"that kernelspec, or run the runner with the interpreter it names."
+        )
+    return spec
+
+
+@contextlib.contextmanager
+def own_kernel(executable: str | None = None) -> Iterator[str]:
+    """Yield the name of a kernelspec that starts ``executable`` (default ``sys.executable``).
+
+    The spec lives in a temporary folder put first on ``JUPYTER_PATH`` for the duration (restored
+    afterwards), so no ``python3`` or other kernelspec elsewhere can shadow it; it is checked with
+    :func:`check_kernelspec` before it is yielded.
+    """
+    saved = os.environ.get("JUPYTER_PATH")
+    with tempfile.TemporaryDirectory(prefix="moelora-kernel-") as tmp:
+        name = write_kernelspec(tmp, executable)
+        os.environ["JUPYTER_PATH"] = os.pathsep.join([tmp, *([saved] if saved else [])])
+        try:
+            check_kernelspec(name, executable)
+            yield name
+        finally:
+            if saved is None:
+                os.environ.pop("JUPYTER_PATH", None)
+            else:
+                os.environ["JUPYTER_PATH"] = saved
+
+
+def _repo_relative(path: str) -> str:
+    try:
+        return Path(path).resolve().relative_to(REPO_ROOT).as_posix()
+    except (ValueError, OSError):
+        return Path(path).name
+
+
+def _tidy_executed(executed: Path, source: Path) -> None:
+    """Give the executed copy the source's ``metadata.kernelspec`` (not the runner's private kernel
+    name) and repo-relative papermill paths (no machine paths in committed notebooks)."""
+    import nbformat
+
+    if not executed.exists():
+        return
+    nb = nbformat.read(str(executed), as_version=4)
+    src_meta = nbformat.read(str(source), as_version=4).metadata
+    if "kernelspec" in src_meta:
+        nb.metadata["kernelspec"] = src_meta["kernelspec"]
+    pm = nb.metadata.get("papermill", {})
+    for key in ("input_path", "output_path"):
+        if pm.get(key):
+            pm[key] = _repo_relative(pm[key])
+    nbformat.write(nb, str(executed))
 
 
 def _source_cell_index(notebook: Path, executed_index: int, source: str) -> int:
@@ -201,16 +313,44 @@ def run_notebooks(
     notebook and the cell; ``.results`` holds every result so far, the failed one last). With
     ``keep_going`` failures are returned as results with ``status == "failed"`` and ``error`` set.
     """
-    import papermill
-
-    from moelora_lib.studies.bench import git_commit
-
     profile = resolve_profile(profile)
     out = Path(out_dir) if out_dir is not None else default_out_dir(profile)
     notebooks = find_notebooks(notebook_dir, only)
     if not notebooks:
         raise FileNotFoundError(f"no notebooks matching {NOTEBOOK_GLOB} in {notebook_dir}")
     out.mkdir(parents=True, exist_ok=True)
+    with own_kernel() as kernel_name:
+        print(f"kernel: {kernel_name} -> {sys.executable}", flush=True)
+        return _run_all(
+            notebooks,
+            out,
+            profile,
+            kernel_name=kernel_name,
+            log_output=log_output,
+            progress_bar=progress_bar,
+            keep_going=keep_going,
+            cell_timeout=cell_timeout,
+            cwd=cwd,
+        )
+
+
+def _run_all(
+    notebooks: list[Path],
+    out: Path,
+    profile: str,
+    *,
+    kernel_name: str,
+    log_output: bool,
+    progress_bar: bool,
+    keep_going: bool,
+    cell_timeout: float | None,
+    cwd: str | os.PathLike | None,
+) -> list[NotebookResult]:
+    """The loop of :func:`run_notebooks`, inside :func:`own_kernel` (``kernel_name``)."""
+    import papermill
+
+    from moelora_lib.studies.bench import git_commit
+
     commit = git_commit()
     results: list[NotebookResult] = []
     n = len(notebooks)
@@ -225,7 +365,8 @@ def run_notebooks(
                     str(nb),
                     str(dst),
                     parameters={"PROFILE": profile},
-                    kernel_name="python3",
+                    kernel_name=kernel_name,
+                    language="python",
                     progress_bar=progress_bar,
                     log_output=log_output,
                     cwd=str(cwd) if cwd is not None else str(nb.parent),
@@ -238,6 +379,9 @@ def run_notebooks(
             raise
         except Exception as exc:  # noqa: BLE001 - every failure is reported the same way
             error = describe_failure(nb, exc)
+        finally:
+            with contextlib.suppress(Exception):
+                _tidy_executed(dst, nb)
         seconds = time.perf_counter() - t0
         result = NotebookResult(nb.name, profile, seconds, "failed" if error else "ok", dst, error)
         results.append(result)
@@ -251,7 +395,9 @@ def run_notebooks(
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m moelora_lib.studies.runner", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m moelora_lib.studies.runner", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--profile", default="auto", choices=[*PROFILES, "auto"])
     p.add_argument("--only", default=None, help="comma-separated stage numbers or name prefixes, e.g. 01,02")
     p.add_argument("--out", default=None, help="executed copies + run_log.csv (default: data/executed[/cpu])")
@@ -294,6 +440,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except NotebookFailure as exc:
         results = exc.results
+    except KernelSpecMismatch as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted; executed copies and run_log.csv so far are kept", file=sys.stderr)
         return 130

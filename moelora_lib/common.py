@@ -2,7 +2,8 @@
 
 - :data:`DTYPES` / :func:`parse_dtype` / :func:`dtype_name`: the one map between dtype names and torch dtypes.
 - :func:`gpu_name`: the GPU name used in config file and folder names (``NVIDIA_H200``).
-- :func:`write_json_atomic`: the one atomic JSON writer (temporary file in the same folder, fsync, ``os.replace``).
+- :func:`write_json_atomic`: the one atomic JSON writer (temporary file in the same folder, fsync,
+  ``os.replace``).
 - :func:`is_int`: an int that is not a bool (JSON ``true`` must not pass as 1).
 """
 
@@ -67,7 +68,9 @@ def gpu_name(device: int | None = None, *, required: bool = False) -> str:
     return torch.cuda.get_device_name(device).replace(" ", "_").replace("-", "_")
 
 
-def write_json_atomic(path: str | os.PathLike, data: Any, *, indent: int = 1, sort_keys: bool = False) -> Path:
+def write_json_atomic(
+    path: str | os.PathLike, data: Any, *, indent: int = 1, sort_keys: bool = False
+) -> Path:
     """Write ``data`` as JSON to ``path`` atomically; returns the path.
 
     A temporary file in the same folder is written, fsynced and renamed over ``path`` (``os.replace``),

@@ -1,9 +1,10 @@
 """Hardware facts used by default configs, tuners and roofline floors: one place for each number.
 
 All figures are for one NVIDIA H200 (SXM, 141 GB HBM3e), as measured on the lent H200 of this
-project (docs/anchors.md, "Physical limits") or as reported by the driver:
+project (docs/anchors-h200.md, "Physical limits on this H200") or as reported by the driver:
 
-- ``H200_NUM_SMS``: 132 streaming multiprocessors (``torch.cuda.get_device_properties(0).multi_processor_count``).
+- ``H200_NUM_SMS``: 132 streaming multiprocessors
+  (``torch.cuda.get_device_properties(0).multi_processor_count``).
 - ``H200_COPY_TB_PER_S``: ~4.3 TB/s device-to-device copy (bytes read + written; 4.23–4.27 measured).
 - ``H200_READ_TB_PER_S``: ~4.46 TB/s for a pure read stream (notebook 08's ceilings, data/08_ceilings.json).
 - ``H200_BF16_TFLOPS``: 675 TFLOP/s bf16 dense matmul (torch's 8192³ matmul; 790–815 seen at the top of the

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .kernels import STAGES, LayerConfig, LayerRun, default_config
+from .shapes import Dims
 
 __all__ = ["fused_moe_lora", "validate_moe_lora_inputs", "make_layer_run"]
 
@@ -36,18 +37,35 @@ def _check_cpu_backend(dtype: torch.dtype) -> None:
     from .kernels.triton_kernels import KERNELS
 
     if type(KERNELS["fused_moe"][True]).__name__ != "InterpretedFunction":
-        raise ValueError("hidden_states is on the CPU but the kernels were not built for the Triton "
-                         "interpreter: use CUDA tensors, or set TRITON_INTERPRET=1 before importing "
-                         "moelora_lib")
+        raise ValueError(
+            "hidden_states is on the CPU but the kernels were not built for the Triton "
+            "interpreter: use CUDA tensors, or set TRITON_INTERPRET=1 before importing "
+            "moelora_lib"
+        )
     if dtype == torch.bfloat16:
-        raise ValueError("hidden_states: bfloat16 is not supported on the CPU (the Triton interpreter "
-                         "multiplies raw bf16 bit patterns, triton-lang/triton#11584); use float16 or "
-                         "float32 on the CPU, bfloat16 on a GPU")
+        raise ValueError(
+            "hidden_states: bfloat16 is not supported on the CPU (the Triton interpreter "
+            "multiplies raw bf16 bit patterns, triton-lang/triton#11584); use float16 or "
+            "float32 on the CPU, bfloat16 on a GPU"
+        )
 
 
-def validate_moe_lora_inputs(hidden_states, w13, w2, topk_weights, topk_ids, lora_ids, lora_a13,
-                             lora_b13, lora_a2, lora_b2, activation="silu", b13=None, b2=None,
-                             check_values: bool = True) -> dict:
+def validate_moe_lora_inputs(
+    hidden_states,
+    w13,
+    w2,
+    topk_weights,
+    topk_ids,
+    lora_ids,
+    lora_a13,
+    lora_b13,
+    lora_a2,
+    lora_b2,
+    activation="silu",
+    b13=None,
+    b2=None,
+    check_values: bool = True,
+) -> dict:
     """Check every argument of :func:`fused_moe_lora`; return the dims T, H, I, E, K, L, S, R.
 
     ``check_values`` also checks topk_ids ∈ [0, E) and lora_ids ∈ [-1, L) (a host sync).
@@ -99,8 +117,9 @@ def validate_moe_lora_inputs(hidden_states, w13, w2, topk_weights, topk_ids, lor
             raise ValueError(f"topk_ids values must be in [0, E={E}), got min {lo}, max {hi}")
         lo, hi = int(lora_ids.min()), int(lora_ids.max())
         if lo < -1 or hi >= L:
-            raise ValueError(f"lora_ids values must be in [-1, L={L}) (-1 = no adapter), "
-                             f"got min {lo}, max {hi}")
+            raise ValueError(
+                f"lora_ids values must be in [-1, L={L}) (-1 = no adapter), got min {lo}, max {hi}"
+            )
     return dict(T=T, H=H, I=inter, E=E, K=K, L=L, S=S, R=R)
 
 
@@ -111,33 +130,94 @@ def _check_stage_and_config(stage, config) -> None:
         raise ValueError(f"config must be a LayerConfig or None, got {type(config).__name__}")
 
 
-def make_layer_run(hidden_states, w13, w2, topk_weights, topk_ids, lora_ids, lora_a13, lora_b13,
-                   lora_a2, lora_b2, *, activation="silu", b13=None, b2=None, stage="naive",
-                   config: LayerConfig | None = None, check_values: bool = True) -> LayerRun:
+def make_layer_run(
+    hidden_states,
+    w13,
+    w2,
+    topk_weights,
+    topk_ids,
+    lora_ids,
+    lora_a13,
+    lora_b13,
+    lora_a2,
+    lora_b2,
+    *,
+    activation="silu",
+    b13=None,
+    b2=None,
+    stage="naive",
+    config: LayerConfig | None = None,
+    check_values: bool = True,
+) -> LayerRun:
     """Validate and build the :class:`~moelora_lib.kernels.LayerRun` that :func:`fused_moe_lora` runs.
 
     Benchmarks use it to time parts of the layer or to capture it in a CUDA graph.
     """
     _check_stage_and_config(stage, config)
-    d = validate_moe_lora_inputs(hidden_states, w13, w2, topk_weights, topk_ids, lora_ids, lora_a13,
-                                 lora_b13, lora_a2, lora_b2, activation, b13, b2, check_values)
+    d = validate_moe_lora_inputs(
+        hidden_states,
+        w13,
+        w2,
+        topk_weights,
+        topk_ids,
+        lora_ids,
+        lora_a13,
+        lora_b13,
+        lora_a2,
+        lora_b2,
+        activation,
+        b13,
+        b2,
+        check_values,
+    )
     if config is None:
-        dims = (d["T"], d["H"], d["I"], d["E"], d["K"], d["R"], d["L"], d["S"])
+        dims = Dims(
+            T=d["T"], H=d["H"], I=d["I"], E=d["E"], top_k=d["K"], adapters=d["L"], rank=d["R"], slices=d["S"]
+        )
         # stage "tuned" loads tuned configs (moelora_lib.configs); the other stages use the defaults
         pick = getattr(STAGES[stage], "config_for", None)
-        config = pick(*dims) if pick is not None else default_config(*dims)
-    return LayerRun(STAGES[stage], hidden_states, w13, w2, topk_weights, topk_ids, lora_ids,
-                    lora_a13, lora_b13, lora_a2, lora_b2, activation=activation, b13=b13, b2=b2,
-                    config=config)
+        config = pick(dims) if pick is not None else default_config(dims)
+    return LayerRun(
+        STAGES[stage],
+        hidden_states,
+        w13,
+        w2,
+        topk_weights,
+        topk_ids,
+        lora_ids,
+        lora_a13,
+        lora_b13,
+        lora_a2,
+        lora_b2,
+        activation=activation,
+        b13=b13,
+        b2=b2,
+        config=config,
+    )
 
 
-def fused_moe_lora(hidden_states, w13, w2, topk_weights, topk_ids, lora_ids, lora_a13, lora_b13,
-                   lora_a2, lora_b2, *, activation="silu", b13=None, b2=None, stage="naive",
-                   config: LayerConfig | None = None) -> torch.Tensor:
+def fused_moe_lora(
+    hidden_states,
+    w13,
+    w2,
+    topk_weights,
+    topk_ids,
+    lora_ids,
+    lora_a13,
+    lora_b13,
+    lora_a2,
+    lora_b2,
+    *,
+    activation="silu",
+    b13=None,
+    b2=None,
+    stage="naive",
+    config: LayerConfig | None = None,
+) -> torch.Tensor:
     """MoE layer with one LoRA adapter per token on both expert projections (four LoRA ops).
 
     Computes, for token t with adapter a = lora_ids[t] and routed experts e = topk_ids[t, k]
-    (weights w = topk_weights[t, k]), the contract of ../shared/DESIGN.md §4 and
+    (weights w = topk_weights[t, k]), the math contract written out in
     :mod:`moelora_lib.reference`: gate_up + LoRA delta (before the activation), activation,
     down + LoRA delta, then Σ_k w·y. Tokens with a = -1 get exactly the base MoE.
 
@@ -170,11 +250,39 @@ def fused_moe_lora(hidden_states, w13, w2, topk_weights, topk_ids, lora_ids, lor
     ``run()`` instead, as the benchmarks do.
     """
     if isinstance(hidden_states, torch.Tensor) and hidden_states.dim() == 2 and hidden_states.shape[0] == 0:
-        validate_moe_lora_inputs(hidden_states, w13, w2, topk_weights, topk_ids, lora_ids, lora_a13,
-                                 lora_b13, lora_a2, lora_b2, activation, b13, b2, check_values=False)
+        validate_moe_lora_inputs(
+            hidden_states,
+            w13,
+            w2,
+            topk_weights,
+            topk_ids,
+            lora_ids,
+            lora_a13,
+            lora_b13,
+            lora_a2,
+            lora_b2,
+            activation,
+            b13,
+            b2,
+            check_values=False,
+        )
         _check_stage_and_config(stage, config)
         return hidden_states.new_empty((0, hidden_states.shape[1]))
-    run = make_layer_run(hidden_states, w13, w2, topk_weights, topk_ids, lora_ids, lora_a13, lora_b13,
-                         lora_a2, lora_b2, activation=activation, b13=b13, b2=b2, stage=stage,
-                         config=config)
+    run = make_layer_run(
+        hidden_states,
+        w13,
+        w2,
+        topk_weights,
+        topk_ids,
+        lora_ids,
+        lora_a13,
+        lora_b13,
+        lora_a2,
+        lora_b2,
+        activation=activation,
+        b13=b13,
+        b2=b2,
+        stage=stage,
+        config=config,
+    )
     return run()

@@ -1,6 +1,6 @@
 """fp32 PyTorch reference of the MoE + multi-LoRA layer: the oracle every kernel is checked against.
 
-Written for clarity, not speed: every term of ../shared/DESIGN.md §4 is computed in float32 with
+Written for clarity, not speed: every term of the math contract below is computed in float32 with
 plain indexing and matmuls, and a token with ``lora_ids[t] == -1`` never indexes the adapter tensors.
 
 For token t with adapter a = lora_ids[t] and each routed expert e = topk_ids[t, k] with weight
@@ -77,8 +77,20 @@ def _lora_delta(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor) -> 
 
 
 def moe_lora_reference(
-    hidden_states, w13, w2, topk_weights, topk_ids, lora_ids, lora_a13, lora_b13, lora_a2, lora_b2,
-    *, activation="silu", b13=None, b2=None,
+    hidden_states,
+    w13,
+    w2,
+    topk_weights,
+    topk_ids,
+    lora_ids,
+    lora_a13,
+    lora_b13,
+    lora_a2,
+    lora_b2,
+    *,
+    activation="silu",
+    b13=None,
+    b2=None,
 ) -> torch.Tensor:
     """The MoE + multi-LoRA layer in fp32, one expert and one (adapter, expert) group at a time.
 
@@ -114,8 +126,10 @@ def moe_lora_reference(
                 continue  # no adapter: never index the adapter tensors with -1
             r = rows[pair_adapter[rows] == a]
             S = lora_a13.shape[2]
-            h[r] += torch.cat([_lora_delta(xp[r], lora_a13[a, e, s].float(), lora_b13[a, e, s].float())
-                               for s in range(S)], dim=-1)
+            h[r] += torch.cat(
+                [_lora_delta(xp[r], lora_a13[a, e, s].float(), lora_b13[a, e, s].float()) for s in range(S)],
+                dim=-1,
+            )
     g = activation_reference(h, activation)
     y = torch.empty(P, H, dtype=torch.float32, device=x.device)
     for e in range(E):
@@ -135,8 +149,20 @@ def moe_lora_reference(
 
 
 def moe_lora_loop_reference(
-    hidden_states, w13, w2, topk_weights, topk_ids, lora_ids, lora_a13, lora_b13, lora_a2, lora_b2,
-    *, activation="silu", b13=None, b2=None,
+    hidden_states,
+    w13,
+    w2,
+    topk_weights,
+    topk_ids,
+    lora_ids,
+    lora_a13,
+    lora_b13,
+    lora_a2,
+    lora_b2,
+    *,
+    activation="silu",
+    b13=None,
+    b2=None,
 ) -> torch.Tensor:
     """Independent per-token, per-expert loop in float64: the check of :func:`moe_lora_reference`.
 
@@ -159,7 +185,7 @@ def moe_lora_loop_reference(
                 n = h.shape[0] // S
                 for s in range(S):
                     r = lora_a13[a, e, s].to(d).cpu() @ x
-                    h[s * n:(s + 1) * n] += lora_b13[a, e, s].to(d).cpu() @ r
+                    h[s * n : (s + 1) * n] += lora_b13[a, e, s].to(d).cpu() @ r
             g = activation_reference(h.unsqueeze(0), activation).squeeze(0).to(d)
             y = w2[e].to(d).cpu() @ g
             if b2 is not None:

@@ -1,7 +1,7 @@
 """Top-k routing and the (adapter, expert) token alignment used by every grouped-GEMM kernel.
 
 The alignment follows the contract of vLLM's ``moe_align_block_size`` / ``moe_lora_align_block_size``
-(csrc/moe; see ../shared/notes/upstream-vllm-moe-lora.md §4), re-derived here with plain torch
+(csrc/moe; see docs/upstream-vllm-moe-lora.md §4), re-derived here with plain torch
 ops that never synchronize with the host, so the whole layer can be captured in a CUDA graph:
 
 * every (token, k) pair ``p = t·K + k`` is put in a group ``(slot, expert)``; groups are laid out one
@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .common import is_int
+
 __all__ = ["route", "Alignment", "align_tokens", "max_padded_pairs"]
 
 
@@ -45,7 +47,7 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True):
     if not router_logits.is_floating_point():
         raise ValueError(f"router_logits must be a float tensor, got dtype {router_logits.dtype}")
     E = router_logits.shape[1]
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:
+    if not is_int(top_k) or not 1 <= top_k <= E:
         raise ValueError(f"top_k must be an int in [1, E={E}], got {top_k!r}")
     probs = torch.softmax(router_logits.float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
@@ -121,10 +123,9 @@ def align_tokens(
         ValueError: block_size_m not a power of two ≥ 16, num_experts < 1, lora_ids without
             num_adapters ≥ 1, bad tensor shapes or dtypes, or (check_values) ids out of range.
     """
-    if isinstance(block_size_m, bool) or not isinstance(block_size_m, int) or block_size_m < 16 \
-            or block_size_m & (block_size_m - 1):
+    if not is_int(block_size_m) or block_size_m < 16 or block_size_m & (block_size_m - 1):
         raise ValueError(f"block_size_m must be a power of two >= 16, got {block_size_m!r}")
-    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+    if not is_int(num_experts) or num_experts < 1:
         raise ValueError(f"num_experts must be an int >= 1, got {num_experts!r}")
     if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must be [T, K], got {_desc(topk_ids)}")
@@ -133,18 +134,20 @@ def align_tokens(
     if lora_ids is not None:
         if not isinstance(lora_ids, torch.Tensor) or lora_ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"lora_ids must be an int32/int64 tensor [T], got {_desc(lora_ids)}")
-        if isinstance(num_adapters, bool) or not isinstance(num_adapters, int) or num_adapters < 1:
+        if not is_int(num_adapters) or num_adapters < 1:
             raise ValueError(f"num_adapters must be an int >= 1 with lora_ids, got {num_adapters!r}")
     if check_values and topk_ids.numel():
         lo, hi = int(topk_ids.min()), int(topk_ids.max())
         if lo < 0 or hi >= num_experts:
-            raise ValueError(f"topk_ids values must be in [0, num_experts={num_experts}), "
-                             f"got min {lo}, max {hi}")
+            raise ValueError(
+                f"topk_ids values must be in [0, num_experts={num_experts}), got min {lo}, max {hi}"
+            )
         if lora_ids is not None and lora_ids.numel():
             lo, hi = int(lora_ids.min()), int(lora_ids.max())
             if lo < -1 or hi >= num_adapters:
-                raise ValueError(f"lora_ids values must be in [-1, num_adapters={num_adapters}), "
-                                 f"got min {lo}, max {hi}")
+                raise ValueError(
+                    f"lora_ids values must be in [-1, num_adapters={num_adapters}), got min {lo}, max {hi}"
+                )
     T, K = topk_ids.shape
     dev = topk_ids.device
     num_pairs = T * K

@@ -161,16 +161,26 @@ class Dims:
         return self.T * self.top_k
 
     @classmethod
-    def of(cls, shape: MoEShape | str, T: int, *, rank: int = 32, adapters: int = 8,
-           slices: int | None = None) -> Dims:
+    def of(
+        cls, shape: MoEShape | str, T: int, *, rank: int = 32, adapters: int = 8, slices: int | None = None
+    ) -> Dims:
         """Dims of preset ``shape`` (a :class:`MoEShape` or its name) at T tokens."""
         sh = get_shape(shape) if isinstance(shape, str) else shape
-        return cls(T=int(T), H=sh.hidden, I=sh.intermediate, E=sh.experts, top_k=sh.top_k,
-                   adapters=int(adapters), rank=int(rank), slices=int(slices or sh.lora_slices))
+        return cls(
+            T=int(T),
+            H=sh.hidden,
+            I=sh.intermediate,
+            E=sh.experts,
+            top_k=sh.top_k,
+            adapters=int(adapters),
+            rank=int(rank),
+            slices=int(slices or sh.lora_slices),
+        )
 
     @classmethod
     def from_tensors(cls, hidden_states, w2, topk_ids, lora_a13) -> Dims:
-        """Dims of a layer call: hidden_states [T, H], w2 [E, H, I], topk_ids [T, K], lora_a13 [L, E, S, R, H]."""
+        """Dims of a layer call: hidden_states [T, H], w2 [E, H, I], topk_ids [T, K],
+        lora_a13 [L, E, S, R, H]."""
         T, H = hidden_states.shape
         E, _, I = w2.shape
         L, _, S, R, _ = lora_a13.shape

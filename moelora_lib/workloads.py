@@ -1,7 +1,10 @@
 """Seeded inputs for tests, notebooks and benchmarks.
 
 Values are scaled like a trained layer (unit-variance activations, weights ~ N(0, 1/fan_in)), so
-outputs stay O(1) in bf16, and never zeros (METHOD.md: zeros hide unwritten outputs).
+outputs stay O(1) in bf16, and never zeros (zeros would hide outputs a kernel never wrote).
+
+:class:`Workload` names one such input set (model, T, rank, adapters, pattern, dtype, seed, device)
+as a record, so the benchmarks and checks take one value instead of eight keywords.
 """
 
 from __future__ import annotations
@@ -10,16 +13,22 @@ from dataclasses import dataclass
 
 import torch
 
+from .common import parse_dtype
 from .routing import route
-from .shapes import MoEShape
+from .shapes import Dims, MoEShape, get_shape
 
-__all__ = ["ADAPTER_PATTERNS", "MoELoRAInputs", "make_inputs", "adapter_ids"]
+__all__ = ["ADAPTER_PATTERNS", "MoELoRAInputs", "Workload", "make_inputs", "adapter_ids"]
 
 ADAPTER_PATTERNS = ("uniform", "zipf", "one", "mixed", "none")
 
 
-def adapter_ids(num_tokens: int, num_adapters: int, pattern: str, generator: torch.Generator,
-                used_slots: int | None = None) -> torch.Tensor:
+def adapter_ids(
+    num_tokens: int,
+    num_adapters: int,
+    pattern: str,
+    generator: torch.Generator,
+    used_slots: int | None = None,
+) -> torch.Tensor:
     """Adapter slot per token, [T] int32 on the CPU.
 
     Patterns: ``uniform`` — tokens spread evenly over the slots (round robin over a random permutation,
@@ -50,6 +59,57 @@ def adapter_ids(num_tokens: int, num_adapters: int, pattern: str, generator: tor
     return ids.to(torch.int32)
 
 
+@dataclass(frozen=True)
+class Workload:
+    """The inputs of one layer call, by name: what :func:`moelora_lib.studies.moe_bench.layer_inputs`,
+    ``bench_layer`` and ``check_layer`` build and measure.
+
+    Attributes:
+        model: a preset name of :data:`moelora_lib.shapes.PRESETS` (or a :class:`MoEShape`).
+        T: tokens. rank: R, max LoRA rank. adapters: L, adapter slots.
+        pattern: adapter ids, one of :data:`ADAPTER_PATTERNS`.
+        dtype: of the float tensors (a torch dtype or its name, ``"bf16"`` accepted; stored as a torch dtype).
+        seed: of the CPU generator the inputs are drawn from. device: where they live.
+        activation: None = the preset's; ``"silu"`` for the vLLM side-by-side rows of GPT-OSS-20B.
+        bias: None = the preset's expert biases; False drops them.
+    The defaults are the benchmark setting (R = 32, L = 8, uniform ids, bf16 on CUDA). Raises
+    ValueError for an unknown preset, pattern or dtype, or a size < 1 (T < 0).
+    """
+
+    model: str | MoEShape
+    T: int
+    rank: int = 32
+    adapters: int = 8
+    pattern: str = "uniform"
+    dtype: torch.dtype | str = torch.bfloat16
+    seed: int = 0
+    device: str | torch.device = "cuda"
+    activation: str | None = None
+    bias: bool | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, MoEShape):
+            get_shape(self.model)  # raises ValueError naming the presets
+        if self.pattern not in ADAPTER_PATTERNS:
+            raise ValueError(f"Workload.pattern must be one of {ADAPTER_PATTERNS}, got {self.pattern!r}")
+        object.__setattr__(self, "dtype", parse_dtype(self.dtype))
+        _ = self.dims  # validates T, rank and adapters
+
+    @property
+    def shape(self) -> MoEShape:
+        """The preset."""
+        return self.model if isinstance(self.model, MoEShape) else get_shape(self.model)
+
+    @property
+    def model_name(self) -> str:
+        return self.shape.name
+
+    @property
+    def dims(self) -> Dims:
+        """The layer sizes of this workload (slices: the preset's)."""
+        return Dims.of(self.shape, self.T, rank=self.rank, adapters=self.adapters)
+
+
 @dataclass
 class MoELoRAInputs:
     """Everything :func:`moelora_lib.fused_moe_lora` takes, as keyword arguments via :meth:`args`."""
@@ -70,18 +130,41 @@ class MoELoRAInputs:
     router_logits: torch.Tensor
 
     def args(self) -> tuple:
-        return (self.hidden_states, self.w13, self.w2, self.topk_weights, self.topk_ids, self.lora_ids,
-                self.lora_a13, self.lora_b13, self.lora_a2, self.lora_b2)
+        return (
+            self.hidden_states,
+            self.w13,
+            self.w2,
+            self.topk_weights,
+            self.topk_ids,
+            self.lora_ids,
+            self.lora_a13,
+            self.lora_b13,
+            self.lora_a2,
+            self.lora_b2,
+        )
 
     def kwargs(self) -> dict:
         return dict(activation=self.activation, b13=self.b13, b2=self.b2)
 
 
-def make_inputs(shape: MoEShape, num_tokens: int, *, rank: int = 16, num_adapters: int = 4,
-                pattern: str = "uniform", slices: int | None = None, true_rank: int | None = None,
-                dtype=torch.float32, device="cpu", seed: int = 0, bias: bool | None = None,
-                used_slots: int | None = None, logit_scale: float = 1.0, act_scale: float = 1.0,
-                experts_override: torch.Tensor | None = None) -> MoELoRAInputs:
+def make_inputs(
+    shape: MoEShape,
+    num_tokens: int,
+    *,
+    rank: int = 16,
+    num_adapters: int = 4,
+    pattern: str = "uniform",
+    slices: int | None = None,
+    true_rank: int | None = None,
+    dtype=torch.float32,
+    device="cpu",
+    seed: int = 0,
+    bias: bool | None = None,
+    used_slots: int | None = None,
+    logit_scale: float = 1.0,
+    act_scale: float = 1.0,
+    experts_override: torch.Tensor | None = None,
+) -> MoELoRAInputs:
     """Seeded random MoE + LoRA inputs for ``shape``.
 
     Args:
@@ -132,8 +215,18 @@ def make_inputs(shape: MoEShape, num_tokens: int, *, rank: int = 16, num_adapter
         return None if t is None else t.to(device=device, dtype=d)
 
     return MoELoRAInputs(
-        hidden_states=dev(x), w13=dev(w13), w2=dev(w2), topk_weights=dev(topk_w, torch.float32),
-        topk_ids=topk_ids.to(device), lora_ids=lora_ids.to(device), lora_a13=dev(a13),
-        lora_b13=dev(b13l), lora_a2=dev(a2), lora_b2=dev(b2l), activation=shape.activation,
-        b13=dev(b13), b2=dev(b2), router_logits=dev(logits, torch.float32),
+        hidden_states=dev(x),
+        w13=dev(w13),
+        w2=dev(w2),
+        topk_weights=dev(topk_w, torch.float32),
+        topk_ids=topk_ids.to(device),
+        lora_ids=lora_ids.to(device),
+        lora_a13=dev(a13),
+        lora_b13=dev(b13l),
+        lora_a2=dev(a2),
+        lora_b2=dev(b2l),
+        activation=shape.activation,
+        b13=dev(b13),
+        b2=dev(b2),
+        router_logits=dev(logits, torch.float32),
     )

@@ -31,7 +31,8 @@ def test_result_row_adds_env_columns_and_expands_timing():
     row = bench.result_row(stage="naive", op="fused_moe_lora", T=16, timing=t)
     assert set(bench.ENV_COLUMNS) <= set(row)
     assert row["stage"] == "naive" and row["T"] == 16
-    assert (row["ms_p50"], row["ms_p20"], row["ms_p80"], row["timing_mode"]) == (1.5, 1.0, 2.0, "eager")
+    assert (row["ms_p50"], row["ms_p20"], row["ms_p80"], row["mode"]) == (1.5, 1.0, 2.0, "eager")
+    assert "timing_mode" not in row  # one timing column in every result row: mode
     assert bench.result_row(gpu="override")["gpu"] == "override"  # explicit fields win
 
 

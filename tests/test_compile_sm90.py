@@ -28,8 +28,15 @@ LENGTHS = [1, 2, 3, 4, 7, 8, 15, 16, 17, 31, 32, 33, 64, 100, 128, 1000, 1024, 4
 SHAPE = "gpt-oss-20b"
 # spill check: T buckets where default_config changes (decode, small batch, prefill, long prefill)
 SPILL_T = [1, 256, 1600, 8192]
-LAUNCHES = ["base_gate_up", "base_down", "gate_up_shrink", "gate_up_expand", "down_shrink",
-            "down_expand", "act"]
+LAUNCHES = [
+    "base_gate_up",
+    "base_down",
+    "gate_up_shrink",
+    "gate_up_expand",
+    "down_shrink",
+    "down_expand",
+    "act",
+]
 LORA_KERNELS = ["fused_moe", "lora_shrink", "lora_expand"]
 
 
@@ -48,17 +55,35 @@ def _jobs():
                 jobs[("count", kernel, spec, "auto")] = dict(common, cfg="auto", compile=False)
     second = {"base_down": "fused_moe", "down_shrink": "lora_shrink", "down_expand": "lora_expand"}
     for launch, kernel in second.items():  # the second launch of each kernel
-        jobs[("count", launch, False, "fixed")] = dict(op="count", kernel=kernel, launch_name=launch,
-                                                       specialize_lengths=False, lengths=LENGTHS, shape=SHAPE)
+        jobs[("count", launch, False, "fixed")] = dict(
+            op="count",
+            kernel=kernel,
+            launch_name=launch,
+            specialize_lengths=False,
+            lengths=LENGTHS,
+            shape=SHAPE,
+        )
     # (b) EVEN_K: bf16 shrink, K = H = 2048, BK 64, SPLIT_K 1, num_stages 1 (predicated loads)
     for ek in (True, False):
-        jobs[("even_k", ek)] = dict(op="inspect", launch="gate_up_shrink", T=64, use_even_k=ek,
-                                    shape={"base": SHAPE, "hidden": 2048}, want=["ptx"],
-                                    cfg=dict(BLOCK_SIZE_K=64, SPLIT_K=1, NUM_STAGES=1))
+        jobs[("even_k", ek)] = dict(
+            op="inspect",
+            launch="gate_up_shrink",
+            T=64,
+            use_even_k=ek,
+            shape={"base": SHAPE, "hidden": 2048},
+            want=["ptx"],
+            cfg=dict(BLOCK_SIZE_K=64, SPLIT_K=1, NUM_STAGES=1),
+        )
     # (c) split-K: SPLIT_K 4 vs 1 (K = 2880)
     for sk in (1, 4):
-        jobs[("split_k", sk)] = dict(op="inspect", launch="gate_up_shrink", T=64, shape=SHAPE,
-                                     want=["ptx", "sass"], cfg=dict(SPLIT_K=sk))
+        jobs[("split_k", sk)] = dict(
+            op="inspect",
+            launch="gate_up_shrink",
+            T=64,
+            shape=SHAPE,
+            want=["ptx", "sass"],
+            cfg=dict(SPLIT_K=sk),
+        )
     # (d) + (e): default configs at gpt-oss-20b shapes, bf16: tensor cores and spills (one compile per
     # distinct (launch, config))
     sh = get_shape(SHAPE)
@@ -70,8 +95,9 @@ def _jobs():
             if (launch, c) in seen:
                 continue
             seen.add((launch, c))
-            jobs[("default", launch, T)] = dict(op="inspect", launch=launch, T=T, shape=SHAPE,
-                                                want=["res", "ptx"])
+            jobs[("default", launch, T)] = dict(
+                op="inspect", launch=launch, T=T, shape=SHAPE, want=["res", "ptx"]
+            )
     return jobs
 
 

@@ -1,4 +1,5 @@
-"""Tuned-config files: lookup, precedence, errors, atomic writes, the tuner on the interpreter, stage tuned."""
+"""Tuned-config files: lookup, precedence, errors, atomic writes, the tuner on the interpreter, stage
+tuned."""
 
 import json
 import os
@@ -8,11 +9,11 @@ import pytest
 import torch
 
 from moelora_lib import configs, fused_moe_lora
-from moelora_lib.studies import tuning
 from moelora_lib.kernels import default_config
 from moelora_lib.kernels.config import LORA_OPS
 from moelora_lib.reference import moe_lora_reference
 from moelora_lib.shapes import get_shape
+from moelora_lib.studies import tuning
 from moelora_lib.testing import TOLERANCES, rel_err
 from moelora_lib.workloads import make_inputs
 

@@ -14,22 +14,22 @@ from moelora_lib.shapes import MoEShape, get_shape
 from moelora_lib.testing import TOLERANCES, assert_close_rel
 from moelora_lib.workloads import make_inputs
 
-TINY = get_shape("tiny")          # H 64, I 32, E 4, K 2, silu
+TINY = get_shape("tiny")  # H 64, I 32, E 4, K 2, silu
 TINY_OSS = get_shape("tiny-oss")  # same with swigluoai, biases, S = 1
 E7 = MoEShape("e7", 64, 48, 7, 3, 1)
 
 # (id, shape, make_inputs kwargs) — one comment per edge.
 CASES = [
-    ("T1", TINY, dict(num_tokens=1)),                                 # a single decode token
-    ("T_lt_BM", TINY, dict(num_tokens=5)),                            # 10 pairs < BLOCK_SIZE_M = 16
-    ("T_not_multiple", TINY, dict(num_tokens=37)),                    # 74 pairs, ragged last blocks
-    ("E7_K3", E7, dict(num_tokens=19)),                               # odd expert count, top-3
-    ("R8", TINY, dict(num_tokens=9, rank=8)),                         # rank < 16: tiles clamped, masked
+    ("T1", TINY, dict(num_tokens=1)),  # a single decode token
+    ("T_lt_BM", TINY, dict(num_tokens=5)),  # 10 pairs < BLOCK_SIZE_M = 16
+    ("T_not_multiple", TINY, dict(num_tokens=37)),  # 74 pairs, ragged last blocks
+    ("E7_K3", E7, dict(num_tokens=19)),  # odd expert count, top-3
+    ("R8", TINY, dict(num_tokens=9, rank=8)),  # rank < 16: tiles clamped, masked
     ("R16", TINY, dict(num_tokens=9, rank=16)),
     ("R32", TINY, dict(num_tokens=9, rank=32)),
     ("R64", TINY, dict(num_tokens=9, rank=64)),
     ("true_rank24_in_R32", TINY, dict(num_tokens=9, rank=32, true_rank=24)),  # zero-padded rank
-    ("S1_fused_gate_up", TINY, dict(num_tokens=11, slices=1)),        # GPT-OSS-style 3-D adapter
+    ("S1_fused_gate_up", TINY, dict(num_tokens=11, slices=1)),  # GPT-OSS-style 3-D adapter
     ("S2_gate_and_up", TINY, dict(num_tokens=11, slices=2)),
     ("swigluoai_beyond_clamp", TINY_OSS, dict(num_tokens=13, act_scale=12.0)),  # |pre-act| >> 7
     ("silu_with_biases", TINY, dict(num_tokens=13, bias=True)),
@@ -172,8 +172,23 @@ BAD = [
 @pytest.mark.parametrize("mutate,name", [(b[1], b[2]) for b in BAD], ids=[b[0] for b in BAD])
 def test_bad_input_raises_value_error_naming_argument(mutate, name):
     inp = _inputs(TINY, "cpu", torch.float32, num_tokens=6)
-    kw = dict(zip(["hidden_states", "w13", "w2", "topk_weights", "topk_ids", "lora_ids", "lora_a13",
-                   "lora_b13", "lora_a2", "lora_b2"], inp.args()))
+    kw = dict(
+        zip(
+            [
+                "hidden_states",
+                "w13",
+                "w2",
+                "topk_weights",
+                "topk_ids",
+                "lora_ids",
+                "lora_a13",
+                "lora_b13",
+                "lora_a2",
+                "lora_b2",
+            ],
+            inp.args(),
+        )
+    )
     kw.update(inp.kwargs())
     mutate(kw)
     with pytest.raises(ValueError, match=name):
@@ -192,11 +207,13 @@ def test_wrong_device_raises():
 # --- GPU: bf16 at model shapes ------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("stage", list(STAGES))
-@pytest.mark.parametrize("model,T", [("gpt-oss-20b", 1), ("gpt-oss-20b", 100), ("qwen3-30b-a3b", 64),
-                                     ("qwen3-30b-a3b", 1600)])
+@pytest.mark.parametrize(
+    "model,T", [("gpt-oss-20b", 1), ("gpt-oss-20b", 100), ("qwen3-30b-a3b", 64), ("qwen3-30b-a3b", 1600)]
+)
 def test_model_shapes_bf16_gpu(model, T, stage):
-    inp = make_inputs(get_shape(model), T, rank=32, num_adapters=8, pattern="mixed",
-                      dtype=torch.bfloat16, device="cuda")
+    inp = make_inputs(
+        get_shape(model), T, rank=32, num_adapters=8, pattern="mixed", dtype=torch.bfloat16, device="cuda"
+    )
     ref = moe_lora_reference(*inp.args(), **inp.kwargs())
     out = fused_moe_lora(*inp.args(), **inp.kwargs(), stage=stage)
     assert_close_rel(out, ref, torch.bfloat16)

@@ -133,7 +133,8 @@ _CODEGEN_SCRIPT = textwrap.dedent(
             cfg = dict(block_sizes=[16, 64, 64], num_warps=4, num_stages=3, pid_type="flat")
             if split:
                 cfg["split_k"] = 2
-            code = kern.bind(kernel_args(epi, x, w, b if epi == "bias" else None)).to_triton_code(helion.Config(**cfg))
+            bound = kern.bind(kernel_args(epi, x, w, b if epi == "bias" else None))
+            code = bound.to_triton_code(helion.Config(**cfg))
             out[f"{epi}-{split}-{dt}"] = code
     print(json.dumps(out))
     """

@@ -38,11 +38,11 @@ def test_route_bad_input():
 
 
 CASES = [  # (T, E, K, L, pattern, BLOCK_SIZE_M)
-    (1, 4, 2, 3, "uniform", 16),      # one decode token
-    (37, 7, 3, 4, "mixed", 16),       # odd E, ragged groups, -1 tokens
-    (200, 8, 2, 8, "zipf", 32),       # skewed adapters
-    (64, 4, 1, 2, "none", 16),        # no token has an adapter
-    (50, 5, 2, 1, "one", 64),         # every token on slot 0, BM larger than groups
+    (1, 4, 2, 3, "uniform", 16),  # one decode token
+    (37, 7, 3, 4, "mixed", 16),  # odd E, ragged groups, -1 tokens
+    (200, 8, 2, 8, "zipf", 32),  # skewed adapters
+    (64, 4, 1, 2, "none", 16),  # no token has an adapter
+    (50, 5, 2, 1, "one", 64),  # every token on slot 0, BM larger than groups
 ]
 
 
@@ -63,7 +63,7 @@ def test_lora_alignment_invariants(T, E, K, L, pattern, BM, include_no_adapter):
     assert torch.equal(real.sort().values, expected)
     flat_e = ids.reshape(-1).long()
     for b in range(al.num_blocks):
-        rows = st[b * BM:(b + 1) * BM].long()
+        rows = st[b * BM : (b + 1) * BM].long()
         e, lid = int(al.block_expert_ids[b]), int(al.block_lora_ids[b])
         if b * BM >= used:
             assert e == -1 and lid == -1 and (rows == P).all()
@@ -108,10 +108,17 @@ BAD_ALIGN = [  # (id, kwargs override, argument named in the error)
     ("expert_id_negative", dict(topk_ids=torch.tensor([[0, -1]], dtype=torch.int32)), "topk_ids"),
     ("topk_ids_float", dict(topk_ids=torch.zeros(1, 2)), "topk_ids"),
     ("num_experts_zero", dict(num_experts=0), "num_experts"),
-    ("lora_ids_without_num_adapters", dict(lora_ids=torch.zeros(1, dtype=torch.int32), num_adapters=0),
-     "num_adapters"),
+    (
+        "lora_ids_without_num_adapters",
+        dict(lora_ids=torch.zeros(1, dtype=torch.int32), num_adapters=0),
+        "num_adapters",
+    ),
     ("lora_id_out_of_range", dict(lora_ids=torch.tensor([3], dtype=torch.int32), num_adapters=3), "lora_ids"),
-    ("lora_id_below_minus1", dict(lora_ids=torch.tensor([-2], dtype=torch.int32), num_adapters=3), "lora_ids"),
+    (
+        "lora_id_below_minus1",
+        dict(lora_ids=torch.tensor([-2], dtype=torch.int32), num_adapters=3),
+        "lora_ids",
+    ),
     ("block_size_float", dict(block_size_m=16.0), "block_size_m"),
 ]
 

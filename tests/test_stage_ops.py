@@ -28,7 +28,6 @@ deterministic in the data, so a result that passes once passes always: never rer
 from __future__ import annotations
 
 import math
-import types
 from dataclasses import replace
 
 import pytest
@@ -44,8 +43,8 @@ from moelora_lib.routing import align_tokens
 DTYPES = [torch.float32, torch.float16]
 DT_IDS = ["fp32", "fp16"]
 STAGE_NAMES = list(STAGES)
-U32 = 2.0 ** -24  # unit roundoff of fp32 (eps/2)
-UNIT = {torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
+U32 = 2.0**-24  # unit roundoff of fp32 (eps/2)
+UNIT = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 POISON = 1234.5  # exactly representable in fp16 and fp32; a kernel never produces it here
 
 
@@ -84,8 +83,11 @@ def stage_op(stage_name: str, shrink: OpConfig, expand: OpConfig):
     st = STAGES[stage_name]
     base = OpConfig(shrink.BLOCK_SIZE_M)
     lc = st.adapt(LayerConfig(base, base, shrink, expand, shrink, expand))
-    return lc.gate_up_shrink, lc.gate_up_expand, dict(use_even_k=st.even_k,
-                                                      specialize_lengths=st.specialize_lengths)
+    return (
+        lc.gate_up_shrink,
+        lc.gate_up_expand,
+        dict(use_even_k=st.even_k, specialize_lengths=st.specialize_lengths),
+    )
 
 
 def shrink_groups(cfg0: OpConfig, K: int):
@@ -116,8 +118,13 @@ def pair_groups(shrink_cfg: OpConfig, expand_cfg: OpConfig, K: int, R: int):
     groups: dict = {}
     for name in STAGE_NAMES:
         sc, ec, kw = stage_op(name, shrink_cfg, expand_cfg)
-        key = (sc, ec, kw["use_even_k"] and even_k(K, sc.BLOCK_SIZE_K, sc.SPLIT_K),
-               kw["use_even_k"] and even_k(R, ec.BLOCK_SIZE_K), STAGES[name].fused_add)
+        key = (
+            sc,
+            ec,
+            kw["use_even_k"] and even_k(K, sc.BLOCK_SIZE_K, sc.SPLIT_K),
+            kw["use_even_k"] and even_k(R, ec.BLOCK_SIZE_K),
+            STAGES[name].fused_add,
+        )
         groups.setdefault(key, []).append(name)
     return list(groups.values())
 
@@ -129,8 +136,8 @@ def ref_shrink(x, a5, topk_ids, lora_ids, rows_div):
     p = torch.arange(P)
     lora = lora_ids.long().repeat_interleave(K)
     exp = topk_ids.reshape(-1).long()
-    xr = x.double()[p // rows_div]                               # [P, H]
-    a = a5.double()[lora.clamp(min=0), exp]                      # [P, S, R, H]
+    xr = x.double()[p // rows_div]  # [P, H]
+    a = a5.double()[lora.clamp(min=0), exp]  # [P, S, R, H]
     y = torch.einsum("ph,psrh->spr", xr, a)
     s_abs = torch.einsum("ph,psrh->spr", xr.abs(), a.abs())
     y[:, lora < 0] = float("nan")
@@ -144,8 +151,8 @@ def ref_expand(inter, b5, topk_ids, lora_ids, topk_w=None):
     T, K = topk_ids.shape
     lora = lora_ids.long().repeat_interleave(K)
     exp = topk_ids.reshape(-1).long()
-    i = inter.to(b5.dtype).double()                              # [S, P, R]
-    b = b5.double()[lora.clamp(min=0), exp]                      # [P, S, N, R]
+    i = inter.to(b5.dtype).double()  # [S, P, R]
+    b = b5.double()[lora.clamp(min=0), exp]  # [P, S, N, R]
     d = torch.einsum("spr,psnr->psn", i, b)
     d_abs = torch.einsum("spr,psnr->psn", i.abs(), b.abs())
     if topk_w is not None:
@@ -167,7 +174,7 @@ def shrink_bound(K: int, cfg: OpConfig, dtype, device) -> float:
     n_s = math.ceil(K / (cfg.BLOCK_SIZE_K * sk)) * cfg.BLOCK_SIZE_K
     c = gamma(n_s + sk + 1)
     if dtype == torch.float32 and device == "cuda":
-        c += 2 * 2.0 ** -11
+        c += 2 * 2.0**-11
     return c
 
 
@@ -206,10 +213,10 @@ def shrink_inputs(T, K, E, L, S, R, H, dtype, device, pattern="all", seed=0, dow
     topk_ids, lora_ids = make_routing(T, K, E, L, pattern, seed)
     if down:  # down projection: x is [P, I], one slice, 4-D adapter, rows_div = 1
         x = rand(T * K, H, dtype=dtype, device=device, g=g)
-        a = rand(L, E, R, H, dtype=dtype, device=device, scale=H ** -0.5, g=g)
+        a = rand(L, E, R, H, dtype=dtype, device=device, scale=H**-0.5, g=g)
         return x, a, a.unsqueeze(2), topk_ids.to(device), lora_ids.to(device), 1
     x = rand(T, H, dtype=dtype, device=device, g=g)
-    a5 = rand(L, E, S, R, H, dtype=dtype, device=device, scale=H ** -0.5, g=g)
+    a5 = rand(L, E, S, R, H, dtype=dtype, device=device, scale=H**-0.5, g=g)
     return x, a5, a5, topk_ids.to(device), lora_ids.to(device), K
 
 
@@ -220,8 +227,9 @@ def run_shrink_poisoned(x, a, align, cfg, rows_div, use_even_k, specialize_lengt
     L, E, S, R, K = a5.shape
     inter = torch.full((S, align.num_pairs, R), POISON, dtype=torch.float32, device=x.device)
     grid, args, cx = lora_shrink_args(x, a, inter, align, cfg, rows_div=rows_div, use_even_k=use_even_k)
-    KERNELS["lora_shrink"][specialize_lengths][grid](*args, **cx, num_warps=cfg.NUM_WARPS,
-                                                     num_stages=cfg.NUM_STAGES)
+    KERNELS["lora_shrink"][specialize_lengths][grid](
+        *args, **cx, num_warps=cfg.NUM_WARPS, num_stages=cfg.NUM_STAGES
+    )
     return inter
 
 
@@ -244,8 +252,11 @@ SHRINK_CASES = [
     # N tail within a split: R = 48 over two 32-wide tiles (the second half masked), SPLIT_K 2
     ("rank48_tile32_tail", 512, 48, OpConfig(16, 32, 128, 1, 2, 4, 2)),
 ]
-SHRINK_PARAMS = [pytest.param(case, names[0], id=f"{case[0]}-{'+'.join(names)}")
-                 for case in SHRINK_CASES for names in shrink_groups(case[3], case[1])]
+SHRINK_PARAMS = [
+    pytest.param(case, names[0], id=f"{case[0]}-{'+'.join(names)}")
+    for case in SHRINK_CASES
+    for names in shrink_groups(case[3], case[1])
+]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
@@ -268,14 +279,20 @@ def test_shrink_two_slices_down_and_gate_up(dtype, device):
     # S = 1, x rows are pairs: rows_div = 1), every slot plus -1 tokens, K = 2880, BK 128, SPLIT_K 4
     cfg = OpConfig(16, 16, 128, 1, 4, 4, 2)
     for down in (False, True):
-        x, a, a5, topk_ids, lora_ids, rows_div = shrink_inputs(3, 2, 3, 2, 2, 16, 2880, dtype, device,
-                                                               pattern="mixed", down=down)
+        x, a, a5, topk_ids, lora_ids, rows_div = shrink_inputs(
+            3, 2, 3, 2, 2, 16, 2880, dtype, device, pattern="mixed", down=down
+        )
         align = align_tokens(topk_ids, 3, 16, lora_ids=lora_ids, num_adapters=2)
         inter = lora_shrink(x, a, align, cfg, rows_div=rows_div, use_even_k=True)
         ref, s_abs = ref_shrink(x.cpu(), a5.cpu(), topk_ids.cpu(), lora_ids.cpu(), rows_div)
         assert inter.shape == ref.shape
-        assert_shrink_close(inter.cpu(), ref, s_abs, shrink_bound(2880, cfg, dtype, device),
-                            what="down" if down else "gate_up")
+        assert_shrink_close(
+            inter.cpu(),
+            ref,
+            s_abs,
+            shrink_bound(2880, cfg, dtype, device),
+            what="down" if down else "gate_up",
+        )
         assert (inter.cpu()[torch.isnan(ref)] == 0).all()  # SPLIT_K > 1: no-adapter rows stay zero
 
 
@@ -285,13 +302,13 @@ def test_shrink_bound_can_fail():
     ref, s_abs = ref_shrink(x, a5, topk_ids, lora_ids, rows_div)
     lost, _ = ref_shrink(x[:, :-64], a5[..., :-64], topk_ids, lora_ids, rows_div)
     with pytest.raises(AssertionError):
-        assert_shrink_close(lost.float(), ref, s_abs,
-                            shrink_bound(2880, OpConfig(16, 16, 64, 1, 4), torch.float32, "cpu"))
+        assert_shrink_close(
+            lost.float(), ref, s_abs, shrink_bound(2880, OpConfig(16, 16, 64, 1, 4), torch.float32, "cpu")
+        )
 
 
 BITWISE_CFG = OpConfig(16, 16, 128, 4, 1, 4, 2)  # SPLIT_K 1; GROUP_SIZE_M 4 where the stage swizzles
-BITWISE_PARAMS = [pytest.param(names[0], id="+".join(names))
-                  for names in shrink_groups(BITWISE_CFG, 2048)]
+BITWISE_PARAMS = [pytest.param(names[0], id="+".join(names)) for names in shrink_groups(BITWISE_CFG, 2048)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
@@ -300,8 +317,9 @@ def test_shrink_splitk1_bitwise(stage, dtype, device):
     # SPLIT_K = 1 is deterministic: two runs equal bit for bit, and equal to the naive stage's output
     # (EVEN_K, swizzle and specialization change no arithmetic); K = 2880 masked and 2048 even
     for H in (2880, 2048):
-        x, a, _, topk_ids, lora_ids, rows_div = shrink_inputs(3, 2, 3, 2, 1, 16, H, dtype, device,
-                                                              pattern="mixed")
+        x, a, _, topk_ids, lora_ids, rows_div = shrink_inputs(
+            3, 2, 3, 2, 1, 16, H, dtype, device, pattern="mixed"
+        )
         align = align_tokens(topk_ids, 3, 16, lora_ids=lora_ids, num_adapters=2)
         names = (stage, stage, "naive") if stage != "naive" else (stage, stage)
         outs = []
@@ -320,8 +338,9 @@ def test_shrink_partial_swizzle_group(split_k, dtype, device):
     # equal to row-major order (bitwise at SPLIT_K 1), within the bound; SPLIT_K 4 with K = 256,
     # BK 128 also has two empty splits per tile
     L, E = 2, 3
-    x, a, a5, topk_ids, lora_ids, rows_div = shrink_inputs(L * E, 1, E, L, 1, 64, 256, dtype, device,
-                                                           pattern="groups")
+    x, a, a5, topk_ids, lora_ids, rows_div = shrink_inputs(
+        L * E, 1, E, L, 1, 64, 256, dtype, device, pattern="groups"
+    )
     align = align_tokens(topk_ids, E, 16, lora_ids=lora_ids, num_adapters=L)
     assert align.num_blocks == 6 and int(align.num_tokens_post_padded) == 6 * 16
     swz = OpConfig(16, 32, 128, 4, split_k, 4, 2)
@@ -343,8 +362,9 @@ def test_shrink_no_adapter_rows_untouched(split_k, pattern, dtype, device):
     # all -1 tokens: the shrink writes nothing; every slot + -1: only the -1 pairs' rows stay untouched
     # (poisoned buffer for SPLIT_K 1 — bit-identical after; the launcher's zeroed buffer for SPLIT_K 4)
     cfg = OpConfig(16, 16, 256, 4, split_k, 4, 2)
-    x, a, a5, topk_ids, lora_ids, rows_div = shrink_inputs(5, 2, 3, 2, 1, 16, 1024, dtype, device,
-                                                           pattern=pattern)
+    x, a, a5, topk_ids, lora_ids, rows_div = shrink_inputs(
+        5, 2, 3, 2, 1, 16, 1024, dtype, device, pattern=pattern
+    )
     align = align_tokens(topk_ids, 3, 16, lora_ids=lora_ids, num_adapters=2)
     if split_k == 1:
         inter, fill = run_shrink_poisoned(x, a, align, cfg, rows_div, True, False), POISON
@@ -367,9 +387,9 @@ def expand_inputs(T, K, E, L, S, N, R, dtype, device, pattern="all", seed=0, wei
     g = torch.Generator().manual_seed(seed + 7)
     topk_ids, lora_ids = make_routing(T, K, E, L, pattern, seed)
     P = T * K
-    inter = torch.randn(S, P, R, generator=g).to(device)                      # fp32, like the shrink's
-    b = rand(L, E, S, N, R, dtype=dtype, device=device, scale=R ** -0.5, g=g)
-    base = rand(P, S * N, dtype=dtype, device=device, g=g)                    # the base output tile
+    inter = torch.randn(S, P, R, generator=g).to(device)  # fp32, like the shrink's
+    b = rand(L, E, S, N, R, dtype=dtype, device=device, scale=R**-0.5, g=g)
+    base = rand(P, S * N, dtype=dtype, device=device, g=g)  # the base output tile
     tw = torch.rand(P, generator=g).to(device) if weighted else None
     return inter, b, base, topk_ids.to(device), lora_ids.to(device), tw
 
@@ -377,11 +397,29 @@ def expand_inputs(T, K, E, L, S, N, R, dtype, device, pattern="all", seed=0, wei
 def stage_expand(stage_name, inter, b, out, align, cfg, tw, use_even_k, specialize_lengths):
     """The expand half of LayerRun._lora_pair for this stage: fused add, or a zeroed delta + add."""
     if STAGES[stage_name].fused_add:
-        return lora_expand(inter, b, out, align, cfg, topk_weights=tw, add_inputs=True,
-                           use_even_k=use_even_k, specialize_lengths=specialize_lengths)
+        return lora_expand(
+            inter,
+            b,
+            out,
+            align,
+            cfg,
+            topk_weights=tw,
+            add_inputs=True,
+            use_even_k=use_even_k,
+            specialize_lengths=specialize_lengths,
+        )
     delta = torch.zeros_like(out)
-    lora_expand(inter, b, delta, align, cfg, topk_weights=tw, add_inputs=False, use_even_k=use_even_k,
-                specialize_lengths=specialize_lengths)
+    lora_expand(
+        inter,
+        b,
+        delta,
+        align,
+        cfg,
+        topk_weights=tw,
+        add_inputs=False,
+        use_even_k=use_even_k,
+        specialize_lengths=specialize_lengths,
+    )
     return out.add_(delta)
 
 
@@ -400,8 +438,11 @@ EXPAND_CASES = [
 ]
 
 
-EXPAND_PARAMS = [pytest.param(case, names[0], id=f"{case[0]}-{'+'.join(names)}")
-                 for case in EXPAND_CASES for names in expand_groups(case[4], case[3])]
+EXPAND_PARAMS = [
+    pytest.param(case, names[0], id=f"{case[0]}-{'+'.join(names)}")
+    for case in EXPAND_CASES
+    for names in expand_groups(case[4], case[3])
+]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
@@ -411,17 +452,20 @@ def test_expand_edges(case, stage, dtype, device):
     # bound), base rows of no-adapter pairs bit-identical (every slot plus -1 tokens)
     _, S, N, R, cfg0, weighted = case
     _, cfg, kw = stage_op(stage, OpConfig(16), cfg0)
-    inter, b, base, topk_ids, lora_ids, tw = expand_inputs(3, 2, 3, 2, S, N, R, dtype, device,
-                                                           pattern="mixed", weighted=weighted)
+    inter, b, base, topk_ids, lora_ids, tw = expand_inputs(
+        3, 2, 3, 2, S, N, R, dtype, device, pattern="mixed", weighted=weighted
+    )
     align = align_tokens(topk_ids, 3, 16, lora_ids=lora_ids, num_adapters=2)
     out = stage_expand(stage, inter, b, base.clone(), align, cfg, tw, **kw)
-    delta, d_abs = ref_expand(inter.cpu(), b.cpu(), topk_ids.cpu(), lora_ids.cpu(),
-                              tw.cpu() if tw is not None else None)
+    delta, d_abs = ref_expand(
+        inter.cpu(), b.cpu(), topk_ids.cpu(), lora_ids.cpu(), tw.cpu() if tw is not None else None
+    )
     has = ~torch.isnan(delta[:, 0])
     assert has.any() and (~has).any()
     assert torch.equal(out.cpu()[~has], base.cpu()[~has])
-    assert_expand_close(out.cpu(), base.cpu(), delta, d_abs, dtype, R, has,
-                        stored_delta=not STAGES[stage].fused_add)
+    assert_expand_close(
+        out.cpu(), base.cpu(), delta, d_abs, dtype, R, has, stored_delta=not STAGES[stage].fused_add
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
@@ -440,8 +484,9 @@ def test_expand_all_minus1_writes_nothing(add_inputs, dtype, device):
 def test_expand_store_leaves_no_adapter_rows(dtype, device):
     # add_inputs=False stores the delta on adapter rows and leaves rows of no-adapter pairs untouched
     cfg = OpConfig(16, 128, 16, 1, 1, 4, 2)
-    inter, b, _, topk_ids, lora_ids, tw = expand_inputs(5, 2, 3, 2, 2, 192, 16, dtype, device,
-                                                        pattern="mixed", weighted=True)
+    inter, b, _, topk_ids, lora_ids, tw = expand_inputs(
+        5, 2, 3, 2, 2, 192, 16, dtype, device, pattern="mixed", weighted=True
+    )
     align = align_tokens(topk_ids, 3, 16, lora_ids=lora_ids, num_adapters=2)
     out = torch.full((10, 2 * 192), POISON, dtype=dtype, device=device)
     lora_expand(inter, b, out, align, cfg, topk_weights=tw, add_inputs=False, use_even_k=True)
@@ -456,8 +501,9 @@ def test_expand_fused_add_twice(dtype, device):
     # add_inputs=True twice on the same output adds the delta twice (no stale state): in fp32 exactly
     # out1 = base + d and out2 = out1 + d with d the stored delta; in fp16 within the bound
     cfg = OpConfig(16, 128, 16, 1, 1, 4, 2)
-    inter, b, base, topk_ids, lora_ids, tw = expand_inputs(3, 2, 3, 2, 2, 192, 16, dtype, device,
-                                                           pattern="mixed", weighted=True)
+    inter, b, base, topk_ids, lora_ids, tw = expand_inputs(
+        3, 2, 3, 2, 2, 192, 16, dtype, device, pattern="mixed", weighted=True
+    )
     align = align_tokens(topk_ids, 3, 16, lora_ids=lora_ids, num_adapters=2)
     out = base.clone()
     lora_expand(inter, b, out, align, cfg, topk_weights=tw, add_inputs=True, use_even_k=True)
@@ -481,8 +527,9 @@ def test_expand_partial_swizzle_group(dtype, device):
     # BN 64): bitwise equal to row-major order and every adapter row written
     L, E = 2, 3
     cfg = OpConfig(16, 64, 16, 4, 1, 4, 2)
-    inter, b, _, topk_ids, lora_ids, _ = expand_inputs(L * E, 1, E, L, 1, 192, 16, dtype, device,
-                                                       pattern="groups")
+    inter, b, _, topk_ids, lora_ids, _ = expand_inputs(
+        L * E, 1, E, L, 1, 192, 16, dtype, device, pattern="groups"
+    )
     align = align_tokens(topk_ids, E, 16, lora_ids=lora_ids, num_adapters=L)
     assert align.num_blocks == 6 and int(align.num_tokens_post_padded) == 6 * 16
     outs = []
@@ -501,29 +548,48 @@ def test_expand_partial_swizzle_group(dtype, device):
 # --------------------------------------------------------------------------------------------------
 PAIR_SHRINK = OpConfig(16, 16, 128, 4, 4, 4, 2)
 PAIR_EXPAND = OpConfig(16, 128, 16, 4, 1, 4, 2)
-PAIR_PARAMS = [pytest.param(names[0], id="+".join(names))
-               for names in pair_groups(PAIR_SHRINK, PAIR_EXPAND, 2880, 16)]
+PAIR_PARAMS = [
+    pytest.param(names[0], id="+".join(names)) for names in pair_groups(PAIR_SHRINK, PAIR_EXPAND, 2880, 16)
+]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 @pytest.mark.parametrize("stage", PAIR_PARAMS)
 def test_lora_pair_through_stage(stage, dtype, device):
-    # LayerRun._lora_pair of each stage (down projection: 4-D adapters, rows_div 1, routed weights,
+    # LayerRun.lora_down of each stage (down projection: 4-D adapters, rows_div 1, routed weights,
     # K = 2880 with BK 128 and SPLIT_K 4, N = 192 with BN 128, every slot plus -1) = base + w·(x·Aᵀ)·Bᵀ
     T, K, E, L, R, I, N = 3, 2, 3, 2, 16, 2880, 192
-    lc = STAGES[stage].adapt(LayerConfig(OpConfig(16), OpConfig(16), PAIR_SHRINK, PAIR_EXPAND,
-                                         PAIR_SHRINK, PAIR_EXPAND))
+    lc = STAGES[stage].adapt(
+        LayerConfig(OpConfig(16), OpConfig(16), PAIR_SHRINK, PAIR_EXPAND, PAIR_SHRINK, PAIR_EXPAND)
+    )
     g = torch.Generator().manual_seed(3)
     topk_ids, lora_ids = make_routing(T, K, E, L, "mixed")
     x = rand(T * K, I, dtype=dtype, device=device, g=g)
-    a2 = rand(L, E, R, I, dtype=dtype, device=device, scale=I ** -0.5, g=g)
-    b2 = rand(L, E, N, R, dtype=dtype, device=device, scale=R ** -0.5, g=g)
+    a2 = rand(L, E, R, I, dtype=dtype, device=device, scale=I**-0.5, g=g)
+    b2 = rand(L, E, N, R, dtype=dtype, device=device, scale=R**-0.5, g=g)
     base = rand(T * K, N, dtype=dtype, device=device, g=g)
     tw = torch.rand(T * K, generator=g).to(device)
-    align = align_tokens(topk_ids.to(device), E, 16, lora_ids=lora_ids.to(device), num_adapters=L)
-    fake = types.SimpleNamespace(stage=STAGES[stage], lora_align=align)
-    out = base.clone()
-    LayerRun._lora_pair(fake, x, a2, b2, out, lc.down_shrink, lc.down_expand, 1, tw)
+    # a real LayerRun (its down pair reads g and adds into y): x plays g, base plays y
+    H, S = N, 1
+    run = LayerRun(
+        STAGES[stage],
+        rand(T, H, dtype=dtype, device=device, g=g),
+        rand(E, 2 * I, H, dtype=dtype, device=device, g=g),
+        rand(E, H, I, dtype=dtype, device=device, g=g),
+        tw.view(T, K),
+        topk_ids.to(device),
+        lora_ids.to(device),
+        rand(L, E, S, R, H, dtype=dtype, device=device, g=g),
+        rand(L, E, S, 2 * I, R, dtype=dtype, device=device, g=g),
+        a2,
+        b2,
+        activation="silu",
+        config=LayerConfig(OpConfig(16), OpConfig(16), PAIR_SHRINK, PAIR_EXPAND, PAIR_SHRINK, PAIR_EXPAND),
+    )
+    assert run.cfg == lc and run.lora_align.block_size_m == 16
+    run.g, run.y = x, base.clone()
+    run.lora_down()
+    out = run.y
     inter64, s_abs = ref_shrink(x.cpu(), a2.unsqueeze(2).cpu(), topk_ids, lora_ids, 1)
     inter_ref = torch.nan_to_num(inter64).float()
     delta, d_abs = ref_expand(inter_ref, b2.unsqueeze(2).cpu(), topk_ids, lora_ids, tw)
@@ -541,8 +607,11 @@ def test_lora_pair_through_stage(stage, dtype, device):
     prop = prop * tw.double().cpu()[:, None]
     ref = base.double().cpu()[has] + delta[has]
     err = (out.double().cpu()[has] - ref).abs()
-    lim = (UNIT[dtype] * ref.abs() + gamma(R + 3) * (d_abs[has] + base.double().cpu()[has].abs())
-           + prop[has] * (1 + gamma(R + 3)))
+    lim = (
+        UNIT[dtype] * ref.abs()
+        + gamma(R + 3) * (d_abs[has] + base.double().cpu()[has].abs())
+        + prop[has] * (1 + gamma(R + 3))
+    )
     if not STAGES[stage].fused_add:  # the delta is stored in the output dtype, then added
         lim = lim + UNIT[dtype] * (d_abs[has] + prop[has]) * (1 + gamma(R + 3))
     worst = float((err / lim).max())

@@ -10,7 +10,7 @@ spaces and ``-`` replaced by ``_``, e.g. ``NVIDIA_H200``; ``cpu`` without CUDA):
       config_data[max_loras][num_slices][m][k][n][i] = leaf
 
   with every key a decimal string and, following vLLM's *runtime* convention for these four ops
-  (upstream-vllm-moe-lora.md §7: only the dense ``shrink`` op swaps them):
+  (docs/upstream-vllm-moe-lora.md §7: only the dense ``shrink`` op swaps them):
 
   ======== ===================================================================================
   key      value
@@ -63,12 +63,13 @@ from __future__ import annotations
 import functools
 import json
 import os
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
 
+from ..common import gpu_name, write_json_atomic
 from ..kernels.config import BASE_OPS, LORA_OPS, LayerConfig, OpConfig
+from ..shapes import Dims
 
 __all__ = [
     "ENV_VAR",
@@ -104,15 +105,8 @@ _IGNORED_KEYS = {"USE_TMA", "NUM_CTAS"}  # vLLM leaf keys with no meaning here
 _WARNED: set[tuple[str, str]] = set()
 
 
-def gpu_name(device: int | None = None) -> str:
-    """``torch.cuda.get_device_name()`` with spaces and '-' as '_' (``NVIDIA_H200``); ``cpu`` without CUDA."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return "cpu"
-    return torch.cuda.get_device_name(device).replace(" ", "_").replace("-", "_")
-
-
+# gpu_name (re-exported from moelora_lib.common): ``NVIDIA_H200``, ``cpu`` without CUDA. The alias keeps
+# it reachable inside load_layer_config, whose ``gpu_name`` argument shadows it.
 _current_gpu_name = gpu_name
 
 
@@ -127,15 +121,33 @@ def config_file_name(gpu: str, op: str) -> str:
     return f"{gpu}_{part}.json"
 
 
-def lora_keys(op: str, T: int, H: int, I: int, R: int, L: int, S: int) -> tuple[int, ...]:
-    """(max_loras, num_slices, m, k, n, i) of one LoRA op (see the module docstring)."""
+def lora_keys(op: str, dims: Dims | int, *legacy: int) -> tuple[int, ...]:
+    """(max_loras, num_slices, m, k, n, i) of one LoRA op (see the module docstring).
+
+    ``dims``: a :class:`~moelora_lib.shapes.Dims`, or the ints ``T, H, I, R, L, S`` (old form).
+    """
+    if isinstance(dims, Dims):
+        if legacy:
+            raise TypeError("lora_keys: pass a Dims or the ints T, H, I, R, L, S, not both")
+        T, H, I, R, L, S = dims.T, dims.H, dims.I, dims.rank, dims.adapters, dims.slices
+    else:
+        T, (H, I, R, L, S) = dims, legacy
     if op.startswith("gate_up"):
         return (L, S, T, R, H, 2 * I // S)
     return (L, 1, T, R, H, I)
 
 
-def base_keys(T: int, H: int, I: int, E: int) -> tuple[int, ...]:
-    """(E, N, K, m) of the base file: N = 2I, K = H (the w13 GEMM), m = T."""
+def base_keys(dims: Dims | int, *legacy: int) -> tuple[int, ...]:
+    """(E, N, K, m) of the base file: N = 2I, K = H (the w13 GEMM), m = T.
+
+    ``dims``: a :class:`~moelora_lib.shapes.Dims`, or the ints ``T, H, I, E`` (old form).
+    """
+    if isinstance(dims, Dims):
+        if legacy:
+            raise TypeError("base_keys: pass a Dims or the ints T, H, I, E, not both")
+        T, H, I, E = dims.T, dims.H, dims.I, dims.E
+    else:
+        T, (H, I, E) = dims, legacy
     return (E, 2 * I, H, T)
 
 
@@ -272,7 +284,7 @@ def _warn_once(folder: str, op: str, why: str) -> None:
     warnings.warn(f"moelora_lib tuned configs: {why}; using the default {op} config", stacklevel=4)
 
 
-def _lora_group(folder: Path, gpu: str, T, H, I, R, L, S) -> dict[str, OpConfig] | None:
+def _lora_group(folder: Path, gpu: str, dims: Dims) -> dict[str, OpConfig] | None:
     found: dict[str, OpConfig] = {}
     where: dict[str, str] = {}
     for op in LORA_OPS:
@@ -282,11 +294,10 @@ def _lora_group(folder: Path, gpu: str, T, H, I, R, L, S) -> dict[str, OpConfig]
             return None
         st = path.stat()
         data, parsed = _load_cached(str(path), st.st_mtime_ns, st.st_size, LORA_DEPTH, _kind(op))
-        hit = lookup(data, lora_keys(op, T, H, I, R, L, S), exact_levels=(1,))
+        keys = lora_keys(op, dims)
+        hit = lookup(data, keys, exact_levels=(1,))
         if hit is None:
-            _warn_once(
-                str(folder), op, f"{path} has no entry for num_slices={lora_keys(op, T, H, I, R, L, S)[1]}"
-            )
+            _warn_once(str(folder), op, f"{path} has no entry for num_slices={keys[1]}")
             return None
         taken, _ = hit
         found[op] = parsed[taken]
@@ -300,34 +311,29 @@ def _lora_group(folder: Path, gpu: str, T, H, I, R, L, S) -> dict[str, OpConfig]
     return found
 
 
-def _base_group(folder: Path, gpu: str, T, H, I, E) -> dict[str, OpConfig] | None:
+def _base_group(folder: Path, gpu: str, dims: Dims) -> dict[str, OpConfig] | None:
     path = folder / config_file_name(gpu, "base")
     if not path.is_file():
         _warn_once(str(folder), "base", f"no file {path}")
         return None
     st = path.stat()
     data, parsed = _load_cached(str(path), st.st_mtime_ns, st.st_size, BASE_DEPTH, "base")
-    taken, _ = lookup(data, base_keys(T, H, I, E))
+    taken, _ = lookup(data, base_keys(dims))
     return parsed[taken]
 
 
 def load_layer_config(
-    T: int,
-    H: int,
-    I: int,
-    E: int,
-    K: int,
-    R: int,
-    L: int,
-    S: int = 2,
-    *,
+    dims: Dims | int,
+    *legacy: int,
     folder: str | os.PathLike | None = None,
     gpu_name: str | None = None,
 ) -> LayerConfig:
     """The :class:`~moelora_lib.kernels.LayerConfig` for one layer call, from tuned files if any.
 
-    Args: the shape letters of :mod:`moelora_lib.shapes` (T tokens, H hidden, I intermediate, E
-        experts, K top_k, R max rank, L adapter slots, S gate_up slices).
+    Args:
+        dims: a :class:`~moelora_lib.shapes.Dims` (``Dims.of("qwen3-30b-a3b", T, rank=32, adapters=8)``);
+            the old positional form ``load_layer_config(T, H, I, E, K, R, L, S=2, ...)`` (R before L)
+            is still accepted.
         folder: a config folder (highest precedence); else ``$MOELORA_TUNED_CONFIG_FOLDER``; else the
             shipped ``moelora_lib/configs/<gpu>/``; else the defaults.
         gpu_name: the GPU part of the file names (default :func:`gpu_name`).
@@ -337,8 +343,9 @@ def load_layer_config(
         there would otherwise silently drop every tuned config). A missing file inside an existing
         folder falls back to the defaults with one warning.
     """
-    from ..kernels.stages import default_config
+    from ..kernels.stages import as_dims, default_config
 
+    dims = as_dims(dims, *legacy)
     gpu = gpu_name or _current_gpu_name()
     if folder is not None:
         where, label = Path(folder), f"folder:{folder}"
@@ -347,13 +354,13 @@ def load_layer_config(
     elif shipped_folder(gpu).is_dir():
         where, label = shipped_folder(gpu), f"shipped:{gpu}"
     else:
-        return default_config(T, H, I, E, K, R, L, S)
+        return default_config(dims)
     if not where.is_dir():
         origin = "folder argument" if folder is not None else f"${ENV_VAR}"
         raise ValueError(f"{origin}: config folder {str(where)!r} is not a directory")
-    dflt = default_config(T, H, I, E, K, R, L, S)
-    lora = _lora_group(where, gpu, T, H, I, R, L, S)
-    base = _base_group(where, gpu, T, H, I, E)
+    dflt = default_config(dims)
+    lora = _lora_group(where, gpu, dims)
+    base = _base_group(where, gpu, dims)
     if lora is None and base is None:
         return dflt  # source "default"
     source = label + ("; lora=default" if lora is None else "") + ("; base=default" if base is None else "")
@@ -387,25 +394,9 @@ def _isint(k: str) -> bool:
 
 
 def save_config_file(path: str | os.PathLike, data: dict) -> Path:
-    """Write ``data`` as JSON atomically: a temporary file in the same folder, fsync, ``os.replace``.
+    """Write ``data`` as JSON atomically (:func:`moelora_lib.common.write_json_atomic`: a temporary
+    file in the same folder, fsync, ``os.replace``), integer-keyed levels sorted numerically.
 
-    Integer-keyed levels are sorted numerically. An interrupted write leaves the old file (or none),
-    never half a JSON. Returns the path.
+    An interrupted write leaves the old file (or none), never half a JSON. Returns the path.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(_sorted(data), f, indent=1)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    return path
+    return write_json_atomic(path, _sorted(data), indent=1)

@@ -1,5 +1,5 @@
 """Helion linear backend: tuned Helion GEMMs behind an engine-style linear-method API, with an
-``F.linear`` (cuBLAS) fallback. Issue 5, notebook 08.
+``F.linear`` (cuBLAS) fallback. Notebook 08.
 
 What is here
 ------------
@@ -35,7 +35,7 @@ bias not fitting the epilogue) raises ValueError naming the argument and the exp
 Sources: the Helion docs and examples (``examples/matmul.py``, ``examples/matmul_split_k.py``,
 "Advanced Manual Deployment": bind + compile_config) and the design of vLLM's Helion linear backend
 (pre-tuned per-GPU JSON configs, shape buckets, no runtime autotuning, native fallback, CUDA-graph
-replay for decode), as summarized in shared/notes/helion.md. The code is our own.
+replay for decode), as summarized in docs/helion.md. The code is our own.
 
 Importing this package does not import helion; the kernels module is imported on first use, and a
 failed helion import only turns every path into the fallback.

@@ -34,14 +34,17 @@ import json
 import operator
 import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from ..common import DTYPES as _DTYPE_MAP
+from ..common import gpu_name, is_int, write_json_atomic
 
 #: M buckets; the last one means "≥ 2048" and serves every M > 1024.
 BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 EPILOGUES: tuple[str, ...] = ("none", "bias", "silu", "swiglu")
-DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
+#: dtype names a table may hold: the names of :data:`moelora_lib.common.DTYPES`.
+DTYPES: tuple[str, ...] = tuple(_DTYPE_MAP)
 #: Epilogues that have a split-K kernel.
 SPLIT_K_EPILOGUES: tuple[str, ...] = ("none", "bias")
 MAX_SPLIT_K = 64
@@ -91,15 +94,11 @@ def bucket_for(m: int) -> int:
 
 
 def gpu_config_name(device: Any = None) -> str:
-    """``torch.cuda.get_device_name(device)`` with spaces and '-' replaced by '_' (``NVIDIA_H200``).
+    """:func:`moelora_lib.common.gpu_name` with ``required=True`` (``NVIDIA_H200``).
 
     Raises RuntimeError when CUDA is not available.
     """
-    import torch
-
-    if not torch.cuda.is_available():
-        raise RuntimeError("no CUDA device: there is no GPU name to pick a Helion config file by")
-    return torch.cuda.get_device_name(device).replace(" ", "_").replace("-", "_")
+    return gpu_name(device, required=True)
 
 
 def shipped_config_path(gpu_name: str | None = None) -> Path:
@@ -172,11 +171,6 @@ def validate_config_entry(cfg: Any, *, source: str = "<table>", path: list[str] 
     return cfg
 
 
-def is_int(v: Any) -> bool:
-    """True for a Python int that is not a bool (JSON ``true`` must not pass as 1)."""
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _pow2(v: Any) -> bool:
     return is_int(v) and v >= 1 and v & (v - 1) == 0
 
@@ -237,21 +231,11 @@ def load_configs(path: str | os.PathLike | None = None) -> dict:
 
 
 def save_configs(table: dict, path: str | os.PathLike) -> Path:
-    """Validate ``table`` and write it to ``path`` atomically (temporary file + ``os.replace``)."""
+    """Validate ``table`` and write it to ``path`` atomically
+    (:func:`moelora_lib.common.write_json_atomic`)."""
     p = Path(path)
     validate_table(table, source=str(p))
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(table, f, indent=1, sort_keys=True)
-            f.write("\n")
-        os.replace(tmp, p)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return p
+    return write_json_atomic(p, table, indent=1, sort_keys=True)
 
 
 def lookup(table: dict, epilogue: str, dtype: str, k: int, n: int, bucket: int) -> dict | None:
@@ -270,5 +254,6 @@ def set_entry(table: dict, epilogue: str, dtype: str, k: int, n: int, bucket: in
 
 
 def dtype_name(dtype: Any) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    """``torch.bfloat16`` -> ``"bfloat16"``, for any dtype (a float64 weight gets ``"float64"``, which no
+    table holds, so it takes the fallback; :func:`moelora_lib.common.dtype_name` would raise)."""
     return str(dtype).removeprefix("torch.")

@@ -24,7 +24,7 @@ Tensors (M rows of activations, K input features, N output features, I = N / 2 f
 * returns ``y``: [M, N] (SwiGLU: [M, I]) in ``x.dtype``; fp32 accumulation throughout.
 
 Shape policy: ``static_shapes=False`` with ``hl.specialize`` on K and N (the pattern of vLLM's Helion
-``scaled_mm``, see shared/notes/helion.md §2-§3): K and N are compile-time constants, M is a runtime
+``scaled_mm``, see docs/helion.md §2-§3): K and N are compile-time constants, M is a runtime
 argument, so one compiled runner per config serves every M (Helion would otherwise key M on
 {0, 1, ≥2}; the runners are compiled from a binding with M = 2 and are also correct for M = 1).
 Triton itself still specializes the integer M on ``M == 1`` and ``M % 16 == 0``, so a runner has up
@@ -44,7 +44,7 @@ rounding). The bias is added by the chunk that starts at k = 0 only.
 Source of the method: Helion's ``examples/matmul.py`` / ``examples/matmul_split_k.py`` and the
 docs' "Advanced Manual Deployment" (bind + compile_config), and the design of vLLM's Helion linear
 backend (pre-tuned per-shape configs, no runtime autotuning) as summarized in
-shared/notes/helion.md §2, §3, §8. The code here is our own.
+docs/helion.md §2, §3, §8. The code here is our own.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ in PyTorch, with one ``HelionFallbackWarning`` per distinct reason. ``warmup`` c
 once (no autotuning ever happens at serving time: configs come from the JSON table only).
 
 The design follows vLLM's Helion linear backend (pre-tuned JSON configs per GPU, shape-bucketed
-runners, a native fallback; shared/notes/helion.md §8-§9) and Helion's "bind + compile_config"
+runners, a native fallback; docs/helion.md §8-§9) and Helion's "bind + compile_config"
 deployment recipe.
 """
 

@@ -75,8 +75,10 @@ class OpConfig:
 
     def short(self) -> str:
         """Compact label, e.g. ``m16n64k128g1s1w4st2``."""
-        return (f"m{self.BLOCK_SIZE_M}n{self.BLOCK_SIZE_N}k{self.BLOCK_SIZE_K}g{self.GROUP_SIZE_M}"
-                f"s{self.SPLIT_K}w{self.NUM_WARPS}st{self.NUM_STAGES}")
+        return (
+            f"m{self.BLOCK_SIZE_M}n{self.BLOCK_SIZE_N}k{self.BLOCK_SIZE_K}g{self.GROUP_SIZE_M}"
+            f"s{self.SPLIT_K}w{self.NUM_WARPS}st{self.NUM_STAGES}"
+        )
 
 
 @dataclass(frozen=True)
@@ -98,8 +100,10 @@ class LayerConfig:
 
     def __post_init__(self) -> None:
         if self.base_gate_up.BLOCK_SIZE_M != self.base_down.BLOCK_SIZE_M:
-            raise ValueError("base_gate_up and base_down must share BLOCK_SIZE_M "
-                             f"({self.base_gate_up.BLOCK_SIZE_M} != {self.base_down.BLOCK_SIZE_M})")
+            raise ValueError(
+                "base_gate_up and base_down must share BLOCK_SIZE_M "
+                f"({self.base_gate_up.BLOCK_SIZE_M} != {self.base_down.BLOCK_SIZE_M})"
+            )
         bms = {op: getattr(self, op).BLOCK_SIZE_M for op in LORA_OPS}
         if len(set(bms.values())) != 1:
             raise ValueError(f"the four LoRA ops must share BLOCK_SIZE_M, got {bms}")

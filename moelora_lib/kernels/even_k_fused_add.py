@@ -9,5 +9,12 @@
 
 from .stages import Stage
 
-STAGE = Stage(name="even_k_fused_add", title="+ EVEN_K, fused add", specialize_lengths=False,
-              split_k=True, swizzle=True, even_k=True, fused_add=True)
+STAGE = Stage(
+    name="even_k_fused_add",
+    title="+ EVEN_K, fused add",
+    specialize_lengths=False,
+    split_k=True,
+    swizzle=True,
+    even_k=True,
+    fused_add=True,
+)

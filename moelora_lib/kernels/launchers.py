@@ -14,8 +14,17 @@ from ..routing import Alignment
 from .config import OpConfig
 from .triton_kernels import KERNELS
 
-__all__ = ["fused_moe_gemm", "lora_shrink", "lora_expand", "gated_act", "even_k",
-           "fused_moe_gemm_args", "lora_shrink_args", "lora_expand_args", "gated_act_args"]
+__all__ = [
+    "fused_moe_gemm",
+    "lora_shrink",
+    "lora_expand",
+    "gated_act",
+    "even_k",
+    "fused_moe_gemm_args",
+    "lora_shrink_args",
+    "lora_expand_args",
+    "gated_act_args",
+]
 
 
 def even_k(K: int, block_size_k: int, split_k: int = 1) -> bool:
@@ -28,8 +37,15 @@ def _kernel(name: str, specialize_lengths: bool):
 
 
 def fused_moe_gemm_args(
-    x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: Alignment, cfg: OpConfig, *,
-    rows_div: int, bias: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    align: Alignment,
+    cfg: OpConfig,
+    *,
+    rows_div: int,
+    bias: torch.Tensor | None = None,
+    topk_weights: torch.Tensor | None = None,
     use_even_k: bool = True,
 ) -> tuple[tuple, tuple, dict]:
     """``(grid, args, constexprs)`` of one :func:`fused_moe_gemm` launch; allocates and launches nothing.
@@ -43,26 +59,53 @@ def fused_moe_gemm_args(
     b = bias if bias is not None else w  # dummy pointer when HAS_BIAS is False
     tw = topk_weights if topk_weights is not None else out
     args = (
-        x, w, out, b, tw,
-        align.sorted_token_ids, align.block_expert_ids, align.num_tokens_post_padded,
-        align.num_pairs, align.num_blocks, N, K, rows_div,
-        x.stride(0), x.stride(1),
-        w.stride(0), w.stride(1), w.stride(2),
-        out.stride(0), out.stride(1),
-        bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
+        x,
+        w,
+        out,
+        b,
+        tw,
+        align.sorted_token_ids,
+        align.block_expert_ids,
+        align.num_tokens_post_padded,
+        align.num_pairs,
+        align.num_blocks,
+        N,
+        K,
+        rows_div,
+        x.stride(0),
+        x.stride(1),
+        w.stride(0),
+        w.stride(1),
+        w.stride(2),
+        out.stride(0),
+        out.stride(1),
+        bias.stride(0) if bias is not None else 0,
+        bias.stride(1) if bias is not None else 0,
     )
     constexprs = dict(
-        BLOCK_SIZE_M=cfg.BLOCK_SIZE_M, BLOCK_SIZE_N=cfg.BLOCK_SIZE_N, BLOCK_SIZE_K=cfg.BLOCK_SIZE_K,
-        GROUP_SIZE_M=cfg.GROUP_SIZE_M, EVEN_K=bool(use_even_k and even_k(K, cfg.BLOCK_SIZE_K)),
-        HAS_BIAS=bias is not None, MUL_ROUTED_WEIGHT=topk_weights is not None,
+        BLOCK_SIZE_M=cfg.BLOCK_SIZE_M,
+        BLOCK_SIZE_N=cfg.BLOCK_SIZE_N,
+        BLOCK_SIZE_K=cfg.BLOCK_SIZE_K,
+        GROUP_SIZE_M=cfg.GROUP_SIZE_M,
+        EVEN_K=bool(use_even_k and even_k(K, cfg.BLOCK_SIZE_K)),
+        HAS_BIAS=bias is not None,
+        MUL_ROUTED_WEIGHT=topk_weights is not None,
     )
     return grid, args, constexprs
 
 
 def fused_moe_gemm(
-    x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: Alignment, cfg: OpConfig, *,
-    rows_div: int, bias: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,
-    use_even_k: bool = True, specialize_lengths: bool = False,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    align: Alignment,
+    cfg: OpConfig,
+    *,
+    rows_div: int,
+    bias: torch.Tensor | None = None,
+    topk_weights: torch.Tensor | None = None,
+    use_even_k: bool = True,
+    specialize_lengths: bool = False,
 ) -> torch.Tensor:
     """Base grouped GEMM: out[p] = x[p // rows_div]·w[e]ᵀ (+ bias[e]) (· topk_weights[p]).
 
@@ -77,16 +120,24 @@ def fused_moe_gemm(
         use_even_k: allow the unmasked K loop when K % BLOCK_SIZE_K == 0.
         specialize_lengths: True = Triton's default specialization of length-dependent ints.
     """
-    grid, args, constexprs = fused_moe_gemm_args(x, w, out, align, cfg, rows_div=rows_div, bias=bias,
-                                                 topk_weights=topk_weights, use_even_k=use_even_k)
+    grid, args, constexprs = fused_moe_gemm_args(
+        x, w, out, align, cfg, rows_div=rows_div, bias=bias, topk_weights=topk_weights, use_even_k=use_even_k
+    )
     _kernel("fused_moe", specialize_lengths)[grid](
-        *args, **constexprs, num_warps=cfg.NUM_WARPS, num_stages=cfg.NUM_STAGES)
+        *args, **constexprs, num_warps=cfg.NUM_WARPS, num_stages=cfg.NUM_STAGES
+    )
     return out
 
 
 def lora_shrink_args(
-    x: torch.Tensor, lora_a: torch.Tensor, inter: torch.Tensor, align: Alignment, cfg: OpConfig, *,
-    rows_div: int, use_even_k: bool = False,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    inter: torch.Tensor,
+    align: Alignment,
+    cfg: OpConfig,
+    *,
+    rows_div: int,
+    use_even_k: bool = False,
 ) -> tuple[tuple, tuple, dict]:
     """``(grid, args, constexprs)`` of one :func:`lora_shrink` launch writing ``inter`` [S, T·K, R]."""
     assert cfg.BLOCK_SIZE_M == align.block_size_m
@@ -94,24 +145,49 @@ def lora_shrink_args(
     L, E, S, R, K = a5.shape
     grid = (cfg.SPLIT_K * align.num_blocks * triton.cdiv(R, cfg.BLOCK_SIZE_N), S)
     args = (
-        x, a5, inter,
-        align.sorted_token_ids, align.block_expert_ids, align.block_lora_ids, align.num_tokens_post_padded,
-        align.num_pairs, align.num_blocks, R, K, rows_div,
-        x.stride(0), x.stride(1),
-        a5.stride(0), a5.stride(1), a5.stride(2), a5.stride(3), a5.stride(4),
-        inter.stride(0), inter.stride(1), inter.stride(2),
+        x,
+        a5,
+        inter,
+        align.sorted_token_ids,
+        align.block_expert_ids,
+        align.block_lora_ids,
+        align.num_tokens_post_padded,
+        align.num_pairs,
+        align.num_blocks,
+        R,
+        K,
+        rows_div,
+        x.stride(0),
+        x.stride(1),
+        a5.stride(0),
+        a5.stride(1),
+        a5.stride(2),
+        a5.stride(3),
+        a5.stride(4),
+        inter.stride(0),
+        inter.stride(1),
+        inter.stride(2),
     )
     constexprs = dict(
-        BLOCK_SIZE_M=cfg.BLOCK_SIZE_M, BLOCK_SIZE_N=cfg.BLOCK_SIZE_N, BLOCK_SIZE_K=cfg.BLOCK_SIZE_K,
-        GROUP_SIZE_M=cfg.GROUP_SIZE_M, SPLIT_K=cfg.SPLIT_K,
+        BLOCK_SIZE_M=cfg.BLOCK_SIZE_M,
+        BLOCK_SIZE_N=cfg.BLOCK_SIZE_N,
+        BLOCK_SIZE_K=cfg.BLOCK_SIZE_K,
+        GROUP_SIZE_M=cfg.GROUP_SIZE_M,
+        SPLIT_K=cfg.SPLIT_K,
         EVEN_K=bool(use_even_k and even_k(K, cfg.BLOCK_SIZE_K, cfg.SPLIT_K)),
     )
     return grid, args, constexprs
 
 
 def lora_shrink(
-    x: torch.Tensor, lora_a: torch.Tensor, align: Alignment, cfg: OpConfig, *, rows_div: int,
-    use_even_k: bool = False, specialize_lengths: bool = False,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    align: Alignment,
+    cfg: OpConfig,
+    *,
+    rows_div: int,
+    use_even_k: bool = False,
+    specialize_lengths: bool = False,
 ) -> torch.Tensor:
     """LoRA shrink: inter[s, p] = x[p // rows_div]·lora_a[l, e, s]ᵀ for pairs of adapter blocks.
 
@@ -129,16 +205,25 @@ def lora_shrink(
     L, E, S, R, K = a5.shape
     alloc = torch.zeros if cfg.SPLIT_K > 1 else torch.empty  # atomics need a zeroed buffer
     inter = alloc((S, align.num_pairs, R), dtype=torch.float32, device=x.device)
-    grid, args, constexprs = lora_shrink_args(x, lora_a, inter, align, cfg, rows_div=rows_div,
-                                              use_even_k=use_even_k)
+    grid, args, constexprs = lora_shrink_args(
+        x, lora_a, inter, align, cfg, rows_div=rows_div, use_even_k=use_even_k
+    )
     _kernel("lora_shrink", specialize_lengths)[grid](
-        *args, **constexprs, num_warps=cfg.NUM_WARPS, num_stages=cfg.NUM_STAGES)
+        *args, **constexprs, num_warps=cfg.NUM_WARPS, num_stages=cfg.NUM_STAGES
+    )
     return inter
 
 
 def lora_expand_args(
-    inter: torch.Tensor, lora_b: torch.Tensor, out: torch.Tensor, align: Alignment, cfg: OpConfig, *,
-    topk_weights: torch.Tensor | None = None, add_inputs: bool = True, use_even_k: bool = False,
+    inter: torch.Tensor,
+    lora_b: torch.Tensor,
+    out: torch.Tensor,
+    align: Alignment,
+    cfg: OpConfig,
+    *,
+    topk_weights: torch.Tensor | None = None,
+    add_inputs: bool = True,
+    use_even_k: bool = False,
 ) -> tuple[tuple, tuple, dict]:
     """``(grid, args, constexprs)`` of one :func:`lora_expand` launch."""
     assert cfg.BLOCK_SIZE_M == align.block_size_m and cfg.SPLIT_K == 1
@@ -147,24 +232,51 @@ def lora_expand_args(
     tw = topk_weights if topk_weights is not None else inter
     grid = (align.num_blocks * triton.cdiv(N, cfg.BLOCK_SIZE_N), S)
     args = (
-        inter, b5, out, tw,
-        align.sorted_token_ids, align.block_expert_ids, align.block_lora_ids, align.num_tokens_post_padded,
-        align.num_pairs, align.num_blocks, N, R,
-        inter.stride(0), inter.stride(1), inter.stride(2),
-        b5.stride(0), b5.stride(1), b5.stride(2), b5.stride(3), b5.stride(4),
-        out.stride(0), out.stride(1),
+        inter,
+        b5,
+        out,
+        tw,
+        align.sorted_token_ids,
+        align.block_expert_ids,
+        align.block_lora_ids,
+        align.num_tokens_post_padded,
+        align.num_pairs,
+        align.num_blocks,
+        N,
+        R,
+        inter.stride(0),
+        inter.stride(1),
+        inter.stride(2),
+        b5.stride(0),
+        b5.stride(1),
+        b5.stride(2),
+        b5.stride(3),
+        b5.stride(4),
+        out.stride(0),
+        out.stride(1),
     )
     constexprs = dict(
-        BLOCK_SIZE_M=cfg.BLOCK_SIZE_M, BLOCK_SIZE_N=cfg.BLOCK_SIZE_N, BLOCK_SIZE_K=cfg.BLOCK_SIZE_K,
-        GROUP_SIZE_M=cfg.GROUP_SIZE_M, EVEN_K=bool(use_even_k and even_k(R, cfg.BLOCK_SIZE_K)),
-        MUL_ROUTED_WEIGHT=topk_weights is not None, ADD_INPUTS=bool(add_inputs),
+        BLOCK_SIZE_M=cfg.BLOCK_SIZE_M,
+        BLOCK_SIZE_N=cfg.BLOCK_SIZE_N,
+        BLOCK_SIZE_K=cfg.BLOCK_SIZE_K,
+        GROUP_SIZE_M=cfg.GROUP_SIZE_M,
+        EVEN_K=bool(use_even_k and even_k(R, cfg.BLOCK_SIZE_K)),
+        MUL_ROUTED_WEIGHT=topk_weights is not None,
+        ADD_INPUTS=bool(add_inputs),
     )
     return grid, args, constexprs
 
 
 def lora_expand(
-    inter: torch.Tensor, lora_b: torch.Tensor, out: torch.Tensor, align: Alignment, cfg: OpConfig, *,
-    topk_weights: torch.Tensor | None = None, add_inputs: bool = True, use_even_k: bool = False,
+    inter: torch.Tensor,
+    lora_b: torch.Tensor,
+    out: torch.Tensor,
+    align: Alignment,
+    cfg: OpConfig,
+    *,
+    topk_weights: torch.Tensor | None = None,
+    add_inputs: bool = True,
+    use_even_k: bool = False,
     specialize_lengths: bool = False,
 ) -> torch.Tensor:
     """LoRA expand: out[p, s·N + n] (+)= (inter[s, p]·lora_b[l, e, s]ᵀ)[n] (· topk_weights[p]).
@@ -177,15 +289,25 @@ def lora_expand(
             adapter are left untouched).
         topk_weights: [T·K] float32 or None; multiplies the delta (down projection).
     """
-    grid, args, constexprs = lora_expand_args(inter, lora_b, out, align, cfg, topk_weights=topk_weights,
-                                              add_inputs=add_inputs, use_even_k=use_even_k)
+    grid, args, constexprs = lora_expand_args(
+        inter,
+        lora_b,
+        out,
+        align,
+        cfg,
+        topk_weights=topk_weights,
+        add_inputs=add_inputs,
+        use_even_k=use_even_k,
+    )
     _kernel("lora_expand", specialize_lengths)[grid](
-        *args, **constexprs, num_warps=cfg.NUM_WARPS, num_stages=cfg.NUM_STAGES)
+        *args, **constexprs, num_warps=cfg.NUM_WARPS, num_stages=cfg.NUM_STAGES
+    )
     return out
 
 
-def gated_act_args(h: torch.Tensor, out: torch.Tensor, activation: str, *,
-                   block_size: int = 1024) -> tuple[tuple, tuple, dict]:
+def gated_act_args(
+    h: torch.Tensor, out: torch.Tensor, activation: str, *, block_size: int = 1024
+) -> tuple[tuple, tuple, dict]:
     """``(grid, args, constexprs)`` of one :func:`gated_act` launch (Triton's default warps/stages)."""
     P, two_i = h.shape
     inter_size = two_i // 2
@@ -195,8 +317,9 @@ def gated_act_args(h: torch.Tensor, out: torch.Tensor, activation: str, *,
     return grid, args, dict(ACTIVATION=activation, BLOCK_SIZE=bs)
 
 
-def gated_act(h: torch.Tensor, activation: str, *, specialize_lengths: bool = False,
-              block_size: int = 1024) -> torch.Tensor:
+def gated_act(
+    h: torch.Tensor, activation: str, *, specialize_lengths: bool = False, block_size: int = 1024
+) -> torch.Tensor:
     """Gated activation [P, 2I] -> [P, I] in h's dtype (computed in fp32).
 
     ``"silu"``: silu(h[:, :I])·h[:, I:]; ``"swigluoai"``: GPT-OSS, interleaved gate/up columns,

@@ -8,17 +8,41 @@ switches: a later stage never changes what an earlier one computes or how.
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any, NamedTuple
 
 import torch
 
+from ..hardware import H200_NUM_SMS
 from ..routing import Alignment, align_tokens
-from .config import LORA_OPS, LayerConfig, OpConfig, next_pow2
-from .launchers import fused_moe_gemm, gated_act, lora_expand, lora_shrink
+from ..shapes import Dims
+from .config import BASE_OPS, LORA_OPS, LayerConfig, OpConfig, next_pow2
+from .launchers import (
+    fused_moe_gemm,
+    fused_moe_gemm_args,
+    gated_act,
+    gated_act_args,
+    lora_expand,
+    lora_expand_args,
+    lora_shrink,
+    lora_shrink_args,
+)
 
-__all__ = ["Stage", "LayerRun", "default_config"]
+__all__ = ["Stage", "LayerRun", "Launch", "LAUNCH_OPS", "LAUNCH_KERNELS", "default_config", "as_dims"]
 
-NUM_SMS_H200 = 132
+#: The launches of one layer, in call order, and the kernel each one runs.
+LAUNCH_KERNELS: dict[str, str] = {
+    "base_gate_up": "fused_moe",
+    "gate_up_shrink": "lora_shrink",
+    "gate_up_expand": "lora_expand",
+    "act": "gated_act",
+    "base_down": "fused_moe",
+    "down_shrink": "lora_shrink",
+    "down_expand": "lora_expand",
+}
+LAUNCH_OPS: tuple[str, ...] = tuple(LAUNCH_KERNELS)
 
 
 @dataclass(frozen=True)
@@ -60,14 +84,34 @@ class Stage:
         return replace(cfg, **changes) if changes else cfg
 
 
-def default_config(T: int, hidden: int, intermediate: int, experts: int, top_k: int,
-                   rank: int, adapters: int, slices: int = 2) -> LayerConfig:
+def as_dims(dims: Dims | int, *rest: int) -> Dims:
+    """A :class:`~moelora_lib.shapes.Dims`, or the old positional form (T, H, I, E, K, R, L[, S]) as one.
+
+    The positional form keeps the order the config loader has always used: R (rank) before L (adapters).
+    """
+    if isinstance(dims, Dims):
+        if rest:
+            raise TypeError("pass either a Dims or the positional ints (T, H, I, E, K, R, L[, S]), not both")
+        return dims
+    if len(rest) not in (6, 7):
+        raise TypeError(f"expected a Dims or the ints T, H, I, E, K, R, L[, S]; got {1 + len(rest)} values")
+    T, H, I, E, K, R, L, *S = (operator.index(v) for v in (dims, *rest))
+    return Dims(T=T, H=H, I=I, E=E, top_k=K, adapters=L, rank=R, slices=S[0] if S else 2)
+
+
+def default_config(dims: Dims | int, *legacy: int) -> LayerConfig:
     """Hand-picked H200 starting configs by average rows per group (no tuning).
+
+    ``dims``: a :class:`~moelora_lib.shapes.Dims` (``default_config(Dims.of("qwen3-30b-a3b", 64))``);
+    the old positional form ``default_config(T, H, I, E, K, R, L, S=2)`` is still accepted.
 
     Base GEMMs: by T·K/E rows per expert. LoRA ops: by T·K/(L·E) rows per (adapter, expert) group
     (assuming every token has an adapter). SPLIT_K targets about two programs per SM of the H200
     for the shrink. BLOCK_SIZE_K = 64 keeps EVEN_K for every preset's hidden/intermediate.
     """
+    d = as_dims(dims, *legacy)
+    T, top_k, experts, adapters, rank = d.T, d.top_k, d.E, d.adapters, d.rank
+    hidden, intermediate, slices = d.H, d.I, d.slices
     pairs = max(1, T * top_k)
     m_avg = pairs / experts
     if m_avg <= 8:
@@ -88,7 +132,7 @@ def default_config(T: int, hidden: int, intermediate: int, experts: int, top_k: 
         bn = max(16, next_pow2(rank))
         bk = 64
         sk = 1
-        while sk < 16 and est_blocks * S * sk < 2 * NUM_SMS_H200 and bk * sk * 4 <= K:
+        while sk < 16 and est_blocks * S * sk < 2 * H200_NUM_SMS and bk * sk * 4 <= K:
             sk *= 2
         return OpConfig(bm, bn, bk, 8, sk, 4, 3)
 
@@ -97,24 +141,64 @@ def default_config(T: int, hidden: int, intermediate: int, experts: int, top_k: 
         return OpConfig(bm, bn, max(16, next_pow2(rank)), 8, 1, 4, 2)
 
     return LayerConfig(
-        base_gate_up=base, base_down=base,
-        gate_up_shrink=shrink(hidden, slices), gate_up_expand=expand(2 * intermediate // slices),
-        down_shrink=shrink(intermediate, 1), down_expand=expand(hidden),
+        base_gate_up=base,
+        base_down=base,
+        gate_up_shrink=shrink(hidden, slices),
+        gate_up_expand=expand(2 * intermediate // slices),
+        down_shrink=shrink(intermediate, 1),
+        down_expand=expand(hidden),
         source="default",
     )
+
+
+class Launch(NamedTuple):
+    """One kernel launch of a layer, as compile-only checks need it (nothing allocated, nothing run).
+
+    kernel: the :data:`~moelora_lib.kernels.triton_kernels.KERNELS` name; grid, args, constexprs: what
+    the launcher's ``*_args`` builder returns; num_warps/num_stages: from ``cfg`` (None for the
+    activation, which runs with Triton's defaults); cfg: the OpConfig launched (None for the activation).
+    """
+
+    kernel: str
+    grid: tuple
+    args: tuple
+    constexprs: dict
+    num_warps: int | None
+    num_stages: int | None
+    cfg: OpConfig | None
 
 
 class LayerRun:
     """One MoE+LoRA layer call split into its launches, with alignments and buffers made up front.
 
-    ``LayerRun(...)()`` computes the layer; :meth:`base_part` and :meth:`lora_part` run the base
-    launches or the four LoRA ops alone on the buffers of the last full call, which is what the
-    benchmarks time. All inputs must already be validated (see :func:`moelora_lib.fused_moe_lora`).
+    This is the one launch plan of a layer: which tensors, alignment, config and stage switches each
+    of the seven launches (:data:`LAUNCH_OPS`) gets. ``LayerRun(...)()`` computes the layer;
+    :meth:`base_part` and :meth:`lora_part` run the base launches or the four LoRA ops alone on the
+    buffers of the last full call, which is what the benchmarks time; :meth:`op_fn` hands one launch
+    alone to a benchmark or the tuner (optionally with another OpConfig), and :meth:`launch_args` the
+    arguments of one launch to compile-only checks. All inputs must already be validated (see
+    :func:`moelora_lib.fused_moe_lora`); meta tensors work for :meth:`launch_args`.
     """
 
-    def __init__(self, stage: Stage, hidden_states, w13, w2, topk_weights, topk_ids, lora_ids,
-                 lora_a13, lora_b13, lora_a2, lora_b2, *, activation: str, b13=None, b2=None,
-                 config: LayerConfig):
+    def __init__(
+        self,
+        stage: Stage,
+        hidden_states,
+        w13,
+        w2,
+        topk_weights,
+        topk_ids,
+        lora_ids,
+        lora_a13,
+        lora_b13,
+        lora_a2,
+        lora_b2,
+        *,
+        activation: str,
+        b13=None,
+        b2=None,
+        config: LayerConfig,
+    ):
         self.stage = stage
         self.cfg = stage.adapt(config)
         self.x, self.w13, self.w2 = hidden_states, w13, w2
@@ -127,50 +211,130 @@ class LayerRun:
         self.I = w2.shape[2]
         self.L = lora_a13.shape[0]
         self.topk_w = topk_weights.reshape(-1).float().contiguous()
-        self.base_align: Alignment = align_tokens(topk_ids, E, self.cfg.base_block_size_m,
-                                                  check_values=False)
-        self.lora_align: Alignment = align_tokens(topk_ids, E, self.cfg.lora_block_size_m,
-                                                  lora_ids=lora_ids, num_adapters=self.L, check_values=False)
+        self.base_align: Alignment = align_tokens(topk_ids, E, self.cfg.base_block_size_m, check_values=False)
+        self.lora_align: Alignment = align_tokens(
+            topk_ids,
+            E,
+            self.cfg.lora_block_size_m,
+            lora_ids=lora_ids,
+            num_adapters=self.L,
+            check_values=False,
+        )
         P = T * self.K
         dt, dev = hidden_states.dtype, hidden_states.device
         self.h = torch.empty((P, 2 * self.I), dtype=dt, device=dev)
         self.y = torch.empty((P, H), dtype=dt, device=dev)
         self.g = None
 
-    # --- the launches -------------------------------------------------------------------------
-    def _lora_pair(self, x, lora_a, lora_b, out, shrink_cfg, expand_cfg, rows_div, topk_weights):
-        st = self.stage
-        inter = lora_shrink(x, lora_a, self.lora_align, shrink_cfg, rows_div=rows_div,
-                            use_even_k=st.even_k, specialize_lengths=st.specialize_lengths)
-        if st.fused_add:
-            lora_expand(inter, lora_b, out, self.lora_align, expand_cfg, topk_weights=topk_weights,
-                        add_inputs=True, use_even_k=st.even_k, specialize_lengths=st.specialize_lengths)
+    @property
+    def dims(self) -> Dims:
+        """The sizes of this call (T, H, I, E, top_k, adapters, rank, slices)."""
+        a13 = self.lora[0]
+        return Dims(
+            T=self.T,
+            H=self.H,
+            I=self.I,
+            E=self.w13.shape[0],
+            top_k=self.K,
+            adapters=self.L,
+            rank=a13.shape[3],
+            slices=a13.shape[2],
+        )
+
+    # --- the wiring: which tensors each launch reads and writes ---------------------------------
+    def _act_out(self) -> torch.Tensor:
+        """The activation output g [T·K, I] of the last call (an unwritten buffer before any call)."""
+        if self.g is None:
+            return torch.empty((self.T * self.K, self.I), dtype=self.x.dtype, device=self.x.device)
+        return self.g
+
+    def _base_io(self, op: str) -> dict[str, Any]:
+        if op == "base_gate_up":
+            return dict(x=self.x, w=self.w13, out=self.h, rows_div=self.K, bias=self.b13, topk_weights=None)
+        if op == "base_down":
+            return dict(
+                x=self._act_out(), w=self.w2, out=self.y, rows_div=1, bias=self.b2, topk_weights=self.topk_w
+            )
+        raise ValueError(f"op must be one of {BASE_OPS}, got {op!r}")
+
+    def _lora_io(self, op: str) -> dict[str, Any]:
+        a13, b13l, a2, b2l = self.lora
+        if op in ("gate_up_shrink", "gate_up_expand"):
+            return dict(x=self.x, a=a13, b=b13l, out=self.h, rows_div=self.K, topk_weights=None)
+        if op in ("down_shrink", "down_expand"):
+            return dict(x=self._act_out(), a=a2, b=b2l, out=self.y, rows_div=1, topk_weights=self.topk_w)
+        raise ValueError(f"op must be one of {LORA_OPS}, got {op!r}")
+
+    def _op_cfg(self, op: str, cfg: OpConfig | None) -> OpConfig:
+        return cfg if cfg is not None else getattr(self.cfg, op)
+
+    def _base(self, op: str, cfg: OpConfig | None = None):
+        io = self._base_io(op)
+        return fused_moe_gemm(
+            io["x"],
+            io["w"],
+            io["out"],
+            self.base_align,
+            self._op_cfg(op, cfg),
+            rows_div=io["rows_div"],
+            bias=io["bias"],
+            topk_weights=io["topk_weights"],
+            specialize_lengths=self.stage.specialize_lengths,
+        )
+
+    def _shrink(self, op: str, cfg: OpConfig | None = None) -> torch.Tensor:
+        io, st = self._lora_io(op), self.stage
+        return lora_shrink(
+            io["x"],
+            io["a"],
+            self.lora_align,
+            self._op_cfg(op, cfg),
+            rows_div=io["rows_div"],
+            use_even_k=st.even_k,
+            specialize_lengths=st.specialize_lengths,
+        )
+
+    def _expand(
+        self, op: str, inter: torch.Tensor, out: torch.Tensor, add_inputs: bool, cfg: OpConfig | None = None
+    ):
+        io, st = self._lora_io(op), self.stage
+        return lora_expand(
+            inter,
+            io["b"],
+            out,
+            self.lora_align,
+            self._op_cfg(op, cfg),
+            topk_weights=io["topk_weights"],
+            add_inputs=add_inputs,
+            use_even_k=st.even_k,
+            specialize_lengths=st.specialize_lengths,
+        )
+
+    def _lora_pair(self, proj: str):
+        inter = self._shrink(f"{proj}_shrink")
+        out = self._lora_io(f"{proj}_expand")["out"]
+        if self.stage.fused_add:
+            self._expand(f"{proj}_expand", inter, out, add_inputs=True)
         else:
             delta = torch.zeros_like(out)
-            lora_expand(inter, lora_b, delta, self.lora_align, expand_cfg, topk_weights=topk_weights,
-                        add_inputs=False, use_even_k=st.even_k, specialize_lengths=st.specialize_lengths)
+            self._expand(f"{proj}_expand", inter, delta, add_inputs=False)
             out.add_(delta)
 
+    # --- the launches -------------------------------------------------------------------------
     def base_gate_up(self):
-        fused_moe_gemm(self.x, self.w13, self.h, self.base_align, self.cfg.base_gate_up, rows_div=self.K,
-                       bias=self.b13, specialize_lengths=self.stage.specialize_lengths)
+        self._base("base_gate_up")
 
     def lora_gate_up(self):
-        a13, b13l, _, _ = self.lora
-        self._lora_pair(self.x, a13, b13l, self.h, self.cfg.gate_up_shrink, self.cfg.gate_up_expand,
-                        self.K, None)
+        self._lora_pair("gate_up")
 
     def act(self):
         self.g = gated_act(self.h, self.activation, specialize_lengths=self.stage.specialize_lengths)
 
     def base_down(self):
-        fused_moe_gemm(self.g, self.w2, self.y, self.base_align, self.cfg.base_down, rows_div=1,
-                       bias=self.b2, topk_weights=self.topk_w,
-                       specialize_lengths=self.stage.specialize_lengths)
+        self._base("base_down")
 
     def lora_down(self):
-        _, _, a2, b2l = self.lora
-        self._lora_pair(self.g, a2, b2l, self.y, self.cfg.down_shrink, self.cfg.down_expand, 1, self.topk_w)
+        self._lora_pair("down")
 
     def reduce(self) -> torch.Tensor:
         return self.y.view(self.T, self.K, self.H).sum(dim=1)
@@ -200,3 +364,87 @@ class LayerRun:
             self()
         self.lora_gate_up()
         self.lora_down()
+
+    # --- one launch alone: for benchmarks, the tuner and compile-only checks -------------------
+    def op_fn(self, op: str, cfg: OpConfig | None = None) -> Callable[[], Any]:
+        """A no-argument callable launching one op of this layer alone, on the buffers of a full call.
+
+        op: a base GEMM (``base_gate_up``, ``base_down``), a LoRA op (``gate_up_shrink``,
+            ``gate_up_expand``, ``down_shrink``, ``down_expand``) or ``act``.
+        cfg: an :class:`~moelora_lib.kernels.OpConfig` replacing ``self.cfg.<op>`` (its BLOCK_SIZE_M must
+            equal the alignment's of the op's group); launched as given — the stage's switches (EVEN_K,
+            fused add, length specialization) apply, SPLIT_K/GROUP_SIZE_M are not clamped by the stage.
+
+        Runs the layer once first if it has not run. A base GEMM writes into the layer's own ``h``/``y``;
+        a shrink returns the fp32 intermediate [S, P, R]; an expand adds (fused-add stages) or writes
+        (other stages) the delta into a private copy of ``h`` or ``y``, its input computed once here by
+        the shrink with the layer's config, so repeated calls cost what one call in the layer costs.
+        """
+        if self.g is None:
+            self()
+        if op in BASE_OPS:
+            return lambda: self._base(op, cfg)
+        if op == "act":
+            return lambda: gated_act(
+                self.h, self.activation, specialize_lengths=self.stage.specialize_lengths
+            )
+        if op.endswith("shrink"):
+            self._lora_io(op)  # validates the name
+            return lambda: self._shrink(op, cfg)
+        io = self._lora_io(op)
+        inter = self._shrink(op.replace("expand", "shrink"))
+        scratch = io["out"].clone()
+        fused = self.stage.fused_add
+        return lambda: self._expand(op, inter, scratch, add_inputs=fused, cfg=cfg)
+
+    def launch_args(self, op: str, cfg: OpConfig | None = None) -> Launch:
+        """The :class:`Launch` (kernel name, grid, arguments, constexprs, warps, stages) of one op of this
+        layer, built by the launchers' ``*_args`` functions from the same tensors :meth:`op_fn` and the
+        layer call use; nothing is allocated on the device or launched (meta tensors are fine).
+
+        op and cfg: as in :meth:`op_fn`. An expand is described with ``ADD_INPUTS`` = the stage's fused
+        add; the LoRA intermediate and, before any call, the activation output are placeholders of
+        the right shape, dtype and device.
+        """
+        st = self.stage
+        kernel = LAUNCH_KERNELS.get(op)
+        if kernel is None:
+            raise ValueError(f"op must be one of {LAUNCH_OPS}, got {op!r}")
+        if op == "act":
+            grid, args, cx = gated_act_args(self.h, self._act_out(), self.activation)
+            return Launch(kernel, grid, args, cx, None, None, None)
+        c = self._op_cfg(op, cfg)
+        if op in BASE_OPS:
+            io = self._base_io(op)
+            grid, args, cx = fused_moe_gemm_args(
+                io["x"],
+                io["w"],
+                io["out"],
+                self.base_align,
+                c,
+                rows_div=io["rows_div"],
+                bias=io["bias"],
+                topk_weights=io["topk_weights"],
+            )
+            return Launch(kernel, grid, args, cx, c.NUM_WARPS, c.NUM_STAGES, c)
+        io = self._lora_io(op)
+        S = io["a"].shape[2] if io["a"].dim() == 5 else 1
+        inter = torch.empty(
+            (S, self.lora_align.num_pairs, io["a"].shape[-2]), dtype=torch.float32, device=self.x.device
+        )
+        if op.endswith("shrink"):
+            grid, args, cx = lora_shrink_args(
+                io["x"], io["a"], inter, self.lora_align, c, rows_div=io["rows_div"], use_even_k=st.even_k
+            )
+        else:
+            grid, args, cx = lora_expand_args(
+                inter,
+                io["b"],
+                io["out"],
+                self.lora_align,
+                c,
+                topk_weights=io["topk_weights"],
+                add_inputs=st.fused_add,
+                use_even_k=st.even_k,
+            )
+        return Launch(kernel, grid, args, cx, c.NUM_WARPS, c.NUM_STAGES, c)

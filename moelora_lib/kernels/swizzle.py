@@ -7,5 +7,6 @@ same weight tile and the same activation rows from L2. The last group may be par
 
 from .stages import Stage
 
-STAGE = Stage(name="swizzle", title="+ grouped (swizzled) order", specialize_lengths=False,
-              split_k=True, swizzle=True)
+STAGE = Stage(
+    name="swizzle", title="+ grouped (swizzled) order", specialize_lengths=False, split_k=True, swizzle=True
+)

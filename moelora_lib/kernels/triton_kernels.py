@@ -28,7 +28,7 @@ Features switched by the stages:
 Kernels are the project's own; the structure (pair gather through sorted_token_ids, per-block
 expert/adapter ids, split-K atomics, grouped ordering) follows vLLM's fused_moe_kernel and
 _fused_moe_lora_kernel (vllm/model_executor/layers/fused_moe/fused_moe.py,
-vllm/lora/ops/triton_ops/fused_moe_lora_op.py) as described in ../shared/notes.
+vllm/lora/ops/triton_ops/fused_moe_lora_op.py) as described in docs/upstream-vllm-moe-lora.md.
 """
 
 from __future__ import annotations
@@ -50,16 +50,35 @@ def _pid_to_mn(pid, num_pid_m, num_pid_n, GROUP_SIZE_M: tl.constexpr):
 
 
 def _fused_moe_kernel(
-    x_ptr, w_ptr, out_ptr, bias_ptr, topk_w_ptr,
-    sorted_ids_ptr, block_expert_ptr, num_post_ptr,
-    num_pairs, num_blocks, N, K, rows_div,
-    stride_xm, stride_xk,
-    stride_we, stride_wn, stride_wk,
-    stride_om, stride_on,
-    stride_be, stride_bn,
-    BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
-    GROUP_SIZE_M: tl.constexpr, EVEN_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    bias_ptr,
+    topk_w_ptr,
+    sorted_ids_ptr,
+    block_expert_ptr,
+    num_post_ptr,
+    num_pairs,
+    num_blocks,
+    N,
+    K,
+    rows_div,
+    stride_xm,
+    stride_xk,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_om,
+    stride_on,
+    stride_be,
+    stride_bn,
+    BLOCK_SIZE_M: tl.constexpr,
+    BLOCK_SIZE_N: tl.constexpr,
+    BLOCK_SIZE_K: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_SIZE_N)
@@ -102,14 +121,34 @@ def _fused_moe_kernel(
 
 
 def _lora_shrink_kernel(
-    x_ptr, a_ptr, out_ptr,
-    sorted_ids_ptr, block_expert_ptr, block_lora_ptr, num_post_ptr,
-    num_pairs, num_blocks, N, K, rows_div,
-    stride_xm, stride_xk,
-    stride_al, stride_ae, stride_as, stride_an, stride_ak,
-    stride_os, stride_om, stride_on,
-    BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
-    GROUP_SIZE_M: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+    x_ptr,
+    a_ptr,
+    out_ptr,
+    sorted_ids_ptr,
+    block_expert_ptr,
+    block_lora_ptr,
+    num_post_ptr,
+    num_pairs,
+    num_blocks,
+    N,
+    K,
+    rows_div,
+    stride_xm,
+    stride_xk,
+    stride_al,
+    stride_ae,
+    stride_as,
+    stride_an,
+    stride_ak,
+    stride_os,
+    stride_om,
+    stride_on,
+    BLOCK_SIZE_M: tl.constexpr,
+    BLOCK_SIZE_N: tl.constexpr,
+    BLOCK_SIZE_K: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
     slice_id = tl.program_id(1)
@@ -150,8 +189,9 @@ def _lora_shrink_kernel(
             acc = tl.dot(xa, aa, acc)
             x_ptrs += BLOCK_SIZE_K * SPLIT_K * stride_xk
             a_ptrs += BLOCK_SIZE_K * SPLIT_K * stride_ak
-    out_ptrs = (out_ptr + slice_id * stride_os + pair.to(tl.int64)[:, None] * stride_om
-                + offs_n[None, :] * stride_on)
+    out_ptrs = (
+        out_ptr + slice_id * stride_os + pair.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
+    )
     mask = row_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
         tl.store(out_ptrs, acc, mask=mask)
@@ -160,15 +200,35 @@ def _lora_shrink_kernel(
 
 
 def _lora_expand_kernel(
-    inter_ptr, b_ptr, out_ptr, topk_w_ptr,
-    sorted_ids_ptr, block_expert_ptr, block_lora_ptr, num_post_ptr,
-    num_pairs, num_blocks, N, K,
-    stride_is, stride_im, stride_ik,
-    stride_bl, stride_be, stride_bs, stride_bn, stride_bk,
-    stride_om, stride_on,
-    BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
-    GROUP_SIZE_M: tl.constexpr, EVEN_K: tl.constexpr,
-    MUL_ROUTED_WEIGHT: tl.constexpr, ADD_INPUTS: tl.constexpr,
+    inter_ptr,
+    b_ptr,
+    out_ptr,
+    topk_w_ptr,
+    sorted_ids_ptr,
+    block_expert_ptr,
+    block_lora_ptr,
+    num_post_ptr,
+    num_pairs,
+    num_blocks,
+    N,
+    K,
+    stride_is,
+    stride_im,
+    stride_ik,
+    stride_bl,
+    stride_be,
+    stride_bs,
+    stride_bn,
+    stride_bk,
+    stride_om,
+    stride_on,
+    BLOCK_SIZE_M: tl.constexpr,
+    BLOCK_SIZE_N: tl.constexpr,
+    BLOCK_SIZE_K: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    ADD_INPUTS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     slice_id = tl.program_id(1)
@@ -189,8 +249,14 @@ def _lora_expand_kernel(
     offs_n_ld = tl.where(n_mask, offs_n, 0).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_SIZE_K)
     i_ptrs = inter_ptr + slice_id * stride_is + i_row[:, None] * stride_im + offs_k[None, :] * stride_ik
-    b_ptrs = (b_ptr + lora * stride_bl + expert * stride_be + slice_id * stride_bs
-              + offs_n_ld[None, :] * stride_bn + offs_k[:, None] * stride_bk)
+    b_ptrs = (
+        b_ptr
+        + lora * stride_bl
+        + expert * stride_be
+        + slice_id * stride_bs
+        + offs_n_ld[None, :] * stride_bn
+        + offs_k[:, None] * stride_bk
+    )
     acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_SIZE_K)):
         if EVEN_K:
@@ -207,8 +273,7 @@ def _lora_expand_kernel(
     if MUL_ROUTED_WEIGHT:
         wt = tl.load(topk_w_ptr + pair, mask=row_mask, other=0.0)
         acc = acc * wt[:, None]
-    out_ptrs = (out_ptr + pair.to(tl.int64)[:, None] * stride_om
-                + (slice_id * N + offs_n)[None, :] * stride_on)
+    out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_om + (slice_id * N + offs_n)[None, :] * stride_on
     mask = row_mask[:, None] & n_mask[None, :]
     if ADD_INPUTS:
         prev = tl.load(out_ptrs, mask=mask, other=0.0)
@@ -217,9 +282,14 @@ def _lora_expand_kernel(
 
 
 def _gated_act_kernel(
-    h_ptr, out_ptr, n_rows, I,
-    stride_hm, stride_om,
-    ACTIVATION: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    h_ptr,
+    out_ptr,
+    n_rows,
+    I,
+    stride_hm,
+    stride_om,
+    ACTIVATION: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)

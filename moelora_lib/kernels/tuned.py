@@ -11,21 +11,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..shapes import Dims
 from .config import LayerConfig
-from .stages import Stage
+from .stages import Stage, as_dims
 
 
 @dataclass(frozen=True)
 class TunedStage(Stage):
     """A :class:`Stage` whose default configs come from the tuned-config loader."""
 
-    def config_for(self, T: int, H: int, I: int, E: int, K: int, R: int, L: int, S: int,
-                   folder=None) -> LayerConfig:
-        """:func:`moelora_lib.configs.load_layer_config` for this call (the env var is read now)."""
+    def config_for(self, dims: Dims | int, *legacy: int, folder=None) -> LayerConfig:
+        """:func:`moelora_lib.configs.load_layer_config` for a call of ``dims`` (the env var is read now).
+
+        ``dims``: a :class:`~moelora_lib.shapes.Dims` (or the old ints T, H, I, E, K, R, L, S)."""
         from ..configs import load_layer_config  # lazy: configs imports kernels.config
 
-        return load_layer_config(T, H, I, E, K, R, L, S, folder=folder)
+        return load_layer_config(as_dims(dims, *legacy), folder=folder)
 
 
-STAGE = TunedStage(name="tuned", title="+ tuned configs", specialize_lengths=False, split_k=True,
-                   swizzle=True, even_k=True, fused_add=True)
+STAGE = TunedStage(
+    name="tuned",
+    title="+ tuned configs",
+    specialize_lengths=False,
+    split_k=True,
+    swizzle=True,
+    even_k=True,
+    fused_add=True,
+)

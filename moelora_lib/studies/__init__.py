@@ -5,9 +5,12 @@ Nothing in the product (``moelora_lib`` outside this package) imports from here.
 - :mod:`.bench`          the one timing harness (CUDA events via do_bench, L2 flush, CUDA graphs), floors,
                          result rows and environment records
 - :mod:`.moe_bench`      MoE-LoRA measurements: op costs, layer/op timing, checks, recompile counts, ncu
-- :mod:`.tuning`         the tuner of the four LoRA ops and the base GEMMs (``python -m moelora_lib.studies.tuning``)
+- :mod:`.tuning`         the tuner of the four LoRA ops and the base GEMMs
+                         (``python -m moelora_lib.studies.tuning``)
 - :mod:`.compile_check`  compile-only sm_90 inspection: variant counts, PTX/SASS, registers
 - :mod:`.helion_tune`    the Helion linear backend's tuner
 - :mod:`.helion_study`   notebook 08's sweep, ceilings, L2 probe and bounds
 - :mod:`.runner`         executes the notebooks with papermill (``python -m moelora_lib.studies.runner``)
+- :mod:`.notebook`       the one set-up call of the notebooks and their display helpers
+- :mod:`.conclusions`    the notebooks' written conclusions, computed and asserted from their CSVs
 """

@@ -34,7 +34,6 @@ from __future__ import annotations
 import datetime as _dt
 import functools
 import importlib.metadata
-import json
 import os
 import platform
 import socket
@@ -45,12 +44,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from ..common import write_json_atomic
+from ..hardware import H200_BF16_TFLOPS, H200_COPY_TB_PER_S  # re-exported: notebooks read them here
 
-#: Measured on the H200 host (shared/notes/environment.md §6): device-to-device copy, bytes read + written.
-H200_COPY_TB_PER_S = 4.3
-#: Measured bf16 dense matmul throughput on the H200 (8192^3 via torch); 790 is the top of the range.
-H200_BF16_TFLOPS = 675.0
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 QUANTILES = (0.5, 0.2, 0.8)
 #: The columns :func:`result_row` adds to every row.
@@ -62,7 +59,8 @@ TUNED_CONFIG_ENV = "MOELORA_TUNED_CONFIG_FOLDER"
 class Timing:
     """One timing result in milliseconds: median (p50) and the 20th/80th percentiles.
 
-    mode: "graph" (CUDA graph replay), "eager" (direct calls) or "cpu" (perf_counter wall clock).
+    mode: "graph" (CUDA graph replay), "eager" (direct calls) or "cpu" (perf_counter wall clock); a
+    study may relabel a graph timing by its L2 state (notebook 08: "graph_clean", "graph_rotate").
     """
 
     ms_p50: float
@@ -76,8 +74,9 @@ class Timing:
         return self.ms_p50 * 1e3
 
     def as_dict(self) -> dict[str, float | str]:
-        """``{"ms_p50", "ms_p20", "ms_p80", "timing_mode"}`` for a result row."""
-        return {"ms_p50": self.ms_p50, "ms_p20": self.ms_p20, "ms_p80": self.ms_p80, "timing_mode": self.mode}
+        """``{"ms_p50", "ms_p20", "ms_p80", "mode"}`` for a result row (``mode``: the one timing column of
+        every result row in this project)."""
+        return {"ms_p50": self.ms_p50, "ms_p20": self.ms_p20, "ms_p80": self.ms_p80, "mode": self.mode}
 
 
 def _quantiles(times_ms: list[float]) -> tuple[float, float, float]:
@@ -244,6 +243,36 @@ def time_cpu(fn: Callable[[], Any], *, reps: int = 3, warmup: int = 1) -> Timing
     return Timing(p50, p20, p80, "cpu")
 
 
+#: Timing modes that mean "wall clock on the CPU" (the rows of the cpu profile say "cpu-interpreter").
+CPU_MODES = ("cpu", "cpu-interpreter")
+
+
+def time_fn(
+    fn: Callable[[], Any],
+    mode: str = "graph",
+    device: Any = "cuda",
+    warmup_ms: float = 25,
+    rep_ms: float = 100,
+    *,
+    flush_l2: bool | str = True,
+    cpu_reps: int = 1,
+) -> Timing:
+    """The one timing dispatch of the studies: :func:`time_cuda` on a GPU, :func:`time_cpu` on the CPU.
+
+    fn: a no-argument callable (see :func:`time_cuda`).
+    mode: "graph" or "eager" (GPU); "cpu" or "cpu-interpreter" force the CPU wall clock.
+    device: where ``fn`` runs; a CPU device (or a CPU mode) times ``cpu_reps`` calls with no warm-up
+        (under the interpreters the numbers are interpreter cost, never kernel performance).
+    warmup_ms, rep_ms, flush_l2: passed to :func:`time_cuda` (ignored on the CPU).
+    Returns the :class:`Timing` (its ``mode`` is "graph"/"eager", or "cpu").
+    """
+    import torch
+
+    if mode in CPU_MODES or torch.device(device).type == "cpu":
+        return time_cpu(fn, reps=cpu_reps, warmup=0)
+    return time_cuda(fn, mode=mode, flush_l2=flush_l2, warmup_ms=warmup_ms, rep_ms=rep_ms)
+
+
 # ---------------------------------------------------------------------------------------------
 # Roofline floors
 # ---------------------------------------------------------------------------------------------
@@ -252,8 +281,9 @@ def time_cpu(fn: Callable[[], Any], *, reps: int = 3, warmup: int = 1) -> Timing
 def copy_bandwidth_floor_us(nbytes: float, tb_per_s: float = H200_COPY_TB_PER_S) -> float:
     """Lower bound in µs to move ``nbytes`` (bytes read + bytes written) at ``tb_per_s`` TB/s (1e12 B/s).
 
-    4.3 TB/s is the measured H200 device-to-device copy rate. Small-M GEMMs stream their weights at
-    about 3 TB/s in practice (cuBLAS, environment.md §6), so treat this as a floor, not a target.
+    4.3 TB/s is the measured H200 device-to-device copy rate (:mod:`moelora_lib.hardware`). Small-M GEMMs
+    stream their weights at about 3 TB/s in practice (cuBLAS, docs/environment.md §6), so treat this
+    as a floor, not a target.
     """
     if tb_per_s <= 0:
         raise ValueError("tb_per_s must be > 0")
@@ -361,7 +391,7 @@ def result_row(**fields: Any) -> dict[str, Any]:
     """``fields`` (stage, op, model, T, H, ..., ms_p50, ...) plus the columns gpu, torch, triton, helion,
     git_commit and tuned_config_folder (the ``MOELORA_TUNED_CONFIG_FOLDER`` in force, or None).
 
-    A ``Timing`` passed as ``timing=`` is expanded into ms_p50/ms_p20/ms_p80/timing_mode.
+    A ``Timing`` passed as ``timing=`` is expanded into ms_p50/ms_p20/ms_p80/mode.
     Explicit fields win over the environment columns.
     """
     env = env_record()
@@ -398,11 +428,9 @@ def write_rows(path: str | os.PathLike, rows: Iterable[Mapping[str, Any]], *, ap
 
 
 def save_env(path: str | os.PathLike) -> dict[str, Any]:
-    """Write :func:`env_record` as JSON to ``path`` (parents created); returns the record."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write :func:`env_record` as JSON to ``path`` atomically (parents created); returns the record."""
     rec = env_record()
-    path.write_text(json.dumps(rec, indent=2, sort_keys=True) + "\n")
+    write_json_atomic(path, rec, indent=2, sort_keys=True)
     return rec
 
 
@@ -426,5 +454,6 @@ __all__ = [
     "save_env",
     "time_cpu",
     "time_cuda",
+    "time_fn",
     "write_rows",
 ]

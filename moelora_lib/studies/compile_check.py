@@ -1,7 +1,7 @@
 """Compile-only inspection of the kernels for sm_90 (H200) on a machine without a GPU.
 
 Used by ``tests/test_compile_sm90.py`` and by notebooks 03 and 06 on the CPU machine. It follows
-../shared/notes/environment.md §3: the argument binder of a ``JITFunction`` gives the same
+docs/environment.md §3: the argument binder of a ``JITFunction`` gives the same
 specialization that ``JITFunction.run`` keys its cache on (it reads only dtypes, ints and the
 16-byte alignment of ``data_ptr()``, so meta tensors stand in for device buffers, like the GPU's
 256-byte aligned allocations), ``_pack_args`` turns it into an ``ASTSource``, and
@@ -32,13 +32,27 @@ import re
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 from functools import cache
+from pathlib import Path
 
 __all__ = [
-    "SM90", "KERNEL_NAMES", "compile_for_sm90", "specialization_key", "count_variants", "variants",
-    "launch", "ptx", "sass", "resource_usage", "k_loop_bodies", "masked_global_loads",
-    "has_atomic_add", "tensor_core_ops", "run_isolated", "inspect_job",
+    "SM90",
+    "KERNEL_NAMES",
+    "compile_for_sm90",
+    "specialization_key",
+    "count_variants",
+    "variants",
+    "launch",
+    "meta_layer_run",
+    "ptx",
+    "sass",
+    "resource_usage",
+    "k_loop_bodies",
+    "masked_global_loads",
+    "has_atomic_add",
+    "tensor_core_ops",
+    "run_isolated",
+    "inspect_job",
 ]
 
 KERNEL_NAMES = ("fused_moe", "lora_shrink", "lora_expand", "gated_act")
@@ -76,7 +90,8 @@ def _check_jit(jitfn) -> None:
     if not isinstance(jitfn, JITFunction):
         raise RuntimeError(
             f"{jitfn!r} is not a JITFunction (was it decorated under TRITON_INTERPRET=1?); compile "
-            "for sm_90 in a process without TRITON_INTERPRET, e.g. compile_check.run_isolated(jobs)")
+            "for sm_90 in a process without TRITON_INTERPRET, e.g. compile_check.run_isolated(jobs)"
+        )
 
 
 def _kwargs(jitfn, constexprs: dict, num_warps, num_stages) -> dict:
@@ -100,8 +115,14 @@ def _bind(jitfn, args, constexprs, num_warps, num_stages, arch):
     return kw, bound_args, specialization, options
 
 
-def specialization_key(jitfn, args, constexprs: dict, num_warps: int | None = None,
-                       num_stages: int | None = None, arch: int = SM90) -> str:
+def specialization_key(
+    jitfn,
+    args,
+    constexprs: dict,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    arch: int = SM90,
+) -> str:
     """The key ``JITFunction.run`` looks its kernel cache up with, for these launch arguments.
 
     ``str(specialization) + str(options)``: one entry per parameter, e.g. ``('i32', 'D')`` for an
@@ -115,8 +136,14 @@ def specialization_key(jitfn, args, constexprs: dict, num_warps: int | None = No
     return compute_cache_key({}, specialization, options)
 
 
-def compile_for_sm90(jitfn, args, constexprs: dict, num_warps: int | None = None,
-                     num_stages: int | None = None, arch: int = SM90):
+def compile_for_sm90(
+    jitfn,
+    args,
+    constexprs: dict,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    arch: int = SM90,
+):
     """Compile ``jitfn`` for these launch arguments to a ``CompiledKernel`` for sm_``arch`` (no GPU).
 
     ``args`` are the positional launch arguments (CPU or meta tensors, ints); ``constexprs`` the
@@ -128,8 +155,9 @@ def compile_for_sm90(jitfn, args, constexprs: dict, num_warps: int | None = None
     backend = _backend(arch)
     kw, bound_args, specialization, options = _bind(jitfn, args, constexprs, num_warps, num_stages, arch)
     options, signature, cexprs, attrs = jitfn._pack_args(backend, kw, bound_args, specialization, options)
-    return triton.compile(ASTSource(jitfn, signature, cexprs, attrs), target=_target(arch),
-                          options=options.__dict__)
+    return triton.compile(
+        ASTSource(jitfn, signature, cexprs, attrs), target=_target(arch), options=options.__dict__
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -165,8 +193,9 @@ def resource_usage(compiled) -> dict:
         f.write(compiled.asm["cubin"])
         path = f.name
     try:
-        out = subprocess.run([_nvidia_bin("cuobjdump"), "-res-usage", path], check=True,
-                             capture_output=True, text=True).stdout
+        out = subprocess.run(
+            [_nvidia_bin("cuobjdump"), "-res-usage", path], check=True, capture_output=True, text=True
+        ).stdout
     finally:
         os.remove(path)
     m = re.search(r"REG:\d+.*", out)
@@ -203,7 +232,7 @@ def k_loop_bodies(ptx_text: str) -> list[str]:
         m = _BRANCH.search(line)
         if m and m.group(1) in where and where[m.group(1)] < j:
             spans[m.group(1)] = (where[m.group(1)], j)
-    return ["\n".join(lines[a:b + 1]) for a, b in sorted(spans.values())]
+    return ["\n".join(lines[a : b + 1]) for a, b in sorted(spans.values())]
 
 
 _PRED_LD = re.compile(r"^\s*@!?%p\w*\s+ld\.global\b", re.M)
@@ -256,18 +285,22 @@ def tensor_core_ops(ptx_text: str) -> dict:
 # --------------------------------------------------------------------------------------------------
 # building the real launch arguments of one layer launch
 # --------------------------------------------------------------------------------------------------
-_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
-           "float32": "float32", "fp32": "float32"}
-
-#: launch name -> (kernel name, which projection)
+#: launch name -> kernel name (the launches of one layer, :data:`moelora_lib.kernels.stages.LAUNCH_KERNELS`)
 LAUNCHES = {
-    "base_gate_up": "fused_moe", "base_down": "fused_moe",
-    "gate_up_shrink": "lora_shrink", "down_shrink": "lora_shrink",
-    "gate_up_expand": "lora_expand", "down_expand": "lora_expand",
+    "base_gate_up": "fused_moe",
+    "base_down": "fused_moe",
+    "gate_up_shrink": "lora_shrink",
+    "down_shrink": "lora_shrink",
+    "gate_up_expand": "lora_expand",
+    "down_expand": "lora_expand",
     "act": "gated_act",
 }
-_DEFAULT_LAUNCH = {"fused_moe": "base_gate_up", "lora_shrink": "gate_up_shrink",
-                   "lora_expand": "gate_up_expand", "gated_act": "act"}
+_DEFAULT_LAUNCH = {
+    "fused_moe": "base_gate_up",
+    "lora_shrink": "gate_up_shrink",
+    "lora_expand": "gate_up_expand",
+    "gated_act": "act",
+}
 
 
 def _shape(shape):
@@ -286,7 +319,7 @@ def _routing(T: int, E: int, K: int, L: int):
     import torch
 
     t = torch.arange(T)
-    topk_ids = ((t[:, None] * 7 + torch.arange(K)[None, :] * (E // K if E >= 2 * K else 1)) % E)
+    topk_ids = (t[:, None] * 7 + torch.arange(K)[None, :] * (E // K if E >= 2 * K else 1)) % E
     topk_ids = topk_ids.to(torch.int32)
     lora_ids = (t % L).to(torch.int32)
     return topk_ids, lora_ids
@@ -295,89 +328,136 @@ def _routing(T: int, E: int, K: int, L: int):
 def _meta_alignment(align):
     from dataclasses import replace
 
-    return replace(align, **{f: getattr(align, f).to("meta") for f in
-                             ("sorted_token_ids", "block_expert_ids", "block_lora_ids",
-                              "num_tokens_post_padded")})
+    return replace(
+        align,
+        **{
+            f: getattr(align, f).to("meta")
+            for f in ("sorted_token_ids", "block_expert_ids", "block_lora_ids", "num_tokens_post_padded")
+        },
+    )
 
 
-def launch(launch_name: str, T: int, *, shape="gpt-oss-20b", rank: int = 32, adapters: int = 8,
-           dtype: str = "bfloat16", cfg=None, use_even_k: bool = True, with_bias: bool | None = None):
+def meta_layer_run(
+    dims,
+    *,
+    activation: str = "silu",
+    has_bias: bool = False,
+    dtype="bfloat16",
+    config=None,
+    use_even_k: bool = True,
+    specialize_lengths: bool = False,
+):
+    """A :class:`~moelora_lib.kernels.LayerRun` of ``dims`` (a :class:`~moelora_lib.shapes.Dims`) over
+    meta tensors, for compile-only inspection: the deterministic routing of :func:`_routing`, the real
+    alignments (moved to meta, like the GPU's aligned device buffers), ``config`` (None =
+    ``default_config(dims)``), a stage with fused add and the given EVEN_K / specialization switches.
+    Nothing is allocated on a device or launched."""
+    import torch
+
+    from ..common import parse_dtype
+    from ..kernels.stages import LayerRun, Stage, default_config
+
+    d, dt = dims, parse_dtype(dtype)
+    T, H, I, E, K, L, R, S = d.T, d.H, d.I, d.E, d.top_k, d.adapters, d.rank, d.slices
+    meta = dict(device="meta", dtype=dt)
+    topk_ids, lora_ids = _routing(T, E, K, L)
+    stage = Stage(
+        name="compile_check",
+        title="compile-only launch",
+        specialize_lengths=specialize_lengths,
+        split_k=True,
+        swizzle=True,
+        even_k=use_even_k,
+        fused_add=True,
+    )
+    run = LayerRun(
+        stage,
+        torch.empty(T, H, **meta),
+        torch.empty(E, 2 * I, H, **meta),
+        torch.empty(E, H, I, **meta),
+        torch.empty(T, K, device="meta", dtype=torch.float32),
+        topk_ids,
+        lora_ids,
+        torch.empty(L, E, S, R, H, **meta),
+        torch.empty(L, E, S, 2 * I // S, R, **meta),
+        torch.empty(L, E, R, I, **meta),
+        torch.empty(L, E, H, R, **meta),
+        activation=activation,
+        b13=torch.empty(E, 2 * I, **meta) if has_bias else None,
+        b2=torch.empty(E, H, **meta) if has_bias else None,
+        config=config if config is not None else default_config(d),
+    )
+    run.base_align, run.lora_align = _meta_alignment(run.base_align), _meta_alignment(run.lora_align)
+    return run
+
+
+def launch(
+    launch_name: str,
+    T,
+    *,
+    shape="gpt-oss-20b",
+    rank: int = 32,
+    adapters: int = 8,
+    dtype: str = "bfloat16",
+    cfg=None,
+    use_even_k: bool = True,
+    with_bias: bool | None = None,
+):
     """``(kernel_name, args, constexprs, num_warps, num_stages, cfg)`` of one launch of the layer.
 
-    Builds the arguments exactly as :class:`~moelora_lib.kernels.stages.LayerRun` passes them for a
-    prompt of T tokens (via the launchers' ``*_args`` functions: num_pairs = T·K, num_blocks from
-    the real alignment, buffer strides ∝ T·K), with meta tensors for the data.
+    The arguments are those of the layer's launch plan, :meth:`LayerRun.launch_args
+    <moelora_lib.kernels.LayerRun.launch_args>`, for a prompt of T tokens on meta tensors
+    (:func:`meta_layer_run`: num_pairs = T·K, num_blocks from the real alignment, buffer strides ∝ T·K).
 
     Args:
         launch_name: one of :data:`LAUNCHES` (``gate_up_shrink`` ...) or a kernel name (its gate_up
             / first launch).
+        T: tokens, or a :class:`~moelora_lib.shapes.Dims` (then it also gives H, I, E, K, R, L and S, and
+            ``rank``/``adapters`` are ignored; ``shape`` still gives the activation and the biases).
+        shape: a preset name or a dict of MoEShape fields over ``base`` (default gpt-oss-20b).
         cfg: an :class:`~moelora_lib.kernels.config.OpConfig`, a dict of OpConfig fields overriding
-            the default config, or None = ``default_config(T, ...)`` for this launch.
-        use_even_k: the stage switch (EVEN_K is still only set when K divides evenly).
+            the default config, or None = ``default_config(dims)`` for this launch. The alignment of
+            the launch's group is built with cfg's BLOCK_SIZE_M.
+        use_even_k: the stage switch of the LoRA ops (EVEN_K is still only set when K divides evenly);
+            the base GEMMs always allow EVEN_K, as the layer launches them.
     """
-    import torch
+    from dataclasses import replace
 
-    from ..kernels.config import OpConfig
-    from ..kernels.launchers import fused_moe_gemm_args, gated_act_args, lora_expand_args, lora_shrink_args
+    from ..kernels.config import BASE_OPS, OpConfig
     from ..kernels.stages import default_config
-    from ..routing import align_tokens
+    from ..shapes import Dims
 
     launch_name = _DEFAULT_LAUNCH.get(launch_name, launch_name)
     kernel = LAUNCHES[launch_name]
     sh = _shape(shape)
-    dt = getattr(torch, _DTYPES[dtype])
-    H, I, E, K, S, L, R = sh.hidden, sh.intermediate, sh.experts, sh.top_k, sh.lora_slices, adapters, rank
-    P = T * K
+    dims = T if isinstance(T, Dims) else Dims.of(sh, int(T), rank=rank, adapters=adapters)
     has_bias = sh.has_bias if with_bias is None else with_bias
+    layer_cfg = default_config(dims)
     if kernel != "gated_act":
-        base = getattr(default_config(T, H, I, E, K, R, L, S), launch_name)
+        base = getattr(layer_cfg, launch_name)
         if cfg is None:
             cfg = base
         elif isinstance(cfg, dict):
-            from dataclasses import replace
-
             cfg = replace(base, **{k.upper(): v for k, v in cfg.items()})
         assert isinstance(cfg, OpConfig)
-    meta = dict(device="meta", dtype=dt)
-    topk_ids, lora_ids = _routing(T, E, K, L)
-    if kernel == "fused_moe":
-        align = _meta_alignment(align_tokens(topk_ids, E, cfg.BLOCK_SIZE_M))
-        if launch_name == "base_gate_up":
-            x, w = torch.empty(T, H, **meta), torch.empty(E, 2 * I, H, **meta)
-            out = torch.empty(P, 2 * I, **meta)
-            bias, tw, rows_div = (torch.empty(E, 2 * I, **meta) if has_bias else None), None, K
-        else:
-            x, w, out = torch.empty(P, I, **meta), torch.empty(E, H, I, **meta), torch.empty(P, H, **meta)
-            bias = torch.empty(E, H, **meta) if has_bias else None
-            tw, rows_div = torch.empty(P, device="meta", dtype=torch.float32), 1
-        grid, args, cx = fused_moe_gemm_args(x, w, out, align, cfg, rows_div=rows_div, bias=bias,
-                                             topk_weights=tw, use_even_k=use_even_k)
-    elif kernel == "gated_act":
-        h, out = torch.empty(P, 2 * I, **meta), torch.empty(P, I, **meta)
-        grid, args, cx = gated_act_args(h, out, sh.activation)
-        return kernel, args, cx, None, None, None
-    else:
-        align = _meta_alignment(align_tokens(topk_ids, E, cfg.BLOCK_SIZE_M, lora_ids=lora_ids,
-                                             num_adapters=L))
-        gate_up = launch_name.startswith("gate_up")
-        s = S if gate_up else 1
-        inter = torch.empty(s, P, R, device="meta", dtype=torch.float32)
-        if kernel == "lora_shrink":
-            if gate_up:
-                x, a = torch.empty(T, H, **meta), torch.empty(L, E, S, R, H, **meta)
-            else:
-                x, a = torch.empty(P, I, **meta), torch.empty(L, E, R, I, **meta)
-            grid, args, cx = lora_shrink_args(x, a, inter, align, cfg, rows_div=K if gate_up else 1,
-                                              use_even_k=use_even_k)
-        else:
-            if gate_up:
-                b, out, tw = torch.empty(L, E, S, 2 * I // S, R, **meta), torch.empty(P, 2 * I, **meta), None
-            else:
-                b, out = torch.empty(L, E, H, R, **meta), torch.empty(P, H, **meta)
-                tw = torch.empty(P, device="meta", dtype=torch.float32)
-            grid, args, cx = lora_expand_args(inter, b, out, align, cfg, topk_weights=tw,
-                                              add_inputs=True, use_even_k=use_even_k)
-    return kernel, args, cx, cfg.NUM_WARPS, cfg.NUM_STAGES, cfg
+        group = (
+            BASE_OPS
+            if launch_name in BASE_OPS
+            else ("gate_up_shrink", "gate_up_expand", "down_shrink", "down_expand")
+        )
+        layer_cfg = layer_cfg.replace(
+            **{op: replace(getattr(layer_cfg, op), BLOCK_SIZE_M=cfg.BLOCK_SIZE_M) for op in group}
+        )
+    run = meta_layer_run(
+        dims,
+        activation=sh.activation,
+        has_bias=has_bias,
+        dtype=dtype,
+        config=layer_cfg,
+        use_even_k=use_even_k,
+    )
+    la = run.launch_args(launch_name, cfg)
+    return la.kernel, la.args, la.constexprs, la.num_warps, la.num_stages, la.cfg
 
 
 def _jit(kernel: str, specialize_lengths: bool):
@@ -396,8 +476,16 @@ def _interpreted() -> bool:
 _HASHES: dict = {}
 
 
-def variants(kernel_name: str, specialize_lengths: bool, lengths, *, launch_name: str | None = None,
-             cfg=None, compile: bool = True, **launch_kw) -> dict:
+def variants(
+    kernel_name: str,
+    specialize_lengths: bool,
+    lengths,
+    *,
+    launch_name: str | None = None,
+    cfg=None,
+    compile: bool = True,
+    **launch_kw,
+) -> dict:
     """Distinct cache keys (and binaries) of one layer launch over prompt lengths ``lengths``.
 
     ``cfg``: None = one fixed config for every length (the default config at T = 64); an OpConfig
@@ -408,9 +496,16 @@ def variants(kernel_name: str, specialize_lengths: bool, lengths, *, launch_name
     from ..kernels.config import OpConfig
 
     if _interpreted():  # e.g. a CPU notebook that runs the interpreter too: compile in a subprocess
-        job = dict(op="count", kernel=kernel_name, specialize_lengths=bool(specialize_lengths),
-                   lengths=[int(t) for t in lengths], launch_name=launch_name, compile=compile,
-                   cfg=cfg.to_dict() if isinstance(cfg, OpConfig) else cfg, **launch_kw)
+        job = dict(
+            op="count",
+            kernel=kernel_name,
+            specialize_lengths=bool(specialize_lengths),
+            lengths=[int(t) for t in lengths],
+            launch_name=launch_name,
+            compile=compile,
+            cfg=cfg.to_dict() if isinstance(cfg, OpConfig) else cfg,
+            **launch_kw,
+        )
         r = run_isolated([job])[0]
         r["per_length"] = {int(k): v for k, v in r["per_length"].items()}
         return r
@@ -434,8 +529,13 @@ def variants(kernel_name: str, specialize_lengths: bool, lengths, *, launch_name
                     _HASHES[key] = compile_for_sm90(jf, args, cx, nw, ns).hash
                 hashes.add(_HASHES[key])
         per_length[int(T)] = keys.index(key)
-    return {"keys": len(keys), "hashes": len(hashes) if compile else None, "configs": len(configs),
-            "per_length": per_length, "key_list": keys}
+    return {
+        "keys": len(keys),
+        "hashes": len(hashes) if compile else None,
+        "configs": len(configs),
+        "per_length": per_length,
+        "key_list": keys,
+    }
 
 
 def count_variants(kernel_name: str, specialize_lengths: bool, lengths, **kw) -> tuple[int, int]:
@@ -445,8 +545,9 @@ def count_variants(kernel_name: str, specialize_lengths: bool, lengths, **kw) ->
     return v["keys"], v["hashes"]
 
 
-def inspect_job(launch_name: str, T: int, *, specialize_lengths: bool = False,
-                want=("res", "ptx", "sass"), **launch_kw) -> dict:
+def inspect_job(
+    launch_name: str, T: int, *, specialize_lengths: bool = False, want=("res", "ptx", "sass"), **launch_kw
+) -> dict:
     """Compile one layer launch for sm_90 and report: hash, key, constexprs, resources, PTX, SASS.
 
     In a process whose kernels run under the interpreter, the job runs in :func:`run_isolated`."""
@@ -454,15 +555,25 @@ def inspect_job(launch_name: str, T: int, *, specialize_lengths: bool = False,
         cfg = launch_kw.get("cfg")
         if cfg is not None and not isinstance(cfg, (dict, str)):
             launch_kw["cfg"] = cfg.to_dict()
-        job = dict(op="inspect", launch=launch_name, T=T, specialize_lengths=specialize_lengths,
-                   want=list(want), **launch_kw)
+        job = dict(
+            op="inspect",
+            launch=launch_name,
+            T=T,
+            specialize_lengths=specialize_lengths,
+            want=list(want),
+            **launch_kw,
+        )
         return run_isolated([job])[0]
     kernel, args, cx, nw, ns, cfg = launch(launch_name, T, **launch_kw)
     jf = _jit(kernel, specialize_lengths)
     k = compile_for_sm90(jf, args, cx, nw, ns)
-    out = {"kernel": kernel, "hash": k.hash, "key": specialization_key(jf, args, cx, nw, ns),
-           "constexprs": {n: (v if isinstance(v, (int, bool, str)) else str(v)) for n, v in cx.items()},
-           "cfg": cfg.to_dict() if cfg is not None else None}
+    out = {
+        "kernel": kernel,
+        "hash": k.hash,
+        "key": specialization_key(jf, args, cx, nw, ns),
+        "constexprs": {n: (v if isinstance(v, (int, bool, str)) else str(v)) for n, v in cx.items()},
+        "cfg": cfg.to_dict() if cfg is not None else None,
+    }
     if "res" in want:
         out["res"] = resource_usage(k)
     if "ptx" in want:
@@ -496,17 +607,24 @@ def run_isolated(jobs: list[dict], timeout: float = 600.0) -> list[dict]:
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    proc = subprocess.run([sys.executable, "-m", "moelora_lib.studies.compile_check", "batch"],
-                          input=json.dumps(jobs), capture_output=True, text=True, env=env,
-                          timeout=timeout, cwd=root)
+    proc = subprocess.run(
+        [sys.executable, "-m", "moelora_lib.studies.compile_check", "batch"],
+        input=json.dumps(jobs),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        cwd=root,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"compile_check subprocess failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}")
     return json.loads(proc.stdout)
 
 
 def _main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m moelora_lib.studies.compile_check",
-                                description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m moelora_lib.studies.compile_check", description=__doc__.split("\n")[0]
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("batch", help="read a JSON list of jobs on stdin, print a JSON list of results")
     c = sub.add_parser("count", help="count compiled variants over prompt lengths")
@@ -533,13 +651,20 @@ def _main(argv=None) -> int:
         results = [_run_job(j) for j in jobs]
         json.dump(results, sys.stdout)
     elif a.cmd == "count":
-        v = variants(a.kernel, a.naive, a.lengths, launch_name=a.launch,
-                     cfg="auto" if a.auto_config else None, shape=a.shape)
+        v = variants(
+            a.kernel,
+            a.naive,
+            a.lengths,
+            launch_name=a.launch,
+            cfg="auto" if a.auto_config else None,
+            shape=a.shape,
+        )
         print(json.dumps({k: v[k] for k in ("keys", "hashes", "configs", "per_length")}))
     else:
         want = ("res",) + ((a.asm,) if a.asm else ())
-        r = inspect_job(a.launch, a.T, cfg=json.loads(a.cfg) if a.cfg else None, shape=a.shape,
-                        dtype=a.dtype, want=want)
+        r = inspect_job(
+            a.launch, a.T, cfg=json.loads(a.cfg) if a.cfg else None, shape=a.shape, dtype=a.dtype, want=want
+        )
         if a.asm:
             print(r[a.asm])
         print(json.dumps({k: r[k] for k in ("kernel", "hash", "constexprs", "cfg", "res")}))

@@ -3,7 +3,7 @@ notebook only imports, calls, checks and plots.
 
 Rows (one per (model, projection, epilogue, M, impl, timing mode)): stage "helion_linear", model,
 proj, epilogue, M, K, N (weight rows; swiglu N = 2I), dtype, impl ("helion" | "torch" |
-"torch_two_gemm"), path (HelionLinearMethod.path_for), timing_mode ("graph": CUDA-graph replay after
+"torch_two_gemm"), path (HelionLinearMethod.path_for), mode ("graph": CUDA-graph replay after
 do_bench's zeroing L2 flush, which leaves dirty lines the timed call writes back; "graph_clean":
 graph replay after an L2 eviction by a read, see ``moelora_lib.studies.bench``; "graph_rotate" (M <= 32): one
 graph replays the GEMM over ``copies`` copies of W that stream 4x the L2, no flush, time per GEMM =
@@ -11,7 +11,7 @@ replay / copies — back-to-back layers as in a captured decode step, no per-cal
 "eager"; "cpu"), copies,
 ms_p50/p20/p80, flops (2·M·N·K), bytes (weight + x + output, each read/written once), tb_per_s,
 tflops, rel_err (max |y - ref| / max |ref| against the fp32 PyTorch result), plus the bench
-environment columns.
+environment columns. Every timing goes through :func:`moelora_lib.studies.bench.time_fn`.
 """
 
 from __future__ import annotations
@@ -25,14 +25,18 @@ from typing import Any
 
 import torch
 
-from ..helion_linear.configs import DTYPES, is_int, set_entry
+from ..common import dtype_name, is_int
+from ..hardware import H200_L2_BYTES
+from ..helion_linear.configs import DTYPES, set_entry
 from ..helion_linear.method import HelionLinearMethod, Linear, TorchLinearMethod, torch_reference
 from ..helion_linear.shapes import LINEAR_MODELS
+from ..testing import TOLERANCES
 
-#: bf16 vs the fp32 PyTorch result of the same bf16 inputs (output rounding + accumulation order).
-REL_TOL = {"bfloat16": 2e-2, "float16": 5e-3, "float32": 1e-5}
+#: Largest accepted rel_err per dtype name against the fp32 PyTorch result of the same inputs: the
+#: project's one tolerance table (:data:`moelora_lib.testing.TOLERANCES`), keyed by name for CSV rows.
+REL_TOL = {dtype_name(dt): tol for dt, tol in TOLERANCES.items()}
 #: graph_rotate: the weight copies of one replay stream at least this many bytes (4x the H200's L2).
-ROTATE_BYTES = 4 * 60 * 2**20
+ROTATE_BYTES = 4 * H200_L2_BYTES
 #: graph_rotate is measured for decode sizes only (M <= this); prefill is compute-bound.
 ROTATE_MAX_M = 32
 #: The sweep's graph timing modes and the ``bench.time_cuda`` L2 flush each one uses.
@@ -121,9 +125,8 @@ def sweep(
     TRITON_INTERPRET=1), ``configs`` ignored (cpu_demo_table), ``bench.time_cpu`` with one rep.
     Every row carries rel_err; the caller asserts on it.
     """
-    from tqdm.auto import tqdm
-
     from moelora_lib.studies import bench
+    from moelora_lib.studies.notebook import progress as tqdm  # a text bar, also in notebooks
 
     if profile not in ("cpu", "gpu"):
         raise ValueError(f"profile: expected 'cpu' or 'gpu', got {profile!r}")
@@ -156,11 +159,9 @@ def sweep(
         modes = ("graph", "graph_clean", "graph_rotate", "eager")
 
     def timed(fn, mode):
-        if mode == "cpu":
-            return bench.time_cpu(fn, reps=1, warmup=0)
-        if mode == "eager":
-            return bench.time_cuda(fn, mode="eager", **timing_kw)
-        t = bench.time_cuda(fn, mode="graph", flush_l2=GRAPH_MODE_FLUSH[mode], **timing_kw)
+        if mode in ("cpu", "eager"):
+            return bench.time_fn(fn, mode, device, **timing_kw)
+        t = bench.time_fn(fn, "graph", device, flush_l2=GRAPH_MODE_FLUSH[mode], **timing_kw)
         return dataclasses.replace(t, mode=mode)
 
     rows: list[dict] = []
@@ -233,11 +234,11 @@ def sweep(
 
 
 def summary(df):
-    """One line per (model, proj, epilogue, dtype, M, timing_mode): µs of helion / torch (/ two-GEMM),
+    """One line per (model, proj, epilogue, dtype, M, mode): µs of helion / torch (/ two-GEMM),
     speedup torch/helion, achieved TB/s and TFLOP/s of both, Helion's path."""
     import pandas as pd
 
-    key = ["model", "proj", "epilogue", "dtype", "M", "timing_mode"]
+    key = ["model", "proj", "epilogue", "dtype", "M", "mode"]
     piv = df.pivot_table(index=key, columns="impl", values="ms_p50", aggfunc="first") * 1e3
     out = pd.DataFrame(index=piv.index)
     out["helion_us"] = piv["helion"]
@@ -271,10 +272,10 @@ def plot(df, out_dir: str | Path, prefix: str = "08", read_tb_per_s: float | Non
     out_dir.mkdir(parents=True, exist_ok=True)
     s = summary(df)
     paths = []
-    modes = [m for m in ("graph", "graph_clean", "graph_rotate", "eager", "cpu") if m in set(s.timing_mode)]
+    modes = [m for m in ("graph", "graph_clean", "graph_rotate", "eager", "cpu") if m in set(s["mode"])]
     fig, axes = plt.subplots(1, len(modes), figsize=(6.5 * len(modes), 4.5), squeeze=False)
     for ax, mode in zip(axes[0], modes):
-        sub = s[s.timing_mode == mode]
+        sub = s[s["mode"] == mode]
         for (model, proj, epi), g in sub.groupby(["model", "proj", "epilogue"]):
             g = g.sort_values("M")
             ax.plot(
@@ -301,7 +302,7 @@ def plot(df, out_dir: str | Path, prefix: str = "08", read_tb_per_s: float | Non
     if bw_modes:
         fig, axes = plt.subplots(1, len(bw_modes), figsize=(9 * len(bw_modes), 4.5), squeeze=False)
         for ax, mode in zip(axes[0], bw_modes):
-            sub = s[(s.timing_mode == mode) & (s.M <= 32) & (s.epilogue == "none")]
+            sub = s[(s["mode"] == mode) & (s.M <= 32) & (s.epilogue == "none")]
             g = sub.groupby(["model", "proj"])[["helion_tb_per_s", "torch_tb_per_s"]].median()
             xs = range(len(g))
             ax.bar([i - 0.2 for i in xs], g.torch_tb_per_s, width=0.4, label="cuBLAS")
@@ -333,9 +334,10 @@ def plot(df, out_dir: str | Path, prefix: str = "08", read_tb_per_s: float | Non
 # ---------------------------------------------------------------------------------------------
 def ceilings(nbytes: int = 2 * 1024**3, timing_kw: dict | None = None) -> dict:
     """Measured memory ceilings of this GPU (TB/s, 1e12 bytes/s): ``copy`` (device-to-device copy of
-    ``nbytes``, bytes read + written, as KINDS.md measured it) and ``read`` (``torch.sum`` over
-    ``nbytes`` of fp32: a pure read stream, the bound of a weight-streaming decode GEMM), both timed
-    with ``bench.time_cuda`` in eager mode without an L2 flush (the buffers are 35x the L2); and
+    ``nbytes``, bytes read + written, as :data:`moelora_lib.hardware.H200_COPY_TB_PER_S` counts it)
+    and ``read`` (``torch.sum`` over ``nbytes`` of fp32: a pure read stream, the bound of a
+    weight-streaming decode GEMM), both timed with ``bench.time_fn`` in eager mode without an L2
+    flush (the buffers are 35x the L2); and
     ``tiny_kernel_us``, the graph-replayed time of a one-element kernel timed after a clean L2 flush
     (the fixed cost of one launch inside a graph as the sweep's graph modes see it, µs)."""
     from moelora_lib.studies import bench
@@ -343,12 +345,12 @@ def ceilings(nbytes: int = 2 * 1024**3, timing_kw: dict | None = None) -> dict:
     kw = {"warmup_ms": 10, "rep_ms": 60, **(timing_kw or {}), "flush_l2": False}
     a = torch.ones(nbytes // 4, dtype=torch.float32, device="cuda")
     b = torch.empty_like(a)
-    t_copy = bench.time_cuda(lambda a=a, b=b: b.copy_(a), mode="eager", **kw)
-    t_read = bench.time_cuda(lambda a=a: torch.sum(a), mode="eager", **kw)
+    t_copy = bench.time_fn(lambda a=a, b=b: b.copy_(a), "eager", "cuda", **kw)
+    t_read = bench.time_fn(lambda a=a: torch.sum(a), "eager", "cuda", **kw)
     tiny = torch.zeros(1, device="cuda")
     # After a flush kernel, so the graph is already queued when the start event fires (without one,
     # the CPU's graph-launch latency would be timed instead).
-    t_tiny = bench.time_cuda(lambda: tiny.add_(1), mode="graph", **{**kw, "flush_l2": "clean"})
+    t_tiny = bench.time_fn(lambda: tiny.add_(1), "graph", "cuda", **{**kw, "flush_l2": "clean"})
     out = {
         "tiny_kernel_us": t_tiny.ms_p50 * 1e3,
         "copy_tb_per_s": 2 * nbytes / (t_copy.ms_p50 * 1e-3) / 1e12,
@@ -373,7 +375,7 @@ def l2_probe(
     For each (K, N), y = x·Wᵀ at ``m`` rows is timed as a CUDA-graph replay four ways:
     ``dirty`` (do_bench's zeroing flush: L2 full of dirty lines), ``clean`` (L2 evicted by a read),
     ``rotate`` (no flush; the graph cycles through enough copies of W to stream 4x the L2, the
-    METHOD.md way of never timing a warm cache; time per GEMM = replay time / copies) and ``warm``
+    way this project avoids timing a warm cache; time per GEMM = replay time / copies) and ``warm``
     (no flush, one W: whatever of W fits stays in L2). Rows: K, N, M, impl, l2, ms_p50/p20/p80,
     weight_bytes, copies, tb_per_s (weight bytes per second), plus the bench environment columns.
     """
@@ -404,7 +406,7 @@ def l2_probe(
                 "rotate": (lambda ls=ls, x=x: [lay(x) for lay in ls], dict(flush_l2=False), len(ls)),
             }
             for l2, (fn, fkw, c) in runs.items():
-                t = bench.time_cuda(fn, mode="graph", **{**kw, **fkw})
+                t = bench.time_fn(fn, "graph", "cuda", **{**kw, **fkw})
                 t = _per_call(t, c)
                 rows.append(
                     bench.result_row(

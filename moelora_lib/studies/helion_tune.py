@@ -20,11 +20,11 @@ Method:
   * compile first, in parallel: spawned worker processes generate the code and compile each
     (config, Triton M-variant) without launching (``run(..., warmup=True)``), filling Triton's on-disk
     cache; the timing process then only loads cubins. Failed compiles are logged and skipped.
-  * timing: ``moelora_lib.studies.bench.time_cuda(fn, mode="graph", flush_l2=--l2)`` (CUDA-graph replay;
+  * timing: ``moelora_lib.studies.bench.time_fn(fn, "graph", flush_l2=--l2)`` (CUDA-graph replay;
     by default the L2 is evicted by a read before every call, so the timed call does not also pay
     for writing back a dirty flush buffer — see moelora_lib.studies.bench) for every candidate and for the
     PyTorch path (cuBLAS ``F.linear`` + epilogue) at the same M, after a correctness check against
-    PyTorch (relative error < 2e-2 of max |ref| in bf16).
+    PyTorch (relative error within :data:`moelora_lib.testing.TOLERANCES` of the dtype, of max |ref|).
   * resumable: a (epilogue, dtype, K, N, bucket) already in ``--out`` is skipped (``--force`` redoes
     it); the JSON is rewritten atomically after every case, the CSV appended after every case.
   * ``--budget-s``: no new case starts after this many seconds; the rest is left for a later run.
@@ -33,8 +33,8 @@ Method:
 
 CSV: one row per (case, candidate) and one per PyTorch baseline: op (epilogue), models, K, N, M,
 bucket, dtype, impl ("helion" | "torch"), candidate, config (JSON), status ("ok" | "compile_error" |
-"run_error" | "wrong"), error, rel_err, ms_p50/p20/p80, speedup_vs_torch, best, compile_s, plus the
-bench environment columns.
+"run_error" | "wrong"), error, rel_err, ms_p50/p20/p80, mode, speedup_vs_torch, best, compile_s, plus
+the bench environment columns.
 """
 
 from __future__ import annotations
@@ -50,8 +50,9 @@ from concurrent.futures import ProcessPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
+from moelora_lib.hardware import H200_NUM_SMS
+
 DEFAULT_M = (1, 2, 4, 8, 16, 32, 256, 1024, 4096)
-NUM_SMS_H200 = 132
 
 
 # ---------------------------------------------------------------------------------------------
@@ -95,7 +96,7 @@ def smem_bytes(cfg: dict, epilogue: str, elem: int = 2) -> int:
     return cfg["num_stages"] * (bm * bk + w_tiles * bn * bk) * elem
 
 
-def candidates(epilogue: str, k: int, n: int, bucket: int, num_sms: int = NUM_SMS_H200) -> list[dict]:
+def candidates(epilogue: str, k: int, n: int, bucket: int, num_sms: int = H200_NUM_SMS) -> list[dict]:
     """The explicit candidate list for one (epilogue, K, N, bucket); see the module docstring.
 
     Decode (M <= 16): the weight stream is all that matters, so the list varies what keeps enough
@@ -107,7 +108,8 @@ def candidates(epilogue: str, k: int, n: int, bucket: int, num_sms: int = NUM_SM
     Decode buckets share their candidate list, so one compile serves several buckets. Candidates
     whose pipelined tiles exceed :data:`SMEM_LIMIT_BYTES` are dropped.
     """
-    from moelora_lib.helion_linear.configs import BUCKETS, EPILOGUES, SPLIT_K_EPILOGUES, is_int
+    from moelora_lib.common import is_int
+    from moelora_lib.helion_linear.configs import BUCKETS, EPILOGUES, SPLIT_K_EPILOGUES
 
     if epilogue not in EPILOGUES:
         raise ValueError(f"epilogue: expected one of {EPILOGUES}, got {epilogue!r}")
@@ -322,7 +324,9 @@ def precompile(cases: list[dict], dtype: str, jobs: int, timeout_s: float, log) 
 # Tuning
 # ---------------------------------------------------------------------------------------------
 def _parse(argv):
-    p = argparse.ArgumentParser(prog="python -m moelora_lib.studies.helion_tune", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m moelora_lib.studies.helion_tune", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--shapes", default="llama3-8b,qwen3-32b,llama3-70b", help="models (helion_linear.shapes)")
     p.add_argument("--m", default=",".join(map(str, DEFAULT_M)), help="M values to time (one per bucket)")
     p.add_argument("--epilogues", default="none,swiglu")
@@ -378,13 +382,11 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     t_start = time.perf_counter()
     import torch
-    from tqdm.auto import tqdm
 
-    from moelora_lib.studies import bench
+    from moelora_lib.common import gpu_name
     from moelora_lib.helion_linear import (
         ConfigFileError,
         build_runner,
-        gpu_config_name,
         kernel_args,
         load_configs,
         lookup,
@@ -392,6 +394,9 @@ def main(argv: list[str] | None = None) -> int:
         set_entry,
         torch_reference,
     )
+    from moelora_lib.studies import bench
+    from moelora_lib.studies.notebook import progress as tqdm  # a text bar, also in notebooks
+    from moelora_lib.testing import TOLERANCES
 
     def log(msg: str) -> None:
         print(f"[helion_tune {time.perf_counter() - t_start:6.1f}s] {msg}", flush=True)
@@ -424,11 +429,12 @@ def main(argv: list[str] | None = None) -> int:
     jobs = args.jobs if args.jobs >= 0 else max(1, min(14, (os.cpu_count() or 4) - 2))
     compiled = precompile(todo, args.dtype, jobs, timeout_s=0.5 * args.budget_s, log=log)
 
-    gpu = gpu_config_name()
-    timing_kw = dict(mode="graph", flush_l2=args.l2, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
+    gpu = gpu_name(required=True)
+    tol = TOLERANCES[dtype]
+    timing_kw = dict(flush_l2=args.l2, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
     weights: dict[tuple, tuple] = {}
     n_tuned = 0
-    bar = tqdm(todo, desc="helion_tune", unit="case")
+    bar = tqdm(todo, desc="helion_tune", unit=" cases", disable=not todo)
     for case in bar:
         elapsed = time.perf_counter() - t_start
         if elapsed > args.budget_s:
@@ -450,7 +456,9 @@ def main(argv: list[str] | None = None) -> int:
             stage="helion_tune", op=epi, models=case["models"], K=k, N=n, M=m, bucket=bucket, dtype=args.dtype
         )
         rows = []
-        t_torch = bench.time_cuda(lambda x=x, w=w, b=b, epi=epi: torch_reference(x, w, b, epi), **timing_kw)
+        t_torch = bench.time_fn(
+            lambda x=x, w=w, b=b, epi=epi: torch_reference(x, w, b, epi), "graph", "cuda", **timing_kw
+        )
         rows.append(
             bench.result_row(**common, impl="torch", candidate=-1, config="", status="ok", timing=t_torch)
         )
@@ -473,10 +481,12 @@ def main(argv: list[str] | None = None) -> int:
                     row["compile_s"] = time.perf_counter() - t0
                 rel = ((y.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
                 row["rel_err"] = rel
-                if not rel < 2e-2:
+                if not rel < tol:
                     rows.append(bench.result_row(**row, status="wrong"))
                     continue
-                t = bench.time_cuda(lambda runner=runner, args_k=args_k: runner(*args_k), **timing_kw)
+                t = bench.time_fn(
+                    lambda runner=runner, args_k=args_k: runner(*args_k), "graph", "cuda", **timing_kw
+                )
             except Exception as e:
                 rows.append(
                     bench.result_row(**row, status="run_error", error=f"{type(e).__name__}: {str(e)[:300]}")
@@ -501,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
             "helion": bench.env_record()["helion"],
             "torch": torch.__version__,
             "updated_utc": bench.env_record()["timestamp_utc"],
-            "timing": f"moelora_lib.studies.bench.time_cuda graph mode, flush_l2={args.l2!r}",
+            "timing": f"moelora_lib.studies.bench.time_fn graph mode, flush_l2={args.l2!r}",
         }
         save_configs(table, out_path)
         bench.write_rows(args.csv, rows, append=True)

@@ -12,22 +12,30 @@ What it gives the notebooks:
   GROUP_SIZE_M sweeps).
 * :func:`check_layer` — one call against the fp32 reference, and the bitwise check that tokens
   without an adapter get exactly the base MoE.
-* :data:`VLLM_ANCHORS_H200` / :func:`anchor_table` — vLLM's figures on the same H200.
+* :data:`ANCHOR_FILE` / :func:`anchor_table` — vLLM measured side by side on the same H200.
 * :func:`length_spec_keys` / :func:`count_compiled_variants` and the ``recompile`` / ``ncu-shrink``
-  command line (``python -m moelora_lib.studies.moe_bench ...``) used by notebooks 03 and 05 in fresh processes.
+  command line (``python -m moelora_lib.studies.moe_bench ...``) used by notebooks 03 and 05 in fresh
+  processes.
 
 Units: times in ms (``ms_p50/p20/p80``) and µs (``us_p50``, ``floor_us``); FLOPs count 2 per
 multiply-add; bytes are bytes read + written. Shapes use the letters of :mod:`moelora_lib.shapes`
 (T, H, I, E, K, L, R, S); P = T·K (token, expert) pairs.
 
-Method (GPU; the anchor method of ../shared/notes/anchors-h200.md): :func:`moelora_lib.studies.bench.time_cuda`
+Method (GPU; the anchor method of docs/anchors-h200.md): :func:`moelora_lib.studies.bench.time_cuda`
 — ``triton.testing.do_bench`` median with p20/p80, L2 flushed before every repetition, the timed
 callable captured once into a CUDA graph and the graph replayed (``mode="graph"``), or called directly
 (``mode="eager"``, which includes Python launch cost). Compilation happens in an untimed first call.
 Routing and the (adapter, expert) alignment are built when the :class:`~moelora_lib.kernels.LayerRun`
 is made and are not timed (vLLM's anchor excluded them too). On the CPU (``device="cpu"``, Triton
 interpreter) :func:`moelora_lib.studies.bench.time_cpu` is used and rows say ``mode="cpu-interpreter"``:
-those numbers measure the interpreter, never the kernels, and are no performance numbers.
+those numbers measure the interpreter, never the kernels, and are no performance numbers. Every
+timing goes through :func:`moelora_lib.studies.bench.time_fn`.
+
+Inputs are named by a :class:`moelora_lib.workloads.Workload`
+(``bench_layer("tuned", Workload("qwen3-30b-a3b", 64))``) or, as before, by the keywords
+``shape, T, rank=, num_adapters=, pattern=, dtype=, device=, seed=``.
+Launches come from the layer's one launch plan, :class:`moelora_lib.kernels.LayerRun`
+(:meth:`~moelora_lib.kernels.LayerRun.op_fn`); nothing here wires a kernel.
 """
 
 from __future__ import annotations
@@ -43,72 +51,91 @@ from typing import Any
 
 import torch
 
-from . import bench
+from ..common import DTYPES, dtype_name
 from ..kernels import STAGES, LayerConfig, default_config
 from ..kernels.config import LORA_OPS
-from ..kernels.launchers import lora_expand, lora_shrink
 from ..reference import moe_lora_reference
 from ..routing import max_padded_pairs, route
-from ..shapes import MoEShape, get_shape
+from ..shapes import Dims, MoEShape, get_shape
 from ..testing import rel_err
-from ..workloads import MoELoRAInputs, adapter_ids, make_inputs
+from ..workloads import MoELoRAInputs, Workload, adapter_ids, make_inputs
+from . import bench
 
 __all__ = [
-    "VLLM_ANCHORS_H200", "ANCHOR_SOURCE", "anchor_table", "op_costs", "layer_inputs", "bench_layer",
-    "bench_lora_op", "lora_op_fn", "make_run", "recompile_in_subprocess", "check_layer", "floor_us",
+    "ANCHOR_FILE",
+    "ANCHOR_SOURCE",
+    "anchor_table",
+    "op_costs",
+    "layer_inputs",
+    "bench_layer",
+    "bench_lora_op",
+    "lora_op_fn",
+    "make_run",
+    "recompile_in_subprocess",
+    "check_layer",
+    "floor_us",
     "length_spec_keys",
-    "count_compiled_variants", "predicted_variants", "log_spaced_lengths", "run_recompile",
-    "ncu_l2_hit_rate", "DTYPES",
+    "count_compiled_variants",
+    "predicted_variants",
+    "log_spaced_lengths",
+    "run_recompile",
+    "ncu_l2_hit_rate",
+    "DTYPES",
+    "Workload",
 ]
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 PARTS = ("base", "lora", "total")
 
 # ------------------------------------------------------------------------------------------------
 # vLLM anchors
 # ------------------------------------------------------------------------------------------------
 
-ANCHOR_SOURCE = "shared/notes/anchors-h200.md"
-
-#: vLLM's MoE (+ multi-LoRA) kernels on one H200, µs, CUDA-graph replay, do_bench median, L2 flushed
-#: every rep; bf16, R = 32, 8 adapter slots, tokens spread evenly. GPT-OSS-20B is modelled as a bf16
-#: base with silu(gate)·up and no biases, its LoRA w13 as one fused slice (S = 1); Qwen3-30B-A3B with
-#: two w13 slices. "current" = vLLM's path today (GEMV-style at decode, one-shot shrink+expand
-#: otherwise); "two_kernel" = the shrink-then-expand pair with fused add, TMA and PDL.
-#: Source: ../shared/notes/anchors-h200.md (tables "GPT-OSS-20B shapes" and "Qwen3-30B-A3B shapes").
-VLLM_ANCHORS_H200: list[dict[str, Any]] = [
-    # model, T, base, lora_current, total_current, lora_two_kernel, total_two_kernel
-    *[dict(model="gpt-oss-20b", T=t, base_us=b, lora_current_us=lc, total_current_us=tc,
-           lora_two_kernel_us=l2, total_two_kernel_us=t2)
-      for t, b, lc, tc, l2, t2 in [
-          (1, 82.1, 85.6, 164.4, 50.4, 128.0),
-          (8, 314.1, 110.7, 417.4, 66.6, 371.6),
-          (32, 409.5, 180.6, 574.6, 139.9, 542.1),
-          (64, 579.7, 209.4, 778.7, 183.3, 750.6),
-          (256, 656.9, 220.7, 868.0, 231.8, 875.8),
-          (1600, 1519.2, 258.4, 1767.3, 345.4, 1852.4),
-          (8192, 6590.0, 781.9, 7360.3, 949.8, 7514.0),
-      ]],
-    *[dict(model="qwen3-30b-a3b", T=t, base_us=b, lora_current_us=lc, total_current_us=tc,
-           lora_two_kernel_us=l2, total_two_kernel_us=t2)
-      for t, b, lc, tc, l2, t2 in [
-          (1, 46.0, 44.0, 86.9, 29.7, 71.9),
-          (64, 309.1, 165.5, 463.5, 150.8, 451.9),
-          (1600, 448.5, 639.9, 1081.3, 2405.4, 2856.8),
-      ]],
-]
+#: vLLM's MoE (+ multi-LoRA) kernels measured side by side with this project in one process on one H200.
+ANCHOR_FILE = bench.REPO_ROOT / "data" / "anchors" / "vllm_vs_moelora_moe_h200.csv"
+ANCHOR_SOURCE = "data/anchors/vllm_vs_moelora_moe_h200.csv (method: docs/anchors-h200.md)"
+#: impl names of the anchor file: vLLM's base MoE, its current LoRA path, and its two two-kernel paths.
+_VLLM_BASE, _VLLM_CURRENT, _VLLM_TWO_KERNEL = "vllm", "vllm_main", ("2k_tma_pdl", "2k_notma")
 
 
-def anchor_table():
-    """:data:`VLLM_ANCHORS_H200` as a DataFrame (µs) plus ``lora_best_us`` and ``total_best_us``:
-    the minimum of vLLM's two implementations (the targets of issue 3)."""
+def anchor_table(path: str | os.PathLike | None = None):
+    """vLLM's figures on the H200 (µs, CUDA-graph replay, do_bench median, L2 flushed every rep; bf16,
+    R = 32, 8 adapter slots, tokens spread evenly; GPT-OSS-20B as a bf16 base with silu and no biases,
+    its LoRA w13 as one fused slice), read from :data:`ANCHOR_FILE` (``path`` overrides it).
+
+    One row per (model, T) with base_us (vLLM's base MoE), lora_current_us / total_current_us (vLLM's
+    current path), lora_two_kernel_us / total_two_kernel_us (the faster of its two two-kernel paths,
+    with and without TMA/PDL, per part), lora_best_us / total_best_us (the faster of current and
+    two-kernel: the figures the stage-6 and stage-7 targets compare against). The file's
+    ``*@cfg2025`` rows (vLLM before its 2026 config update) and this project's rows are not used.
+    """
     import pandas as pd
 
-    df = pd.DataFrame(VLLM_ANCHORS_H200)
-    df["lora_best_us"] = df[["lora_current_us", "lora_two_kernel_us"]].min(axis=1)
-    df["total_best_us"] = df[["total_current_us", "total_two_kernel_us"]].min(axis=1)
-    return df
+    a = pd.read_csv(path or ANCHOR_FILE)
+    a = a[a.impl.isin((_VLLM_BASE, _VLLM_CURRENT) + _VLLM_TWO_KERNEL)]
+    a = a.assign(T=a["T"].astype(int), median_us=a.median_us.astype(float))
+    base = a[(a.impl == _VLLM_BASE) & (a.part == "base")].set_index(["shape", "T"]).median_us
+    t = pd.DataFrame({"base_us": base})
+    for part in ("lora", "total"):
+        p = a[a.part == part]
+        t[f"{part}_current_us"] = p[p.impl == _VLLM_CURRENT].set_index(["shape", "T"]).median_us
+        two = p[p.impl.isin(_VLLM_TWO_KERNEL)].groupby(["shape", "T"]).median_us.min()
+        t[f"{part}_two_kernel_us"] = two
+    t["lora_best_us"] = t[["lora_current_us", "lora_two_kernel_us"]].min(axis=1)
+    t["total_best_us"] = t[["total_current_us", "total_two_kernel_us"]].min(axis=1)
+    t = t.rename_axis(["model", "T"]).reset_index().sort_values(["model", "T"], ignore_index=True)
+    return t[
+        [
+            "model",
+            "T",
+            "base_us",
+            "lora_current_us",
+            "total_current_us",
+            "lora_two_kernel_us",
+            "total_two_kernel_us",
+            "lora_best_us",
+            "total_best_us",
+        ]
+    ]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -121,9 +148,8 @@ def floor_us(flops: float, nbytes: float) -> float:
     return max(bench.copy_bandwidth_floor_us(nbytes), bench.compute_floor_us(flops))
 
 
-def _touched(T: int, shape: MoEShape, num_adapters: int | None, topk_ids, lora_ids) -> tuple[int, int]:
+def _touched(T: int, E: int, K: int, num_adapters: int | None, topk_ids, lora_ids) -> tuple[int, int]:
     """(distinct experts, distinct (adapter, expert) pairs with an adapter) touched by T tokens."""
-    E, K = shape.experts, shape.top_k
     if topk_ids is not None:
         ids = topk_ids.detach().long().cpu()
         n_e = int(torch.unique(ids).numel())
@@ -139,13 +165,24 @@ def _touched(T: int, shape: MoEShape, num_adapters: int | None, topk_ids, lora_i
     return n_e, n_pair
 
 
-def op_costs(shape: MoEShape | str, T: int, rank: int, slices: int | None = None, dtype_bytes: int = 2,
-             topk_ids: torch.Tensor | None = None, *, lora_ids: torch.Tensor | None = None,
-             num_adapters: int | None = None) -> list[dict[str, Any]]:
+def op_costs(
+    shape: MoEShape | str,
+    T: int | Dims,
+    rank: int | None = None,
+    slices: int | None = None,
+    dtype_bytes: int = 2,
+    topk_ids: torch.Tensor | None = None,
+    *,
+    lora_ids: torch.Tensor | None = None,
+    num_adapters: int | None = None,
+) -> list[dict[str, Any]]:
     """FLOPs, minimal bytes, arithmetic intensity and H200 floor of the six launches of one layer.
 
     Args:
-        shape: a preset (or its name); T: tokens; rank: R; slices: S (default the preset's).
+        shape: a preset (or its name; names the rows).
+        T: tokens, with rank: R and slices: S (default the preset's); or a
+            :class:`~moelora_lib.shapes.Dims`, which gives T, H, I, E, K, R, S and L (then ``rank``,
+            ``slices`` and ``num_adapters`` must be left out).
         dtype_bytes: bytes per weight/activation element (2 = bf16). The LoRA rank intermediate is
             fp32 (4 bytes), as in :func:`moelora_lib.kernels.lora_shrink`.
         topk_ids: [T, K] routed experts; when given, the touched experts are counted from it,
@@ -168,10 +205,18 @@ def op_costs(shape: MoEShape | str, T: int, rank: int, slices: int | None = None
         down_expand:  B2 of touched pairs (H·R) + the intermediate + y read and written.
     """
     shape = get_shape(shape) if isinstance(shape, str) else shape
-    H, I, E, K = shape.hidden, shape.intermediate, shape.experts, shape.top_k
-    S = slices or shape.lora_slices
-    R, b, P = rank, dtype_bytes, T * shape.top_k
-    n_e, n_pair = _touched(T, shape, num_adapters, topk_ids, lora_ids)
+    if isinstance(T, Dims):
+        if rank is not None or slices is not None or num_adapters is not None:
+            raise TypeError("op_costs: with a Dims, leave out rank, slices and num_adapters")
+        d = T
+        num_adapters = d.adapters
+    else:
+        if rank is None:
+            raise TypeError("op_costs: rank is required with an int T")
+        d = Dims.of(shape, T, rank=rank, adapters=num_adapters or 1, slices=slices)
+    T, H, I, E, K, R, S = d.T, d.H, d.I, d.E, d.top_k, d.rank, d.slices
+    b, P = dtype_bytes, d.pairs
+    n_e, n_pair = _touched(T, E, K, num_adapters, topk_ids, lora_ids)
     f32 = 4
     ops = [
         # name, flops, weight bytes, activation bytes
@@ -187,16 +232,36 @@ def op_costs(shape: MoEShape | str, T: int, rank: int, slices: int | None = None
         nbytes = wbytes + abytes
         t_mem = bench.copy_bandwidth_floor_us(nbytes)
         t_cmp = bench.compute_floor_us(flops)
-        rows.append(dict(model=shape.name, op=op, T=T, H=H, I=I, E=E, K=K, R=R, S=S,
-                         experts_touched=n_e, lora_pairs_touched=n_pair, flops=int(flops),
-                         bytes=int(nbytes), weight_bytes=int(wbytes), intensity=flops / nbytes,
-                         floor_us=max(t_mem, t_cmp), bound="memory" if t_mem >= t_cmp else "compute"))
+        rows.append(
+            dict(
+                model=shape.name,
+                op=op,
+                T=T,
+                H=H,
+                I=I,
+                E=E,
+                K=K,
+                R=R,
+                S=S,
+                experts_touched=n_e,
+                lora_pairs_touched=n_pair,
+                flops=int(flops),
+                bytes=int(nbytes),
+                weight_bytes=int(wbytes),
+                intensity=flops / nbytes,
+                floor_us=max(t_mem, t_cmp),
+                bound="memory" if t_mem >= t_cmp else "compute",
+            )
+        )
     return rows
 
 
 def _part_cost(costs: list[dict], part: str) -> tuple[int, int]:
-    ops = {"base": ("base_gate_up", "base_down"), "lora": LORA_OPS,
-           "total": ("base_gate_up", "base_down") + LORA_OPS}.get(part, (part,))
+    ops = {
+        "base": ("base_gate_up", "base_down"),
+        "lora": LORA_OPS,
+        "total": ("base_gate_up", "base_down") + LORA_OPS,
+    }.get(part, (part,))
     sel = [c for c in costs if c["op"] in ops]
     return sum(c["flops"] for c in sel), sum(c["bytes"] for c in sel)
 
@@ -206,11 +271,57 @@ def _part_cost(costs: list[dict], part: str) -> tuple[int, int]:
 # ------------------------------------------------------------------------------------------------
 
 
-def layer_inputs(shape: MoEShape | str, T: int, *, rank: int = 32, num_adapters: int = 8,
-                 pattern: str = "uniform", dtype=torch.bfloat16, device="cuda", seed: int = 0,
-                 activation: str | None = None, bias: bool | None = None,
-                 weights: MoELoRAInputs | None = None) -> MoELoRAInputs:
-    """Seeded inputs for one layer call with T tokens.
+#: The keyword form of a :class:`Workload` in this module: keyword -> (Workload field, default).
+_WORKLOAD_KW = dict(
+    rank=("rank", 32),
+    num_adapters=("adapters", 8),
+    dtype=("dtype", torch.bfloat16),
+    device=("device", "cuda"),
+    seed=("seed", 0),
+    activation=("activation", None),
+    bias=("bias", None),
+)
+
+
+def _workload(shape, T, pattern_default: str = "uniform", **kw) -> Workload:
+    """``shape`` if it is a :class:`Workload` (then T and every input keyword must be left out), else
+    the Workload of the keyword form."""
+    if isinstance(shape, Workload):
+        given = [
+            k
+            for k, v in kw.items()
+            if k != "pattern" and not (v is _WORKLOAD_KW[k][1] or v == _WORKLOAD_KW[k][1])
+        ]
+        if kw.get("pattern") != pattern_default:
+            given.append("pattern")
+        if T is not None or given:
+            raise TypeError(
+                "pass the inputs either as a Workload or as (shape, T, keywords), not both; "
+                f"also given: {(['T'] if T is not None else []) + given}"
+            )
+        return shape
+    if T is None:
+        raise TypeError("T (tokens) is required unless a Workload is passed")
+    fields = {_WORKLOAD_KW[k][0]: v for k, v in kw.items() if k != "pattern"}
+    return Workload(model=shape, T=T, pattern=kw.get("pattern", pattern_default), **fields)
+
+
+def layer_inputs(
+    shape: MoEShape | str | Workload,
+    T: int | None = None,
+    *,
+    rank: int = 32,
+    num_adapters: int = 8,
+    pattern: str = "uniform",
+    dtype=torch.bfloat16,
+    device="cuda",
+    seed: int = 0,
+    activation: str | None = None,
+    bias: bool | None = None,
+    weights: MoELoRAInputs | None = None,
+) -> MoELoRAInputs:
+    """Seeded inputs for one layer call with T tokens: ``layer_inputs(Workload(...))`` or
+    ``layer_inputs(shape, T, rank=..., ...)`` (the keywords are the fields of the Workload).
 
     Without ``weights``: :func:`moelora_lib.workloads.make_inputs` (generated on the CPU in fp32,
     then moved to ``device``/``dtype``). With ``weights`` (an earlier result of this function for the
@@ -222,11 +333,36 @@ def layer_inputs(shape: MoEShape | str, T: int, *, rank: int = 32, num_adapters:
     bias: overrides the preset's expert biases (False drops them; True with reused weights that
         have none raises ValueError).
     """
-    shape = get_shape(shape) if isinstance(shape, str) else shape
-    act = activation or shape.activation
+    wl = _workload(
+        shape,
+        T,
+        rank=rank,
+        num_adapters=num_adapters,
+        pattern=pattern,
+        dtype=dtype,
+        device=device,
+        seed=seed,
+        activation=activation,
+        bias=bias,
+    )
+    return _inputs(wl, weights)
+
+
+def _inputs(wl: Workload, weights: MoELoRAInputs | None) -> MoELoRAInputs:
+    shape, T, pattern, seed, bias = wl.shape, wl.T, wl.pattern, wl.seed, wl.bias
+    act = wl.activation or shape.activation
     if weights is None:
-        inp = make_inputs(shape, T, rank=rank, num_adapters=num_adapters, pattern=pattern, dtype=dtype,
-                          device=device, seed=seed, bias=bias)
+        inp = make_inputs(
+            shape,
+            T,
+            rank=wl.rank,
+            num_adapters=wl.adapters,
+            pattern=pattern,
+            dtype=wl.dtype,
+            device=wl.device,
+            seed=seed,
+            bias=bias,
+        )
         return dataclasses.replace(inp, activation=act)
     use_bias = (weights.b13 is not None) if bias is None else bias
     if use_bias and weights.b13 is None:
@@ -239,10 +375,15 @@ def layer_inputs(shape: MoEShape | str, T: int, *, rank: int = 32, num_adapters:
     ids = adapter_ids(T, L, pattern, g)
     dev = weights.w13.device
     return dataclasses.replace(
-        weights, hidden_states=x.to(device=dev, dtype=weights.w13.dtype),
-        topk_weights=topk_w.to(dev), topk_ids=topk_ids.to(dev), lora_ids=ids.to(dev),
-        router_logits=logits.to(dev), activation=act,
-        b13=weights.b13 if use_bias else None, b2=weights.b2 if use_bias else None,
+        weights,
+        hidden_states=x.to(device=dev, dtype=weights.w13.dtype),
+        topk_weights=topk_w.to(dev),
+        topk_ids=topk_ids.to(dev),
+        lora_ids=ids.to(dev),
+        router_logits=logits.to(dev),
+        activation=act,
+        b13=weights.b13 if use_bias else None,
+        b2=weights.b2 if use_bias else None,
     )
 
 
@@ -254,12 +395,6 @@ def make_run(stage: str, inp: MoELoRAInputs, config: LayerConfig | None = None):
     return make_layer_run(*inp.args(), **inp.kwargs(), stage=stage, config=config, check_values=False)
 
 
-def _time(fn: Callable[[], Any], mode: str, device, warmup_ms: float, rep_ms: float) -> bench.Timing:
-    if torch.device(device).type == "cpu":
-        return bench.time_cpu(fn, reps=1, warmup=0)
-    return bench.time_cuda(fn, mode=mode, warmup_ms=warmup_ms, rep_ms=rep_ms)
-
-
 def _sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
@@ -267,10 +402,23 @@ def _sync(device) -> None:
 
 def _run_fields(shape: MoEShape, run, pattern: str) -> dict[str, Any]:
     """The identifying columns of a row, read from a LayerRun."""
-    L, E, S, R, _ = run.lora[0].shape
-    return dict(stage=run.stage.name, model=shape.name, T=run.T, H=run.H, I=run.I, E=E, K=run.K,
-                L=L, R=R, S=S, dtype=_DTYPE_NAMES.get(run.x.dtype, str(run.x.dtype)),
-                activation=run.activation, bias=run.b13 is not None, pattern=pattern)
+    d = run.dims
+    return dict(
+        stage=run.stage.name,
+        model=shape.name,
+        T=d.T,
+        H=d.H,
+        I=d.I,
+        E=d.E,
+        K=d.top_k,
+        L=d.adapters,
+        R=d.rank,
+        S=d.slices,
+        dtype=dtype_name(run.x.dtype),
+        activation=run.activation,
+        bias=run.b13 is not None,
+        pattern=pattern,
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -278,12 +426,26 @@ def _run_fields(shape: MoEShape, run, pattern: str) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------
 
 
-def bench_layer(stage: str, shape: MoEShape | str, T: int, *, rank: int = 32, num_adapters: int = 8,
-                pattern: str = "uniform", dtype=torch.bfloat16, device="cuda",
-                modes: Sequence[str] = ("graph",), config: LayerConfig | None = None, seed: int = 0,
-                activation: str | None = None, bias: bool | None = None,
-                weights: MoELoRAInputs | None = None, parts: Sequence[str] = PARTS,
-                warmup_ms: float = 25, rep_ms: float = 100) -> list[dict[str, Any]]:
+def bench_layer(
+    stage: str,
+    shape: MoEShape | str | Workload,
+    T: int | None = None,
+    *,
+    rank: int = 32,
+    num_adapters: int = 8,
+    pattern: str = "uniform",
+    dtype=torch.bfloat16,
+    device="cuda",
+    modes: Sequence[str] = ("graph",),
+    config: LayerConfig | None = None,
+    seed: int = 0,
+    activation: str | None = None,
+    bias: bool | None = None,
+    weights: MoELoRAInputs | None = None,
+    parts: Sequence[str] = PARTS,
+    warmup_ms: float = 25,
+    rep_ms: float = 100,
+) -> list[dict[str, Any]]:
     """Time the parts of one MoE+LoRA layer of ``stage`` at T tokens; one row per (part, mode).
 
     Parts: "base" = :meth:`LayerRun.base_part` (base w13 GEMM, activation, base w2 GEMM, top-k sum —
@@ -294,40 +456,65 @@ def bench_layer(stage: str, shape: MoEShape | str, T: int, *, rank: int = 32, nu
     "eager"); on the CPU with :func:`moelora_lib.studies.bench.time_cpu` (mode "cpu-interpreter", one call:
     no performance number).
 
-    Args: see :func:`layer_inputs` for the inputs (``weights`` reuses expert/adapter weights);
-        config: a LayerConfig (None = :func:`moelora_lib.kernels.default_config` for this T).
+    Args: a :class:`Workload`, or the keyword form of :func:`layer_inputs` (``weights`` reuses
+        expert/adapter weights); config: a LayerConfig (None = :func:`moelora_lib.kernels.default_config`
+        for this T).
     Returns:
         rows (:func:`moelora_lib.studies.bench.result_row`) with stage, part, model, T, H, I, E, K, L, R, S,
         dtype, activation, bias, pattern, config, config_source, mode, ms_p50, ms_p20, ms_p80, us_p50,
         flops, bytes, floor_us (µs; bytes at 4.3 TB/s vs flops at 675 TFLOP/s, the larger), warmup_ms,
         rep_ms, plus the environment columns.
     """
-    shape = get_shape(shape) if isinstance(shape, str) else shape
-    inp = layer_inputs(shape, T, rank=rank, num_adapters=num_adapters, pattern=pattern, dtype=dtype,
-                       device=device, seed=seed, activation=activation, bias=bias, weights=weights)
+    wl = _workload(
+        shape,
+        T,
+        rank=rank,
+        num_adapters=num_adapters,
+        pattern=pattern,
+        dtype=dtype,
+        device=device,
+        seed=seed,
+        activation=activation,
+        bias=bias,
+    )
+    shape, device = wl.shape, wl.device
+    inp = _inputs(wl, weights)
     run = make_run(stage, inp, config)
     run()  # compile outside the timed region
     _sync(device)
     dtype_bytes = inp.hidden_states.element_size()
-    costs = op_costs(shape, T, rank, inp.lora_a13.shape[2], dtype_bytes, inp.topk_ids,
-                     lora_ids=inp.lora_ids)
+    costs = op_costs(shape, run.dims, dtype_bytes=dtype_bytes, topk_ids=inp.topk_ids, lora_ids=inp.lora_ids)
     fns = {"base": run.base_part, "lora": run.lora_part, "total": run}
     is_cpu = torch.device(device).type == "cpu"
     rows = []
     for part in parts:
         flops, nbytes = _part_cost(costs, part)
-        for mode in (("cpu-interpreter",) if is_cpu else tuple(modes)):
-            tm = _time(fns[part], mode, device, warmup_ms, rep_ms)
-            rows.append(bench.result_row(
-                **_run_fields(shape, run, pattern), part=part, config=run.cfg.short(),
-                config_source=run.cfg.source, mode=mode, ms_p50=tm.ms_p50, ms_p20=tm.ms_p20,
-                ms_p80=tm.ms_p80, us_p50=tm.ms_p50 * 1e3, flops=flops, bytes=nbytes,
-                floor_us=floor_us(flops, nbytes), warmup_ms=warmup_ms, rep_ms=rep_ms))
+        for mode in ("cpu-interpreter",) if is_cpu else tuple(modes):
+            tm = bench.time_fn(fns[part], mode, device, warmup_ms, rep_ms)
+            rows.append(
+                bench.result_row(
+                    **_run_fields(shape, run, wl.pattern),
+                    part=part,
+                    config=run.cfg.short(),
+                    config_source=run.cfg.source,
+                    mode=mode,
+                    ms_p50=tm.ms_p50,
+                    ms_p20=tm.ms_p20,
+                    ms_p80=tm.ms_p80,
+                    us_p50=tm.ms_p50 * 1e3,
+                    flops=flops,
+                    bytes=nbytes,
+                    floor_us=floor_us(flops, nbytes),
+                    warmup_ms=warmup_ms,
+                    rep_ms=rep_ms,
+                )
+            )
     return rows
 
 
 def lora_op_fn(run, op: str, op_config=None) -> Callable[[], torch.Tensor]:
-    """A no-argument callable launching one LoRA op of ``run`` (a LayerRun after one full call).
+    """A no-argument callable launching one LoRA op of ``run`` (a LayerRun): :meth:`LayerRun.op_fn
+    <moelora_lib.kernels.LayerRun.op_fn>` restricted to the LoRA ops.
 
     op: "gate_up_shrink", "gate_up_expand", "down_shrink" or "down_expand".
     op_config: an :class:`~moelora_lib.kernels.OpConfig` replacing ``run.cfg.<op>`` (its
@@ -338,39 +525,53 @@ def lora_op_fn(run, op: str, op_config=None) -> Callable[[], torch.Tensor]:
     (other stages) the delta into a private copy of the base buffer (h or y), so repeated calls cost
     what one call in the layer costs.
     """
-    if run.g is None:
-        run()
-    st = run.stage
-    cfg = op_config or getattr(run.cfg, op)
-    a13, b13l, a2, b2l = run.lora
-    x, a, b, out, rows_div, tw = ((run.x, a13, b13l, run.h, run.K, None) if op.startswith("gate_up")
-                                  else (run.g, a2, b2l, run.y, 1, run.topk_w))
-    if op.endswith("shrink"):
-        return lambda: lora_shrink(x, a, run.lora_align, cfg, rows_div=rows_div, use_even_k=st.even_k,
-                                   specialize_lengths=st.specialize_lengths)
-    shrink_cfg = getattr(run.cfg, op.replace("expand", "shrink"))
-    inter = lora_shrink(x, a, run.lora_align, shrink_cfg, rows_div=rows_div, use_even_k=st.even_k,
-                        specialize_lengths=st.specialize_lengths)
-    scratch = out.clone()
-    return lambda: lora_expand(inter, b, scratch, run.lora_align, cfg, topk_weights=tw,
-                               add_inputs=st.fused_add, use_even_k=st.even_k,
-                               specialize_lengths=st.specialize_lengths)
+    if op not in LORA_OPS:
+        raise ValueError(f"op must be one of {LORA_OPS}, got {op!r}")
+    return run.op_fn(op, op_config)
 
 
-def bench_lora_op(stage: str, shape: MoEShape | str, T: int, op: str, *, rank: int = 32,
-                  num_adapters: int = 8, pattern: str = "uniform", dtype=torch.bfloat16, device="cuda",
-                  mode: str = "graph", config: LayerConfig | None = None, op_changes: dict | None = None,
-                  seed: int = 0, activation: str | None = None, bias: bool | None = None,
-                  weights: MoELoRAInputs | None = None, warmup_ms: float = 10, rep_ms: float = 40,
-                  run=None, return_output: bool = False):
+def bench_lora_op(
+    stage: str,
+    shape: MoEShape | str,
+    T: int,
+    op: str,
+    *,
+    rank: int = 32,
+    num_adapters: int = 8,
+    pattern: str = "uniform",
+    dtype=torch.bfloat16,
+    device="cuda",
+    mode: str = "graph",
+    config: LayerConfig | None = None,
+    op_changes: dict | None = None,
+    seed: int = 0,
+    activation: str | None = None,
+    bias: bool | None = None,
+    weights: MoELoRAInputs | None = None,
+    warmup_ms: float = 10,
+    rep_ms: float = 40,
+    run=None,
+    return_output: bool = False,
+):
     """Time one LoRA op alone (see :func:`lora_op_fn`); one row like :func:`bench_layer`'s with
     part = op. ``op_changes`` (e.g. ``{"SPLIT_K": 4}``) is applied to the op's config with
     ``dataclasses.replace``. ``run`` reuses an existing LayerRun (then the input arguments are
     ignored). With ``return_output`` returns (row, output of one call) for error checks."""
     shape = get_shape(shape) if isinstance(shape, str) else shape
     if run is None:
-        inp = layer_inputs(shape, T, rank=rank, num_adapters=num_adapters, pattern=pattern, dtype=dtype,
-                           device=device, seed=seed, activation=activation, bias=bias, weights=weights)
+        inp = layer_inputs(
+            shape,
+            T,
+            rank=rank,
+            num_adapters=num_adapters,
+            pattern=pattern,
+            dtype=dtype,
+            device=device,
+            seed=seed,
+            activation=activation,
+            bias=bias,
+            weights=weights,
+        )
         run = make_run(stage, inp, config)
         run()
     device = run.x.device
@@ -383,18 +584,29 @@ def bench_lora_op(stage: str, shape: MoEShape | str, T: int, op: str, *, rank: i
         out = out.clone()
     _sync(device)
     # touched (adapter, expert) pairs estimated as min(L·E, T·K) (the run keeps no topk_ids)
-    costs = {c["op"]: c for c in op_costs(shape, run.T, run.lora[0].shape[3], run.lora[0].shape[2],
-                                          run.x.element_size(), None, num_adapters=run.L)}
+    costs = {c["op"]: c for c in op_costs(shape, run.dims, dtype_bytes=run.x.element_size())}
     is_cpu = torch.device(device).type == "cpu"
     m = "cpu-interpreter" if is_cpu else mode
-    tm = _time(fn, m, device, warmup_ms, rep_ms)
+    tm = bench.time_fn(fn, m, device, warmup_ms, rep_ms)
     fields = _run_fields(shape, run, pattern)
     c = costs[op]
-    row = bench.result_row(**fields, part=op, config=op_cfg.short(), config_source=run.cfg.source,
-                           mode=m, ms_p50=tm.ms_p50, ms_p20=tm.ms_p20, ms_p80=tm.ms_p80,
-                           us_p50=tm.ms_p50 * 1e3, flops=c["flops"], bytes=c["bytes"],
-                           floor_us=c["floor_us"], warmup_ms=warmup_ms, rep_ms=rep_ms,
-                           **{k: v for k, v in (op_changes or {}).items()})
+    row = bench.result_row(
+        **fields,
+        part=op,
+        config=op_cfg.short(),
+        config_source=run.cfg.source,
+        mode=m,
+        ms_p50=tm.ms_p50,
+        ms_p20=tm.ms_p20,
+        ms_p80=tm.ms_p80,
+        us_p50=tm.ms_p50 * 1e3,
+        flops=c["flops"],
+        bytes=c["bytes"],
+        floor_us=c["floor_us"],
+        warmup_ms=warmup_ms,
+        rep_ms=rep_ms,
+        **{k: v for k, v in (op_changes or {}).items()},
+    )
     return (row, out) if return_output else row
 
 
@@ -403,12 +615,25 @@ def bench_lora_op(stage: str, shape: MoEShape | str, T: int, op: str, *, rank: i
 # ------------------------------------------------------------------------------------------------
 
 
-def check_layer(stage: str, shape: MoEShape | str, T: int, *, rank: int = 32, num_adapters: int = 8,
-                pattern: str = "mixed", dtype=torch.bfloat16, device="cuda", seed: int = 0,
-                activation: str | None = None, bias: bool | None = None,
-                weights: MoELoRAInputs | None = None, config: LayerConfig | None = None) -> dict[str, Any]:
+def check_layer(
+    stage: str,
+    shape: MoEShape | str | Workload,
+    T: int | None = None,
+    *,
+    rank: int = 32,
+    num_adapters: int = 8,
+    pattern: str = "mixed",
+    dtype=torch.bfloat16,
+    device="cuda",
+    seed: int = 0,
+    activation: str | None = None,
+    bias: bool | None = None,
+    weights: MoELoRAInputs | None = None,
+    config: LayerConfig | None = None,
+) -> dict[str, Any]:
     """One layer call of ``stage`` against :func:`moelora_lib.reference.moe_lora_reference` (fp32,
-    on the same device, same inputs).
+    on the same device, same inputs). Inputs: a :class:`Workload`, or the keyword form of
+    :func:`layer_inputs` (default pattern here: "mixed", so tokens without an adapter are checked too).
 
     Returns a dict: stage, model, T, dtype, activation, bias, pattern, rel_err
     (max|out − ref| / max|ref|), no_adapter_rows (tokens with lora id −1), no_adapter_bitwise (those
@@ -417,23 +642,54 @@ def check_layer(stage: str, shape: MoEShape | str, T: int, *, rank: int = 32, nu
     rel_err is not a LoRA that was never added).
     The reference gathers per-pair weight copies ([P, 2I, H] fp32): keep P = T·K modest at model shapes.
     """
-    shape = get_shape(shape) if isinstance(shape, str) else shape
-    inp = layer_inputs(shape, T, rank=rank, num_adapters=num_adapters, pattern=pattern, dtype=dtype,
-                       device=device, seed=seed, activation=activation, bias=bias, weights=weights)
+    wl = _workload(
+        shape,
+        T,
+        pattern_default="mixed",
+        rank=rank,
+        num_adapters=num_adapters,
+        pattern=pattern,
+        dtype=dtype,
+        device=device,
+        seed=seed,
+        activation=activation,
+        bias=bias,
+    )
+    inp = _inputs(wl, weights)
     run = make_run(stage, inp, config)
     out = run().clone()
     base = run.base_part().clone()
     ref = moe_lora_reference(*inp.args(), **inp.kwargs())
     none = inp.lora_ids == -1
     bitwise = bool(torch.equal(out[none], base[none])) if bool(none.any()) else True
-    ref_base = moe_lora_reference(inp.hidden_states, inp.w13, inp.w2, inp.topk_weights, inp.topk_ids,
-                                  torch.full_like(inp.lora_ids, -1), None, None, None, None,
-                                  **inp.kwargs())
+    ref_base = moe_lora_reference(
+        inp.hidden_states,
+        inp.w13,
+        inp.w2,
+        inp.topk_weights,
+        inp.topk_ids,
+        torch.full_like(inp.lora_ids, -1),
+        None,
+        None,
+        None,
+        None,
+        **inp.kwargs(),
+    )
     delta_rel = float((ref - ref_base).abs().max() / ref.abs().max().clamp_min(1e-30))
-    return dict(stage=stage, model=shape.name, T=T, dtype=_DTYPE_NAMES.get(dtype, str(dtype)),
-                activation=inp.activation, bias=inp.b13 is not None, pattern=pattern,
-                rel_err=rel_err(out, ref), no_adapter_rows=int(none.sum()),
-                no_adapter_bitwise=bitwise, delta_rel=delta_rel, config=run.cfg.short())
+    return dict(
+        stage=stage,
+        model=wl.model_name,
+        T=wl.T,
+        dtype=dtype_name(wl.dtype),
+        activation=inp.activation,
+        bias=inp.b13 is not None,
+        pattern=wl.pattern,
+        rel_err=rel_err(out, ref),
+        no_adapter_rows=int(none.sum()),
+        no_adapter_bitwise=bitwise,
+        delta_rel=delta_rel,
+        config=run.cfg.short(),
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -456,8 +712,9 @@ def log_spaced_lengths(n: int = 40, lo: int = 1, hi: int = 8192) -> list[int]:
     return sorted(x for x in out if lo <= x <= hi)
 
 
-def length_spec_keys(stage: str, shape: MoEShape, T: int, rank: int, num_adapters: int,
-                     config: LayerConfig) -> dict[str, tuple]:
+def length_spec_keys(
+    stage: str, shape: MoEShape, T: int, rank: int, num_adapters: int, config: LayerConfig
+) -> dict[str, tuple]:
     """Triton's specialization key of the length-dependent integer arguments of each kernel at T.
 
     Computed with Triton's own ``native_specialize_impl`` (no GPU needed): "" for a plain int, "D" for
@@ -478,22 +735,30 @@ def length_spec_keys(stage: str, shape: MoEShape, T: int, rank: int, num_adapter
     bm_b, bm_l = config.base_block_size_m, config.lora_block_size_m
     values = {
         "fused_moe": dict(num_pairs=P, num_blocks=max_padded_pairs(P, E, bm_b) // bm_b),
-        "lora_shrink": dict(num_pairs=P, num_blocks=max_padded_pairs(P, (num_adapters + 1) * E, bm_l) // bm_l,
-                            stride_os=P * rank),
-        "lora_expand": dict(num_pairs=P, num_blocks=max_padded_pairs(P, (num_adapters + 1) * E, bm_l) // bm_l,
-                            stride_is=P * rank),
+        "lora_shrink": dict(
+            num_pairs=P,
+            num_blocks=max_padded_pairs(P, (num_adapters + 1) * E, bm_l) // bm_l,
+            stride_os=P * rank,
+        ),
+        "lora_expand": dict(
+            num_pairs=P,
+            num_blocks=max_padded_pairs(P, (num_adapters + 1) * E, bm_l) // bm_l,
+            stride_is=P * rank,
+        ),
         "gated_act": dict(n_rows=P),
     }
     keys = {}
     for kern, args in values.items():
         assert set(args) == set(LENGTH_ARGS[kern]), (kern, args, LENGTH_ARGS[kern])
-        keys[kern] = tuple(native_specialize_impl(BaseBackend, args[a], False, spec, True)[1:]
-                           for a in LENGTH_ARGS[kern])
+        keys[kern] = tuple(
+            native_specialize_impl(BaseBackend, args[a], False, spec, True)[1:] for a in LENGTH_ARGS[kern]
+        )
     return keys
 
 
-def predicted_variants(stage: str, shape: MoEShape, lengths: Sequence[int], rank: int,
-                       num_adapters: int, config: LayerConfig) -> dict[str, int]:
+def predicted_variants(
+    stage: str, shape: MoEShape, lengths: Sequence[int], rank: int, num_adapters: int, config: LayerConfig
+) -> dict[str, int]:
     """Distinct specialization keys per kernel over ``lengths`` (fixed config): the number of binaries
     Triton compiles for each kernel, as predicted from :func:`length_spec_keys`."""
     seen: dict[str, set] = {}
@@ -521,9 +786,18 @@ def count_compiled_variants(specialize_lengths: bool, device: int | None = None)
     return out
 
 
-def run_recompile(stage: str, model: str, lengths: Sequence[int], *, rank: int = 32,
-                  num_adapters: int = 8, dtype: str = "bfloat16", config_T: int = 64, seed: int = 0,
-                  warm_reps: int = 3) -> list[dict[str, Any]]:
+def run_recompile(
+    stage: str,
+    model: str,
+    lengths: Sequence[int],
+    *,
+    rank: int = 32,
+    num_adapters: int = 8,
+    dtype: str = "bfloat16",
+    config_T: int = 64,
+    seed: int = 0,
+    warm_reps: int = 3,
+) -> list[dict[str, Any]]:
     """In this (fresh) process: for each length in order, build the layer (untimed), time the first
     call (wall clock, synchronized: compilation of any new binary included) and the median of
     ``warm_reps`` warm calls, and count the compiled binaries. One fixed config
@@ -531,10 +805,18 @@ def run_recompile(stage: str, model: str, lengths: Sequence[int], *, rank: int =
     length specialization. GPU only."""
     shape = get_shape(model)
     dt = DTYPES[dtype]
-    weights = layer_inputs(shape, 1, rank=rank, num_adapters=num_adapters, dtype=dt, device="cuda",
-                           seed=seed, activation="silu", bias=False)
-    cfg = default_config(config_T, shape.hidden, shape.intermediate, shape.experts, shape.top_k, rank,
-                         num_adapters, shape.lora_slices)
+    weights = layer_inputs(
+        shape,
+        1,
+        rank=rank,
+        num_adapters=num_adapters,
+        dtype=dt,
+        device="cuda",
+        seed=seed,
+        activation="silu",
+        bias=False,
+    )
+    cfg = default_config(Dims.of(shape, config_T, rank=rank, adapters=num_adapters))
     spec = STAGES[stage].specialize_lengths
     rows = []
     for T in lengths:
@@ -552,15 +834,32 @@ def run_recompile(stage: str, model: str, lengths: Sequence[int], *, rank: int =
             torch.cuda.synchronize()
             warm.append((time.perf_counter() - t0) * 1e3)
         counts = count_compiled_variants(spec)
-        rows.append(dict(stage=stage, model=model, T=T, first_call_ms=first_ms,
-                         warm_call_ms=sorted(warm)[len(warm) // 2], compiled_total=sum(counts.values()),
-                         **{f"compiled_{k}": v for k, v in counts.items()}, config=cfg.short()))
+        rows.append(
+            dict(
+                stage=stage,
+                model=model,
+                T=T,
+                first_call_ms=first_ms,
+                warm_call_ms=sorted(warm)[len(warm) // 2],
+                compiled_total=sum(counts.values()),
+                **{f"compiled_{k}": v for k, v in counts.items()},
+                config=cfg.short(),
+            )
+        )
     return rows
 
 
-def recompile_in_subprocess(stage: str, model: str, lengths: Sequence[int], *, rank: int = 32,
-                            num_adapters: int = 8, dtype: str = "bfloat16", seed: int = 0,
-                            timeout_s: float = 400) -> list[dict[str, Any]]:
+def recompile_in_subprocess(
+    stage: str,
+    model: str,
+    lengths: Sequence[int],
+    *,
+    rank: int = 32,
+    num_adapters: int = 8,
+    dtype: str = "bfloat16",
+    seed: int = 0,
+    timeout_s: float = 400,
+) -> list[dict[str, Any]]:
     """:func:`run_recompile` in a fresh Python process (``python -m moelora_lib.studies.moe_bench recompile``)
     with an empty ``TRITON_CACHE_DIR``, so every binary is really compiled (no in-process JIT cache,
     no on-disk cache from earlier runs). Returns its rows; raises RuntimeError with the tail of the
@@ -568,19 +867,42 @@ def recompile_in_subprocess(stage: str, model: str, lengths: Sequence[int], *, r
     import subprocess
     import tempfile
 
-    with tempfile.TemporaryDirectory(prefix="moelora_triton_cache_") as cache, \
-            tempfile.TemporaryDirectory(prefix="moelora_recompile_") as tmp:
+    with (
+        tempfile.TemporaryDirectory(prefix="moelora_triton_cache_") as cache,
+        tempfile.TemporaryDirectory(prefix="moelora_recompile_") as tmp,
+    ):
         out = os.path.join(tmp, "rows.json")
         env = dict(os.environ, TRITON_CACHE_DIR=cache)
         env.pop("TRITON_INTERPRET", None)
-        cmd = [sys.executable, "-m", "moelora_lib.studies.moe_bench", "recompile", "--stage", stage, "--model", model,
-               "--lengths", ",".join(str(int(t)) for t in lengths), "--rank", str(rank), "--adapters",
-               str(num_adapters), "--dtype", dtype, "--seed", str(seed), "--out", out]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env,
-                              cwd=str(bench.REPO_ROOT))
+        cmd = [
+            sys.executable,
+            "-m",
+            "moelora_lib.studies.moe_bench",
+            "recompile",
+            "--stage",
+            stage,
+            "--model",
+            model,
+            "--lengths",
+            ",".join(str(int(t)) for t in lengths),
+            "--rank",
+            str(rank),
+            "--adapters",
+            str(num_adapters),
+            "--dtype",
+            dtype,
+            "--seed",
+            str(seed),
+            "--out",
+            out,
+        ]
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=str(bench.REPO_ROOT)
+        )
         if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd[:6])} failed (rc {proc.returncode}):\n"
-                               f"{(proc.stdout + proc.stderr)[-3000:]}")
+            raise RuntimeError(
+                f"{' '.join(cmd[:6])} failed (rc {proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}"
+            )
         with open(out) as f:
             return json.load(f)
 
@@ -593,19 +915,37 @@ def recompile_in_subprocess(stage: str, model: str, lengths: Sequence[int], *, r
 def _ncu_target(model: str, T: int, group_size_m: int, rank: int, num_adapters: int, seed: int) -> None:
     """Launch the gate_up shrink of stage ``swizzle`` a few times (the process ncu profiles)."""
     shape = get_shape(model)
-    inp = layer_inputs(shape, T, rank=rank, num_adapters=num_adapters, dtype=torch.bfloat16,
-                       device="cuda", seed=seed, activation="silu", bias=False)
+    inp = layer_inputs(
+        shape,
+        T,
+        rank=rank,
+        num_adapters=num_adapters,
+        dtype=torch.bfloat16,
+        device="cuda",
+        seed=seed,
+        activation="silu",
+        bias=False,
+    )
     run = make_run("swizzle", inp, None)
     run()
-    fn = lora_op_fn(run, "gate_up_shrink", dataclasses.replace(run.cfg.gate_up_shrink,
-                                                               GROUP_SIZE_M=group_size_m))
+    fn = lora_op_fn(
+        run, "gate_up_shrink", dataclasses.replace(run.cfg.gate_up_shrink, GROUP_SIZE_M=group_size_m)
+    )
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
 
 
-def ncu_l2_hit_rate(model: str, T: int, group_size_m: int, *, rank: int = 32, num_adapters: int = 8,
-                    seed: int = 0, timeout_s: float = 180) -> dict[str, Any]:
+def ncu_l2_hit_rate(
+    model: str,
+    T: int,
+    group_size_m: int,
+    *,
+    rank: int = 32,
+    num_adapters: int = 8,
+    seed: int = 0,
+    timeout_s: float = 180,
+) -> dict[str, Any]:
     """Run ``ncu --clock-control none --metrics lts__t_sector_hit_rate.pct`` on a subprocess that
     launches the gate_up shrink (stage swizzle, given GROUP_SIZE_M); returns dict(ok, l2_hit_pct
     (mean over the profiled launches), launches, message). ok=False with the reason when ncu is
@@ -616,13 +956,36 @@ def ncu_l2_hit_rate(model: str, T: int, group_size_m: int, *, rank: int = 32, nu
     ncu = shutil.which("ncu")
     if ncu is None:
         return dict(ok=False, l2_hit_pct=float("nan"), launches=0, message="ncu not found on PATH")
-    cmd = [ncu, "--clock-control", "none", "--metrics", "lts__t_sector_hit_rate.pct", "--csv",
-           "-k", "regex:_lora_shrink_kernel", sys.executable, "-m", "moelora_lib.studies.moe_bench", "ncu-target",
-           "--model", model, "--T", str(T), "--group-size-m", str(group_size_m), "--rank", str(rank),
-           "--adapters", str(num_adapters), "--seed", str(seed)]
+    cmd = [
+        ncu,
+        "--clock-control",
+        "none",
+        "--metrics",
+        "lts__t_sector_hit_rate.pct",
+        "--csv",
+        "-k",
+        "regex:_lora_shrink_kernel",
+        sys.executable,
+        "-m",
+        "moelora_lib.studies.moe_bench",
+        "ncu-target",
+        "--model",
+        model,
+        "--T",
+        str(T),
+        "--group-size-m",
+        str(group_size_m),
+        "--rank",
+        str(rank),
+        "--adapters",
+        str(num_adapters),
+        "--seed",
+        str(seed),
+    ]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
-                              cwd=str(bench.REPO_ROOT))
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout_s, cwd=str(bench.REPO_ROOT)
+        )
     except (OSError, subprocess.SubprocessError) as e:
         return dict(ok=False, l2_hit_pct=float("nan"), launches=0, message=f"ncu failed: {e}")
     vals = []
@@ -635,8 +998,12 @@ def ncu_l2_hit_rate(model: str, T: int, group_size_m: int, *, rank: int = 32, nu
                 pass
     if not vals:
         tail = (proc.stdout + proc.stderr)[-400:].replace("\n", " | ")
-        return dict(ok=False, l2_hit_pct=float("nan"), launches=0,
-                    message=f"no metric in ncu output (rc {proc.returncode}): {tail}")
+        return dict(
+            ok=False,
+            l2_hit_pct=float("nan"),
+            launches=0,
+            message=f"no metric in ncu output (rc {proc.returncode}): {tail}",
+        )
     return dict(ok=True, l2_hit_pct=sum(vals) / len(vals), launches=len(vals), message="ok")
 
 
@@ -646,7 +1013,8 @@ def ncu_l2_hit_rate(model: str, T: int, group_size_m: int, *, rank: int = 32, nu
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m moelora_lib.studies.moe_bench recompile --stage S --model M --lengths 1,7,... --out F.json``
+    """``python -m moelora_lib.studies.moe_bench recompile --stage S --model M --lengths 1,7,...
+    --out F.json``
     or ``... ncu-target --model M --T 64 --group-size-m 8``."""
     p = argparse.ArgumentParser(prog="python -m moelora_lib.studies.moe_bench")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -670,8 +1038,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.cmd == "recompile":
         lengths = [int(x) for x in a.lengths.split(",") if x]
-        rows = run_recompile(a.stage, a.model, lengths, rank=a.rank, num_adapters=a.adapters,
-                             dtype=a.dtype, config_T=a.config_T, seed=a.seed)
+        rows = run_recompile(
+            a.stage,
+            a.model,
+            lengths,
+            rank=a.rank,
+            num_adapters=a.adapters,
+            dtype=a.dtype,
+            config_T=a.config_T,
+            seed=a.seed,
+        )
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         with open(a.out, "w") as f:
             json.dump(rows, f)

@@ -90,7 +90,8 @@ def setup(notebook: str, profile: str = "auto", seed: int = 0, *, save_env: bool
         if _kernels_imported():
             raise RuntimeError(
                 f"profile {profile!r} needs TRITON_INTERPRET={'1' if interpret_wanted else 'unset'}, but the "
-                "kernel modules were already imported in the other mode: restart the kernel and run from the top"
+                "kernel modules were already imported in the other mode: restart the kernel and run from "
+                "the top"
             )
         if interpret_wanted:
             os.environ["TRITON_INTERPRET"] = "1"
@@ -125,8 +126,10 @@ def setup(notebook: str, profile: str = "auto", seed: int = 0, *, save_env: bool
         env=env,
     )
     shown = {k: env.get(k) for k in ("gpu", "torch", "triton", "helion", "git_commit")}
-    print(f"profile={profile} device={session.device} dtype={str(session.dtype).removeprefix('torch.')} "
-          f"data={rel(data)} {shown}")
+    print(
+        f"profile={profile} device={session.device} dtype={str(session.dtype).removeprefix('torch.')} "
+        f"data={rel(data)} {shown}"
+    )
     return session
 
 
@@ -136,8 +139,9 @@ def progress(iterable: Iterable, desc: str | None = None, total: int | None = No
     from tqdm.std import tqdm
 
     kw.setdefault("mininterval", 2.0)
-    return tqdm(iterable, desc=desc, total=total, file=sys.stdout, ascii=True, dynamic_ncols=False,
-                ncols=90, **kw)
+    return tqdm(
+        iterable, desc=desc, total=total, file=sys.stdout, ascii=True, dynamic_ncols=False, ncols=90, **kw
+    )
 
 
 def save_figure(fig, session: NotebookSession, name: str, *, dpi: int = 120) -> Path:

@@ -6,7 +6,8 @@ Run::
         --adapters 8 --tokens 1,8,64,256,1600,8192 --out moelora_lib/configs/NVIDIA_H200 \\
         --csv data/07_tuning_trials.csv --budget-s 240
 
-What it does per workload (model, R, L, T), on the inputs of :func:`moelora_lib.studies.moe_bench.layer_inputs`
+What it does per workload (model, R, L, T), on the inputs of
+:func:`moelora_lib.studies.moe_bench.layer_inputs`
 (uniform adapter ids, silu, no biases — the vLLM side-by-side setting; activation and biases do not
 change the GEMM shapes):
 
@@ -16,15 +17,15 @@ change the GEMM shapes):
    :class:`~moelora_lib.kernels.LayerRun` of stage ``even_k_fused_add`` is built with that BM, and
    each op's other parameters are tuned independently over a short list
    (:func:`lora_op_candidates`: ≤ 6, the default config first), timing the op alone
-   (:func:`moelora_lib.studies.moe_bench.lora_op_fn`). The BM with the smallest **sum** of the four best
-   medians wins (as vLLM's ``benchmark_lora_tuning.py``), its four configs are written.
+   (:meth:`moelora_lib.kernels.LayerRun.op_fn`, the layer's one launch plan). The BM with the
+   smallest **sum** of the four best medians wins (as vLLM's ``benchmark_lora_tuning.py``), its
+   four configs are written.
 2. **Base GEMMs**, the same way: BM shared by base_gate_up and base_down
    (:func:`base_bm_candidates`, :func:`base_op_candidates`), sum of the two best medians. Tuned once
    per (model, T) (the rank does not change them).
 
-Timing: :func:`moelora_lib.studies.bench.time_cuda` (CUDA graph replay, L2 flushed, warm-up 5 ms, rep 20 ms)
-on a GPU; :func:`moelora_lib.studies.bench.time_cpu` (one interpreted call) on the CPU, where the "tuning" is
-only a functional test of this code path.
+Timing: :func:`moelora_lib.studies.bench.time_fn` — CUDA graph replay, L2 flushed, warm-up 5 ms, rep 20 ms
+on a GPU; one interpreted call on the CPU, where the "tuning" is only a functional test of this code path.
 
 Bookkeeping: every tried config and its time is appended, row by row, to the trials CSV
 (``kind`` = trial / bm_sum / choice / copied / session); a workload whose ``choice`` rows are already
@@ -53,12 +54,11 @@ from typing import Any
 
 import torch
 
-from . import bench
 from .. import configs
 from ..kernels import default_config
 from ..kernels.config import BASE_OPS, LORA_OPS, LayerConfig, OpConfig, next_pow2
-from ..kernels.launchers import fused_moe_gemm
-from ..shapes import MoEShape, get_shape
+from ..shapes import Dims, MoEShape, get_shape
+from . import bench
 
 __all__ = [
     "CSV_COLUMNS",
@@ -122,7 +122,7 @@ def lora_bm_candidates(T: int, K: int, E: int, L: int, max_bms: int = 2) -> list
     g = T * K / max(1, L * E)
     cap = max(16, 2 * next_pow2(math.ceil(g)))
     bms = [bm for bm in LORA_BMS if bm <= cap][-max_bms:]
-    dflt = default_config(T, 64, 64, E, K, 16, L).lora_block_size_m
+    dflt = default_config(Dims(T=T, H=64, I=64, E=E, top_k=K, adapters=L, rank=16)).lora_block_size_m
     return sorted(set(bms) | {dflt}) if max_bms > 1 else [dflt]
 
 
@@ -132,7 +132,7 @@ def base_bm_candidates(T: int, K: int, E: int, max_bms: int = 2) -> list[int]:
     m = T * K / E
     cap = max(16, 2 * next_pow2(math.ceil(m)))
     bms = [bm for bm in BASE_BMS if bm <= cap][-max_bms:]
-    dflt = default_config(T, 64, 64, E, K, 16, 1).base_block_size_m
+    dflt = default_config(Dims(T=T, H=64, I=64, E=E, top_k=K, adapters=1, rank=16)).base_block_size_m
     return sorted(set(bms) | {dflt}) if max_bms > 1 else [dflt]
 
 
@@ -212,43 +212,18 @@ def base_op_candidates(bm: int, dflt: OpConfig, limit: int = 5) -> list[OpConfig
 
 
 def base_op_fn(run, op: str, cfg: OpConfig) -> Callable[[], Any]:
-    """A no-argument callable launching one base GEMM of ``run`` (a LayerRun after one full call)
-    with ``cfg`` (its BLOCK_SIZE_M must equal the run's base alignment's); the same arguments as
-    :meth:`LayerRun.base_gate_up` / :meth:`LayerRun.base_down`."""
-    if run.g is None:
-        run()
-    spec = run.stage.specialize_lengths
-    if op == "base_gate_up":
-        return lambda: fused_moe_gemm(
-            run.x, run.w13, run.h, run.base_align, cfg, rows_div=run.K, bias=run.b13, specialize_lengths=spec
-        )
-    if op == "base_down":
-        return lambda: fused_moe_gemm(
-            run.g,
-            run.w2,
-            run.y,
-            run.base_align,
-            cfg,
-            rows_div=1,
-            bias=run.b2,
-            topk_weights=run.topk_w,
-            specialize_lengths=spec,
-        )
-    raise ValueError(f"op must be one of {BASE_OPS}, got {op!r}")
-
-
-def _op_fn(run, op: str, cfg: OpConfig) -> Callable[[], Any]:
-    from .moe_bench import lora_op_fn
-
-    return base_op_fn(run, op, cfg) if op in BASE_OPS else lora_op_fn(run, op, cfg)
+    """A no-argument callable launching one base GEMM of ``run`` (a LayerRun) with ``cfg`` (its
+    BLOCK_SIZE_M must equal the run's base alignment's): :meth:`LayerRun.op_fn
+    <moelora_lib.kernels.LayerRun.op_fn>` restricted to the base GEMMs."""
+    if op not in BASE_OPS:
+        raise ValueError(f"op must be one of {BASE_OPS}, got {op!r}")
+    return run.op_fn(op, cfg)
 
 
 def _time(
     fn: Callable[[], Any], device: torch.device, warmup_ms: float = 5, rep_ms: float = 20
 ) -> bench.Timing:
-    if device.type == "cuda":
-        return bench.time_cuda(fn, mode="graph", warmup_ms=warmup_ms, rep_ms=rep_ms)
-    return bench.time_cpu(fn, reps=1, warmup=0)
+    return bench.time_fn(fn, "graph", device, warmup_ms, rep_ms)
 
 
 def _with_bm(cfg: LayerConfig, ops: Sequence[str], bm: int) -> LayerConfig:
@@ -321,7 +296,7 @@ def _tune_group(
     from .moe_bench import layer_inputs, make_run
 
     H, I, E, K, S = shape.hidden, shape.intermediate, shape.experts, shape.top_k, weights.lora_a13.shape[2]
-    dflt = default_config(T, H, I, E, K, R, L, S)
+    dflt = default_config(Dims.of(shape, T, rank=R, adapters=L, slices=S))
     ops = LORA_OPS if group == "lora" else BASE_OPS
     bms = lora_bm_candidates(T, K, E, L, max_bms) if group == "lora" else base_bm_candidates(T, K, E, max_bms)
     inp = layer_inputs(
@@ -358,7 +333,7 @@ def _tune_group(
             for i, c in enumerate(cands):
                 note = "default" if i == 0 else ""
                 try:
-                    tm = _time(_op_fn(run, op, c), device)
+                    tm = _time(run.op_fn(op, c), device)
                     ms = tm.ms_p50
                     extra = dict(ms_p20=tm.ms_p20, ms_p80=tm.ms_p80, mode=tm.mode)
                 except Exception as e:  # a config that does not compile/fit: recorded, skipped
@@ -454,12 +429,12 @@ class _ConfigFiles:
         return self.folder / configs.config_file_name(self.gpu, op)
 
     def put_lora(self, shape: MoEShape, T: int, R: int, L: int, S: int, cfgs: dict[str, OpConfig]) -> None:
+        dims = Dims.of(shape, T, rank=R, adapters=L, slices=S)
         for op in LORA_OPS:
-            keys = configs.lora_keys(op, T, shape.hidden, shape.intermediate, R, L, S)
-            configs.set_entry(self.data[op], keys, cfgs[op].to_dict())
+            configs.set_entry(self.data[op], configs.lora_keys(op, dims), cfgs[op].to_dict())
 
     def put_base(self, shape: MoEShape, T: int, cfgs: dict[str, OpConfig]) -> None:
-        keys = configs.base_keys(T, shape.hidden, shape.intermediate, shape.experts)
+        keys = configs.base_keys(Dims.of(shape, T))  # the base keys do not depend on R, L or S
         configs.set_entry(self.data["base"], keys, {op: cfgs[op].to_dict() for op in BASE_OPS})
 
     def save(self) -> None:
@@ -502,7 +477,7 @@ def tune(
     """Tune every (model, rank, T) workload (interleaved over models, T in the given order) and write
     the JSON files into ``out``; returns a summary dict (tuned, skipped, not_tuned, copied, elapsed_s).
     """
-    from tqdm.auto import tqdm
+    from moelora_lib.studies.notebook import progress as tqdm  # a text bar, also in notebooks
 
     from .moe_bench import layer_inputs
 
@@ -621,7 +596,9 @@ def _ints(s: str) -> list[int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m moelora_lib.studies.tuning", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m moelora_lib.studies.tuning", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--model", required=True, help="preset name(s), comma-separated")
     p.add_argument(
         "--ranks", default="32", help="ranks to tune, comma-separated (the first is the copy source)"
@@ -687,7 +664,7 @@ def compare_tuned_vs_default(
     ``even_k_fused_add`` with :func:`default_config` and stage ``tuned`` (configs from
     :func:`moelora_lib.configs.load_layer_config`; ``folder`` None = the loader's precedence) per
     (model, T); uniform ids, silu, no biases (the vLLM side-by-side setting), graph mode."""
-    from tqdm.auto import tqdm
+    from moelora_lib.studies.notebook import progress as tqdm  # a text bar, also in notebooks
 
     from .moe_bench import bench_layer, layer_inputs
 
@@ -702,14 +679,7 @@ def compare_tuned_vs_default(
                 cfg = None
                 if stage == "tuned" and folder is not None:
                     cfg = configs.load_layer_config(
-                        T,
-                        s.hidden,
-                        s.intermediate,
-                        s.experts,
-                        s.top_k,
-                        rank,
-                        num_adapters,
-                        s.lora_slices,
+                        Dims.of(s, T, rank=rank, adapters=num_adapters),
                         folder=folder,
                         gpu_name=None if torch.device(device).type == "cuda" else "cpu",
                     )
@@ -775,23 +745,16 @@ def op_breakdown(
         c["op"]: c
         for c in op_costs(
             s,
-            T,
-            rank,
-            inp.lora_a13.shape[2],
-            inp.hidden_states.element_size(),
-            inp.topk_ids,
+            run.dims,
+            dtype_bytes=inp.hidden_states.element_size(),
+            topk_ids=inp.topk_ids,
             lora_ids=inp.lora_ids,
         )
     }
-    dev = torch.device(device)
     rows = []
     for op in BASE_OPS + LORA_OPS:
         cfg = getattr(run.cfg, op)
-        tm = (
-            bench.time_cuda(_op_fn(run, op, cfg), mode="graph", warmup_ms=warmup_ms, rep_ms=rep_ms)
-            if dev.type == "cuda"
-            else bench.time_cpu(_op_fn(run, op, cfg), reps=1, warmup=0)
-        )
+        tm = bench.time_fn(run.op_fn(op, cfg), "graph", device, warmup_ms, rep_ms)
         c = costs[op]
         sec = tm.ms_p50 * 1e-3
         rows.append(
@@ -818,7 +781,7 @@ def op_breakdown(
     return rows
 
 
-#: Issue 4's targets: (name, description). Evaluated by :func:`targets_table`.
+#: The stage-7 targets (notebook 07): (name, description). Evaluated by :func:`targets_table`.
 TARGETS = {
     "tuned_not_slower": "tuned ≤ default (LoRA part, base and whole layer; 3 % noise allowance)",
     "lora_vs_vllm": "LoRA part ≥ 2.5× faster than vLLM's best at T ≤ 64, ≥ 2× at T ≥ 256",
@@ -831,7 +794,8 @@ NOISE = 1.03
 
 def targets_table(df, anchors=None):
     """One row per (model, T) from :func:`compare_tuned_vs_default` rows (a DataFrame) with the
-    tuned and default µs per part, vLLM's figures (``anchors``: :func:`moelora_lib.studies.moe_bench.anchor_table`,
+    tuned and default µs per part, vLLM's figures
+    (``anchors``: :func:`moelora_lib.studies.moe_bench.anchor_table`,
     joined where present), the ratios and a met? column per target (None where a target does not
     apply or vLLM has no figure)."""
     import pandas as pd
@@ -888,7 +852,7 @@ def cumulative_table(stages_csv, tuned_csv, *, pattern: str = "uniform"):
     Returns:
         DataFrame with columns model, T, part, one column per stage, ``run`` naming the CSVs. The
         two CSVs come from separate runs of the same harness, so a ratio between the ``tuned``
-        column and the others is across runs (METHOD.md: compare only beyond run-to-run spread).
+        column and the others is across runs (compare only beyond run-to-run spread).
     """
     import pandas as pd
 

@@ -39,8 +39,9 @@ def _check_cpu_backend(dtype: torch.dtype) -> None:
     if type(KERNELS["fused_moe"][True]).__name__ != "InterpretedFunction":
         raise ValueError(
             "hidden_states is on the CPU but the kernels were not built for the Triton "
-            "interpreter: use CUDA tensors, or set TRITON_INTERPRET=1 before importing "
-            "moelora_lib"
+            "interpreter: use CUDA tensors, or set TRITON_INTERPRET=1 before the first kernel "
+            "module is imported (before the first call into moelora_lib; restart the process if "
+            "a kernel was already built)"
         )
     if dtype == torch.bfloat16:
         raise ValueError(

@@ -19,17 +19,47 @@ def _desc(x) -> str:
     return f"{type(x).__name__}"
 
 
-def _check(name: str, t, shape: tuple, dtypes, device) -> None:
-    """Raise ValueError naming ``name`` unless t is a tensor of ``shape`` (None = any) and dtype."""
+def _check(name: str, t, shape: tuple, dtypes, device, dtype_note: str = "") -> None:
+    """Raise ValueError naming ``name`` unless t is a tensor of ``shape`` and dtype.
+
+    ``shape`` holds (letter, size) pairs, e.g. (("E", 4), ("2I", 64), ("H", 64)); the sizes are the
+    ones most arguments agree on (:func:`_agree`), so the message names the tensor that disagrees.
+    """
+    want = "[" + ", ".join(f"{k}={v}" for k, v in shape) + "]"
     if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor of shape {shape}, got {_desc(t)}")
-    want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-    if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
+        raise ValueError(f"{name} must be a torch.Tensor of shape {want}, got {_desc(t)}")
+    if t.dim() != len(shape) or any(v != d for (_, v), d in zip(shape, t.shape)):
         raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
     if t.dtype not in dtypes:
-        raise ValueError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+        want_dt = str(dtypes[0]) if len(dtypes) == 1 else f"in {[str(d) for d in dtypes]}"
+        raise ValueError(f"{name} must have dtype {want_dt}{dtype_note}, got {t.dtype}")
     if t.device != device:
         raise ValueError(f"{name} must be on {device} (like hidden_states), got {t.device}")
+
+
+def _agree(votes: list[tuple[str, int | None]]) -> int:
+    """The size most arguments give for one shape letter (ties: the earlier argument wins).
+
+    ``votes`` are (argument, size) pairs in priority order; None = that argument does not vote
+    (absent, or not a tensor of the right rank: it fails its own check later).
+    """
+    sizes = [v for _, v in votes if v is not None]
+    return max(sizes, key=lambda v: (sizes.count(v), -sizes.index(v)))
+
+
+_NDIMS = {
+    "w13": ("[E, 2I, H]", 3),
+    "w2": ("[E, H, I]", 3),
+    "topk_weights": ("[T, K]", 2),
+    "topk_ids": ("[T, K]", 2),
+    "lora_ids": ("[T]", 1),
+    "lora_a13": ("[L, E, S, R, H]", 5),
+    "lora_b13": ("[L, E, S, 2I/S, R]", 5),
+    "lora_a2": ("[L, E, R, I]", 4),
+    "lora_b2": ("[L, E, H, R]", 4),
+    "b13": ("[E, 2I]", 2),
+    "b2": ("[E, H]", 2),
+}
 
 
 def _check_cpu_backend(dtype: torch.dtype) -> None:
@@ -70,6 +100,8 @@ def validate_moe_lora_inputs(
     """Check every argument of :func:`fused_moe_lora`; return the dims T, H, I, E, K, L, S, R.
 
     ``check_values`` also checks topk_ids ∈ [0, E) and lora_ids ∈ [-1, L) (a host sync).
+    Each shape letter (T, H, I, E, K, L, R) takes the size most arguments agree on, so a wrong size is
+    reported on the argument that disagrees (a wrong H in hidden_states names hidden_states, not w13).
     Raises:
         ValueError naming the argument and the expected shape, dtype, device or range.
     """
@@ -82,36 +114,97 @@ def validate_moe_lora_inputs(
         raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
     if dev.type == "cpu":
         _check_cpu_backend(dt)
-    T, H = hidden_states.shape
-    if not isinstance(w13, torch.Tensor) or w13.dim() != 3 or w13.shape[2] != H or w13.shape[1] % 2:
-        raise ValueError(f"w13 must have shape [E, 2I, H={H}] with an even 2I, got {_desc(w13)}")
-    E, two_i = w13.shape[0], w13.shape[1]
+    args = dict(
+        w13=w13,
+        w2=w2,
+        topk_weights=topk_weights,
+        topk_ids=topk_ids,
+        lora_ids=lora_ids,
+        lora_a13=lora_a13,
+        lora_b13=lora_b13,
+        lora_a2=lora_a2,
+        lora_b2=lora_b2,
+        b13=b13,
+        b2=b2,
+    )
+    for name, (letters, nd) in _NDIMS.items():
+        t = args[name]
+        if t is None and name in ("b13", "b2"):
+            continue
+        if not isinstance(t, torch.Tensor) or t.dim() != nd:
+            raise ValueError(f"{name} must be a {nd}-D tensor {letters}, got {_desc(t)}")
+    if w13.shape[1] % 2:
+        raise ValueError(f"w13 must have shape [E, 2I, H] with an even 2I, got {tuple(w13.shape)}")
+
+    def size(name: str, dim: int) -> int | None:
+        t = hidden_states if name == "hidden_states" else args[name]
+        return None if t is None else t.shape[dim]
+
+    # Each shape letter takes the size most arguments agree on, so a check below names the one
+    # argument that disagrees (hidden_states with a wrong H is blamed, not w13).
+    T = _agree(
+        [("hidden_states", size("hidden_states", 0))]
+        + [(n, size(n, 0)) for n in ("topk_ids", "topk_weights", "lora_ids")]
+    )
+    H = _agree(
+        [
+            ("hidden_states", size("hidden_states", 1)),
+            ("w13", size("w13", 2)),
+            ("w2", size("w2", 1)),
+            ("lora_a13", size("lora_a13", 4)),
+            ("lora_b2", size("lora_b2", 2)),
+            ("b2", size("b2", 1)),
+        ]
+    )
+    E = _agree(
+        [(n, size(n, 0)) for n in ("w13", "w2", "b13", "b2")]
+        + [(n, size(n, 1)) for n in ("lora_a13", "lora_b13", "lora_a2", "lora_b2")]
+    )
+    two_i = _agree(
+        [
+            ("w13", size("w13", 1)),
+            ("w2", 2 * size("w2", 2)),
+            ("lora_a2", 2 * size("lora_a2", 3)),
+            ("b13", size("b13", 1)),
+        ]
+    )
     inter = two_i // 2
-    _check("w13", w13, (E, two_i, H), (dt,), dev)
-    _check("w2", w2, (E, H, inter), (dt,), dev)
-    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
-        raise ValueError(f"topk_ids must be a 2-D tensor [T={T}, K], got {_desc(topk_ids)}")
-    K = topk_ids.shape[1]
-    _check("topk_ids", topk_ids, (T, K), (torch.int32, torch.int64), dev)
-    if not 1 <= K <= E:
-        raise ValueError(f"topk_ids: top_k = {K} must be in [1, E={E}]")
-    _check("topk_weights", topk_weights, (T, K), (torch.float32,), dev)
-    _check("lora_ids", lora_ids, (T,), (torch.int32,), dev)
-    if not isinstance(lora_a13, torch.Tensor) or lora_a13.dim() != 5:
-        raise ValueError(f"lora_a13 must have shape [L, E={E}, S, R, H={H}], got {_desc(lora_a13)}")
-    L, _, S, R, _ = lora_a13.shape
+    K = _agree([("topk_ids", size("topk_ids", 1)), ("topk_weights", size("topk_weights", 1))])
+    L = _agree([(n, size(n, 0)) for n in ("lora_a13", "lora_b13", "lora_a2", "lora_b2")])
+    R = _agree(
+        [
+            ("lora_a13", size("lora_a13", 3)),
+            ("lora_b13", size("lora_b13", 4)),
+            ("lora_a2", size("lora_a2", 2)),
+            ("lora_b2", size("lora_b2", 3)),
+        ]
+    )
+    S = lora_a13.shape[2]
     if S not in (1, 2):
         raise ValueError(f"lora_a13: S (dim 2) must be 1 (fused gate_up) or 2 (gate, up), got {S}")
+    if lora_a13.shape[0] < 1 or lora_a13.shape[3] < 1:
+        raise ValueError(f"lora_a13: L and R must be >= 1, got L={lora_a13.shape[0]}, R={lora_a13.shape[3]}")
     if L < 1 or R < 1:
-        raise ValueError(f"lora_a13: L and R must be >= 1, got L={L}, R={R}")
-    _check("lora_a13", lora_a13, (L, E, S, R, H), (dt,), dev)
-    _check("lora_b13", lora_b13, (L, E, S, two_i // S, R), (dt,), dev)
-    _check("lora_a2", lora_a2, (L, E, R, inter), (dt,), dev)
-    _check("lora_b2", lora_b2, (L, E, H, R), (dt,), dev)
+        raise ValueError(f"lora_a13 and the other adapters: L and R must be >= 1, got L={L}, R={R}")
+    like = " (like hidden_states)"
+    _check("hidden_states", hidden_states, (("T", T), ("H", H)), (dt,), dev)
+    _check("w13", w13, (("E", E), ("2I", two_i), ("H", H)), (dt,), dev, like)
+    _check("w2", w2, (("E", E), ("H", H), ("I", inter)), (dt,), dev, like)
+    _check("topk_ids", topk_ids, (("T", T), ("K", K)), (torch.int32, torch.int64), dev)
+    if not 1 <= K <= E:
+        raise ValueError(f"topk_ids: top_k = {K} must be in [1, E={E}]")
+    _check("topk_weights", topk_weights, (("T", T), ("K", K)), (torch.float32,), dev)
+    _check("lora_ids", lora_ids, (("T", T),), (torch.int32,), dev)
+    _check("lora_a13", lora_a13, (("L", L), ("E", E), ("S", S), ("R", R), ("H", H)), (dt,), dev, like)
+    _check(
+        "lora_b13", lora_b13, (("L", L), ("E", E), ("S", S), ("2I/S", two_i // S), ("R", R)), (dt,), dev, like
+    )
+    _check("lora_a2", lora_a2, (("L", L), ("E", E), ("R", R), ("I", inter)), (dt,), dev, like)
+    _check("lora_b2", lora_b2, (("L", L), ("E", E), ("H", H), ("R", R)), (dt,), dev, like)
     if b13 is not None:
-        _check("b13", b13, (E, two_i), (dt,), dev)
+        _check("b13", b13, (("E", E), ("2I", two_i)), (dt,), dev, like)
     if b2 is not None:
-        _check("b2", b2, (E, H), (dt,), dev)
+        _check("b2", b2, (("E", E), ("H", H)), (dt,), dev, like)
     if check_values and T > 0:
         lo, hi = int(topk_ids.min()), int(topk_ids.max())
         if lo < 0 or hi >= E:

@@ -22,9 +22,10 @@ mistralai/Mixtral-8x7B-v0.1, deepseek-ai/DeepSeek-V2-Lite).
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
-__all__ = ["MoEShape", "Dims", "PRESETS", "get_shape"]
+__all__ = ["MoEShape", "Dims", "PRESETS", "get_shape", "check_int"]
 
 ACTIVATIONS = ("silu", "swigluoai")
 
@@ -101,8 +102,29 @@ def get_shape(name: str) -> MoEShape:
     """Return the preset ``name``; raises ValueError listing the known presets."""
     try:
         return PRESETS[name]
-    except KeyError:
+    except (KeyError, TypeError):
         raise ValueError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}") from None
+
+
+def check_int(name: str, v, lo: int | None = None, hi: int | None = None) -> int:
+    """``v`` as an int when it is an integer (Python or numpy, not a bool) in [lo, hi]; else ValueError
+    naming ``name``, the expected range and what was given (no silent ``int()`` truncation of 2.7 or '4').
+    """
+    rng = (
+        f" in [{lo}, {hi}]"
+        if lo is not None and hi is not None
+        else f" >= {lo}"
+        if lo is not None
+        else f" <= {hi}"
+        if hi is not None
+        else ""
+    )
+    if not isinstance(v, numbers.Integral) or isinstance(v, bool):
+        raise ValueError(f"{name} must be an int{rng}, got {v!r} ({type(v).__name__})")
+    v = int(v)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise ValueError(f"{name} must be an int{rng}, got {v}")
+    return v
 
 
 @dataclass(frozen=True)
@@ -164,17 +186,26 @@ class Dims:
     def of(
         cls, shape: MoEShape | str, T: int, *, rank: int = 32, adapters: int = 8, slices: int | None = None
     ) -> Dims:
-        """Dims of preset ``shape`` (a :class:`MoEShape` or its name) at T tokens."""
-        sh = get_shape(shape) if isinstance(shape, str) else shape
+        """Dims of preset ``shape`` (a :class:`MoEShape` or its name) at T tokens.
+
+        T, rank and adapters must be ints (numpy ints accepted; floats, strings and bools raise
+        ValueError naming the argument); ``slices`` None = the preset's S, else 1 or 2.
+        """
+        if isinstance(shape, MoEShape):
+            sh = shape
+        elif isinstance(shape, str):
+            sh = get_shape(shape)
+        else:
+            raise TypeError(f"Dims.of: shape must be a MoEShape or a preset name, got {type(shape).__name__}")
         return cls(
-            T=int(T),
+            T=check_int("Dims.of: T", T, 0),
             H=sh.hidden,
             I=sh.intermediate,
             E=sh.experts,
             top_k=sh.top_k,
-            adapters=int(adapters),
-            rank=int(rank),
-            slices=int(slices or sh.lora_slices),
+            adapters=check_int("Dims.of: adapters", adapters, 1),
+            rank=check_int("Dims.of: rank", rank, 1),
+            slices=sh.lora_slices if slices is None else check_int("Dims.of: slices", slices, 1, 2),
         )
 
     @classmethod

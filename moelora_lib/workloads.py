@@ -15,11 +15,54 @@ import torch
 
 from .common import parse_dtype
 from .routing import route
-from .shapes import Dims, MoEShape, get_shape
+from .shapes import ACTIVATIONS, Dims, MoEShape, check_int, get_shape
 
 __all__ = ["ADAPTER_PATTERNS", "MoELoRAInputs", "Workload", "make_inputs", "adapter_ids"]
 
 ADAPTER_PATTERNS = ("uniform", "zipf", "one", "mixed", "none")
+
+
+def _check_pattern(name: str, pattern) -> None:
+    if not isinstance(pattern, str) or pattern not in ADAPTER_PATTERNS:
+        raise ValueError(f"{name} must be one of {ADAPTER_PATTERNS}, got {pattern!r}")
+
+
+def _check_device(name: str, device) -> None:
+    """A torch device string ("cpu", "cuda", "cuda:1") or a torch.device; availability is not checked."""
+    if isinstance(device, torch.device):
+        return
+    if not isinstance(device, str):
+        raise TypeError(
+            f"{name} must be a device string like 'cpu' or 'cuda' or a torch.device, "
+            f"got {type(device).__name__}"
+        )
+    try:
+        torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(
+            f"{name} must be a device string like 'cpu', 'cuda' or 'cuda:0', got {device!r} ({e})"
+        ) from None
+
+
+def _check_shape(name: str, shape) -> MoEShape:
+    if isinstance(shape, MoEShape):
+        return shape
+    if isinstance(shape, str):
+        return get_shape(shape)  # ValueError listing the presets
+    raise TypeError(f"{name} must be a MoEShape or a preset name, got {type(shape).__name__}")
+
+
+def _check_optional_bool(name: str, v) -> None:
+    if v is not None and not isinstance(v, bool):
+        raise ValueError(f"{name} must be None or a bool, got {v!r} ({type(v).__name__})")
+
+
+def _check_real(name: str, v) -> None:
+    import math
+    import numbers
+
+    if not isinstance(v, numbers.Real) or isinstance(v, bool) or not math.isfinite(v):
+        raise ValueError(f"{name} must be a finite real number, got {v!r}")
 
 
 def adapter_ids(
@@ -36,7 +79,18 @@ def adapter_ids(
     token on slot 0; ``mixed`` — every slot used plus about a quarter of the tokens at -1 (no adapter);
     ``none`` — all -1. ``used_slots`` restricts uniform/zipf/mixed to the first slots (e.g. L = 8 with
     two slots in use).
+
+    Raises ValueError naming the argument: num_tokens not an int >= 0, num_adapters not an int >= 1,
+    used_slots not None or an int in [1, num_adapters], an unknown pattern, a generator that is not a
+    torch.Generator.
     """
+    num_tokens = check_int("adapter_ids: num_tokens", num_tokens, 0)
+    num_adapters = check_int("adapter_ids: num_adapters", num_adapters, 1)
+    _check_pattern("adapter_ids: pattern", pattern)
+    if used_slots is not None:
+        used_slots = check_int("adapter_ids: used_slots", used_slots, 1, num_adapters)
+    if not isinstance(generator, torch.Generator):
+        raise ValueError(f"adapter_ids: generator must be a torch.Generator, got {type(generator).__name__}")
     n = used_slots or num_adapters
     if pattern == "uniform":
         ids = torch.arange(num_tokens) % n
@@ -73,7 +127,9 @@ class Workload:
         activation: None = the preset's; ``"silu"`` for the vLLM side-by-side rows of GPT-OSS-20B.
         bias: None = the preset's expert biases; False drops them.
     The defaults are the benchmark setting (R = 32, L = 8, uniform ids, bf16 on CUDA). Raises
-    ValueError for an unknown preset, pattern or dtype, or a size < 1 (T < 0).
+    ValueError naming the field for an unknown preset, pattern, dtype or activation, a size that is not
+    an int >= 1 (T: >= 0), a seed that is not an int, a bias that is not None or a bool, or a device
+    string torch does not know; TypeError for a model or device of the wrong type.
     """
 
     model: str | MoEShape
@@ -88,12 +144,26 @@ class Workload:
     bias: bool | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.model, MoEShape):
-            get_shape(self.model)  # raises ValueError naming the presets
-        if self.pattern not in ADAPTER_PATTERNS:
-            raise ValueError(f"Workload.pattern must be one of {ADAPTER_PATTERNS}, got {self.pattern!r}")
-        object.__setattr__(self, "dtype", parse_dtype(self.dtype))
-        _ = self.dims  # validates T, rank and adapters
+        _check_shape("Workload.model", self.model)  # ValueError naming the presets
+        check_int("Workload.T", self.T, 0)
+        check_int("Workload.rank", self.rank, 1)
+        check_int("Workload.adapters", self.adapters, 1)
+        _check_pattern("Workload.pattern", self.pattern)
+        try:
+            object.__setattr__(self, "dtype", parse_dtype(self.dtype))
+        except ValueError as e:
+            raise ValueError(f"Workload.{e}") from None
+        check_int("Workload.seed", self.seed)
+        _check_device("Workload.device", self.device)
+        if self.activation is not None and (
+            not isinstance(self.activation, str) or self.activation not in ACTIVATIONS
+        ):
+            raise ValueError(
+                f"Workload.activation must be None (the preset's) or one of {ACTIVATIONS}, "
+                f"got {self.activation!r}"
+            )
+        _check_optional_bool("Workload.bias", self.bias)
+        _ = self.dims  # validates T, rank and adapters together
 
     @property
     def shape(self) -> MoEShape:
@@ -179,7 +249,64 @@ def make_inputs(
         act_scale: multiplies w13 so pre-activations reach beyond GPT-OSS's clamp (±7).
         experts_override: [T, K] ids to use instead of routing (e.g. all tokens on one expert).
     Generation happens on the CPU in float32 with a fixed seed, then moves to device/dtype.
+
+    Raises:
+        ValueError naming the argument: num_tokens not an int >= 0; rank or num_adapters not an
+        int >= 1; true_rank not None or an int in [1, rank]; slices not None, 1 or 2; an unknown
+        pattern; used_slots not None or an int in [1, num_adapters]; a seed that is not an int; a
+        dtype that is not a floating torch dtype (or a name of :func:`~moelora_lib.common.parse_dtype`);
+        an unknown device string; bias not None or a bool; a non-finite scale; experts_override not
+        an integer tensor [T, K] with values in [0, E).
+        TypeError: shape is not a MoEShape (or preset name), device of the wrong type.
     """
+    shape = _check_shape("make_inputs: shape", shape)
+    num_tokens = check_int("make_inputs: num_tokens", num_tokens, 0)
+    rank = check_int("make_inputs: rank", rank, 1)
+    num_adapters = check_int("make_inputs: num_adapters", num_adapters, 1)
+    _check_pattern("make_inputs: pattern", pattern)
+    if slices is not None:
+        slices = check_int("make_inputs: slices", slices, 1, 2)
+    if true_rank is not None:
+        true_rank = check_int("make_inputs: true_rank", true_rank, 1, rank)
+    if used_slots is not None:
+        used_slots = check_int("make_inputs: used_slots", used_slots, 1, num_adapters)
+    check_int("make_inputs: seed", seed)
+    if isinstance(dtype, torch.dtype):
+        if not dtype.is_floating_point:
+            raise ValueError(f"make_inputs: dtype must be a floating torch dtype, got {dtype}")
+    else:
+        try:
+            dtype = parse_dtype(dtype)
+        except ValueError as e:
+            raise ValueError(f"make_inputs: {e}") from None
+    _check_device("make_inputs: device", device)
+    _check_optional_bool("make_inputs: bias", bias)
+    _check_real("make_inputs: logit_scale", logit_scale)
+    _check_real("make_inputs: act_scale", act_scale)
+    if experts_override is not None:
+        want = (num_tokens, shape.top_k)
+        ok = (
+            isinstance(experts_override, torch.Tensor)
+            and tuple(experts_override.shape) == want
+            and not experts_override.dtype.is_floating_point
+            and experts_override.dtype != torch.bool
+            and not experts_override.is_complex()
+        )
+        if not ok:
+            got = (
+                f"shape {tuple(experts_override.shape)}, dtype {experts_override.dtype}"
+                if isinstance(experts_override, torch.Tensor)
+                else type(experts_override).__name__
+            )
+            raise ValueError(
+                f"make_inputs: experts_override must be an integer tensor [T={want[0]}, K={want[1]}], "
+                f"got {got}"
+            )
+        if num_tokens and (int(experts_override.min()) < 0 or int(experts_override.max()) >= shape.experts):
+            raise ValueError(
+                f"make_inputs: experts_override values must be in [0, E={shape.experts}), got min "
+                f"{int(experts_override.min())}, max {int(experts_override.max())}"
+            )
     g = torch.Generator().manual_seed(seed)
     T, H, I, E, K = num_tokens, shape.hidden, shape.intermediate, shape.experts, shape.top_k
     S = slices or shape.lora_slices

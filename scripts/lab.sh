@@ -7,4 +7,8 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
 cd "$ROOT"
 bash "$ROOT/scripts/setup_env.sh"
-exec "$VENV/bin/jupyter" lab --notebook-dir="$ROOT/notebooks" "$@"
+ROOT_ARGS=()
+# JupyterLab refuses to start as root ("Running as root is not recommended. Use --allow-root"): containers
+# and fresh cloud machines often run as root.
+if [[ $EUID -eq 0 ]]; then ROOT_ARGS=(--allow-root); fi
+exec "$VENV/bin/jupyter" lab --notebook-dir="$ROOT/notebooks" ${ROOT_ARGS[@]+"${ROOT_ARGS[@]}"} "$@"

@@ -32,6 +32,17 @@ FORBIDDEN = {
 }
 # A `{WARMUP_MS}`-style placeholder left in Markdown prose (it only renders in an f-string).
 PLACEHOLDER = re.compile(r"\{[A-Za-z_][A-Za-z0-9_]*\}")
+# How to fix a notebook saved with outputs (README, "Notebooks and git"). --keep-id keeps the cell ids
+# (nbstripout renumbers them otherwise); the filter is set for notebooks/ only: the executed copies in
+# data/executed/ are committed with their outputs, and `nbstripout --install` would strip every *.ipynb.
+STRIP_HINT = """Strip them (keeps the cell ids, the kernelspec and the `parameters` tag):
+    .venv/bin/nbstripout --keep-id notebooks/*.ipynb
+To strip notebooks/ on every commit, once per clone:
+    git config filter.nbstripout.clean "'$PWD/.venv/bin/nbstripout' --keep-id"
+    git config filter.nbstripout.smudge cat
+    echo 'notebooks/*.ipynb filter=nbstripout' >> .git/info/attributes
+(not `nbstripout --install`: it would also strip the executed copies in data/executed/, which keep their
+outputs)."""
 
 
 def _read(path: Path):
@@ -55,8 +66,8 @@ def test_committed_without_outputs(path: Path):
         if c.cell_type == "code" and (c.get("outputs") or c.get("execution_count") is not None)
     ]
     assert not dirty, (
-        f"{path.name}: cells {dirty} carry outputs or an execution count; commit the notebook cleared "
-        "(JupyterLab: Edit > Clear Outputs of All Cells; executed copies belong in data/executed/)"
+        f"{path.name}: cells {dirty} carry outputs or an execution count (JupyterLab saves them into the "
+        f"notebook). {STRIP_HINT}"
     )
 
 

@@ -173,3 +173,131 @@ def test_main_reports_a_kernelspec_mismatch(nb_dir: Path, tmp_path: Path, monkey
     assert rc == 2
     assert "kernelspec 'moelora-" in capsys.readouterr().err
     assert not (tmp_path / "out" / "run_log.csv").exists()  # nothing ran, nothing logged
+
+
+# ---- usage errors: refused up front, exit status 2, nothing written -------------------------------------
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    """torch sees no CUDA device, and papermill must not be reached."""
+    torch = pytest.importorskip("torch")
+    import papermill
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("papermill.execute_notebook was called")
+
+    monkeypatch.setattr(papermill, "execute_notebook", must_not_run)
+
+
+def test_gpu_profile_without_cuda_is_refused_before_writing(
+    nb_dir: Path, tmp_path: Path, monkeypatch, capsys, no_cuda
+):
+    # The default --out of the gpu profile holds the committed executed notebooks and their run log.
+    committed = tmp_path / "data" / "executed"
+    committed.mkdir(parents=True)
+    (committed / "01_ok.ipynb").write_text('{"committed": true}')
+    (committed / "run_log.csv").write_text(",".join(runner.RUN_LOG_COLUMNS) + "\n")
+    before = _snapshot(committed)
+    monkeypatch.setattr(runner, "default_out_dir", lambda profile: committed)
+
+    for out_args in ([], ["--out", str(committed)]):
+        rc = runner.main(["--notebooks", str(nb_dir), "--profile", "gpu", "--no-progress", *out_args])
+        assert rc == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: --profile gpu needs a CUDA GPU") and err.count("\n") == 1, err
+        assert "Traceback" not in err
+        assert _snapshot(committed) == before  # nothing overwritten, no failed row appended
+
+    with pytest.raises(runner.NoCudaDevice):
+        runner.run_notebooks(nb_dir, committed, "gpu", progress_bar=False)
+    assert _snapshot(committed) == before
+    assert runner.main(["--notebooks", str(nb_dir), "--profile", "gpu", "--list"]) == 0  # lists only
+    assert runner.resolve_profile("auto") == "cpu"
+
+
+def test_empty_only_is_an_error_not_everything(nb_dir: Path, tmp_path: Path, capsys, no_cuda):
+    out = tmp_path / "out"
+    for value in ["", " ", ",", " , "]:
+        with pytest.raises(SystemExit) as info:
+            runner.main(["--notebooks", str(nb_dir), "--only", value, "--out", str(out), "--profile", "cpu"])
+        assert info.value.code == 2
+        assert "selects no notebook" in capsys.readouterr().err
+    assert not out.exists()
+    with pytest.raises(ValueError, match="selects no notebook"):
+        runner.find_notebooks(nb_dir, [])
+    with pytest.raises(ValueError, match="selects no notebook"):
+        runner.find_notebooks(nb_dir, ["", " "])
+    assert len(runner.find_notebooks(nb_dir, None)) == 2  # no --only at all: every notebook
+
+
+def test_only_error_shows_what_the_user_typed(nb_dir: Path, capsys):
+    assert runner.main(["--notebooks", str(nb_dir), "--only", "99"]) == 2
+    err = capsys.readouterr().err
+    assert "--only '99' matches no notebook" in err and "99_" not in err
+    assert runner.main(["--notebooks", str(nb_dir), "--only", "01,7"]) == 2
+    assert "--only '7' matches no notebook" in capsys.readouterr().err
+
+
+def test_unwritable_out_is_a_one_line_error(nb_dir: Path, tmp_path: Path, capsys, no_cuda):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a folder")
+    bad = [a_file / "out", a_file]  # parent is a file; --out is a file
+    if os.geteuid() != 0:  # root writes into read-only folders
+        ro = tmp_path / "read_only"
+        ro.mkdir()
+        ro.chmod(stat.S_IRUSR | stat.S_IXUSR)
+        bad += [ro, ro / "sub"]
+    for out in bad:
+        rc = runner.main(["--notebooks", str(nb_dir), "--out", str(out), "--profile", "cpu", "--no-progress"])
+        assert rc == 2, out
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: cannot write the executed notebooks to --out {str(out)!r}: "), err
+        assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert a_file.read_text() == "not a folder"
+    with pytest.raises(OSError, match="cannot write"):
+        runner.run_notebooks(nb_dir, a_file / "out", "cpu", progress_bar=False)
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "abc", "", "nan", "inf", "-inf"])
+def test_cell_timeout_must_be_a_positive_number(value, nb_dir: Path, tmp_path: Path, capsys, no_cuda):
+    with pytest.raises(SystemExit) as info:
+        runner.main(["--notebooks", str(nb_dir), "--out", str(tmp_path / "o"), "--cell-timeout", value])
+    assert info.value.code == 2
+    assert "--cell-timeout" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_cell_timeout_reaches_papermill_as_whole_seconds(nb_dir: Path, tmp_path: Path, monkeypatch):
+    assert runner._parse_args(["--cell-timeout", "600"]).cell_timeout == 600
+    assert runner._parse_args(["--cell-timeout", "1.5"]).cell_timeout == 2  # rounded up, never 0
+    assert runner._parse_args(["--cell-timeout", "0.2"]).cell_timeout == 1
+    assert runner._parse_args([]).cell_timeout is None
+    with pytest.raises(ValueError):
+        runner.run_notebooks(nb_dir, tmp_path / "x", "cpu", cell_timeout=0)
+    # A real run with a fractional timeout (nbclient's `timeout` is an Integer trait: a float raised a
+    # TraitError before the first cell).
+    import papermill
+
+    seen = []
+    real = papermill.execute_notebook
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("execution_timeout"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(papermill, "execute_notebook", spy)
+    out = tmp_path / "executed"
+    rc = runner.main(
+        ["--notebooks", str(nb_dir), "--only", "01", "--out", str(out), "--profile", "cpu"]
+        + ["--no-progress", "--cell-timeout", "60.5"]
+    )
+    assert rc == 0 and seen == [61] and type(seen[0]) is int
+    results = runner.run_notebooks(nb_dir, out, "cpu", only=["01"], progress_bar=False, cell_timeout=30.5)
+    assert [r.status for r in results] == ["ok"] and seen[-1] == 31

@@ -87,7 +87,8 @@ class LayerConfig:
 
     The two base GEMMs share one expert-only alignment and the four LoRA ops share one
     (adapter, expert) alignment, so each group must agree on BLOCK_SIZE_M (as upstream, where a
-    mismatch corrupts memory silently; here it raises ValueError).
+    mismatch corrupts memory silently; here it raises ValueError). Each op field must be an
+    :class:`OpConfig` (ValueError naming the field otherwise).
     """
 
     base_gate_up: OpConfig
@@ -99,6 +100,13 @@ class LayerConfig:
     source: str = "default"
 
     def __post_init__(self) -> None:
+        for op in BASE_OPS + LORA_OPS:
+            v = getattr(self, op)
+            if not isinstance(v, OpConfig):
+                hint = " (build it with OpConfig.from_dict)" if isinstance(v, dict) else ""
+                raise ValueError(f"LayerConfig.{op} must be an OpConfig{hint}, got {type(v).__name__}: {v!r}")
+        if not isinstance(self.source, str):
+            raise ValueError(f"LayerConfig.source must be a str, got {type(self.source).__name__}")
         if self.base_gate_up.BLOCK_SIZE_M != self.base_down.BLOCK_SIZE_M:
             raise ValueError(
                 "base_gate_up and base_down must share BLOCK_SIZE_M "

@@ -19,6 +19,7 @@ Helpers: :func:`progress` (text progress bars that read well in executed copies)
 
 from __future__ import annotations
 
+import numbers
 import os
 import sys
 from collections.abc import Iterable
@@ -77,12 +78,19 @@ def setup(notebook: str, profile: str = "auto", seed: int = 0, *, save_env: bool
         save_env: write ``data/env/<notebook>_<profile>.json``.
 
     Raises:
-        ValueError: unknown profile, or a notebook id that is not two digits.
+        ValueError: unknown profile, a notebook id that is not two digits, a seed that is not an int
+            (bools rejected), or a save_env that is not a bool.
         RuntimeError: the gpu profile without CUDA, or the kernel modules were already imported in the
             other interpreter mode (restart the kernel and run the notebook from the top).
     """
     if not (isinstance(notebook, str) and len(notebook) == 2 and notebook.isdigit()):
         raise ValueError(f"notebook: expected a two-digit id like '02', got {notebook!r}")
+    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
+        raise ValueError(
+            f"seed: expected an int (passed to torch.manual_seed), got {seed!r} ({type(seed).__name__})"
+        )
+    if not isinstance(save_env, bool):
+        raise ValueError(f"save_env: expected a bool, got {save_env!r} ({type(save_env).__name__})")
     profile = resolve_profile(profile)
     interpret_wanted = profile == "cpu"
     interpret_now = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -22,6 +22,12 @@ Profiles:
        overwrites the executed GPU notebooks in ``data/executed/``.
   auto ``gpu`` if ``torch.cuda.is_available()`` else ``cpu``.
 
+``--profile gpu`` on a machine where torch sees no CUDA device is refused before any file is written
+(exit status 2), so it cannot overwrite the committed executed notebooks in ``data/executed/`` nor add a
+failed row to their ``run_log.csv``. Usage errors (an empty ``--only``, a selector that matches no
+notebook, an ``--out`` that cannot be created or written, a ``--cell-timeout`` that is not a positive
+number) also exit with status 2 and a one-line message.
+
 On a failure the runner stops (or, with ``--keep-going``, carries on with the next notebook) and exits
 with status 1 after printing which notebook failed, at which cell (0-based index in the source
 notebook, and its first source line) and with which exception.
@@ -35,6 +41,7 @@ import csv
 import datetime as _dt
 import hashlib
 import json
+import math
 import os
 import sys
 import tempfile
@@ -66,6 +73,10 @@ class KernelSpecMismatch(RuntimeError):
     """The kernelspec the runner would execute with does not start this interpreter."""
 
 
+class NoCudaDevice(RuntimeError):
+    """The gpu profile was asked for, but torch sees no CUDA device."""
+
+
 class NotebookFailure(RuntimeError):
     """Raised by :func:`run_notebooks` (without ``keep_going``) when a notebook fails."""
 
@@ -88,23 +99,75 @@ def resolve_profile(profile: str) -> str:
     return profile
 
 
+def cuda_available() -> bool:
+    """``torch.cuda.is_available()``; False when torch cannot be imported."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def require_cuda(profile: str) -> None:
+    """Raise :class:`NoCudaDevice` when ``profile`` is "gpu" and torch sees no CUDA device."""
+    if profile == "gpu" and not cuda_available():
+        raise NoCudaDevice(
+            "--profile gpu needs a CUDA GPU, and torch sees none on this machine "
+            "(torch.cuda.is_available() is False); nothing was run or written. "
+            "Use --profile cpu (or auto) here; the gpu profile runs on a CUDA host."
+        )
+
+
+def prepare_out_dir(out: str | os.PathLike) -> Path:
+    """Create ``out`` (and its parents) if needed and check that a file can be written in it.
+
+    Raises:
+        OSError: with a one-line message naming the folder, when it cannot be created or written.
+    """
+    path = Path(out)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".moelora-write-check-"):
+            pass
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(path) else ""
+        raise OSError(f"cannot write the executed notebooks to --out {str(out)!r}: {reason}{where}") from exc
+    return path
+
+
+def timeout_seconds(value: float | int | None) -> int | None:
+    """A per-cell timeout as the whole number of seconds papermill/nbclient accept (rounded up, so
+    0.5 s does not become "no limit"); ``None`` stays ``None``. Raises ValueError unless positive."""
+    if value is None:
+        return None
+    seconds = float(value)
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"the cell timeout must be a positive number of seconds, got {value!r}")
+    return int(math.ceil(seconds))
+
+
 def find_notebooks(notebook_dir: str | os.PathLike, only: Sequence[str] | None = None) -> list[Path]:
     """The stage notebooks ``NN_*.ipynb`` in ``notebook_dir``, sorted; ``only`` filters by prefix.
 
-    ``only`` holds stage numbers or name prefixes (``["01", "2", "03_no"]``); a selector that matches
-    nothing is an error, so a typo does not silently run zero notebooks.
+    ``only`` holds stage numbers or name prefixes (``["01", "2", "03_no"]``); ``None`` selects every
+    notebook. A selector that matches nothing is an error, so a typo does not silently run zero
+    notebooks, and so is an ``only`` without any non-blank selector (an empty ``--only`` does not mean
+    "everything").
     """
     notebooks = sorted(Path(notebook_dir).glob(NOTEBOOK_GLOB))
-    if not only:
+    if only is None:
         return notebooks
+    selectors = [s.strip() for s in only if s.strip()]
+    if not selectors:
+        raise ValueError(
+            f"--only {','.join(only)!r} selects no notebook: give stage numbers or name prefixes, "
+            "e.g. --only 01,02 (leave --only out to run every notebook)"
+        )
     selected: list[Path] = []
-    for sel in only:
-        sel = sel.strip()
-        if not sel:
-            continue
-        if sel.isdigit():
-            sel = f"{int(sel):02d}_"
-        hits = [nb for nb in notebooks if nb.name.startswith(sel)]
+    for sel in selectors:
+        prefix = f"{int(sel):02d}_" if sel.isdigit() else sel
+        hits = [nb for nb in notebooks if nb.name.startswith(prefix)]
         if not hits:
             names = ", ".join(nb.name for nb in notebooks) or "none"
             raise ValueError(f"--only {sel!r} matches no notebook in {notebook_dir} (have: {names})")
@@ -307,18 +370,24 @@ def run_notebooks(
     notebook_dir: folder with ``NN_*.ipynb``. out_dir: where the executed copies and ``run_log.csv``
     go (``None``: :func:`default_out_dir`). profile: "cpu", "gpu" or "auto". only: stage selectors,
     see :func:`find_notebooks`. cwd: the kernel's working directory (default: the notebook's folder,
-    as in Jupyter). cell_timeout: seconds per cell (``None``: no limit).
+    as in Jupyter). cell_timeout: seconds per cell (``None``: no limit; rounded up to whole seconds).
 
     Without ``keep_going`` the first failure raises :class:`NotebookFailure` (its message names the
     notebook and the cell; ``.results`` holds every result so far, the failed one last). With
     ``keep_going`` failures are returned as results with ``status == "failed"`` and ``error`` set.
+
+    Raises, before any file is written: :class:`NoCudaDevice` (profile "gpu" without a CUDA device),
+    ValueError (a bad ``only`` or ``cell_timeout``), FileNotFoundError (no notebooks), OSError (``out``
+    cannot be created or written).
     """
     profile = resolve_profile(profile)
+    require_cuda(profile)
+    cell_timeout = timeout_seconds(cell_timeout)
     out = Path(out_dir) if out_dir is not None else default_out_dir(profile)
     notebooks = find_notebooks(notebook_dir, only)
     if not notebooks:
         raise FileNotFoundError(f"no notebooks matching {NOTEBOOK_GLOB} in {notebook_dir}")
-    out.mkdir(parents=True, exist_ok=True)
+    prepare_out_dir(out)
     with own_kernel() as kernel_name:
         print(f"kernel: {kernel_name} -> {sys.executable}", flush=True)
         return _run_all(
@@ -343,7 +412,7 @@ def _run_all(
     log_output: bool,
     progress_bar: bool,
     keep_going: bool,
-    cell_timeout: float | None,
+    cell_timeout: int | None,
     cwd: str | os.PathLike | None,
 ) -> list[NotebookResult]:
     """The loop of :func:`run_notebooks`, inside :func:`own_kernel` (``kernel_name``)."""
@@ -394,25 +463,54 @@ def _run_all(
     return results
 
 
+def _only_arg(text: str) -> list[str]:
+    selectors = [s.strip() for s in text.split(",") if s.strip()]
+    if not selectors:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} selects no notebook: give stage numbers or name prefixes, e.g. --only 01,02 "
+            "(leave --only out to run every notebook)"
+        )
+    return selectors
+
+
+def _timeout_arg(text: str) -> int:
+    try:
+        return timeout_seconds(float(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a positive number of seconds (e.g. --cell-timeout 600)"
+        ) from None
+
+
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m moelora_lib.studies.runner", description=__doc__.split("\n")[0]
     )
     p.add_argument("--profile", default="auto", choices=[*PROFILES, "auto"])
-    p.add_argument("--only", default=None, help="comma-separated stage numbers or name prefixes, e.g. 01,02")
+    p.add_argument(
+        "--only",
+        default=None,
+        type=_only_arg,
+        help="comma-separated stage numbers or name prefixes, e.g. 01,02 (default: every notebook)",
+    )
     p.add_argument("--out", default=None, help="executed copies + run_log.csv (default: data/executed[/cpu])")
     p.add_argument("--notebooks", default=str(REPO_ROOT / "notebooks"), help="folder of NN_*.ipynb")
     p.add_argument("--log-output", action="store_true", help="stream cell outputs to this process's log")
     p.add_argument("--no-progress", action="store_true", help="no per-cell progress bar")
     p.add_argument("--keep-going", action="store_true", help="run the remaining notebooks after a failure")
-    p.add_argument("--cell-timeout", type=float, default=None, help="seconds per cell (default: none)")
+    p.add_argument(
+        "--cell-timeout",
+        type=_timeout_arg,
+        default=None,
+        help="seconds per cell, a positive number, rounded up to whole seconds (default: no limit)",
+    )
     p.add_argument("--list", action="store_true", help="list the notebooks that would run, then exit")
     return p.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
-    only = [s for s in args.only.split(",") if s.strip()] if args.only else None
+    only = args.only
     try:
         notebooks = find_notebooks(args.notebooks, only)
     except ValueError as exc:
@@ -426,6 +524,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: no notebooks matching {NOTEBOOK_GLOB} in {args.notebooks}", file=sys.stderr)
         return 2
     profile = resolve_profile(args.profile)
+    # Refuse before anything is written: a gpu run without CUDA would overwrite the committed executed
+    # notebooks in data/executed/ with failed copies and log a failed row.
+    try:
+        require_cuda(profile)
+        prepare_out_dir(args.out if args.out is not None else default_out_dir(profile))
+    except (NoCudaDevice, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     try:
         results = run_notebooks(
@@ -440,7 +546,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except NotebookFailure as exc:
         results = exc.results
-    except KernelSpecMismatch as exc:
+    except (KernelSpecMismatch, NoCudaDevice) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -55,9 +55,10 @@ from typing import Any
 import torch
 
 from .. import configs
+from ..common import parse_dtype
 from ..kernels import default_config
 from ..kernels.config import BASE_OPS, LORA_OPS, LayerConfig, OpConfig, next_pow2
-from ..shapes import Dims, MoEShape, get_shape
+from ..shapes import Dims, MoEShape, check_int, get_shape
 from . import bench
 
 __all__ = [
@@ -457,6 +458,149 @@ def _for_rank(cfgs: dict[str, OpConfig], R: int) -> dict[str, OpConfig]:
 # ------------------------------------------------------------------------------------------------
 
 
+_TRIAL_KEY_COLUMNS = ("kind", "model", "R", "L", "T", "group", "op", "config_json")
+
+
+def _check_device(device, name: str | None = "device") -> torch.device:
+    """The tuning device: None = cuda if available, else cpu. ValueError naming ``name`` for a device
+    the tuner cannot use here (not cpu/cuda, cuda without a GPU, a missing GPU index, cpu without the
+    Triton interpreter)."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not isinstance(device, (str, torch.device)):
+        raise ValueError(f"{_pfx(name)}expected 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"{_pfx(name)}expected 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"{_pfx(name)}the tuner runs on 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{_pfx(name)}{device!r} needs a CUDA GPU and this machine has none; use 'cpu'")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"{_pfx(name)}{device!r} but this machine has {torch.cuda.device_count()} CUDA device(s)"
+            )
+    else:
+        from ..moe_lora import _check_cpu_backend
+
+        try:
+            _check_cpu_backend(torch.float32)
+        except ValueError:
+            raise ValueError(
+                f"{_pfx(name)}'cpu' runs the kernels through the Triton interpreter: set TRITON_INTERPRET=1 "
+                "in the environment before starting the tuner"
+            ) from None
+    return dev
+
+
+def _pfx(name: str | None) -> str:
+    return f"{name}: " if name else ""
+
+
+def _first_existing(p: Path) -> Path:
+    p = p.absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def _check_out(out, name: str | None = "out") -> Path:
+    """``out`` must be a folder, or a path where one can be made."""
+    if not isinstance(out, (str, os.PathLike)) or not str(out):
+        raise ValueError(f"{_pfx(name)}expected a folder path, got {out!r}")
+    p = Path(out)
+    if p.exists() and not p.is_dir():
+        raise ValueError(
+            f"{_pfx(name)}{str(out)!r} exists and is not a folder (the tuner writes JSON files into it)"
+        )
+    base = _first_existing(p)
+    if not base.is_dir():
+        raise ValueError(f"{_pfx(name)}cannot make the folder {str(out)!r}: {str(base)!r} is a file")
+    if not os.access(base, os.W_OK):
+        raise ValueError(f"{_pfx(name)}{str(base)!r} is not writable")
+    return p
+
+
+def _check_csv(csv_path, name: str | None = "csv_path") -> Path:
+    """``csv_path`` must be a trials CSV of this tuner (resumed), an empty file, or a new file."""
+    if not isinstance(csv_path, (str, os.PathLike)) or not str(csv_path):
+        raise ValueError(f"{_pfx(name)}expected a file path, got {csv_path!r}")
+    p = Path(csv_path)
+    if p.is_dir():
+        raise ValueError(f"{_pfx(name)}{str(csv_path)!r} is a folder; expected a CSV file path")
+    if p.exists():
+        if p.stat().st_size > 0:
+            with open(p, newline="") as f:
+                header = next(csv.reader(f), [])
+            missing = [c for c in _TRIAL_KEY_COLUMNS if c not in header]
+            if missing:
+                raise ValueError(
+                    f"{_pfx(name)}{str(csv_path)!r} is not a trials CSV of this tuner "
+                    f"(no columns {missing}); pass a new file name"
+                )
+    else:
+        base = _first_existing(p.parent)
+        if not base.is_dir():
+            raise ValueError(f"{_pfx(name)}cannot make {str(csv_path)!r}: {str(base)!r} is a file")
+        if not os.access(base, os.W_OK):
+            raise ValueError(f"{_pfx(name)}{str(base)!r} is not writable")
+    return p
+
+
+def _check_int_list(name: str, values, lo: int, *, allow_empty: bool = False) -> list[int]:
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise ValueError(f"{name}: expected a list of ints >= {lo}, got {values!r}")
+    if not values and not allow_empty:
+        raise ValueError(f"{name}: expected at least one int >= {lo}, got an empty list")
+    return [check_int(name, v, lo) for v in values]
+
+
+def _check_tune_args(
+    models,
+    ranks,
+    adapters,
+    tokens,
+    out,
+    csv_path,
+    budget_s,
+    copy_ranks,
+    device,
+    dtype,
+    max_bms,
+    max_cands,
+    seed,
+) -> tuple[list[MoEShape], torch.device]:
+    """Validate every argument of :func:`tune` before any work; ValueError naming the argument."""
+    if isinstance(models, str) or not isinstance(models, Sequence) or not models:
+        raise ValueError(f"models: expected a non-empty list of preset names, got {models!r}")
+    shapes = []
+    for m in models:
+        try:
+            shapes.append(get_shape(m))
+        except ValueError as e:
+            raise ValueError(f"models: {e}") from None
+    _check_int_list("ranks", ranks, 1)
+    _check_int_list("copy_ranks", copy_ranks, 1, allow_empty=True)
+    _check_int_list("tokens", tokens, 1)
+    check_int("adapters", adapters, 1)
+    check_int("max_bms", max_bms, 1)
+    check_int("max_cands", max_cands, 1)
+    check_int("seed", seed)
+    if not isinstance(budget_s, (int, float)) or isinstance(budget_s, bool) or not budget_s >= 0:
+        raise ValueError(f"budget_s: expected a number of seconds >= 0 (inf = no budget), got {budget_s!r}")
+    if dtype is not None:
+        try:
+            parse_dtype(dtype)
+        except ValueError as e:
+            raise ValueError(f"dtype: {e}") from None
+    dev = _check_device(device)
+    _check_out(out)
+    _check_csv(csv_path)
+    return shapes, dev
+
+
 def tune(
     models: Sequence[str],
     ranks: Sequence[int],
@@ -476,14 +620,35 @@ def tune(
 ) -> dict[str, Any]:
     """Tune every (model, rank, T) workload (interleaved over models, T in the given order) and write
     the JSON files into ``out``; returns a summary dict (tuned, skipped, not_tuned, copied, elapsed_s).
+
+    Raises ValueError naming the argument, before any work: an unknown preset, empty ranks/tokens, a
+    rank/T/adapters/max_bms/max_cands that is not an int >= 1, a negative or NaN budget, a device the
+    tuner cannot use on this machine, an ``out`` that is a file, a ``csv_path`` that is a folder or
+    not a trials CSV.
     """
     from moelora_lib.studies.notebook import progress as tqdm  # a text bar, also in notebooks
 
     from .moe_bench import layer_inputs
 
+    _check_tune_args(
+        models,
+        ranks,
+        adapters,
+        tokens,
+        out,
+        csv_path,
+        budget_s,
+        copy_ranks,
+        device,
+        dtype,
+        max_bms,
+        max_cands,
+        seed,
+    )
     t0 = time.perf_counter()
     deadline = t0 + budget_s
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = dtype if dtype is None else parse_dtype(dtype)
     dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     gpu = configs.gpu_name() if dev.type == "cuda" else "cpu"
     log = _TrialLog(Path(csv_path))
@@ -591,41 +756,157 @@ def tune(
     return summary
 
 
-def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x.strip()]
+def _arg_type(fn: Callable[[str], Any], name: str) -> Callable[[str], Any]:
+    """An argparse ``type=``: ``fn``'s ValueError becomes argparse's error for the flag (exit code 2)."""
+
+    def parse(text: str):
+        try:
+            return fn(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    parse.__name__ = name
+    return parse
+
+
+def _parse_int(text: str, lo: int | None) -> int:
+    try:
+        v = int(text.strip())
+    except ValueError:
+        raise ValueError(f"expected an int{'' if lo is None else f' >= {lo}'}, got {text!r}") from None
+    if lo is not None and v < lo:
+        raise ValueError(f"expected an int >= {lo}, got {v}")
+    return v
+
+
+def _int_list_type(lo: int, *, allow_empty: bool = False) -> Callable[[str], Any]:
+    def parse(text: str) -> list[int]:
+        parts = [x for x in text.split(",") if x.strip()]
+        if not parts and not allow_empty:
+            raise ValueError(f"expected comma-separated ints >= {lo}, got {text!r}")
+        try:
+            return [_parse_int(x, lo) for x in parts]
+        except ValueError as e:
+            raise ValueError(f"comma-separated ints >= {lo}: {e}") from None
+
+    return _arg_type(parse, "int list")
+
+
+def _models_type(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    if not names:
+        raise ValueError(f"expected comma-separated preset names, got {text!r}")
+    for m in names:
+        get_shape(m)  # ValueError naming the known presets
+    return names
+
+
+def _budget_type(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise ValueError(f"expected seconds >= 0 (inf = no budget), got {text!r}") from None
+    if not v >= 0:
+        raise ValueError(f"expected seconds >= 0 (inf = no budget), got {text!r}")
+    return v
+
+
+def _path_type(check: Callable[..., Path]) -> Callable[[str], Any]:
+    def parse(text: str) -> str:
+        check(text, None)
+        return text
+
+    return parse
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The command line (see the module docstring). Every argument is checked before any work: a bad one
+    exits with code 2 and one error line naming the flag."""
     p = argparse.ArgumentParser(
         prog="python -m moelora_lib.studies.tuning", description=__doc__.split("\n\n")[0]
     )
-    p.add_argument("--model", required=True, help="preset name(s), comma-separated")
     p.add_argument(
-        "--ranks", default="32", help="ranks to tune, comma-separated (the first is the copy source)"
+        "--model",
+        required=True,
+        type=_arg_type(_models_type, "models"),
+        help="preset name(s), comma-separated",
     )
-    p.add_argument("--copy-ranks", default="", help="ranks that get the first rank's choices (not tuned)")
-    p.add_argument("--adapters", type=int, default=8, help="L, adapter slots")
-    p.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192")
-    p.add_argument("--out", required=True, help="config folder to write the JSON files into")
-    p.add_argument("--csv", required=True, help="trials CSV (appended; resumable)")
-    p.add_argument("--budget-s", type=float, default=math.inf, help="no new workload starts past this")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     p.add_argument(
-        "--max-bms", type=int, default=2, help="BLOCK_SIZE_M candidates per group (+ the default's)"
+        "--ranks",
+        default="32",
+        type=_int_list_type(1),
+        help="ranks to tune, comma-separated (the first is the copy source)",
     )
-    p.add_argument("--max-candidates", type=int, default=6, help="configs per op and BLOCK_SIZE_M")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--copy-ranks",
+        default="",
+        type=_int_list_type(1, allow_empty=True),
+        help="ranks that get the first rank's choices (not tuned)",
+    )
+    pos_int = _arg_type(lambda t: _parse_int(t, 1), "int >= 1")
+    p.add_argument("--adapters", type=pos_int, default=8, help="L, adapter slots")
+    p.add_argument(
+        "--tokens", default="1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192", type=_int_list_type(1)
+    )
+    p.add_argument(
+        "--out",
+        required=True,
+        type=_arg_type(_path_type(_check_out), "folder"),
+        help="config folder to write the JSON files into",
+    )
+    p.add_argument(
+        "--csv",
+        required=True,
+        type=_arg_type(_path_type(_check_csv), "csv file"),
+        help="trials CSV (appended; resumable)",
+    )
+    p.add_argument(
+        "--budget-s",
+        type=_arg_type(_budget_type, "seconds"),
+        default=math.inf,
+        help="no new workload starts past this",
+    )
+    p.add_argument(
+        "--device",
+        default=None,
+        type=_arg_type(lambda t: str(_check_device(t, None)), "device"),
+        help="cuda or cpu (default: cuda if available)",
+    )
+    p.add_argument(
+        "--max-bms", type=pos_int, default=2, help="BLOCK_SIZE_M candidates per group (+ the default's)"
+    )
+    p.add_argument("--max-candidates", type=pos_int, default=6, help="configs per op and BLOCK_SIZE_M")
+    p.add_argument("--seed", type=_arg_type(lambda t: _parse_int(t, None), "int"), default=0)
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
+    try:  # the default device and whatever argparse cannot see (all before any work)
+        _check_device(a.device, "--device")
+        _check_tune_args(
+            a.model,
+            a.ranks,
+            a.adapters,
+            a.tokens,
+            a.out,
+            a.csv,
+            a.budget_s,
+            a.copy_ranks,
+            a.device,
+            None,
+            a.max_bms,
+            a.max_candidates,
+            a.seed,
+        )
+    except ValueError as e:
+        p.error(str(e))
     summary = tune(
-        a.model.split(","),
-        _ints(a.ranks),
+        a.model,
+        a.ranks,
         a.adapters,
-        _ints(a.tokens),
+        a.tokens,
         a.out,
         a.csv,
         budget_s=a.budget_s,
-        copy_ranks=_ints(a.copy_ranks),
+        copy_ranks=a.copy_ranks,
         device=a.device,
         max_bms=a.max_bms,
         max_cands=a.max_candidates,
@@ -838,10 +1119,6 @@ def targets_table(df, anchors=None):
     return t
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def cumulative_table(stages_csv, tuned_csv, *, pattern: str = "uniform"):
     """The cumulative table naive → … → even_k_fused_add → tuned, per model and T (µs, graph mode).
 
@@ -867,3 +1144,7 @@ def cumulative_table(stages_csv, tuned_csv, *, pattern: str = "uniform"):
     t = t[["model", "T", "part"] + [s for s in order if s in t.columns]]
     t["run"] = f"{os.path.basename(str(stages_csv))} + {os.path.basename(str(tuned_csv))}"
     return t
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,347 @@
+"""Bad input from a new user: a clear error naming the argument, never silent garbage or a crash deep
+inside torch or a kernel (found by a new-user trial; each test covers the whole kind of mistake)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from moelora_lib import fused_moe_lora
+from moelora_lib.kernels.config import LayerConfig, OpConfig
+from moelora_lib.shapes import Dims, get_shape
+from moelora_lib.studies import tuning
+from moelora_lib.studies.notebook import setup
+from moelora_lib.workloads import Workload, adapter_ids, make_inputs
+
+TINY = get_shape("tiny")
+
+
+# --- 1. Dims.of: no int() truncation, slices=0 is not "the preset's" ---------------------------------
+@pytest.mark.parametrize(
+    "kw,name",
+    [
+        (dict(T=2.7), "T"),
+        (dict(T="4"), "T"),
+        (dict(T=True), "T"),
+        (dict(T=-1), "T"),
+        (dict(rank=16.9), "rank"),
+        (dict(rank=False), "rank"),
+        (dict(rank=0), "rank"),
+        (dict(adapters=2.0), "adapters"),
+        (dict(adapters="8"), "adapters"),
+        (dict(slices=0), "slices"),
+        (dict(slices=3), "slices"),
+        (dict(slices=1.0), "slices"),
+    ],
+)
+def test_dims_of_rejects_non_int_and_bad_sizes(kw, name):
+    kw = {"T": 4, **kw}
+    T = kw.pop("T")
+    with pytest.raises(ValueError, match=rf"\b{name}\b"):
+        Dims.of("tiny", T, **kw)
+
+
+def test_dims_of_accepts_ints_and_none_slices():
+    import numpy as np
+
+    assert Dims.of("tiny", 4).slices == TINY.lora_slices
+    assert Dims.of("tiny", np.int64(4), rank=np.int32(16)) == Dims.of("tiny", 4, rank=16)
+    assert Dims.of("tiny", 4, slices=1).slices == 1
+    with pytest.raises(TypeError, match="shape"):
+        Dims.of(None, 4)
+    with pytest.raises(ValueError, match="unknown model preset"):
+        Dims.of("nope", 4)
+
+
+# --- 2. Workload: every field checked in __post_init__ ------------------------------------------------
+@pytest.mark.parametrize(
+    "kw,name,exc",
+    [
+        (dict(T=2.5), "Workload.T", ValueError),
+        (dict(T="4"), "Workload.T", ValueError),
+        (dict(T=-1), "Workload.T", ValueError),
+        (dict(rank=0), "Workload.rank", ValueError),
+        (dict(rank=16.0), "Workload.rank", ValueError),
+        (dict(adapters=True), "Workload.adapters", ValueError),
+        (dict(seed="x"), "Workload.seed", ValueError),
+        (dict(seed=1.5), "Workload.seed", ValueError),
+        (dict(device="tpu"), "Workload.device", ValueError),
+        (dict(device="cuda:x"), "Workload.device", ValueError),
+        (dict(device=0), "Workload.device", TypeError),
+        (dict(activation="gelu"), "Workload.activation", ValueError),
+        (dict(bias="yes"), "Workload.bias", ValueError),
+        (dict(bias=1), "Workload.bias", ValueError),
+        (dict(model="nope"), "unknown model preset", ValueError),
+        (dict(model=None), "Workload.model", TypeError),
+        (dict(pattern="roundrobin"), "Workload.pattern", ValueError),
+        (dict(pattern=["uniform"]), "Workload.pattern", ValueError),
+        (dict(dtype="int8"), "Workload.dtype", ValueError),
+        (dict(dtype=torch.int32), "Workload.dtype", ValueError),
+    ],
+)
+def test_workload_rejects_bad_fields(kw, name, exc):
+    kw = {"model": "tiny", "T": 4, "device": "cpu", **kw}
+    with pytest.raises(exc, match=name):
+        Workload(**kw)
+
+
+def test_workload_accepts_good_fields():
+    wl = Workload("tiny", 0, device=torch.device("cpu"), activation="swigluoai", bias=False, dtype="fp16")
+    assert wl.dtype is torch.float16 and wl.T == 0
+    assert Workload("tiny", 4).device == "cuda"  # a valid device string; availability is not checked here
+
+
+# --- 3. make_inputs / adapter_ids ---------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "args,kw,name",
+    [
+        ((TINY, -3), {}, "num_tokens"),
+        ((TINY, 2.5), {}, "num_tokens"),
+        ((TINY, "4"), {}, "num_tokens"),
+        ((TINY, 4), dict(rank=0), "rank"),
+        ((TINY, 4), dict(rank=8.0), "rank"),
+        ((TINY, 4), dict(num_adapters=0), "num_adapters"),
+        ((TINY, 4), dict(num_adapters=True), "num_adapters"),
+        ((TINY, 4), dict(true_rank=0), "true_rank"),
+        ((TINY, 4), dict(rank=16, true_rank=17), "true_rank"),
+        ((TINY, 4), dict(slices=0), "slices"),
+        ((TINY, 4), dict(slices=3), "slices"),
+        ((TINY, 4), dict(pattern="nope"), "pattern"),
+        ((TINY, 4), dict(num_adapters=2, used_slots=3), "used_slots"),
+        ((TINY, 4), dict(used_slots=0), "used_slots"),
+        ((TINY, 4), dict(seed="a"), "seed"),
+        ((TINY, 4), dict(dtype="int8"), "dtype"),
+        ((TINY, 4), dict(dtype=torch.int32), "dtype"),
+        ((TINY, 4), dict(device="tpu"), "device"),
+        ((TINY, 4), dict(bias="yes"), "bias"),
+        ((TINY, 4), dict(act_scale=float("nan")), "act_scale"),
+        ((TINY, 4), dict(experts_override=torch.zeros(3, 2, dtype=torch.int32)), "experts_override"),
+        ((TINY, 4), dict(experts_override=torch.full((4, 2), 9)), "experts_override"),
+        ((TINY, 4), dict(experts_override=torch.zeros(4, 2)), "experts_override"),
+        (("nope", 4), {}, "unknown model preset"),
+    ],
+)
+def test_make_inputs_rejects_bad_arguments(args, kw, name):
+    with pytest.raises(ValueError, match=name):
+        make_inputs(*args, **kw)
+
+
+def test_make_inputs_rejects_a_non_shape():
+    with pytest.raises(TypeError, match="shape"):
+        make_inputs({"hidden": 64}, 4)
+
+
+def test_make_inputs_accepts_a_preset_name_and_empty_batch():
+    a, b = make_inputs("tiny", 3), make_inputs(TINY, 3)
+    assert all(torch.equal(x, y) for x, y in zip(a.args(), b.args()))
+    assert make_inputs(TINY, 0).hidden_states.shape == (0, TINY.hidden)
+
+
+@pytest.mark.parametrize(
+    "args,name",
+    [
+        ((-1, 4, "uniform"), "num_tokens"),
+        ((4, 0, "uniform"), "num_adapters"),
+        ((4, 4, "bogus"), "pattern"),
+    ],
+)
+def test_adapter_ids_rejects_bad_arguments(args, name):
+    with pytest.raises(ValueError, match=name):
+        adapter_ids(*args, torch.Generator())
+    with pytest.raises(ValueError, match="generator"):
+        adapter_ids(4, 4, "uniform", 0)
+
+
+# --- 4. notebook.setup seed --------------------------------------------------------------------------
+@pytest.mark.parametrize("seed", ["a", 1.5, True, None])
+def test_notebook_setup_rejects_non_int_seed(seed):
+    with pytest.raises(ValueError, match="seed"):
+        setup("99", "cpu", seed=seed, save_env=False)
+
+
+# --- 5. LayerConfig fields must be OpConfigs ---------------------------------------------------------
+def _layer_config(**changes) -> LayerConfig:
+    ops = dict(
+        base_gate_up=OpConfig(16),
+        base_down=OpConfig(16),
+        gate_up_shrink=OpConfig(16),
+        gate_up_expand=OpConfig(16),
+        down_shrink=OpConfig(16),
+        down_expand=OpConfig(16),
+    )
+    return LayerConfig(**{**ops, **changes})
+
+
+@pytest.mark.parametrize("op", ["base_gate_up", "base_down", "gate_up_shrink", "down_expand"])
+@pytest.mark.parametrize("bad", ["m16n64k64", {"BLOCK_SIZE_M": 16}, None])
+def test_layer_config_fields_must_be_op_configs(op, bad):
+    with pytest.raises(ValueError, match=f"LayerConfig.{op} must be an OpConfig"):
+        _layer_config(**{op: bad})
+    good = _layer_config()
+    with pytest.raises(ValueError, match=f"LayerConfig.{op}"):
+        dataclasses.replace(good, **{op: bad})
+
+
+# --- 6. fused_moe_lora names the tensor that disagrees ------------------------------------------------
+def _kw(T=6):
+    inp = make_inputs(TINY, T, rank=16, num_adapters=3, pattern="mixed")
+    names = ["hidden_states", "w13", "w2", "topk_weights", "topk_ids", "lora_ids"]
+    names += ["lora_a13", "lora_b13", "lora_a2", "lora_b2"]
+    return {**dict(zip(names, inp.args())), **inp.kwargs()}
+
+
+@pytest.mark.parametrize(
+    "name,mutate",
+    [
+        ("hidden_states", lambda t: t[:, :48]),  # wrong H: hidden_states, not w13
+        ("hidden_states", lambda t: t[:5]),  # wrong T: hidden_states, not topk_ids
+        ("w13", lambda t: t[:, :, :48]),
+        ("w13", lambda t: t[:3]),  # wrong E
+        ("w2", lambda t: t[:3]),
+        ("w2", lambda t: t[:, :48]),
+        ("w2", lambda t: t[..., :16]),  # wrong I
+        ("topk_ids", lambda t: t[:5]),
+        ("topk_weights", lambda t: t[:, :1]),
+        ("lora_a13", lambda t: t[..., :48]),
+        ("lora_b13", lambda t: t[:2]),  # wrong L
+        ("lora_a2", lambda t: t[:, :, :8]),  # wrong R
+        ("lora_b2", lambda t: t[:, :2]),
+        ("b13", lambda t: t[:, :16]),
+        ("b2", lambda t: t[:, :48]),
+    ],
+)
+def test_fused_moe_lora_names_the_disagreeing_tensor(name, mutate):
+    kw = _kw()
+    if kw.get(name) is None:  # tiny has no biases: make them
+        kw["b13"] = torch.zeros(TINY.experts, 2 * TINY.intermediate)
+        kw["b2"] = torch.zeros(TINY.experts, TINY.hidden)
+    kw[name] = mutate(kw[name])
+    with pytest.raises(ValueError, match=rf"^{name} must have shape"):
+        fused_moe_lora(**kw)
+
+
+def test_fused_moe_lora_wrong_H_message_gives_the_agreed_H():
+    kw = _kw()
+    kw["hidden_states"] = kw["hidden_states"][:, :48]
+    with pytest.raises(
+        ValueError, match=rf"hidden_states must have shape \[T=6, H={TINY.hidden}\], got \(6, 48\)"
+    ):
+        fused_moe_lora(**kw)
+
+
+def test_fused_moe_lora_dtype_mismatch_names_the_tensor():
+    kw = _kw()
+    kw["w2"] = kw["w2"].half()
+    with pytest.raises(ValueError, match=r"w2 must have dtype torch.float32 \(like hidden_states\)"):
+        fused_moe_lora(**kw)
+
+
+@pytest.mark.parametrize("name", ["w13", "w2", "lora_a13", "topk_ids", "lora_ids"])
+def test_fused_moe_lora_wrong_rank_or_type_names_the_argument(name):
+    kw = _kw()
+    kw[name] = kw[name].flatten()[:4] if name != "lora_ids" else kw[name].tolist()
+    with pytest.raises(ValueError, match=rf"^{name} must be a \d-D tensor"):
+        fused_moe_lora(**kw)
+
+
+# --- 7. the tuner's command line: exit code 2 and one line naming the flag, before any work ----------
+@pytest.mark.parametrize(
+    "extra,flag,text",
+    [
+        (["--ranks", "a"], "--ranks", "'a'"),
+        (["--ranks", "0"], "--ranks", ">= 1"),
+        (["--ranks", ""], "--ranks", "comma-separated"),
+        (["--copy-ranks", "x"], "--copy-ranks", "'x'"),
+        (["--max-candidates", "0"], "--max-candidates", ">= 1"),
+        (["--max-bms", "0"], "--max-bms", ">= 1"),
+        (["--tokens", "0"], "--tokens", ">= 1"),
+        (["--tokens", "-1"], "--tokens", ">= 1"),
+        (["--tokens", "1,x"], "--tokens", "'x'"),
+        (["--model", "nope"], "--model", "unknown model preset 'nope'"),
+        (["--model", ","], "--model", "preset names"),
+        (["--adapters", "0"], "--adapters", ">= 1"),
+        (["--adapters", "2.5"], "--adapters", "'2.5'"),
+        (["--device", "tpu"], "--device", "'tpu'"),
+        (["--budget-s", "-1"], "--budget-s", ">= 0"),
+        (["--budget-s", "nan"], "--budget-s", ">= 0"),
+        (["--seed", "x"], "--seed", "'x'"),
+    ],
+)
+def test_tuning_cli_rejects_bad_arguments(tmp_path, capsys, extra, flag, text):
+    argv = ["--model", "tiny", "--out", str(tmp_path / "cfg"), "--csv", str(tmp_path / "t.csv"), *extra]
+    with pytest.raises(SystemExit) as e:
+        tuning.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: " in err and text in err and "Traceback" not in err
+    assert not (tmp_path / "cfg").exists() and not (tmp_path / "t.csv").exists()  # no work done
+
+
+def test_tuning_cli_rejects_cuda_without_a_gpu(tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only check")
+    with pytest.raises(SystemExit) as e:
+        tuning.main(
+            [
+                "--model",
+                "tiny",
+                "--out",
+                str(tmp_path / "o"),
+                "--csv",
+                str(tmp_path / "t.csv"),
+                "--device",
+                "cuda",
+            ]
+        )
+    assert e.value.code == 2
+    assert "argument --device: 'cuda' needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_tuning_cli_rejects_bad_paths(tmp_path, capsys):
+    f = tmp_path / "file"
+    f.write_text("x")
+    not_trials = tmp_path / "other.csv"
+    not_trials.write_text("a,b\n1,2\n")
+    cases = [
+        (["--out", str(f), "--csv", str(tmp_path / "t.csv")], "argument --out: ", "is not a folder"),
+        (["--out", str(f / "sub"), "--csv", str(tmp_path / "t.csv")], "argument --out: ", "is a file"),
+        (["--out", str(tmp_path / "o"), "--csv", str(tmp_path)], "argument --csv: ", "is a folder"),
+        (["--out", str(tmp_path / "o"), "--csv", str(not_trials)], "argument --csv: ", "not a trials CSV"),
+    ]
+    for argv, flag, text in cases:
+        with pytest.raises(SystemExit) as e:
+            tuning.main(["--model", "tiny", *argv])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert flag in err and text in err, err
+
+
+@pytest.mark.parametrize(
+    "kw,name",
+    [
+        (dict(models=[]), "models"),
+        (dict(models=["nope"]), "models"),
+        (dict(ranks=[]), "ranks"),
+        (dict(ranks=[0]), "ranks"),
+        (dict(tokens=[0]), "tokens"),
+        (dict(tokens=[2.5]), "tokens"),
+        (dict(adapters=0), "adapters"),
+        (dict(copy_ranks=["x"]), "copy_ranks"),
+        (dict(max_cands=0), "max_cands"),
+        (dict(max_bms=0), "max_bms"),
+        (dict(budget_s=-1.0), "budget_s"),
+        (dict(device="tpu"), "device"),
+        (dict(seed="a"), "seed"),
+    ],
+)
+def test_tune_api_rejects_bad_arguments(tmp_path, kw, name):
+    args = dict(
+        models=["tiny"], ranks=[16], adapters=2, tokens=[3], out=tmp_path / "o", csv_path=tmp_path / "t.csv"
+    )
+    args.update(kw)
+    pos = [args.pop(k) for k in ("models", "ranks", "adapters", "tokens", "out", "csv_path")]
+    with pytest.raises(ValueError, match=name):
+        tuning.tune(*pos, progress=False, **{"device": "cpu", **args})
+    assert not (tmp_path / "t.csv").exists()

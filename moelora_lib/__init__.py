@@ -1,7 +1,8 @@
 """moelora_lib: Triton kernels for serving many LoRA adapters on one Mixture-of-Experts model.
 
-Public entry points: :func:`fused_moe_lora` (the MoE + multi-LoRA layer) and :func:`route`
-(softmax top-k routing). Kernel stages are listed in :data:`moelora_lib.kernels.STAGES`.
+Public entry points: :func:`fused_moe_lora` (the MoE + multi-LoRA layer, every input checked),
+:class:`MoELoRALayer` (the same layer as an ``nn.Module`` with adapter slots and preallocated buffers, for
+serving) and :func:`route` (softmax top-k routing). Kernel stages are listed in :data:`moelora_lib.kernels.STAGES`.
 
 Importing the package runs no kernel, reads no environment variable and does not import the kernel
 modules: the names below load on first use (PEP 562), so a notebook or script can set
@@ -17,11 +18,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["fused_moe_lora", "route", "STAGES", "LayerConfig", "OpConfig"]
+__all__ = ["fused_moe_lora", "route", "MoELoRALayer", "STAGES", "LayerConfig", "OpConfig"]
 
 _LAZY = {
     "fused_moe_lora": ("moe_lora", "fused_moe_lora"),
     "route": ("routing", "route"),
+    "MoELoRALayer": ("layer", "MoELoRALayer"),
     "STAGES": ("kernels", "STAGES"),
     "LayerConfig": ("kernels", "LayerConfig"),
     "OpConfig": ("kernels", "OpConfig"),

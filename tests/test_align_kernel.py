@@ -262,3 +262,15 @@ def test_bad_inputs(device):
         align_workspace(-1, 8, 16)
     with pytest.raises(ValueError, match="num_adapters"):
         align_workspace(8, 8, 16, -1)
+
+
+def test_default_workspace_serves_every_smaller_pair_count():
+    """The default tile shrinks with T·K, so a smaller call may need more tiles than the largest one:
+    the workspace must hold the scratch of every N ≤ max_num_pairs (arithmetic only, no kernel)."""
+    from moelora_lib.kernels.align import align_sizes, align_workspace
+
+    for n_max in (0, 1, 63, 322, 520, 1000, 4100, 9000):
+        ws = align_workspace(n_max, 4, 16, 2)
+        groups = 4 * 3
+        need = max(align_sizes(n, groups, 16).scratch for n in range(n_max + 1))
+        assert ws.scratch.numel() >= need, (n_max, ws.scratch.numel(), need)

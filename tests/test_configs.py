@@ -1,6 +1,7 @@
 """Tuned-config files: lookup, precedence, errors, atomic writes, the tuner on the interpreter, stage
 tuned."""
 
+import dataclasses
 import json
 import os
 import warnings
@@ -124,14 +125,16 @@ def test_precedence(tmp_path, monkeypatch):
     monkeypatch.delenv(configs.ENV_VAR)
     c = load()
     assert c.gate_up_shrink.NUM_STAGES == 7 and c.source == f"shipped:{GPU}"
-    c = load(gpu="OTHER_GPU")  # nothing shipped for this GPU
+    with pytest.warns(configs.TunedConfigWarning, match="'OTHER_GPU'"):
+        c = load(gpu="OTHER_GPU")  # nothing shipped for this GPU: defaults, said once
     assert c == default_config(W["T"], W["H"], W["I"], W["E"], W["K"], W["R"], W["L"], W["S"])
     assert c.source == "default"
 
 
 def test_env_var_is_read_at_call_time(tmp_path, monkeypatch):
     env = write_folder(tmp_path / "env", tag=6)
-    assert load().source == "default"  # the CPU has no shipped TEST_GPU folder
+    with pytest.warns(configs.TunedConfigWarning, match="'TEST_GPU'"):
+        assert load().source == "default"  # the CPU has no shipped TEST_GPU folder
     monkeypatch.setenv(configs.ENV_VAR, str(env))
     assert load().source == f"env:{env}"
 
@@ -301,3 +304,123 @@ def test_config_folder_that_does_not_exist_raises(tmp_path, monkeypatch):
     monkeypatch.setenv(configs.ENV_VAR, str(missing))
     with pytest.raises(ValueError, match="MOELORA_TUNED_CONFIG_FOLDER"):
         configs.load_layer_config(8, 64, 32, 4, 2, 16, 4, 2, gpu_name="TEST_GPU")
+
+
+# ---------------------------------------------------------------------------------------------
+# Other GPU names: no silent defaults, explicit mapping only
+# ---------------------------------------------------------------------------------------------
+QWEN = dict(T=64, R=32, L=8)
+
+
+@pytest.fixture
+def no_map(monkeypatch):
+    monkeypatch.setattr(configs, "_GPU_MAP", {})
+
+
+def _on_gpu(monkeypatch, name):
+    """Pretend to run on a GPU whose torch name is ``name`` (CPU tests)."""
+    monkeypatch.setattr(configs, "_current_gpu_name", lambda: name.replace(" ", "_").replace("-", "_"))
+
+
+def _qwen_dims():
+    from moelora_lib.shapes import Dims
+
+    return Dims.of("qwen3-30b-a3b", QWEN["T"], rank=QWEN["R"], adapters=QWEN["L"])
+
+
+def _tuned_warnings(rec):
+    return [w for w in rec if issubclass(w.category, configs.TunedConfigWarning)]
+
+
+@pytest.mark.parametrize("torch_name", ["NVIDIA H200 NVL", "NVIDIA H20-3e", "Some Unknown GPU"])
+def test_other_gpu_name_warns_once_naming_gpu_and_folders(monkeypatch, no_map, torch_name):
+    from moelora_lib.kernels import STAGES
+
+    _on_gpu(monkeypatch, torch_name)
+    gpu = torch_name.replace(" ", "_").replace("-", "_")
+    d = _qwen_dims()
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        c1 = STAGES["tuned"].config_for(d)  # what stage "tuned" of fused_moe_lora calls
+        c2 = configs.load_layer_config(dataclasses.replace(d, T=1))
+    tw = _tuned_warnings(rec)
+    assert len(tw) == 1, [str(w.message) for w in rec]
+    msg = str(tw[0].message)
+    assert repr(gpu) in msg and configs.ENV_VAR in msg and str(configs.shipped_folder(gpu)) in msg
+    assert "folder argument" in msg and "map_gpu_name" in msg and "NVIDIA_H200" in msg
+    assert c1 == default_config(d) and c1.source == "default" and c2.source == "default"
+    # never guessed: "NVIDIA H200 NVL" does not get the H200's files
+    assert c1 != configs.load_layer_config(d, gpu_name="NVIDIA_H200")
+
+
+def test_other_gpu_name_warns_again_for_another_folder_set(tmp_path, monkeypatch, no_map):
+    _on_gpu(monkeypatch, "NVIDIA H200 NVL")
+    d = _qwen_dims()
+    env = write_folder(tmp_path / "env")  # files for TEST_GPU only
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        configs.load_layer_config(d)
+        configs.load_layer_config(d)
+        monkeypatch.setenv(configs.ENV_VAR, str(env))
+        c = configs.load_layer_config(d)
+        configs.load_layer_config(d)
+        c_folder = configs.load_layer_config(d, folder=env)
+    tw = [str(w.message) for w in _tuned_warnings(rec)]
+    assert len(tw) == 3, tw  # no folder; env folder; explicit folder (+ env not read)
+    assert f"{configs.ENV_VAR}={str(env)!r}" in tw[1] and "has files for ['TEST_GPU']" in tw[1]
+    assert "not read: a folder was given" in tw[1]
+    assert f"folder argument {str(env)!r}" in tw[2] and "not read: folder given" in tw[2]
+    assert c.source == "default" and c_folder.source == "default"
+
+
+def test_map_gpu_name_uses_the_shipped_folder_explicitly(monkeypatch, no_map):
+    from moelora_lib.kernels import STAGES
+
+    _on_gpu(monkeypatch, "NVIDIA H200 NVL")
+    d = _qwen_dims()
+    h200 = configs.load_layer_config(d, gpu_name="NVIDIA_H200")
+    assert h200.source == "shipped:NVIDIA_H200"
+    assert STAGES["tuned"].config_for(d, gpu_name="NVIDIA_H200") == h200  # per call, on the stage
+    configs.map_gpu_name("NVIDIA H200 NVL", "NVIDIA_H200")  # torch's spelling is accepted
+    assert configs.gpu_name_map() == {"NVIDIA_H200_NVL": "NVIDIA_H200"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", configs.TunedConfigWarning)
+        mapped = STAGES["tuned"].config_for(d)
+    assert mapped.source == "shipped:NVIDIA_H200 (mapped from NVIDIA_H200_NVL)"
+    assert mapped.replace(source=h200.source) == h200
+    configs.map_gpu_name("NVIDIA_H200_NVL", None)  # removed: back to the defaults, with the warning
+    with pytest.warns(configs.TunedConfigWarning, match="NVIDIA_H200_NVL"):
+        assert configs.load_layer_config(d).source == "default"
+    with pytest.raises(ValueError, match="no shipped tuned configs for 'NVIDIA_H100'"):
+        configs.map_gpu_name("NVIDIA H200 NVL", "NVIDIA_H100")
+    for gpu, use in (("NVIDIA H200 NVL", "../NVIDIA_H200"), ("NVIDIA H200 NVL", ""), (None, "NVIDIA_H200")):
+        with pytest.raises(ValueError, match="map_gpu_name"):
+            configs.map_gpu_name(gpu, use)
+    assert configs.gpu_name_map() == {}
+    assert "NVIDIA_H200" in configs.shipped_gpus() and "helion" not in configs.shipped_gpus()
+
+
+def test_h200_finds_its_shipped_folder_silently(monkeypatch, no_map):
+    _on_gpu(monkeypatch, "NVIDIA H200")
+    d = _qwen_dims()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        c = configs.load_layer_config(d)
+    assert c.source == "shipped:NVIDIA_H200" and c == configs.load_layer_config(d, gpu_name="NVIDIA_H200")
+
+
+def test_cpu_without_folder_stays_silent(monkeypatch, no_map):
+    _on_gpu(monkeypatch, "cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert configs.load_layer_config(_qwen_dims()).source == "default"
+
+
+def test_fused_moe_lora_tuned_on_unknown_gpu_warns(monkeypatch, no_map):
+    from moelora_lib.moe_lora import make_layer_run
+
+    _on_gpu(monkeypatch, "NVIDIA H20-3e")
+    inp = make_inputs(get_shape("tiny"), 3, rank=16, num_adapters=2, pattern="mixed", device="cpu", seed=0)
+    with pytest.warns(configs.TunedConfigWarning, match="NVIDIA_H20_3e"):
+        run = make_layer_run(*inp.args(), **inp.kwargs(), stage="tuned")
+    assert run.cfg.source == "default"

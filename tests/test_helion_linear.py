@@ -317,6 +317,108 @@ def test_fallback_untuned_bucket_and_device():
     assert capped.path_for(layer, 2) == "torch: M=2 above max_m=1"
 
 
+# A config that passes the table's checks but that Helion cannot run: three
+# loop_orders entries for the 2-D tile loop -> helion.exc.InvalidConfig at compile_config.
+CFG_BAD_LOOP_ORDER = {**CFG, "loop_orders": [[0, 1, 2]]}
+
+
+def _count_builds(monkeypatch):
+    from moelora_lib.helion_linear import method as M
+
+    calls = []
+    real = M.build_runner
+
+    def counting(*a, **k):
+        calls.append(a[1])
+        return real(*a, **k)
+
+    monkeypatch.setattr(M, "build_runner", counting)
+    return calls
+
+
+@pytest.mark.parametrize("epilogue", ["none", "swiglu"])
+def test_config_that_validates_but_cannot_run_falls_back_once(monkeypatch, epilogue):
+    torch.manual_seed(0)
+    table = _table(torch.float32, epilogue, CFG_BAD_LOOP_ORDER, buckets=(1,))
+    set_entry(table, epilogue, "float32", K_, N_, 2, CFG)  # a good bucket beside the bad one
+    method = HelionLinearMethod(table, epilogue=epilogue, allow_interpreter=True)
+    layer = Linear.from_weight(torch.randn(N_, K_) / 8, method)
+    builds = _count_builds(monkeypatch)
+    assert method.path_for(layer, 1) == "helion:1"  # not known to be bad before the first build
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        ys = [(x, layer(x)) for x in (torch.randn(1, K_) for _ in range(3))]
+    fb = [str(w.message) for w in rec if issubclass(w.category, HelionFallbackWarning)]
+    assert len(fb) == 1, fb
+    assert f"K={K_} N={N_} bucket 1" in fb[0] and "InvalidConfig" in fb[0] and "loop_orders" in fb[0]
+    assert len(builds) == 1  # remembered: not rebuilt on later calls
+    for x, y in ys:
+        torch.testing.assert_close(y, TorchLinearMethod(epilogue).apply(layer, x))
+    assert method.path_for(layer, 1).startswith(
+        "torch: the tuned config for"
+    ) and "bucket 1" in method.path_for(layer, 1)
+    # the good bucket still runs Helion, without a warning
+    assert method.path_for(layer, 2) == "helion:2"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", HelionFallbackWarning)
+        x = torch.randn(2, K_)
+        assert _rel_err(layer(x), _ref(x, layer.weight, None, epilogue)) < TOL[torch.float32]
+
+
+def test_warmup_with_a_config_that_cannot_run():
+    table = _table(torch.float32, "none", CFG_BAD_LOOP_ORDER, buckets=(1,))
+    set_entry(table, "none", "float32", K_, N_, 2, CFG)
+    strict = HelionLinearMethod(table, allow_interpreter=True)
+    layer = Linear.from_weight(torch.randn(N_, K_), strict)
+    with pytest.raises(RuntimeError, match="bucket 1.*InvalidConfig"):
+        strict.warmup(layer, max_m=2)
+    assert strict.path_for(layer, 1).startswith("torch: the tuned config")  # remembered for apply
+    lenient = HelionLinearMethod(table, allow_interpreter=True)
+    layer = Linear.from_weight(torch.randn(N_, K_), lenient)
+    with pytest.warns(HelionFallbackWarning, match="bucket 1.*InvalidConfig") as rec:
+        paths = lenient.warmup(layer, max_m=2, strict=False)
+        layer(torch.randn(1, K_))  # no second warning for the same reason
+    assert len(rec) == 1
+    assert paths[1].startswith("torch: the tuned config") and paths[2] == "helion:2"
+    assert set(lenient.last_warmup) == {2}
+
+
+def test_runner_that_fails_to_compile_on_first_call_falls_back(monkeypatch):
+    """Triton compiles on a runner's first call (OutOfResources, CompilationError, ... on the GPU):
+    caught there once, then F.linear for that bucket; a runner that worked once is called directly."""
+    from triton.errors import TritonError
+
+    from moelora_lib.helion_linear import method as M
+
+    class FakeCompileError(TritonError):
+        pass
+
+    calls = []
+
+    def fake_build(epilogue, cfg, weight, bias=None):
+        def runner(*args):
+            calls.append(cfg["num_warps"])
+            if cfg["num_warps"] == 8:
+                raise FakeCompileError("out of shared memory")
+            return torch.nn.functional.linear(args[0], args[1])
+
+        return runner
+
+    monkeypatch.setattr(M, "build_runner", fake_build)
+    table = _table(torch.float32, "none", {**CFG, "num_warps": 8}, buckets=(1,))
+    set_entry(table, "none", "float32", K_, N_, 2, CFG)
+    method = HelionLinearMethod(table, allow_interpreter=True)
+    layer = Linear.from_weight(torch.randn(N_, K_), method)
+    with pytest.warns(HelionFallbackWarning, match="bucket 1.*FakeCompileError: out of shared memory") as rec:
+        for _ in range(3):
+            x = torch.randn(1, K_)
+            torch.testing.assert_close(layer(x), x @ layer.weight.T)
+    assert len(rec) == 1 and calls == [8]  # tried once
+    for _ in range(2):
+        layer(torch.randn(2, K_))
+    assert calls == [8, 4, 4] and method.path_for(layer, 2) == "helion:2"
+
+
 def test_torch_method_swiglu_matches_reference():
     torch.manual_seed(0)
     w = torch.randn(N_, K_, dtype=torch.float64)

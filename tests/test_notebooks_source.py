@@ -1,4 +1,4 @@
-"""The notebooks are the source (DESIGN.md §6): checks on the committed ``notebooks/NN_*.ipynb`` files,
+"""The notebooks are the source: checks on the committed ``notebooks/NN_*.ipynb`` files,
 plus the layering rule that the product never imports the studies.
 
 Per notebook: committed without outputs; one ``parameters`` cell of literal assignments with
@@ -110,7 +110,7 @@ def test_kernel_metadata_for_papermill(path: Path):
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
 def test_ends_with_the_written_conclusion(path: Path):
-    """DESIGN.md §6: the last cell renders the written conclusion from the CSV the notebook just wrote
+    """The last cell renders the written conclusion from the CSV the notebook just wrote
     (``conclude(...)`` from moelora_lib.studies.notebook), so a reader does not decode printed tables."""
     last = _read(path).cells[-1]
     assert last.cell_type == "code" and "conclude(" in last.source, (

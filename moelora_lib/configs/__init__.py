@@ -46,9 +46,21 @@ Precedence of :func:`load_layer_config`: the explicit ``folder`` argument, else 
 ``MOELORA_TUNED_CONFIG_FOLDER`` (read at call time), else the files shipped in this package under
 ``moelora_lib/configs/<gpu>/``, else :func:`~moelora_lib.kernels.default_config`. The LoRA group (four
 files) and the base group (one file) are resolved separately: a missing file, folder or workload entry
-gives the defaults of that group with one ``warnings.warn`` per (folder, op). The returned
+gives the defaults of that group with one :class:`TunedConfigWarning` per (folder, op). The returned
 ``LayerConfig.source`` says where the config came from (``folder:/p``, ``env:/p``, ``shipped:NVIDIA_H200``
-or ``default``, with ``; lora=default`` / ``; base=default`` when one group fell back).
+or ``default``, with ``; lora=default`` / ``; base=default`` when one group fell back, and
+`` (mapped from <gpu>)`` when :func:`map_gpu_name` chose the GPU name).
+
+Other GPU names: the GPU name must match a folder (shipped) or the file names (explicit / env folder)
+exactly; "NVIDIA H200 NVL" or "NVIDIA H20-3e" are *not* treated as "NVIDIA H200" (different chips,
+different best configs). When no tuned file exists for the GPU at all, the loader returns the defaults
+and issues one :class:`TunedConfigWarning` per (GPU, folder set) naming the GPU and every folder it
+looked at (the ``folder`` argument, ``$MOELORA_TUNED_CONFIG_FOLDER``, the shipped folder) and how to
+map it. Mapping is explicit, in code: ``map_gpu_name("NVIDIA H200 NVL", "NVIDIA_H200")`` (process-wide:
+stage ``tuned`` and every loader call without ``gpu_name``), or ``gpu_name="NVIDIA_H200"`` on one
+:func:`load_layer_config` / ``STAGES["tuned"].config_for`` call. There is deliberately no environment
+variable for it (an environment variable may only point at a folder). Without CUDA the name is ``cpu``,
+for which nothing is shipped; that case stays silent unless a folder was given.
 
 Errors (ValueError naming the file and the key path): malformed JSON, a non-object level, a
 non-integer key, an unknown leaf key, a non-power-of-two block, BLOCK_SIZE_M differing between the
@@ -73,6 +85,10 @@ from ..shapes import Dims
 
 __all__ = [
     "ENV_VAR",
+    "TunedConfigWarning",
+    "map_gpu_name",
+    "gpu_name_map",
+    "shipped_gpus",
     "LORA_FILE_OPS",
     "BASE_FILE_OP",
     "SHIPPED_DIR",
@@ -102,7 +118,14 @@ SHIPPED_DIR = Path(__file__).resolve().parent
 LORA_DEPTH = 6  # max_loras, num_slices, m, k, n, i
 BASE_DEPTH = 4  # E, N, K, m
 _IGNORED_KEYS = {"USE_TMA", "NUM_CTAS"}  # vLLM leaf keys with no meaning here
-_WARNED: set[tuple[str, str]] = set()
+_WARNED: set[tuple] = set()
+#: explicit GPU name -> config GPU name mappings (:func:`map_gpu_name`); never filled implicitly
+_GPU_MAP: dict[str, str] = {}
+
+
+class TunedConfigWarning(UserWarning):
+    """Stage ``tuned`` / :func:`load_layer_config` fell back to the default configs (no tuned file or
+    entry for this GPU or workload). Issued once per (GPU, folder set) or per (folder, op)."""
 
 
 # gpu_name (re-exported from moelora_lib.common): ``NVIDIA_H200``, ``cpu`` without CUDA. The alias keeps
@@ -113,6 +136,54 @@ _current_gpu_name = gpu_name
 def shipped_folder(gpu: str | None = None) -> Path:
     """``moelora_lib/configs/<gpu>/``, where the package's tuned configs for that GPU live."""
     return SHIPPED_DIR / (gpu or gpu_name())
+
+
+def _norm_gpu(name: str) -> str:
+    return name.replace(" ", "_").replace("-", "_")
+
+
+def shipped_gpus() -> list[str]:
+    """GPU names with tuned configs shipped in this package (folders ``moelora_lib/configs/<gpu>/``
+    holding ``<gpu>_FUSED_MOE_*.json`` files), sorted."""
+    if not SHIPPED_DIR.is_dir():
+        return []
+    return sorted(
+        d.name for d in SHIPPED_DIR.iterdir() if d.is_dir() and any(d.glob(f"{d.name}_FUSED_MOE_*.json"))
+    )
+
+
+def map_gpu_name(gpu: str, use: str | None) -> None:
+    """Use the tuned configs of GPU name ``use`` (a shipped folder, e.g. ``"NVIDIA_H200"``) when
+    running on ``gpu`` (e.g. ``"NVIDIA H200 NVL"``, as ``torch.cuda.get_device_name()`` spells it or
+    with ``_``). Process-wide: applies to stage ``tuned`` and to every :func:`load_layer_config` call
+    without ``gpu_name``. ``use=None`` removes the mapping.
+
+    Nothing is mapped implicitly: a similar chip is a different chip, and only the user can decide
+    that its configs are good enough. Raises ValueError when ``use`` has no shipped folder (see
+    :func:`shipped_gpus`) or a name is empty or contains a path separator.
+    """
+    for arg, v in (("gpu", gpu), ("use", use)):
+        if v is None and arg == "use":
+            continue
+        if not isinstance(v, str) or not v.strip() or any(c in v for c in "/\\") or v in (".", ".."):
+            raise ValueError(f"map_gpu_name: {arg} must be a GPU name (no path separators), got {v!r}")
+    key = _norm_gpu(gpu)
+    if use is None:
+        _GPU_MAP.pop(key, None)
+        return
+    target = _norm_gpu(use)
+    if target not in shipped_gpus():
+        raise ValueError(
+            f"map_gpu_name: no shipped tuned configs for {use!r} (shipped: {shipped_gpus()}); to use "
+            f"files of your own, pass folder= (or ${ENV_VAR}) and gpu_name= to load_layer_config"
+        )
+    _GPU_MAP[key] = target
+    _WARNED.clear()
+
+
+def gpu_name_map() -> dict[str, str]:
+    """A copy of the mappings set with :func:`map_gpu_name` (running GPU name -> config GPU name)."""
+    return dict(_GPU_MAP)
 
 
 def config_file_name(gpu: str, op: str) -> str:
@@ -281,7 +352,62 @@ def _warn_once(folder: str, op: str, why: str) -> None:
     if (folder, op) in _WARNED:
         return
     _WARNED.add((folder, op))
-    warnings.warn(f"moelora_lib tuned configs: {why}; using the default {op} config", stacklevel=4)
+    warnings.warn(
+        f"moelora_lib tuned configs: {why}; using the default {op} config", TunedConfigWarning, stacklevel=4
+    )
+
+
+def _gpus_in(folder: Path) -> list[str]:
+    """GPU names that have a base or LoRA config file in ``folder``."""
+    parts = (BASE_FILE_OP, *LORA_FILE_OPS.values())
+    names = set()
+    for p in folder.glob("*_FUSED_MOE_*.json"):
+        for part in parts:
+            if p.name.endswith(f"_{part}.json"):
+                names.add(p.name[: -len(f"_{part}.json")])
+    return sorted(names)
+
+
+def _has_any_file(folder: Path, gpu: str) -> bool:
+    return any((folder / config_file_name(gpu, op)).is_file() for op in (*LORA_OPS, "base"))
+
+
+def _warn_no_configs(gpu: str, mapped_from: str | None, folder, env: str | None, chosen: Path | None) -> None:
+    """One TunedConfigWarning per (GPU, folder set): no tuned file at all for ``gpu``."""
+    shipped = shipped_folder(gpu)
+    key = ("gpu", gpu, mapped_from, None if folder is None else str(folder), env, str(shipped))
+    if key in _WARNED:
+        return
+    _WARNED.add(key)
+    searched = []
+    if folder is not None:
+        searched.append(f"folder argument {str(folder)!r}")
+    else:
+        searched.append("folder argument: none")
+    if env:
+        searched.append(f"${ENV_VAR}={env!r}" + ("" if folder is None else " (not read: folder given)"))
+    else:
+        searched.append(f"${ENV_VAR}: unset")
+    if folder is None and not env:
+        searched.append(f"shipped folder {str(shipped)!r} (does not exist)")
+    else:
+        searched.append(f"shipped folder {str(shipped)!r} (not read: a folder was given)")
+    others = _gpus_in(chosen) if chosen is not None else []
+    name = f"{gpu!r}" + (f" (mapped from {mapped_from!r})" if mapped_from else "")
+    have = f"; that folder has files for {others}" if others else ""
+    shipped_names = shipped_gpus()
+    example = shipped_names[0] if shipped_names else "<a shipped GPU>"
+    warnings.warn(
+        f"moelora_lib tuned configs: no tuned configs for GPU {name}; searched: {'; '.join(searched)}"
+        f"{have}; shipped configs exist for {shipped_names}. Stage 'tuned' uses the default configs. "
+        "To use another GPU's configs explicitly (only if you accept they may not be the best here): "
+        f"moelora_lib.configs.map_gpu_name({gpu if mapped_from is None else mapped_from!r}, {example!r}), "
+        f"or load_layer_config(..., gpu_name={example!r}) / STAGES['tuned'].config_for(..., "
+        "gpu_name=...); or tune this GPU (python -m moelora_lib.studies.tuning) and point "
+        f"folder= / ${ENV_VAR} at the result",
+        TunedConfigWarning,
+        stacklevel=3,
+    )
 
 
 def _lora_group(folder: Path, gpu: str, dims: Dims) -> dict[str, OpConfig] | None:
@@ -336,28 +462,46 @@ def load_layer_config(
             is still accepted.
         folder: a config folder (highest precedence); else ``$MOELORA_TUNED_CONFIG_FOLDER``; else the
             shipped ``moelora_lib/configs/<gpu>/``; else the defaults.
-        gpu_name: the GPU part of the file names (default :func:`gpu_name`).
+        gpu_name: the GPU part of the file names and the shipped folder's name (default: the
+            mapping set by :func:`map_gpu_name` for the current GPU, else :func:`gpu_name`). Passing
+            ``"NVIDIA_H200"`` on another GPU uses the H200's configs there, explicitly.
     Returns: a LayerConfig whose ``source`` records where each group came from.
     Raises: ValueError for a malformed or invalid file (naming the file and key path), or when the
         folder named by ``folder`` or by ``$MOELORA_TUNED_CONFIG_FOLDER`` is not a directory (a typo
         there would otherwise silently drop every tuned config). A missing file inside an existing
-        folder falls back to the defaults with one warning.
+        folder falls back to the defaults with one :class:`TunedConfigWarning`; no tuned file at all
+        for the GPU (e.g. an unknown GPU, nothing shipped for it) gives the defaults with one
+        :class:`TunedConfigWarning` per (GPU, folder set) naming the GPU and the folders searched.
     """
     from ..kernels.stages import as_dims, default_config
 
     dims = as_dims(dims, *legacy)
-    gpu = gpu_name or _current_gpu_name()
+    mapped_from = None
+    if gpu_name:
+        gpu = gpu_name
+    else:
+        gpu = _current_gpu_name()
+        if gpu in _GPU_MAP:
+            mapped_from, gpu = gpu, _GPU_MAP[gpu]
+    env = os.environ.get(ENV_VAR) or None
     if folder is not None:
         where, label = Path(folder), f"folder:{folder}"
-    elif os.environ.get(ENV_VAR):
-        where, label = Path(os.environ[ENV_VAR]), f"env:{os.environ[ENV_VAR]}"
+    elif env:
+        where, label = Path(env), f"env:{env}"
     elif shipped_folder(gpu).is_dir():
         where, label = shipped_folder(gpu), f"shipped:{gpu}"
     else:
+        if gpu != "cpu":  # no GPU: nothing is ever shipped for the interpreter, stay quiet
+            _warn_no_configs(gpu, mapped_from, None, None, None)
         return default_config(dims)
+    if mapped_from is not None:
+        label += f" (mapped from {mapped_from})"
     if not where.is_dir():
         origin = "folder argument" if folder is not None else f"${ENV_VAR}"
         raise ValueError(f"{origin}: config folder {str(where)!r} is not a directory")
+    if (folder is not None or env) and not _has_any_file(where, gpu):  # (a shipped folder has files)
+        _warn_no_configs(gpu, mapped_from, folder, env, where)
+        return default_config(dims)
     dflt = default_config(dims)
     lora = _lora_group(where, gpu, dims)
     base = _base_group(where, gpu, dims)

@@ -25,7 +25,8 @@ What is here
   ``process_weights_after_loading(layer)``, ``apply(layer, x, bias=None)``), ``TorchLinearMethod``
   (F.linear + PyTorch epilogue) and ``HelionLinearMethod(configs=..., epilogue=...)`` with
   ``warmup(layer, max_m)``, ``path_for(layer, m)`` ("helion:<bucket>" or "torch: <reason>") and a
-  one-warning-per-reason fallback; ``Linear`` is a minimal layer using them.
+  one-warning-per-reason fallback (untuned shapes and buckets, and tuned configs that Helion/Triton
+  cannot build or compile — remembered per bucket); ``Linear`` is a minimal layer using them.
 * ``shapes`` — the dense-model projections (Llama-3.1-8B, Qwen3-32B, Llama-3.3-70B) used by the
   tuner (``python -m moelora_lib.studies.helion_tune``) and notebook 08.
 

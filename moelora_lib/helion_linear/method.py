@@ -8,8 +8,10 @@ the output. :class:`Linear` is a minimal module wired that way.
 Dispatch of :class:`HelionLinearMethod` (see :meth:`HelionLinearMethod.path_for`): M is rounded up to
 its bucket (configs.BUCKETS); the Helion runner for (epilogue, dtype, K, N, bucket) is used when a
 tuned config exists and the device can run it; otherwise ``F.linear`` (cuBLAS) with the same epilogue
-in PyTorch, with one ``HelionFallbackWarning`` per distinct reason. ``warmup`` compiles every bucket
-once (no autotuning ever happens at serving time: configs come from the JSON table only).
+in PyTorch, with one ``HelionFallbackWarning`` per distinct reason — also when a tuned config passes
+the table's checks but Helion or Triton cannot build/compile it (remembered per bucket, not
+retried). ``warmup`` compiles every bucket once (no autotuning ever happens at serving time:
+configs come from the JSON table only).
 
 The design follows vLLM's Helion linear backend (pre-tuned JSON configs per GPU, shape-bucketed
 runners, a native fallback; docs/helion.md §8-§9) and Helion's "bind + compile_config"
@@ -57,7 +59,45 @@ def _check_max_m(max_m: Any, *, allow_none: bool = False) -> None:
 
 
 class HelionFallbackWarning(UserWarning):
-    """A shape, dtype or device runs through ``F.linear`` instead of Helion (issued once per reason)."""
+    """A shape, dtype or device runs through ``F.linear`` instead of Helion (issued once per reason),
+    including a tuned config that Helion or Triton cannot build (e.g. ``loop_orders`` of the wrong
+    length: it passes the table's checks but raises ``helion.exc.InvalidConfig`` at compile time)."""
+
+
+class _FailedRunner:
+    """Stands in the runner cache for a config that failed to build or to compile on first call."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+def _short_error(e: BaseException) -> str:
+    msg = " ".join(str(e).split())
+    if len(msg) > 300:
+        msg = msg[:297] + "..."
+    return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
+
+
+def _compile_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean "this config cannot be compiled" when a runner is first called (Triton
+    compiles then): Helion's errors and Triton's (CompilationError, OutOfResources, PTXASError, and
+    InterpreterError under the CPU interpreter)."""
+    errs: list[type[BaseException]] = []
+    try:
+        import helion.exc
+
+        errs.append(helion.exc.Base)
+    except Exception:  # pragma: no cover - helion missing: no runner is ever built
+        pass
+    try:
+        from triton.errors import TritonError
+
+        errs.append(TritonError)
+    except Exception:  # pragma: no cover - older triton
+        pass
+    return tuple(errs)
 
 
 _HELION_IMPORT_ERROR: str | None = None
@@ -249,7 +289,11 @@ class HelionLinearMethod(LinearMethodBase):
             profile). Without it CPU tensors fall back to F.linear.
 
     Runners are cached on the method, keyed by (epilogue, dtype, K, N, device, config); layers of the
-    same shape share them.
+    same shape share them. A config that passes the table's checks but cannot be built (Helion raises
+    at ``compile_config``, e.g. ``InvalidConfig`` for three ``loop_orders`` entries of the 2-D tile
+    loop) or compiled (Helion/Triton errors at the runner's first call) is remembered as failed: that
+    (dtype, K, N, bucket) goes to ``F.linear`` from then on, with one ``HelionFallbackWarning`` naming
+    the shape, bucket and error, and is never retried (``path_for`` reports it).
     """
 
     def __init__(
@@ -278,6 +322,10 @@ class HelionLinearMethod(LinearMethodBase):
             self._table = C.load_configs(configs)
             self.config_source = str(Path(configs))
         self._runners: dict[tuple, Any] = {}
+        #: runner keys built but not yet run once (Triton compiles on the first call)
+        self._unproven: set[tuple] = set()
+        #: (dtype, K, N, device, bucket) -> "torch: ..." reason, for configs that failed to build/compile
+        self._failed: dict[tuple, str] = {}
         self._warned: set[str] = set()
         #: seconds spent compiling, per bucket, by the last warmup() call
         self.last_warmup: dict[int, dict[str, Any]] = {}
@@ -336,18 +384,59 @@ class HelionLinearMethod(LinearMethodBase):
         cfg = by_bucket.get(str(b))
         if cfg is None:
             return f"torch: bucket {b} not tuned for epilogue={self.epilogue} dtype={dt} K={k} N={n}", None
+        if self._failed:
+            failed = self._failed.get((dt, k, n, str(dev), b))
+            if failed is not None:
+                return failed, None
         return f"helion:{b}", cfg
 
-    # -- runners ----------------------------------------------------------------------------------
-    def _runner(self, layer: nn.Module, cfg: dict, bias: torch.Tensor | None):
+    def _mark_failed(self, layer: nn.Module, m: int, error: str) -> str:
+        """Remember that the config of ``layer``'s shape and the bucket of ``m`` cannot run; returns
+        the fallback path ("torch: ...")."""
         w = layer.weight
         n, k = w.shape
-        key = (self.epilogue, w.dtype, k, n, str(w.device), repr(sorted(cfg.items())))
+        dt = C.dtype_name(w.dtype)
+        b = C.bucket_for(m)
+        path = (
+            f"torch: the tuned config for epilogue={self.epilogue} dtype={dt} K={k} N={n} bucket {b} "
+            f"(in {self.config_source}) cannot run ({error})"
+        )
+        self._failed[(dt, k, n, str(w.device), b)] = path
+        return path
+
+    # -- runners ----------------------------------------------------------------------------------
+    def _runner_key(self, layer: nn.Module, cfg: dict) -> tuple:
+        w = layer.weight
+        n, k = w.shape
+        return (self.epilogue, w.dtype, k, n, str(w.device), repr(sorted(cfg.items())))
+
+    def _runner(self, layer: nn.Module, cfg: dict, bias: torch.Tensor | None, key: tuple | None = None):
+        """The cached runner for ``cfg`` (built on first use), or a ``_FailedRunner`` when Helion
+        cannot build it (the failure is cached too: never retried)."""
+        if key is None:
+            key = self._runner_key(layer, cfg)
         runner = self._runners.get(key)
         if runner is None:
-            runner = build_runner(self.epilogue, copy.deepcopy(cfg), w, bias)
+            try:
+                runner = build_runner(self.epilogue, copy.deepcopy(cfg), layer.weight, bias)
+                self._unproven.add(key)
+            except Exception as e:  # code generation only: any failure means this config cannot run
+                runner = _FailedRunner(_short_error(e))
             self._runners[key] = runner
         return runner
+
+    def _first_call(self, key: tuple, runner, args: tuple):
+        """Run a runner for the first time (Triton compiles now); a compile error caches a
+        ``_FailedRunner`` under ``key`` and returns it instead of a result."""
+        try:
+            out = runner(*args)
+        except _compile_errors() as e:
+            failed = _FailedRunner(_short_error(e))
+            self._runners[key] = failed
+            self._unproven.discard(key)
+            return failed
+        self._unproven.discard(key)
+        return out
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Make ``weight`` contiguous; for swiglu keep the gate/up row views (no copy) on the layer."""
@@ -363,13 +452,16 @@ class HelionLinearMethod(LinearMethodBase):
             return (x, gate, layer.w_up)
         return kernel_args(self.epilogue, x, layer.weight, bias)
 
-    def warmup(self, layer: nn.Module, max_m: int) -> dict[int, str]:
+    def warmup(self, layer: nn.Module, max_m: int, *, strict: bool = True) -> dict[int, str]:
         """Compile (and run once, on zeros) every bucket up to ``bucket_for(max_m)`` that has a config,
         triggering each Triton variant (:func:`warm_m_values`), so that serving never compiles.
 
         Returns ``{bucket: path}``; compile seconds per bucket are kept in ``self.last_warmup``.
-        A config that fails to compile raises (a shipped config must compile); ``max_m`` that is
-        not an int >= 1 raises ValueError.
+        A config that cannot be built or compiled is remembered as failed (``apply`` then uses
+        ``F.linear`` for that bucket, as for an untuned one) and, with ``strict=True`` (the default: a
+        shipped config must compile), raises RuntimeError naming the shape, bucket and error; with
+        ``strict=False`` it warns once (``HelionFallbackWarning``) and its path is "torch: ...".
+        ``max_m`` that is not an int >= 1 raises ValueError.
         """
         _check_max_m(max_m)
         w = layer.weight
@@ -387,10 +479,26 @@ class HelionLinearMethod(LinearMethodBase):
             if cfg is None:
                 continue
             t0 = time.perf_counter()
-            runner = self._runner(layer, cfg, bias)
+            key = self._runner_key(layer, cfg)
+            runner = self._runner(layer, cfg, bias, key)
             for m in warm_m_values(b):
+                if isinstance(runner, _FailedRunner):
+                    break
                 x = torch.zeros(m, w.shape[1], dtype=w.dtype, device=w.device)
-                runner(*self._kernel_args(layer, x, bias))
+                args = self._kernel_args(layer, x, bias)
+                if key in self._unproven:
+                    runner = self._first_call(key, runner, args)
+                else:
+                    runner(*args)
+            if isinstance(runner, _FailedRunner):
+                out[b] = self._mark_failed(layer, b, runner.reason)
+                if strict:
+                    raise RuntimeError(
+                        f"HelionLinearMethod.warmup: {out[b].removeprefix('torch: ')} "
+                        "(warmup(..., strict=False) falls back to F.linear instead)"
+                    )
+                self._warn_once(out[b].removeprefix("torch: "))
+                continue
             if w.device.type == "cuda":
                 torch.cuda.synchronize(w.device)
             self.last_warmup[b] = {"seconds": time.perf_counter() - t0, "config": copy.deepcopy(cfg)}
@@ -408,15 +516,27 @@ class HelionLinearMethod(LinearMethodBase):
         """y for x [M, K] (dtype and device of ``layer.weight`` [N, K]): [M, N], swiglu [M, N/2].
 
         Raises ValueError (naming ``x`` or ``bias``) for a non-2-D x, a K mismatch, a dtype or
-        device different from the weight's, or a bias that does not fit the epilogue.
+        device different from the weight's, or a bias that does not fit the epilogue. A tuned config
+        that Helion/Triton cannot build or compile does not raise: that bucket falls back to
+        ``F.linear`` with one ``HelionFallbackWarning`` (naming shape, bucket and error), for good.
         """
         bias = self._resolve_bias(layer, bias)
         self.check_input(layer, x, bias)
-        path, cfg = self._route(layer, x.shape[0])
+        m = x.shape[0]
+        path, cfg = self._route(layer, m)
         if cfg is None:
             self._warn_once(path.removeprefix("torch: "))
             return torch_reference(x, layer.weight, bias, self.epilogue)
-        runner = self._runner(layer, cfg, bias)
+        key = self._runner_key(layer, cfg)
+        runner = self._runner(layer, cfg, bias, key)
+        if key in self._unproven:  # first call of a new runner: Triton compiles now
+            y = self._first_call(key, runner, self._kernel_args(layer, x, bias))
+            if not isinstance(y, _FailedRunner):
+                return y
+            runner = y
+        if isinstance(runner, _FailedRunner):
+            self._warn_once(self._mark_failed(layer, m, runner.reason).removeprefix("torch: "))
+            return torch_reference(x, layer.weight, bias, self.epilogue)
         return runner(*self._kernel_args(layer, x, bias))
 
 

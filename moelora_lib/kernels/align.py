@@ -415,14 +415,22 @@ def align_workspace(
         raise ValueError(f"max_num_pairs must be an int >= 0, got {max_num_pairs!r}")
     if not is_int(num_adapters) or num_adapters < 0:
         raise ValueError(f"num_adapters must be an int >= 0 (0 = expert-only), got {num_adapters!r}")
-    sz = align_sizes(max_num_pairs, _num_groups(num_experts, num_adapters), block_size_m, tile)
+    G = _num_groups(num_experts, num_adapters)
+    sz = align_sizes(max_num_pairs, G, block_size_m, tile)
+    scratch = sz.scratch
+    if tile is None:
+        # The default tile shrinks with N = T·K, so a call with fewer pairs can need more tiles than
+        # max_num_pairs does (520 pairs: 5 tiles of 128; 322 pairs: 6 tiles of 64). The default tile
+        # is N // 8 rounded up to a power of two, clamped to [64, 512], so no call needs more than
+        # max(9, ceil(max_num_pairs / 512)) tiles.
+        scratch = max(scratch, (max(9, -(-int(max_num_pairs) // 512)) + 2) * G)
     i32 = dict(dtype=torch.int32, device=device)
     return AlignWorkspace(
         sorted_token_ids=torch.empty(sz.padded, **i32),
         block_expert_ids=torch.empty(sz.num_blocks, **i32),
         block_lora_ids=torch.empty(sz.num_blocks, **i32),
         num_tokens_post_padded=torch.empty(1, **i32),
-        scratch=torch.empty(sz.scratch, **i32),
+        scratch=torch.empty(scratch, **i32),
         max_num_pairs=int(max_num_pairs),
         num_experts=int(num_experts),
         num_adapters=int(num_adapters),

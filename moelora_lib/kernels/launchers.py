@@ -188,6 +188,7 @@ def lora_shrink(
     rows_div: int,
     use_even_k: bool = False,
     specialize_lengths: bool = False,
+    inter: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """LoRA shrink: inter[s, p] = x[p // rows_div]·lora_a[l, e, s]ᵀ for pairs of adapter blocks.
 
@@ -200,11 +201,26 @@ def lora_shrink(
         inter: [S, T·K, R] float32. Rows of pairs without an adapter are not written (uninitialized
         when SPLIT_K = 1, zero otherwise). The rank intermediate is kept in fp32 (vLLM keeps it in
         the activation dtype); the expand rounds it to the weight dtype right before its dot.
+    Optional ``inter``: a preallocated contiguous [S, T·K, R] float32 output (no allocation; it is
+        zeroed here when SPLIT_K > 1). Default None allocates, as before.
     """
     a5 = lora_a if lora_a.dim() == 5 else lora_a.unsqueeze(2)
     L, E, S, R, K = a5.shape
-    alloc = torch.zeros if cfg.SPLIT_K > 1 else torch.empty  # atomics need a zeroed buffer
-    inter = alloc((S, align.num_pairs, R), dtype=torch.float32, device=x.device)
+    if inter is None:
+        alloc = torch.zeros if cfg.SPLIT_K > 1 else torch.empty  # atomics need a zeroed buffer
+        inter = alloc((S, align.num_pairs, R), dtype=torch.float32, device=x.device)
+    else:
+        if (
+            inter.shape != (S, align.num_pairs, R)
+            or inter.dtype != torch.float32
+            or not inter.is_contiguous()
+        ):
+            raise ValueError(
+                f"inter must be a contiguous float32 tensor [S={S}, T·K={align.num_pairs}, R={R}], "
+                f"got shape {tuple(inter.shape)}, dtype {inter.dtype}"
+            )
+        if cfg.SPLIT_K > 1:
+            inter.zero_()  # atomics need a zeroed buffer
     grid, args, constexprs = lora_shrink_args(
         x, lora_a, inter, align, cfg, rows_div=rows_div, use_even_k=use_even_k
     )
@@ -318,16 +334,29 @@ def gated_act_args(
 
 
 def gated_act(
-    h: torch.Tensor, activation: str, *, specialize_lengths: bool = False, block_size: int = 1024
+    h: torch.Tensor,
+    activation: str,
+    *,
+    specialize_lengths: bool = False,
+    block_size: int = 1024,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gated activation [P, 2I] -> [P, I] in h's dtype (computed in fp32).
 
     ``"silu"``: silu(h[:, :I])·h[:, I:]; ``"swigluoai"``: GPT-OSS, interleaved gate/up columns,
     (clamp(up, ±7) + 1)·g·sigmoid(1.702·g) with g = min(gate, 7).
+    Optional ``out``: a preallocated contiguous [P, I] tensor of h's dtype (no allocation); default
+    None allocates, as before.
     """
     P, two_i = h.shape
     inter_size = two_i // 2
-    out = torch.empty((P, inter_size), dtype=h.dtype, device=h.device)
+    if out is None:
+        out = torch.empty((P, inter_size), dtype=h.dtype, device=h.device)
+    elif out.shape != (P, inter_size) or out.dtype != h.dtype or not out.is_contiguous():
+        raise ValueError(
+            f"out must be a contiguous {h.dtype} tensor [P={P}, I={inter_size}], "
+            f"got shape {tuple(out.shape)}, dtype {out.dtype}"
+        )
     if P == 0:
         return out
     grid, args, constexprs = gated_act_args(h, out, activation, block_size=block_size)

@@ -5,6 +5,12 @@ specialization); what changes is where the launch configs come from when the cal
 :func:`moelora_lib.configs.load_layer_config` (an explicit folder, else
 ``$MOELORA_TUNED_CONFIG_FOLDER``, else the configs shipped for this GPU, else the defaults), instead
 of :func:`~.stages.default_config`. The configs are written by :mod:`moelora_lib.studies.tuning`.
+
+On a GPU with no tuned configs (a name other than the shipped ones, e.g. "NVIDIA H200 NVL") the
+defaults are used with one :class:`moelora_lib.configs.TunedConfigWarning`; to use another GPU's
+configs there, say so explicitly: ``moelora_lib.configs.map_gpu_name("NVIDIA H200 NVL",
+"NVIDIA_H200")`` (process-wide) or ``STAGES["tuned"].config_for(dims, gpu_name="NVIDIA_H200")``
+(one config, pass it as ``config=``).
 """
 
 from __future__ import annotations
@@ -20,13 +26,18 @@ from .stages import Stage, as_dims
 class TunedStage(Stage):
     """A :class:`Stage` whose default configs come from the tuned-config loader."""
 
-    def config_for(self, dims: Dims | int, *legacy: int, folder=None) -> LayerConfig:
+    def config_for(
+        self, dims: Dims | int, *legacy: int, folder=None, gpu_name: str | None = None
+    ) -> LayerConfig:
         """:func:`moelora_lib.configs.load_layer_config` for a call of ``dims`` (the env var is read now).
 
-        ``dims``: a :class:`~moelora_lib.shapes.Dims` (or the old ints T, H, I, E, K, R, L, S)."""
+        ``dims``: a :class:`~moelora_lib.shapes.Dims` (or the old ints T, H, I, E, K, R, L, S).
+        ``folder``: a config folder (else ``$MOELORA_TUNED_CONFIG_FOLDER``, else the shipped one).
+        ``gpu_name``: whose configs to use (e.g. ``"NVIDIA_H200"`` on an H200 NVL, explicitly);
+        None = the :func:`moelora_lib.configs.map_gpu_name` mapping of this GPU, else its own name."""
         from ..configs import load_layer_config  # lazy: configs imports kernels.config
 
-        return load_layer_config(as_dims(dims, *legacy), folder=folder)
+        return load_layer_config(as_dims(dims, *legacy), folder=folder, gpu_name=gpu_name)
 
 
 STAGE = TunedStage(

@@ -1,0 +1,576 @@
+"""The serving layer: :class:`MoELoRALayer`, an ``nn.Module`` with expert weights and adapter slots.
+
+Where :func:`moelora_lib.fused_moe_lora` validates everything and builds a
+:class:`~moelora_lib.kernels.LayerRun` on each call, the module does the per-model work once:
+
+* it owns the base weights, L adapter slots of max rank R (zeros until loaded), and buffers sized for
+  ``max_tokens`` (``h``, ``g``, ``y``, the fp32 rank intermediates, the flat routing weights; the
+  alignment workspaces of :func:`~moelora_lib.kernels.align.align_tokens_triton`, one per role and
+  BLOCK_SIZE_M, allocated by the first call that needs them);
+* its forward runs routing (if given logits), the Triton alignment and the launches of the stage with
+  no host sync and no data-dependent Python branch — only shape checks and the launch config, picked
+  on the host from T alone and cached per T (one :class:`~moelora_lib.kernels.LayerConfig` per distinct
+  T, resolved once, as :func:`fused_moe_lora` would pick it: ``stage.config_for`` for ``tuned``, else
+  :func:`~moelora_lib.kernels.default_config`);
+* the forward goes through the custom op ``torch.ops.moelora.moe_lora_layer`` (:mod:`moelora_lib.ops`),
+  so ``torch.compile(..., fullgraph=True)`` of a model containing the layer works.
+
+The launches are the ones :class:`~moelora_lib.kernels.LayerRun` makes (same kernels, same configs,
+same stage switches, same order), written against the preallocated buffers; the result equals
+``fused_moe_lora`` on the same inputs bit for bit on the CPU interpreter (tests/test_layer.py). It does
+not use ``LayerRun`` itself, whose ``__init__`` allocates and aligns with the torch alignment.
+
+Adapter slots: :meth:`MoELoRALayer.load_adapter` / :meth:`~MoELoRALayer.unload_adapter`. A slot that
+covers only one projection (gate_up only, down only) skips the LoRA work of the other projection for
+its tokens: the layer keeps the coverage as a device tensor ``slot_covers`` [L, 2] bool and host-side
+flags; when loaded slots differ in coverage, the per-projection adapter ids are computed on the device
+(``where(covers[id] & id in [0, L), id, -1)``) and each projection gets its own alignment; a projection
+that no loaded slot covers has no LoRA launch at all. A slot never loaded (or unloaded) is "no adapter".
+
+Not done yet (the serving-layer work, notebook 09): CUDA-graph capture/replay on the GPU, the overhead
+targets, the per-layer memory report. Small device temporaries remain in the forward (routing's
+softmax/top-k, the reduction output, the per-projection ids when coverage is mixed); inside a CUDA graph
+they come from the graph's memory pool.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import ops
+from .kernels import STAGES, LayerConfig, default_config
+from .kernels.align import AlignWorkspace, align_tokens_triton, align_workspace
+from .kernels.launchers import fused_moe_gemm, gated_act, lora_expand, lora_shrink
+from .moe_lora import _desc, validate_moe_lora_inputs
+from .routing import Alignment, route
+from .shapes import Dims
+
+__all__ = ["MoELoRALayer"]
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+class MoELoRALayer(torch.nn.Module):
+    """MoE layer (gate_up, activation, down, weighted sum over top-k) with L LoRA adapter slots.
+
+    Computes the math contract of :mod:`moelora_lib.reference` (and :func:`moelora_lib.fused_moe_lora`)
+    for the adapters loaded in its slots.
+
+    Args:
+        w13: [E, 2I, H] gate_up weights (rows [gate | up] for "silu", interleaved for "swigluoai"),
+            float16/bfloat16/float32 — the layer's dtype and device (CUDA, or CPU under the Triton
+            interpreter, not bfloat16 there).
+        w2: [E, H, I] down weights, same dtype/device.
+        top_k: K, experts per token (1 ≤ K ≤ E).
+        num_adapters: L ≥ 1 adapter slots.
+        max_rank: R ≥ 1, the largest rank a slot holds.
+        max_tokens: largest T a forward accepts (≥ 1); the buffers are sized for it.
+        slices: S, 2 (gate and up adapters) or 1 (one fused gate_up adapter, GPT-OSS style).
+        b13: [E, 2I] or None; b2: [E, H] or None (expert biases).
+        activation: "silu" or "swigluoai".
+        renormalize: routing from logits divides the K kept probabilities by their sum.
+        stage: a name of :data:`moelora_lib.kernels.STAGES` (default "tuned").
+        config: a fixed :class:`~moelora_lib.kernels.LayerConfig` for every T (None = per T, as
+            fused_moe_lora picks it).
+        debug: check id values in forward (topk_ids ∈ [0, E), lora_ids ∈ [-1, L)); a host sync.
+    Raises:
+        ValueError naming the argument: shapes, dtypes, devices, sizes, stage, activation.
+
+    Parameters (frozen, in the state dict): ``w13``, ``w2``, ``b13``, ``b2``. Buffers (not in the
+    state dict; runtime state): ``lora_a13`` [L, E, S, R, H], ``lora_b13`` [L, E, S, 2I/S, R],
+    ``lora_a2`` [L, E, R, I], ``lora_b2`` [L, E, H, R] (zeros; scaling folded into B, ranks above the
+    loaded one zero), ``slot_covers`` [L, 2] bool (gate_up, down). Build the layer on its final
+    device; after ``.to()`` the private buffers are reallocated on the next call.
+    """
+
+    def __init__(
+        self,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        *,
+        top_k: int,
+        num_adapters: int,
+        max_rank: int,
+        max_tokens: int,
+        slices: int = 2,
+        b13: torch.Tensor | None = None,
+        b2: torch.Tensor | None = None,
+        activation: str = "silu",
+        renormalize: bool = True,
+        stage: str = "tuned",
+        config: LayerConfig | None = None,
+        debug: bool = False,
+    ):
+        super().__init__()
+        for name, v, lo in (
+            ("top_k", top_k, 1),
+            ("num_adapters", num_adapters, 1),
+            ("max_rank", max_rank, 1),
+            ("max_tokens", max_tokens, 1),
+        ):
+            if not _is_int(v) or v < lo:
+                raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+        if slices not in (1, 2) or not _is_int(slices):
+            raise ValueError(f"slices must be 1 (fused gate_up) or 2 (gate, up), got {slices!r}")
+        if stage not in STAGES:
+            raise ValueError(f"stage must be one of {list(STAGES)}, got {stage!r}")
+        if config is not None and not isinstance(config, LayerConfig):
+            raise ValueError(f"config must be a LayerConfig or None, got {type(config).__name__}")
+        if not isinstance(w13, torch.Tensor) or w13.dim() != 3 or not w13.is_floating_point():
+            raise ValueError(f"w13 must be a 3-D float tensor [E, 2I, H], got {_desc(w13)}")
+        if w13.shape[1] % (2 * slices):
+            raise ValueError(f"w13: 2I (dim 1) = {w13.shape[1]} must be divisible by 2·slices = {2 * slices}")
+        E, two_i, H = w13.shape
+        L, R, S, K = num_adapters, max_rank, slices, top_k
+        dt, dev = w13.dtype, w13.device
+        if K > E:
+            raise ValueError(f"top_k = {K} must be <= E = {E} (w13 dim 0)")
+        z = dict(dtype=dt, device=dev)
+        lora_a13 = torch.zeros((L, E, S, R, H), **z)
+        lora_b13 = torch.zeros((L, E, S, two_i // S, R), **z)
+        lora_a2 = torch.zeros((L, E, R, two_i // 2), **z)
+        lora_b2 = torch.zeros((L, E, H, R), **z)
+        # all shape/dtype/device checks of the functional API, on an empty batch
+        validate_moe_lora_inputs(
+            torch.empty((0, H), **z),
+            w13,
+            w2,
+            torch.empty((0, K), dtype=torch.float32, device=dev),
+            torch.empty((0, K), dtype=torch.int32, device=dev),
+            torch.empty((0,), dtype=torch.int32, device=dev),
+            lora_a13,
+            lora_b13,
+            lora_a2,
+            lora_b2,
+            activation,
+            b13,
+            b2,
+            check_values=False,
+        )
+        self.w13 = torch.nn.Parameter(w13, requires_grad=False)
+        self.w2 = torch.nn.Parameter(w2, requires_grad=False)
+        self.b13 = None if b13 is None else torch.nn.Parameter(b13, requires_grad=False)
+        self.b2 = None if b2 is None else torch.nn.Parameter(b2, requires_grad=False)
+        self.register_buffer("lora_a13", lora_a13, persistent=False)
+        self.register_buffer("lora_b13", lora_b13, persistent=False)
+        self.register_buffer("lora_a2", lora_a2, persistent=False)
+        self.register_buffer("lora_b2", lora_b2, persistent=False)
+        self.register_buffer(
+            "slot_covers", torch.zeros((L, 2), dtype=torch.bool, device=dev), persistent=False
+        )
+        self.E, self.H, self.I, self.K, self.L, self.R, self.S = E, H, two_i // 2, K, L, R, S
+        self.max_tokens = max_tokens
+        self.activation = activation
+        self.renormalize = bool(renormalize)
+        self.stage = STAGES[stage]
+        self.fixed_config = config
+        self.debug = bool(debug)
+        self._covers: list[tuple[bool, bool]] = [(False, False)] * L  # host copy of slot_covers
+        self._configs: dict[int, LayerConfig] = {}
+        self._workspaces: dict[tuple, AlignWorkspace] = {}
+        self._buffers_key = None
+        self._bufs: dict[str, torch.Tensor] = {}
+        self._alloc_buffers()
+        self.layer_name = ops.register_layer(self)
+
+    def extra_repr(self) -> str:
+        return (
+            f"E={self.E}, H={self.H}, I={self.I}, top_k={self.K}, adapters={self.L}, max_rank={self.R}, "
+            f"slices={self.S}, max_tokens={self.max_tokens}, activation={self.activation!r}, "
+            f"stage={self.stage.name!r}, dtype={self.w13.dtype}"
+        )
+
+    # --- buffers ----------------------------------------------------------------------------------
+    def _alloc_buffers(self) -> None:
+        """Flat buffers for max_tokens·top_k pairs; a call uses contiguous prefixes (offset 0)."""
+        dt, dev = self.w13.dtype, self.w13.device
+        P = self.max_tokens * self.K
+        f = dict(dtype=dt, device=dev)
+        b = dict(
+            h=torch.zeros(P * 2 * self.I, **f),
+            g=torch.zeros(P * self.I, **f),
+            y=torch.zeros(P * self.H, **f),
+            tw=torch.zeros(P, dtype=torch.float32, device=dev),
+            inter13=torch.zeros(self.S * P * self.R, dtype=torch.float32, device=dev),
+            inter2=torch.zeros(P * self.R, dtype=torch.float32, device=dev),
+        )
+        if not self.stage.fused_add:  # stages that store the delta, then add it
+            b["delta13"] = torch.zeros(P * 2 * self.I, **f)
+            b["delta2"] = torch.zeros(P * self.H, **f)
+        self._bufs = b
+        self._workspaces = {}
+        self._buffers_key = (dt, dev)
+
+    def _view(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        return self._bufs[name][: math.prod(shape)].view(shape)
+
+    def _workspace(self, role: str, block_size_m: int, num_adapters: int) -> AlignWorkspace:
+        key = (role, block_size_m)
+        ws = self._workspaces.get(key)
+        if ws is None:
+            n_max = self.max_tokens * self.K
+            ws = align_workspace(n_max, self.E, block_size_m, num_adapters, device=self.w13.device)
+            self._workspaces[key] = ws
+        return ws
+
+    def config_for(self, T: int) -> LayerConfig:
+        """The config (after the stage's adapt) the forward launches at T tokens; resolved once per T."""
+        cfg = self._configs.get(T)
+        if cfg is None:
+            cfg = self.fixed_config
+            if cfg is None:
+                dims = Dims(
+                    T=T,
+                    H=self.H,
+                    I=self.I,
+                    E=self.E,
+                    top_k=self.K,
+                    adapters=self.L,
+                    rank=self.R,
+                    slices=self.S,
+                )
+                pick = getattr(self.stage, "config_for", None)
+                cfg = pick(dims) if pick is not None else default_config(dims)
+            cfg = self.stage.adapt(cfg)
+            self._configs[T] = cfg
+        return cfg
+
+    # --- adapter slots ----------------------------------------------------------------------------
+    def _check_slot(self, slot) -> int:
+        if not _is_int(slot) or not 0 <= slot < self.L:
+            raise ValueError(f"slot must be an int in [0, num_adapters={self.L}), got {slot!r}")
+        return slot
+
+    def _check_pair(
+        self, proj: str, pair, a_shape: list, b_shape: list
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Check (A, B) of one projection; ``None`` in a shape marks the rank dim. Returns (A, B, r)."""
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise ValueError(f"{proj} must be a pair (A, B) of tensors, got {type(pair).__name__}")
+        a, b = pair
+        letters = {"gate_up": ("[E, S, r, H]", "[E, S, 2I/S, r]"), "down": ("[E, r, I]", "[E, H, r]")}[proj]
+        for what, t, want, desc in (("A", a, a_shape, letters[0]), ("B", b, b_shape, letters[1])):
+            if not isinstance(t, torch.Tensor) or t.dim() != len(want):
+                raise ValueError(f"{proj} {what} must be a {len(want)}-D tensor {desc}, got {_desc(t)}")
+            if not t.is_floating_point():
+                raise ValueError(f"{proj} {what} must be a float tensor, got dtype {t.dtype}")
+            if t.device != self.w13.device:
+                raise ValueError(
+                    f"{proj} {what} must be on {self.w13.device} (the layer's device), got {t.device}"
+                )
+        r = a.shape[a_shape.index(None)]
+        if not 1 <= r <= self.R:
+            raise ValueError(
+                f"{proj} A: rank r = {r} must be in [1, max_rank R = {self.R}] "
+                "(the layer's slots hold rank ≤ R)"
+            )
+        for what, t, want, desc in (("A", a, a_shape, letters[0]), ("B", b, b_shape, letters[1])):
+            full = tuple(r if v is None else v for v in want)
+            if tuple(t.shape) != full:
+                raise ValueError(f"{proj} {what} must have shape {desc} = {full}, got {tuple(t.shape)}")
+        return a, b, r
+
+    def load_adapter(self, slot: int, *, gate_up=None, down=None, scaling: float = 1.0) -> None:
+        """Copy an adapter into slot ``slot`` (replacing what it held), scaling folded into B.
+
+        Args:
+            slot: int in [0, L).
+            gate_up: (A [E, S, r, H], B [E, S, 2I/S, r]) or None (the adapter has no gate_up LoRA).
+            down: (A [E, r, I], B [E, H, r]) or None (no down LoRA). At least one of the two.
+                Any rank 1 ≤ r ≤ R per projection; the slot's ranks r..R-1 are zeroed, so the result
+                is exactly that of the rank-r adapter whatever the slot held before. Float tensors on
+                the layer's device; cast to the layer's dtype after the scaling is applied in fp32.
+            scaling: a finite float multiplied into B (e.g. PEFT's lora_alpha / r).
+        Raises:
+            ValueError naming the argument: slot out of range, neither projection given, not a pair,
+            wrong rank (> R or < 1), shape, non-float dtype, other device, non-finite scaling.
+        A projection the adapter lacks is skipped for this slot's tokens (no launch work), not
+        multiplied by zeros. Nothing is written unless every check passes. Not for use while a
+        forward captured in a CUDA graph is replaying on another stream (plain copies on the current
+        stream).
+        """
+        slot = self._check_slot(slot)
+        if gate_up is None and down is None:
+            raise ValueError(
+                "load_adapter: pass gate_up=(A, B) and/or down=(A, B); to clear a slot use unload_adapter"
+            )
+        if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not math.isfinite(scaling):
+            raise ValueError(f"scaling must be a finite float, got {scaling!r}")
+        E, H, I, S = self.E, self.H, self.I, self.S
+        gu = dn = None
+        if gate_up is not None:
+            gu = self._check_pair("gate_up", gate_up, [E, S, None, H], [E, S, 2 * I // S, None])
+        if down is not None:
+            dn = self._check_pair("down", down, [E, None, I], [E, H, None])
+        with torch.no_grad():
+            self._clear_slot(slot)
+            if gu is not None:
+                a, b, r = gu
+                self.lora_a13[slot, :, :, :r].copy_(a)
+                self.lora_b13[slot, :, :, :, :r].copy_(b.float() * float(scaling))
+            if dn is not None:
+                a, b, r = dn
+                self.lora_a2[slot, :, :r].copy_(a)
+                self.lora_b2[slot, :, :, :r].copy_(b.float() * float(scaling))
+            self._set_covers(slot, gu is not None, dn is not None)
+
+    def unload_adapter(self, slot: int) -> None:
+        """Empty slot ``slot``: zero its tensors; tokens with this id then get the base MoE only.
+
+        Raises: ValueError if slot is not an int in [0, L)."""
+        slot = self._check_slot(slot)
+        with torch.no_grad():
+            self._clear_slot(slot)
+            self._set_covers(slot, False, False)
+
+    def _clear_slot(self, slot: int) -> None:
+        for t in (self.lora_a13, self.lora_b13, self.lora_a2, self.lora_b2):
+            t[slot].zero_()
+
+    def _set_covers(self, slot: int, gate_up: bool, down: bool) -> None:
+        self._covers[slot] = (gate_up, down)
+        self.slot_covers[slot, 0] = gate_up
+        self.slot_covers[slot, 1] = down
+
+    @property
+    def loaded_slots(self) -> dict[int, tuple[bool, bool]]:
+        """{slot: (covers gate_up, covers down)} of the slots holding an adapter (host-side)."""
+        return {i: c for i, c in enumerate(self._covers) if c[0] or c[1]}
+
+    # --- forward ----------------------------------------------------------------------------------
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor | None = None,
+        *,
+        topk_weights: torch.Tensor | None = None,
+        topk_ids: torch.Tensor | None = None,
+        lora_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """The layer on T tokens, through ``torch.ops.moelora.moe_lora_layer``.
+
+        Args:
+            hidden_states: [T, H] of the layer's dtype and device, T ≤ max_tokens.
+            router_logits: [T, E] float (softmax top-k routing, ``renormalize``), or None when
+                ``topk_weights`` [T, K] float32 and ``topk_ids`` [T, K] int32/int64 are given.
+            lora_ids: [T] int32, slot of each token in [-1, L); -1, or a slot with nothing loaded for
+                a projection, = no adapter on it.
+        Returns:
+            [T, H] of the layer's dtype; [0, H] (empty) when T = 0.
+        Raises:
+            ValueError naming the argument for a wrong shape, dtype or device, T > max_tokens, both or
+            neither routing form; with ``debug=True`` also for id values out of range.
+        Id values are not checked otherwise (no host sync): out-of-range pairs are dropped by the
+        alignment, so the result for them is unspecified.
+        """
+        return ops.moe_lora_layer(
+            hidden_states, router_logits, topk_weights, topk_ids, lora_ids, self.layer_name
+        )
+
+    def _check_call(self, x, router_logits, topk_weights, topk_ids, lora_ids) -> None:
+        dt, dev = self.w13.dtype, self.w13.device
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.H:
+            raise ValueError(f"hidden_states must be a tensor [T, H={self.H}], got {_desc(x)}")
+        if x.dtype != dt or x.device != dev:
+            raise ValueError(
+                f"hidden_states must be {dt} on {dev} (the layer's), got {x.dtype} on {x.device}"
+            )
+        T = x.shape[0]
+        if T > self.max_tokens:
+            raise ValueError(f"hidden_states: T = {T} exceeds the layer's max_tokens = {self.max_tokens}")
+        if (
+            not isinstance(lora_ids, torch.Tensor)
+            or tuple(lora_ids.shape) != (T,)
+            or lora_ids.dtype != torch.int32
+            or lora_ids.device != dev
+        ):
+            raise ValueError(f"lora_ids must be an int32 tensor [T={T}] on {dev}, got {_desc(lora_ids)}")
+        if router_logits is not None:
+            if topk_weights is not None or topk_ids is not None:
+                raise ValueError("pass either router_logits or topk_weights and topk_ids, not both")
+            if tuple(router_logits.shape) != (T, self.E) or router_logits.device != dev:
+                raise ValueError(
+                    f"router_logits must be a tensor [T={T}, E={self.E}] on {dev}, got {_desc(router_logits)}"
+                )
+            return
+        if topk_weights is None or topk_ids is None:
+            raise ValueError("pass router_logits, or both topk_weights and topk_ids")
+        if (
+            tuple(topk_weights.shape) != (T, self.K)
+            or topk_weights.dtype != torch.float32
+            or topk_weights.device != dev
+        ):
+            raise ValueError(
+                f"topk_weights must be a float32 tensor [T={T}, K={self.K}] on {dev}, "
+                f"got {_desc(topk_weights)}"
+            )
+        if (
+            tuple(topk_ids.shape) != (T, self.K)
+            or topk_ids.dtype not in (torch.int32, torch.int64)
+            or topk_ids.device != dev
+        ):
+            raise ValueError(
+                f"topk_ids must be an int32/int64 tensor [T={T}, K={self.K}] on {dev}, got {_desc(topk_ids)}"
+            )
+
+    def _lora_ids_for(self, lora_ids: torch.Tensor, proj: int) -> torch.Tensor:
+        """lora_ids with -1 where the slot does not cover projection ``proj`` (0 gate_up, 1 down)."""
+        valid = (lora_ids >= 0) & (lora_ids < self.L)
+        covered = self.slot_covers[lora_ids.clamp(0, self.L - 1).long(), proj]
+        return torch.where(valid & covered, lora_ids, torch.full_like(lora_ids, -1))
+
+    def _lora(self, x, a, b, out, align: Alignment, cs, ce, *, rows_div, tw, inter, delta) -> None:
+        st = self.stage
+        inter = lora_shrink(
+            x,
+            a,
+            align,
+            cs,
+            rows_div=rows_div,
+            use_even_k=st.even_k,
+            specialize_lengths=st.specialize_lengths,
+            inter=inter,
+        )
+        if st.fused_add:
+            target, add = out, True
+        else:
+            delta.zero_()
+            target, add = delta, False
+        lora_expand(
+            inter,
+            b,
+            target,
+            align,
+            ce,
+            topk_weights=tw,
+            add_inputs=add,
+            use_even_k=st.even_k,
+            specialize_lengths=st.specialize_lengths,
+        )
+        if not add:
+            out.add_(delta)
+
+    def _forward_impl(self, hidden_states, router_logits, topk_weights, topk_ids, lora_ids) -> torch.Tensor:
+        """The eager body of the custom op (see :meth:`forward`)."""
+        self._check_call(hidden_states, router_logits, topk_weights, topk_ids, lora_ids)
+        T, H, K, E, L, I, S, R = (
+            hidden_states.shape[0],
+            self.H,
+            self.K,
+            self.E,
+            self.L,
+            self.I,
+            self.S,
+            self.R,
+        )
+        if T == 0:
+            return hidden_states.new_empty((0, H))
+        if self._buffers_key != (self.w13.dtype, self.w13.device):
+            self._alloc_buffers()
+        if router_logits is not None:
+            topk_weights, topk_ids = route(router_logits, K, self.renormalize)
+        if self.debug:
+            lo, hi = int(topk_ids.min()), int(topk_ids.max())
+            if lo < 0 or hi >= E:
+                raise ValueError(f"topk_ids values must be in [0, E={E}), got min {lo}, max {hi}")
+            lo, hi = int(lora_ids.min()), int(lora_ids.max())
+            if lo < -1 or hi >= L:
+                raise ValueError(
+                    f"lora_ids values must be in [-1, L={L}) (-1 = no adapter), got min {lo}, max {hi}"
+                )
+        cfg = self.config_for(T)
+        st = self.stage
+        P = T * K
+        tw = self._view("tw", (P,))
+        tw.copy_(topk_weights.reshape(-1))  # the layer's own aligned fp32 copy
+        base_align = align_tokens_triton(
+            topk_ids, E, cfg.base_block_size_m, out=self._workspace("base", cfg.base_block_size_m, 0)
+        )
+        # host-side coverage flags decide which LoRA launches exist (no device data is read)
+        covers = self._covers
+        loaded = [c for c in covers if c[0] or c[1]]
+        do13 = any(c[0] for c in loaded)
+        do2 = any(c[1] for c in loaded)
+        all_both = all(c == (True, True) for c in covers)
+        shared = all(c[0] == c[1] for c in covers)  # one alignment serves both projections
+        bm = cfg.lora_block_size_m
+        al13 = al2 = None
+        if do13 or do2:
+            if all_both:
+                ids13 = ids2 = lora_ids
+            elif shared:
+                ids13 = ids2 = self._lora_ids_for(lora_ids, 0)
+            else:
+                ids13 = self._lora_ids_for(lora_ids, 0) if do13 else None
+                ids2 = self._lora_ids_for(lora_ids, 1) if do2 else None
+            if do13:
+                al13 = align_tokens_triton(
+                    topk_ids, E, bm, lora_ids=ids13, num_adapters=L, out=self._workspace("lora13", bm, L)
+                )
+            if do2:
+                al2 = (
+                    al13
+                    if shared
+                    else align_tokens_triton(
+                        topk_ids, E, bm, lora_ids=ids2, num_adapters=L, out=self._workspace("lora2", bm, L)
+                    )
+                )
+        h = self._view("h", (P, 2 * I))
+        g = self._view("g", (P, I))
+        y = self._view("y", (P, H))
+        spec = st.specialize_lengths
+        fused_moe_gemm(
+            hidden_states,
+            self.w13,
+            h,
+            base_align,
+            cfg.base_gate_up,
+            rows_div=K,
+            bias=self.b13,
+            specialize_lengths=spec,
+        )
+        if do13:
+            self._lora(
+                hidden_states,
+                self.lora_a13,
+                self.lora_b13,
+                h,
+                al13,
+                cfg.gate_up_shrink,
+                cfg.gate_up_expand,
+                rows_div=K,
+                tw=None,
+                inter=self._view("inter13", (S, P, R)),
+                delta=None if st.fused_add else self._view("delta13", (P, 2 * I)),
+            )
+        gated_act(h, self.activation, specialize_lengths=spec, out=g)
+        fused_moe_gemm(
+            g,
+            self.w2,
+            y,
+            base_align,
+            cfg.base_down,
+            rows_div=1,
+            bias=self.b2,
+            topk_weights=tw,
+            specialize_lengths=spec,
+        )
+        if do2:
+            self._lora(
+                g,
+                self.lora_a2,
+                self.lora_b2,
+                y,
+                al2,
+                cfg.down_shrink,
+                cfg.down_expand,
+                rows_div=1,
+                tw=tw,
+                inter=self._view("inter2", (1, P, R)),
+                delta=None if st.fused_add else self._view("delta2", (P, H)),
+            )
+        return y.view(T, K, H).sum(dim=1)

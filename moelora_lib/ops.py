@@ -1,0 +1,77 @@
+"""torch.library custom op of the serving layer: ``torch.ops.moelora.moe_lora_layer``.
+
+:class:`moelora_lib.layer.MoELoRALayer` runs its forward through this one op, so ``torch.compile``
+(``fullgraph=True``) of a model containing the layer sees one opaque node with a fake (meta)
+implementation instead of tracing into the Triton launches, the host-side config pick or the
+alignment workspaces.
+
+The op takes the per-call tensors and the layer's *name*; the layer itself (weights, adapter slots,
+preallocated buffers) is found in a registry of live layers (weak references, so a deleted layer
+disappears from it). This is the pattern of vLLM's ``torch.ops.vllm.moe_forward(..., layer_name)``:
+the weights and slots are read at run time, so loading an adapter between calls of a compiled model
+needs no recompile, and the buffers the op writes internally (alignment workspaces, ``h``/``g``/``y``)
+are private to the layer, never inputs or outputs of the op (hence ``mutates_args=()``).
+
+Registering the op happens when this module is imported (``torch.library.custom_op`` at module
+level); nothing else runs at import.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import torch
+
+__all__ = ["moe_lora_layer", "register_layer", "get_layer"]
+
+_LAYERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_COUNTER = itertools.count()
+
+
+def register_layer(layer, prefix: str = "moe_lora_layer") -> str:
+    """Register a live layer object and return its unique name (what the op's ``layer`` argument takes).
+
+    The registry holds a weak reference: the name stops resolving once the layer is garbage-collected.
+    """
+    name = f"{prefix}_{next(_COUNTER)}"
+    _LAYERS[name] = layer
+    return name
+
+
+def get_layer(name: str):
+    """The layer registered under ``name``. Raises KeyError naming it when there is none (deleted)."""
+    layer = _LAYERS.get(name)
+    if layer is None:
+        raise KeyError(f"layer {name!r}: no live MoELoRALayer is registered under this name")
+    return layer
+
+
+@torch.library.custom_op("moelora::moe_lora_layer", mutates_args=())
+def moe_lora_layer(
+    hidden_states: torch.Tensor,
+    router_logits: torch.Tensor | None,
+    topk_weights: torch.Tensor | None,
+    topk_ids: torch.Tensor | None,
+    lora_ids: torch.Tensor,
+    layer: str,
+) -> torch.Tensor:
+    """One MoE+LoRA layer call of the registered layer ``layer`` (see
+    :meth:`moelora_lib.layer.MoELoRALayer.forward` for the arguments).
+
+    Args:
+        hidden_states: [T, H] float16/bfloat16/float32 (the layer's dtype and device).
+        router_logits: [T, E] float, or None when topk_weights/topk_ids are given.
+        topk_weights: [T, K] float32 or None; topk_ids: [T, K] int32/int64 or None.
+        lora_ids: [T] int32 in [-1, L), -1 = no adapter.
+        layer: name from :func:`register_layer`.
+    Returns:
+        [T, H] of hidden_states' dtype, a new tensor ([0, H] for T = 0).
+    """
+    return get_layer(layer)._forward_impl(hidden_states, router_logits, topk_weights, topk_ids, lora_ids)
+
+
+@moe_lora_layer.register_fake
+def _moe_lora_layer_fake(hidden_states, router_logits, topk_weights, topk_ids, lora_ids, layer):
+    # Shape/dtype only: [T, H] like hidden_states (T may be symbolic).
+    return hidden_states.new_empty(hidden_states.shape)

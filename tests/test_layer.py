@@ -1,0 +1,332 @@
+"""MoELoRALayer (moelora_lib.layer) and its custom op (moelora_lib.ops), on the CPU interpreter.
+
+The module must equal fused_moe_lora on the same inputs (bit for bit: same kernels, configs, and an
+alignment that is bit-identical to the torch one), load/unload adapters of any rank ≤ R exactly,
+skip the LoRA work of projections a slot does not cover, and compile with torch.compile(fullgraph).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moelora_lib import fused_moe_lora
+from moelora_lib.layer import MoELoRALayer
+from moelora_lib.routing import route
+from moelora_lib.testing import assert_close_rel
+
+E, H, I, K, L, R = 4, 64, 32, 2, 3, 16
+
+
+def _weights(dt, seed=0, bias=False):
+    g = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(E, 2 * I, H, generator=g) * 0.1).to(dt)
+    w2 = (torch.randn(E, H, I, generator=g) * 0.1).to(dt)
+    b13 = (torch.randn(E, 2 * I, generator=g) * 0.1).to(dt) if bias else None
+    b2 = (torch.randn(E, H, generator=g) * 0.1).to(dt) if bias else None
+    return w13, w2, b13, b2
+
+
+def _adapter(dt, r, S=2, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    gate_up = (
+        (torch.randn(E, S, r, H, generator=g) * 0.1).to(dt),
+        (torch.randn(E, S, 2 * I // S, r, generator=g) * 0.1).to(dt),
+    )
+    down = (
+        (torch.randn(E, r, I, generator=g) * 0.1).to(dt),
+        (torch.randn(E, H, r, generator=g) * 0.1).to(dt),
+    )
+    return gate_up, down
+
+
+def _layer(dt, stage="tuned", S=2, bias=False, max_tokens=48, **kw):
+    w13, w2, b13, b2 = _weights(dt, bias=bias)
+    return MoELoRALayer(
+        w13,
+        w2,
+        b13=b13,
+        b2=b2,
+        top_k=K,
+        num_adapters=L,
+        max_rank=R,
+        max_tokens=max_tokens,
+        slices=S,
+        stage=stage,
+        **kw,
+    )
+
+
+def _inputs(dt, T, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(dt)
+    logits = torch.randn(T, E, generator=g)
+    ids = torch.randint(-1, L, (T,), generator=g, dtype=torch.int32)
+    return x, logits, ids
+
+
+def _functional(layer, x, logits, ids, stage, **lora):
+    tw, ti = route(logits, K)
+    a13, b13, a2, b2 = (
+        lora.get(n, getattr(layer, n)) for n in ("lora_a13", "lora_b13", "lora_a2", "lora_b2")
+    )
+    return fused_moe_lora(
+        x,
+        layer.w13,
+        layer.w2,
+        tw,
+        ti,
+        ids,
+        a13,
+        b13,
+        a2,
+        b2,
+        b13=layer.b13,
+        b2=layer.b2,
+        stage=stage,
+        activation=layer.activation,
+    )
+
+
+@pytest.mark.parametrize(
+    "dt,stage,S,bias,act",
+    [
+        (torch.float32, "tuned", 2, False, "silu"),
+        (torch.float16, "tuned", 2, True, "silu"),
+        (torch.float32, "naive", 1, True, "swigluoai"),
+        (torch.float16, "split_k", 2, False, "silu"),
+        (torch.float32, "even_k_fused_add", 1, True, "swigluoai"),
+    ],
+)
+def test_forward_equals_fused_moe_lora(dt, stage, S, bias, act):
+    layer = _layer(dt, stage, S=S, bias=bias, activation=act)
+    for slot, r in enumerate((R, 8, 4)):
+        gu, dn = _adapter(dt, r, S=S, seed=10 + slot)
+        layer.load_adapter(slot, gate_up=gu, down=dn, scaling=0.5 + slot)
+    for T in (1, 5, 33):
+        x, logits, ids = _inputs(dt, T, seed=T)
+        out = layer(x, logits, lora_ids=ids)
+        ref = _functional(layer, x, logits, ids, stage)
+        assert out.shape == (T, H) and out.dtype == dt
+        assert torch.equal(out, ref), f"T={T}: max diff {(out - ref).abs().max()}"
+
+
+def test_t0_and_topk_form_with_offset_views():
+    layer = _layer(torch.float32)
+    gu, dn = _adapter(torch.float32, R)
+    layer.load_adapter(0, gate_up=gu, down=dn)
+    out = layer(torch.empty(0, H), torch.empty(0, E), lora_ids=torch.empty(0, dtype=torch.int32))
+    assert out.shape == (0, H) and out.dtype == torch.float32
+    T = 9
+    x, logits, ids = _inputs(torch.float32, T)
+    tw, ti = route(logits, K)
+    wbuf = torch.zeros(T + 1, K)
+    wbuf[1:] = tw
+    ibuf = torch.zeros(T + 1, K, dtype=torch.int64)
+    ibuf[1:] = ti
+    out = layer(x, topk_weights=wbuf[1:], topk_ids=ibuf[1:], lora_ids=ids)  # offset (unaligned) views
+    assert torch.equal(out, layer(x, logits, lora_ids=ids))
+    assert torch.equal(out, _functional(layer, x, logits, ids, "tuned"))
+
+
+def test_rank_change_in_slot_is_exact():
+    dt = torch.float32
+    big, small = _layer(dt), _layer(dt)
+    gu32, dn32 = _adapter(dt, R, seed=3)
+    gu8, dn8 = _adapter(dt, 8, seed=4)
+    big.load_adapter(1, gate_up=gu32, down=dn32)
+    big.load_adapter(1, gate_up=gu8, down=dn8, scaling=2.0)  # replaces the rank-16 adapter
+    small.load_adapter(1, gate_up=gu8, down=dn8, scaling=2.0)
+    x, logits, _ = _inputs(dt, 11)
+    ids = torch.ones(11, dtype=torch.int32)
+    out = big(x, logits, lora_ids=ids)
+    assert torch.equal(out, small(x, logits, lora_ids=ids))
+    # against the functional API with the rank-8 adapter zero-padded to R and scaling folded into B
+    z = dict(dtype=dt)
+    a13 = torch.zeros(L, E, 2, R, H, **z)
+    b13 = torch.zeros(L, E, 2, I, R, **z)
+    a2 = torch.zeros(L, E, R, I, **z)
+    b2 = torch.zeros(L, E, H, R, **z)
+    a13[1, :, :, :8], b13[1, ..., :8] = gu8[0], 2.0 * gu8[1]
+    a2[1, :, :8], b2[1, ..., :8] = dn8[0], 2.0 * dn8[1]
+    ref = _functional(big, x, logits, ids, "tuned", lora_a13=a13, lora_b13=b13, lora_a2=a2, lora_b2=b2)
+    assert torch.equal(out, ref)
+    # unloading gives the base layer
+    big.unload_adapter(1)
+    assert big.loaded_slots == {}
+    base = _functional(big, x, logits, torch.full((11,), -1, dtype=torch.int32), "tuned")
+    assert torch.equal(big(x, logits, lora_ids=ids), base)
+
+
+def test_partial_coverage_skips_absent_projection():
+    dt = torch.float32
+    layer = _layer(dt)
+    gu0, _ = _adapter(dt, 8, seed=5)
+    _, dn1 = _adapter(dt, 4, seed=6)
+    gu2, dn2 = _adapter(dt, R, seed=7)
+    layer.load_adapter(0, gate_up=gu0)  # gate_up only
+    layer.load_adapter(1, down=dn1)  # down only
+    layer.load_adapter(2, gate_up=gu2, down=dn2)
+    assert layer.loaded_slots == {0: (True, False), 1: (False, True), 2: (True, True)}
+    x, logits, ids = _inputs(dt, 24)
+    ref = _functional(layer, x, logits, ids, "tuned")  # absent projections are zeros there
+    # poison the absent projections: if the layer multiplied zeros it would now produce NaN
+    layer.lora_a2[0].fill_(float("nan"))
+    layer.lora_a13[1].fill_(float("nan"))
+    out = layer(x, logits, lora_ids=ids)
+    assert torch.isfinite(out).all()
+    assert_close_rel(out, ref, tol=1e-5)
+
+
+def test_lora_launches_skipped_when_no_slot_covers(monkeypatch):
+    import moelora_lib.layer as layer_mod
+
+    calls = []
+    real = layer_mod.lora_shrink
+    monkeypatch.setattr(layer_mod, "lora_shrink", lambda *a, **k: calls.append(a[1].dim()) or real(*a, **k))
+    dt = torch.float32
+    layer = _layer(dt)
+    x, logits, ids = _inputs(dt, 6)
+    base = layer(x, logits, lora_ids=ids)
+    assert calls == []  # nothing loaded: no LoRA launch at all
+    assert torch.equal(base, _functional(layer, x, logits, torch.full_like(ids, -1), "tuned"))
+    gu, _ = _adapter(dt, 8)
+    layer.load_adapter(2, gate_up=gu)
+    layer(x, logits, lora_ids=ids)
+    assert calls == [5]  # the gate_up shrink (5-D A) only; no down LoRA launch
+
+
+def test_load_adapter_errors():
+    dt = torch.float32
+    layer = _layer(dt)
+    gu, dn = _adapter(dt, 8)
+    gu_big, _ = _adapter(dt, R + 1)
+    with pytest.raises(ValueError, match="slot must be an int in"):
+        layer.load_adapter(L, gate_up=gu)
+    with pytest.raises(ValueError, match="slot must be an int in"):
+        layer.unload_adapter(-1)
+    with pytest.raises(ValueError, match="gate_up A: rank r = 17 must be in"):
+        layer.load_adapter(0, gate_up=gu_big)
+    with pytest.raises(ValueError, match=r"down B must have shape"):
+        layer.load_adapter(0, down=(dn[0], dn[1][:, :, :4]))
+    with pytest.raises(ValueError, match="gate_up B must be a 4-D tensor"):
+        layer.load_adapter(0, gate_up=(gu[0], gu[1][0]))
+    with pytest.raises(ValueError, match="down A must be a float tensor"):
+        layer.load_adapter(0, down=(dn[0].int(), dn[1]))
+    with pytest.raises(ValueError, match="down A must be on cpu .*got meta"):
+        layer.load_adapter(0, down=(dn[0].to("meta"), dn[1]))
+    with pytest.raises(ValueError, match="gate_up must be a pair"):
+        layer.load_adapter(0, gate_up=gu[0])
+    with pytest.raises(ValueError, match="pass gate_up"):
+        layer.load_adapter(0)
+    with pytest.raises(ValueError, match="scaling must be a finite float"):
+        layer.load_adapter(0, down=dn, scaling=float("inf"))
+    assert layer.loaded_slots == {}  # nothing written by a failed load
+    assert not layer.lora_a13.any() and not layer.lora_a2.any()
+
+
+def test_forward_errors_and_debug():
+    dt = torch.float32
+    layer = _layer(dt, max_tokens=8)
+    x, logits, ids = _inputs(dt, 4)
+    with pytest.raises(ValueError, match="exceeds the layer's max_tokens"):
+        layer(torch.randn(9, H), torch.randn(9, E), lora_ids=torch.zeros(9, dtype=torch.int32))
+    with pytest.raises(ValueError, match="lora_ids must be an int32"):
+        layer(x, logits, lora_ids=ids.long())
+    with pytest.raises(ValueError, match="hidden_states must be"):
+        layer(x.half(), logits, lora_ids=ids)
+    with pytest.raises(ValueError, match="either router_logits or"):
+        tw, ti = route(logits, K)
+        layer(x, logits, topk_weights=tw, topk_ids=ti, lora_ids=ids)
+    with pytest.raises(ValueError, match="pass router_logits, or both"):
+        layer(x, lora_ids=ids)
+    bad = torch.full_like(ids, L)
+    layer(x, logits, lora_ids=bad)  # not checked without debug (no host sync)
+    dbg = _layer(dt, max_tokens=8, debug=True)
+    with pytest.raises(ValueError, match="lora_ids values must be in"):
+        dbg(x, logits, lora_ids=bad)
+    with pytest.raises(ValueError, match="max_rank must be an int >= 1"):
+        MoELoRALayer(layer.w13, layer.w2, top_k=K, num_adapters=L, max_rank=0, max_tokens=4)
+    with pytest.raises(ValueError, match="w2 must have shape"):
+        MoELoRALayer(layer.w13, layer.w2[:, :, :8], top_k=K, num_adapters=L, max_rank=R, max_tokens=4)
+
+
+class _Block(torch.nn.Module):
+    """A router + the layer + a residual, as a model's MoE block would hold it."""
+
+    def __init__(self, layer: MoELoRALayer):
+        super().__init__()
+        g = torch.Generator().manual_seed(9)
+        self.router = torch.nn.Linear(H, E, bias=False)
+        with torch.no_grad():
+            self.router.weight.copy_(torch.randn(E, H, generator=g) * 0.1)
+        self.moe = layer
+
+    def forward(self, x, lora_ids):
+        return x + self.moe(x, self.router(x), lora_ids=lora_ids)
+
+
+def test_torch_compile_fullgraph():
+    # Default backend (inductor: the router matmul and the residual are compiled, C++ on the CPU,
+    # ~13 s the first time on a 2-core machine); the layer is one opaque node, traced through the
+    # op's register_fake. The second length recompiles once with a dynamic T.
+    dt = torch.float32
+    layer = _layer(dt)
+    gu, dn = _adapter(dt, 8)
+    layer.load_adapter(0, gate_up=gu, down=dn, scaling=0.25)
+    block = _Block(layer)
+    torch._dynamo.reset()
+    compiled = torch.compile(block, fullgraph=True)
+    with torch.no_grad():
+        for T in (5, 12):
+            x, _, ids = _inputs(dt, T, seed=T)
+            assert torch.equal(compiled(x, ids), block(x, ids))
+        # a slot loaded after compiling is used without recompiling
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        layer.load_adapter(1, down=dn)
+        x, _, ids = _inputs(dt, 12, seed=3)
+        assert torch.equal(compiled(x, ids), block(x, ids))
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+def test_fake_impl_shape():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    layer = _layer(torch.float16)
+    with FakeTensorMode() as mode:
+        x = mode.from_tensor(torch.empty(7, H, dtype=torch.float16))
+        out = torch.ops.moelora.moe_lora_layer(
+            x, torch.empty(7, E), None, None, torch.empty(7, dtype=torch.int32), layer.layer_name
+        )
+    assert out.shape == (7, H) and out.dtype == torch.float16
+
+
+def test_workspace_serves_every_t_up_to_max_tokens():
+    # the alignment's default tile shrinks with T·K: a smaller T can need more tile programs than
+    # max_tokens does (max_tokens·K = 520 -> 5 tiles, 322 pairs -> 6 tiles); the layer sizes for it
+    from moelora_lib.kernels.align import align_sizes
+
+    layer = _layer(torch.float32, max_tokens=260)
+    for role, adapters in (("base", 0), ("lora13", L)):
+        ws = layer._workspace(role, 16, adapters)
+        G = E * (adapters + 1 if adapters else 1)
+        assert max(align_sizes(n, G, 16).scratch for n in range(0, 521)) <= ws.scratch.numel()
+    for mt in (1, 100, 600, 3000, 5000):
+        big = MoELoRALayer(layer.w13, layer.w2, top_k=K, num_adapters=L, max_rank=R, max_tokens=mt)
+        ws = big._workspace("lora13", 16, L)
+        worst = max(align_sizes(n, E * (L + 1), 16).scratch for n in range(0, mt * K + 1, 7))
+        assert worst <= ws.scratch.numel()
+    x, logits, ids = _inputs(torch.float32, 161)
+    out = layer(x, logits, lora_ids=ids)  # 322 pairs: 6 tiles of 64
+    assert torch.equal(out, _functional(layer, x, logits, ids, "tuned"))
+
+
+def test_launcher_out_buffers_checked():
+    from moelora_lib.kernels.launchers import gated_act
+
+    h = torch.randn(3, 2 * I)
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        gated_act(h, "silu", out=torch.empty(3, I + 1))
+    out = torch.empty(3, I)
+    assert gated_act(h, "silu", out=out) is out
+    assert torch.equal(out, gated_act(h, "silu"))

@@ -1,8 +1,9 @@
 """moelora_lib: Triton kernels for serving many LoRA adapters on one Mixture-of-Experts model.
 
 Public entry points: :func:`fused_moe_lora` (the MoE + multi-LoRA layer, every input checked),
-:class:`MoELoRALayer` (the same layer as an ``nn.Module`` with adapter slots and preallocated buffers, for
-serving) and :func:`route` (softmax top-k routing). Kernel stages are listed in :data:`moelora_lib.kernels.STAGES`.
+:class:`MoELoRALayer` (the same layer as an ``nn.Module`` with adapter slots and preallocated buffers,
+for serving) and :func:`route` (softmax top-k routing). Kernel stages are listed in
+:data:`moelora_lib.kernels.STAGES`.
 
 Importing the package runs no kernel, reads no environment variable and does not import the kernel
 modules: the names below load on first use (PEP 562), so a notebook or script can set

@@ -10,15 +10,14 @@ Where :func:`moelora_lib.fused_moe_lora` validates everything and builds a
 * its forward runs routing (if given logits), the Triton alignment and the launches of the stage with
   no host sync and no data-dependent Python branch — only shape checks and the launch config, picked
   on the host from T alone and cached per T (one :class:`~moelora_lib.kernels.LayerConfig` per distinct
-  T, resolved once, as :func:`fused_moe_lora` would pick it: ``stage.config_for`` for ``tuned``, else
-  :func:`~moelora_lib.kernels.default_config`);
+  T, resolved once by ``stage.config_for`` as :func:`fused_moe_lora` picks it);
 * the forward goes through the custom op ``torch.ops.moelora.moe_lora_layer`` (:mod:`moelora_lib.ops`),
   so ``torch.compile(..., fullgraph=True)`` of a model containing the layer works.
 
-The launches are the ones :class:`~moelora_lib.kernels.LayerRun` makes (same kernels, same configs,
-same stage switches, same order), written against the preallocated buffers; the result equals
-``fused_moe_lora`` on the same inputs bit for bit on the CPU interpreter (tests/test_layer.py). It does
-not use ``LayerRun`` itself, whose ``__init__`` allocates and aligns with the torch alignment.
+The launches are :class:`~moelora_lib.kernels.LayerRun`'s, the package's one launch plan, given the
+layer's Triton alignments and preallocated buffers (its ``alignments=`` and ``buffers=``), so nothing is
+aligned with torch ops or allocated there; the result equals ``fused_moe_lora`` on the same inputs bit
+for bit on the CPU interpreter (tests/test_layer.py).
 
 Adapter slots: :meth:`MoELoRALayer.load_adapter` / :meth:`~MoELoRALayer.unload_adapter`. A slot that
 covers only one projection (gate_up only, down only) skips the LoRA work of the other projection for
@@ -40,18 +39,14 @@ import math
 import torch
 
 from . import ops
-from .kernels import STAGES, LayerConfig, default_config
+from .common import is_int
+from .kernels import STAGES, LayerConfig, LayerRun
 from .kernels.align import AlignWorkspace, align_tokens_triton, align_workspace
-from .kernels.launchers import fused_moe_gemm, gated_act, lora_expand, lora_shrink
 from .moe_lora import _desc, validate_moe_lora_inputs
-from .routing import Alignment, route
+from .routing import check_id_values, route
 from .shapes import Dims
 
 __all__ = ["MoELoRALayer"]
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 class MoELoRALayer(torch.nn.Module):
@@ -112,9 +107,9 @@ class MoELoRALayer(torch.nn.Module):
             ("max_rank", max_rank, 1),
             ("max_tokens", max_tokens, 1),
         ):
-            if not _is_int(v) or v < lo:
+            if not is_int(v) or v < lo:
                 raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
-        if slices not in (1, 2) or not _is_int(slices):
+        if slices not in (1, 2) or not is_int(slices):
             raise ValueError(f"slices must be 1 (fused gate_up) or 2 (gate, up), got {slices!r}")
         if stage not in STAGES:
             raise ValueError(f"stage must be one of {list(STAGES)}, got {stage!r}")
@@ -233,15 +228,14 @@ class MoELoRALayer(torch.nn.Module):
                     rank=self.R,
                     slices=self.S,
                 )
-                pick = getattr(self.stage, "config_for", None)
-                cfg = pick(dims) if pick is not None else default_config(dims)
+                cfg = self.stage.config_for(dims)
             cfg = self.stage.adapt(cfg)
             self._configs[T] = cfg
         return cfg
 
     # --- adapter slots ----------------------------------------------------------------------------
     def _check_slot(self, slot) -> int:
-        if not _is_int(slot) or not 0 <= slot < self.L:
+        if not is_int(slot) or not 0 <= slot < self.L:
             raise ValueError(f"slot must be an int in [0, num_adapters={self.L}), got {slot!r}")
         return slot
 
@@ -423,37 +417,6 @@ class MoELoRALayer(torch.nn.Module):
         covered = self.slot_covers[lora_ids.clamp(0, self.L - 1).long(), proj]
         return torch.where(valid & covered, lora_ids, torch.full_like(lora_ids, -1))
 
-    def _lora(self, x, a, b, out, align: Alignment, cs, ce, *, rows_div, tw, inter, delta) -> None:
-        st = self.stage
-        inter = lora_shrink(
-            x,
-            a,
-            align,
-            cs,
-            rows_div=rows_div,
-            use_even_k=st.even_k,
-            specialize_lengths=st.specialize_lengths,
-            inter=inter,
-        )
-        if st.fused_add:
-            target, add = out, True
-        else:
-            delta.zero_()
-            target, add = delta, False
-        lora_expand(
-            inter,
-            b,
-            target,
-            align,
-            ce,
-            topk_weights=tw,
-            add_inputs=add,
-            use_even_k=st.even_k,
-            specialize_lengths=st.specialize_lengths,
-        )
-        if not add:
-            out.add_(delta)
-
     def _forward_impl(self, hidden_states, router_logits, topk_weights, topk_ids, lora_ids) -> torch.Tensor:
         """The eager body of the custom op (see :meth:`forward`)."""
         self._check_call(hidden_states, router_logits, topk_weights, topk_ids, lora_ids)
@@ -474,19 +437,10 @@ class MoELoRALayer(torch.nn.Module):
         if router_logits is not None:
             topk_weights, topk_ids = route(router_logits, K, self.renormalize)
         if self.debug:
-            lo, hi = int(topk_ids.min()), int(topk_ids.max())
-            if lo < 0 or hi >= E:
-                raise ValueError(f"topk_ids values must be in [0, E={E}), got min {lo}, max {hi}")
-            lo, hi = int(lora_ids.min()), int(lora_ids.max())
-            if lo < -1 or hi >= L:
-                raise ValueError(
-                    f"lora_ids values must be in [-1, L={L}) (-1 = no adapter), got min {lo}, max {hi}"
-                )
+            check_id_values(topk_ids, E, lora_ids, L)
         cfg = self.config_for(T)
         st = self.stage
         P = T * K
-        tw = self._view("tw", (P,))
-        tw.copy_(topk_weights.reshape(-1))  # the layer's own aligned fp32 copy
         base_align = align_tokens_triton(
             topk_ids, E, cfg.base_block_size_m, out=self._workspace("base", cfg.base_block_size_m, 0)
         )
@@ -519,58 +473,34 @@ class MoELoRALayer(torch.nn.Module):
                         topk_ids, E, bm, lora_ids=ids2, num_adapters=L, out=self._workspace("lora2", bm, L)
                     )
                 )
-        h = self._view("h", (P, 2 * I))
-        g = self._view("g", (P, I))
-        y = self._view("y", (P, H))
-        spec = st.specialize_lengths
-        fused_moe_gemm(
+        bufs = {
+            "h": self._view("h", (P, 2 * I)),
+            "g": self._view("g", (P, I)),
+            "y": self._view("y", (P, H)),
+            "tw": self._view("tw", (P,)),  # the layer's own aligned fp32 copy of the routing weights
+            "inter_gate_up": self._view("inter13", (S, P, R)),
+            "inter_down": self._view("inter2", (1, P, R)),
+        }
+        if not st.fused_add:
+            bufs["delta_gate_up"] = self._view("delta13", (P, 2 * I))
+            bufs["delta_down"] = self._view("delta2", (P, H))
+        run = LayerRun(
+            st,
             hidden_states,
             self.w13,
-            h,
-            base_align,
-            cfg.base_gate_up,
-            rows_div=K,
-            bias=self.b13,
-            specialize_lengths=spec,
-        )
-        if do13:
-            self._lora(
-                hidden_states,
-                self.lora_a13,
-                self.lora_b13,
-                h,
-                al13,
-                cfg.gate_up_shrink,
-                cfg.gate_up_expand,
-                rows_div=K,
-                tw=None,
-                inter=self._view("inter13", (S, P, R)),
-                delta=None if st.fused_add else self._view("delta13", (P, 2 * I)),
-            )
-        gated_act(h, self.activation, specialize_lengths=spec, out=g)
-        fused_moe_gemm(
-            g,
             self.w2,
-            y,
-            base_align,
-            cfg.base_down,
-            rows_div=1,
-            bias=self.b2,
-            topk_weights=tw,
-            specialize_lengths=spec,
+            topk_weights,
+            topk_ids,
+            lora_ids,
+            self.lora_a13,
+            self.lora_b13,
+            self.lora_a2,
+            self.lora_b2,
+            activation=self.activation,
+            b13=self.b13,
+            b2=self.b2,
+            config=cfg,
+            alignments=(base_align, al13, al2),
+            buffers=bufs,
         )
-        if do2:
-            self._lora(
-                g,
-                self.lora_a2,
-                self.lora_b2,
-                y,
-                al2,
-                cfg.down_shrink,
-                cfg.down_expand,
-                rows_div=1,
-                tw=tw,
-                inter=self._view("inter2", (1, P, R)),
-                delta=None if st.fused_add else self._view("delta2", (P, H)),
-            )
-        return y.view(T, K, H).sum(dim=1)
+        return run()

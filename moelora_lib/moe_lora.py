@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import STAGES, LayerConfig, LayerRun, default_config
+from .kernels import STAGES, LayerConfig, LayerRun
+from .routing import check_id_values
 from .shapes import Dims
 
 __all__ = ["fused_moe_lora", "validate_moe_lora_inputs", "make_layer_run"]
@@ -205,15 +206,8 @@ def validate_moe_lora_inputs(
         _check("b13", b13, (("E", E), ("2I", two_i)), (dt,), dev, like)
     if b2 is not None:
         _check("b2", b2, (("E", E), ("H", H)), (dt,), dev, like)
-    if check_values and T > 0:
-        lo, hi = int(topk_ids.min()), int(topk_ids.max())
-        if lo < 0 or hi >= E:
-            raise ValueError(f"topk_ids values must be in [0, E={E}), got min {lo}, max {hi}")
-        lo, hi = int(lora_ids.min()), int(lora_ids.max())
-        if lo < -1 or hi >= L:
-            raise ValueError(
-                f"lora_ids values must be in [-1, L={L}) (-1 = no adapter), got min {lo}, max {hi}"
-            )
+    if check_values:
+        check_id_values(topk_ids, E, lora_ids, L)
     return dict(T=T, H=H, I=inter, E=E, K=K, L=L, S=S, R=R)
 
 
@@ -269,8 +263,7 @@ def make_layer_run(
             T=d["T"], H=d["H"], I=d["I"], E=d["E"], top_k=d["K"], adapters=d["L"], rank=d["R"], slices=d["S"]
         )
         # stage "tuned" loads tuned configs (moelora_lib.configs); the other stages use the defaults
-        pick = getattr(STAGES[stage], "config_for", None)
-        config = pick(dims) if pick is not None else default_config(dims)
+        config = STAGES[stage].config_for(dims)
     return LayerRun(
         STAGES[stage],
         hidden_states,

@@ -95,6 +95,27 @@ def max_padded_pairs(num_pairs: int, num_groups: int, block_size_m: int) -> int:
     return max(block_size_m, -(-p // block_size_m) * block_size_m)
 
 
+def check_id_values(
+    topk_ids: torch.Tensor, num_experts: int, lora_ids: torch.Tensor | None = None, num_adapters: int = 0
+) -> None:
+    """Check the id *values* (one host sync): topk_ids ∈ [0, E) and, if given, lora_ids ∈ [-1, L).
+
+    The one value check of the package: :func:`align_tokens` (``check_values``),
+    :func:`moelora_lib.fused_moe_lora` and :class:`moelora_lib.MoELoRALayer` (``debug=True``) use it.
+    Empty tensors pass. Raises ValueError naming the tensor, the range and the min/max found.
+    """
+    if topk_ids.numel():
+        lo, hi = int(topk_ids.min()), int(topk_ids.max())
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(f"topk_ids values must be in [0, E={num_experts}), got min {lo}, max {hi}")
+    if lora_ids is not None and lora_ids.numel():
+        lo, hi = int(lora_ids.min()), int(lora_ids.max())
+        if lo < -1 or hi >= num_adapters:
+            raise ValueError(
+                f"lora_ids values must be in [-1, L={num_adapters}) (-1 = no adapter), got min {lo}, max {hi}"
+            )
+
+
 def align_tokens(
     topk_ids: torch.Tensor,
     num_experts: int,
@@ -136,18 +157,8 @@ def align_tokens(
             raise ValueError(f"lora_ids must be an int32/int64 tensor [T], got {_desc(lora_ids)}")
         if not is_int(num_adapters) or num_adapters < 1:
             raise ValueError(f"num_adapters must be an int >= 1 with lora_ids, got {num_adapters!r}")
-    if check_values and topk_ids.numel():
-        lo, hi = int(topk_ids.min()), int(topk_ids.max())
-        if lo < 0 or hi >= num_experts:
-            raise ValueError(
-                f"topk_ids values must be in [0, num_experts={num_experts}), got min {lo}, max {hi}"
-            )
-        if lora_ids is not None and lora_ids.numel():
-            lo, hi = int(lora_ids.min()), int(lora_ids.max())
-            if lo < -1 or hi >= num_adapters:
-                raise ValueError(
-                    f"lora_ids values must be in [-1, num_adapters={num_adapters}), got min {lo}, max {hi}"
-                )
+    if check_values:
+        check_id_values(topk_ids, num_experts, lora_ids, num_adapters)
     T, K = topk_ids.shape
     dev = topk_ids.device
     num_pairs = T * K

@@ -69,6 +69,11 @@ class Stage:
     even_k: bool = False
     fused_add: bool = False
 
+    def config_for(self, dims: Dims | int, *legacy: int) -> LayerConfig:
+        """The config a call of ``dims`` starts from: :func:`default_config` (stage ``tuned`` overrides
+        this with the tuned-config loader). ``dims``: a Dims or the old ints T, H, I, E, K, R, L, S."""
+        return default_config(dims, *legacy)
+
     def adapt(self, cfg: LayerConfig) -> LayerConfig:
         """The config this stage actually launches: features it lacks are switched off."""
         changes = {}
@@ -178,6 +183,19 @@ class LayerRun:
     alone to a benchmark or the tuner (optionally with another OpConfig), and :meth:`launch_args` the
     arguments of one launch to compile-only checks. All inputs must already be validated (see
     :func:`moelora_lib.fused_moe_lora`); meta tensors work for :meth:`launch_args`.
+
+    Two optional inputs let a caller that owns its memory (:class:`moelora_lib.layer.MoELoRALayer`)
+    run the same plan without allocating or aligning here:
+
+    * ``alignments = (base, lora_gate_up, lora_down)``: precomputed :class:`Alignment` s (e.g. from
+      :func:`moelora_lib.kernels.align.align_tokens_triton`); ``None`` for a LoRA projection means no
+      LoRA launch for it. Default: :func:`moelora_lib.routing.align_tokens` here, one LoRA alignment
+      shared by both projections.
+    * ``buffers``: preallocated contiguous tensors by name — ``h`` [P, 2I], ``g`` [P, I], ``y`` [P, H]
+      (hidden_states' dtype), ``tw`` [P] float32 (receives the flat routing weights), ``inter_gate_up``
+      [S, P, R] and ``inter_down`` [1, P, R] float32 (the rank intermediates), and for stages without
+      fused add ``delta_gate_up`` [P, 2I] and ``delta_down`` [P, H]; P = T·K. A missing name is
+      allocated as before.
     """
 
     def __init__(
@@ -198,8 +216,11 @@ class LayerRun:
         b13=None,
         b2=None,
         config: LayerConfig,
+        alignments: tuple[Alignment, Alignment | None, Alignment | None] | None = None,
+        buffers: dict[str, torch.Tensor] | None = None,
     ):
         self.stage = stage
+        self.buffers = buffers or {}
         self.cfg = stage.adapt(config)
         self.x, self.w13, self.w2 = hidden_states, w13, w2
         self.b13, self.b2 = b13, b2
@@ -210,20 +231,34 @@ class LayerRun:
         self.T, self.H, self.K = T, H, topk_ids.shape[1]
         self.I = w2.shape[2]
         self.L = lora_a13.shape[0]
-        self.topk_w = topk_weights.reshape(-1).float().contiguous()
-        self.base_align: Alignment = align_tokens(topk_ids, E, self.cfg.base_block_size_m, check_values=False)
-        self.lora_align: Alignment = align_tokens(
-            topk_ids,
-            E,
-            self.cfg.lora_block_size_m,
-            lora_ids=lora_ids,
-            num_adapters=self.L,
-            check_values=False,
-        )
+        tw = self.buffers.get("tw")
+        if tw is None:
+            self.topk_w = topk_weights.reshape(-1).float().contiguous()
+        else:  # the caller's own aligned fp32 copy
+            self.topk_w = tw.copy_(topk_weights.reshape(-1))
+        if alignments is None:
+            self.base_align: Alignment = align_tokens(
+                topk_ids, E, self.cfg.base_block_size_m, check_values=False
+            )
+            self.lora_align: Alignment | None = align_tokens(
+                topk_ids,
+                E,
+                self.cfg.lora_block_size_m,
+                lora_ids=lora_ids,
+                num_adapters=self.L,
+                check_values=False,
+            )
+            self.lora_align_down: Alignment | None = self.lora_align
+        else:
+            self.base_align, self.lora_align, self.lora_align_down = alignments
         P = T * self.K
         dt, dev = hidden_states.dtype, hidden_states.device
-        self.h = torch.empty((P, 2 * self.I), dtype=dt, device=dev)
-        self.y = torch.empty((P, H), dtype=dt, device=dev)
+        self.h = self.buffers.get("h")
+        if self.h is None:
+            self.h = torch.empty((P, 2 * self.I), dtype=dt, device=dev)
+        self.y = self.buffers.get("y")
+        if self.y is None:
+            self.y = torch.empty((P, H), dtype=dt, device=dev)
         self.g = None
 
     @property
@@ -245,6 +280,9 @@ class LayerRun:
     def _act_out(self) -> torch.Tensor:
         """The activation output g [T·K, I] of the last call (an unwritten buffer before any call)."""
         if self.g is None:
+            g = self.buffers.get("g")
+            if g is not None:
+                return g
             return torch.empty((self.T * self.K, self.I), dtype=self.x.dtype, device=self.x.device)
         return self.g
 
@@ -260,9 +298,19 @@ class LayerRun:
     def _lora_io(self, op: str) -> dict[str, Any]:
         a13, b13l, a2, b2l = self.lora
         if op in ("gate_up_shrink", "gate_up_expand"):
-            return dict(x=self.x, a=a13, b=b13l, out=self.h, rows_div=self.K, topk_weights=None)
+            return dict(
+                x=self.x, a=a13, b=b13l, out=self.h, rows_div=self.K, topk_weights=None, align=self.lora_align
+            )
         if op in ("down_shrink", "down_expand"):
-            return dict(x=self._act_out(), a=a2, b=b2l, out=self.y, rows_div=1, topk_weights=self.topk_w)
+            return dict(
+                x=self._act_out(),
+                a=a2,
+                b=b2l,
+                out=self.y,
+                rows_div=1,
+                topk_weights=self.topk_w,
+                align=self.lora_align_down,
+            )
         raise ValueError(f"op must be one of {LORA_OPS}, got {op!r}")
 
     def _op_cfg(self, op: str, cfg: OpConfig | None) -> OpConfig:
@@ -282,16 +330,19 @@ class LayerRun:
             specialize_lengths=self.stage.specialize_lengths,
         )
 
-    def _shrink(self, op: str, cfg: OpConfig | None = None) -> torch.Tensor:
+    def _shrink(
+        self, op: str, cfg: OpConfig | None = None, inter: torch.Tensor | None = None
+    ) -> torch.Tensor:
         io, st = self._lora_io(op), self.stage
         return lora_shrink(
             io["x"],
             io["a"],
-            self.lora_align,
+            io["align"],
             self._op_cfg(op, cfg),
             rows_div=io["rows_div"],
             use_even_k=st.even_k,
             specialize_lengths=st.specialize_lengths,
+            inter=inter,
         )
 
     def _expand(
@@ -302,7 +353,7 @@ class LayerRun:
             inter,
             io["b"],
             out,
-            self.lora_align,
+            io["align"],
             self._op_cfg(op, cfg),
             topk_weights=io["topk_weights"],
             add_inputs=add_inputs,
@@ -311,12 +362,16 @@ class LayerRun:
         )
 
     def _lora_pair(self, proj: str):
-        inter = self._shrink(f"{proj}_shrink")
-        out = self._lora_io(f"{proj}_expand")["out"]
+        io = self._lora_io(f"{proj}_expand")
+        if io["align"] is None:  # no adapter covers this projection: no LoRA launch
+            return
+        inter = self._shrink(f"{proj}_shrink", inter=self.buffers.get(f"inter_{proj}"))
+        out = io["out"]
         if self.stage.fused_add:
             self._expand(f"{proj}_expand", inter, out, add_inputs=True)
         else:
-            delta = torch.zeros_like(out)
+            delta = self.buffers.get(f"delta_{proj}")
+            delta = torch.zeros_like(out) if delta is None else delta.zero_()
             self._expand(f"{proj}_expand", inter, delta, add_inputs=False)
             out.add_(delta)
 
@@ -328,7 +383,12 @@ class LayerRun:
         self._lora_pair("gate_up")
 
     def act(self):
-        self.g = gated_act(self.h, self.activation, specialize_lengths=self.stage.specialize_lengths)
+        self.g = gated_act(
+            self.h,
+            self.activation,
+            specialize_lengths=self.stage.specialize_lengths,
+            out=self.buffers.get("g"),
+        )
 
     def base_down(self):
         self._base("base_down")
@@ -428,20 +488,23 @@ class LayerRun:
             )
             return Launch(kernel, grid, args, cx, c.NUM_WARPS, c.NUM_STAGES, c)
         io = self._lora_io(op)
+        align = io["align"]
+        if align is None:
+            raise ValueError(f"op {op!r}: this layer call has no LoRA alignment for its projection")
         S = io["a"].shape[2] if io["a"].dim() == 5 else 1
         inter = torch.empty(
-            (S, self.lora_align.num_pairs, io["a"].shape[-2]), dtype=torch.float32, device=self.x.device
+            (S, align.num_pairs, io["a"].shape[-2]), dtype=torch.float32, device=self.x.device
         )
         if op.endswith("shrink"):
             grid, args, cx = lora_shrink_args(
-                io["x"], io["a"], inter, self.lora_align, c, rows_div=io["rows_div"], use_even_k=st.even_k
+                io["x"], io["a"], inter, align, c, rows_div=io["rows_div"], use_even_k=st.even_k
             )
         else:
             grid, args, cx = lora_expand_args(
                 inter,
                 io["b"],
                 io["out"],
-                self.lora_align,
+                align,
                 c,
                 topk_weights=io["topk_weights"],
                 add_inputs=st.fused_add,

@@ -630,7 +630,7 @@ def tune(
 
     from .moe_bench import layer_inputs
 
-    _check_tune_args(
+    shapes, dev = _check_tune_args(
         models,
         ranks,
         adapters,
@@ -647,13 +647,11 @@ def tune(
     )
     t0 = time.perf_counter()
     deadline = t0 + budget_s
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype if dtype is None else parse_dtype(dtype)
     dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     gpu = configs.gpu_name() if dev.type == "cuda" else "cpu"
     log = _TrialLog(Path(csv_path))
     files = _ConfigFiles(Path(out), gpu)
-    shapes = [get_shape(m) for m in models]
     weights: dict[tuple[str, int], Any] = {}
     summary: dict[str, Any] = dict(tuned=[], skipped=[], not_tuned=[], copied=[], out=str(out), gpu=gpu)
     jobs = [(s, R, T) for R in ranks for T in tokens for s in shapes]

@@ -41,21 +41,15 @@ def gmean(values) -> float:
 
 
 def speedups(df):
-    """One row per (model, proj, epilogue, dtype, M, mode) of the sweep CSV: helion_us, torch_us,
-    ``speedup`` = torch ÷ helion, and ``speedup_vs_two_gemm`` where the two-GEMM baseline ran."""
-    import pandas as pd
+    """One row per (model, proj, epilogue, dtype, M, mode) of the sweep CSV:
+    :func:`moelora_lib.studies.helion_study.summary` (helion_us, torch_us, ``speedup`` = torch ÷ helion,
+    rates, path), with ``speedup_vs_two_gemm`` NaN where the two-GEMM baseline did not run."""
+    from ..helion_study import summary
 
-    df = normalize(df)
-    key = ["model", "proj", "epilogue", "dtype", "M", "mode"]
-    piv = df.pivot_table(index=key, columns="impl", values="ms_p50", aggfunc="first") * 1e3
-    out = pd.DataFrame(index=piv.index)
-    out["helion_us"] = piv["helion"]
-    out["torch_us"] = piv["torch"]
-    out["speedup"] = piv["torch"] / piv["helion"]
-    out["speedup_vs_two_gemm"] = (
-        piv["torch_two_gemm"] / piv["helion"] if "torch_two_gemm" in piv else float("nan")
-    )
-    return out.reset_index()
+    out = summary(normalize(df))
+    if "speedup_vs_two_gemm" not in out:
+        out["speedup_vs_two_gemm"] = float("nan")
+    return out
 
 
 def _groups(sm):

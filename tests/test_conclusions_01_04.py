@@ -32,6 +32,12 @@ def _missing(md: str, expected) -> list[str]:
     return [s for s in expected if s not in md]
 
 
+def _prose(items) -> str:
+    """A list as the conclusions write it in prose: ``16``, ``16 and 80``, ``1, 16 and 80``."""
+    items = [str(x) for x in items]
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
+
+
 def anchors_from_side_by_side() -> pd.DataFrame:
     """vLLM's base / best LoRA / best whole layer per (model, T) from ``vllm_vs_moelora_moe_h200.csv`` (vLLM's
     current default configs, not the ``@cfg2025`` history rows)."""
@@ -83,14 +89,14 @@ def expected_nb01(costs: pd.DataFrame, checks: pd.DataFrame) -> list[str]:
 def test_nb01_gpu():
     costs, checks = _csv("01_op_costs.csv"), _csv("01_checks.csv")
     md = nb01.conclusion(costs, checks, profile="gpu")
-    assert md.startswith("### Conclusion (gpu profile)")
+    assert md.startswith("## Conclusion\n")
     assert not _missing(md, expected_nb01(costs, checks)), _missing(md, expected_nb01(costs, checks))
 
 
 def test_nb01_cpu_frame():
     checks = _csv("01_checks.csv").assign(device="cpu")
     md = nb01.conclusion(_csv("01_op_costs.csv"), checks, profile="cpu")
-    assert "(cpu profile)" in md and "device cpu" in md
+    assert md.startswith("## Conclusion\n") and "device cpu" in md
 
 
 def test_nb01_asserts_its_claims():
@@ -147,7 +153,7 @@ def test_nb02_gpu(which):
     anchors = dict(_anchor_tables())[which]
     df, checks = _csv("02_naive_kernel.csv"), _csv("02_naive_checks.csv")
     md = nb02.conclusion(df, checks, profile="gpu", anchors=anchors)
-    assert md.startswith("### Conclusion (gpu profile)")
+    assert md.startswith("## Conclusion\n")
     assert "| model | T | base | LoRA part | whole layer |" in md and "| gpt-oss-20b | 1 |" in md
     missing = _missing(md, expected_nb02(df, checks, anchors))
     assert not missing, missing
@@ -170,7 +176,7 @@ def test_nb02_cpu_frame():
     df = _csv("02_naive_kernel.csv").assign(mode="cpu-interpreter")
     checks = _csv("02_naive_checks.csv").assign(rel_err=1e-6, tol=1e-4, dtype="float32")
     md = nb02.conclusion(df, checks, profile="cpu", anchors=anchors_from_side_by_side())
-    assert "(cpu profile)" in md and "GPU profile" in md and "Side by side" not in md
+    assert md.startswith("## Conclusion\n") and "GPU profile" in md and "Side by side" not in md
 
 
 # ---- 03 -------------------------------------------------------------------------------------------------
@@ -182,7 +188,7 @@ def expected_nb03(rec: pd.DataFrame) -> list[str]:
     grew = nv[nv.compiled_total.diff() > 0]["T"].tolist()
     out = [
         f"goes from {int(nv.compiled_total.iloc[0])} to {int(nv.compiled_total.iloc[-1])}, growing at "
-        f"T = {', '.join(str(int(t)) for t in grew)}",
+        f"T = {_prose(int(t) for t in grew)}",
         f"holds {int(nr.compiled_total.iloc[-1])} binaries",
     ]
     for col in [c for c in rec.columns if c.startswith("compiled_") and c != "compiled_total"]:
@@ -214,8 +220,8 @@ def _new_key_lengths(keys: pd.DataFrame) -> list[int]:
 def test_nb03_cpu_frame():
     keys = _csv("03_spec_keys.csv")
     md = nb03.conclusion(keys, None, profile="cpu")
-    assert "(cpu profile)" in md and "compiles nothing" in md
-    assert f"new keys first appear at T = {', '.join(map(str, _new_key_lengths(keys)))} " in md
+    assert md.startswith("## Conclusion\n") and "compiles nothing" in md
+    assert f"new keys first appear at T = {_prose(_new_key_lengths(keys))} " in md
 
 
 def test_nb03_mismatch_fails():
@@ -231,6 +237,7 @@ def test_nb03_mismatch_fails():
 def expected_nb04(df: pd.DataFrame) -> list[str]:
     ops = df[df.part.isin(SHRINK_OPS)]
     us = df.groupby(["model", "T", "part", "split_k"]).us_p50.mean()
+    default = ops.groupby(["model", "T", "part"]).default_value.first()
     t_lo, t_hi = int(df["T"].min()), int(df["T"].max())
     out = [f"max err_vs_1 = {ops.err_vs_1.max():.1e} over {len(ops)} op runs"]
     lo_sp = {}
@@ -238,7 +245,11 @@ def expected_nb04(df: pd.DataFrame) -> list[str]:
         s = s.droplevel(["model", "T", "part"]).sort_index()
         k, sp = int(s.idxmin()), s.loc[1] / s.min()
         if part in SHRINK_OPS:
-            out.append(f"| {m} | {T} | {part} | {s.loc[1]:.1f} | {s.min():.1f} at {k} | {sp:.2f}× |")
+            d = int(default[(m, T, part)])  # the stage default as an int ("16", not "16.0")
+            out.append(
+                f"| {m} | {T} | {part} | {s.loc[1]:.1f} | {s.min():.1f} at {k} | {sp:.2f}× | "
+                f"{d} ({s.loc[d]:.1f} µs) |"
+            )
             if T == t_lo:
                 lo_sp[(m, part)] = (sp, k)
         elif part == "lora" and T == t_lo:
@@ -265,4 +276,4 @@ def test_nb04_cpu_frame():
     df = _csv("04_split_k.csv")
     df = df[df.split_k.isin([1, 2, 4]) & df["T"].isin([1, 8])].assign(mode="cpu-interpreter")
     md = nb04.conclusion(df, profile="cpu")
-    assert "(cpu profile)" in md and "GPU profile" in md and "| gpt-oss-20b" not in md
+    assert md.startswith("## Conclusion\n") and "GPU profile" in md and "| gpt-oss-20b" not in md

@@ -17,6 +17,12 @@ LORA_OPS = ["gate_up_shrink", "gate_up_expand", "down_shrink", "down_expand"]
 BASE_OPS = ["base_gate_up", "base_down"]
 
 
+def _and(items) -> str:
+    """``a``, ``a and b``, ``a, b and c``: a list as prose."""
+    items = [str(x) for x in items]
+    return " and ".join(items) if len(items) < 3 else f"{', '.join(items[:-1])} and {items[-1]}"
+
+
 def _per_model_T(costs: pd.DataFrame, model: str, T: int) -> dict:
     c = costs[(costs.model == model) & (costs["T"] == T)].set_index("op")
     return dict(
@@ -68,7 +74,7 @@ def conclusion(costs: pd.DataFrame, checks: pd.DataFrame, *, profile: str) -> st
     assert (small.bound == "memory").all(), "a base GEMM is compute-bound at T <= 64"
     compute_rows = base[(base.op == "base_gate_up") & (base.bound == "compute")]
     lines = [
-        f"### Conclusion ({profile} profile)",
+        "## Conclusion",
         "",
         "**Costs** (analytic, `01_op_costs.csv`; H200 ridge "
         f"{H200_BF16_TFLOPS:.0f} TFLOP/s ÷ {H200_COPY_TB_PER_S} TB/s = {ridge:.0f} FLOP/byte):",
@@ -84,30 +90,29 @@ def conclusion(costs: pd.DataFrame, checks: pd.DataFrame, *, profile: str) -> st
             f"- **Held:** GPT-OSS-20B at T = 1 — the base layer streams {g['base_mb']:.0f} MB of expert "
             "weights "
             f"(floor {g['base_floor']:.0f} µs at {H200_COPY_TB_PER_S} TB/s), the four LoRA ops "
-            f"{g['lora_mb']:.1f} MB (floor {g['lora_floor']:.1f} µs). The predicted ~200 MB / ~46 µs and "
-            f"~3.7 MB / ~1 µs: at decode the LoRA part costs launches and latency, not bytes."
+            f"{g['lora_mb']:.1f} MB (floor {g['lora_floor']:.1f} µs), as predicted (~200 MB / ~46 µs and "
+            "~3.7 MB / ~1 µs): at decode the LoRA part costs launches and latency, not bytes."
         )
     lines.append(
-        f"- **Held:** every LoRA op is memory-bound at every model and T: the highest LoRA intensity is "
+        f"- **Held:** every LoRA op is memory-bound for every model and T: the highest LoRA intensity is "
         f"{max_lora_int:.1f} FLOP/byte ({top.model} {top.op}, T = {top['T']}), {ridge / max_lora_int:.1f}× "
         "below "
         "the ridge."
     )
     if len(over_r):
-        names = ", ".join(sorted({f"{r.model} {r.op}" for r in over_r.itertuples()}))
+        names = sorted({f"{r.model} {r.op}" for r in over_r.itertuples()})
+        verbs = "goes above R but stays" if len(names) == 1 else "go above R but stay"
         lines.append(
             f'- **Held with a correction:** cell 1\'s bound "about R = {R} FLOP/byte" is S·R for a shrink '
-            f"over S slices (one activation read feeds S·R outputs): {names} go above R but stay below S·R. "
+            f"over S slices (one activation read feeds S·R outputs): {_and(names)} {verbs} below S·R. "
             "Every expand stays below R."
         )
     else:
         lines.append(f"- **Held:** every LoRA op stays below R = {R} FLOP/byte, as cell 1 bounded it.")
     lines.append(f"- **Held:** the base GEMMs are memory-bound at every T ≤ 64 ({len(small)} rows).")
     if len(compute_rows):
-        cb = ", ".join(
-            f"{r.model} (T = {r.T}, {r.intensity:.0f} FLOP/byte)" for r in compute_rows.itertuples()
-        )
-        lines.append(f"- Base gate_up becomes compute-bound for: {cb}.")
+        cb = _and(f"{r.model} (T = {r.T}, {r.intensity:.0f} FLOP/byte)" for r in compute_rows.itertuples())
+        lines.append(f"- Base gate_up becomes compute-bound for {cb}.")
     if "gpt-oss-20b" in models and 1600 in Ts:
         g = _per_model_T(costs, "gpt-oss-20b", 1600)
         assert g["base_bound"] == "compute", g
@@ -122,7 +127,7 @@ def conclusion(costs: pd.DataFrame, checks: pd.DataFrame, *, profile: str) -> st
         if m != "gpt-oss-20b" and 1600 in Ts and _per_model_T(costs, m, 1600)["base_bound"] == "memory"
     ]
     if other:
-        lines.append(f"- Still memory-bound at T = 1600 (more experts share the tokens): {', '.join(other)}.")
+        lines.append(f"- Still memory-bound at T = 1600 (more experts share the tokens): {_and(other)}.")
 
     ref = checks[checks.check == "reference_vs_loop"]
     rt = checks[checks.check == "route_vs_reference"]

@@ -14,8 +14,11 @@ __all__ = ["conclusion", "vs_anchors"]
 
 
 def _fmt_ts(ts) -> str:
-    ts = [int(t) for t in ts]
-    return ", ".join(str(t) for t in ts) if ts else "none"
+    """Token counts as prose: ``1``, ``1 and 8``, ``1, 8 and 8192``; ``none`` when empty."""
+    ts = [str(int(t)) for t in ts]
+    if not ts:
+        return "none"
+    return " and ".join(ts) if len(ts) < 3 else f"{', '.join(ts[:-1])} and {ts[-1]}"
 
 
 def _checks_lines(checks: pd.DataFrame, profile: str) -> list[str]:
@@ -74,7 +77,7 @@ def conclusion(df: pd.DataFrame, checks: pd.DataFrame, *, profile: str, anchors:
         Markdown: the predictions of cell 1 that held and those that did not, with the numbers.
     """
     assert profile in ("gpu", "cpu"), profile
-    lines = [f"### Conclusion ({profile} profile)", ""]
+    lines = ["## Conclusion", ""]
     lines += _checks_lines(checks, profile)
     if profile == "cpu":
         lines += [

@@ -41,8 +41,15 @@ def new_key_lengths(keys: pd.DataFrame, stage: str) -> list[int]:
     return out
 
 
+def _and(items) -> str:
+    """``a``, ``a and b``, ``a, b and c``: a list as prose."""
+    items = [str(x) for x in items]
+    return " and ".join(items) if len(items) < 3 else f"{', '.join(items[:-1])} and {items[-1]}"
+
+
 def _ts(ts) -> str:
-    return ", ".join(str(int(t)) for t in ts) if len(ts) else "none"
+    """Token counts as prose (``16 and 80``); ``none`` when empty."""
+    return _and(int(t) for t in ts) if len(ts) else "none"
 
 
 def conclusion(keys: pd.DataFrame, recompile: pd.DataFrame | None, *, profile: str) -> str:
@@ -75,11 +82,11 @@ def conclusion(keys: pd.DataFrame, recompile: pd.DataFrame | None, *, profile: s
     pred_new = new_key_lengths(keys, "naive")
     pn = pred.loc["naive"]
     lines = [
-        f"### Conclusion ({profile} profile)",
+        "## Conclusion",
         "",
         f"**Prediction** (`03_spec_keys.csv`, {model}, {len(lengths)} lengths from {min(lengths)} to "
         f"{max(lengths)}): Triton's specialization gives `naive` "
-        + ", ".join(f"{int(pn[k])} keys for `{k}`" for k in pn.index)
+        + _and(f"{int(pn[k])} key{'' if int(pn[k]) == 1 else 's'} for `{k}`" for k in pn.index)
         + f" — new keys first appear at T = {_ts(pred_new)} (a length argument — T·K, the alignment block "
         "count, the rank buffer's stride T·K·R — enters a new divisibility class) — and `no_recompile` one "
         "key per "

@@ -14,6 +14,12 @@ __all__ = ["conclusion", "speedups"]
 SHRINK_OPS = ("gate_up_shrink", "down_shrink")
 
 
+def _and(items) -> str:
+    """``a``, ``a and b``, ``a, b and c``: a list as prose."""
+    items = [str(x) for x in items]
+    return " and ".join(items) if len(items) < 3 else f"{', '.join(items[:-1])} and {items[-1]}"
+
+
 def speedups(df: pd.DataFrame) -> pd.DataFrame:
     """One row per (model, T, part): us at SPLIT_K = 1, the best value and its time, speedup = us₁ ÷ best,
     the time at the largest value swept (``us_max_k``) and, for the ops, the stage's default value and its
@@ -72,11 +78,11 @@ def conclusion(df: pd.DataFrame, *, profile: str) -> str:
     assert max_err <= err_bound, max_err
     values = sorted(int(v) for v in ops.split_k.unique())
     lines = [
-        f"### Conclusion ({profile} profile)",
+        "## Conclusion",
         "",
         f"- **Correctness held.** SPLIT_K > 1 only reorders fp32 additions: max err_vs_1 = {max_err:.1e} "
         "over "
-        f"{len(ops)} op runs (SPLIT_K ∈ {{{', '.join(map(str, values))}}}; cell 1 guessed ≲ 1e-6"
+        f"{len(ops)} op runs (SPLIT_K = {_and(values)}; cell 1 guessed ≲ 1e-6"
         + (
             ", the measured value is a few times that, still the size of fp32 reassociation"
             if max_err > 1e-6
@@ -116,7 +122,10 @@ def conclusion(df: pd.DataFrame, *, profile: str) -> str:
         "|---|---:|---|---:|---:|---:|---:|",
     ]
     for r in op_sp.sort_values(["model", "part", "T"]).itertuples():
-        dflt = f"{r.default_k} ({r.us_default:.1f} µs)" if r.default_k is not None else "–"
+        # default_k is a float column (None -> NaN for the `lora` rows): print the value as an int
+        dflt = "–"
+        if pd.notna(r.default_k):
+            dflt = f"{int(r.default_k)}" + (f" ({r.us_default:.1f} µs)" if pd.notna(r.us_default) else "")
         lines.append(
             f"| {r.model} | {r.T} | {r.part} | {r.us_1:.1f} | {r.us_best:.1f} at {r.best_k} | "
             f"{r.speedup:.2f}× | {dflt} |"
@@ -133,18 +142,18 @@ def conclusion(df: pd.DataFrame, *, profile: str) -> str:
     if len(mid):
         none_mid = mid[mid.speedup < 1.05]
         lines.append(
-            f"- Between (T = {', '.join(str(t) for t in sorted(mid['T'].unique()))}): speed-ups "
+            f"- Between (T = {_and(int(t) for t in sorted(mid['T'].unique()))}): speed-ups "
             f"{mid.speedup.min():.2f}–{mid.speedup.max():.2f}×"
             + (
                 "; none (< 1.05×) for "
-                f"{', '.join(f'{r.model} {r.part} at T = {r.T}' for r in none_mid.itertuples())}"
+                f"{_and(f'{r.model} {r.part} at T = {r.T}' for r in none_mid.itertuples())}"
                 if len(none_mid)
                 else ""
             )
             + "."
         )
     worst = hi.us_max_k / hi.us_1
-    above = ", ".join(f"{m} {p}" for m, p in hi[hi.speedup > 1.1].index)
+    above = _and(f"{m} {p}" for m, p in hi[hi.speedup > 1.1].index)
     lines.append(
         f"- At T = {t_hi} (the GPU already full) the gain is smaller than at T = {t_lo} for every op, as "
         f"predicted: {hi.speedup.min():.2f}–{hi.speedup.max():.2f}× at the best value"

@@ -35,6 +35,7 @@ they come from the graph's memory pool.
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
@@ -47,6 +48,48 @@ from .routing import check_id_values, route
 from .shapes import Dims
 
 __all__ = ["MoELoRALayer"]
+
+
+class _Scratch:
+    """The per-call buffers of layers of one set of sizes: flat tensors for max_tokens·top_k pairs and
+    the alignment workspaces (one per role and BLOCK_SIZE_M, allocated by the first call needing it)."""
+
+    def __init__(self, dt, dev, max_tokens, E, H, I, K, L, R, S, fused_add):
+        P = max_tokens * K
+        f = dict(dtype=dt, device=dev)
+        self.bufs = dict(
+            h=torch.zeros(P * 2 * I, **f),
+            g=torch.zeros(P * I, **f),
+            y=torch.zeros(P * H, **f),
+            tw=torch.zeros(P, dtype=torch.float32, device=dev),
+            inter13=torch.zeros(S * P * R, dtype=torch.float32, device=dev),
+            inter2=torch.zeros(P * R, dtype=torch.float32, device=dev),
+        )
+        if not fused_add:  # stages that store the delta, then add it
+            self.bufs["delta13"] = torch.zeros(P * 2 * I, **f)
+            self.bufs["delta2"] = torch.zeros(P * H, **f)
+        self.max_num_pairs, self.E, self.device = P, E, dev
+        self.workspaces: dict[tuple, AlignWorkspace] = {}
+        self.users: weakref.WeakSet = weakref.WeakSet()  # the live layers using this scratch
+
+    def workspace(self, role: str, block_size_m: int, num_adapters: int) -> AlignWorkspace:
+        key = (role, block_size_m)
+        ws = self.workspaces.get(key)
+        if ws is None:
+            ws = align_workspace(self.max_num_pairs, self.E, block_size_m, num_adapters, device=self.device)
+            self.workspaces[key] = ws
+        return ws
+
+    def nbytes(self) -> int:
+        ts = list(self.bufs.values())
+        for ws in self.workspaces.values():
+            ts += [ws.sorted_token_ids, ws.block_expert_ids, ws.block_lora_ids, ws.num_tokens_post_padded]
+            ts.append(ws.scratch)
+        return sum(t.numel() * t.element_size() for t in ts)
+
+
+#: Live scratches by sizes (weak: freed with the last layer using it).
+_SCRATCH: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 class MoELoRALayer(torch.nn.Module):
@@ -72,6 +115,11 @@ class MoELoRALayer(torch.nn.Module):
         config: a fixed :class:`~moelora_lib.kernels.LayerConfig` for every T (None = per T, as
             fused_moe_lora picks it).
         debug: check id values in forward (topk_ids ∈ [0, E), lora_ids ∈ [-1, L)); a host sync.
+        share_scratch: share the scratch buffers (``h`` [P, 2I], ``g`` [P, I], ``y`` [P, H] in the
+            layer's dtype, the fp32 rank intermediates and routing weights, the alignment workspaces;
+            P = max_tokens·top_k) with every other layer of the same sizes, dtype and device (default):
+            a model's layers run one after another, so one copy serves them all. ``memory_report()``
+            gives the bytes.
     Raises:
         ValueError naming the argument: shapes, dtypes, devices, sizes, stage, activation.
 
@@ -99,6 +147,7 @@ class MoELoRALayer(torch.nn.Module):
         stage: str = "tuned",
         config: LayerConfig | None = None,
         debug: bool = False,
+        share_scratch: bool = True,
     ):
         super().__init__()
         for name, v, lo in (
@@ -164,11 +213,12 @@ class MoELoRALayer(torch.nn.Module):
         self.stage = STAGES[stage]
         self.fixed_config = config
         self.debug = bool(debug)
+        self.share_scratch = bool(share_scratch)
         self._covers: list[tuple[bool, bool]] = [(False, False)] * L  # host copy of slot_covers
         self._configs: dict[int, LayerConfig] = {}
-        self._workspaces: dict[tuple, AlignWorkspace] = {}
         self._buffers_key = None
         self._bufs: dict[str, torch.Tensor] = {}
+        self._scratch = None
         self._alloc_buffers()
         self.layer_name = ops.register_layer(self)
 
@@ -180,37 +230,70 @@ class MoELoRALayer(torch.nn.Module):
         )
 
     # --- buffers ----------------------------------------------------------------------------------
-    def _alloc_buffers(self) -> None:
-        """Flat buffers for max_tokens·top_k pairs; a call uses contiguous prefixes (offset 0)."""
-        dt, dev = self.w13.dtype, self.w13.device
-        P = self.max_tokens * self.K
-        f = dict(dtype=dt, device=dev)
-        b = dict(
-            h=torch.zeros(P * 2 * self.I, **f),
-            g=torch.zeros(P * self.I, **f),
-            y=torch.zeros(P * self.H, **f),
-            tw=torch.zeros(P, dtype=torch.float32, device=dev),
-            inter13=torch.zeros(self.S * P * self.R, dtype=torch.float32, device=dev),
-            inter2=torch.zeros(P * self.R, dtype=torch.float32, device=dev),
+    def _scratch_key(self) -> tuple:
+        return (
+            self.w13.dtype,
+            self.w13.device,
+            self.max_tokens,
+            self.E,
+            self.H,
+            self.I,
+            self.K,
+            self.L,
+            self.R,
+            self.S,
+            self.stage.fused_add,
         )
-        if not self.stage.fused_add:  # stages that store the delta, then add it
-            b["delta13"] = torch.zeros(P * 2 * self.I, **f)
-            b["delta2"] = torch.zeros(P * self.H, **f)
-        self._bufs = b
-        self._workspaces = {}
-        self._buffers_key = (dt, dev)
+
+    def _alloc_buffers(self) -> None:
+        """Attach the scratch (flat buffers for max_tokens·top_k pairs and the alignment workspaces).
+
+        Layers of the same sizes, dtype and device share one :class:`_Scratch` (layers of a model run
+        one after another, and nothing in the scratch outlives a forward: the output is a new tensor),
+        unless built with ``share_scratch=False``. A call uses contiguous prefixes (offset 0)."""
+        key = self._scratch_key()
+        scratch = _SCRATCH.get(key) if self.share_scratch else None
+        if scratch is None:
+            scratch = _Scratch(*key)
+            if self.share_scratch:
+                _SCRATCH[key] = scratch
+        if self._scratch is not None:
+            self._scratch.users.discard(self)
+        scratch.users.add(self)
+        self._scratch = scratch
+        self._bufs = scratch.bufs
+        self._buffers_key = (self.w13.dtype, self.w13.device)
 
     def _view(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         return self._bufs[name][: math.prod(shape)].view(shape)
 
     def _workspace(self, role: str, block_size_m: int, num_adapters: int) -> AlignWorkspace:
-        key = (role, block_size_m)
-        ws = self._workspaces.get(key)
-        if ws is None:
-            n_max = self.max_tokens * self.K
-            ws = align_workspace(n_max, self.E, block_size_m, num_adapters, device=self.w13.device)
-            self._workspaces[key] = ws
-        return ws
+        return self._scratch.workspace(role, block_size_m, num_adapters)
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes the layer holds on its device, by kind.
+
+        Returns {"weights": w13 + w2 + biases, "adapter_slots": the four LoRA slot tensors +
+        slot_covers, "scratch": the flat buffers + alignment workspaces allocated so far (shared with
+        every layer of the same sizes, see ``share_scratch``), "scratch_shared_by": layers using that
+        scratch, "per_layer": weights + adapter_slots (+ scratch when not shared)}. Temporaries of a
+        forward (routing, the reduced output) are not held and not counted.
+        """
+
+        def nbytes(*ts) -> int:
+            return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+        weights = nbytes(self.w13, self.w2, self.b13, self.b2)
+        slots = nbytes(self.lora_a13, self.lora_b13, self.lora_a2, self.lora_b2, self.slot_covers)
+        scratch = self._scratch.nbytes()
+        shared_by = len(self._scratch.users)
+        return {
+            "weights": weights,
+            "adapter_slots": slots,
+            "scratch": scratch,
+            "scratch_shared_by": shared_by,
+            "per_layer": weights + slots + (0 if self.share_scratch else scratch),
+        }
 
     def config_for(self, T: int) -> LayerConfig:
         """The config (after the stage's adapt) the forward launches at T tokens; resolved once per T."""

@@ -26,7 +26,15 @@ import torch
 
 from .common import is_int
 
-__all__ = ["route", "Alignment", "align_tokens", "max_padded_pairs"]
+__all__ = [
+    "route",
+    "Alignment",
+    "align_tokens",
+    "max_padded_pairs",
+    "check_id_values",
+    "id_value_bounds",
+    "check_id_bounds",
+]
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True):
@@ -95,25 +103,47 @@ def max_padded_pairs(num_pairs: int, num_groups: int, block_size_m: int) -> int:
     return max(block_size_m, -(-p // block_size_m) * block_size_m)
 
 
+def id_value_bounds(topk_ids: torch.Tensor, lora_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Min and max of the id tensors, on their device, with no host sync.
+
+    Returns [4] int64: min and max of topk_ids, then of lora_ids. An empty tensor (or lora_ids None)
+    gives the in-range pair (0, 0) for topk_ids and (-1, -1) for lora_ids, so it always passes
+    :func:`check_id_bounds`. Two reductions (``torch.aminmax``) and one concatenation.
+    """
+    parts = []
+    for t, empty in ((topk_ids, 0), (lora_ids, -1)):
+        if t is None or t.numel() == 0:
+            parts.append(torch.full((2,), empty, dtype=torch.int64, device=topk_ids.device))
+        else:
+            lo, hi = torch.aminmax(t.reshape(-1))
+            parts.append(torch.stack([lo, hi]).to(torch.int64))
+    return torch.cat(parts)
+
+
+def check_id_bounds(bounds, num_experts: int, num_adapters: int) -> None:
+    """Raise ValueError unless ``bounds`` (the 4 values of :func:`id_value_bounds`, on the host) say
+    topk_ids ∈ [0, E) and lora_ids ∈ [-1, L). The message names the tensor, the range and the min/max."""
+    t_lo, t_hi, l_lo, l_hi = (int(v) for v in bounds)
+    if t_lo < 0 or t_hi >= num_experts:
+        raise ValueError(f"topk_ids values must be in [0, E={num_experts}), got min {t_lo}, max {t_hi}")
+    if l_lo < -1 or l_hi >= num_adapters:
+        raise ValueError(
+            f"lora_ids values must be in [-1, L={num_adapters}) (-1 = no adapter), got min {l_lo}, max {l_hi}"
+        )
+
+
 def check_id_values(
     topk_ids: torch.Tensor, num_experts: int, lora_ids: torch.Tensor | None = None, num_adapters: int = 0
 ) -> None:
     """Check the id *values* (one host sync): topk_ids ∈ [0, E) and, if given, lora_ids ∈ [-1, L).
 
     The one value check of the package: :func:`align_tokens` (``check_values``),
-    :func:`moelora_lib.fused_moe_lora` and :class:`moelora_lib.MoELoRALayer` (``debug=True``) use it.
-    Empty tensors pass. Raises ValueError naming the tensor, the range and the min/max found.
+    :func:`moelora_lib.fused_moe_lora` and :class:`moelora_lib.MoELoRALayer` (``debug=True``) use it
+    (fused_moe_lora on a GPU reads the same :func:`id_value_bounds` after launching, so its one sync
+    waits only for the bounds). Empty tensors pass. Raises ValueError naming the tensor, the range and
+    the min/max found.
     """
-    if topk_ids.numel():
-        lo, hi = int(topk_ids.min()), int(topk_ids.max())
-        if lo < 0 or hi >= num_experts:
-            raise ValueError(f"topk_ids values must be in [0, E={num_experts}), got min {lo}, max {hi}")
-    if lora_ids is not None and lora_ids.numel():
-        lo, hi = int(lora_ids.min()), int(lora_ids.max())
-        if lo < -1 or hi >= num_adapters:
-            raise ValueError(
-                f"lora_ids values must be in [-1, L={num_adapters}) (-1 = no adapter), got min {lo}, max {hi}"
-            )
+    check_id_bounds(id_value_bounds(topk_ids, lora_ids).tolist(), num_experts, num_adapters)
 
 
 def align_tokens(

@@ -331,3 +331,31 @@ def test_launcher_out_buffers_checked():
     out = torch.empty(3, I)
     assert gated_act(h, "silu", out=out) is out
     assert torch.equal(out, gated_act(h, "silu"))
+
+
+def test_scratch_shared_and_memory_report():
+    a = _layer(torch.float32)
+    b = _layer(torch.float32)
+    own = _layer(torch.float32, share_scratch=False)
+    other = _layer(torch.float32, max_tokens=8)
+    assert a._scratch is b._scratch
+    assert own._scratch is not a._scratch and other._scratch is not a._scratch
+    rep = a.memory_report()
+    assert rep["scratch_shared_by"] == 2
+    w = sum(t.numel() * 4 for t in (a.w13, a.w2))
+    slots = sum(t.numel() * 4 for t in (a.lora_a13, a.lora_b13, a.lora_a2, a.lora_b2)) + L * 2
+    assert rep["weights"] == w and rep["adapter_slots"] == slots
+    assert rep["per_layer"] == w + slots  # the shared scratch is not counted per layer
+    P = 48 * K
+    assert rep["scratch"] >= 4 * P * (2 * I + I + H)
+    assert own.memory_report()["per_layer"] == w + slots + own.memory_report()["scratch"]
+    # layers sharing the scratch still compute what the functional call does, one after another
+    x, logits, ids = _inputs(torch.float32, 9)
+    ya = a(x, logits, lora_ids=ids)
+    yb = b(x, logits, lora_ids=ids)
+    assert torch.equal(ya, yb) and torch.equal(ya, own(x, logits, lora_ids=ids))
+    del b
+    import gc
+
+    gc.collect()
+    assert a.memory_report()["scratch_shared_by"] == 1

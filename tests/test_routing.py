@@ -134,3 +134,19 @@ def test_alignment_rejects_bad_input(override, name):
 def test_route_rejects_bool_top_k():
     with pytest.raises(ValueError, match="top_k"):
         route(torch.randn(4, 3), True)
+
+
+def test_id_value_bounds_and_check():
+    from moelora_lib.routing import check_id_bounds, id_value_bounds
+
+    ti = torch.tensor([[0, 3], [2, 1]], dtype=torch.int32)
+    li = torch.tensor([-1, 2], dtype=torch.int32)
+    assert id_value_bounds(ti, li).tolist() == [0, 3, -1, 2]
+    assert id_value_bounds(ti).tolist() == [0, 3, -1, -1]
+    empty = torch.empty((0, 2), dtype=torch.int64)
+    assert id_value_bounds(empty, torch.empty(0, dtype=torch.int32)).tolist() == [0, 0, -1, -1]
+    check_id_bounds([0, 3, -1, 2], 4, 3)
+    with pytest.raises(ValueError, match=r"topk_ids values must be in \[0, E=3\), got min 0, max 3"):
+        check_id_bounds([0, 3, -1, 2], 3, 3)
+    with pytest.raises(ValueError, match=r"lora_ids values must be in \[-1, L=2\)"):
+        check_id_bounds([0, 3, -1, 2], 4, 2)

@@ -43,6 +43,7 @@ from . import ops
 from .common import is_int
 from .kernels import STAGES, LayerConfig, LayerRun
 from .kernels.align import AlignWorkspace, align_tokens_triton, align_workspace
+from .kernels.route import route_triton
 from .moe_lora import _desc, validate_moe_lora_inputs
 from .routing import check_id_values, route
 from .shapes import Dims
@@ -62,6 +63,8 @@ class _Scratch:
             g=torch.zeros(P * I, **f),
             y=torch.zeros(P * H, **f),
             tw=torch.zeros(P, dtype=torch.float32, device=dev),
+            route_w=torch.zeros(P, dtype=torch.float32, device=dev),
+            route_ids=torch.zeros(P, dtype=torch.int32, device=dev),
             inter13=torch.zeros(S * P * R, dtype=torch.float32, device=dev),
             inter2=torch.zeros(P * R, dtype=torch.float32, device=dev),
         )
@@ -432,7 +435,8 @@ class MoELoRALayer(torch.nn.Module):
 
         Args:
             hidden_states: [T, H] of the layer's dtype and device, T ≤ max_tokens.
-            router_logits: [T, E] float (softmax top-k routing, ``renormalize``), or None when
+            router_logits: [T, E] float (softmax top-k routing, ``renormalize``; one Triton launch,
+                :func:`moelora_lib.kernels.route.route_triton`, for K ≤ 16 and E ≤ 1024), or None when
                 ``topk_weights`` [T, K] float32 and ``topk_ids`` [T, K] int32/int64 are given.
             lora_ids: [T] int32, slot of each token in [-1, L); -1, or a slot with nothing loaded for
                 a projection, = no adapter on it.
@@ -469,9 +473,15 @@ class MoELoRALayer(torch.nn.Module):
         if router_logits is not None:
             if topk_weights is not None or topk_ids is not None:
                 raise ValueError("pass either router_logits or topk_weights and topk_ids, not both")
-            if tuple(router_logits.shape) != (T, self.E) or router_logits.device != dev:
+            if (
+                not isinstance(router_logits, torch.Tensor)
+                or tuple(router_logits.shape) != (T, self.E)
+                or router_logits.device != dev
+                or not router_logits.is_floating_point()
+            ):
                 raise ValueError(
-                    f"router_logits must be a tensor [T={T}, E={self.E}] on {dev}, got {_desc(router_logits)}"
+                    f"router_logits must be a float tensor [T={T}, E={self.E}] on {dev}, "
+                    f"got {_desc(router_logits)}"
                 )
             return
         if topk_weights is None or topk_ids is None:
@@ -517,7 +527,12 @@ class MoELoRALayer(torch.nn.Module):
             return hidden_states.new_empty((0, H))
         if self._buffers_key != (self.w13.dtype, self.w13.device):
             self._alloc_buffers()
-        if router_logits is not None:
+        routed = router_logits is not None and K <= 16 and E <= 1024
+        if routed:  # one launch, into the scratch (kernels/route.py)
+            topk_weights, topk_ids = route_triton(
+                router_logits, K, self.renormalize, out=(self._bufs["route_w"], self._bufs["route_ids"])
+            )
+        elif router_logits is not None:
             topk_weights, topk_ids = route(router_logits, K, self.renormalize)
         if self.debug:
             check_id_values(topk_ids, E, lora_ids, L)
@@ -560,10 +575,11 @@ class MoELoRALayer(torch.nn.Module):
             "h": self._view("h", (P, 2 * I)),
             "g": self._view("g", (P, I)),
             "y": self._view("y", (P, H)),
-            "tw": self._view("tw", (P,)),  # the layer's own aligned fp32 copy of the routing weights
             "inter_gate_up": self._view("inter13", (S, P, R)),
             "inter_down": self._view("inter2", (1, P, R)),
         }
+        if not routed:  # the layer's own aligned fp32 copy of caller-given routing weights
+            bufs["tw"] = self._view("tw", (P,))
         if not st.fused_add:
             bufs["delta_gate_up"] = self._view("delta13", (P, 2 * I))
             bufs["delta_down"] = self._view("delta2", (P, H))

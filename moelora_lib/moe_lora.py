@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .kernels import STAGES, LayerConfig, LayerRun
-from .routing import check_id_values
+from .routing import check_id_bounds, check_id_values
 from .shapes import Dims
 
 __all__ = ["fused_moe_lora", "validate_moe_lora_inputs", "make_layer_run"]
@@ -280,7 +280,23 @@ def make_layer_run(
         b13=b13,
         b2=b2,
         config=config,
+        alignments=_device_alignments(STAGES[stage], config, topk_ids, lora_ids, d["E"], d["L"]),
     )
+
+
+def _device_alignments(stage, config: LayerConfig, topk_ids, lora_ids, E: int, L: int):
+    """On CUDA: the Triton alignments (:func:`~moelora_lib.kernels.align.align_tokens_triton`, 2 × 3
+    launches, no host sync; pairs with out-of-range ids are dropped, never read out of bounds), one
+    LoRA alignment shared by both projections. On the CPU: None, so :class:`LayerRun` aligns with the
+    torch oracle (bit-identical; cheaper than the interpreted kernels)."""
+    if topk_ids.device.type != "cuda":
+        return None
+    from .kernels.align import align_tokens_triton
+
+    cfg = stage.adapt(config)
+    base = align_tokens_triton(topk_ids, E, cfg.base_block_size_m)
+    lora = align_tokens_triton(topk_ids, E, cfg.lora_block_size_m, lora_ids=lora_ids, num_adapters=L)
+    return base, lora, lora
 
 
 def fused_moe_lora(
@@ -308,6 +324,15 @@ def fused_moe_lora(
     :mod:`moelora_lib.reference`: gate_up + LoRA delta (before the activation), activation,
     down + LoRA delta, then Σ_k w·y. Tokens with a = -1 get exactly the base MoE.
 
+    Precision: every GEMM accumulates in fp32; h (gate_up output), the activation output and y are
+    stored in hidden_states' dtype between launches, as in vLLM. The LoRA rank intermediate
+    (x·A13ᵀ, g·A2ᵀ) is kept in fp32 — not rounded to fp16 — and enters the expand's dot as bf16
+    for bf16 inputs (fp32's exponent range), as fp32 for fp16 and fp32 inputs (tf32 on the GPU:
+    fp32's range with fp16's 10-bit mantissa). So a rank intermediate beyond fp16's 65 504 does not
+    overflow an fp16 layer; a value that is itself stored in fp16 still must fit fp16: h, the
+    activation output, y, the output, and in the stages without fused add (naive, no_recompile,
+    split_k, swizzle) the LoRA delta alone, stored before it is added to h or y.
+
     Args:
         hidden_states: [T, H] float16/bfloat16/float32 (CUDA, or CPU under TRITON_INTERPRET=1).
         w13: [E, 2I, H] gate_up weights (nn.Linear layout out × in); rows [gate | up] for "silu",
@@ -331,10 +356,20 @@ def fused_moe_lora(
         ValueError: an argument's shape, dtype, device or value range is wrong (the message names
             it), unknown activation or stage; bfloat16 on the CPU (the interpreter's bf16 is wrong).
 
-    The value-range checks of topk_ids and lora_ids synchronize with the host, so this function is
-    not meant for CUDA-graph capture: build a :class:`~moelora_lib.kernels.LayerRun` once with
-    :func:`make_layer_run` (``check_values=False`` after the first validated call) and capture
-    ``run()`` instead, as the benchmarks do.
+    The value-range check of topk_ids and lora_ids synchronizes with the host once, so this function
+    is not meant for CUDA-graph capture: use :class:`moelora_lib.MoELoRALayer` (no host sync), or build
+    a :class:`~moelora_lib.kernels.LayerRun` once with :func:`make_layer_run` (``check_values=False``)
+    and capture ``run()``, as the benchmarks do. On a GPU the check is deferred so that the host never
+    waits for the layer's kernels: the id bounds are reduced on the device and copied to pinned host
+    memory first, the alignment (Triton, :mod:`moelora_lib.kernels.align`; it drops out-of-range pairs
+    instead of reading out of bounds) and the layer are launched, and only then does the host wait for
+    the bounds and raise if they are out of range (the result is then discarded). On the CPU the check
+    comes first.
+
+    Eager host cost (why it is built this way, notebook 09): one call validates ~11 tensors in
+    Python, picks the config, and issues 1 (id bounds, :mod:`moelora_lib.kernels.id_bounds`) + 6
+    (alignment) + 7 (layer) kernel launches, a copy and a reduction; the ~40 torch ops of
+    :func:`moelora_lib.routing.align_tokens` and the four host syncs of the earlier version are gone.
     """
     if isinstance(hidden_states, torch.Tensor) and hidden_states.dim() == 2 and hidden_states.shape[0] == 0:
         validate_moe_lora_inputs(
@@ -355,6 +390,7 @@ def fused_moe_lora(
         )
         _check_stage_and_config(stage, config)
         return hidden_states.new_empty((0, hidden_states.shape[1]))
+    on_gpu = isinstance(hidden_states, torch.Tensor) and hidden_states.device.type == "cuda"
     run = make_layer_run(
         hidden_states,
         w13,
@@ -371,5 +407,17 @@ def fused_moe_lora(
         b2=b2,
         stage=stage,
         config=config,
+        check_values=not on_gpu,  # on the GPU: deferred, below
     )
-    return run()
+    if not on_gpu:
+        return run()
+    from .kernels.id_bounds import id_bounds_triton
+
+    bounds = torch.empty(4, dtype=torch.int64, pin_memory=True)
+    bounds.copy_(id_bounds_triton(topk_ids, lora_ids), non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    out = run()
+    copied.synchronize()  # waits for the bounds only, not for the layer's kernels
+    check_id_bounds(bounds.tolist(), w13.shape[0], lora_a13.shape[0])
+    return out

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from moelora_lib import fused_moe_lora
+from moelora_lib.kernels.route import route_triton as route  # the module's routing
 from moelora_lib.layer import MoELoRALayer
-from moelora_lib.routing import route
 from moelora_lib.testing import assert_close_rel
 
 E, H, I, K, L, R = 4, 64, 32, 2, 3, 16

@@ -199,8 +199,9 @@ def lora_shrink(
         cfg: SPLIT_K > 1 splits the K loop and combines with relaxed fp32 atomics.
     Returns:
         inter: [S, T·K, R] float32. Rows of pairs without an adapter are not written (uninitialized
-        when SPLIT_K = 1, zero otherwise). The rank intermediate is kept in fp32 (vLLM keeps it in
-        the activation dtype); the expand rounds it to the weight dtype right before its dot.
+        when SPLIT_K = 1, zero otherwise). The rank intermediate is accumulated (fp32 dot) and kept
+        in fp32 (vLLM keeps it in the activation dtype), so a value beyond fp16's 65 504 stays
+        finite; :func:`lora_expand` reads it as bf16 with bf16 weights, as fp32 otherwise.
     Optional ``inter``: a preallocated contiguous [S, T·K, R] float32 output (no allocation; it is
         zeroed here when SPLIT_K > 1). Default None allocates, as before.
     """
@@ -298,12 +299,18 @@ def lora_expand(
     """LoRA expand: out[p, s·N + n] (+)= (inter[s, p]·lora_b[l, e, s]ᵀ)[n] (· topk_weights[p]).
 
     Args:
-        inter: [S, T·K, R] float32 from :func:`lora_shrink`.
+        inter: [S, T·K, R] float32 from :func:`lora_shrink`. Precision of its dot (fp32 accumulation
+            in every case), chosen at compile time from lora_b's dtype: bf16 weights — inter rounded
+            to bf16 (fp32's exponent range), bf16 tensor-core dot; fp16 weights — inter
+            kept in fp32 and lora_b widened to fp32, dot at Triton's default input_precision (tf32
+            on the GPU: fp32's range, fp16's 10-bit mantissa), so an intermediate beyond fp16's
+            65 504 does not overflow (issue 10); fp32 — fp32 operands (tf32 on the GPU).
         lora_b: [L, E, S, N, R] (gate_up) or [L, E, N, R] (down, S = 1).
         out: [T·K, S·N]; with add_inputs the delta is added to what ``out`` holds (read-modify-write
             of the tile, no delta buffer); without, the delta is stored (rows of pairs without an
             adapter are left untouched).
         topk_weights: [T·K] float32 or None; multiplies the delta (down projection).
+    Only the result (the delta, or out + delta) is rounded to ``out``'s dtype, once.
     """
     grid, args, constexprs = lora_expand_args(
         inter,

@@ -25,6 +25,19 @@ Features switched by the stages:
   clamped into range instead, their results are never stored); else masked loads;
 * ``ADD_INPUTS`` (expand): add the delta into the tile already in ``out`` (no delta buffer).
 
+Precision. Every dot accumulates in fp32. The rank intermediate ``inter`` (x·Aᵀ, g·A2ᵀ) is
+accumulated and stored in fp32, and the expand's dot reads it in a form chosen at compile time from
+the dtype of B:
+
+* bf16: rounded to bf16 (fp32's exponent range, 7-bit mantissa), bf16 tensor-core dot;
+* fp16: kept in fp32, with B widened to fp32 (exactly), dot at Triton's default input_precision,
+  tf32 on the GPU (fp32's range, fp16's 10-bit mantissa). fp16 ends at 65 504, so rounding the
+  intermediate to fp16 made an intermediate beyond it inf although the fp32 math is finite (issue 10);
+* fp32: fp32 operands (tf32 on the GPU).
+
+Only the expand's result (the delta, or tile + delta with ``ADD_INPUTS``) is rounded to the output's
+dtype.
+
 Kernels are the project's own; the structure (pair gather through sorted_token_ids, per-block
 expert/adapter ids, split-K atomics, grouped ordering) follows vLLM's fused_moe_kernel and
 _fused_moe_lora_kernel (vllm/model_executor/layers/fused_moe/fused_moe.py,
@@ -266,8 +279,14 @@ def _lora_expand_kernel(
             k_left = K - k * BLOCK_SIZE_K
             ia = tl.load(i_ptrs, mask=row_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
             ba = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & n_mask[None, :], other=0.0)
-        # the rank intermediate is fp32; it is rounded to the weight dtype for the tensor-core dot
-        acc = tl.dot(ia.to(ba.dtype), ba, acc)
+        # inter is fp32 (module docstring, "Precision"). fp16 ends at 65 504: with fp16 weights the
+        # dot takes fp32 operands (tf32 on the GPU: fp32's range, fp16's 10-bit mantissa; K = rank
+        # is small, so the halved tensor-core rate costs little). bf16 has fp32's exponent range:
+        # inter is rounded to bf16 for a bf16 dot. A dtype comparison, resolved at compile time.
+        if b_ptr.dtype.element_ty == tl.float16:
+            acc = tl.dot(ia, ba.to(tl.float32), acc)
+        else:
+            acc = tl.dot(ia.to(ba.dtype), ba, acc)
         i_ptrs += BLOCK_SIZE_K * stride_ik
         b_ptrs += BLOCK_SIZE_K * stride_bk
     if MUL_ROUTED_WEIGHT:

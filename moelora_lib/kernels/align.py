@@ -40,6 +40,17 @@ Base and LoRA alignments are separate calls (three launches each): the two group
 same three launches (a grid axis over the two problems) is the obvious next step if notebook 09 shows
 launch latency dominating at small T.
 
+One binary per constexpr class, whatever T and the inputs' offsets: Triton specializes int
+arguments on == 1 and % 16 and pointers on 16-byte alignment, so every length-dependent int (N, NT,
+num_blocks) and every stride of the caller's id tensors is ``do_not_specialize``, and so are the
+``topk_ids`` / ``lora_ids`` pointers (a caller's offset view, e.g. ``ids[1:]``, keeps the binary;
+their loads are gathers through ``p // K``, so the alignment hint would buy nothing). The int32
+scratch is laid out with length-independent, 16-byte aligned offsets: group ends at 0, group counts
+at Gp, tile counts at 2·Gp (Gp = G rounded up to a multiple of 4 entries), so no sub-buffer's
+alignment follows NT·G. What still follows T are the constexpr tile sizes (TILE from T·K, the scan's
+TC from NT and its GB from TC): a few classes, each compiled once
+(``moelora_lib.studies.compile_check.align_length_keys`` counts them).
+
 Ids out of range (topk_ids ∉ [0, E), lora_ids ∉ [-1, L)) are not checked (that would need a host
 sync): such pairs are dropped, never written out of bounds; the torch oracle's result is then
 unspecified, so only in-range ids are part of the contract.
@@ -64,6 +75,7 @@ Not yet used anywhere: notebook 09 measures it against the torch version and wir
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -72,13 +84,26 @@ import triton.language as tl
 from ..common import is_int
 from ..routing import Alignment, max_padded_pairs
 
-__all__ = ["align_tokens_triton", "AlignSizes", "align_sizes", "AlignWorkspace", "align_workspace"]
+__all__ = [
+    "align_tokens_triton",
+    "align_launch_args",
+    "AlignLaunch",
+    "AlignSizes",
+    "align_sizes",
+    "AlignWorkspace",
+    "align_workspace",
+    "SCRATCH_ALIGN",
+]
 
 INT32_MAX = 2**31 - 1
 #: Rows of ``sorted_token_ids`` each fill program covers (BLOCKS = FILL_ROWS // BLOCK_SIZE_M blocks).
 FILL_ROWS = 1024
 #: Elements of one 2-D register tile in the scan and fill loops.
 _TILE_ELEMS = 8192
+#: int32 entries the scratch sub-buffers are aligned to (4 = 16 bytes, Triton's pointer alignment).
+SCRATCH_ALIGN = 4
+#: Length-dependent (or caller-layout-dependent) arguments of the kernels: never specialized.
+_NO_SPEC_IDS = ["topk_ptr", "stride_topk_t", "stride_topk_k", "lora_ptr", "stride_lora_t"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -128,7 +153,7 @@ def _run_start(k1, f1, k2, f2):
     return k2, tl.where(k1 == k2, f1, f2)
 
 
-@triton.jit(do_not_specialize=["topk_ptr", "lora_ptr", "N"])
+@triton.jit(do_not_specialize=_NO_SPEC_IDS + ["N"])
 def _align_count_kernel(
     topk_ptr,
     stride_topk_t,
@@ -205,7 +230,7 @@ def _align_scan_kernel(
     tl.store(num_post_ptr, total)
 
 
-@triton.jit(do_not_specialize=["topk_ptr", "lora_ptr", "N", "NT", "num_blocks"])
+@triton.jit(do_not_specialize=_NO_SPEC_IDS + ["N", "NT", "num_blocks"])
 def _align_scatter_kernel(
     topk_ptr,
     stride_topk_t,
@@ -297,6 +322,11 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+def _groups_padded(num_groups: int) -> int:
+    """Gp: G rounded up to SCRATCH_ALIGN entries (the offset of the group counts and the tile counts)."""
+    return -(-int(num_groups) // SCRATCH_ALIGN) * SCRATCH_ALIGN
+
+
 @dataclass(frozen=True)
 class AlignSizes:
     """Static sizes of one alignment (Python ints, computed on the host from shapes only).
@@ -309,7 +339,10 @@ class AlignSizes:
         num_blocks: P / BM.
         tile: pairs per tile program (power of two, 16..1024).
         num_tiles: NT = max(1, ceil(N / tile)).
-        scratch: int32 scratch entries: NT·G tile counts + G group ends + G group counts.
+        scratch: int32 scratch entries, 2·Gp + NT·G: group ends at [0, G), group counts at
+            [Gp, Gp + G), tile counts at [2·Gp, 2·Gp + NT·G), Gp = G rounded up to a multiple of
+            :data:`SCRATCH_ALIGN` (4 entries, 16 bytes), so every sub-buffer starts 16-byte aligned
+            at an offset that does not depend on T.
     """
 
     num_pairs: int
@@ -343,7 +376,7 @@ def align_sizes(num_pairs: int, num_groups: int, block_size_m: int, tile: int | 
     limits = {
         "padded size P + FILL_ROWS": P + FILL_ROWS,
         "tiled pair count NT·TILE": nt * tile,
-        "tile-count scratch NT·G": nt * G + 2 * G,
+        "scratch NT·G + 2·Gp": nt * G + 2 * _groups_padded(G),
         "sort key (G + 1)·TILE": (G + 1) * tile,
     }
     for what, v in limits.items():
@@ -353,7 +386,7 @@ def align_sizes(num_pairs: int, num_groups: int, block_size_m: int, tile: int | 
                 f"exceeds the int32 offsets of the alignment kernels (max {INT32_MAX}); "
                 "split the batch into smaller calls"
             )
-    return AlignSizes(N, G, BM, P, P // BM, tile, nt, nt * G + 2 * G)
+    return AlignSizes(N, G, BM, P, P // BM, tile, nt, nt * G + 2 * _groups_padded(G))
 
 
 @dataclass(frozen=True)
@@ -370,7 +403,8 @@ class AlignWorkspace:
         block_expert_ids: [P_max / BM] int32.
         block_lora_ids: [P_max / BM] int32.
         num_tokens_post_padded: [1] int32.
-        scratch: [S_max] int32 (tile counts/offsets, group ends, group counts).
+        scratch: [S_max] int32: group ends, group counts, tile counts/offsets (layout in
+            :class:`AlignSizes`).
         max_num_pairs, num_experts, num_adapters (0 = expert-only), block_size_m: what it was built for.
     """
 
@@ -423,7 +457,7 @@ def align_workspace(
         # max_num_pairs does (520 pairs: 5 tiles of 128; 322 pairs: 6 tiles of 64). The default tile
         # is N // 8 rounded up to a power of two, clamped to [64, 512], so no call needs more than
         # max(9, ceil(max_num_pairs / 512)) tiles.
-        scratch = max(scratch, (max(9, -(-int(max_num_pairs) // 512)) + 2) * G)
+        scratch = max(scratch, max(9, -(-int(max_num_pairs) // 512)) * G + 2 * _groups_padded(G))
     i32 = dict(dtype=torch.int32, device=device)
     return AlignWorkspace(
         sorted_token_ids=torch.empty(sz.padded, **i32),
@@ -452,7 +486,22 @@ def _check_scalars(num_experts, block_size_m) -> None:
         raise ValueError(f"num_experts must be an int >= 1, got {num_experts!r}")
 
 
-def align_tokens_triton(
+class AlignLaunch(NamedTuple):
+    """One kernel launch of an alignment (nothing allocated, nothing run).
+
+    name: ``"count"``, ``"scan"`` or ``"scatter"``; kernel: the jitted kernel; grid; args: the
+    positional launch arguments; constexprs: the keyword constexprs (num_warps/num_stages: Triton's
+    defaults). ``kernel[grid](*args, **constexprs)`` runs it.
+    """
+
+    name: str
+    kernel: Any
+    grid: tuple
+    args: tuple
+    constexprs: dict
+
+
+def align_launch_args(
     topk_ids: torch.Tensor,
     num_experts: int,
     block_size_m: int,
@@ -462,38 +511,14 @@ def align_tokens_triton(
     *,
     out: AlignWorkspace | None = None,
     tile: int | None = None,
-) -> Alignment:
-    """Group (token, k) pairs by (adapter slot, expert), pad each group to BLOCK_SIZE_M — in Triton.
+) -> tuple[Alignment, tuple[AlignLaunch, ...]]:
+    """The :class:`Alignment` (outputs allocated, or views of ``out``; not yet written) and the three
+    :class:`AlignLaunch` es of :func:`align_tokens_triton`; validates and allocates, launches nothing.
 
-    Same arguments and result as :func:`moelora_lib.routing.align_tokens` with ``check_values=False``
-    (bit for bit); three launches, no host sync, static sizes (see the module docstring for the method).
-
-    Args:
-        topk_ids: [T, K] int32/int64, values in [0, E); any strides.
-        num_experts: E.
-        block_size_m: BLOCK_SIZE_M, a power of two ≥ 16.
-        lora_ids: [T] int32/int64, adapter of each token in [-1, L) (-1 = no adapter); None =
-            expert-only alignment (the base GEMMs).
-        num_adapters: L (slots); required (≥ 1) with lora_ids.
-        include_no_adapter: keep pairs of tokens with lora id -1 (slot L, laid out last); the LoRA
-            kernels pass False.
-        out: optional :class:`AlignWorkspace` (from :func:`align_workspace`, same E, BLOCK_SIZE_M and
-            L — 0 for expert-only —, max_num_pairs ≥ T·K, same device): no allocation at all, for CUDA
-            graph capture; the result then holds views of it. Without it, outputs and a small int32
-            scratch (NT·G + 2·G entries) are allocated.
-        tile: pairs per tile program, a power of two in [16, 1024]; None = next_pow2(T·K / 8) clamped
-            to [64, 512]. A performance knob only (the result does not depend on it); with ``out``, build
-            the workspace with the same ``tile``.
-    Returns:
-        :class:`~moelora_lib.routing.Alignment`: sorted_token_ids [P] int32 (pair ids t·K + k, stable
-        inside a group, sentinel T·K in padding), block_expert_ids / block_lora_ids [P / BM] int32
-        (-1 past the end; lora -1 for the no-adapter slot and the expert-only alignment),
-        num_tokens_post_padded [1] int32, with P = ``max_padded_pairs(T·K, G, BM)``.
-    Raises:
-        ValueError: as routing.align_tokens (block_size_m, num_experts, topk_ids/lora_ids shapes and
-            dtypes, lora_ids without num_adapters ≥ 1), plus: tensors on different devices, T·K or G too
-            large for int32 offsets (:func:`align_sizes`), an ``out`` workspace that does not fit.
-        Id values are not checked (no host sync); out-of-range pairs are dropped.
+    The single source of the alignment's launch arguments, shared with compile-only inspection
+    (:func:`moelora_lib.studies.compile_check.align_length_keys`). Arguments and errors: as
+    :func:`align_tokens_triton`. ``kernel[grid](*args, **constexprs)`` for each launch, in order,
+    computes the alignment.
     """
     _check_scalars(num_experts, block_size_m)
     if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
@@ -548,65 +573,95 @@ def align_tokens_triton(
         num_post = out.num_tokens_post_padded
         scratch = out.scratch
 
-    tile_counts = scratch[: NT * G]
-    group_end = scratch[NT * G : NT * G + G]
-    group_count = scratch[NT * G + G : NT * G + 2 * G]
+    Gp = _groups_padded(G)
+    group_end = scratch[:G]
+    group_count = scratch[Gp : Gp + G]
+    tile_counts = scratch[2 * Gp : 2 * Gp + NT * G]
     lora_arg = lora_ids if has_lora else topk_ids  # dummy pointer without LoRA
     stride_lora = lora_ids.stride(0) if has_lora else 0
     gp = _pow2(G)
     tile = sz.tile
     common = dict(HAS_LORA=has_lora, INCLUDE_NO_ADAPTER=bool(include_no_adapter), TILE=tile)
-
-    _align_count_kernel[(NT,)](
-        topk_ids,
-        topk_ids.stride(0),
-        topk_ids.stride(1),
-        lora_arg,
-        stride_lora,
-        tile_counts,
-        N,
-        K,
-        E,
-        L,
-        G,
-        GB=min(gp, 1024),
-        **common,
+    ids_args = (topk_ids, topk_ids.stride(0), topk_ids.stride(1), lora_arg, stride_lora)
+    count = AlignLaunch(
+        "count",
+        _align_count_kernel,
+        (NT,),
+        (*ids_args, tile_counts, N, K, E, L, G),
+        dict(GB=min(gp, 1024), **common),
     )
     tc = min(_pow2(NT), 32)
-    _align_scan_kernel[(1,)](
-        tile_counts,
-        group_end,
-        group_count,
-        num_post,
-        NT,
-        G,
-        BM=BM,
-        TC=tc,
-        GB=min(gp, max(64, _TILE_ELEMS // tc)),
+    scan = AlignLaunch(
+        "scan",
+        _align_scan_kernel,
+        (1,),
+        (tile_counts, group_end, group_count, num_post, NT, G),
+        dict(BM=BM, TC=tc, GB=min(gp, max(64, _TILE_ELEMS // tc))),
     )
     blocks = max(1, FILL_ROWS // BM)
-    _align_scatter_kernel[(NT + triton.cdiv(NB, blocks),)](
-        topk_ids,
-        topk_ids.stride(0),
-        topk_ids.stride(1),
-        lora_arg,
-        stride_lora,
-        tile_counts,
-        group_end,
-        group_count,
-        sorted_ids,
-        block_e,
-        block_l,
-        N,
-        K,
-        E,
-        L,
-        G,
-        NT,
-        NB,
-        BM=BM,
-        BLOCKS=blocks,
-        GB=min(gp, max(16, _TILE_ELEMS // blocks)),
-        **common,
+    scatter = AlignLaunch(
+        "scatter",
+        _align_scatter_kernel,
+        (NT + triton.cdiv(NB, blocks),),
+        (*ids_args, tile_counts, group_end, group_count, sorted_ids, block_e, block_l, N, K, E, L, G, NT, NB),
+        dict(BM=BM, BLOCKS=blocks, GB=min(gp, max(16, _TILE_ELEMS // blocks)), **common),
     )
-    return Alignment(sorted_ids, block_e, block_l, num_post, BM, N)
+    return Alignment(sorted_ids, block_e, block_l, num_post, BM, N), (count, scan, scatter)
+
+
+def align_tokens_triton(
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    block_size_m: int,
+    lora_ids: torch.Tensor | None = None,
+    num_adapters: int = 0,
+    include_no_adapter: bool = False,
+    *,
+    out: AlignWorkspace | None = None,
+    tile: int | None = None,
+) -> Alignment:
+    """Group (token, k) pairs by (adapter slot, expert), pad each group to BLOCK_SIZE_M — in Triton.
+
+    Same arguments and result as :func:`moelora_lib.routing.align_tokens` with ``check_values=False``
+    (bit for bit); three launches, no host sync, static sizes (see the module docstring for the method).
+
+    Args:
+        topk_ids: [T, K] int32/int64, values in [0, E); any strides.
+        num_experts: E.
+        block_size_m: BLOCK_SIZE_M, a power of two ≥ 16.
+        lora_ids: [T] int32/int64, adapter of each token in [-1, L) (-1 = no adapter); None =
+            expert-only alignment (the base GEMMs).
+        num_adapters: L (slots); required (≥ 1) with lora_ids.
+        include_no_adapter: keep pairs of tokens with lora id -1 (slot L, laid out last); the LoRA
+            kernels pass False.
+        out: optional :class:`AlignWorkspace` (from :func:`align_workspace`, same E, BLOCK_SIZE_M and
+            L — 0 for expert-only —, max_num_pairs ≥ T·K, same device): no allocation at all, for CUDA
+            graph capture; the result then holds views of it. Without it, outputs and a small int32
+            scratch (2·Gp + NT·G entries, see :class:`AlignSizes`) are allocated.
+        tile: pairs per tile program, a power of two in [16, 1024]; None = next_pow2(T·K / 8) clamped
+            to [64, 512]. A performance knob only (the result does not depend on it); with ``out``, build
+            the workspace with the same ``tile``.
+    Returns:
+        :class:`~moelora_lib.routing.Alignment`: sorted_token_ids [P] int32 (pair ids t·K + k, stable
+        inside a group, sentinel T·K in padding), block_expert_ids / block_lora_ids [P / BM] int32
+        (-1 past the end; lora -1 for the no-adapter slot and the expert-only alignment),
+        num_tokens_post_padded [1] int32, with P = ``max_padded_pairs(T·K, G, BM)``.
+    Raises:
+        ValueError: as routing.align_tokens (block_size_m, num_experts, topk_ids/lora_ids shapes and
+            dtypes, lora_ids without num_adapters ≥ 1), plus: tensors on different devices, T·K or G too
+            large for int32 offsets (:func:`align_sizes`), an ``out`` workspace that does not fit.
+        Id values are not checked (no host sync); out-of-range pairs are dropped.
+    """
+    alignment, launches = align_launch_args(
+        topk_ids,
+        num_experts,
+        block_size_m,
+        lora_ids,
+        num_adapters,
+        include_no_adapter,
+        out=out,
+        tile=tile,
+    )
+    for ln in launches:
+        ln.kernel[ln.grid](*ln.args, **ln.constexprs)
+    return alignment

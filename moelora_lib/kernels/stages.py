@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..common import aligned16
 from ..hardware import H200_NUM_SMS
 from ..routing import Alignment, align_tokens
 from ..shapes import Dims
@@ -222,9 +223,19 @@ class LayerRun:
         self.stage = stage
         self.buffers = buffers or {}
         self.cfg = stage.adapt(config)
-        self.x, self.w13, self.w2 = hidden_states, w13, w2
-        self.b13, self.b2 = b13, b2
-        self.lora = (lora_a13, lora_b13, lora_a2, lora_b2)
+        # Every tensor the kernels read starts 16-byte aligned (a copy only for a misaligned view):
+        # Triton specializes pointers on alignment, so an offset view would compile a second binary.
+        # Caller-given ``buffers`` are prefixes of aligned allocations and are used as they are.
+        self.x = aligned16(hidden_states, "hidden_states")
+        self.w13, self.w2 = aligned16(w13, "w13"), aligned16(w2, "w2")
+        self.b13 = None if b13 is None else aligned16(b13, "b13")
+        self.b2 = None if b2 is None else aligned16(b2, "b2")
+        self.lora = tuple(
+            aligned16(t, n)
+            for t, n in zip(
+                (lora_a13, lora_b13, lora_a2, lora_b2), ("lora_a13", "lora_b13", "lora_a2", "lora_b2")
+            )
+        )
         self.activation = activation
         T, H = hidden_states.shape
         E = w13.shape[0]
@@ -233,7 +244,8 @@ class LayerRun:
         self.L = lora_a13.shape[0]
         tw = self.buffers.get("tw")
         if tw is None:
-            self.topk_w = topk_weights.reshape(-1).float().contiguous()
+            # (.contiguous() keeps a misaligned contiguous view such as buf[1:17] as it is)
+            self.topk_w = aligned16(topk_weights.reshape(-1).float().contiguous(), "topk_weights")
         else:  # the caller's own aligned fp32 copy
             self.topk_w = tw.copy_(topk_weights.reshape(-1))
         if alignments is None:

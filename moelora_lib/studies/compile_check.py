@@ -18,6 +18,10 @@ JSON; the same CLI serves humans::
     python -m moelora_lib.studies.compile_check count --kernel lora_shrink --naive --lengths 1 7 16 4096
     python -m moelora_lib.studies.compile_check inspect --kernel lora_shrink --T 64 --cfg '{"SPLIT_K": 4}'
 
+:func:`offset_view_keys` and :func:`align_length_keys` check that neither the data-pointer alignment
+of an input (an offset view such as ``buf[1:17]``) nor the prompt length gives any launch of the layer
+or of the Triton alignment a new key.
+
 ``TRITON_CACHE_DIR`` is honoured (re-compiles hit the cache). The functions that take a
 ``CompiledKernel`` (:func:`ptx`, :func:`sass`, :func:`resource_usage`) and the text helpers
 (:func:`k_loop_bodies`, :func:`masked_global_loads`, :func:`has_atomic_add`, ...) work anywhere.
@@ -53,6 +57,8 @@ __all__ = [
     "tensor_core_ops",
     "run_isolated",
     "inspect_job",
+    "offset_view_keys",
+    "align_length_keys",
 ]
 
 KERNEL_NAMES = ("fused_moe", "lora_shrink", "lora_expand", "gated_act")
@@ -584,6 +590,223 @@ def inspect_job(
 
 
 # --------------------------------------------------------------------------------------------------
+# offset views and lengths: one key whatever the inputs' alignment (issue 10)
+# --------------------------------------------------------------------------------------------------
+def _offset_view(t, offset: bool):
+    """``t`` itself, or a copy of it that starts one element into a fresh buffer (its data pointer is
+    2, 4 or 8 bytes past an aligned allocation: not 16-byte aligned)."""
+    import torch
+
+    if not offset:
+        return t
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    v = buf[1:].view(t.shape)
+    v.copy_(t)
+    return v
+
+
+def _cpu_layer_run(dims, dtype, activation: str, has_bias: bool, offset: bool):
+    """A real CPU :class:`~moelora_lib.kernels.LayerRun` (seeded inputs, :func:`_routing`, a stage with
+    fused add, ``default_config(dims)``); with ``offset`` every input tensor is an offset view and
+    topk_weights is ``buf[1:T+1]`` of a [T + 1, K] float32 buffer (the reported case)."""
+    import torch
+
+    from ..kernels.stages import LayerRun, Stage, default_config
+
+    d, dt = dims, dtype
+    T, H, I, E, K, L, R, S = d.T, d.H, d.I, d.E, d.top_k, d.adapters, d.rank, d.slices
+    g = torch.Generator().manual_seed(0)
+
+    def rnd(*shape):
+        return _offset_view((torch.randn(*shape, generator=g) * 0.1).to(dt), offset)
+
+    topk_ids, lora_ids = _routing(T, E, K, L)
+    w = torch.rand(T, K, generator=g)
+    if offset:
+        buf = torch.zeros(T + 1, K)
+        buf[1:] = w
+        w = buf[1 : T + 1]
+    inputs = dict(
+        hidden_states=rnd(T, H),
+        w13=rnd(E, 2 * I, H),
+        w2=rnd(E, H, I),
+        topk_weights=w,
+        topk_ids=_offset_view(topk_ids, offset),
+        lora_ids=_offset_view(lora_ids, offset),
+        lora_a13=rnd(L, E, S, R, H),
+        lora_b13=rnd(L, E, S, 2 * I // S, R),
+        lora_a2=rnd(L, E, R, I),
+        lora_b2=rnd(L, E, H, R),
+    )
+    bias = dict(b13=rnd(E, 2 * I), b2=rnd(E, H)) if has_bias else {}
+    stage = Stage(
+        name="compile_check",
+        title="compile-only launch",
+        specialize_lengths=False,
+        split_k=True,
+        swizzle=True,
+        even_k=True,
+        fused_add=True,
+    )
+    run = LayerRun(stage, **inputs, **bias, activation=activation, config=default_config(d))
+    misaligned = sorted(n for n, t in {**inputs, **bias}.items() if t.data_ptr() % 16)
+    return run, misaligned
+
+
+def offset_view_keys(
+    T: int = 16,
+    H: int = 64,
+    I: int = 32,  # noqa: E741
+    E: int = 8,
+    K: int = 6,
+    L: int = 2,
+    R: int = 16,
+    *,
+    S: int = 2,
+    dtype: str = "float16",
+    activation: str = "silu",
+    has_bias: bool = True,
+    realign: bool = True,
+) -> dict:
+    """Does an offset view of any input give a layer launch a new Triton key?
+
+    Builds a real (small, CPU) :class:`~moelora_lib.kernels.LayerRun` twice from the same values: once
+    from fresh (aligned) tensors, once where every input is a view whose data pointer is not 16-byte
+    aligned (topk_weights = ``buf[1:T+1]`` of a [T + 1, K] float32 buffer, the reported case;
+    hidden_states, the weights, biases and LoRA tensors one element into their buffers), and compares
+    the sm_90 specialization key of every launch of :data:`~moelora_lib.kernels.stages.LAUNCH_OPS`.
+    Nothing is launched or compiled.
+
+    ``realign=False`` builds the offset run with :func:`moelora_lib.common.aligned16` replaced by the
+    identity in :class:`LayerRun` (the code before the fix), to show what this check detects.
+
+    Returns:
+        ``{"same": {launch: bool}, "misaligned_inputs": [names], "keys": {launch: [aligned, offset]}}``.
+    """
+    if _interpreted():
+        job = dict(op="offset_keys", T=T, H=H, I=I, E=E, K=K, L=L, R=R, S=S, dtype=dtype)
+        job.update(activation=activation, has_bias=has_bias, realign=realign)
+        return run_isolated([job])[0]
+    from contextlib import nullcontext
+    from unittest import mock
+
+    from ..common import parse_dtype
+    from ..kernels.stages import LAUNCH_OPS
+    from ..shapes import Dims
+
+    dims = Dims(T=T, H=H, I=I, E=E, top_k=K, adapters=L, rank=R, slices=S)
+    dt = parse_dtype(dtype)
+    keys: dict[str, list[str]] = {op: [] for op in LAUNCH_OPS}
+    misaligned: list[str] = []
+    for offset in (False, True):
+        patch = (
+            mock.patch("moelora_lib.kernels.stages.aligned16", lambda t, name="": t)
+            if offset and not realign
+            else nullcontext()
+        )
+        with patch:
+            run, bad = _cpu_layer_run(dims, dt, activation, has_bias, offset)
+        if offset:
+            misaligned = bad
+        for op in LAUNCH_OPS:
+            la = run.launch_args(op)
+            keys[op].append(
+                specialization_key(
+                    _jit(la.kernel, False), la.args, la.constexprs, la.num_warps, la.num_stages
+                )
+            )
+    return {
+        "same": {op: k[0] == k[1] for op, k in keys.items()},
+        "misaligned_inputs": misaligned,
+        "keys": keys,
+    }
+
+
+def align_length_keys(
+    lengths=None,
+    *,
+    E: int = 32,
+    K: int = 4,
+    L: int = 8,
+    block_size_m: int = 16,
+    layout: str = "contiguous",
+    workspace: bool = True,
+    tile: int | None = None,
+) -> dict:
+    """Specialization keys of the three Triton alignment kernels over prompt lengths.
+
+    For each T in ``lengths`` (default: ``moe_bench.log_spaced_lengths(32)``, 63 lengths in
+    [1, 8192]) the base (expert-only) and LoRA alignments of :func:`_routing`'s ids are described by
+    :func:`moelora_lib.kernels.align.align_launch_args` (nothing launched) — through one
+    :func:`~moelora_lib.kernels.align.align_workspace` for the largest T, as the serving layer calls
+    them (``workspace=True``), or with fresh outputs (``fused_moe_lora`` on CUDA).
+
+    ``layout`` of the caller's id tensors: ``"contiguous"``; ``"offset"`` (topk_ids and lora_ids one
+    element into their buffers: data pointers not 16-byte aligned); ``"transposed"`` (topk_ids a
+    column-major view, stride (1, T); lora_ids every other element).
+
+    Returns:
+        ``{launch: {"keys": n, "classes": n, "max_keys_per_class": n, "per_length": {T: key index},
+        "key_list": [...]}}`` per launch ``base_count``, ``base_scan``, ``base_scatter``,
+        ``lora_count``, ``lora_scan``, ``lora_scatter``; a class is one tuple of constexpr values
+        (TILE from T·K and the scan's TC/GB from NT follow T on purpose; a fixed ``tile`` pins TILE),
+        so ``max_keys_per_class == 1`` means no int or pointer argument adds a variant.
+    """
+    if lengths is None:
+        from .moe_bench import log_spaced_lengths
+
+        lengths = log_spaced_lengths(32)
+    lengths = [int(t) for t in lengths]
+    if _interpreted():
+        job = dict(op="align_keys", lengths=lengths, E=E, K=K, L=L, block_size_m=block_size_m)
+        job.update(layout=layout, workspace=workspace, tile=tile)
+        r = run_isolated([job])[0]
+        for v in r.values():
+            v["per_length"] = {int(t): i for t, i in v["per_length"].items()}
+        return r
+    import torch
+
+    from ..kernels.align import align_launch_args, align_workspace
+
+    if layout not in ("contiguous", "offset", "transposed"):
+        raise ValueError(f"layout must be 'contiguous', 'offset' or 'transposed', got {layout!r}")
+    ws = {}
+    if workspace:
+        n_max = max(lengths) * K
+        ws = {0: align_workspace(n_max, E, block_size_m, 0, tile=tile)}
+        ws[L] = align_workspace(n_max, E, block_size_m, L, tile=tile)
+    out: dict[str, dict] = {}
+    for T in lengths:
+        topk_ids, lora_ids = _routing(T, E, K, L)
+        if layout == "offset":
+            topk_ids, lora_ids = _offset_view(topk_ids, True), _offset_view(lora_ids, True)
+            assert topk_ids.data_ptr() % 16 and lora_ids.data_ptr() % 16
+        elif layout == "transposed":
+            topk_ids = topk_ids.t().contiguous().t()
+            lora_ids = torch.stack([lora_ids, lora_ids], 1).reshape(-1)[::2]
+        for role, lo, n_ad in (("base", None, 0), ("lora", lora_ids, L)):
+            _, launches = align_launch_args(topk_ids, E, block_size_m, lo, n_ad, out=ws.get(n_ad), tile=tile)
+            for ln in launches:
+                r = out.setdefault(f"{role}_{ln.name}", {"key_list": [], "per_length": {}, "by_class": {}})
+                key = specialization_key(ln.kernel, ln.args, ln.constexprs)
+                if key not in r["key_list"]:
+                    r["key_list"].append(key)
+                cls = repr(sorted(ln.constexprs.items()))
+                r["by_class"].setdefault(cls, set()).add(key)
+                r["per_length"][T] = r["key_list"].index(key)
+    return {
+        name: {
+            "keys": len(r["key_list"]),
+            "classes": len(r["by_class"]),
+            "max_keys_per_class": max(len(v) for v in r["by_class"].values()),
+            "per_length": r["per_length"],
+            "key_list": r["key_list"],
+        }
+        for name, r in out.items()
+    }
+
+
+# --------------------------------------------------------------------------------------------------
 # subprocess runner and CLI
 # --------------------------------------------------------------------------------------------------
 def _run_job(job: dict) -> dict:
@@ -593,15 +816,20 @@ def _run_job(job: dict) -> dict:
         return variants(job.pop("kernel"), job.pop("specialize_lengths"), job.pop("lengths"), **job)
     if op == "inspect":
         return inspect_job(job.pop("launch"), job.pop("T"), **job)
+    if op == "offset_keys":
+        return offset_view_keys(**job)
+    if op == "align_keys":
+        return align_length_keys(job.pop("lengths"), **job)
     raise ValueError(f"unknown op {op!r}")
 
 
 def run_isolated(jobs: list[dict], timeout: float = 600.0) -> list[dict]:
     """Run compile jobs in one fresh subprocess without TRITON_INTERPRET; return their results.
 
-    Jobs: ``{"op": "count", "kernel", "specialize_lengths", "lengths", ...variants() kwargs}`` or
-    ``{"op": "inspect", "launch", "T", ...inspect_job() kwargs}``. A failing job raises
-    RuntimeError with the subprocess's stderr.
+    Jobs: ``{"op": "count", "kernel", "specialize_lengths", "lengths", ...variants() kwargs}``,
+    ``{"op": "inspect", "launch", "T", ...inspect_job() kwargs}``, ``{"op": "offset_keys",
+    ...offset_view_keys() kwargs}`` or ``{"op": "align_keys", "lengths", ...align_length_keys()
+    kwargs}``. A failing job raises RuntimeError with the subprocess's stderr.
     """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")

@@ -68,9 +68,10 @@ class _Scratch:
             inter13=torch.zeros(S * P * R, dtype=torch.float32, device=dev),
             inter2=torch.zeros(P * R, dtype=torch.float32, device=dev),
         )
-        if not fused_add:  # stages that store the delta, then add it
-            self.bufs["delta13"] = torch.zeros(P * 2 * I, **f)
-            self.bufs["delta2"] = torch.zeros(P * H, **f)
+        if not fused_add:  # stages that store the delta (fp32 for fp16: no overflow), then add it
+            fd = dict(dtype=torch.float32 if dt == torch.float16 else dt, device=dev)
+            self.bufs["delta13"] = torch.zeros(P * 2 * I, **fd)
+            self.bufs["delta2"] = torch.zeros(P * H, **fd)
         self.max_num_pairs, self.E, self.device = P, E, dev
         self.workspaces: dict[tuple, AlignWorkspace] = {}
         self.users: weakref.WeakSet = weakref.WeakSet()  # the live layers using this scratch

@@ -104,3 +104,45 @@ def test_fp16_rank_intermediate_beyond_fp16_range(case, stage, device):
     assert out.dtype == torch.float16
     assert torch.isfinite(out).all(), f"{int((~torch.isfinite(out).all(1)).sum())} of 4 rows not finite"
     assert_close_rel(out, ref, torch.float16)
+
+
+def _big_delta_inputs() -> tuple[list, dict]:
+    """A gate_up LoRA delta beyond fp16's range on a base that brings h back into range.
+
+    x = 1; every gate row of w13 = -10 000 / H (base gate = -10 000), up rows small; adapter 0 of rank
+    16 with rank row BIG_RANK of A13 = 1 (x·A = H = 64) and, on the gate slice, column BIG_RANK of B13 =
+    70 000 / 64, so the gate delta is 70 000 (> 65 504) and the gate 60 000 (finite; g = silu(gate)·up
+    stays in range because up is small). Stages that store the delta before adding it must not round
+    it to fp16 alone."""
+    inp = make_inputs(TINY, 4, rank=16, num_adapters=1, pattern="uniform", slices=2)
+    g = torch.Generator().manual_seed(11)
+    H = TINY.hidden
+    w13 = 0.02 * torch.randn(inp.w13.shape, generator=g)
+    w13[:, : TINY.intermediate, :] = -10_000.0 / H  # gate rows ([gate | up] for silu)
+    w2 = 1e-6 * torch.randn(inp.w2.shape, generator=g)
+    a13 = torch.zeros(inp.lora_a13.shape)
+    b13 = torch.zeros(inp.lora_b13.shape)
+    a13[0, :, :, BIG_RANK, :] = 1.0
+    b13[0, :, 0, :, BIG_RANK] = 70_000.0 / H  # gate slice only
+    a2 = 0.02 * torch.randn(inp.lora_a2.shape, generator=g)
+    b2 = 0.02 * torch.randn(inp.lora_b2.shape, generator=g)
+    x = torch.ones_like(inp.hidden_states)
+    lora_ids = torch.zeros(4, dtype=torch.int32)
+    args = [x, w13, w2, inp.topk_weights, inp.topk_ids, lora_ids, a13, b13, a2, b2]
+    return args, inp.kwargs()
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_fp16_stored_delta_beyond_fp16_range(stage, device):
+    args, kw = _big_delta_inputs()
+    ref = moe_lora_reference(*args, **kw)
+    assert torch.isfinite(ref).all()
+    half = [
+        a.to(device=device, dtype=torch.float16) if i not in (3, 4, 5) else a.to(device)
+        for i, a in enumerate(args)
+    ]
+    out = fused_moe_lora(*half, **kw, stage=stage)
+    assert torch.isfinite(out).all(), (
+        f"stage {stage}: {int((~torch.isfinite(out).all(1)).sum())} rows not finite"
+    )
+    assert_close_rel(out, ref, torch.float16)

@@ -195,7 +195,8 @@ class LayerRun:
     * ``buffers``: preallocated contiguous tensors by name — ``h`` [P, 2I], ``g`` [P, I], ``y`` [P, H]
       (hidden_states' dtype), ``tw`` [P] float32 (receives the flat routing weights), ``inter_gate_up``
       [S, P, R] and ``inter_down`` [1, P, R] float32 (the rank intermediates), and for stages without
-      fused add ``delta_gate_up`` [P, 2I] and ``delta_down`` [P, H]; P = T·K. A missing name is
+      fused add ``delta_gate_up`` [P, 2I] and ``delta_down`` [P, H] (float32 when hidden_states is
+      float16, else its dtype); P = T·K. A missing name is
       allocated as before.
     """
 
@@ -383,7 +384,13 @@ class LayerRun:
             self._expand(f"{proj}_expand", inter, out, add_inputs=True)
         else:
             delta = self.buffers.get(f"delta_{proj}")
-            delta = torch.zeros_like(out) if delta is None else delta.zero_()
+            if delta is None:
+                # fp16 stores the delta in fp32: a delta beyond 65 504 on a base that brings the sum
+                # back into range must not overflow (the fused add never rounds the delta alone)
+                dt = torch.float32 if out.dtype == torch.float16 else out.dtype
+                delta = torch.zeros(out.shape, dtype=dt, device=out.device)
+            else:
+                delta.zero_()
             self._expand(f"{proj}_expand", inter, delta, add_inputs=False)
             out.add_(delta)
 

@@ -18,10 +18,13 @@ import sys
 import textwrap
 import warnings
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # conftest.py sets it too; read at compile time
-
 import pytest
 import torch
+
+# conftest.py sets TRITON_INTERPRET=1 on machines without CUDA (read when a kernel is decorated); never
+# here on a GPU host: a kernel module imported later in the same pytest process would be interpreted
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from moelora_lib.helion_linear import (
     BUCKETS,

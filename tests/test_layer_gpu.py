@@ -131,3 +131,13 @@ def test_shared_scratch_two_layers_in_one_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, want)
+
+
+def test_kernels_are_compiled_not_interpreted():
+    # a test module that set TRITON_INTERPRET at import once made every kernel module imported after it
+    # run under the interpreter in the GPU test process
+    from moelora_lib.kernels import align, id_bounds, route
+    from moelora_lib.kernels.triton_kernels import KERNELS
+
+    for k in (route._route, id_bounds._id_bounds, align._align_count_kernel, KERNELS["fused_moe"][False]):
+        assert type(k).__name__ == "JITFunction", type(k).__name__

@@ -79,6 +79,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..common import gpu_name, write_json_atomic
 from ..kernels.config import BASE_OPS, LORA_OPS, LayerConfig, OpConfig
 from ..shapes import Dims
@@ -319,8 +321,9 @@ def load_config_file(path: str | os.PathLike, op: str) -> dict:
 
 
 def clear_cache() -> None:
-    """Forget parsed files and which fallbacks were already warned about."""
+    """Forget parsed files, resolved configs and which fallbacks were already warned about."""
     _load_cached.cache_clear()
+    _RESOLVED.clear()
     _WARNED.clear()
 
 
@@ -473,9 +476,31 @@ def load_layer_config(
         for the GPU (e.g. an unknown GPU, nothing shipped for it) gives the defaults with one
         :class:`TunedConfigWarning` per (GPU, folder set) naming the GPU and the folders searched.
     """
-    from ..kernels.stages import as_dims, default_config
+    from ..kernels.stages import as_dims
 
     dims = as_dims(dims, *legacy)
+    # Resolved once per (dims, arguments, environment, device, GPU mapping): the lookup stats files and
+    # walks the JSON (~20 µs on a 2-core CPU, ~160 µs on the H200's host, notebook 09), which an eager
+    # layer call cannot afford. clear_cache() and save_config_file() forget the resolved configs.
+    dev = torch.cuda.current_device() if torch.cuda.is_available() else -1
+    memo_key = (dims, None if folder is None else str(folder), gpu_name, os.environ.get(ENV_VAR), dev)
+    memo_key += (tuple(sorted(_GPU_MAP.items())),)
+    cfg = _RESOLVED.get(memo_key)
+    if cfg is None:
+        cfg = _resolve_layer_config(dims, folder, gpu_name)
+        if len(_RESOLVED) >= 65536:  # bounded: a server sees at most max_tokens distinct T per shape
+            _RESOLVED.clear()
+        _RESOLVED[memo_key] = cfg
+    return cfg
+
+
+#: load_layer_config's resolved configs (see there); cleared by clear_cache() and save_config_file().
+_RESOLVED: dict = {}
+
+
+def _resolve_layer_config(dims: Dims, folder, gpu_name: str | None) -> LayerConfig:
+    from ..kernels.stages import default_config
+
     mapped_from = None
     if gpu_name:
         gpu = gpu_name
@@ -543,4 +568,5 @@ def save_config_file(path: str | os.PathLike, data: dict) -> Path:
 
     An interrupted write leaves the old file (or none), never half a JSON. Returns the path.
     """
+    _RESOLVED.clear()  # a resolved config may come from the file being replaced
     return write_json_atomic(path, _sorted(data), indent=1)

@@ -1,0 +1,530 @@
+"""Measurements of the serving layer (notebook 09): alignment, eager host overhead, the whole layer in
+one CUDA graph, compiled variants, memory.
+
+Every function returns tidy rows (:func:`moelora_lib.studies.bench.result_row`) that the notebook
+writes to ``data/09_*.csv``; on the CPU profile the same code runs at tiny shapes through the Triton
+interpreter (then times are interpreter cost, never performance, and the rows say ``mode =
+"cpu-interpreter"``).
+
+Method (same as the anchor table, docs/anchors-h200.md): GPU times are medians of CUDA-graph replays
+timed by ``triton.testing.do_bench`` with its L2 flush before every replay
+(:func:`moelora_lib.studies.bench.time_fn`, mode "graph"). Eager wall times are host clocks
+(``time.perf_counter``) around one call followed by ``torch.cuda.synchronize()``, median over many
+calls, after warm-up (so they include the host's Python and launch costs, and whatever GPU time is
+not hidden behind them).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..common import MisalignedCopyWarning
+from ..kernels import STAGES
+from ..kernels.align import align_tokens_triton, align_workspace
+from ..kernels.id_bounds import id_bounds_triton
+from ..kernels.route import route_triton
+from ..layer import MoELoRALayer
+from ..moe_lora import fused_moe_lora, make_layer_run, validate_moe_lora_inputs
+from ..routing import Alignment, align_tokens, id_value_bounds
+from ..shapes import Dims, MoEShape, get_shape
+from ..workloads import MoELoRAInputs
+from . import bench
+from .moe_bench import layer_inputs, log_spaced_lengths
+
+__all__ = [
+    "SHAPES",
+    "TOKENS",
+    "alignments_equal",
+    "align_rows",
+    "build_layer",
+    "wall_us",
+    "eager_rows",
+    "host_breakdown_rows",
+    "graph_rows",
+    "variant_rows",
+    "memory_rows",
+    "jit_cache_sizes",
+]
+
+#: The two MoE models of the serving-layer targets, and the token counts of the anchor table.
+SHAPES = ("gpt-oss-20b", "qwen3-30b-a3b")
+TOKENS = (1, 8, 64, 256, 1600, 8192)
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def alignments_equal(a: Alignment, b: Alignment) -> bool:
+    """True when two alignments are bit-identical (ids, block ids, padded length, sizes)."""
+    return (
+        a.block_size_m == b.block_size_m
+        and a.num_pairs == b.num_pairs
+        and torch.equal(a.sorted_token_ids.cpu(), b.sorted_token_ids.cpu())
+        and torch.equal(a.block_expert_ids.cpu(), b.block_expert_ids.cpu())
+        and torch.equal(a.block_lora_ids.cpu(), b.block_lora_ids.cpu())
+        and torch.equal(a.num_tokens_post_padded.cpu(), b.num_tokens_post_padded.cpu())
+    )
+
+
+def _shape(shape: MoEShape | str) -> MoEShape:
+    return shape if isinstance(shape, MoEShape) else get_shape(shape)
+
+
+def _time(fn: Callable[[], Any], device, **kw) -> bench.Timing:
+    return bench.time_fn(fn, "graph", device, **kw)
+
+
+def _row(shape: MoEShape, T: int, tm: bench.Timing, **fields) -> dict[str, Any]:
+    return bench.result_row(
+        model=shape.name, T=T, mode=tm.mode, us_p50=tm.ms_p50 * 1e3, us_p20=tm.ms_p20 * 1e3,
+        us_p80=tm.ms_p80 * 1e3, **fields,
+    )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------
+# alignment: torch oracle vs Triton
+# ------------------------------------------------------------------------------------------------
+def align_rows(
+    shape: MoEShape | str,
+    T: int,
+    *,
+    device="cuda",
+    adapters: int = 8,
+    rank: int = 32,
+    seed: int = 0,
+    pair_fn: Callable | None = None,
+) -> list[dict[str, Any]]:
+    """Base + LoRA alignment of one layer call at T tokens, torch vs Triton (and ``pair_fn``).
+
+    The BLOCK_SIZE_M of each alignment are the tuned stage's for this T. Routing: softmax top-k of
+    N(0, 1) logits; adapters spread evenly (``pattern="uniform"``, 1/(L+1) of tokens without one).
+    Implementations: ``torch`` (:func:`moelora_lib.routing.align_tokens`, ~40 torch ops), ``triton``
+    (:func:`~moelora_lib.kernels.align.align_tokens_triton` twice, 2 × 3 launches, preallocated
+    workspaces), and ``pair_fn`` if given: a callable (topk_ids, E, base_bm, lora_ids, L, lora_bm)
+    returning a no-argument function that aligns both (e.g. a one-launch path) and returns the two
+    alignments. Each row: impl, us_p50 (graph replay, L2 flushed), identical (bit-for-bit equal to
+    the torch result).
+    """
+    sh = _shape(shape)
+    inp = layer_inputs(sh, T, rank=rank, num_adapters=adapters, device=device, seed=seed, weights=None)
+    ti, li, E, L = inp.topk_ids, inp.lora_ids, sh.experts, adapters
+    cfg = STAGES["tuned"].adapt(STAGES["tuned"].config_for(Dims.of(sh, T, rank=rank, adapters=adapters)))
+    bmb, bml = cfg.base_block_size_m, cfg.lora_block_size_m
+    N = T * sh.top_k
+    ws_b = align_workspace(N, E, bmb, 0, device=device)
+    ws_l = align_workspace(N, E, bml, L, device=device)
+
+    def torch_fn():
+        return (
+            align_tokens(ti, E, bmb, check_values=False),
+            align_tokens(ti, E, bml, lora_ids=li, num_adapters=L, check_values=False),
+        )
+
+    def triton_fn():
+        return (
+            align_tokens_triton(ti, E, bmb, out=ws_b),
+            align_tokens_triton(ti, E, bml, lora_ids=li, num_adapters=L, out=ws_l),
+        )
+
+    impls = {"torch": torch_fn, "triton": triton_fn}
+    if pair_fn is not None:
+        impls["triton_one_launch"] = pair_fn(ti, E, bmb, li, L, bml)
+    ref = torch_fn()
+    rows = []
+    for name, fn in impls.items():
+        got = fn()
+        same = all(alignments_equal(r, g) for r, g in zip(ref, got))
+        tm = _time(fn, device)
+        rows.append(
+            _row(sh, T, tm, impl=name, E=E, K=sh.top_k, L=L, bm_base=bmb, bm_lora=bml, identical=same)
+        )
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------
+# the module
+# ------------------------------------------------------------------------------------------------
+def build_layer(
+    inp: MoELoRAInputs, shape: MoEShape | str, *, max_tokens: int, stage: str = "tuned", **kw
+) -> MoELoRALayer:
+    """A :class:`~moelora_lib.layer.MoELoRALayer` over the weights of ``inp`` (no copy of the expert
+    weights) with its L adapters loaded into slots 0..L-1 (scaling already folded, so 1.0)."""
+    sh = _shape(shape)
+    L, R = inp.lora_a13.shape[0], inp.lora_a13.shape[3]
+    layer = MoELoRALayer(
+        inp.w13,
+        inp.w2,
+        top_k=inp.topk_ids.shape[1],
+        num_adapters=L,
+        max_rank=R,
+        max_tokens=max_tokens,
+        slices=inp.lora_a13.shape[2],
+        b13=inp.b13,
+        b2=inp.b2,
+        activation=inp.activation,
+        renormalize=sh.renormalize,
+        stage=stage,
+        **kw,
+    )
+    for slot in range(L):
+        layer.load_adapter(
+            slot,
+            gate_up=(inp.lora_a13[slot], inp.lora_b13[slot]),
+            down=(inp.lora_a2[slot], inp.lora_b2[slot]),
+        )
+    return layer
+
+
+def wall_us(fn: Callable[[], Any], device, *, reps: int = 200, warmup: int = 10) -> tuple[float, float]:
+    """(median wall µs of one call incl. ``synchronize`` after it, median µs until the call returns).
+
+    Each repetition starts from an idle GPU (synchronize first), so a call's wall time is its host
+    time plus the GPU time that is not hidden behind it."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    wall, host = [], []
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+        _sync(device)
+        t2 = time.perf_counter()
+        host.append((t1 - t0) * 1e6)
+        wall.append((t2 - t0) * 1e6)
+    return statistics.median(wall), statistics.median(host)
+
+
+def _public_kernels(inp: MoELoRAInputs, stage: str) -> Callable[[], Any]:
+    """The kernels one public call launches (id bounds, Triton alignment, the layer), without its host
+    sync and value check: capturable, so its GPU time can be replayed."""
+
+    bounds = id_bounds_triton if inp.topk_ids.device.type == "cuda" else id_value_bounds
+
+    def fn():
+        bounds(inp.topk_ids, inp.lora_ids)
+        return make_layer_run(*inp.args(), **inp.kwargs(), stage=stage, check_values=False)()
+
+    return fn
+
+
+def eager_rows(
+    shape: MoEShape | str,
+    T: int,
+    inp: MoELoRAInputs,
+    layer: MoELoRALayer,
+    *,
+    device="cuda",
+    stage: str = "tuned",
+    reps: int = 200,
+) -> list[dict[str, Any]]:
+    """Eager wall time of the public call and of the module at T tokens, beside their kernels' GPU time.
+
+    Rows (``what``): ``public`` (:func:`fused_moe_lora`, all checks), ``module_topk`` (the module with
+    top-k weights/ids), ``module_logits`` (the module routing from logits): wall_us (incl. the final
+    synchronize) and host_us (until the call returns); ``public_kernels`` / ``module_kernels``: the GPU
+    time of the same launches replayed in a CUDA graph without an L2 flush (consecutive eager calls
+    see the same L2), and ``layer_kernels``: the layer's launches alone with a precomputed alignment.
+    On the CPU profile the rows time the interpreter (no performance number).
+    """
+    sh = _shape(shape)
+    x, tw, ti, li, lg = inp.hidden_states, inp.topk_weights, inp.topk_ids, inp.lora_ids, inp.router_logits
+    calls = {
+        "public": lambda: fused_moe_lora(*inp.args(), **inp.kwargs(), stage=stage),
+        "module_topk": lambda: layer(x, topk_weights=tw, topk_ids=ti, lora_ids=li),
+        "module_logits": lambda: layer(x, lg, lora_ids=li),
+    }
+    rows = []
+    on_gpu = torch.device(device).type == "cuda"
+    for what, fn in calls.items():
+        if on_gpu:
+            w, h = wall_us(fn, device, reps=reps)
+        else:
+            w, h = wall_us(fn, device, reps=1, warmup=0)
+        rows.append(
+            bench.result_row(
+                model=sh.name,
+                T=T,
+                what=what,
+                mode="eager" if on_gpu else "cpu-interpreter",
+                wall_us=w,
+                host_us=h,
+            )
+        )
+    run = make_layer_run(*inp.args(), **inp.kwargs(), stage=stage, check_values=False)
+    kernels = {
+        "public_kernels": _public_kernels(inp, stage),
+        "module_kernels": calls["module_logits"],
+        "layer_kernels": run,
+    }
+    for what, fn in kernels.items():
+        tm = bench.time_fn(fn, "graph", device, flush_l2=False)
+        rows.append(bench.result_row(model=sh.name, T=T, what=what, mode=tm.mode, gpu_us=tm.ms_p50 * 1e3))
+    return rows
+
+
+def host_breakdown_rows(
+    shape: MoEShape | str, T: int, inp: MoELoRAInputs, *, device="cuda", stage: str = "tuned", reps: int = 100
+) -> list[dict[str, Any]]:
+    """Host µs of each step of one public call (median, GPU idle before each step, no sync inside):
+    validation, config pick, id bounds + pinned copy, the two Triton alignments, building the
+    LayerRun, the layer's launches + reduction (also one by one, ``launch.*``), and two floors of
+    this host: one tiny Triton launch (``floor.triton_launch``) and one tiny torch op
+    (``floor.torch_op``). Tells where the eager overhead goes."""
+    sh = _shape(shape)
+    dims = Dims.of(
+        sh, T, rank=inp.lora_a13.shape[3], adapters=inp.lora_a13.shape[0], slices=inp.lora_a13.shape[2]
+    )
+    st = STAGES[stage]
+    cfg = st.adapt(st.config_for(dims))
+    E, L = sh.experts, inp.lora_a13.shape[0]
+    bounds = id_bounds_triton if torch.device(device).type == "cuda" else id_value_bounds
+    pinned = torch.empty(4, dtype=torch.int64, pin_memory=torch.device(device).type == "cuda")
+    run = make_layer_run(*inp.args(), **inp.kwargs(), stage=stage, check_values=False)
+    al = (run.base_align, run.lora_align, run.lora_align_down)
+    from ..kernels import LayerRun
+
+    steps = {
+        "validate": lambda: validate_moe_lora_inputs(*inp.args(), inp.activation, inp.b13, inp.b2, False),
+        "config": lambda: st.config_for(dims),
+        "id_bounds": lambda: pinned.copy_(bounds(inp.topk_ids, inp.lora_ids), non_blocking=True),
+        "alignments": lambda: (
+            align_tokens_triton(inp.topk_ids, E, cfg.base_block_size_m),
+            align_tokens_triton(
+                inp.topk_ids, E, cfg.lora_block_size_m, lora_ids=inp.lora_ids, num_adapters=L
+            ),
+        ),
+        "layer_run": lambda: LayerRun(st, *inp.args(), **inp.kwargs(), config=cfg, alignments=al),
+        "launches": run,
+        # the launches one by one (run.base_gate_up() ... run.reduce())
+        "launch.base_gate_up": run.base_gate_up,
+        "launch.lora_gate_up": run.lora_gate_up,  # shrink (+ zeroing for split-K) + expand
+        "launch.act": run.act,
+        "launch.base_down": run.base_down,
+        "launch.lora_down": run.lora_down,
+        "launch.reduce": run.reduce,
+        # floors of this host: one tiny Triton launch, one tiny torch op
+        "floor.triton_launch": lambda: id_bounds_triton(inp.topk_ids, None),
+        "floor.torch_op": lambda: inp.topk_weights.sum(),
+    }
+    rows = []
+    n = reps if torch.device(device).type == "cuda" else 1
+    for what, fn in steps.items():
+        fn()
+        times = []
+        for _ in range(n):
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e6)
+        _sync(device)
+        rows.append(bench.result_row(model=sh.name, T=T, step=what, host_us=statistics.median(times)))
+    return rows
+
+
+def graph_rows(
+    shape: MoEShape | str, T: int, inp: MoELoRAInputs, layer: MoELoRALayer, *, device="cuda", stage="tuned"
+) -> list[dict[str, Any]]:
+    """The whole layer in one CUDA graph at T tokens, beside the layer's kernels alone.
+
+    Rows (``what``): ``layer_kernels`` (the seven launches with a precomputed alignment: what the
+    anchor table's vLLM figures also time — vLLM's alignment is not in them), ``module_topk`` (Triton
+    alignment + layer), ``module_logits`` (softmax top-k routing + alignment + layer); graph replay,
+    L2 flushed. ``max_abs_diff``: the module's output against the public call's given the same routing
+    (0 = bit-identical; the module routes with :func:`~moelora_lib.kernels.route.route_triton`).
+    """
+    sh = _shape(shape)
+    x, tw, ti, li, lg = inp.hidden_states, inp.topk_weights, inp.topk_ids, inp.lora_ids, inp.router_logits
+    ref = fused_moe_lora(*inp.args(), **inp.kwargs(), stage=stage)
+    # the module routes with route_triton (fp32 rounding of its own): compare with the public call
+    # given the same routing
+    rw, ri = route_triton(lg, ti.shape[1], sh.renormalize)
+    ref_logits = fused_moe_lora(x, inp.w13, inp.w2, rw, ri, *inp.args()[5:], **inp.kwargs(), stage=stage)
+    run = make_layer_run(*inp.args(), **inp.kwargs(), stage=stage, check_values=False)
+    fns = {
+        "layer_kernels": run,
+        "module_topk": lambda: layer(x, topk_weights=tw, topk_ids=ti, lora_ids=li),
+        "module_logits": lambda: layer(x, lg, lora_ids=li),
+    }
+    refs = {"layer_kernels": ref, "module_topk": ref, "module_logits": ref_logits}
+    rows = []
+    for what, fn in fns.items():
+        diff = (fn().float() - refs[what].float()).abs().max().item() if T else 0.0
+        tm = _time(fn, device)
+        rows.append(_row(sh, T, tm, what=what, max_abs_diff=diff))
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------
+# compiled variants and memory
+# ------------------------------------------------------------------------------------------------
+def jit_cache_sizes(device: int | None = None) -> dict[str, int]:
+    """Compiled binaries in the JIT caches of every kernel a layer call launches (the layer's kernels
+    without length specialization, routing, id bounds, the alignment kernels). GPU only (0 under the
+    interpreter)."""
+    import importlib
+
+    from ..kernels.triton_kernels import KERNELS
+
+    jits = {name: flav[False] for name, flav in KERNELS.items()}
+    for mod_name in ("align", "align_small", "route", "id_bounds"):
+        try:
+            mod = importlib.import_module(f"moelora_lib.kernels.{mod_name}")
+        except ImportError:
+            continue
+        for name in dir(mod):
+            obj = getattr(mod, name)
+            # the launched kernels: jitted functions (device helpers are jitted too but never launched,
+            # so their caches stay empty)
+            if hasattr(obj, "device_caches") or type(obj).__name__ in ("JITFunction", "InterpretedFunction"):
+                jits[f"{mod_name}.{name.strip('_')}"] = obj
+    if not torch.cuda.is_available():
+        return dict.fromkeys(jits, 0)
+    dev = torch.cuda.current_device() if device is None else device
+    out = {}
+    for name, k in jits.items():
+        caches = getattr(k, "device_caches", None)
+        out[name] = len(caches[dev][0]) if caches is not None and dev in caches else 0
+    return out
+
+
+def _misaligned(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` whose data pointer is one element past a fresh allocation (not 16-byte aligned
+    for 2- and 4-byte dtypes)."""
+    flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    v = flat[1:].view(t.shape)
+    v.copy_(t)
+    return v
+
+
+#: Launch sites of each layer kernel in one forward (gate_up and down for the GEMMs and LoRA ops).
+LAUNCH_SITES = {"fused_moe": 2, "lora_shrink": 2, "lora_expand": 2, "gated_act": 1}
+
+
+def alignment_settings(layer: MoELoRALayer, cfg, lengths: Sequence[int]) -> dict[str, int]:
+    """Distinct constexpr settings of each alignment kernel over ``lengths`` for this layer and config
+    (built with :func:`~moelora_lib.kernels.align.align_launch_args` on CPU ids; nothing launched)."""
+    from ..kernels.align import align_launch_args
+
+    seen: dict[str, set] = {}
+    c = layer.stage.adapt(cfg)
+    for T in lengths:
+        ti = torch.zeros((T, layer.K), dtype=torch.int32)
+        li = torch.zeros((T,), dtype=torch.int32)
+        for bm, lora in ((c.base_block_size_m, None), (c.lora_block_size_m, li)):
+            _, launches = align_launch_args(ti, layer.E, bm, lora, layer.L if lora is not None else 0)
+            for la in launches:
+                seen.setdefault(f"align.align_{la.name}_kernel", set()).add(
+                    tuple(sorted(la.constexprs.items()))
+                )
+    return {k: len(v) for k, v in seen.items()}
+
+
+def variant_rows(
+    shape: MoEShape | str, layer: MoELoRALayer, weights: MoELoRAInputs, *, n_lengths: int = 32, device="cuda"
+) -> list[dict[str, Any]]:
+    """New compiled binaries per kernel when the module runs ``n_lengths`` log-spaced T (1..max_tokens)
+    with one fixed config, then the same lengths with every per-call input an offset view
+    (misaligned data pointers). Expected: no more new binaries per kernel than distinct compile-time
+    settings (``settings``: one per launch site for the layer's kernels; the alignment's tile sizes,
+    which follow T by design), and none for the offset views."""
+    sh = _shape(shape)
+    lengths = [t for t in log_spaced_lengths(n_lengths, 1, layer.max_tokens)]
+    fixed = STAGES[layer.stage.name].config_for(
+        Dims(
+            T=64,
+            H=layer.H,
+            I=layer.I,
+            E=layer.E,
+            top_k=layer.K,
+            adapters=layer.L,
+            rank=layer.R,
+            slices=layer.S,
+        )
+    )
+    saved, layer.fixed_config, layer._configs = layer.fixed_config, fixed, {}
+    settings = alignment_settings(layer, fixed, lengths)
+    rows = []
+    try:
+        before = jit_cache_sizes()
+        for T in lengths:
+            inp = layer_inputs(sh, T, weights=weights, device=device)
+            layer(inp.hidden_states, inp.router_logits, lora_ids=inp.lora_ids)
+        _sync(device)
+        after_lengths = jit_cache_sizes()
+        with warnings.catch_warnings():  # large misaligned inputs are copied, with a warning each
+            warnings.simplefilter("ignore", MisalignedCopyWarning)
+            for T in lengths:
+                inp = layer_inputs(sh, T, weights=weights, device=device)
+                layer(
+                    _misaligned(inp.hidden_states),
+                    topk_weights=_misaligned(inp.topk_weights),
+                    topk_ids=_misaligned(inp.topk_ids),
+                    lora_ids=_misaligned(inp.lora_ids),
+                )
+        _sync(device)
+        after_offsets = jit_cache_sizes()
+    finally:
+        layer.fixed_config, layer._configs = saved, {}
+    for k in before:
+        if torch.cuda.is_available() and after_offsets[k] == 0:
+            continue  # a device helper (inlined into a kernel, never launched) or a kernel not used
+        rows.append(
+            bench.result_row(
+                model=sh.name,
+                kernel=k,
+                n_lengths=len(lengths),
+                new_binaries_lengths=after_lengths[k] - before[k],
+                new_binaries_offset_views=after_offsets[k] - after_lengths[k],
+                binaries_total=after_offsets[k],
+                # distinct compile-time settings the lengths call for (the alignment's tile sizes follow
+                # T by design; the layer's kernels have one per launch site with a fixed config)
+                settings=settings.get(k, LAUNCH_SITES.get(k, 1)),
+            )
+        )
+    return rows
+
+
+def memory_rows(
+    shape: MoEShape | str, layer: MoELoRALayer, inp: MoELoRAInputs, *, device="cuda"
+) -> list[dict[str, Any]]:
+    """The module's bytes by kind (:meth:`MoELoRALayer.memory_report`) and the peak of temporaries one
+    forward at T = ``inp``'s T allocates (GPU: ``torch.cuda.max_memory_allocated`` above the memory in
+    use before the call; CPU: not measured, None)."""
+    sh = _shape(shape)
+    T = inp.hidden_states.shape[0]
+    layer(inp.hidden_states, inp.router_logits, lora_ids=inp.lora_ids)  # workspaces allocated
+    temp = None
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        m0 = torch.cuda.memory_allocated()
+        out = layer(inp.hidden_states, inp.router_logits, lora_ids=inp.lora_ids)
+        torch.cuda.synchronize()
+        temp = torch.cuda.max_memory_allocated() - m0
+        del out
+    rep = layer.memory_report()
+    return [
+        bench.result_row(
+            model=sh.name,
+            T=T,
+            max_tokens=layer.max_tokens,
+            kind=k,
+            value=None if v is None else int(v),
+        )
+        for k, v in {**rep, "forward_temporaries": temp}.items()
+    ]
+
+
+def lengths_for(max_tokens: int, tokens: Sequence[int] = TOKENS) -> list[int]:
+    """The token counts of ``tokens`` that fit a layer of ``max_tokens``."""
+    return [t for t in tokens if t <= max_tokens]

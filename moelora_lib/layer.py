@@ -43,6 +43,13 @@ from . import ops
 from .common import is_int
 from .kernels import STAGES, LayerConfig, LayerRun
 from .kernels.align import AlignWorkspace, align_tokens_triton, align_workspace
+from .kernels.align_small import (
+    PAIR_PATH_MAX_PAIRS,
+    PairWorkspace,
+    align_tokens_pair,
+    pair_workspace,
+    use_pair_path,
+)
 from .kernels.route import route_triton
 from .moe_lora import _desc, validate_moe_lora_inputs
 from .routing import check_id_values, route
@@ -84,9 +91,20 @@ class _Scratch:
             self.workspaces[key] = ws
         return ws
 
+    def pair_workspace(self, max_num_pairs: int, E: int, bmb: int, L: int, bml: int) -> PairWorkspace:
+        key = ("pair", bmb, bml)
+        ws = self.workspaces.get(key)
+        if ws is None:
+            ws = pair_workspace(max_num_pairs, E, bmb, L, bml, device=self.device)
+            self.workspaces[key] = ws
+        return ws
+
     def nbytes(self) -> int:
         ts = list(self.bufs.values())
         for ws in self.workspaces.values():
+            if isinstance(ws, PairWorkspace):
+                ts.append(ws.buffer)
+                continue
             ts += [ws.sorted_token_ids, ws.block_expert_ids, ws.block_lora_ids, ws.num_tokens_post_padded]
             ts.append(ws.scratch)
         return sum(t.numel() * t.element_size() for t in ts)
@@ -540,9 +558,6 @@ class MoELoRALayer(torch.nn.Module):
         cfg = self.config_for(T)
         st = self.stage
         P = T * K
-        base_align = align_tokens_triton(
-            topk_ids, E, cfg.base_block_size_m, out=self._workspace("base", cfg.base_block_size_m, 0)
-        )
         # host-side coverage flags decide which LoRA launches exist (no device data is read)
         covers = self._covers
         loaded = [c for c in covers if c[0] or c[1]]
@@ -550,8 +565,8 @@ class MoELoRALayer(torch.nn.Module):
         do2 = any(c[1] for c in loaded)
         all_both = all(c == (True, True) for c in covers)
         shared = all(c[0] == c[1] for c in covers)  # one alignment serves both projections
-        bm = cfg.lora_block_size_m
-        al13 = al2 = None
+        bmb, bm = cfg.base_block_size_m, cfg.lora_block_size_m
+        ids13 = ids2 = None
         if do13 or do2:
             if all_both:
                 ids13 = ids2 = lora_ids
@@ -560,17 +575,27 @@ class MoELoRALayer(torch.nn.Module):
             else:
                 ids13 = self._lora_ids_for(lora_ids, 0) if do13 else None
                 ids2 = self._lora_ids_for(lora_ids, 1) if do2 else None
-            if do13:
-                al13 = align_tokens_triton(
-                    topk_ids, E, bm, lora_ids=ids13, num_adapters=L, out=self._workspace("lora13", bm, L)
+        first = ids13 if do13 else ids2  # the LoRA alignment computed with the base one
+        if first is not None and use_pair_path(P, E, L):
+            # small T: base + first LoRA alignment in one launch (kernels/align_small.py)
+            ws = self._scratch.pair_workspace(min(self.max_tokens * K, PAIR_PATH_MAX_PAIRS), E, bmb, L, bm)
+            base_align, first_al = align_tokens_pair(topk_ids, E, bmb, first, L, bm, out=ws)
+        else:
+            base_align = align_tokens_triton(topk_ids, E, bmb, out=self._workspace("base", bmb, 0))
+            first_al = None
+            if first is not None:
+                role = "lora13" if do13 else "lora2"
+                first_al = align_tokens_triton(
+                    topk_ids, E, bm, lora_ids=first, num_adapters=L, out=self._workspace(role, bm, L)
                 )
-            if do2:
-                al2 = (
-                    al13
-                    if shared
-                    else align_tokens_triton(
-                        topk_ids, E, bm, lora_ids=ids2, num_adapters=L, out=self._workspace("lora2", bm, L)
-                    )
+        al13 = first_al if do13 else None
+        al2 = None
+        if do2:
+            if not do13 or shared:
+                al2 = first_al
+            else:
+                al2 = align_tokens_triton(
+                    topk_ids, E, bm, lora_ids=ids2, num_adapters=L, out=self._workspace("lora2", bm, L)
                 )
         bufs = {
             "h": self._view("h", (P, 2 * I)),

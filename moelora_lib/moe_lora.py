@@ -285,17 +285,25 @@ def make_layer_run(
 
 
 def _device_alignments(stage, config: LayerConfig, topk_ids, lora_ids, E: int, L: int):
-    """On CUDA: the Triton alignments (:func:`~moelora_lib.kernels.align.align_tokens_triton`, 2 × 3
-    launches, no host sync; pairs with out-of-range ids are dropped, never read out of bounds), one
-    LoRA alignment shared by both projections. On the CPU: None, so :class:`LayerRun` aligns with the
-    torch oracle (bit-identical; cheaper than the interpreted kernels)."""
+    """On CUDA: the Triton alignments, no host sync — up to
+    :data:`~moelora_lib.kernels.align_small.PAIR_PATH_MAX_PAIRS` pairs both in one launch
+    (:func:`~moelora_lib.kernels.align_small.align_tokens_pair`), above that
+    :func:`~moelora_lib.kernels.align.align_tokens_triton` (2 × 3 launches); pairs with out-of-range
+    ids are dropped, never read out of bounds; one LoRA alignment shared by both projections. On the
+    CPU: None, so :class:`LayerRun` aligns with the torch oracle (bit-identical; cheaper than the
+    interpreted kernels)."""
     if topk_ids.device.type != "cuda":
         return None
     from .kernels.align import align_tokens_triton
+    from .kernels.align_small import align_tokens_pair, use_pair_path
 
     cfg = stage.adapt(config)
-    base = align_tokens_triton(topk_ids, E, cfg.base_block_size_m)
-    lora = align_tokens_triton(topk_ids, E, cfg.lora_block_size_m, lora_ids=lora_ids, num_adapters=L)
+    bmb, bml = cfg.base_block_size_m, cfg.lora_block_size_m
+    if use_pair_path(topk_ids.numel(), E, L):  # small T: both alignments in one launch
+        base, lora = align_tokens_pair(topk_ids, E, bmb, lora_ids, L, bml)
+    else:
+        base = align_tokens_triton(topk_ids, E, bmb)
+        lora = align_tokens_triton(topk_ids, E, bml, lora_ids=lora_ids, num_adapters=L)
     return base, lora, lora
 
 
@@ -367,7 +375,7 @@ def fused_moe_lora(
     comes first.
 
     Eager host cost (why it is built this way, notebook 09): one call validates ~11 tensors in
-    Python, picks the config, and issues 1 (id bounds, :mod:`moelora_lib.kernels.id_bounds`) + 6
+    Python, picks the config, and issues 1 (id bounds, :mod:`moelora_lib.kernels.id_bounds`) + 1 or 6
     (alignment) + 7 (layer) kernel launches, a copy and a reduction; the ~40 torch ops of
     :func:`moelora_lib.routing.align_tokens` and the four host syncs of the earlier version are gone.
     """

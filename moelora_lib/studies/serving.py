@@ -27,6 +27,7 @@ import torch
 from ..common import MisalignedCopyWarning
 from ..kernels import STAGES
 from ..kernels.align import align_tokens_triton, align_workspace
+from ..kernels.align_small import MAX_GROUPS, SMALL_MAX_PAIRS, align_tokens_pair, pair_workspace
 from ..kernels.id_bounds import id_bounds_triton
 from ..kernels.route import route_triton
 from ..layer import MoELoRALayer
@@ -108,7 +109,10 @@ def align_rows(
     N(0, 1) logits; adapters spread evenly (``pattern="uniform"``, 1/(L+1) of tokens without one).
     Implementations: ``torch`` (:func:`moelora_lib.routing.align_tokens`, ~40 torch ops), ``triton``
     (:func:`~moelora_lib.kernels.align.align_tokens_triton` twice, 2 × 3 launches, preallocated
-    workspaces), and ``pair_fn`` if given: a callable (topk_ids, E, base_bm, lora_ids, L, lora_bm)
+    workspaces), ``triton_one_launch`` up to :data:`~moelora_lib.kernels.align_small.SMALL_MAX_PAIRS`
+    pairs (:func:`~moelora_lib.kernels.align_small.align_tokens_pair`: both in one launch; the layer
+    uses it up to :data:`~moelora_lib.kernels.align_small.PAIR_PATH_MAX_PAIRS`), and ``pair_fn`` if
+    given: a callable (topk_ids, E, base_bm, lora_ids, L, lora_bm)
     returning a no-argument function that aligns both (e.g. a one-launch path) and returns the two
     alignments. Each row: impl, us_p50 (graph replay, L2 flushed), identical (bit-for-bit equal to
     the torch result).
@@ -135,6 +139,9 @@ def align_rows(
         )
 
     impls = {"torch": torch_fn, "triton": triton_fn}
+    if N <= SMALL_MAX_PAIRS and (L + 1) * E <= MAX_GROUPS:
+        ws_p = pair_workspace(N, E, bmb, L, bml, device=device)
+        impls["triton_one_launch"] = lambda: align_tokens_pair(ti, E, bmb, li, L, bml, out=ws_p)
     if pair_fn is not None:
         impls["triton_one_launch"] = pair_fn(ti, E, bmb, li, L, bml)
     ref = torch_fn()
@@ -414,12 +421,17 @@ def alignment_settings(layer: MoELoRALayer, cfg, lengths: Sequence[int]) -> dict
     """Distinct constexpr settings of each alignment kernel over ``lengths`` for this layer and config
     (built with :func:`~moelora_lib.kernels.align.align_launch_args` on CPU ids; nothing launched)."""
     from ..kernels.align import align_launch_args
+    from ..kernels.align_small import pair_launch_args, use_pair_path
 
     seen: dict[str, set] = {}
     c = layer.stage.adapt(cfg)
     for T in lengths:
         ti = torch.zeros((T, layer.K), dtype=torch.int32)
         li = torch.zeros((T,), dtype=torch.int32)
+        if use_pair_path(T * layer.K, layer.E, layer.L):  # what the layer launches at this T
+            *_, pl = pair_launch_args(ti, layer.E, c.base_block_size_m, li, layer.L, c.lora_block_size_m)
+            seen.setdefault("align_small.align_pair_kernel", set()).add(tuple(sorted(pl.constexprs.items())))
+            continue
         for bm, lora in ((c.base_block_size_m, None), (c.lora_block_size_m, li)):
             _, launches = align_launch_args(ti, layer.E, bm, lora, layer.L if lora is not None else 0)
             for la in launches:

@@ -26,10 +26,13 @@ flags; when loaded slots differ in coverage, the per-projection adapter ids are 
 (``where(covers[id] & id in [0, L), id, -1)``) and each projection gets its own alignment; a projection
 that no loaded slot covers has no LoRA launch at all. A slot never loaded (or unloaded) is "no adapter".
 
-Not done yet (the serving-layer work, notebook 09): CUDA-graph capture/replay on the GPU, the overhead
-targets, the per-layer memory report. Small device temporaries remain in the forward (routing's
-softmax/top-k, the reduction output, the per-projection ids when coverage is mixed); inside a CUDA graph
-they come from the graph's memory pool.
+Per call on a GPU: routing in one launch (:mod:`moelora_lib.kernels.route`), both alignments in one
+launch up to :data:`~moelora_lib.kernels.align_small.PAIR_PATH_MAX_PAIRS` pairs
+(:mod:`moelora_lib.kernels.align_small`; above, three launches per alignment,
+:mod:`moelora_lib.kernels.align`), then the stage's seven launches and the top-k reduction. A CUDA graph
+captures a forward whole (tests/test_layer_gpu.py); notebook 09 measures it. The only device
+temporaries left are the reduced output (and, with mixed coverage, the per-projection ids); inside a
+CUDA graph they come from the graph's memory pool.
 """
 
 from __future__ import annotations

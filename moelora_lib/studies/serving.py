@@ -47,6 +47,7 @@ __all__ = [
     "wall_us",
     "eager_rows",
     "host_breakdown_rows",
+    "host_profile_rows",
     "graph_rows",
     "variant_rows",
     "memory_rows",
@@ -335,6 +336,67 @@ def host_breakdown_rows(
             times.append((time.perf_counter() - t0) * 1e6)
         _sync(device)
         rows.append(bench.result_row(model=sh.name, T=T, step=what, host_us=statistics.median(times)))
+    return rows
+
+
+def _short_path(file: str) -> str:
+    """A source path without the machine's prefix: ``pkg/module.py`` for installed packages and this
+    project, ``python/<name>`` for the standard library, as is for built-ins (``~``, ``<string>``)."""
+    if file.startswith(("~", "<")):
+        return file
+    for marker in ("site-packages/", "dist-packages/"):
+        if marker in file:
+            return file.split(marker, 1)[1]
+    if "moelora_lib/" in file:
+        return "moelora_lib/" + file.rsplit("moelora_lib/", 1)[1]
+    return "python/" + file.replace("\\", "/").rsplit("/", 1)[-1]
+
+
+def host_profile_rows(
+    shape: MoEShape | str,
+    T: int,
+    fn: Callable[[], Any],
+    *,
+    what: str,
+    device="cuda",
+    calls: int = 50,
+    top: int = 20,
+) -> list[dict[str, Any]]:
+    """Where the host time of ``fn`` goes: ``cProfile`` over ``calls`` calls (after warm-up; one
+    synchronize after the loop), the ``top`` functions by own time (``tottime``, µs per call of ``fn``)
+    with their cumulative time, file (relative to its package) and line. Profiling slows Python
+    down, so the absolute µs are inflated; the ranking is the point."""
+    import cProfile
+    import pstats
+
+    sh = _shape(shape)
+    for _ in range(3):
+        fn()
+    _sync(device)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    _sync(device)
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # {(file, line, name): (cc, nc, tt, ct, callers)}
+    items = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    rows = []
+    for (file, line, name), (_, ncalls, tt, ct, _) in items:
+        short = _short_path(file)
+        rows.append(
+            bench.result_row(
+                model=sh.name,
+                T=T,
+                what=what,
+                function=name,
+                file=short,
+                line=line,
+                calls_per_call=ncalls / calls,
+                tottime_us=tt / calls * 1e6,
+                cumtime_us=ct / calls * 1e6,
+            )
+        )
     return rows
 
 

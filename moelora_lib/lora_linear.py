@@ -1,0 +1,691 @@
+"""Dense multi-LoRA linear layers (attention and dense-MLP projections): :func:`lora_linear`,
+:class:`LoRALinear` and the fp64 oracle :func:`lora_linear_reference`.
+
+Math (per token t with adapter slot a = lora_ids[t], -1 = none; output slices s of widths N_s at
+column offsets o_s, Σ_s N_s = N_total)::
+
+    y[t]                 = x[t]·Wᵀ (+ b)                                  # base: torch F.linear (cuBLAS)
+    y[t, o_s : o_s+N_s] += [a ≥ 0]·B_s[a]·(A_s[a]·x[t])    for every slice s
+
+Several projections of one input share a launch as slices of one fused weight: q, k, v of a fused
+qkv (GQA: different widths, e.g. 4096 + 512 + 512) or gate and up of a fused gate_up (two equal
+widths). The LoRA scaling (PEFT's lora_alpha / r) is folded into B when an adapter is loaded; a rank
+r < R adapter is zero-padded to R. Following vLLM's ``MergedQKVParallelLinearWithLoRA`` /
+``MergedColumnParallelLinearWithLoRA`` semantics (vllm/lora/layers), with Punica's SGMV grouping of
+tokens by adapter (arXiv:2310.18547).
+
+Layouts (the argument for them is in :mod:`moelora_lib.kernels.dense_lora`):
+
+* ``lora_a`` [L, S, R, H]: slice s holds PEFT's ``lora_A.weight`` [r_s, H] of projection s, zero-padded
+  to R rows;
+* ``lora_b`` [L, N_total, R]: rows o_s .. o_s+N_s-1 hold PEFT's ``lora_B.weight`` [N_s, r_s] of
+  projection s (times its scaling), zero-padded to R columns — the slices concatenated along the
+  output dimension the same way the fused base weight concatenates its projections. vLLM keeps
+  per-slice lists ([L, 1, N_s, R] each) and passes the kernels a device table of their data pointers;
+  one tensor needs no table, no padding of narrow slices, and B row n is output column n.
+
+How a call runs: ``F.linear`` for the base; the tokens grouped by adapter with the package's
+(adapter, expert) alignment at E = 1, top_k = 1 (CPU: the torch oracle
+:func:`moelora_lib.routing.align_tokens`; CUDA: one launch of
+:func:`~moelora_lib.kernels.align_small.align_tokens_pair` up to
+:data:`~moelora_lib.kernels.align_small.PAIR_PATH_MAX_PAIRS` tokens, else the three of
+:func:`~moelora_lib.kernels.align.align_tokens_triton`); then the stage's two LoRA launches
+(:func:`~moelora_lib.kernels.dense_lora.dense_lora_add`): one shrink for all slices, one expand for
+all slices that adds into the base output (stages with fused add) or into a delta buffer added by
+torch (the others). Stages are the MoE ones (:data:`moelora_lib.kernels.STAGES`, same switches).
+
+Not done yet (left for the GPU session): tuned dense configs (stage ``tuned`` launches the defaults
+of :func:`~moelora_lib.kernels.dense_lora.default_dense_config`), timings against vLLM's dense ops
+(docs/anchors-h200.md, last section), notebook 10. Not exported from ``moelora_lib/__init__.py``
+(another engineer's file): import from ``moelora_lib.lora_linear``.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from . import ops
+from .common import is_int
+from .kernels import STAGES
+from .kernels.align import AlignWorkspace, align_tokens_triton, align_workspace
+from .kernels.align_small import PAIR_PATH_MAX_PAIRS, align_tokens_pair, pair_workspace, use_pair_path
+from .kernels.dense_lora import (
+    DENSE_KERNELS,
+    DenseLoRAConfig,
+    adapt_dense_config,
+    dense_block_sizes_m,
+    dense_config_for,
+    dense_lora_add,
+)
+from .routing import Alignment, align_tokens
+
+__all__ = [
+    "lora_linear",
+    "lora_linear_reference",
+    "validate_lora_linear_inputs",
+    "LoRALinear",
+    "lora_linear_module",
+]
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# --------------------------------------------------------------------------------------------------
+# validation
+# --------------------------------------------------------------------------------------------------
+def _desc(t) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
+    return type(t).__name__
+
+
+def _check(name: str, t, shape: tuple, dtypes, device) -> None:
+    """ValueError naming ``name`` unless t is a tensor of ``shape`` ((letter, size) pairs), dtype, device."""
+    want = "[" + ", ".join(f"{k}={v}" for k, v in shape) + "]"
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor of shape {want}, got {_desc(t)}")
+    if t.dim() != len(shape) or any(v != d for (_, v), d in zip(shape, t.shape)):
+        raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        want_dt = f"{dtypes[0]} (like x)" if len(dtypes) == 1 else f"in {[str(d) for d in dtypes]}"
+        raise ValueError(f"{name} must have dtype {want_dt}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device} (like x), got {t.device}")
+
+
+def _check_cpu_backend(dtype: torch.dtype) -> None:
+    """CPU tensors run only through the Triton interpreter, which has no correct bf16 arithmetic
+    (as :func:`moelora_lib.moe_lora._check_cpu_backend`, for the dense kernels)."""
+    if type(DENSE_KERNELS["dense_shrink"][True]).__name__ != "InterpretedFunction":
+        raise ValueError(
+            "x is on the CPU but the kernels were not built for the Triton interpreter: use CUDA "
+            "tensors, or set TRITON_INTERPRET=1 before the first kernel module is imported (restart "
+            "the process if a kernel was already built)"
+        )
+    if dtype == torch.bfloat16:
+        raise ValueError(
+            "x: bfloat16 is not supported on the CPU (the Triton interpreter multiplies raw bf16 bit "
+            "patterns, triton-lang/triton#11584); use float16 or float32 on the CPU, bfloat16 on a GPU"
+        )
+
+
+def _check_slices(slices, n_total: int | None) -> tuple[int, ...]:
+    if not isinstance(slices, (tuple, list)) or not slices or not all(is_int(n) and n >= 1 for n in slices):
+        raise ValueError(f"slices must be a non-empty tuple of output widths (ints >= 1), got {slices!r}")
+    slices = tuple(int(n) for n in slices)
+    if n_total is not None and sum(slices) != n_total:
+        raise ValueError(
+            f"slices {slices} must sum to N_total = weight.shape[0] = {n_total}, got {sum(slices)}"
+        )
+    return slices
+
+
+def _check_values(lora_ids: torch.Tensor, L: int) -> None:
+    """lora_ids ∈ [-1, L): one host sync (aminmax, then .tolist())."""
+    if lora_ids.numel() == 0:
+        return
+    lo, hi = (int(v) for v in torch.stack(torch.aminmax(lora_ids)).tolist())
+    if lo < -1 or hi >= L:
+        raise ValueError(f"lora_ids values must be in [-1, L={L}) (-1 = no adapter), got min {lo}, max {hi}")
+
+
+def validate_lora_linear_inputs(
+    x, weight, lora_a, lora_b, lora_ids, slices, bias=None, check_values: bool = True
+) -> dict:
+    """Check every argument of :func:`lora_linear`; return the sizes T, H, N (N_total), L, S, R and
+    ``slices`` (a tuple of ints).
+
+    Raises:
+        ValueError naming the argument: not a tensor, wrong rank/shape (the message gives the expected
+        shape in the shape letters), dtype (x: float16/bfloat16/float32; the others like x, lora_ids
+        int32), device (like x), ``slices`` not positive ints or not summing to weight.shape[0], S of
+        lora_a ≠ len(slices), rank R of lora_b ≠ lora_a's, L or R < 1, bfloat16 on the CPU, and with
+        ``check_values`` lora_ids values outside [-1, L) (one host sync).
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"x must be a 2-D tensor [T, H], got {_desc(x)}")
+    dt, dev = x.dtype, x.device
+    if dt not in _FLOAT_DTYPES:
+        raise ValueError(f"x dtype must be float16, bfloat16 or float32, got {dt}")
+    if dev.type == "cpu":
+        _check_cpu_backend(dt)
+    T, H = x.shape
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"weight must be a 2-D tensor [N_total, H] (nn.Linear layout), got {_desc(weight)}")
+    N = weight.shape[0]
+    slices = _check_slices(slices, N)
+    S = len(slices)
+    _check("weight", weight, (("N_total", N), ("H", H)), (dt,), dev)
+    if not isinstance(lora_a, torch.Tensor) or lora_a.dim() != 4:
+        raise ValueError(f"lora_a must be a 4-D tensor [L, S, R, H], got {_desc(lora_a)}")
+    L, R = lora_a.shape[0], lora_a.shape[2]
+    if L < 1 or R < 1:
+        raise ValueError(f"lora_a: L (dim 0) and R (dim 2) must be >= 1, got L={L}, R={R}")
+    if lora_a.shape[1] != S:
+        raise ValueError(
+            f"lora_a: S (dim 1) = {lora_a.shape[1]} must equal the number of slices len(slices) = {S}"
+        )
+    _check("lora_a", lora_a, (("L", L), ("S", S), ("R", R), ("H", H)), (dt,), dev)
+    if not isinstance(lora_b, torch.Tensor) or lora_b.dim() != 3:
+        raise ValueError(f"lora_b must be a 3-D tensor [L, N_total, R], got {_desc(lora_b)}")
+    if lora_b.shape[2] != R:
+        raise ValueError(
+            f"lora_b: rank R (dim 2) = {lora_b.shape[2]} must equal lora_a's R (dim 2) = {R} "
+            "(pad a smaller rank with zeros)"
+        )
+    _check("lora_b", lora_b, (("L", L), ("N_total", N), ("R", R)), (dt,), dev)
+    _check("lora_ids", lora_ids, (("T", T),), (torch.int32,), dev)
+    if bias is not None:
+        _check("bias", bias, (("N_total", N),), (dt,), dev)
+    if check_values:
+        _check_values(lora_ids, L)
+    return dict(T=T, H=H, N=N, L=L, S=S, R=R, slices=slices)
+
+
+def _check_stage_and_config(stage, config) -> None:
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of {list(STAGES)}, got {stage!r}")
+    if config is not None and not isinstance(config, DenseLoRAConfig):
+        raise ValueError(f"config must be a DenseLoRAConfig or None, got {type(config).__name__}")
+
+
+def _align_oneshot(lora_ids: torch.Tensor, L: int, block_size_m: int) -> Alignment:
+    """The adapter alignment of T tokens (E = 1, top_k = 1), allocated for this call: the torch oracle
+    on the CPU; on CUDA the Triton alignments (no host sync)."""
+    T = lora_ids.shape[0]
+    zeros = torch.zeros((T, 1), dtype=torch.int32, device=lora_ids.device)  # the one "expert"
+    if lora_ids.device.type != "cuda":
+        return align_tokens(zeros, 1, block_size_m, lora_ids=lora_ids, num_adapters=L, check_values=False)
+    if use_pair_path(T, 1, L):  # one launch (its unused expert-only half costs next to nothing)
+        return align_tokens_pair(zeros, 1, block_size_m, lora_ids, L, block_size_m)[1]
+    return align_tokens_triton(zeros, 1, block_size_m, lora_ids=lora_ids, num_adapters=L)
+
+
+# --------------------------------------------------------------------------------------------------
+# functional op and reference
+# --------------------------------------------------------------------------------------------------
+def lora_linear(
+    x,
+    weight,
+    lora_a,
+    lora_b,
+    lora_ids,
+    *,
+    slices,
+    bias=None,
+    stage: str = "naive",
+    config: DenseLoRAConfig | None = None,
+    check_values: bool = True,
+) -> torch.Tensor:
+    """Dense linear layer with one LoRA adapter per token over S output slices.
+
+    ``y[t] = x[t]·Wᵀ (+ bias)``, then for every slice s (columns o_s .. o_s+N_s-1) and token t with
+    a = lora_ids[t] ≥ 0: ``y[t, o_s:o_s+N_s] += (x[t]·A[a, s]ᵀ)·B[a, o_s:o_s+N_s]ᵀ``.
+
+    Args:
+        x: [T, H] float16/bfloat16/float32 (CUDA, or CPU under TRITON_INTERPRET=1, not bfloat16 there).
+        weight: [N_total, H] (nn.Linear layout: the slices' weights concatenated along dim 0), x's dtype.
+        lora_a: [L, S, R, H], x's dtype; slice s = projection s's A (rank r_s ≤ R, zero-padded).
+        lora_b: [L, N_total, R], x's dtype; rows of slice s = projection s's B, scaling folded in,
+            zero-padded to R columns.
+        lora_ids: [T] int32, slot of each token in [-1, L); -1 = no adapter (exactly the base).
+        slices: output widths (N_0, ..., N_{S-1}), Σ = N_total, e.g. (q, k, v) = (4096, 512, 512).
+        bias: [N_total] or None.
+        stage: a name in :data:`moelora_lib.kernels.STAGES` (its switches: length specialization,
+            split-K shrink, grouped order, EVEN_K, fused add).
+        config: a :class:`~moelora_lib.kernels.dense_lora.DenseLoRAConfig`; None =
+            :func:`~moelora_lib.kernels.dense_lora.default_dense_config` (every stage, "tuned" too, for
+            now).
+        check_values: check lora_ids ∈ [-1, L) — one host sync. Pass False for CUDA-graph capture
+            (ids out of range are then dropped by the alignment: no out-of-bounds access, result for
+            those tokens unspecified), or use :class:`LoRALinear`.
+    Returns:
+        [T, N_total] in x's dtype: the base output ``F.linear(x, weight, bias)`` with the LoRA deltas
+        added; rows of tokens with id -1 are bit for bit ``F.linear``'s.
+    Raises:
+        ValueError: naming the argument (:func:`validate_lora_linear_inputs`), an unknown stage, a
+            config that is not a DenseLoRAConfig.
+
+    Precision: the base is cuBLAS's (or torch's CPU) GEMM; the LoRA path accumulates in fp32, keeps the
+    rank intermediate in fp32, and rounds once: the sum (fused-add stages) or, in the other stages, the
+    delta is stored (fp32 for fp16 outputs, else x's dtype) and added by torch.
+    """
+    _check_stage_and_config(stage, config)
+    d = validate_lora_linear_inputs(x, weight, lora_a, lora_b, lora_ids, slices, bias, check_values)
+    st = STAGES[stage]
+    out = F.linear(x, weight, bias)
+    if d["T"] == 0:
+        return out
+    if config is None:
+        config = dense_config_for(st, d["T"], hidden=d["H"], slices=d["slices"], rank=d["R"], adapters=d["L"])
+    align = _align_oneshot(lora_ids, d["L"], config.block_size_m)
+    return dense_lora_add(st, out, x, lora_a, lora_b, align, config, slices=d["slices"])
+
+
+def lora_linear_reference(
+    x, weight, lora_a, lora_b, lora_ids, *, slices, bias=None, dtype: torch.dtype = torch.float64
+) -> torch.Tensor:
+    """The dense multi-LoRA linear in ``dtype`` (float64 by default), one adapter group at a time.
+
+    Same arguments as :func:`lora_linear` (any float dtypes; never indexes the adapters with -1).
+    Returns [T, N_total] in ``dtype``, on x's device.
+    """
+    xd = x.to(dtype)
+    out = xd @ weight.to(dtype).T
+    if bias is not None:
+        out = out + bias.to(dtype)
+    offsets = [0]
+    for n in slices:
+        offsets.append(offsets[-1] + int(n))
+    for a in sorted(set(lora_ids.tolist())):
+        if a < 0:
+            continue  # no adapter
+        rows = (lora_ids == a).nonzero().squeeze(1)
+        for s in range(len(slices)):
+            o0, o1 = offsets[s], offsets[s + 1]
+            shrunk = xd[rows] @ lora_a[a, s].to(dtype).T  # [rows, R]
+            out[rows, o0:o1] += shrunk @ lora_b[a, o0:o1].to(dtype).T
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# the module
+# --------------------------------------------------------------------------------------------------
+class _Scratch:
+    """Per-call buffers of LoRALinear modules of one set of sizes: the fp32 rank intermediate
+    [max_tokens, S·R], the delta buffer [max_tokens, N_total] (stages without fused add), a zero
+    "expert id" column [max_tokens, 1] int32 for the alignment, the remapped ids [max_tokens] int32,
+    and the alignment workspaces by (kind, BLOCK_SIZE_M)."""
+
+    def __init__(self, dt, dev, max_tokens, SR, N, L, fused_add):
+        self.bufs = dict(
+            inter=torch.zeros(max_tokens * SR, dtype=torch.float32, device=dev),
+            zeros=torch.zeros((max_tokens, 1), dtype=torch.int32, device=dev),
+        )
+        if not fused_add:
+            ddt = torch.float32 if dt == torch.float16 else dt
+            self.bufs["delta"] = torch.zeros(max_tokens * N, dtype=ddt, device=dev)
+        self.max_tokens, self.L, self.device = max_tokens, L, dev
+        self.workspaces: dict[tuple, object] = {}
+        self.users: weakref.WeakSet = weakref.WeakSet()
+
+    def workspace(self, kind: str, bm: int):
+        key = (kind, bm)
+        ws = self.workspaces.get(key)
+        if ws is None:
+            if kind == "pair":
+                n = min(self.max_tokens, PAIR_PATH_MAX_PAIRS)
+                ws = pair_workspace(n, 1, bm, self.L, bm, device=self.device)
+            else:
+                ws = align_workspace(self.max_tokens, 1, bm, self.L, device=self.device)
+            self.workspaces[key] = ws
+        return ws
+
+    def nbytes(self) -> int:
+        ts = list(self.bufs.values())
+        for ws in self.workspaces.values():
+            if isinstance(ws, AlignWorkspace):
+                ts += [ws.sorted_token_ids, ws.block_expert_ids, ws.block_lora_ids, ws.scratch]
+            else:
+                ts.append(ws.buffer)
+        return sum(t.numel() * t.element_size() for t in ts)
+
+
+_SCRATCH: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+class LoRALinear(torch.nn.Module):
+    """A dense linear layer (fused over S output slices) with L LoRA adapter slots, for serving.
+
+    Computes :func:`lora_linear` for the adapters loaded in its slots, with no host sync in forward
+    (shape checks and the launch config — picked from T alone, cached per T — happen on the host; id
+    values are not checked unless ``debug``), so a CUDA graph can capture a forward. Its forward goes
+    through the custom op ``torch.ops.moelora.lora_linear_module`` (a fake implementation gives
+    [T, N_total]), so ``torch.compile(fullgraph=True)`` of a model holding it sees one opaque node;
+    adapters loaded between calls are read at run time (no recompile).
+
+    Args:
+        weight: [N_total, H] float16/bfloat16/float32 (CUDA, or CPU under the Triton interpreter, not
+            bfloat16 there): the layer's dtype and device.
+        bias: [N_total] or None.
+        slices: output widths, Σ = N_total (default: one slice of N_total), e.g. (q, k, v) widths.
+        num_adapters: L ≥ 1 slots. max_rank: R ≥ 1, the largest rank a slot holds.
+        max_tokens: largest T a forward accepts; the buffers are sized for it.
+        stage: a name in :data:`moelora_lib.kernels.STAGES` (default "tuned" = the fastest switches;
+            its configs are the defaults for now).
+        config: a fixed :class:`~moelora_lib.kernels.dense_lora.DenseLoRAConfig` for every T (None =
+            per T, as :func:`lora_linear` picks it).
+        debug: check lora_ids ∈ [-1, L) in forward (a host sync).
+        share_scratch: share the per-call buffers (rank intermediate, delta buffer, alignment
+            workspaces) with every LoRALinear of the same sizes, dtype and device (default): layers run
+            one after another, and nothing in them outlives a forward.
+    Raises:
+        ValueError naming the argument.
+
+    Parameters (frozen, in the state dict): ``weight``, ``bias``. Buffers (runtime state, not in the
+    state dict): ``lora_a`` [L, S, R, H], ``lora_b`` [L, N_total, R] (layouts: module docstring) and
+    ``slot_loaded`` [L] bool. Tokens whose slot holds no adapter get exactly the base output.
+
+    Per forward on a GPU: ``F.linear``; when some slots are empty, three small torch ops mapping the
+    ids of empty slots to -1; the alignment (one launch up to PAIR_PATH_MAX_PAIRS tokens, else three);
+    shrink and expand (and, in stages without fused add, a fill and an add). With no adapter loaded at
+    all, only ``F.linear``. Alignment workspaces are allocated at construction for every BLOCK_SIZE_M
+    the configs up to max_tokens use (a few KB); a call under another config allocates its own once.
+    """
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        slices: Sequence[int] | None = None,
+        num_adapters: int,
+        max_rank: int,
+        max_tokens: int,
+        stage: str = "tuned",
+        config: DenseLoRAConfig | None = None,
+        debug: bool = False,
+        share_scratch: bool = True,
+    ):
+        super().__init__()
+        for name, v in (("num_adapters", num_adapters), ("max_rank", max_rank), ("max_tokens", max_tokens)):
+            if not is_int(v) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        _check_stage_and_config(stage, config)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not weight.is_floating_point():
+            raise ValueError(f"weight must be a 2-D float tensor [N_total, H], got {_desc(weight)}")
+        N, H = weight.shape
+        slices = _check_slices((N,) if slices is None else slices, N)
+        L, R, S = num_adapters, max_rank, len(slices)
+        dt, dev = weight.dtype, weight.device
+        z = dict(dtype=dt, device=dev)
+        lora_a = torch.zeros((L, S, R, H), **z)
+        lora_b = torch.zeros((L, N, R), **z)
+        validate_lora_linear_inputs(
+            torch.empty((0, H), **z),
+            weight,
+            lora_a,
+            lora_b,
+            torch.empty((0,), dtype=torch.int32, device=dev),
+            slices,
+            bias,
+            check_values=False,
+        )
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+        self.register_buffer("lora_a", lora_a, persistent=False)
+        self.register_buffer("lora_b", lora_b, persistent=False)
+        self.register_buffer("slot_loaded", torch.zeros(L, dtype=torch.bool, device=dev), persistent=False)
+        self.in_features, self.out_features = H, N
+        self.slices, self.L, self.R, self.S = slices, L, R, S
+        self.offsets = tuple(sum(slices[:s]) for s in range(S))
+        self.max_tokens = max_tokens
+        self.stage = STAGES[stage]
+        self.fixed_config = config
+        self.debug = bool(debug)
+        self.share_scratch = bool(share_scratch)
+        self._loaded = [False] * L  # host copy of slot_loaded
+        self._configs: dict[int, DenseLoRAConfig] = {}
+        self._scratch = None
+        self._buffers_key = None
+        self._alloc_buffers()
+        self.layer_name = ops.register_layer(self, prefix="lora_linear")
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, slices={self.slices}, "
+            f"adapters={self.L}, max_rank={self.R}, max_tokens={self.max_tokens}, "
+            f"stage={self.stage.name!r}, dtype={self.weight.dtype}"
+        )
+
+    # --- buffers ----------------------------------------------------------------------------------
+    def _alloc_buffers(self) -> None:
+        dt, dev = self.weight.dtype, self.weight.device
+        key = (dt, dev, self.max_tokens, self.S * self.R, self.out_features, self.L, self.stage.fused_add)
+        scratch = _SCRATCH.get(key) if self.share_scratch else None
+        if scratch is None:
+            scratch = _Scratch(*key)
+            if self.share_scratch:
+                _SCRATCH[key] = scratch
+        if self._scratch is not None:
+            self._scratch.users.discard(self)
+        scratch.users.add(self)
+        self._scratch = scratch
+        self._buffers_key = (dt, dev)
+        # the alignment workspaces of every BLOCK_SIZE_M the forward will use, up front
+        bms = (
+            (self.fixed_config.block_size_m,)
+            if self.fixed_config is not None
+            else dense_block_sizes_m(self.max_tokens, self.L)
+        )
+        for bm in bms:
+            scratch.workspace("pair", bm)
+            if self.max_tokens > PAIR_PATH_MAX_PAIRS:
+                scratch.workspace("multi", bm)
+
+    def _view(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        return self._scratch.bufs[name][: math.prod(shape)].view(shape)
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes held on the device: {"weights", "adapter_slots", "scratch" (shared, see share_scratch),
+        "scratch_shared_by", "per_layer" (weights + slots (+ scratch when not shared))}."""
+
+        def nbytes(*ts) -> int:
+            return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+        weights = nbytes(self.weight, self.bias)
+        slots = nbytes(self.lora_a, self.lora_b, self.slot_loaded)
+        scratch = self._scratch.nbytes()
+        return {
+            "weights": weights,
+            "adapter_slots": slots,
+            "scratch": scratch,
+            "scratch_shared_by": len(self._scratch.users),
+            "per_layer": weights + slots + (0 if self.share_scratch else scratch),
+        }
+
+    def config_for(self, T: int) -> DenseLoRAConfig:
+        """The config (after the stage's adapt) the forward launches at T tokens; resolved once per T."""
+        cfg = self._configs.get(T)
+        if cfg is None:
+            cfg = self.fixed_config
+            if cfg is None:
+                cfg = dense_config_for(
+                    self.stage, T, hidden=self.in_features, slices=self.slices, rank=self.R, adapters=self.L
+                )
+            cfg = adapt_dense_config(self.stage, cfg)
+            self._configs[T] = cfg
+        return cfg
+
+    # --- adapter slots ----------------------------------------------------------------------------
+    def _check_slot(self, slot) -> int:
+        if not is_int(slot) or not 0 <= slot < self.L:
+            raise ValueError(f"slot must be an int in [0, num_adapters={self.L}), got {slot!r}")
+        return int(slot)
+
+    def _per_slice(self, name: str, v) -> list:
+        if isinstance(v, torch.Tensor) and self.S == 1:
+            return [v]
+        if not isinstance(v, (list, tuple)) or len(v) != self.S:
+            raise ValueError(
+                f"{name} must be a list of S = {self.S} entries (one per slice {self.slices}, None for a "
+                f"slice the adapter lacks), got {_desc(v) if not isinstance(v, (list, tuple)) else len(v)}"
+            )
+        return list(v)
+
+    def load_adapter(self, slot: int, lora_a, lora_b, scaling: float | Sequence[float] = 1.0) -> None:
+        """Copy an adapter into slot ``slot`` (replacing what it held), its scaling folded into B.
+
+        Args:
+            slot: int in [0, L).
+            lora_a: per slice s, PEFT's ``lora_A.weight`` [r_s, H] of projection s, or None when the
+                adapter does not cover it (e.g. a q/v-only adapter on a fused qkv: [A_q, None, A_v]).
+                A single tensor is accepted when S = 1.
+            lora_b: per slice s, ``lora_B.weight`` [N_s, r_s], or None where lora_a is None.
+            scaling: a finite float (e.g. lora_alpha / r), or one per slice; multiplied into B in fp32
+                before the cast to the layer's dtype.
+        Any rank 1 ≤ r_s ≤ R per slice; everything else in the slot is zeroed, so the result is exactly
+        that of the rank-r adapter whatever the slot held. Float tensors on the layer's device.
+        Raises:
+            ValueError naming the argument: slot out of range, not S entries, A/B None mismatch, no
+            slice given, rank outside [1, R], shape, non-float dtype, device, non-finite scaling.
+        Nothing is written unless every check passes. Plain copies on the current stream: not while a
+        captured forward replays on another stream.
+        """
+        slot = self._check_slot(slot)
+        As, Bs = self._per_slice("lora_a", lora_a), self._per_slice("lora_b", lora_b)
+        scales = list(scaling) if isinstance(scaling, (list, tuple)) else [scaling] * self.S
+        if len(scales) != self.S:
+            raise ValueError(f"scaling must be a float or S = {self.S} floats, got {len(scales)}")
+        for sc in scales:
+            if isinstance(sc, bool) or not isinstance(sc, (int, float)) or not math.isfinite(sc):
+                raise ValueError(f"scaling must be finite floats, got {scaling!r}")
+        pairs = []
+        for s, (a, b) in enumerate(zip(As, Bs)):
+            if a is None and b is None:
+                pairs.append(None)
+                continue
+            if a is None or b is None:
+                raise ValueError(f"slice {s}: lora_a and lora_b must both be tensors or both None")
+            for what, t in (("lora_a", a), ("lora_b", b)):
+                if not isinstance(t, torch.Tensor) or t.dim() != 2 or not t.is_floating_point():
+                    raise ValueError(f"{what}[{s}] must be a 2-D float tensor, got {_desc(t)}")
+                if t.device != self.weight.device:
+                    raise ValueError(f"{what}[{s}] must be on {self.weight.device}, got {t.device}")
+            r = a.shape[0]
+            if not 1 <= r <= self.R:
+                raise ValueError(f"lora_a[{s}]: rank r = {r} must be in [1, max_rank R = {self.R}]")
+            if tuple(a.shape) != (r, self.in_features):
+                raise ValueError(
+                    f"lora_a[{s}] must have shape [r, H] = ({r}, {self.in_features}), got {tuple(a.shape)}"
+                )
+            if tuple(b.shape) != (self.slices[s], r):
+                raise ValueError(
+                    f"lora_b[{s}] must have shape [N_s, r] = ({self.slices[s]}, {r}) (r from lora_a[{s}]), "
+                    f"got {tuple(b.shape)}"
+                )
+            pairs.append((a, b, r))
+        if all(p is None for p in pairs):
+            raise ValueError("load_adapter: every slice is None; to clear a slot use unload_adapter")
+        with torch.no_grad():
+            self.lora_a[slot].zero_()
+            self.lora_b[slot].zero_()
+            for s, p in enumerate(pairs):
+                if p is None:
+                    continue
+                a, b, r = p
+                o, n = self.offsets[s], self.slices[s]
+                self.lora_a[slot, s, :r].copy_(a)
+                self.lora_b[slot, o : o + n, :r].copy_(b.float() * float(scales[s]))
+            self.slot_loaded[slot] = True
+        self._loaded[slot] = True
+
+    def unload_adapter(self, slot: int) -> None:
+        """Empty slot ``slot`` (zeros); its tokens then get exactly the base output.
+
+        Raises: ValueError if slot is not an int in [0, L)."""
+        slot = self._check_slot(slot)
+        with torch.no_grad():
+            self.lora_a[slot].zero_()
+            self.lora_b[slot].zero_()
+            self.slot_loaded[slot] = False
+        self._loaded[slot] = False
+
+    @property
+    def loaded_slots(self) -> list[int]:
+        """Slots holding an adapter (host-side)."""
+        return [i for i, v in enumerate(self._loaded) if v]
+
+    # --- forward ----------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, lora_ids: torch.Tensor) -> torch.Tensor:
+        """The layer on T tokens, through ``torch.ops.moelora.lora_linear_module``.
+
+        Args:
+            x: [T, H] of the layer's dtype and device, T ≤ max_tokens.
+            lora_ids: [T] int32 on the layer's device, slot of each token in [-1, L); -1 or an empty
+                slot = no adapter.
+        Returns:
+            [T, N_total] of the layer's dtype (a new tensor).
+        Raises:
+            ValueError naming the argument for a wrong shape, dtype or device, T > max_tokens; with
+            ``debug`` also for id values out of range (otherwise unchecked: no host sync; out-of-range
+            ids are dropped by the alignment, their rows' LoRA part unspecified).
+        """
+        return lora_linear_module(x, lora_ids, self.layer_name)
+
+    def _check_call(self, x, lora_ids) -> None:
+        dt, dev = self.weight.dtype, self.weight.device
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"x must be a tensor [T, H={self.in_features}], got {_desc(x)}")
+        if x.dtype != dt or x.device != dev:
+            raise ValueError(f"x must be {dt} on {dev} (the layer's), got {x.dtype} on {x.device}")
+        T = x.shape[0]
+        if T > self.max_tokens:
+            raise ValueError(f"x: T = {T} exceeds the layer's max_tokens = {self.max_tokens}")
+        if (
+            not isinstance(lora_ids, torch.Tensor)
+            or tuple(lora_ids.shape) != (T,)
+            or lora_ids.dtype != torch.int32
+            or lora_ids.device != dev
+        ):
+            raise ValueError(f"lora_ids must be an int32 tensor [T={T}] on {dev}, got {_desc(lora_ids)}")
+
+    def _align(self, ids: torch.Tensor, T: int, bm: int) -> Alignment:
+        zeros = self._scratch.bufs["zeros"][:T]
+        if use_pair_path(T, 1, self.L):
+            ws = self._scratch.workspace("pair", bm)
+            return align_tokens_pair(zeros, 1, bm, ids, self.L, bm, out=ws)[1]
+        ws = self._scratch.workspace("multi", bm)
+        return align_tokens_triton(zeros, 1, bm, lora_ids=ids, num_adapters=self.L, out=ws)
+
+    def _forward_impl(self, x: torch.Tensor, lora_ids: torch.Tensor) -> torch.Tensor:
+        """The eager body of the custom op (see :meth:`forward`)."""
+        self._check_call(x, lora_ids)
+        if self.debug:
+            _check_values(lora_ids, self.L)
+        out = F.linear(x, self.weight, self.bias)
+        T = x.shape[0]
+        if T == 0 or not any(self._loaded):  # host-side flags: no LoRA launch at all
+            return out
+        if self._buffers_key != (self.weight.dtype, self.weight.device):
+            self._alloc_buffers()
+        ids = lora_ids
+        if not all(self._loaded):  # empty slots -> -1 on the device (no work, exactly the base)
+            L = self.L
+            covered = self.slot_loaded[lora_ids.clamp(0, L - 1).long()] & (lora_ids >= 0) & (lora_ids < L)
+            ids = torch.where(covered, lora_ids, torch.full_like(lora_ids, -1))
+        cfg = self.config_for(T)
+        align = self._align(ids, T, cfg.block_size_m)
+        inter = self._view("inter", (T, self.S * self.R))
+        delta = None if self.stage.fused_add else self._view("delta", (T, self.out_features))
+        return dense_lora_add(
+            self.stage,
+            out,
+            x,
+            self.lora_a,
+            self.lora_b,
+            align,
+            cfg,
+            slices=self.slices,
+            inter=inter,
+            delta=delta,
+        )
+
+
+@torch.library.custom_op("moelora::lora_linear_module", mutates_args=())
+def lora_linear_module(x: torch.Tensor, lora_ids: torch.Tensor, layer: str) -> torch.Tensor:
+    """One forward of the registered :class:`LoRALinear` ``layer`` (a name from
+    :func:`moelora_lib.ops.register_layer`): x [T, H], lora_ids [T] int32 -> [T, N_total] (new tensor).
+    The weights and adapter slots are read from the live module at run time."""
+    return ops.get_layer(layer)._forward_impl(x, lora_ids)
+
+
+@lora_linear_module.register_fake
+def _lora_linear_module_fake(x, lora_ids, layer):
+    # shape/dtype only: [T, N_total] (T may be symbolic); N_total is the registered layer's constant
+    return x.new_empty((x.shape[0], ops.get_layer(layer).out_features))

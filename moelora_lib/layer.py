@@ -38,6 +38,7 @@ CUDA graph they come from the graph's memory pool.
 from __future__ import annotations
 
 import math
+import numbers
 import weakref
 
 import torch
@@ -54,7 +55,7 @@ from .kernels.align_small import (
     use_pair_path,
 )
 from .kernels.route import route_triton
-from .moe_lora import _desc, validate_moe_lora_inputs
+from .moe_lora import _check_cpu_backend, _desc, validate_moe_lora_inputs
 from .routing import check_id_values, route
 from .shapes import Dims
 
@@ -115,6 +116,17 @@ class _Scratch:
 
 #: Live scratches by sizes (weak: freed with the last layer using it).
 _SCRATCH: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+_LAYER_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check_layer_dtype(dt: torch.dtype, dev: torch.device, name: str) -> None:
+    """ValueError naming ``name`` unless the kernels can run this dtype on this device."""
+    if dt not in _LAYER_DTYPES:
+        raise ValueError(f"{name} must be float16, bfloat16 or float32, got {dt}")
+    if dev.type == "cpu":
+        _check_cpu_backend(dt, name)
 
 
 class MoELoRALayer(torch.nn.Module):
@@ -196,6 +208,7 @@ class MoELoRALayer(torch.nn.Module):
         E, two_i, H = w13.shape
         L, R, S, K = num_adapters, max_rank, slices, top_k
         dt, dev = w13.dtype, w13.device
+        _check_layer_dtype(dt, dev, "w13")
         if K > E:
             raise ValueError(f"top_k = {K} must be <= E = {E} (w13 dim 0)")
         z = dict(dtype=dt, device=dev)
@@ -246,6 +259,19 @@ class MoELoRALayer(torch.nn.Module):
         self._scratch = None
         self._alloc_buffers()
         self.layer_name = ops.register_layer(self)
+
+    # --- copy / pickle: a copy is a new layer (own name in the op registry), scratch re-attached ----
+    def __getstate__(self):
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
+        state = dict(state)
+        state["_scratch"] = None  # holds weak references; re-attached on the first call
+        state["_bufs"] = {}
+        state["_buffers_key"] = None
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.layer_name = ops.register_layer(self)  # never the original's name: its op calls stay its own
 
     def extra_repr(self) -> str:
         return (
@@ -364,6 +390,14 @@ class MoELoRALayer(torch.nn.Module):
                 raise ValueError(
                     f"{proj} {what} must be on {self.w13.device} (the layer's device), got {t.device}"
                 )
+        for what, t, want, desc in (("A", a, a_shape, letters[0]), ("B", b, b_shape, letters[1])):
+            # the dims other than the rank first: a transposed or swapped tensor is a layout error
+            fixed = [(i, v) for i, v in enumerate(want) if v is not None]
+            if any(t.shape[i] != v for i, v in fixed):
+                want_txt = tuple("r" if v is None else v for v in want)
+                raise ValueError(
+                    f"{proj} {what} must have shape {desc} = {want_txt} (r = its rank), got {tuple(t.shape)}"
+                )
         r = a.shape[a_shape.index(None)]
         if not 1 <= r <= self.R:
             raise ValueError(
@@ -389,7 +423,8 @@ class MoELoRALayer(torch.nn.Module):
             scaling: a finite float multiplied into B (e.g. PEFT's lora_alpha / r).
         Raises:
             ValueError naming the argument: slot out of range, neither projection given, not a pair,
-            wrong rank (> R or < 1), shape, non-float dtype, other device, non-finite scaling.
+            wrong rank (> R or < 1), shape, non-float dtype, other device, non-finite scaling, A or
+            scaling·B not finite in the layer's dtype (e.g. beyond float16's range).
         A projection the adapter lacks is skipped for this slot's tokens (no launch work), not
         multiplied by zeros. Nothing is written unless every check passes. Not for use while a
         forward captured in a CUDA graph is replaying on another stream (plain copies on the current
@@ -400,24 +435,38 @@ class MoELoRALayer(torch.nn.Module):
             raise ValueError(
                 "load_adapter: pass gate_up=(A, B) and/or down=(A, B); to clear a slot use unload_adapter"
             )
-        if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not math.isfinite(scaling):
-            raise ValueError(f"scaling must be a finite float, got {scaling!r}")
+        if isinstance(scaling, bool) or not isinstance(scaling, numbers.Real) or not math.isfinite(scaling):
+            raise ValueError(f"scaling must be a finite real number, got {scaling!r}")
         E, H, I, S = self.E, self.H, self.I, self.S
         gu = dn = None
         if gate_up is not None:
             gu = self._check_pair("gate_up", gate_up, [E, S, None, H], [E, S, 2 * I // S, None])
         if down is not None:
             dn = self._check_pair("down", down, [E, None, I], [E, H, None])
+        dt = self.w13.dtype
         with torch.no_grad():
+            cast = {}
+            for proj, pair in (("gate_up", gu), ("down", dn)):
+                if pair is None:
+                    continue
+                a, b, r = pair
+                a_c, b_c = a.to(dt), (b.float() * float(scaling)).to(dt)
+                for what, t in (("A", a_c), (f"B·scaling (scaling {float(scaling):g})", b_c)):
+                    if not bool(torch.isfinite(t).all()):  # one host sync per load, not per call
+                        raise ValueError(
+                            f"{proj} {what} is not finite in the layer's dtype {dt} (inf/NaN, or beyond its "
+                            "range): the slot would make every token on it NaN"
+                        )
+                cast[proj] = (a_c, b_c, r)
             self._clear_slot(slot)
-            if gu is not None:
-                a, b, r = gu
+            if "gate_up" in cast:
+                a, b, r = cast["gate_up"]
                 self.lora_a13[slot, :, :, :r].copy_(a)
-                self.lora_b13[slot, :, :, :, :r].copy_(b.float() * float(scaling))
-            if dn is not None:
-                a, b, r = dn
+                self.lora_b13[slot, :, :, :, :r].copy_(b)
+            if "down" in cast:
+                a, b, r = cast["down"]
                 self.lora_a2[slot, :, :r].copy_(a)
-                self.lora_b2[slot, :, :, :r].copy_(b.float() * float(scaling))
+                self.lora_b2[slot, :, :, :r].copy_(b)
             self._set_covers(slot, gu is not None, dn is not None)
 
     def unload_adapter(self, slot: int) -> None:
@@ -460,16 +509,21 @@ class MoELoRALayer(torch.nn.Module):
             router_logits: [T, E] float (softmax top-k routing, ``renormalize``; one Triton launch,
                 :func:`moelora_lib.kernels.route.route_triton`, for K ≤ 16 and E ≤ 1024), or None when
                 ``topk_weights`` [T, K] float32 and ``topk_ids`` [T, K] int32/int64 are given.
-            lora_ids: [T] int32, slot of each token in [-1, L); -1, or a slot with nothing loaded for
-                a projection, = no adapter on it.
+            lora_ids: [T] int32/int64, slot of each token in [-1, L); -1, or a slot with nothing loaded
+                for a projection, = no adapter on it.
         Returns:
             [T, H] of the layer's dtype; [0, H] (empty) when T = 0.
         Raises:
             ValueError naming the argument for a wrong shape, dtype or device, T > max_tokens, both or
             neither routing form; with ``debug=True`` also for id values out of range.
-        Id values are not checked otherwise (no host sync): out-of-range pairs are dropped by the
-        alignment, so the result for them is unspecified.
+        Id values are not checked otherwise (no host sync): a token with a top-k id outside [0, E) or an
+        adapter id outside [-1, L) — or NaN router logits, which route nowhere — gets a NaN output row
+        (its pairs are dropped by the alignment; :mod:`moelora_lib.kernels.topk_reduce`), never values
+        from another call. Inference only: the custom op has no autograd formula.
         """
+        # the argument checks before the op too: a meta or otherwise foreign tensor would otherwise make
+        # the dispatcher pick the op's fake (shape-only) implementation
+        self._check_call(hidden_states, router_logits, topk_weights, topk_ids, lora_ids)
         return ops.moe_lora_layer(
             hidden_states, router_logits, topk_weights, topk_ids, lora_ids, self.layer_name
         )
@@ -488,10 +542,12 @@ class MoELoRALayer(torch.nn.Module):
         if (
             not isinstance(lora_ids, torch.Tensor)
             or tuple(lora_ids.shape) != (T,)
-            or lora_ids.dtype != torch.int32
+            or lora_ids.dtype not in (torch.int32, torch.int64)
             or lora_ids.device != dev
         ):
-            raise ValueError(f"lora_ids must be an int32 tensor [T={T}] on {dev}, got {_desc(lora_ids)}")
+            raise ValueError(
+                f"lora_ids must be an int32/int64 tensor [T={T}] on {dev}, got {_desc(lora_ids)}"
+            )
         if router_logits is not None:
             if topk_weights is not None or topk_ids is not None:
                 raise ValueError("pass either router_logits or topk_weights and topk_ids, not both")
@@ -547,7 +603,8 @@ class MoELoRALayer(torch.nn.Module):
         )
         if T == 0:
             return hidden_states.new_empty((0, H))
-        if self._buffers_key != (self.w13.dtype, self.w13.device):
+        if self._buffers_key != (self.w13.dtype, self.w13.device):  # built, moved (.to()) or unpickled
+            _check_layer_dtype(self.w13.dtype, self.w13.device, "the layer's weights (w13, after .to())")
             self._alloc_buffers()
         routed = router_logits is not None and K <= 16 and E <= 1024
         if routed:  # one launch, into the scratch (kernels/route.py)
@@ -557,6 +614,8 @@ class MoELoRALayer(torch.nn.Module):
         elif router_logits is not None:
             topk_weights, topk_ids = route(router_logits, K, self.renormalize)
         if self.debug:
+            if router_logits is not None and not bool(torch.isfinite(router_logits).all()):
+                raise ValueError("router_logits contain NaN or inf (debug check): such tokens route nowhere")
             check_id_values(topk_ids, E, lora_ids, L)
         cfg = self.config_for(T)
         st = self.stage
@@ -630,5 +689,6 @@ class MoELoRALayer(torch.nn.Module):
             config=cfg,
             alignments=(base_align, al13, al2),
             buffers=bufs,
+            nan_on_bad_ids=True,  # ids unchecked: NaN rows, never another call's pair rows
         )
         return run()

@@ -63,20 +63,21 @@ _NDIMS = {
 }
 
 
-def _check_cpu_backend(dtype: torch.dtype) -> None:
-    """CPU tensors run only through the Triton interpreter, which has no correct bf16 arithmetic."""
+def _check_cpu_backend(dtype: torch.dtype, name: str = "hidden_states") -> None:
+    """CPU tensors run only through the Triton interpreter, which has no correct bf16 arithmetic.
+    ``name``: the argument the message names."""
     from .kernels.triton_kernels import KERNELS
 
     if type(KERNELS["fused_moe"][True]).__name__ != "InterpretedFunction":
         raise ValueError(
-            "hidden_states is on the CPU but the kernels were not built for the Triton "
+            f"{name} is on the CPU but the kernels were not built for the Triton "
             "interpreter: use CUDA tensors, or set TRITON_INTERPRET=1 before the first kernel "
             "module is imported (before the first call into moelora_lib; restart the process if "
             "a kernel was already built)"
         )
     if dtype == torch.bfloat16:
         raise ValueError(
-            "hidden_states: bfloat16 is not supported on the CPU (the Triton interpreter "
+            f"{name}: bfloat16 is not supported on the CPU (the Triton interpreter "
             "multiplies raw bf16 bit patterns, triton-lang/triton#11584); use float16 or "
             "float32 on the CPU, bfloat16 on a GPU"
         )

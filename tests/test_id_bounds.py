@@ -24,3 +24,10 @@ def test_out_of_range_non_contiguous_and_offset_views():
     li = flat[1:]  # offset view (4 bytes past the allocation)
     li.copy_(torch.tensor([5, -3], dtype=torch.int32))
     assert id_bounds_triton(ti, li).tolist() == [-7, 99, -3, 5]
+
+
+def test_bounds_reject_non_integer_ids():
+    with pytest.raises(ValueError, match="topk_ids must be an int32/int64"):
+        id_bounds_triton(torch.zeros(2, 2))
+    with pytest.raises(ValueError, match="lora_ids must be an int32/int64"):
+        id_bounds_triton(torch.zeros(2, 2, dtype=torch.int32), torch.zeros(2, dtype=torch.bool))

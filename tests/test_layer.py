@@ -220,7 +220,7 @@ def test_load_adapter_errors():
         layer.load_adapter(0, gate_up=gu[0])
     with pytest.raises(ValueError, match="pass gate_up"):
         layer.load_adapter(0)
-    with pytest.raises(ValueError, match="scaling must be a finite float"):
+    with pytest.raises(ValueError, match="scaling must be a finite real number"):
         layer.load_adapter(0, down=dn, scaling=float("inf"))
     assert layer.loaded_slots == {}  # nothing written by a failed load
     assert not layer.lora_a13.any() and not layer.lora_a2.any()
@@ -232,8 +232,8 @@ def test_forward_errors_and_debug():
     x, logits, ids = _inputs(dt, 4)
     with pytest.raises(ValueError, match="exceeds the layer's max_tokens"):
         layer(torch.randn(9, H), torch.randn(9, E), lora_ids=torch.zeros(9, dtype=torch.int32))
-    with pytest.raises(ValueError, match="lora_ids must be an int32"):
-        layer(x, logits, lora_ids=ids.long())
+    with pytest.raises(ValueError, match="lora_ids must be an int32/int64"):
+        layer(x, logits, lora_ids=ids.float())
     with pytest.raises(ValueError, match="hidden_states must be"):
         layer(x.half(), logits, lora_ids=ids)
     with pytest.raises(ValueError, match="either router_logits or"):
@@ -359,3 +359,104 @@ def test_scratch_shared_and_memory_report():
 
     gc.collect()
     assert a.memory_report()["scratch_shared_by"] == 1
+
+
+# --- found by a new-user trial: each case kept as a test -------------------------------------------
+
+
+def test_dropped_pairs_give_nan_rows_never_another_calls_values():
+    a = _layer(torch.float32)
+    b = _layer(torch.float32)  # same sizes: shares a's scratch
+    assert a._scratch is b._scratch
+    ids = torch.full((3,), -1, dtype=torch.int32)
+    tw = torch.full((3, K), 0.5)
+    a(
+        torch.randn(3, H) * 100,
+        topk_weights=tw,
+        topk_ids=torch.tensor([[0, 1]] * 3, dtype=torch.int32),
+        lora_ids=ids,
+    )
+    bad = torch.tensor([[E, E], [0, 1], [2, 3]], dtype=torch.int32)
+    out = b(torch.zeros(3, H), topk_weights=tw, topk_ids=bad, lora_ids=ids)
+    assert torch.isnan(out[0]).all() and torch.isfinite(out[1:]).all()
+    assert (out[1:] == 0).all()  # zero input, no bias, no adapter: exactly zero
+    # an adapter id out of range, and NaN router logits, also give NaN rows
+    out = b(
+        torch.zeros(3, H),
+        topk_weights=tw,
+        topk_ids=bad.clamp(max=E - 1),
+        lora_ids=torch.tensor([0, L, -1], dtype=torch.int32),
+    )
+    assert torch.isnan(out[1]).all() and torch.isfinite(out[[0, 2]]).all()
+    lg = torch.randn(3, E)
+    lg[2, 1] = float("nan")
+    out = b(torch.zeros(3, H), lg, lora_ids=ids)
+    assert torch.isnan(out[2]).all() and torch.isfinite(out[:2]).all()
+    dbg = _layer(torch.float32, debug=True)
+    with pytest.raises(ValueError, match="router_logits contain NaN"):
+        dbg(torch.zeros(3, H), lg, lora_ids=ids)
+
+
+def test_to_unsupported_dtype_is_refused_at_the_next_call():
+    x, logits, ids = _inputs(torch.float32, 4)
+    with pytest.raises(ValueError, match=r"w13, after \.to\(\)\): bfloat16 is not supported on the CPU"):
+        _layer(torch.float32).to(torch.bfloat16)(x.bfloat16(), logits, lora_ids=ids)
+    with pytest.raises(ValueError, match="must be float16, bfloat16 or float32, got torch.float64"):
+        _layer(torch.float32).to(torch.float64)(x.double(), logits, lora_ids=ids)
+    with pytest.raises(ValueError, match="^w13: bfloat16 is not supported on the CPU"):
+        _layer(torch.bfloat16)
+
+
+def test_copies_and_pickles_are_independent_layers():
+    import copy
+    import io
+
+    a = _layer(torch.float32)
+    gate_up, down = _adapter(torch.float32, 4)
+    a.load_adapter(0, gate_up=gate_up, down=down)
+    x, logits, ids = _inputs(torch.float32, 5)
+    want = a(x, logits, lora_ids=ids)
+    d = copy.deepcopy(a)
+    assert d.layer_name != a.layer_name
+    assert torch.equal(d(x, logits, lora_ids=ids), want)
+    with torch.no_grad():
+        d.w13.zero_()
+        d.w2.zero_()
+        d.unload_adapter(0)
+    assert (d(x, logits, lora_ids=ids) == 0).all() and torch.equal(a(x, logits, lora_ids=ids), want)
+    buf = io.BytesIO()
+    torch.save(a, buf)
+    buf.seek(0)
+    b = torch.load(buf, weights_only=False)
+    assert b.layer_name != a.layer_name and b.loaded_slots == a.loaded_slots
+    assert torch.equal(b(x, logits, lora_ids=ids), want)
+
+
+def test_argument_errors_before_the_op():
+    layer = _layer(torch.float32)
+    x, logits, ids = _inputs(torch.float32, 3)
+    with pytest.raises(ValueError, match="router_logits must be a float tensor"):
+        layer(x, logits.to("meta"), lora_ids=ids)  # no silent fake (shape-only) result
+    with pytest.raises(ValueError, match="hidden_states must be torch.float32 on cpu .*on meta"):
+        layer(torch.empty(3, H, device="meta"), logits, lora_ids=ids)
+    with pytest.raises(ValueError, match="hidden_states must be a tensor"):
+        layer(x.tolist(), logits, lora_ids=ids)
+    with pytest.raises(ValueError, match="lora_ids must be an int32/int64"):
+        layer(x, logits, lora_ids=ids.tolist())
+    assert torch.equal(layer(x, logits, lora_ids=ids.long()), layer(x, logits, lora_ids=ids))
+
+
+def test_load_adapter_layout_and_overflow_errors():
+    import numpy as np
+
+    layer = _layer(torch.float16)
+    (a13, b13), (a2, b2) = _adapter(torch.float16, 4)
+    with pytest.raises(ValueError, match=r"gate_up A must have shape \[E, S, r, H\]"):
+        layer.load_adapter(0, gate_up=(a13.transpose(2, 3), b13))  # [E, S, H, r]: layout, not rank
+    with pytest.raises(ValueError, match=r"down A must have shape \[E, r, I\]"):
+        layer.load_adapter(0, down=(b2, a2))  # swapped
+    with pytest.raises(ValueError, match="down B·scaling .* not finite in the layer's dtype torch.float16"):
+        layer.load_adapter(0, down=(a2, b2), scaling=1e6)
+    assert layer.loaded_slots == {}  # nothing written
+    layer.load_adapter(0, down=(a2, b2), scaling=np.float32(2.0))  # numpy reals are fine
+    assert layer.loaded_slots == {0: (False, True)}

@@ -40,3 +40,8 @@ def test_route_errors():
         route_triton(x.int(), 2)
     with pytest.raises(ValueError, match="out\\[1\\]"):
         route_triton(x, 2, out=(torch.empty(6), torch.empty(6)))
+
+
+def test_route_out_must_be_a_pair():
+    with pytest.raises(ValueError, match="out must be a pair"):
+        route_triton(torch.randn(3, 8), 2, out=torch.empty(6))

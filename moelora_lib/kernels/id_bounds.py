@@ -58,8 +58,13 @@ def id_bounds_triton(topk_ids: torch.Tensor, lora_ids: torch.Tensor | None = Non
 
     Same values as :func:`moelora_lib.routing.id_value_bounds` (empty tensors or lora_ids None give
     (0, 0) and (-1, -1)). Args: topk_ids [T, K] and lora_ids [T], int32 or int64, on one device; any
-    layout (a non-contiguous or misaligned input is copied first).
+    layout (a non-contiguous or misaligned input is copied first). Raises ValueError for other dtypes.
     """
+    for name, t in (("topk_ids", topk_ids), ("lora_ids", lora_ids)):
+        if t is not None and (not isinstance(t, torch.Tensor) or t.dtype not in (torch.int32, torch.int64)):
+            raise ValueError(
+                f"{name} must be an int32/int64 tensor, got {getattr(t, 'dtype', type(t).__name__)}"
+            )
     # contiguous and 16-byte aligned (an offset view would otherwise compile a second binary)
     t = aligned16(topk_ids.reshape(-1).contiguous())
     lo = t if lora_ids is None else aligned16(lora_ids.reshape(-1).contiguous())

@@ -108,6 +108,11 @@ def route_triton(
         w = torch.empty(T * K, dtype=torch.float32, device=dev)
         ids = torch.empty(T * K, dtype=torch.int32, device=dev)
     else:
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise ValueError(
+                "out must be a pair (topk_weights float32, topk_ids int32) of tensors, "
+                f"got {type(out).__name__}"
+            )
         w, ids = out
         for name, t, dt in (("out[0]", w, torch.float32), ("out[1]", ids, torch.int32)):
             if (

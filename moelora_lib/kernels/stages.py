@@ -30,6 +30,7 @@ from .launchers import (
     lora_shrink,
     lora_shrink_args,
 )
+from .topk_reduce import topk_reduce
 
 __all__ = ["Stage", "LayerRun", "Launch", "LAUNCH_OPS", "LAUNCH_KERNELS", "default_config", "as_dims"]
 
@@ -198,6 +199,10 @@ class LayerRun:
       fused add ``delta_gate_up`` [P, 2I] and ``delta_down`` [P, H] (float32 when hidden_states is
       float16, else its dtype); P = T·K. A missing name is
       allocated as before.
+    * ``nan_on_bad_ids``: the final top-k sum gives NaN rows for tokens whose topk_ids leave [0, E) or
+      whose lora_ids leave [-1, L) (:func:`~moelora_lib.kernels.topk_reduce.topk_reduce`, one launch
+      like torch's sum) instead of summing pair rows the alignment dropped — for callers that do not
+      check id values (the serving layer); default False (the ids were checked).
     """
 
     def __init__(
@@ -220,9 +225,12 @@ class LayerRun:
         config: LayerConfig,
         alignments: tuple[Alignment, Alignment | None, Alignment | None] | None = None,
         buffers: dict[str, torch.Tensor] | None = None,
+        nan_on_bad_ids: bool = False,
     ):
         self.stage = stage
         self.buffers = buffers or {}
+        self.nan_on_bad_ids = bool(nan_on_bad_ids)
+        self.topk_ids, self.lora_ids = topk_ids, lora_ids
         self.cfg = stage.adapt(config)
         # Every tensor the kernels read starts 16-byte aligned (a copy only for a misaligned view):
         # Triton specializes pointers on alignment, so an offset view would compile a second binary.
@@ -416,7 +424,11 @@ class LayerRun:
         self._lora_pair("down")
 
     def reduce(self) -> torch.Tensor:
-        return self.y.view(self.T, self.K, self.H).sum(dim=1)
+        # one kernel for every caller (same summation order); NaN rows for bad ids when they were not
+        # checked (the serving layer) instead of summing stale pair rows
+        return topk_reduce(
+            self.y, self.topk_ids, self.w13.shape[0], self.lora_ids, self.L, check_ids=self.nan_on_bad_ids
+        )
 
     # --- groupings used by callers and benchmarks ---------------------------------------------
     def __call__(self, with_lora: bool = True) -> torch.Tensor:

@@ -445,7 +445,7 @@ def jit_cache_sizes(device: int | None = None) -> dict[str, int]:
     from ..kernels.triton_kernels import KERNELS
 
     jits = {name: flav[False] for name, flav in KERNELS.items()}
-    for mod_name in ("align", "align_small", "route", "id_bounds"):
+    for mod_name in ("align", "align_small", "route", "id_bounds", "topk_reduce"):
         try:
             mod = importlib.import_module(f"moelora_lib.kernels.{mod_name}")
         except ImportError:

@@ -1,0 +1,115 @@
+"""The layer's last step, Σ_k over the top-k pair rows (optionally NaN rows for out-of-range ids).
+
+Every :class:`~moelora_lib.kernels.LayerRun` reduces with it (so the module and the public call sum in
+the same order, bit for bit); the serving layer asks for the id check.
+
+
+``out[t] = Σ_k y[t·K + k]`` (fp32 accumulation, k ascending, one rounding to y's dtype) — what
+``y.view(T, K, H).sum(dim=1)`` computes — in one launch, with one difference: a token whose top-k ids
+leave [0, E) or whose adapter id leaves [-1, L) gets a NaN row. Such pairs are dropped by the alignment
+(never read or written out of bounds), so their ``y`` rows hold whatever an earlier call left in the
+scratch; summing them would hand one request another request's activations. The serving layer
+(:class:`moelora_lib.MoELoRALayer`) checks no id values (that would need a host sync), so it uses this
+reduction: bad ids show up as NaN rows instead of silently wrong or leaked values. NaN router logits
+give out-of-range ids too (:func:`moelora_lib.kernels.route.route_triton`), hence NaN rows, as in the
+fp32 reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["topk_reduce"]
+
+
+def _topk_reduce_kernel(
+    y_ptr,
+    ids_ptr,
+    lora_ptr,
+    out_ptr,
+    H,
+    E,
+    L,
+    stride_ym,
+    stride_it,
+    stride_ik,
+    stride_lt,
+    stride_ot,
+    K: tl.constexpr,
+    K_P: tl.constexpr,
+    CHECK_IDS: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = offs < H
+    acc = tl.zeros((BLOCK_H,), tl.float32)
+    for k in tl.static_range(K):
+        acc += tl.load(y_ptr + (t * K + k) * stride_ym + offs, mask=hmask, other=0.0).to(tl.float32)
+    if CHECK_IDS:
+        ks = tl.arange(0, K_P)
+        e = tl.load(ids_ptr + t * stride_it + ks * stride_ik, mask=ks < K, other=0)
+        bad = tl.sum(((ks < K) & ((e < 0) | (e >= E))).to(tl.int32), axis=0)
+        if HAS_LORA:
+            lo = tl.load(lora_ptr + t * stride_lt)
+            bad += ((lo < -1) | (lo >= L)).to(tl.int32)
+        acc = tl.where(bad > 0, float("nan"), acc)
+    tl.store(out_ptr + t * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=hmask)
+
+
+# H and the strides are fixed per layer; T only sets the grid
+_topk_reduce = triton.jit(_topk_reduce_kernel)
+
+
+def topk_reduce(
+    y: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    lora_ids: torch.Tensor | None = None,
+    num_adapters: int = 0,
+    *,
+    check_ids: bool = True,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``y.view(T, K, H).sum(dim=1)`` with NaN rows for tokens with out-of-range ids (module docstring).
+
+    Args:
+        y: [T·K, H] float16/bfloat16/float32, rows contiguous (stride(1) == 1).
+        topk_ids: [T, K] int32/int64 (any strides). num_experts: E.
+        lora_ids: [T] int32/int64 or None (then adapter ids are not checked); num_adapters: L.
+        check_ids: False = the plain sum (ids already checked by the caller; no id loads).
+        out: optional [T, H] of y's dtype (rows contiguous); None allocates.
+    Returns:
+        [T, H] of y's dtype.
+    Raises:
+        ValueError naming the argument for shapes/dtypes that do not fit.
+    """
+    if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"topk_ids must be an int32/int64 tensor [T, K], got {tuple(topk_ids.shape)} {topk_ids.dtype}"
+        )
+    T, K = topk_ids.shape
+    if y.dim() != 2 or y.shape[0] != T * K or y.stride(1) != 1:
+        raise ValueError(f"y must be [T·K = {T * K}, H] with contiguous rows, got {tuple(y.shape)}")
+    H = y.shape[1]
+    if lora_ids is not None and (lora_ids.shape != (T,) or lora_ids.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"lora_ids must be an int32/int64 tensor [T={T}], got {tuple(lora_ids.shape)}")
+    if out is None:
+        out = torch.empty((T, H), dtype=y.dtype, device=y.device)
+    elif out.shape != (T, H) or out.dtype != y.dtype or out.stride(1) != 1:
+        raise ValueError(f"out must be a {y.dtype} tensor [T={T}, H={H}] with contiguous rows")
+    if T == 0:
+        return out
+    block_h = min(1024, triton.next_power_of_2(H))
+    lo = lora_ids if lora_ids is not None else topk_ids
+    _topk_reduce[(T, triton.cdiv(H, block_h))](
+        y, topk_ids, lo, out, H, int(num_experts), int(num_adapters),
+        y.stride(0), topk_ids.stride(0), topk_ids.stride(1),
+        lora_ids.stride(0) if lora_ids is not None else 0, out.stride(0),
+        K=K, K_P=triton.next_power_of_2(K), CHECK_IDS=bool(check_ids), HAS_LORA=lora_ids is not None,
+        BLOCK_H=block_h,
+    )  # fmt: skip
+    return out

@@ -257,7 +257,7 @@ def eager_rows(
         if on_gpu:
             w, h = wall_us(fn, device, reps=reps)
         else:
-            w, h = wall_us(fn, device, reps=1, warmup=0)
+            w, h = wall_us(fn, device, reps=1, warmup=1)  # interpreter cost only
         rows.append(
             bench.result_row(
                 model=sh.name,

@@ -25,6 +25,14 @@ def best_triton(align):
     return best.merge(torch_us, on=["model", "T"]).sort_values(["model", "T"]).reset_index(drop=True)
 
 
+def _size(nbytes: float) -> str:
+    """Bytes in the largest binary unit that keeps the number ≥ 1 (KiB, MiB or GiB)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:,.1f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
 def _list(items: list[str]) -> str:
     if len(items) <= 1:
         return "".join(items)
@@ -66,8 +74,8 @@ def conclusion(align, eager, host, graph, variants, memory, *, profile: str, anc
     mem_txt = []
     for m in memory.model.unique():
         mem_txt.append(
-            f"{m}: weights {mem[(m, 'weights')] / 2**20:,.0f} MiB, adapter slots "
-            f"{mem[(m, 'adapter_slots')] / 2**20:,.1f} MiB, scratch {mem[(m, 'scratch')] / 2**20:,.0f} MiB "
+            f"{m}: weights {_size(mem[(m, 'weights')])}, adapter slots {_size(mem[(m, 'adapter_slots')])}, "
+            f"scratch {_size(mem[(m, 'scratch')])} "
             f"(max_tokens {int(memory[memory.model == m].max_tokens.iloc[0])}, shared by every layer of the "
             "same sizes)"
         )

@@ -34,10 +34,14 @@ How a call runs: ``F.linear`` for the base; the tokens grouped by adapter with t
 all slices that adds into the base output (stages with fused add) or into a delta buffer added by
 torch (the others). Stages are the MoE ones (:data:`moelora_lib.kernels.STAGES`, same switches).
 
-Not done yet (left for the GPU session): tuned dense configs (stage ``tuned`` launches the defaults
-of :func:`~moelora_lib.kernels.dense_lora.default_dense_config`), timings against vLLM's dense ops
-(docs/anchors-h200.md, last section), notebook 10. Not exported from ``moelora_lib/__init__.py``
-(another engineer's file): import from ``moelora_lib.lora_linear``.
+Configs: stage ``tuned`` reads tuned configs through :func:`moelora_lib.configs.load_dense_config`
+(vLLM's dense ``{gpu}_SHRINK.json`` / ``{gpu}_EXPAND_TRUE.json`` files; the ``folder`` > env >
+shipped > defaults precedence of the MoE configs) written by :mod:`moelora_lib.studies.dense_tuning`;
+until tuned files are shipped for the GPU it launches
+:func:`~moelora_lib.kernels.dense_lora.default_dense_config` (silently for a shipped folder that has
+only MoE configs). Not done yet (left for the GPU session): the shipped H200 dense files, timings
+against vLLM's dense ops (docs/anchors-h200.md, last section), notebook 10. Not exported from
+``moelora_lib/__init__.py`` (another engineer's file): import from ``moelora_lib.lora_linear``.
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ from .kernels.dense_lora import (
     DENSE_KERNELS,
     DenseLoRAConfig,
     adapt_dense_config,
-    dense_block_sizes_m,
+    dense_block_sizes_for,
     dense_config_for,
     dense_lora_add,
 )
@@ -238,9 +242,9 @@ def lora_linear(
         bias: [N_total] or None.
         stage: a name in :data:`moelora_lib.kernels.STAGES` (its switches: length specialization,
             split-K shrink, grouped order, EVEN_K, fused add).
-        config: a :class:`~moelora_lib.kernels.dense_lora.DenseLoRAConfig`; None =
-            :func:`~moelora_lib.kernels.dense_lora.default_dense_config` (every stage, "tuned" too, for
-            now).
+        config: a :class:`~moelora_lib.kernels.dense_lora.DenseLoRAConfig`; None = stage ``tuned``:
+            :func:`moelora_lib.configs.load_dense_config` (tuned files, else the defaults); the other
+            stages: :func:`~moelora_lib.kernels.dense_lora.default_dense_config`.
         check_values: check lora_ids ∈ [-1, L) — one host sync. Pass False for CUDA-graph capture
             (ids out of range are then dropped by the alignment: no out-of-bounds access, result for
             those tokens unspecified), or use :class:`LoRALinear`.
@@ -356,8 +360,8 @@ class LoRALinear(torch.nn.Module):
         slices: output widths, Σ = N_total (default: one slice of N_total), e.g. (q, k, v) widths.
         num_adapters: L ≥ 1 slots. max_rank: R ≥ 1, the largest rank a slot holds.
         max_tokens: largest T a forward accepts; the buffers are sized for it.
-        stage: a name in :data:`moelora_lib.kernels.STAGES` (default "tuned" = the fastest switches;
-            its configs are the defaults for now).
+        stage: a name in :data:`moelora_lib.kernels.STAGES` (default "tuned" = the fastest switches,
+            configs from :func:`moelora_lib.configs.load_dense_config`, resolved when a T is first seen).
         config: a fixed :class:`~moelora_lib.kernels.dense_lora.DenseLoRAConfig` for every T (None =
             per T, as :func:`lora_linear` picks it).
         debug: check lora_ids ∈ [-1, L) in forward (a host sync).
@@ -375,7 +379,8 @@ class LoRALinear(torch.nn.Module):
     ids of empty slots to -1; the alignment (one launch up to PAIR_PATH_MAX_PAIRS tokens, else three);
     shrink and expand (and, in stages without fused add, a fill and an add). With no adapter loaded at
     all, only ``F.linear``. Alignment workspaces are allocated at construction for every BLOCK_SIZE_M
-    the configs up to max_tokens use (a few KB); a call under another config allocates its own once.
+    the configs up to max_tokens use (a few KB; stage ``tuned``: those of the tuned files found at
+    construction); a call under another config allocates its own once.
     """
 
     def __init__(
@@ -461,7 +466,14 @@ class LoRALinear(torch.nn.Module):
         bms = (
             (self.fixed_config.block_size_m,)
             if self.fixed_config is not None
-            else dense_block_sizes_m(self.max_tokens, self.L)
+            else dense_block_sizes_for(
+                self.stage,
+                self.max_tokens,
+                hidden=self.in_features,
+                slices=self.slices,
+                rank=self.R,
+                adapters=self.L,
+            )
         )
         for bm in bms:
             scratch.workspace("pair", bm)

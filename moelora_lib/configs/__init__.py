@@ -68,6 +68,25 @@ four LoRA ops or between the two base GEMMs.
 
 Files are parsed once per (path, mtime, size) (``functools.lru_cache``) and written atomically by
 :func:`save_config_file` (temporary file in the same folder + ``os.replace``).
+
+Dense multi-LoRA (:mod:`moelora_lib.lora_linear`, stage ``tuned``; :func:`load_dense_config`): vLLM's
+dense LoRA files, in the same folders, ``{gpu}_SHRINK.json`` and ``{gpu}_EXPAND_TRUE.json``
+(``_FALSE``: an expand without the fused add; the tuner writes ``_TRUE``, stage ``tuned``'s)::
+
+    config_data[max_loras][num_slices][m][k][n] = leaf
+
+with max_loras = L, num_slices = S = len(slices) (exact), m = T, and vLLM's runtime convention: shrink
+k = H, n = R; expand k = R, n = the widest slice. A leaf uses vLLM's keys (``block_m``, ``block_n``,
+``block_k``, ``split_k`` (shrink only), ``group_size_m``, ``num_warps``, ``num_stages``; ``num_ctas``,
+``max_nreg``, ``use_tma`` ignored) or OpConfig's names. Lookup as above (exact, else nearest, ties to
+the smaller key); the shrink and the expand share one alignment, so the expand entry is the nearest
+one whose BLOCK_SIZE_M equals the shrink's (none: ValueError naming both files). Same precedence,
+GPU mapping and memo as :func:`load_layer_config`; warnings: no tuned file for the GPU at all, one
+per (GPU, folder set) (apart from the MoE warning: another op, another tuner); a shipped folder
+with MoE files and no dense files: silent (nothing is shipped for the dense op yet); an explicit or
+environment folder without dense files for the GPU: one per folder; a missing file or num_slices
+entry: one per (folder, op). Written by :mod:`moelora_lib.studies.dense_tuning`; differences from
+vLLM: ``moelora_lib/configs/README.md``.
 """
 
 from __future__ import annotations
@@ -105,6 +124,12 @@ __all__ = [
     "save_config_file",
     "set_entry",
     "clear_cache",
+    "DENSE_FILE_OPS",
+    "dense_config_file_name",
+    "dense_keys",
+    "dense_leaf",
+    "load_dense_config",
+    "tuned_dense_block_sizes_m",
 ]
 
 ENV_VAR = "MOELORA_TUNED_CONFIG_FOLDER"
@@ -120,6 +145,21 @@ SHIPPED_DIR = Path(__file__).resolve().parent
 LORA_DEPTH = 6  # max_loras, num_slices, m, k, n, i
 BASE_DEPTH = 4  # E, N, K, m
 _IGNORED_KEYS = {"USE_TMA", "NUM_CTAS"}  # vLLM leaf keys with no meaning here
+#: dense multi-LoRA op (``load_config_file`` name) -> op part of the file name (vLLM's dense LoRA
+#: names; the expand's file also carries add_inputs: ``EXPAND_TRUE`` / ``EXPAND_FALSE``)
+DENSE_FILE_OPS = {"dense_shrink": "SHRINK", "dense_expand": "EXPAND"}
+DENSE_DEPTH = 5  # max_loras, num_slices, m, k, n
+#: vLLM's dense leaf keys -> OpConfig fields
+_DENSE_KEYS = {
+    "block_m": "BLOCK_SIZE_M",
+    "block_n": "BLOCK_SIZE_N",
+    "block_k": "BLOCK_SIZE_K",
+    "group_size_m": "GROUP_SIZE_M",
+    "split_k": "SPLIT_K",
+    "num_warps": "NUM_WARPS",
+    "num_stages": "NUM_STAGES",
+}
+_DENSE_IGNORED = {"num_ctas", "max_nreg", "use_tma"}  # vLLM dense leaf keys with no meaning here
 _WARNED: set[tuple] = set()
 #: explicit GPU name -> config GPU name mappings (:func:`map_gpu_name`); never filled implicitly
 _GPU_MAP: dict[str, str] = {}
@@ -146,11 +186,14 @@ def _norm_gpu(name: str) -> str:
 
 def shipped_gpus() -> list[str]:
     """GPU names with tuned configs shipped in this package (folders ``moelora_lib/configs/<gpu>/``
-    holding ``<gpu>_FUSED_MOE_*.json`` files), sorted."""
+    holding ``<gpu>_FUSED_MOE_*.json`` files or dense LoRA files ``<gpu>_SHRINK.json`` /
+    ``<gpu>_EXPAND_{TRUE,FALSE}.json``), sorted."""
     if not SHIPPED_DIR.is_dir():
         return []
     return sorted(
-        d.name for d in SHIPPED_DIR.iterdir() if d.is_dir() and any(d.glob(f"{d.name}_FUSED_MOE_*.json"))
+        d.name
+        for d in SHIPPED_DIR.iterdir()
+        if d.is_dir() and (any(d.glob(f"{d.name}_FUSED_MOE_*.json")) or _has_dense_file(d, d.name))
     )
 
 
@@ -268,6 +311,11 @@ def _walk(node: Any, depth: int, path: str, keys: tuple, out: dict, leaf_kind: s
                         f"{path} at {_keypath(keys + (op, 'SPLIT_K'))}: must be 1 for the base GEMMs"
                     )
             out[keys] = cfgs
+        elif leaf_kind in DENSE_FILE_OPS:
+            c = _parse_dense_leaf(node, where)
+            if leaf_kind == "dense_expand" and c.SPLIT_K != 1:
+                raise ValueError(f"{where}['split_k']: must be 1 for the dense expand op")
+            out[keys] = c
         else:
             c = _parse_leaf(node, where)
             if leaf_kind == "base":
@@ -305,19 +353,27 @@ def _load_cached(path: str, mtime_ns: int, size: int, depth: int, leaf_kind: str
 
 
 def _kind(op: str) -> str:
+    if op in DENSE_FILE_OPS:
+        return op
     return "base" if op == "base" else ("expand" if op.endswith("expand") else "shrink")
 
 
+def _depth(op: str) -> int:
+    return BASE_DEPTH if op == "base" else (DENSE_DEPTH if op in DENSE_FILE_OPS else LORA_DEPTH)
+
+
 def load_config_file(path: str | os.PathLike, op: str) -> dict:
-    """Parse and validate one config file of ``op`` (a LoRA op or "base"); returns the raw nested dict.
+    """Parse and validate one config file of ``op`` (a LoRA op of the MoE layer, "base", or a dense
+    op "dense_shrink" / "dense_expand"); returns the raw nested dict.
 
     Cached by (path, mtime, size). Raises ValueError naming the file and key path (see the module
     docstring); FileNotFoundError when it does not exist.
     """
+    if op not in (*LORA_OPS, "base", *DENSE_FILE_OPS):
+        raise ValueError(f"op must be one of {[*LORA_OPS, 'base', *DENSE_FILE_OPS]}, got {op!r}")
     p = Path(path)
     st = p.stat()
-    depth = BASE_DEPTH if op == "base" else LORA_DEPTH
-    return _load_cached(str(p), st.st_mtime_ns, st.st_size, depth, _kind(op))[0]
+    return _load_cached(str(p), st.st_mtime_ns, st.st_size, _depth(op), _kind(op))[0]
 
 
 def clear_cache() -> None:
@@ -570,3 +626,353 @@ def save_config_file(path: str | os.PathLike, data: dict) -> Path:
     """
     _RESOLVED.clear()  # a resolved config may come from the file being replaced
     return write_json_atomic(path, _sorted(data), indent=1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Dense multi-LoRA (moelora_lib.lora_linear): vLLM's dense shrink / expand config files
+# --------------------------------------------------------------------------------------------------
+def dense_config_file_name(gpu: str, op: str, add_inputs: bool = True) -> str:
+    """``{gpu}_SHRINK.json`` for "dense_shrink" (or "shrink"), ``{gpu}_EXPAND_TRUE.json`` /
+    ``{gpu}_EXPAND_FALSE.json`` for "dense_expand" (or "expand") with / without ``add_inputs`` (the
+    fused add into the base output, the stages with ``fused_add``): vLLM's dense LoRA file names."""
+    op = op if op.startswith("dense_") else f"dense_{op}"
+    if op == "dense_shrink":
+        return f"{gpu}_SHRINK.json"
+    if op == "dense_expand":
+        return f"{gpu}_EXPAND_{str(bool(add_inputs)).upper()}.json"
+    raise ValueError(f"op must be 'dense_shrink' or 'dense_expand', got {op!r}")
+
+
+def dense_keys(op: str, T: int, *, hidden: int, slices, rank: int, adapters: int) -> tuple[int, ...]:
+    """(max_loras, num_slices, m, k, n) of a dense op, vLLM's runtime convention
+    (``get_lora_op_configs``): shrink k = hidden (H), n = rank (R); expand k = R, n = the widest
+    slice (vLLM's ``max_n``). max_loras = L, num_slices = len(slices), m = T."""
+    op = op if op.startswith("dense_") else f"dense_{op}"
+    S = len(slices)
+    if op == "dense_shrink":
+        return (adapters, S, T, hidden, rank)
+    if op == "dense_expand":
+        return (adapters, S, T, rank, max(int(n) for n in slices))
+    raise ValueError(f"op must be 'dense_shrink' or 'dense_expand', got {op!r}")
+
+
+def dense_leaf(cfg: OpConfig, op: str) -> dict:
+    """The file leaf of ``cfg`` in vLLM's key names (``block_m``, ``block_n``, ``block_k``,
+    ``group_size_m``, ``num_warps``, ``num_stages``, and ``split_k`` for the shrink only)."""
+    op = op if op.startswith("dense_") else f"dense_{op}"
+    d = {k: getattr(cfg, f) for k, f in _DENSE_KEYS.items()}
+    if op == "dense_expand":
+        if cfg.SPLIT_K != 1:
+            raise ValueError(f"dense_leaf: the expand's SPLIT_K must be 1, got {cfg.SPLIT_K}")
+        del d["split_k"]
+    return d
+
+
+def _parse_dense_leaf(leaf: Any, where: str) -> OpConfig:
+    """A dense leaf: vLLM's keys (``block_m`` ...; ``num_ctas`` / ``max_nreg`` / ``use_tma`` ignored)
+    or OpConfig's names (any case); missing keys take OpConfig's defaults."""
+    if not isinstance(leaf, dict):
+        raise ValueError(f"{where}: a config leaf must be a JSON object, got {type(leaf).__name__}")
+    fields = set(_DENSE_KEYS.values())
+    norm: dict[str, int] = {}
+    for k, v in leaf.items():
+        if k.lower() in _DENSE_IGNORED:
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+                raise ValueError(f"{where}: key {k!r} must be an integer or null, got {v!r}")
+            continue
+        f = _DENSE_KEYS.get(k.lower()) or (k.upper() if k.upper() in fields else None)
+        if f is None:
+            raise ValueError(
+                f"{where}: unknown key {k!r}; expected a subset of {sorted(_DENSE_KEYS)} (vLLM's names) "
+                f"or of {sorted(fields)}"
+            )
+        if f in norm:
+            raise ValueError(f"{where}: key {k!r} given twice (as {f} under another name)")
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise ValueError(f"{where}: key {k!r} must be an integer, got {v!r}")
+        norm[f] = v
+    try:
+        return OpConfig(**norm)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+def _has_dense_file(folder: Path, gpu: str) -> bool:
+    return any(
+        (folder / n).is_file()
+        for n in (
+            dense_config_file_name(gpu, "shrink"),
+            dense_config_file_name(gpu, "expand", True),
+            dense_config_file_name(gpu, "expand", False),
+        )
+    )
+
+
+def _dense_gpus_in(folder: Path) -> list[str]:
+    """GPU names that have a dense config file in ``folder``."""
+    names = set()
+    for suffix in ("_SHRINK.json", "_EXPAND_TRUE.json", "_EXPAND_FALSE.json"):
+        for p in folder.glob(f"*{suffix}"):
+            names.add(p.name[: -len(suffix)])
+    return sorted(names)
+
+
+def _warn_no_dense_configs(gpu: str, mapped_from: str | None, folder, env: str | None, chosen) -> None:
+    """One TunedConfigWarning per (GPU, folder set) for the dense op: no tuned file at all for ``gpu``
+    (kept apart from the MoE layer's warning: another op, another tuner)."""
+    shipped = shipped_folder(gpu)
+    key = ("dense-gpu", gpu, mapped_from, None if folder is None else str(folder), env, str(shipped))
+    if key in _WARNED:
+        return
+    _WARNED.add(key)
+    searched = [f"folder argument {str(folder)!r}" if folder is not None else "folder argument: none"]
+    if env:
+        searched.append(f"${ENV_VAR}={env!r}" + ("" if folder is None else " (not read: folder given)"))
+    else:
+        searched.append(f"${ENV_VAR}: unset")
+    if folder is None and not env:
+        searched.append(f"shipped folder {str(shipped)!r} (does not exist)")
+    else:
+        searched.append(f"shipped folder {str(shipped)!r} (not read: a folder was given)")
+    others = _dense_gpus_in(chosen) if chosen is not None else []
+    name = f"{gpu!r}" + (f" (mapped from {mapped_from!r})" if mapped_from else "")
+    have = f"; that folder has dense files for {others}" if others else ""
+    shipped_names = shipped_gpus()
+    example = shipped_names[0] if shipped_names else "<a shipped GPU>"
+    warnings.warn(
+        f"moelora_lib tuned configs: no tuned dense LoRA configs ({dense_config_file_name(gpu, 'shrink')}, "
+        f"{dense_config_file_name(gpu, 'expand')}) for GPU {name}; searched: {'; '.join(searched)}{have}. "
+        "Stage 'tuned' of lora_linear / LoRALinear uses default_dense_config. To use another GPU's "
+        "configs explicitly: moelora_lib.configs.map_gpu_name("
+        f"{gpu if mapped_from is None else mapped_from!r}, {example!r}) or load_dense_config(..., "
+        f"gpu_name={example!r}); or tune this GPU (python -m moelora_lib.studies.dense_tuning) and point "
+        f"folder= / ${ENV_VAR} at the result",
+        TunedConfigWarning,
+        stacklevel=4,
+    )
+
+
+def _check_dense_args(T, hidden, slices, rank, adapters, t_name: str = "T") -> tuple:
+    """(T, hidden, slices as a tuple of ints, rank, adapters), or ValueError naming the argument."""
+    from ..common import is_int
+    from ..shapes import check_int
+
+    out = [check_int(t_name, T, 1), check_int("hidden", hidden, 1)]
+    if not isinstance(slices, (tuple, list)) or not slices or not all(is_int(n) and n >= 1 for n in slices):
+        raise ValueError(f"slices must be a non-empty tuple of output widths (ints >= 1), got {slices!r}")
+    return (
+        *out,
+        tuple(int(n) for n in slices),
+        check_int("rank", rank, 1),
+        check_int("adapters", adapters, 1),
+    )
+
+
+def _dense_gpu(gpu_name: str | None) -> tuple[str, str | None]:
+    """(config GPU name, the running GPU's name when mapped by map_gpu_name else None)."""
+    if gpu_name:
+        return gpu_name, None
+    gpu = _current_gpu_name()
+    if gpu in _GPU_MAP:
+        return _GPU_MAP[gpu], gpu
+    return gpu, None
+
+
+def _dense_folder(folder, gpu: str) -> tuple[Path | None, str, str | None]:
+    """(folder to read, its label, $MOELORA_TUNED_CONFIG_FOLDER) by the precedence folder > env >
+    shipped; folder None when nothing is shipped for ``gpu``. Raises ValueError when ``folder`` or the
+    environment variable names something that is not a directory."""
+    env = os.environ.get(ENV_VAR) or None
+    if folder is not None:
+        where, label = Path(folder), f"folder:{folder}"
+    elif env:
+        where, label = Path(env), f"env:{env}"
+    elif shipped_folder(gpu).is_dir():
+        return shipped_folder(gpu), f"shipped:{gpu}", env
+    else:
+        return None, "default", env
+    if not where.is_dir():
+        origin = "folder argument" if folder is not None else f"${ENV_VAR}"
+        raise ValueError(f"{origin}: config folder {str(where)!r} is not a directory")
+    return where, label, env
+
+
+def _dense_file(folder: Path, gpu: str, op: str, add_inputs: bool):
+    """(path, raw data, parsed leaves) of one dense file, or None when it does not exist."""
+    path = folder / dense_config_file_name(gpu, op, add_inputs)
+    if not path.is_file():
+        return None
+    st = path.stat()
+    data, parsed = _load_cached(str(path), st.st_mtime_ns, st.st_size, DENSE_DEPTH, op)
+    return path, data, parsed
+
+
+def _nearest_leaf(
+    parsed: dict, keys: tuple[int, ...], exact_levels=(), accept=None
+) -> tuple[str, ...] | None:
+    """The key path of the leaf that :func:`lookup` takes (exact key, else the nearest by
+    ``|int(key) - value|``, ties: the smaller key; levels in ``exact_levels`` exact only), among the
+    leaves of ``parsed`` (key path -> OpConfig) for which ``accept(key path, leaf)`` holds (None =
+    all)."""
+    cands = [k for k, c in parsed.items() if accept is None or accept(k, c)]
+    for level, v in enumerate(keys):
+        opts = {k[level] for k in cands}
+        if not opts:
+            return None
+        if str(int(v)) in opts:
+            pick = str(int(v))
+        elif level in exact_levels:
+            return None
+        else:
+            pick = min(opts, key=lambda key: (abs(int(key) - v), int(key)))
+        cands = [k for k in cands if k[level] == pick]
+    return cands[0] if cands else None
+
+
+def load_dense_config(
+    T: int,
+    hidden: int,
+    slices,
+    rank: int,
+    adapters: int,
+    *,
+    folder: str | os.PathLike | None = None,
+    gpu_name: str | None = None,
+    add_inputs: bool = True,
+):
+    """The :class:`~moelora_lib.kernels.dense_lora.DenseLoRAConfig` of one dense multi-LoRA call
+    (:func:`moelora_lib.lora_linear.lora_linear`, stage ``tuned``), from tuned files if any.
+
+    Args:
+        T: tokens of the call. hidden: H. slices: the output widths (N_s). rank: R. adapters: L.
+        folder: a config folder (highest precedence); else ``$MOELORA_TUNED_CONFIG_FOLDER``; else the
+            shipped ``moelora_lib/configs/<gpu>/``; else
+            :func:`~moelora_lib.kernels.dense_lora.default_dense_config`.
+        gpu_name: the GPU part of the file names (default: the :func:`map_gpu_name` mapping of the
+            current GPU, else :func:`gpu_name`), as for :func:`load_layer_config`.
+        add_inputs: which expand file: ``EXPAND_TRUE`` (the expand adds into the base output — the
+            stages with fused add, ``tuned`` among them) or ``EXPAND_FALSE``.
+    Lookup: the shrink entry at (max_loras, num_slices, m, k, n) = (L, S, T, H, R), the expand entry
+    at (L, S, T, R, max(slices)), every level exact else nearest, num_slices exact; the expand entry
+    is the nearest one whose BLOCK_SIZE_M equals the shrink's (they share one alignment).
+    Returns: a DenseLoRAConfig whose ``source`` says where it came from (``folder:/p``, ``env:/p``,
+        ``shipped:NVIDIA_H200``, `` (mapped from ...)``, or ``default``).
+    Raises: ValueError naming the argument for bad sizes; for a malformed file (naming the file and
+        key path); when the folder named by ``folder`` / the environment variable is not a directory;
+        when the expand file has no entry with the shrink's BLOCK_SIZE_M for (L, S) (naming both).
+    Fallbacks (the defaults): nothing shipped for the GPU — one :class:`TunedConfigWarning` per (GPU,
+    folder set), none for ``cpu``; a shipped folder without dense files (MoE files only) — silent; an
+    explicit or environment folder without dense files for the GPU — one warning per folder; one of
+    the two files missing, or no entry for num_slices — one warning per (folder, op).
+    Resolved once per (arguments, environment variable, device, GPU mapping), like
+    :func:`load_layer_config`; :func:`clear_cache` / :func:`save_config_file` forget it.
+    """
+    T, hidden, slices, rank, adapters = _check_dense_args(T, hidden, slices, rank, adapters)
+    dev = torch.cuda.current_device() if torch.cuda.is_available() else -1
+    memo_key = ("dense", T, hidden, slices, rank, adapters, bool(add_inputs))
+    memo_key += (None if folder is None else str(folder), gpu_name, os.environ.get(ENV_VAR), dev)
+    memo_key += (tuple(sorted(_GPU_MAP.items())),)
+    cfg = _RESOLVED.get(memo_key)
+    if cfg is None:
+        cfg = _resolve_dense_config(T, hidden, slices, rank, adapters, folder, gpu_name, bool(add_inputs))
+        if len(_RESOLVED) >= 65536:
+            _RESOLVED.clear()
+        _RESOLVED[memo_key] = cfg
+    return cfg
+
+
+def _resolve_dense_config(T, hidden, slices, rank, adapters, folder, gpu_name, add_inputs):
+    from ..kernels.dense_lora import DenseLoRAConfig, default_dense_config
+
+    dflt = default_dense_config(T, hidden=hidden, slices=slices, rank=rank, adapters=adapters)
+    gpu, mapped_from = _dense_gpu(gpu_name)
+    where, label, env = _dense_folder(folder, gpu)
+    if where is None:
+        if gpu != "cpu":  # no GPU: nothing is ever shipped for the interpreter, stay quiet
+            _warn_no_dense_configs(gpu, mapped_from, None, None, None)
+        return dflt
+    if mapped_from is not None:
+        label += f" (mapped from {mapped_from})"
+    shipped = folder is None and not env
+    if not _has_dense_file(where, gpu):
+        if shipped:
+            return dflt  # the shipped folder has MoE configs only: no dense configs shipped yet, quietly
+        if _has_any_file(where, gpu):  # MoE configs of this GPU only: say once that dense ones lack
+            _warn_once(
+                str(where),
+                "dense",
+                f"{where} has no dense LoRA config files ({dense_config_file_name(gpu, 'shrink')}, "
+                f"{dense_config_file_name(gpu, 'expand', add_inputs)}) for {gpu}",
+            )
+        else:
+            _warn_no_dense_configs(gpu, mapped_from, folder, env, where)
+        return dflt
+    files = {}
+    for op in DENSE_FILE_OPS:
+        got = _dense_file(where, gpu, op, add_inputs)
+        if got is None:
+            path = where / dense_config_file_name(gpu, op, add_inputs)
+            _warn_once(str(where), op, f"no file {path}")
+            return dflt
+        files[op] = got
+    keys = {op: dense_keys(op, T, hidden=hidden, slices=slices, rank=rank, adapters=adapters) for op in files}
+    spath, _, sparsed = files["dense_shrink"]
+    staken = _nearest_leaf(sparsed, keys["dense_shrink"], exact_levels=(1,))
+    if staken is None:
+        _warn_once(str(where), "dense_shrink", f"{spath} has no entry for num_slices={len(slices)}")
+        return dflt
+    shrink = sparsed[staken]
+    epath, _, eparsed = files["dense_expand"]
+    bm = shrink.BLOCK_SIZE_M
+    S = str(len(slices))
+    etaken = _nearest_leaf(
+        eparsed, keys["dense_expand"], (1,), accept=lambda k, c: k[1] == S and c.BLOCK_SIZE_M == bm
+    )
+    if etaken is None:
+        if _nearest_leaf(eparsed, keys["dense_expand"], exact_levels=(1,)) is None:
+            _warn_once(str(where), "dense_expand", f"{epath} has no entry for num_slices={len(slices)}")
+            return dflt
+        raise ValueError(
+            f"the dense shrink and expand share one alignment, so their BLOCK_SIZE_M must be equal: "
+            f"{spath} at {_keypath(staken)}: BLOCK_SIZE_M={bm}, and {epath} has no entry with "
+            f"BLOCK_SIZE_M={bm} for max_loras near {adapters}, num_slices={len(slices)}"
+        )
+    return DenseLoRAConfig(shrink, eparsed[etaken], source=label)
+
+
+def tuned_dense_block_sizes_m(
+    max_tokens: int,
+    *,
+    hidden: int,
+    slices,
+    rank: int,
+    adapters: int,
+    folder: str | os.PathLike | None = None,
+    gpu_name: str | None = None,
+    add_inputs: bool = True,
+) -> tuple[int, ...]:
+    """Every BLOCK_SIZE_M :func:`load_dense_config` gives for 1 ≤ T ≤ max_tokens (ascending), so a
+    module can allocate its alignment workspaces up front: the configs at T = 1, T = max_tokens and at
+    every tuned ``m`` in between (the nearest-key lookup only changes entry there), plus the
+    defaults' block sizes (:func:`~moelora_lib.kernels.dense_lora.dense_block_sizes_m`) when a lookup
+    falls back to them."""
+    from ..kernels.dense_lora import dense_block_sizes_m
+
+    max_tokens, hidden, slices, rank, adapters = _check_dense_args(
+        max_tokens, hidden, slices, rank, adapters, "max_tokens"
+    )
+    Ts = {1, max_tokens}
+    gpu, _ = _dense_gpu(gpu_name)
+    where, _, _ = _dense_folder(folder, gpu)
+    got = _dense_file(where, gpu, "dense_shrink", add_inputs) if where is not None else None
+    if got is not None:
+        _, data, _ = got
+        hit = _pick(data, adapters, False)
+        node = data[hit].get(str(len(slices)), {})
+        Ts |= {int(m) for m in node if 1 <= int(m) <= max_tokens}
+    kw = dict(folder=folder, gpu_name=gpu_name, add_inputs=add_inputs)
+    cfgs = [load_dense_config(T, hidden, slices, rank, adapters, **kw) for T in sorted(Ts)]
+    bms = {c.block_size_m for c in cfgs}
+    if any(c.source == "default" for c in cfgs):
+        bms |= set(dense_block_sizes_m(max_tokens, adapters))
+    return tuple(sorted(bms))

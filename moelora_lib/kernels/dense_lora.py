@@ -62,7 +62,10 @@ and Punica's SGMV. The code is this project's own.
 
 Configs: :class:`DenseLoRAConfig` (one :class:`~moelora_lib.kernels.config.OpConfig` per kernel,
 sharing BLOCK_SIZE_M, the alignment's block size) and :func:`default_dense_config` (hand-picked H200
-starting points by T; no tuned configs yet — stage ``tuned`` launches these defaults too).
+starting points by T). Stage ``tuned`` reads tuned configs (:func:`dense_config_for` ->
+:func:`moelora_lib.configs.load_dense_config`: vLLM's dense ``{gpu}_SHRINK.json`` /
+``{gpu}_EXPAND_TRUE.json`` files, same folders and precedence as the MoE configs) written by
+:mod:`moelora_lib.studies.dense_tuning`, and falls back to the defaults where there are none.
 """
 
 from __future__ import annotations
@@ -87,6 +90,7 @@ __all__ = [
     "dense_block_sizes_m",
     "adapt_dense_config",
     "dense_config_for",
+    "dense_block_sizes_for",
     "DENSE_KERNELS",
     "DENSE_LENGTH_ARGS",
     "DenseLaunch",
@@ -394,14 +398,57 @@ def adapt_dense_config(stage, cfg: DenseLoRAConfig) -> DenseLoRAConfig:
     return replace(cfg, **changes) if changes else cfg
 
 
-def dense_config_for(
-    stage, T: int, *, hidden: int, slices: tuple[int, ...], rank: int, adapters: int
-) -> DenseLoRAConfig:
-    """The config a call of T tokens starts from, for every stage: :func:`default_dense_config`.
+def _is_tuned(stage) -> bool:
+    from .tuned import TunedStage
 
-    Stage ``tuned`` uses these defaults too for now: there are no tuned dense configs yet (the tuner,
-    a ``configs/`` file format and its loader are left to the GPU session)."""
+    return isinstance(stage, TunedStage)
+
+
+def dense_config_for(
+    stage,
+    T: int,
+    *,
+    hidden: int,
+    slices: tuple[int, ...],
+    rank: int,
+    adapters: int,
+    folder=None,
+    gpu_name: str | None = None,
+) -> DenseLoRAConfig:
+    """The config a call of T tokens starts from: for stage ``tuned``,
+    :func:`moelora_lib.configs.load_dense_config` (tuned files: the ``folder`` argument, else
+    ``$MOELORA_TUNED_CONFIG_FOLDER``, else the files shipped for this GPU, else the defaults; the
+    stage's fused add picks the ``EXPAND_TRUE`` file); for every other stage
+    :func:`default_dense_config` (``folder`` / ``gpu_name`` are then ignored)."""
+    if _is_tuned(stage):
+        from ..configs import load_dense_config  # lazy: configs imports kernels.config
+
+        return load_dense_config(
+            T,
+            hidden,
+            slices,
+            rank,
+            adapters,
+            folder=folder,
+            gpu_name=gpu_name,
+            add_inputs=stage.fused_add,
+        )
     return default_dense_config(T, hidden=hidden, slices=slices, rank=rank, adapters=adapters)
+
+
+def dense_block_sizes_for(
+    stage, max_tokens: int, *, hidden: int, slices: tuple[int, ...], rank: int, adapters: int
+) -> tuple[int, ...]:
+    """Every BLOCK_SIZE_M :func:`dense_config_for` picks for ``stage`` and 1 ≤ T ≤ max_tokens
+    (ascending): the tuned files' (:func:`moelora_lib.configs.tuned_dense_block_sizes_m`) for stage
+    ``tuned``, :func:`dense_block_sizes_m` for the others."""
+    if _is_tuned(stage):
+        from ..configs import tuned_dense_block_sizes_m
+
+        return tuned_dense_block_sizes_m(
+            max_tokens, hidden=hidden, slices=slices, rank=rank, adapters=adapters, add_inputs=stage.fused_add
+        )
+    return dense_block_sizes_m(max_tokens, adapters)
 
 
 # --------------------------------------------------------------------------------------------------

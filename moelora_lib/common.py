@@ -6,6 +6,8 @@
   ``os.replace``).
 - :func:`is_int`: an int that is not a bool (JSON ``true`` must not pass as 1).
 - :func:`aligned16`: a tensor whose data pointer is 16-byte aligned (Triton's pointer specialization).
+- :func:`describe` / :func:`check_tensor`: the one shape / dtype / device check of an input tensor, with
+  a message naming the argument.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ __all__ = [
     "aligned16",
     "MisalignedCopyWarning",
     "MISALIGNED_COPY_WARN_BYTES",
+    "describe",
+    "check_tensor",
 ]
 
 #: Canonical dtype names (as in CSV rows and config files) -> torch dtypes.
@@ -66,6 +70,33 @@ def is_int(v: Any) -> bool:
     import numbers
 
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def describe(x) -> str:
+    """What ``x`` is, for an error message: a tensor's shape, dtype and device, else its type."""
+    if isinstance(x, torch.Tensor):
+        return f"shape {tuple(x.shape)}, dtype {x.dtype}, device {x.device}"
+    return f"{type(x).__name__}"
+
+
+def check_tensor(name: str, t, shape: tuple, dtypes, device, dtype_note: str = "", *, like: str) -> None:
+    """Raise ValueError naming ``name`` unless t is a tensor of ``shape``, dtype and device.
+
+    ``shape`` holds (letter, size) pairs, e.g. (("E", 4), ("2I", 64), ("H", 64)); the sizes are the
+    ones most arguments agree on, so the message names the tensor that disagrees. ``dtypes``: the
+    accepted dtypes (``dtype_note`` follows the wanted dtype in the message, e.g. " (like x)").
+    ``like``: the argument whose device the others must share (named in the message).
+    """
+    want = "[" + ", ".join(f"{k}={v}" for k, v in shape) + "]"
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor of shape {want}, got {describe(t)}")
+    if t.dim() != len(shape) or any(v != d for (_, v), d in zip(shape, t.shape)):
+        raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        want_dt = str(dtypes[0]) if len(dtypes) == 1 else f"in {[str(d) for d in dtypes]}"
+        raise ValueError(f"{name} must have dtype {want_dt}{dtype_note}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device} (like {like}), got {t.device}")
 
 
 def gpu_name(device: int | None = None, *, required: bool = False) -> str:

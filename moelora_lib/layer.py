@@ -57,16 +57,18 @@ from .kernels.align_small import (
 from .kernels.route import route_triton
 from .moe_lora import _check_cpu_backend, _desc, validate_moe_lora_inputs
 from .routing import check_id_values, route
+from .scratch import Scratch, attach_scratch, memory_report, nbytes
 from .shapes import Dims
 
 __all__ = ["MoELoRALayer"]
 
 
-class _Scratch:
+class _Scratch(Scratch):
     """The per-call buffers of layers of one set of sizes: flat tensors for max_tokens·top_k pairs and
     the alignment workspaces (one per role and BLOCK_SIZE_M, allocated by the first call needing it)."""
 
     def __init__(self, dt, dev, max_tokens, E, H, I, K, L, R, S, fused_add):
+        super().__init__()
         P = max_tokens * K
         f = dict(dtype=dt, device=dev)
         self.bufs = dict(
@@ -84,34 +86,23 @@ class _Scratch:
             self.bufs["delta13"] = torch.zeros(P * 2 * I, **fd)
             self.bufs["delta2"] = torch.zeros(P * H, **fd)
         self.max_num_pairs, self.E, self.device = P, E, dev
-        self.workspaces: dict[tuple, AlignWorkspace] = {}
-        self.users: weakref.WeakSet = weakref.WeakSet()  # the live layers using this scratch
 
     def workspace(self, role: str, block_size_m: int, num_adapters: int) -> AlignWorkspace:
-        key = (role, block_size_m)
-        ws = self.workspaces.get(key)
-        if ws is None:
-            ws = align_workspace(self.max_num_pairs, self.E, block_size_m, num_adapters, device=self.device)
-            self.workspaces[key] = ws
-        return ws
+        n, E, dev = self.max_num_pairs, self.E, self.device
+        return self.cached(
+            (role, block_size_m), align_workspace, n, E, block_size_m, num_adapters, device=dev
+        )
 
     def pair_workspace(self, max_num_pairs: int, E: int, bmb: int, L: int, bml: int) -> PairWorkspace:
-        key = ("pair", bmb, bml)
-        ws = self.workspaces.get(key)
-        if ws is None:
-            ws = pair_workspace(max_num_pairs, E, bmb, L, bml, device=self.device)
-            self.workspaces[key] = ws
-        return ws
+        return self.cached(
+            ("pair", bmb, bml), pair_workspace, max_num_pairs, E, bmb, L, bml, device=self.device
+        )
 
-    def nbytes(self) -> int:
-        ts = list(self.bufs.values())
-        for ws in self.workspaces.values():
-            if isinstance(ws, PairWorkspace):
-                ts.append(ws.buffer)
-                continue
-            ts += [ws.sorted_token_ids, ws.block_expert_ids, ws.block_lora_ids, ws.num_tokens_post_padded]
-            ts.append(ws.scratch)
-        return sum(t.numel() * t.element_size() for t in ts)
+    def workspace_tensors(self, ws) -> list[torch.Tensor]:
+        if isinstance(ws, PairWorkspace):
+            return [ws.buffer]
+        tables = [ws.sorted_token_ids, ws.block_expert_ids, ws.block_lora_ids, ws.num_tokens_post_padded]
+        return tables + [ws.scratch]
 
 
 #: Live scratches by sizes (weak: freed with the last layer using it).
@@ -302,16 +293,7 @@ class MoELoRALayer(torch.nn.Module):
         Layers of the same sizes, dtype and device share one :class:`_Scratch` (layers of a model run
         one after another, and nothing in the scratch outlives a forward: the output is a new tensor),
         unless built with ``share_scratch=False``. A call uses contiguous prefixes (offset 0)."""
-        key = self._scratch_key()
-        scratch = _SCRATCH.get(key) if self.share_scratch else None
-        if scratch is None:
-            scratch = _Scratch(*key)
-            if self.share_scratch:
-                _SCRATCH[key] = scratch
-        if self._scratch is not None:
-            self._scratch.users.discard(self)
-        scratch.users.add(self)
-        self._scratch = scratch
+        scratch = attach_scratch(self, _SCRATCH, self._scratch_key(), _Scratch)
         self._bufs = scratch.bufs
         self._buffers_key = (self.w13.dtype, self.w13.device)
 
@@ -330,21 +312,9 @@ class MoELoRALayer(torch.nn.Module):
         scratch, "per_layer": weights + adapter_slots (+ scratch when not shared)}. Temporaries of a
         forward (routing, the reduced output) are not held and not counted.
         """
-
-        def nbytes(*ts) -> int:
-            return sum(t.numel() * t.element_size() for t in ts if t is not None)
-
-        weights = nbytes(self.w13, self.w2, self.b13, self.b2)
-        slots = nbytes(self.lora_a13, self.lora_b13, self.lora_a2, self.lora_b2, self.slot_covers)
-        scratch = self._scratch.nbytes()
-        shared_by = len(self._scratch.users)
-        return {
-            "weights": weights,
-            "adapter_slots": slots,
-            "scratch": scratch,
-            "scratch_shared_by": shared_by,
-            "per_layer": weights + slots + (0 if self.share_scratch else scratch),
-        }
+        weights = nbytes((self.w13, self.w2, self.b13, self.b2))
+        slots = nbytes((self.lora_a13, self.lora_b13, self.lora_a2, self.lora_b2, self.slot_covers))
+        return memory_report(self, weights, slots)
 
     def config_for(self, T: int) -> LayerConfig:
         """The config (after the stage's adapt) the forward launches at T tokens; resolved once per T."""

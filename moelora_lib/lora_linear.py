@@ -54,7 +54,8 @@ import torch
 import torch.nn.functional as F
 
 from . import ops
-from .common import is_int
+from .common import check_tensor, is_int
+from .common import describe as _desc
 from .kernels import STAGES
 from .kernels.align import AlignWorkspace, align_tokens_triton, align_workspace
 from .kernels.align_small import PAIR_PATH_MAX_PAIRS, align_tokens_pair, pair_workspace, use_pair_path
@@ -67,6 +68,7 @@ from .kernels.dense_lora import (
     dense_lora_add,
 )
 from .routing import Alignment, align_tokens
+from .scratch import Scratch, attach_scratch, memory_report, nbytes
 
 __all__ = [
     "lora_linear",
@@ -82,24 +84,10 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # --------------------------------------------------------------------------------------------------
 # validation
 # --------------------------------------------------------------------------------------------------
-def _desc(t) -> str:
-    if isinstance(t, torch.Tensor):
-        return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
-    return type(t).__name__
-
-
 def _check(name: str, t, shape: tuple, dtypes, device) -> None:
-    """ValueError naming ``name`` unless t is a tensor of ``shape`` ((letter, size) pairs), dtype, device."""
-    want = "[" + ", ".join(f"{k}={v}" for k, v in shape) + "]"
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor of shape {want}, got {_desc(t)}")
-    if t.dim() != len(shape) or any(v != d for (_, v), d in zip(shape, t.shape)):
-        raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
-    if t.dtype not in dtypes:
-        want_dt = f"{dtypes[0]} (like x)" if len(dtypes) == 1 else f"in {[str(d) for d in dtypes]}"
-        raise ValueError(f"{name} must have dtype {want_dt}, got {t.dtype}")
-    if t.device != device:
-        raise ValueError(f"{name} must be on {device} (like x), got {t.device}")
+    """:func:`moelora_lib.common.check_tensor` with x as the reference: ValueError naming ``name``
+    unless t is a tensor of ``shape`` ((letter, size) pairs), dtype (one: "(like x)"), device."""
+    check_tensor(name, t, shape, dtypes, device, " (like x)" if len(dtypes) == 1 else "", like="x")
 
 
 def _check_cpu_backend(dtype: torch.dtype) -> None:
@@ -300,13 +288,14 @@ def lora_linear_reference(
 # --------------------------------------------------------------------------------------------------
 # the module
 # --------------------------------------------------------------------------------------------------
-class _Scratch:
+class _Scratch(Scratch):
     """Per-call buffers of LoRALinear modules of one set of sizes: the fp32 rank intermediate
     [max_tokens, S·R], the delta buffer [max_tokens, N_total] (stages without fused add), a zero
     "expert id" column [max_tokens, 1] int32 for the alignment, the remapped ids [max_tokens] int32,
     and the alignment workspaces by (kind, BLOCK_SIZE_M)."""
 
     def __init__(self, dt, dev, max_tokens, SR, N, L, fused_add):
+        super().__init__()
         self.bufs = dict(
             inter=torch.zeros(max_tokens * SR, dtype=torch.float32, device=dev),
             zeros=torch.zeros((max_tokens, 1), dtype=torch.int32, device=dev),
@@ -315,29 +304,20 @@ class _Scratch:
             ddt = torch.float32 if dt == torch.float16 else dt
             self.bufs["delta"] = torch.zeros(max_tokens * N, dtype=ddt, device=dev)
         self.max_tokens, self.L, self.device = max_tokens, L, dev
-        self.workspaces: dict[tuple, object] = {}
-        self.users: weakref.WeakSet = weakref.WeakSet()
 
     def workspace(self, kind: str, bm: int):
-        key = (kind, bm)
-        ws = self.workspaces.get(key)
-        if ws is None:
-            if kind == "pair":
-                n = min(self.max_tokens, PAIR_PATH_MAX_PAIRS)
-                ws = pair_workspace(n, 1, bm, self.L, bm, device=self.device)
-            else:
-                ws = align_workspace(self.max_tokens, 1, bm, self.L, device=self.device)
-            self.workspaces[key] = ws
-        return ws
+        return self.cached((kind, bm), self._make_workspace, kind, bm)
 
-    def nbytes(self) -> int:
-        ts = list(self.bufs.values())
-        for ws in self.workspaces.values():
-            if isinstance(ws, AlignWorkspace):
-                ts += [ws.sorted_token_ids, ws.block_expert_ids, ws.block_lora_ids, ws.scratch]
-            else:
-                ts.append(ws.buffer)
-        return sum(t.numel() * t.element_size() for t in ts)
+    def _make_workspace(self, kind: str, bm: int):
+        if kind == "pair":
+            n = min(self.max_tokens, PAIR_PATH_MAX_PAIRS)
+            return pair_workspace(n, 1, bm, self.L, bm, device=self.device)
+        return align_workspace(self.max_tokens, 1, bm, self.L, device=self.device)
+
+    def workspace_tensors(self, ws) -> list[torch.Tensor]:
+        if isinstance(ws, AlignWorkspace):  # num_tokens_post_padded not counted (MoELoRALayer counts it)
+            return [ws.sorted_token_ids, ws.block_expert_ids, ws.block_lora_ids, ws.scratch]
+        return [ws.buffer]
 
 
 _SCRATCH: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -452,15 +432,7 @@ class LoRALinear(torch.nn.Module):
     def _alloc_buffers(self) -> None:
         dt, dev = self.weight.dtype, self.weight.device
         key = (dt, dev, self.max_tokens, self.S * self.R, self.out_features, self.L, self.stage.fused_add)
-        scratch = _SCRATCH.get(key) if self.share_scratch else None
-        if scratch is None:
-            scratch = _Scratch(*key)
-            if self.share_scratch:
-                _SCRATCH[key] = scratch
-        if self._scratch is not None:
-            self._scratch.users.discard(self)
-        scratch.users.add(self)
-        self._scratch = scratch
+        scratch = attach_scratch(self, _SCRATCH, key, _Scratch)
         self._buffers_key = (dt, dev)
         # the alignment workspaces of every BLOCK_SIZE_M the forward will use, up front
         bms = (
@@ -486,20 +458,8 @@ class LoRALinear(torch.nn.Module):
     def memory_report(self) -> dict[str, int]:
         """Bytes held on the device: {"weights", "adapter_slots", "scratch" (shared, see share_scratch),
         "scratch_shared_by", "per_layer" (weights + slots (+ scratch when not shared))}."""
-
-        def nbytes(*ts) -> int:
-            return sum(t.numel() * t.element_size() for t in ts if t is not None)
-
-        weights = nbytes(self.weight, self.bias)
-        slots = nbytes(self.lora_a, self.lora_b, self.slot_loaded)
-        scratch = self._scratch.nbytes()
-        return {
-            "weights": weights,
-            "adapter_slots": slots,
-            "scratch": scratch,
-            "scratch_shared_by": len(self._scratch.users),
-            "per_layer": weights + slots + (0 if self.share_scratch else scratch),
-        }
+        weights = nbytes((self.weight, self.bias))
+        return memory_report(self, weights, nbytes((self.lora_a, self.lora_b, self.slot_loaded)))
 
     def config_for(self, T: int) -> DenseLoRAConfig:
         """The config (after the stage's adapt) the forward launches at T tokens; resolved once per T."""

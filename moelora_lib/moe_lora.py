@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .common import check_tensor
+from .common import describe as _desc
 from .kernels import STAGES, LayerConfig, LayerRun
 from .routing import check_id_bounds, check_id_values
 from .shapes import Dims
@@ -14,28 +16,11 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _ACTIVATIONS = ("silu", "swigluoai")
 
 
-def _desc(x) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"shape {tuple(x.shape)}, dtype {x.dtype}, device {x.device}"
-    return f"{type(x).__name__}"
-
-
 def _check(name: str, t, shape: tuple, dtypes, device, dtype_note: str = "") -> None:
-    """Raise ValueError naming ``name`` unless t is a tensor of ``shape`` and dtype.
-
-    ``shape`` holds (letter, size) pairs, e.g. (("E", 4), ("2I", 64), ("H", 64)); the sizes are the
-    ones most arguments agree on (:func:`_agree`), so the message names the tensor that disagrees.
-    """
-    want = "[" + ", ".join(f"{k}={v}" for k, v in shape) + "]"
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor of shape {want}, got {_desc(t)}")
-    if t.dim() != len(shape) or any(v != d for (_, v), d in zip(shape, t.shape)):
-        raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
-    if t.dtype not in dtypes:
-        want_dt = str(dtypes[0]) if len(dtypes) == 1 else f"in {[str(d) for d in dtypes]}"
-        raise ValueError(f"{name} must have dtype {want_dt}{dtype_note}, got {t.dtype}")
-    if t.device != device:
-        raise ValueError(f"{name} must be on {device} (like hidden_states), got {t.device}")
+    """:func:`moelora_lib.common.check_tensor` with hidden_states as the reference: ValueError naming
+    ``name`` unless t is a tensor of ``shape`` ((letter, size) pairs, the sizes most arguments agree
+    on, :func:`_agree`), dtype and device."""
+    check_tensor(name, t, shape, dtypes, device, dtype_note, like="hidden_states")
 
 
 def _agree(votes: list[tuple[str, int | None]]) -> int:

@@ -17,7 +17,13 @@ S     slices of the gate_up LoRA: 2 = separate gate and up adapters (per-expert
 
 The preset values are taken from each model's published ``config.json`` on the
 Hugging Face hub (openai/gpt-oss-20b, openai/gpt-oss-120b, Qwen/Qwen3-30B-A3B,
-mistralai/Mixtral-8x7B-v0.1, deepseek-ai/DeepSeek-V2-Lite).
+mistralai/Mixtral-8x7B-v0.1, deepseek-ai/DeepSeek-V2-Lite; for the dense projections also
+Qwen/Qwen3-32B and meta-llama/Llama-3.3-70B-Instruct).
+
+Dense multi-LoRA presets (:mod:`moelora_lib.lora_linear`): :class:`DenseModel` (:data:`DENSE_PRESETS`)
+gives each model's attention (qkv, o) and dense-MLP (gate_up, down) projections as
+:class:`DenseProjection` (:data:`DENSE_PROJECTIONS`); the one definition the dense studies
+(``studies/dense_bench.py``, ``studies/dense_tuning.py``) build on.
 """
 
 from __future__ import annotations
@@ -25,7 +31,19 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass
 
-__all__ = ["MoEShape", "Dims", "PRESETS", "get_shape", "check_int"]
+__all__ = [
+    "MoEShape",
+    "Dims",
+    "PRESETS",
+    "get_shape",
+    "check_int",
+    "DenseModel",
+    "DenseProjection",
+    "DENSE_PRESETS",
+    "DENSE_GPU_MODELS",
+    "DENSE_CPU_MODELS",
+    "DENSE_PROJECTIONS",
+]
 
 ACTIVATIONS = ("silu", "swigluoai")
 
@@ -216,3 +234,95 @@ class Dims:
         E, _, I = w2.shape
         L, _, S, R, _ = lora_a13.shape
         return cls(T=T, H=H, I=I, E=E, top_k=topk_ids.shape[1], adapters=L, rank=R, slices=S)
+
+
+# ------------------------------------------------------------------------------------------------
+# Dense multi-LoRA projections (attention and dense MLP)
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DenseProjection:
+    """One fused dense projection: x [T, hidden] -> [T, Σ slices] (fused qkv, fused gate_up, or one).
+
+    Attributes:
+        model: model name. proj: "qkv", "o", "gate_up" or "down".
+        hidden: H, the input width (the K of vLLM's dense anchor table).
+        slices: output widths N_s (Σ = N), fused in one weight.
+    """
+
+    model: str
+    proj: str
+    hidden: int
+    slices: tuple[int, ...]
+
+    @property
+    def name(self) -> str:
+        """``"<model>/<proj>"``."""
+        return f"{self.model}/{self.proj}"
+
+    @property
+    def n_total(self) -> int:
+        """N = Σ slices."""
+        return sum(self.slices)
+
+    @property
+    def slices_str(self) -> str:
+        """The slices as the anchor table writes them: ``"4096+512+512"``."""
+        return "+".join(str(n) for n in self.slices)
+
+
+@dataclass(frozen=True)
+class DenseModel:
+    """The dense projections' sizes of one model (from its published config.json).
+
+    Attributes:
+        name: model name (as in vLLM's dense anchor table).
+        hidden: hidden size.
+        q_heads, kv_heads, head_dim: attention heads (GQA: kv_heads < q_heads).
+        intermediate: dense MLP width, or None (MoE models: their MLP is the experts).
+    """
+
+    name: str
+    hidden: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int | None = None
+
+    def projections(self) -> list[DenseProjection]:
+        """qkv (q heads·d, kv heads·d, kv heads·d from the hidden size), o (q heads·d → hidden) and,
+        with a dense MLP, gate_up (hidden → 2 × intermediate) and down (intermediate → hidden)."""
+        q, kv = self.q_heads * self.head_dim, self.kv_heads * self.head_dim
+        out = [
+            DenseProjection(self.name, "qkv", self.hidden, (q, kv, kv)),
+            DenseProjection(self.name, "o", q, (self.hidden,)),
+        ]
+        if self.intermediate:
+            i = self.intermediate
+            out += [
+                DenseProjection(self.name, "gate_up", self.hidden, (i, i)),
+                DenseProjection(self.name, "down", i, (self.hidden,)),
+            ]
+        return out
+
+
+#: The four models of the dense study: GPT-OSS-20B and Qwen3-30B-A3B (attention only: their MLPs are
+#: MoE), Qwen3-32B and Llama-3.3-70B (attention and dense MLP); then ``tiny``, the CPU preset (Triton
+#: interpreter): GQA qkv 48 -> 64 + 16 + 16, o 64 -> 48, gate_up 48 -> 96 + 96, down 96 -> 48 (48 and
+#: 96 are not multiples of BLOCK_SIZE_K 64: the masked K loop).
+DENSE_PRESETS: dict[str, DenseModel] = {
+    m.name: m
+    for m in (
+        DenseModel("gpt-oss-20b", 2880, 64, 8, 64),
+        DenseModel("qwen3-30b-a3b", 2048, 32, 4, 128),
+        DenseModel("qwen3-32b", 5120, 64, 8, 128, 25600),
+        DenseModel("llama-3.3-70b", 8192, 64, 8, 128, 28672),
+        DenseModel("tiny", 48, 4, 1, 16, 96),
+    )
+}
+#: The GPU models of :data:`DENSE_PRESETS` (12 projections) and the CPU smoke preset.
+DENSE_GPU_MODELS = ("gpt-oss-20b", "qwen3-30b-a3b", "qwen3-32b", "llama-3.3-70b")
+DENSE_CPU_MODELS = ("tiny",)
+#: Every dense projection by ``"<model>/<proj>"`` (the 12 of the GPU models, then the tiny ones).
+DENSE_PROJECTIONS: dict[str, DenseProjection] = {
+    p.name: p for m in DENSE_PRESETS.values() for p in m.projections()
+}

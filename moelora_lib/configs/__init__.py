@@ -96,7 +96,7 @@ import json
 import os
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -431,18 +431,29 @@ def _has_any_file(folder: Path, gpu: str) -> bool:
     return any((folder / config_file_name(gpu, op)).is_file() for op in (*LORA_OPS, "base"))
 
 
-def _warn_no_configs(gpu: str, mapped_from: str | None, folder, env: str | None, chosen: Path | None) -> None:
-    """One TunedConfigWarning per (GPU, folder set): no tuned file at all for ``gpu``."""
+class _NoConfigs(NamedTuple):
+    """What a "no tuned configs for this GPU" warning says (:func:`_no_configs`)."""
+
+    name: str  # the GPU, and the running GPU's name when mapped
+    searched: str  # the folders looked at, in precedence order
+    others: list[str]  # GPUs the chosen folder has files for
+    shipped: list[str]  # GPUs with a shipped folder
+    example: str  # one of them (for the map_gpu_name advice)
+    asked: str  # the name map_gpu_name would map: the running GPU's
+
+
+def _no_configs(
+    kind: str, gpu: str, mapped_from: str | None, folder, env: str | None, chosen, gpus_in
+) -> _NoConfigs | None:
+    """The facts of a "no tuned configs for ``gpu``" warning, or None when the warning of this
+    ``kind`` was already given for this GPU and folder set (one warning per (kind, GPU, folder set)).
+    ``gpus_in(chosen)``: the GPUs the chosen folder has files for."""
     shipped = shipped_folder(gpu)
-    key = ("gpu", gpu, mapped_from, None if folder is None else str(folder), env, str(shipped))
+    key = (kind, gpu, mapped_from, None if folder is None else str(folder), env, str(shipped))
     if key in _WARNED:
-        return
+        return None
     _WARNED.add(key)
-    searched = []
-    if folder is not None:
-        searched.append(f"folder argument {str(folder)!r}")
-    else:
-        searched.append("folder argument: none")
+    searched = [f"folder argument {str(folder)!r}" if folder is not None else "folder argument: none"]
     if env:
         searched.append(f"${ENV_VAR}={env!r}" + ("" if folder is None else " (not read: folder given)"))
     else:
@@ -451,17 +462,29 @@ def _warn_no_configs(gpu: str, mapped_from: str | None, folder, env: str | None,
         searched.append(f"shipped folder {str(shipped)!r} (does not exist)")
     else:
         searched.append(f"shipped folder {str(shipped)!r} (not read: a folder was given)")
-    others = _gpus_in(chosen) if chosen is not None else []
-    name = f"{gpu!r}" + (f" (mapped from {mapped_from!r})" if mapped_from else "")
-    have = f"; that folder has files for {others}" if others else ""
     shipped_names = shipped_gpus()
-    example = shipped_names[0] if shipped_names else "<a shipped GPU>"
+    return _NoConfigs(
+        name=f"{gpu!r}" + (f" (mapped from {mapped_from!r})" if mapped_from else ""),
+        searched="; ".join(searched),
+        others=gpus_in(chosen) if chosen is not None else [],
+        shipped=shipped_names,
+        example=shipped_names[0] if shipped_names else "<a shipped GPU>",
+        asked=gpu if mapped_from is None else mapped_from,
+    )
+
+
+def _warn_no_configs(gpu: str, mapped_from: str | None, folder, env: str | None, chosen: Path | None) -> None:
+    """One TunedConfigWarning per (GPU, folder set): no tuned file at all for ``gpu``."""
+    w = _no_configs("gpu", gpu, mapped_from, folder, env, chosen, _gpus_in)
+    if w is None:
+        return
+    have = f"; that folder has files for {w.others}" if w.others else ""
     warnings.warn(
-        f"moelora_lib tuned configs: no tuned configs for GPU {name}; searched: {'; '.join(searched)}"
-        f"{have}; shipped configs exist for {shipped_names}. Stage 'tuned' uses the default configs. "
+        f"moelora_lib tuned configs: no tuned configs for GPU {w.name}; searched: {w.searched}"
+        f"{have}; shipped configs exist for {w.shipped}. Stage 'tuned' uses the default configs. "
         "To use another GPU's configs explicitly (only if you accept they may not be the best here): "
-        f"moelora_lib.configs.map_gpu_name({gpu if mapped_from is None else mapped_from!r}, {example!r}), "
-        f"or load_layer_config(..., gpu_name={example!r}) / STAGES['tuned'].config_for(..., "
+        f"moelora_lib.configs.map_gpu_name({w.asked!r}, {w.example!r}), "
+        f"or load_layer_config(..., gpu_name={w.example!r}) / STAGES['tuned'].config_for(..., "
         "gpu_name=...); or tune this GPU (python -m moelora_lib.studies.tuning) and point "
         f"folder= / ${ENV_VAR} at the result",
         TunedConfigWarning,
@@ -535,51 +558,89 @@ def load_layer_config(
     from ..kernels.stages import as_dims
 
     dims = as_dims(dims, *legacy)
-    # Resolved once per (dims, arguments, environment, device, GPU mapping): the lookup stats files and
-    # walks the JSON (~20 µs on a 2-core CPU, ~160 µs on the H200's host, notebook 09), which an eager
-    # layer call cannot afford. clear_cache() and save_config_file() forget the resolved configs.
-    dev = torch.cuda.current_device() if torch.cuda.is_available() else -1
-    memo_key = (dims, None if folder is None else str(folder), gpu_name, os.environ.get(ENV_VAR), dev)
-    memo_key += (tuple(sorted(_GPU_MAP.items())),)
-    cfg = _RESOLVED.get(memo_key)
-    if cfg is None:
-        cfg = _resolve_layer_config(dims, folder, gpu_name)
-        if len(_RESOLVED) >= 65536:  # bounded: a server sees at most max_tokens distinct T per shape
-            _RESOLVED.clear()
-        _RESOLVED[memo_key] = cfg
-    return cfg
+    key = _memo_key((dims,), folder, gpu_name)
+    cfg = _RESOLVED.get(key)
+    return cfg if cfg is not None else _memo_put(key, _resolve_layer_config(dims, folder, gpu_name))
 
 
-#: load_layer_config's resolved configs (see there); cleared by clear_cache() and save_config_file().
+#: The resolved configs of load_layer_config and load_dense_config by :func:`_memo_key`; cleared by
+#: clear_cache() and save_config_file().
 _RESOLVED: dict = {}
 
 
-def _resolve_layer_config(dims: Dims, folder, gpu_name: str | None) -> LayerConfig:
-    from ..kernels.stages import default_config
+def _memo_key(key: tuple, folder, gpu_name: str | None) -> tuple:
+    """``key`` + (folder, gpu_name, environment variable, device, GPU mapping): a config is resolved
+    once per such key. The lookup stats files and walks the JSON (~20 µs on a 2-core CPU, ~160 µs on
+    the H200's host, notebook 09), which an eager layer call cannot afford."""
+    dev = torch.cuda.current_device() if torch.cuda.is_available() else -1
+    key += (None if folder is None else str(folder), gpu_name, os.environ.get(ENV_VAR), dev)
+    return key + (tuple(sorted(_GPU_MAP.items())),)
 
-    mapped_from = None
+
+def _memo_put(key: tuple, cfg):
+    """Remember ``cfg`` under ``key`` (:func:`_memo_key`) and return it."""
+    if len(_RESOLVED) >= 65536:  # bounded: a server sees at most max_tokens distinct T per shape
+        _RESOLVED.clear()
+    _RESOLVED[key] = cfg
+    return cfg
+
+
+def _config_gpu(gpu_name: str | None) -> tuple[str, str | None]:
+    """(config GPU name, the running GPU's name when mapped by map_gpu_name else None)."""
     if gpu_name:
-        gpu = gpu_name
-    else:
-        gpu = _current_gpu_name()
-        if gpu in _GPU_MAP:
-            mapped_from, gpu = gpu, _GPU_MAP[gpu]
+        return gpu_name, None
+    gpu = _current_gpu_name()
+    if gpu in _GPU_MAP:
+        return _GPU_MAP[gpu], gpu
+    return gpu, None
+
+
+def _config_folder(folder, gpu: str) -> tuple[Path | None, str, str | None]:
+    """(folder to read, its label, $MOELORA_TUNED_CONFIG_FOLDER) by the precedence folder > env >
+    shipped; folder None when nothing is shipped for ``gpu``. Raises ValueError when ``folder`` or the
+    environment variable names something that is not a directory."""
     env = os.environ.get(ENV_VAR) or None
     if folder is not None:
         where, label = Path(folder), f"folder:{folder}"
     elif env:
         where, label = Path(env), f"env:{env}"
     elif shipped_folder(gpu).is_dir():
-        where, label = shipped_folder(gpu), f"shipped:{gpu}"
+        return shipped_folder(gpu), f"shipped:{gpu}", env
     else:
-        if gpu != "cpu":  # no GPU: nothing is ever shipped for the interpreter, stay quiet
-            _warn_no_configs(gpu, mapped_from, None, None, None)
-        return default_config(dims)
-    if mapped_from is not None:
-        label += f" (mapped from {mapped_from})"
+        return None, "default", env
     if not where.is_dir():
         origin = "folder argument" if folder is not None else f"${ENV_VAR}"
         raise ValueError(f"{origin}: config folder {str(where)!r} is not a directory")
+    return where, label, env
+
+
+class _Source(NamedTuple):
+    """Where a config lookup reads (:func:`_config_source`)."""
+
+    gpu: str
+    mapped_from: str | None
+    where: Path | None  # None: nothing to read, use the defaults
+    label: str  # the config's ``source``: folder:/p, env:/p, shipped:GPU, with " (mapped from ...)"
+    env: str | None
+
+
+def _config_source(folder, gpu_name: str | None) -> _Source:
+    """The GPU (:func:`_config_gpu`) and folder (:func:`_config_folder`) of one lookup."""
+    gpu, mapped_from = _config_gpu(gpu_name)
+    where, label, env = _config_folder(folder, gpu)
+    if mapped_from is not None:
+        label += f" (mapped from {mapped_from})"
+    return _Source(gpu, mapped_from, where, label, env)
+
+
+def _resolve_layer_config(dims: Dims, folder, gpu_name: str | None) -> LayerConfig:
+    from ..kernels.stages import default_config
+
+    gpu, mapped_from, where, label, env = _config_source(folder, gpu_name)
+    if where is None:
+        if gpu != "cpu":  # no GPU: nothing is ever shipped for the interpreter, stay quiet
+            _warn_no_configs(gpu, mapped_from, None, None, None)
+        return default_config(dims)
     if (folder is not None or env) and not _has_any_file(where, gpu):  # (a shipped folder has files)
         _warn_no_configs(gpu, mapped_from, folder, env, where)
         return default_config(dims)
@@ -720,32 +781,17 @@ def _dense_gpus_in(folder: Path) -> list[str]:
 def _warn_no_dense_configs(gpu: str, mapped_from: str | None, folder, env: str | None, chosen) -> None:
     """One TunedConfigWarning per (GPU, folder set) for the dense op: no tuned file at all for ``gpu``
     (kept apart from the MoE layer's warning: another op, another tuner)."""
-    shipped = shipped_folder(gpu)
-    key = ("dense-gpu", gpu, mapped_from, None if folder is None else str(folder), env, str(shipped))
-    if key in _WARNED:
+    w = _no_configs("dense-gpu", gpu, mapped_from, folder, env, chosen, _dense_gpus_in)
+    if w is None:
         return
-    _WARNED.add(key)
-    searched = [f"folder argument {str(folder)!r}" if folder is not None else "folder argument: none"]
-    if env:
-        searched.append(f"${ENV_VAR}={env!r}" + ("" if folder is None else " (not read: folder given)"))
-    else:
-        searched.append(f"${ENV_VAR}: unset")
-    if folder is None and not env:
-        searched.append(f"shipped folder {str(shipped)!r} (does not exist)")
-    else:
-        searched.append(f"shipped folder {str(shipped)!r} (not read: a folder was given)")
-    others = _dense_gpus_in(chosen) if chosen is not None else []
-    name = f"{gpu!r}" + (f" (mapped from {mapped_from!r})" if mapped_from else "")
-    have = f"; that folder has dense files for {others}" if others else ""
-    shipped_names = shipped_gpus()
-    example = shipped_names[0] if shipped_names else "<a shipped GPU>"
+    have = f"; that folder has dense files for {w.others}" if w.others else ""
     warnings.warn(
         f"moelora_lib tuned configs: no tuned dense LoRA configs ({dense_config_file_name(gpu, 'shrink')}, "
-        f"{dense_config_file_name(gpu, 'expand')}) for GPU {name}; searched: {'; '.join(searched)}{have}. "
+        f"{dense_config_file_name(gpu, 'expand')}) for GPU {w.name}; searched: {w.searched}{have}. "
         "Stage 'tuned' of lora_linear / LoRALinear uses default_dense_config. To use another GPU's "
         "configs explicitly: moelora_lib.configs.map_gpu_name("
-        f"{gpu if mapped_from is None else mapped_from!r}, {example!r}) or load_dense_config(..., "
-        f"gpu_name={example!r}); or tune this GPU (python -m moelora_lib.studies.dense_tuning) and point "
+        f"{w.asked!r}, {w.example!r}) or load_dense_config(..., "
+        f"gpu_name={w.example!r}); or tune this GPU (python -m moelora_lib.studies.dense_tuning) and point "
         f"folder= / ${ENV_VAR} at the result",
         TunedConfigWarning,
         stacklevel=4,
@@ -766,35 +812,6 @@ def _check_dense_args(T, hidden, slices, rank, adapters, t_name: str = "T") -> t
         check_int("rank", rank, 1),
         check_int("adapters", adapters, 1),
     )
-
-
-def _dense_gpu(gpu_name: str | None) -> tuple[str, str | None]:
-    """(config GPU name, the running GPU's name when mapped by map_gpu_name else None)."""
-    if gpu_name:
-        return gpu_name, None
-    gpu = _current_gpu_name()
-    if gpu in _GPU_MAP:
-        return _GPU_MAP[gpu], gpu
-    return gpu, None
-
-
-def _dense_folder(folder, gpu: str) -> tuple[Path | None, str, str | None]:
-    """(folder to read, its label, $MOELORA_TUNED_CONFIG_FOLDER) by the precedence folder > env >
-    shipped; folder None when nothing is shipped for ``gpu``. Raises ValueError when ``folder`` or the
-    environment variable names something that is not a directory."""
-    env = os.environ.get(ENV_VAR) or None
-    if folder is not None:
-        where, label = Path(folder), f"folder:{folder}"
-    elif env:
-        where, label = Path(env), f"env:{env}"
-    elif shipped_folder(gpu).is_dir():
-        return shipped_folder(gpu), f"shipped:{gpu}", env
-    else:
-        return None, "default", env
-    if not where.is_dir():
-        origin = "folder argument" if folder is not None else f"${ENV_VAR}"
-        raise ValueError(f"{origin}: config folder {str(where)!r} is not a directory")
-    return where, label, env
 
 
 def _dense_file(folder: Path, gpu: str, op: str, add_inputs: bool):
@@ -868,16 +885,11 @@ def load_dense_config(
     :func:`load_layer_config`; :func:`clear_cache` / :func:`save_config_file` forget it.
     """
     T, hidden, slices, rank, adapters = _check_dense_args(T, hidden, slices, rank, adapters)
-    dev = torch.cuda.current_device() if torch.cuda.is_available() else -1
-    memo_key = ("dense", T, hidden, slices, rank, adapters, bool(add_inputs))
-    memo_key += (None if folder is None else str(folder), gpu_name, os.environ.get(ENV_VAR), dev)
-    memo_key += (tuple(sorted(_GPU_MAP.items())),)
-    cfg = _RESOLVED.get(memo_key)
+    key = _memo_key(("dense", T, hidden, slices, rank, adapters, bool(add_inputs)), folder, gpu_name)
+    cfg = _RESOLVED.get(key)
     if cfg is None:
         cfg = _resolve_dense_config(T, hidden, slices, rank, adapters, folder, gpu_name, bool(add_inputs))
-        if len(_RESOLVED) >= 65536:
-            _RESOLVED.clear()
-        _RESOLVED[memo_key] = cfg
+        cfg = _memo_put(key, cfg)
     return cfg
 
 
@@ -885,14 +897,11 @@ def _resolve_dense_config(T, hidden, slices, rank, adapters, folder, gpu_name, a
     from ..kernels.dense_lora import DenseLoRAConfig, default_dense_config
 
     dflt = default_dense_config(T, hidden=hidden, slices=slices, rank=rank, adapters=adapters)
-    gpu, mapped_from = _dense_gpu(gpu_name)
-    where, label, env = _dense_folder(folder, gpu)
+    gpu, mapped_from, where, label, env = _config_source(folder, gpu_name)
     if where is None:
         if gpu != "cpu":  # no GPU: nothing is ever shipped for the interpreter, stay quiet
             _warn_no_dense_configs(gpu, mapped_from, None, None, None)
         return dflt
-    if mapped_from is not None:
-        label += f" (mapped from {mapped_from})"
     shipped = folder is None and not env
     if not _has_dense_file(where, gpu):
         if shipped:
@@ -962,8 +971,8 @@ def tuned_dense_block_sizes_m(
         max_tokens, hidden, slices, rank, adapters, "max_tokens"
     )
     Ts = {1, max_tokens}
-    gpu, _ = _dense_gpu(gpu_name)
-    where, _, _ = _dense_folder(folder, gpu)
+    gpu, _ = _config_gpu(gpu_name)
+    where, _, _ = _config_folder(folder, gpu)
     got = _dense_file(where, gpu, "dense_shrink", add_inputs) if where is not None else None
     if got is not None:
         _, data, _ = got

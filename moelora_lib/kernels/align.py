@@ -478,6 +478,30 @@ def _desc(x) -> str:
     return type(x).__name__
 
 
+def _check_topk_ids(topk_ids) -> tuple[int, int]:
+    """(T, K) of topk_ids [T, K] int32/int64; else ValueError (messages as routing.align_tokens)."""
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
+        raise ValueError(f"topk_ids must be [T, K], got {_desc(topk_ids)}")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    T, K = topk_ids.shape
+    return T, K
+
+
+def _check_lora_ids(lora_ids, topk_ids: torch.Tensor, num_adapters, check_adapters: bool = True) -> None:
+    """lora_ids must be an int32/int64 tensor [T] on topk_ids' device; with ``check_adapters``,
+    num_adapters an int >= 1 (checked between dtype and shape, in routing.align_tokens' order)."""
+    if not isinstance(lora_ids, torch.Tensor) or lora_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"lora_ids must be an int32/int64 tensor [T], got {_desc(lora_ids)}")
+    if check_adapters and (not is_int(num_adapters) or num_adapters < 1):
+        raise ValueError(f"num_adapters must be an int >= 1 with lora_ids, got {num_adapters!r}")
+    T = topk_ids.shape[0]
+    if lora_ids.shape != (T,):
+        raise ValueError(f"lora_ids must be [T={T}], got {_desc(lora_ids)}")
+    if lora_ids.device != topk_ids.device:
+        raise ValueError(f"lora_ids is on {lora_ids.device}, topk_ids on {topk_ids.device}")
+
+
 def _check_scalars(num_experts, block_size_m) -> None:
     # Same checks and messages as routing.align_tokens.
     if not is_int(block_size_m) or block_size_m < 16 or block_size_m & (block_size_m - 1):
@@ -521,21 +545,10 @@ def align_launch_args(
     computes the alignment.
     """
     _check_scalars(num_experts, block_size_m)
-    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
-        raise ValueError(f"topk_ids must be [T, K], got {_desc(topk_ids)}")
-    if topk_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
-    T, K = topk_ids.shape
+    T, K = _check_topk_ids(topk_ids)
     has_lora = lora_ids is not None
     if has_lora:
-        if not isinstance(lora_ids, torch.Tensor) or lora_ids.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"lora_ids must be an int32/int64 tensor [T], got {_desc(lora_ids)}")
-        if not is_int(num_adapters) or num_adapters < 1:
-            raise ValueError(f"num_adapters must be an int >= 1 with lora_ids, got {num_adapters!r}")
-        if lora_ids.shape != (T,):
-            raise ValueError(f"lora_ids must be [T={T}], got {_desc(lora_ids)}")
-        if lora_ids.device != topk_ids.device:
-            raise ValueError(f"lora_ids is on {lora_ids.device}, topk_ids on {topk_ids.device}")
+        _check_lora_ids(lora_ids, topk_ids, num_adapters)
     L = int(num_adapters) if has_lora else 0
     E, BM = int(num_experts), int(block_size_m)
     G = _num_groups(E, L)

@@ -82,6 +82,7 @@ import triton.language as tl
 
 from ..common import is_int
 from ..routing import Alignment, max_padded_pairs
+from .align import _check_lora_ids, _check_topk_ids, _desc
 
 __all__ = [
     "SMALL_MAX_PAIRS",
@@ -556,12 +557,6 @@ def pair_workspace(
     return PairWorkspace(buf, parts["base"], parts["lora"], tables, rows, n, E, L, bmb, bml)
 
 
-def _desc(x) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"tensor of shape {tuple(x.shape)} and dtype {x.dtype}"
-    return type(x).__name__
-
-
 class PairLaunch(NamedTuple):
     """The one launch of :func:`align_tokens_pair`: ``kernel[grid](*args, **constexprs)`` runs it
     (``constexprs`` holds num_warps too)."""
@@ -588,17 +583,8 @@ def pair_launch_args(
     :func:`align_tokens_pair` without running it: ``(base, lora, launch)``. The single source of the
     launch arguments, shared with compile-only inspection (meta tensors work). Arguments and errors:
     as :func:`align_tokens_pair`."""
-    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
-        raise ValueError(f"topk_ids must be [T, K], got {_desc(topk_ids)}")
-    if topk_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
-    T, K = topk_ids.shape
-    if not isinstance(lora_ids, torch.Tensor) or lora_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"lora_ids must be an int32/int64 tensor [T], got {_desc(lora_ids)}")
-    if lora_ids.shape != (T,):
-        raise ValueError(f"lora_ids must be [T={T}], got {_desc(lora_ids)}")
-    if lora_ids.device != topk_ids.device:
-        raise ValueError(f"lora_ids is on {lora_ids.device}, topk_ids on {topk_ids.device}")
+    T, K = _check_topk_ids(topk_ids)
+    _check_lora_ids(lora_ids, topk_ids, num_adapters, check_adapters=False)  # (checked next)
     E, L = _check_model(num_experts, num_adapters)
     bmb = _check_bm("base_block_size_m", base_block_size_m)
     bml = _check_bm("lora_block_size_m", lora_block_size_m)
@@ -628,22 +614,12 @@ def pair_launch_args(
     G_l = (L + 1) * E
     P_b, P_l = max_padded_pairs(N, E, bmb), max_padded_pairs(N, G_l, bml)
     NB_b, NB_l = P_b // bmb, P_l // bml
-    base = Alignment(
-        out.base["sorted"][:P_b],
-        out.base["block_e"][:NB_b],
-        out.base["block_l"][:NB_b],
-        out.base["npost"],
-        bmb,
-        N,
-    )
-    lora = Alignment(
-        out.lora["sorted"][:P_l],
-        out.lora["block_e"][:NB_l],
-        out.lora["block_l"][:NB_l],
-        out.lora["npost"],
-        bml,
-        N,
-    )
+
+    def views(part: dict, P: int, NB: int, bm: int) -> Alignment:  # the call's prefixes of one part
+        return Alignment(part["sorted"][:P], part["block_e"][:NB], part["block_l"][:NB], part["npost"], bm, N)
+
+    base = views(out.base, P_b, NB_b, bmb)
+    lora = views(out.lora, P_l, NB_l, bml)
     block = pairs_block(N)
     nr, c = _rows(N)
     if nr > out.table_rows:

@@ -7,6 +7,9 @@ Nothing in the product (``moelora_lib`` outside this package) imports from here.
 - :mod:`.moe_bench`      MoE-LoRA measurements: op costs, layer/op timing, checks, recompile counts, ncu
 - :mod:`.tuning`         the tuner of the four LoRA ops and the base GEMMs
                          (``python -m moelora_lib.studies.tuning``)
+- :mod:`.dense_bench`    notebook 10's dense multi-LoRA measurements
+- :mod:`.dense_tuning`   the dense LoRA tuner (``python -m moelora_lib.studies.dense_tuning``)
+- :mod:`.tuner_common`   what the two tuners share: argument checks, the trials CSV, the config files
 - :mod:`.compile_check`  compile-only sm_90 inspection: variant counts, PTX/SASS, registers
 - :mod:`.helion_tune`    the Helion linear backend's tuner
 - :mod:`.helion_study`   notebook 08's sweep, ceilings, L2 probe and bounds

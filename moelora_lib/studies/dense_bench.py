@@ -63,6 +63,7 @@ from ..kernels.dense_lora import (
     dense_shrink,
 )
 from ..lora_linear import LoRALinear, _align_oneshot, lora_linear_reference
+from ..shapes import DENSE_CPU_MODELS, DENSE_GPU_MODELS, DENSE_PRESETS, DenseModel, DenseProjection
 from ..testing import TOLERANCES
 from ..workloads import adapter_ids
 from . import bench
@@ -108,70 +109,18 @@ BASELINES = ("torch_loop", "torch_gbmm")
 # ------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ModelDims:
-    """The dense projections' sizes of one model (from its published config.json).
-
-    Attributes:
-        name: model name (as in the anchor table).
-        hidden: hidden size.
-        q_heads, kv_heads, head_dim: attention heads (GQA: kv_heads < q_heads).
-        intermediate: dense MLP width, or None (MoE models: their MLP is the experts).
-    """
-
-    name: str
-    hidden: int
-    q_heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int | None = None
-
+#: One model's dense sizes (:class:`moelora_lib.shapes.DenseModel`: name, hidden, q/kv heads, head_dim,
+#: intermediate or None) and one fused projection (:class:`moelora_lib.shapes.DenseProjection`: model,
+#: proj, hidden, slices; ``name`` = ``"<model>/<proj>"``, ``n_total``, ``slices_str``).
+ModelDims = DenseModel
+Projection = DenseProjection
 
 #: The four models of the issue: GPT-OSS-20B and Qwen3-30B-A3B (attention only: their MLPs are MoE),
-#: Qwen3-32B and Llama-3.3-70B (attention and dense MLP).
-MODELS: dict[str, ModelDims] = {
-    m.name: m
-    for m in (
-        ModelDims("gpt-oss-20b", 2880, 64, 8, 64),
-        ModelDims("qwen3-30b-a3b", 2048, 32, 4, 128),
-        ModelDims("qwen3-32b", 5120, 64, 8, 128, 25600),
-        ModelDims("llama-3.3-70b", 8192, 64, 8, 128, 28672),
-    )
-}
-#: Tiny shapes for the CPU profile (Triton interpreter): GQA qkv 64 → 64 + 16 + 16, o 64 → 48 and a
+#: Qwen3-32B and Llama-3.3-70B (attention and dense MLP) — :data:`moelora_lib.shapes.DENSE_PRESETS`.
+MODELS: dict[str, ModelDims] = {m: DENSE_PRESETS[m] for m in DENSE_GPU_MODELS}
+#: Tiny shapes for the CPU profile (Triton interpreter): GQA qkv 48 → 64 + 16 + 16, o 64 → 48 and a
 #: gate_up / down of width 96 (96 is not a multiple of BLOCK_SIZE_K 64: the masked K loop).
-TINY_MODELS: dict[str, ModelDims] = {"tiny": ModelDims("tiny", 48, 4, 1, 16, 96)}
-
-
-@dataclass(frozen=True)
-class Projection:
-    """One fused projection: input width H and output slices (fused qkv, fused gate_up, or one).
-
-    Attributes:
-        model: model name. proj: "qkv", "o", "gate_up" or "down".
-        hidden: H, the input width (the anchor table's K).
-        slices: output widths N_s (Σ = N).
-    """
-
-    model: str
-    proj: str
-    hidden: int
-    slices: tuple[int, ...]
-
-    @property
-    def name(self) -> str:
-        """``"<model>/<proj>"``."""
-        return f"{self.model}/{self.proj}"
-
-    @property
-    def n_total(self) -> int:
-        """N = Σ slices."""
-        return sum(self.slices)
-
-    @property
-    def slices_str(self) -> str:
-        """The slices as the anchor table writes them: ``"4096+512+512"``."""
-        return "+".join(str(n) for n in self.slices)
+TINY_MODELS: dict[str, ModelDims] = {m: DENSE_PRESETS[m] for m in DENSE_CPU_MODELS}
 
 
 def _all_models() -> dict[str, ModelDims]:
@@ -181,7 +130,8 @@ def _all_models() -> dict[str, ModelDims]:
 def projections(model: str | ModelDims) -> list[Projection]:
     """The projections of ``model`` (a name of :data:`MODELS` / :data:`TINY_MODELS`): qkv (q heads·d,
     kv heads·d, kv heads·d from the hidden size), o (q heads·d → hidden) and, with a dense MLP,
-    gate_up (hidden → 2 × intermediate) and down (intermediate → hidden).
+    gate_up (hidden → 2 × intermediate) and down (intermediate → hidden)
+    (:meth:`moelora_lib.shapes.DenseModel.projections`).
 
     Raises ValueError naming the argument for an unknown model.
     """
@@ -190,18 +140,7 @@ def projections(model: str | ModelDims) -> list[Projection]:
         if model not in models:
             raise ValueError(f"model: expected one of {sorted(models)}, got {model!r}")
         model = models[model]
-    m = model
-    q, kv = m.q_heads * m.head_dim, m.kv_heads * m.head_dim
-    out = [
-        Projection(m.name, "qkv", m.hidden, (q, kv, kv)),
-        Projection(m.name, "o", q, (m.hidden,)),
-    ]
-    if m.intermediate:
-        out += [
-            Projection(m.name, "gate_up", m.hidden, (m.intermediate, m.intermediate)),
-            Projection(m.name, "down", m.intermediate, (m.hidden,)),
-        ]
-    return out
+    return model.projections()
 
 
 def get_projection(name: str | Projection) -> Projection:
@@ -597,6 +536,14 @@ def _fields(inp: ProjectionInputs, T: int, pattern: str) -> dict[str, Any]:
     )
 
 
+def _timing(fn, device, mode: str, warmup_ms: float, rep_ms: float) -> dict[str, Any]:
+    """Time ``fn`` (:func:`moelora_lib.studies.bench.time_fn`; on the CPU mode "cpu-interpreter":
+    interpreter wall clock, not kernel performance): a row's mode, ms_p50, ms_p20, ms_p80, us_p50."""
+    m = "cpu-interpreter" if torch.device(device).type == "cpu" else mode
+    tm = bench.time_fn(fn, m, device, warmup_ms, rep_ms)
+    return dict(mode=m, ms_p50=tm.ms_p50, ms_p20=tm.ms_p20, ms_p80=tm.ms_p80, us_p50=tm.ms_p50 * 1e3)
+
+
 def _time_row(
     fn,
     inp,
@@ -614,10 +561,6 @@ def _time_row(
     rep_ms,
     block_size_m=None,
 ):
-    device = inp.device
-    is_cpu = device.type == "cpu"
-    m = "cpu-interpreter" if is_cpu else mode
-    tm = bench.time_fn(fn, m, device, warmup_ms, rep_ms)
     return bench.result_row(
         **_fields(inp, T, pattern),
         impl=impl,
@@ -626,11 +569,7 @@ def _time_row(
         config=config,
         config_source=config_source,
         block_size_m=block_size_m,
-        mode=m,
-        ms_p50=tm.ms_p50,
-        ms_p20=tm.ms_p20,
-        ms_p80=tm.ms_p80,
-        us_p50=tm.ms_p50 * 1e3,
+        **_timing(fn, inp.device, mode, warmup_ms, rep_ms),
         flops=cost["flops"],
         bytes=cost["bytes"],
         floor_us=cost["floor_us"],
@@ -646,6 +585,30 @@ def _inputs_for(proj, T, inputs, **kw) -> ProjectionInputs:
             raise ValueError(f"inputs are for {inputs.proj.name}, not {get_projection(proj).name}")
         return inputs
     return make_inputs(proj, T, **kw)
+
+
+def _point(proj, T, inputs, pattern, **kw) -> tuple[ProjectionInputs, torch.Tensor, dict[str, dict]]:
+    """(inputs, adapter ids of ``pattern``, :func:`part_costs`) of one timed point."""
+    inp = _inputs_for(proj, T, inputs, **kw)
+    ids = inp.lora_ids(T, pattern)
+    costs = part_costs(
+        inp.proj, T, rank=inp.R, adapters=inp.L, dtype_bytes=inp.x.element_size(), lora_ids=ids
+    )
+    return inp, ids, costs
+
+
+def _check_stage(stage: str) -> None:
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of {list(STAGES)}, got {stage!r}")
+
+
+def _stage_fields(stage: str, cfg, launched=None) -> dict[str, Any]:
+    """The row fields of a stage's launch with ``cfg`` (``launched``: the config after the stage's
+    adapt, when it is not ``cfg``)."""
+    shown = cfg if launched is None else launched
+    return dict(
+        impl=stage, stage=stage, config=shown.short(), config_source=cfg.source, block_size_m=cfg.block_size_m
+    )
 
 
 def bench_projection(
@@ -683,16 +646,12 @@ def bench_projection(
     for the base), mode, ms_p50, ms_p20, ms_p80, us_p50, flops, bytes, floor_us, bound, warmup_ms,
     rep_ms and the environment columns.
     """
-    if stage not in STAGES:
-        raise ValueError(f"stage must be one of {list(STAGES)}, got {stage!r}")
+    _check_stage(stage)
     bad = [p for p in parts if p not in PARTS]
     if bad:
         raise ValueError(f"parts must be in {PARTS}, got {bad}")
-    inp = _inputs_for(proj, T, inputs, rank=rank, adapters=adapters, dtype=dtype, device=device, seed=seed)
-    ids = inp.lora_ids(T, pattern)
-    costs = part_costs(
-        inp.proj, T, rank=inp.R, adapters=inp.L, dtype_bytes=inp.x.element_size(), lora_ids=ids
-    )
+    kw = dict(rank=rank, adapters=adapters, dtype=dtype, device=device, seed=seed)
+    inp, ids, costs = _point(proj, T, inputs, pattern, **kw)
     x = inp.x_for(T)
     common = dict(mode=mode, warmup_ms=warmup_ms, rep_ms=rep_ms)
     rows = []
@@ -702,26 +661,13 @@ def bench_projection(
             kw = dict(impl="cublas", stage=None, config=None, config_source=None)
         elif part == "lora":
             fn = LoRAPart(stage, inp, T, ids, config)
-            kw = dict(
-                impl=stage,
-                stage=stage,
-                config=fn.launched.short(),
-                config_source=fn.cfg.source,
-                block_size_m=fn.cfg.block_size_m,
-            )
+            kw = _stage_fields(stage, fn.cfg, fn.launched)
         else:
             mod = module if module is not None else build_module(inp, stage, max_tokens=T)
             if mod.stage.name != stage:
                 raise ValueError(f"module is of stage {mod.stage.name!r}, not {stage!r}")
             fn = lambda m=mod: m(x, ids)  # noqa: E731
-            cfg = mod.config_for(T)
-            kw = dict(
-                impl=stage,
-                stage=stage,
-                config=cfg.short(),
-                config_source=cfg.source,
-                block_size_m=cfg.block_size_m,
-            )
+            kw = _stage_fields(stage, mod.config_for(T))
         fn()  # compile outside the timed region
         _sync(inp.device)
         rows.append(_time_row(fn, inp, T, pattern, part=part, cost=costs[part], **kw, **common))
@@ -751,31 +697,15 @@ def bench_baselines(
     bad = [i for i in impls if i not in BASELINES]
     if bad:
         raise ValueError(f"impls must be in {BASELINES}, got {bad}")
-    inp = _inputs_for(proj, T, inputs, rank=rank, adapters=adapters, dtype=dtype, device=device, seed=seed)
-    ids = inp.lora_ids(T, pattern)
-    cost = part_costs(inp.proj, T, rank=inp.R, adapters=inp.L, dtype_bytes=inp.x.element_size(), lora_ids=ids)
+    kw = dict(rank=rank, adapters=adapters, dtype=dtype, device=device, seed=seed)
+    inp, ids, costs = _point(proj, T, inputs, pattern, **kw)
+    common = dict(stage=None, config=None, config_source=None, mode=mode, warmup_ms=warmup_ms, rep_ms=rep_ms)
     rows = []
     for impl in impls:
         fn = _BASELINE_CLASSES[impl](inp, T, ids)
         fn()
         _sync(inp.device)
-        rows.append(
-            _time_row(
-                fn,
-                inp,
-                T,
-                pattern,
-                impl=impl,
-                stage=None,
-                part="lora",
-                cost=cost["lora"],
-                config=None,
-                config_source=None,
-                mode=mode,
-                warmup_ms=warmup_ms,
-                rep_ms=rep_ms,
-            )
-        )
+        rows.append(_time_row(fn, inp, T, pattern, impl=impl, part="lora", cost=costs["lora"], **common))
         del fn
     return rows
 
@@ -800,36 +730,18 @@ def bench_kernels(
     :meth:`LoRAPart.expand`): rows like :func:`bench_projection`'s with part "shrink" / "expand" and
     each kernel's own FLOPs, bytes and floor — the per-kernel numbers that explain a missed target
     (vLLM's are in :func:`anchor_table`: shrink_us, expand_us)."""
-    if stage not in STAGES:
-        raise ValueError(f"stage must be one of {list(STAGES)}, got {stage!r}")
-    inp = _inputs_for(proj, T, inputs, rank=rank, adapters=adapters, dtype=dtype, device=device, seed=seed)
-    ids = inp.lora_ids(T, pattern)
-    costs = part_costs(
-        inp.proj, T, rank=inp.R, adapters=inp.L, dtype_bytes=inp.x.element_size(), lora_ids=ids
-    )
+    _check_stage(stage)
+    kw = dict(rank=rank, adapters=adapters, dtype=dtype, device=device, seed=seed)
+    inp, ids, costs = _point(proj, T, inputs, pattern, **kw)
     lp = LoRAPart(stage, inp, T, ids)
     lp.shrink()
     lp.expand()
     _sync(inp.device)
-    kw = dict(impl=stage, stage=stage, config=lp.launched.short(), config_source=lp.cfg.source)
-    rows = []
-    for part, fn in (("shrink", lp.shrink), ("expand", lp.expand)):
-        rows.append(
-            _time_row(
-                fn,
-                inp,
-                T,
-                pattern,
-                part=part,
-                cost=costs[part],
-                block_size_m=lp.cfg.block_size_m,
-                mode=mode,
-                warmup_ms=warmup_ms,
-                rep_ms=rep_ms,
-                **kw,
-            )
-        )
-    return rows
+    common = dict(**_stage_fields(stage, lp.cfg, lp.launched), mode=mode, warmup_ms=warmup_ms, rep_ms=rep_ms)
+    return [
+        _time_row(fn, inp, T, pattern, part=part, cost=costs[part], **common)
+        for part, fn in (("shrink", lp.shrink), ("expand", lp.expand))
+    ]
 
 
 def bench_alignment(
@@ -852,8 +764,6 @@ def bench_alignment(
     fn = lambda: _align_oneshot(ids, adapters, block_size_m)  # noqa: E731
     fn()
     _sync(device)
-    m = "cpu-interpreter" if torch.device(device).type == "cpu" else mode
-    tm = bench.time_fn(fn, m, device, warmup_ms, rep_ms)
     return bench.result_row(
         impl="align",
         part="align",
@@ -861,11 +771,7 @@ def bench_alignment(
         L=adapters,
         block_size_m=block_size_m,
         pattern=pattern,
-        mode=m,
-        ms_p50=tm.ms_p50,
-        ms_p20=tm.ms_p20,
-        ms_p80=tm.ms_p80,
-        us_p50=tm.ms_p50 * 1e3,
+        **_timing(fn, device, mode, warmup_ms, rep_ms),
         warmup_ms=warmup_ms,
         rep_ms=rep_ms,
     )

@@ -66,8 +66,8 @@ Files: ``{gpu}_SHRINK.json`` and ``{gpu}_EXPAND_TRUE.json`` in ``--out`` (format
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -85,6 +85,27 @@ import torch
 from .. import configs
 from ..common import parse_dtype
 from ..kernels.config import OpConfig, next_pow2
+from ..shapes import DENSE_CPU_MODELS, DENSE_GPU_MODELS, DENSE_PRESETS, DenseProjection
+from .tuner_common import (
+    BUDGET_BM_NOTE,
+    BUDGET_WORKLOAD_NOTE,
+    RUN_COLUMNS,
+    TRIAL_COLUMNS,
+    ConfigFiles,
+    TrialLog,
+    append_config_row,
+    arg_type,
+    budget_type,
+    check_budget,
+    check_csv,
+    check_device,
+    check_out,
+    dedupe,
+    int_list_type,
+    over_budget,
+    parse_int,
+    time_candidate,
+)
 
 __all__ = [
     "DENSE_MODELS",
@@ -116,47 +137,34 @@ CPU_MAX_TOKENS, CPU_MAX_CANDIDATES = 64, 2
 # Projection presets
 # ------------------------------------------------------------------------------------------------
 #: hidden, q/kv heads, head_dim, MLP intermediate (None: attention only — the MoE models, whose
-#: MLP is the expert layer). Values from the models' config.json on the Hugging Face hub.
+#: MLP is the expert layer), per model: a view of :data:`moelora_lib.shapes.DENSE_PRESETS` (values
+#: from the models' config.json on the Hugging Face hub; ``tiny``: the CPU smoke preset, the tiny
+#: shapes of dense_bench).
 DENSE_MODELS: dict[str, dict[str, Any]] = {
-    "gpt-oss-20b": dict(hidden=2880, q_heads=64, kv_heads=8, head_dim=64, intermediate=None),
-    "qwen3-30b-a3b": dict(hidden=2048, q_heads=32, kv_heads=4, head_dim=128, intermediate=None),
-    "qwen3-32b": dict(hidden=5120, q_heads=64, kv_heads=8, head_dim=128, intermediate=25600),
-    "llama-3.3-70b": dict(hidden=8192, q_heads=64, kv_heads=8, head_dim=128, intermediate=28672),
-    # CPU smoke preset: qkv 48 -> 64 + 16 + 16, o 64 -> 48, gate_up 48 -> 96 + 96, down 96 -> 48 (48 and
-    # 96 are not multiples of BLOCK_SIZE_K 64: the masked K loop); the tiny shapes of dense_bench
-    "tiny": dict(hidden=48, q_heads=4, kv_heads=1, head_dim=16, intermediate=96),
+    name: {f: getattr(m, f) for f in ("hidden", "q_heads", "kv_heads", "head_dim", "intermediate")}
+    for name, m in DENSE_PRESETS.items()
 }
-GPU_MODELS = ("gpt-oss-20b", "qwen3-30b-a3b", "qwen3-32b", "llama-3.3-70b")
-CPU_MODELS = ("tiny",)
+GPU_MODELS = DENSE_GPU_MODELS
+CPU_MODELS = DENSE_CPU_MODELS
 
 
-@dataclass(frozen=True)
-class Projection:
-    """One dense projection: x [T, hidden] -> [T, Σ slices], the slices fused in one weight."""
+class Projection(DenseProjection):
+    """One dense projection (:class:`moelora_lib.shapes.DenseProjection`: x [T, hidden] -> [T, Σ slices],
+    the slices fused in one weight) as the tuner names it: ``name`` is the projection's short name
+    (qkv, o, gate_up, down, the CSV's ``proj``), ``label`` is ``"<model>/<proj>"``."""
 
-    model: str
-    name: str
-    hidden: int
-    slices: tuple[int, ...]
+    @property
+    def name(self) -> str:
+        return self.proj
 
     @property
     def label(self) -> str:
         """``"<model>/<proj>"`` (as notebook 10's tables name projections)."""
-        return f"{self.model}/{self.name}"
-
-    @property
-    def slices_str(self) -> str:
-        return "+".join(str(n) for n in self.slices)
+        return f"{self.model}/{self.proj}"
 
 
 def _model_projections(model: str) -> list[Projection]:
-    m = DENSE_MODELS[model]
-    H, q, kv = m["hidden"], m["q_heads"] * m["head_dim"], m["kv_heads"] * m["head_dim"]
-    out = [Projection(model, "qkv", H, (q, kv, kv)), Projection(model, "o", q, (H,))]
-    if m["intermediate"]:
-        i = m["intermediate"]
-        out += [Projection(model, "gate_up", H, (i, i)), Projection(model, "down", i, (H,))]
-    return out
+    return [Projection(p.model, p.proj, p.hidden, p.slices) for p in DENSE_PRESETS[model].projections()]
 
 
 def projections(spec: str | Sequence[str]) -> list[Projection]:
@@ -176,8 +184,8 @@ def projections(spec: str | Sequence[str]) -> list[Projection]:
                 raise ValueError(f"unknown model {model!r} in {it!r}; known: {['all', *DENSE_MODELS]}")
             got = _model_projections(model)
             if proj:
-                names = [p.name for p in got]
-                got = [p for p in got if p.name == proj]
+                names = [p.proj for p in got]
+                got = [p for p in got if p.proj == proj]
                 if not got:
                     raise ValueError(f"unknown projection {proj!r} of {model}; it has {names}")
         out += [p for p in got if p not in out]
@@ -204,14 +212,6 @@ def _smem_shrink(c: OpConfig, elem: int) -> int:
 
 def _smem_expand(c: OpConfig, elem: int) -> int:  # the rank intermediate is fp32
     return c.NUM_STAGES * (c.BLOCK_SIZE_M * c.BLOCK_SIZE_K * 4 + c.BLOCK_SIZE_K * c.BLOCK_SIZE_N * elem)
-
-
-def _dedupe(cands: list[OpConfig], limit: int) -> list[OpConfig]:
-    out: list[OpConfig] = []
-    for c in cands:
-        if c not in out:
-            out.append(c)
-    return out[:limit]
 
 
 def _p2(v: int, lo: int, hi: int) -> int:
@@ -253,7 +253,7 @@ def shrink_candidates(
         ww = 8 if bm * bn >= 128 * 128 else 4
         raw.append(OpConfig(bm, bn, bk, 8, s, ww, st))
     raw = [c for c in raw if c is d or _smem_shrink(c, elem) <= SMEM_LIMIT_BYTES]
-    return _dedupe(raw, limit)
+    return dedupe(raw, limit)
 
 
 def expand_candidates(
@@ -286,7 +286,7 @@ def expand_candidates(
         w = 8 if bm * bn >= 128 * 128 else w
         raw.append(OpConfig(bm, bn, bk, g, 1, w, st))
     raw = [c for c in raw if c is d or _smem_expand(c, elem) <= SMEM_LIMIT_BYTES]
-    return _dedupe(raw, limit)
+    return dedupe(raw, limit)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -307,7 +307,7 @@ class Workload:
         p = self.proj
         return dict(
             model=p.model,
-            proj=p.name,
+            proj=p.proj,
             H=p.hidden,
             slices=p.slices_str,
             S=len(p.slices),
@@ -600,57 +600,16 @@ CSV_COLUMNS = [
     "R",
     "L",
     "T",
-    "op",
-    "BLOCK_SIZE_M",
-    "config",
-    "config_json",
-    "ms_p50",
-    "ms_p20",
-    "ms_p80",
-    "mode",
-    "default_ms",
-    "sum_ms",
+    *TRIAL_COLUMNS,
     "rel_err",
-    "elapsed_s",
-    "note",
-    "gpu",
-    "torch",
-    "triton",
-    "git_commit",
-    "timestamp_utc",
+    *RUN_COLUMNS,
 ]
 _KEY_COLUMNS = ("kind", "model", "proj", "H", "slices", "R", "L", "T", "op", "config_json")
 
 
-class _TrialLog:
+class _TrialLog(TrialLog):
     def __init__(self, path: Path):
-        from . import bench
-
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.rows: list[dict] = []
-        if self.path.exists() and self.path.stat().st_size > 0:
-            with open(self.path, newline="") as f:
-                self.rows = list(csv.DictReader(f))
-        env = bench.env_record()
-        self.env = {k: env.get(k) for k in ("gpu", "torch", "triton", "git_commit")}
-
-    def append(self, **row) -> None:
-        import datetime as dt
-
-        row = {
-            **self.env,
-            **row,
-            "timestamp_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        }
-        new = not self.path.exists() or self.path.stat().st_size == 0
-        with open(self.path, "a", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
-            if new:
-                w.writeheader()
-            w.writerow(row)
-            f.flush()
-        self.rows.append({k: ("" if row.get(k) is None else str(row.get(k))) for k in CSV_COLUMNS})
+        super().__init__(path, CSV_COLUMNS)
 
     def choices(self, w: Workload) -> dict[str, OpConfig]:
         """{"shrink", "expand"} chosen for workload ``w`` (empty unless both are in the CSV)."""
@@ -662,15 +621,11 @@ class _TrialLog:
         return out if set(out) == {"shrink", "expand"} else {}
 
 
-class _DenseFiles:
+class _DenseFiles(ConfigFiles):
     """The two JSON files of one folder (shrink, expand with add_inputs), read once, saved atomically."""
 
     def __init__(self, folder: Path, gpu: str):
-        self.folder, self.gpu = Path(folder), gpu
-        self.data: dict[str, dict] = {}
-        for op in configs.DENSE_FILE_OPS:
-            p = self.path(op)
-            self.data[op] = json.loads(json.dumps(configs.load_config_file(p, op))) if p.is_file() else {}
+        super().__init__(folder, gpu, configs.DENSE_FILE_OPS)
 
     def path(self, op: str) -> Path:
         return self.folder / configs.dense_config_file_name(self.gpu, op, True)
@@ -686,11 +641,6 @@ class _DenseFiles:
         configs.set_entry(
             self.data["dense_expand"], w.keys("dense_expand"), configs.dense_leaf(expand, "expand")
         )
-
-    def save(self) -> None:
-        for op, d in self.data.items():
-            if d:
-                configs.save_config_file(self.path(op), d)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -822,14 +772,14 @@ def _tune_workload(
     ids = inp.ids(T)
     inp.out.zero_()  # the expand timings add into it
 
-    def timed(fn):
+    def timed(op, align, cfg):
+        fn = _op_fn(op, inp, T, align, cfg)
         return bench.time_fn(fn, "graph", dev, warmup_ms, rep_ms, flush_l2=l2 if l2 == "clean" else True)
 
     ranked: dict[int, dict[str, list[tuple[float, OpConfig]]]] = {}
     aligns = {}
     for n_bm, bm in enumerate(bms):
-        if n_bm > 0 and time.perf_counter() > deadline:
-            log.append(kind="note", **ids_row, BLOCK_SIZE_M=bm, note="budget spent: BM skipped")
+        if n_bm > 0 and over_budget(deadline, log, BUDGET_BM_NOTE, **ids_row, BLOCK_SIZE_M=bm):
             continue
         align = aligns[bm] = _align(inp, ids, bm)
         # a valid rank intermediate for the expand timings (the first shrink candidate at this BM)
@@ -846,31 +796,13 @@ def _tune_workload(
             res = []
             default_ms = None
             for i, c in enumerate(cands):
-                note = note0 if i == 0 else ""
-                try:
-                    tm = timed(_op_fn(op, inp, T, align, c))
-                    mode = "cpu-interpreter" if dev.type == "cpu" else tm.mode  # not performance
-                    ms, extra = tm.ms_p50, dict(ms_p20=tm.ms_p20, ms_p80=tm.ms_p80, mode=mode)
-                except Exception as e:  # a config that does not compile or fit: recorded, skipped
-                    ms, extra = math.inf, {}
-                    note = (note + " " if note else "") + f"failed: {type(e).__name__}: {str(e)[:160]}"
-                    if dev.type == "cuda":
-                        torch.cuda.synchronize()
+                timer = functools.partial(timed, op, align, c)
+                # on the CPU: interpreter wall clock, not performance
+                ms, extra, note = time_candidate(timer, dev, note0 if i == 0 else "", 160, "cpu-interpreter")
                 if i == 0 and op not in fixed:
                     default_ms = ms
-                log.append(
-                    kind="trial",
-                    **ids_row,
-                    op=op,
-                    BLOCK_SIZE_M=bm,
-                    config=c.short(),
-                    config_json=json.dumps(c.to_dict()),
-                    ms_p50=ms,
-                    default_ms=default_ms,
-                    elapsed_s=round(time.perf_counter() - t0, 2),
-                    note=note,
-                    **extra,
-                )
+                extra.update(ms_p50=ms, default_ms=default_ms, note=note)
+                append_config_row(log, "trial", ids_row, op, bm, c, t0=t0, **extra)
                 res.append((ms, c))
             ranked[bm][op] = sorted(res, key=lambda r: r[0])
         best = {op: ranked[bm][op][0] for op in ("shrink", "expand")}
@@ -917,18 +849,9 @@ def _tune_workload(
         if ok:
             for op, c in (("shrink", cs), ("expand", ce)):
                 ms = next((m for m, cc in ranked.get(bm, {}).get(op, []) if cc == c), math.nan)
-                log.append(
-                    kind="choice",
-                    **ids_row,
-                    op=op,
-                    BLOCK_SIZE_M=bm,
-                    config=c.short(),
-                    config_json=json.dumps(c.to_dict()),
-                    ms_p50=ms,
-                    sum_ms=total,
-                    rel_err=err,
-                    elapsed_s=round(time.perf_counter() - t0, 2),
-                    note="shared entry" if op in fixed else ("default" if math.isnan(total) else ""),
+                note = "shared entry" if op in fixed else ("default" if math.isnan(total) else "")
+                append_config_row(
+                    log, "choice", ids_row, op, bm, c, t0=t0, ms_p50=ms, sum_ms=total, rel_err=err, note=note
                 )
             del ref
             return cs, ce
@@ -941,36 +864,9 @@ def _tune_workload(
 # ------------------------------------------------------------------------------------------------
 # Validation
 # ------------------------------------------------------------------------------------------------
-def _pfx(name: str | None) -> str:
-    return f"{name}: " if name else ""
-
-
 def _check_csv(csv_path, name: str | None = "csv_path") -> Path:
     """A trials CSV of this tuner (resumed), an empty file, or a new file in a writable folder."""
-    from .tuning import _first_existing
-
-    if not isinstance(csv_path, (str, os.PathLike)) or not str(csv_path):
-        raise ValueError(f"{_pfx(name)}expected a file path, got {csv_path!r}")
-    p = Path(csv_path)
-    if p.is_dir():
-        raise ValueError(f"{_pfx(name)}{str(csv_path)!r} is a folder; expected a CSV file path")
-    if p.exists():
-        if p.stat().st_size > 0:
-            with open(p, newline="") as f:
-                header = next(csv.reader(f), [])
-            missing = [c for c in _KEY_COLUMNS if c not in header]
-            if missing:
-                raise ValueError(
-                    f"{_pfx(name)}{str(csv_path)!r} is not a trials CSV of the dense tuner "
-                    f"(no columns {missing}); pass a new file name"
-                )
-    else:
-        base = _first_existing(p.parent)
-        if not base.is_dir():
-            raise ValueError(f"{_pfx(name)}cannot make {str(csv_path)!r}: {str(base)!r} is a file")
-        if not os.access(base, os.W_OK):
-            raise ValueError(f"{_pfx(name)}{str(base)!r} is not writable")
-    return p
+    return check_csv(csv_path, name, _KEY_COLUMNS, "the dense tuner")
 
 
 def _defaults(device, max_bms, max_cands, jobs) -> tuple:
@@ -1014,26 +910,8 @@ def _check_args(
     """Validate every argument of :func:`tune` before any work; ValueError naming the argument (by its
     CLI flag when ``names`` maps argument -> flag)."""
     from ..shapes import check_int
-    from .tuning import _check_device, _check_out
 
-    n = dict(
-        projections="projections",
-        ranks="ranks",
-        adapters="adapters",
-        tokens="tokens",
-        out="out",
-        csv_path="csv_path",
-        budget_s="budget_s",
-        device="device",
-        dtype="dtype",
-        max_bms="max_bms",
-        max_cands="max_cands",
-        jobs="jobs",
-        seed="seed",
-        warmup_ms="warmup_ms",
-        rep_ms="rep_ms",
-        l2="l2",
-    )
+    n = {arg: arg for arg in _FLAGS}  # the arguments by their own names, unless ``names`` maps them
     n.update(names or {})
     try:
         ps = projections(projs) if isinstance(projs, (str, list, tuple)) else None
@@ -1051,10 +929,7 @@ def _check_args(
     check_int(n["max_cands"], max_cands, 1, 16)
     check_int(n["jobs"], jobs, 0, 64)
     check_int(n["seed"], seed)
-    if not isinstance(budget_s, (int, float)) or isinstance(budget_s, bool) or not budget_s >= 0:
-        raise ValueError(
-            f"{n['budget_s']}: expected a number of seconds >= 0 (inf = no budget), got {budget_s!r}"
-        )
+    check_budget(budget_s, n["budget_s"])
     for name, v, lo in (("warmup_ms", warmup_ms, 0.0), ("rep_ms", rep_ms, 0.001)):
         ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= lo
         if not ok:
@@ -1062,7 +937,7 @@ def _check_args(
     if l2 not in ("clean", "dirty"):
         raise ValueError(f"{n['l2']}: expected 'clean' or 'dirty', got {l2!r}")
     if need_device:
-        dev = _check_device(device, n["device"])
+        dev = check_device(device, n["device"])
     else:  # a plan only (--dry-run): the device need not be here
         dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
         if dev.type not in ("cpu", "cuda"):
@@ -1098,7 +973,7 @@ def _check_args(
             raise ValueError(
                 f"{n['dtype']}: bfloat16 does not run on the CPU interpreter; use float32 or float16"
             )
-    _check_out(out, n["out"])
+    check_out(out, n["out"])
     _check_csv(csv_path, n["csv_path"])
     return ps, dev, dt
 
@@ -1235,9 +1110,8 @@ def tune(
         if log.choices(w):  # already in the files (put above)
             summary["skipped"].append((w.proj.label, w.R, w.T))
             continue
-        if time.perf_counter() > deadline:
+        if over_budget(deadline, log, BUDGET_WORKLOAD_NOTE, **w.ids):
             summary["not_tuned"].append((w.proj.label, w.R, w.T))
-            log.append(kind="note", **w.ids, note="budget spent: workload not tuned")
             continue
         key = (w.proj, w.R)
         if key not in inputs:
@@ -1305,8 +1179,6 @@ _FLAGS = dict(
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line (see the module docstring). Every flag is checked before any work: a bad one
     exits with code 2 and one error line naming the flag."""
-    from .tuning import _arg_type, _budget_type, _int_list_type, _parse_int
-
     p = argparse.ArgumentParser(
         prog="python -m moelora_lib.studies.dense_tuning", description=__doc__.split("\n\n")[0]
     )
@@ -1325,23 +1197,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ValueError(f"expected a finite {what} >= {lo:g}, got {text!r}")
             return v
 
-        return _arg_type(parse, what)
+        return arg_type(parse, what)
 
-    pos_int = _arg_type(lambda t: _parse_int(t, 1), "int >= 1")
+    pos_int = arg_type(lambda t: parse_int(t, 1), "int >= 1")
     p.add_argument(
         "--projections",
         required=True,
-        type=_arg_type(projs_type, "projections"),
+        type=arg_type(projs_type, "projections"),
         help="'all', or comma-separated model[/proj] (models: " + ", ".join(DENSE_MODELS) + ")",
     )
-    p.add_argument("--tokens", default="1,8,64,256,1600,8192", type=_int_list_type(1), help="T values")
-    p.add_argument("--ranks", default="32", type=_int_list_type(1), help="R values (max LoRA rank)")
+    p.add_argument("--tokens", default="1,8,64,256,1600,8192", type=int_list_type(1), help="T values")
+    p.add_argument("--ranks", default="32", type=int_list_type(1), help="R values (max LoRA rank)")
     p.add_argument("--adapters", type=pos_int, default=8, help="L, adapter slots")
     p.add_argument("--out", required=True, help="config folder to write the two JSON files into")
     p.add_argument("--csv", required=True, help="trials CSV (appended; resumable)")
     p.add_argument(
         "--budget-s",
-        type=_arg_type(_budget_type, "seconds"),
+        type=arg_type(budget_type, "seconds"),
         default=math.inf,
         help="no new workload starts past this many seconds",
     )
@@ -1353,11 +1225,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument(
         "--jobs",
-        type=_arg_type(lambda t: _parse_int(t, 0), "int >= 0"),
+        type=arg_type(lambda t: parse_int(t, 0), "int >= 0"),
         default=None,
         help="parallel compile processes (default min(14, cpus - 2); 0 = compile on demand)",
     )
-    p.add_argument("--seed", type=_arg_type(lambda t: _parse_int(t, None), "int"), default=0)
+    p.add_argument("--seed", type=arg_type(lambda t: parse_int(t, None), "int"), default=0)
     p.add_argument("--warmup-ms", type=float_type(0, "ms"), default=5.0)
     p.add_argument("--rep-ms", type=float_type(0.001, "ms"), default=20.0)
     p.add_argument(
@@ -1368,45 +1240,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--dry-run", action="store_true", help="check the flags, print the plan and estimate, exit"
     )
     a = p.parse_args(argv)
-    kw = dict(
-        budget_s=a.budget_s,
-        device=a.device,
-        dtype=a.dtype,
-        max_bms=a.max_bms,
-        max_cands=a.max_candidates,
-        jobs=a.jobs,
-        seed=a.seed,
-        warmup_ms=a.warmup_ms,
-        rep_ms=a.rep_ms,
-        l2=a.l2,
-        progress=not a.no_progress,
-        names=_FLAGS,
-    )
-    mb, mc, jobs = _defaults(a.device, a.max_bms, a.max_candidates, a.jobs)
+    # tune's arguments by name (_FLAGS: argument -> its flag), the first six positional
+    kw = {arg: getattr(a, flag[2:].replace("-", "_")) for arg, flag in _FLAGS.items()}
+    pos = [kw.pop(arg) for arg in ("projections", "ranks", "adapters", "tokens", "out", "csv_path")]
+    resolved = _defaults(a.device, a.max_bms, a.max_candidates, a.jobs)
     try:  # every flag checked before any work
-        _check_args(
-            a.projections,
-            a.ranks,
-            a.adapters,
-            a.tokens,
-            a.out,
-            a.csv,
-            a.budget_s,
-            a.device,
-            a.dtype,
-            mb,
-            mc,
-            jobs,
-            a.seed,
-            a.warmup_ms,
-            a.rep_ms,
-            a.l2,
-            names=_FLAGS,
-            need_device=not a.dry_run,
-        )
+        checked = {**kw, **dict(zip(("max_bms", "max_cands", "jobs"), resolved))}
+        _check_args(*pos, **checked, names=_FLAGS, need_device=not a.dry_run)
     except ValueError as e:
         p.error(str(e))
-    s = tune(a.projections, a.ranks, a.adapters, a.tokens, a.out, a.csv, dry_run=a.dry_run, **kw)
+    s = tune(*pos, dry_run=a.dry_run, progress=not a.no_progress, names=_FLAGS, **kw)
     if a.dry_run:
         return 0
     print(

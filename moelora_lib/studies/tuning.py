@@ -41,8 +41,8 @@ rank-sized tile adjusted (shrink BLOCK_SIZE_N, expand BLOCK_SIZE_K = max(16, nex
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -60,6 +60,27 @@ from ..kernels import default_config
 from ..kernels.config import BASE_OPS, LORA_OPS, LayerConfig, OpConfig, next_pow2
 from ..shapes import Dims, MoEShape, check_int, get_shape
 from . import bench
+from .tuner_common import (
+    BUDGET_BM_NOTE,
+    BUDGET_WORKLOAD_NOTE,
+    RUN_COLUMNS,
+    TRIAL_COLUMNS,
+    ConfigFiles,
+    TrialLog,
+    append_config_row,
+    arg_type,
+    budget_type,
+    check_budget,
+    check_csv,
+    check_device,
+    check_out,
+    dedupe,
+    int_list_type,
+    over_budget,
+    parse_int,
+    path_type,
+    time_candidate,
+)
 
 __all__ = [
     "CSV_COLUMNS",
@@ -90,23 +111,8 @@ CSV_COLUMNS = [
     "K",
     "S",
     "group",
-    "op",
-    "BLOCK_SIZE_M",
-    "config",
-    "config_json",
-    "ms_p50",
-    "ms_p20",
-    "ms_p80",
-    "mode",
-    "default_ms",
-    "sum_ms",
-    "elapsed_s",
-    "note",
-    "gpu",
-    "torch",
-    "triton",
-    "git_commit",
-    "timestamp_utc",
+    *TRIAL_COLUMNS,
+    *RUN_COLUMNS,
 ]
 LORA_BMS = (16, 32, 64)
 BASE_BMS = (16, 32, 64, 128)
@@ -135,14 +141,6 @@ def base_bm_candidates(T: int, K: int, E: int, max_bms: int = 2) -> list[int]:
     bms = [bm for bm in BASE_BMS if bm <= cap][-max_bms:]
     dflt = default_config(Dims(T=T, H=64, I=64, E=E, top_k=K, adapters=1, rank=16)).base_block_size_m
     return sorted(set(bms) | {dflt}) if max_bms > 1 else [dflt]
-
-
-def _dedupe(cands: list[OpConfig], limit: int) -> list[OpConfig]:
-    out: list[OpConfig] = []
-    for c in cands:
-        if c not in out:
-            out.append(c)
-    return out[:limit]
 
 
 def lora_op_candidates(
@@ -181,7 +179,7 @@ def lora_op_candidates(
                 (128, 1, 8, 2),
             ]
         ]
-    return _dedupe(raw, limit)
+    return dedupe(raw, limit)
 
 
 def base_op_candidates(bm: int, dflt: OpConfig, limit: int = 5) -> list[OpConfig]:
@@ -204,7 +202,7 @@ def base_op_candidates(bm: int, dflt: OpConfig, limit: int = 5) -> list[OpConfig
             (256, 64, 8, 8, 3),
             (64, 128, 8, 4, 4),
         ]
-    return _dedupe([d] + [OpConfig(bm, bn, bk, g, 1, w, st) for bn, bk, g, w, st in grid], limit)
+    return dedupe([d] + [OpConfig(bm, bn, bk, g, 1, w, st) for bn, bk, g, w, st in grid], limit)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -227,6 +225,10 @@ def _time(
     return bench.time_fn(fn, "graph", device, warmup_ms, rep_ms)
 
 
+def _time_op(run, op: str, cfg: OpConfig, device: torch.device) -> bench.Timing:
+    return _time(run.op_fn(op, cfg), device)
+
+
 def _with_bm(cfg: LayerConfig, ops: Sequence[str], bm: int) -> LayerConfig:
     return cfg.replace(**{op: dataclasses.replace(getattr(cfg, op), BLOCK_SIZE_M=bm) for op in ops})
 
@@ -236,27 +238,9 @@ def _with_bm(cfg: LayerConfig, ops: Sequence[str], bm: int) -> LayerConfig:
 # ------------------------------------------------------------------------------------------------
 
 
-class _TrialLog:
+class _TrialLog(TrialLog):
     def __init__(self, path: Path):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.rows: list[dict] = []
-        if self.path.exists() and self.path.stat().st_size > 0:
-            with open(self.path, newline="") as f:
-                self.rows = list(csv.DictReader(f))
-        env = bench.env_record()
-        self.env = {k: env.get(k) for k in ("gpu", "torch", "triton", "git_commit")}
-
-    def append(self, **row) -> None:
-        row = {**self.env, **row, "timestamp_utc": bench.env_record()["timestamp_utc"]}
-        new = not self.path.exists() or self.path.stat().st_size == 0
-        with open(self.path, "a", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
-            if new:
-                w.writeheader()
-            w.writerow(row)
-            f.flush()
-        self.rows.append({k: ("" if row.get(k) is None else str(row.get(k))) for k in CSV_COLUMNS})
+        super().__init__(path, CSV_COLUMNS)
 
     def choices(self, model: str, group: str, T: int, R: int | None, L: int | None) -> dict[str, OpConfig]:
         """The chosen configs of a finished workload (empty if none), from ``choice``/``copied`` rows."""
@@ -315,8 +299,7 @@ def _tune_group(
     ids = dict(model=shape.name, R=R, L=L, T=T, H=H, I=I, E=E, K=K, S=S, group=group)
     best: dict[int, dict[str, tuple[float, OpConfig]]] = {}
     for n_bm, bm in enumerate(bms):
-        if n_bm > 0 and time.perf_counter() > deadline:
-            log.append(kind="note", **ids, BLOCK_SIZE_M=bm, note="budget spent: BM skipped")
+        if n_bm > 0 and over_budget(deadline, log, BUDGET_BM_NOTE, **ids, BLOCK_SIZE_M=bm):
             continue
         run = make_run(TUNE_STAGE, inp, _with_bm(dflt, ops, bm))
         run()
@@ -332,30 +315,12 @@ def _tune_group(
             )
             default_ms = None
             for i, c in enumerate(cands):
-                note = "default" if i == 0 else ""
-                try:
-                    tm = _time(run.op_fn(op, c), device)
-                    ms = tm.ms_p50
-                    extra = dict(ms_p20=tm.ms_p20, ms_p80=tm.ms_p80, mode=tm.mode)
-                except Exception as e:  # a config that does not compile/fit: recorded, skipped
-                    ms, extra = math.inf, {}
-                    note = (note + " " if note else "") + f"failed: {type(e).__name__}: {str(e)[:120]}"
-                    if device.type == "cuda":
-                        torch.cuda.synchronize()
+                timer = functools.partial(_time_op, run, op, c, device)
+                ms, extra, note = time_candidate(timer, device, "default" if i == 0 else "", 120)
                 if i == 0:
                     default_ms = ms
-                log.append(
-                    kind="trial",
-                    **ids,
-                    op=op,
-                    BLOCK_SIZE_M=bm,
-                    config=c.short(),
-                    config_json=json.dumps(c.to_dict()),
-                    ms_p50=ms,
-                    default_ms=default_ms,
-                    elapsed_s=round(time.perf_counter() - t0, 2),
-                    note=note,
-                    **extra,
+                append_config_row(
+                    log, "trial", ids, op, bm, c, t0=t0, ms_p50=ms, default_ms=default_ms, note=note, **extra
                 )
                 if op not in best[bm] or ms < best[bm][op][0]:
                     best[bm][op] = (ms, c)
@@ -373,17 +338,7 @@ def _tune_group(
         raise RuntimeError(f"{shape.name} T={T} {group}: no candidate ran")
     chosen = {op: best[win][op][1] for op in ops}
     for op, c in chosen.items():
-        log.append(
-            kind="choice",
-            **ids,
-            op=op,
-            BLOCK_SIZE_M=win,
-            config=c.short(),
-            config_json=json.dumps(c.to_dict()),
-            ms_p50=best[win][op][0],
-            sum_ms=total,
-            elapsed_s=round(time.perf_counter() - t0, 2),
-        )
+        append_config_row(log, "choice", ids, op, win, c, t0=t0, ms_p50=best[win][op][0], sum_ms=total)
     return chosen
 
 
@@ -416,15 +371,11 @@ def tune_workload(
 # ------------------------------------------------------------------------------------------------
 
 
-class _ConfigFiles:
+class _ConfigFiles(ConfigFiles):
     """The five JSON files of one folder, read once, updated in memory, saved atomically."""
 
     def __init__(self, folder: Path, gpu: str):
-        self.folder, self.gpu = Path(folder), gpu
-        self.data: dict[str, dict] = {}
-        for op in LORA_OPS + ("base",):
-            p = self.path(op)
-            self.data[op] = json.loads(json.dumps(configs.load_config_file(p, op))) if p.is_file() else {}
+        super().__init__(folder, gpu, LORA_OPS + ("base",))
 
     def path(self, op: str) -> Path:
         return self.folder / configs.config_file_name(self.gpu, op)
@@ -437,11 +388,6 @@ class _ConfigFiles:
     def put_base(self, shape: MoEShape, T: int, cfgs: dict[str, OpConfig]) -> None:
         keys = configs.base_keys(Dims.of(shape, T))  # the base keys do not depend on R, L or S
         configs.set_entry(self.data["base"], keys, {op: cfgs[op].to_dict() for op in BASE_OPS})
-
-    def save(self) -> None:
-        for op, d in self.data.items():
-            if d:
-                configs.save_config_file(self.path(op), d)
 
 
 def _for_rank(cfgs: dict[str, OpConfig], R: int) -> dict[str, OpConfig]:
@@ -461,92 +407,9 @@ def _for_rank(cfgs: dict[str, OpConfig], R: int) -> dict[str, OpConfig]:
 _TRIAL_KEY_COLUMNS = ("kind", "model", "R", "L", "T", "group", "op", "config_json")
 
 
-def _check_device(device, name: str | None = "device") -> torch.device:
-    """The tuning device: None = cuda if available, else cpu. ValueError naming ``name`` for a device
-    the tuner cannot use here (not cpu/cuda, cuda without a GPU, a missing GPU index, cpu without the
-    Triton interpreter)."""
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if not isinstance(device, (str, torch.device)):
-        raise ValueError(f"{_pfx(name)}expected 'cpu', 'cuda' or 'cuda:N', got {device!r}")
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise ValueError(f"{_pfx(name)}expected 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"{_pfx(name)}the tuner runs on 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}")
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"{_pfx(name)}{device!r} needs a CUDA GPU and this machine has none; use 'cpu'")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(
-                f"{_pfx(name)}{device!r} but this machine has {torch.cuda.device_count()} CUDA device(s)"
-            )
-    else:
-        from ..moe_lora import _check_cpu_backend
-
-        try:
-            _check_cpu_backend(torch.float32)
-        except ValueError:
-            raise ValueError(
-                f"{_pfx(name)}'cpu' runs the kernels through the Triton interpreter: set TRITON_INTERPRET=1 "
-                "in the environment before starting the tuner"
-            ) from None
-    return dev
-
-
-def _pfx(name: str | None) -> str:
-    return f"{name}: " if name else ""
-
-
-def _first_existing(p: Path) -> Path:
-    p = p.absolute()
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    return p
-
-
-def _check_out(out, name: str | None = "out") -> Path:
-    """``out`` must be a folder, or a path where one can be made."""
-    if not isinstance(out, (str, os.PathLike)) or not str(out):
-        raise ValueError(f"{_pfx(name)}expected a folder path, got {out!r}")
-    p = Path(out)
-    if p.exists() and not p.is_dir():
-        raise ValueError(
-            f"{_pfx(name)}{str(out)!r} exists and is not a folder (the tuner writes JSON files into it)"
-        )
-    base = _first_existing(p)
-    if not base.is_dir():
-        raise ValueError(f"{_pfx(name)}cannot make the folder {str(out)!r}: {str(base)!r} is a file")
-    if not os.access(base, os.W_OK):
-        raise ValueError(f"{_pfx(name)}{str(base)!r} is not writable")
-    return p
-
-
 def _check_csv(csv_path, name: str | None = "csv_path") -> Path:
     """``csv_path`` must be a trials CSV of this tuner (resumed), an empty file, or a new file."""
-    if not isinstance(csv_path, (str, os.PathLike)) or not str(csv_path):
-        raise ValueError(f"{_pfx(name)}expected a file path, got {csv_path!r}")
-    p = Path(csv_path)
-    if p.is_dir():
-        raise ValueError(f"{_pfx(name)}{str(csv_path)!r} is a folder; expected a CSV file path")
-    if p.exists():
-        if p.stat().st_size > 0:
-            with open(p, newline="") as f:
-                header = next(csv.reader(f), [])
-            missing = [c for c in _TRIAL_KEY_COLUMNS if c not in header]
-            if missing:
-                raise ValueError(
-                    f"{_pfx(name)}{str(csv_path)!r} is not a trials CSV of this tuner "
-                    f"(no columns {missing}); pass a new file name"
-                )
-    else:
-        base = _first_existing(p.parent)
-        if not base.is_dir():
-            raise ValueError(f"{_pfx(name)}cannot make {str(csv_path)!r}: {str(base)!r} is a file")
-        if not os.access(base, os.W_OK):
-            raise ValueError(f"{_pfx(name)}{str(base)!r} is not writable")
-    return p
+    return check_csv(csv_path, name, _TRIAL_KEY_COLUMNS)
 
 
 def _check_int_list(name: str, values, lo: int, *, allow_empty: bool = False) -> list[int]:
@@ -588,15 +451,14 @@ def _check_tune_args(
     check_int("max_bms", max_bms, 1)
     check_int("max_cands", max_cands, 1)
     check_int("seed", seed)
-    if not isinstance(budget_s, (int, float)) or isinstance(budget_s, bool) or not budget_s >= 0:
-        raise ValueError(f"budget_s: expected a number of seconds >= 0 (inf = no budget), got {budget_s!r}")
+    check_budget(budget_s, "budget_s")
     if dtype is not None:
         try:
             parse_dtype(dtype)
         except ValueError as e:
             raise ValueError(f"dtype: {e}") from None
-    dev = _check_device(device)
-    _check_out(out)
+    dev = check_device(device)
+    check_out(out)
     _check_csv(csv_path)
     return shapes, dev
 
@@ -671,11 +533,8 @@ def tune(
         }
         if not need:
             summary["skipped"].append((s.name, R, T))
-        elif time.perf_counter() > deadline:
+        elif over_budget(deadline, log, BUDGET_WORKLOAD_NOTE, model=s.name, R=R, L=adapters, T=T):
             summary["not_tuned"].append((s.name, R, T))
-            log.append(
-                kind="note", model=s.name, R=R, L=adapters, T=T, note="budget spent: workload not tuned"
-            )
         else:
             key = (s.name, R)
             if key not in weights:
@@ -721,25 +580,11 @@ def tune(
                 if not cfgs:
                     continue
                 cfgs = _for_rank(cfgs, Rc)
+                ids = dict(model=s.name, R=Rc, L=adapters, T=T, H=s.hidden, I=s.intermediate, E=s.experts)
+                ids.update(K=s.top_k, S=s.lora_slices, group="lora")
                 for op, c in cfgs.items():
-                    log.append(
-                        kind="copied",
-                        model=s.name,
-                        R=Rc,
-                        L=adapters,
-                        T=T,
-                        H=s.hidden,
-                        I=s.intermediate,
-                        E=s.experts,
-                        K=s.top_k,
-                        S=s.lora_slices,
-                        group="lora",
-                        op=op,
-                        BLOCK_SIZE_M=c.BLOCK_SIZE_M,
-                        config=c.short(),
-                        config_json=json.dumps(c.to_dict()),
-                        note=f"copied from R={src} (not tuned)",
-                    )
+                    note = f"copied from R={src} (not tuned)"
+                    append_config_row(log, "copied", ids, op, c.BLOCK_SIZE_M, c, note=note)
                 files.put_lora(s, T, Rc, adapters, s.lora_slices, cfgs)
                 summary["copied"].append((s.name, Rc, T))
     files.save()
@@ -754,42 +599,6 @@ def tune(
     return summary
 
 
-def _arg_type(fn: Callable[[str], Any], name: str) -> Callable[[str], Any]:
-    """An argparse ``type=``: ``fn``'s ValueError becomes argparse's error for the flag (exit code 2)."""
-
-    def parse(text: str):
-        try:
-            return fn(text)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-
-    parse.__name__ = name
-    return parse
-
-
-def _parse_int(text: str, lo: int | None) -> int:
-    try:
-        v = int(text.strip())
-    except ValueError:
-        raise ValueError(f"expected an int{'' if lo is None else f' >= {lo}'}, got {text!r}") from None
-    if lo is not None and v < lo:
-        raise ValueError(f"expected an int >= {lo}, got {v}")
-    return v
-
-
-def _int_list_type(lo: int, *, allow_empty: bool = False) -> Callable[[str], Any]:
-    def parse(text: str) -> list[int]:
-        parts = [x for x in text.split(",") if x.strip()]
-        if not parts and not allow_empty:
-            raise ValueError(f"expected comma-separated ints >= {lo}, got {text!r}")
-        try:
-            return [_parse_int(x, lo) for x in parts]
-        except ValueError as e:
-            raise ValueError(f"comma-separated ints >= {lo}: {e}") from None
-
-    return _arg_type(parse, "int list")
-
-
 def _models_type(text: str) -> list[str]:
     names = [x.strip() for x in text.split(",") if x.strip()]
     if not names:
@@ -797,24 +606,6 @@ def _models_type(text: str) -> list[str]:
     for m in names:
         get_shape(m)  # ValueError naming the known presets
     return names
-
-
-def _budget_type(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise ValueError(f"expected seconds >= 0 (inf = no budget), got {text!r}") from None
-    if not v >= 0:
-        raise ValueError(f"expected seconds >= 0 (inf = no budget), got {text!r}")
-    return v
-
-
-def _path_type(check: Callable[..., Path]) -> Callable[[str], Any]:
-    def parse(text: str) -> str:
-        check(text, None)
-        return text
-
-    return parse
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -826,59 +617,59 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--model",
         required=True,
-        type=_arg_type(_models_type, "models"),
+        type=arg_type(_models_type, "models"),
         help="preset name(s), comma-separated",
     )
     p.add_argument(
         "--ranks",
         default="32",
-        type=_int_list_type(1),
+        type=int_list_type(1),
         help="ranks to tune, comma-separated (the first is the copy source)",
     )
     p.add_argument(
         "--copy-ranks",
         default="",
-        type=_int_list_type(1, allow_empty=True),
+        type=int_list_type(1, allow_empty=True),
         help="ranks that get the first rank's choices (not tuned)",
     )
-    pos_int = _arg_type(lambda t: _parse_int(t, 1), "int >= 1")
+    pos_int = arg_type(lambda t: parse_int(t, 1), "int >= 1")
     p.add_argument("--adapters", type=pos_int, default=8, help="L, adapter slots")
     p.add_argument(
-        "--tokens", default="1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192", type=_int_list_type(1)
+        "--tokens", default="1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192", type=int_list_type(1)
     )
     p.add_argument(
         "--out",
         required=True,
-        type=_arg_type(_path_type(_check_out), "folder"),
+        type=arg_type(path_type(check_out), "folder"),
         help="config folder to write the JSON files into",
     )
     p.add_argument(
         "--csv",
         required=True,
-        type=_arg_type(_path_type(_check_csv), "csv file"),
+        type=arg_type(path_type(_check_csv), "csv file"),
         help="trials CSV (appended; resumable)",
     )
     p.add_argument(
         "--budget-s",
-        type=_arg_type(_budget_type, "seconds"),
+        type=arg_type(budget_type, "seconds"),
         default=math.inf,
         help="no new workload starts past this",
     )
     p.add_argument(
         "--device",
         default=None,
-        type=_arg_type(lambda t: str(_check_device(t, None)), "device"),
+        type=arg_type(lambda t: str(check_device(t, None)), "device"),
         help="cuda or cpu (default: cuda if available)",
     )
     p.add_argument(
         "--max-bms", type=pos_int, default=2, help="BLOCK_SIZE_M candidates per group (+ the default's)"
     )
     p.add_argument("--max-candidates", type=pos_int, default=6, help="configs per op and BLOCK_SIZE_M")
-    p.add_argument("--seed", type=_arg_type(lambda t: _parse_int(t, None), "int"), default=0)
+    p.add_argument("--seed", type=arg_type(lambda t: parse_int(t, None), "int"), default=0)
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
     try:  # the default device and whatever argparse cannot see (all before any work)
-        _check_device(a.device, "--device")
+        check_device(a.device, "--device")
         _check_tune_args(
             a.model,
             a.ranks,

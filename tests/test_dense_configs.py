@@ -568,3 +568,12 @@ def test_precompile_worker_compiles_for_sm90(tmp_path, monkeypatch):
     assert (st["ok"], st["failed"], st["unfinished"]) == (1, 1, 0), st
     assert "BLOCK_SIZE_N must be a power of two" in st["errors"][0]
     assert any((tmp_path / "triton_cache").rglob("*.cubin"))
+
+
+def test_dense_gpus_in_ignores_moe_lora_files(tmp_path):
+    from moelora_lib.configs import _dense_gpus_in
+
+    (tmp_path / "NVIDIA_H200_FUSED_MOE_LORA_W13_SHRINK.json").write_text("{}")
+    (tmp_path / "NVIDIA_H200_FUSED_MOE_LORA_W13_EXPAND_TRUE.json").write_text("{}")
+    (tmp_path / "MY_GPU_SHRINK.json").write_text("{}")
+    assert _dense_gpus_in(tmp_path) == ["MY_GPU"]

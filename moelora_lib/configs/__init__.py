@@ -774,7 +774,8 @@ def _dense_gpus_in(folder: Path) -> list[str]:
     names = set()
     for suffix in ("_SHRINK.json", "_EXPAND_TRUE.json", "_EXPAND_FALSE.json"):
         for p in folder.glob(f"*{suffix}"):
-            names.add(p.name[: -len(suffix)])
+            if "_FUSED_MOE_" not in p.name:  # the MoE LoRA files end in _SHRINK/_EXPAND too
+                names.add(p.name[: -len(suffix)])
     return sorted(names)
 
 

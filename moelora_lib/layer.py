@@ -493,6 +493,8 @@ class MoELoRALayer(torch.nn.Module):
         """
         # the argument checks before the op too: a meta or otherwise foreign tensor would otherwise make
         # the dispatcher pick the op's fake (shape-only) implementation
+        if self.w13.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"the layer is on {self.w13.device}: its kernels run on CUDA or the CPU")
         self._check_call(hidden_states, router_logits, topk_weights, topk_ids, lora_ids)
         return ops.moe_lora_layer(
             hidden_states, router_logits, topk_weights, topk_ids, lora_ids, self.layer_name

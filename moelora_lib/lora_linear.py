@@ -136,14 +136,19 @@ def validate_lora_linear_inputs(
         ValueError naming the argument: not a tensor, wrong rank/shape (the message gives the expected
         shape in the shape letters), dtype (x: float16/bfloat16/float32; the others like x, lora_ids
         int32), device (like x), ``slices`` not positive ints or not summing to weight.shape[0], S of
-        lora_a ≠ len(slices), rank R of lora_b ≠ lora_a's, L or R < 1, bfloat16 on the CPU, and with
-        ``check_values`` lora_ids values outside [-1, L) (one host sync).
+        lora_a ≠ len(slices), rank R of lora_b ≠ lora_a's, L or R < 1, bfloat16 on the CPU, a device other
+        than CPU/CUDA (meta), an input that requires grad while grad mode is on (inference only), and
+        with ``check_values`` lora_ids values outside [-1, L) (one host sync).
     """
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         raise ValueError(f"x must be a 2-D tensor [T, H], got {_desc(x)}")
     dt, dev = x.dtype, x.device
     if dt not in _FLOAT_DTYPES:
         raise ValueError(f"x dtype must be float16, bfloat16 or float32, got {dt}")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(
+            f"x is on {dev}: the kernels run on CUDA tensors (or CPU ones through the interpreter)"
+        )
     if dev.type == "cpu":
         _check_cpu_backend(dt)
     T, H = x.shape
@@ -174,6 +179,13 @@ def validate_lora_linear_inputs(
     _check("lora_ids", lora_ids, (("T", T),), (torch.int32,), dev)
     if bias is not None:
         _check("bias", bias, (("N_total", N),), (dt,), dev)
+    if torch.is_grad_enabled():  # the LoRA part is Triton launches with no autograd formula
+        for name, t in (("x", x), ("weight", weight), ("lora_a", lora_a), ("lora_b", lora_b), ("bias", bias)):
+            if t is not None and t.requires_grad:
+                raise ValueError(
+                    f"{name} requires grad: lora_linear is inference only (its LoRA part has no gradient); "
+                    "call it under torch.no_grad() or torch.inference_mode()"
+                )
     if check_values:
         _check_values(lora_ids, L)
     return dict(T=T, H=H, N=N, L=L, S=S, R=R, slices=slices)
@@ -544,16 +556,31 @@ class LoRALinear(torch.nn.Module):
             pairs.append((a, b, r))
         if all(p is None for p in pairs):
             raise ValueError("load_adapter: every slice is None; to clear a slot use unload_adapter")
+        dt = self.weight.dtype
         with torch.no_grad():
+            cast = []
+            for s, p in enumerate(pairs):
+                if p is None:
+                    cast.append(None)
+                    continue
+                a, b, r = p
+                a_c, b_c = a.to(dt), (b.float() * float(scales[s])).to(dt)
+                for what, t in ((f"lora_a[{s}]", a_c), (f"lora_b[{s}]·scaling ({float(scales[s]):g})", b_c)):
+                    if not bool(torch.isfinite(t).all()):  # one host sync per load, not per call
+                        raise ValueError(
+                            f"{what} is not finite in the layer's dtype {dt} (inf/NaN, or beyond its range): "
+                            "the slot would make every token on it inf/NaN"
+                        )
+                cast.append((a_c, b_c, r))
             self.lora_a[slot].zero_()
             self.lora_b[slot].zero_()
-            for s, p in enumerate(pairs):
+            for s, p in enumerate(cast):
                 if p is None:
                     continue
                 a, b, r = p
                 o, n = self.offsets[s], self.slices[s]
                 self.lora_a[slot, s, :r].copy_(a)
-                self.lora_b[slot, o : o + n, :r].copy_(b.float() * float(scales[s]))
+                self.lora_b[slot, o : o + n, :r].copy_(b)
             self.slot_loaded[slot] = True
         self._loaded[slot] = True
 
@@ -588,7 +615,22 @@ class LoRALinear(torch.nn.Module):
             ``debug`` also for id values out of range (otherwise unchecked: no host sync; out-of-range
             ids are dropped by the alignment, their rows' LoRA part unspecified).
         """
+        # checked before the op too: a meta or foreign tensor would otherwise reach its fake impl
+        if self.weight.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"the layer is on {self.weight.device}: its kernels run on CUDA or the CPU")
+        self._check_call(x, lora_ids)
         return lora_linear_module(x, lora_ids, self.layer_name)
+
+    # --- copy / pickle: a copy is a new layer (own name in the op registry), scratch re-attached ----
+    def __getstate__(self):
+        state = dict(super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__)
+        state["_scratch"] = None  # holds weak references; re-attached on the first call
+        state["_buffers_key"] = None
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.layer_name = ops.register_layer(self, prefix="lora_linear")
 
     def _check_call(self, x, lora_ids) -> None:
         dt, dev = self.weight.dtype, self.weight.device
@@ -618,6 +660,16 @@ class LoRALinear(torch.nn.Module):
     def _forward_impl(self, x: torch.Tensor, lora_ids: torch.Tensor) -> torch.Tensor:
         """The eager body of the custom op (see :meth:`forward`)."""
         self._check_call(x, lora_ids)
+        if self._buffers_key != (self.weight.dtype, self.weight.device):  # built, moved (.to()) or unpickled
+            dt, dev = self.weight.dtype, self.weight.device
+            if dt not in (torch.float16, torch.bfloat16, torch.float32):
+                raise ValueError(
+                    f"the layer's weight (after .to()) must be float16, bfloat16 or float32, got {dt}"
+                )
+            if dev.type == "cpu":
+                _check_cpu_backend(dt)
+            if dev.type not in ("cpu", "cuda"):
+                raise ValueError(f"the layer's weight is on {dev}: the kernels run on CUDA or the CPU")
         if self.debug:
             _check_values(lora_ids, self.L)
         out = F.linear(x, self.weight, self.bias)

@@ -43,7 +43,9 @@ def get_layer(name: str):
     """The layer registered under ``name``. Raises KeyError naming it when there is none (deleted)."""
     layer = _LAYERS.get(name)
     if layer is None:
-        raise KeyError(f"layer {name!r}: no live MoELoRALayer is registered under this name")
+        raise KeyError(
+            f"layer {name!r}: no live layer (MoELoRALayer, LoRALinear) is registered under this name"
+        )
     return layer
 
 

@@ -512,3 +512,69 @@ def test_compiled_kernels_sm90(compiled):
     assert sk["EVEN_K"] is True  # 2048 % (64·4) == 0
     assert compiled["no_recompile/dense_shrink"]["atomic"]["ptx_atomic_add"] == 0
     assert compiled["no_recompile/dense_shrink"]["EVEN_K"] is False  # stage without even_k
+
+
+# --- found by a new-user trial of the dense module: each case kept as a test -------------------------
+def _trial_module(**kw):
+    from moelora_lib.lora_linear import LoRALinear
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(96, 64, generator=g) * 0.1
+    m = LoRALinear(
+        w, None, slices=(64, 16, 16), num_adapters=3, max_rank=8, max_tokens=8, stage="naive", **kw
+    )
+    a = [torch.randn(8, 64, generator=g) * 0.1 for _ in range(3)]
+    b = [torch.randn(n, 8, generator=g) * 0.1 for n in (64, 16, 16)]
+    return m, a, b
+
+
+def test_trial_module_dtype_after_to_copy_pickle_and_load_checks():
+    import copy
+    import io
+
+    x = torch.randn(5, 64)
+    ids = torch.tensor([0, 1, -1, 2, 0], dtype=torch.int32)
+    m, a, b = _trial_module()
+    m.load_adapter(0, a, b, scaling=2.0)
+    want = m(x, ids)
+    with pytest.raises(ValueError, match="bfloat16 is not supported on the CPU"):
+        copy.deepcopy(m).to(torch.bfloat16)(x.bfloat16(), ids)
+    with pytest.raises(ValueError, match="must be float16, bfloat16 or float32, got torch.float64"):
+        copy.deepcopy(m).to(torch.float64)(x.double(), ids)
+    c = copy.deepcopy(m)
+    assert c.layer_name != m.layer_name
+    c.unload_adapter(0)
+    assert not torch.equal(c(x, ids), want) and torch.equal(m(x, ids), want)
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    buf.seek(0)
+    assert torch.equal(torch.load(buf, weights_only=False)(x, ids), want)
+    with pytest.raises(ValueError, match=r"x must be torch.float32 on cpu .*meta"):
+        m(x.to("meta"), ids.to("meta"))
+    m16, a16, b16 = _trial_module()
+    m16 = m16.half()
+    with pytest.raises(
+        ValueError, match=r"lora_b\[0\]·scaling .* not finite in the layer's dtype torch.float16"
+    ):
+        m16.load_adapter(
+            0, [t.half() for t in a16], [torch.full_like(t, 1000.0).half() for t in b16], scaling=100.0
+        )
+    with pytest.raises(ValueError, match=r"lora_a\[0\] is not finite"):
+        m16.load_adapter(0, [torch.full_like(t, float("nan")) for t in a16], b16)
+    assert m16.loaded_slots == []
+
+
+def test_trial_functional_meta_and_requires_grad_refused():
+    from moelora_lib.lora_linear import lora_linear
+
+    x = torch.randn(3, 64)
+    w = torch.randn(96, 64)
+    la = torch.randn(2, 3, 8, 64)
+    lb = torch.randn(2, 96, 8)
+    ids = torch.tensor([0, -1, 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="x is on meta"):
+        lora_linear(x.to("meta"), w, la, lb, ids, slices=(64, 16, 16), check_values=False)
+    with pytest.raises(ValueError, match="x requires grad: lora_linear is inference only"):
+        lora_linear(x.requires_grad_(), w, la, lb, ids, slices=(64, 16, 16))
+    with torch.no_grad():
+        assert lora_linear(x, w, la, lb, ids, slices=(64, 16, 16)).shape == (3, 96)

@@ -120,7 +120,7 @@ def _check_layer_dtype(dt: torch.dtype, dev: torch.device, name: str) -> None:
         _check_cpu_backend(dt, name)
 
 
-class MoELoRALayer(torch.nn.Module):
+class MoELoRALayer(ops.OpLayer):
     """MoE layer (gate_up, activation, down, weighted sum over top-k) with L LoRA adapter slots.
 
     Computes the math contract of :mod:`moelora_lib.reference` (and :func:`moelora_lib.fused_moe_lora`)
@@ -157,6 +157,8 @@ class MoELoRALayer(torch.nn.Module):
     loaded one zero), ``slot_covers`` [L, 2] bool (gate_up, down). Build the layer on its final
     device; after ``.to()`` the private buffers are reallocated on the next call.
     """
+
+    _op_prefix = "moe_lora_layer"
 
     def __init__(
         self,
@@ -249,20 +251,7 @@ class MoELoRALayer(torch.nn.Module):
         self._bufs: dict[str, torch.Tensor] = {}
         self._scratch = None
         self._alloc_buffers()
-        self.layer_name = ops.register_layer(self)
-
-    # --- copy / pickle: a copy is a new layer (own name in the op registry), scratch re-attached ----
-    def __getstate__(self):
-        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
-        state = dict(state)
-        state["_scratch"] = None  # holds weak references; re-attached on the first call
-        state["_bufs"] = {}
-        state["_buffers_key"] = None
-        return state
-
-    def __setstate__(self, state):
-        super().__setstate__(state)
-        self.layer_name = ops.register_layer(self)  # never the original's name: its op calls stay its own
+        self._register_op_name()
 
     def extra_repr(self) -> str:
         return (
@@ -493,8 +482,7 @@ class MoELoRALayer(torch.nn.Module):
         """
         # the argument checks before the op too: a meta or otherwise foreign tensor would otherwise make
         # the dispatcher pick the op's fake (shape-only) implementation
-        if self.w13.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"the layer is on {self.w13.device}: its kernels run on CUDA or the CPU")
+        self._check_runs_here(self.w13.device)
         self._check_call(hidden_states, router_logits, topk_weights, topk_ids, lora_ids)
         return ops.moe_lora_layer(
             hidden_states, router_logits, topk_weights, topk_ids, lora_ids, self.layer_name

@@ -335,7 +335,7 @@ class _Scratch(Scratch):
 _SCRATCH: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
-class LoRALinear(torch.nn.Module):
+class LoRALinear(ops.OpLayer):
     """A dense linear layer (fused over S output slices) with L LoRA adapter slots, for serving.
 
     Computes :func:`lora_linear` for the adapters loaded in its slots, with no host sync in forward
@@ -374,6 +374,8 @@ class LoRALinear(torch.nn.Module):
     the configs up to max_tokens use (a few KB; stage ``tuned``: those of the tuned files found at
     construction); a call under another config allocates its own once.
     """
+
+    _op_prefix = "lora_linear"
 
     def __init__(
         self,
@@ -431,7 +433,7 @@ class LoRALinear(torch.nn.Module):
         self._scratch = None
         self._buffers_key = None
         self._alloc_buffers()
-        self.layer_name = ops.register_layer(self, prefix="lora_linear")
+        self._register_op_name()
 
     def extra_repr(self) -> str:
         return (
@@ -616,21 +618,9 @@ class LoRALinear(torch.nn.Module):
             ids are dropped by the alignment, their rows' LoRA part unspecified).
         """
         # checked before the op too: a meta or foreign tensor would otherwise reach its fake impl
-        if self.weight.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"the layer is on {self.weight.device}: its kernels run on CUDA or the CPU")
+        self._check_runs_here(self.weight.device)
         self._check_call(x, lora_ids)
         return lora_linear_module(x, lora_ids, self.layer_name)
-
-    # --- copy / pickle: a copy is a new layer (own name in the op registry), scratch re-attached ----
-    def __getstate__(self):
-        state = dict(super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__)
-        state["_scratch"] = None  # holds weak references; re-attached on the first call
-        state["_buffers_key"] = None
-        return state
-
-    def __setstate__(self, state):
-        super().__setstate__(state)
-        self.layer_name = ops.register_layer(self, prefix="lora_linear")
 
     def _check_call(self, x, lora_ids) -> None:
         dt, dev = self.weight.dtype, self.weight.device
@@ -668,8 +658,7 @@ class LoRALinear(torch.nn.Module):
                 )
             if dev.type == "cpu":
                 _check_cpu_backend(dt)
-            if dev.type not in ("cpu", "cuda"):
-                raise ValueError(f"the layer's weight is on {dev}: the kernels run on CUDA or the CPU")
+            self._check_runs_here(dev)
         if self.debug:
             _check_values(lora_ids, self.L)
         out = F.linear(x, self.weight, self.bias)

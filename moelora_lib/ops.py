@@ -23,7 +23,7 @@ import weakref
 
 import torch
 
-__all__ = ["moe_lora_layer", "register_layer", "get_layer"]
+__all__ = ["moe_lora_layer", "register_layer", "get_layer", "OpLayer"]
 
 _LAYERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _COUNTER = itertools.count()
@@ -47,6 +47,40 @@ def get_layer(name: str):
             f"layer {name!r}: no live layer (MoELoRALayer, LoRALinear) is registered under this name"
         )
     return layer
+
+
+class OpLayer(torch.nn.Module):
+    """Base of the modules whose forward runs through a custom op that finds them by name
+    (:class:`moelora_lib.MoELoRALayer`, :class:`moelora_lib.LoRALinear`).
+
+    It owns that name: :meth:`_register_op_name` at construction, and again when a copy or an unpickled
+    module is made (``copy.copy``, ``copy.deepcopy``, ``torch.load`` go through ``__setstate__``), so a
+    copy's op calls reach the copy, never the original. The pickled state leaves out the shared scratch
+    (it holds weak references) and marks the buffers for re-attachment on the first call
+    (``_buffers_key = None``). :meth:`_check_runs_here` refuses a module on a device the kernels cannot
+    run on (e.g. meta, where the dispatcher would silently pick the op's fake implementation).
+    """
+
+    _op_prefix = "layer"
+
+    def _register_op_name(self) -> None:
+        self.layer_name = register_layer(self, prefix=self._op_prefix)
+
+    def __getstate__(self):
+        state = dict(super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__)
+        state["_scratch"] = None  # holds weak references; re-attached on the first call
+        state["_buffers_key"] = None
+        if "_bufs" in state:
+            state["_bufs"] = {}
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._register_op_name()  # never the original's name: its op calls stay its own
+
+    def _check_runs_here(self, device: torch.device) -> None:
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"the layer is on {device}: its kernels run on CUDA or the CPU")
 
 
 @torch.library.custom_op("moelora::moe_lora_layer", mutates_args=())

@@ -79,6 +79,20 @@ def describe(x) -> str:
     return f"{type(x).__name__}"
 
 
+#: The dtypes the kernels run (activations, weights, adapters).
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_kernel_dtype(dtype: torch.dtype, device: torch.device, name: str, cpu_backend_check) -> None:
+    """ValueError naming ``name`` unless the kernels can run ``dtype`` on ``device``: one of
+    :data:`KERNEL_DTYPES`, and on the CPU what ``cpu_backend_check(dtype, name)`` accepts (the Triton
+    interpreter is on; no bfloat16 there)."""
+    if dtype not in KERNEL_DTYPES:
+        raise ValueError(f"{name} must be float16, bfloat16 or float32, got {dtype}")
+    if device.type == "cpu":
+        cpu_backend_check(dtype, name)
+
+
 def check_tensor(name: str, t, shape: tuple, dtypes, device, dtype_note: str = "", *, like: str) -> None:
     """Raise ValueError naming ``name`` unless t is a tensor of ``shape``, dtype and device.
 

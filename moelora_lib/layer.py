@@ -44,7 +44,7 @@ import weakref
 import torch
 
 from . import ops
-from .common import is_int
+from .common import check_kernel_dtype, is_int
 from .kernels import STAGES, LayerConfig, LayerRun
 from .kernels.align import AlignWorkspace, align_tokens_triton, align_workspace
 from .kernels.align_small import (
@@ -109,15 +109,9 @@ class _Scratch(Scratch):
 _SCRATCH: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
-_LAYER_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
 def _check_layer_dtype(dt: torch.dtype, dev: torch.device, name: str) -> None:
-    """ValueError naming ``name`` unless the kernels can run this dtype on this device."""
-    if dt not in _LAYER_DTYPES:
-        raise ValueError(f"{name} must be float16, bfloat16 or float32, got {dt}")
-    if dev.type == "cpu":
-        _check_cpu_backend(dt, name)
+    """ValueError naming ``name`` unless the MoE kernels can run this dtype on this device."""
+    check_kernel_dtype(dt, dev, name, _check_cpu_backend)
 
 
 class MoELoRALayer(ops.OpLayer):

@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from . import ops
-from .common import check_tensor, is_int
+from .common import check_kernel_dtype, check_tensor, is_int
 from .common import describe as _desc
 from .kernels import STAGES
 from .kernels.align import AlignWorkspace, align_tokens_triton, align_workspace
@@ -90,18 +90,18 @@ def _check(name: str, t, shape: tuple, dtypes, device) -> None:
     check_tensor(name, t, shape, dtypes, device, " (like x)" if len(dtypes) == 1 else "", like="x")
 
 
-def _check_cpu_backend(dtype: torch.dtype) -> None:
+def _check_cpu_backend(dtype: torch.dtype, name: str = "x") -> None:
     """CPU tensors run only through the Triton interpreter, which has no correct bf16 arithmetic
     (as :func:`moelora_lib.moe_lora._check_cpu_backend`, for the dense kernels)."""
     if type(DENSE_KERNELS["dense_shrink"][True]).__name__ != "InterpretedFunction":
         raise ValueError(
-            "x is on the CPU but the kernels were not built for the Triton interpreter: use CUDA "
+            f"{name} is on the CPU but the kernels were not built for the Triton interpreter: use CUDA "
             "tensors, or set TRITON_INTERPRET=1 before the first kernel module is imported (restart "
             "the process if a kernel was already built)"
         )
     if dtype == torch.bfloat16:
         raise ValueError(
-            "x: bfloat16 is not supported on the CPU (the Triton interpreter multiplies raw bf16 bit "
+            f"{name}: bfloat16 is not supported on the CPU (the Triton interpreter multiplies raw bf16 bit "
             "patterns, triton-lang/triton#11584); use float16 or float32 on the CPU, bfloat16 on a GPU"
         )
 
@@ -652,12 +652,7 @@ class LoRALinear(ops.OpLayer):
         self._check_call(x, lora_ids)
         if self._buffers_key != (self.weight.dtype, self.weight.device):  # built, moved (.to()) or unpickled
             dt, dev = self.weight.dtype, self.weight.device
-            if dt not in (torch.float16, torch.bfloat16, torch.float32):
-                raise ValueError(
-                    f"the layer's weight (after .to()) must be float16, bfloat16 or float32, got {dt}"
-                )
-            if dev.type == "cpu":
-                _check_cpu_backend(dt)
+            check_kernel_dtype(dt, dev, "the layer's weight (after .to())", _check_cpu_backend)
             self._check_runs_here(dev)
         if self.debug:
             _check_values(lora_ids, self.L)

@@ -118,6 +118,20 @@ def test_warmup_compiles_every_configured_bucket():
     assert 64 not in paths  # bucket_for(20) = 32 is the top
 
 
+def test_warmup_of_a_new_config_at_a_two_m_bucket():
+    """A bucket >= 16 warms two M values (16 and 15); when its config is new there, the first call
+    proves the runner and the second must call that runner again (the H200 suite run at e5ed62e failed
+    with "'Tensor' object is not callable": the first call's output had replaced the runner)."""
+    method = HelionLinearMethod(_table(torch.float32, "none", CFG, buckets=(16,)), allow_interpreter=True)
+    layer = Linear.from_weight(torch.randn(N_, K_), method)
+    paths = method.warmup(layer, max_m=16)
+    assert paths[16] == "helion:16" and set(method.last_warmup) == {16}
+    x = torch.randn(15, K_)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", HelionFallbackWarning)
+        assert _rel_err(layer(x), _ref(x, layer.weight, None, "none")) < TOL[torch.float32]
+
+
 # ---------------------------------------------------------------------------------------------
 # Codegen without any interpreter (subprocess: TRITON_INTERPRET unset), bf16 and fp16
 # ---------------------------------------------------------------------------------------------

@@ -214,3 +214,13 @@ def test_layer_run_keeps_aligned_inputs_and_meta_tensors(device):
     args[3] = buf[1:17]
     r2 = make_layer_run(*args, **inp.kwargs(), check_values=False)
     assert r2.topk_w.data_ptr() % 16 == 0 and torch.equal(r2.topk_w, inp.topk_weights.reshape(-1))
+
+
+def test_topk_reduce_one_key_for_offset_and_strided_ids():
+    """The H200 suite run at e5ed62e (notebook 09's variant check) found one new topk_reduce binary when
+    the caller's topk_ids / lora_ids were offset views: their pointers were specialized on alignment."""
+    from moelora_lib.studies.compile_check import reduce_keys
+
+    keys = reduce_keys()
+    assert set(keys) == {"contiguous", "offset", "transposed"}
+    assert len(set(keys.values())) == 1, keys

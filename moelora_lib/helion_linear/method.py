@@ -486,8 +486,10 @@ class HelionLinearMethod(LinearMethodBase):
                     break
                 x = torch.zeros(m, w.shape[1], dtype=w.dtype, device=w.device)
                 args = self._kernel_args(layer, x, bias)
-                if key in self._unproven:
-                    runner = self._first_call(key, runner, args)
+                if key in self._unproven:  # first call compiles; a failure replaces the runner
+                    res = self._first_call(key, runner, args)
+                    if isinstance(res, _FailedRunner):
+                        runner = res
                 else:
                     runner(*args)
             if isinstance(runner, _FailedRunner):

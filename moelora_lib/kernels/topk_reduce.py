@@ -60,8 +60,12 @@ def _topk_reduce_kernel(
     tl.store(out_ptr + t * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=hmask)
 
 
-# H and the strides are fixed per layer; T only sets the grid
-_topk_reduce = triton.jit(_topk_reduce_kernel)
+# H and y's/out's strides are fixed per layer; T only sets the grid. The caller's id tensors (topk_ids,
+# lora_ids) may be offset views or any strides: their pointers and strides are do_not_specialize (one
+# id load per row, the 16-byte alignment hint buys nothing) so an offset view keeps the binary.
+_topk_reduce = triton.jit(
+    _topk_reduce_kernel, do_not_specialize=["ids_ptr", "lora_ptr", "stride_it", "stride_ik", "stride_lt"]
+)
 
 
 def topk_reduce(
@@ -103,13 +107,26 @@ def topk_reduce(
         raise ValueError(f"out must be a {y.dtype} tensor [T={T}, H={H}] with contiguous rows")
     if T == 0:
         return out
+    grid, args, constexprs = reduce_launch_args(
+        y, topk_ids, num_experts, lora_ids, num_adapters, check_ids, out
+    )
+    _topk_reduce[grid](*args, **constexprs)
+    return out
+
+
+def reduce_launch_args(y, topk_ids, num_experts, lora_ids, num_adapters, check_ids, out):
+    """(grid, positional args, constexprs) of the one launch :func:`topk_reduce` makes for checked
+    arguments (also used by :mod:`moelora_lib.studies.compile_check` to compute specialization keys
+    without launching)."""
+    T, K = topk_ids.shape
+    H = y.shape[1]
     block_h = min(1024, triton.next_power_of_2(H))
     lo = lora_ids if lora_ids is not None else topk_ids
-    _topk_reduce[(T, triton.cdiv(H, block_h))](
+    args = (
         y, topk_ids, lo, out, H, int(num_experts), int(num_adapters),
         y.stride(0), topk_ids.stride(0), topk_ids.stride(1),
         lora_ids.stride(0) if lora_ids is not None else 0, out.stride(0),
-        K=K, K_P=triton.next_power_of_2(K), CHECK_IDS=bool(check_ids), HAS_LORA=lora_ids is not None,
-        BLOCK_H=block_h,
     )  # fmt: skip
-    return out
+    constexprs = dict(K=K, K_P=triton.next_power_of_2(K), CHECK_IDS=bool(check_ids))
+    constexprs.update(HAS_LORA=lora_ids is not None, BLOCK_H=block_h)
+    return (T, triton.cdiv(H, block_h)), args, constexprs

@@ -806,6 +806,33 @@ def align_length_keys(
     }
 
 
+def reduce_keys(T: int = 5, E: int = 32, K: int = 4, L: int = 8, H: int = 64) -> dict:
+    """sm_90 specialization keys of :func:`~moelora_lib.kernels.topk_reduce.topk_reduce` (the id check
+    on, with lora ids) for the caller's id tensors contiguous, as offset views (data pointers not 16-byte
+    aligned) and transposed/strided, with y and out fixed. Returns ``{layout: key}``; one distinct key
+    means neither the ids' alignment nor their strides give the reduction a new binary."""
+    if _interpreted():
+        return run_isolated([dict(op="reduce_keys", T=T, E=E, K=K, L=L, H=H)])[0]
+    import torch
+
+    from ..kernels.topk_reduce import _topk_reduce, reduce_launch_args
+
+    y = torch.zeros(T * K, H, dtype=torch.bfloat16)
+    out = torch.zeros(T, H, dtype=torch.bfloat16)
+    keys = {}
+    for layout in ("contiguous", "offset", "transposed"):
+        topk_ids, lora_ids = _routing(T, E, K, L)
+        if layout == "offset":
+            topk_ids, lora_ids = _offset_view(topk_ids, True), _offset_view(lora_ids, True)
+            assert topk_ids.data_ptr() % 16 and lora_ids.data_ptr() % 16
+        elif layout == "transposed":
+            topk_ids = topk_ids.t().contiguous().t()
+            lora_ids = torch.stack([lora_ids, lora_ids], 1).reshape(-1)[::2]
+        _, args, cx = reduce_launch_args(y, topk_ids, E, lora_ids, L, True, out)
+        keys[layout] = specialization_key(_topk_reduce, args, cx)
+    return keys
+
+
 # --------------------------------------------------------------------------------------------------
 # subprocess runner and CLI
 # --------------------------------------------------------------------------------------------------
@@ -820,6 +847,8 @@ def _run_job(job: dict) -> dict:
         return offset_view_keys(**job)
     if op == "align_keys":
         return align_length_keys(job.pop("lengths"), **job)
+    if op == "reduce_keys":
+        return reduce_keys(**job)
     raise ValueError(f"unknown op {op!r}")
 
 
@@ -829,7 +858,8 @@ def run_isolated(jobs: list[dict], timeout: float = 600.0) -> list[dict]:
     Jobs: ``{"op": "count", "kernel", "specialize_lengths", "lengths", ...variants() kwargs}``,
     ``{"op": "inspect", "launch", "T", ...inspect_job() kwargs}``, ``{"op": "offset_keys",
     ...offset_view_keys() kwargs}`` or ``{"op": "align_keys", "lengths", ...align_length_keys()
-    kwargs}``. A failing job raises RuntimeError with the subprocess's stderr.
+    kwargs}`` or ``{"op": "reduce_keys", ...reduce_keys() kwargs}``. A failing job raises
+    RuntimeError with the subprocess's stderr.
     """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")

@@ -25,6 +25,14 @@ from moelora_lib.studies.conclusions import nb00
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "data"
+
+
+def _tuned_total_1600() -> str:
+    """tuned's whole layer at GPT-OSS-20B T = 1600 as the explorer's table prints it (committed CSV)."""
+    c = pd.read_csv(DATA / "07_cumulative.csv").set_index(["model", "T", "part"])
+    return f"{c.at[('gpt-oss-20b', 1600, 'total'), 'tuned']:,.1f}"
+
+
 NEEDED = ["06_even_k_fused_add.csv", "07_tuning.csv", "02_naive_kernel.csv", "07_per_op.csv"]
 
 
@@ -167,7 +175,7 @@ def test_a_control_change_redraws_plot_and_table_within_a_second(ev):
     png, table = e._plot.outputs[0]["data"]["image/png"], e._table.value
     e.set(T=1600)
     assert e._plot.outputs[0]["data"]["image/png"] != png and e._table.value != table
-    assert "T = 1600" in e._status.value and "1,060.0" in e._table.value
+    assert "T = 1600" in e._status.value and _tuned_total_1600() in e._table.value
     times = e.time_redraws()
     assert set(times.control) >= {"model", "T", "rank", "adapters", "pattern", "setting"}
     assert times.seconds.max() < nb00.REDRAW_LIMIT_S, times

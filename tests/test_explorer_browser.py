@@ -25,6 +25,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 sync_api = pytest.importorskip(
@@ -220,7 +221,9 @@ def test_explorer_in_jupyterlab(lab):
             times["control change -> redrawn"] = time.perf_counter() - t0
             table_after = table.inner_html()
             assert table_after != table_before, "the layer table did not change with T"
-            assert "1,060.0" in table_after, "the table does not show tuned's whole layer at T = 1600"
+            c = pd.read_csv(ROOT / "data" / "07_cumulative.csv").set_index(["model", "T", "part"])
+            want = f"{c.at[('gpt-oss-20b', 1600, 'total'), 'tuned']:,.1f}"
+            assert want in table_after, f"the table does not show tuned's whole layer at T = 1600 ({want})"
             assert page.locator(".moelora-plot img").get_attribute("src") != src_before
 
             SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)

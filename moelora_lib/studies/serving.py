@@ -31,7 +31,7 @@ from ..kernels.align_small import MAX_GROUPS, SMALL_MAX_PAIRS, align_tokens_pair
 from ..kernels.id_bounds import id_bounds_triton
 from ..kernels.route import route_triton
 from ..layer import MoELoRALayer
-from ..moe_lora import fused_moe_lora, make_layer_run, validate_moe_lora_inputs
+from ..moe_lora import _device_alignments, fused_moe_lora, make_layer_run, validate_moe_lora_inputs
 from ..routing import Alignment, align_tokens, id_value_bounds
 from ..shapes import Dims, MoEShape, get_shape
 from ..workloads import MoELoRAInputs
@@ -284,7 +284,8 @@ def host_breakdown_rows(
     shape: MoEShape | str, T: int, inp: MoELoRAInputs, *, device="cuda", stage: str = "tuned", reps: int = 100
 ) -> list[dict[str, Any]]:
     """Host µs of each step of one public call (median, GPU idle before each step, no sync inside):
-    validation, config pick, id bounds + pinned copy, the two Triton alignments, building the
+    validation, config pick, id bounds + pinned copy, the Triton alignments as the call runs them
+    (``moe_lora._device_alignments``: one launch for small T, else 2 × 3), building the
     LayerRun, the layer's launches + reduction (also one by one, ``launch.*``), and two floors of
     this host: one tiny Triton launch (``floor.triton_launch``) and one tiny torch op
     (``floor.torch_op``). Tells where the eager overhead goes."""
@@ -293,7 +294,8 @@ def host_breakdown_rows(
         sh, T, rank=inp.lora_a13.shape[3], adapters=inp.lora_a13.shape[0], slices=inp.lora_a13.shape[2]
     )
     st = STAGES[stage]
-    cfg = st.adapt(st.config_for(dims))
+    raw_cfg = st.config_for(dims)
+    cfg = st.adapt(raw_cfg)
     E, L = sh.experts, inp.lora_a13.shape[0]
     bounds = id_bounds_triton if torch.device(device).type == "cuda" else id_value_bounds
     pinned = torch.empty(4, dtype=torch.int64, pin_memory=torch.device(device).type == "cuda")
@@ -305,12 +307,8 @@ def host_breakdown_rows(
         "validate": lambda: validate_moe_lora_inputs(*inp.args(), inp.activation, inp.b13, inp.b2, False),
         "config": lambda: st.config_for(dims),
         "id_bounds": lambda: pinned.copy_(bounds(inp.topk_ids, inp.lora_ids), non_blocking=True),
-        "alignments": lambda: (
-            align_tokens_triton(inp.topk_ids, E, cfg.base_block_size_m),
-            align_tokens_triton(
-                inp.topk_ids, E, cfg.lora_block_size_m, lora_ids=inp.lora_ids, num_adapters=L
-            ),
-        ),
+        # what the public call does on CUDA: one launch up to PAIR_PATH_MAX_PAIRS pairs, else 2 x 3
+        "alignments": lambda: _device_alignments(st, raw_cfg, inp.topk_ids, inp.lora_ids, E, L),
         "layer_run": lambda: LayerRun(st, *inp.args(), **inp.kwargs(), config=cfg, alignments=al),
         "launches": run,
         # the launches one by one (run.base_gate_up() ... run.reduce())

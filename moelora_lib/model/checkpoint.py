@@ -1,0 +1,265 @@
+"""Building a :class:`~moelora_lib.model.MultiLoRAModel`: from a Hugging Face checkpoint folder
+(:func:`load_hf_checkpoint`) or with random weights at any dimensions (:func:`random_model`).
+
+Checkpoint keys (transformers 5.24's ``save_pretrained``, checked on tiny models; ``{p}`` is
+``model.layers.{l}.``) and where they go:
+
+* ``model.embed_tokens.weight``, ``model.norm.weight``, ``lm_head.weight`` (absent when tied);
+  ``{p}input_layernorm.weight``, ``{p}post_attention_layernorm.weight``;
+* ``{p}self_attn.{q,k,v}_proj.{weight,bias}`` -> ``qkv_proj`` (rows concatenated q | k | v),
+  ``{p}self_attn.o_proj.*``, ``{p}self_attn.{q_norm,k_norm}.weight`` (qwen3*),
+  ``{p}self_attn.sinks`` (gpt_oss);
+* GPT-OSS: ``{p}mlp.router.{weight,bias}``; ``{p}mlp.experts.gate_up_proj`` [E, H, 2I] (``x @ W`` layout,
+  gate/up columns interleaved) -> ``w13`` [E, 2I, H] (transposed, interleaving kept),
+  ``gate_up_proj_bias`` [E, 2I] -> ``b13``, ``down_proj`` [E, I, H] -> ``w2`` [E, H, I],
+  ``down_proj_bias`` -> ``b2``;
+* Qwen3-MoE: ``{p}mlp.gate.weight`` -> router; experts either fused (transformers 5 in memory:
+  ``{p}mlp.experts.gate_up_proj`` [E, 2I, H] rows [gate | up], ``down_proj`` [E, H, I]) or per expert —
+  what transformers 5.24 *writes* (it converts back to the transformers 4 names on save) and what
+  transformers 4 wrote: ``{p}mlp.experts.{e}.{gate,up,down}_proj.weight`` [I, H], [I, H], [H, I];
+* Qwen3: ``{p}mlp.{gate,up,down}_proj.weight`` -> ``gate_up_proj`` (rows gate | up) and ``down_proj``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import torch
+
+from .config import REAL_CONFIGS, ModelConfig
+from .modeling import MultiLoRAModel, random_weights
+
+__all__ = ["load_hf_checkpoint", "random_model", "hf_key_plan"]
+
+# one entry per tensor of the model: our name -> (HF keys, their expected shapes, combine function)
+Plan = dict[str, tuple[list[str], list[tuple[int, ...]], Callable[..., torch.Tensor]]]
+
+
+def _one(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _cat(*ts: torch.Tensor) -> torch.Tensor:
+    return torch.cat(ts, dim=0)
+
+
+def _t12(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(1, 2)
+
+
+def hf_key_plan(config: ModelConfig, keys: set[str] | frozenset[str]) -> Plan:
+    """Map every tensor of the model to the checkpoint keys it is built from.
+
+    ``keys`` (the checkpoint's key set) only decides between the fused and the per-expert Qwen3-MoE
+    expert layouts of each layer. Returns {our name: (HF keys, expected HF shapes, combine)}."""
+    c = config
+    H, V, hd = c.hidden_size, c.vocab_size, c.head_dim
+    plan: Plan = {
+        "embed_tokens.weight": (["model.embed_tokens.weight"], [(V, H)], _one),
+        "norm.weight": (["model.norm.weight"], [(H,)], _one),
+    }
+    if not c.tie_word_embeddings:
+        plan["lm_head.weight"] = (["lm_head.weight"], [(V, H)], _one)
+    for li in range(c.num_hidden_layers):
+        p, o = f"model.layers.{li}.", f"layers.{li}."
+        a, sa = f"{p}self_attn.", f"{o}self_attn."
+        plan[f"{o}input_layernorm.weight"] = ([f"{p}input_layernorm.weight"], [(H,)], _one)
+        plan[f"{o}post_attention_layernorm.weight"] = ([f"{p}post_attention_layernorm.weight"], [(H,)], _one)
+        widths = (c.q_width, c.kv_width, c.kv_width)
+        qkv = [f"{a}{n}_proj" for n in "qkv"]
+        plan[f"{sa}qkv_proj.weight"] = ([f"{k}.weight" for k in qkv], [(w, H) for w in widths], _cat)
+        plan[f"{sa}o_proj.weight"] = ([f"{a}o_proj.weight"], [(H, c.q_width)], _one)
+        if c.attention_bias:
+            plan[f"{sa}qkv_proj.bias"] = ([f"{k}.bias" for k in qkv], [(w,) for w in widths], _cat)
+            plan[f"{sa}o_proj.bias"] = ([f"{a}o_proj.bias"], [(H,)], _one)
+        if c.qk_norm:
+            plan[f"{sa}q_norm.weight"] = ([f"{a}q_norm.weight"], [(hd,)], _one)
+            plan[f"{sa}k_norm.weight"] = ([f"{a}k_norm.weight"], [(hd,)], _one)
+        if c.sinks:
+            plan[f"{sa}sinks"] = ([f"{a}sinks"], [(c.num_attention_heads,)], _one)
+        m, om = f"{p}mlp.", f"{o}mlp."
+        if c.model_type == "gpt_oss":
+            E, I = c.num_experts, c.moe_intermediate_size
+            plan[f"{om}router.weight"] = ([f"{m}router.weight"], [(E, H)], _one)
+            plan[f"{om}router.bias"] = ([f"{m}router.bias"], [(E,)], _one)
+            x = f"{m}experts."
+            plan[f"{om}experts.w13"] = ([f"{x}gate_up_proj"], [(E, H, 2 * I)], _t12)
+            plan[f"{om}experts.b13"] = ([f"{x}gate_up_proj_bias"], [(E, 2 * I)], _one)
+            plan[f"{om}experts.w2"] = ([f"{x}down_proj"], [(E, I, H)], _t12)
+            plan[f"{om}experts.b2"] = ([f"{x}down_proj_bias"], [(E, H)], _one)
+        elif c.model_type == "qwen3_moe":
+            E, I = c.num_experts, c.moe_intermediate_size
+            plan[f"{om}router.weight"] = ([f"{m}gate.weight"], [(E, H)], _one)
+            x = f"{m}experts."
+            if f"{x}gate_up_proj" in keys or f"{x}0.gate_proj.weight" not in keys:  # fused (transformers 5)
+                plan[f"{om}experts.w13"] = ([f"{x}gate_up_proj"], [(E, 2 * I, H)], _one)
+                plan[f"{om}experts.w2"] = ([f"{x}down_proj"], [(E, H, I)], _one)
+            else:  # per expert (transformers 4 names; what transformers 5.24 writes)
+
+                def stack_gate_up(*ts, _E=E):
+                    return torch.stack([torch.cat((ts[2 * e], ts[2 * e + 1]), 0) for e in range(_E)])
+
+                gu = [f"{x}{e}.{n}_proj.weight" for e in range(E) for n in ("gate", "up")]
+                plan[f"{om}experts.w13"] = (gu, [(I, H)] * (2 * E), stack_gate_up)
+                dn = [f"{x}{e}.down_proj.weight" for e in range(E)]
+                plan[f"{om}experts.w2"] = (dn, [(H, I)] * E, lambda *ts: torch.stack(ts))
+        else:
+            I = c.intermediate_size
+            plan[f"{om}gate_up_proj.weight"] = (
+                [f"{m}gate_proj.weight", f"{m}up_proj.weight"],
+                [(I, H), (I, H)],
+                _cat,
+            )
+            plan[f"{om}down_proj.weight"] = ([f"{m}down_proj.weight"], [(H, I)], _one)
+    return plan
+
+
+def _key_files(path: Path) -> dict[str, Path]:
+    """{key: safetensors file} from model.safetensors or model.safetensors.index.json."""
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    single = path / "model.safetensors"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: no 'weight_map' dict")
+        out = {k: path / f for k, f in weight_map.items()}
+        for f in sorted(set(out.values())):
+            if not f.is_file():
+                raise ValueError(f"{index} names shard {f.name}, which is not in {path}")
+        return out
+    if single.is_file():
+        with safe_open(str(single), framework="pt") as f:
+            return {k: single for k in f.keys()}
+    raise ValueError(f"{path}: neither model.safetensors nor model.safetensors.index.json found")
+
+
+def _few(keys) -> str:
+    keys = sorted(keys)
+    return f"{len(keys)} key(s), e.g. {keys[:5]}"
+
+
+def load_hf_checkpoint(
+    path,
+    *,
+    dtype: torch.dtype,
+    device,
+    num_adapters: int,
+    max_rank: int,
+    max_batch: int,
+    max_seq: int,
+    max_tokens: int,
+    stage: str = "tuned",
+) -> MultiLoRAModel:
+    """A :class:`MultiLoRAModel` from a Hugging Face folder (config.json + model.safetensors or a
+    sharded model.safetensors.index.json), weights cast to ``dtype`` on ``device``.
+
+    The other arguments are :class:`MultiLoRAModel`'s. Every key and shape is checked from the files'
+    headers before any tensor is read; tensors are then read one model tensor at a time.
+    Raises:
+        ValueError: no config.json / safetensors, an unsupported model_type or field
+            (:meth:`ModelConfig.from_hf`), a quantized checkpoint (``quantization_config``), missing or
+            unexpected keys (a few listed), a key whose shape differs (naming the key and the expected
+            shape), and :class:`MultiLoRAModel`'s own errors.
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ValueError(f"{path}: no config.json")
+    raw = json.loads(cfg_file.read_text())
+    if raw.get("quantization_config"):
+        q = raw["quantization_config"]
+        method = q.get("quant_method") if isinstance(q, dict) else q
+        raise ValueError(
+            f"quantization_config: quantized checkpoints ({method!r}) are not supported; "
+            "dequantize to bf16 first (e.g. transformers' Mxfp4Config(dequantize=True) then save_pretrained)"
+        )
+    config = ModelConfig.from_hf(raw)
+    files = _key_files(path)
+    plan = hf_key_plan(config, frozenset(files))
+    needed = {k for keys, _, _ in plan.values() for k in keys}
+    missing = needed - set(files)
+    if missing:
+        raise ValueError(f"checkpoint {path}: missing {_few(missing)}")
+    ignorable = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    unexpected = set(files) - needed - ignorable
+    if unexpected:
+        raise ValueError(
+            f"checkpoint {path}: unexpected {_few(unexpected)} (for model_type {config.model_type!r})"
+        )
+    handles: dict[Path, object] = {}
+
+    def handle(f: Path):
+        if f not in handles:
+            handles[f] = safe_open(str(f), framework="pt")
+        return handles[f]
+
+    for keys, shapes, _ in plan.values():
+        for k, want in zip(keys, shapes):
+            got = tuple(handle(files[k]).get_slice(k).get_shape())
+            if got != tuple(want):
+                raise ValueError(f"checkpoint key {k!r}: expected shape {list(want)}, got {list(got)}")
+
+    def source(name, shape, *, kind, dtype, device):
+        if name not in plan:
+            raise ValueError(f"internal: no checkpoint plan for {name!r}")
+        keys, _, combine = plan[name]
+        return combine(*(handle(files[k]).get_tensor(k) for k in keys))
+
+    return MultiLoRAModel(
+        config,
+        dtype=dtype,
+        device=device,
+        num_adapters=num_adapters,
+        max_rank=max_rank,
+        max_batch=max_batch,
+        max_seq=max_seq,
+        max_tokens=max_tokens,
+        stage=stage,
+        weights=source,
+    )
+
+
+def random_model(
+    config: ModelConfig | Mapping | str,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype,
+    device,
+    num_adapters: int,
+    max_rank: int,
+    max_batch: int,
+    max_seq: int,
+    max_tokens: int,
+    stage: str = "tuned",
+    std: float = 0.02,
+) -> MultiLoRAModel:
+    """A :class:`MultiLoRAModel` with random weights (:func:`~moelora_lib.model.modeling.random_weights`:
+    N(0, std²) drawn on ``device`` directly, norms ones), for timing at real dimensions.
+
+    ``config``: a :class:`ModelConfig`, a config.json dict, or a :data:`REAL_CONFIGS` name
+    ("gpt-oss-20b", "qwen3-30b-a3b", "qwen3-32b").
+    Raises: ValueError for an unknown name and :class:`MultiLoRAModel`'s errors."""
+    if isinstance(config, str):
+        if config not in REAL_CONFIGS:
+            raise ValueError(f"config: unknown name {config!r}; known: {sorted(REAL_CONFIGS)}")
+        config = REAL_CONFIGS[config]
+    if isinstance(config, Mapping):
+        config = ModelConfig.from_hf(config)
+    return MultiLoRAModel(
+        config,
+        dtype=dtype,
+        device=device,
+        num_adapters=num_adapters,
+        max_rank=max_rank,
+        max_batch=max_batch,
+        max_seq=max_seq,
+        max_tokens=max_tokens,
+        stage=stage,
+        weights=random_weights(seed, std),
+    )

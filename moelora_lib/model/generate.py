@@ -1,0 +1,693 @@
+"""Multi-adapter generation: eager prefill, then a decode step replayed from a CUDA graph per batch-size
+bucket, every request with its own adapter slot (or none).
+
+Usage::
+
+    gen = Generator(model)                    # model: MultiLoRAModel (or anything with its forward)
+    gen.warmup()                              # optional: capture every bucket's graph up front
+    res = gen.generate(prompts, adapters=[0, 3, None], max_new_tokens=600)
+    res.tokens[1], res.ttft_s[1], res.request_otps[1], res.aggregate_otps
+
+What the model must provide (the spec of ``moelora_lib.model.modeling.MultiLoRAModel``)::
+
+    model(input_ids [B, S] int64, start_pos [B] int64, lora_ids [B] int32 (-1 = none), *,
+          cache_rows [B] int64, last_only=True) -> logits float32 [B, V]
+
+writing the K/V of the S tokens into cache row ``cache_rows[b]`` at positions ``start_pos[b] ..
+start_pos[b]+S-1``; and the attributes ``config.vocab_size``, ``max_batch`` (cache rows), ``max_seq``
+(cache positions), ``max_tokens`` (B*S per call) and ``num_adapters`` (L slots).
+
+How a call runs (request i always owns cache row i):
+
+1. **Prefill** (eager). Requests whose prompts have the same length are prefilled together,
+   ``max_tokens // length`` rows per call (``batch_prefill=False``: one request per call); a prompt
+   longer than ``max_tokens`` is fed in chunks of ``max_tokens`` columns, since ``start_pos`` says where
+   each chunk goes. When the model's forward takes ``kv_len`` (MultiLoRAModel does), a prefill call
+   passes ``kv_len = chunk end`` so attention reads only the positions written so far. The first
+   token is sampled from the last prefill logits; the device is synchronized after each prefill
+   group so that TTFT (``time.perf_counter`` from the call's start) covers the work.
+2. **Decode**: one step for all active requests: ``input_ids [b, 1]`` (the last token), ``start_pos``
+   (its position), ``lora_ids``, ``cache_rows``. With padding (on by default with CUDA graphs) the B
+   active requests are padded up to the next bucket b of ``graph_batch_sizes`` (``max_batch`` is always
+   a bucket) with dummy rows: token 0, position 0, no adapter, each pointing at a distinct cache row
+   that no active request owns (b ≤ max_batch guarantees there are enough), so they only overwrite
+   position 0 of spare rows. Each bucket has static input buffers; the step's state lives in them
+   (the new token and ``start_pos + 1`` are written in place after a step), so a step is a graph replay
+   plus a few small launches and no host→device copy. On CUDA the bucket's model forward and the
+   greedy argmax are captured once in a CUDA graph (warm-up on a side stream first, as torch's CUDA
+   graph docs ask; graphs share one memory pool) — lazily on first use, or all at once in
+   :meth:`Generator.warmup`. Sampling with temperature runs after the replay on the graph's logits.
+   On the CPU the identical code runs the forward eagerly instead of replaying.
+3. **Host syncs**: without ``eos_token_id`` or ``stream`` the decode loop never waits for the device
+   until the end (per-step completion times come from CUDA events read after the loop). With
+   ``eos_token_id`` the host reads the per-row "hit eos" flags every ``eos_check_interval`` steps (one
+   small copy, default every step); finished requests are then removed and the rest re-packed into
+   the (possibly smaller) bucket. A larger interval saves syncs at the cost of up to interval-1
+   wasted steps per finished request; tokens after its eos are dropped, so the output is the same.
+   ``stream`` needs the tokens on the host, so it syncs every step.
+
+Adapter slots: ``adapters[i]`` is a slot in [0, L), or None / -1 for the base model. When the model
+has ``lora_modules()`` (MultiLoRAModel), a slot that holds nothing in any module is refused (an empty
+slot would silently run the base model; pass None for that).
+
+The graphs capture the addresses of the model's weights, adapter slots and KV cache, and the LoRA
+modules' host-side choices of which launches to make, which depend on the set of loaded slots and what
+each covers (``loaded_slots`` of every module). Loading adapters copies into the slot buffers in place,
+so addresses stay valid; the generator records the modules' ``loaded_slots`` with its graphs and drops
+the graphs when that changes (checked at each call, host-side). If the model reallocates its buffers,
+call :meth:`Generator.reset_graphs`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..common import is_int
+
+__all__ = ["Generator", "GenerationResult", "sample_tokens", "DEFAULT_GRAPH_BATCH_SIZES"]
+
+DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+
+
+@dataclass
+class GenerationResult:
+    """Output tokens and timings of one :meth:`Generator.generate` call (all times in seconds,
+    ``time.perf_counter`` based, device work synchronized).
+
+    Per request i:
+      tokens[i]          generated token ids (the eos token included when it ended the request)
+      finished_eos[i]    True when it stopped at eos, False when it reached max_new_tokens
+      ttft_s[i]          call start -> its first token sampled (prefill of its group done)
+      request_decode_s[i] first token -> last token
+      request_otps[i]    (len(tokens[i]) - 1) / request_decode_s[i]; nan with a single token
+    Whole call:
+      prefill_s          call start -> last first token (validation and all prefills)
+      decode_s           last first token -> last token of all requests (the decode loop)
+      total_s            call start -> results on the host
+      output_tokens      Σ len(tokens[i])
+      aggregate_otps     output_tokens / total_s
+      decode_otps        Σ (len(tokens[i]) - 1) / decode_s (nan without decode steps)
+      step_s[k]          duration of decode step k (the first step's includes a lazy graph capture)
+      decode_batch_sizes[k] (active B, padded bucket b) of decode step k
+    """
+
+    tokens: list[list[int]]
+    finished_eos: list[bool]
+    ttft_s: list[float]
+    request_decode_s: list[float]
+    request_otps: list[float]
+    prefill_s: float
+    decode_s: float
+    total_s: float
+    output_tokens: int
+    aggregate_otps: float
+    decode_otps: float
+    step_s: list[float] = field(default_factory=list)
+    decode_batch_sizes: list[tuple[int, int]] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        """Aggregate numbers as one flat dict (a CSV row): means over requests plus the call totals."""
+
+        def mean(xs):
+            xs = [x for x in xs if not math.isnan(x)]
+            return sum(xs) / len(xs) if xs else float("nan")
+
+        return {
+            "requests": len(self.tokens),
+            "output_tokens": self.output_tokens,
+            "ttft_s_mean": mean(self.ttft_s),
+            "ttft_s_max": max(self.ttft_s) if self.ttft_s else float("nan"),
+            "request_otps_mean": mean(self.request_otps),
+            "aggregate_otps": self.aggregate_otps,
+            "decode_otps": self.decode_otps,
+            "prefill_s": self.prefill_s,
+            "decode_s": self.decode_s,
+            "total_s": self.total_s,
+        }
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sampling
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Next tokens from ``logits`` [B, V] float32 -> [B] int64, without a host sync.
+
+    ``temperature == 0``: argmax (greedy). Otherwise softmax(logits / temperature) restricted to the
+    ``top_k`` largest logits and to the smallest set of tokens whose probability mass reaches ``top_p``
+    (the top token always kept), sampled with the exponential-race trick: argmax(p / q) with
+    q ~ Exp(1) draws token v with probability p_v and needs no ``torch.multinomial`` (which syncs).
+    """
+    if temperature == 0.0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs  # mass of the strictly better tokens
+        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p, -math.inf)
+        logits = torch.full_like(logits, -math.inf).scatter(-1, order, sorted_logits)
+    probs = torch.softmax(logits, dim=-1)
+    q = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    return (probs / q).argmax(dim=-1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Decode buckets
+
+
+class _DecodeBucket:
+    """Static decode inputs for batch size ``size`` (active rows first, then dummy rows), the
+    request index of each active row, and, once captured, the CUDA graph with its outputs."""
+
+    def __init__(self, size: int, device: torch.device):
+        self.size = size
+        self.input_ids = torch.zeros(size, 1, dtype=torch.int64, device=device)  # last token per row
+        self.start_pos = torch.zeros(size, dtype=torch.int64, device=device)  # its cache position
+        self.lora_ids = torch.full((size,), -1, dtype=torch.int32, device=device)
+        self.cache_rows = torch.arange(size, dtype=torch.int64, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None  # graph outputs [size, V] float32, [size] int64
+        self.greedy: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class _Limits:
+    vocab_size: int
+    max_batch: int
+    max_seq: int
+    max_tokens: int
+    num_adapters: int
+
+
+def _model_limits(model) -> _Limits:
+    def get(*names):
+        for name in names:
+            obj = model
+            for part in name.split("."):
+                obj = getattr(obj, part, None)
+            if obj is not None:
+                return int(obj)
+        raise ValueError(f"model: expected an attribute {names[0]!r} (see moelora_lib.model.generate)")
+
+    return _Limits(
+        vocab_size=get("config.vocab_size", "vocab_size"),
+        max_batch=get("max_batch"),
+        max_seq=get("max_seq"),
+        max_tokens=get("max_tokens"),
+        num_adapters=get("num_adapters", "L"),
+    )
+
+
+def _model_device(model) -> torch.device:
+    dev = getattr(model, "device", None)
+    if isinstance(dev, torch.device):
+        return dev
+    for t in model.parameters():
+        return t.device
+    for t in model.buffers():
+        return t.device
+    return torch.device("cpu")
+
+
+class _Clock:
+    """Host times of device work: CUDA events recorded without syncing, read after the loop (CUDA),
+    or ``perf_counter`` (CPU, where the work is already done when the call returns)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def start(self) -> float:
+        """Synchronize and anchor the events at the host time returned."""
+        self.sync()
+        self.t0 = time.perf_counter()
+        if self.cuda:
+            self.ev0 = torch.cuda.Event(enable_timing=True)
+            self.ev0.record()
+        return self.t0
+
+    def mark(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def seconds(self, mark) -> float:
+        """Host time of a mark (after a final sync)."""
+        if self.cuda:
+            return self.t0 + self.ev0.elapsed_time(mark) / 1e3
+        return mark
+
+
+# ----------------------------------------------------------------------------------------------------
+# Generator
+
+
+class Generator:
+    """Generation with per-request adapters over a multi-LoRA model (see the module docstring).
+
+    Args:
+      model: a :class:`~moelora_lib.model.modeling.MultiLoRAModel` (or the same forward contract).
+      graph_batch_sizes: decode bucket sizes; sizes above ``model.max_batch`` are dropped and
+        ``max_batch`` is always added, so every batch has a bucket.
+      use_cuda_graphs: capture the decode step per bucket; default: the model is on CUDA.
+      pad_to_buckets: pad decode batches to the bucket sizes; default: ``use_cuda_graphs`` (on the CPU
+        this runs the graph path's padding eagerly, which is what the CPU tests use).
+      batch_prefill: prefill equal-length prompts together (else one request per call).
+      warmup_steps: eager decode steps on a side stream before each capture.
+    """
+
+    def __init__(
+        self,
+        model,
+        *,
+        graph_batch_sizes: Sequence[int] = DEFAULT_GRAPH_BATCH_SIZES,
+        use_cuda_graphs: bool | None = None,
+        pad_to_buckets: bool | None = None,
+        batch_prefill: bool = True,
+        warmup_steps: int = 2,
+    ):
+        self.model = model
+        self.limits = _model_limits(model)
+        self.device = _model_device(model)
+        if use_cuda_graphs is None:
+            use_cuda_graphs = self.device.type == "cuda"
+        if use_cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"use_cuda_graphs: the model is on {self.device}, CUDA graphs need a CUDA model")
+        self.use_cuda_graphs = bool(use_cuda_graphs)
+        self.pad_to_buckets = self.use_cuda_graphs if pad_to_buckets is None else bool(pad_to_buckets)
+        if not all(is_int(b) and b >= 1 for b in graph_batch_sizes):
+            raise ValueError(f"graph_batch_sizes: expected positive ints, got {list(graph_batch_sizes)}")
+        mb = self.limits.max_batch
+        self.graph_batch_sizes = tuple(sorted({int(b) for b in graph_batch_sizes if b <= mb} | {mb}))
+        self.batch_prefill = bool(batch_prefill)
+        if not (is_int(warmup_steps) and warmup_steps >= 1):
+            raise ValueError(f"warmup_steps: expected an int >= 1, got {warmup_steps!r}")
+        self.warmup_steps = int(warmup_steps)
+        try:  # MultiLoRAModel's optional host-side bound on the attended cache positions
+            self._has_kv_len = "kv_len" in inspect.signature(model.forward).parameters
+        except (TypeError, ValueError):
+            self._has_kv_len = False
+        self._buckets: dict[int, _DecodeBucket] = {}
+        self._pool = None
+        self._graph_adapter_state: tuple | None = None
+
+    # -- decode step ---------------------------------------------------------------------------------
+
+    def _forward_decode(self, bucket: _DecodeBucket) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step that a graph captures: model forward on the static buffers + greedy argmax."""
+        logits = self.model(
+            bucket.input_ids, bucket.start_pos, bucket.lora_ids, cache_rows=bucket.cache_rows, last_only=True
+        )
+        return logits, logits.argmax(dim=-1)
+
+    def _capture(self, bucket: _DecodeBucket) -> None:
+        """Warm up on a side stream (lazy init, compilation, autotuning happen outside the capture),
+        then capture one step. Writes K/V at the buffers' current (row, position): at warm-up time the
+        buffers hold either dummies (spare rows, position 0) or a real step about to run, whose writes
+        the replay repeats identically."""
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup_steps):
+                self._forward_decode(bucket)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                bucket.logits, bucket.greedy = self._forward_decode(bucket)
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"capturing the decode step at batch size {bucket.size} failed (something in the model's "
+                f"forward is not graph-capturable, e.g. a host sync); Generator(use_cuda_graphs=False) "
+                f"runs it eagerly: {e}"
+            ) from e
+        bucket.graph = graph
+
+    def _step(self, bucket: _DecodeBucket) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step on the bucket's buffers -> (logits [b, V] float32, greedy [b] int64)."""
+        if self.use_cuda_graphs:
+            if bucket.graph is None:
+                self._capture(bucket)
+            bucket.graph.replay()
+            return bucket.logits, bucket.greedy
+        return self._forward_decode(bucket)
+
+    def _bucket_for(self, n: int) -> _DecodeBucket:
+        size = next(b for b in self.graph_batch_sizes if b >= n) if self.pad_to_buckets else n
+        bucket = self._buckets.get(size)
+        if bucket is None:
+            bucket = self._buckets[size] = _DecodeBucket(size, self.device)
+        return bucket
+
+    def warmup(self, batch_sizes: Sequence[int] | None = None) -> None:
+        """Capture the decode graphs of ``batch_sizes`` (default: every bucket), largest first so the
+        smaller graphs reuse the shared pool. Writes dummy K/V at position 0 of cache rows 0..b-1
+        (prefill overwrites it). A no-op without CUDA graphs."""
+        sizes = self.graph_batch_sizes if batch_sizes is None else batch_sizes
+        if not all(is_int(n) and 1 <= n <= self.limits.max_batch for n in sizes):
+            raise ValueError(
+                f"batch_sizes: expected ints in [1, max_batch={self.limits.max_batch}], got {sizes}"
+            )
+        if not self.use_cuda_graphs:
+            return
+        self._sync_graphs_with_adapters()
+        with torch.no_grad():
+            for n in sorted(sizes, reverse=True):
+                bucket = self._bucket_for(int(n))
+                if bucket.graph is None:
+                    bucket.input_ids.zero_()
+                    bucket.start_pos.zero_()
+                    bucket.lora_ids.fill_(-1)
+                    bucket.cache_rows.copy_(torch.arange(bucket.size, device=self.device))
+                    self._capture(bucket)
+            _Clock(self.device).sync()
+
+    def reset_graphs(self) -> None:
+        """Drop every captured graph (after the model reallocated weights, adapters or cache)."""
+        self._buckets.clear()
+        self._pool = None
+        self._graph_adapter_state = None
+
+    def _adapter_state(self) -> tuple | None:
+        """((module name, ((slot, coverage), ...)), ...): the LoRA modules' loaded slots (what a
+        captured graph depends on), host-side; None for a model without ``lora_modules()``."""
+        modules = getattr(self.model, "lora_modules", None)
+        if modules is None:
+            return None
+        state = []
+        for name, m in modules().items():
+            slots = m.loaded_slots  # LoRALinear: [slot]; MoELoRALayer: {slot: (covers gate_up, down)}
+            items = slots.items() if isinstance(slots, dict) else ((slot, True) for slot in slots)
+            state.append((name, tuple(sorted(items))))
+        return tuple(state)
+
+    def _sync_graphs_with_adapters(self) -> tuple | None:
+        """Drop the graphs if the loaded slots changed since they were captured; returns the state."""
+        state = self._adapter_state()
+        if self.use_cuda_graphs and state != self._graph_adapter_state:
+            self.reset_graphs()
+            self._graph_adapter_state = state
+        return state
+
+    def _load_bucket(
+        self, active: list[int], col: int, out: torch.Tensor, prompt_lens: list[int], lora: list[int]
+    ) -> tuple[_DecodeBucket, torch.Tensor]:
+        """Pack the active requests (their token at column ``col`` of ``out``) into a bucket's buffers
+        and pad it with dummy rows on spare cache rows. Returns (bucket, request index [B] on device)."""
+        n = len(active)
+        bucket = self._bucket_for(n)
+        taken = set(active)
+        spare = [r for r in range(self.limits.max_batch) if r not in taken][: bucket.size - n]
+        dev = self.device
+        idx = torch.tensor(active, dtype=torch.int64, device=dev)
+        bucket.input_ids[:n, 0] = out[idx, col]
+        bucket.input_ids[n:] = 0
+        pos = [prompt_lens[i] + col for i in active] + [0] * len(spare)
+        bucket.start_pos.copy_(torch.tensor(pos, dtype=torch.int64))
+        bucket.lora_ids.copy_(torch.tensor([lora[i] for i in active] + [-1] * len(spare), dtype=torch.int32))
+        bucket.cache_rows.copy_(torch.tensor(active + spare, dtype=torch.int64))
+        return bucket, idx
+
+    # -- validation ----------------------------------------------------------------------------------
+
+    def _validate(self, prompts, adapters, max_new_tokens, temperature, top_k, top_p, eos, interval, state):
+        lim = self.limits
+        if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
+            raise ValueError(
+                f"prompts: expected a non-empty list of token-id lists, got {type(prompts).__name__}"
+            )
+        if len(prompts) > lim.max_batch:
+            raise ValueError(f"prompts: {len(prompts)} requests exceed the model's max_batch={lim.max_batch}")
+        if not isinstance(adapters, (list, tuple)) or len(adapters) != len(prompts):
+            n = len(adapters) if isinstance(adapters, (list, tuple)) else type(adapters).__name__
+            raise ValueError(
+                f"adapters: expected one slot (or None) per prompt, {len(prompts)} in all, got {n}"
+            )
+        if not (is_int(max_new_tokens) and max_new_tokens >= 1):
+            raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
+        ids: list[list[int]] = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, torch.Tensor):
+                if p.dim() != 1 or p.dtype.is_floating_point or p.dtype == torch.bool:
+                    raise ValueError(
+                        f"prompts[{i}]: expected a 1-D integer tensor, got {p.dtype} {tuple(p.shape)}"
+                    )
+                p = p.tolist()
+            if not isinstance(p, (list, tuple)) or not all(is_int(t) for t in p):
+                raise ValueError(f"prompts[{i}]: expected a list of int token ids")
+            if len(p) == 0:
+                raise ValueError(f"prompts[{i}]: empty prompt (at least one token is needed)")
+            for j, t in enumerate(p):
+                if not 0 <= t < lim.vocab_size:
+                    raise ValueError(
+                        f"prompts[{i}][{j}] = {t} is out of range [0, vocab_size={lim.vocab_size})"
+                    )
+            if len(p) + max_new_tokens > lim.max_seq:
+                raise ValueError(
+                    f"prompts[{i}]: prompt length {len(p)} + max_new_tokens {max_new_tokens} exceeds the "
+                    f"model's max_seq={lim.max_seq}"
+                )
+            ids.append([int(t) for t in p])
+        lora: list[int] = []
+        for i, a in enumerate(adapters):
+            if a is None:
+                a = -1
+            if not is_int(a) or not -1 <= a < lim.num_adapters:
+                raise ValueError(
+                    f"adapters[{i}] = {a!r}: expected None, -1 or a slot in [0, {lim.num_adapters})"
+                )
+            lora.append(int(a))
+        if state is not None:
+            loaded = {slot for _, items in state for slot, _ in items}
+            for i, a in enumerate(lora):
+                if a >= 0 and a not in loaded:
+                    raise ValueError(
+                        f"adapters[{i}] = {a}: slot {a} holds no adapter (loaded: {sorted(loaded)}); "
+                        f"pass None for the base model"
+                    )
+        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+            raise ValueError(f"temperature: expected a finite number >= 0, got {temperature!r}")
+        if top_k is not None and not (is_int(top_k) and top_k >= 1):
+            raise ValueError(f"top_k: expected None or an int >= 1, got {top_k!r}")
+        if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+            raise ValueError(f"top_p: expected None or a number in (0, 1], got {top_p!r}")
+        if eos is not None and not (is_int(eos) and 0 <= eos < lim.vocab_size):
+            raise ValueError(
+                f"eos_token_id: expected None or a token id in [0, {lim.vocab_size}), got {eos!r}"
+            )
+        if not (is_int(interval) and interval >= 1):
+            raise ValueError(f"eos_check_interval: expected an int >= 1, got {interval!r}")
+        return ids, lora
+
+    # -- prefill -------------------------------------------------------------------------------------
+
+    def _prefill_groups(self, ids: list[list[int]]) -> list[list[int]]:
+        """Request indices per prefill call group: equal lengths together (first-appearance order),
+        at most max(1, max_tokens // length) rows per group."""
+        if not self.batch_prefill:
+            return [[i] for i in range(len(ids))]
+        by_len: dict[int, list[int]] = {}
+        for i, p in enumerate(ids):
+            by_len.setdefault(len(p), []).append(i)
+        groups = []
+        for length, members in by_len.items():
+            rows = max(1, self.limits.max_tokens // length)
+            groups += [members[k : k + rows] for k in range(0, len(members), rows)]
+        return groups
+
+    def _prefill(self, group: list[int], ids: list[list[int]], lora: list[int]) -> torch.Tensor:
+        """Write the group's prompts into their cache rows; returns the last logits [G, V]. Columns go
+        in chunks of max_tokens // G (a prompt longer than max_tokens is chunked)."""
+        dev = self.device
+        g, length = len(group), len(ids[group[0]])
+        tokens = torch.tensor([ids[i] for i in group], dtype=torch.int64, device=dev)
+        rows = torch.tensor(group, dtype=torch.int64, device=dev)
+        lora_ids = torch.tensor([lora[i] for i in group], dtype=torch.int32, device=dev)
+        cols = max(1, self.limits.max_tokens // g)
+        logits = None
+        for c0 in range(0, length, cols):
+            chunk = tokens[:, c0 : c0 + cols]
+            start = torch.full((g,), c0, dtype=torch.int64, device=dev)
+            kw = {"kv_len": c0 + chunk.shape[1]} if self._has_kv_len else {}
+            logits = self.model(chunk, start, lora_ids, cache_rows=rows, last_only=True, **kw)
+        return logits
+
+    # -- generate ------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        adapters: Sequence[int | None],
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        eos_token_id: int | None = None,
+        eos_check_interval: int = 1,
+        progress: bool = False,
+        stream: Callable[[int, int], None] | None = None,
+    ) -> GenerationResult:
+        """Generate up to ``max_new_tokens`` tokens for each prompt with its adapter slot.
+
+        Args:
+          prompts: N token-id lists (or 1-D integer tensors), N <= model.max_batch, each non-empty,
+            ids in [0, V), len + max_new_tokens <= model.max_seq. Request i uses cache row i.
+          adapters: N slots, each None or -1 (base) or in [0, L) holding an adapter (see the module
+            docstring).
+          max_new_tokens: >= 1; a request stops earlier when it samples ``eos_token_id`` (kept).
+          temperature: 0 = greedy (argmax); > 0 samples (with ``top_k`` / ``top_p``, see
+            :func:`sample_tokens`) from a generator seeded with ``seed`` (None: the global RNG).
+          eos_check_interval: decode steps between host checks for eos (see the module docstring).
+          progress: a text progress bar over decode steps (stdout).
+          stream: called as stream(request_index, token) for every token, in order (syncs per step).
+
+        Raises ValueError naming the argument for invalid input.
+        """
+        t_call = time.perf_counter()
+        state = self._sync_graphs_with_adapters()
+        ids, lora = self._validate(
+            prompts,
+            adapters,
+            max_new_tokens,
+            temperature,
+            top_k,
+            top_p,
+            eos_token_id,
+            eos_check_interval,
+            state,
+        )
+        n_req, dev = len(ids), self.device
+        gen = None
+        if temperature > 0 and seed is not None:
+            gen = torch.Generator(device=dev)
+            gen.manual_seed(int(seed))
+
+        def pick(logits: torch.Tensor) -> torch.Tensor:
+            return sample_tokens(logits, float(temperature), top_k, top_p, gen)
+
+        clock = _Clock(dev)
+        out = torch.full((n_req, max_new_tokens), -1, dtype=torch.int64, device=dev)
+        ttft = [0.0] * n_req
+        done = [False] * n_req  # host view: finished (eos seen by the host)
+
+        # 1. prefill, one group at a time; sync after each for TTFT
+        for group in self._prefill_groups(ids):
+            first = pick(self._prefill(group, ids, lora))
+            out[torch.tensor(group, device=dev), 0] = first
+            clock.sync()
+            t = time.perf_counter() - t_call
+            if eos_token_id is not None or stream is not None:
+                for i, tok in zip(group, first.tolist()):
+                    ttft[i] = t
+                    if stream is not None:
+                        stream(i, tok)
+                    done[i] = tok == eos_token_id
+            else:
+                for i in group:
+                    ttft[i] = t
+        t_dec0 = clock.start()
+        prefill_s = t_dec0 - t_call
+
+        # 2. decode: `col` is the column of `out` holding every active request's last token
+        marks, batch_sizes = [], []
+        bar = None
+        if progress and max_new_tokens > 1:
+            from tqdm.std import tqdm
+
+            bar = tqdm(total=max_new_tokens - 1, desc="decode", file=sys.stdout, ascii=True, mininterval=2.0)
+        interval = 1 if stream is not None else eos_check_interval
+        col = 0
+        active = [i for i in range(n_req) if not done[i]]
+        while active and col < max_new_tokens - 1:
+            bucket, idx = self._load_bucket(active, col, out, [len(p) for p in ids], lora)
+            n = len(active)
+            hit = torch.zeros(n, dtype=torch.bool, device=dev) if eos_token_id is not None else None
+            while col < max_new_tokens - 1:
+                logits, greedy = self._step(bucket)
+                nxt = greedy[:n] if temperature == 0 else pick(logits[:n])
+                col += 1
+                out[idx, col] = nxt
+                bucket.input_ids[:n, 0] = nxt
+                bucket.start_pos[:n] += 1
+                marks.append(clock.mark())
+                batch_sizes.append((n, bucket.size))
+                if bar is not None:
+                    bar.update(1)
+                if stream is not None:
+                    for i, tok in zip(active, nxt.tolist()):
+                        stream(i, tok)
+                if hit is not None:
+                    hit |= nxt == eos_token_id
+                    if col % interval == 0:
+                        flags = hit.tolist()
+                        if any(flags):
+                            active = [i for i, f in zip(active, flags) if not f]
+                            break  # re-pack the rest into a (smaller) bucket
+        if bar is not None:
+            bar.close()
+
+        # 3. results: one sync, then host-side bookkeeping
+        clock.sync()
+        out_host = out.tolist()
+        t_end = time.perf_counter()
+        step_end = [clock.seconds(m) for m in marks]
+        tokens, finished, req_dec, req_otps = [], [], [], []
+        for i in range(n_req):
+            row = out_host[i]
+            n_tok = max_new_tokens
+            if eos_token_id is not None and eos_token_id in row:
+                n_tok = row.index(eos_token_id) + 1
+            toks = row[:n_tok]
+            assert -1 not in toks, "internal error: a request stopped before its last token"
+            tokens.append(toks)
+            finished.append(eos_token_id is not None and toks[-1] == eos_token_id)
+            t_last = ttft[i] if n_tok == 1 else step_end[n_tok - 2] - t_call
+            req_dec.append(t_last - ttft[i])
+            req_otps.append((n_tok - 1) / req_dec[-1] if n_tok > 1 and req_dec[-1] > 0 else float("nan"))
+        decode_s = (step_end[-1] if step_end else t_dec0) - t_dec0
+        step_s = [b - a for a, b in zip([t_dec0] + step_end[:-1], step_end)]
+        total_s = t_end - t_call
+        n_out = sum(len(t) for t in tokens)
+        return GenerationResult(
+            tokens=tokens,
+            finished_eos=finished,
+            ttft_s=ttft,
+            request_decode_s=req_dec,
+            request_otps=req_otps,
+            prefill_s=prefill_s,
+            decode_s=decode_s,
+            total_s=total_s,
+            output_tokens=n_out,
+            aggregate_otps=n_out / total_s,
+            decode_otps=(n_out - n_req) / decode_s if decode_s > 0 else float("nan"),
+            step_s=step_s,
+            decode_batch_sizes=batch_sizes,
+        )

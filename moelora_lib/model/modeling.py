@@ -1,0 +1,560 @@
+"""A compact decoder (gpt-fast style) for GPT-OSS, Qwen3-MoE and Qwen3 with multi-LoRA projections:
+:class:`MultiLoRAModel`.
+
+Every projection that can carry an adapter is one of the package's modules: attention q/k/v (fused, three
+slices) and o, and the dense MLP's gate/up (fused, two slices) and down are :class:`moelora_lib.LoRALinear`;
+the experts are a :class:`moelora_lib.MoELoRALayer`. Slot l of every one of them is adapter l, so a batch
+mixes adapters per request (``lora_ids`` [B], -1 = none). The rest is plain torch, written after the
+transformers 5 modules named in each docstring, and checked against them (tests/test_model_base.py).
+
+Decoding state is a preallocated KV cache per layer, [max_batch, kv_heads, max_seq, head_dim] in the
+model's dtype, written at (cache row, position) by tensor indexing: the forward makes no host sync and
+no Python branch on tensor values (the value checks of ``start_pos``/``cache_rows`` run only for
+CPU-resident index tensors), so a decode step can be captured in a CUDA graph.
+
+Errors are ValueErrors naming the argument. Shapes use the letters of moelora_lib/shapes.py plus
+B (requests), S (new tokens per request), V (vocab), D (head_dim), NH / NKV (q / kv heads).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..common import describe, is_int
+from .config import ModelConfig
+
+__all__ = ["MultiLoRAModel", "RMSNorm", "Attention", "MoEBlock", "DenseMLP", "DecoderLayer", "rope_tables"]
+
+#: A weight source: our state-dict name and the expected shape -> a tensor of that shape (any float dtype,
+#: any device; cast and moved by the model).
+WeightSource = Callable[[str, tuple[int, ...]], torch.Tensor]
+
+
+# --------------------------------------------------------------------------------------------------
+# rotary embedding
+# --------------------------------------------------------------------------------------------------
+def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """(inv_freq [D/2] float32, attention scaling) exactly as transformers 5 computes them
+    (``compute_default_rope_parameters`` of the model classes; ``_compute_yarn_parameters`` in
+    transformers/modeling_rope_utils.py for rope_type yarn, including ``truncate``)."""
+    dim, base = config.head_dim, config.rope_theta
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim)
+    ys = config.rope_scaling
+    if ys is None:
+        return 1.0 / pos_freqs, 1.0
+    factor = ys["factor"]
+
+    def mscale_of(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attn = ys.get("attention_factor")
+    if attn is None:
+        m, m_all = ys.get("mscale"), ys.get("mscale_all_dim")
+        attn = mscale_of(factor, m) / mscale_of(factor, m_all) if m and m_all else mscale_of(factor)
+    orig = ys["original_max_position_embeddings"]
+
+    def correction_dim(rot: float) -> float:
+        return (dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(ys["beta_fast"]), correction_dim(ys["beta_slow"])
+    if ys["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extra = 1 - ramp  # weight of the extrapolated (unscaled) frequency
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extra) + (1.0 / pos_freqs) * extra
+    return inv_freq, float(attn)
+
+
+def rope_tables(config: ModelConfig, max_seq: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, ...]:
+    """(cos, sin), each [max_seq, D/2] of ``dtype``: cos/sin(position · inv_freq) · attention scaling,
+    computed in float32 then cast, as transformers' rotary embedding forward does."""
+    inv_freq, scale = rope_inv_freq(config)
+    freqs = torch.arange(max_seq, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
+    return (
+        (freqs.cos() * scale).to(device=device, dtype=dtype),
+        (freqs.sin() * scale).to(device=device, dtype=dtype),
+    )
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, S, heads, D] rotated by halves (``rotate_half``; GPT-OSS's ``_apply_rotary_emb`` is the same
+    formula); cos/sin [B, S, 1, D/2]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+# --------------------------------------------------------------------------------------------------
+# modules
+# --------------------------------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dimension, computed in float32 (transformers' ``GptOssRMSNorm`` /
+    ``Qwen3RMSNorm``).
+
+    ``weight_fp32=True`` (GPT-OSS, whose norms transformers keeps in fp32): weight [dim] float32,
+    out = (weight · x̂).to(dtype); else (Qwen3): weight in the model dtype, out = weight · x̂.to(dtype).
+    """
+
+    def __init__(self, weight: torch.Tensor, eps: float, weight_fp32: bool):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.eps, self.weight_fp32 = eps, weight_fp32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dt = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight_fp32:
+            return (self.weight * xf).to(dt)
+        return self.weight * xf.to(dt)
+
+
+class Router(nn.Module):
+    """Router logits = x·weightᵀ (+ bias): weight [E, H], bias [E] or None (``GptOssTopKRouter`` /
+    ``Qwen3MoeTopKRouter``; the softmax/top-k is done by the MoE layer)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class _Ctx:
+    """Per-forward tensors every layer shares (built once by :meth:`MultiLoRAModel.forward`)."""
+
+    __slots__ = (
+        "B",
+        "S",
+        "ids",
+        "cos",
+        "sin",
+        "w_rows",
+        "w_pos",
+        "rows",
+        "kv_len",
+        "mask_full",
+        "mask_slide",
+    )
+
+
+class Attention(nn.Module):
+    """Causal GQA self-attention with a preallocated KV cache (transformers' ``GptOssAttention`` /
+    ``Qwen3MoeAttention`` / ``Qwen3Attention`` with their eager attention; GPT-OSS sinks as in its
+    ``eager_attention_forward``: softmax over [scores, sink_h] per head, the sink column dropped).
+
+    Children: ``qkv_proj`` (LoRALinear, slices (NH·D, NKV·D, NKV·D)), ``o_proj`` (LoRALinear, one slice
+    H), ``q_norm``/``k_norm`` (qk_norm models), ``sinks`` [NH] (gpt_oss). Buffers ``k_cache``/``v_cache``
+    [max_batch, NKV, max_seq, D] (not in the state dict).
+
+    Attention: with sinks, an explicit matmul with a float32 softmax (transformers' eager path runs the
+    softmax in the model dtype: equal in fp32, slightly more accurate here in bf16/fp16) over the first
+    ``kv_len`` cache positions, scores [B, NKV, NH/NKV·S, kv_len] float32; without sinks, torch SDPA with
+    a boolean mask and ``enable_gqa``. ``sliding_window`` W (sliding layers): query at position p sees keys in
+    (p - W, p].
+    """
+
+    def __init__(
+        self, config: ModelConfig, layer: int, lin: Callable, take: Callable, max_batch: int, max_seq: int
+    ):
+        super().__init__()
+        c = config
+        self.nh, self.nkv, self.hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.scale = self.hd**-0.5
+        sl = (c.q_width, c.kv_width, c.kv_width)
+        self.qkv_proj = lin("qkv_proj", sum(sl), c.hidden_size, c.attention_bias, sl)
+        self.o_proj = lin("o_proj", c.hidden_size, c.q_width, c.attention_bias, None)
+        self.q_norm = self.k_norm = None
+        if c.qk_norm:
+            self.q_norm = RMSNorm(take("q_norm.weight", (self.hd,), "norm"), c.rms_norm_eps, False)
+            self.k_norm = RMSNorm(take("k_norm.weight", (self.hd,), "norm"), c.rms_norm_eps, False)
+        self.sinks = None
+        if c.sinks:
+            self.sinks = nn.Parameter(take("sinks", (self.nh,), "weight"), requires_grad=False)
+        self.sliding = c.layer_types[layer] == "sliding_attention"
+        self.sliding_window = c.sliding_window if self.sliding else None
+        w = self.qkv_proj.weight
+        shape = (max_batch, self.nkv, max_seq, self.hd)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=w.dtype, device=w.device), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=w.dtype, device=w.device), persistent=False)
+
+    def forward(self, x: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
+        """x [T = B·S, H] -> [T, H]; writes this call's K/V into the cache first."""
+        B, S, nh, nkv, hd = ctx.B, ctx.S, self.nh, self.nkv, self.hd
+        qkv = self.qkv_proj(x, ctx.ids)
+        q, k, v = qkv.split((nh * hd, nkv * hd, nkv * hd), dim=-1)
+        q, k, v = q.view(B, S, nh, hd), k.view(B, S, nkv, hd), v.view(B, S, nkv, hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
+        # indexed shape of cache[rows [B,S], :, pos [B,S]] is [B, S, NKV, D] (advanced dims first)
+        self.k_cache[ctx.w_rows, :, ctx.w_pos] = k
+        self.v_cache[ctx.w_rows, :, ctx.w_pos] = v
+        L = ctx.kv_len
+        if ctx.rows is None:  # rows 0..B-1: a view, no copy
+            kc, vc = self.k_cache[:B, :, :L], self.v_cache[:B, :, :L]
+        else:
+            kc, vc = self.k_cache[:, :, :L][ctx.rows], self.v_cache[:, :, :L][ctx.rows]
+        mask = ctx.mask_slide if self.sliding else ctx.mask_full  # [B, 1, S, L] bool
+        q = q.transpose(1, 2)  # [B, NH, S, D]
+        if self.sinks is None:
+            o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, scale=self.scale, enable_gqa=True)
+        else:
+            g = nh // nkv  # q head h uses kv head h // g (transformers' repeat_kv)
+            qg = q.reshape(B, nkv, g * S, hd)
+            scores = torch.matmul(qg, kc.transpose(-1, -2)).float().view(B, nkv, g, S, L) * self.scale
+            scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+            sink = self.sinks.float().view(1, nkv, g, 1, 1).expand(B, nkv, g, S, 1)
+            probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :L]
+            o = torch.matmul(probs.to(vc.dtype).view(B, nkv, g * S, L), vc).view(B, nh, S, hd)
+        o = o.transpose(1, 2).reshape(B * S, nh * hd)
+        return self.o_proj(o, ctx.ids)
+
+
+class MoEBlock(nn.Module):
+    """Router + experts (transformers' ``GptOssMLP`` / ``Qwen3MoeSparseMoeBlock``): logits = x·W_rᵀ (+ b_r),
+    then the MoELoRALayer routes (softmax over E, top-k, renormalize iff ``norm_topk_prob``; for GPT-OSS
+    this equals its softmax over the top-k logits) and runs the experts with the tokens' adapters."""
+
+    def __init__(self, router: Router, experts):
+        super().__init__()
+        self.router, self.experts = router, experts
+
+    def forward(self, x: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
+        return self.experts(x, self.router(x), lora_ids=ctx.ids)
+
+
+class DenseMLP(nn.Module):
+    """silu(gate)·up then down (transformers' ``Qwen3MLP``); ``gate_up_proj`` LoRALinear slices (I, I),
+    ``down_proj`` LoRALinear."""
+
+    def __init__(self, gate_up_proj, down_proj):
+        super().__init__()
+        self.gate_up_proj, self.down_proj = gate_up_proj, down_proj
+        self.I = gate_up_proj.out_features // 2
+
+    def forward(self, x: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x, ctx.ids).split(self.I, dim=-1)
+        return self.down_proj(F.silu(gate) * up, ctx.ids)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(·)) (transformers' ``*DecoderLayer``)."""
+
+    def __init__(self, input_layernorm, self_attn, post_attention_layernorm, mlp):
+        super().__init__()
+        self.input_layernorm, self.self_attn = input_layernorm, self_attn
+        self.post_attention_layernorm, self.mlp = post_attention_layernorm, mlp
+
+    def forward(self, x: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x), ctx)
+
+
+# --------------------------------------------------------------------------------------------------
+# weights
+# --------------------------------------------------------------------------------------------------
+def random_weights(seed: int = 0, std: float = 0.02) -> WeightSource:
+    """A :data:`WeightSource` of random weights: each tensor N(0, std²) from its own generator seeded by
+    (seed, name) on the model's device, so a tensor does not depend on which others were drawn; norm
+    weights are ones. With std 0.02 activations stay finite in bf16 through all layers."""
+
+    def source(name: str, shape: tuple[int, ...], *, kind: str, dtype: torch.dtype, device) -> torch.Tensor:
+        if kind == "norm":
+            return torch.ones(shape, dtype=dtype, device=device)
+        g = torch.Generator(device=device)
+        g.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+        return torch.empty(shape, dtype=dtype, device=device).normal_(0.0, std, generator=g)
+
+    source.is_random = True  # type: ignore[attr-defined]
+    return source
+
+
+class MultiLoRAModel(nn.Module):
+    """A causal LM with L adapter slots in every LoRA-capable projection and a preallocated KV cache.
+
+    Args:
+        config: a :class:`ModelConfig`.
+        dtype: float16/bfloat16/float32 (CPU: float16/float32 through the Triton interpreter).
+        device: where every weight, slot, cache and scratch buffer lives (built there directly).
+        num_adapters: L slots; max_rank: R, the largest rank a slot holds.
+        max_batch: rows of the KV cache (and the largest B); max_seq: positions per row (the largest
+            start_pos + S); max_tokens: the largest B·S of one forward (sizes the LoRA/MoE scratch).
+        stage: a name of :data:`moelora_lib.kernels.STAGES` for every LoRA/MoE module.
+        weights: our state-dict names (``model.state_dict()`` keys, e.g.
+            ``layers.0.self_attn.qkv_proj.weight``) -> tensors, any float dtype/device (cast and moved);
+            or a callable ``(name, shape, *, kind, dtype, device) -> tensor`` (``kind`` "weight", "bias"
+            or "norm"); or None = :func:`random_weights` (seed 0).
+    Raises:
+        ValueError naming the argument: sizes not positive ints, a missing/unexpected weight name, a
+        weight of the wrong shape, and what LoRALinear/MoELoRALayer refuse (dtype, device).
+
+    Module tree (names the adapter loader relies on): ``embed_tokens``, ``layers[l].input_layernorm``,
+    ``.self_attn.{qkv_proj, o_proj, q_norm, k_norm, sinks}``, ``.post_attention_layernorm``, ``.mlp``
+    (:class:`MoEBlock` with ``.router``, ``.experts`` or :class:`DenseMLP` with ``.gate_up_proj``,
+    ``.down_proj``), ``norm``, ``lm_head``.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        dtype: torch.dtype,
+        device,
+        num_adapters: int,
+        max_rank: int,
+        max_batch: int,
+        max_seq: int,
+        max_tokens: int,
+        stage: str = "tuned",
+        weights: Mapping[str, torch.Tensor] | Callable | None = None,
+    ):
+        super().__init__()
+        from .. import LoRALinear, MoELoRALayer
+
+        if not isinstance(config, ModelConfig):
+            raise ValueError(f"config must be a ModelConfig, got {type(config).__name__}")
+        for name, v in (
+            ("num_adapters", num_adapters),
+            ("max_rank", max_rank),
+            ("max_batch", max_batch),
+            ("max_seq", max_seq),
+            ("max_tokens", max_tokens),
+        ):
+            if not is_int(v) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(f"dtype must be float16, bfloat16 or float32, got {dtype!r}")
+        device = torch.device(device)
+        self.config, self.dtype, self.device = config, dtype, device
+        self.num_adapters, self.max_rank = num_adapters, max_rank
+        self.max_batch, self.max_seq, self.max_tokens = max_batch, max_seq, max_tokens
+        if weights is None:
+            weights = random_weights(0)
+        used: set[str] = set()
+
+        def take(
+            name: str, shape: tuple[int, ...], kind: str = "weight", dt: torch.dtype = dtype
+        ) -> torch.Tensor:
+            shape = tuple(int(s) for s in shape)
+            if callable(weights) and not isinstance(weights, Mapping):
+                t = weights(name, shape, kind=kind, dtype=dt, device=device)
+            else:
+                if name not in weights:
+                    raise ValueError(f"weights: missing {name!r} (expected shape {list(shape)})")
+                t = weights[name]
+            used.add(name)
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                raise ValueError(f"weights[{name!r}] must be a float tensor, got {describe(t)}")
+            if tuple(t.shape) != shape:
+                raise ValueError(f"weights[{name!r}]: expected shape {list(shape)}, got {list(t.shape)}")
+            return t.detach().to(device=device, dtype=dt).contiguous()
+
+        c = config
+        H, V = c.hidden_size, c.vocab_size
+        mods = dict(num_adapters=num_adapters, max_rank=max_rank, max_tokens=max_tokens, stage=stage)
+        gpt = c.model_type == "gpt_oss"
+        norm_dt = torch.float32 if gpt else dtype
+
+        self.embed_tokens = nn.Embedding.from_pretrained(take("embed_tokens.weight", (V, H)), freeze=True)
+        layers = []
+        for li in range(c.num_hidden_layers):
+            p = f"layers.{li}."
+
+            def lin(name, n_out, n_in, bias, slices, _p=p, _sub="self_attn."):
+                w = take(f"{_p}{_sub}{name}.weight", (n_out, n_in))
+                b = take(f"{_p}{_sub}{name}.bias", (n_out,), "bias") if bias else None
+                return LoRALinear(w, b, slices=slices, **mods)
+
+            def take_l(name, shape, kind="weight", _p=p):
+                return take(f"{_p}self_attn.{name}", shape, kind)
+
+            attn = Attention(c, li, lin, take_l, max_batch, max_seq)
+            if c.is_moe:
+                E, I = c.num_experts, c.moe_intermediate_size
+                router = Router(
+                    take(f"{p}mlp.router.weight", (E, H)),
+                    take(f"{p}mlp.router.bias", (E,), "bias") if c.router_bias else None,
+                )
+                experts = MoELoRALayer(
+                    take(f"{p}mlp.experts.w13", (E, 2 * I, H)),
+                    take(f"{p}mlp.experts.w2", (E, H, I)),
+                    top_k=c.num_experts_per_tok,
+                    slices=1 if gpt else 2,
+                    b13=take(f"{p}mlp.experts.b13", (E, 2 * I), "bias") if c.expert_bias else None,
+                    b2=take(f"{p}mlp.experts.b2", (E, H), "bias") if c.expert_bias else None,
+                    activation=c.activation,
+                    renormalize=c.norm_topk_prob,
+                    **mods,
+                )
+                mlp = MoEBlock(router, experts)
+            else:
+                I = c.intermediate_size
+                mlp = DenseMLP(
+                    lin("gate_up_proj", 2 * I, H, False, (I, I), _sub="mlp."),
+                    lin("down_proj", H, I, False, None, _sub="mlp."),
+                )
+            layers.append(
+                DecoderLayer(
+                    RMSNorm(take(f"{p}input_layernorm.weight", (H,), "norm", norm_dt), c.rms_norm_eps, gpt),
+                    attn,
+                    RMSNorm(
+                        take(f"{p}post_attention_layernorm.weight", (H,), "norm", norm_dt),
+                        c.rms_norm_eps,
+                        gpt,
+                    ),
+                    mlp,
+                )
+            )
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(take("norm.weight", (H,), "norm", norm_dt), c.rms_norm_eps, gpt)
+        self.lm_head = nn.Linear(H, V, bias=False, device="meta")
+        if c.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        else:
+            self.lm_head.weight = nn.Parameter(take("lm_head.weight", (V, H)), requires_grad=False)
+        if isinstance(weights, Mapping):
+            extra = sorted(set(weights) - used)
+            if extra:
+                raise ValueError(f"weights: {len(extra)} unexpected name(s), e.g. {extra[:5]}")
+        cos, sin = rope_tables(c, max_seq, dtype, device)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.register_buffer(
+            "_arange", torch.arange(max(max_seq, max_batch), device=device), persistent=False
+        )
+
+    # --- adapters ---------------------------------------------------------------------------------
+    def lora_modules(self) -> dict[str, nn.Module]:
+        """{qualified name: module} of every LoRALinear and MoELoRALayer (each holds the L slots)."""
+        from .. import LoRALinear, MoELoRALayer
+
+        return {n: m for n, m in self.named_modules() if isinstance(m, (LoRALinear, MoELoRALayer))}
+
+    def unload_adapter(self, slot: int) -> None:
+        """Empty slot ``slot`` in every LoRA module (its requests then get the base model).
+
+        Raises: ValueError if slot is not an int in [0, num_adapters)."""
+        if not is_int(slot) or not 0 <= slot < self.num_adapters:
+            raise ValueError(f"slot must be an int in [0, num_adapters={self.num_adapters}), got {slot!r}")
+        for m in self.lora_modules().values():
+            m.unload_adapter(slot)
+
+    # --- forward ----------------------------------------------------------------------------------
+    def _index(self, name: str, v, B: int) -> torch.Tensor:
+        """A [B] int tensor: a tensor as given (checked shape/dtype), a list of ints as a CPU int64 tensor."""
+        if isinstance(v, torch.Tensor):
+            if tuple(v.shape) != (B,) or v.dtype not in (torch.int32, torch.int64):
+                raise ValueError(f"{name} must be an int32/int64 tensor [B={B}], got {describe(v)}")
+            return v
+        if isinstance(v, Sequence) and len(v) == B and all(is_int(i) for i in v):
+            return torch.tensor(list(v), dtype=torch.int64)
+        raise ValueError(f"{name} must be an int tensor [B={B}] or a list of B ints, got {v!r}")
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        start_pos,
+        lora_ids,
+        *,
+        cache_rows=None,
+        last_only: bool = False,
+        kv_len: int | None = None,
+    ) -> torch.Tensor:
+        """Run B requests of S new tokens each, appending their K/V to the cache.
+
+        Args:
+            input_ids: [B, S] int64 (int32 accepted) token ids in [0, V).
+            start_pos: [B] int (tensor or list): cache position of column 0 of each row.
+            lora_ids: [B] int (tensor or list): adapter slot per request, -1 = none.
+            cache_rows: [B] int64 cache row per request, or None = rows 0..B-1 (read as a view, no copy).
+            last_only: return only the last column's logits.
+            kv_len: host-side bound on the cache positions attention reads (every row's start_pos + S
+                ≤ kv_len); None = max_seq. Smaller values cut attention work in prefill.
+        Returns:
+            logits float32 [B, S, V], or [B, V] with ``last_only``.
+        Raises:
+            ValueError naming the argument: shapes/dtypes, B > max_batch, S or kv_len > max_seq,
+            B·S > max_tokens; and, when the index tensors are on the CPU (checked without a device
+            sync), start_pos + S > kv_len or < 0, cache_rows outside [0, max_batch), lora_ids outside
+            [-1, num_adapters). For CUDA-graph capture pass device tensors (a list or CPU tensor is
+            copied to the device, which a capture refuses).
+        Query i of row b sees cache positions ≤ start_pos[b] + i (and > that − sliding_window on
+        sliding layers). Values of device-resident start_pos/cache_rows/lora_ids/input_ids are not
+        checked (no host sync); out-of-range ones are undefined behaviour (a device-side index error).
+        """
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be an int tensor [B, S], got {describe(input_ids)}")
+        if input_ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"input_ids must be int64 (or int32), got {input_ids.dtype}")
+        B, S = input_ids.shape
+        if not 1 <= B <= self.max_batch:
+            raise ValueError(f"input_ids: B = {B} must be in [1, max_batch = {self.max_batch}]")
+        if not 1 <= S <= self.max_seq:
+            raise ValueError(f"input_ids: S = {S} must be in [1, max_seq = {self.max_seq}]")
+        if B * S > self.max_tokens:
+            raise ValueError(f"input_ids: B·S = {B * S} tokens exceed max_tokens = {self.max_tokens}")
+        L = self.max_seq if kv_len is None else kv_len
+        if not is_int(L) or not S <= L <= self.max_seq:
+            raise ValueError(f"kv_len must be an int in [S = {S}, max_seq = {self.max_seq}], got {kv_len!r}")
+        dev = self.device
+        start = self._index("start_pos", start_pos, B)
+        ids = self._index("lora_ids", lora_ids, B)
+        rows = None if cache_rows is None else self._index("cache_rows", cache_rows, B)
+        if start.device.type == "cpu":  # host-side values: checked for free
+            lo, hi = int(start.min()), int(start.max())
+            if lo < 0 or hi + S > L:
+                raise ValueError(
+                    f"start_pos: every start_pos + S must be in [S, {L}] (kv_len or max_seq), "
+                    f"got start_pos in [{lo}, {hi}] with S = {S}"
+                )
+        if ids.device.type == "cpu" and (int(ids.min()) < -1 or int(ids.max()) >= self.num_adapters):
+            raise ValueError(
+                f"lora_ids: values must be in [-1, num_adapters = {self.num_adapters}), got {ids.tolist()}"
+            )
+        if rows is not None and rows.device.type == "cpu":
+            if int(rows.min()) < 0 or int(rows.max()) >= self.max_batch:
+                raise ValueError(
+                    f"cache_rows: values must be in [0, max_batch = {self.max_batch}), got {rows.tolist()}"
+                )
+        start, ids = start.to(dev, torch.int64), ids.to(dev, torch.int32)
+        ctx = _Ctx()
+        ctx.B, ctx.S, ctx.kv_len = B, S, L
+        ctx.ids = ids[:, None].expand(B, S).reshape(B * S)  # token-major [B·S] (repeat_interleave)
+        pos = start[:, None] + self._arange[:S]  # [B, S]
+        half = self.config.head_dim // 2
+        ctx.cos = self.rope_cos[pos].view(B, S, 1, half)
+        ctx.sin = self.rope_sin[pos].view(B, S, 1, half)
+        if rows is None:
+            ctx.rows = None
+            ctx.w_rows = self._arange[:B, None].expand(B, S)
+        else:
+            ctx.rows = rows.to(dev, torch.int64)
+            ctx.w_rows = ctx.rows[:, None].expand(B, S)
+        ctx.w_pos = pos
+        kpos = self._arange[:L]
+        causal = kpos[None, None, :] <= pos[:, :, None]  # [B, S, L]
+        ctx.mask_full = causal[:, None]
+        ctx.mask_slide = ctx.mask_full
+        if self.config.sliding_window is not None:
+            ctx.mask_slide = (causal & (kpos[None, None, :] > pos[:, :, None] - self.config.sliding_window))[
+                :, None
+            ]
+        x = self.embed_tokens(input_ids.to(dev).reshape(B * S))
+        for layer in self.layers:
+            x = layer(x, ctx)
+        x = self.norm(x).view(B, S, -1)
+        if last_only:
+            x = x[:, -1]
+        return self.lm_head(x).float()

@@ -23,6 +23,7 @@ Checkpoint keys (transformers 5.24's ``save_pretrained``, checked on tiny models
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -116,14 +117,33 @@ def hf_key_plan(config: ModelConfig, keys: set[str] | frozenset[str]) -> Plan:
     return plan
 
 
-def _key_files(path: Path) -> dict[str, Path]:
-    """{key: safetensors file} from model.safetensors or model.safetensors.index.json."""
+def _read_json(file: Path) -> dict:
+    """A JSON object from ``file``; ValueError naming the file otherwise."""
+    try:
+        data = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{file}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _open_safetensors(file: Path):
+    """safetensors' ``safe_open`` of ``file``; ValueError naming the file if it cannot be read."""
     from safetensors import safe_open
 
+    try:
+        return safe_open(str(file), framework="pt")
+    except Exception as exc:  # SafetensorError and OSError: a corrupt, truncated or unreadable file
+        raise ValueError(f"{file}: not a readable safetensors file ({exc})") from None
+
+
+def _key_files(path: Path) -> dict[str, Path]:
+    """{key: safetensors file} from model.safetensors or model.safetensors.index.json."""
     index = path / "model.safetensors.index.json"
     single = path / "model.safetensors"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map")
+        weight_map = _read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ValueError(f"{index}: no 'weight_map' dict")
         out = {k: path / f for k, f in weight_map.items()}
@@ -132,7 +152,7 @@ def _key_files(path: Path) -> dict[str, Path]:
                 raise ValueError(f"{index} names shard {f.name}, which is not in {path}")
         return out
     if single.is_file():
-        with safe_open(str(single), framework="pt") as f:
+        with _open_safetensors(single) as f:
             return {k: single for k in f.keys()}
     raise ValueError(f"{path}: neither model.safetensors nor model.safetensors.index.json found")
 
@@ -165,13 +185,13 @@ def load_hf_checkpoint(
             unexpected keys (a few listed), a key whose shape differs (naming the key and the expected
             shape), and :class:`MultiLoRAModel`'s own errors.
     """
-    from safetensors import safe_open
-
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"path must be a checkpoint folder (str or os.PathLike), got {type(path).__name__}")
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise ValueError(f"{path}: no config.json")
-    raw = json.loads(cfg_file.read_text())
+    raw = _read_json(cfg_file)
     if raw.get("quantization_config"):
         q = raw["quantization_config"]
         method = q.get("quant_method") if isinstance(q, dict) else q
@@ -196,7 +216,7 @@ def load_hf_checkpoint(
 
     def handle(f: Path):
         if f not in handles:
-            handles[f] = safe_open(str(f), framework="pt")
+            handles[f] = _open_safetensors(f)
         return handles[f]
 
     for keys, shapes, _ in plan.values():

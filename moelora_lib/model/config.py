@@ -155,7 +155,7 @@ class ModelConfig:
         if gpt:
             for key, want in (("swiglu_limit", _SWIGLU_LIMIT), ("swiglu_alpha", _SWIGLU_ALPHA)):
                 v = d.get(key)
-                if v is not None and float(v) != want:
+                if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v != want):
                     raise ValueError(f"{key}: the swigluoai kernels use {want}, got {v!r}")
             sliding_window = req("sliding_window")
             layer_types = d.get("layer_types")
@@ -264,7 +264,10 @@ def _read_rope(d: dict, max_pos: int) -> tuple[float, dict | None]:
         raise ValueError(f"rope_parameters: must be a dict, got {rp!r}")
     if rp is not None and any(isinstance(v, Mapping) for v in rp.values()):
         raise ValueError("rope_parameters: per-layer-type RoPE parameters are not supported")
-    scaling = dict(rp) if rp else dict(d.get("rope_scaling") or {})
+    rs = d.get("rope_scaling")
+    if not rp and rs is not None and not isinstance(rs, Mapping):
+        raise ValueError(f"rope_scaling: must be a dict or null, got {rs!r}")
+    scaling = dict(rp) if rp else dict(rs or {})
     theta = scaling.pop("rope_theta", None)
     if theta is None:
         theta = d.get("rope_theta")
@@ -288,14 +291,17 @@ def _read_rope(d: dict, max_pos: int) -> tuple[float, dict | None]:
     out = dict(
         rope_type="yarn",
         factor=_typed("rope_scaling.factor", factor, "float"),
-        beta_fast=float(scaling.get("beta_fast") or 32.0),
-        beta_slow=float(scaling.get("beta_slow") or 1.0),
+        beta_fast=_typed("rope_scaling.beta_fast", scaling.get("beta_fast") or 32.0, "float"),
+        beta_slow=_typed("rope_scaling.beta_slow", scaling.get("beta_slow") or 1.0, "float"),
         original_max_position_embeddings=_typed("rope_scaling.original_max_position_embeddings", orig, "int"),
         truncate=bool(scaling.get("truncate", True)),
     )
     for key in ("attention_factor", "mscale", "mscale_all_dim"):
         if scaling.get(key) is not None:
-            out[key] = float(scaling[key])
+            v = scaling[key]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"rope_scaling.{key}: must be a finite number >= 0, got {v!r}")
+            out[key] = float(v)
     if scaling.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("rope_scaling.partial_rotary_factor: only 1.0 is supported")
     return theta, out

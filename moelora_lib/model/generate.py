@@ -67,6 +67,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..common import is_int
@@ -131,6 +132,11 @@ class GenerationResult:
             "decode_s": self.decode_s,
             "total_s": self.total_s,
         }
+
+
+def _is_number(v) -> bool:
+    """A real number (Python or numpy), not a bool."""
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -435,7 +441,9 @@ class Generator:
 
     # -- validation ----------------------------------------------------------------------------------
 
-    def _validate(self, prompts, adapters, max_new_tokens, temperature, top_k, top_p, eos, interval, state):
+    def _validate(
+        self, prompts, adapters, max_new_tokens, temperature, top_k, top_p, seed, eos, interval, stream, state
+    ):
         lim = self.limits
         if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
             raise ValueError(
@@ -452,14 +460,25 @@ class Generator:
             raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
         ids: list[list[int]] = []
         for i, p in enumerate(prompts):
-            if isinstance(p, torch.Tensor):
-                if p.dim() != 1 or p.dtype.is_floating_point or p.dtype == torch.bool:
+            if isinstance(p, (torch.Tensor, np.ndarray)):
+                if isinstance(p, np.ndarray):
+                    bad = p.dtype.kind not in "iu"
+                else:
+                    bad = p.dtype.is_floating_point or p.dtype.is_complex or p.dtype == torch.bool
+                if p.ndim != 1 or bad:
                     raise ValueError(
-                        f"prompts[{i}]: expected a 1-D integer tensor, got {p.dtype} {tuple(p.shape)}"
+                        f"prompts[{i}]: expected a 1-D integer tensor/array, got {p.dtype} {tuple(p.shape)}"
                     )
+                if isinstance(p, torch.Tensor) and p.device.type == "meta":
+                    raise ValueError(f"prompts[{i}]: a meta tensor holds no token ids")
                 p = p.tolist()
             if not isinstance(p, (list, tuple)) or not all(is_int(t) for t in p):
-                raise ValueError(f"prompts[{i}]: expected a list of int token ids")
+                got = type(p).__name__
+                if isinstance(p, (list, tuple)):
+                    got = next(f"{type(t).__name__} {t!r}" for t in p if not is_int(t))
+                raise ValueError(
+                    f"prompts[{i}]: expected a list of int token ids (or a 1-D integer tensor), got {got}"
+                )
             if len(p) == 0:
                 raise ValueError(f"prompts[{i}]: empty prompt (at least one token is needed)")
             for j, t in enumerate(p):
@@ -490,12 +509,18 @@ class Generator:
                         f"adapters[{i}] = {a}: slot {a} holds no adapter (loaded: {sorted(loaded)}); "
                         f"pass None for the base model"
                     )
-        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+        if not (_is_number(temperature) and math.isfinite(temperature) and temperature >= 0):
             raise ValueError(f"temperature: expected a finite number >= 0, got {temperature!r}")
         if top_k is not None and not (is_int(top_k) and top_k >= 1):
             raise ValueError(f"top_k: expected None or an int >= 1, got {top_k!r}")
-        if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        if top_p is not None and not (_is_number(top_p) and 0 < top_p <= 1):
             raise ValueError(f"top_p: expected None or a number in (0, 1], got {top_p!r}")
+        if seed is not None and not is_int(seed):
+            raise ValueError(f"seed: expected None or an int, got {seed!r}")
+        if stream is not None and not callable(stream):
+            raise ValueError(
+                f"stream: expected None or a callable stream(request_index, token), got {stream!r}"
+            )
         if eos is not None and not (is_int(eos) and 0 <= eos < lim.vocab_size):
             raise ValueError(
                 f"eos_token_id: expected None or a token id in [0, {lim.vocab_size}), got {eos!r}"
@@ -558,8 +583,8 @@ class Generator:
         """Generate up to ``max_new_tokens`` tokens for each prompt with its adapter slot.
 
         Args:
-          prompts: N token-id lists (or 1-D integer tensors), N <= model.max_batch, each non-empty,
-            ids in [0, V), len + max_new_tokens <= model.max_seq. Request i uses cache row i.
+          prompts: N token-id lists (or 1-D integer tensors / numpy arrays), N <= model.max_batch, each
+            non-empty, ids in [0, V), len + max_new_tokens <= model.max_seq. Request i uses cache row i.
           adapters: N slots, each None or -1 (base) or in [0, L) holding an adapter (see the module
             docstring).
           max_new_tokens: >= 1; a request stops earlier when it samples ``eos_token_id`` (kept).
@@ -580,8 +605,10 @@ class Generator:
             temperature,
             top_k,
             top_p,
+            seed,
             eos_token_id,
             eos_check_interval,
+            stream,
             state,
         )
         n_req, dev = len(ids), self.device

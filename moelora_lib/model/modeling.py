@@ -264,6 +264,44 @@ class DecoderLayer(nn.Module):
 # --------------------------------------------------------------------------------------------------
 # weights
 # --------------------------------------------------------------------------------------------------
+def _check_device(device, dtype: torch.dtype) -> torch.device:
+    """``device`` as a torch.device the kernels can run ``dtype`` on, else ValueError naming it: a CUDA
+    device that exists, or the CPU with the Triton interpreter on and no bfloat16."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(
+            f"device must be a torch device such as 'cuda', 'cuda:0' or 'cpu', got {device!r}"
+        ) from exc
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"device {str(dev)!r}: CUDA is not available here (use device='cpu' on a CPU machine)"
+            )
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {str(dev)!r}: only {torch.cuda.device_count()} CUDA device(s) here")
+        return dev
+    if dev.type != "cpu":
+        raise ValueError(f"device must be a CUDA device or the CPU (where the kernels run), got {str(dev)!r}")
+    if dtype == torch.bfloat16:
+        raise ValueError(
+            "dtype: bfloat16 is not supported on the CPU (the Triton interpreter multiplies raw bf16 bit "
+            "patterns, triton-lang/triton#11584); use torch.float16 or torch.float32 with device='cpu', "
+            "bfloat16 on a GPU"
+        )
+    from ..lora_linear import _check_cpu_backend
+
+    try:
+        _check_cpu_backend(dtype)
+    except ValueError:
+        raise ValueError(
+            "device='cpu': the kernels run on the CPU only through the Triton interpreter: set "
+            "TRITON_INTERPRET=1 before moelora_lib builds its first kernel (restart the process if one was "
+            "already built), or use a CUDA device"
+        ) from None
+    return dev
+
+
 def random_weights(seed: int = 0, std: float = 0.02) -> WeightSource:
     """A :data:`WeightSource` of random weights: each tensor N(0, std²) from its own generator seeded by
     (seed, name) on the model's device, so a tensor does not depend on which others were drawn; norm
@@ -296,8 +334,11 @@ class MultiLoRAModel(nn.Module):
             or a callable ``(name, shape, *, kind, dtype, device) -> tensor`` (``kind`` "weight", "bias"
             or "norm"); or None = :func:`random_weights` (seed 0).
     Raises:
-        ValueError naming the argument: sizes not positive ints, a missing/unexpected weight name, a
-        weight of the wrong shape, and what LoRALinear/MoELoRALayer refuse (dtype, device).
+        ValueError naming the argument: sizes not positive ints, a device that is neither an existing
+        CUDA device nor the CPU (the CPU needs TRITON_INTERPRET=1 and float16/float32), a
+        missing/unexpected weight name, a weight of the wrong shape or not finite in ``dtype``, and
+        what LoRALinear/MoELoRALayer refuse.
+    ``device`` and ``dtype`` are properties that follow ``.to()``.
 
     Module tree (names the adapter loader relies on): ``embed_tokens``, ``layers[l].input_layernorm``,
     ``.self_attn.{qkv_proj, o_proj, q_norm, k_norm, sinks}``, ``.post_attention_layernorm``, ``.mlp``
@@ -335,13 +376,14 @@ class MultiLoRAModel(nn.Module):
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise ValueError(f"dtype must be float16, bfloat16 or float32, got {dtype!r}")
-        device = torch.device(device)
-        self.config, self.dtype, self.device = config, dtype, device
+        device = _check_device(device, dtype)
+        self.config = config
         self.num_adapters, self.max_rank = num_adapters, max_rank
         self.max_batch, self.max_seq, self.max_tokens = max_batch, max_seq, max_tokens
         if weights is None:
             weights = random_weights(0)
         used: set[str] = set()
+        check_finite = not getattr(weights, "is_random", False)  # random_weights are finite by construction
 
         def take(
             name: str, shape: tuple[int, ...], kind: str = "weight", dt: torch.dtype = dtype
@@ -358,7 +400,13 @@ class MultiLoRAModel(nn.Module):
                 raise ValueError(f"weights[{name!r}] must be a float tensor, got {describe(t)}")
             if tuple(t.shape) != shape:
                 raise ValueError(f"weights[{name!r}]: expected shape {list(shape)}, got {list(t.shape)}")
-            return t.detach().to(device=device, dtype=dt).contiguous()
+            t = t.detach().to(device=device, dtype=dt).contiguous()
+            if check_finite and not bool(torch.isfinite(t).all()):
+                raise ValueError(
+                    f"weights[{name!r}]: not finite in {dt} (inf/NaN in the source, or values beyond the "
+                    f"range of {dt})"
+                )
+            return t
 
         c = config
         H, V = c.hidden_size, c.vocab_size
@@ -434,6 +482,16 @@ class MultiLoRAModel(nn.Module):
             "_arange", torch.arange(max(max_seq, max_batch), device=device), persistent=False
         )
 
+    @property
+    def device(self) -> torch.device:
+        """Where the model is (follows ``.to()``)."""
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The model's dtype (of the embeddings and projections; follows ``.to()``)."""
+        return self.embed_tokens.weight.dtype
+
     # --- adapters ---------------------------------------------------------------------------------
     def lora_modules(self) -> dict[str, nn.Module]:
         """{qualified name: module} of every LoRALinear and MoELoRALayer (each holds the L slots)."""
@@ -451,11 +509,18 @@ class MultiLoRAModel(nn.Module):
             m.unload_adapter(slot)
 
     # --- forward ----------------------------------------------------------------------------------
+    def _check_index_device(self, name: str, t: torch.Tensor) -> None:
+        if t.device.type not in ("cpu", self.device.type):
+            raise ValueError(
+                f"{name} must be on the CPU or on the model's device {self.device}, got {t.device}"
+            )
+
     def _index(self, name: str, v, B: int) -> torch.Tensor:
         """A [B] int tensor: a tensor as given (checked shape/dtype), a list of ints as a CPU int64 tensor."""
         if isinstance(v, torch.Tensor):
             if tuple(v.shape) != (B,) or v.dtype not in (torch.int32, torch.int64):
                 raise ValueError(f"{name} must be an int32/int64 tensor [B={B}], got {describe(v)}")
+            self._check_index_device(name, v)
             return v
         if isinstance(v, Sequence) and len(v) == B and all(is_int(i) for i in v):
             return torch.tensor(list(v), dtype=torch.int64)
@@ -486,10 +551,12 @@ class MultiLoRAModel(nn.Module):
             logits float32 [B, S, V], or [B, V] with ``last_only``.
         Raises:
             ValueError naming the argument: shapes/dtypes, B > max_batch, S or kv_len > max_seq,
-            B·S > max_tokens; and, when the index tensors are on the CPU (checked without a device
-            sync), start_pos + S > kv_len or < 0, cache_rows outside [0, max_batch), lora_ids outside
-            [-1, num_adapters). For CUDA-graph capture pass device tensors (a list or CPU tensor is
-            copied to the device, which a capture refuses).
+            B·S > max_tokens, a tensor on a device other than the CPU or the model's; and, when the
+            tensors are on the CPU (checked without a device sync), input_ids outside [0, V),
+            start_pos + S > kv_len or < 0, cache_rows outside [0, max_batch) or repeated, lora_ids
+            outside [-1, num_adapters) or naming a slot that holds no adapter. For CUDA-graph capture
+            pass device tensors (a list or CPU tensor is copied to the device, which a capture
+            refuses).
         Query i of row b sees cache positions ≤ start_pos[b] + i (and > that − sliding_window on
         sliding layers). Values of device-resident start_pos/cache_rows/lora_ids/input_ids are not
         checked (no host sync); out-of-range ones are undefined behaviour (a device-side index error).
@@ -498,6 +565,7 @@ class MultiLoRAModel(nn.Module):
             raise ValueError(f"input_ids must be an int tensor [B, S], got {describe(input_ids)}")
         if input_ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"input_ids must be int64 (or int32), got {input_ids.dtype}")
+        self._check_index_device("input_ids", input_ids)
         B, S = input_ids.shape
         if not 1 <= B <= self.max_batch:
             raise ValueError(f"input_ids: B = {B} must be in [1, max_batch = {self.max_batch}]")
@@ -519,15 +587,35 @@ class MultiLoRAModel(nn.Module):
                     f"start_pos: every start_pos + S must be in [S, {L}] (kv_len or max_seq), "
                     f"got start_pos in [{lo}, {hi}] with S = {S}"
                 )
-        if ids.device.type == "cpu" and (int(ids.min()) < -1 or int(ids.max()) >= self.num_adapters):
-            raise ValueError(
-                f"lora_ids: values must be in [-1, num_adapters = {self.num_adapters}), got {ids.tolist()}"
-            )
+        if input_ids.device.type == "cpu":
+            lo, hi = int(input_ids.min()), int(input_ids.max())
+            if lo < 0 or hi >= self.config.vocab_size:
+                raise ValueError(
+                    f"input_ids: token ids must be in [0, vocab_size = {self.config.vocab_size}), "
+                    f"got ids in [{lo}, {hi}]"
+                )
+        if ids.device.type == "cpu":
+            if int(ids.min()) < -1 or int(ids.max()) >= self.num_adapters:
+                raise ValueError(
+                    f"lora_ids: values must be in [-1, num_adapters = {self.num_adapters}), "
+                    f"got {ids.tolist()}"
+                )
+            used = {int(i) for i in ids.tolist()} - {-1}
+            if used:
+                loaded = {s for m in self.lora_modules().values() for s in m.loaded_slots}
+                empty = sorted(used - loaded)
+                if empty:
+                    raise ValueError(
+                        f"lora_ids: slot(s) {empty} hold no adapter (loaded: {sorted(loaded)}); "
+                        "use -1 for the base model"
+                    )
         if rows is not None and rows.device.type == "cpu":
             if int(rows.min()) < 0 or int(rows.max()) >= self.max_batch:
                 raise ValueError(
                     f"cache_rows: values must be in [0, max_batch = {self.max_batch}), got {rows.tolist()}"
                 )
+            if len(set(rows.tolist())) != B:
+                raise ValueError(f"cache_rows: each request needs its own cache row, got {rows.tolist()}")
         start, ids = start.to(dev, torch.int64), ids.to(dev, torch.int32)
         ctx = _Ctx()
         ctx.B, ctx.S, ctx.kv_len = B, S, L

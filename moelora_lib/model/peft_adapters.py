@@ -73,6 +73,7 @@ from typing import Any
 import torch
 
 from ..common import is_int
+from .config import ModelConfig
 
 __all__ = ["PeftAdapter", "read_peft_adapter", "load_peft_adapter"]
 
@@ -319,6 +320,10 @@ def read_peft_adapter(path, config, *, expert_slices: int) -> PeftAdapter:
     Returns: a :class:`PeftAdapter` (fp32 CPU tensors).
     Raises: ValueError naming the key or field (see the module docstring for what is refused).
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(
+            f"path must be a PEFT adapter folder (str or os.PathLike), got {type(path).__name__}"
+        )
     path = os.fspath(path)
     model_type = _cfg(config, "model_type")
     if model_type not in _CLASS_PREFIX:
@@ -341,7 +346,10 @@ def read_peft_adapter(path, config, *, expert_slices: int) -> PeftAdapter:
         raise ValueError(f"{path!r}: no adapter_model.safetensors{extra}")
     from safetensors.torch import load_file
 
-    tensors = load_file(st_path, device="cpu")
+    try:
+        tensors = load_file(st_path, device="cpu")
+    except Exception as exc:  # SafetensorError / OSError: a corrupt, truncated or unreadable file
+        raise ValueError(f"{st_path}: not a readable safetensors file ({exc})") from None
     if not tensors:
         raise ValueError(f"{st_path}: no tensors")
 
@@ -580,6 +588,11 @@ def load_peft_adapter(model, slot: int, path) -> PeftAdapter:
     Returns: the :class:`PeftAdapter` that was loaded.
     Raises: ValueError naming the key/field (see :func:`read_peft_adapter`), or the module and its R.
     """
+    if not isinstance(getattr(model, "config", None), ModelConfig) or not isinstance(model, torch.nn.Module):
+        raise ValueError(
+            "model must be a MultiLoRAModel (an nn.Module with a ModelConfig .config), "
+            f"got {type(model).__name__}"
+        )
     config = model.config
     layers_mod = model.layers if hasattr(model, "layers") else model.model.layers
     modules = _lora_modules(model)

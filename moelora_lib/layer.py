@@ -54,6 +54,7 @@ from .kernels.align_small import (
     pair_workspace,
     use_pair_path,
 )
+from .kernels.launchers import rank_stride
 from .kernels.route import route_triton
 from .moe_lora import _check_cpu_backend, _desc, validate_moe_lora_inputs
 from .routing import check_id_values, route
@@ -78,8 +79,9 @@ class _Scratch(Scratch):
             tw=torch.zeros(P, dtype=torch.float32, device=dev),
             route_w=torch.zeros(P, dtype=torch.float32, device=dev),
             route_ids=torch.zeros(P, dtype=torch.int32, device=dev),
-            inter13=torch.zeros(S * P * R, dtype=torch.float32, device=dev),
-            inter2=torch.zeros(P * R, dtype=torch.float32, device=dev),
+            # R rounded up to 16 (= R for the usual ranks): stage fused's [P, S, R16] layout fits too
+            inter13=torch.zeros(S * P * rank_stride(R), dtype=torch.float32, device=dev),
+            inter2=torch.zeros(P * rank_stride(R), dtype=torch.float32, device=dev),
         )
         if not fused_add:  # stages that store the delta (fp32 for fp16: no overflow), then add it
             fd = dict(dtype=torch.float32 if dt == torch.float16 else dt, device=dev)
@@ -620,6 +622,11 @@ class MoELoRALayer(ops.OpLayer):
             "inter_gate_up": self._view("inter13", (S, P, R)),
             "inter_down": self._view("inter2", (1, P, R)),
         }
+        if st.fused_gemm:  # stage fused: [P, S, R16] intermediates (no length-dependent stride), no h
+            R16 = rank_stride(R)
+            bufs["inter_gate_up"] = self._view("inter13", (P, S, R16))
+            bufs["inter_down"] = self._view("inter2", (P, 1, R16))
+            del bufs["h"]
         if not routed:  # the layer's own aligned fp32 copy of caller-given routing weights
             bufs["tw"] = self._view("tw", (P,))
         if not st.fused_add:
@@ -644,5 +651,6 @@ class MoELoRALayer(ops.OpLayer):
             alignments=(base_align, al13, al2),
             buffers=bufs,
             nan_on_bad_ids=True,  # ids unchecked: NaN rows, never another call's pair rows
+            proj_lora_ids=(ids13, ids2),  # the ids each LoRA alignment was built from (stage fused)
         )
         return run()

@@ -54,7 +54,8 @@ def _csv(name: str) -> pd.DataFrame:
 def test_options_are_the_values_the_csvs_hold(ev):
     opts = ex.options(ev)
     d6, d7 = _csv("06_even_k_fused_add.csv"), _csv("07_tuning.csv")
-    assert opts["stages"] == list(STAGES)  # every registered stage has committed layer times, in order
+    # every registered stage up to tuned has committed layer times, in order (fused: not yet measured)
+    assert opts["stages"] == [s for s in STAGES if s != "fused"]
     assert set(opts["model"]) == set(d6.model) | set(d7.model)
     assert opts["T"] == sorted(set(d6["T"]) | set(d7["T"]))
     assert opts["rank"] == sorted(set(d6.R) | set(d7.R)) and opts["adapters"] == sorted(set(d6.L) | set(d7.L))

@@ -24,6 +24,11 @@ __all__ = [
     "lora_shrink_args",
     "lora_expand_args",
     "gated_act_args",
+    "rank_stride",
+    "lora_shrink_rows_args",
+    "lora_shrink_rows",
+    "fused_moe_lora_args",
+    "fused_moe_lora",
 ]
 
 
@@ -368,4 +373,220 @@ def gated_act(
         return out
     grid, args, constexprs = gated_act_args(h, out, activation, block_size=block_size)
     _kernel("gated_act", specialize_lengths)[grid](*args, **constexprs)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# stage ``fused``: shrink into a [P, S, R16] intermediate, expand (and activation) inside the base GEMM
+# --------------------------------------------------------------------------------------------------
+def rank_stride(R: int) -> int:
+    """Row stride of the fused stage's rank intermediate: R rounded up to a multiple of 16 elements,
+    so every stride of [P, S, R16] is a multiple of 16 (Triton's divisibility hint: 16-byte vector
+    stores in the shrink and vector loads in the fused GEMMs) and none depends on the length."""
+    return -(-int(R) // 16) * 16
+
+
+def lora_shrink_rows_args(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    inter: torch.Tensor,
+    align: Alignment,
+    cfg: OpConfig,
+    *,
+    rows_div: int,
+    use_even_k: bool = False,
+) -> tuple[tuple, tuple, dict]:
+    """``(grid, args, constexprs)`` of one :func:`lora_shrink_rows` launch writing ``inter`` [P, S, R16]:
+    the shrink kernel with the slice stride R16 and the pair stride S·R16 (neither follows T)."""
+    assert cfg.BLOCK_SIZE_M == align.block_size_m
+    a5 = lora_a if lora_a.dim() == 5 else lora_a.unsqueeze(2)
+    L, E, S, R, K = a5.shape
+    assert inter.dim() == 3 and inter.shape[1] == S and inter.shape[2] >= R
+    grid = (cfg.SPLIT_K * align.num_blocks * triton.cdiv(R, cfg.BLOCK_SIZE_N), S)
+    args = (
+        x,
+        a5,
+        inter,
+        align.sorted_token_ids,
+        align.block_expert_ids,
+        align.block_lora_ids,
+        align.num_tokens_post_padded,
+        align.num_pairs,
+        align.num_blocks,
+        R,
+        K,
+        rows_div,
+        x.stride(0),
+        x.stride(1),
+        a5.stride(0),
+        a5.stride(1),
+        a5.stride(2),
+        a5.stride(3),
+        a5.stride(4),
+        inter.stride(1),
+        inter.stride(0),
+        inter.stride(2),
+    )
+    constexprs = dict(
+        BLOCK_SIZE_M=cfg.BLOCK_SIZE_M,
+        BLOCK_SIZE_N=cfg.BLOCK_SIZE_N,
+        BLOCK_SIZE_K=cfg.BLOCK_SIZE_K,
+        GROUP_SIZE_M=cfg.GROUP_SIZE_M,
+        SPLIT_K=cfg.SPLIT_K,
+        EVEN_K=bool(use_even_k and even_k(K, cfg.BLOCK_SIZE_K, cfg.SPLIT_K)),
+    )
+    return grid, args, constexprs
+
+
+def lora_shrink_rows(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    align: Alignment,
+    cfg: OpConfig,
+    *,
+    rows_div: int,
+    use_even_k: bool = False,
+    inter: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """LoRA shrink of stage ``fused``: inter[p, s, :R] = x[p // rows_div]·lora_a[l, e, s]ᵀ.
+
+    Same kernel and arithmetic as :func:`lora_shrink` (split-K with relaxed fp32 atomics), but the
+    intermediate is [T·K, S, R16] float32 (:func:`rank_stride`), launched without length
+    specialization on the counts only. Rows of pairs without an adapter are not written
+    (uninitialized when SPLIT_K = 1, zero otherwise); columns R..R16 are never written or read.
+    Optional ``inter``: a preallocated contiguous [T·K, S, R16] float32 buffer (zeroed here when
+    SPLIT_K > 1).
+    """
+    a5 = lora_a if lora_a.dim() == 5 else lora_a.unsqueeze(2)
+    L, E, S, R, K = a5.shape
+    shape = (align.num_pairs, S, rank_stride(R))
+    if inter is None:
+        alloc = torch.zeros if cfg.SPLIT_K > 1 else torch.empty  # atomics need a zeroed buffer
+        inter = alloc(shape, dtype=torch.float32, device=x.device)
+    else:
+        if tuple(inter.shape) != shape or inter.dtype != torch.float32 or not inter.is_contiguous():
+            raise ValueError(
+                f"inter must be a contiguous float32 tensor [T·K={shape[0]}, S={S}, R16={shape[2]}], "
+                f"got shape {tuple(inter.shape)}, dtype {inter.dtype}"
+            )
+        if cfg.SPLIT_K > 1:
+            inter.zero_()
+    grid, args, constexprs = lora_shrink_rows_args(
+        x, lora_a, inter, align, cfg, rows_div=rows_div, use_even_k=use_even_k
+    )
+    _kernel("lora_shrink_rows", False)[grid](
+        *args, **constexprs, num_warps=cfg.NUM_WARPS, num_stages=cfg.NUM_STAGES
+    )
+    return inter
+
+
+def fused_moe_lora_args(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    align: Alignment,
+    cfg: OpConfig,
+    *,
+    top_k: int,
+    activation: str | None = None,
+    bias: torch.Tensor | None = None,
+    topk_weights: torch.Tensor | None = None,
+    inter: torch.Tensor | None = None,
+    lora_b: torch.Tensor | None = None,
+    lora_ids: torch.Tensor | None = None,
+    use_even_k: bool = True,
+) -> tuple[str, tuple, tuple, dict]:
+    """``(kernel, grid, args, constexprs)`` of one :func:`fused_moe_lora` launch; nothing allocated.
+
+    ``activation`` given: the gate_up kernel (``fused_moe_lora_act``, x = hidden_states [T, H], w = w13
+    [E, 2I, H], out = g [T·K, I]); None: the down kernel (``fused_moe_lora``, x = g [T·K, I], w = w2
+    [E, H, I], out = y [T·K, H], topk_weights required). ``inter``/``lora_b``/``lora_ids`` together or
+    not at all (HAS_LORA).
+    """
+    assert cfg.BLOCK_SIZE_M == align.block_size_m and cfg.SPLIT_K == 1
+    E, N, K = w.shape
+    has_lora = inter is not None
+    assert has_lora == (lora_b is not None) == (lora_ids is not None)
+    if has_lora:
+        b5 = lora_b if lora_b.dim() == 5 else lora_b.unsqueeze(2)
+        L, _, S, NS, R = b5.shape
+        i_strides = (inter.stride(0), inter.stride(1), inter.stride(2))
+        b_strides = tuple(b5.stride(d) for d in range(5))
+        ids = lora_ids
+    else:  # dummies (never read): HAS_LORA is False
+        b5, L, S, NS, R, ids = w, 0, 1, N, 16, align.sorted_token_ids
+        i_strides, b_strides = (0, 0, 0), (0, 0, 0, 0, 0)
+        inter = out
+    b = bias if bias is not None else w
+    c_strides = (bias.stride(0), bias.stride(1)) if bias is not None else (0, 0)
+    cx = dict(
+        BLOCK_SIZE_M=cfg.BLOCK_SIZE_M,
+        BLOCK_SIZE_N=cfg.BLOCK_SIZE_N,
+        BLOCK_SIZE_K=cfg.BLOCK_SIZE_K,
+        BLOCK_SIZE_R=max(16, triton.next_power_of_2(R)),
+        GROUP_SIZE_M=cfg.GROUP_SIZE_M,
+        EVEN_K=bool(use_even_k and even_k(K, cfg.BLOCK_SIZE_K)),
+        HAS_BIAS=bias is not None,
+        HAS_LORA=has_lora,
+    )
+    head = (x, w, out, b)
+    counts = (align.sorted_token_ids, align.block_expert_ids, align.num_tokens_post_padded)
+    counts += (align.num_pairs, align.num_blocks)
+    strides = (x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1))
+    strides += c_strides + i_strides + b_strides
+    if activation is not None:
+        assert N % 2 == 0 and (not has_lora or NS * S == N)
+        inter_size = N // 2
+        grid = (align.num_blocks * triton.cdiv(inter_size, cfg.BLOCK_SIZE_N),)
+        args = head + (inter, b5, ids) + counts + (inter_size, K, top_k, R, L, NS) + strides
+        return "fused_moe_lora_act", grid, args, dict(cx, ACTIVATION=activation)
+    assert topk_weights is not None
+    grid = (align.num_blocks * triton.cdiv(N, cfg.BLOCK_SIZE_N),)
+    args = head + (topk_weights, inter, b5, ids) + counts + (N, K, top_k, R, L) + strides
+    return "fused_moe_lora", grid, args, cx
+
+
+def fused_moe_lora(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    align: Alignment,
+    cfg: OpConfig,
+    *,
+    top_k: int,
+    activation: str | None = None,
+    bias: torch.Tensor | None = None,
+    topk_weights: torch.Tensor | None = None,
+    inter: torch.Tensor | None = None,
+    lora_b: torch.Tensor | None = None,
+    lora_ids: torch.Tensor | None = None,
+    use_even_k: bool = True,
+) -> torch.Tensor:
+    """The base grouped GEMM of stage ``fused`` with the LoRA expand (and, for gate_up, the activation)
+    in the same program, over the expert-only alignment ``align``.
+
+    gate_up (``activation`` = "silu" / "swigluoai"): out = g [T·K, I] = act(x·w13[e]ᵀ + delta (+ b13[e]));
+    down (``activation`` None): out = y [T·K, H] = (g·w2[e]ᵀ + delta (+ b2[e]))·topk_weights.
+    delta[p] = inter[p, s]·lora_b[l, e, s]ᵀ per slice s, for the rows whose adapter l =
+    lora_ids[p // top_k] is in [0, L) (others: no delta, bit-identical to the base). ``inter``:
+    [T·K, S, R16] float32 from :func:`lora_shrink_rows`, its rows written for exactly those pairs;
+    ``lora_b``: [L, E, S, N/S, R] (gate_up) or [L, E, H, R] (down). The whole row is accumulated in fp32
+    and rounded once (the base, the delta, the bias, the activation, the routing weight).
+    """
+    kernel, grid, args, constexprs = fused_moe_lora_args(
+        x,
+        w,
+        out,
+        align,
+        cfg,
+        top_k=top_k,
+        activation=activation,
+        bias=bias,
+        topk_weights=topk_weights,
+        inter=inter,
+        lora_b=lora_b,
+        lora_ids=lora_ids,
+        use_even_k=use_even_k,
+    )
+    _kernel(kernel, False)[grid](*args, **constexprs, num_warps=cfg.NUM_WARPS, num_stages=cfg.NUM_STAGES)
     return out

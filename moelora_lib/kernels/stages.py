@@ -23,16 +23,32 @@ from .config import BASE_OPS, LORA_OPS, LayerConfig, OpConfig, next_pow2
 from .launchers import (
     fused_moe_gemm,
     fused_moe_gemm_args,
+    fused_moe_lora,
+    fused_moe_lora_args,
     gated_act,
     gated_act_args,
     lora_expand,
     lora_expand_args,
     lora_shrink,
     lora_shrink_args,
+    lora_shrink_rows,
+    lora_shrink_rows_args,
+    rank_stride,
 )
 from .topk_reduce import topk_reduce
 
-__all__ = ["Stage", "LayerRun", "Launch", "LAUNCH_OPS", "LAUNCH_KERNELS", "default_config", "as_dims"]
+__all__ = [
+    "Stage",
+    "LayerRun",
+    "Launch",
+    "LAUNCH_OPS",
+    "LAUNCH_KERNELS",
+    "FUSED_LAUNCH_KERNELS",
+    "FUSED_LAUNCH_OPS",
+    "FUSED_CONFIG_FIELD",
+    "default_config",
+    "as_dims",
+]
 
 #: The launches of one layer, in call order, and the kernel each one runs.
 LAUNCH_KERNELS: dict[str, str] = {
@@ -45,6 +61,24 @@ LAUNCH_KERNELS: dict[str, str] = {
     "down_expand": "lora_expand",
 }
 LAUNCH_OPS: tuple[str, ...] = tuple(LAUNCH_KERNELS)
+#: The launches of one layer in a stage with ``fused_gemm`` (stage ``fused``), in call order: each
+#: projection's shrink, then its base GEMM with the LoRA expand (and, for gate_up, the activation)
+#: inside; the top-k sum follows as in every stage.
+FUSED_LAUNCH_KERNELS: dict[str, str] = {
+    "gate_up_shrink": "lora_shrink_rows",
+    "fused_gate_up": "fused_moe_lora_act",
+    "down_shrink": "lora_shrink_rows",
+    "fused_down": "fused_moe_lora",
+}
+FUSED_LAUNCH_OPS: tuple[str, ...] = tuple(FUSED_LAUNCH_KERNELS)
+#: Which :class:`LayerConfig` field configures each launch of a ``fused_gemm`` stage (the record is the
+#: same six-field one: the fused GEMMs take the base GEMMs' fields, the expand fields are unused).
+FUSED_CONFIG_FIELD: dict[str, str] = {
+    "gate_up_shrink": "gate_up_shrink",
+    "fused_gate_up": "base_gate_up",
+    "down_shrink": "down_shrink",
+    "fused_down": "base_down",
+}
 
 
 @dataclass(frozen=True)
@@ -61,6 +95,9 @@ class Stage:
         even_k: unmasked K loops in the LoRA ops when K divides evenly.
         fused_add: expand adds into the output tile it holds; else it writes a zeroed delta buffer
             that a separate torch add puts into the output.
+        fused_gemm: the LoRA expand runs inside each projection's base GEMM and the activation in
+            the gate_up GEMM's epilogue (:data:`FUSED_LAUNCH_OPS`: four launches and the top-k sum
+            instead of seven); the shrinks write a [T·K, S, R16] intermediate (stage ``fused``).
     """
 
     name: str
@@ -70,6 +107,12 @@ class Stage:
     swizzle: bool = False
     even_k: bool = False
     fused_add: bool = False
+    fused_gemm: bool = False
+
+    @property
+    def launch_ops(self) -> tuple[str, ...]:
+        """The launches of one layer of this stage (before the top-k sum), in call order."""
+        return FUSED_LAUNCH_OPS if self.fused_gemm else LAUNCH_OPS
 
     def config_for(self, dims: Dims | int, *legacy: int) -> LayerConfig:
         """The config a call of ``dims`` starts from: :func:`default_config` (stage ``tuned`` overrides
@@ -203,6 +246,18 @@ class LayerRun:
       whose lora_ids leave [-1, L) (:func:`~moelora_lib.kernels.topk_reduce.topk_reduce`, one launch
       like torch's sum) instead of summing pair rows the alignment dropped — for callers that do not
       check id values (the serving layer); default False (the ids were checked).
+    * ``proj_lora_ids = (gate_up, down)``: the adapter ids [T] each projection's LoRA alignment was
+      built from, when they differ from ``lora_ids`` (a slot covering one projection only: -1 where
+      the slot does not cover it). Only stages with ``fused_gemm`` read them (their GEMMs find each
+      row's adapter from these ids, not from the LoRA alignment); default: ``lora_ids`` for both.
+
+    Stages with ``fused_gemm`` (stage ``fused``) run :data:`FUSED_LAUNCH_OPS` instead of the seven
+    launches: ``gate_up_shrink`` into a [T·K, S, R16] float32 intermediate (``inter_gate_up`` buffer
+    of that shape; ``inter_down`` [T·K, 1, R16]), the gate_up GEMM with the LoRA expand and the
+    activation inside (writes ``g``; no ``h``, so the ``h`` buffer is neither allocated nor used),
+    ``down_shrink``, the down GEMM with its expand (writes ``y``), the top-k sum. Their configs are
+    the :class:`LayerConfig` fields of :data:`FUSED_CONFIG_FIELD`. The single-launch methods of the
+    seven-launch plan (:meth:`base_gate_up`, :meth:`act`, ...) and :meth:`lora_part` do not apply there.
     """
 
     def __init__(
@@ -226,8 +281,10 @@ class LayerRun:
         alignments: tuple[Alignment, Alignment | None, Alignment | None] | None = None,
         buffers: dict[str, torch.Tensor] | None = None,
         nan_on_bad_ids: bool = False,
+        proj_lora_ids: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
     ):
         self.stage = stage
+        self.proj_lora_ids = proj_lora_ids
         self.buffers = buffers or {}
         self.nan_on_bad_ids = bool(nan_on_bad_ids)
         self.topk_ids, self.lora_ids = topk_ids, lora_ids
@@ -275,8 +332,11 @@ class LayerRun:
         P = T * self.K
         dt, dev = hidden_states.dtype, hidden_states.device
         self.h = self.buffers.get("h")
-        if self.h is None:
+        if self.h is None and not stage.fused_gemm:  # the fused stage has no h
             self.h = torch.empty((P, 2 * self.I), dtype=dt, device=dev)
+        if stage.fused_gemm:  # its gate_up GEMM writes g directly: one buffer for every call
+            g = self.buffers.get("g")
+            self._g_buf = g if g is not None else torch.empty((P, self.I), dtype=dt, device=dev)
         self.y = self.buffers.get("y")
         if self.y is None:
             self.y = torch.empty((P, H), dtype=dt, device=dev)
@@ -335,7 +395,7 @@ class LayerRun:
         raise ValueError(f"op must be one of {LORA_OPS}, got {op!r}")
 
     def _op_cfg(self, op: str, cfg: OpConfig | None) -> OpConfig:
-        return cfg if cfg is not None else getattr(self.cfg, op)
+        return cfg if cfg is not None else getattr(self.cfg, FUSED_CONFIG_FIELD.get(op, op))
 
     def _base(self, op: str, cfg: OpConfig | None = None):
         io = self._base_io(op)
@@ -430,8 +490,89 @@ class LayerRun:
             self.y, self.topk_ids, self.w13.shape[0], self.lora_ids, self.L, check_ids=self.nan_on_bad_ids
         )
 
+    # --- stages with fused_gemm (stage ``fused``) -----------------------------------------------
+    def _proj_ids(self, proj: int) -> torch.Tensor:
+        """The adapter ids [T] that the LoRA alignment of ``proj`` (0 gate_up, 1 down) was built from."""
+        if self.proj_lora_ids is not None and self.proj_lora_ids[proj] is not None:
+            return self.proj_lora_ids[proj]
+        return self.lora_ids
+
+    def _inter_rows(self, proj: str) -> torch.Tensor:
+        """A placeholder [T·K, S, R16] float32 intermediate (compile-only checks; nothing is run)."""
+        a = self.lora[0] if proj == "gate_up" else self.lora[2]
+        S = a.shape[2] if a.dim() == 5 else 1
+        return torch.empty(
+            (self.T * self.K, S, rank_stride(a.shape[-2])), dtype=torch.float32, device=self.x.device
+        )
+
+    def _rows_shrink(self, proj: str, cfg: OpConfig | None = None, inter: torch.Tensor | None = None):
+        io = self._lora_io(f"{proj}_shrink")
+        return lora_shrink_rows(
+            io["x"],
+            io["a"],
+            io["align"],
+            self._op_cfg(f"{proj}_shrink", cfg),
+            rows_div=io["rows_div"],
+            use_even_k=self.stage.even_k,
+            inter=inter,
+        )
+
+    def _fused_io(self, op: str, inter: torch.Tensor | None) -> dict[str, Any]:
+        """The keyword arguments of :func:`~.launchers.fused_moe_lora` for ``op`` (no LoRA when
+        ``inter`` is None)."""
+        has = inter is not None
+        if op == "fused_gate_up":
+            return dict(
+                x=self.x,
+                w=self.w13,
+                out=self._g_buf,
+                activation=self.activation,
+                bias=self.b13,
+                inter=inter,
+                lora_b=self.lora[1] if has else None,
+                lora_ids=self._proj_ids(0) if has else None,
+            )
+        if op == "fused_down":
+            return dict(
+                x=self._g_buf,
+                w=self.w2,
+                out=self.y,
+                bias=self.b2,
+                topk_weights=self.topk_w,
+                inter=inter,
+                lora_b=self.lora[3] if has else None,
+                lora_ids=self._proj_ids(1) if has else None,
+            )
+        raise ValueError(f"op must be one of {FUSED_LAUNCH_OPS}, got {op!r}")
+
+    def _fused_gemm(self, op: str, inter: torch.Tensor | None, cfg: OpConfig | None = None):
+        io = self._fused_io(op, inter)
+        fused_moe_lora(
+            io.pop("x"),
+            io.pop("w"),
+            io.pop("out"),
+            self.base_align,
+            self._op_cfg(op, cfg),
+            top_k=self.K,
+            **io,
+        )
+
+    def _fused_call(self, with_lora: bool) -> torch.Tensor:
+        inter13 = None
+        if with_lora and self.lora_align is not None:
+            inter13 = self._rows_shrink("gate_up", inter=self.buffers.get("inter_gate_up"))
+        self._fused_gemm("fused_gate_up", inter13)
+        self.g = self._g_buf
+        inter2 = None
+        if with_lora and self.lora_align_down is not None:
+            inter2 = self._rows_shrink("down", inter=self.buffers.get("inter_down"))
+        self._fused_gemm("fused_down", inter2)
+        return self.reduce()
+
     # --- groupings used by callers and benchmarks ---------------------------------------------
     def __call__(self, with_lora: bool = True) -> torch.Tensor:
+        if self.stage.fused_gemm:
+            return self._fused_call(with_lora)
         self.base_gate_up()
         if with_lora:
             self.lora_gate_up()
@@ -450,7 +591,16 @@ class LayerRun:
 
         Reuses the activation buffer of the last full call; adds the deltas into ``h`` and ``y``
         again (the values are not meaningful afterwards, the cost is).
+
+        Raises ValueError in a stage with ``fused_gemm``: its LoRA expands run inside the base GEMMs,
+        so the LoRA part is not a set of launches (time the layer and :meth:`base_part`, or one launch
+        with :meth:`op_fn`).
         """
+        if self.stage.fused_gemm:
+            raise ValueError(
+                f"stage {self.stage.name!r} runs the LoRA expands inside the base GEMMs: its LoRA part is "
+                "not separable (time the whole layer and base_part(), or single launches with op_fn)"
+            )
         if self.g is None:
             self()
         self.lora_gate_up()
@@ -473,6 +623,8 @@ class LayerRun:
         """
         if self.g is None:
             self()
+        if self.stage.fused_gemm:
+            return self._fused_op_fn(op, cfg)
         if op in BASE_OPS:
             return lambda: self._base(op, cfg)
         if op == "act":
@@ -498,6 +650,8 @@ class LayerRun:
         the right shape, dtype and device.
         """
         st = self.stage
+        if st.fused_gemm:
+            return self._fused_launch_args(op, cfg)
         kernel = LAUNCH_KERNELS.get(op)
         if kernel is None:
             raise ValueError(f"op must be one of {LAUNCH_OPS}, got {op!r}")
@@ -541,4 +695,47 @@ class LayerRun:
                 add_inputs=st.fused_add,
                 use_even_k=st.even_k,
             )
+        return Launch(kernel, grid, args, cx, c.NUM_WARPS, c.NUM_STAGES, c)
+
+    # --- one launch alone, stages with fused_gemm -------------------------------------------------
+    def _fused_op_fn(self, op: str, cfg: OpConfig | None) -> Callable[[], Any]:
+        """:meth:`op_fn` of a ``fused_gemm`` stage: ``gate_up_shrink``/``down_shrink`` return the fresh
+        [T·K, S, R16] intermediate; ``fused_gate_up``/``fused_down`` rewrite the layer's own ``g``/``y``
+        (same values) from an intermediate computed once here with the layer's config."""
+        if op not in FUSED_LAUNCH_OPS:
+            raise ValueError(f"op must be one of {FUSED_LAUNCH_OPS} in stage {self.stage.name!r}, got {op!r}")
+        if op.endswith("shrink"):
+            return lambda: self._rows_shrink(op.removesuffix("_shrink"), cfg)
+        proj = "gate_up" if op == "fused_gate_up" else "down"
+        align = self.lora_align if proj == "gate_up" else self.lora_align_down
+        inter = self._rows_shrink(proj) if align is not None else None
+        return lambda: self._fused_gemm(op, inter, cfg)
+
+    def _fused_launch_args(self, op: str, cfg: OpConfig | None) -> Launch:
+        kernel = FUSED_LAUNCH_KERNELS.get(op)
+        if kernel is None:
+            raise ValueError(f"op must be one of {FUSED_LAUNCH_OPS} in stage {self.stage.name!r}, got {op!r}")
+        c = self._op_cfg(op, cfg)
+        if op.endswith("shrink"):
+            proj = op.removesuffix("_shrink")
+            io = self._lora_io(op)
+            if io["align"] is None:
+                raise ValueError(f"op {op!r}: this layer call has no LoRA alignment for its projection")
+            grid, args, cx = lora_shrink_rows_args(
+                io["x"],
+                io["a"],
+                self._inter_rows(proj),
+                io["align"],
+                c,
+                rows_div=io["rows_div"],
+                use_even_k=self.stage.even_k,
+            )
+            return Launch(kernel, grid, args, cx, c.NUM_WARPS, c.NUM_STAGES, c)
+        proj = "gate_up" if op == "fused_gate_up" else "down"
+        align = self.lora_align if proj == "gate_up" else self.lora_align_down
+        io = self._fused_io(op, self._inter_rows(proj) if align is not None else None)
+        name, grid, args, cx = fused_moe_lora_args(
+            io.pop("x"), io.pop("w"), io.pop("out"), self.base_align, c, top_k=self.K, **io
+        )
+        assert name == kernel
         return Launch(kernel, grid, args, cx, c.NUM_WARPS, c.NUM_STAGES, c)

@@ -7,6 +7,8 @@ stages differ only by what the stage changes (see ``moelora_lib/kernels/stages.p
 * ``_lora_shrink_kernel`` inter[s, p] = x[p // rows_div]·A[l, e, s]ᵀ   (rank intermediate, fp32)
 * ``_lora_expand_kernel`` out[p, s·N:(s+1)·N] (+)= inter[s, p]·B[l, e, s]ᵀ (· w[p])
 * ``_gated_act_kernel``   silu(gate)·up or GPT-OSS swigluoai over [P, 2I] -> [P, I]
+* ``_fused_moe_lora_act_kernel`` / ``_fused_moe_lora_kernel`` (stage ``fused``): the base GEMM with the LoRA
+  expand inside, gate_up also with the activation (writes [P, I]); down with the routing weight
 
 p is a (token, k) pair index t·K + k taken from an :class:`~moelora_lib.routing.Alignment`; every
 BLOCK_SIZE_M block of the alignment has one expert e (and one adapter l for the LoRA ops).
@@ -24,6 +26,14 @@ Features switched by the stages:
 * ``EVEN_K``: K % (BLOCK_SIZE_K·SPLIT_K) == 0, the K loop loads without masks (rows and columns are
   clamped into range instead, their results are never stored); else masked loads;
 * ``ADD_INPUTS`` (expand): add the delta into the tile already in ``out`` (no delta buffer).
+* ``HAS_LORA`` (stage ``fused``: ``_fused_moe_lora_act_kernel`` for gate_up, ``_fused_moe_lora_kernel``
+  for down): the LoRA expand runs inside the base GEMM's program. The tile iterates over the base
+  (expert-only) alignment; after the K loop it reads each row's adapter id (``lora_ids[p // top_k]``)
+  and, once per adapter present in the tile, adds ``where(row's adapter, inter[p], 0)·B[l, e]ᵀ`` into
+  the same fp32 accumulator, so ``h``/``y`` is written once (no expand launch, no read-modify-write).
+  The gate_up kernel also applies the activation in its epilogue (two accumulators: gate and up
+  columns) and writes ``g`` [P, I] directly (no ``h`` buffer, no activation launch). Its rank
+  intermediate is laid out [P, S, R16] (R rounded up to 16), so no stride depends on the length.
 
 Precision. Every dot accumulates in fp32. The rank intermediate ``inter`` (x·Aᵀ, g·A2ᵀ) is
 accumulated and stored in fp32, and the expand's dot reads it in a form chosen at compile time from
@@ -326,18 +336,310 @@ def _gated_act_kernel(
     tl.store(out_ptr + row * stride_om + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _lora_cols_dot(
+    acc,
+    inter_ptr,
+    b_ptr,
+    pair_ld,
+    sel,
+    lora,
+    expert,
+    cols,
+    col_mask,
+    R,
+    NS,
+    stride_im,
+    stride_is,
+    stride_ir,
+    stride_bl,
+    stride_be,
+    stride_bs,
+    stride_bn,
+    stride_br,
+    BLOCK_SIZE_R: tl.constexpr,
+):
+    """acc += where(sel, inter[pair, s])·B[lora, expert, s, n]ᵀ for the columns ``cols`` of h / y.
+
+    Column c belongs to slice s = c // NS, row n = c % NS of B (NS = rows per slice). Usually every
+    column of a tile is in one slice (one dot); a tile that straddles two slices (swigluoai with S = 2)
+    takes one dot per slice, with the other slice's columns masked to zero. Rows not in ``sel`` read
+    zeros, so they add exact zeros (B is finite). Precision as in the expand kernel: inter is fp32;
+    bf16 weights: inter rounded to bf16; fp16 weights: B widened to fp32 (tf32 dot on the GPU).
+    """
+    offs_r = tl.arange(0, BLOCK_SIZE_R)
+    r_mask = offs_r < R
+    col_s = cols // NS
+    col_n = (cols - col_s * NS).to(tl.int64)
+    s_lo = tl.min(tl.where(col_mask, col_s, 1 << 30))
+    s_hi = tl.max(tl.where(col_mask, col_s, -1))
+    b_base = b_ptr + lora * stride_bl + expert * stride_be
+    for s in range(s_lo, s_hi + 1):
+        ia = tl.load(
+            inter_ptr + pair_ld[:, None] * stride_im + s * stride_is + offs_r[None, :] * stride_ir,
+            mask=sel[:, None] & r_mask[None, :],
+            other=0.0,
+        )
+        bb = tl.load(
+            b_base + s * stride_bs + col_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
+            mask=r_mask[:, None] & (col_mask & (col_s == s))[None, :],
+            other=0.0,
+        )
+        if b_ptr.dtype.element_ty == tl.float16:
+            acc = tl.dot(ia, bb.to(tl.float32), acc)
+        else:
+            acc = tl.dot(ia.to(bb.dtype), bb, acc)
+    return acc
+
+
+@triton.jit
+def _row_adapters(lora_ids_ptr, pair_ld, row_mask, top_k, num_adapters):
+    """Adapter id of each row's token (lora_ids[p // top_k]); -1 for padding rows and for ids
+    outside [0, L) (no adapter: never indexes B)."""
+    lid = tl.load(lora_ids_ptr + pair_ld // top_k, mask=row_mask, other=-1).to(tl.int32)
+    return tl.where((lid >= 0) & (lid < num_adapters), lid, -1)
+
+
+def _fused_moe_lora_act_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    bias_ptr,
+    inter_ptr,
+    b_ptr,
+    lora_ids_ptr,
+    sorted_ids_ptr,
+    block_expert_ptr,
+    num_post_ptr,
+    num_pairs,
+    num_blocks,
+    I,
+    K,
+    top_k,
+    R,
+    num_adapters,
+    NS,
+    stride_xm,
+    stride_xk,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_om,
+    stride_on,
+    stride_ce,
+    stride_cn,
+    stride_im,
+    stride_is,
+    stride_ir,
+    stride_bl,
+    stride_be,
+    stride_bs,
+    stride_bn,
+    stride_br,
+    BLOCK_SIZE_M: tl.constexpr,
+    BLOCK_SIZE_N: tl.constexpr,
+    BLOCK_SIZE_K: tl.constexpr,
+    BLOCK_SIZE_R: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+):
+    """g[p, j] = act(h[p, gate(j)], h[p, up(j)]) with h = x·W13[e]ᵀ + LoRA delta (+ b13[e]), one tile of
+    BLOCK_SIZE_N columns j of g; gate(j), up(j) = j, I + j (silu) or 2j, 2j + 1 (swigluoai)."""
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(I, BLOCK_SIZE_N)
+    pid_m, pid_n = _pid_to_mn(pid, num_blocks, num_pid_n, GROUP_SIZE_M)
+    if pid_m * BLOCK_SIZE_M >= tl.load(num_post_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
+    offs_m = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)
+    pair = tl.load(sorted_ids_ptr + offs_m)
+    row_mask = pair < num_pairs
+    pair_ld = tl.where(row_mask, pair, 0).to(tl.int64)
+    x_row = pair_ld // top_k
+    offs_j = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
+    j_mask = offs_j < I
+    offs_j_ld = tl.where(j_mask, offs_j, 0).to(tl.int64)
+    if ACTIVATION == "silu":  # [gate | up] halves
+        gate_col = offs_j_ld
+        up_col = offs_j_ld + I
+    else:  # swigluoai: interleaved rows 2j (gate), 2j + 1 (up)
+        gate_col = 2 * offs_j_ld
+        up_col = gate_col + 1
+    offs_k = tl.arange(0, BLOCK_SIZE_K)
+    x_ptrs = x_ptr + x_row[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    w_base = w_ptr + expert * stride_we + offs_k[:, None] * stride_wk
+    wg_ptrs = w_base + gate_col[None, :] * stride_wn
+    wu_ptrs = w_base + up_col[None, :] * stride_wn
+    acc_g = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_SIZE_K)):
+        if EVEN_K:
+            xa = tl.load(x_ptrs)
+            wg = tl.load(wg_ptrs)
+            wu = tl.load(wu_ptrs)
+        else:
+            k_left = K - k * BLOCK_SIZE_K
+            xa = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            wg = tl.load(wg_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            wu = tl.load(wu_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        acc_g = tl.dot(xa, wg, acc_g)
+        acc_u = tl.dot(xa, wu, acc_u)
+        x_ptrs += BLOCK_SIZE_K * stride_xk
+        wg_ptrs += BLOCK_SIZE_K * stride_wk
+        wu_ptrs += BLOCK_SIZE_K * stride_wk
+    if HAS_LORA:  # the expand of the gate_up LoRA, in this tile: one pass per adapter present
+        lid = _row_adapters(lora_ids_ptr, pair_ld, row_mask, top_k, num_adapters)
+        cur = tl.min(tl.where(lid >= 0, lid, num_adapters))
+        while cur < num_adapters:
+            sel = lid == cur
+            lora = cur.to(tl.int64)
+            acc_g = _lora_cols_dot(
+                acc_g, inter_ptr, b_ptr, pair_ld, sel, lora, expert, gate_col, j_mask, R, NS,
+                stride_im, stride_is, stride_ir, stride_bl, stride_be, stride_bs, stride_bn, stride_br,
+                BLOCK_SIZE_R,
+            )  # fmt: skip
+            acc_u = _lora_cols_dot(
+                acc_u, inter_ptr, b_ptr, pair_ld, sel, lora, expert, up_col, j_mask, R, NS,
+                stride_im, stride_is, stride_ir, stride_bl, stride_be, stride_bs, stride_bn, stride_br,
+                BLOCK_SIZE_R,
+            )  # fmt: skip
+            cur = tl.min(tl.where(lid > cur, lid, num_adapters))
+    if HAS_BIAS:
+        c_base = bias_ptr + expert * stride_ce
+        acc_g += tl.load(c_base + gate_col * stride_cn, mask=j_mask, other=0.0).to(tl.float32)[None, :]
+        acc_u += tl.load(c_base + up_col * stride_cn, mask=j_mask, other=0.0).to(tl.float32)[None, :]
+    if ACTIVATION == "silu":
+        out = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    else:  # GPT-OSS clamp 7.0 and alpha 1.702, as _gated_act_kernel
+        gate = tl.minimum(acc_g, 7.0)
+        up = tl.minimum(tl.maximum(acc_u, -7.0), 7.0)
+        out = (up + 1.0) * gate / (1.0 + tl.exp(-1.702 * gate))
+    out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_om + offs_j[None, :] * stride_on
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & j_mask[None, :])
+
+
+def _fused_moe_lora_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    bias_ptr,
+    topk_w_ptr,
+    inter_ptr,
+    b_ptr,
+    lora_ids_ptr,
+    sorted_ids_ptr,
+    block_expert_ptr,
+    num_post_ptr,
+    num_pairs,
+    num_blocks,
+    N,
+    K,
+    top_k,
+    R,
+    num_adapters,
+    stride_xm,
+    stride_xk,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_om,
+    stride_on,
+    stride_ce,
+    stride_cn,
+    stride_im,
+    stride_is,
+    stride_ir,
+    stride_bl,
+    stride_be,
+    stride_bs,
+    stride_bn,
+    stride_br,
+    BLOCK_SIZE_M: tl.constexpr,
+    BLOCK_SIZE_N: tl.constexpr,
+    BLOCK_SIZE_K: tl.constexpr,
+    BLOCK_SIZE_R: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+):
+    """y[p] = (g[p]·W2[e]ᵀ + LoRA delta (+ b2[e]))·w[p] over the base alignment (rows are pairs)."""
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_SIZE_N)
+    pid_m, pid_n = _pid_to_mn(pid, num_blocks, num_pid_n, GROUP_SIZE_M)
+    if pid_m * BLOCK_SIZE_M >= tl.load(num_post_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
+    offs_m = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)
+    pair = tl.load(sorted_ids_ptr + offs_m)
+    row_mask = pair < num_pairs
+    pair_ld = tl.where(row_mask, pair, 0).to(tl.int64)
+    offs_n = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
+    n_mask = offs_n < N
+    offs_n_ld = tl.where(n_mask, offs_n, 0).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_SIZE_K)
+    x_ptrs = x_ptr + pair_ld[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    w_ptrs = w_ptr + expert * stride_we + offs_n_ld[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_SIZE_K)):
+        if EVEN_K:
+            xa = tl.load(x_ptrs)
+            wa = tl.load(w_ptrs)
+        else:
+            k_left = K - k * BLOCK_SIZE_K
+            xa = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            wa = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        acc = tl.dot(xa, wa, acc)
+        x_ptrs += BLOCK_SIZE_K * stride_xk
+        w_ptrs += BLOCK_SIZE_K * stride_wk
+    if HAS_LORA:  # the expand of the down LoRA, in this tile: one pass per adapter present
+        lid = _row_adapters(lora_ids_ptr, pair_ld, row_mask, top_k, num_adapters)
+        cur = tl.min(tl.where(lid >= 0, lid, num_adapters))
+        while cur < num_adapters:
+            acc = _lora_cols_dot(
+                acc, inter_ptr, b_ptr, pair_ld, lid == cur, cur.to(tl.int64), expert, offs_n_ld, n_mask,
+                R, N, stride_im, stride_is, stride_ir, stride_bl, stride_be, stride_bs, stride_bn,
+                stride_br, BLOCK_SIZE_R,
+            )  # fmt: skip
+            cur = tl.min(tl.where(lid > cur, lid, num_adapters))
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + expert * stride_ce + offs_n * stride_cn, mask=n_mask, other=0.0)
+        acc = acc + bias.to(tl.float32)[None, :]
+    wt = tl.load(topk_w_ptr + pair, mask=row_mask, other=0.0)
+    acc = acc * wt[:, None]
+    out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+
+
 # Arguments whose values follow the prompt length (vLLM #27445 marked the same kind of arguments).
 LENGTH_ARGS = {
     "fused_moe": ["num_pairs", "num_blocks"],
     "lora_shrink": ["num_pairs", "num_blocks", "stride_os"],
     "lora_expand": ["num_pairs", "num_blocks", "stride_is"],
     "gated_act": ["n_rows"],
+    # stage fused: the shrink writes the [P, S, R16] intermediate, whose strides do not follow the
+    # length (so only the counts are left unspecialized and the stores keep their 16-byte hint); the
+    # fused GEMMs also leave the caller's lora_ids pointer unspecialized (an offset view of the ids
+    # must not compile a second binary)
+    "lora_shrink_rows": ["num_pairs", "num_blocks"],
+    "fused_moe_lora_act": ["num_pairs", "num_blocks", "lora_ids_ptr"],
+    "fused_moe_lora": ["num_pairs", "num_blocks", "lora_ids_ptr"],
 }
 _SRC = {
     "fused_moe": _fused_moe_kernel,
     "lora_shrink": _lora_shrink_kernel,
     "lora_expand": _lora_expand_kernel,
     "gated_act": _gated_act_kernel,
+    "lora_shrink_rows": _lora_shrink_kernel,
+    "fused_moe_lora_act": _fused_moe_lora_act_kernel,
+    "fused_moe_lora": _fused_moe_lora_kernel,
 }
 
 #: KERNELS[name][specialize_lengths] -> the jitted kernel. ``True`` is Triton's default behaviour

@@ -59,6 +59,8 @@ __all__ = [
     "inspect_job",
     "offset_view_keys",
     "align_length_keys",
+    "global_vector_ops",
+    "fused_report",
 ]
 
 KERNEL_NAMES = ("fused_moe", "lora_shrink", "lora_expand", "gated_act")
@@ -834,6 +836,133 @@ def reduce_keys(T: int = 5, E: int = 32, K: int = 4, L: int = 8, H: int = 64) ->
 
 
 # --------------------------------------------------------------------------------------------------
+# stage fused: variants over lengths, registers, vector stores/loads of the rank intermediate
+# --------------------------------------------------------------------------------------------------
+_GLOBAL_OP = re.compile(r"^\s*(?:@!?%p\w*\s+)?(st|ld)\.global((?:\.\w+)*)\s", re.M)
+
+
+_CP_ASYNC_SIZE = re.compile(
+    r"\bcp\.async\.\w+\.shared\.global\s+\[[^\]]+\],\s*\[[^\]]+\],\s*(0x[0-9a-f]+|\d+)"
+)
+
+
+def global_vector_ops(ptx_text: str) -> dict:
+    """Counts of global memory instructions in PTX by width: ``st_v4``/``st_v2``/``st_scalar``,
+    ``ld_v4``/``ld_v2``/``ld_scalar`` (``st.global.v4.b32`` is one 16-byte vector store) and the
+    pipelined loads ``cp_async_<bytes>`` (``cp.async.cg.shared.global [..], [..], 0x10`` copies 16 bytes)."""
+    out = {f"{op}_{w}": 0 for op in ("st", "ld") for w in ("v4", "v2", "scalar")}
+    for op, mods in _GLOBAL_OP.findall(ptx_text):
+        w = "v4" if ".v4" in mods else "v2" if ".v2" in mods else "scalar"
+        out[f"{op}_{w}"] += 1
+    for size in _CP_ASYNC_SIZE.findall(ptx_text):
+        key = f"cp_async_{int(size, 0)}"
+        out[key] = out.get(key, 0) + 1
+    return out
+
+
+def _fused_meta_run(dims, *, activation: str, has_bias: bool, dtype: str, config):
+    """:func:`meta_layer_run` with stage ``fused``'s switches."""
+    from dataclasses import replace
+
+    run = meta_layer_run(dims, activation=activation, has_bias=has_bias, dtype=dtype, config=config)
+    from ..kernels import STAGES
+
+    run.stage = replace(STAGES["fused"])
+    run._g_buf = run._act_out()
+    return run
+
+
+def fused_report(
+    lengths,
+    *,
+    shape="gpt-oss-20b",
+    rank: int = 32,
+    adapters: int = 8,
+    dtype: str = "bfloat16",
+    fixed_T: int = 64,
+    res_T=(1, 64, 1600),
+) -> dict:
+    """Compile-only facts of stage ``fused`` at ``shape`` (real sizes, meta tensors, nothing launched).
+
+    For each launch of :data:`~moelora_lib.kernels.stages.FUSED_LAUNCH_OPS`:
+
+    * ``keys``/``hashes``: distinct cache keys and compiled binaries over ``lengths`` with one fixed
+      config (``fused_default_config`` at T = ``fixed_T``): 1 and 1 = no recompile across lengths;
+    * ``res``: registers/spills (cuobjdump) of the default config at each T of ``res_T``
+      (``{T: {"REG", "LOCAL", "cfg"}}``);
+    * ``vec``: :func:`global_vector_ops` of the fixed-config binary.
+
+    Plus ``"shrink_sk1"``: the fused shrink and ``tuned``'s shrink (``lora_shrink``, do_not_specialize on
+    the [S, P, R] slice stride) with SPLIT_K = 1 at T = ``fixed_T``: their store widths (the
+    no_recompile regression and its fix), and ``"fused_no_lora"``: the vector counts of both fused GEMMs
+    compiled without the LoRA part (HAS_LORA False), so the loads the LoRA part adds can be read off,
+    and ``"expand_tuned"``: the same counts for ``tuned``'s down expand (no_recompile's intermediate).
+    """
+    from dataclasses import replace
+
+    from ..kernels.fused import fused_default_config
+    from ..kernels.stages import FUSED_CONFIG_FIELD, FUSED_LAUNCH_OPS
+    from ..shapes import Dims
+
+    sh = _shape(shape)
+
+    def run_at(T, cfg=None):
+        d = Dims.of(sh, int(T), rank=rank, adapters=adapters)
+        c = cfg if cfg is not None else fused_default_config(d)
+        return _fused_meta_run(d, activation=sh.activation, has_bias=sh.has_bias, dtype=dtype, config=c)
+
+    fixed = fused_default_config(Dims.of(sh, int(fixed_T), rank=rank, adapters=adapters))
+    out: dict = {}
+    for op in FUSED_LAUNCH_OPS:
+        keys, hashes, first = [], set(), None
+        for T in lengths:
+            la = run_at(T, fixed).launch_args(op)
+            jf = _jit(la.kernel, False)
+            key = specialization_key(jf, la.args, la.constexprs, la.num_warps, la.num_stages)
+            if key not in keys:
+                keys.append(key)
+                k = compile_for_sm90(jf, la.args, la.constexprs, la.num_warps, la.num_stages)
+                hashes.add(k.hash)
+                first = first or k
+        res = {}
+        for T in res_T:
+            la = run_at(T).launch_args(op)
+            k = compile_for_sm90(_jit(la.kernel, False), la.args, la.constexprs, la.num_warps, la.num_stages)
+            ru = resource_usage(k)
+            res[int(T)] = {"REG": ru["REG"], "LOCAL": ru["LOCAL"], "cfg": la.cfg.short()}
+        out[op] = {
+            "kernel": FUSED_CONFIG_FIELD[op] and run_at(fixed_T, fixed).launch_args(op).kernel,
+            "keys": len(keys),
+            "hashes": len(hashes),
+            "res": res,
+            "vec": global_vector_ops(ptx(first)),
+        }
+    run = run_at(fixed_T, fixed)
+    sk1 = replace(fixed.gate_up_shrink, SPLIT_K=1)
+    la = run.launch_args("gate_up_shrink", sk1)
+    new = compile_for_sm90(_jit(la.kernel, False), la.args, la.constexprs, la.num_warps, la.num_stages)
+    old = launch("gate_up_shrink", fixed_T, shape=shape, rank=rank, adapters=adapters, dtype=dtype, cfg=sk1)
+    old_k = compile_for_sm90(_jit(old[0], False), *old[1:5])
+    out["shrink_sk1"] = {
+        "fused": global_vector_ops(ptx(new)),
+        "tuned": global_vector_ops(ptx(old_k)),
+        "fused_reg": resource_usage(new)["REG"],
+        "tuned_reg": resource_usage(old_k)["REG"],
+    }
+    nolora = {}
+    run.lora_align = run.lora_align_down = None  # the fused GEMMs without their LoRA part
+    for op in ("fused_gate_up", "fused_down"):
+        la = run.launch_args(op)
+        k = compile_for_sm90(_jit(la.kernel, False), la.args, la.constexprs, la.num_warps, la.num_stages)
+        nolora[op] = global_vector_ops(ptx(k))
+    out["fused_no_lora"] = nolora
+    # tuned's down expand (reads the [1, P, R] intermediate through do_not_specialize'd stride_is)
+    old = launch("down_expand", fixed_T, shape=shape, rank=rank, adapters=adapters, dtype=dtype)
+    out["expand_tuned"] = global_vector_ops(ptx(compile_for_sm90(_jit(old[0], False), *old[1:5])))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
 # subprocess runner and CLI
 # --------------------------------------------------------------------------------------------------
 def _run_job(job: dict) -> dict:
@@ -849,6 +978,8 @@ def _run_job(job: dict) -> dict:
         return align_length_keys(job.pop("lengths"), **job)
     if op == "reduce_keys":
         return reduce_keys(**job)
+    if op == "fused_report":
+        return fused_report(job.pop("lengths"), **job)
     raise ValueError(f"unknown op {op!r}")
 
 

@@ -107,6 +107,7 @@ FEATURES: dict[str, tuple[str, ...]] = {
     "swizzle": ("GROUP_SIZE_M",),
     "even_k": ("EVEN_K",),
     "fused_add": ("ADD_INPUTS",),
+    "fused_gemm": ("HAS_LORA",),
 }
 #: Stage field -> the kernels (triton_kernels.KERNELS names) the switch reaches. The base GEMM
 #: (fused_moe) always runs its own config's GROUP_SIZE_M and the unmasked K loop where K divides, in every
@@ -117,6 +118,7 @@ FEATURE_KERNELS: dict[str, tuple[str, ...]] = {
     "swizzle": ("lora_shrink", "lora_expand"),
     "even_k": ("lora_shrink", "lora_expand"),
     "fused_add": ("lora_expand",),
+    "fused_gemm": ("fused_moe_lora", "fused_moe_lora_act"),
 }
 KERNEL_SOURCE = REPO_ROOT / "moelora_lib" / "kernels" / "triton_kernels.py"
 NEEDS_GPU = (

@@ -1,0 +1,136 @@
+"""Stage ``fused`` (issue 13): the LoRA expand inside the base GEMMs, the activation in the gate_up epilogue.
+
+What changes against ``tuned`` (same split-K shrink, grouped order, EVEN_K, no length specialization):
+
+* **Expand fused into the base GEMM of each projection.** The gate_up program computes its tile of
+  x·W13[e]ᵀ over the base (expert-only) alignment and then, in the same program and the same fp32
+  accumulator, adds the rank intermediate times B13 of each row's adapter; the down program does the
+  same with B2. ``h``/``y`` is written once: no expand launch, no read-modify-write of the output tile.
+* **Activation in the gate_up epilogue.** Each program holds two accumulators, the gate columns and the
+  up columns of the same BLOCK_SIZE_N columns j of g (silu: W13 rows j and I + j; swigluoai: rows 2j and
+  2j + 1, GPT-OSS clamps, alpha 1.702, biases before the activation) and writes g [T·K, I] directly:
+  no ``h`` buffer, no activation launch.
+* **Rank intermediate with no length-dependent stride.** The shrink writes [T·K, S, R16] (R rounded up to
+  16, :func:`~.launchers.rank_stride`) instead of [S, T·K, R]: every stride is a multiple of 16 and none
+  follows the length, so only the counts (num_pairs, num_blocks) are ``do_not_specialize`` and the
+  shrink's stores and the fused GEMMs' loads of the intermediate keep 16-byte vectors (the
+  ``no_recompile`` regression of docs/perf_notes.md; tests/test_stage_fused.py checks the PTX).
+* The shrink stays its own split-K launch (it needs all of K before any expand can start).
+
+Launches per layer (routing and alignment aside): ``tuned`` 8 kernels — base_gate_up, gate_up_shrink,
+gate_up_expand, act, base_down, down_shrink, down_expand, top-k sum — plus one memset per split-K shrink;
+``fused`` 5 — gate_up_shrink, fused_gate_up, down_shrink, fused_down, top-k sum — plus the same memsets.
+The base part (``base_part``) is 3 launches instead of 4 (the activation is in the GEMM).
+
+**How rows of different adapters share one base tile (the design choice).** Base pairs are grouped by
+expert (one weight stream per expert); LoRA pairs by (adapter, expert). Two ways to put both in one
+program:
+
+1. run the fused GEMM over the (adapter, expert)-sorted alignment (every tile has one adapter, one dot
+   for the LoRA part). Rejected: the base weights W[e] are then streamed once per (adapter, expert)
+   group instead of once per expert. At decode the base GEMM is weight-bound (GPT-OSS-20B T = 64: 256
+   pairs over 32 experts from 8 adapters, up to ~6 groups per expert, so up to ~6× the 1.6 GB of weights),
+   and at prefill every group is padded to BLOCK_SIZE_M separately (~8× the padding).
+2. run over the base alignment and, after the K loop, gather each row's adapter id
+   (``lora_ids[p // top_k]``) and loop over the adapters present in the tile (a scalar ``while`` loop:
+   next id = min of the ids above the current one): for each, one dot of the rows of that adapter
+   (others masked to zero in the operand, so they add exact zeros) with B[l, e]'s [R, BLOCK_SIZE_N] tile.
+   **Chosen.** The weight stream and padding of the base GEMM are unchanged; the LoRA part costs one
+   [BLOCK_SIZE_M, R]·[R, BLOCK_SIZE_N] dot per adapter present in the tile. Its waste: each such dot spans
+   all BLOCK_SIZE_M rows, so a tile holding n adapters does n·R/K extra MMA work against the base's K
+   (ideal: R/K). Decode tiles hold few rows (n ≤ rows), so the waste is nothing there; at prefill with 8
+   adapters in every tile it is 8·32/2880 = 8.9 % of the GEMM's MMA work for GPT-OSS-20B (H = I = 2880),
+   8·32/2048 = 12.5 % (gate_up) and 8·32/768 = 33 % (down) for Qwen3-30B-A3B. Sorting each expert's
+   pairs by adapter in the base alignment (not done here) would cut n to ~1–2 per tile.
+   Gathering B per row (a [BM, BN, R] broadcast product, no tensor cores) was the third option:
+   rejected for its registers and its repeated B loads.
+
+Rows whose adapter id is -1, or outside [0, L) (ids unchecked: the top-k sum gives them NaN rows), or
+whose slot does not cover the projection (``LayerRun(proj_lora_ids=...)``, which MoELoRALayer passes)
+get no LoRA term: bit-identical to the base part of this stage. Precision: the whole output row is one
+fp32 accumulation (base, delta, bias; then the activation or the routing weight) rounded once, where
+``tuned`` rounds h after the base GEMM, again after the expand's add, and feeds the rounded h to the
+activation; the results differ from ``tuned`` by those roundings (both within the reference tolerance).
+
+Configs: the :class:`~.config.LayerConfig` record of every stage, read through
+:data:`~.stages.FUSED_CONFIG_FIELD`: ``base_gate_up`` configures the fused gate_up+activation GEMM,
+``base_down`` the fused down GEMM, the two shrink fields the shrinks; the expand fields are unused. Defaults:
+:func:`fused_default_config` (a heuristic, not tuned). A tuner can be pointed at this stage through
+:meth:`LayerRun.op_fn <moelora_lib.kernels.LayerRun.op_fn>` with the names of
+:data:`~.stages.FUSED_LAUNCH_OPS`; none has been run.
+
+**Predictions (written before any GPU run; to be measured in notebook 12, H200, bf16, R = 32, 8 adapters,
+tokens spread evenly, graph replay, L2 flushed).** Per-op times are ``tuned``'s from data/07_per_op.csv.
+
+* Launches per layer 8 → 5 (memsets of split-K shrinks aside).
+* Bytes of h/g/y traffic removed per layer (P = T·K pairs, bf16): the base gate_up's write of h (P·2I),
+  the expand's read and write of h (2·P·2I; every pair has an adapter in this workload), the activation's
+  read of h (P·2I), and the down expand's read and write of y (2·P·H): 16·P·I + 4·P·H bytes.
+  GPT-OSS-20B (H = I = 2880, K = 4): T = 1 0.23 MB, T = 64 14.7 MB, T = 1600 369 MB (≈ 86 µs at 4.3 TB/s).
+  Qwen3-30B-A3B (H = 2048, I = 768, K = 8): T = 1 0.16 MB, T = 64 10.5 MB, T = 1600 262 MB (≈ 61 µs).
+* T = 1: launch-bound. The two expands (GPT-OSS 8.1 + 7.7 µs alone, Qwen3 7.6 + 7.3 µs) and the
+  activation leave; in one graph back-to-back launches overlap partly, so the layer should drop by
+  ~10–15 µs (GPT-OSS 94.4 → ~80–85 µs, Qwen3 58.2 → ~45–50 µs); the fused GEMMs' own time unchanged
+  within a few µs (one extra B tile per adapter present; ≤ 4 or 8 rows per call).
+* T = 64: the expands (GPT-OSS 38.3 + 23.5 µs, Qwen3 27.3 + 35.1 µs) and the activation go; the fused
+  GEMMs stay weight-bound (+ the B reads the expands did): layer GPT-OSS 478 → ~420 µs, Qwen3 408 →
+  ~350 µs.
+* T = 1600: the expands (GPT-OSS 101.8 + 57.6 µs, Qwen3 72.6 + 91.6 µs) and the activation (~26 / ~14 µs
+  of h reads and g writes) go, but the masked LoRA dots add MMA work (above): GPT-OSS +~47 µs (gate_up)
+  +~27 µs (down) where compute-bound, Qwen3 +~32 µs and +~52 µs. Net: GPT-OSS 1056 → ~950 µs, Qwen3
+  684 → ~600 µs. The per-adapter masked dot is the likeliest miss at prefill; sorting pairs by adapter
+  within each expert is the follow-up lever.
+* The shrink: vector stores restored (v4) at every T; against ``tuned``'s shrinks (whose configs already
+  recovered most of the regression) a few % at T ≥ 1600, nothing at decode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..shapes import Dims
+from .config import LayerConfig
+from .stages import Stage, as_dims, default_config
+
+
+def fused_default_config(dims: Dims | int, *legacy: int) -> LayerConfig:
+    """Default configs of stage ``fused`` (a heuristic over :func:`~.stages.default_config`, not tuned).
+
+    * ``gate_up_shrink``/``down_shrink``: the defaults' (the same split-K rule).
+    * ``base_gate_up`` (the fused gate_up+activation GEMM): the default base tile with BLOCK_SIZE_N
+      halved (≥ 32): each program holds two accumulators (gate and up) and loads two weight tiles per K
+      step, so halving N keeps registers and shared memory per program at the base GEMM's and covers
+      the same 2·BLOCK_SIZE_N columns of h. At most 3 pipeline stages for the widest tiles (shared memory
+      per stage is BM·BK + 2·BK·BN elements).
+    * ``base_down`` (the fused down GEMM): the default base tile (one accumulator, as the base GEMM).
+    """
+    d = as_dims(dims, *legacy)
+    cfg = default_config(d)
+    gu = cfg.base_gate_up
+    gu = replace(gu, BLOCK_SIZE_N=max(32, gu.BLOCK_SIZE_N // 2))
+    if gu.BLOCK_SIZE_M >= 128:
+        gu = replace(gu, NUM_STAGES=min(gu.NUM_STAGES, 3))
+    return replace(cfg, base_gate_up=gu, source="default:fused")
+
+
+@dataclass(frozen=True)
+class FusedStage(Stage):
+    """A :class:`Stage` with ``fused_gemm``: four launches per layer and its own default configs."""
+
+    def config_for(self, dims: Dims | int, *legacy: int) -> LayerConfig:
+        """:func:`fused_default_config` for a call of ``dims`` (a Dims or the ints T, H, I, E, K, R, L, S)."""
+        return fused_default_config(dims, *legacy)
+
+
+STAGE = FusedStage(
+    name="fused",
+    title="+ expand and activation fused into the base GEMMs",
+    specialize_lengths=False,
+    split_k=True,
+    swizzle=True,
+    even_k=True,
+    fused_add=True,
+    fused_gemm=True,
+)
+
+__all__ = ["STAGE", "FusedStage", "fused_default_config"]

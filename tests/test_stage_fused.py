@@ -1,0 +1,250 @@
+"""Stage ``fused`` (moelora_lib/kernels/fused.py): the LoRA expand inside the base GEMMs, the activation in
+the gate_up epilogue, the [P, S, R16] rank intermediate.
+
+CPU: the Triton interpreter in fp32 and fp16 against the fp32 reference (the whole-layer curated cases of
+tests/test_fused_moe_lora.py already run this stage in fp32, since it is in STAGES), the launch plan,
+rows without an adapter bit-identical to the base, partial-projection adapters through MoELoRALayer, and
+compile-only sm_90 facts (one subprocess): one binary per config over prompt lengths, vector stores of
+the intermediate (against tuned's scalar ones), registers and spills.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import moelora_lib.kernels.stages as plan
+from moelora_lib import STAGES, fused_moe_lora
+from moelora_lib.kernels import LayerConfig, OpConfig
+from moelora_lib.kernels.fused import fused_default_config
+from moelora_lib.kernels.launchers import rank_stride
+from moelora_lib.kernels.route import route_triton
+from moelora_lib.kernels.stages import FUSED_LAUNCH_OPS, LAUNCH_OPS
+from moelora_lib.layer import MoELoRALayer
+from moelora_lib.moe_lora import make_layer_run
+from moelora_lib.reference import moe_lora_reference
+from moelora_lib.shapes import Dims, MoEShape, get_shape
+from moelora_lib.testing import assert_close_rel
+from moelora_lib.workloads import make_inputs
+
+TINY = get_shape("tiny")  # H 64, I 32, E 4, K 2, silu, S = 2
+TINY_OSS = get_shape("tiny-oss")  # swigluoai, biases, S = 1
+E7 = MoEShape("e7", 64, 48, 7, 3, 1)  # I = 48: K of the down GEMM not a multiple of 32
+DTYPES = [torch.float32, torch.float16]
+DT_IDS = ["fp32", "fp16"]
+
+
+def _inputs(shape, dtype, **kw):
+    kw.setdefault("rank", 16)
+    kw.setdefault("num_adapters", 3)
+    kw.setdefault("pattern", "mixed")
+    return make_inputs(shape, dtype=dtype, device=_device(), **kw)
+
+
+def _device():
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _cfg(bm=16, gu_n=16, dn_n=32, bk=32, shrink_sk=2):
+    """Small tiles so the tiny shapes take several N tiles, K iterations and (S = 2, swigluoai) a gate_up
+    tile that straddles both slices (gu_n = 32: columns 2j, 2j + 1 for j < 32 cover h's [0, 64))."""
+    base_gu, base_dn = OpConfig(bm, gu_n, bk, 4, 1, 4, 2), OpConfig(bm, dn_n, bk, 4, 1, 4, 2)
+    shrink = OpConfig(16, 16, 32, 4, shrink_sk, 4, 2)
+    expand = OpConfig(16, 32, 16, 1, 1, 4, 2)
+    return LayerConfig(base_gu, base_dn, shrink, expand, shrink, expand)
+
+
+# (id, shape, make_inputs kwargs, config) — one comment per edge
+CASES = [
+    ("T1", TINY, dict(num_tokens=1), None),  # one decode token, default config
+    ("T37_ragged", TINY, dict(num_tokens=37), None),  # 74 pairs: not a multiple of BLOCK_SIZE_M
+    ("swigluoai_S1_bias_clamp", TINY_OSS, dict(num_tokens=13, act_scale=12.0), None),  # |pre-act| >> 7
+    ("swigluoai_S2_straddle", TINY_OSS, dict(num_tokens=9, slices=2), _cfg(gu_n=32)),  # tile spans 2 slices
+    ("swigluoai_no_bias", TINY_OSS, dict(num_tokens=7, bias=False), _cfg()),
+    ("silu_bias_S2_tiles", TINY, dict(num_tokens=21, bias=True), _cfg()),  # 2 N tiles, 2 K steps, split-K 2
+    ("silu_S1", TINY, dict(num_tokens=11, slices=1), _cfg(gu_n=32, shrink_sk=1)),
+    ("rank8_in_tile16", TINY, dict(num_tokens=9, rank=8), None),  # R < 16: R16 = 16, columns masked
+    ("true_rank24_in_R32", TINY, dict(num_tokens=9, rank=32, true_rank=24), None),  # zero-padded rank
+    ("E7_K3_masked_k", E7, dict(num_tokens=19), _cfg(bk=32)),  # I = 48: the down GEMM's masked K loop
+    ("all_minus1", TINY, dict(num_tokens=10, pattern="none"), None),
+    ("L8_zipf", TINY, dict(num_tokens=29, num_adapters=8, pattern="zipf"), _cfg(bm=32)),  # 8 adapters/tile
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_fused_matches_reference(case, dtype):
+    _, shape, kw, cfg = case
+    inp = _inputs(shape, dtype, **kw)
+    ref = moe_lora_reference(*inp.args(), **inp.kwargs())
+    out = fused_moe_lora(*inp.args(), **inp.kwargs(), stage="fused", config=cfg)
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert_close_rel(out, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_rows_without_adapter_equal_base_exactly(dtype):
+    # mixed batch: rows of -1 tokens are bit-identical to this stage's base part (no LoRA term at all,
+    # not a zero added after rounding); rows with an adapter differ
+    inp = _inputs(TINY_OSS, dtype, num_tokens=23)
+    run = make_layer_run(*inp.args(), **inp.kwargs(), stage="fused", config=_cfg())
+    with_lora = run().clone()
+    base_only = run.base_part()
+    none = inp.lora_ids == -1
+    assert none.any() and (~none).any()
+    assert torch.equal(with_lora[none], base_only[none])
+    assert not torch.equal(with_lora[~none], base_only[~none])
+
+
+def test_launch_plan(monkeypatch):
+    # four launches and the top-k sum: no expand, no activation, no unfused base GEMM, no h
+    calls = []
+    for name in (
+        "lora_shrink_rows",
+        "fused_moe_lora",
+        "lora_shrink",
+        "lora_expand",
+        "gated_act",
+        "fused_moe_gemm",
+    ):
+        real = getattr(plan, name)
+        monkeypatch.setattr(plan, name, lambda *a, _n=name, _r=real, **k: calls.append(_n) or _r(*a, **k))
+    inp = _inputs(TINY, torch.float32, num_tokens=5)
+    run = make_layer_run(*inp.args(), **inp.kwargs(), stage="fused")
+    run()
+    assert calls == ["lora_shrink_rows", "fused_moe_lora", "lora_shrink_rows", "fused_moe_lora"]
+    assert run.h is None and STAGES["fused"].launch_ops == FUSED_LAUNCH_OPS
+    assert STAGES["tuned"].launch_ops == LAUNCH_OPS and len(FUSED_LAUNCH_OPS) == 4
+    calls.clear()
+    run.base_part()
+    assert calls == ["fused_moe_lora", "fused_moe_lora"]
+
+
+def test_config_op_fn_and_launch_args():
+    st = STAGES["fused"]
+    d = Dims.of("gpt-oss-20b", 64, rank=32, adapters=8)
+    c = st.config_for(d)
+    assert c == fused_default_config(d) and c.source == "default:fused"
+    assert c.base_gate_up.BLOCK_SIZE_N * 2 == plan.default_config(d).base_gate_up.BLOCK_SIZE_N
+    inp = _inputs(TINY, torch.float32, num_tokens=6)
+    run = make_layer_run(*inp.args(), **inp.kwargs(), stage="fused", config=_cfg())
+    out = run().clone()
+    for op in FUSED_LAUNCH_OPS:
+        la = run.launch_args(op)
+        assert la.kernel == plan.FUSED_LAUNCH_KERNELS[op] and la.cfg == getattr(
+            run.cfg, plan.FUSED_CONFIG_FIELD[op]
+        )
+        res = run.op_fn(op)()
+        if op.endswith("shrink"):
+            S = 2 if op == "gate_up_shrink" else 1
+            assert res.shape == (12, S, rank_stride(16)) and res.dtype == torch.float32
+    assert torch.equal(run.reduce(), out)  # op_fn rewrote g and y with the same values
+    with pytest.raises(ValueError, match="not separable"):
+        run.lora_part()
+    with pytest.raises(ValueError, match="op must be one of"):
+        run.op_fn("gate_up_expand")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("act,S", [("silu", 2), ("swigluoai", 1)])
+def test_layer_partial_coverage_and_equal_to_functional(act, S, dtype):
+    # MoELoRALayer with stage fused: slot 0 covers gate_up only, slot 1 down only, slot 2 both; the
+    # absent projections are poisoned with NaN (a fused GEMM that read them, or an unwritten row of the
+    # intermediate, would give NaN); equals the public call (bit for bit, unpoisoned layer) and tuned
+    E, H, I, K, L, R = 4, 64, 32, 2, 3, 16
+    g = torch.Generator().manual_seed(0)
+
+    def rnd(*s):
+        return (torch.randn(*s, generator=g) * 0.1).to(dtype)
+
+    layer = MoELoRALayer(
+        rnd(E, 2 * I, H), rnd(E, H, I), b13=rnd(E, 2 * I), b2=rnd(E, H), top_k=K, num_adapters=L,
+        max_rank=R, max_tokens=40, slices=S, activation=act, stage="fused",
+    )  # fmt: skip
+    layer.load_adapter(0, gate_up=(rnd(E, S, 8, H), rnd(E, S, 2 * I // S, 8)))
+    layer.load_adapter(1, down=(rnd(E, 4, I), rnd(E, H, 4)))
+    layer.load_adapter(
+        2, gate_up=(rnd(E, S, R, H), rnd(E, S, 2 * I // S, R)), down=(rnd(E, R, I), rnd(E, H, R))
+    )
+    x, logits = rnd(33, H), torch.randn(33, E, generator=g)
+    ids = (torch.arange(33) % (L + 1) - 1).to(torch.int32)
+    tw, ti = route_triton(logits, K)  # the layer's routing
+    args = (x, layer.w13, layer.w2, tw, ti, ids, layer.lora_a13, layer.lora_b13, layer.lora_a2, layer.lora_b2)
+    kw = dict(b13=layer.b13, b2=layer.b2, activation=act)
+    functional = fused_moe_lora(*args, **kw, stage="fused")
+    tuned = fused_moe_lora(*args, **kw, stage="tuned")
+    ref = moe_lora_reference(*args, **kw)
+    layer.lora_a2[0].fill_(float("nan"))
+    layer.lora_b2[0].fill_(float("nan"))
+    layer.lora_a13[1].fill_(float("nan"))
+    layer.lora_b13[1].fill_(float("nan"))
+    out = layer(x, logits, lora_ids=ids)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out, functional)
+    assert_close_rel(out, ref, dtype)
+    assert_close_rel(out, tuned.float(), dtype)
+
+
+def test_layer_bad_adapter_ids_give_nan_rows_only():
+    # ids unchecked in the serving layer: an adapter id ≥ L never indexes B (treated as no adapter in the
+    # fused GEMMs); the top-k sum marks its row NaN; the other rows stay finite
+    E, H, I, K, L = 4, 64, 32, 2, 3
+    layer = MoELoRALayer(
+        torch.randn(E, 2 * I, H) * 0.1, torch.randn(E, H, I) * 0.1, top_k=K, num_adapters=L, max_rank=16,
+        max_tokens=8, stage="fused",
+    )  # fmt: skip
+    layer.load_adapter(0, gate_up=(torch.randn(E, 2, 16, H), torch.randn(E, 2, I, 16)))
+    out = layer(torch.randn(3, H), torch.randn(3, E), lora_ids=torch.tensor([0, L, -1], dtype=torch.int32))
+    assert torch.isnan(out[1]).all() and torch.isfinite(out[[0, 2]]).all()
+
+
+# ---- compile-only sm_90 -------------------------------------------------------------------------
+LENGTHS = [1, 2, 3, 4, 7, 8, 15, 16, 17, 31, 32, 33, 64, 100, 128, 1000, 1024, 4096, 8192]
+
+
+@pytest.fixture(scope="module")
+def report():
+    from moelora_lib.studies.compile_check import run_isolated
+
+    t0 = time.perf_counter()
+    r = run_isolated([dict(op="fused_report", lengths=LENGTHS, shape="gpt-oss-20b")], timeout=300)[0]
+    regs = {
+        op: {T: (v["REG"], v["LOCAL"], v["cfg"]) for T, v in r[op]["res"].items()} for op in FUSED_LAUNCH_OPS
+    }
+    print(f"\nfused_report: {time.perf_counter() - t0:.1f} s; (REG, LOCAL, cfg) per T: {regs}")
+    return r
+
+
+@pytest.mark.parametrize("op", FUSED_LAUNCH_OPS)
+def test_one_binary_over_lengths(report, op):
+    # one fixed config: one cache key and one binary over 19 prompt lengths (1 … 8192)
+    r = report[op]
+    assert (r["keys"], r["hashes"]) == (1, 1), r
+
+
+@pytest.mark.parametrize("op", FUSED_LAUNCH_OPS)
+def test_no_spills_default_configs(report, op):
+    # default configs at gpt-oss-20b shapes, T = 1 / 64 / 1600: no local memory (spills), ≤ 255 registers
+    for T, v in report[op]["res"].items():
+        assert v["LOCAL"] == 0 and 0 < v["REG"] <= 255, (op, T, v)
+
+
+def test_rank_intermediate_vector_stores(report):
+    # the no_recompile regression and its fix (docs/perf_notes.md), same config at SPLIT_K = 1: tuned's
+    # shrink stores the [S, P, R] intermediate with scalar st.global.b32 (its slice stride is
+    # do_not_specialize), the fused shrink stores [P, S, R16] with 16-byte st.global.v4 only
+    s = report["shrink_sk1"]
+    assert s["fused"]["st_v4"] >= 1 and s["fused"]["st_scalar"] == 0 and s["fused"]["st_v2"] == 0, s
+    assert s["tuned"]["st_v4"] == 0 and s["tuned"]["st_scalar"] > 0, s
+
+
+@pytest.mark.parametrize("op", ["fused_gate_up", "fused_down"])
+def test_rank_intermediate_vector_loads(report, op):
+    # the fused GEMMs read the intermediate (and B) with 16-byte async copies only: the LoRA part adds
+    # cp.async of 16 bytes and no 4-byte ones; tuned's expand reads its intermediate 4 bytes at a time
+    with_lora, without = report[op]["vec"], report["fused_no_lora"][op]
+    assert with_lora.get("cp_async_16", 0) > without.get("cp_async_16", 0), (with_lora, without)
+    assert not any(with_lora.get(f"cp_async_{b}", 0) for b in (4, 8)), with_lora
+    assert report["expand_tuned"].get("cp_async_4", 0) > 0, report["expand_tuned"]

@@ -2,32 +2,41 @@
 # Build .whl/ (git-ignored): the CPython 3.12 manylinux x86_64 wheels that the offline GPU host lacks,
 # so the notebook suite can run there against the host's own torch/triton (see docs/gpu_host.md).
 #
-#   bash scripts/build_wheelhouse.sh        # needs a PyPI-reachable pip; about 20 MB, < 30 MB
+#   bash scripts/build_wheelhouse.sh        # needs a PyPI-reachable pip; about 35 MB, < 40 MB
 #
 # 1. Resolve the closure of ROOTS for cp312/manylinux x86_64 (pip --dry-run --report).
-# 2. Drop what the GPU host already has (HOST_HAS) and never ship torch/triton/numpy/nvidia-*.
+# 2. Drop what the GPU host already has (HOST_HAS), what only newer versions of it need (NOT_NEEDED),
+#    and never ship torch/triton/numpy/nvidia-*.
 # 3. pip download --no-deps each remaining NAME==VERSION (exactly one version per package).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DEST="$ROOT/.whl"
 PY="${PYTHON:-python3}"
-MAX_MB="${MAX_MB:-30}"
+# The device tool carries at most 64 MiB per call: the working tree (~13 MB) plus this folder.
+MAX_MB="${MAX_MB:-40}"
 PYVER="${WHEEL_PY_VERSION:-3.12}"   # the GPU host's python; another value only for rehearsals
 ABI="cp${PYVER/./}"
 
 # What the notebooks need on the host beyond its own stack. helion must be 1.4.0 there (torch 2.11).
-ROOTS=(papermill==2.7.0 nbclient nbformat ipykernel ipywidgets helion==1.4.0 filecheck)
+# transformers + peft: notebook 11's baseline (and the versions the CPU tests use; the host's own
+# transformers is 5.17); huggingface-hub < 2 keeps the resolution on the hub major the host has (1.33),
+# whose own copy is used (transformers 5.24 needs >= 1.31).
+ROOTS=(papermill==2.7.0 nbclient nbformat ipykernel ipywidgets helion==1.4.0 filecheck
+       transformers==5.24.0 peft==0.21.2 "huggingface-hub>=1.31,<2")
 
 # Packages present on the GPU host (its pip list; docs/gpu_host.md). Anything not
 # listed is treated as missing and shipped.
 HOST_HAS=(
     accelerate aiohttp anyio attrs certifi charset-normalizer click cloudpickle filelock fsspec idna
     jinja2 markupsafe matplotlib numpy packaging pandas psutil pygments python-dateutil pyyaml requests
-    rich scikit-learn scipy six tqdm typing-extensions urllib3 markdown-it-py mdurl pytest peft
-    transformers safetensors
+    rich scikit-learn scipy six tqdm typing-extensions urllib3 markdown-it-py mdurl pytest safetensors
+    huggingface-hub tokenizers hf-xet httpx httpcore h11 typer shellingham annotated-doc
     # requirements of packages above, so present with them (torch 2.11, scikit-learn, python-dateutil)
     torch triton sympy mpmath networkx setuptools joblib threadpoolctl narwhals tzdata
 )
+# Requirements of newer versions of packages the host has, whose own versions are used instead:
+# typer >= 0.2x needs pydantic (transformers imports typer only for its command line).
+NOT_NEEDED=(pydantic pydantic-core annotated-types typing-inspection)
 NEVER='^(torch|triton|numpy|nvidia-.*|cuda-.*)$'
 
 PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_26_x86_64
@@ -43,7 +52,7 @@ echo "build_wheelhouse: resolving ${ROOTS[*]} for $ABI manylinux x86_64"
 "$PY" -m pip install -q --disable-pip-version-check --dry-run --ignore-installed "${TARGET[@]}" \
     --target "$WORK/target" --report "$WORK/report.json" "${ROOTS[@]}" 2> >(noise)
 
-"$PY" - "$WORK/report.json" "$NEVER" "${HOST_HAS[@]}" >"$WORK/wanted.txt" <<'PYEOF'
+"$PY" - "$WORK/report.json" "$NEVER" "${HOST_HAS[@]}" "${NOT_NEEDED[@]}" >"$WORK/wanted.txt" <<'PYEOF'
 import json, re, sys
 report, never, host = sys.argv[1], re.compile(sys.argv[2]), sys.argv[3:]
 canon = lambda n: re.sub(r"[-_.]+", "-", n).lower()
@@ -53,7 +62,7 @@ pins = {}
 for it in items:
     name, ver = canon(it["metadata"]["name"]), it["metadata"]["version"]
     if name in host or never.match(name):
-        print(f"  skip {name}=={ver} (on the host / never shipped)", file=sys.stderr)
+        print(f"  skip {name}=={ver} (on the host / not needed / never shipped)", file=sys.stderr)
         continue
     if name in pins and pins[name] != ver:
         sys.exit(f"two versions of {name}: {pins[name]} and {ver}")

@@ -66,7 +66,8 @@ python3 - <<'PYEOF'
 import importlib.metadata as md, sys
 import torch
 print("python", sys.version.split()[0])
-for n in ("torch", "triton", "numpy", "helion", "papermill", "nbclient", "ipykernel", "pandas", "matplotlib"):
+for n in ("torch", "triton", "numpy", "helion", "papermill", "nbclient", "ipykernel", "pandas", "matplotlib",
+          "transformers", "peft", "safetensors", "huggingface_hub"):
     try:
         print(f"{n:11s} {md.version(n)}")
     except md.PackageNotFoundError:

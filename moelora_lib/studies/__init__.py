@@ -8,6 +8,7 @@ Nothing in the product (``moelora_lib`` outside this package) imports from here.
 - :mod:`.tuning`         the tuner of the four LoRA ops and the base GEMMs
                          (``python -m moelora_lib.studies.tuning``)
 - :mod:`.dense_bench`    notebook 10's dense multi-LoRA measurements
+- :mod:`.e2e`            notebook 11's end-to-end generation measurements (TTFT, output tokens/s, breakdown)
 - :mod:`.dense_tuning`   the dense LoRA tuner (``python -m moelora_lib.studies.dense_tuning``)
 - :mod:`.tuner_common`   what the two tuners share: argument checks, the trials CSV, the config files
 - :mod:`.compile_check`  compile-only sm_90 inspection: variant counts, PTX/SASS, registers

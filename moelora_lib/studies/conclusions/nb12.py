@@ -1,0 +1,504 @@
+"""Conclusion of notebook 12 (stage ``fused``: the LoRA expand and the activation inside the base GEMMs).
+
+Asserts data sanity only (rows present and finite, the checks within their tolerance, the targets CSV equal
+to what the timing rows and vLLM's figures give); whether a target or a prediction is met is computed and
+reported, never asserted.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from .. import fused_bench as fb
+
+__all__ = [
+    "conclusion",
+    "FINAL",
+    "BASELINE",
+    "PREDICTED_TOTAL_US",
+    "TUNED_BEFORE_US",
+    "PREDICTED_LAUNCHES",
+    "PREDICTED_PREFILL_EXTRA_US",
+    "DELTA_MIN",
+]
+
+FINAL, BASELINE = fb.STAGE, fb.BASELINE
+#: Parts each stage is timed in (``fused`` has no separable LoRA part).
+PARTS = {FINAL: ("base", "total"), BASELINE: ("base", "lora", "total")}
+#: A LoRA contribution smaller than this (relative to the output) would make the check vacuous.
+DELTA_MIN = 0.01
+
+#: kernels/fused.py's predictions of the whole layer (µs, written before any GPU run): the T = 1 ranges as
+#: given, the "~" values of T = 64 and T = 1600 with ±5 %.
+PREDICTED_TOTAL_US: dict[tuple[str, int], tuple[float, float]] = {
+    ("gpt-oss-20b", 1): (80.0, 85.0),
+    ("qwen3-30b-a3b", 1): (45.0, 50.0),
+    ("gpt-oss-20b", 64): (399.0, 441.0),
+    ("qwen3-30b-a3b", 64): (332.5, 367.5),
+    ("gpt-oss-20b", 1600): (902.5, 997.5),
+    ("qwen3-30b-a3b", 1600): (570.0, 630.0),
+}
+#: The ``tuned`` layer the predictions started from (µs; notebook 07's run, quoted in kernels/fused.py).
+TUNED_BEFORE_US: dict[tuple[str, int], float] = {
+    ("gpt-oss-20b", 1): 94.4,
+    ("qwen3-30b-a3b", 1): 58.2,
+    ("gpt-oss-20b", 64): 478.0,
+    ("qwen3-30b-a3b", 64): 408.0,
+    ("gpt-oss-20b", 1600): 1056.0,
+    ("qwen3-30b-a3b", 1600): 684.0,
+}
+#: Launches per layer predicted (routing, alignment and split-K memsets aside; the top-k sum included).
+PREDICTED_LAUNCHES = {BASELINE: 8, FINAL: 5}
+#: The extra MMA work of the per-adapter masked dots at T = 1600 (µs, gate_up and down), where compute-bound.
+PREDICTED_PREFILL_EXTRA_US = {"gpt-oss-20b": (47.0, 27.0), "qwen3-30b-a3b": (32.0, 52.0)}
+
+_NUM_TARGET_COLS = (
+    "base_us",
+    "lora_us",
+    "lora_lo_us",
+    "lora_hi_us",
+    "total_us",
+    "vllm_lora_best_us",
+    "vllm_total_best_us",
+    "lora_x",
+    "total_x",
+    "lora_target",
+    "total_target",
+)
+_BOOL_TARGET_COLS = ("met_lora", "met_total", "met_never_slower")
+
+
+# ---- helpers ---------------------------------------------------------------------------------------------
+
+
+def _finite(s) -> bool:
+    return bool(pd.Series(s, dtype=float).map(math.isfinite).all())
+
+
+def _bool(s) -> pd.Series:
+    """A CSV boolean column (True/False or "True"/"False") as bools."""
+    return pd.Series(s).map(lambda v: v if isinstance(v, bool) else str(v).strip().lower() == "true")
+
+
+def _x(v: float) -> str:
+    return "∞" if math.isinf(v) else f"{v:.2f}×"
+
+
+def _range(s) -> str:
+    s = pd.Series(s, dtype=float)
+    lo, hi = _x(s.min()), _x(s.max())
+    return lo if lo == hi else f"{lo}–{hi}"
+
+
+def _pt(model: str, T: int) -> str:
+    return f"{model} T = {int(T)}"
+
+
+# ---- sanity ----------------------------------------------------------------------------------------------
+
+
+def _check_sanity(df, checks, launches) -> list[tuple[str, int]]:
+    """Assert the data are complete and finite; return the measured (model, T) points."""
+    layer = df[df.part.isin(["base", "lora", "total"])]
+    assert len(layer), "no timing rows"
+    for st in (FINAL, BASELINE):
+        assert (layer.stage == st).any(), f"no timing rows of stage {st!r}"
+    dup = layer.duplicated(["stage", "model", "T", "part"])
+    assert not dup.any(), (
+        f"duplicate timing rows: {layer[dup][['stage', 'model', 'T', 'part']].to_dict('records')}"
+    )
+    assert _finite(df.us_p50) and (df.us_p50 > 0).all(), "non-finite or non-positive us_p50"
+    for col in ("ms_p20", "ms_p80"):
+        if col in df:
+            assert _finite(layer[col]) and (layer[col] > 0).all(), f"non-finite or non-positive {col}"
+    points = sorted({(m, int(T)) for m, T in zip(layer.model, layer["T"])})
+    for st, parts in PARTS.items():
+        s = layer[layer.stage == st]
+        have = {(m, int(T), p) for m, T, p in zip(s.model, s["T"], s.part)}
+        missing = [(m, T, p) for m, T in points for p in parts if (m, T, p) not in have]
+        assert not missing, f"stage {st!r}: timing rows missing for {missing}"
+
+    assert len(checks), "no check rows"
+    assert _finite(checks.rel_err), "non-finite rel_err in the checks"
+    bad = checks[~(checks.rel_err <= checks.tol)]
+    assert bad.empty, (
+        f"checks beyond their tolerance:\n{bad[['check', 'stage', 'model', 'T', 'rel_err', 'tol']]}"
+    )
+    ref = checks[checks.check == "layer_vs_reference"]
+    models = sorted({m for m, _ in points})
+    for st in (FINAL, BASELINE):
+        for kind in ("layer_vs_reference", "base_vs_reference", "call_twice"):
+            got = set(checks[(checks.check == kind) & (checks.stage == st)].model)
+            assert set(models) <= got, f"{kind} rows of stage {st!r} missing for {sorted(set(models) - got)}"
+    assert _bool(ref.no_adapter_bitwise).all(), "a row without an adapter differs from the base part"
+    assert (ref.delta_rel > DELTA_MIN).all(), "a LoRA delta vanished (the reference check would be vacuous)"
+
+    assert len(launches), "no launch-count rows"
+    for col in ("triton", "counted"):
+        assert _finite(launches[col]) and (launches[col] >= 1).all(), f"bad launch counts ({col})"
+    lk = {
+        (s, m, int(T), p) for s, m, T, p in zip(launches.stage, launches.model, launches["T"], launches.part)
+    }
+    missing = [
+        (st, m, T, p)
+        for st in (FINAL, BASELINE)
+        for m, T in points
+        for p in ("total", "base")
+        if (st, m, T, p) not in lk
+    ]
+    assert not missing, f"launch counts missing for {missing}"
+    return points
+
+
+def _check_targets(targets, df, anchors) -> pd.DataFrame:
+    """The targets CSV must be what :func:`fused_bench.targets_table` gives for the rows and anchors."""
+    assert len(targets), "no target rows although vLLM's figures cover the measured models"
+    for col in ("total_x", "lora_us", "total_us", "base_us"):
+        assert _finite(targets[col]), f"non-finite {col} in the targets"
+    if anchors is None:
+        return targets
+    want = fb.targets_table(df, anchors)
+    key = ["model", "T"]
+    a = targets.sort_values(key, ignore_index=True)
+    b = want.sort_values(key, ignore_index=True)
+    assert list(zip(a.model, a["T"].astype(int))) == list(zip(b.model, b["T"].astype(int))), (
+        "the targets CSV covers other (model, T) points than the timing rows give"
+    )
+    for col in _NUM_TARGET_COLS:
+        x, y = a[col].astype(float), b[col].astype(float)
+        same = (x == y) | ((x - y).abs() <= 1e-9 * y.abs().clip(lower=1.0))
+        assert same.all(), f"targets CSV column {col} differs from the timing rows: {x[~same].tolist()}"
+    for col in _BOOL_TARGET_COLS:
+        assert (_bool(a[col]).to_numpy() == _bool(b[col]).to_numpy()).all(), (
+            f"targets CSV column {col} differs"
+        )
+    return a
+
+
+# ---- paragraphs ------------------------------------------------------------------------------------------
+
+
+def _irange(s) -> str:
+    s = pd.Series(s).astype(int)
+    return f"{s.min()}" if s.min() == s.max() else f"{s.min()}–{s.max()}"
+
+
+def _launch_text(launches, gpu: bool) -> str:
+    tot = launches[launches.part == "total"]
+    parts = []
+    for st in (BASELINE, FINAL):
+        g = tot[tot.stage == st]
+        fills = g.fills.astype(int)
+        parts.append(
+            f"`{st}` {_irange(g.triton)} Triton launches"
+            + (f" plus {_irange(fills)} torch fills (the split-K shrinks' zeroing)" if fills.max() else "")
+        )
+    fused_tri = tot[tot.stage == FINAL].triton.astype(int)
+    tuned_tri = tot[tot.stage == BASELINE].triton.astype(int)
+    held = (fused_tri == PREDICTED_LAUNCHES[FINAL]).all() and (
+        tuned_tri == PREDICTED_LAUNCHES[BASELINE]
+    ).all()
+    base = launches[(launches.part == "base") & (launches.stage == FINAL)].triton
+    base_t = launches[(launches.part == "base") & (launches.stage == BASELINE)].triton
+    text = (
+        f"**Launches per layer: predicted {PREDICTED_LAUNCHES[BASELINE]} → {PREDICTED_LAUNCHES[FINAL]} "
+        f"({'held' if held else 'did not hold'}).** Counted in one eager call at every (model, T): "
+        + "; ".join(parts)
+        + f". The base part: `{BASELINE}` {_irange(base_t)}, `{FINAL}` {_irange(base)} Triton launches "
+        "(the activation is in the gate_up GEMM)."
+    )
+    if gpu and "profiled_kernels" in launches:
+        pk = launches.profiled_kernels.astype(float)
+        pm = launches.profiled_memsets.astype(float) if "profiled_memsets" in launches else 0 * pk
+        ok = pk.notna()
+        if ok.any():
+            agree = (pk[ok] + pm[ok] == launches.counted[ok].astype(float)).all()
+            ft = pk[ok & (launches.part == "total") & (launches.stage == FINAL)]
+            text += (
+                f" torch.profiler saw {_irange(ft)} device kernels per `{FINAL}` layer (memsets aside); "
+                "profiler and count "
+                + (
+                    "agree at every row."
+                    if agree
+                    else "differ at some rows (kernels the wrappers do not see; names in the launches CSV)."
+                )
+            )
+        else:
+            errs = launches["profiled_error"].fillna("") if "profiled_error" in launches else pd.Series([""])
+            err = str(errs.iloc[0])
+            text += f" The profiler cross-check gave nothing ({err or 'no rows'})."
+    return text
+
+
+def _prediction_text(t: pd.DataFrame) -> str | None:
+    lines = []
+    for (m, T), (lo, hi) in PREDICTED_TOTAL_US.items():
+        r = t[(t.model == m) & (t["T"] == T)]
+        if not len(r):
+            continue
+        r = r.iloc[0]
+        meas, before, now = r.total_us, TUNED_BEFORE_US[(m, T)], r.tuned_total_us
+        verdict = (
+            "held" if lo <= meas <= hi else "faster than predicted" if meas < lo else "slower than predicted"
+        )
+        drop = now - meas
+        lines.append(
+            f"| {m} | {T} | {before:.1f} → {lo:.0f}–{hi:.0f} | {now:.1f} → {meas:.1f} | "
+            f"{before - hi:.0f}–{before - lo:.0f} | {drop:.1f} | {verdict} |"
+        )
+    if not lines:
+        return None
+    head = (
+        "**The whole layer against kernels/fused.py's predictions** (µs; the prediction started from "
+        "notebook "
+        f"07's `{BASELINE}` run; the measured drop is `{BASELINE}` − `{FINAL}` of this run, which removes "
+        "the "
+        "run-to-run spread of the starting point):\n\n"
+        f"| model | T | predicted | measured (`{BASELINE}` → `{FINAL}`) | predicted drop | measured drop | "
+        "verdict |\n"
+        "|---|---|---|---|---|---|---|"
+    )
+    return head + "\n" + "\n".join(lines)
+
+
+def _miss_reasons(r) -> list[str]:
+    out = []
+    T = int(r["T"])
+    if not r.met_total:
+        bound = r.vllm_total_best_us / r.base_us
+        need_total = r.vllm_total_best_us / r.total_target
+        if bound < r.total_target:
+            why = (
+                f"base-bound: with a LoRA part of 0 µs the layer would be {bound:.2f}× vLLM's (our base "
+                f"{r.base_us:.1f} µs is {r.vllm_base_us / r.base_us:.2f}× vLLM's base {r.vllm_base_us:.1f} "
+                "µs)"
+            )
+        else:
+            why = (
+                f"the LoRA part ({r.lora_us:.1f} µs, {100 * r.lora_us / r.total_us:.0f} % of the layer) "
+                "would have "
+                f"to be ≤ {need_total - r.base_us:.1f} µs"
+            )
+        pred = PREDICTED_TOTAL_US.get((r.model, T))
+        if pred is not None:
+            lo, hi = pred
+            px_lo, px_hi = r.vllm_total_best_us / hi, r.vllm_total_best_us / lo
+            why += f"; the prediction ({lo:.0f}–{hi:.0f} µs) meant {px_lo:.2f}–{px_hi:.2f}× here, " + (
+                "already below the target"
+                if px_hi < r.total_target
+                else f"reaching the target: the measured {r.total_us:.1f} µs is "
+                + ("slower than predicted" if r.total_us > hi else "within the prediction")
+            )
+        out.append(
+            f"{_pt(r.model, T)}, whole layer {r.total_x:.2f}× (target {r.total_target:.2f}×, "
+            f"needs ≤ {need_total:.1f} µs, measured {r.total_us:.1f} µs): {why}."
+        )
+    if not r.met_lora:
+        need = r.vllm_lora_best_us / r.lora_target
+        noise = (
+            " — within the p20–p80 band of the subtraction"
+            if r.lora_lo_us > 0 and r.vllm_lora_best_us / r.lora_lo_us >= r.lora_target
+            else ""
+        )
+        why = (
+            f"LoRA part {r.lora_us:.1f} µs (whole − base; p20–p80 band "
+            f"{r.lora_lo_us:.1f}–{r.lora_hi_us:.1f} µs) "
+            f"against ≤ {need:.1f} µs needed{noise}; `{BASELINE}`'s whole − base was "
+            f"{r.tuned_lora_derived_us:.1f} µs"
+        )
+        if T >= 1600 and r.model in PREDICTED_PREFILL_EXTRA_US:
+            gu, dn = PREDICTED_PREFILL_EXTRA_US[r.model]
+            why += (
+                f"; the per-adapter masked dots were predicted to add ~{gu:.0f} + {dn:.0f} µs of MMA work at "
+                "T = 1600 where compute-bound (the docstring's likeliest miss at prefill; sorting each "
+                "expert's "
+                "pairs by adapter is the follow-up lever)"
+            )
+        out.append(f"{_pt(r.model, T)}, LoRA part {_x(r.lora_x)} (target {r.lora_target:.1f}×): {why}.")
+    return out
+
+
+def _targets_md(t: pd.DataFrame) -> str:
+    head = (
+        "| model | T | LoRA ours (µs) | vLLM best | vLLM ÷ ours | target | met | whole ours (µs) | vLLM | "
+        "vLLM ÷ ours | target | met |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
+    )
+    lines = [head]
+    for _, r in t.iterrows():
+        lines.append(
+            f"| {r.model} | {int(r['T'])} | {r.lora_us:.1f} | {r.vllm_lora_best_us:.1f} | {_x(r.lora_x)} | "
+            f"{r.lora_target:.2f}× | {'met' if r.met_lora else 'missed'} | {r.total_us:.1f} | "
+            f"{r.vllm_total_best_us:.1f} | {_x(r.total_x)} | {r.total_target:.2f}× | "
+            f"{'met' if r.met_total else 'missed'} |"
+        )
+    return "\n".join(lines)
+
+
+def _registers_text(reg: pd.DataFrame) -> str:
+    assert len(reg) and _finite(reg.REG) and (reg.REG > 0).all(), "bad register rows"
+    per_op = reg.groupby("op").agg(
+        lo=("REG", "min"), hi=("REG", "max"), local=("LOCAL", "max"), bins=("binaries", "max")
+    )
+    ops = "; ".join(
+        f"`{op}` {int(r.lo)}–{int(r.hi)} registers"
+        + (f", {int(r.local)} B local (spills)" if r.local else "")
+        for op, r in per_op.iterrows()
+    )
+    spills = reg[reg.LOCAL > 0]
+    one = (reg.binaries == 1).all()
+    return (
+        f"**Registers (compile-only, sm_90, default configs at T = "
+        f"{', '.join(str(int(x)) for x in sorted(reg['T'].unique()))}):** {ops}. "
+        + ("No spills. " if spills.empty else f"Spills at {len(spills)} (op, T) rows. ")
+        + (
+            "One binary per launch over the measured lengths with one config (no recompile)."
+            if one
+            else "More than one binary over the lengths for some launch (see the notebook)."
+        )
+    )
+
+
+# ---- the conclusion --------------------------------------------------------------------------------------
+
+
+def conclusion(df, checks, targets, launches, *, profile: str, anchors=None, registers=None) -> str:
+    """The written conclusion of notebook 12.
+
+    Args:
+        df: ``12_fused.csv`` — :func:`~moelora_lib.studies.moe_bench.bench_layer` rows of stage ``fused``
+            (parts base, total) and ``tuned`` (base, lora, total) per model and T, plus the four launches of
+            ``fused`` timed alone (:func:`~moelora_lib.studies.fused_bench.bench_fused_ops`).
+        checks: ``12_checks.csv`` — :func:`~moelora_lib.studies.fused_bench.check_point` rows.
+        targets: ``12_targets.csv`` — :func:`~moelora_lib.studies.fused_bench.targets_table` as the notebook
+            wrote it (empty on the CPU profile).
+        launches: ``12_launches.csv`` — :func:`~moelora_lib.studies.fused_bench.launch_rows`.
+        profile: "gpu" or "cpu" (cpu: correctness and launch counts only, no timing claims).
+        anchors: :func:`~moelora_lib.studies.moe_bench.anchor_table` (GPU): the targets CSV is checked
+            against it.
+        registers: optional rows of :class:`~moelora_lib.studies.fused_bench.RegisterReport`.
+
+    Asserts data sanity only: timing rows of both stages at every (model, T) with every part, finite and
+    positive; every check within its tolerance (rows without an adapter bitwise the base part; the LoRA
+    delta not vanishing); launch counts present and ≥ 1; on the GPU the targets CSV equals what the rows
+    and vLLM's figures give. A missed target or a missed prediction is reported, never raised.
+    """
+    points = _check_sanity(df, checks, launches)
+    ref = checks[checks.check == "layer_vs_reference"]
+    base_ck = checks[checks.check == "base_vs_reference"]
+    twice = checks[checks.check == "call_twice"]
+    out = ["## Conclusion"]
+    worst = {st: ref[ref.stage == st].rel_err.max() for st in (FINAL, BASELINE)}
+    out.append(
+        f"**Correctness (held).** Against the fp32 reference: `{FINAL}` worst {worst[FINAL]:.1e}, "
+        f"`{BASELINE}` "
+        f"worst {worst[BASELINE]:.1e} (tolerance {ref.tol.max():g}; {len(ref)} layer calls over "
+        f"{ref.model.nunique()} models); the base part alone worst {base_ck.rel_err.max():.1e}; a second "
+        "call "
+        f"differs from the first by at most {twice.rel_err.max():.1e}; rows without an adapter are bitwise "
+        "the "
+        "base part in both stages."
+    )
+    out.append(_launch_text(launches, profile == "gpu"))
+    if registers is not None and len(registers):
+        out.append(_registers_text(pd.DataFrame(registers)))
+    if profile != "gpu":
+        out.append(
+            "**Timing: not concluded on this profile.** The tiny presets ran through the Triton "
+            "interpreter in "
+            "fp32: the times are interpreter cost. Whether the fused layer is faster than `tuned`, the "
+            "predictions of kernels/fused.py and the targets against vLLM need the GPU profile."
+        )
+        return "\n\n".join(out)
+
+    lt = fb.layer_table(df)
+    f_ = lt[lt.stage == FINAL].set_index(["model", "T"])
+    b_ = lt[lt.stage == BASELINE].set_index(["model", "T"])
+    sp_total = b_.total / f_.total
+    sp_base = b_.base / f_.base
+    sp_lora = pd.Series(fb._ratio(b_.lora, f_.lora.reindex(b_.index)), index=b_.index)
+    per_model = "; ".join(
+        f"{m}: whole layer {_range(sp_total.xs(m))}, base part {_range(sp_base.xs(m))}, LoRA part "
+        f"(whole − base) {_range(sp_lora.xs(m))}"
+        for m in sorted({m for m, _ in points})
+    )
+    faster = int((sp_total > 1).sum())
+    out.append(
+        f"**`{FINAL}` against `{BASELINE}` (this run, `{BASELINE}` ÷ `{FINAL}`):** {per_model}; the layer "
+        "is faster "
+        f"at {faster} of {len(sp_total)} points"
+        + (
+            ", slower at "
+            f"{', '.join(_pt(m, T) + f' ({x:.2f}×)' for (m, T), x in sp_total[sp_total < 1].items())}."
+            if (sp_total < 1).any()
+            else "."
+        )
+    )
+    dl = b_.lora_measured / b_.lora.where(b_.lora > 0)
+    if dl.notna().any():
+        out.append(
+            f"**Whole − base as the LoRA part.** On `{BASELINE}`, where both exist, its LoRA launches timed "
+            "alone "
+            f"take {_range(dl.dropna())} its whole − base: the subtraction "
+            + (
+                "credits the LoRA part with less than its launches alone cost (they overlap the base's "
+                "launches "
+                "in one graph)"
+                if dl.dropna().median() > 1
+                else "charges the LoRA part more than its launches alone cost"
+            )
+            + f"; `{FINAL}`'s LoRA part is read the same way."
+        )
+
+    if anchors is None and (targets is None or not len(targets)):
+        out.append("**Targets: vLLM's figures were not given; no comparison.**")
+        return "\n\n".join(out)
+    if anchors is not None and not set(points) & {(m, int(T)) for m, T in zip(anchors.model, anchors["T"])}:
+        out.append("**Targets: vLLM's figures cover none of the measured (model, T); no comparison.**")
+        return "\n\n".join(out)
+    assert targets is not None, "no targets table"
+    t = _check_targets(targets, df, anchors)
+    pred = _prediction_text(t)
+    if pred:
+        out.append(pred)
+    n = len(t)
+    met_l, met_t = int(_bool(t.met_lora).sum()), int(_bool(t.met_total).sum())
+    never = int(_bool(t.met_never_slower).sum())
+    t = t.assign(met_lora=_bool(t.met_lora).to_numpy(), met_total=_bool(t.met_total).to_numpy())
+    out.append(
+        "**Targets against vLLM's figures** (LoRA part ≥ 2.5× vLLM's best at T ≤ 64 and ≥ 2× at T ≥ 256; "
+        "whole "
+        f"layer ≥ 1.5× at T = 1 and T ≥ 1600, ≥ 1.15× at T = 8–256, never slower): LoRA part met at {met_l} "
+        "of "
+        f"{n} points ({_range(t.lora_x)}), whole layer at {met_t} of {n} ({_range(t.total_x)}), never "
+        "slower at "
+        f"{never} of {n}. `{BASELINE}` in the same run: LoRA part {_range(t.tuned_lora_x)}, whole layer "
+        f"{_range(t.tuned_total_x)}.\n\n" + _targets_md(t)
+    )
+    misses = [line for _, r in t.iterrows() for line in _miss_reasons(r)]
+    if misses:
+        base_bound = int(
+            sum(
+                1
+                for _, r in t.iterrows()
+                if not r.met_total and r.vllm_total_best_us / r.base_us < r.total_target
+            )
+        )
+        out.append(
+            f"**Why the misses** ({len(misses)}; {base_bound} of the whole-layer misses are base-bound: the "
+            "launches this stage removes cannot reach the target while the base GEMMs run at vLLM's "
+            "speed):\n\n" + "\n".join(f"- {x}" for x in misses)
+        )
+    else:
+        out.append("**Every target met.**")
+    slower = t[~_bool(t.met_never_slower).to_numpy()]
+    if len(slower):
+        out.append(
+            "**Slower than vLLM at:** "
+            + ", ".join(
+                f"{_pt(m, T)} ({x:.2f}×)" for m, T, x in zip(slower.model, slower["T"], slower.total_x)
+            )
+            + "."
+        )
+    return "\n\n".join(out)

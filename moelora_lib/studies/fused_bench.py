@@ -1,0 +1,607 @@
+"""Notebook 12's measurements of stage ``fused`` beside stage ``tuned`` and vLLM (no timing code of its own).
+
+Stage ``fused`` (:mod:`moelora_lib.kernels.fused`) runs the LoRA expands inside the base GEMMs, so its LoRA
+part is not a set of launches (:meth:`LayerRun.lora_part <moelora_lib.kernels.LayerRun.lora_part>` raises):
+the notebook times the whole layer and the base part of both stages with
+:func:`moelora_lib.studies.moe_bench.bench_layer` and takes the LoRA part as whole − base
+(:func:`layer_table`); for ``tuned`` it also times the LoRA launches alone, so the two ways of getting a
+LoRA part can be compared on the stage where both exist.
+
+What this module adds to :mod:`.moe_bench`:
+
+* :func:`check_point` — one layer call against the fp32 reference (the fields of
+  :func:`~.moe_bench.check_layer`), the base part against the reference without LoRA, and two calls
+  giving the same output.
+* :func:`count_launches` / :func:`launch_rows` — the kernels one layer call launches, counted by wrapping
+  Triton's launch entry (``JITFunction.run``; ``InterpretedFunction.run`` under the interpreter) and the
+  torch fills (``torch.zeros``, ``Tensor.zero_``, ...), on the CPU and the GPU alike; on a GPU also the
+  device kernels and memsets ``torch.profiler`` records for one eager call (:func:`profiled_launches`).
+* :func:`fused_op_costs` / :func:`bench_fused_ops` — the four launches of stage ``fused`` timed alone
+  (:meth:`LayerRun.op_fn <moelora_lib.kernels.LayerRun.op_fn>`) with their FLOPs, bytes and floors.
+* :func:`layer_table` / :func:`targets_table` — per (model, T) the parts, the LoRA part as whole − base with
+  its p20–p80 band, and the targets of the stage against :func:`~.moe_bench.anchor_table`.
+* :class:`RegisterReport` — :func:`moelora_lib.studies.compile_check.fused_report` (registers, spills, one
+  binary over lengths; compile-only) in a background process, so it overlaps the GPU measurements.
+
+Units: µs (``us_p50``, ``floor_us``), FLOPs 2 per multiply-add, bytes read + written; shapes in the letters
+of :mod:`moelora_lib.shapes` (P = T·K pairs).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..common import dtype_name
+from ..reference import moe_lora_reference
+from ..testing import TOLERANCES, rel_err
+from . import bench
+from . import moe_bench as mb
+
+__all__ = [
+    "STAGE",
+    "BASELINE",
+    "LORA_TARGETS",
+    "TOTAL_TARGETS",
+    "lora_target",
+    "total_target",
+    "check_point",
+    "count_launches",
+    "profiled_launches",
+    "launch_rows",
+    "fused_op_costs",
+    "bench_fused_ops",
+    "layer_table",
+    "targets_table",
+    "cumulative_with",
+    "RegisterReport",
+]
+
+#: The stage measured and the stage it is measured against.
+STAGE, BASELINE = "fused", "tuned"
+
+#: LoRA part (whole − base) ≥ this × faster than vLLM's best LoRA path: (largest T, target) in order.
+LORA_TARGETS: tuple[tuple[float, float], ...] = ((64, 2.5), (math.inf, 2.0))
+#: Whole layer ≥ this × faster than vLLM's (T = 1 and T ≥ 1600: 1.5×; 8–256: 1.15×); never slower (1.0×).
+TOTAL_TARGETS = {"ends": 1.5, "mid": 1.15, "never_slower": 1.0}
+#: Informational (the issue lists them beside the two above): the LoRA part ≤ 10 % of our own base at
+#: T ≤ 64, and the base within 1.25× of its floor at T ≤ 64 and 1.5× at T ≥ 1600.
+LORA_SHARE_MAX, BASE_FLOOR_DECODE, BASE_FLOOR_PREFILL = 0.10, 1.25, 1.5
+
+
+def lora_target(T: int) -> float:
+    """The LoRA-part target at T (vLLM's best ÷ ours): 2.5× at T ≤ 64, 2× above."""
+    for hi, x in LORA_TARGETS:
+        if T <= hi:
+            return x
+    raise AssertionError("unreachable")
+
+
+def total_target(T: int) -> float:
+    """The whole-layer target at T (vLLM ÷ ours): 1.5× at T = 1 and T ≥ 1600, 1.15× in between."""
+    return TOTAL_TARGETS["ends"] if T == 1 or T >= 1600 else TOTAL_TARGETS["mid"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Correctness
+# ------------------------------------------------------------------------------------------------
+
+
+def check_point(stage: str, inp, *, model: str, pattern: str, variant: str) -> list[dict[str, Any]]:
+    """Checks of one layer call of ``stage`` on ``inp`` (a :class:`~moelora_lib.workloads.MoELoRAInputs`).
+
+    Rows (``check``):
+
+    * ``layer_vs_reference`` — the fields of :func:`~.moe_bench.check_layer` (rel_err = max|out − ref| /
+      max|ref| against the fp32 reference, no_adapter_rows, no_adapter_bitwise: rows with adapter id −1
+      equal the base part bitwise, delta_rel = the LoRA contribution's size);
+    * ``base_vs_reference`` — :meth:`LayerRun.base_part` against the reference with every adapter id −1
+      (the part the notebook times as "base");
+    * ``call_twice`` — a second call of the layer against the first (split-K atomics may reorder fp32
+      sums, so within the tolerance, not bitwise).
+
+    Every row has rel_err and tol (``TOLERANCES`` of the dtype).
+    """
+    run = mb.make_run(stage, inp)
+    out = run().clone()
+    base = run.base_part().clone()
+    again = run().clone()
+    ref = moe_lora_reference(*inp.args(), **inp.kwargs())
+    args = list(inp.args())
+    args[5] = torch.full_like(inp.lora_ids, -1)
+    ref_base = moe_lora_reference(*args, **inp.kwargs())
+    none = inp.lora_ids == -1
+    bitwise = bool(torch.equal(out[none], base[none])) if bool(none.any()) else True
+    delta_rel = float((ref - ref_base).abs().max() / ref.abs().max().clamp_min(1e-30))
+    tol = TOLERANCES[inp.hidden_states.dtype]
+    common = dict(
+        stage=stage,
+        model=model,
+        T=int(inp.hidden_states.shape[0]),
+        dtype=dtype_name(inp.hidden_states.dtype),
+        activation=inp.activation,
+        bias=inp.b13 is not None,
+        pattern=pattern,
+        variant=variant,
+        config=run.cfg.short(),
+        config_source=run.cfg.source,
+        tol=tol,
+    )
+    return [
+        bench.result_row(
+            check="layer_vs_reference",
+            **common,
+            rel_err=rel_err(out, ref),
+            no_adapter_rows=int(none.sum()),
+            no_adapter_bitwise=bitwise,
+            delta_rel=delta_rel,
+        ),
+        bench.result_row(check="base_vs_reference", **common, rel_err=rel_err(base, ref_base)),
+        bench.result_row(check="call_twice", **common, rel_err=rel_err(again, out)),
+    ]
+
+
+# ------------------------------------------------------------------------------------------------
+# Launches per layer
+# ------------------------------------------------------------------------------------------------
+
+#: torch calls that launch a fill kernel (a memset in a CUDA graph) when the tensor is not empty.
+_FILLS = (("torch", "zeros"), ("torch", "zeros_like"), ("Tensor", "zero_"), ("Tensor", "fill_"))
+
+
+def _kernel_name(fn) -> str:
+    inner = getattr(fn, "fn", None)
+    return getattr(inner, "__name__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+
+
+@contextmanager
+def _counting(counts: Counter):
+    """Count Triton launches by kernel name and torch fills (key ``"torch_fill"``) while inside."""
+    from triton.runtime.jit import JITFunction
+
+    classes = [JITFunction]
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        classes.append(InterpretedFunction)
+    except ImportError:  # pragma: no cover - every Triton this project supports has it
+        pass
+    saved: list[tuple[Any, str, Any]] = []
+
+    def wrap_run(real):
+        def run(self, *args, **kwargs):
+            if not kwargs.get("warmup", False):
+                counts[_kernel_name(self)] += 1
+            return real(self, *args, **kwargs)
+
+        return run
+
+    def wrap_fill(real, method: bool):
+        def fill(*args, **kwargs):
+            out = real(*args, **kwargs)
+            t = args[0] if method else out
+            if isinstance(t, torch.Tensor) and t.numel() > 0:
+                counts["torch_fill"] += 1
+            return out
+
+        return fill
+
+    try:
+        for cls in classes:
+            saved.append((cls, "run", cls.__dict__["run"]))
+            cls.run = wrap_run(cls.__dict__["run"])
+        for owner_name, attr in _FILLS:
+            owner = torch if owner_name == "torch" else torch.Tensor
+            real = getattr(owner, attr)
+            saved.append((owner, attr, real))
+            setattr(owner, attr, wrap_fill(real, owner_name == "Tensor"))
+        yield counts
+    finally:
+        for owner, attr, real in reversed(saved):
+            setattr(owner, attr, real)
+
+
+def count_launches(fn: Callable[[], Any]) -> dict[str, int]:
+    """Call ``fn()`` once (eagerly) and return {kernel name: launches, ..., "torch_fill": fills}.
+
+    Triton kernels are counted at their launch entry (``kernel[grid](...)``), on the GPU and under the
+    interpreter; a torch fill (``torch.zeros``, ``zeros_like``, ``Tensor.zero_``, ``fill_`` of a non-empty
+    tensor) is one more kernel on a GPU (the split-K shrinks zero their fp32 intermediate this way). Other
+    torch ops are not counted: :func:`profiled_launches` sees every device kernel on a GPU.
+    """
+    counts: Counter = Counter()
+    with _counting(counts):
+        fn()
+    return dict(counts)
+
+
+def profiled_launches(fn: Callable[[], Any]) -> dict[str, Any]:
+    """GPU only: the device kernels and memsets ``torch.profiler`` records for one eager ``fn()`` (after
+    one unprofiled call). Returns dict(kernels, memsets, names: ';'-joined kernel names, first 48
+    characters each, in launch order), or dict(error=...) when the profiler gives nothing."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # Kineto's start/stop lines would fill the notebook
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    dev = [
+        e
+        for e in prof.events()
+        if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+    ]
+    dev.sort(key=lambda e: e.time_range.start)
+    memsets = [e for e in dev if e.name.lower().startswith("memset")]
+    kernels = [e for e in dev if not e.name.lower().startswith(("memset", "memcpy"))]
+    if not dev:
+        return dict(error="the profiler recorded no device activity")
+    return dict(
+        kernels=len(kernels), memsets=len(memsets), names=";".join(e.name[:48] for e in kernels + memsets)
+    )
+
+
+def launch_rows(run, *, model: str, profile_gpu: bool) -> list[dict[str, Any]]:
+    """The launches of ``run`` (a built :class:`~moelora_lib.kernels.LayerRun`): one row for the whole
+    layer and one for the base part, with ``triton`` (Triton launches), ``fills`` (torch fills),
+    ``counted`` (their sum), ``kernels`` (name=count;...), ``planned`` (the stage's launch plan plus the
+    top-k sum: ``len(stage.launch_ops) + 1``, the launch count the stage docstrings give) and, with
+    ``profile_gpu``, ``profiled_kernels``/``profiled_memsets`` from :func:`profiled_launches` (whole layer
+    only; NaN on the base row)."""
+    rows = []
+    for part, fn in (("total", run), ("base", run.base_part)):
+        c = count_launches(fn)
+        fills = int(c.pop("torch_fill", 0))
+        row = dict(
+            stage=run.stage.name,
+            model=model,
+            T=int(run.dims.T),
+            part=part,
+            triton=int(sum(c.values())),
+            fills=fills,
+            counted=int(sum(c.values())) + fills,
+            kernels=";".join(f"{k}={v}" for k, v in sorted(c.items())),
+            planned=len(run.stage.launch_ops) + 1 if part == "total" else float("nan"),
+            config=run.cfg.short(),
+        )
+        if profile_gpu and part == "total":
+            try:
+                p = profiled_launches(fn)
+            except Exception as e:  # noqa: BLE001 - a profiler failure must not stop the measurements
+                p = dict(error=f"{type(e).__name__}: {e}"[:200])
+            row.update(
+                profiled_kernels=p.get("kernels", float("nan")),
+                profiled_memsets=p.get("memsets", float("nan")),
+                profiled_names=p.get("names", ""),
+                profiled_error=p.get("error", ""),
+            )
+        rows.append(bench.result_row(**row))
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------
+# The four launches of stage fused, alone
+# ------------------------------------------------------------------------------------------------
+
+
+def fused_op_costs(run, model: str, topk_ids=None, lora_ids=None) -> dict[str, dict[str, float]]:
+    """FLOPs, minimal bytes and floor (µs) of the four launches of stage ``fused`` for ``run``'s dims.
+
+    From :func:`~.moe_bench.op_costs` (same touched-expert and touched-pair counts): ``fused_gate_up`` =
+    the base gate_up GEMM with g [P, I] written instead of h [P, 2I], plus B13 of the touched pairs, the
+    fp32 intermediate [P, S, R16] read and the expand's FLOPs; ``fused_down`` = the base down GEMM plus B2,
+    the intermediate [P, R16] and the expand's FLOPs; the shrinks = op_costs' shrinks with the
+    intermediate padded to R16 (:func:`~moelora_lib.kernels.launchers.rank_stride`)."""
+    from ..kernels.launchers import rank_stride
+
+    d = run.dims
+    b = run.x.element_size()
+    rows = mb.op_costs(model, d, dtype_bytes=b, topk_ids=topk_ids, lora_ids=lora_ids)
+    c = {r["op"]: r for r in rows}
+    P, I, S, R = d.pairs, d.I, d.slices, d.rank
+    R16 = rank_stride(R)
+    inter13, inter2 = S * P * R16 * 4, P * R16 * 4
+    gu_exp, dn_exp = c["gate_up_expand"], c["down_expand"]
+    rows = {
+        "gate_up_shrink": (
+            c["gate_up_shrink"]["flops"],
+            c["gate_up_shrink"]["bytes"] - S * P * R * 4 + inter13,
+        ),
+        "fused_gate_up": (
+            c["base_gate_up"]["flops"] + gu_exp["flops"],
+            c["base_gate_up"]["bytes"] - P * 2 * I * b + P * I * b + gu_exp["weight_bytes"] + inter13,
+        ),
+        "down_shrink": (c["down_shrink"]["flops"], c["down_shrink"]["bytes"] - P * R * 4 + inter2),
+        "fused_down": (
+            c["base_down"]["flops"] + dn_exp["flops"],
+            c["base_down"]["bytes"] + dn_exp["weight_bytes"] + inter2,
+        ),
+    }
+    return {
+        op: dict(flops=float(f), bytes=float(n), floor_us=mb.floor_us(f, n)) for op, (f, n) in rows.items()
+    }
+
+
+def bench_fused_ops(
+    run, *, model: str, topk_ids=None, lora_ids=None, warmup_ms: float = 10, rep_ms: float = 40
+) -> list[dict[str, Any]]:
+    """Time each launch of a ``fused`` layer alone (:meth:`LayerRun.op_fn`, graph replay, L2 flushed);
+    one row per op in the form of :func:`~.moe_bench.bench_layer`'s rows (part = the op's name) with
+    flops, bytes and floor_us from :func:`fused_op_costs`."""
+    from ..kernels.stages import FUSED_CONFIG_FIELD, FUSED_LAUNCH_OPS
+
+    device = run.x.device
+    is_cpu = device.type == "cpu"
+    mode = "cpu-interpreter" if is_cpu else "graph"
+    costs = fused_op_costs(run, model, topk_ids, lora_ids)
+    d = run.dims
+    rows = []
+    for op in FUSED_LAUNCH_OPS:
+        fn = run.op_fn(op)
+        tm = bench.time_fn(fn, mode, device, warmup_ms, rep_ms)
+        c = costs[op]
+        cfg = getattr(run.cfg, FUSED_CONFIG_FIELD[op])
+        rows.append(
+            bench.result_row(
+                stage=run.stage.name,
+                model=model,
+                T=d.T,
+                H=d.H,
+                I=d.I,
+                E=d.E,
+                K=d.top_k,
+                L=d.adapters,
+                R=d.rank,
+                S=d.slices,
+                dtype=dtype_name(run.x.dtype),
+                activation=run.activation,
+                bias=run.b13 is not None,
+                part=op,
+                config=cfg.short(),
+                config_source=run.cfg.source,
+                mode=mode,
+                ms_p50=tm.ms_p50,
+                ms_p20=tm.ms_p20,
+                ms_p80=tm.ms_p80,
+                us_p50=tm.ms_p50 * 1e3,
+                flops=c["flops"],
+                bytes=c["bytes"],
+                floor_us=c["floor_us"],
+                warmup_ms=warmup_ms,
+                rep_ms=rep_ms,
+            )
+        )
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------
+# Tables
+# ------------------------------------------------------------------------------------------------
+
+
+def layer_table(df):
+    """Per (stage, model, T): base, total (and, where timed, lora_measured) p50 µs; ``lora`` = total −
+    base with ``lora_lo``/``lora_hi`` = (total p20 − base p80, total p80 − base p20), the band that the
+    subtraction's spread spans; ``base_floor_us`` (the base part's floor, as in notebook 07).
+
+    ``df``: rows of :func:`~.moe_bench.bench_layer` (parts base, total, lora; other parts are ignored);
+    one row per (stage, model, T, part) is expected (the mean is taken otherwise)."""
+    import pandas as pd
+
+    d = df[df.part.isin(["base", "lora", "total"])].copy()
+    d["us_p20"] = d.ms_p20 * 1e3
+    d["us_p80"] = d.ms_p80 * 1e3
+    key = ["stage", "model", "T"]
+    piv = {q: d.pivot_table(index=key, columns="part", values=f"us_{q}") for q in ("p50", "p20", "p80")}
+    t = pd.DataFrame(index=piv["p50"].index)
+    t["base"] = piv["p50"]["base"]
+    t["total"] = piv["p50"]["total"]
+    t["lora"] = t.total - t.base
+    t["lora_lo"] = piv["p20"]["total"] - piv["p80"]["base"]
+    t["lora_hi"] = piv["p80"]["total"] - piv["p20"]["base"]
+    t["lora_measured"] = piv["p50"]["lora"] if "lora" in piv["p50"] else float("nan")
+    fl = d[d.part == "base"].pivot_table(index=key, values="floor_us")
+    t["base_floor_us"] = fl.floor_us if len(fl) else float("nan")
+    return t.reset_index()
+
+
+def _ratio(num, den):
+    """num ÷ den, +inf where den ≤ 0 (a LoRA part at or below zero within the noise)."""
+    import numpy as np
+
+    num = np.asarray(num, dtype=float)
+    den = np.asarray(den, dtype=float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(den > 0, num / np.where(den > 0, den, 1.0), np.inf)
+
+
+def targets_table(df, anchors, *, stage: str = STAGE, baseline: str = BASELINE):
+    """The targets of stage ``stage`` per anchored (model, T), with ``baseline`` beside it.
+
+    Args:
+        df: ``12_fused.csv`` rows (:func:`~.moe_bench.bench_layer` parts base/total, and lora for the
+            baseline).
+        anchors: :func:`~.moe_bench.anchor_table` (vLLM on the H200).
+    Returns:
+        One row per (model, T) in both: ``base_us``, ``lora_us`` (= total − base), ``lora_lo_us``/
+        ``lora_hi_us``, ``total_us``, ``base_floor_us``; vLLM's ``vllm_base_us``, ``vllm_lora_best_us``,
+        ``vllm_total_best_us``; ``lora_x`` = vLLM ÷ ours (inf where the LoRA part is ≤ 0), ``lora_x_low``
+        (with ``lora_hi_us``), ``lora_target``, ``met_lora``; ``total_x``, ``total_target``, ``met_total``,
+        ``met_never_slower``; informational ``lora_share`` (LoRA ÷ base) / ``met_lora_share`` (T ≤ 64,
+        else NaN), ``base_over_floor`` / ``met_base_floor`` (T ≤ 64 and T ≥ 1600, else NaN); the
+        baseline's ``tuned_base_us``, ``tuned_lora_us`` (its LoRA launches timed alone),
+        ``tuned_lora_derived_us`` (its total − base), ``tuned_total_us``, ``tuned_lora_x``,
+        ``tuned_total_x``; and ``speedup_total``/``speedup_base``/``speedup_lora`` = baseline ÷ stage
+        (the LoRA one on whole − base for both).
+    """
+    import pandas as pd
+
+    lt = layer_table(df)
+    ours = lt[lt.stage == stage].drop(columns="stage")
+    base_cols = ["model", "T", "base", "total", "lora", "lora_measured"]
+    ref = lt[lt.stage == baseline][base_cols].rename(
+        columns={
+            "base": "tuned_base_us",
+            "total": "tuned_total_us",
+            "lora": "tuned_lora_derived_us",
+            "lora_measured": "tuned_lora_us",
+        }
+    )
+    a = anchors[["model", "T", "base_us", "lora_best_us", "total_best_us"]].rename(
+        columns={
+            "base_us": "vllm_base_us",
+            "lora_best_us": "vllm_lora_best_us",
+            "total_best_us": "vllm_total_best_us",
+        }
+    )
+    t = ours.rename(
+        columns={
+            "base": "base_us",
+            "total": "total_us",
+            "lora": "lora_us",
+            "lora_lo": "lora_lo_us",
+            "lora_hi": "lora_hi_us",
+        }
+    ).drop(columns="lora_measured")
+    t = t.merge(a, on=["model", "T"], how="inner").merge(ref, on=["model", "T"], how="left")
+    t = t.sort_values(["model", "T"], ignore_index=True)
+    T = t["T"].astype(int)
+    t["lora_x"] = _ratio(t.vllm_lora_best_us, t.lora_us)
+    t["lora_x_low"] = _ratio(t.vllm_lora_best_us, t.lora_hi_us)
+    t["lora_target"] = [lora_target(int(x)) for x in T]
+    t["met_lora"] = t.lora_x >= t.lora_target
+    t["total_x"] = t.vllm_total_best_us / t.total_us
+    t["total_target"] = [total_target(int(x)) for x in T]
+    t["met_total"] = t.total_x >= t.total_target
+    t["met_never_slower"] = t.total_x >= TOTAL_TARGETS["never_slower"]
+    t["lora_share"] = t.lora_us / t.base_us
+    t["met_lora_share"] = pd.Series(
+        [(x <= LORA_SHARE_MAX) if T_ <= 64 else None for T_, x in zip(T, t.lora_share)],
+        index=t.index,
+        dtype=object,
+    )
+    t["base_over_floor"] = t.base_us / t.base_floor_us
+    t["met_base_floor"] = pd.Series(
+        [
+            (x <= BASE_FLOOR_DECODE) if T_ <= 64 else (x <= BASE_FLOOR_PREFILL) if T_ >= 1600 else None
+            for T_, x in zip(T, t.base_over_floor)
+        ],
+        index=t.index,
+        dtype=object,
+    )
+    t["tuned_lora_x"] = _ratio(t.vllm_lora_best_us, t.tuned_lora_us)
+    t["tuned_total_x"] = t.vllm_total_best_us / t.tuned_total_us
+    t["speedup_total"] = t.tuned_total_us / t.total_us
+    t["speedup_base"] = t.tuned_base_us / t.base_us
+    t["speedup_lora"] = _ratio(t.tuned_lora_derived_us, t.lora_us)
+    return t
+
+
+def cumulative_with(cumulative, df, *, stage: str = STAGE, baseline: str = BASELINE):
+    """Notebook 07's cumulative table (``07_cumulative.csv``: model, T, part, one column per stage naive …
+    tuned) with two columns of this run added: ``tuned (this run)`` and ``fused (this run)`` (LoRA part =
+    whole − base for ``fused``; ``tuned``'s LoRA launches timed alone, as in 07). Rows: the (model, T,
+    part) of the cumulative table that this run also measured."""
+    lt = layer_table(df)
+    out = cumulative.drop(columns=[c for c in ("run",) if c in cumulative]).copy()
+    for st, label in ((baseline, f"{baseline} (this run)"), (stage, f"{stage} (this run)")):
+        s = lt[lt.stage == st].set_index(["model", "T"])
+        lora = s.lora_measured if st == baseline else s.lora
+        vals = {("lora", k): v for k, v in lora.items()} | {("total", k): v for k, v in s.total.items()}
+        out[label] = [
+            vals.get((p, (m, int(T))), float("nan")) for m, T, p in zip(out.model, out["T"], out.part)
+        ]
+    return out[out[f"{stage} (this run)"].notna()].reset_index(drop=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# Registers, compile-only, in the background
+# ------------------------------------------------------------------------------------------------
+
+
+class RegisterReport:
+    """:func:`moelora_lib.studies.compile_check.fused_report` for each model, in one background process
+    (no ``TRITON_INTERPRET``: it compiles for sm_90 without a GPU), started now and read with
+    :meth:`rows`. Registers are of the preset's own activation and biases (GPT-OSS-20B: swigluoai and
+    biases; the timed rows run silu without biases, as vLLM's anchor did)."""
+
+    def __init__(self, models: Sequence[str], lengths: Sequence[int], res_T: Sequence[int] = (1, 64, 1600)):
+        self.models = list(models)
+        jobs = [
+            dict(op="fused_report", lengths=[int(x) for x in lengths], shape=m, res_T=[int(x) for x in res_T])
+            for m in self.models
+        ]
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+        root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        # the jobs go in now and the outputs to files, so the child compiles while this process measures
+        self._out = tempfile.TemporaryFile(mode="w+")
+        self._err = tempfile.TemporaryFile(mode="w+")
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "moelora_lib.studies.compile_check", "batch"],
+            stdin=subprocess.PIPE,
+            stdout=self._out,
+            stderr=self._err,
+            text=True,
+            env=env,
+            cwd=root,
+        )
+        self._proc.stdin.write(json.dumps(jobs))
+        self._proc.stdin.close()
+        self._result: list[dict] | None = None
+        self._error: str | None = None
+
+    def rows(self, timeout: float = 300.0) -> list[dict[str, Any]]:
+        """One row per (model, op, T): REG, LOCAL (bytes of local memory: spills), cfg, plus ``binaries``
+        (compiled binaries of the op over the lengths with one config: 1 = no recompile). Waits for the
+        child at most ``timeout`` s; raises RuntimeError with its stderr if it failed or timed out."""
+        if self._result is None and self._error is None:
+            try:
+                rc = self._proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+                self._error = f"timed out after {timeout:.0f} s"
+            else:
+                self._out.seek(0)
+                self._err.seek(0)
+                if rc != 0:
+                    self._error = f"rc {rc}: {self._err.read()[-3000:]}"
+                else:
+                    self._result = json.loads(self._out.read())
+            self._out.close()
+            self._err.close()
+        if self._error is not None:
+            raise RuntimeError(f"register report failed: {self._error}")
+        rows = []
+        for m, rep in zip(self.models, self._result):
+            for op, r in rep.items():
+                if not isinstance(r, dict) or "res" not in r:
+                    continue
+                for T, v in r["res"].items():
+                    rows.append(
+                        dict(
+                            model=m,
+                            op=op,
+                            T=int(T),
+                            REG=int(v["REG"]),
+                            LOCAL=int(v["LOCAL"]),
+                            cfg=v["cfg"],
+                            binaries=int(r["hashes"]),
+                        )
+                    )
+        return rows

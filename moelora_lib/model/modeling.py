@@ -157,11 +157,16 @@ class Attention(nn.Module):
     H), ``q_norm``/``k_norm`` (qk_norm models), ``sinks`` [NH] (gpt_oss). Buffers ``k_cache``/``v_cache``
     [max_batch, NKV, max_seq, D] (not in the state dict).
 
-    Attention: with sinks, an explicit matmul with a float32 softmax (transformers' eager path runs the
-    softmax in the model dtype: equal in fp32, slightly more accurate here in bf16/fp16) over the first
-    ``kv_len`` cache positions, scores [B, NKV, NH/NKV·S, kv_len] float32; without sinks, torch SDPA with
-    a boolean mask and ``enable_gqa``. ``sliding_window`` W (sliding layers): query at position p sees keys in
-    (p - W, p].
+    Attention: with sinks, at decode (S = 1) an explicit matmul with a float32 softmax (transformers' eager
+    path runs the softmax in the model dtype: equal in fp32, slightly more accurate here in bf16/fp16) over
+    the first ``kv_len`` cache positions, scores [B, NKV, NH/NKV·S, kv_len] float32; at prefill (S > 1) the
+    same softmax by one SDPA call with a virtual sink key (:meth:`sinks_sdpa`, no score tensor); without
+    sinks, torch SDPA with a boolean mask over NKV heads of NH/NKV·S query rows each (the query heads that
+    share a KV head laid out as rows, the mask repeated per head), so the cache is read as it is. Not
+    ``enable_gqa``: with a mask that leaves SDPA only its math backend on CUDA, which repeats K/V to NH
+    heads and upcasts them to float32 over all ``kv_len`` positions on every call (several times the decode
+    step's weight bytes on Qwen3-32B). ``sliding_window`` W (sliding layers): query at position p sees keys
+    in (p - W, p].
     """
 
     def __init__(
@@ -207,18 +212,91 @@ class Attention(nn.Module):
             kc, vc = self.k_cache[:, :, :L][ctx.rows], self.v_cache[:, :, :L][ctx.rows]
         mask = ctx.mask_slide if self.sliding else ctx.mask_full  # [B, 1, S, L] bool
         q = q.transpose(1, 2)  # [B, NH, S, D]
+        g = nh // nkv  # q head h uses kv head h // g (transformers' repeat_kv): rows j·S + s of that head
+        qg = q.reshape(B, nkv, g * S, hd)
         if self.sinks is None:
-            o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, scale=self.scale, enable_gqa=True)
+            mg = mask[:, :, None].expand(B, 1, g, S, L).reshape(B, 1, g * S, L)
+            o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mg, scale=self.scale)
+            o = o.reshape(B, nh, S, hd)  # not view: CUDA's fused SDPA kernels return a transposed layout
+        elif S == 1:  # decode: scores are small; the SDPA path would copy the cache view per layer and step
+            o = self.sinks_explicit(qg, kc, vc, mask, self.sinks, self.scale).view(B, nh, S, hd)
         else:
-            g = nh // nkv  # q head h uses kv head h // g (transformers' repeat_kv)
-            qg = q.reshape(B, nkv, g * S, hd)
-            scores = torch.matmul(qg, kc.transpose(-1, -2)).float().view(B, nkv, g, S, L) * self.scale
-            scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
-            sink = self.sinks.float().view(1, nkv, g, 1, 1).expand(B, nkv, g, S, 1)
-            probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :L]
-            o = torch.matmul(probs.to(vc.dtype).view(B, nkv, g * S, L), vc).view(B, nh, S, hd)
+            o = self.sinks_sdpa(qg, kc, vc, mask, self.sinks, self.scale).reshape(B, nh, S, hd)
         o = o.transpose(1, 2).reshape(B * S, nh * hd)
         return self.o_proj(o, ctx.ids)
+
+    @staticmethod
+    def sinks_explicit(
+        qg: torch.Tensor,
+        kc: torch.Tensor,
+        vc: torch.Tensor,
+        mask: torch.Tensor,
+        sinks: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """Sink attention by an explicit matmul and float32 softmax over [scores, sink_h]: qg [B, NKV, g·S, D]
+        (row j·S + s is query head kv·g + j), kc/vc [B, NKV, L, D], mask [B, 1, S, L] bool, sinks [NH]
+        -> [B, NKV, g·S, D]. Materializes float32 scores [B, NKV, g·S, L]: used at decode (S = 1)."""
+        B, nkv, L = kc.shape[0], kc.shape[1], kc.shape[2]
+        S = mask.shape[-2]
+        g = qg.shape[2] // S
+        scores = torch.matmul(qg, kc.transpose(-1, -2)).float().view(B, nkv, g, S, L) * scale
+        scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+        sink = sinks.float().view(1, nkv, g, 1, 1).expand(B, nkv, g, S, 1)
+        probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :L]
+        return torch.matmul(probs.to(vc.dtype).view(B, nkv, g * S, L), vc)
+
+    @staticmethod
+    def sinks_sdpa(
+        qg: torch.Tensor,
+        kc: torch.Tensor,
+        vc: torch.Tensor,
+        mask: torch.Tensor,
+        sinks: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """The same as :meth:`sinks_explicit`, by one fused SDPA call (no score tensor; used at prefill).
+
+        One virtual key is appended per KV head at index L, always visible, with value 0: it adds
+        exp(logit) to every row's softmax denominator and nothing to the numerator, as the sink does. Its
+        logit must be sink_h of the row's QUERY head h, but the g query heads that share a KV head are
+        folded into rows of that head (as in the Qwen path: K/V not repeated), so one key cannot carry
+        g different sinks. The sink therefore rides on the query side: the head dim is augmented to
+        Dp = round_up(D + 2, 8) (fused kernels want a multiple of 8; 64 -> 72) with
+            q' = [q, c_hi, c_lo, 0…],  k' = [k, 0, 0, 0…] (real keys),  k_sink = [0…0, 1, 1, 0…],
+        c_hi + c_lo = sink_h / scale per row (c_hi = sink_h/scale rounded to the model dtype, c_lo the
+        rounding remainder: ~16 significant bits in bf16, exact in fp32). Real keys see q·k + 0 exactly;
+        the sink key's logit is scale·(c_hi + c_lo) = sink_h (SDPA accumulates the dot in fp32). ``scale``
+        is passed explicitly, so it is the softmax scale of both. The mask gets the sink column
+        (always True) and is passed as an additive mask in the model dtype whose row stride is a multiple
+        of 16 (so the memory-efficient CUDA kernel takes it without padding a copy).
+
+        Copies: q', k', v' (Dp wide, L + 1 keys) and the additive mask [B, 1, g·S, L + 1]; all O(L·D) or
+        O(g·S·L) in the model dtype, against the explicit path's float32 [B, NKV, g·S, L] scores (and
+        their several float32 intermediates). No host sync, no branch on tensor values."""
+        B, nkv, L, hd = kc.shape
+        gS, S = qg.shape[2], mask.shape[-2]
+        g = gS // S
+        dt, dev = qg.dtype, qg.device
+        Dp = (hd + 2 + 7) // 8 * 8
+        c = sinks.float().view(nkv, g, 1).expand(nkv, g, S).reshape(1, nkv, gS) / scale
+        c_hi = c.to(dt)
+        c_lo = (c - c_hi.float()).to(dt)
+        qa = qg.new_zeros(B, nkv, gS, Dp)
+        qa[..., :hd] = qg
+        qa[..., hd] = c_hi
+        qa[..., hd + 1] = c_lo
+        ka = kc.new_zeros(B, nkv, L + 1, Dp)
+        ka[:, :, :L, :hd] = kc
+        ka[:, :, L, hd : hd + 2] = 1
+        va = vc.new_zeros(B, nkv, L + 1, Dp)  # Dp wide too, so every fused backend accepts equal head dims
+        va[:, :, :L, :hd] = vc
+        Lp = (L + 1 + 15) // 16 * 16
+        madd = torch.zeros(B, g, S, Lp, dtype=dt, device=dev)
+        madd[..., :L].masked_fill_(~mask, float("-inf"))  # mask [B, 1, S, L] broadcast over the g heads
+        madd = madd.view(B, 1, gS, Lp)[..., : L + 1]  # column L (the sink) stays 0: always visible
+        o = F.scaled_dot_product_attention(qa, ka, va, attn_mask=madd, scale=scale)
+        return o[..., :hd]
 
 
 class MoEBlock(nn.Module):

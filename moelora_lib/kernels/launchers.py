@@ -398,44 +398,12 @@ def lora_shrink_rows_args(
 ) -> tuple[tuple, tuple, dict]:
     """``(grid, args, constexprs)`` of one :func:`lora_shrink_rows` launch writing ``inter`` [P, S, R16]:
     the shrink kernel with the slice stride R16 and the pair stride S·R16 (neither follows T)."""
-    assert cfg.BLOCK_SIZE_M == align.block_size_m
     a5 = lora_a if lora_a.dim() == 5 else lora_a.unsqueeze(2)
-    L, E, S, R, K = a5.shape
+    S, R = a5.shape[2], a5.shape[3]
     assert inter.dim() == 3 and inter.shape[1] == S and inter.shape[2] >= R
-    grid = (cfg.SPLIT_K * align.num_blocks * triton.cdiv(R, cfg.BLOCK_SIZE_N), S)
-    args = (
-        x,
-        a5,
-        inter,
-        align.sorted_token_ids,
-        align.block_expert_ids,
-        align.block_lora_ids,
-        align.num_tokens_post_padded,
-        align.num_pairs,
-        align.num_blocks,
-        R,
-        K,
-        rows_div,
-        x.stride(0),
-        x.stride(1),
-        a5.stride(0),
-        a5.stride(1),
-        a5.stride(2),
-        a5.stride(3),
-        a5.stride(4),
-        inter.stride(1),
-        inter.stride(0),
-        inter.stride(2),
-    )
-    constexprs = dict(
-        BLOCK_SIZE_M=cfg.BLOCK_SIZE_M,
-        BLOCK_SIZE_N=cfg.BLOCK_SIZE_N,
-        BLOCK_SIZE_K=cfg.BLOCK_SIZE_K,
-        GROUP_SIZE_M=cfg.GROUP_SIZE_M,
-        SPLIT_K=cfg.SPLIT_K,
-        EVEN_K=bool(use_even_k and even_k(K, cfg.BLOCK_SIZE_K, cfg.SPLIT_K)),
-    )
-    return grid, args, constexprs
+    # the same launch as lora_shrink's on an [S, P, R16] view of the [P, S, R16] buffer (same pointer)
+    view = inter.permute(1, 0, 2)
+    return lora_shrink_args(x, lora_a, view, align, cfg, rows_div=rows_div, use_even_k=use_even_k)
 
 
 def lora_shrink_rows(

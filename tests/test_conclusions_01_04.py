@@ -192,6 +192,8 @@ def expected_nb03(rec: pd.DataFrame) -> list[str]:
         f"holds {int(nr.compiled_total.iloc[-1])} binaries",
     ]
     for col in [c for c in rec.columns if c.startswith("compiled_") and c != "compiled_total"]:
+        if (rec[col] == 0).all():  # a kernel neither stage launches (the fused stage's)
+            continue
         k, sites, naive = col.removeprefix("compiled_"), int(nr[col].iloc[-1]), int(nv[col].iloc[-1])
         assert naive % sites == 0, (k, naive, sites)
         out.append(f"| `{k}` | {naive // sites} | {sites} | {naive} = {naive // sites} × {sites} |")
@@ -222,6 +224,17 @@ def test_nb03_cpu_frame():
     md = nb03.conclusion(keys, None, profile="cpu")
     assert md.startswith("## Conclusion\n") and "compiles nothing" in md
     assert f"new keys first appear at T = {_prose(_new_key_lengths(keys))} " in md
+
+
+def test_nb03_idle_kernel_column():
+    """A kernel column neither stage launches reads zero and is left out; one that compiled fails."""
+    rec = _csv("03_no_recompile.csv")
+    rec["compiled_not_launched"] = 0
+    md = nb03.conclusion(_csv("03_spec_keys.csv"), rec, profile="gpu")
+    assert "`not_launched`" not in md
+    rec.loc[rec.index[-1], "compiled_not_launched"] = 1
+    with pytest.raises(AssertionError, match="not_launched compiled"):
+        nb03.conclusion(_csv("03_spec_keys.csv"), rec, profile="gpu")
 
 
 def test_nb03_mismatch_fails():

@@ -105,6 +105,12 @@ def conclusion(keys: pd.DataFrame, recompile: pd.DataFrame | None, *, profile: s
     assert recompile is not None and len(recompile), "GPU profile without 03_no_recompile.csv rows"
     kern_cols = [c for c in recompile.columns if c.startswith("compiled_") and c != "compiled_total"]
     kernels = [c.removeprefix("compiled_") for c in kern_cols]
+    # Columns count every Triton kernel of the library; those neither stage launches (e.g. the fused
+    # stage's) must read zero throughout, and are left out of the per-kernel comparison.
+    idle = [k for k in kernels if k not in pn.index]
+    for k in idle:
+        assert (recompile[f"compiled_{k}"] == 0).all(), f"{k} compiled but has no predicted key"
+    kernels = [k for k in kernels if k in pn.index]
     nv = recompile[recompile.stage == "naive"].sort_values("call_index")
     nr = recompile[recompile.stage == "no_recompile"].sort_values("call_index")
     assert len(nv) and len(nr)

@@ -1,0 +1,134 @@
+"""kernels/norm_rope.py against the torch modules they replace (moelora_lib.model.modeling.RMSNorm,
+apply_rope and the cache's index-put writes), which tests/test_model_base.py checks against transformers.
+
+CPU: the Triton interpreter, fp32 and fp16 (bf16 is wrong under the interpreter: environment.md). The
+kernels repeat the torch ops' dtype roundings, so the results equal the torch path up to the fp32
+summation order of the mean of squares: fp32 to 1e-6, fp16 to one rounding step.
+"""
+
+import pytest
+import torch
+
+from moelora_lib.kernels.norm_rope import qk_norm_rope_cache, rms_norm
+from moelora_lib.model.modeling import RMSNorm, apply_rope
+
+TOL = {torch.float32: dict(atol=1e-6, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
+
+
+def _dev(device):
+    return torch.device(device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("weight_fp32", [True, False])
+@pytest.mark.parametrize("N", [64, 96])  # 96: not a power of 2 (masked tail)
+def test_rms_norm_matches_module(device, dtype, weight_fp32, N):
+    g = torch.Generator().manual_seed(N + weight_fp32)
+    dev = _dev(device)
+    T = 5
+    x = (torch.randn(T, N, generator=g) * 3).to(dtype).to(dev)
+    res = torch.randn(T, N, generator=g).to(dtype).to(dev)
+    w = (1 + 0.1 * torch.randn(N, generator=g)).to(torch.float32 if weight_fp32 else dtype).to(dev)
+    mod = RMSNorm(w, 1e-5, weight_fp32)
+    out = rms_norm(x, w, 1e-5, weight_fp32=weight_fp32)
+    torch.testing.assert_close(out, mod(x), **TOL[dtype])
+    s_ref = x + res
+    out2, s = rms_norm(x, w, 1e-5, weight_fp32=weight_fp32, residual=res)
+    assert torch.equal(s, s_ref)  # the add is torch's, bit for bit
+    torch.testing.assert_close(out2, mod(s_ref), **TOL[dtype])
+    # in place: the residual stream updated in x itself
+    xc = x.clone()
+    out3, s3 = rms_norm(xc, w, 1e-5, weight_fp32=weight_fp32, residual=res, residual_out=xc)
+    assert s3.data_ptr() == xc.data_ptr() and torch.equal(xc, s_ref)
+    torch.testing.assert_close(out3, out2, atol=0, rtol=0)
+
+
+def test_rms_norm_bad_input(device):
+    dev = _dev(device)
+    x = torch.randn(3, 8, device=dev)
+    w = torch.ones(8, device=dev)
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm(x, torch.ones(7, device=dev), 1e-6, weight_fp32=True)
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm(x.half(), w, 1e-6, weight_fp32=False)  # fp32 weight for a non-fp32 norm
+    with pytest.raises(ValueError, match="residual"):
+        rms_norm(x, w, 1e-6, weight_fp32=True, residual=torch.randn(3, 9, device=dev))
+    with pytest.raises(ValueError, match="eps"):
+        rms_norm(x, w, 0.0, weight_fp32=True)
+    with pytest.raises(ValueError, match="x must be"):
+        rms_norm(x.t(), w, 1e-6, weight_fp32=True)
+
+
+def _torch_path(qkv, B, S, NH, NKV, D, cos_t, sin_t, pos, rows, kc, vc, qw, kw, eps):
+    """What modeling.Attention.forward did before: split, view, q/k-norm, rope, index-put."""
+    q, k, v = qkv.split((NH * D, NKV * D, NKV * D), dim=-1)
+    q, k, v = q.reshape(B, S, NH, D), k.reshape(B, S, NKV, D), v.reshape(B, S, NKV, D)
+    if qw is not None:
+        q, k = RMSNorm(qw, eps, False)(q), RMSNorm(kw, eps, False)(k)
+    p = pos.view(B, S)
+    cos, sin = cos_t[p].view(B, S, 1, D // 2), sin_t[p].view(B, S, 1, D // 2)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    r = rows.view(B, S)
+    kc[r, :, p] = k
+    vc[r, :, p] = v
+    return q.transpose(1, 2).contiguous()  # [B, NH, S, D]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("B,S,NH,NKV,D", [(1, 1, 4, 2, 16), (3, 1, 8, 1, 32), (2, 5, 4, 4, 12)])
+def test_qk_norm_rope_cache_matches_torch(device, dtype, qk_norm, B, S, NH, NKV, D):
+    g = torch.Generator().manual_seed(B * 100 + S * 10 + D)
+    dev = _dev(device)
+    T, MB, MS = B * S, 4, 16
+    qkv = torch.randn(T, (NH + 2 * NKV) * D, generator=g).to(dtype).to(dev)
+    ang = torch.arange(MS)[:, None] * (0.3 / (1 + torch.arange(D // 2)))[None]
+    cos_t, sin_t = ang.cos().to(dtype).to(dev), ang.sin().to(dtype).to(dev)
+    start = torch.randint(0, MS - S + 1, (B,), generator=g)
+    pos = (start[:, None] + torch.arange(S)[None]).reshape(T).to(dev)
+    rows = torch.randperm(MB, generator=g)[:B][:, None].expand(B, S).reshape(T).to(dev)
+    qw = kw = None
+    if qk_norm:
+        qw = (1 + 0.1 * torch.randn(D, generator=g)).to(dtype).to(dev)
+        kw = (1 + 0.1 * torch.randn(D, generator=g)).to(dtype).to(dev)
+    kc0 = torch.randn(MB, NKV, MS, D, generator=g).to(dtype).to(dev)
+    vc0 = torch.randn(MB, NKV, MS, D, generator=g).to(dtype).to(dev)
+    kr, vr = kc0.clone(), vc0.clone()
+    q_ref = _torch_path(qkv, B, S, NH, NKV, D, cos_t, sin_t, pos, rows, kr, vr, qw, kw, 1e-6)
+    kc, vc = kc0.clone(), vc0.clone()
+    q_out = torch.full((B, NH, S, D), float("nan"), dtype=dtype, device=dev)  # poisoned: all written
+    q = qk_norm_rope_cache(
+        qkv, num_heads=NH, num_kv_heads=NKV, head_dim=D, batch=B, cos=cos_t, sin=sin_t, positions=pos,
+        cache_rows=rows, k_cache=kc, v_cache=vc, q_norm_weight=qw, k_norm_weight=kw, eps=1e-6, q_out=q_out,
+    )  # fmt: skip
+    assert q.data_ptr() == q_out.data_ptr()
+    tol = TOL[dtype] if qk_norm else dict(atol=0, rtol=0)  # without the norm: bit for bit
+    torch.testing.assert_close(q, q_ref, **tol)
+    torch.testing.assert_close(kc, kr, **tol)
+    assert torch.equal(vc, vr)  # v copied; every other cache entry untouched
+
+
+def test_qk_norm_rope_cache_bad_input(device):
+    dev = _dev(device)
+    NH, NKV, D = 4, 2, 8
+    qkv = torch.randn(2, (NH + 2 * NKV) * D, device=dev)
+    tab = torch.randn(8, D // 2, device=dev)
+    ix = torch.zeros(2, dtype=torch.int64, device=dev)
+    kc = torch.zeros(2, NKV, 8, D, device=dev)
+    kw = dict(
+        num_heads=NH, num_kv_heads=NKV, head_dim=D, batch=1, cos=tab, sin=tab, positions=ix, cache_rows=ix,
+        k_cache=kc, v_cache=kc.clone(),
+    )  # fmt: skip
+    qk_norm_rope_cache(qkv, **kw)
+    with pytest.raises(ValueError, match="qkv"):
+        qk_norm_rope_cache(qkv[:, :-1], **kw)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        qk_norm_rope_cache(qkv, **{**kw, "num_kv_heads": 3})
+    with pytest.raises(ValueError, match="positions"):
+        qk_norm_rope_cache(qkv, **{**kw, "positions": ix[:1]})
+    with pytest.raises(ValueError, match="k_cache"):
+        qk_norm_rope_cache(qkv, **{**kw, "k_cache": torch.zeros(2, NKV, 8, D + 2, device=dev)})
+    with pytest.raises(ValueError, match="both or neither"):
+        qk_norm_rope_cache(qkv, **kw, q_norm_weight=torch.ones(D, device=dev))
+    with pytest.raises(ValueError, match="batch"):
+        qk_norm_rope_cache(qkv, **{**kw, "batch": 3})

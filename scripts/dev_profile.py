@@ -94,22 +94,22 @@ def main(argv=None) -> int:
         for lid in (-1, 0):
             lora = torch.full((1,), lid, dtype=torch.int32, device=dev)
 
-            def prefill(lora=lora):
+            def prefill(lora=lora, model=model, ids=ids, start=start):
                 return model(ids, start, lora, last_only=True, kv_len=a.prompt_len)
 
             prefill()
             prefill()
             wall = _wall(prefill)
             kern = _profile(prefill, a.top, log, f"{name} prefill lora={lid}", rows)
-            log(f"  {name} prefill {a.prompt_len} tokens lora={lid}: wall {wall:.1f} ms, kernels {kern:.1f} ms")
+            log(f"  {name} prefill {a.prompt_len} tok lora={lid}: wall {wall:.1f} ms, kernels {kern:.1f} ms")
         gen = Generator(model)
         for conc, scen in ((1, "base"), (1, "adapters_mixed"), (8, "adapters_mixed")):
             row = e2e.run_generation(
                 gen, name, scen, concurrency=conc, prompt_len=a.prompt_len, new_tokens=a.new_tokens
             )
             log(
-                f"  {name} {scen} c={conc}: TTFT {row['ttft_ms_mean']:.1f} ms, step {row['step_ms_p50']:.3f} ms, "
-                f"{row['otps_per_request']:.1f} OTPS"
+                f"  {name} {scen} c={conc}: TTFT {row['ttft_ms_mean']:.1f} ms, "
+                f"step {row['step_ms_p50']:.3f} ms, {row['otps_per_request']:.1f} OTPS"
             )
         bd = e2e.step_breakdown(model, batch=1, adapters=[0], position=a.prompt_len)
         log(f"  {name} eager step breakdown (µs): " + ", ".join(f"{k} {v:.0f}" for k, v in bd.items()))

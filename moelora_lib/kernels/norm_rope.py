@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..common import describe
+
 __all__ = ["rms_norm", "qk_norm_rope_cache"]
 
 
@@ -276,13 +278,14 @@ def qk_norm_rope_cache(
         raise ValueError(f"batch must divide T = {T}, got {batch}")
     S = T // batch
     for name, tab in (("cos", cos), ("sin", sin)):
-        if tab.dim() != 2 or tab.shape[1] != D // 2 or tab.dtype != dt or tab.device != dev or tab.stride(1) != 1:
+        bad = tab.dim() != 2 or tab.shape[1] != D // 2 or tab.stride(1) != 1
+        if bad or tab.dtype != dt or tab.device != dev:
             raise ValueError(f"{name} must be a {dt} tensor [max_seq, D/2 = {D // 2}] on {dev}")
     if sin.stride(0) != cos.stride(0):
         raise ValueError("cos and sin must have the same row stride")
     for name, ix in (("positions", positions), ("cache_rows", cache_rows)):
         if ix.shape != (T,) or ix.dtype not in (torch.int32, torch.int64) or ix.device != dev:
-            raise ValueError(f"{name} must be an int32/int64 tensor [T = {T}] on {dev}, got {tuple(ix.shape)}")
+            raise ValueError(f"{name} must be an int32/int64 tensor [T = {T}] on {dev}, got {describe(ix)}")
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if c.dim() != 4 or c.shape[1] != NKV or c.shape[3] != D or c.dtype != dt or c.stride(3) != 1:
             raise ValueError(f"{name} must be a {dt} tensor [max_batch, NKV = {NKV}, max_seq, D = {D}]")

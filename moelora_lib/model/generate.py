@@ -19,11 +19,20 @@ start_pos[b]+S-1``; and the attributes ``config.vocab_size``, ``max_batch`` (cac
 
 How a call runs (request i always owns cache row i):
 
-1. **Prefill** (eager). Requests whose prompts have the same length are prefilled together,
-   ``max_tokens // length`` rows per call (``batch_prefill=False``: one request per call); a prompt
-   longer than ``max_tokens`` is fed in chunks of ``max_tokens`` columns, since ``start_pos`` says where
-   each chunk goes. When the model's forward takes ``kv_len`` (MultiLoRAModel does), a prefill call
-   passes ``kv_len = chunk end`` so attention reads only the positions written so far. The first
+1. **Prefill**. Requests whose prompts have the same length are prefilled together
+   (``batch_prefill=False``: one request per call). With CUDA graphs (``pad_prefill``, on by default with
+   them) a group's prompts are padded at the end to a static length (:func:`prefill_length`: multiples of
+   64 up to 512 tokens, then eight lengths per octave, so at most 12.5 % padding above 512 tokens, capped
+   at ``max_seq``), ``max_tokens // padded length`` rows per call, and the call is a replay of a CUDA
+   graph captured per (rows, padded length) — lazily on first use or up front in
+   :meth:`Generator.warmup` — so one prefill costs one launch of host time instead of one per kernel
+   (an eager layer call costs ~1 ms of host time on the lent H200's host: data/09_eager.csv). The padded
+   tail is harmless: its tokens sit after the prompt (causal attention hides them from it), their K/V
+   land at positions the decode overwrites before it reads them, and the logits are taken at each
+   row's real last token (``last_index``). Without graphs, for a prompt longer than ``max_tokens``, or
+   for a model whose forward lacks ``kv_len``/``last_index``, the prefill is eager: ``max_tokens //
+   length`` rows per call, a prompt longer than ``max_tokens`` fed in chunks (``start_pos`` says where
+   each goes), ``kv_len = chunk end`` so attention reads only the positions written so far. The first
    token is sampled from the last prefill logits; the device is synchronized after each prefill
    group so that TTFT (``time.perf_counter`` from the call's start) covers the work.
 2. **Decode**: one step for all active requests: ``input_ids [b, 1]`` (the last token), ``start_pos``
@@ -72,9 +81,18 @@ import torch
 
 from ..common import is_int
 
-__all__ = ["Generator", "GenerationResult", "sample_tokens", "DEFAULT_GRAPH_BATCH_SIZES"]
+__all__ = ["Generator", "GenerationResult", "sample_tokens", "prefill_length", "DEFAULT_GRAPH_BATCH_SIZES"]
 
 DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+
+
+def prefill_length(n: int, max_seq: int) -> int:
+    """The static (padded) length a prompt of ``n`` tokens is prefilled at under CUDA graphs: ``n`` rounded
+    up to a multiple of max(64, 2^(⌊log2 n⌋ - 3)) — multiples of 64 up to 512, then eight lengths per
+    octave: at most 63 padded tokens up to 512 and 12.5 % above (e.g. 1600 -> 1664), and few graphs (32
+    up to 4096) — and at most ``max_seq``."""
+    q = max(64, 1 << max(0, int(n).bit_length() - 4))
+    return min(max_seq, -(-n // q) * q)
 
 
 @dataclass
@@ -193,6 +211,21 @@ class _DecodeBucket:
         self.greedy: torch.Tensor | None = None
 
 
+class _PrefillBucket:
+    """Static prefill inputs for ``rows`` prompts padded to ``length`` tokens (start position 0) and,
+    once captured, the CUDA graph with its output (last-token logits [rows, V] float32)."""
+
+    def __init__(self, rows: int, length: int, device: torch.device):
+        self.rows, self.length = rows, length
+        self.input_ids = torch.zeros(rows, length, dtype=torch.int64, device=device)
+        self.start_pos = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.lora_ids = torch.full((rows,), -1, dtype=torch.int32, device=device)
+        self.cache_rows = torch.arange(rows, dtype=torch.int64, device=device)
+        self.last_index = torch.full((rows,), length - 1, dtype=torch.int64, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+
+
 @dataclass(frozen=True)
 class _Limits:
     vocab_size: int
@@ -282,7 +315,10 @@ class Generator:
       pad_to_buckets: pad decode batches to the bucket sizes; default: ``use_cuda_graphs`` (on the CPU
         this runs the graph path's padding eagerly, which is what the CPU tests use).
       batch_prefill: prefill equal-length prompts together (else one request per call).
-      warmup_steps: eager decode steps on a side stream before each capture.
+      pad_prefill: pad prompts to :func:`prefill_length` and, with CUDA graphs, replay a captured prefill
+        per (rows, padded length); default: ``use_cuda_graphs`` (the CPU tests turn it on to run the padded
+        path eagerly). Needs a model forward with ``kv_len`` and ``last_index`` (MultiLoRAModel).
+      warmup_steps: eager forwards on a side stream before each capture.
     """
 
     def __init__(
@@ -293,6 +329,7 @@ class Generator:
         use_cuda_graphs: bool | None = None,
         pad_to_buckets: bool | None = None,
         batch_prefill: bool = True,
+        pad_prefill: bool | None = None,
         warmup_steps: int = 2,
     ):
         self.model = model
@@ -313,10 +350,18 @@ class Generator:
             raise ValueError(f"warmup_steps: expected an int >= 1, got {warmup_steps!r}")
         self.warmup_steps = int(warmup_steps)
         try:  # MultiLoRAModel's optional host-side bound on the attended cache positions
-            self._has_kv_len = "kv_len" in inspect.signature(model.forward).parameters
+            params = inspect.signature(model.forward).parameters
         except (TypeError, ValueError):
-            self._has_kv_len = False
+            params = {}
+        self._has_kv_len = "kv_len" in params
+        can_pad = self._has_kv_len and "last_index" in params
+        if pad_prefill and not can_pad:
+            raise ValueError(
+                "pad_prefill: the model's forward must take kv_len and last_index (MultiLoRAModel)"
+            )
+        self.pad_prefill = (self.use_cuda_graphs and can_pad) if pad_prefill is None else bool(pad_prefill)
         self._buckets: dict[int, _DecodeBucket] = {}
+        self._prefill_buckets: dict[tuple[int, int], _PrefillBucket] = {}
         self._pool = None
         self._graph_adapter_state: tuple | None = None
 
@@ -329,30 +374,70 @@ class Generator:
         )
         return logits, logits.argmax(dim=-1)
 
-    def _capture(self, bucket: _DecodeBucket) -> None:
-        """Warm up on a side stream (lazy init, compilation, autotuning happen outside the capture),
-        then capture one step. Writes K/V at the buffers' current (row, position): at warm-up time the
-        buffers hold either dummies (spare rows, position 0) or a real step about to run, whose writes
-        the replay repeats identically."""
+    def _capture_graph(self, fn: Callable[[], object], what: str):
+        """Warm up ``fn`` on a side stream (lazy init, compilation, autotuning happen outside the
+        capture), then capture one call: (graph, its outputs). ``fn`` writes K/V at the buffers' current
+        (row, position): at warm-up time the buffers hold either dummies (spare rows, position 0) or a real
+        call about to run, whose writes the replay repeats identically."""
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(self.warmup_steps):
-                self._forward_decode(bucket)
+                fn()
         torch.cuda.current_stream(self.device).wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self._pool):
-                bucket.logits, bucket.greedy = self._forward_decode(bucket)
+                outputs = fn()
         except RuntimeError as e:
             raise RuntimeError(
-                f"capturing the decode step at batch size {bucket.size} failed (something in the model's "
-                f"forward is not graph-capturable, e.g. a host sync); Generator(use_cuda_graphs=False) "
-                f"runs it eagerly: {e}"
+                f"capturing {what} failed (something in the model's forward is not graph-capturable, e.g. a "
+                f"host sync); Generator(use_cuda_graphs=False) runs it eagerly: {e}"
             ) from e
-        bucket.graph = graph
+        return graph, outputs
+
+    def _capture(self, bucket: _DecodeBucket) -> None:
+        """Capture the decode step of ``bucket`` (:meth:`_capture_graph`)."""
+        bucket.graph, (bucket.logits, bucket.greedy) = self._capture_graph(
+            lambda: self._forward_decode(bucket), f"the decode step at batch size {bucket.size}"
+        )
+
+    def _forward_prefill(self, pb: _PrefillBucket) -> torch.Tensor:
+        """The prefill a graph captures: the padded prompts from position 0, last real token's logits."""
+        return self.model(
+            pb.input_ids,
+            pb.start_pos,
+            pb.lora_ids,
+            cache_rows=pb.cache_rows,
+            last_only=True,
+            kv_len=pb.length,
+            last_index=pb.last_index,
+        )
+
+    def _run_prefill_bucket(self, pb: _PrefillBucket) -> torch.Tensor:
+        if not self.use_cuda_graphs:
+            return self._forward_prefill(pb)
+        if pb.graph is None:
+            pb.graph, pb.logits = self._capture_graph(
+                lambda: self._forward_prefill(pb), f"the prefill of {pb.rows} x {pb.length} tokens"
+            )
+        pb.graph.replay()
+        return pb.logits
+
+    def _prefill_bucket(self, rows: int, length: int) -> _PrefillBucket:
+        pb = self._prefill_buckets.get((rows, length))
+        if pb is None:
+            pb = self._prefill_buckets[rows, length] = _PrefillBucket(rows, length, self.device)
+        return pb
+
+    def _padded(self, length: int) -> int | None:
+        """The static length a prompt of ``length`` is prefilled at, or None (eager, unpadded)."""
+        if not self.pad_prefill:
+            return None
+        n = prefill_length(length, self.limits.max_seq)
+        return n if n <= self.limits.max_tokens else None
 
     def _step(self, bucket: _DecodeBucket) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step on the bucket's buffers -> (logits [b, V] float32, greedy [b] int64)."""
@@ -370,19 +455,37 @@ class Generator:
             bucket = self._buckets[size] = _DecodeBucket(size, self.device)
         return bucket
 
-    def warmup(self, batch_sizes: Sequence[int] | None = None) -> None:
+    def warmup(
+        self, batch_sizes: Sequence[int] | None = None, *, prefill_lengths: Sequence[int] | str = ()
+    ) -> None:
         """Capture the decode graphs of ``batch_sizes`` (default: every bucket), largest first so the
-        smaller graphs reuse the shared pool. Writes dummy K/V at position 0 of cache rows 0..b-1
-        (prefill overwrites it). A no-op without CUDA graphs."""
+        smaller graphs reuse the shared pool, and the single-prompt prefill graphs of ``prefill_lengths``
+        (prompt lengths, each captured at its :func:`prefill_length`; ``"all"``: every padded length up to
+        ``max_seq``, as a server does at start-up so that no request pays a capture). Writes dummy K/V
+        into cache rows 0..b-1 (prefill overwrites it). A no-op without CUDA graphs."""
         sizes = self.graph_batch_sizes if batch_sizes is None else batch_sizes
         if not all(is_int(n) and 1 <= n <= self.limits.max_batch for n in sizes):
             raise ValueError(
                 f"batch_sizes: expected ints in [1, max_batch={self.limits.max_batch}], got {sizes}"
             )
+        ms = self.limits.max_seq
+        if isinstance(prefill_lengths, str):
+            if prefill_lengths != "all":
+                raise ValueError(
+                    f"prefill_lengths: expected 'all' or a list of ints, got {prefill_lengths!r}"
+                )
+            prefill_lengths = sorted({prefill_length(n, ms) for n in range(1, ms + 1)})
+        if not all(is_int(n) and 1 <= n <= ms for n in prefill_lengths):
+            raise ValueError(f"prefill_lengths: expected ints in [1, max_seq={ms}], got {prefill_lengths}")
         if not self.use_cuda_graphs:
             return
         self._sync_graphs_with_adapters()
         with torch.no_grad():
+            if self.pad_prefill:
+                for n in sorted({self._padded(int(n)) for n in prefill_lengths} - {None}, reverse=True):
+                    pb = self._prefill_bucket(1, n)
+                    if pb.graph is None:
+                        self._run_prefill_bucket(pb)
             for n in sorted(sizes, reverse=True):
                 bucket = self._bucket_for(int(n))
                 if bucket.graph is None:
@@ -396,6 +499,7 @@ class Generator:
     def reset_graphs(self) -> None:
         """Drop every captured graph (after the model reallocated weights, adapters or cache)."""
         self._buckets.clear()
+        self._prefill_buckets.clear()
         self._pool = None
         self._graph_adapter_state = None
 
@@ -541,7 +645,7 @@ class Generator:
             by_len.setdefault(len(p), []).append(i)
         groups = []
         for length, members in by_len.items():
-            rows = max(1, self.limits.max_tokens // length)
+            rows = max(1, self.limits.max_tokens // (self._padded(length) or length))
             groups += [members[k : k + rows] for k in range(0, len(members), rows)]
         return groups
 
@@ -553,6 +657,15 @@ class Generator:
         tokens = torch.tensor([ids[i] for i in group], dtype=torch.int64, device=dev)
         rows = torch.tensor(group, dtype=torch.int64, device=dev)
         lora_ids = torch.tensor([lora[i] for i in group], dtype=torch.int32, device=dev)
+        n = self._padded(length)
+        if n is not None and g * n <= self.limits.max_tokens:  # padded: one (captured) call
+            pb = self._prefill_bucket(g, n)
+            pb.input_ids[:, :length] = tokens
+            pb.input_ids[:, length:] = 0
+            pb.lora_ids.copy_(lora_ids)
+            pb.cache_rows.copy_(rows)
+            pb.last_index.fill_(length - 1)
+            return self._run_prefill_bucket(pb)
         cols = max(1, self.limits.max_tokens // g)
         logits = None
         for c0 in range(0, length, cols):

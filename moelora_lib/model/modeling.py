@@ -614,6 +614,7 @@ class MultiLoRAModel(nn.Module):
         cache_rows=None,
         last_only: bool = False,
         kv_len: int | None = None,
+        last_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run B requests of S new tokens each, appending their K/V to the cache.
 
@@ -623,6 +624,9 @@ class MultiLoRAModel(nn.Module):
             lora_ids: [B] int (tensor or list): adapter slot per request, -1 = none.
             cache_rows: [B] int64 cache row per request, or None = rows 0..B-1 (read as a view, no copy).
             last_only: return only the last column's logits.
+            last_index: with ``last_only``, [B] int64 device (or CPU) tensor: the column of each row whose
+                logits to return instead of the last (a prompt padded to a static length keeps its real
+                last token at ``len - 1``); values in [0, S) (not checked on the device).
             kv_len: host-side bound on the cache positions attention reads (every row's start_pos + S
                 ≤ kv_len); None = max_seq. Smaller values cut attention work in prefill.
         Returns:
@@ -645,6 +649,15 @@ class MultiLoRAModel(nn.Module):
             raise ValueError(f"input_ids must be int64 (or int32), got {input_ids.dtype}")
         self._check_index_device("input_ids", input_ids)
         B, S = input_ids.shape
+        if last_index is not None and (
+            not isinstance(last_index, torch.Tensor)
+            or last_index.shape != (B,)
+            or last_index.dtype not in (torch.int32, torch.int64)
+            or not last_only
+        ):
+            raise ValueError(
+                f"last_index must be an int tensor [B] and needs last_only=True, got {describe(last_index)}"
+            )
         if not 1 <= B <= self.max_batch:
             raise ValueError(f"input_ids: B = {B} must be in [1, max_batch = {self.max_batch}]")
         if not 1 <= S <= self.max_seq:
@@ -722,5 +735,8 @@ class MultiLoRAModel(nn.Module):
             x = layer(x, ctx)
         x = self.norm(x).view(B, S, -1)
         if last_only:
-            x = x[:, -1]
+            if last_index is None:
+                x = x[:, -1]
+            else:
+                x = x[self._arange[:B], last_index.to(x.device)]
         return self.lm_head(x).float()

@@ -1,0 +1,110 @@
+"""Padded (graph-capturable) prefill of moelora_lib.model.generate (``pad_prefill``) on the CPU.
+
+With CUDA graphs the generator pads each prefill group to :func:`prefill_length` and replays a graph per
+(rows, padded length). Capture itself needs a GPU (tests/test_layer_gpu.py style, marked ``gpu``); here the
+same padded forward runs eagerly (``pad_prefill=True`` on the CPU) and must give the tokens of the unpadded
+prefill, on a stub with the model contract and on the tiny real models with mixed adapters; the padded
+forward makes no host sync (the decode step's trap of tests/test_gpu_readiness.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_gpu_readiness import _load_mixed, _model, _SyncTrap
+from test_model_generate import ADAPTERS, StubLM, naive_greedy, prompts_of
+
+from moelora_lib.model.generate import Generator, prefill_length
+from moelora_lib.studies import e2e
+
+
+class PadStub(StubLM):
+    """StubLM with the ``last_index`` argument of MultiLoRAModel.forward."""
+
+    def forward(self, input_ids, start_pos, lora_ids, *, cache_rows=None, last_only=False, kv_len=None,
+                last_index=None):  # fmt: skip
+        logits = super().forward(input_ids, start_pos, lora_ids, cache_rows=cache_rows, kv_len=kv_len)
+        if not last_only:
+            return logits
+        if last_index is None:
+            return logits[:, -1]
+        return logits[torch.arange(logits.shape[0]), last_index]
+
+
+def test_prefill_length_buckets():
+    assert [prefill_length(n, 10_000) for n in (1, 64, 65, 512, 513, 1600, 2048, 2049)] == [
+        64, 64, 128, 512, 576, 1664, 2048, 2304,
+    ]  # fmt: skip
+    assert prefill_length(1600, 1620) == 1620  # capped at max_seq
+    assert len({prefill_length(n, 4096) for n in range(1, 4097)}) == 32  # 8 per octave above 64
+    for n in range(1, 5000, 7):  # at most 63 padded tokens, and 12.5 % above 512
+        p = prefill_length(n, 10**6)
+        assert n <= p < n + 64 if n <= 512 else n <= p <= 1.125 * n
+
+
+@pytest.mark.parametrize("batch_prefill", [True, False])
+def test_padded_prefill_matches_naive_loop(batch_prefill):
+    stub = PadStub(max_seq=40, max_tokens=80)
+    prompts = prompts_of([5, 9, 5, 3])
+    gen = Generator(stub, pad_prefill=True, batch_prefill=batch_prefill)
+    assert gen.pad_prefill and not gen.use_cuda_graphs
+    res = gen.generate(prompts, ADAPTERS, 8)
+    calls, kv_lens = list(stub.calls), list(stub.kv_lens)
+    for i, (p, a) in enumerate(zip(prompts, ADAPTERS)):
+        assert res.tokens[i] == naive_greedy(stub, p, a, 8), f"request {i}"
+    # every prompt padded to 40 (64 capped at max_seq); max_tokens 80 -> two rows per call at most
+    prefill_calls = [c for c in calls if c[1] > 1]
+    assert prefill_calls and all(s == 40 and b <= 2 for b, s in prefill_calls)
+    assert set(kv_lens[: len(prefill_calls)]) == {40}
+
+
+def test_padded_prefill_falls_back_for_long_prompts():
+    """A padded length above max_tokens is prefilled eagerly in chunks, as without padding."""
+    stub, big = PadStub(max_seq=40, max_tokens=8), PadStub(max_seq=40, max_tokens=64)
+    prompts = prompts_of([20], seed=7)
+    res = Generator(stub, pad_prefill=True).generate(prompts, [1], 5)
+    assert stub.calls[:3] == [(1, 8), (1, 8), (1, 4)]
+    assert res.tokens[0] == naive_greedy(big, prompts[0], 1, 5)
+
+
+def test_pad_prefill_needs_last_index():
+    with pytest.raises(ValueError, match="pad_prefill"):
+        Generator(StubLM(), pad_prefill=True)
+    assert not Generator(StubLM()).pad_prefill  # off by default on the CPU
+
+
+@pytest.mark.parametrize("name", ["tiny-gpt-oss", "tiny-qwen3-moe", "tiny-qwen3"])
+def test_padded_prefill_real_models(name, monkeypatch):
+    model = _model(name, max_seq=80, max_tokens=200)
+    _load_mixed(model)
+    adapters = [0, -1, 2] if model.config.is_moe else [0, -1, 1]
+    prompts = e2e.make_prompts(3, 11, model.config.vocab_size, 0)
+    ref = Generator(model, pad_prefill=False).generate(prompts, adapters, 4).tokens
+    gen = Generator(model, pad_prefill=True)
+    assert gen.generate(prompts, adapters, 4).tokens == ref
+    # the padded prefill forward makes no host sync (it is what a graph captures on the GPU)
+    pb = gen._prefill_bucket(3, prefill_length(11, model.max_seq))
+    trap = _SyncTrap(monkeypatch)
+    hook = model.layers[0].register_forward_pre_hook(trap.arm)
+    try:
+        with torch.no_grad():
+            logits = gen._forward_prefill(pb)
+    finally:
+        trap.disarm()
+        hook.remove()
+    assert not trap.hits, trap.hits
+    assert logits.argmax(-1).tolist() == [t[0] for t in ref]
+
+
+def test_last_index_argument():
+    model = _model("tiny-qwen3")
+    ids = torch.randint(0, model.config.vocab_size, (2, 6))
+    start, lora = torch.zeros(2, dtype=torch.int64), torch.full((2,), -1, dtype=torch.int32)
+    full = model(ids, start, lora)
+    idx = torch.tensor([2, 5])
+    got = model(ids, start, lora, last_only=True, last_index=idx)
+    torch.testing.assert_close(got, full[torch.arange(2), idx], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="last_index"):
+        model(ids, start, lora, last_index=idx)  # needs last_only
+    with pytest.raises(ValueError, match="last_index"):
+        model(ids, start, lora, last_only=True, last_index=torch.tensor([1]))

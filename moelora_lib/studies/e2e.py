@@ -632,14 +632,28 @@ def recompile_rows(
     new_tokens: int = 2,
     warm_reps: int = 3,
     seed: int = 0,
+    prewarm: bool = False,
 ) -> list[dict[str, Any]]:
     """The recompilation check, end to end: for each prompt length (never run before on this model), one
     request's TTFT the first time (``ttft_first_ms``) and the median over ``warm_reps`` more requests of
     the same length (``ttft_warm_ms``), at concurrency 1 with the scenario's adapter; ``new_binaries`` =
-    kernel binaries compiled by the first request (:func:`compiled_binaries`). ``ratio`` = first / warm."""
+    kernel binaries compiled by the first request (:func:`compiled_binaries`). ``ratio`` = first / warm.
+
+    ``prewarm``: first capture every single-prompt prefill graph up to ``max_seq``
+    (``gen.warmup(prefill_lengths="all")``, what a server does at start-up; its seconds are the row's
+    ``prewarm_s``, and the binaries it compiled ``prewarm_binaries``), so that a new length costs neither a
+    compile nor a capture; off for the ``naive`` stage, whose point is what a new length costs without it."""
     model = gen.model
     vocab = model.config.vocab_size
     adapters = adapter_slots(scenario, 1, model.num_adapters)
+    prewarm_s, prewarm_bin = 0.0, 0
+    if prewarm:
+        before = compiled_binaries()
+        _sync(model.device)
+        t0 = time.perf_counter()
+        gen.warmup(batch_sizes=[1], prefill_lengths="all")
+        _sync(model.device)
+        prewarm_s, prewarm_bin = time.perf_counter() - t0, compiled_binaries() - before
     rows = []
     for i, length in enumerate(lengths):
         before = compiled_binaries()
@@ -665,6 +679,9 @@ def recompile_rows(
                 ratio=f_ms / w_ms,
                 new_binaries=new,
                 warm_reps=warm_reps,
+                prewarm=bool(prewarm),
+                prewarm_s=prewarm_s,
+                prewarm_binaries=prewarm_bin,
                 mode=_mode(model.device),
             )
         )

@@ -108,3 +108,27 @@ def test_last_index_argument():
         model(ids, start, lora, last_index=idx)  # needs last_only
     with pytest.raises(ValueError, match="last_index"):
         model(ids, start, lora, last_only=True, last_index=torch.tensor([1]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["tiny-gpt-oss", "tiny-qwen3-moe"])
+def test_prefill_graph_replay_on_gpu(name):
+    """A captured padded prefill (CUDA graph) gives the eager unpadded prefill's last logits, and a second
+    group at another length in the same bucket replays the same graph."""
+    model = e2e.build_model(
+        name, dtype=torch.float32, device="cuda", max_batch=4, max_seq=80, max_tokens=200, num_adapters=4,
+        max_rank=8,
+    )  # fmt: skip
+    e2e.load_random_adapter(model, 0, rank=8, alpha=16, seed=0)
+    gen = Generator(model)
+    assert gen.use_cuda_graphs and gen.pad_prefill
+    V = model.config.vocab_size
+    for length in (11, 13):  # both pad to 64: one graph
+        prompts = e2e.make_prompts(2, length, V, length)
+        ids = torch.tensor(prompts, device="cuda")
+        lora = torch.tensor([0, -1], dtype=torch.int32, device="cuda")
+        with torch.no_grad():
+            ref = model(ids, torch.zeros(2, dtype=torch.int64, device="cuda"), lora, last_only=True)
+            got = gen._prefill([0, 1], prompts, [0, -1]).clone()
+        torch.testing.assert_close(got, ref, atol=2e-3, rtol=2e-3)
+    assert list(gen._prefill_buckets) == [(2, 64)] and gen._prefill_buckets[2, 64].graph is not None

@@ -263,6 +263,51 @@ def test_bad_config(kw):
 
 
 # --------------------------------------------------------------------------------------------------
+# the model uses it at decode
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["tiny-gpt-oss", "tiny-qwen3"])
+def test_model_decode_step_calls_the_kernel(name, monkeypatch):
+    from moelora_lib.kernels import decode_attention as da
+    from moelora_lib.studies import e2e
+
+    model = e2e.build_model(
+        name,
+        dtype=torch.float32,
+        device="cpu",
+        max_batch=3,
+        max_seq=20,
+        max_tokens=16,
+        num_adapters=2,
+        max_rank=4,
+    )
+    c = model.config
+    ids = torch.tensor(e2e.make_prompts(2, 5, c.vocab_size, 1))
+    rows = torch.tensor([2, 0])
+    calls, sdpa_calls = [], []
+    real, real_sdpa = da.decode_attention, torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    def sdpa(*args, **kwargs):
+        sdpa_calls.append(1)
+        return real_sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(da, "decode_attention", spy)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
+    with torch.no_grad():
+        model(ids, [0, 0], [-1, -1], cache_rows=rows)
+        assert not calls and len(sdpa_calls) == c.num_hidden_layers  # prefill: SDPA, not the kernel
+        step = model(ids[:, :1], [5, 5], [-1, -1], cache_rows=rows)
+    assert len(calls) == c.num_hidden_layers and len(sdpa_calls) == c.num_hidden_layers
+    windows = [kw["sliding_window"] for kw in calls]
+    assert windows == [c.sliding_window if t == "sliding_attention" else None for t in c.layer_types]
+    assert all((kw["sinks"] is not None) == (c.model_type == "gpt_oss") for kw in calls)
+    assert torch.isfinite(step).all()
+
+
+# --------------------------------------------------------------------------------------------------
 # compile-only for sm_90: one binary over max_seq, B and num_splits; no spills
 # --------------------------------------------------------------------------------------------------
 _COMPILE_SCRIPT = textwrap.dedent(

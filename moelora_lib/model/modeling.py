@@ -131,7 +131,10 @@ class Router(nn.Module):
 
 
 class _Ctx:
-    """Per-forward tensors every layer shares (built once by :meth:`MultiLoRAModel.forward`)."""
+    """Per-forward tensors every layer shares (built once by :meth:`MultiLoRAModel.forward`).
+
+    At decode (S = 1): ``seq_lens`` [B] int64 = start_pos + 1 (the cache positions each request sees) and no
+    masks (None); at prefill (S > 1): the masks [B, 1, S, kv_len] bool and ``seq_lens`` None."""
 
     __slots__ = (
         "B",
@@ -145,6 +148,7 @@ class _Ctx:
         "kv_len",
         "mask_full",
         "mask_slide",
+        "seq_lens",
     )
 
 
@@ -157,16 +161,20 @@ class Attention(nn.Module):
     H), ``q_norm``/``k_norm`` (qk_norm models), ``sinks`` [NH] (gpt_oss). Buffers ``k_cache``/``v_cache``
     [max_batch, NKV, max_seq, D] (not in the state dict).
 
-    Attention: with sinks, at decode (S = 1) an explicit matmul with a float32 softmax (transformers' eager
-    path runs the softmax in the model dtype: equal in fp32, slightly more accurate here in bf16/fp16) over
-    the first ``kv_len`` cache positions, scores [B, NKV, NH/NKV·S, kv_len] float32; at prefill (S > 1) the
-    same softmax by one SDPA call with a virtual sink key (:meth:`sinks_sdpa`, no score tensor); without
-    sinks, torch SDPA with a boolean mask over NKV heads of NH/NKV·S query rows each (the query heads that
-    share a KV head laid out as rows, the mask repeated per head), so the cache is read as it is. Not
-    ``enable_gqa``: with a mask that leaves SDPA only its math backend on CUDA, which repeats K/V to NH
-    heads and upcasts them to float32 over all ``kv_len`` positions on every call (several times the decode
-    step's weight bytes on Qwen3-32B). ``sliding_window`` W (sliding layers): query at position p sees keys
-    in (p - W, p].
+    Attention at decode (S = 1), every family (sinks or not, sliding or full layers): the Triton split-KV
+    kernel :func:`moelora_lib.kernels.decode_attention.decode_attention` (flash decoding) reads the cache
+    rows in place at the visible positions only (p < start_pos + 1, and the window), the NH/NKV query heads
+    of a KV head as the rows of one tile, float32 softmax, the sink added to the denominator; two launches
+    per layer whatever kv_len (a graph-captured step has kv_len = max_seq). At prefill (S > 1): with sinks,
+    one SDPA call with a virtual sink key (:meth:`sinks_sdpa`, no score tensor; float32 softmax inside
+    SDPA, where transformers' eager path runs it in the model dtype: equal in fp32, slightly more accurate
+    here in bf16/fp16); without sinks, torch SDPA with a boolean mask over NKV heads of NH/NKV·S query rows
+    each (the query heads that share a KV head laid out as rows, the mask repeated per head), so the cache
+    is read as it is. Not ``enable_gqa``: with a mask that leaves SDPA only its math backend on CUDA, which
+    repeats K/V to NH heads and upcasts them to float32 over all ``kv_len`` positions on every call (several
+    times the decode step's weight bytes on Qwen3-32B). :meth:`sinks_explicit` (explicit matmul, float32
+    scores [B, NKV, NH/NKV·S, kv_len]) is kept as an oracle for tests and notebooks. ``sliding_window`` W
+    (sliding layers): query at position p sees keys in (p - W, p].
     """
 
     def __init__(
@@ -205,6 +213,20 @@ class Attention(nn.Module):
         # indexed shape of cache[rows [B,S], :, pos [B,S]] is [B, S, NKV, D] (advanced dims first)
         self.k_cache[ctx.w_rows, :, ctx.w_pos] = k
         self.v_cache[ctx.w_rows, :, ctx.w_pos] = v
+        if S == 1:  # decode: split-KV kernel over the cache in place (no mask, no copy, no score tensor)
+            from ..kernels import decode_attention as da
+
+            o = da.decode_attention(
+                q.view(B, nh, hd),
+                self.k_cache,
+                self.v_cache,
+                ctx.seq_lens,
+                cache_rows=ctx.rows,
+                sliding_window=self.sliding_window,
+                sinks=self.sinks,
+                scale=self.scale,
+            )
+            return self.o_proj(o.view(B, nh * hd), ctx.ids)
         L = ctx.kv_len
         if ctx.rows is None:  # rows 0..B-1: a view, no copy
             kc, vc = self.k_cache[:B, :, :L], self.v_cache[:B, :, :L]
@@ -218,8 +240,6 @@ class Attention(nn.Module):
             mg = mask[:, :, None].expand(B, 1, g, S, L).reshape(B, 1, g * S, L)
             o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mg, scale=self.scale)
             o = o.reshape(B, nh, S, hd)  # not view: CUDA's fused SDPA kernels return a transposed layout
-        elif S == 1:  # decode: scores are small; the SDPA path would copy the cache view per layer and step
-            o = self.sinks_explicit(qg, kc, vc, mask, self.sinks, self.scale).view(B, nh, S, hd)
         else:
             o = self.sinks_sdpa(qg, kc, vc, mask, self.sinks, self.scale).reshape(B, nh, S, hd)
         o = o.transpose(1, 2).reshape(B * S, nh * hd)
@@ -236,7 +256,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Sink attention by an explicit matmul and float32 softmax over [scores, sink_h]: qg [B, NKV, g·S, D]
         (row j·S + s is query head kv·g + j), kc/vc [B, NKV, L, D], mask [B, 1, S, L] bool, sinks [NH]
-        -> [B, NKV, g·S, D]. Materializes float32 scores [B, NKV, g·S, L]: used at decode (S = 1)."""
+        -> [B, NKV, g·S, D]. Materializes float32 scores [B, NKV, g·S, L]. Not used by the forward (decode
+        runs the split-KV kernel, prefill :meth:`sinks_sdpa`): the oracle of tests and notebooks."""
         B, nkv, L = kc.shape[0], kc.shape[1], kc.shape[2]
         S = mask.shape[-2]
         g = qg.shape[2] // S
@@ -722,14 +743,19 @@ class MultiLoRAModel(nn.Module):
             ctx.rows = rows.to(dev, torch.int64)
             ctx.w_rows = ctx.rows[:, None].expand(B, S)
         ctx.w_pos = pos
-        kpos = self._arange[:L]
-        causal = kpos[None, None, :] <= pos[:, :, None]  # [B, S, L]
-        ctx.mask_full = causal[:, None]
-        ctx.mask_slide = ctx.mask_full
-        if self.config.sliding_window is not None:
-            ctx.mask_slide = (causal & (kpos[None, None, :] > pos[:, :, None] - self.config.sliding_window))[
-                :, None
-            ]
+        if S == 1:  # decode: the split-KV kernel takes the lengths, no mask over the cache positions
+            ctx.seq_lens = start + 1
+            ctx.mask_full = ctx.mask_slide = None
+        else:
+            ctx.seq_lens = None
+            kpos = self._arange[:L]
+            causal = kpos[None, None, :] <= pos[:, :, None]  # [B, S, L]
+            ctx.mask_full = causal[:, None]
+            ctx.mask_slide = ctx.mask_full
+            if self.config.sliding_window is not None:
+                ctx.mask_slide = (
+                    causal & (kpos[None, None, :] > pos[:, :, None] - self.config.sliding_window)
+                )[:, None]
         x = self.embed_tokens(input_ids.to(dev).reshape(B * S))
         for layer in self.layers:
             x = layer(x, ctx)

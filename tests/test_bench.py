@@ -84,6 +84,27 @@ def test_time_cuda_bad_mode_raises_before_cuda_check():
         bench.time_cuda(lambda: None, mode="bogus")
 
 
+@pytest.mark.parametrize("min_reps", [0, -1, 2.5, True, "10"])
+def test_time_cuda_bad_min_reps_raises_before_cuda_check(min_reps):
+    with pytest.raises(ValueError, match="min_reps"):
+        bench.time_cuda(lambda: None, min_reps=min_reps)
+
+
+@pytest.mark.gpu
+def test_time_cuda_min_reps_raises_the_budget():
+    """A ~1 ms call (a 2 GiB copy) with rep_ms = 1 still gets about min_reps repetitions."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    calls = []
+    x = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    t = bench.time_cuda(lambda: calls.append(y.copy_(x)), mode="eager", warmup_ms=1, rep_ms=1, min_reps=8)
+    assert t.mode == "eager" and 0 < t.ms_p50
+    # 3 warm-up + 3 estimate + do_bench's 1 + 5 + >= 1 warm-up calls, then >= ~7 timed ones
+    assert len(calls) >= 3 + 3 + 1 + 5 + 1 + 7
+
+
 def test_time_cuda_without_gpu_raises():
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():

@@ -158,6 +158,7 @@ def time_cuda(
     flush_l2: bool | str = True,
     warmup_ms: float = 25,
     rep_ms: float = 100,
+    min_reps: int | None = None,
 ) -> Timing:
     """Time ``fn()`` on the current CUDA device; returns ms p50/p20/p80 (see the module docstring).
 
@@ -172,6 +173,11 @@ def time_cuda(
         (:func:`clean_l2_flush`; own event loop, same method otherwise); ``False``: back-to-back calls
         with a warm L2 (own event loop).
     warmup_ms, rep_ms: do_bench's warm-up and measurement budgets, in milliseconds of GPU time.
+    min_reps: at least about this many repetitions: ``rep_ms`` is raised to ``min_reps`` times one
+        call's time (from three timed calls after the warm-up, without the flush, which is small
+        beside the ms-scale calls this matters for), so a short budget still gives a median over
+        several samples of a slow call. None: the repetition count is ``rep_ms`` / one call, as in
+        do_bench.
 
     Raises RuntimeError when CUDA is not available (use :func:`time_cpu` on the cpu profile);
     ValueError for an unknown ``mode`` or ``flush_l2``.
@@ -182,6 +188,10 @@ def time_cuda(
         raise ValueError(f"flush_l2 must be True, False, 'dirty' or 'clean', got {flush_l2!r}")
     if mode not in ("graph", "eager"):
         raise ValueError(f"mode must be 'graph' or 'eager', got {mode!r}")
+    if min_reps is not None and not (
+        isinstance(min_reps, int) and not isinstance(min_reps, bool) and min_reps >= 1
+    ):
+        raise ValueError(f"min_reps must be None or an int >= 1, got {min_reps!r}")
     if not torch.cuda.is_available():
         raise RuntimeError(
             "time_cuda needs a CUDA GPU (torch.cuda.is_available() is False); "
@@ -207,6 +217,15 @@ def time_cuda(
         target = graph.replay
         target()  # first replay uploads the graph; keep it out of the timings
         torch.cuda.synchronize()
+
+    if min_reps is not None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(3):
+            target()
+        end.record()
+        torch.cuda.synchronize()
+        rep_ms = max(rep_ms, min_reps * start.elapsed_time(end) / 3)
 
     if flush_l2 == "clean":
         p50, p20, p80 = _quantiles(_events(target, warmup_ms, rep_ms, before=clean_l2_flush()))
@@ -256,6 +275,7 @@ def time_fn(
     *,
     flush_l2: bool | str = True,
     cpu_reps: int = 1,
+    min_reps: int | None = None,
 ) -> Timing:
     """The one timing dispatch of the studies: :func:`time_cuda` on a GPU, :func:`time_cpu` on the CPU.
 
@@ -263,14 +283,14 @@ def time_fn(
     mode: "graph" or "eager" (GPU); "cpu" or "cpu-interpreter" force the CPU wall clock.
     device: where ``fn`` runs; a CPU device (or a CPU mode) times ``cpu_reps`` calls with no warm-up
         (under the interpreters the numbers are interpreter cost, never kernel performance).
-    warmup_ms, rep_ms, flush_l2: passed to :func:`time_cuda` (ignored on the CPU).
+    warmup_ms, rep_ms, flush_l2, min_reps: passed to :func:`time_cuda` (ignored on the CPU).
     Returns the :class:`Timing` (its ``mode`` is "graph"/"eager", or "cpu").
     """
     import torch
 
     if mode in CPU_MODES or torch.device(device).type == "cpu":
         return time_cpu(fn, reps=cpu_reps, warmup=0)
-    return time_cuda(fn, mode=mode, flush_l2=flush_l2, warmup_ms=warmup_ms, rep_ms=rep_ms)
+    return time_cuda(fn, mode=mode, flush_l2=flush_l2, warmup_ms=warmup_ms, rep_ms=rep_ms, min_reps=min_reps)
 
 
 # ---------------------------------------------------------------------------------------------

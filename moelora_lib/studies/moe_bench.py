@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -67,11 +68,14 @@ __all__ = [
     "anchor_table",
     "op_costs",
     "layer_inputs",
+    "LayerWeights",
+    "WEIGHTS_CACHE",
     "bench_layer",
     "bench_lora_op",
     "lora_op_fn",
     "make_run",
     "recompile_in_subprocess",
+    "recompile_in_subprocesses",
     "check_layer",
     "floor_us",
     "length_spec_keys",
@@ -80,6 +84,7 @@ __all__ = [
     "log_spaced_lengths",
     "run_recompile",
     "ncu_l2_hit_rate",
+    "ncu_l2_hit_rates",
     "DTYPES",
     "Workload",
 ]
@@ -346,6 +351,144 @@ def layer_inputs(
         bias=bias,
     )
     return _inputs(wl, weights)
+
+
+#: Where :class:`LayerWeights` keeps generated weight sets on the GPU profile (git-ignored, beside the
+#: Triton and Helion caches); passed explicitly by the notebooks and their helper processes.
+WEIGHTS_CACHE = bench.REPO_ROOT / ".cache" / "layer_weights"
+
+
+@functools.cache
+def _generator_code_hash() -> str:
+    """A hash of the code that generates the inputs (seeded draws, routing, presets): part of every
+    cache key of :class:`LayerWeights`, so a change there regenerates instead of loading stale weights."""
+    import hashlib
+    import inspect
+
+    from .. import routing, shapes, workloads
+
+    src = "".join(inspect.getsource(m) for m in (workloads, routing, shapes))
+    return hashlib.sha256(src.encode()).hexdigest()[:16]
+
+
+class LayerWeights:
+    """The seeded expert weights, biases and adapters of each (model, bias) built once and handed to
+    every cell that needs them (reuse them with ``layer_inputs(shape, T, weights=...)``).
+
+    ``get(shape, bias=...)`` returns exactly what ``layer_inputs(shape, 1, rank=rank,
+    num_adapters=num_adapters, dtype=dtype, device=device, seed=seed, bias=bias)`` returns (the same
+    tensors, bit for bit): generating them costs about 8 s per GPT-OSS-20B or Qwen3-30B-A3B layer (a
+    serial CPU random stream of ~0.8 G values, then the copy to the device), so a notebook that asked
+    for them in three cells, or once per missed target, paid that each time.
+
+    In this process the sets are kept until :meth:`drop`. With ``folder`` (the GPU profile passes
+    :data:`WEIGHTS_CACHE`) a generated set is also saved there (``torch.save``, written atomically,
+    ~1.8 GB per set in bf16) and later loaded instead of generated — by the next notebook or a helper
+    process — in about a second. The file name holds a hash of every input of the generation (the
+    preset's fields, T = 1, R, L, slices, dtype, device type, seed, biases), the torch version and
+    the source of the generating code (:mod:`~moelora_lib.workloads`, :mod:`~moelora_lib.routing`,
+    :mod:`~moelora_lib.shapes`), so a different input or changed code generates a new set instead of
+    loading a stale one. Nothing else is cached: the tokens of every other T are drawn as before.
+    """
+
+    def __init__(
+        self,
+        *,
+        rank: int = 32,
+        num_adapters: int = 8,
+        dtype=torch.bfloat16,
+        device="cuda",
+        seed: int = 0,
+        folder: str | os.PathLike | None = None,
+    ):
+        self.rank, self.num_adapters, self.dtype, self.seed = rank, num_adapters, dtype, seed
+        self.device = torch.device(device)
+        self.folder = None if folder is None else os.fspath(folder)
+        self._sets: dict[tuple[str, bool], MoELoRAInputs] = {}
+        #: per get(): "memo" (this process), "loaded" (folder) or "generated"
+        self.log: list[tuple[str, bool, str]] = []
+
+    def _key(self, shape: MoEShape, bias: bool) -> str:
+        import hashlib
+
+        fields = dict(
+            shape=dataclasses.asdict(shape),
+            T=1,
+            rank=self.rank,
+            adapters=self.num_adapters,
+            slices=shape.lora_slices,
+            pattern="uniform",
+            dtype=dtype_name(self.dtype),
+            device=self.device.type,
+            seed=self.seed,
+            bias=bias,
+            torch=torch.__version__,
+            code=_generator_code_hash(),
+        )
+        h = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+        return (
+            f"{shape.name}-r{self.rank}-l{self.num_adapters}-{dtype_name(self.dtype)}-s{self.seed}-"
+            f"{'bias' if bias else 'nobias'}-{h}.pt"
+        )
+
+    def get(self, shape: MoEShape | str, *, bias: bool | None = None) -> MoELoRAInputs:
+        """The weight set of ``shape`` (a preset or its name) with (True) or without (False) expert
+        biases; None = the preset's. Returns the same object on every call until :meth:`drop`."""
+        shape = get_shape(shape) if isinstance(shape, str) else shape
+        use_bias = shape.has_bias if bias is None else bool(bias)
+        k = (shape.name, use_bias)
+        if k in self._sets:
+            self.log.append((shape.name, use_bias, "memo"))
+            return self._sets[k]
+        path = None if self.folder is None else os.path.join(self.folder, self._key(shape, use_bias))
+        inp, how = None, "generated"
+        if path is not None and os.path.exists(path):
+            try:
+                inp, how = self._load(path), "loaded"
+            except Exception:  # a truncated or foreign file: generate and overwrite it
+                inp = None
+        if inp is None:
+            inp = layer_inputs(
+                shape,
+                1,
+                rank=self.rank,
+                num_adapters=self.num_adapters,
+                dtype=self.dtype,
+                device=self.device,
+                seed=self.seed,
+                bias=use_bias,
+            )
+            if path is not None:
+                self._save(inp, path)
+        self._sets[k] = inp
+        self.log.append((shape.name, use_bias, how))
+        return inp
+
+    def drop(self, shape: MoEShape | str | None = None) -> None:
+        """Forget the sets of ``shape`` (all sets when None) in this process (the files stay), so
+        their device memory can be freed."""
+        name = None if shape is None else (shape if isinstance(shape, str) else shape.name)
+        for k in [k for k in self._sets if name is None or k[0] == name]:
+            del self._sets[k]
+
+    def _save(self, inp: MoELoRAInputs, path: str) -> None:
+        import tempfile
+
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        state = {f.name: getattr(inp, f.name) for f in dataclasses.fields(inp)}
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+        os.close(fd)
+        try:
+            torch.save(state, tmp)
+            os.replace(tmp, path)  # atomic: a concurrent reader sees the old file or the whole new one
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
+
+    def _load(self, path: str) -> MoELoRAInputs:
+        state = torch.load(path, map_location=self.device, weights_only=True)
+        return MoELoRAInputs(**state)
 
 
 def _inputs(wl: Workload, weights: MoELoRAInputs | None) -> MoELoRAInputs:
@@ -786,6 +929,31 @@ def count_compiled_variants(specialize_lengths: bool, device: int | None = None)
     return out
 
 
+class _TimedSection:
+    """``with _TimedSection(path):`` holds an exclusive ``flock`` on ``path`` (created if missing) for the
+    block; a no-op for None. Processes that share the GPU take it around their timed calls, so those
+    never overlap each other (the untimed work in between does)."""
+
+    def __init__(self, path: str | os.PathLike | None):
+        self.path, self.fd = path, None
+
+    def __enter__(self):
+        if self.path is not None:
+            import fcntl
+
+            self.fd = os.open(os.fspath(self.path), os.O_RDWR | os.O_CREAT, 0o644)
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        if self.fd is not None:
+            import fcntl
+
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
+
+
 def run_recompile(
     stage: str,
     model: str,
@@ -797,25 +965,24 @@ def run_recompile(
     config_T: int = 64,
     seed: int = 0,
     warm_reps: int = 3,
+    lock_path: str | os.PathLike | None = None,
+    weights_folder: str | os.PathLike | None = None,
 ) -> list[dict[str, Any]]:
     """In this (fresh) process: for each length in order, build the layer (untimed), time the first
     call (wall clock, synchronized: compilation of any new binary included) and the median of
     ``warm_reps`` warm calls, and count the compiled binaries. One fixed config
     (:func:`default_config` at ``config_T``) for every length, so every new binary is a
-    length specialization. GPU only."""
+    length specialization. GPU only.
+
+    lock_path: a file whose exclusive lock is held around each length's timed calls and count
+    (:func:`recompile_in_subprocesses` runs the stages side by side with one lock, so their timed calls
+    never overlap). weights_folder: a :class:`LayerWeights` folder (the expert and adapter weights,
+    bias-free, loaded instead of generated when an earlier process saved them there)."""
     shape = get_shape(model)
     dt = DTYPES[dtype]
-    weights = layer_inputs(
-        shape,
-        1,
-        rank=rank,
-        num_adapters=num_adapters,
-        dtype=dt,
-        device="cuda",
-        seed=seed,
-        activation="silu",
-        bias=False,
-    )
+    weights = LayerWeights(
+        rank=rank, num_adapters=num_adapters, dtype=dt, device="cuda", seed=seed, folder=weights_folder
+    ).get(shape, bias=False)
     cfg = default_config(Dims.of(shape, config_T, rank=rank, adapters=num_adapters))
     spec = STAGES[stage].specialize_lengths
     rows = []
@@ -823,17 +990,19 @@ def run_recompile(
         inp = layer_inputs(shape, T, rank=rank, num_adapters=num_adapters, weights=weights, seed=seed)
         run = make_run(stage, inp, cfg)
         torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        run()
-        torch.cuda.synchronize()
-        first_ms = (time.perf_counter() - t0) * 1e3
-        warm = []
-        for _ in range(warm_reps):
+        with _TimedSection(lock_path):
+            torch.cuda.synchronize()
             t0 = time.perf_counter()
             run()
             torch.cuda.synchronize()
-            warm.append((time.perf_counter() - t0) * 1e3)
-        counts = count_compiled_variants(spec)
+            first_ms = (time.perf_counter() - t0) * 1e3
+            warm = []
+            for _ in range(warm_reps):
+                t0 = time.perf_counter()
+                run()
+                torch.cuda.synchronize()
+                warm.append((time.perf_counter() - t0) * 1e3)
+            counts = count_compiled_variants(spec)
         rows.append(
             dict(
                 stage=stage,
@@ -849,6 +1018,48 @@ def run_recompile(
     return rows
 
 
+def _recompile_cmd(
+    stage: str,
+    model: str,
+    lengths: Sequence[int],
+    out: str,
+    *,
+    rank: int,
+    num_adapters: int,
+    dtype: str,
+    seed: int,
+    lock_path: str | None = None,
+    weights_folder: str | os.PathLike | None = None,
+) -> list[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "moelora_lib.studies.moe_bench",
+        "recompile",
+        "--stage",
+        stage,
+        "--model",
+        model,
+        "--lengths",
+        ",".join(str(int(t)) for t in lengths),
+        "--rank",
+        str(rank),
+        "--adapters",
+        str(num_adapters),
+        "--dtype",
+        dtype,
+        "--seed",
+        str(seed),
+        "--out",
+        out,
+    ]
+    if lock_path is not None:
+        cmd += ["--lock", lock_path]
+    if weights_folder is not None:
+        cmd += ["--weights-folder", os.fspath(weights_folder)]
+    return cmd
+
+
 def recompile_in_subprocess(
     stage: str,
     model: str,
@@ -859,52 +1070,94 @@ def recompile_in_subprocess(
     dtype: str = "bfloat16",
     seed: int = 0,
     timeout_s: float = 400,
+    weights_folder: str | os.PathLike | None = None,
 ) -> list[dict[str, Any]]:
     """:func:`run_recompile` in a fresh Python process (``python -m moelora_lib.studies.moe_bench recompile``)
     with an empty ``TRITON_CACHE_DIR``, so every binary is really compiled (no in-process JIT cache,
     no on-disk cache from earlier runs). Returns its rows; raises RuntimeError with the tail of the
     child's output if it fails."""
+    return recompile_in_subprocesses(
+        [stage],
+        model,
+        lengths,
+        rank=rank,
+        num_adapters=num_adapters,
+        dtype=dtype,
+        seed=seed,
+        timeout_s=timeout_s,
+        weights_folder=weights_folder,
+    )[stage]
+
+
+def recompile_in_subprocesses(
+    stages: Sequence[str],
+    model: str,
+    lengths: Sequence[int],
+    *,
+    rank: int = 32,
+    num_adapters: int = 8,
+    dtype: str = "bfloat16",
+    seed: int = 0,
+    timeout_s: float = 400,
+    weights_folder: str | os.PathLike | None = None,
+) -> dict[str, list[dict[str, Any]]]:
+    """:func:`run_recompile` for each of ``stages`` in a fresh process of its own, all started at once:
+    each with its own empty ``TRITON_CACHE_DIR`` (every binary really compiled, nothing shared), and one
+    lock file (``run_recompile(lock_path=...)``) held around every length's timed calls, so the timed
+    calls of two stages never overlap; their start-up, weights and untimed layer builds do. On the
+    16-core GPU host the two processes do not compete for a core. Returns {stage: rows}; raises
+    RuntimeError with the tail of a child's output if one fails (the others are stopped)."""
     import subprocess
     import tempfile
 
-    with (
-        tempfile.TemporaryDirectory(prefix="moelora_triton_cache_") as cache,
-        tempfile.TemporaryDirectory(prefix="moelora_recompile_") as tmp,
-    ):
-        out = os.path.join(tmp, "rows.json")
-        env = dict(os.environ, TRITON_CACHE_DIR=cache)
-        env.pop("TRITON_INTERPRET", None)
-        cmd = [
-            sys.executable,
-            "-m",
-            "moelora_lib.studies.moe_bench",
-            "recompile",
-            "--stage",
-            stage,
-            "--model",
-            model,
-            "--lengths",
-            ",".join(str(int(t)) for t in lengths),
-            "--rank",
-            str(rank),
-            "--adapters",
-            str(num_adapters),
-            "--dtype",
-            dtype,
-            "--seed",
-            str(seed),
-            "--out",
-            out,
-        ]
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=str(bench.REPO_ROOT)
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(
-                f"{' '.join(cmd[:6])} failed (rc {proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}"
-            )
-        with open(out) as f:
-            return json.load(f)
+    stages = list(stages)
+    with tempfile.TemporaryDirectory(prefix="moelora_recompile_") as tmp:
+        lock = os.path.join(tmp, "timed.lock")
+        procs, caches = {}, []
+        try:
+            for st in stages:
+                cache = tempfile.mkdtemp(prefix="moelora_triton_cache_", dir=tmp)
+                caches.append(cache)
+                env = dict(os.environ, TRITON_CACHE_DIR=cache)
+                env.pop("TRITON_INTERPRET", None)
+                cmd = _recompile_cmd(
+                    st,
+                    model,
+                    lengths,
+                    os.path.join(tmp, f"{st}.json"),
+                    rank=rank,
+                    num_adapters=num_adapters,
+                    dtype=dtype,
+                    seed=seed,
+                    lock_path=lock if len(stages) > 1 else None,
+                    weights_folder=weights_folder,
+                )
+                log = os.path.join(tmp, f"{st}.log")  # a file, not a pipe: no child blocks on a full pipe
+                with open(log, "w") as f:
+                    proc = subprocess.Popen(
+                        cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=str(bench.REPO_ROOT)
+                    )
+                procs[st] = (cmd, proc, log)
+            deadline = time.monotonic() + timeout_s
+            for cmd, proc, log in procs.values():
+                try:
+                    proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    raise RuntimeError(f"{' '.join(cmd[:6])} timed out after {timeout_s:.0f} s") from None
+                if proc.returncode != 0:
+                    with open(log) as f:
+                        tail = f.read()[-3000:]
+                    raise RuntimeError(f"{' '.join(cmd[:6])} failed (rc {proc.returncode}):\n{tail}")
+        finally:
+            for _, proc, _ in procs.values():
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        rows = {}
+        for st in stages:
+            with open(os.path.join(tmp, f"{st}.json")) as f:
+                rows[st] = json.load(f)
+        return rows
 
 
 # ------------------------------------------------------------------------------------------------
@@ -912,50 +1165,87 @@ def recompile_in_subprocess(
 # ------------------------------------------------------------------------------------------------
 
 
-def _ncu_target(model: str, T: int, group_size_m: int, rank: int, num_adapters: int, seed: int) -> None:
-    """Launch the gate_up shrink of stage ``swizzle`` a few times (the process ncu profiles)."""
+def _ncu_target(
+    model: str,
+    points: Sequence[tuple[int, int]],
+    rank: int,
+    num_adapters: int,
+    seed: int,
+    weights_folder: str | os.PathLike | None = None,
+) -> None:
+    """Per (T, GROUP_SIZE_M) point, in order: build the layer of stage ``swizzle`` (one call: two
+    launches of the shrink kernel, gate_up and down), then launch its gate_up shrink with that
+    GROUP_SIZE_M three times — five launches of ``_lora_shrink_kernel`` per point (the process ncu
+    profiles). One weight set for every point (:class:`LayerWeights`, loaded from ``weights_folder``
+    when an earlier process saved it there)."""
     shape = get_shape(model)
-    inp = layer_inputs(
-        shape,
-        T,
+    weights = LayerWeights(
         rank=rank,
         num_adapters=num_adapters,
         dtype=torch.bfloat16,
         device="cuda",
         seed=seed,
-        activation="silu",
-        bias=False,
-    )
-    run = make_run("swizzle", inp, None)
-    run()
-    fn = lora_op_fn(
-        run, "gate_up_shrink", dataclasses.replace(run.cfg.gate_up_shrink, GROUP_SIZE_M=group_size_m)
-    )
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
+        folder=weights_folder,
+    ).get(shape, bias=False)
+    for T, group_size_m in points:
+        inp = layer_inputs(
+            shape,
+            T,
+            rank=rank,
+            num_adapters=num_adapters,
+            seed=seed,
+            activation="silu",
+            bias=False,
+            weights=weights,
+        )
+        run = make_run("swizzle", inp, None)
+        run()
+        fn = lora_op_fn(
+            run, "gate_up_shrink", dataclasses.replace(run.cfg.gate_up_shrink, GROUP_SIZE_M=group_size_m)
+        )
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        del run, inp, fn
 
 
-def ncu_l2_hit_rate(
+#: ``_lora_shrink_kernel`` launches :func:`_ncu_target` makes per point (2 in the layer call + 3).
+NCU_LAUNCHES_PER_POINT = 5
+
+
+def ncu_l2_hit_rates(
     model: str,
-    T: int,
-    group_size_m: int,
+    points: Sequence[tuple[int, int]],
     *,
     rank: int = 32,
     num_adapters: int = 8,
     seed: int = 0,
-    timeout_s: float = 180,
-) -> dict[str, Any]:
-    """Run ``ncu --clock-control none --metrics lts__t_sector_hit_rate.pct`` on a subprocess that
-    launches the gate_up shrink (stage swizzle, given GROUP_SIZE_M); returns dict(ok, l2_hit_pct
-    (mean over the profiled launches), launches, message). ok=False with the reason when ncu is
-    missing, lacks counter permissions, or fails."""
+    weights_folder: str | os.PathLike | None = None,
+    timeout_s: float = 300,
+) -> list[dict[str, Any]]:
+    """Run ``ncu --clock-control none --metrics lts__t_sector_hit_rate.pct`` once, on one subprocess
+    that launches the gate_up shrink (stage swizzle) at every (T, GROUP_SIZE_M) of ``points`` in turn
+    (:func:`_ncu_target`); ncu replays each launch with its caches flushed first (its default
+    ``--cache-control all``), so a point's numbers do not depend on the points before it — the same
+    numbers as one process per point, for one process start and one weight set instead of one per
+    point. Returns one dict per point, in order: T, group_size_m, ok, l2_hit_pct (mean over the
+    point's :data:`NCU_LAUNCHES_PER_POINT` profiled launches, ncu's launch order), launches, message.
+    ok=False with the reason when ncu is missing, lacks counter permissions, fails, or reports a
+    number of launches that does not split evenly into the points."""
     import shutil
     import subprocess
 
+    points = [(int(t), int(g)) for t, g in points]
+
+    def failed(msg: str) -> list[dict[str, Any]]:
+        return [
+            dict(T=t, group_size_m=g, ok=False, l2_hit_pct=float("nan"), launches=0, message=msg)
+            for t, g in points
+        ]
+
     ncu = shutil.which("ncu")
     if ncu is None:
-        return dict(ok=False, l2_hit_pct=float("nan"), launches=0, message="ncu not found on PATH")
+        return failed("ncu not found on PATH")
     cmd = [
         ncu,
         "--clock-control",
@@ -971,10 +1261,8 @@ def ncu_l2_hit_rate(
         "ncu-target",
         "--model",
         model,
-        "--T",
-        str(T),
-        "--group-size-m",
-        str(group_size_m),
+        "--points",
+        ",".join(f"{t}:{g}" for t, g in points),
         "--rank",
         str(rank),
         "--adapters",
@@ -982,12 +1270,14 @@ def ncu_l2_hit_rate(
         "--seed",
         str(seed),
     ]
+    if weights_folder is not None:
+        cmd += ["--weights-folder", os.fspath(weights_folder)]
     try:
         proc = subprocess.run(
             cmd, capture_output=True, text=True, timeout=timeout_s, cwd=str(bench.REPO_ROOT)
         )
     except (OSError, subprocess.SubprocessError) as e:
-        return dict(ok=False, l2_hit_pct=float("nan"), launches=0, message=f"ncu failed: {e}")
+        return failed(f"ncu failed: {e}")
     vals = []
     for line in proc.stdout.splitlines():
         if "lts__t_sector_hit_rate.pct" in line:
@@ -998,13 +1288,48 @@ def ncu_l2_hit_rate(
                 pass
     if not vals:
         tail = (proc.stdout + proc.stderr)[-400:].replace("\n", " | ")
-        return dict(
-            ok=False,
-            l2_hit_pct=float("nan"),
-            launches=0,
-            message=f"no metric in ncu output (rc {proc.returncode}): {tail}",
+        return failed(f"no metric in ncu output (rc {proc.returncode}): {tail}")
+    if len(vals) != NCU_LAUNCHES_PER_POINT * len(points):
+        return failed(
+            f"ncu profiled {len(vals)} launches, expected {NCU_LAUNCHES_PER_POINT} per point for "
+            f"{len(points)} points (rc {proc.returncode})"
         )
-    return dict(ok=True, l2_hit_pct=sum(vals) / len(vals), launches=len(vals), message="ok")
+    n = NCU_LAUNCHES_PER_POINT
+    return [
+        dict(
+            T=t,
+            group_size_m=g,
+            ok=True,
+            l2_hit_pct=sum(vals[i * n : (i + 1) * n]) / n,
+            launches=n,
+            message="ok",
+        )
+        for i, (t, g) in enumerate(points)
+    ]
+
+
+def ncu_l2_hit_rate(
+    model: str,
+    T: int,
+    group_size_m: int,
+    *,
+    rank: int = 32,
+    num_adapters: int = 8,
+    seed: int = 0,
+    weights_folder: str | os.PathLike | None = None,
+    timeout_s: float = 180,
+) -> dict[str, Any]:
+    """:func:`ncu_l2_hit_rates` for one point: dict(ok, l2_hit_pct, launches, message)."""
+    r = ncu_l2_hit_rates(
+        model,
+        [(T, group_size_m)],
+        rank=rank,
+        num_adapters=num_adapters,
+        seed=seed,
+        weights_folder=weights_folder,
+        timeout_s=timeout_s,
+    )[0]
+    return {k: r[k] for k in ("ok", "l2_hit_pct", "launches", "message")}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1015,7 +1340,7 @@ def ncu_l2_hit_rate(
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m moelora_lib.studies.moe_bench recompile --stage S --model M --lengths 1,7,...
     --out F.json``
-    or ``... ncu-target --model M --T 64 --group-size-m 8``."""
+    or ``... ncu-target --model M --points 64:1,64:8 [--weights-folder DIR]``."""
     p = argparse.ArgumentParser(prog="python -m moelora_lib.studies.moe_bench")
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("recompile", help="compiled variants and first/warm call latency per length")
@@ -1028,10 +1353,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--config-T", type=int, default=64)
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--out", required=True, help="JSON file for the rows")
+    r.add_argument("--lock", default=None, help="lock file held around each length's timed calls")
+    r.add_argument("--weights-folder", default=None, help="LayerWeights folder (load/save the weight set)")
     n = sub.add_parser("ncu-target", help="launch the gate_up shrink (profiled by ncu)")
     n.add_argument("--model", default="gpt-oss-20b")
     n.add_argument("--T", type=int, default=64)
     n.add_argument("--group-size-m", type=int, default=1)
+    n.add_argument("--points", default="", help="T:GROUP_SIZE_M,... in order (instead of --T/--group-size-m)")
+    n.add_argument("--weights-folder", default=None, help="LayerWeights folder (load/save the weight set)")
     n.add_argument("--rank", type=int, default=32)
     n.add_argument("--adapters", type=int, default=8)
     n.add_argument("--seed", type=int, default=0)
@@ -1047,12 +1376,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             dtype=a.dtype,
             config_T=a.config_T,
             seed=a.seed,
+            lock_path=a.lock,
+            weights_folder=a.weights_folder,
         )
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         with open(a.out, "w") as f:
             json.dump(rows, f)
         return 0
-    _ncu_target(a.model, a.T, a.group_size_m, a.rank, a.adapters, a.seed)
+    points = [tuple(int(v) for v in p.split(":")) for p in a.points.split(",") if p] or [
+        (a.T, a.group_size_m)
+    ]
+    _ncu_target(a.model, points, a.rank, a.adapters, a.seed, a.weights_folder)
     return 0
 
 

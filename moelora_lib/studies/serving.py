@@ -84,6 +84,10 @@ def _time(fn: Callable[[], Any], device, **kw) -> bench.Timing:
     return bench.time_fn(fn, "graph", device, **kw)
 
 
+#: do_bench's budgets (ms) unless a caller passes its own (notebook 09: its WARMUP_MS / REP_MS).
+WARMUP_MS, REP_MS = 25, 100
+
+
 def _row(shape: MoEShape, T: int, tm: bench.Timing, **fields) -> dict[str, Any]:
     return bench.result_row(
         model=shape.name, T=T, mode=tm.mode, us_p50=tm.ms_p50 * 1e3, us_p20=tm.ms_p20 * 1e3,
@@ -103,6 +107,9 @@ def align_rows(
     rank: int = 32,
     seed: int = 0,
     pair_fn: Callable | None = None,
+    weights: MoELoRAInputs | None = None,
+    warmup_ms: float = WARMUP_MS,
+    rep_ms: float = REP_MS,
 ) -> list[dict[str, Any]]:
     """Base + LoRA alignment of one layer call at T tokens, torch vs Triton (and ``pair_fn``).
 
@@ -117,9 +124,15 @@ def align_rows(
     returning a no-argument function that aligns both (e.g. a one-launch path) and returns the two
     alignments. Each row: impl, us_p50 (graph replay, L2 flushed), identical (bit-for-bit equal to
     the torch result).
+
+    Only the routing and adapter ids are used: ``weights`` (an earlier
+    :func:`~moelora_lib.studies.moe_bench.layer_inputs` result of this shape, e.g. a
+    :class:`~moelora_lib.studies.moe_bench.LayerWeights` set) draws them from (seed, T) without
+    generating a layer's weights (~8 s each at the model shapes); None generates a whole input set.
+    warmup_ms, rep_ms: do_bench's budgets per timing.
     """
     sh = _shape(shape)
-    inp = layer_inputs(sh, T, rank=rank, num_adapters=adapters, device=device, seed=seed, weights=None)
+    inp = layer_inputs(sh, T, rank=rank, num_adapters=adapters, device=device, seed=seed, weights=weights)
     ti, li, E, L = inp.topk_ids, inp.lora_ids, sh.experts, adapters
     cfg = STAGES["tuned"].adapt(STAGES["tuned"].config_for(Dims.of(sh, T, rank=rank, adapters=adapters)))
     bmb, bml = cfg.base_block_size_m, cfg.lora_block_size_m
@@ -150,7 +163,7 @@ def align_rows(
     for name, fn in impls.items():
         got = fn()
         same = all(alignments_equal(r, g) for r, g in zip(ref, got))
-        tm = _time(fn, device)
+        tm = _time(fn, device, warmup_ms=warmup_ms, rep_ms=rep_ms)
         rows.append(
             _row(sh, T, tm, impl=name, E=E, K=sh.top_k, L=L, bm_base=bmb, bm_lora=bml, identical=same)
         )
@@ -234,6 +247,8 @@ def eager_rows(
     device="cuda",
     stage: str = "tuned",
     reps: int = 200,
+    warmup_ms: float = WARMUP_MS,
+    rep_ms: float = REP_MS,
 ) -> list[dict[str, Any]]:
     """Eager wall time of the public call and of the module at T tokens, beside their kernels' GPU time.
 
@@ -242,7 +257,8 @@ def eager_rows(
     synchronize) and host_us (until the call returns); ``public_kernels`` / ``module_kernels``: the GPU
     time of the same launches replayed in a CUDA graph without an L2 flush (consecutive eager calls
     see the same L2), and ``layer_kernels``: the layer's launches alone with a precomputed alignment.
-    On the CPU profile the rows time the interpreter (no performance number).
+    On the CPU profile the rows time the interpreter (no performance number). warmup_ms, rep_ms:
+    do_bench's budgets of the graph timings.
     """
     sh = _shape(shape)
     x, tw, ti, li, lg = inp.hidden_states, inp.topk_weights, inp.topk_ids, inp.lora_ids, inp.router_logits
@@ -275,7 +291,7 @@ def eager_rows(
         "layer_kernels": run,
     }
     for what, fn in kernels.items():
-        tm = bench.time_fn(fn, "graph", device, flush_l2=False)
+        tm = bench.time_fn(fn, "graph", device, warmup_ms, rep_ms, flush_l2=False)
         rows.append(bench.result_row(model=sh.name, T=T, what=what, mode=tm.mode, gpu_us=tm.ms_p50 * 1e3))
     return rows
 
@@ -399,7 +415,15 @@ def host_profile_rows(
 
 
 def graph_rows(
-    shape: MoEShape | str, T: int, inp: MoELoRAInputs, layer: MoELoRALayer, *, device="cuda", stage="tuned"
+    shape: MoEShape | str,
+    T: int,
+    inp: MoELoRAInputs,
+    layer: MoELoRALayer,
+    *,
+    device="cuda",
+    stage="tuned",
+    warmup_ms: float = WARMUP_MS,
+    rep_ms: float = REP_MS,
 ) -> list[dict[str, Any]]:
     """The whole layer in one CUDA graph at T tokens, beside the layer's kernels alone.
 
@@ -408,6 +432,7 @@ def graph_rows(
     alignment + layer), ``module_logits`` (softmax top-k routing + alignment + layer); graph replay,
     L2 flushed. ``max_abs_diff``: the module's output against the public call's given the same routing
     (0 = bit-identical; the module routes with :func:`~moelora_lib.kernels.route.route_triton`).
+    warmup_ms, rep_ms: do_bench's budgets per timing.
     """
     sh = _shape(shape)
     x, tw, ti, li, lg = inp.hidden_states, inp.topk_weights, inp.topk_ids, inp.lora_ids, inp.router_logits
@@ -426,7 +451,7 @@ def graph_rows(
     rows = []
     for what, fn in fns.items():
         diff = (fn().float() - refs[what].float()).abs().max().item() if T else 0.0
-        tm = _time(fn, device)
+        tm = _time(fn, device, warmup_ms=warmup_ms, rep_ms=rep_ms)
         rows.append(_row(sh, T, tm, what=what, max_abs_diff=diff))
     return rows
 

@@ -729,21 +729,36 @@ def compare_tuned_vs_default(
     warmup_ms: float = 10,
     rep_ms: float = 40,
     progress: bool = True,
+    weights=None,
 ) -> list[dict]:
     """:func:`moelora_lib.studies.moe_bench.bench_layer` rows (parts base, lora, total) of stage
     ``even_k_fused_add`` with :func:`default_config` and stage ``tuned`` (configs from
     :func:`moelora_lib.configs.load_layer_config`; ``folder`` None = the loader's precedence) per
-    (model, T); uniform ids, silu, no biases (the vLLM side-by-side setting), graph mode."""
+    (model, T); uniform ids, silu, no biases (the vLLM side-by-side setting), graph mode.
+    ``weights``: a :class:`~moelora_lib.studies.moe_bench.LayerWeights` of the same rank, L, dtype,
+    device and seed to take each model's bias-free weight set from (None: generated here)."""
     from moelora_lib.studies.notebook import progress as tqdm  # a text bar, also in notebooks
 
     from .moe_bench import bench_layer, layer_inputs
 
+    if weights is not None and (weights.rank, weights.num_adapters, weights.seed) != (
+        rank,
+        num_adapters,
+        seed,
+    ):
+        raise ValueError(
+            f"weights: a LayerWeights of rank {weights.rank}, L {weights.num_adapters}, seed {weights.seed}; "
+            f"expected rank {rank}, L {num_adapters}, seed {seed}"
+        )
     rows = []
     for m in models:
         s = get_shape(m)
-        w = layer_inputs(
-            s, 1, rank=rank, num_adapters=num_adapters, dtype=dtype, device=device, seed=seed, bias=False
-        )
+        if weights is not None:
+            w = weights.get(s, bias=False)
+        else:
+            w = layer_inputs(
+                s, 1, rank=rank, num_adapters=num_adapters, dtype=dtype, device=device, seed=seed, bias=False
+            )
         for T in tqdm(list(tokens), desc=f"{m} tuned vs default", disable=not progress):
             for stage in (TUNE_STAGE, "tuned"):
                 cfg = None

@@ -536,11 +536,11 @@ def _fields(inp: ProjectionInputs, T: int, pattern: str) -> dict[str, Any]:
     )
 
 
-def _timing(fn, device, mode: str, warmup_ms: float, rep_ms: float) -> dict[str, Any]:
+def _timing(fn, device, mode: str, warmup_ms: float, rep_ms: float, min_reps=None) -> dict[str, Any]:
     """Time ``fn`` (:func:`moelora_lib.studies.bench.time_fn`; on the CPU mode "cpu-interpreter":
     interpreter wall clock, not kernel performance): a row's mode, ms_p50, ms_p20, ms_p80, us_p50."""
     m = "cpu-interpreter" if torch.device(device).type == "cpu" else mode
-    tm = bench.time_fn(fn, m, device, warmup_ms, rep_ms)
+    tm = bench.time_fn(fn, m, device, warmup_ms, rep_ms, min_reps=min_reps)
     return dict(mode=m, ms_p50=tm.ms_p50, ms_p20=tm.ms_p20, ms_p80=tm.ms_p80, us_p50=tm.ms_p50 * 1e3)
 
 
@@ -559,6 +559,7 @@ def _time_row(
     mode,
     warmup_ms,
     rep_ms,
+    min_reps=None,
     block_size_m=None,
 ):
     return bench.result_row(
@@ -569,13 +570,14 @@ def _time_row(
         config=config,
         config_source=config_source,
         block_size_m=block_size_m,
-        **_timing(fn, inp.device, mode, warmup_ms, rep_ms),
+        **_timing(fn, inp.device, mode, warmup_ms, rep_ms, min_reps),
         flops=cost["flops"],
         bytes=cost["bytes"],
         floor_us=cost["floor_us"],
         bound=cost["bound"],
         warmup_ms=warmup_ms,
         rep_ms=rep_ms,
+        min_reps=min_reps,
     )
 
 
@@ -624,6 +626,7 @@ def bench_projection(
     config=None,
     warmup_ms: float = 25,
     rep_ms: float = 100,
+    min_reps: int | None = None,
     rank: int = 32,
     adapters: int = 8,
     dtype=torch.bfloat16,
@@ -644,7 +647,7 @@ def bench_projection(
     Returns rows (:func:`moelora_lib.studies.bench.result_row`) with model, proj, H, N, slices, S, T,
     L, R, dtype, pattern, impl, stage, part, config, config_source, block_size_m (the alignment's, None
     for the base), mode, ms_p50, ms_p20, ms_p80, us_p50, flops, bytes, floor_us, bound, warmup_ms,
-    rep_ms and the environment columns.
+    rep_ms, min_reps (:func:`moelora_lib.studies.bench.time_cuda`'s) and the environment columns.
     """
     _check_stage(stage)
     bad = [p for p in parts if p not in PARTS]
@@ -653,7 +656,7 @@ def bench_projection(
     kw = dict(rank=rank, adapters=adapters, dtype=dtype, device=device, seed=seed)
     inp, ids, costs = _point(proj, T, inputs, pattern, **kw)
     x = inp.x_for(T)
-    common = dict(mode=mode, warmup_ms=warmup_ms, rep_ms=rep_ms)
+    common = dict(mode=mode, warmup_ms=warmup_ms, rep_ms=rep_ms, min_reps=min_reps)
     rows = []
     for part in parts:
         if part == "base":
@@ -685,6 +688,7 @@ def bench_baselines(
     mode: str = "graph",
     warmup_ms: float = 25,
     rep_ms: float = 100,
+    min_reps: int | None = None,
     rank: int = 32,
     adapters: int = 8,
     dtype=torch.bfloat16,
@@ -699,7 +703,15 @@ def bench_baselines(
         raise ValueError(f"impls must be in {BASELINES}, got {bad}")
     kw = dict(rank=rank, adapters=adapters, dtype=dtype, device=device, seed=seed)
     inp, ids, costs = _point(proj, T, inputs, pattern, **kw)
-    common = dict(stage=None, config=None, config_source=None, mode=mode, warmup_ms=warmup_ms, rep_ms=rep_ms)
+    common = dict(
+        stage=None,
+        config=None,
+        config_source=None,
+        mode=mode,
+        warmup_ms=warmup_ms,
+        rep_ms=rep_ms,
+        min_reps=min_reps,
+    )
     rows = []
     for impl in impls:
         fn = _BASELINE_CLASSES[impl](inp, T, ids)
@@ -720,6 +732,7 @@ def bench_kernels(
     mode: str = "graph",
     warmup_ms: float = 25,
     rep_ms: float = 100,
+    min_reps: int | None = None,
     rank: int = 32,
     adapters: int = 8,
     dtype=torch.bfloat16,
@@ -737,7 +750,13 @@ def bench_kernels(
     lp.shrink()
     lp.expand()
     _sync(inp.device)
-    common = dict(**_stage_fields(stage, lp.cfg, lp.launched), mode=mode, warmup_ms=warmup_ms, rep_ms=rep_ms)
+    common = dict(
+        **_stage_fields(stage, lp.cfg, lp.launched),
+        mode=mode,
+        warmup_ms=warmup_ms,
+        rep_ms=rep_ms,
+        min_reps=min_reps,
+    )
     return [
         _time_row(fn, inp, T, pattern, part=part, cost=costs[part], **common)
         for part, fn in (("shrink", lp.shrink), ("expand", lp.expand))
@@ -753,6 +772,7 @@ def bench_alignment(
     mode: str = "graph",
     warmup_ms: float = 25,
     rep_ms: float = 100,
+    min_reps: int | None = None,
     device="cuda",
     seed: int = 0,
 ) -> dict[str, Any]:
@@ -771,9 +791,10 @@ def bench_alignment(
         L=adapters,
         block_size_m=block_size_m,
         pattern=pattern,
-        **_timing(fn, device, mode, warmup_ms, rep_ms),
+        **_timing(fn, device, mode, warmup_ms, rep_ms, min_reps),
         warmup_ms=warmup_ms,
         rep_ms=rep_ms,
+        min_reps=min_reps,
     )
 
 

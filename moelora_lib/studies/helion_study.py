@@ -96,6 +96,154 @@ def _row(common: dict, timing, flops: float, nbytes: float, **extra) -> dict:
     )
 
 
+def sweep_compile_tasks(methods: dict, jobs: Iterable[tuple], ms: Iterable[int]) -> dict[str, dict]:
+    """The compile tasks of a sweep (:func:`moelora_lib.studies.helion_tune.precompile_tasks` format):
+    per job (name, proj, K, N, epilogue, dtype), the config ``methods[epilogue]`` picks for the bucket
+    of each M in ``ms``, with every Triton M-variant its ``warmup`` meets (:func:`warm_m_values` of
+    the bucket) and the M itself. Configs shared by several buckets or shapes are one task."""
+    from ..helion_linear import bucket_for, lookup, warm_m_values
+    from .helion_tune import _task_key
+
+    tasks: dict[str, dict] = {}
+    for _, _, k, n, epi, dt in jobs:
+        table = methods[epi].table()
+        for m in ms:
+            b = bucket_for(m)
+            cfg = lookup(table, epi, dt, k, n, b)
+            if cfg is None:
+                continue  # no config: the torch path, nothing to compile
+            t = tasks.setdefault(
+                _task_key(epi, dt, k, n, cfg),
+                {"epilogue": epi, "dtype": dt, "K": k, "N": n, "config": cfg, "ms": []},
+            )
+            for v in warm_m_values(b) + [m]:
+                if v not in t["ms"]:
+                    t["ms"].append(v)
+    return tasks
+
+
+def _sweep_jobs(models: Iterable[str], epilogues: Iterable[str], dtype: str) -> list[tuple]:
+    """(name, proj, K, N, epilogue, dtype) of every projection of ``models``; "swiglu" for gate_up only."""
+    jobs = []
+    for name in models:
+        for proj, (k, n) in LINEAR_MODELS[name].projections().items():
+            for epi in epilogues:
+                if epi == "swiglu" and proj != "gate_up":
+                    continue
+                jobs.append((name, proj, k, n, epi, dtype))
+    return jobs
+
+
+def precompile(
+    models: Iterable[str],
+    ms: Iterable[int],
+    configs: Any = None,
+    epilogues: Iterable[str] = ("none", "swiglu"),
+    dtype: str = "bfloat16",
+    jobs: int = -1,
+    log=print,
+) -> dict[str, dict]:
+    """Compile every config the sweep of ``models`` × ``ms`` meets in ``jobs`` spawned processes (-1:
+    one per core but two, at most 14), through :func:`moelora_lib.studies.helion_tune.precompile_tasks`
+    (the tuner's parallel precompile, tasks from :func:`sweep_compile_tasks`). Needs a real
+    ``__main__`` (spawned workers): call it from a script or through :func:`precompile_in_subprocess`."""
+    import os
+
+    from .helion_tune import precompile_tasks
+
+    epilogues = tuple(epilogues)
+    methods = {epi: HelionLinearMethod(configs, epi) for epi in epilogues}
+    tasks = sweep_compile_tasks(methods, _sweep_jobs(models, epilogues, dtype), list(ms))
+    n_jobs = jobs if jobs > 0 else max(1, min(14, (os.cpu_count() or 4) - 2))
+    return precompile_tasks(tasks, n_jobs, timeout_s=300, log=log)
+
+
+def precompile_in_subprocess(
+    models: Iterable[str],
+    ms: Iterable[int],
+    configs: Any = None,
+    epilogues: Iterable[str] = ("none", "swiglu"),
+    dtype: str = "bfloat16",
+    jobs: int = -1,
+    timeout_s: float = 360,
+) -> bool:
+    """:func:`precompile` in ``python -m moelora_lib.studies.helion_study precompile`` (a real
+    ``__main__`` for the spawned workers, also from a notebook kernel); prints its log. Returns True
+    when it finished; on any failure prints why and returns False (the configs then compile on first
+    use, as without it: nothing measured depends on it)."""
+    import subprocess
+    import sys
+
+    from moelora_lib.studies import bench
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "moelora_lib.studies.helion_study",
+        "precompile",
+        "--models",
+        ",".join(models),
+        "--m",
+        ",".join(str(int(m)) for m in ms),
+        "--epilogues",
+        ",".join(epilogues),
+        "--dtype",
+        dtype,
+        "--jobs",
+        str(jobs),
+    ]
+    if configs is not None:
+        cmd += ["--configs", str(configs)]
+    try:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout_s, cwd=str(bench.REPO_ROOT)
+        )
+    except (OSError, subprocess.SubprocessError) as e:
+        print(f"[08 precompile] skipped ({type(e).__name__}: {e}); configs compile on first use")
+        return False
+    out = (proc.stdout + proc.stderr).replace(str(bench.REPO_ROOT) + "/", "").strip()
+    print("\n".join(line for line in out.splitlines() if line.startswith("[08 precompile"))[-3000:])
+    if proc.returncode != 0:
+        print(f"[08 precompile] failed (rc {proc.returncode}): {out[-800:]}; configs compile on first use")
+        return False
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m moelora_lib.studies.helion_study precompile --models A,B --m 1,2,... [--configs P]``."""
+    import argparse
+    import time
+
+    p = argparse.ArgumentParser(prog="python -m moelora_lib.studies.helion_study")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("precompile", help="compile the sweep's configs in spawned processes")
+    c.add_argument("--models", default=",".join(LINEAR_MODELS))
+    c.add_argument("--m", default="1,2,4,8,16,32,256,1024,4096")
+    c.add_argument("--epilogues", default="none,swiglu")
+    c.add_argument("--dtype", default="bfloat16")
+    c.add_argument("--configs", default=None, help="config file (default: the shipped one of this GPU)")
+    c.add_argument("--jobs", type=int, default=-1)
+    a = p.parse_args(argv)
+    t0 = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"[08 precompile {time.perf_counter() - t0:5.1f}s] {msg}", flush=True)
+
+    res = precompile(
+        [m for m in a.models.split(",") if m],
+        [int(v) for v in a.m.split(",") if v],
+        a.configs,
+        [e for e in a.epilogues.split(",") if e],
+        a.dtype,
+        a.jobs,
+        log=log,
+    )
+    bad = [r for r in res.values() if not r.get("ok")]
+    for r in bad[:5]:
+        log(f"failed: {r.get('epilogue')} K={r.get('K')} N={r.get('N')}: {r.get('error')}")
+    return 0
+
+
 def _two_gemm(x, w_gate, w_up):
     import torch.nn.functional as F
 
@@ -113,6 +261,7 @@ def sweep(
     timing_kw: dict | None = None,
     epilogues: Iterable[str] = ("none", "swiglu"),
     progress: bool = True,
+    precompile_jobs: int = -1,
 ) -> list[dict]:
     """Measure Helion vs PyTorch for every projection, epilogue and M; returns result rows.
 
@@ -124,6 +273,15 @@ def sweep(
     profile "cpu": CPU_SHAPE in fp32 and fp16 through the Triton interpreter (needs
     TRITON_INTERPRET=1), ``configs`` ignored (cpu_demo_table), ``bench.time_cpu`` with one rep.
     Every row carries rel_err; the caller asserts on it.
+
+    GPU: before the first job, every config the sweep will meet is compiled in ``precompile_jobs``
+    spawned processes (-1: one per core but two, at most 14; 0: none; skipped for a dict ``configs``)
+    by :func:`precompile_in_subprocess` — the tuner's own parallel precompile
+    (:func:`moelora_lib.studies.helion_tune.precompile_tasks`): the workers fill Triton's on-disk
+    cache, and each job's ``warmup`` then generates Helion's code and loads the binaries instead of
+    compiling ~150 of them one after another (nothing timed changes; a failed precompile only means
+    they compile on first use, as before).
+    Weights are drawn on the device (a seeded generator there; the CPU profile keeps the CPU one).
     """
     from moelora_lib.studies import bench
     from moelora_lib.studies.notebook import progress as tqdm  # a text bar, also in notebooks
@@ -133,7 +291,7 @@ def sweep(
     timing_kw = dict(timing_kw or {})
     if "flush_l2" in timing_kw or "mode" in timing_kw:
         raise ValueError("timing_kw: 'flush_l2' and 'mode' are set by the sweep's timing modes")
-    epilogues = tuple(epilogues)
+    epilogues, models = tuple(epilogues), list(models)
     ms = list(ms)
     if profile == "cpu":
         jobs = [
@@ -147,16 +305,12 @@ def sweep(
         }
         modes = ("cpu",)
     else:
-        jobs = []
-        for name in models:
-            for proj, (k, n) in LINEAR_MODELS[name].projections().items():
-                for epi in epilogues:
-                    if epi == "swiglu" and proj != "gate_up":
-                        continue
-                    jobs.append((name, proj, k, n, epi, dtype))
+        jobs = _sweep_jobs(models, epilogues, dtype)
         device = "cuda"
         methods = {epi: HelionLinearMethod(configs, epi) for epi in epilogues}
         modes = ("graph", "graph_clean", "graph_rotate", "eager")
+        if precompile_jobs and not isinstance(configs, dict):
+            precompile_in_subprocess(models, ms, configs, epilogues, dtype, precompile_jobs)
 
     def timed(fn, mode):
         if mode in ("cpu", "eager"):
@@ -166,9 +320,12 @@ def sweep(
 
     rows: list[dict] = []
     gen = torch.Generator(device="cpu").manual_seed(seed)
+    # W on the device from a generator there (up to 470 M values per job: ~15 s of serial CPU draws for
+    # the sweep); the CPU profile draws everything from the CPU generator, as before
+    wgen = gen if device == "cpu" else torch.Generator(device=device).manual_seed(seed)
     for name, proj, k, n, epi, dt in tqdm(jobs, desc="08 sweep", disable=not progress):
         tdtype = getattr(torch, dt)
-        w = (torch.randn(n, k, generator=gen) * k**-0.5).to(device=device, dtype=tdtype)
+        w = (torch.randn(n, k, generator=wgen, device=device) * k**-0.5).to(dtype=tdtype)
         method = methods[epi]
         layer = Linear.from_weight(w, method)
         torch_layer = Linear.from_weight(w, TorchLinearMethod(epi))
@@ -463,3 +620,9 @@ def best_ratio_bounds(s, read_tb_per_s: float, tflops: float, launch_us: float =
     out["floor_us"] = floor
     out["max_speedup"] = out.torch_us / floor
     return out
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

@@ -233,6 +233,26 @@ def build_cases(models: list[str], epilogues: list[str], ms: list[int]) -> list[
     return cases
 
 
+def cases_to_tune(
+    models: list[str],
+    epilogues: list[str],
+    ms: list[int],
+    table: dict,
+    dtype: str = "bfloat16",
+    force: bool = False,
+) -> list[dict]:
+    """The cases of :func:`build_cases` that a run would tune: those without an entry in ``table`` (a
+    loaded config file; every case with ``force``). Cheap (no GPU, no Helion import): notebook 08 asks
+    it first and starts the tuner's process only when something is left to tune."""
+    from moelora_lib.helion_linear import lookup
+
+    return [
+        c
+        for c in build_cases(models, epilogues, ms)
+        if force or lookup(table, c["epilogue"], dtype, c["K"], c["N"], c["bucket"]) is None
+    ]
+
+
 # ---------------------------------------------------------------------------------------------
 # Parallel precompile (spawned workers; compile without launching)
 # ---------------------------------------------------------------------------------------------
@@ -297,6 +317,15 @@ def precompile(cases: list[dict], dtype: str, jobs: int, timeout_s: float, log) 
             for m in warm_m_values(c["bucket"]) + [c["m"]]:  # every Triton variant warmup() meets
                 if m not in t["ms"]:
                     t["ms"].append(m)
+    return precompile_tasks(tasks, jobs, timeout_s, log)
+
+
+def precompile_tasks(tasks: dict[str, dict], jobs: int, timeout_s: float, log) -> dict[str, dict]:
+    """Compile ``tasks`` ({task_key: {"epilogue", "dtype", "K", "N", "config", "ms"}}, see
+    :func:`precompile`) in ``jobs`` spawned processes (:func:`_precompile`: the runner of each config
+    built and run with a launcher that compiles without launching, for every M; Triton's on-disk cache
+    keeps the binaries, so a later build of the same config in another process loads them instead of
+    compiling). Returns {task_key: result}; a task that did not finish within ``timeout_s`` is absent."""
     if jobs <= 0 or not tasks:
         return {}
     results: dict[str, dict] = {}
@@ -389,7 +418,6 @@ def main(argv: list[str] | None = None) -> int:
         build_runner,
         kernel_args,
         load_configs,
-        lookup,
         save_configs,
         set_entry,
         torch_reference,
@@ -419,11 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     epilogues = [s for s in args.epilogues.split(",") if s]
     ms = [int(v) for v in args.m.split(",") if v]
     cases = build_cases(models, epilogues, ms)
-    todo = [
-        c
-        for c in cases
-        if args.force or lookup(table, c["epilogue"], args.dtype, c["K"], c["N"], c["bucket"]) is None
-    ]
+    todo = cases_to_tune(models, epilogues, ms, table, args.dtype, args.force)
     log(f"{len(cases)} cases, {len(cases) - len(todo)} already in {out_path}, {len(todo)} to tune")
 
     jobs = args.jobs if args.jobs >= 0 else max(1, min(14, (os.cpu_count() or 4) - 2))

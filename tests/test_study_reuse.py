@@ -1,0 +1,195 @@
+"""The levers that keep the GPU suite inside two device commands (docs/gpu_host.md §4), on the CPU:
+
+* :class:`moe_bench.LayerWeights` hands out exactly what ``layer_inputs(shape, 1, ...)`` returns, once per
+  (model, biases) in a process, and bit-identical from its folder in the next one;
+* notebook 03's two fresh processes run side by side but never time at the same moment (one lock);
+* notebook 05's four ncu points come from one ncu process, split back per point;
+* notebook 08 starts the tuner only when a case is left to tune, and precompiles exactly the configs its
+  sweep meets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from moelora_lib.studies import moe_bench as mb
+
+CPU = dict(dtype=torch.float32, device="cpu")
+
+
+def _same_inputs(a, b) -> None:
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, torch.Tensor):
+            assert isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y), f.name
+        else:
+            assert x == y, (f.name, x, y)
+
+
+@pytest.mark.parametrize("bias", [True, False, None])
+def test_layer_weights_equal_layer_inputs_and_reload_bit_identical(tmp_path, bias):
+    store = mb.LayerWeights(rank=16, num_adapters=4, seed=3, folder=tmp_path, **CPU)
+    got = store.get("tiny-oss", bias=bias)
+    want = mb.layer_inputs("tiny-oss", 1, rank=16, num_adapters=4, seed=3, bias=bias, **CPU)
+    _same_inputs(got, want)
+    assert store.get("tiny-oss", bias=bias) is got  # one set per process
+    again = mb.LayerWeights(rank=16, num_adapters=4, seed=3, folder=tmp_path, **CPU)
+    _same_inputs(again.get("tiny-oss", bias=bias), want)
+    assert [how for *_, how in store.log] == ["generated", "memo"] and again.log[0][2] == "loaded"
+
+
+def test_layer_weights_keys_name_every_input(tmp_path):
+    store = mb.LayerWeights(rank=16, num_adapters=4, folder=tmp_path, **CPU)
+    store.get("tiny-oss", bias=True)
+    store.get("tiny-oss", bias=False)
+    mb.LayerWeights(rank=8, num_adapters=4, folder=tmp_path, **CPU).get("tiny-oss", bias=True)
+    mb.LayerWeights(rank=16, num_adapters=4, seed=1, folder=tmp_path, **CPU).get("tiny-oss", bias=True)
+    mb.LayerWeights(rank=16, num_adapters=4, folder=tmp_path, dtype=torch.float16, device="cpu").get(
+        "tiny-oss"
+    )
+    assert len(list(tmp_path.glob("*.pt"))) == 5
+    assert not list(tmp_path.glob("*.tmp"))  # written atomically
+
+
+def test_layer_weights_bad_file_is_regenerated(tmp_path):
+    store = mb.LayerWeights(rank=16, num_adapters=4, folder=tmp_path, **CPU)
+    want = store.get("tiny")
+    (path,) = tmp_path.glob("*.pt")
+    path.write_bytes(b"not a torch file")
+    again = mb.LayerWeights(rank=16, num_adapters=4, folder=tmp_path, **CPU)
+    _same_inputs(again.get("tiny"), want)
+    assert again.log[0][2] == "generated"
+
+
+def test_layer_weights_drop_and_no_folder(tmp_path):
+    store = mb.LayerWeights(rank=16, num_adapters=4, **CPU)
+    a = store.get("tiny")
+    store.drop("tiny")
+    b = store.get("tiny")
+    assert a is not b
+    _same_inputs(a, b)
+    store.drop()
+    assert store._sets == {}
+
+
+def test_reused_weights_give_the_same_tokens_as_before():
+    """The timing cells draw each T's tokens over the reused set exactly as before (seeded by (seed, T))."""
+    store = mb.LayerWeights(rank=16, num_adapters=4, **CPU)
+    w = store.get("tiny", bias=False)
+    direct = mb.layer_inputs("tiny", 1, rank=16, num_adapters=4, bias=False, **CPU)
+    kw = dict(rank=16, num_adapters=4, activation="silu", bias=False, **CPU)
+    _same_inputs(
+        mb.layer_inputs("tiny", 7, weights=w, **kw), mb.layer_inputs("tiny", 7, weights=direct, **kw)
+    )
+
+
+_FAKE_CHILD = r"""
+import json, sys, time
+from moelora_lib.studies.moe_bench import _TimedSection
+out, lock, stage = sys.argv[1], sys.argv[2], sys.argv[3]
+spans = []
+for i in range(4):
+    time.sleep(0.02)  # untimed work: overlaps the other process
+    with _TimedSection(None if lock == "-" else lock):
+        t0 = time.time(); time.sleep(0.05); spans.append((t0, time.time()))
+json.dump([dict(stage=stage, T=i, span=s) for i, s in enumerate(spans)], open(out, "w"))
+"""
+
+
+def test_recompile_processes_run_side_by_side_but_never_time_together(monkeypatch):
+    def fake_cmd(stage, model, lengths, out, *, lock_path=None, **kw):
+        return [sys.executable, "-c", _FAKE_CHILD, out, lock_path or "-", stage]
+
+    monkeypatch.setattr(mb, "_recompile_cmd", fake_cmd)
+    t0 = time.time()
+    rows = mb.recompile_in_subprocesses(["naive", "no_recompile"], "tiny", [1, 2, 3, 4], timeout_s=120)
+    assert list(rows) == ["naive", "no_recompile"] and all(len(r) == 4 for r in rows.values())
+    spans = sorted(tuple(r["span"]) for rs in rows.values() for r in rs)
+    assert all(a[1] <= b[0] + 1e-3 for a, b in zip(spans, spans[1:])), "timed sections overlapped"
+    assert spans[0][0] >= t0
+
+
+def test_recompile_processes_report_a_failed_child(monkeypatch):
+    monkeypatch.setattr(
+        mb, "_recompile_cmd", lambda *a, **k: [sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"]
+    )
+    with pytest.raises(RuntimeError, match="rc 3"):
+        mb.recompile_in_subprocesses(["naive", "no_recompile"], "tiny", [1], timeout_s=60)
+
+
+def _fake_ncu(values):
+    lines = ['"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"']
+    lines += [
+        f'"{i}","_lora_shrink_kernel","lts__t_sector_hit_rate.pct","%","{v}"' for i, v in enumerate(values)
+    ]
+    return SimpleNamespace(stdout="\n".join(lines), stderr="", returncode=0)
+
+
+def test_ncu_points_from_one_process(monkeypatch):
+    import shutil
+
+    calls = []
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/ncu")
+
+    def run(cmd, **kw):
+        calls.append(cmd)
+        return _fake_ncu([10.0] * 5 + [20.0] * 5 + [30.0, 30.0, 30.0, 30.0, 35.0])
+
+    monkeypatch.setattr(subprocess, "run", run)
+    rows = mb.ncu_l2_hit_rates("gpt-oss-20b", [(64, 1), (64, 8), (1600, 1)], weights_folder="/w")
+    assert len(calls) == 1
+    cmd = calls[0]
+    assert cmd[cmd.index("--points") + 1] == "64:1,64:8,1600:1"
+    assert cmd[cmd.index("--weights-folder") + 1] == "/w"
+    assert [(r["T"], r["group_size_m"], r["ok"], r["launches"]) for r in rows] == [
+        (64, 1, True, 5),
+        (64, 8, True, 5),
+        (1600, 1, True, 5),
+    ]
+    assert [r["l2_hit_pct"] for r in rows] == pytest.approx([10.0, 20.0, 31.0])
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: _fake_ncu([1.0] * 7))
+    bad = mb.ncu_l2_hit_rates("gpt-oss-20b", [(64, 1), (64, 8)])
+    assert not any(r["ok"] for r in bad) and "expected 5 per point" in bad[0]["message"]
+    one = mb.ncu_l2_hit_rate("gpt-oss-20b", 64, 8)
+    assert set(one) == {"ok", "l2_hit_pct", "launches", "message"} and not one["ok"]
+
+
+def test_helion_tuner_starts_only_with_cases_left():
+    from moelora_lib.helion_linear import LINEAR_MODELS, load_configs
+    from moelora_lib.studies import helion_tune
+
+    models, epis, ms = list(LINEAR_MODELS), ["none", "swiglu"], [1, 2, 4, 8, 16, 32, 256, 1024, 4096]
+    shipped = load_configs("moelora_lib/configs/helion/NVIDIA_H200.json")
+    assert helion_tune.cases_to_tune(models, epis, ms, shipped) == []
+    every = helion_tune.build_cases(models, epis, ms)
+    assert helion_tune.cases_to_tune(models, epis, ms, {}) == every
+    assert helion_tune.cases_to_tune(models, epis, ms, shipped, force=True) == every
+
+
+def test_helion_sweep_precompiles_the_configs_it_meets():
+    from moelora_lib.helion_linear import HelionLinearMethod, bucket_for, lookup, warm_m_values
+    from moelora_lib.studies import helion_study as study
+
+    path = "moelora_lib/configs/helion/NVIDIA_H200.json"
+    methods = {e: HelionLinearMethod(path, e) for e in ("none", "swiglu")}
+    ms = [1, 2, 4, 8, 16, 32, 256, 1024, 4096]
+    jobs = study._sweep_jobs(["llama3-8b", "qwen3-32b", "llama3-70b"], ("none", "swiglu"), "bfloat16")
+    assert len(jobs) == 15
+    tasks = study.sweep_compile_tasks(methods, jobs, ms)
+    met = set()
+    for _, _, k, n, epi, dt in jobs:
+        for m in ms:
+            cfg = lookup(methods[epi].table(), epi, dt, k, n, bucket_for(m))
+            key = json.dumps([epi, dt, k, n, cfg], sort_keys=True)
+            assert key in tasks, (epi, k, n, m)
+            assert set(warm_m_values(bucket_for(m))) | {m} <= set(tasks[key]["ms"])
+            met.add(key)
+    assert met == set(tasks)  # nothing the sweep does not meet

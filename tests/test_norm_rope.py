@@ -138,3 +138,21 @@ def test_qk_norm_rope_cache_bad_input(device):
         qk_norm_rope_cache(qkv, **kw, q_norm_weight=torch.ones(D, device=dev))
     with pytest.raises(ValueError, match="batch"):
         qk_norm_rope_cache(qkv, **{**kw, "batch": 3})
+
+
+def test_qk_norm_rope_cache_expanded_index_views(device):
+    """cache_rows as an expanded view (stride 0, as rows[:, None].expand(B, S).reshape(B·S) gives at B = 1):
+    every token is written to the right row."""
+    dev = _dev(device)
+    NH, NKV, D, S = 2, 1, 8, 5
+    qkv = torch.randn(S, (NH + 2 * NKV) * D, device=dev)
+    tab = torch.randn(8, D // 2, device=dev)
+    rows = torch.tensor([2], device=dev)[:, None].expand(1, S).reshape(S)
+    assert rows.stride() == (0,)
+    kc, vc = torch.zeros(3, NKV, 8, D, device=dev), torch.zeros(3, NKV, 8, D, device=dev)
+    pos = torch.arange(S, device=dev)
+    qk_norm_rope_cache(
+        qkv, num_heads=NH, num_kv_heads=NKV, head_dim=D, batch=1, cos=tab, sin=tab, positions=pos,
+        cache_rows=rows, k_cache=kc, v_cache=vc,
+    )  # fmt: skip
+    assert torch.equal(vc[2, 0, :S], qkv[:, (NH + NKV) * D :]) and not vc[:2].any() and not vc[2, :, S:].any()

@@ -254,7 +254,8 @@ def qk_norm_rope_cache(
             (row b·S + s is request b's s-th new token).
         num_heads / num_kv_heads / head_dim: NH, NKV, D (D even). batch: B (T must be a multiple of it).
         cos / sin: [max_seq, D/2] the rope tables (qkv's dtype), indexed by position.
-        positions: [T] int64/int32 cache position of each token; cache_rows: [T] int64/int32 cache row.
+        positions: [T] int64/int32 cache position of each token; cache_rows: [T] int64/int32 cache row (any
+            stride; pass contiguous ones to save a copy).
         k_cache / v_cache: [max_batch, NKV, max_seq, D] of qkv's dtype (last dim contiguous); written at
             [cache_rows[t], :, positions[t]] (k roped, v as it is).
         q_norm_weight / k_norm_weight: [D] of qkv's dtype, both or neither (Qwen3's per-head RMSNorm, eps).
@@ -286,6 +287,8 @@ def qk_norm_rope_cache(
     for name, ix in (("positions", positions), ("cache_rows", cache_rows)):
         if ix.shape != (T,) or ix.dtype not in (torch.int32, torch.int64) or ix.device != dev:
             raise ValueError(f"{name} must be an int32/int64 tensor [T = {T}] on {dev}, got {describe(ix)}")
+    # the kernel reads index t at ptr + t (an expanded view, stride 0, is copied: one small launch)
+    positions, cache_rows = positions.contiguous(), cache_rows.contiguous()
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if c.dim() != 4 or c.shape[1] != NKV or c.shape[3] != D or c.dtype != dt or c.stride(3) != 1:
             raise ValueError(f"{name} must be a {dt} tensor [max_batch, NKV = {NKV}, max_seq, D = {D}]")

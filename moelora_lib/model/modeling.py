@@ -116,6 +116,25 @@ class RMSNorm(nn.Module):
             return (self.weight * xf).to(dt)
         return self.weight * xf.to(dt)
 
+    def fused(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """:meth:`forward` of x [T, dim] in one launch (:func:`~moelora_lib.kernels.norm_rope.rms_norm`);
+        with ``residual`` [T, dim]: (norm(x + residual), x + residual), the add fused. Equal to the torch
+        path up to the fp32 order of the mean of squares (tests/test_norm_rope.py). Falls back to the torch
+        ops where the kernel's dtype contract does not hold (e.g. a GPT-OSS norm weight cast off fp32)."""
+        want = torch.float32 if self.weight_fp32 else x.dtype
+        if (
+            x.dim() != 2
+            or self.weight.dtype != want
+            or x.dtype not in (torch.float16, torch.bfloat16, torch.float32)
+        ):
+            if residual is None:
+                return self(x)
+            s = x + residual
+            return self(s), s
+        from ..kernels.norm_rope import rms_norm
+
+        return rms_norm(x, self.weight, self.eps, weight_fp32=self.weight_fp32, residual=residual)
+
 
 class Router(nn.Module):
     """Router logits = x·weightᵀ (+ bias): weight [E, H], bias [E] or None (``GptOssTopKRouter`` /
@@ -140,10 +159,10 @@ class _Ctx:
         "B",
         "S",
         "ids",
-        "cos",
-        "sin",
-        "w_rows",
-        "w_pos",
+        "cos_tab",
+        "sin_tab",
+        "t_rows",
+        "t_pos",
         "rows",
         "kv_len",
         "mask_full",
@@ -204,15 +223,27 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
         """x [T = B·S, H] -> [T, H]; writes this call's K/V into the cache first."""
         B, S, nh, nkv, hd = ctx.B, ctx.S, self.nh, self.nkv, self.hd
+        from ..kernels.norm_rope import qk_norm_rope_cache
+
         qkv = self.qkv_proj(x, ctx.ids)
-        q, k, v = qkv.split((nh * hd, nkv * hd, nkv * hd), dim=-1)
-        q, k, v = q.view(B, S, nh, hd), k.view(B, S, nkv, hd), v.view(B, S, nkv, hd)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
-        # indexed shape of cache[rows [B,S], :, pos [B,S]] is [B, S, NKV, D] (advanced dims first)
-        self.k_cache[ctx.w_rows, :, ctx.w_pos] = k
-        self.v_cache[ctx.w_rows, :, ctx.w_pos] = v
+        qn, kn = self.q_norm, self.k_norm
+        # q/k-norm, rope, the K/V cache writes at (row, position): one launch; q [B, NH, S, D] head-major
+        q = qk_norm_rope_cache(
+            qkv,
+            num_heads=nh,
+            num_kv_heads=nkv,
+            head_dim=hd,
+            batch=B,
+            cos=ctx.cos_tab,
+            sin=ctx.sin_tab,
+            positions=ctx.t_pos,
+            cache_rows=ctx.t_rows,
+            k_cache=self.k_cache,
+            v_cache=self.v_cache,
+            q_norm_weight=None if qn is None else qn.weight,
+            k_norm_weight=None if kn is None else kn.weight,
+            eps=1e-6 if qn is None else qn.eps,
+        )
         if S == 1:  # decode: split-KV kernel over the cache in place (no mask, no copy, no score tensor)
             from ..kernels import decode_attention as da
 
@@ -233,9 +264,8 @@ class Attention(nn.Module):
         else:
             kc, vc = self.k_cache[:, :, :L][ctx.rows], self.v_cache[:, :, :L][ctx.rows]
         mask = ctx.mask_slide if self.sliding else ctx.mask_full  # [B, 1, S, L] bool
-        q = q.transpose(1, 2)  # [B, NH, S, D]
         g = nh // nkv  # q head h uses kv head h // g (transformers' repeat_kv): rows j·S + s of that head
-        qg = q.reshape(B, nkv, g * S, hd)
+        qg = q.view(B, nkv, g * S, hd)  # q is head-major already: no copy
         if self.sinks is None:
             mg = mask[:, :, None].expand(B, 1, g, S, L).reshape(B, 1, g * S, L)
             o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mg, scale=self.scale)
@@ -355,9 +385,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm, self.self_attn = input_layernorm, self_attn
         self.post_attention_layernorm, self.mlp = post_attention_layernorm, mlp
 
-    def forward(self, x: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x), ctx)
+    def forward(self, x: torch.Tensor, ctx: _Ctx, normed: torch.Tensor | None = None, next_norm=None):
+        """x [T, H] -> x [T, H] (torch adds and norms). With ``next_norm`` (how the model's forward calls it):
+        ``normed`` = input_layernorm(x) from the previous layer, each residual add fused into the following
+        RMSNorm (:meth:`RMSNorm.fused`), and returns (x, next_norm(x))."""
+        if next_norm is None:
+            x = x + self.self_attn(self.input_layernorm(x), ctx)
+            return x + self.mlp(self.post_attention_layernorm(x), ctx)
+        h, x = self.post_attention_layernorm.fused(self.self_attn(normed, ctx), residual=x)
+        h, x = next_norm.fused(self.mlp(h, ctx), residual=x)
+        return x, h
 
 
 # --------------------------------------------------------------------------------------------------
@@ -733,16 +770,14 @@ class MultiLoRAModel(nn.Module):
         ctx.B, ctx.S, ctx.kv_len = B, S, L
         ctx.ids = ids[:, None].expand(B, S).reshape(B * S)  # token-major [B·S] (repeat_interleave)
         pos = start[:, None] + self._arange[:S]  # [B, S]
-        half = self.config.head_dim // 2
-        ctx.cos = self.rope_cos[pos].view(B, S, 1, half)
-        ctx.sin = self.rope_sin[pos].view(B, S, 1, half)
+        ctx.cos_tab, ctx.sin_tab = self.rope_cos, self.rope_sin  # [max_seq, D/2], indexed by position
         if rows is None:
             ctx.rows = None
-            ctx.w_rows = self._arange[:B, None].expand(B, S)
+            ctx.t_rows = self._arange[:B, None].expand(B, S).contiguous().view(B * S)
         else:
             ctx.rows = rows.to(dev, torch.int64)
-            ctx.w_rows = ctx.rows[:, None].expand(B, S)
-        ctx.w_pos = pos
+            ctx.t_rows = ctx.rows[:, None].expand(B, S).contiguous().view(B * S)
+        ctx.t_pos = pos.reshape(B * S)  # cache row and position of each token
         if S == 1:  # decode: the split-KV kernel takes the lengths, no mask over the cache positions
             ctx.seq_lens = start + 1
             ctx.mask_full = ctx.mask_slide = None
@@ -757,9 +792,11 @@ class MultiLoRAModel(nn.Module):
                     causal & (kpos[None, None, :] > pos[:, :, None] - self.config.sliding_window)
                 )[:, None]
         x = self.embed_tokens(input_ids.to(dev).reshape(B * S))
-        for layer in self.layers:
-            x = layer(x, ctx)
-        x = self.norm(x).view(B, S, -1)
+        h = self.layers[0].input_layernorm.fused(x) if self.layers else self.norm.fused(x)
+        for i, layer in enumerate(self.layers):  # residual adds fused into the next norm
+            nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            x, h = layer(x, ctx, normed=h, next_norm=nxt)
+        x = h.view(B, S, -1)  # self.norm(x)
         if last_only:
             if last_index is None:
                 x = x[:, -1]

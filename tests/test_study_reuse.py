@@ -193,3 +193,19 @@ def test_helion_sweep_precompiles_the_configs_it_meets():
             assert set(warm_m_values(bucket_for(m))) | {m} <= set(tasks[key]["ms"])
             met.add(key)
     assert met == set(tasks)  # nothing the sweep does not meet
+
+
+def test_dense_checks_side_by_side_equal_one_process():
+    """Notebook 10's checks split over processes: the same rows, in the same order, as in this process."""
+    from moelora_lib.studies import dense_bench as db
+
+    projs = [p.name for m in db.TINY_MODELS for p in db.projections(m)]
+    kw = dict(stages=["naive", "tuned"], module_stages=["tuned"], rank=8, adapters=3, seed=0)
+    here = db.check_projections(projs, [1, 5], dtype=torch.float32, device="cpu", **kw)
+    there = db.check_in_subprocesses(
+        projs, [1, 5], jobs=3, dtype="float32", device="cpu", timeout_s=600, **kw
+    )
+    assert len(here) == len(there) == len(projs) * 2 * (2 + 1 + len(db.BASELINES))
+    drop = {"timestamp_utc"}
+    for a, b in zip(here, there):
+        assert {k: v for k, v in a.items() if k not in drop} == {k: v for k, v in b.items() if k not in drop}

@@ -454,6 +454,53 @@ def save_env(path: str | os.PathLike) -> dict[str, Any]:
     return rec
 
 
+def run_side_by_side(
+    cmds: Mapping[str, list[str]],
+    *,
+    envs: Mapping[str, Mapping[str, str]] | None = None,
+    timeout_s: float = 600,
+    cwd: str | os.PathLike | None = None,
+) -> None:
+    """Start every command of ``cmds`` ({name: argv}) at once (``cwd`` default: the repository) and wait
+    for all: the notebooks' way to run independent helper processes side by side on the 16-core GPU
+    host (what each may time is the command's own business: notebook 03's take one lock around their
+    timed calls). Each child's output goes to a file, not a pipe (no child blocks on a full pipe).
+    ``envs``: {name: environment} (default: this process's). Raises RuntimeError naming the command,
+    with the tail of its output, when one exits non-zero or the group outlives ``timeout_s``; the
+    others are stopped then."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="moelora_side_by_side_") as tmp:
+        procs: dict[str, tuple[list[str], subprocess.Popen, str]] = {}
+        try:
+            for name, cmd in cmds.items():
+                log = os.path.join(tmp, f"{len(procs)}.log")
+                with open(log, "w") as f:
+                    proc = subprocess.Popen(
+                        cmd,
+                        stdout=f,
+                        stderr=subprocess.STDOUT,
+                        env=None if envs is None else dict(envs[name]),
+                        cwd=str(cwd or REPO_ROOT),
+                    )
+                procs[name] = (cmd, proc, log)
+            deadline = time.monotonic() + timeout_s
+            for cmd, proc, log in procs.values():
+                try:
+                    proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    raise RuntimeError(f"{' '.join(cmd[:6])} timed out after {timeout_s:.0f} s") from None
+                if proc.returncode != 0:
+                    with open(log) as f:
+                        tail = f.read()[-3000:]
+                    raise RuntimeError(f"{' '.join(cmd[:6])} failed (rc {proc.returncode}):\n{tail}")
+        finally:
+            for _, proc, _ in procs.values():
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+
+
 def data_path(*parts: str) -> Path:
     """``<repo>/data/<parts...>``: where notebooks write CSVs, figures and env records, whatever the
     kernel's working directory is."""
@@ -471,6 +518,7 @@ __all__ = [
     "env_record",
     "git_commit",
     "result_row",
+    "run_side_by_side",
     "save_env",
     "time_cpu",
     "time_cuda",

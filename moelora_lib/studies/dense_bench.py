@@ -97,6 +97,8 @@ __all__ = [
     "PARTS",
     "free_memory",
     "predicted_seconds",
+    "check_projections",
+    "check_in_subprocesses",
 ]
 
 #: Parts of one projection call that :func:`bench_projection` times.
@@ -897,6 +899,140 @@ def check_projection(
     return rows
 
 
+def check_projections(
+    projs: Sequence[str | Projection],
+    tokens: Sequence[int],
+    *,
+    stages: Sequence[str],
+    module_stages: Sequence[str] = ("tuned",),
+    rank: int = 32,
+    adapters: int = 8,
+    dtype=torch.bfloat16,
+    device="cuda",
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """Notebook 10's correctness loop for ``projs``: per projection, inputs for ``max(tokens)``
+    (:func:`make_inputs`) and one module per stage of ``module_stages`` (:func:`build_module`), then
+    :func:`check_projection` at every T; memory freed before the next projection. Returns the rows in
+    (projection, T) order."""
+    rows: list[dict[str, Any]] = []
+    for p in projs:
+        inp = make_inputs(p, max(tokens), rank=rank, adapters=adapters, dtype=dtype, device=device, seed=seed)
+        modules = {st: build_module(inp, st) for st in module_stages}
+        for T in tokens:
+            rows += check_projection(
+                p, T, stages=stages, module_stages=module_stages, inputs=inp, modules=modules
+            )
+        del inp, modules
+        free_memory(device)
+    return rows
+
+
+def check_in_subprocesses(
+    projs: Sequence[str | Projection],
+    tokens: Sequence[int],
+    *,
+    stages: Sequence[str],
+    module_stages: Sequence[str] = ("tuned",),
+    jobs: int = 4,
+    rank: int = 32,
+    adapters: int = 8,
+    dtype: str = "bfloat16",
+    device: str = "cuda",
+    seed: int = 0,
+    timeout_s: float = 600,
+) -> list[dict[str, Any]]:
+    """:func:`check_projections` on the GPU split over ``jobs`` processes side by side
+    (``python -m moelora_lib.studies.dense_bench check``; projections dealt round robin, so the two
+    whose torch gather baseline peaks at ~15 GB at T = 8192 — Qwen3-32B and Llama-3.3-70B gate_up, four
+    apart in :func:`projections` order — fall to one process for ``jobs`` = 2 or 4, and at most two run
+    at once otherwise). Same rows, same order, as one process: a check is a computation against the fp32
+    reference, not a timing, so running several at once changes no number; and each process compiles its
+    projections' kernels into Triton's on-disk cache, which the timing cell then loads instead of
+    compiling the ~150 binaries one after another. Raises RuntimeError when a process fails."""
+    import json
+    import sys
+    import tempfile
+
+    names = [get_projection(p).name for p in projs]
+    chunks = [names[i :: max(1, jobs)] for i in range(max(1, jobs))]
+    chunks = [c for c in chunks if c]
+    with tempfile.TemporaryDirectory(prefix="moelora_dense_checks_") as tmp:
+        cmds = {}
+        for i, chunk in enumerate(chunks):
+            cmds[str(i)] = [
+                sys.executable,
+                "-m",
+                "moelora_lib.studies.dense_bench",
+                "check",
+                "--projs",
+                ",".join(chunk),
+                "--tokens",
+                ",".join(str(int(t)) for t in tokens),
+                "--stages",
+                ",".join(stages),
+                "--module-stages",
+                ",".join(module_stages),
+                "--rank",
+                str(rank),
+                "--adapters",
+                str(adapters),
+                "--dtype",
+                dtype,
+                "--device",
+                str(device),
+                "--seed",
+                str(seed),
+                "--out",
+                os.path.join(tmp, f"{i}.json"),
+            ]
+        bench.run_side_by_side(cmds, timeout_s=timeout_s)
+        by_proj: dict[str, list[dict[str, Any]]] = {}
+        for i in range(len(chunks)):
+            with open(os.path.join(tmp, f"{i}.json")) as f:
+                for r in json.load(f):
+                    by_proj.setdefault(f"{r['model']}/{r['proj']}", []).append(r)
+    return [r for n in names for r in by_proj.get(n, [])]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m moelora_lib.studies.dense_bench check --projs M/qkv,M/o --tokens 1,8 --stages a,b
+    --out rows.json``: :func:`check_projections` in this process, rows written as JSON."""
+    import argparse
+    import json
+
+    from ..common import DTYPES
+
+    ap = argparse.ArgumentParser(prog="python -m moelora_lib.studies.dense_bench")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("check", help="notebook 10's correctness checks for some projections")
+    c.add_argument("--projs", required=True)
+    c.add_argument("--tokens", required=True)
+    c.add_argument("--stages", required=True)
+    c.add_argument("--module-stages", default="tuned")
+    c.add_argument("--rank", type=int, default=32)
+    c.add_argument("--adapters", type=int, default=8)
+    c.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    c.add_argument("--device", default="cuda")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    rows = check_projections(
+        [p for p in a.projs.split(",") if p],
+        [int(t) for t in a.tokens.split(",") if t],
+        stages=[st for st in a.stages.split(",") if st],
+        module_stages=[st for st in a.module_stages.split(",") if st],
+        rank=a.rank,
+        adapters=a.adapters,
+        dtype=DTYPES[a.dtype],
+        device=a.device,
+        seed=a.seed,
+    )
+    with open(a.out, "w") as f:
+        json.dump(rows, f, default=str)
+    return 0
+
+
 def free_memory(device) -> None:
     """gc + ``torch.cuda.empty_cache()`` on a GPU (between projections: GBs of weights and graph pools)."""
     gc.collect()
@@ -1058,3 +1194,9 @@ def predicted_seconds(
     """The run-time estimate the notebook prints before it starts: timed graphs × ``per_graph_s`` +
     new kernel binaries × ``per_binary_s`` (rough: capture, do_bench warm-up and repetitions, Python)."""
     return n_graphs * per_graph_s + n_binaries * per_binary_s
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

@@ -1107,52 +1107,29 @@ def recompile_in_subprocesses(
     calls of two stages never overlap; their start-up, weights and untimed layer builds do. On the
     16-core GPU host the two processes do not compete for a core. Returns {stage: rows}; raises
     RuntimeError with the tail of a child's output if one fails (the others are stopped)."""
-    import subprocess
     import tempfile
 
     stages = list(stages)
     with tempfile.TemporaryDirectory(prefix="moelora_recompile_") as tmp:
         lock = os.path.join(tmp, "timed.lock")
-        procs, caches = {}, []
-        try:
-            for st in stages:
-                cache = tempfile.mkdtemp(prefix="moelora_triton_cache_", dir=tmp)
-                caches.append(cache)
-                env = dict(os.environ, TRITON_CACHE_DIR=cache)
-                env.pop("TRITON_INTERPRET", None)
-                cmd = _recompile_cmd(
-                    st,
-                    model,
-                    lengths,
-                    os.path.join(tmp, f"{st}.json"),
-                    rank=rank,
-                    num_adapters=num_adapters,
-                    dtype=dtype,
-                    seed=seed,
-                    lock_path=lock if len(stages) > 1 else None,
-                    weights_folder=weights_folder,
-                )
-                log = os.path.join(tmp, f"{st}.log")  # a file, not a pipe: no child blocks on a full pipe
-                with open(log, "w") as f:
-                    proc = subprocess.Popen(
-                        cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=str(bench.REPO_ROOT)
-                    )
-                procs[st] = (cmd, proc, log)
-            deadline = time.monotonic() + timeout_s
-            for cmd, proc, log in procs.values():
-                try:
-                    proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    raise RuntimeError(f"{' '.join(cmd[:6])} timed out after {timeout_s:.0f} s") from None
-                if proc.returncode != 0:
-                    with open(log) as f:
-                        tail = f.read()[-3000:]
-                    raise RuntimeError(f"{' '.join(cmd[:6])} failed (rc {proc.returncode}):\n{tail}")
-        finally:
-            for _, proc, _ in procs.values():
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
+        cmds, envs = {}, {}
+        for st in stages:
+            env = dict(os.environ, TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="moelora_triton_cache_", dir=tmp))
+            env.pop("TRITON_INTERPRET", None)
+            envs[st] = env
+            cmds[st] = _recompile_cmd(
+                st,
+                model,
+                lengths,
+                os.path.join(tmp, f"{st}.json"),
+                rank=rank,
+                num_adapters=num_adapters,
+                dtype=dtype,
+                seed=seed,
+                lock_path=lock if len(stages) > 1 else None,
+                weights_folder=weights_folder,
+            )
+        bench.run_side_by_side(cmds, envs=envs, timeout_s=timeout_s)
         rows = {}
         for st in stages:
             with open(os.path.join(tmp, f"{st}.json")) as f:

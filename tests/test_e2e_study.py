@@ -422,3 +422,7 @@ def test_breakdown_attribution_of_gpu_events():
         dict(attention=4.0, attn_proj_base=10.0, mlp_base=21.5, lora=11.0, other=30.0, unattributed=0.5)
     )
     assert e2e._category_by_name("_align_scatter_kernel", moe=False) == "lora"
+    # the model runner's own Triton kernels (launched outside any torch op) by name
+    for k in ("_decode_split_kernel", "_decode_combine_kernel", "_qk_norm_rope_cache_kernel"):
+        assert e2e._category_by_name(k, moe=True) == "attention"
+    assert e2e._category_by_name("_rms_norm_kernel", moe=False) == "other"

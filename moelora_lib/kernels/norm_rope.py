@@ -10,7 +10,9 @@ launch and ramp (~2–3 µs each in a CUDA graph), not bytes. These kernels make
 (residual add included) and one per attention layer for q/k-norm, rope and both cache writes.
 
 Numerics: the same operations in the same dtype steps as the torch modules they replace, so results are
-bit-identical to them except for the fp32 summation order of the mean of squares:
+bit-identical to them except for the fp32 summation order of the mean of squares (compiled with
+``enable_fp_fusion=False``: a fused multiply-add would round x1·cos - x2·sin once where torch rounds each
+product; the H200 run of tests/test_norm_rope.py at 5bd4d59 saw those 1-ulp differences):
 
 * :func:`rms_norm` — transformers' ``GptOssRMSNorm`` / ``Qwen3RMSNorm`` (moelora_lib.model.modeling.
   RMSNorm): s = x + residual rounded to x's dtype (torch's add), x̂ = s·rsqrt(mean(s²) + eps) in fp32, then
@@ -143,7 +145,7 @@ def rms_norm(
             x, r, weight, out, ro, N, float(eps),
             x.stride(0), r.stride(0), out.stride(0), ro.stride(0),
             HAS_RES=residual is not None, WEIGHT_FP32=bool(weight_fp32),
-            BLOCK_N=triton.next_power_of_2(N), num_warps=4 if N <= 4096 else 8,
+            BLOCK_N=triton.next_power_of_2(N), num_warps=4 if N <= 4096 else 8, enable_fp_fusion=False,
         )  # fmt: skip
     return out if residual is None else (out, residual_out)
 
@@ -312,6 +314,6 @@ def qk_norm_rope_cache(
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             NH=NH, NKV=NKV, D=D, HALF_P=triton.next_power_of_2(D // 2), QK_NORM=qk_norm,
-            num_warps=1,
+            num_warps=1, enable_fp_fusion=False,
         )  # fmt: skip
     return q_out

@@ -694,6 +694,8 @@ def recompile_rows(
 _LORA_KERNEL = re.compile(r"_(lora|dense)_(shrink|expand)_kernel")
 _ALIGN_KERNEL = re.compile(r"_align_")
 _MOE_KERNEL = re.compile(r"_(fused_moe|route|topk_reduce|gated_act|id_bounds)_kernel|_fused_")
+_ATTN_KERNEL = re.compile(r"_(decode_split|decode_combine|qk_norm_rope_cache)_kernel")
+_NORM_KERNEL = re.compile(r"_rms_norm_kernel")
 _SCOPE = "e2e::"
 
 
@@ -722,6 +724,10 @@ def _category_by_name(kernel: str, *, moe: bool) -> str:
         return "mlp_base" if moe else "lora"
     if _MOE_KERNEL.search(kernel):
         return "mlp_base"
+    if _ATTN_KERNEL.search(kernel):
+        return "attention"
+    if _NORM_KERNEL.search(kernel):
+        return "other"
     return "unattributed"
 
 

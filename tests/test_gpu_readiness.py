@@ -454,7 +454,7 @@ def test_sink_sdpa_arguments_suit_the_fused_cuda_kernels(monkeypatch):
     torch.testing.assert_close(out, Attention.sinks_explicit(qg, kc, vc, mask, sinks, hd**-0.5))
 
 
-def test_gpt_oss_prefill_uses_sdpa_and_decode_the_explicit_path(monkeypatch):
+def test_gpt_oss_prefill_uses_sdpa_and_decode_the_split_kv_kernel(monkeypatch):
     model = _model("tiny-gpt-oss")
     c = model.config
     ids = torch.tensor(e2e.make_prompts(2, 6, c.vocab_size, 3))
@@ -474,6 +474,6 @@ def test_gpt_oss_prefill_uses_sdpa_and_decode_the_explicit_path(monkeypatch):
         got = model(ids, [0, 0], [-1, -1], **kw)
         assert len(calls) == c.num_hidden_layers  # prefill: one SDPA call per layer
         got_step = model(ids[:, :1], [6, 6], [-1, -1], **kw)
-        assert len(calls) == c.num_hidden_layers  # decode (S = 1): the explicit path
+        assert len(calls) == c.num_hidden_layers  # decode (S = 1): no SDPA (the decode_attention kernel)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_step, ref_step, rtol=1e-5, atol=1e-5)

@@ -209,3 +209,29 @@ def test_dense_checks_side_by_side_equal_one_process():
     drop = {"timestamp_utc"}
     for a, b in zip(here, there):
         assert {k: v for k, v in a.items() if k not in drop} == {k: v for k, v in b.items() if k not in drop}
+
+
+def test_compile_pass_points_run_in_helpers(tmp_path):
+    """The compile pass launches what the timing loops launch (layer, parts, ops with changed configs)
+    in helper processes that load the weight sets from the folder; a bad point is reported, not raised."""
+    store = mb.LayerWeights(rank=16, num_adapters=4, folder=tmp_path, **CPU)
+    split = [("gate_up_shrink", {"SPLIT_K": 2}), ("down_shrink", {"SPLIT_K": 2})]
+    points = [
+        mb.layer_point(
+            "split_k", "tiny", 5, weights_bias=False, activation="silu", bias=False, op_changes=split
+        ),
+        mb.layer_point("naive", "tiny-oss", 3, weights_bias=True),
+        mb.layer_point(
+            "swizzle", "tiny", 2, weights_bias=False, op_changes=[("gate_up_expand", {"GROUP_SIZE_M": 4})]
+        ),
+    ]
+    assert mb.compile_points(points, store) == []
+    bad = mb.compile_points(
+        [mb.layer_point("naive", "tiny", 3, op_changes=[("gate_up_shrink", {"NOPE": 1})])], store
+    )
+    assert len(bad) == 1 and "naive tiny T=3" in bad[0]
+    res = mb.precompile_in_subprocesses(points, store, jobs=4, timeout_s=600)
+    assert res["processes"] == 3 and res["points"] == 3 and res["failed"] == []  # 2 per model, 1 point left
+    assert len(list(tmp_path.glob("*.pt"))) == 2  # one file per (model, biases), written by this process
+    nothing = mb.precompile_in_subprocesses(points, mb.LayerWeights(rank=16, num_adapters=4, **CPU))
+    assert nothing["processes"] == 0

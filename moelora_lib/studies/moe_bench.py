@@ -76,6 +76,9 @@ __all__ = [
     "make_run",
     "recompile_in_subprocess",
     "recompile_in_subprocesses",
+    "layer_point",
+    "compile_points",
+    "precompile_in_subprocesses",
     "check_layer",
     "floor_us",
     "length_spec_keys",
@@ -1138,6 +1141,134 @@ def recompile_in_subprocesses(
 
 
 # ------------------------------------------------------------------------------------------------
+# Compile pass in helper processes (notebooks 02, 04, 05, 07)
+# ------------------------------------------------------------------------------------------------
+
+
+def layer_point(
+    stage: str,
+    model: str,
+    T: int,
+    *,
+    weights_bias: bool | None = None,
+    activation: str | None = None,
+    bias: bool | None = None,
+    pattern: str = "uniform",
+    op_changes: Sequence[tuple[str, dict]] = (),
+) -> dict[str, Any]:
+    """One point of a compile pass (:func:`compile_points`): the layer of ``stage`` at T tokens on the
+    ``weights_bias`` weight set of ``model`` (:meth:`LayerWeights.get`), built as
+    ``layer_inputs(model, T, weights=..., activation=, bias=, pattern=)`` and ``make_run(stage, inp)``
+    (the stage's own config for T), plus each LoRA op alone with ``op_changes`` applied to its config
+    (``[("gate_up_shrink", {"SPLIT_K": 4}), ...]``, as :func:`bench_lora_op` launches it)."""
+    return dict(
+        stage=stage,
+        model=model,
+        T=int(T),
+        weights_bias=weights_bias,
+        activation=activation,
+        bias=bias,
+        pattern=pattern,
+        op_changes=[[op, dict(ch)] for op, ch in op_changes],
+    )
+
+
+def compile_points(points: Sequence[dict[str, Any]], weights: LayerWeights) -> list[str]:
+    """Launch, once each and untimed, everything a timing loop over ``points`` (:func:`layer_point`)
+    launches: the whole layer, its base and LoRA parts, and the LoRA ops with their changed configs —
+    so every kernel binary they need is compiled (and kept in Triton's on-disk cache). Returns one
+    message per point that failed (the timing loop then meets the same error itself, loudly)."""
+    failed = []
+    for pt in points:
+        try:
+            w = weights.get(pt["model"], bias=pt["weights_bias"])
+            inp = layer_inputs(
+                pt["model"],
+                pt["T"],
+                rank=weights.rank,
+                num_adapters=weights.num_adapters,
+                pattern=pt["pattern"],
+                seed=weights.seed,
+                activation=pt["activation"],
+                bias=pt["bias"],
+                weights=w,
+            )
+            run = make_run(pt["stage"], inp)
+            run()
+            run.base_part()
+            run.lora_part()
+            for op, ch in pt["op_changes"]:
+                lora_op_fn(run, op, dataclasses.replace(getattr(run.cfg, op), **ch))()
+            _sync(inp.hidden_states.device)
+            del run, inp
+        except Exception as e:  # reported, never hidden: the timing loop meets it again
+            failed.append(f"{pt['stage']} {pt['model']} T={pt['T']}: {type(e).__name__}: {str(e)[:200]}")
+    return failed
+
+
+def precompile_in_subprocesses(
+    points: Sequence[dict[str, Any]], weights: LayerWeights, *, jobs: int = 8, timeout_s: float = 300
+) -> dict[str, Any]:
+    """:func:`compile_points` split over ``jobs`` helper processes side by side
+    (``python -m moelora_lib.studies.moe_bench compile``), before a timing loop: Triton compiles one
+    binary at a time per process, so the ~0.3–0.5 s per new (kernel, config, specialization) of a loop
+    over T, stages and swept configs were paid one after another in the notebook; here they are paid in
+    parallel, into Triton's on-disk cache, and the loop loads them. Nothing timed runs while the helpers
+    do; nothing measured depends on them (a binary they did not produce is compiled on first use, as
+    before). Needs ``weights.folder`` (the helpers load the weight sets from it; the sets are written
+    there first): without one, nothing is done. Points are dealt per model, so each helper loads one
+    weight set. Returns dict(seconds, processes, points, failed)."""
+    import tempfile
+
+    t0 = time.perf_counter()
+    points = list(points)
+    if weights.folder is None or not points or jobs < 1:
+        return dict(seconds=0.0, processes=0, points=len(points), failed=[])
+    for key in dict.fromkeys((pt["model"], pt["weights_bias"]) for pt in points):
+        weights.get(key[0], bias=key[1])  # generated and saved once, here, if no helper can load it yet
+    by_model: dict[str, list[dict]] = {}
+    for pt in points:
+        by_model.setdefault(pt["model"], []).append(pt)
+    per_model = max(1, jobs // max(1, len(by_model)))
+    chunks = [pts[i::per_model] for pts in by_model.values() for i in range(per_model)]
+    chunks = [c for c in chunks if c]
+    failed: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="moelora_compile_") as tmp:
+        cmds = {}
+        for i, chunk in enumerate(chunks):
+            src = os.path.join(tmp, f"{i}.json")
+            with open(src, "w") as f:
+                json.dump(chunk, f)
+            cmds[str(i)] = [
+                sys.executable,
+                "-m",
+                "moelora_lib.studies.moe_bench",
+                "compile",
+                "--points",
+                src,
+                "--out",
+                os.path.join(tmp, f"{i}.out.json"),
+                "--rank",
+                str(weights.rank),
+                "--adapters",
+                str(weights.num_adapters),
+                "--dtype",
+                dtype_name(weights.dtype),
+                "--device",
+                str(weights.device),
+                "--seed",
+                str(weights.seed),
+                "--weights-folder",
+                weights.folder,
+            ]
+        bench.run_side_by_side(cmds, timeout_s=timeout_s)
+        for i in range(len(chunks)):
+            with open(os.path.join(tmp, f"{i}.out.json")) as f:
+                failed += json.load(f)
+    return dict(seconds=time.perf_counter() - t0, processes=len(chunks), points=len(points), failed=failed)
+
+
+# ------------------------------------------------------------------------------------------------
 # ncu (notebook 05)
 # ------------------------------------------------------------------------------------------------
 
@@ -1332,6 +1463,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--out", required=True, help="JSON file for the rows")
     r.add_argument("--lock", default=None, help="lock file held around each length's timed calls")
     r.add_argument("--weights-folder", default=None, help="LayerWeights folder (load/save the weight set)")
+    c = sub.add_parser("compile", help="launch layer points once, untimed (a compile pass)")
+    c.add_argument("--points", required=True, help="JSON file: a list of layer_point() dicts")
+    c.add_argument("--out", required=True, help="JSON file for the failure messages")
+    c.add_argument("--rank", type=int, default=32)
+    c.add_argument("--adapters", type=int, default=8)
+    c.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    c.add_argument("--device", default="cuda")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--weights-folder", default=None)
     n = sub.add_parser("ncu-target", help="launch the gate_up shrink (profiled by ncu)")
     n.add_argument("--model", default="gpt-oss-20b")
     n.add_argument("--T", type=int, default=64)
@@ -1342,6 +1482,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     n.add_argument("--adapters", type=int, default=8)
     n.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
+    if a.cmd == "compile":
+        with open(a.points) as f:
+            points = json.load(f)
+        store = LayerWeights(
+            rank=a.rank,
+            num_adapters=a.adapters,
+            dtype=DTYPES[a.dtype],
+            device=a.device,
+            seed=a.seed,
+            folder=a.weights_folder,
+        )
+        with open(a.out, "w") as f:
+            json.dump(compile_points(points, store), f)
+        return 0
     if a.cmd == "recompile":
         lengths = [int(x) for x in a.lengths.split(",") if x]
         rows = run_recompile(

@@ -4,7 +4,8 @@
 #
 #   NOTEBOOKS=01,02 GPU_TESTS=1 OUT=/some/dir bash scripts/gpu_job.sh
 #
-# Env: NOTEBOOKS   stage selection for the runner (default: all notebooks)
+# Env: NOTEBOOKS   stage selection for the runner (default: all notebooks); groups separated by "+" run
+#                  one after another in that order (NOTEBOOKS=09,10,11,12+00: the explorer last)
 #      GPU_TESTS=1 also run `pytest -m gpu` after the notebooks
 #      OUT         where results.tar.gz, gpu_job.log (and pytest_gpu.xml) go (default: ./_gpu_out)
 #      JOB_BUDGET_S wall-clock budget for the whole job (default 560 s: the device allows 600 s per
@@ -89,22 +90,33 @@ if [[ -n "${PRE_CMDS:-}" ]]; then
     [[ $RC == 0 ]] && RC=$prc
 fi
 
-ONLY_ARGS=()
-[[ -n "${NOTEBOOKS:-}" ]] && ONLY_ARGS=(--only "$NOTEBOOKS")
-t=$(left)
 if [[ "${NOTEBOOKS:-}" == none ]]; then
     echo "gpu_job: NOTEBOOKS=none: no notebook run"
-elif ((t > 0)); then
-    echo "gpu_job: running notebooks ${NOTEBOOKS:-all} (timeout ${t}s)"
-    timeout --signal=INT --kill-after=10 "$t" \
-        python3 -m moelora_lib.studies.runner --profile gpu --out data/executed --keep-going --no-progress \
-        --log-output "${ONLY_ARGS[@]}"
-    nrc=$?
-    [[ $RC == 0 ]] && RC=$nrc
-    ((RC == 124)) && echo "gpu_job: the notebooks ran out of time (JOB_BUDGET_S=$BUDGET)"
 else
-    echo "gpu_job: no time left for the notebooks (JOB_BUDGET_S=$BUDGET)"
-    RC=124
+    # NOTEBOOKS=09,10+00: groups separated by "+" run one after another in the order given (the runner
+    # sorts the notebooks of one group by number), e.g. the explorer 00 after the notebooks whose CSVs it reads
+    IFS='+' read -r -a GROUPS_ <<< "${NOTEBOOKS:-}"
+    ((${#GROUPS_[@]} == 0)) && GROUPS_=("")
+    for group in "${GROUPS_[@]}"; do
+        ONLY_ARGS=()
+        [[ -n "$group" ]] && ONLY_ARGS=(--only "$group")
+        t=$(left)
+        if ((t <= 0)); then
+            echo "gpu_job: no time left for the notebooks ${group:-all} (JOB_BUDGET_S=$BUDGET)"
+            [[ $RC == 0 ]] && RC=124
+            break
+        fi
+        echo "gpu_job: running notebooks ${group:-all} (timeout ${t}s)"
+        timeout --signal=INT --kill-after=10 "$t" \
+            python3 -m moelora_lib.studies.runner --profile gpu --out data/executed --keep-going --no-progress \
+            --log-output "${ONLY_ARGS[@]}"
+        nrc=$?
+        [[ $RC == 0 ]] && RC=$nrc
+        if ((nrc == 124)); then
+            echo "gpu_job: the notebooks ran out of time (JOB_BUDGET_S=$BUDGET)"
+            break
+        fi
+    done
 fi
 
 if [[ "${GPU_TESTS:-0}" == 1 ]]; then

@@ -591,6 +591,7 @@ def bench_layer(
     parts: Sequence[str] = PARTS,
     warmup_ms: float = 25,
     rep_ms: float = 100,
+    min_reps: int | None = None,
 ) -> list[dict[str, Any]]:
     """Time the parts of one MoE+LoRA layer of ``stage`` at T tokens; one row per (part, mode).
 
@@ -609,7 +610,7 @@ def bench_layer(
         rows (:func:`moelora_lib.studies.bench.result_row`) with stage, part, model, T, H, I, E, K, L, R, S,
         dtype, activation, bias, pattern, config, config_source, mode, ms_p50, ms_p20, ms_p80, us_p50,
         flops, bytes, floor_us (µs; bytes at 4.3 TB/s vs flops at 675 TFLOP/s, the larger), warmup_ms,
-        rep_ms, plus the environment columns.
+        rep_ms, min_reps (:func:`moelora_lib.studies.bench.time_cuda`'s), plus the environment columns.
     """
     wl = _workload(
         shape,
@@ -636,7 +637,7 @@ def bench_layer(
     for part in parts:
         flops, nbytes = _part_cost(costs, part)
         for mode in ("cpu-interpreter",) if is_cpu else tuple(modes):
-            tm = bench.time_fn(fns[part], mode, device, warmup_ms, rep_ms)
+            tm = bench.time_fn(fns[part], mode, device, warmup_ms, rep_ms, min_reps=min_reps)
             rows.append(
                 bench.result_row(
                     **_run_fields(shape, run, wl.pattern),
@@ -653,6 +654,7 @@ def bench_layer(
                     floor_us=floor_us(flops, nbytes),
                     warmup_ms=warmup_ms,
                     rep_ms=rep_ms,
+                    min_reps=min_reps,
                 )
             )
     return rows
@@ -698,6 +700,7 @@ def bench_lora_op(
     rep_ms: float = 40,
     run=None,
     return_output: bool = False,
+    min_reps: int | None = None,
 ):
     """Time one LoRA op alone (see :func:`lora_op_fn`); one row like :func:`bench_layer`'s with
     part = op. ``op_changes`` (e.g. ``{"SPLIT_K": 4}``) is applied to the op's config with
@@ -733,7 +736,7 @@ def bench_lora_op(
     costs = {c["op"]: c for c in op_costs(shape, run.dims, dtype_bytes=run.x.element_size())}
     is_cpu = torch.device(device).type == "cpu"
     m = "cpu-interpreter" if is_cpu else mode
-    tm = bench.time_fn(fn, m, device, warmup_ms, rep_ms)
+    tm = bench.time_fn(fn, m, device, warmup_ms, rep_ms, min_reps=min_reps)
     fields = _run_fields(shape, run, pattern)
     c = costs[op]
     row = bench.result_row(
@@ -751,6 +754,7 @@ def bench_lora_op(
         floor_us=c["floor_us"],
         warmup_ms=warmup_ms,
         rep_ms=rep_ms,
+        min_reps=min_reps,
         **{k: v for k, v in (op_changes or {}).items()},
     )
     return (row, out) if return_output else row

@@ -730,6 +730,7 @@ def compare_tuned_vs_default(
     rep_ms: float = 40,
     progress: bool = True,
     weights=None,
+    min_reps: int | None = None,
 ) -> list[dict]:
     """:func:`moelora_lib.studies.moe_bench.bench_layer` rows (parts base, lora, total) of stage
     ``even_k_fused_add`` with :func:`default_config` and stage ``tuned`` (configs from
@@ -784,6 +785,7 @@ def compare_tuned_vs_default(
                     weights=w,
                     warmup_ms=warmup_ms,
                     rep_ms=rep_ms,
+                    min_reps=min_reps,
                 )
         del w
         if torch.device(device).type == "cuda":
@@ -805,6 +807,7 @@ def op_breakdown(
     weights=None,
     warmup_ms: float = 10,
     rep_ms: float = 40,
+    min_reps: int | None = None,
 ) -> list[dict]:
     """Each of the six launches of one layer timed alone (graph mode on the GPU), with its FLOPs,
     bytes, floor and the achieved TB/s and TFLOP/s (:func:`moelora_lib.studies.moe_bench.op_costs`)."""
@@ -839,7 +842,7 @@ def op_breakdown(
     rows = []
     for op in BASE_OPS + LORA_OPS:
         cfg = getattr(run.cfg, op)
-        tm = bench.time_fn(run.op_fn(op, cfg), "graph", device, warmup_ms, rep_ms)
+        tm = bench.time_fn(run.op_fn(op, cfg), "graph", device, warmup_ms, rep_ms, min_reps=min_reps)
         c = costs[op]
         sec = tm.ms_p50 * 1e-3
         rows.append(

@@ -177,7 +177,8 @@ def time_cuda(
         call's time (from three timed calls after the warm-up, without the flush, which is small
         beside the ms-scale calls this matters for), so a short budget still gives a median over
         several samples of a slow call. None: the repetition count is ``rep_ms`` / one call, as in
-        do_bench.
+        do_bench. Approximate: do_bench's own estimate also counts its L2 flush per call (a 1-ms copy with
+        ``min_reps=8`` got ~5 timed repetitions on the H200).
 
     Raises RuntimeError when CUDA is not available (use :func:`time_cpu` on the cpu profile);
     ValueError for an unknown ``mode`` or ``flush_l2``.

@@ -213,6 +213,11 @@ def _good():
 
 
 BAD = [
+    # index values, checked for free on the CPU (found by a new-user trial: they read past a row)
+    (dict(seq_lens=torch.tensor([5, 100])), r"seq_lens must be in \[1, max_seq = 8\]"),
+    (dict(seq_lens=torch.tensor([0, 3])), r"seq_lens must be in \[1, max_seq = 8\]"),
+    (dict(cache_rows=torch.tensor([0, 5])), r"cache_rows must be in \[0, max_batch = 3\)"),
+    (dict(cache_rows=torch.tensor([-1, 0])), r"cache_rows must be in \[0, max_batch = 3\)"),
     (dict(q=torch.zeros(2, 64)), r"q must be a tensor \[B, NH, D\]"),
     (dict(q=torch.zeros(2, 4, 16, dtype=torch.int32)), "q must have dtype float16, bfloat16 or float32"),
     (dict(q=torch.zeros(2, 4, 16, dtype=torch.bfloat16)), "bfloat16 is not supported on the CPU"),

@@ -63,6 +63,20 @@ def test_rms_norm_bad_input(device):
         rms_norm(x, w, 0.0, weight_fp32=True)
     with pytest.raises(ValueError, match="x must be"):
         rms_norm(x.t(), w, 1e-6, weight_fp32=True)
+    # found by a new-user trial: crashes or silent results before
+    for bad_w in ([1.0] * 8, None):
+        with pytest.raises(ValueError, match="weight"):
+            rms_norm(x, bad_w, 1e-6, weight_fp32=True)
+    for bad_eps in ("1e-5", None, float("nan"), True):
+        with pytest.raises(ValueError, match="eps"):
+            rms_norm(x, w, bad_eps, weight_fp32=True)
+    with pytest.raises(ValueError, match="residual"):
+        rms_norm(x, w, 1e-6, weight_fp32=True, residual=[0.0] * 8)
+    with pytest.raises(ValueError, match="N >= 1"):
+        rms_norm(x[:, :0], w[:0], 1e-6, weight_fp32=True)
+    if dev.type == "cpu":
+        with pytest.raises(ValueError, match="bfloat16 is not supported on the CPU"):
+            rms_norm(x.bfloat16(), w.bfloat16(), 1e-6, weight_fp32=False)
 
 
 def _torch_path(qkv, B, S, NH, NKV, D, cos_t, sin_t, pos, rows, kc, vc, qw, kw, eps):
@@ -138,6 +152,25 @@ def test_qk_norm_rope_cache_bad_input(device):
         qk_norm_rope_cache(qkv, **kw, q_norm_weight=torch.ones(D, device=dev))
     with pytest.raises(ValueError, match="batch"):
         qk_norm_rope_cache(qkv, **{**kw, "batch": 3})
+    # found by a new-user trial: silent truncation, NaN, crashes or a misleading message before
+    for key, val, match in [
+        ("num_heads", 4.7, "num_heads must be an int"),
+        ("head_dim", 3.5, "head_dim must be an int"),
+        ("head_dim", 7, "head_dim must be even"),
+        ("batch", 2.0, "batch must be an int"),
+        ("eps", 0.0, "eps must be a number > 0"),
+        ("eps", "x", "eps must be a number > 0"),
+        ("cos", [0.0], "cos must be"),
+        ("v_cache", torch.zeros(1, NKV, 8, D, device=dev), "v_cache must have k_cache's shape"),
+        ("positions", torch.tensor([0, 100], device=dev), "positions must be in"),
+        ("cache_rows", torch.tensor([0, 7], device=dev), "cache_rows must be in"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            qk_norm_rope_cache(qkv, **{**kw, key: val})
+    with pytest.raises(ValueError, match="qkv must be float16/bfloat16/float32"):
+        qk_norm_rope_cache(qkv.double(), **kw)
+    with pytest.raises(ValueError, match="positions must be in"):  # a rope table shorter than the positions
+        qk_norm_rope_cache(qkv, **{**kw, "cos": tab[:1], "sin": tab[:1], "positions": ix + 3})
 
 
 def test_qk_norm_rope_cache_expanded_index_views(device):

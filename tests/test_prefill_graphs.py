@@ -132,3 +132,30 @@ def test_prefill_graph_replay_on_gpu(name):
             got = gen._prefill([0, 1], prompts, [0, -1]).clone()
         torch.testing.assert_close(got, ref, atol=2e-3, rtol=2e-3)
     assert list(gen._prefill_buckets) == [(2, 64)] and gen._prefill_buckets[2, 64].graph is not None
+
+
+def test_bad_arguments_found_by_a_new_user_trial():
+    """Each was a TypeError, a silent result or an error after the forward ran."""
+    for n, ms in [(0, 10), (-100, 10), (3.5, 10), (True, 10), ("10", 10), (None, 10), (5, 0), (5, -5)]:
+        with pytest.raises(ValueError, match="n:|max_seq:"):
+            prefill_length(n, ms)
+    stub = PadStub(max_seq=40, max_tokens=80)
+    for bad in ("no", 2):
+        with pytest.raises(ValueError, match="pad_prefill"):
+            Generator(stub, pad_prefill=bad)
+    with pytest.raises(ValueError, match="graph_batch_sizes"):
+        Generator(stub, graph_batch_sizes=3)
+    gen = Generator(stub, pad_prefill=True)
+    for bad in (3.5, 5, None, (n for n in (8,))):
+        with pytest.raises(ValueError, match="prefill_lengths"):
+            gen.warmup(prefill_lengths=bad)
+    with pytest.raises(ValueError, match="batch_sizes"):
+        gen.warmup(batch_sizes=4)
+    model = _model("tiny-qwen3")
+    ids = torch.randint(0, model.config.vocab_size, (2, 4))
+    start, lora = torch.zeros(2, dtype=torch.int64), torch.full((2,), -1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="needs last_only=True"):
+        model(ids, start, lora, last_index=torch.tensor([1, 2]))
+    for bad in (torch.tensor([1, 4]), torch.tensor([-1, 0])):
+        with pytest.raises(ValueError, match=r"last_index values must be in \[0, S = 4\)"):
+            model(ids, start, lora, last_only=True, last_index=bad)

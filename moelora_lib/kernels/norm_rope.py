@@ -2,7 +2,7 @@
 and q/k-norm + rotary embedding + KV-cache write of one attention layer in one launch.
 
 Why: a decode step of GPT-OSS-20B at batch 1 spent ~0.96 ms of its 5.5 ms outside attention, the
-projections and the MoE (data/11_breakdown.csv, category ``other``, H200, run at 78bfa17) and a further
+projections and the MoE (notebook 11's step breakdown, category ``other``, H200, run at 78bfa17) and a further
 part of ``attention`` on rope and the cache writes: each torch RMSNorm is ~6 element-wise launches (cast,
 square, mean, add eps, rsqrt, scale, weight, cast) plus one for the residual add, and rope + two
 index-put cache writes another ~10, per layer. Each launch moves a few KB, so at decode they cost their
@@ -26,9 +26,11 @@ Method: the fused add + RMSNorm follows the common practice of inference engines
 ``fused_add_rms_norm`` CUDA op, whose interface — residual updated in place, normed output — this
 mirrors); the rope formula is transformers' ``apply_rotary_pos_emb`` / ``rotate_half``. Own code.
 
-Prediction (H200, not yet measured): GPT-OSS-20B decode at batch 1, 24 layers: 49 norms and 24 adds as
-~340 launches become 49; rope + cache writes ~240 launches become 24; at ~2 µs per removed launch
-≈ 1 ms of the 5.5 ms step (≈ +20 % OTPS), less where launches overlap in the graph.
+Prediction (written before the first H200 run): GPT-OSS-20B decode at batch 1, 24 layers: 49 norms and 24
+adds as ~340 launches become 49; rope + cache writes ~240 launches become 24; at ~2 µs per removed launch
+≈ 1 ms of the 5.5 ms step (≈ +20 % OTPS), less where launches overlap in the graph. Measured (notebook 11 at
+cd22587, with the decode attention kernel in the same run): the step's "other" kernels 0.96 → 0.43 ms and
+the step 5.5 → 3.17 ms (base model).
 """
 
 from __future__ import annotations
@@ -80,12 +82,44 @@ def _rms_norm_kernel(
 _rms_norm = triton.jit(_rms_norm_kernel)
 
 
-def _check_rows(name: str, t: torch.Tensor, n: int, dtype: torch.dtype, device) -> None:
+def _check_rows(name: str, t, n: int, dtype: torch.dtype, device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a {dtype} tensor [T, {n}], got {describe(t)}")
     if t.dim() != 2 or t.shape[1] != n or t.stride(1) != 1 or t.dtype != dtype or t.device != device:
         raise ValueError(
             f"{name} must be a {dtype} tensor [T, {n}] with contiguous rows on {device}, "
             f"got {tuple(t.shape)} {t.dtype} on {t.device}"
         )
+
+
+def _check_backend(name: str, t: torch.Tensor) -> None:
+    """The devices and dtypes the kernels run: CUDA, or the CPU through the Triton interpreter (fp16/fp32:
+    its bf16 arithmetic is wrong)."""
+    if t.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name} must be on a CUDA device or the CPU, got {t.device}")
+    if t.device.type == "cpu":
+        if type(_rms_norm).__name__ != "InterpretedFunction":
+            raise ValueError(
+                f"{name} is on the CPU but the kernels were not built for the Triton interpreter: use CUDA "
+                "tensors, or set TRITON_INTERPRET=1 before the first kernel module is imported"
+            )
+        if t.dtype == torch.bfloat16:
+            raise ValueError(
+                f"{name}: bfloat16 is not supported on the CPU (the Triton interpreter has no correct bf16 "
+                "arithmetic); use float16 or float32 on the CPU, bfloat16 on a GPU"
+            )
+
+
+def _check_eps(eps) -> float:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0 or eps != eps:
+        raise ValueError(f"eps must be a number > 0, got {eps!r}")
+    return float(eps)
+
+
+def _check_int(name: str, v, lo: int = 1) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+    return v
 
 
 def rms_norm(
@@ -111,21 +145,27 @@ def rms_norm(
     Returns:
         out [T, N] (x's dtype); with ``residual``: (out, s).
     Raises:
-        ValueError naming the argument for shapes, dtypes or devices that do not fit.
+        ValueError naming the argument for shapes, dtypes or devices that do not fit, eps not > 0, and
+        bfloat16 on the CPU (the interpreter's bf16 is wrong).
     """
-    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.stride(1) != 1:
-        raise ValueError(f"x must be a tensor [T, N] with contiguous rows, got {getattr(x, 'shape', x)}")
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.stride(1) != 1 or x.shape[1] == 0:
+        raise ValueError(f"x must be a tensor [T, N >= 1] with contiguous rows, got {describe(x)}")
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"x must be float16/bfloat16/float32, got {x.dtype}")
+    _check_backend("x", x)
     T, N = x.shape
     wdt = torch.float32 if weight_fp32 else x.dtype
-    if weight.shape != (N,) or weight.dtype != wdt or weight.device != x.device or weight.stride(0) != 1:
+    if (
+        not isinstance(weight, torch.Tensor)
+        or weight.shape != (N,)
+        or weight.dtype != wdt
+        or weight.device != x.device
+        or weight.stride(0) != 1
+    ):
         raise ValueError(
-            f"weight must be a contiguous {wdt} tensor [{N}] on {x.device}, "
-            f"got {tuple(weight.shape)} {weight.dtype} on {weight.device}"
+            f"weight must be a contiguous {wdt} tensor [{N}] on {x.device}, got {describe(weight)}"
         )
-    if not eps > 0:
-        raise ValueError(f"eps must be > 0, got {eps!r}")
+    eps = _check_eps(eps)
     if residual is not None:
         _check_rows("residual", residual, N, x.dtype, x.device)
         if residual.shape[0] != T:
@@ -248,6 +288,7 @@ def qk_norm_rope_cache(
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     q_out: torch.Tensor | None = None,
+    check_values: bool = True,
 ) -> torch.Tensor:
     """q/k-norm (optional), rope, and the KV-cache write of one attention layer, in one launch.
 
@@ -262,48 +303,94 @@ def qk_norm_rope_cache(
             [cache_rows[t], :, positions[t]] (k roped, v as it is).
         q_norm_weight / k_norm_weight: [D] of qkv's dtype, both or neither (Qwen3's per-head RMSNorm, eps).
         q_out: optional [B, NH, S, D] contiguous output (None allocates).
+        check_values: on the CPU, check the index values (the model runner passes False: it checks its
+            host-side indices once per forward, and its traced steps must read no tensor value).
     Returns:
         q [B, NH, S, D] of qkv's dtype (roped; head-major, so the g = NH/NKV heads of one KV head are
         consecutive rows of [B, NKV, g·S, D]).
     Raises:
-        ValueError naming the argument for shapes/dtypes/devices that do not fit. Index values are not
-        checked (no host sync): out-of-range rows/positions are undefined behaviour, as in the model.
+        ValueError naming the argument for sizes that are not positive ints, NH not a multiple of NKV, an
+        odd D, eps not > 0, shapes/dtypes/devices that do not fit, bfloat16 on the CPU; on the CPU also
+        positions or cache rows out of range. On a GPU index values are not checked (no host sync):
+        out-of-range rows/positions are undefined behaviour, as in the model.
     """
-    NH, NKV, D = int(num_heads), int(num_kv_heads), int(head_dim)
-    if NH < 1 or NKV < 1 or NH % NKV or D < 2 or D % 2:
-        raise ValueError(f"num_heads {NH} must be a multiple of num_kv_heads {NKV}, head_dim {D} even")
+    NH, NKV = _check_int("num_heads", num_heads), _check_int("num_kv_heads", num_kv_heads)
+    D, batch = _check_int("head_dim", head_dim, 2), _check_int("batch", batch)
+    if NH % NKV:
+        raise ValueError(f"num_heads ({NH}) must be a multiple of num_kv_heads ({NKV})")
+    if D % 2:
+        raise ValueError(f"head_dim must be even (rope rotates halves), got {D}")
+    eps = _check_eps(eps)
     W = (NH + 2 * NKV) * D
     if not isinstance(qkv, torch.Tensor) or qkv.dim() != 2 or qkv.shape[1] != W or qkv.stride(1) != 1:
-        raise ValueError(f"qkv must be a tensor [T, (NH + 2·NKV)·D = {W}] with contiguous rows")
+        raise ValueError(
+            f"qkv must be a tensor [T, (NH + 2·NKV)·D = {W}] with contiguous rows, got {describe(qkv)}"
+        )
+    if qkv.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"qkv must be float16/bfloat16/float32, got {qkv.dtype}")
+    _check_backend("qkv", qkv)
     dt, dev = qkv.dtype, qkv.device
     T = qkv.shape[0]
-    if batch < 1 or T % batch:
+    if T % batch:
         raise ValueError(f"batch must divide T = {T}, got {batch}")
     S = T // batch
     for name, tab in (("cos", cos), ("sin", sin)):
-        bad = tab.dim() != 2 or tab.shape[1] != D // 2 or tab.stride(1) != 1
-        if bad or tab.dtype != dt or tab.device != dev:
-            raise ValueError(f"{name} must be a {dt} tensor [max_seq, D/2 = {D // 2}] on {dev}")
-    if sin.stride(0) != cos.stride(0):
-        raise ValueError("cos and sin must have the same row stride")
+        ok = isinstance(tab, torch.Tensor) and tab.dim() == 2 and tab.shape[1] == D // 2
+        if not ok or tab.stride(1) != 1 or tab.dtype != dt or tab.device != dev:
+            raise ValueError(
+                f"{name} must be a {dt} tensor [max_seq, D/2 = {D // 2}] on {dev}, got {describe(tab)}"
+            )
+    if sin.shape != cos.shape or sin.stride(0) != cos.stride(0):
+        raise ValueError(
+            f"cos and sin must have the same shape and row stride, got {describe(cos)}, {describe(sin)}"
+        )
     for name, ix in (("positions", positions), ("cache_rows", cache_rows)):
-        if ix.shape != (T,) or ix.dtype not in (torch.int32, torch.int64) or ix.device != dev:
+        ok = isinstance(ix, torch.Tensor) and ix.shape == (T,)
+        if not ok or ix.dtype not in (torch.int32, torch.int64) or ix.device != dev:
             raise ValueError(f"{name} must be an int32/int64 tensor [T = {T}] on {dev}, got {describe(ix)}")
     # the kernel reads index t at ptr + t (an expanded view, stride 0, is copied: one small launch)
     positions, cache_rows = positions.contiguous(), cache_rows.contiguous()
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if c.dim() != 4 or c.shape[1] != NKV or c.shape[3] != D or c.dtype != dt or c.stride(3) != 1:
-            raise ValueError(f"{name} must be a {dt} tensor [max_batch, NKV = {NKV}, max_seq, D = {D}]")
+        ok = isinstance(c, torch.Tensor) and c.dim() == 4 and c.shape[1] == NKV and c.shape[3] == D
+        if not ok or c.dtype != dt or c.stride(3) != 1 or c.device != dev:
+            raise ValueError(
+                f"{name} must be a {dt} tensor [max_batch, NKV = {NKV}, max_seq, D = {D}] on {dev}, "
+                f"got {describe(c)}"
+            )
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"v_cache must have k_cache's shape {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}"
+        )
+    if check_values and dev.type == "cpu" and T:  # index values: free on the host (GPU: undefined behaviour)
+        max_batch, max_seq = k_cache.shape[0], k_cache.shape[2]
+        lo, hi = int(positions.min()), int(positions.max())
+        if lo < 0 or hi >= min(max_seq, cos.shape[0]):
+            raise ValueError(
+                f"positions must be in [0, min(max_seq = {max_seq}, rope table rows = {cos.shape[0]})), "
+                f"got [{lo}, {hi}]"
+            )
+        lo, hi = int(cache_rows.min()), int(cache_rows.max())
+        if lo < 0 or hi >= max_batch:
+            raise ValueError(f"cache_rows must be in [0, max_batch = {max_batch}), got [{lo}, {hi}]")
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("q_norm_weight and k_norm_weight: pass both or neither")
     qk_norm = q_norm_weight is not None
     if qk_norm:
         for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
-            if w.shape != (D,) or w.dtype != dt or w.device != dev or w.stride(0) != 1:
-                raise ValueError(f"{name} must be a contiguous {dt} tensor [D = {D}] on {dev}")
+            ok = isinstance(w, torch.Tensor) and w.shape == (D,)
+            if not ok or w.dtype != dt or w.device != dev or w.stride(0) != 1:
+                raise ValueError(
+                    f"{name} must be a contiguous {dt} tensor [D = {D}] on {dev}, got {describe(w)}"
+                )
     if q_out is None:
         q_out = torch.empty((batch, NH, S, D), dtype=dt, device=dev)
-    elif q_out.shape != (batch, NH, S, D) or q_out.dtype != dt or not q_out.is_contiguous():
+    elif (
+        not isinstance(q_out, torch.Tensor)
+        or q_out.shape != (batch, NH, S, D)
+        or q_out.dtype != dt
+        or q_out.device != dev
+        or not q_out.is_contiguous()
+    ):
         raise ValueError(f"q_out must be a contiguous {dt} tensor [B, NH, S, D] = {(batch, NH, S, D)}")
     if T:
         qw = q_norm_weight if qk_norm else cos

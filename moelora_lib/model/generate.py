@@ -1,5 +1,5 @@
-"""Multi-adapter generation: eager prefill, then a decode step replayed from a CUDA graph per batch-size
-bucket, every request with its own adapter slot (or none).
+"""Multi-adapter generation: prefill (replayed from a CUDA graph per padded prompt length), then a decode
+step replayed from a CUDA graph per batch-size bucket, every request with its own adapter slot (or none).
 
 Usage::
 
@@ -91,8 +91,12 @@ def prefill_length(n: int, max_seq: int) -> int:
     up to a multiple of max(64, 2^(⌊log2 n⌋ - 3)) — multiples of 64 up to 512, then eight lengths per
     octave: at most 63 padded tokens up to 512 and 12.5 % above (e.g. 1600 -> 1664), and few graphs (32
     up to 4096) — and at most ``max_seq``."""
+    if not is_int(n) or n < 1:
+        raise ValueError(f"n: expected a prompt length, an int >= 1, got {n!r}")
+    if not is_int(max_seq) or max_seq < n:
+        raise ValueError(f"max_seq: expected an int >= n = {n}, got {max_seq!r}")
     q = max(64, 1 << max(0, int(n).bit_length() - 4))
-    return min(max_seq, -(-n // q) * q)
+    return int(min(max_seq, -(-n // q) * q))
 
 
 @dataclass
@@ -341,8 +345,10 @@ class Generator:
             raise ValueError(f"use_cuda_graphs: the model is on {self.device}, CUDA graphs need a CUDA model")
         self.use_cuda_graphs = bool(use_cuda_graphs)
         self.pad_to_buckets = self.use_cuda_graphs if pad_to_buckets is None else bool(pad_to_buckets)
-        if not all(is_int(b) and b >= 1 for b in graph_batch_sizes):
-            raise ValueError(f"graph_batch_sizes: expected positive ints, got {list(graph_batch_sizes)}")
+        if not isinstance(graph_batch_sizes, (list, tuple, range)) or not all(
+            is_int(b) and b >= 1 for b in graph_batch_sizes
+        ):
+            raise ValueError(f"graph_batch_sizes: expected positive ints (a list), got {graph_batch_sizes!r}")
         mb = self.limits.max_batch
         self.graph_batch_sizes = tuple(sorted({int(b) for b in graph_batch_sizes if b <= mb} | {mb}))
         self.batch_prefill = bool(batch_prefill)
@@ -355,6 +361,8 @@ class Generator:
             params = {}
         self._has_kv_len = "kv_len" in params
         can_pad = self._has_kv_len and "last_index" in params
+        if pad_prefill is not None and not isinstance(pad_prefill, bool):
+            raise ValueError(f"pad_prefill: expected None, True or False, got {pad_prefill!r}")
         if pad_prefill and not can_pad:
             raise ValueError(
                 "pad_prefill: the model's forward must take kv_len and last_index (MultiLoRAModel)"
@@ -464,6 +472,8 @@ class Generator:
         ``max_seq``, as a server does at start-up so that no request pays a capture). Writes dummy K/V
         into cache rows 0..b-1 (prefill overwrites it). A no-op without CUDA graphs."""
         sizes = self.graph_batch_sizes if batch_sizes is None else batch_sizes
+        if not isinstance(sizes, (list, tuple, range)):
+            raise ValueError(f"batch_sizes: expected None or a list of ints, got {sizes!r}")
         if not all(is_int(n) and 1 <= n <= self.limits.max_batch for n in sizes):
             raise ValueError(
                 f"batch_sizes: expected ints in [1, max_batch={self.limits.max_batch}], got {sizes}"
@@ -475,6 +485,8 @@ class Generator:
                     f"prefill_lengths: expected 'all' or a list of ints, got {prefill_lengths!r}"
                 )
             prefill_lengths = sorted({prefill_length(n, ms) for n in range(1, ms + 1)})
+        if not isinstance(prefill_lengths, (list, tuple, range)):
+            raise ValueError(f"prefill_lengths: expected 'all' or a list of ints, got {prefill_lengths!r}")
         if not all(is_int(n) and 1 <= n <= ms for n in prefill_lengths):
             raise ValueError(f"prefill_lengths: expected ints in [1, max_seq={ms}], got {prefill_lengths}")
         if not self.use_cuda_graphs:

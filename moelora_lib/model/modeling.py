@@ -243,6 +243,7 @@ class Attention(nn.Module):
             q_norm_weight=None if qn is None else qn.weight,
             k_norm_weight=None if kn is None else kn.weight,
             eps=1e-6 if qn is None else qn.eps,
+            check_values=False,  # the forward checked its host-side indices; device ones are unchecked
         )
         if S == 1:  # decode: split-KV kernel over the cache in place (no mask, no copy, no score tensor)
             from ..kernels import decode_attention as da
@@ -256,6 +257,7 @@ class Attention(nn.Module):
                 sliding_window=self.sliding_window,
                 sinks=self.sinks,
                 scale=self.scale,
+                check_values=False,
             )
             return self.o_proj(o.view(B, nh * hd), ctx.ids)
         L = ctx.kv_len
@@ -707,15 +709,21 @@ class MultiLoRAModel(nn.Module):
             raise ValueError(f"input_ids must be int64 (or int32), got {input_ids.dtype}")
         self._check_index_device("input_ids", input_ids)
         B, S = input_ids.shape
-        if last_index is not None and (
-            not isinstance(last_index, torch.Tensor)
-            or last_index.shape != (B,)
-            or last_index.dtype not in (torch.int32, torch.int64)
-            or not last_only
-        ):
-            raise ValueError(
-                f"last_index must be an int tensor [B] and needs last_only=True, got {describe(last_index)}"
-            )
+        if last_index is not None:
+            if not last_only:
+                raise ValueError("last_index needs last_only=True (it picks the one column returned per row)")
+            if (
+                not isinstance(last_index, torch.Tensor)
+                or last_index.shape != (B,)
+                or last_index.dtype not in (torch.int32, torch.int64)
+            ):
+                raise ValueError(
+                    f"last_index must be an int32/int64 tensor [B = {B}], got {describe(last_index)}"
+                )
+            if last_index.device.type == "cpu" and B:  # host-side values: checked for free
+                lo, hi = int(last_index.min()), int(last_index.max())
+                if lo < 0 or hi >= S:
+                    raise ValueError(f"last_index values must be in [0, S = {S}), got [{lo}, {hi}]")
         if not 1 <= B <= self.max_batch:
             raise ValueError(f"input_ids: B = {B} must be in [1, max_batch = {self.max_batch}]")
         if not 1 <= S <= self.max_seq:

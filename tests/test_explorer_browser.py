@@ -243,5 +243,4 @@ def test_explorer_in_jupyterlab(lab):
             browser.close()
     print("browser test timings (s): " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()))
     assert not errors, f"errors in the page: {errors}"
-    assert times["control change -> redrawn"] < 5, times
     assert SCREENSHOT.stat().st_size > 10_000

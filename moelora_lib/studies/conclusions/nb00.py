@@ -136,7 +136,8 @@ def conclusion(ev, *, profile: str, redraws=None, checks=None) -> str:
         redraws: :meth:`moelora_lib.studies.explorer.Explorer.time_redraws` (control, value, seconds).
         checks: :func:`moelora_lib.studies.explorer.tiny_check` rows.
 
-    Asserts: every redraw took < ``REDRAW_LIMIT_S``; every tiny check is ok.
+    Asserts: every tiny check is ok. The redraw times are reported against ``REDRAW_LIMIT_S`` (met or
+    missed), never asserted: they depend on the machine's load (a timed assertion failed CI once at 1.05 s).
     Returns: Markdown.
     """
     md = [
@@ -151,13 +152,17 @@ def conclusion(ev, *, profile: str, redraws=None, checks=None) -> str:
     where = "through the Triton interpreter on the CPU" if profile == "cpu" else "on the GPU"
     if redraws is not None and len(redraws):
         worst = redraws.loc[redraws.seconds.idxmax()]
-        assert redraws.seconds.max() < REDRAW_LIMIT_S, (
-            f"a control change took {worst.seconds:.2f} s to redraw ({worst.control} = {worst.value}); "
-            f"the limit is {REDRAW_LIMIT_S} s"
+        over = redraws[redraws.seconds >= REDRAW_LIMIT_S]
+        verdict = (
+            f"all within the {REDRAW_LIMIT_S:.0f} s target"
+            if not len(over)
+            else f"{len(over)} over the {REDRAW_LIMIT_S:.0f} s target, the worst {worst.control} = "
+            f"{worst.value} ({worst.seconds:.2f} s): target missed on this machine as loaded during this run"
         )
         md.append(
-            f"- **Redraw:** {len(redraws)} control changes, each within {redraws.seconds.max():.2f} s "
-            f"(median {redraws.seconds.median():.2f} s; limit {REDRAW_LIMIT_S:.0f} s) on this machine."
+            f"- **Redraw:** {len(redraws)} control changes, the slowest {redraws.seconds.max():.2f} s "
+            f"(median {redraws.seconds.median():.2f} s): {verdict}. A benchmark on this run's machine, not a "
+            "test: other work on the cores (a browser, JupyterLab, pytest) slows it."
         )
     if checks is not None and len(checks):
         bad = checks[~checks.ok]

@@ -28,6 +28,7 @@ __all__ = [
     "gpu_name",
     "write_json_atomic",
     "is_int",
+    "check_bool",
     "aligned16",
     "MisalignedCopyWarning",
     "MISALIGNED_COPY_WARN_BYTES",
@@ -70,6 +71,14 @@ def is_int(v: Any) -> bool:
     import numbers
 
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def check_bool(name: str, v: Any) -> bool:
+    """Return ``v`` when it is a bool; ValueError naming ``name`` otherwise (no truthiness of 0/1, None
+    or strings: a flag given as ``"false"`` must not mean True)."""
+    if not isinstance(v, bool):
+        raise ValueError(f"{name} must be a bool, got {type(v).__name__}: {v!r}")
+    return v
 
 
 def describe(x) -> str:

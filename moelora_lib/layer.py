@@ -44,7 +44,7 @@ import weakref
 import torch
 
 from . import ops
-from .common import check_kernel_dtype, is_int
+from .common import check_bool, check_kernel_dtype, is_int
 from .kernels import STAGES, LayerConfig, LayerRun
 from .kernels.align import AlignWorkspace, align_tokens_triton, align_workspace
 from .kernels.align_small import (
@@ -139,6 +139,9 @@ class MoELoRALayer(ops.OpLayer):
         config: a fixed :class:`~moelora_lib.kernels.LayerConfig` for every T (None = per T, as
             fused_moe_lora picks it).
         debug: check id values in forward (topk_ids ∈ [0, E), lora_ids ∈ [-1, L)); a host sync.
+        deterministic: bitwise-repeatable output (SPLIT_K = 1 on both shrinks, as
+            :func:`moelora_lib.fused_moe_lora`'s ``deterministic``); the routing and the alignment
+            kernels are deterministic already. Default False.
         share_scratch: share the scratch buffers (``h`` [P, 2I], ``g`` [P, I], ``y`` [P, H] in the
             layer's dtype, the fp32 rank intermediates and routing weights, the alignment workspaces;
             P = max_tokens·top_k) with every other layer of the same sizes, dtype and device (default):
@@ -173,6 +176,7 @@ class MoELoRALayer(ops.OpLayer):
         stage: str = "tuned",
         config: LayerConfig | None = None,
         debug: bool = False,
+        deterministic: bool = False,
         share_scratch: bool = True,
     ):
         super().__init__()
@@ -190,6 +194,7 @@ class MoELoRALayer(ops.OpLayer):
             raise ValueError(f"stage must be one of {list(STAGES)}, got {stage!r}")
         if config is not None and not isinstance(config, LayerConfig):
             raise ValueError(f"config must be a LayerConfig or None, got {type(config).__name__}")
+        check_bool("deterministic", deterministic)
         if not isinstance(w13, torch.Tensor) or w13.dim() != 3 or not w13.is_floating_point():
             raise ValueError(f"w13 must be a 3-D float tensor [E, 2I, H], got {_desc(w13)}")
         if w13.shape[1] % (2 * slices):
@@ -240,6 +245,7 @@ class MoELoRALayer(ops.OpLayer):
         self.stage = STAGES[stage]
         self.fixed_config = config
         self.debug = bool(debug)
+        self.deterministic = deterministic
         self.share_scratch = bool(share_scratch)
         self._covers: list[tuple[bool, bool]] = [(False, False)] * L  # host copy of slot_covers
         self._configs: dict[int, LayerConfig] = {}
@@ -254,6 +260,7 @@ class MoELoRALayer(ops.OpLayer):
             f"E={self.E}, H={self.H}, I={self.I}, top_k={self.K}, adapters={self.L}, max_rank={self.R}, "
             f"slices={self.S}, max_tokens={self.max_tokens}, activation={self.activation!r}, "
             f"stage={self.stage.name!r}, dtype={self.w13.dtype}"
+            + (", deterministic=True" if self.deterministic else "")
         )
 
     # --- buffers ----------------------------------------------------------------------------------
@@ -319,6 +326,8 @@ class MoELoRALayer(ops.OpLayer):
                 )
                 cfg = self.stage.config_for(dims)
             cfg = self.stage.adapt(cfg)
+            if self.deterministic:
+                cfg = cfg.deterministic()
             self._configs[T] = cfg
         return cfg
 

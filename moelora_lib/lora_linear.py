@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from . import ops
-from .common import check_kernel_dtype, check_tensor, is_int
+from .common import check_bool, check_kernel_dtype, check_tensor, is_int
 from .common import describe as _desc
 from .kernels import STAGES
 from .kernels.align import AlignWorkspace, align_tokens_triton, align_workspace
@@ -225,6 +225,7 @@ def lora_linear(
     stage: str = "naive",
     config: DenseLoRAConfig | None = None,
     check_values: bool = True,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """Dense linear layer with one LoRA adapter per token over S output slices.
 
@@ -248,6 +249,10 @@ def lora_linear(
         check_values: check lora_ids ∈ [-1, L) — one host sync. Pass False for CUDA-graph capture
             (ids out of range are then dropped by the alignment: no out-of-bounds access, result for
             those tokens unspecified), or use :class:`LoRALinear`.
+        deterministic: bitwise-repeatable LoRA path: the shrink runs with SPLIT_K = 1
+            (``DenseLoRAConfig.deterministic()``; split-K's fp32 atomics add in an order the
+            hardware picks). The base GEMM is cuBLAS's: repeatable on one GPU and stream (see
+            PyTorch's reproducibility notes, ``CUBLAS_WORKSPACE_CONFIG``). Default False.
     Returns:
         [T, N_total] in x's dtype: the base output ``F.linear(x, weight, bias)`` with the LoRA deltas
         added; rows of tokens with id -1 are bit for bit ``F.linear``'s.
@@ -260,6 +265,7 @@ def lora_linear(
     delta is stored (fp32 for fp16 outputs, else x's dtype) and added by torch.
     """
     _check_stage_and_config(stage, config)
+    check_bool("deterministic", deterministic)
     d = validate_lora_linear_inputs(x, weight, lora_a, lora_b, lora_ids, slices, bias, check_values)
     st = STAGES[stage]
     out = F.linear(x, weight, bias)
@@ -267,6 +273,8 @@ def lora_linear(
         return out
     if config is None:
         config = dense_config_for(st, d["T"], hidden=d["H"], slices=d["slices"], rank=d["R"], adapters=d["L"])
+    if deterministic:
+        config = config.deterministic()
     align = _align_oneshot(lora_ids, d["L"], config.block_size_m)
     return dense_lora_add(st, out, x, lora_a, lora_b, align, config, slices=d["slices"])
 
@@ -357,6 +365,8 @@ class LoRALinear(ops.OpLayer):
         config: a fixed :class:`~moelora_lib.kernels.dense_lora.DenseLoRAConfig` for every T (None =
             per T, as :func:`lora_linear` picks it).
         debug: check lora_ids ∈ [-1, L) in forward (a host sync).
+        deterministic: bitwise-repeatable LoRA path (the shrink's SPLIT_K = 1, as
+            :func:`lora_linear`'s ``deterministic``). Default False.
         share_scratch: share the per-call buffers (rank intermediate, delta buffer, alignment
             workspaces) with every LoRALinear of the same sizes, dtype and device (default): layers run
             one after another, and nothing in them outlives a forward.
@@ -389,9 +399,11 @@ class LoRALinear(ops.OpLayer):
         stage: str = "tuned",
         config: DenseLoRAConfig | None = None,
         debug: bool = False,
+        deterministic: bool = False,
         share_scratch: bool = True,
     ):
         super().__init__()
+        check_bool("deterministic", deterministic)
         for name, v in (("num_adapters", num_adapters), ("max_rank", max_rank), ("max_tokens", max_tokens)):
             if not is_int(v) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
@@ -427,6 +439,7 @@ class LoRALinear(ops.OpLayer):
         self.stage = STAGES[stage]
         self.fixed_config = config
         self.debug = bool(debug)
+        self.deterministic = deterministic
         self.share_scratch = bool(share_scratch)
         self._loaded = [False] * L  # host copy of slot_loaded
         self._configs: dict[int, DenseLoRAConfig] = {}
@@ -440,6 +453,7 @@ class LoRALinear(ops.OpLayer):
             f"in_features={self.in_features}, out_features={self.out_features}, slices={self.slices}, "
             f"adapters={self.L}, max_rank={self.R}, max_tokens={self.max_tokens}, "
             f"stage={self.stage.name!r}, dtype={self.weight.dtype}"
+            + (", deterministic=True" if self.deterministic else "")
         )
 
     # --- buffers ----------------------------------------------------------------------------------
@@ -485,6 +499,8 @@ class LoRALinear(ops.OpLayer):
                     self.stage, T, hidden=self.in_features, slices=self.slices, rank=self.R, adapters=self.L
                 )
             cfg = adapt_dense_config(self.stage, cfg)
+            if self.deterministic:
+                cfg = cfg.deterministic()
             self._configs[T] = cfg
         return cfg
 

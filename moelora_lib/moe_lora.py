@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import check_tensor
+from .common import check_bool, check_tensor
 from .common import describe as _desc
 from .kernels import STAGES, LayerConfig, LayerRun
 from .routing import check_id_bounds, check_id_values
@@ -222,11 +222,14 @@ def make_layer_run(
     stage="naive",
     config: LayerConfig | None = None,
     check_values: bool = True,
+    deterministic: bool = False,
 ) -> LayerRun:
     """Validate and build the :class:`~moelora_lib.kernels.LayerRun` that :func:`fused_moe_lora` runs.
 
-    Benchmarks use it to time parts of the layer or to capture it in a CUDA graph.
+    Benchmarks use it to time parts of the layer or to capture it in a CUDA graph. ``deterministic``:
+    as in :func:`fused_moe_lora`.
     """
+    check_bool("deterministic", deterministic)
     _check_stage_and_config(stage, config)
     d = validate_moe_lora_inputs(
         hidden_states,
@@ -250,6 +253,8 @@ def make_layer_run(
         )
         # stage "tuned" loads tuned configs (moelora_lib.configs); the other stages use the defaults
         config = STAGES[stage].config_for(dims)
+    if deterministic:
+        config = config.deterministic()
     return LayerRun(
         STAGES[stage],
         hidden_states,
@@ -310,6 +315,7 @@ def fused_moe_lora(
     b2=None,
     stage="naive",
     config: LayerConfig | None = None,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """MoE layer with one LoRA adapter per token on both expert projections (four LoRA ops).
 
@@ -344,11 +350,18 @@ def fused_moe_lora(
         stage: a name in :data:`moelora_lib.kernels.STAGES`.
         config: a :class:`~moelora_lib.kernels.LayerConfig`; None = :func:`default_config`, or for
             stage "tuned" :func:`moelora_lib.configs.load_layer_config` (tuned files, else defaults).
+        deterministic: bitwise-repeatable output: the config (given or picked) runs with SPLIT_K = 1
+            on both shrinks (``LayerConfig.deterministic()``), the only launches whose fp32 atomics
+            add in an order the hardware picks; every other launch (alignment, base GEMMs, expands,
+            activation, top-k sum) already writes each element from one program in a fixed order.
+            Same inputs, config, GPU and software give the same bits. Its cost is the split-K
+            speed-up of the thin shrinks (notebook 04). Default False.
     Returns:
         [T, H] in hidden_states' dtype ([0, H] when T = 0).
     Raises:
         ValueError: an argument's shape, dtype, device or value range is wrong (the message names
-            it), unknown activation or stage; bfloat16 on the CPU (the interpreter's bf16 is wrong).
+            it), unknown activation or stage, a non-bool deterministic; bfloat16 on the CPU (the
+            interpreter's bf16 is wrong).
 
     The value-range check of topk_ids and lora_ids synchronizes with the host once, so this function
     is not meant for CUDA-graph capture: use :class:`moelora_lib.MoELoRALayer` (no host sync), or build
@@ -383,6 +396,7 @@ def fused_moe_lora(
             check_values=False,
         )
         _check_stage_and_config(stage, config)
+        check_bool("deterministic", deterministic)
         return hidden_states.new_empty((0, hidden_states.shape[1]))
     on_gpu = isinstance(hidden_states, torch.Tensor) and hidden_states.device.type == "cuda"
     run = make_layer_run(
@@ -402,6 +416,7 @@ def fused_moe_lora(
         stage=stage,
         config=config,
         check_values=not on_gpu,  # on the GPU: deferred, below
+        deterministic=deterministic,
     )
     if not on_gpu:
         return run()

@@ -130,6 +130,29 @@ class LayerConfig:
     def replace(self, **changes) -> LayerConfig:
         return replace(self, **changes)
 
+    @property
+    def is_deterministic(self) -> bool:
+        """True when no launch splits K (SPLIT_K = 1 on both shrinks): every launch of the layer then
+        writes each output element from one program in a fixed order, so repeated calls on the same
+        inputs and config give the same bits on the same GPU and software."""
+        return all(getattr(self, op).SPLIT_K == 1 for op in LORA_OPS)
+
+    def deterministic(self) -> LayerConfig:
+        """This config with SPLIT_K = 1 on the two shrinks (the only launches that split K: their
+        relaxed fp32 atomic adds, vLLM PRs #27291/#27818, reach each output element in an order
+        the hardware picks, so split-K results can differ in the last bits from call to call).
+        Every other field is kept; ``source`` gets ``+deterministic`` appended. Returns ``self`` when
+        it already is deterministic. The cost is the split-K speed-up of the thin shrink GEMMs
+        (notebook 04 measures SPLIT_K against 1)."""
+        if self.is_deterministic:
+            return self
+        return replace(
+            self,
+            gate_up_shrink=replace(self.gate_up_shrink, SPLIT_K=1),
+            down_shrink=replace(self.down_shrink, SPLIT_K=1),
+            source=self.source + "+deterministic",
+        )
+
     def to_dict(self) -> dict:
         d = {op: getattr(self, op).to_dict() for op in BASE_OPS + LORA_OPS}
         d["source"] = self.source

@@ -320,6 +320,19 @@ class DenseLoRAConfig:
     def block_size_m(self) -> int:
         return self.shrink.BLOCK_SIZE_M
 
+    @property
+    def is_deterministic(self) -> bool:
+        """True when the shrink does not split K (the expand never does)."""
+        return self.shrink.SPLIT_K == 1
+
+    def deterministic(self) -> DenseLoRAConfig:
+        """This config with the shrink's SPLIT_K = 1 (split-K's relaxed fp32 atomics add in an order
+        the hardware picks; with one program per output tile every call gives the same bits). Other
+        fields kept; ``source`` gets ``+deterministic``; ``self`` when already deterministic."""
+        if self.is_deterministic:
+            return self
+        return replace(self, shrink=replace(self.shrink, SPLIT_K=1), source=self.source + "+deterministic")
+
     def to_dict(self) -> dict:
         return {"shrink": self.shrink.to_dict(), "expand": self.expand.to_dict(), "source": self.source}
 

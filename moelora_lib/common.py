@@ -77,7 +77,9 @@ def check_bool(name: str, v: Any) -> bool:
     """Return ``v`` when it is a bool; ValueError naming ``name`` otherwise (no truthiness of 0/1, None
     or strings: a flag given as ``"false"`` must not mean True)."""
     if not isinstance(v, bool):
-        raise ValueError(f"{name} must be a bool, got {type(v).__name__}: {v!r}")
+        t = type(v)
+        kind = t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+        raise ValueError(f"{name} must be a Python bool (True or False), got {kind}: {v!r}")
     return v
 
 

@@ -241,14 +241,14 @@ class MoELoRALayer(ops.OpLayer):
         self.E, self.H, self.I, self.K, self.L, self.R, self.S = E, H, two_i // 2, K, L, R, S
         self.max_tokens = max_tokens
         self.activation = activation
-        self.renormalize = bool(renormalize)
+        self.renormalize = check_bool("renormalize", renormalize)
         self.stage = STAGES[stage]
         self.fixed_config = config
-        self.debug = bool(debug)
-        self.deterministic = deterministic
-        self.share_scratch = bool(share_scratch)
-        self._covers: list[tuple[bool, bool]] = [(False, False)] * L  # host copy of slot_covers
+        self.debug = check_bool("debug", debug)
         self._configs: dict[int, LayerConfig] = {}
+        self.deterministic = deterministic  # property: validates, clears the per-T configs
+        self.share_scratch = check_bool("share_scratch", share_scratch)
+        self._covers: list[tuple[bool, bool]] = [(False, False)] * L  # host copy of slot_covers
         self._buffers_key = None
         self._bufs: dict[str, torch.Tensor] = {}
         self._scratch = None
@@ -307,6 +307,17 @@ class MoELoRALayer(ops.OpLayer):
         weights = nbytes((self.w13, self.w2, self.b13, self.b2))
         slots = nbytes((self.lora_a13, self.lora_b13, self.lora_a2, self.lora_b2, self.slot_covers))
         return memory_report(self, weights, slots)
+
+    @property
+    def deterministic(self) -> bool:
+        """Bitwise-repeatable mode (SPLIT_K = 1 on both shrinks); setting it validates the value and
+        drops the per-T configs resolved so far, so the next forward at every T follows it."""
+        return self._deterministic
+
+    @deterministic.setter
+    def deterministic(self, value: bool) -> None:
+        self._deterministic = check_bool("deterministic", value)
+        self._configs.clear()
 
     def config_for(self, T: int) -> LayerConfig:
         """The config (after the stage's adapt) the forward launches at T tokens; resolved once per T."""

@@ -186,7 +186,7 @@ def validate_lora_linear_inputs(
                     f"{name} requires grad: lora_linear is inference only (its LoRA part has no gradient); "
                     "call it under torch.no_grad() or torch.inference_mode()"
                 )
-    if check_values:
+    if check_bool("check_values", check_values):
         _check_values(lora_ids, L)
     return dict(T=T, H=H, N=N, L=L, S=S, R=R, slices=slices)
 
@@ -438,11 +438,11 @@ class LoRALinear(ops.OpLayer):
         self.max_tokens = max_tokens
         self.stage = STAGES[stage]
         self.fixed_config = config
-        self.debug = bool(debug)
-        self.deterministic = deterministic
-        self.share_scratch = bool(share_scratch)
-        self._loaded = [False] * L  # host copy of slot_loaded
+        self.debug = check_bool("debug", debug)
         self._configs: dict[int, DenseLoRAConfig] = {}
+        self.deterministic = deterministic  # property: validates, clears the per-T configs
+        self.share_scratch = check_bool("share_scratch", share_scratch)
+        self._loaded = [False] * L  # host copy of slot_loaded
         self._scratch = None
         self._buffers_key = None
         self._alloc_buffers()
@@ -488,6 +488,17 @@ class LoRALinear(ops.OpLayer):
         "scratch_shared_by", "per_layer" (weights + slots (+ scratch when not shared))}."""
         weights = nbytes((self.weight, self.bias))
         return memory_report(self, weights, nbytes((self.lora_a, self.lora_b, self.slot_loaded)))
+
+    @property
+    def deterministic(self) -> bool:
+        """Bitwise-repeatable LoRA path (the shrink's SPLIT_K = 1); setting it validates the value and
+        drops the per-T configs resolved so far, so the next forward at every T follows it."""
+        return self._deterministic
+
+    @deterministic.setter
+    def deterministic(self, value: bool) -> None:
+        self._deterministic = check_bool("deterministic", value)
+        self._configs.clear()
 
     def config_for(self, T: int) -> DenseLoRAConfig:
         """The config (after the stage's adapt) the forward launches at T tokens; resolved once per T."""

@@ -90,8 +90,10 @@ def validate_moe_lora_inputs(
     Each shape letter (T, H, I, E, K, L, R) takes the size most arguments agree on, so a wrong size is
     reported on the argument that disagrees (a wrong H in hidden_states names hidden_states, not w13).
     Raises:
-        ValueError naming the argument and the expected shape, dtype, device or range.
+        ValueError naming the argument and the expected shape, dtype, device or range; a
+        check_values that is not a bool.
     """
+    check_bool("check_values", check_values)
     if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 2:
         raise ValueError(f"hidden_states must be a 2-D tensor [T, H], got {_desc(hidden_states)}")
     dt, dev = hidden_states.dtype, hidden_states.device
@@ -229,8 +231,8 @@ def make_layer_run(
     Benchmarks use it to time parts of the layer or to capture it in a CUDA graph. ``deterministic``:
     as in :func:`fused_moe_lora`.
     """
-    check_bool("deterministic", deterministic)
     _check_stage_and_config(stage, config)
+    check_bool("deterministic", deterministic)
     d = validate_moe_lora_inputs(
         hidden_states,
         w13,

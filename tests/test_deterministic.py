@@ -153,9 +153,9 @@ def test_dense_deterministic():
 @pytest.mark.parametrize("bad", ["yes", 1, None])
 def test_deterministic_must_be_a_bool(bad):
     inp = make_inputs(get_shape("tiny"), 4, rank=16, num_adapters=2, dtype=torch.float32, device="cpu")
-    with pytest.raises(ValueError, match="deterministic must be a bool"):
+    with pytest.raises(ValueError, match="deterministic must be a Python bool"):
         fused_moe_lora(*inp.args(), **inp.kwargs(), stage="tuned", deterministic=bad)
-    with pytest.raises(ValueError, match="deterministic must be a bool"):
+    with pytest.raises(ValueError, match="deterministic must be a Python bool"):
         MoELoRALayer(
             inp.w13,
             inp.w2,
@@ -166,9 +166,9 @@ def test_deterministic_must_be_a_bool(bad):
             deterministic=bad,
         )
     w = torch.zeros(8, 16)
-    with pytest.raises(ValueError, match="deterministic must be a bool"):
+    with pytest.raises(ValueError, match="deterministic must be a Python bool"):
         LoRALinear(w, num_adapters=1, max_rank=4, max_tokens=4, deterministic=bad)
-    with pytest.raises(ValueError, match="deterministic must be a bool"):
+    with pytest.raises(ValueError, match="deterministic must be a Python bool"):
         lora_linear(
             torch.zeros(2, 16),
             w,
@@ -178,6 +178,63 @@ def test_deterministic_must_be_a_bool(bad):
             slices=(8,),
             deterministic=bad,
         )
+
+
+def test_setting_the_attribute_later_applies_at_every_t():
+    # a config resolved before the change must not survive it (found by a new-user trial)
+    inp = make_inputs(get_shape("tiny"), 16, rank=16, num_adapters=2, dtype=torch.float32, device="cpu")
+    cfg = _split_config(_dims(inp))
+    layer = MoELoRALayer(inp.w13, inp.w2, top_k=2, num_adapters=2, max_rank=16, max_tokens=32, config=cfg)
+    assert not layer.config_for(7).is_deterministic
+    layer.deterministic = True
+    assert layer.config_for(7).is_deterministic and layer.config_for(8).is_deterministic
+    layer.deterministic = False
+    assert not layer.config_for(7).is_deterministic
+    with pytest.raises(ValueError, match="deterministic must be a Python bool"):
+        layer.deterministic = "no"
+    assert layer.deterministic is False
+    w = torch.randn(48, 64) * 0.1
+    dcfg = DenseLoRAConfig(OpConfig(BLOCK_SIZE_K=16, SPLIT_K=4), OpConfig())
+    lin = LoRALinear(w, num_adapters=1, max_rank=8, max_tokens=16, config=dcfg)
+    assert not lin.config_for(7).is_deterministic
+    lin.deterministic = True
+    assert lin.config_for(7).is_deterministic and "deterministic=True" in repr(lin)
+    with pytest.raises(ValueError, match="deterministic must be a Python bool"):
+        lin.deterministic = 1
+
+
+def test_flags_are_bools_not_truthy_values():
+    np = pytest.importorskip("numpy")
+    inp = make_inputs(get_shape("tiny"), 4, rank=16, num_adapters=2, dtype=torch.float32, device="cpu")
+    kw = dict(top_k=2, num_adapters=2, max_rank=16, max_tokens=8)
+    with pytest.raises(
+        ValueError, match=r"deterministic must be a Python bool \(True or False\), got numpy\."
+    ):
+        MoELoRALayer(inp.w13, inp.w2, deterministic=np.bool_(True), **kw)
+    for flag in ("renormalize", "debug", "share_scratch"):
+        with pytest.raises(ValueError, match=f"{flag} must be a Python bool"):
+            MoELoRALayer(inp.w13, inp.w2, **{flag: "false"}, **kw)
+    w = torch.zeros(8, 16)
+    for flag in ("debug", "share_scratch"):
+        with pytest.raises(ValueError, match=f"{flag} must be a Python bool"):
+            LoRALinear(w, num_adapters=1, max_rank=4, max_tokens=4, **{flag: "no"})
+    with pytest.raises(ValueError, match="check_values must be a Python bool"):
+        lora_linear(
+            torch.zeros(2, 16),
+            w,
+            torch.zeros(1, 1, 4, 16),
+            torch.zeros(1, 8, 4),
+            torch.zeros(2, dtype=torch.int32),
+            slices=(8,),
+            check_values="no",
+        )
+    with pytest.raises(ValueError, match="check_values must be a Python bool"):
+        make_layer_run(*inp.args(), **inp.kwargs(), check_values="no")
+    # with a bad stage and a bad flag, the stage is named first at T = 0 and T > 0 alike
+    empty = make_inputs(get_shape("tiny"), 0, rank=16, num_adapters=2, dtype=torch.float32, device="cpu")
+    for i in (empty, inp):
+        with pytest.raises(ValueError, match="stage"):
+            fused_moe_lora(*i.args(), **i.kwargs(), stage="nope", deterministic="x")
 
 
 def test_every_stage_still_accepts_the_flag():

@@ -160,7 +160,9 @@ def conclusion(ev, *, profile: str, redraws=None, checks=None) -> str:
             f"{worst.value} ({worst.seconds:.2f} s): target missed on this machine as loaded during this run"
         )
         md.append(
-            f"- **Redraw:** {len(redraws)} control changes, the slowest {redraws.seconds.max():.2f} s "
+            f"- **Redraw:** {len(redraws)} redraws (each control set to another value the CSVs hold and "
+            "back; a control with one value redrawn in place), the slowest "
+            f"{redraws.seconds.max():.2f} s "
             f"(median {redraws.seconds.median():.2f} s): {verdict}. A benchmark on this run's machine, not a "
             "test: other work on the cores (a browser, JupyterLab, pytest) slows it."
         )

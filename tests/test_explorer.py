@@ -54,8 +54,8 @@ def _csv(name: str) -> pd.DataFrame:
 def test_options_are_the_values_the_csvs_hold(ev):
     opts = ex.options(ev)
     d6, d7 = _csv("06_even_k_fused_add.csv"), _csv("07_tuning.csv")
-    # every registered stage up to tuned has committed layer times, in order (fused: not yet measured)
-    assert opts["stages"] == [s for s in STAGES if s != "fused"]
+    # every registered stage has committed layer times, in order (fused: notebook 12's)
+    assert opts["stages"] == list(STAGES)
     assert set(opts["model"]) == set(d6.model) | set(d7.model)
     assert opts["T"] == sorted(set(d6["T"]) | set(d7["T"]))
     assert opts["rank"] == sorted(set(d6.R) | set(d7.R)) and opts["adapters"] == sorted(set(d6.L) | set(d7.L))
@@ -63,6 +63,33 @@ def test_options_are_the_values_the_csvs_hold(ev):
     assert "as_anchor" in opts["setting"]
     text = ex.describe(ev)
     assert "06_even_k_fused_add.csv" in text and "rank [32]" in text
+
+
+def test_fused_rows_come_from_notebook_12_and_tuned_stays_notebook_07s(ev):
+    d12, d7 = _csv("12_fused.csv"), _csv("07_tuning.csv")
+    sel = ex.Selection("qwen3-30b-a3b", 1600, stages=("tuned", "fused")).validated(ev)
+    t = ex.layer_table(ev, sel).set_index("row")
+
+    def us(df, stage, part):
+        q = df[(df.stage == stage) & (df.part == part) & (df.model == "qwen3-30b-a3b") & (df["T"] == 1600)]
+        q = q[
+            (q.pattern == "uniform")
+            & (q.activation == "silu")
+            & ~q.bias.astype(bool)
+            & (q.R == 32)
+            & (q.L == 8)
+        ]
+        assert len(q) == 1, q
+        return float(q.us_p50.iloc[0])
+
+    assert t.at["fused", "total_us"] == pytest.approx(us(d12, "fused", "total"))
+    # notebook 12 times fused whole and its base part; its LoRA part is whole − base (as notebook 12 says)
+    assert t.at["fused", "base_us"] == pytest.approx(us(d12, "fused", "base"))
+    assert t.at["fused", "lora_us"] == pytest.approx(us(d12, "fused", "total") - us(d12, "fused", "base"))
+    assert t.at["tuned", "total_us"] == pytest.approx(us(d7, "tuned", "total"))
+    # fused was measured in vLLM's setting with R = 32, L = 8, uniform ids only
+    other = ex.Selection("gpt-oss-20b", 64, pattern="zipf", stages=("tuned", "fused")).validated(ev)
+    assert ex.layer_table(ev, other).set_index("row").loc["fused", ["lora_us", "total_us"]].isna().all()
 
 
 def test_layer_table_matches_the_csvs(ev):

@@ -69,11 +69,13 @@ PARTS = ("lora", "base", "total")
 PART_LABEL = {"lora": "LoRA part", "base": "base MoE", "total": "whole layer"}
 #: Files of whole-layer times, in priority order: where two files hold the same (stage, model, T, R, L,
 #: pattern, setting, part), the first wins. 06 has every stage up to even_k_fused_add measured side by side
-#: in one run; 07 adds ``tuned``; 02 adds the naive stage's base part and the real GPT-OSS setting.
+#: in one run; 07 adds ``tuned``; 02 adds the naive stage's base part and the real GPT-OSS setting; 12 adds
+#: ``fused`` (R = 32, L = 8, uniform ids, vLLM's setting only; its launches differ, so no per-launch rows).
 LAYER_FILES = (
     ("06_even_k_fused_add.csv", "notebook 06: stages naive to even_k_fused_add, side by side"),
     ("07_tuning.csv", "notebook 07: stage tuned (and even_k_fused_add with default configs)"),
     ("02_naive_kernel.csv", "notebook 02: stage naive (its base part, the real GPT-OSS setting)"),
+    ("12_fused.csv", "notebook 12: stage fused (its tuned rows lose to notebook 07's)"),
 )
 #: Files of per-launch times (stage, how its rows are picked).
 PER_OP_FILES = (
@@ -231,6 +233,33 @@ def _tidy_per_op(df, name: str):
     return df[[*_KEY, "op", "us_p50", "floor_us", "config", "source"]]
 
 
+def _with_lora_part(df):
+    """Notebook 12 times stage ``fused`` whole and its base part (3 launches), not its LoRA part alone
+    (the expand runs inside the base GEMMs): its LoRA part is whole − base of the same run, as notebook 12
+    reports it; the floor is that of the LoRA part of the same point (the workload is the same)."""
+    import pandas as pd
+
+    key = ["model", "T", "R", "L", "pattern", "activation", "bias"]
+    if "variant" in df:
+        key.append("variant")
+    f = df[df["stage"] == "fused"]
+    have = set(map(tuple, f.loc[f["part"] == "lora", key].itertuples(index=False, name=None)))
+    whole = f[f["part"] == "total"].set_index(key)
+    base = f[f["part"] == "base"].set_index(key)["us_p50"]
+    floors = df[df["part"] == "lora"].drop_duplicates(key).set_index(key)["floor_us"]
+    idx = [k for k in whole.index.intersection(base.index) if k not in have]
+    if not idx:
+        return df
+    lora = whole.loc[idx].copy()
+    lora["part"] = "lora"
+    lora["us_p50"] = whole.loc[idx, "us_p50"] - base.loc[idx]
+    lora["floor_us"] = floors.reindex(idx).to_numpy()
+    for c in ("us_p20", "us_p80", "ms_p20", "ms_p80", "ms_p50"):
+        if c in lora:
+            lora[c] = float("nan")
+    return pd.concat([df, lora.reset_index()[df.columns]], ignore_index=True)
+
+
 def load_evidence(data_dir: str | os.PathLike | None = None, *, anchors: bool = True) -> Evidence:
     """Read the committed evidence from ``data_dir`` (default ``<repo>/data``); see :class:`Evidence`.
 
@@ -243,7 +272,7 @@ def load_evidence(data_dir: str | os.PathLike | None = None, *, anchors: bool = 
     notes: list[str] = []
     files: dict[str, int] = {}
     layer = [
-        _tidy_layer(df, name)
+        _tidy_layer(_with_lora_part(df) if name == "12_fused.csv" else df, name)
         for name, what in LAYER_FILES
         if (df := _read(folder, name, f"the layer times of {what}", notes, files)) is not None
     ]
@@ -563,6 +592,13 @@ def selection_notes(ev: Evidence, sel: Selection) -> list[str]:
             f"Base part not measured on its own for {', '.join(no_base)}: from naive to even_k_fused_add the "
             "stages switch LoRA-op features only and run the same base launches with the same configs; "
             "tuned changes them."
+        )
+    if "fused" in sel.stages:
+        notes.append(
+            "fused (notebook 12): its LoRA expand runs inside the base GEMMs, so its LoRA part is "
+            "whole − base of the same run (as notebook 12 reports it); its base part is its own 3 launches "
+            "(the activation inside gate_up); its launches differ from the six here, so it has no "
+            "per-launch bars (data/12_fused.csv has them)."
         )
     if _effective_setting(sel) != sel.setting:
         notes.append(

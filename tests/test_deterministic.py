@@ -237,6 +237,46 @@ def test_flags_are_bools_not_truthy_values():
             fused_moe_lora(*i.args(), **i.kwargs(), stage="nope", deterministic="x")
 
 
+def test_model_builds_every_lora_module_deterministic():
+    from moelora_lib.model import REAL_CONFIGS, ModelConfig, random_model
+
+    cfg = ModelConfig.from_hf(
+        dict(REAL_CONFIGS["qwen3-30b-a3b"], hidden_size=32, head_dim=16, num_attention_heads=4,
+             num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+             num_hidden_layers=2, vocab_size=64)
+    )  # fmt: skip
+    sizes = dict(num_adapters=2, max_rank=4, max_batch=2, max_seq=16, max_tokens=24)
+    det = random_model(cfg, seed=1, dtype=torch.float32, device="cpu", deterministic=True, **sizes)
+    plain = random_model(cfg, seed=1, dtype=torch.float32, device="cpu", **sizes)
+    mods = det.lora_modules()
+    assert len(mods) >= 6 and all(m.deterministic for m in mods.values())
+    assert det.deterministic and not plain.deterministic
+    assert not any(m.deterministic for m in plain.lora_modules().values())
+    with pytest.raises(AttributeError):
+        det.deterministic = False  # fixed at construction (graphs bake the configs in)
+    for model in (det, plain):  # slot 1: the same random rank-3 adapter in every LoRA module
+        g = torch.Generator().manual_seed(2)
+
+        def rnd(*shape, g=g):
+            return torch.randn(*shape, generator=g) * 0.3
+
+        for m in model.lora_modules().values():
+            if hasattr(m, "slices"):  # LoRALinear
+                m.load_adapter(1, [rnd(3, m.in_features) for _ in m.slices], [rnd(n, 3) for n in m.slices])
+            else:  # MoELoRALayer
+                E, H, I, S = m.E, m.H, m.I, m.S
+                m.load_adapter(
+                    1, gate_up=(rnd(E, S, 3, H), rnd(E, S, 2 * I // S, 3)), down=(rnd(E, 3, I), rnd(E, H, 3))
+                )
+    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(0))
+    a = det(ids, [0, 0], [-1, 1], kv_len=8)
+    b = det(ids, [0, 0], [-1, 1], kv_len=8)
+    assert torch.equal(a, b)
+    assert_close_rel(a, plain(ids, [0, 0], [-1, 1], kv_len=8), tol=1e-5, what="deterministic model vs plain")
+    with pytest.raises(ValueError, match="deterministic must be a Python bool"):
+        random_model(cfg, dtype=torch.float32, device="cpu", deterministic="yes", **sizes)
+
+
 def test_every_stage_still_accepts_the_flag():
     inp = make_inputs(get_shape("tiny"), 8, rank=16, num_adapters=2, dtype=torch.float32, device="cpu")
     outs = {s: fused_moe_lora(*inp.args(), **inp.kwargs(), stage=s, deterministic=True) for s in STAGES}

@@ -173,6 +173,7 @@ def load_hf_checkpoint(
     max_seq: int,
     max_tokens: int,
     stage: str = "tuned",
+    deterministic: bool = False,
 ) -> MultiLoRAModel:
     """A :class:`MultiLoRAModel` from a Hugging Face folder (config.json + model.safetensors or a
     sharded model.safetensors.index.json), weights cast to ``dtype`` on ``device``.
@@ -241,6 +242,7 @@ def load_hf_checkpoint(
         max_seq=max_seq,
         max_tokens=max_tokens,
         stage=stage,
+        deterministic=deterministic,
         weights=source,
     )
 
@@ -258,12 +260,14 @@ def random_model(
     max_tokens: int,
     stage: str = "tuned",
     std: float = 0.02,
+    deterministic: bool = False,
 ) -> MultiLoRAModel:
     """A :class:`MultiLoRAModel` with random weights (:func:`~moelora_lib.model.modeling.random_weights`:
     N(0, std²) drawn on ``device`` directly, norms ones), for timing at real dimensions.
 
     ``config``: a :class:`ModelConfig`, a config.json dict, or a :data:`REAL_CONFIGS` name
     ("gpt-oss-20b", "qwen3-30b-a3b", "qwen3-32b").
+    The other arguments (sizes, ``stage``, ``deterministic``) are :class:`MultiLoRAModel`'s.
     Raises: ValueError for an unknown name and :class:`MultiLoRAModel`'s errors."""
     if isinstance(config, str):
         if config not in REAL_CONFIGS:
@@ -281,5 +285,6 @@ def random_model(
         max_seq=max_seq,
         max_tokens=max_tokens,
         stage=stage,
+        deterministic=deterministic,
         weights=random_weights(seed, std),
     )

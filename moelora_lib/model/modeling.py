@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..common import describe, is_int
+from ..common import check_bool, describe, is_int
 from .config import ModelConfig
 
 __all__ = ["MultiLoRAModel", "RMSNorm", "Attention", "MoEBlock", "DenseMLP", "DecoderLayer", "rope_tables"]
@@ -467,6 +467,11 @@ class MultiLoRAModel(nn.Module):
         max_batch: rows of the KV cache (and the largest B); max_seq: positions per row (the largest
             start_pos + S); max_tokens: the largest B·S of one forward (sizes the LoRA/MoE scratch).
         stage: a name of :data:`moelora_lib.kernels.STAGES` for every LoRA/MoE module.
+        deterministic: every LoRA/MoE module in its bitwise-repeatable mode (their split-K shrinks run
+            with SPLIT_K = 1; ``MoELoRALayer``'s ``deterministic``). The rest of a forward (cuBLAS
+            GEMMs, norms, rope, decode attention's split-KV combine, the top-k sum) uses no atomics.
+            Fixed at construction (the read-only property ``deterministic``): a Generator's CUDA
+            graphs bake the launch configs in. Default False.
         weights: our state-dict names (``model.state_dict()`` keys, e.g.
             ``layers.0.self_attn.qkv_proj.weight``) -> tensors, any float dtype/device (cast and moved);
             or a callable ``(name, shape, *, kind, dtype, device) -> tensor`` (``kind`` "weight", "bias"
@@ -497,8 +502,10 @@ class MultiLoRAModel(nn.Module):
         max_tokens: int,
         stage: str = "tuned",
         weights: Mapping[str, torch.Tensor] | Callable | None = None,
+        deterministic: bool = False,
     ):
         super().__init__()
+        check_bool("deterministic", deterministic)
         from .. import LoRALinear, MoELoRALayer
 
         if not isinstance(config, ModelConfig):
@@ -548,7 +555,14 @@ class MultiLoRAModel(nn.Module):
 
         c = config
         H, V = c.hidden_size, c.vocab_size
-        mods = dict(num_adapters=num_adapters, max_rank=max_rank, max_tokens=max_tokens, stage=stage)
+        mods = dict(
+            num_adapters=num_adapters,
+            max_rank=max_rank,
+            max_tokens=max_tokens,
+            stage=stage,
+            deterministic=deterministic,
+        )
+        self._deterministic = deterministic
         gpt = c.model_type == "gpt_oss"
         norm_dt = torch.float32 if gpt else dtype
 
@@ -631,6 +645,11 @@ class MultiLoRAModel(nn.Module):
         return self.embed_tokens.weight.dtype
 
     # --- adapters ---------------------------------------------------------------------------------
+    @property
+    def deterministic(self) -> bool:
+        """Whether every LoRA/MoE module was built in its bitwise-repeatable mode (read-only)."""
+        return self._deterministic
+
     def lora_modules(self) -> dict[str, nn.Module]:
         """{qualified name: module} of every LoRALinear and MoELoRALayer (each holds the L slots)."""
         from .. import LoRALinear, MoELoRALayer

@@ -308,17 +308,6 @@ class MoELoRALayer(ops.OpLayer):
         slots = nbytes((self.lora_a13, self.lora_b13, self.lora_a2, self.lora_b2, self.slot_covers))
         return memory_report(self, weights, slots)
 
-    @property
-    def deterministic(self) -> bool:
-        """Bitwise-repeatable mode (SPLIT_K = 1 on both shrinks); setting it validates the value and
-        drops the per-T configs resolved so far, so the next forward at every T follows it."""
-        return self._deterministic
-
-    @deterministic.setter
-    def deterministic(self, value: bool) -> None:
-        self._deterministic = check_bool("deterministic", value)
-        self._configs.clear()
-
     def config_for(self, T: int) -> LayerConfig:
         """The config (after the stage's adapt) the forward launches at T tokens; resolved once per T."""
         cfg = self._configs.get(T)

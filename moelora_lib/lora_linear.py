@@ -489,17 +489,6 @@ class LoRALinear(ops.OpLayer):
         weights = nbytes((self.weight, self.bias))
         return memory_report(self, weights, nbytes((self.lora_a, self.lora_b, self.slot_loaded)))
 
-    @property
-    def deterministic(self) -> bool:
-        """Bitwise-repeatable LoRA path (the shrink's SPLIT_K = 1); setting it validates the value and
-        drops the per-T configs resolved so far, so the next forward at every T follows it."""
-        return self._deterministic
-
-    @deterministic.setter
-    def deterministic(self, value: bool) -> None:
-        self._deterministic = check_bool("deterministic", value)
-        self._configs.clear()
-
     def config_for(self, T: int) -> DenseLoRAConfig:
         """The config (after the stage's adapt) the forward launches at T tokens; resolved once per T."""
         cfg = self._configs.get(T)

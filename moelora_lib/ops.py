@@ -63,6 +63,20 @@ class OpLayer(torch.nn.Module):
 
     _op_prefix = "layer"
 
+    @property
+    def deterministic(self) -> bool:
+        """Bitwise-repeatable mode (SPLIT_K = 1 on the split-K shrinks); setting it validates the value
+        and drops the per-T configs resolved so far (``_configs``), so the next forward at every T
+        follows it."""
+        return self._deterministic
+
+    @deterministic.setter
+    def deterministic(self, value: bool) -> None:
+        from .common import check_bool
+
+        self._deterministic = check_bool("deterministic", value)
+        self._configs.clear()
+
     def _register_op_name(self) -> None:
         self.layer_name = register_layer(self, prefix=self._op_prefix)
 

@@ -225,14 +225,19 @@ def make_layer_run(
     config: LayerConfig | None = None,
     check_values: bool = True,
     deterministic: bool = False,
+    adapter_order: bool | None = None,
 ) -> LayerRun:
     """Validate and build the :class:`~moelora_lib.kernels.LayerRun` that :func:`fused_moe_lora` runs.
 
     Benchmarks use it to time parts of the layer or to capture it in a CUDA graph. ``deterministic``:
-    as in :func:`fused_moe_lora`.
+    as in :func:`fused_moe_lora`. ``adapter_order``: as in :class:`~moelora_lib.kernels.LayerRun`
+    (None = the stage's choice: on for stage ``fused``); a performance knob, the result does not
+    depend on it beyond fp32 rounding order (bit-identical in practice, see the test).
     """
     _check_stage_and_config(stage, config)
     check_bool("deterministic", deterministic)
+    if adapter_order is not None:
+        check_bool("adapter_order", adapter_order)
     d = validate_moe_lora_inputs(
         hidden_states,
         w13,
@@ -273,18 +278,25 @@ def make_layer_run(
         b13=b13,
         b2=b2,
         config=config,
-        alignments=_device_alignments(STAGES[stage], config, topk_ids, lora_ids, d["E"], d["L"]),
+        adapter_order=adapter_order,
+        alignments=_device_alignments(
+            STAGES[stage], config, topk_ids, lora_ids, d["E"], d["L"], adapter_order=adapter_order
+        ),
     )
 
 
-def _device_alignments(stage, config: LayerConfig, topk_ids, lora_ids, E: int, L: int):
+def _device_alignments(
+    stage, config: LayerConfig, topk_ids, lora_ids, E: int, L: int, adapter_order: bool | None = None
+):
     """On CUDA: the Triton alignments, no host sync — up to
     :data:`~moelora_lib.kernels.align_small.PAIR_PATH_MAX_PAIRS` pairs both in one launch
     (:func:`~moelora_lib.kernels.align_small.align_tokens_pair`), above that
     :func:`~moelora_lib.kernels.align.align_tokens_triton` (2 × 3 launches); pairs with out-of-range
     ids are dropped, never read out of bounds; one LoRA alignment shared by both projections. On the
     CPU: None, so :class:`LayerRun` aligns with the torch oracle (bit-identical; cheaper than the
-    interpreted kernels)."""
+    interpreted kernels). With the adapter order (``adapter_order``, default on for stage ``fused``)
+    the base entry is None: LayerRun builds it with the torch alignment (device ops, no host sync),
+    which alone has that order."""
     if topk_ids.device.type != "cuda":
         return None
     from .kernels.align import align_tokens_triton
@@ -297,6 +309,8 @@ def _device_alignments(stage, config: LayerConfig, topk_ids, lora_ids, E: int, L
     else:
         base = align_tokens_triton(topk_ids, E, bmb)
         lora = align_tokens_triton(topk_ids, E, bml, lora_ids=lora_ids, num_adapters=L)
+    if stage.fused_gemm if adapter_order is None else adapter_order:
+        base = None
     return base, lora, lora
 
 

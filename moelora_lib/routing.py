@@ -154,6 +154,8 @@ def align_tokens(
     num_adapters: int = 0,
     include_no_adapter: bool = False,
     check_values: bool = True,
+    *,
+    sort_lora_ids: torch.Tensor | None = None,
 ) -> Alignment:
     """Group (token, k) pairs by (adapter slot, expert) and pad each group to BLOCK_SIZE_M.
 
@@ -167,6 +169,13 @@ def align_tokens(
             kernels pass False.
         check_values: also check topk_ids ∈ [0, E) and lora_ids ∈ [-1, L) (a host sync; the layer
             passes False after :func:`moelora_lib.fused_moe_lora` has checked them).
+        sort_lora_ids: [T] int32/int64 adapter ids, only for the expert-only alignment (lora_ids
+            None; needs num_adapters ≥ 1): the groups stay one per expert, padded as without it, but
+            inside each expert's group the pairs are ordered by their token's adapter (ids outside
+            [0, L), e.g. -1, last), then by pair index. Stage ``fused`` uses it so that a base tile
+            holds the rows of one or two adapters instead of all of them (its GEMMs run one LoRA dot
+            per adapter present in a tile; :mod:`moelora_lib.kernels.fused`). The blocks' experts and
+            the set of pairs per expert are those of the unsorted alignment.
     Returns:
         :class:`Alignment`. Computed with device-side torch ops only (no host sync unless
         check_values).
@@ -187,6 +196,18 @@ def align_tokens(
             raise ValueError(f"lora_ids must be an int32/int64 tensor [T], got {_desc(lora_ids)}")
         if not is_int(num_adapters) or num_adapters < 1:
             raise ValueError(f"num_adapters must be an int >= 1 with lora_ids, got {num_adapters!r}")
+    if sort_lora_ids is not None:
+        if lora_ids is not None:
+            raise ValueError("sort_lora_ids applies to the expert-only alignment: pass lora_ids=None with it")
+        if not isinstance(sort_lora_ids, torch.Tensor) or sort_lora_ids.dtype not in (
+            torch.int32,
+            torch.int64,
+        ):
+            raise ValueError(f"sort_lora_ids must be an int32/int64 tensor [T], got {_desc(sort_lora_ids)}")
+        if sort_lora_ids.shape != (topk_ids.shape[0],):
+            raise ValueError(f"sort_lora_ids must be [T={topk_ids.shape[0]}], got {_desc(sort_lora_ids)}")
+        if not is_int(num_adapters) or num_adapters < 1:
+            raise ValueError(f"num_adapters must be an int >= 1 with sort_lora_ids, got {num_adapters!r}")
     if check_values:
         check_id_values(topk_ids, num_experts, lora_ids, num_adapters)
     T, K = topk_ids.shape
@@ -218,7 +239,12 @@ def align_tokens(
     # dropped pairs go past the end of the buffer and are cut off below
     starts_ext = torch.cat([starts, ends.new_full((1,), P)])
 
-    order = torch.argsort(key, stable=True)
+    if sort_lora_ids is None:
+        order = torch.argsort(key, stable=True)
+    else:  # by (expert, adapter slot) then pair: each expert's run in `order` stays where it was
+        slot = sort_lora_ids.long().repeat_interleave(K)
+        slot = torch.where((slot < 0) | (slot >= num_adapters), torch.full_like(slot, num_adapters), slot)
+        order = torch.argsort(key * (num_adapters + 1) + slot, stable=True)
     skey = key[order]
     sorted_start = torch.cumsum(counts, 0) - counts  # first position of each group in `order`
     rank = torch.arange(num_pairs, device=dev) - sorted_start[skey]

@@ -112,6 +112,8 @@ __all__ = [
     "shipped_gpus",
     "LORA_FILE_OPS",
     "BASE_FILE_OP",
+    "FUSED_FILE_OP",
+    "FUSED_FILE_KEYS",
     "SHIPPED_DIR",
     "gpu_name",
     "shipped_folder",
@@ -119,6 +121,7 @@ __all__ = [
     "lora_keys",
     "base_keys",
     "load_layer_config",
+    "load_fused_config",
     "load_config_file",
     "lookup",
     "save_config_file",
@@ -141,6 +144,10 @@ LORA_FILE_OPS = {
     "down_expand": "FUSED_MOE_LORA_W2_EXPAND",
 }
 BASE_FILE_OP = "FUSED_MOE_BASE"
+#: stage ``fused``'s two GEMMs (base GEMM + LoRA expand [+ activation]): same nesting as the base file
+FUSED_FILE_OP = "FUSED_MOE_LORA_FUSED"
+#: leaf keys of the fused file -> the LayerConfig field that configures that launch
+FUSED_FILE_KEYS = {"fused_gate_up": "base_gate_up", "fused_down": "base_down"}
 SHIPPED_DIR = Path(__file__).resolve().parent
 LORA_DEPTH = 6  # max_loras, num_slices, m, k, n, i
 BASE_DEPTH = 4  # E, N, K, m
@@ -232,7 +239,10 @@ def gpu_name_map() -> dict[str, str]:
 
 
 def config_file_name(gpu: str, op: str) -> str:
-    """File name of ``op`` (a LoRA op of :data:`LORA_FILE_OPS`, or "base") for ``gpu``."""
+    """File name of ``op`` (a LoRA op of :data:`LORA_FILE_OPS`, "base", or "fused": stage ``fused``'s
+    two GEMMs) for ``gpu``."""
+    if op == "fused":
+        return f"{gpu}_{FUSED_FILE_OP}.json"
     part = BASE_FILE_OP if op in ("base",) + BASE_OPS else LORA_FILE_OPS[op]
     return f"{gpu}_{part}.json"
 
@@ -291,7 +301,26 @@ def _walk(node: Any, depth: int, path: str, keys: tuple, out: dict, leaf_kind: s
     """Check the nesting and parse every leaf into ``out[keys] = OpConfig | {op: OpConfig}``."""
     if depth == 0:
         where = f"{path} at {_keypath(keys)}"
-        if leaf_kind == "base" and isinstance(node, dict) and set(node) & set(BASE_OPS):
+        if leaf_kind == "fused":
+            if not isinstance(node, dict) or set(node) != set(FUSED_FILE_KEYS):
+                got = sorted(node) if isinstance(node, dict) else type(node).__name__
+                raise ValueError(
+                    f"{where}: a fused leaf must have exactly the keys {list(FUSED_FILE_KEYS)}, got {got}"
+                )
+            cfgs = {
+                FUSED_FILE_KEYS[op]: _parse_leaf(node[op], f"{path} at {_keypath(keys + (op,))}")
+                for op in node
+            }
+            bms = {op: c.BLOCK_SIZE_M for op, c in cfgs.items()}
+            if len(set(bms.values())) != 1:
+                raise ValueError(f"{where}: fused_gate_up and fused_down must share BLOCK_SIZE_M, got {bms}")
+            for op, c in zip(node, cfgs.values()):
+                if c.SPLIT_K != 1:
+                    raise ValueError(
+                        f"{path} at {_keypath(keys + (op, 'SPLIT_K'))}: must be 1 for the fused GEMMs"
+                    )
+            out[keys] = cfgs
+        elif leaf_kind == "base" and isinstance(node, dict) and set(node) & set(BASE_OPS):
             unknown = set(node) - set(BASE_OPS)
             if unknown:
                 raise ValueError(
@@ -353,13 +382,15 @@ def _load_cached(path: str, mtime_ns: int, size: int, depth: int, leaf_kind: str
 
 
 def _kind(op: str) -> str:
-    if op in DENSE_FILE_OPS:
+    if op in DENSE_FILE_OPS or op == "fused":
         return op
     return "base" if op == "base" else ("expand" if op.endswith("expand") else "shrink")
 
 
 def _depth(op: str) -> int:
-    return BASE_DEPTH if op == "base" else (DENSE_DEPTH if op in DENSE_FILE_OPS else LORA_DEPTH)
+    if op in ("base", "fused"):
+        return BASE_DEPTH
+    return DENSE_DEPTH if op in DENSE_FILE_OPS else LORA_DEPTH
 
 
 def load_config_file(path: str | os.PathLike, op: str) -> dict:
@@ -369,8 +400,8 @@ def load_config_file(path: str | os.PathLike, op: str) -> dict:
     Cached by (path, mtime, size). Raises ValueError naming the file and key path (see the module
     docstring); FileNotFoundError when it does not exist.
     """
-    if op not in (*LORA_OPS, "base", *DENSE_FILE_OPS):
-        raise ValueError(f"op must be one of {[*LORA_OPS, 'base', *DENSE_FILE_OPS]}, got {op!r}")
+    if op not in (*LORA_OPS, "base", "fused", *DENSE_FILE_OPS):
+        raise ValueError(f"op must be one of {[*LORA_OPS, 'base', 'fused', *DENSE_FILE_OPS]}, got {op!r}")
     p = Path(path)
     st = p.stat()
     return _load_cached(str(p), st.st_mtime_ns, st.st_size, _depth(op), _kind(op))[0]
@@ -407,13 +438,12 @@ def lookup(
     return tuple(taken), node
 
 
-def _warn_once(folder: str, op: str, why: str) -> None:
+def _warn_once(folder: str, op: str, why: str, then: str | None = None) -> None:
     if (folder, op) in _WARNED:
         return
     _WARNED.add((folder, op))
-    warnings.warn(
-        f"moelora_lib tuned configs: {why}; using the default {op} config", TunedConfigWarning, stacklevel=4
-    )
+    then = then or f"using the default {op} config"
+    warnings.warn(f"moelora_lib tuned configs: {why}; {then}", TunedConfigWarning, stacklevel=4)
 
 
 def _gpus_in(folder: Path) -> list[str]:
@@ -528,6 +558,60 @@ def _base_group(folder: Path, gpu: str, dims: Dims) -> dict[str, OpConfig] | Non
     data, parsed = _load_cached(str(path), st.st_mtime_ns, st.st_size, BASE_DEPTH, "base")
     taken, _ = lookup(data, base_keys(dims))
     return parsed[taken]
+
+
+def _fused_group(folder: Path, gpu: str, dims: Dims) -> dict[str, OpConfig] | None:
+    path = folder / config_file_name(gpu, "fused")
+    if not path.is_file():
+        _warn_once(
+            str(folder),
+            "fused",
+            f"no file {path}",
+            "stage fused derives its GEMM configs from the tuned base ones",
+        )
+        return None
+    st = path.stat()
+    data, parsed = _load_cached(str(path), st.st_mtime_ns, st.st_size, BASE_DEPTH, "fused")
+    taken, _ = lookup(data, base_keys(dims))
+    return parsed[taken]
+
+
+def load_fused_config(
+    dims: Dims | int,
+    *legacy: int,
+    folder: str | os.PathLike | None = None,
+    gpu_name: str | None = None,
+) -> LayerConfig:
+    """The :class:`~moelora_lib.kernels.LayerConfig` of stage ``fused`` for one layer call.
+
+    Same arguments, precedence and errors as :func:`load_layer_config`, whose result it starts from
+    (the two shrinks: stage ``tuned``'s LoRA files). The two GEMMs (the ``base_gate_up`` and
+    ``base_down`` fields, see :data:`~moelora_lib.kernels.stages.FUSED_CONFIG_FIELD`) come from
+    ``{gpu}_FUSED_MOE_LORA_FUSED.json`` (nesting of the base file, ``config_data[E][N][K][m]``, leaf
+    ``{"fused_gate_up": {...}, "fused_down": {...}}``; written by
+    :mod:`moelora_lib.studies.fused_tuning`); without that file (one :class:`TunedConfigWarning`) they
+    are derived from the tuned base GEMMs (:func:`~moelora_lib.kernels.fused.fused_gemm_configs`).
+    With no tuned file at all (e.g. the CPU): :func:`~moelora_lib.kernels.fused.fused_default_config`.
+    ``source`` ends in ``; fused=file``, ``; fused=derived`` or is ``default:fused``.
+    """
+    from ..kernels.fused import fused_default_config, fused_gemm_configs
+    from ..kernels.stages import as_dims
+
+    dims = as_dims(dims, *legacy)
+    key = _memo_key(("fused", dims), folder, gpu_name)
+    cfg = _RESOLVED.get(key)
+    if cfg is not None:
+        return cfg
+    tuned = load_layer_config(dims, folder=folder, gpu_name=gpu_name)
+    src = _config_source(folder, gpu_name)
+    if tuned.source == "default" or src.where is None:
+        return _memo_put(key, fused_default_config(dims))
+    fused = _fused_group(src.where, src.gpu, dims)
+    if fused is not None:
+        cfg = tuned.replace(**fused, source=tuned.source + "; fused=file")
+    else:
+        cfg = fused_gemm_configs(tuned).replace(source=tuned.source + "; fused=derived")
+    return _memo_put(key, cfg)
 
 
 def load_layer_config(

@@ -93,33 +93,46 @@ from .config import LayerConfig
 from .stages import Stage, as_dims, default_config
 
 
-def fused_default_config(dims: Dims | int, *legacy: int) -> LayerConfig:
-    """Default configs of stage ``fused`` (a heuristic over :func:`~.stages.default_config`, not tuned).
+def fused_gemm_configs(cfg: LayerConfig) -> LayerConfig:
+    """Stage ``fused``'s two GEMM configs derived from a base-GEMM record (``base_gate_up``,
+    ``base_down`` of ``cfg``; the other fields kept).
 
-    * ``gate_up_shrink``/``down_shrink``: the defaults' (the same split-K rule).
-    * ``base_gate_up`` (the fused gate_up+activation GEMM): the default base tile with BLOCK_SIZE_N
-      halved (≥ 32): each program holds two accumulators (gate and up) and loads two weight tiles per K
+    * ``base_gate_up`` (the fused gate_up+activation GEMM): the base tile with BLOCK_SIZE_N halved
+      (≥ 32): each program holds two accumulators (gate and up) and loads two weight tiles per K
       step, so halving N keeps registers and shared memory per program at the base GEMM's and covers
-      the same 2·BLOCK_SIZE_N columns of h. At most 3 pipeline stages for the widest tiles (shared memory
-      per stage is BM·BK + 2·BK·BN elements).
-    * ``base_down`` (the fused down GEMM): the default base tile (one accumulator, as the base GEMM).
+      the same 2·BLOCK_SIZE_N columns of h. At most 3 pipeline stages for the widest tiles (shared
+      memory per stage is BM·BK + 2·BK·BN elements).
+    * ``base_down`` (the fused down GEMM): the base tile (one accumulator, as the base GEMM).
     """
-    d = as_dims(dims, *legacy)
-    cfg = default_config(d)
     gu = cfg.base_gate_up
     gu = replace(gu, BLOCK_SIZE_N=max(32, gu.BLOCK_SIZE_N // 2))
     if gu.BLOCK_SIZE_M >= 128:
         gu = replace(gu, NUM_STAGES=min(gu.NUM_STAGES, 3))
-    return replace(cfg, base_gate_up=gu, source="default:fused")
+    return replace(cfg, base_gate_up=gu)
+
+
+def fused_default_config(dims: Dims | int, *legacy: int) -> LayerConfig:
+    """Default configs of stage ``fused`` (a heuristic over :func:`~.stages.default_config`, not tuned):
+    the defaults' shrinks and :func:`fused_gemm_configs` of the default base tiles."""
+    d = as_dims(dims, *legacy)
+    return replace(fused_gemm_configs(default_config(d)), source="default:fused")
 
 
 @dataclass(frozen=True)
 class FusedStage(Stage):
     """A :class:`Stage` with ``fused_gemm``: four launches per layer and its own default configs."""
 
-    def config_for(self, dims: Dims | int, *legacy: int) -> LayerConfig:
-        """:func:`fused_default_config` for a call of ``dims`` (a Dims or the ints T, H, I, E, K, R, L, S)."""
-        return fused_default_config(dims, *legacy)
+    def config_for(
+        self, dims: Dims | int, *legacy: int, folder=None, gpu_name: str | None = None
+    ) -> LayerConfig:
+        """:func:`moelora_lib.configs.load_fused_config` for a call of ``dims`` (a Dims or the ints
+        T, H, I, E, K, R, L, S): the tuned shrinks and the fused GEMMs' own tuned file where shipped
+        (else derived from the tuned base GEMMs); :func:`fused_default_config` with no tuned file
+        (the CPU). ``folder`` / ``gpu_name``: as in :meth:`TunedStage.config_for
+        <moelora_lib.kernels.tuned.TunedStage.config_for>`."""
+        from ..configs import load_fused_config  # lazy: configs imports kernels.config
+
+        return load_fused_config(as_dims(dims, *legacy), folder=folder, gpu_name=gpu_name)
 
 
 STAGE = FusedStage(
@@ -133,4 +146,4 @@ STAGE = FusedStage(
     fused_gemm=True,
 )
 
-__all__ = ["STAGE", "FusedStage", "fused_default_config"]
+__all__ = ["STAGE", "FusedStage", "fused_default_config", "fused_gemm_configs"]

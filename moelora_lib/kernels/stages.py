@@ -250,6 +250,13 @@ class LayerRun:
       built from, when they differ from ``lora_ids`` (a slot covering one projection only: -1 where
       the slot does not cover it). Only stages with ``fused_gemm`` read them (their GEMMs find each
       row's adapter from these ids, not from the LoRA alignment); default: ``lora_ids`` for both.
+    * ``adapter_order``: build the base alignment (when ``alignments`` is None or its first entry is
+      None) with each expert's pairs ordered by adapter (:func:`~moelora_lib.routing.align_tokens`'s
+      ``sort_lora_ids``), so that a base tile holds the rows of one or two adapters; None (default) =
+      on for stages with ``fused_gemm`` (whose GEMMs run one LoRA dot per adapter present in a tile),
+      off otherwise. The result does not depend on it (a row's sums are the same, only which rows
+      share a tile changes); the torch alignment then always serves the base GEMMs (no Triton
+      version of the adapter order yet).
 
     Stages with ``fused_gemm`` (stage ``fused``) run :data:`FUSED_LAUNCH_OPS` instead of the seven
     launches: ``gate_up_shrink`` into a [T·K, S, R16] float32 intermediate (``inter_gate_up`` buffer
@@ -282,8 +289,10 @@ class LayerRun:
         buffers: dict[str, torch.Tensor] | None = None,
         nan_on_bad_ids: bool = False,
         proj_lora_ids: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
+        adapter_order: bool | None = None,
     ):
         self.stage = stage
+        self.adapter_order = bool(stage.fused_gemm) if adapter_order is None else bool(adapter_order)
         self.proj_lora_ids = proj_lora_ids
         self.buffers = buffers or {}
         self.nan_on_bad_ids = bool(nan_on_bad_ids)
@@ -314,9 +323,10 @@ class LayerRun:
             self.topk_w = aligned16(topk_weights.reshape(-1).float().contiguous(), "topk_weights")
         else:  # the caller's own aligned fp32 copy
             self.topk_w = tw.copy_(topk_weights.reshape(-1))
+        sort_ids = dict(sort_lora_ids=lora_ids, num_adapters=self.L) if self.adapter_order else {}
         if alignments is None:
             self.base_align: Alignment = align_tokens(
-                topk_ids, E, self.cfg.base_block_size_m, check_values=False
+                topk_ids, E, self.cfg.base_block_size_m, check_values=False, **sort_ids
             )
             self.lora_align: Alignment | None = align_tokens(
                 topk_ids,
@@ -329,6 +339,10 @@ class LayerRun:
             self.lora_align_down: Alignment | None = self.lora_align
         else:
             self.base_align, self.lora_align, self.lora_align_down = alignments
+            if self.base_align is None:
+                self.base_align = align_tokens(
+                    topk_ids, E, self.cfg.base_block_size_m, check_values=False, **sort_ids
+                )
         P = T * self.K
         dt, dev = hidden_states.dtype, hidden_states.device
         self.h = self.buffers.get("h")

@@ -1,0 +1,317 @@
+"""Tuner for stage ``fused``'s two GEMMs (notebook 12): the gate_up GEMM with the LoRA expand and the
+activation in it (``fused_gate_up``) and the down GEMM with its expand (``fused_down``).
+
+Run (on the GPU; on the CPU it is only a functional test through the interpreter)::
+
+    python -m moelora_lib.studies.fused_tuning --model gpt-oss-20b,qwen3-30b-a3b \\
+        --tokens 1,8,64,256,1600,8192 --rank 32 --adapters 8 \\
+        --out moelora_lib/configs/NVIDIA_H200 --csv data/12_fused_tuning.csv --budget-s 240
+
+Per workload (model, T, R, L), on the inputs of :func:`moelora_lib.studies.moe_bench.layer_inputs`
+(uniform adapter ids, silu, no biases: the vLLM side-by-side setting):
+
+1. Start from stage ``fused``'s current config (:func:`moelora_lib.configs.load_fused_config`: the
+   tuned shrinks, the fused GEMMs from their file or derived from the tuned base GEMMs).
+2. The two GEMMs share the base alignment, so they share BLOCK_SIZE_M: for each candidate BM
+   (:func:`~.tuning.base_bm_candidates` plus the current one) one
+   :class:`~moelora_lib.kernels.LayerRun` of stage ``fused`` (adapter-ordered base alignment, as the
+   stage runs), then each GEMM alone (:meth:`LayerRun.op_fn <moelora_lib.kernels.LayerRun.op_fn>`)
+   over :func:`fused_op_candidates`; the BM with the smallest sum of the two best medians wins (the
+   rule of :mod:`.tuning`, itself vLLM's ``benchmark_lora_tuning.py`` rule).
+3. The choice is written into ``{gpu}_FUSED_MOE_LORA_FUSED.json`` (format: :mod:`moelora_lib.configs`)
+   atomically after every workload; every timed candidate is a row of the CSV (``kind`` trial /
+   bm_sum / choice / note).
+
+Timing: :func:`moelora_lib.studies.bench.time_fn`, CUDA-graph replay with the L2 flushed, warm-up 5 ms,
+rep 20 ms (the tuner's setting in :mod:`.tuning`). ``--budget-s``: no new workload or BM starts past
+it; untuned workloads are left to the loader's nearest-entry lookup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import math
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from .. import configs
+from ..common import parse_dtype
+from ..kernels.config import OpConfig
+from ..kernels.stages import FUSED_CONFIG_FIELD
+from ..shapes import Dims, get_shape
+from . import bench
+from .tuner_common import TrialLog, append_config_row, check_budget, check_device, dedupe, time_candidate
+from .tuning import base_bm_candidates
+
+__all__ = ["CSV_COLUMNS", "FUSED_OPS", "fused_op_candidates", "tune_fused_workload", "tune_fused", "main"]
+
+#: the two launches tuned here, in call order
+FUSED_OPS = ("fused_gate_up", "fused_down")
+CSV_COLUMNS = [
+    "kind",
+    "model",
+    "R",
+    "L",
+    "T",
+    "H",
+    "I",
+    "E",
+    "K",
+    "op",
+    "BLOCK_SIZE_M",
+    "config",
+    "config_json",
+    "ms_p50",
+    "ms_p20",
+    "ms_p80",
+    "mode",
+    "sum_ms",
+    "elapsed_s",
+    "note",
+    "gpu",
+    "torch",
+    "triton",
+    "git_commit",
+    "timestamp_utc",
+]
+
+# (BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, NUM_WARPS, NUM_STAGES). fused_gate_up's N counts columns of
+# g: each program holds two accumulators (gate, up) of BM x N and loads two weight tiles per K step.
+_GATE_UP_DECODE = [
+    (32, 128, 1, 4, 4),
+    (64, 128, 1, 4, 4),
+    (64, 64, 1, 4, 5),
+    (64, 128, 1, 8, 3),
+    (128, 64, 1, 8, 3),
+]
+_GATE_UP_PREFILL = [
+    (64, 64, 8, 4, 4),
+    (64, 64, 8, 8, 3),
+    (128, 64, 8, 8, 3),
+    (64, 128, 8, 8, 3),
+    (128, 32, 8, 8, 4),
+]
+_DOWN_DECODE = [
+    (64, 64, 1, 4, 5),
+    (64, 128, 1, 4, 4),
+    (128, 64, 1, 4, 4),
+    (128, 128, 1, 8, 3),
+    (32, 128, 1, 4, 5),
+]
+_DOWN_PREFILL = [
+    (128, 64, 8, 4, 4),
+    (128, 64, 8, 8, 4),
+    (128, 128, 8, 8, 3),
+    (256, 64, 8, 8, 3),
+    (64, 128, 8, 4, 4),
+]
+
+
+def fused_op_candidates(op: str, bm: int, current: OpConfig, limit: int = 7) -> list[OpConfig]:
+    """≤ ``limit`` configs of one fused GEMM (``op`` in :data:`FUSED_OPS`) at BLOCK_SIZE_M = ``bm``:
+    the current config (with bm) first, then decode-sized tiles (bm ≤ 32: weight streaming, no
+    grouped order) or prefill-sized ones (bm ≥ 64: tensor cores, GROUP_SIZE_M 8). SPLIT_K is 1 (these
+    GEMMs write their output tile once). Raises ValueError for an unknown op."""
+    if op not in FUSED_OPS:
+        raise ValueError(f"op must be one of {FUSED_OPS}, got {op!r}")
+    small = bm <= 32
+    grid = (
+        (_GATE_UP_DECODE if small else _GATE_UP_PREFILL)
+        if op == "fused_gate_up"
+        else (_DOWN_DECODE if small else _DOWN_PREFILL)
+    )
+    first = dataclasses.replace(current, BLOCK_SIZE_M=bm, SPLIT_K=1)
+    return dedupe([first] + [OpConfig(bm, bn, bk, g, 1, w, st) for bn, bk, g, w, st in grid], limit)
+
+
+def _time(run, op: str, cfg: OpConfig, device: torch.device) -> bench.Timing:
+    return bench.time_fn(run.op_fn(op, cfg), "graph", device, 5, 20)
+
+
+def tune_fused_workload(
+    model: str,
+    T: int,
+    R: int,
+    L: int,
+    weights,
+    device: torch.device,
+    log: TrialLog,
+    *,
+    deadline: float = math.inf,
+    max_bms: int = 2,
+    max_cands: int = 7,
+    t0: float | None = None,
+) -> dict[str, OpConfig]:
+    """Tune the two fused GEMMs of one workload; returns {"fused_gate_up": cfg, "fused_down": cfg}
+    (empty when the budget ran out before the first BM) and logs every trial to ``log``."""
+    from ..kernels import STAGES
+    from .moe_bench import layer_inputs, make_run
+
+    t0 = time.perf_counter() if t0 is None else t0
+    shape = get_shape(model)
+    H, I, E, K = shape.hidden, shape.intermediate, shape.experts, shape.top_k
+    S = weights.lora_a13.shape[2]
+    dims = Dims.of(shape, T, rank=R, adapters=L, slices=S)
+    cur = STAGES["fused"].config_for(dims)
+    cur_bm = cur.base_block_size_m
+    bms = sorted(set(base_bm_candidates(T, K, E, max_bms)) | {cur_bm})
+    inp = layer_inputs(
+        shape,
+        T,
+        rank=R,
+        num_adapters=L,
+        pattern="uniform",
+        weights=weights,
+        seed=0,
+        activation="silu",
+        bias=False,
+    )
+    ids = dict(model=model, R=R, L=L, T=T, H=H, I=I, E=E, K=K)
+    best: dict[int, dict[str, tuple[float, OpConfig]]] = {}
+    for n, bm in enumerate(bms):
+        if n > 0 and time.perf_counter() > deadline:
+            log.append(kind="note", **ids, BLOCK_SIZE_M=bm, note="budget: BM not tried")
+            continue
+        cfg = cur.replace(
+            **{
+                FUSED_CONFIG_FIELD[op]: dataclasses.replace(
+                    getattr(cur, FUSED_CONFIG_FIELD[op]), BLOCK_SIZE_M=bm
+                )
+                for op in FUSED_OPS
+            }
+        )
+        run = make_run("fused", inp, cfg)
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best[bm] = {}
+        for op in FUSED_OPS:
+            for i, c in enumerate(
+                fused_op_candidates(op, bm, getattr(cur, FUSED_CONFIG_FIELD[op]), max_cands)
+            ):
+                ms, extra, note = time_candidate(
+                    functools.partial(_time, run, op, c, device), device, "current" if i == 0 else "", 120
+                )
+                append_config_row(log, "trial", ids, op, bm, c, t0=t0, ms_p50=ms, note=note, **extra)
+                if op not in best[bm] or ms < best[bm][op][0]:
+                    best[bm][op] = (ms, c)
+        total = sum(best[bm][op][0] for op in FUSED_OPS)
+        log.append(
+            kind="bm_sum",
+            **ids,
+            BLOCK_SIZE_M=bm,
+            sum_ms=total,
+            config=";".join(f"{op}={best[bm][op][1].short()}" for op in FUSED_OPS),
+        )
+        del run
+    del inp
+    if not best:
+        return {}
+    win = min(best, key=lambda bm: sum(best[bm][op][0] for op in FUSED_OPS))
+    total = sum(best[win][op][0] for op in FUSED_OPS)
+    if not math.isfinite(total):
+        raise RuntimeError(f"{model} T={T}: no fused GEMM candidate ran")
+    out = {op: best[win][op][1] for op in FUSED_OPS}
+    for op, c in out.items():
+        append_config_row(log, "choice", ids, op, win, c, t0=t0, ms_p50=best[win][op][0], sum_ms=total)
+    return out
+
+
+def tune_fused(
+    models: Sequence[str],
+    tokens: Sequence[int],
+    *,
+    rank: int = 32,
+    adapters: int = 8,
+    out: str | Path,
+    csv_path: str | Path,
+    budget_s: float = math.inf,
+    device=None,
+    dtype=torch.bfloat16,
+    gpu: str | None = None,
+) -> dict[tuple[str, int], dict[str, OpConfig]]:
+    """Tune every (model, T) and write ``out/{gpu}_FUSED_MOE_LORA_FUSED.json`` (merged into an existing
+    file; atomically after each workload). Returns {(model, T): {op: OpConfig}}.
+
+    Raises ValueError for an unknown model, T < 1, rank/adapters < 1, a negative budget, or an
+    ``out`` that exists and is not a directory."""
+    from .moe_bench import layer_inputs
+
+    for m in models:
+        get_shape(m)  # ValueError naming the preset
+    if not tokens or any(not isinstance(t, int) or t < 1 for t in tokens):
+        raise ValueError(f"tokens must be a non-empty list of ints >= 1, got {tokens!r}")
+    if not isinstance(rank, int) or rank < 1 or not isinstance(adapters, int) or adapters < 1:
+        raise ValueError(f"rank and adapters must be ints >= 1, got rank={rank!r}, adapters={adapters!r}")
+    check_budget(budget_s, "budget_s")
+    dev = check_device("cuda" if device is None and torch.cuda.is_available() else (device or "cpu"))
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out must be a directory, got the file {str(out)!r}")
+    out.mkdir(parents=True, exist_ok=True)
+    gpu = gpu or configs.gpu_name()
+    path = out / configs.config_file_name(gpu, "fused")
+    data = configs.load_config_file(path, "fused") if path.is_file() else {}
+    log = TrialLog(Path(csv_path), CSV_COLUMNS)
+    t0 = time.perf_counter()
+    deadline = t0 + budget_s
+    chosen = {}
+    for m in models:
+        shape = get_shape(m)
+        weights = layer_inputs(
+            shape, 1, rank=rank, num_adapters=adapters, dtype=dtype, device=dev, seed=0, bias=False
+        )
+        for T in tokens:
+            if time.perf_counter() > deadline:
+                log.append(kind="note", model=m, T=T, R=rank, L=adapters, note="budget: workload not tuned")
+                continue
+            got = tune_fused_workload(m, T, rank, adapters, weights, dev, log, deadline=deadline, t0=t0)
+            if not got:
+                continue
+            chosen[(m, T)] = got
+            dims = Dims.of(shape, T, rank=rank, adapters=adapters)
+            configs.set_entry(data, configs.base_keys(dims), {op: c.to_dict() for op, c in got.items()})
+            configs.save_config_file(path, data)
+        del weights
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return chosen
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m moelora_lib.studies.fused_tuning", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--model", required=True, help="comma-separated presets, e.g. gpt-oss-20b,qwen3-30b-a3b")
+    p.add_argument("--tokens", default="1,8,64,256,1600,8192", help="comma-separated T values")
+    p.add_argument("--rank", type=int, default=32)
+    p.add_argument("--adapters", type=int, default=8)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--out", required=True, help="config folder (the shipped one: moelora_lib/configs/<gpu>)")
+    p.add_argument("--csv", required=True, help="trials CSV (appended)")
+    p.add_argument("--budget-s", type=float, default=math.inf)
+    a = p.parse_args(argv)
+    try:
+        tokens = [int(t) for t in a.tokens.split(",") if t]
+    except ValueError:
+        p.error(f"--tokens must be comma-separated integers, got {a.tokens!r}")
+    try:
+        chosen = tune_fused(
+            [m for m in a.model.split(",") if m], tokens, rank=a.rank, adapters=a.adapters, out=a.out,
+            csv_path=a.csv, budget_s=a.budget_s, dtype=parse_dtype(a.dtype),
+        )  # fmt: skip
+    except ValueError as e:
+        p.error(str(e))
+    for (m, T), got in chosen.items():
+        print(m, T, " ".join(f"{op}={c.short()}" for op, c in got.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""Stage ``fused``'s second round (issue 13): the adapter-ordered base alignment, the fused GEMMs' own
+config file and its loader, and the fused tuner (CPU: torch ops and the Triton interpreter, fp32/fp16).
+
+The alignment is checked against a plain-Python reference written here (not the function under test):
+per expert, the pairs in (adapter slot, pair) order, padding to BLOCK_SIZE_M per expert only.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+import warnings
+
+import pytest
+import torch
+
+from moelora_lib import STAGES, configs
+from moelora_lib.kernels.fused import fused_default_config, fused_gemm_configs
+from moelora_lib.moe_lora import make_layer_run
+from moelora_lib.reference import moe_lora_reference
+from moelora_lib.routing import align_tokens
+from moelora_lib.shapes import Dims, get_shape
+from moelora_lib.testing import assert_close_rel
+from moelora_lib.workloads import make_inputs
+
+
+def _python_sorted_alignment(topk_ids, lora_ids, E, L, BM):
+    """(sorted ids list, block experts list, num_post) by plain loops."""
+    T, K = topk_ids.shape
+    P = T * K
+    out, experts = [], []
+    for e in range(E):
+        pairs = [p for p in range(P) if int(topk_ids.reshape(-1)[p]) == e]
+        if not pairs:
+            continue
+
+        def slot(p):
+            lid = int(lora_ids[p // K])
+            return lid if 0 <= lid < L else L
+
+        pairs.sort(key=lambda p: (slot(p), p))
+        pad = -len(pairs) % BM
+        out += pairs + [P] * pad
+        experts += [e] * ((len(pairs) + pad) // BM)
+    return out, experts, len(out)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("BM", [16, 32])
+def test_sorted_alignment_matches_python_reference(seed, BM):
+    g = torch.Generator().manual_seed(seed)
+    T, K, E, L = 37, 3, 5, 4
+    topk_ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int32)
+    lora_ids = torch.randint(-1, L + 2, (T,), generator=g, dtype=torch.int32)  # -1 and ids >= L go last
+    al = align_tokens(topk_ids, E, BM, check_values=False, sort_lora_ids=lora_ids, num_adapters=L)
+    ids, experts, n = _python_sorted_alignment(topk_ids, lora_ids, E, L, BM)
+    assert int(al.num_tokens_post_padded) == n
+    assert al.sorted_token_ids[:n].tolist() == ids
+    assert al.block_expert_ids[: n // BM].tolist() == experts
+    assert (al.block_expert_ids[n // BM :] == -1).all() and (al.block_lora_ids == -1).all()
+    plain = align_tokens(topk_ids, E, BM, check_values=False)  # same sizes and blocks, other order
+    assert al.sorted_token_ids.shape == plain.sorted_token_ids.shape
+    assert torch.equal(al.block_expert_ids, plain.block_expert_ids)
+
+
+def test_sorted_alignment_bad_arguments_are_named():
+    topk = torch.zeros(4, 2, dtype=torch.int32)
+    ids = torch.zeros(4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="sort_lora_ids applies to the expert-only alignment"):
+        align_tokens(topk, 2, 16, lora_ids=ids, num_adapters=2, sort_lora_ids=ids)
+    with pytest.raises(ValueError, match=r"sort_lora_ids must be \[T=4\]"):
+        align_tokens(topk, 2, 16, sort_lora_ids=ids[:3], num_adapters=2)
+    with pytest.raises(ValueError, match="sort_lora_ids must be an int32/int64 tensor"):
+        align_tokens(topk, 2, 16, sort_lora_ids=ids.float(), num_adapters=2)
+    with pytest.raises(ValueError, match="num_adapters must be an int >= 1 with sort_lora_ids"):
+        align_tokens(topk, 2, 16, sort_lora_ids=ids)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("model", ["tiny", "tiny-oss"])
+def test_fused_stage_adapter_order_same_result(model, dtype):
+    """The adapter order changes which rows share a tile, not a row's sums: equal to the pair order
+    (bit for bit here: other adapters' dots add exact zeros to a row) and close to the reference."""
+    inp = make_inputs(get_shape(model), 29, rank=16, num_adapters=3, pattern="mixed", dtype=dtype, seed=4)
+    cfg = fused_default_config(
+        Dims.of(get_shape(model), 29, rank=16, adapters=3, slices=inp.lora_a13.shape[2])
+    )
+    runs = {
+        o: make_layer_run(*inp.args(), **inp.kwargs(), stage="fused", config=cfg, adapter_order=o)
+        for o in (True, False)
+    }
+    ids = runs[True].base_align.sorted_token_ids
+    K = inp.topk_ids.shape[1]
+    assert not torch.equal(ids, runs[False].base_align.sorted_token_ids)  # the order did change
+    outs = {o: r() for o, r in runs.items()}
+    assert torch.equal(outs[True], outs[False])
+    ref = moe_lora_reference(*inp.args(), **inp.kwargs())
+    assert_close_rel(outs[True], ref, dtype)
+    # inside every block of the sorted alignment the adapter ids are non-decreasing
+    lids = inp.lora_ids.long()
+    slot = torch.where(lids < 0, torch.full_like(lids, 3), lids)
+    for b in range(int(runs[True].base_align.num_tokens_post_padded) // 16):
+        rows = [int(p) for p in ids[b * 16 : (b + 1) * 16] if int(p) < ids.numel() and int(p) < 29 * K]
+        s = [int(slot[p // K]) for p in rows]
+        assert s == sorted(s)
+
+
+def test_adapter_order_flag_validated_and_defaulted():
+    inp = make_inputs(get_shape("tiny"), 5, rank=16, num_adapters=2, pattern="uniform", dtype=torch.float32)
+    with pytest.raises(ValueError, match="adapter_order must be a Python bool"):
+        make_layer_run(*inp.args(), **inp.kwargs(), stage="fused", adapter_order=1)
+    assert make_layer_run(*inp.args(), **inp.kwargs(), stage="fused").adapter_order is True
+    assert make_layer_run(*inp.args(), **inp.kwargs(), stage="tuned").adapter_order is False
+
+
+# ---- the fused config file and its loader ---------------------------------------------------------
+
+
+def _folder_with_shipped(tmp_path):
+    """A copy of the shipped H200 LoRA and base files (no fused file)."""
+    src = configs.shipped_folder("NVIDIA_H200")
+    for op in ("base", "gate_up_shrink", "gate_up_expand", "down_shrink", "down_expand"):
+        name = configs.config_file_name("NVIDIA_H200", op)
+        shutil.copy(src / name, tmp_path / name)
+    return tmp_path
+
+
+DIMS = Dims.of("gpt-oss-20b", 64, rank=32, adapters=8)
+
+
+def test_load_fused_config_derived_then_file(tmp_path):
+    configs.clear_cache()
+    folder = _folder_with_shipped(tmp_path)
+    tuned = configs.load_layer_config(DIMS, folder=folder, gpu_name="NVIDIA_H200")
+    with pytest.warns(configs.TunedConfigWarning, match="derives its GEMM configs from the tuned base ones"):
+        derived = configs.load_fused_config(DIMS, folder=folder, gpu_name="NVIDIA_H200")
+    assert derived.source.endswith("; fused=derived")
+    assert derived.base_gate_up == fused_gemm_configs(tuned).base_gate_up
+    assert derived.base_gate_up.BLOCK_SIZE_N == max(32, tuned.base_gate_up.BLOCK_SIZE_N // 2)
+    assert derived.gate_up_shrink == tuned.gate_up_shrink and derived.base_down == tuned.base_down
+    leaf = {
+        "fused_gate_up": {
+            "BLOCK_SIZE_M": 32,
+            "BLOCK_SIZE_N": 64,
+            "BLOCK_SIZE_K": 64,
+            "NUM_WARPS": 4,
+            "NUM_STAGES": 4,
+        },
+        "fused_down": {
+            "BLOCK_SIZE_M": 32,
+            "BLOCK_SIZE_N": 128,
+            "BLOCK_SIZE_K": 64,
+            "NUM_WARPS": 8,
+            "NUM_STAGES": 3,
+        },
+    }
+    data = configs.set_entry({}, configs.base_keys(DIMS), leaf)
+    configs.save_config_file(folder / configs.config_file_name("NVIDIA_H200", "fused"), data)
+    got = configs.load_fused_config(DIMS, folder=folder, gpu_name="NVIDIA_H200")
+    assert got.source.endswith("; fused=file")
+    assert (got.base_gate_up.BLOCK_SIZE_M, got.base_gate_up.BLOCK_SIZE_N) == (32, 64)
+    assert (got.base_down.BLOCK_SIZE_N, got.base_down.NUM_WARPS) == (128, 8)
+    assert got.gate_up_shrink == tuned.gate_up_shrink  # shrinks: stage tuned's
+    # the stage reads the same
+    assert STAGES["fused"].config_for(DIMS, folder=folder, gpu_name="NVIDIA_H200") == got
+
+
+def test_fused_config_cpu_default():
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only: no tuned file for the interpreter")
+    assert STAGES["fused"].config_for(DIMS) == fused_default_config(DIMS)
+
+
+@pytest.mark.parametrize(
+    "leaf, match",
+    [
+        ({"fused_gate_up": {"BLOCK_SIZE_M": 16}}, "must have exactly the keys"),
+        (
+            {"fused_gate_up": {"BLOCK_SIZE_M": 16}, "fused_down": {"BLOCK_SIZE_M": 32}},
+            "must share BLOCK_SIZE_M",
+        ),
+        (
+            {"fused_gate_up": {"BLOCK_SIZE_M": 16, "SPLIT_K": 2}, "fused_down": {"BLOCK_SIZE_M": 16}},
+            "SPLIT_K.*must be 1",
+        ),
+        ({"fused_gate_up": {"BLOCK_SIZE_M": 16, "BLOK": 1}, "fused_down": {"BLOCK_SIZE_M": 16}}, "BLOK"),
+    ],
+)
+def test_fused_file_errors_name_the_key(tmp_path, leaf, match):
+    p = tmp_path / "NVIDIA_H200_FUSED_MOE_LORA_FUSED.json"
+    p.write_text(json.dumps(configs.set_entry({}, (32, 5760, 2880, 64), leaf)))
+    with pytest.raises(ValueError, match=match):
+        configs.load_config_file(p, "fused")
+
+
+# ---- the tuner, as a functional test through the interpreter ---------------------------------------
+
+
+def test_fused_tuner_writes_a_file_the_loader_reads(tmp_path, monkeypatch):
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from moelora_lib.studies import fused_tuning as ft
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", configs.TunedConfigWarning)
+        got = ft.tune_fused(
+            ["tiny-oss"], [1, 40], rank=16, adapters=4, out=tmp_path, csv_path=tmp_path / "t.csv",
+            dtype=torch.float32, gpu="NVIDIA_H200",
+        )  # fmt: skip
+    assert set(got) == {("tiny-oss", 1), ("tiny-oss", 40)}
+    data = configs.load_config_file(tmp_path / "NVIDIA_H200_FUSED_MOE_LORA_FUSED.json", "fused")
+    sh = get_shape("tiny-oss")
+    for T in (1, 40):
+        leaf = data[str(sh.experts)][str(2 * sh.intermediate)][str(sh.hidden)][str(T)]
+        assert leaf["fused_gate_up"] == got[("tiny-oss", T)]["fused_gate_up"].to_dict()
+    with open(tmp_path / "t.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert sum(r["kind"] == "choice" for r in rows) == 4  # two ops x two workloads
+    assert all(r["kind"] != "trial" or float(r["ms_p50"]) > 0 for r in rows)
+    with pytest.raises(ValueError, match="tokens must be a non-empty list"):
+        ft.tune_fused(["tiny"], [0], out=tmp_path, csv_path=tmp_path / "t.csv")
+    with pytest.raises(ValueError, match="out must be a directory"):
+        ft.tune_fused(["tiny"], [1], out=tmp_path / "t.csv", csv_path=tmp_path / "u.csv")
+    with pytest.raises(ValueError, match="op must be one of"):
+        ft.fused_op_candidates("base_down", 16, got[("tiny-oss", 1)]["fused_down"])

@@ -545,3 +545,83 @@ def test_fused_op_costs_account_for_the_fusion(tiny):
     assert c["fused_down"]["flops"] == base["base_down"]["flops"] + 2 * P * R * H
     assert c["gate_up_shrink"]["flops"] == base["gate_up_shrink"]["flops"]
     assert all(v["floor_us"] > 0 for v in c.values())
+
+
+# ---- the second round's levers (fused_bench.levers_table, nb12's lever paragraph) ------------------------
+
+SPLIT_K = {1: 32, 8: 16}  # the shipped shrinks split K at decode only
+
+
+def _with_levers(data):
+    df = data["df"].copy()
+    df["config"] = ""
+    tot = (df.stage == "tuned") & (df.part == "total")
+    df.loc[tot, "config"] = [
+        f"base_gate_up=m16n64k64g1s1w4st4;gate_up_shrink=m16n32k64g8s{SPLIT_K.get(int(T), 1)}w4st3;"
+        f"down_shrink=m16n32k64g8s{max(1, SPLIT_K.get(int(T), 1) // 2)}w4st3"
+        for T in df.loc[tot, "T"]
+    ]
+    rows = []
+    piv = df.pivot_table(index=["stage", "model", "T"], columns="part", values="us_p50")
+    for m in MODELS:
+        for T in TOKENS:
+            f, t = piv.loc[("fused", m, T)], piv.loc[("tuned", m, T)]
+            fl = f.total - f.base
+            pair_total = f.base + (1.5 * fl if T >= 1600 else fl)  # the order lever: 1.5x LoRA at prefill
+            det = 1.5 if T in SPLIT_K else 1.0
+            rows += [
+                dict(lever="fused_v1", model=m, T=T, part="base", us_p50=1.3 * f.base),
+                dict(lever="fused_v1", model=m, T=T, part="total", us_p50=1.4 * f.total),
+                dict(lever="fused_pair_order", model=m, T=T, part="base", us_p50=f.base),
+                dict(lever="fused_pair_order", model=m, T=T, part="total", us_p50=pair_total),
+                dict(lever="tuned_deterministic", model=m, T=T, part="lora", us_p50=det * t.lora),
+                dict(lever="tuned_deterministic", model=m, T=T, part="total", us_p50=t.total),
+            ]
+    return df, pd.DataFrame(rows)
+
+
+def test_levers_table_matches_plain_pandas(data):
+    df, lv = _with_levers(data)
+    lt = fb.levers_table(lv, df).set_index(["model", "T"])
+    piv = df.pivot_table(index=["stage", "model", "T"], columns="part", values="us_p50")
+    for m in MODELS:
+        for T in TOKENS:
+            f = piv.loc[("fused", m, T)]
+            r = lt.loc[(m, T)]
+            assert r.fused_lora == pytest.approx(f.total - f.base)
+            assert r.pair_lora == pytest.approx((1.5 if T >= 1600 else 1.0) * (f.total - f.base))
+            assert r.v1_total == pytest.approx(1.4 * f.total)
+            assert r.det_lora == pytest.approx((1.5 if T in SPLIT_K else 1.0) * piv.loc[("tuned", m, T)].lora)
+            assert r.tuned_split_k == SPLIT_K.get(T, 1)
+
+
+def test_levers_paragraph_reports_held_and_missed(data):
+    df, lv = _with_levers(data)
+    lt = fb.levers_table(lv, df)
+    text = nb12.conclusion(
+        df,
+        data["checks"],
+        data["targets"],
+        data["launches"],
+        profile="gpu",
+        anchors=data["anchors"],
+        levers=lt,
+    )
+    assert "**Second round, lever by lever**" in text
+    # order at prefill: fused ÷ pair = 1/1.5 = 0.67 > 0.5 at all 4 points: missed everywhere
+    assert "LoRA part `fused` ÷ `pair` 0.67× (predicted ≤ 0.5: held at 0 of 4)" in text
+    assert "(predicted within ±3%: held at all 6)" in text  # T ≤ 64 unchanged
+    assert "(4 points; predicted 1.2–1.8: held at all 4)" in text  # deterministic where split
+    assert "(8 points; predicted 0.97–1.03: held at all 8)" in text
+    assert "| gpt-oss-20b | 1600 |" in text
+    # on the CPU profile the paragraph is not written
+    cpu = nb12.conclusion(
+        df,
+        data["checks"],
+        data["targets"],
+        data["launches"],
+        profile="cpu",
+        anchors=data["anchors"],
+        levers=lt,
+    )
+    assert "Second round" not in cpu

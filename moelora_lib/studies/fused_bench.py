@@ -20,6 +20,9 @@ What this module adds to :mod:`.moe_bench`:
   (:meth:`LayerRun.op_fn <moelora_lib.kernels.LayerRun.op_fn>`) with their FLOPs, bytes and floors.
 * :func:`layer_table` / :func:`targets_table` — per (model, T) the parts, the LoRA part as whole − base with
   its p20–p80 band, and the targets of the stage against :func:`~.moe_bench.anchor_table`.
+* :func:`bench_levers` / :func:`levers_table` — the levers of the stage's second round one at a time
+  (:data:`LEVERS`: the first round's default configs and pair order, the tuned configs alone) and the
+  deterministic mode of ``tuned``, beside the stage rows.
 * :class:`RegisterReport` — :func:`moelora_lib.studies.compile_check.fused_report` (registers, spills, one
   binary over lengths; compile-only) in a background process, so it overlaps the GPU measurements.
 
@@ -65,6 +68,9 @@ __all__ = [
     "layer_table",
     "targets_table",
     "cumulative_with",
+    "LEVERS",
+    "bench_levers",
+    "levers_table",
     "RegisterReport",
 ]
 
@@ -390,6 +396,97 @@ def bench_fused_ops(
 # ------------------------------------------------------------------------------------------------
 # Tables
 # ------------------------------------------------------------------------------------------------
+
+
+#: lever name -> (stage, parts timed, how the config is picked, adapter_order). ``stage_cfg``: the stage's own
+#: config for T (tuned files); ``default``: :func:`~moelora_lib.kernels.fused.fused_default_config` (the first
+#: round, commit cd22587); ``deterministic``: the stage's config with SPLIT_K = 1 on both shrinks.
+LEVERS: dict[str, tuple[str, tuple[str, ...], str, bool | None]] = {
+    "fused_v1": (STAGE, ("base", "total"), "default", False),
+    "fused_pair_order": (STAGE, ("base", "total"), "stage_cfg", False),
+    "tuned_deterministic": (BASELINE, ("lora", "total"), "deterministic", None),
+}
+
+
+def bench_levers(
+    shape,
+    T: int,
+    *,
+    levers: Sequence[str] = tuple(LEVERS),
+    rank: int = 32,
+    num_adapters: int = 8,
+    weights=None,
+    dtype=torch.bfloat16,
+    device="cuda",
+    warmup_ms: float = 10,
+    rep_ms: float = 40,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """Time each lever of :data:`LEVERS` at one (model, T) with :func:`~.moe_bench.bench_layer` (uniform
+    adapter ids, silu, no biases: the anchor setting); rows as bench_layer's plus ``lever``.
+
+    Raises ValueError for an unknown lever name."""
+    from ..kernels import STAGES
+    from ..kernels.fused import fused_default_config
+    from ..shapes import Dims, get_shape
+
+    bad = [lv for lv in levers if lv not in LEVERS]
+    if bad:
+        raise ValueError(f"levers must be names of {list(LEVERS)}, got {bad}")
+    sh = get_shape(shape) if isinstance(shape, str) else shape
+    S = weights.lora_a13.shape[2] if weights is not None else None
+    dims = Dims.of(sh, T, rank=rank, adapters=num_adapters, **({"slices": S} if S else {}))
+    rows = []
+    for lv in levers:
+        stage, parts, how, order = LEVERS[lv]
+        cfg = (
+            fused_default_config(dims)
+            if how == "default"
+            else STAGES[stage].config_for(dims).deterministic()
+            if how == "deterministic"
+            else STAGES[stage].config_for(dims)
+        )
+        for r in mb.bench_layer(
+            stage, sh, T, rank=rank, num_adapters=num_adapters, weights=weights, seed=seed,
+            activation="silu", bias=False, dtype=dtype, device=device, parts=parts, warmup_ms=warmup_ms,
+            rep_ms=rep_ms, config=cfg, adapter_order=order,
+        ):  # fmt: skip
+            r.update(lever=lv, variant="as_anchor")
+            rows.append(r)
+    return rows
+
+
+def levers_table(levers_df, df):
+    """Per (model, T): the whole layer and its parts (µs p50) of each lever beside the stage rows of ``df``
+    (``12_fused.csv``): ``v1_*`` (first round), ``pair_*`` (tuned configs, pair order), ``fused_*`` (the
+    stage: tuned configs, adapter order), ``tuned_*`` and ``det_*`` (``tuned`` deterministic); ``*_lora`` =
+    whole − base for the fused variants, the LoRA launches for ``tuned``/``det``; ``tuned_split_k`` = the
+    largest SPLIT_K of the shipped shrinks (from the config string)."""
+    import re
+
+    import pandas as pd
+
+    def piv(d):
+        return d.pivot_table(index=["model", "T"], columns="part", values="us_p50")
+
+    lv = levers_df
+    out = pd.DataFrame(index=piv(df[df.stage == STAGE]).index)
+    for name, key in (("v1", "fused_v1"), ("pair", "fused_pair_order")):
+        p = piv(lv[lv.lever == key])
+        out[f"{name}_base"], out[f"{name}_total"] = p["base"], p["total"]
+        out[f"{name}_lora"] = p["total"] - p["base"]
+    p = piv(df[(df.stage == STAGE) & df.part.isin(["base", "total"])])
+    out["fused_base"], out["fused_total"] = p["base"], p["total"]
+    out["fused_lora"] = p["total"] - p["base"]
+    p = piv(df[(df.stage == BASELINE) & df.part.isin(["base", "lora", "total"])])
+    out["tuned_base"], out["tuned_lora"], out["tuned_total"] = p["base"], p["lora"], p["total"]
+    p = piv(lv[lv.lever == "tuned_deterministic"])
+    out["det_lora"], out["det_total"] = p["lora"], p["total"]
+    t = df[(df.stage == BASELINE) & (df.part == "total")].set_index(["model", "T"]).config
+    out["tuned_split_k"] = t.map(
+        lambda c: max(int(x) for x in re.findall(r"shrink=m\d+n\d+k\d+g\d+s(\d+)", c))
+    )
+    return out.reset_index()
 
 
 def layer_table(df):

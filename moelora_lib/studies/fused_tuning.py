@@ -235,12 +235,16 @@ def tune_fused(
     device=None,
     dtype=torch.bfloat16,
     gpu: str | None = None,
+    max_bms: int = 2,
+    max_cands: int = 7,
 ) -> dict[tuple[str, int], dict[str, OpConfig]]:
     """Tune every (model, T) and write ``out/{gpu}_FUSED_MOE_LORA_FUSED.json`` (merged into an existing
     file; atomically after each workload). Returns {(model, T): {op: OpConfig}}.
 
     Raises ValueError for an unknown model, T < 1, rank/adapters < 1, a negative budget, or an
-    ``out`` that exists and is not a directory."""
+    ``out`` that exists and is not a directory, max_bms / max_cands < 1. ``max_bms``: BLOCK_SIZE_M
+    candidates besides the current one (:func:`~.tuning.base_bm_candidates`); ``max_cands``: configs per
+    GEMM and BM (:func:`fused_op_candidates`)."""
     from .moe_bench import layer_inputs
 
     for m in models:
@@ -250,6 +254,9 @@ def tune_fused(
     if not isinstance(rank, int) or rank < 1 or not isinstance(adapters, int) or adapters < 1:
         raise ValueError(f"rank and adapters must be ints >= 1, got rank={rank!r}, adapters={adapters!r}")
     check_budget(budget_s, "budget_s")
+    for name, v in (("max_bms", max_bms), ("max_cands", max_cands)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
     dev = check_device("cuda" if device is None and torch.cuda.is_available() else (device or "cpu"))
     out = Path(out)
     if out.exists() and not out.is_dir():
@@ -271,7 +278,10 @@ def tune_fused(
             if time.perf_counter() > deadline:
                 log.append(kind="note", model=m, T=T, R=rank, L=adapters, note="budget: workload not tuned")
                 continue
-            got = tune_fused_workload(m, T, rank, adapters, weights, dev, log, deadline=deadline, t0=t0)
+            got = tune_fused_workload(
+                m, T, rank, adapters, weights, dev, log, deadline=deadline, t0=t0, max_bms=max_bms,
+                max_cands=max_cands,
+            )  # fmt: skip
             if not got:
                 continue
             chosen[(m, T)] = got
@@ -296,6 +306,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="config folder (the shipped one: moelora_lib/configs/<gpu>)")
     p.add_argument("--csv", required=True, help="trials CSV (appended)")
     p.add_argument("--budget-s", type=float, default=math.inf)
+    p.add_argument("--max-bms", type=int, default=2, help="BLOCK_SIZE_M candidates besides the current one")
+    p.add_argument("--max-cands", type=int, default=7, help="configs per GEMM and BLOCK_SIZE_M")
     a = p.parse_args(argv)
     try:
         tokens = [int(t) for t in a.tokens.split(",") if t]
@@ -304,7 +316,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         chosen = tune_fused(
             [m for m in a.model.split(",") if m], tokens, rank=a.rank, adapters=a.adapters, out=a.out,
-            csv_path=a.csv, budget_s=a.budget_s, dtype=parse_dtype(a.dtype),
+            csv_path=a.csv, budget_s=a.budget_s, dtype=parse_dtype(a.dtype), max_bms=a.max_bms,
+            max_cands=a.max_cands,
         )  # fmt: skip
     except ValueError as e:
         p.error(str(e))

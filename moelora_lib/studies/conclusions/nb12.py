@@ -22,6 +22,7 @@ __all__ = [
     "PREDICTED_LAUNCHES",
     "PREDICTED_PREFILL_EXTRA_US",
     "DELTA_MIN",
+    "LEVER_PREDICTIONS",
 ]
 
 FINAL, BASELINE = fb.STAGE, fb.BASELINE
@@ -53,6 +54,28 @@ TUNED_BEFORE_US: dict[tuple[str, int], float] = {
 PREDICTED_LAUNCHES = {BASELINE: 8, FINAL: 5}
 #: The extra MMA work of the per-adapter masked dots at T = 1600 (µs, gate_up and down), where compute-bound.
 PREDICTED_PREFILL_EXTRA_US = {"gpt-oss-20b": (47.0, 27.0), "qwen3-30b-a3b": (32.0, 52.0)}
+
+#: The second round's predictions (written 2026-12-02 before its GPU run; fused.py's module docstring says
+#: why). Ratios of this run's rows (:func:`moelora_lib.studies.fused_bench.levers_table`):
+#: * configs: the fused GEMMs tuned (pair order) against ``tuned``'s base part, every point:
+#:   pair_base ÷ tuned_base in [0.90, 1.05] (the activation launch gone, the GEMMs tuned over a list
+#:   like the base GEMMs');
+#: * order_prefill: the adapter order cuts the LoRA part (whole − base) at T ≥ 1600 to ≤ 0.5× the pair
+#:   order's (1–2 adapters per tile instead of ~8: fewer serial passes of the per-adapter loop);
+#: * order_decode: no effect at T ≤ 64 (one or a few rows per expert tile either way): the whole
+#:   layers within ±3 %;
+#: * deterministic: ``tuned``'s LoRA part with SPLIT_K = 1 is 1.2–1.8× the split-K one where a shipped
+#:   shrink has SPLIT_K > 1 (notebook 04: split-K gave 2.0× on the shrinks at T = 1), 0.97–1.03× where
+#:   both are 1 already;
+#: * whole: ``fused`` ≤ ``tuned`` at T ≤ 256, ≤ 1.1× ``tuned`` at T ≥ 1600.
+LEVER_PREDICTIONS = {
+    "configs": (0.90, 1.05),
+    "order_prefill_max": 0.5,
+    "order_decode_tol": 0.03,
+    "det_split": (1.2, 1.8),
+    "det_nosplit": (0.97, 1.03),
+    "whole_prefill_max": 1.1,
+}
 
 _NUM_TARGET_COLS = (
     "base_us",
@@ -336,6 +359,70 @@ def _targets_md(t: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+def _levers_text(lt: pd.DataFrame) -> str:
+    """The second round, lever by lever, against :data:`LEVER_PREDICTIONS` (reported, not asserted)."""
+    P = LEVER_PREDICTIONS
+    num = [c for c in lt.columns if c not in ("model", "T", "tuned_split_k")]
+    assert _finite(lt[num].to_numpy().ravel()), "non-finite values in the levers table"
+    lt = lt.assign(
+        cfg_x=lt.pair_base / lt.tuned_base,
+        order_x=lt.fused_lora / lt.pair_lora,
+        order_total=lt.fused_total / lt.pair_total,
+        det_x=lt.det_lora / lt.tuned_lora,
+        whole_x=lt.fused_total / lt.tuned_total,
+        v1_x=lt.v1_total / lt.fused_total,
+    )
+    pre, dec = lt[lt["T"] >= 1600], lt[lt["T"] <= 64]
+    split, nosplit = lt[lt.tuned_split_k > 1], lt[lt.tuned_split_k == 1]
+
+    def held(n, of):
+        return f"held at {n} of {of}" if n < of else f"held at all {of}"
+
+    lo, hi = P["configs"]
+    n_cfg = int(lt.cfg_x.between(lo, hi).sum())
+    n_pre = int((pre.order_x <= P["order_prefill_max"]).sum())
+    n_dec = int(((dec.order_total - 1).abs() <= P["order_decode_tol"]).sum())
+    dlo, dhi = P["det_split"]
+    n_ds = int(split.det_x.between(dlo, dhi).sum())
+    nlo, nhi = P["det_nosplit"]
+    n_dn = int(nosplit.det_x.between(nlo, nhi).sum())
+    small = lt[lt["T"] <= 256]
+    n_ws = int((small.whole_x <= 1).sum())
+    n_wp = int((pre.whole_x <= P["whole_prefill_max"]).sum())
+    det_s = _range(split.det_x) if len(split) else "—"
+    det_n = _range(nosplit.det_x) if len(nosplit) else "—"
+    order_max, order_tol, whole_max = P["order_prefill_max"], P["order_decode_tol"], P["whole_prefill_max"]
+    lines = [
+        "**Second round, lever by lever** (this run; µs p50; `v1` = the first round's default configs "
+        "and pair order, `pair` = tuned fused-GEMM configs with the pair order, `fused` = the stage "
+        "now: tuned configs and adapter order; LoRA part = whole − base for the fused variants; `det` = "
+        "`tuned` with SPLIT_K = 1 on both shrinks):",
+        f"- tuned fused-GEMM configs: base part `pair` ÷ `tuned` {_range(lt.cfg_x)} (predicted "
+        f"{lo:.2f}–{hi:.2f}: {held(n_cfg, len(lt))}); the whole layer `v1` ÷ `fused` {_range(lt.v1_x)}.",
+        f"- adapter order at T ≥ 1600: LoRA part `fused` ÷ `pair` {_range(pre.order_x)} (predicted ≤ "
+        f"{order_max}: {held(n_pre, len(pre))}); at T ≤ 64 whole layer "
+        f"{_range(dec.order_total)} (predicted within ±{order_tol:.0%}: {held(n_dec, len(dec))}).",
+        f"- deterministic mode (`tuned`): LoRA part `det` ÷ split-K {det_s} where a shipped shrink "
+        f"splits K ({len(split)} points; predicted {dlo}–{dhi}: {held(n_ds, len(split))}), {det_n} "
+        f"where none does ({len(nosplit)} points; predicted {nlo}–{nhi}: {held(n_dn, len(nosplit))}); "
+        f"whole layer {_range(lt.det_total / lt.tuned_total)}.",
+        f"- whole layer `fused` ÷ `tuned`: {_range(small.whole_x)} at T ≤ 256 (predicted ≤ 1: "
+        f"{held(n_ws, len(small))}), {_range(pre.whole_x)} at T ≥ 1600 (predicted ≤ {whole_max}: "
+        f"{held(n_wp, len(pre))}).",
+        "",
+        "| model | T | v1 total | pair total | fused total | tuned total | pair LoRA | fused LoRA "
+        "| tuned LoRA | det LoRA | SPLIT_K |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for _, r in lt.iterrows():
+        lines.append(
+            f"| {r.model} | {int(r['T'])} | {r.v1_total:.1f} | {r.pair_total:.1f} | {r.fused_total:.1f} | "
+            f"{r.tuned_total:.1f} | {r.pair_lora:.1f} | {r.fused_lora:.1f} | {r.tuned_lora:.1f} | "
+            f"{r.det_lora:.1f} | {int(r.tuned_split_k)} |"
+        )
+    return "\n".join(lines)
+
+
 def _registers_text(reg: pd.DataFrame) -> str:
     assert len(reg) and _finite(reg.REG) and (reg.REG > 0).all(), "bad register rows"
     per_op = reg.groupby("op").agg(
@@ -363,7 +450,9 @@ def _registers_text(reg: pd.DataFrame) -> str:
 # ---- the conclusion --------------------------------------------------------------------------------------
 
 
-def conclusion(df, checks, targets, launches, *, profile: str, anchors=None, registers=None) -> str:
+def conclusion(
+    df, checks, targets, launches, *, profile: str, anchors=None, registers=None, levers=None
+) -> str:
     """The written conclusion of notebook 12.
 
     Args:
@@ -378,6 +467,8 @@ def conclusion(df, checks, targets, launches, *, profile: str, anchors=None, reg
         anchors: :func:`~moelora_lib.studies.moe_bench.anchor_table` (GPU): the targets CSV is checked
             against it.
         registers: optional rows of :class:`~moelora_lib.studies.fused_bench.RegisterReport`.
+        levers: optional :func:`~moelora_lib.studies.fused_bench.levers_table` (GPU): the second round's
+            levers one at a time against :data:`LEVER_PREDICTIONS` (reported, not asserted).
 
     Asserts data sanity only: timing rows of both stages at every (model, T) with every part, finite and
     positive; every check within its tolerance (rows without an adapter bitwise the base part; the LoRA
@@ -435,6 +526,8 @@ def conclusion(df, checks, targets, launches, *, profile: str, anchors=None, reg
             else "."
         )
     )
+    if levers is not None and len(levers):
+        out.append(_levers_text(pd.DataFrame(levers)))
     dl = b_.lora_measured / b_.lora.where(b_.lora > 0)
     if dl.notna().any():
         out.append(

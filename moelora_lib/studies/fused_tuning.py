@@ -10,8 +10,10 @@ Run (on the GPU; on the CPU it is only a functional test through the interpreter
 Per workload (model, T, R, L), on the inputs of :func:`moelora_lib.studies.moe_bench.layer_inputs`
 (uniform adapter ids, silu, no biases: the vLLM side-by-side setting):
 
-1. Start from stage ``fused``'s current config (:func:`moelora_lib.configs.load_fused_config`: the
-   tuned shrinks, the fused GEMMs from their file or derived from the tuned base GEMMs).
+1. Start from the tuned config of the workload (:func:`moelora_lib.configs.load_layer_config`: the tuned
+   shrinks) with the fused GEMMs derived from the tuned base GEMMs
+   (:func:`~moelora_lib.kernels.fused.fused_gemm_configs`) — never from the fused file itself, which this
+   run is writing (its nearest entry would be another T's choice).
 2. The two GEMMs share the base alignment, so they share BLOCK_SIZE_M: for each candidate BM
    (:func:`~.tuning.base_bm_candidates` plus the current one) one
    :class:`~moelora_lib.kernels.LayerRun` of stage ``fused`` (adapter-ordered base alignment, as the
@@ -150,7 +152,7 @@ def tune_fused_workload(
 ) -> dict[str, OpConfig]:
     """Tune the two fused GEMMs of one workload; returns {"fused_gate_up": cfg, "fused_down": cfg}
     (empty when the budget ran out before the first BM) and logs every trial to ``log``."""
-    from ..kernels import STAGES
+    from ..kernels.fused import fused_gemm_configs
     from .moe_bench import layer_inputs, make_run
 
     t0 = time.perf_counter() if t0 is None else t0
@@ -158,7 +160,9 @@ def tune_fused_workload(
     H, I, E, K = shape.hidden, shape.intermediate, shape.experts, shape.top_k
     S = weights.lora_a13.shape[2]
     dims = Dims.of(shape, T, rank=R, adapters=L, slices=S)
-    cur = STAGES["fused"].config_for(dims)
+    # the starting point is derived from the tuned base GEMMs, never read from the fused file: that file
+    # is being written by this run, and its nearest entry (another T's choice) would steer the BM list
+    cur = fused_gemm_configs(configs.load_layer_config(dims))
     cur_bm = cur.base_block_size_m
     bms = sorted(set(base_bm_candidates(T, K, E, max_bms)) | {cur_bm})
     inp = layer_inputs(

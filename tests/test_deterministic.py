@@ -275,6 +275,8 @@ def test_model_builds_every_lora_module_deterministic():
     assert_close_rel(a, plain(ids, [0, 0], [-1, 1], kv_len=8), tol=1e-5, what="deterministic model vs plain")
     with pytest.raises(ValueError, match="deterministic must be a Python bool"):
         random_model(cfg, dtype=torch.float32, device="cpu", deterministic="yes", **sizes)
+    next(iter(mods.values())).deterministic = False  # one module switched by hand: the model says so
+    assert not det.deterministic
 
 
 def test_every_stage_still_accepts_the_flag():

@@ -198,6 +198,19 @@ def test_figure_png(ev):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
 
 
+def test_set_stages_by_name_and_bad_names(ev):
+    e = ex.Explorer(ev, ex.Selection("gpt-oss-20b", 64))
+    e.set(stages="tuned")  # one name, not a substring match ("tuned" must not also tick others)
+    assert e.selection().stages == ("tuned",)
+    e.set(stages=["naive", "tuned"])
+    assert e.selection().stages == ("naive", "tuned")
+    with pytest.raises(ValueError, match="stages: unknown stage 'tune'"):
+        e.set(stages=["tune"])
+    with pytest.raises(ValueError, match="unknown control 'tokens'"):
+        e.set(tokens=64)
+    assert e.selection().stages == ("naive", "tuned")  # a refused call changes nothing
+
+
 def test_a_control_change_redraws_plot_and_table(ev):
     e = ex.Explorer(ev, ex.Selection("gpt-oss-20b", 64))
     png, table = e._plot.outputs[0]["data"]["image/png"], e._table.value

@@ -647,8 +647,12 @@ class MultiLoRAModel(nn.Module):
     # --- adapters ---------------------------------------------------------------------------------
     @property
     def deterministic(self) -> bool:
-        """Whether every LoRA/MoE module was built in its bitwise-repeatable mode (read-only)."""
-        return self._deterministic
+        """Whether every LoRA/MoE module is in its bitwise-repeatable mode (read-only here). Read from
+        the modules themselves, so a module switched by hand after construction (``module.deterministic
+        = False``) makes this False rather than leaving a stale True; a Generator built before such a
+        switch keeps the configs it captured."""
+        mods = self.lora_modules()
+        return all(m.deterministic for m in mods.values()) if mods else self._deterministic
 
     def lora_modules(self) -> dict[str, nn.Module]:
         """{qualified name: module} of every LoRALinear and MoELoRALayer (each holds the L slots)."""

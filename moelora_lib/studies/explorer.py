@@ -1322,12 +1322,23 @@ class Explorer:
         )
 
     def set(self, **values) -> float:
-        """Set controls by name (model, T, rank, adapters, pattern, setting; stages= a list) as a user
-        would; each change redraws. Returns the seconds of the last redraw."""
+        """Set controls by name (model, T, rank, adapters, pattern, setting; stages= a list of stage
+        names, or one name) as a user would; each change redraws. Returns the seconds of the last redraw.
+
+        Raises ValueError for an unknown control name or stage name (naming the known ones)."""
+        unknown = [k for k in values if k != "stages" and k not in self.controls]
+        if unknown:
+            raise ValueError(f"unknown control {unknown[0]!r}; controls are {['stages', *self.controls]}")
         for k, v in values.items():
             if k == "stages":
+                names = [v] if isinstance(v, str) else list(v)
+                bad = [n for n in names if n not in self.stage_boxes]
+                if bad:
+                    raise ValueError(
+                        f"stages: unknown stage {bad[0]!r}; the stages shown are {list(self.stage_boxes)}"
+                    )
                 for s, b in self.stage_boxes.items():
-                    b.value = s in v
+                    b.value = s in names
             else:
                 self.controls[k].value = v
         return self.last_redraw_s

@@ -41,7 +41,8 @@ program:
    (ideal: R/K). Decode tiles hold few rows (n ≤ rows), so the waste is nothing there; at prefill with 8
    adapters in every tile it is 8·32/2880 = 8.9 % of the GEMM's MMA work for GPT-OSS-20B (H = I = 2880),
    8·32/2048 = 12.5 % (gate_up) and 8·32/768 = 33 % (down) for Qwen3-30B-A3B. Sorting each expert's
-   pairs by adapter in the base alignment (not done here) would cut n to ~1–2 per tile.
+   pairs by adapter in the base alignment (done in the second round, below) cuts n to ~1–2 per tile
+   where an (adapter, expert) group fills a tile.
    Gathering B per row (a [BM, BN, R] broadcast product, no tensor cores) was the third option:
    rejected for its registers and its repeated B loads.
 
@@ -54,10 +55,27 @@ activation; the results differ from ``tuned`` by those roundings (both within th
 
 Configs: the :class:`~.config.LayerConfig` record of every stage, read through
 :data:`~.stages.FUSED_CONFIG_FIELD`: ``base_gate_up`` configures the fused gate_up+activation GEMM,
-``base_down`` the fused down GEMM, the two shrink fields the shrinks; the expand fields are unused. Defaults:
-:func:`fused_default_config` (a heuristic, not tuned). A tuner can be pointed at this stage through
-:meth:`LayerRun.op_fn <moelora_lib.kernels.LayerRun.op_fn>` with the names of
-:data:`~.stages.FUSED_LAUNCH_OPS`; none has been run.
+``base_down`` the fused down GEMM, the two shrink fields the shrinks; the expand fields are unused. The
+stage's configs (:meth:`FusedStage.config_for` -> :func:`moelora_lib.configs.load_fused_config`): the tuned
+shrinks of stage ``tuned`` and the two GEMMs from ``{gpu}_FUSED_MOE_LORA_FUSED.json``, written by the fused
+tuner (:mod:`moelora_lib.studies.fused_tuning`; shipped for the H200, tuned there on 2026-12-02); without
+that file they are derived from the tuned base GEMMs (:func:`fused_gemm_configs`), and with no tuned file at
+all (the CPU) :func:`fused_default_config` (a heuristic).
+
+**Second round (issue 13, notebook 12 at e40cd00; the first round's numbers below are cd22587's).** Two levers
+after the first GPU run: the fused GEMMs tuned, and the adapter order (:class:`~.stages.LayerRun`'s
+``adapter_order``, on by default for this stage: inside each expert the base alignment orders pairs by
+adapter, :func:`moelora_lib.routing.align_tokens`'s ``sort_lora_ids``, so a prefill tile holds fewer
+adapters and the per-adapter loop runs fewer passes). The torch alignment builds that order; the Triton
+alignments (:mod:`.align`, :mod:`.align_small`) do not have it yet, so :class:`moelora_lib.MoELoRALayer`
+runs this stage over the pair order. Outcomes (notebook 12's lever paragraph; predictions in
+``conclusions/nb12.LEVER_PREDICTIONS``, written before the run): the tuned GEMMs bring the base part to
+0.93–1.05× ``tuned``'s; the adapter order cuts the LoRA part (whole − base) at GPT-OSS-20B T = 1600 / 8192
+from 517 / 1852 µs to 328 / 666 µs, and does nothing at Qwen3-30B-A3B T = 1600, where one BLOCK_SIZE_M = 128
+tile holds an expert's ~100 pairs and so all 8 adapters whatever their order. The layer is then 0.79–1.05×
+``tuned`` (faster at T = 1 and 8 for GPT-OSS-20B, T = 1 for Qwen3 and GPT-OSS-20B T = 8192; slower most at
+prefill, where the per-adapter loop is serial: a ``while`` loop of dependent loads and dots). ``tuned``
+stays the stage to use.
 
 **Predictions (written before any GPU run; to be measured in notebook 12, H200, bf16, R = 32, 8 adapters,
 tokens spread evenly, graph replay, L2 flushed).** Per-op times are ``tuned``'s from data/07_per_op.csv.

@@ -48,7 +48,15 @@ from ..kernels.config import OpConfig
 from ..kernels.stages import FUSED_CONFIG_FIELD
 from ..shapes import Dims, get_shape
 from . import bench
-from .tuner_common import TrialLog, append_config_row, check_budget, check_device, dedupe, time_candidate
+from .tuner_common import (
+    TrialLog,
+    append_config_row,
+    check_budget,
+    check_device,
+    choose_bm,
+    dedupe,
+    time_candidate,
+)
 from .tuning import base_bm_candidates
 
 __all__ = ["CSV_COLUMNS", "FUSED_OPS", "fused_op_candidates", "tune_fused_workload", "tune_fused", "main"]
@@ -217,14 +225,7 @@ def tune_fused_workload(
     del inp
     if not best:
         return {}
-    win = min(best, key=lambda bm: sum(best[bm][op][0] for op in FUSED_OPS))
-    total = sum(best[win][op][0] for op in FUSED_OPS)
-    if not math.isfinite(total):
-        raise RuntimeError(f"{model} T={T}: no fused GEMM candidate ran")
-    out = {op: best[win][op][1] for op in FUSED_OPS}
-    for op, c in out.items():
-        append_config_row(log, "choice", ids, op, win, c, t0=t0, ms_p50=best[win][op][0], sum_ms=total)
-    return out
+    return choose_bm(best, FUSED_OPS, log, ids, t0=t0, what=f"{model} T={T} fused GEMMs")
 
 
 def tune_fused(

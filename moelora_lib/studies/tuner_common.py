@@ -50,6 +50,7 @@ __all__ = [
     "BUDGET_BM_NOTE",
     "TRIAL_COLUMNS",
     "RUN_COLUMNS",
+    "choose_bm",
 ]
 
 #: The trial columns of both trials CSVs (after each tuner's workload columns), and the run columns
@@ -309,6 +310,28 @@ def time_candidate(
         if device.type == "cuda":
             torch.cuda.synchronize()
         return math.inf, {}, note
+
+
+def choose_bm(
+    best: dict[int, dict[str, tuple[float, OpConfig]]],
+    ops: Sequence[str],
+    log: TrialLog,
+    ids: dict,
+    *,
+    t0: float,
+    what: str,
+) -> dict[str, OpConfig]:
+    """The BLOCK_SIZE_M whose ops' best medians sum lowest (``best[bm][op] = (ms, config)``; vLLM's
+    ``benchmark_lora_tuning.py`` rule): one ``choice`` row per op in ``log``, returns {op: config}.
+    Raises RuntimeError (naming ``what``) when no candidate ran (every sum infinite)."""
+    win = min(best, key=lambda bm: sum(best[bm][op][0] for op in ops))
+    total = sum(best[win][op][0] for op in ops)
+    if not math.isfinite(total):
+        raise RuntimeError(f"{what}: no candidate ran")
+    chosen = {op: best[win][op][1] for op in ops}
+    for op, c in chosen.items():
+        append_config_row(log, "choice", ids, op, win, c, t0=t0, ms_p50=best[win][op][0], sum_ms=total)
+    return chosen
 
 
 def over_budget(deadline: float, log: TrialLog, note: str, **ids) -> bool:

@@ -74,6 +74,7 @@ from .tuner_common import (
     check_csv,
     check_device,
     check_out,
+    choose_bm,
     dedupe,
     int_list_type,
     over_budget,
@@ -332,14 +333,7 @@ def _tune_group(
             config=";".join(f"{op}={best[bm][op][1].short()}" for op in ops),
         )
         del run
-    win = min(best, key=lambda bm: sum(best[bm][op][0] for op in ops))
-    total = sum(best[win][op][0] for op in ops)
-    if not math.isfinite(total):
-        raise RuntimeError(f"{shape.name} T={T} {group}: no candidate ran")
-    chosen = {op: best[win][op][1] for op in ops}
-    for op, c in chosen.items():
-        append_config_row(log, "choice", ids, op, win, c, t0=t0, ms_p50=best[win][op][0], sum_ms=total)
-    return chosen
+    return choose_bm(best, ops, log, ids, t0=t0, what=f"{shape.name} T={T} {group}")
 
 
 def tune_workload(

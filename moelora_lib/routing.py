@@ -206,8 +206,14 @@ def align_tokens(
             raise ValueError(f"sort_lora_ids must be an int32/int64 tensor [T], got {_desc(sort_lora_ids)}")
         if sort_lora_ids.shape != (topk_ids.shape[0],):
             raise ValueError(f"sort_lora_ids must be [T={topk_ids.shape[0]}], got {_desc(sort_lora_ids)}")
-        if not is_int(num_adapters) or num_adapters < 1:
-            raise ValueError(f"num_adapters must be an int >= 1 with sort_lora_ids, got {num_adapters!r}")
+        if not is_int(num_adapters) or not 1 <= num_adapters < 2**31:
+            raise ValueError(
+                f"num_adapters must be an int in [1, 2**31) with sort_lora_ids, got {num_adapters!r}"
+            )
+        if sort_lora_ids.device != topk_ids.device:
+            raise ValueError(
+                f"sort_lora_ids must be on topk_ids' device {topk_ids.device}, got {sort_lora_ids.device}"
+            )
     if check_values:
         check_id_values(topk_ids, num_experts, lora_ids, num_adapters)
     T, K = topk_ids.shape

@@ -209,6 +209,15 @@ def test_set_stages_by_name_and_bad_names(ev):
     with pytest.raises(ValueError, match="unknown control 'tokens'"):
         e.set(tokens=64)
     assert e.selection().stages == ("naive", "tuned")  # a refused call changes nothing
+    before = e.selection()
+    with pytest.raises(ValueError, match="stages: unknown stage 'bogus'"):
+        e.set(model="qwen3-30b-a3b", stages="bogus")  # checked before the model changes
+    with pytest.raises(ValueError, match="T: 12345 is not one of the values"):
+        e.set(T=12345)
+    for bad in ({"fused": True}, b"fused", None, 5):
+        with pytest.raises(ValueError, match="stages must be a stage name or a list"):
+            e.set(stages=bad)
+    assert e.selection() == before
 
 
 def test_a_control_change_redraws_plot_and_table(ev):

@@ -73,7 +73,7 @@ def test_sorted_alignment_bad_arguments_are_named():
         align_tokens(topk, 2, 16, sort_lora_ids=ids[:3], num_adapters=2)
     with pytest.raises(ValueError, match="sort_lora_ids must be an int32/int64 tensor"):
         align_tokens(topk, 2, 16, sort_lora_ids=ids.float(), num_adapters=2)
-    with pytest.raises(ValueError, match="num_adapters must be an int >= 1 with sort_lora_ids"):
+    with pytest.raises(ValueError, match=r"num_adapters must be an int in \[1, 2\*\*31\) with sort_lora_ids"):
         align_tokens(topk, 2, 16, sort_lora_ids=ids)
 
 
@@ -220,7 +220,90 @@ def test_fused_tuner_writes_a_file_the_loader_reads(tmp_path, monkeypatch):
     assert all(r["kind"] != "trial" or float(r["ms_p50"]) > 0 for r in rows)
     with pytest.raises(ValueError, match="tokens must be a non-empty list"):
         ft.tune_fused(["tiny"], [0], out=tmp_path, csv_path=tmp_path / "t.csv")
-    with pytest.raises(ValueError, match="out must be a directory"):
+    with pytest.raises(ValueError, match="exists and is not a folder"):
         ft.tune_fused(["tiny"], [1], out=tmp_path / "t.csv", csv_path=tmp_path / "u.csv")
     with pytest.raises(ValueError, match="op must be one of"):
         ft.fused_op_candidates("base_down", 16, got[("tiny-oss", 1)]["fused_down"])
+
+
+# ---- from the new-user trial of the second round -------------------------------------------------------
+
+
+def test_fused_file_alone_in_a_folder_is_used(tmp_path):
+    """A folder holding only the fused file (e.g. the tuner's --out): its GEMM configs are used, the
+    shrinks fall back to the defaults, and the source says both."""
+    configs.clear_cache()
+    leaf = {
+        "fused_gate_up": {"BLOCK_SIZE_M": 32, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 64},
+        "fused_down": {"BLOCK_SIZE_M": 32, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 64},
+    }
+    configs.save_config_file(
+        tmp_path / "NVIDIA_H200_FUSED_MOE_LORA_FUSED.json",
+        configs.set_entry({}, configs.base_keys(DIMS), leaf),
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", configs.TunedConfigWarning)
+        got = configs.load_fused_config(DIMS, folder=tmp_path, gpu_name="NVIDIA_H200")
+    assert got.source.endswith("; lora=default; base=default; fused=file")
+    assert (got.base_gate_up.BLOCK_SIZE_M, got.base_down.BLOCK_SIZE_N) == (32, 128)
+    assert got.gate_up_shrink == fused_default_config(DIMS).gate_up_shrink
+    with pytest.raises(ValueError, match="gpu_name must be a str"):
+        configs.load_fused_config(DIMS, folder=tmp_path, gpu_name=5)
+
+
+def test_fused_file_bm_mismatch_names_the_file_keys(tmp_path):
+    p = tmp_path / "NVIDIA_H200_FUSED_MOE_LORA_FUSED.json"
+    leaf = {"fused_gate_up": {"BLOCK_SIZE_M": 16}, "fused_down": {"BLOCK_SIZE_M": 64}}
+    p.write_text(json.dumps(configs.set_entry({}, (32, 5760, 2880, 64), leaf)))
+    with pytest.raises(ValueError, match=r"\{'fused_gate_up': 16, 'fused_down': 64\}"):
+        configs.load_config_file(p, "fused")
+
+
+def test_sorted_alignment_refuses_huge_num_adapters_and_other_device():
+    topk = torch.zeros(4, 2, dtype=torch.int32)
+    ids = torch.zeros(4, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"num_adapters must be an int in \[1, 2\*\*31\)"):
+        align_tokens(topk, 3, 16, sort_lora_ids=ids, num_adapters=2**62)  # the sort key would overflow
+    with pytest.raises(ValueError, match="sort_lora_ids must be on topk_ids' device"):
+        align_tokens(topk, 3, 16, sort_lora_ids=ids.to("meta"), num_adapters=2)
+
+
+def test_fused_tuner_bad_arguments_named_before_writing(tmp_path):
+    from moelora_lib.studies import fused_tuning as ft
+
+    (tmp_path / "afile").write_text("x")
+    kw = dict(out=tmp_path / "o", csv_path=tmp_path / "t.csv")
+    cases = [
+        (dict(models="tiny"), "models must be a non-empty list"),
+        (dict(models=[]), "models must be a non-empty list"),
+        (dict(tokens=[True]), "tokens must be a non-empty list of ints"),
+        (dict(rank=True), "rank must be an int >= 1"),
+        (dict(adapters=0), "adapters must be an int >= 1"),
+        (dict(gpu="a/b"), "no path separators"),
+        (dict(out=tmp_path / "afile" / "sub"), "out: cannot make"),
+        (dict(out=5), "out: expected a folder path"),
+        (dict(csv_path=tmp_path), "csv_path: .* is a folder"),
+        (dict(csv_path=tmp_path / "afile" / "x.csv"), "csv_path's folder"),
+    ]
+    for over, match in cases:
+        args = dict(models=["tiny"], tokens=[1], **kw)
+        args.update(over)
+        with pytest.raises(ValueError, match=match):
+            ft.tune_fused(args.pop("models"), args.pop("tokens"), **args)
+    assert not (tmp_path / "o").exists()  # nothing was made by a refused call
+
+
+def test_bench_levers_bad_arguments():
+    from moelora_lib.studies import fused_bench as fb
+
+    for kw, match in [
+        (dict(levers=[]), "non-empty list of distinct"),
+        (dict(levers=["fused_v1", "fused_v1"]), "non-empty list of distinct"),
+        (dict(levers=None), "non-empty list of distinct"),
+        (dict(levers=["nope"]), "levers must be names of"),
+        (dict(T=0), "T must be an int >= 1"),
+    ]:
+        args = dict(T=1, levers=["fused_v1"], device="cpu", dtype=torch.float32)
+        args.update(kw)
+        with pytest.raises(ValueError, match=match):
+            fb.bench_levers("tiny", args.pop("T"), **args)

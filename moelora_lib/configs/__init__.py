@@ -311,7 +311,7 @@ def _walk(node: Any, depth: int, path: str, keys: tuple, out: dict, leaf_kind: s
                 FUSED_FILE_KEYS[op]: _parse_leaf(node[op], f"{path} at {_keypath(keys + (op,))}")
                 for op in node
             }
-            bms = {op: c.BLOCK_SIZE_M for op, c in cfgs.items()}
+            bms = {op: cfgs[FUSED_FILE_KEYS[op]].BLOCK_SIZE_M for op in node}
             if len(set(bms.values())) != 1:
                 raise ValueError(f"{where}: fused_gate_up and fused_down must share BLOCK_SIZE_M, got {bms}")
             for op, c in zip(node, cfgs.values()):
@@ -458,7 +458,7 @@ def _gpus_in(folder: Path) -> list[str]:
 
 
 def _has_any_file(folder: Path, gpu: str) -> bool:
-    return any((folder / config_file_name(gpu, op)).is_file() for op in (*LORA_OPS, "base"))
+    return any((folder / config_file_name(gpu, op)).is_file() for op in (*LORA_OPS, "base", "fused"))
 
 
 class _NoConfigs(NamedTuple):
@@ -597,6 +597,8 @@ def load_fused_config(
     from ..kernels.fused import fused_default_config, fused_gemm_configs
     from ..kernels.stages import as_dims
 
+    if gpu_name is not None and not isinstance(gpu_name, str):
+        raise ValueError(f"gpu_name must be a str (e.g. 'NVIDIA_H200') or None, got {gpu_name!r}")
     dims = as_dims(dims, *legacy)
     key = _memo_key(("fused", dims), folder, gpu_name)
     cfg = _RESOLVED.get(key)
@@ -604,11 +606,14 @@ def load_fused_config(
         return cfg
     tuned = load_layer_config(dims, folder=folder, gpu_name=gpu_name)
     src = _config_source(folder, gpu_name)
-    if tuned.source == "default" or src.where is None:
+    if src.where is None:
         return _memo_put(key, fused_default_config(dims))
     fused = _fused_group(src.where, src.gpu, dims)
-    if fused is not None:
-        cfg = tuned.replace(**fused, source=tuned.source + "; fused=file")
+    if fused is not None:  # the fused file is used even when the LoRA/base groups fell back to defaults
+        label = tuned.source if tuned.source != "default" else src.label + "; lora=default; base=default"
+        cfg = tuned.replace(**fused, source=label + "; fused=file")
+    elif tuned.source == "default":
+        cfg = fused_default_config(dims)
     else:
         cfg = fused_gemm_configs(tuned).replace(source=tuned.source + "; fused=derived")
     return _memo_put(key, cfg)

@@ -1325,18 +1325,36 @@ class Explorer:
         """Set controls by name (model, T, rank, adapters, pattern, setting; stages= a list of stage
         names, or one name) as a user would; each change redraws. Returns the seconds of the last redraw.
 
-        Raises ValueError for an unknown control name or stage name (naming the known ones)."""
+        Raises ValueError for an unknown control name, a value the control does not offer or an unknown
+        stage name (naming the known ones); every argument is checked first, so a refused call changes
+        nothing."""
         unknown = [k for k in values if k != "stages" and k not in self.controls]
         if unknown:
             raise ValueError(f"unknown control {unknown[0]!r}; controls are {['stages', *self.controls]}")
+        for k, v in values.items():  # every value checked before anything changes
+            if k == "stages":
+                continue
+            opts = getattr(self.controls[k], "options", None)
+            if opts is not None:
+                allowed = [o[1] if isinstance(o, tuple) else o for o in opts]
+                if v not in allowed or isinstance(v, bool) != any(isinstance(a, bool) for a in allowed):
+                    raise ValueError(f"{k}: {v!r} is not one of the values the evidence holds: {allowed}")
+        names = None
+        if "stages" in values:
+            v = values["stages"]
+            if isinstance(v, str):
+                names = [v]
+            elif isinstance(v, (list, tuple, set, frozenset)) and all(isinstance(n, str) for n in v):
+                names = list(v)
+            else:
+                raise ValueError(f"stages must be a stage name or a list of stage names, got {v!r}")
+            bad = [n for n in names if n not in self.stage_boxes]
+            if bad:
+                raise ValueError(
+                    f"stages: unknown stage {bad[0]!r}; the stages shown are {list(self.stage_boxes)}"
+                )
         for k, v in values.items():
             if k == "stages":
-                names = [v] if isinstance(v, str) else list(v)
-                bad = [n for n in names if n not in self.stage_boxes]
-                if bad:
-                    raise ValueError(
-                        f"stages: unknown stage {bad[0]!r}; the stages shown are {list(self.stage_boxes)}"
-                    )
                 for s, b in self.stage_boxes.items():
                     b.value = s in names
             else:

@@ -425,14 +425,23 @@ def bench_levers(
     """Time each lever of :data:`LEVERS` at one (model, T) with :func:`~.moe_bench.bench_layer` (uniform
     adapter ids, silu, no biases: the anchor setting); rows as bench_layer's plus ``lever``.
 
-    Raises ValueError for an unknown lever name."""
+    ``levers``: one name or a list of distinct names. Raises ValueError for an unknown, repeated or empty
+    lever list, or T not an int ≥ 1."""
     from ..kernels import STAGES
     from ..kernels.fused import fused_default_config
     from ..shapes import Dims, get_shape
 
+    levers = [levers] if isinstance(levers, str) else levers
+    if not isinstance(levers, (list, tuple)) or not levers or len(set(levers)) != len(levers):
+        raise ValueError(
+            f"levers must be a lever name or a non-empty list of distinct names of {list(LEVERS)}, "
+            f"got {levers!r}"
+        )
     bad = [lv for lv in levers if lv not in LEVERS]
     if bad:
         raise ValueError(f"levers must be names of {list(LEVERS)}, got {bad}")
+    if not isinstance(T, int) or isinstance(T, bool) or T < 1:
+        raise ValueError(f"T must be an int >= 1, got {T!r}")
     sh = get_shape(shape) if isinstance(shape, str) else shape
     S = weights.lora_a13.shape[2] if weights is not None else None
     dims = Dims.of(sh, T, rank=rank, adapters=num_adapters, **({"slices": S} if S else {}))

@@ -35,6 +35,7 @@ import argparse
 import dataclasses
 import functools
 import math
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -53,6 +54,7 @@ from .tuner_common import (
     append_config_row,
     check_budget,
     check_device,
+    check_out,
     choose_bm,
     dedupe,
     time_candidate,
@@ -246,31 +248,43 @@ def tune_fused(
     """Tune every (model, T) and write ``out/{gpu}_FUSED_MOE_LORA_FUSED.json`` (merged into an existing
     file; atomically after each workload). Returns {(model, T): {op: OpConfig}}.
 
-    Raises ValueError for an unknown model, T < 1, rank/adapters < 1, a negative budget, or an
-    ``out`` that exists and is not a directory, max_bms / max_cands < 1. ``max_bms``: BLOCK_SIZE_M
+    Raises ValueError (before anything is written) for an empty or non-list ``models`` or an unknown
+    preset, ``tokens`` not a non-empty list of ints ≥ 1, rank/adapters/max_bms/max_cands not ints ≥ 1
+    (bools refused), a negative budget, a ``gpu`` with path separators, an ``out`` that is a file or
+    cannot be made, a ``csv_path`` that is a folder or whose folder cannot be made. ``max_bms``: BLOCK_SIZE_M
     candidates besides the current one (:func:`~.tuning.base_bm_candidates`); ``max_cands``: configs per
     GEMM and BM (:func:`fused_op_candidates`)."""
     from .moe_bench import layer_inputs
 
+    if isinstance(models, str) or not isinstance(models, (list, tuple)) or not models:
+        raise ValueError(f"models must be a non-empty list of preset names, got {models!r}")
     for m in models:
         get_shape(m)  # ValueError naming the preset
-    if not tokens or any(not isinstance(t, int) or t < 1 for t in tokens):
+    if (
+        not isinstance(tokens, (list, tuple))
+        or not tokens
+        or any(not isinstance(t, int) or isinstance(t, bool) or t < 1 for t in tokens)
+    ):
         raise ValueError(f"tokens must be a non-empty list of ints >= 1, got {tokens!r}")
-    if not isinstance(rank, int) or rank < 1 or not isinstance(adapters, int) or adapters < 1:
-        raise ValueError(f"rank and adapters must be ints >= 1, got rank={rank!r}, adapters={adapters!r}")
-    check_budget(budget_s, "budget_s")
-    for name, v in (("max_bms", max_bms), ("max_cands", max_cands)):
+    for name, v in (("rank", rank), ("adapters", adapters), ("max_bms", max_bms), ("max_cands", max_cands)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    check_budget(budget_s, "budget_s")
+    if gpu is not None and (not isinstance(gpu, str) or not gpu or "/" in gpu or "\\" in gpu):
+        raise ValueError(f"gpu must be a GPU name for the file names (no path separators), got {gpu!r}")
     dev = check_device("cuda" if device is None and torch.cuda.is_available() else (device or "cpu"))
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"out must be a directory, got the file {str(out)!r}")
+    out = check_out(out, "out")
+    if not isinstance(csv_path, (str, os.PathLike)) or not str(csv_path):
+        raise ValueError(f"csv_path must be a file path, got {csv_path!r}")
+    csv_p = Path(csv_path)
+    if csv_p.is_dir():
+        raise ValueError(f"csv_path: {str(csv_p)!r} is a folder, expected a CSV file path")
+    check_out(csv_p.parent, "csv_path's folder")
     out.mkdir(parents=True, exist_ok=True)
     gpu = gpu or configs.gpu_name()
     path = out / configs.config_file_name(gpu, "fused")
     data = configs.load_config_file(path, "fused") if path.is_file() else {}
-    log = TrialLog(Path(csv_path), CSV_COLUMNS)
+    log = TrialLog(csv_p, CSV_COLUMNS)
     t0 = time.perf_counter()
     deadline = t0 + budget_s
     chosen = {}

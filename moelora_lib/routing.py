@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .common import is_int
+from .common import check_bool, is_int
 
 __all__ = [
     "route",
@@ -181,10 +181,13 @@ def align_tokens(
         check_values).
     Raises:
         ValueError: block_size_m not a power of two ≥ 16, num_experts < 1, lora_ids without
-            num_adapters ≥ 1, bad tensor shapes or dtypes, or (check_values) ids out of range.
+            num_adapters ≥ 1, bad tensor shapes or dtypes, include_no_adapter / check_values not a bool,
+            bad sort_lora_ids, or (check_values) ids out of range.
     """
     if not is_int(block_size_m) or block_size_m < 16 or block_size_m & (block_size_m - 1):
         raise ValueError(f"block_size_m must be a power of two >= 16, got {block_size_m!r}")
+    check_bool("include_no_adapter", include_no_adapter)
+    check_bool("check_values", check_values)
     if not is_int(num_experts) or num_experts < 1:
         raise ValueError(f"num_experts must be an int >= 1, got {num_experts!r}")
     if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:

@@ -307,3 +307,10 @@ def test_bench_levers_bad_arguments():
         args.update(kw)
         with pytest.raises(ValueError, match=match):
             fb.bench_levers("tiny", args.pop("T"), **args)
+
+
+def test_align_tokens_flags_must_be_bools():
+    topk = torch.zeros(4, 2, dtype=torch.int32)
+    for name in ("include_no_adapter", "check_values"):
+        with pytest.raises(ValueError, match=f"{name} must be a Python bool"):
+            align_tokens(topk, 3, 16, **{name: "no"})

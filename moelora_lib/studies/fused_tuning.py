@@ -50,6 +50,8 @@ from ..kernels.stages import FUSED_CONFIG_FIELD
 from ..shapes import Dims, get_shape
 from . import bench
 from .tuner_common import (
+    RUN_COLUMNS,
+    TRIAL_COLUMNS,
     TrialLog,
     append_config_row,
     check_budget,
@@ -65,32 +67,12 @@ __all__ = ["CSV_COLUMNS", "FUSED_OPS", "fused_op_candidates", "tune_fused_worklo
 
 #: the two launches tuned here, in call order
 FUSED_OPS = ("fused_gate_up", "fused_down")
+#: the trials CSV: the workload columns, then tuner_common's trial and run columns (no default_ms: every
+#: BLOCK_SIZE_M starts from the config derived from the tuned base GEMMs, marked "current" in ``note``)
 CSV_COLUMNS = [
-    "kind",
-    "model",
-    "R",
-    "L",
-    "T",
-    "H",
-    "I",
-    "E",
-    "K",
-    "op",
-    "BLOCK_SIZE_M",
-    "config",
-    "config_json",
-    "ms_p50",
-    "ms_p20",
-    "ms_p80",
-    "mode",
-    "sum_ms",
-    "elapsed_s",
-    "note",
-    "gpu",
-    "torch",
-    "triton",
-    "git_commit",
-    "timestamp_utc",
+    *("kind", "model", "R", "L", "T", "H", "I", "E", "K"),
+    *(c for c in TRIAL_COLUMNS if c != "default_ms"),
+    *RUN_COLUMNS,
 ]
 
 # (BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, NUM_WARPS, NUM_STAGES). fused_gate_up's N counts columns of

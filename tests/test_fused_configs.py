@@ -314,3 +314,10 @@ def test_align_tokens_flags_must_be_bools():
     for name in ("include_no_adapter", "check_values"):
         with pytest.raises(ValueError, match=f"{name} must be a Python bool"):
             align_tokens(topk, 3, 16, **{name: "no"})
+
+
+def test_bench_layer_refuses_zero_tokens():
+    from moelora_lib.studies import moe_bench as mb
+
+    with pytest.raises(ValueError, match="bench_layer: T must be >= 1"):
+        mb.bench_layer("tuned", "tiny", 0, dtype=torch.float32, device="cpu")

@@ -635,6 +635,10 @@ def bench_layer(
         activation=activation,
         bias=bias,
     )
+    if wl.T < 1:
+        raise ValueError(
+            f"bench_layer: T must be >= 1 (a layer call of no tokens has nothing to time), got {wl.T}"
+        )
     shape, device = wl.shape, wl.device
     inp = _inputs(wl, weights)
     run = make_run(stage, inp, config, adapter_order=adapter_order)

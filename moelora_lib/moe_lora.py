@@ -304,14 +304,13 @@ def _device_alignments(
 
     cfg = stage.adapt(config)
     bmb, bml = cfg.base_block_size_m, cfg.lora_block_size_m
+    sorted_base = stage.uses_adapter_order(adapter_order)
     if use_pair_path(topk_ids.numel(), E, L):  # small T: both alignments in one launch
         base, lora = align_tokens_pair(topk_ids, E, bmb, lora_ids, L, bml)
-    else:
-        base = align_tokens_triton(topk_ids, E, bmb)
+    else:  # (no Triton base alignment when LayerRun builds the adapter-ordered one)
+        base = None if sorted_base else align_tokens_triton(topk_ids, E, bmb)
         lora = align_tokens_triton(topk_ids, E, bml, lora_ids=lora_ids, num_adapters=L)
-    if stage.fused_gemm if adapter_order is None else adapter_order:
-        base = None
-    return base, lora, lora
+    return (None if sorted_base else base), lora, lora
 
 
 def fused_moe_lora(

@@ -549,29 +549,17 @@ def _lora_group(folder: Path, gpu: str, dims: Dims) -> dict[str, OpConfig] | Non
     return found
 
 
-def _base_group(folder: Path, gpu: str, dims: Dims) -> dict[str, OpConfig] | None:
-    path = folder / config_file_name(gpu, "base")
+def _base_group(
+    folder: Path, gpu: str, dims: Dims, op: str = "base", then: str | None = None
+) -> dict[str, OpConfig] | None:
+    """The entry for ``dims`` of a file keyed like the base file (``op`` "base", or "fused": stage
+    ``fused``'s GEMMs), None with one warning (``then``: what happens instead) when it is missing."""
+    path = folder / config_file_name(gpu, op)
     if not path.is_file():
-        _warn_once(str(folder), "base", f"no file {path}")
+        _warn_once(str(folder), op, f"no file {path}", then)
         return None
     st = path.stat()
-    data, parsed = _load_cached(str(path), st.st_mtime_ns, st.st_size, BASE_DEPTH, "base")
-    taken, _ = lookup(data, base_keys(dims))
-    return parsed[taken]
-
-
-def _fused_group(folder: Path, gpu: str, dims: Dims) -> dict[str, OpConfig] | None:
-    path = folder / config_file_name(gpu, "fused")
-    if not path.is_file():
-        _warn_once(
-            str(folder),
-            "fused",
-            f"no file {path}",
-            "stage fused derives its GEMM configs from the tuned base ones",
-        )
-        return None
-    st = path.stat()
-    data, parsed = _load_cached(str(path), st.st_mtime_ns, st.st_size, BASE_DEPTH, "fused")
+    data, parsed = _load_cached(str(path), st.st_mtime_ns, st.st_size, BASE_DEPTH, op)
     taken, _ = lookup(data, base_keys(dims))
     return parsed[taken]
 
@@ -608,7 +596,9 @@ def load_fused_config(
     src = _config_source(folder, gpu_name)
     if src.where is None:
         return _memo_put(key, fused_default_config(dims))
-    fused = _fused_group(src.where, src.gpu, dims)
+    fused = _base_group(
+        src.where, src.gpu, dims, "fused", "stage fused derives its GEMM configs from the tuned base ones"
+    )
     if fused is not None:  # the fused file is used even when the LoRA/base groups fell back to defaults
         label = tuned.source if tuned.source != "default" else src.label + "; lora=default; base=default"
         cfg = tuned.replace(**fused, source=label + "; fused=file")

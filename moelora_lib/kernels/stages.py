@@ -109,6 +109,11 @@ class Stage:
     fused_add: bool = False
     fused_gemm: bool = False
 
+    def uses_adapter_order(self, adapter_order: bool | None = None) -> bool:
+        """Whether a layer of this stage builds its base alignment in adapter order
+        (:class:`LayerRun`'s ``adapter_order``): the given flag, else on for ``fused_gemm`` stages."""
+        return bool(self.fused_gemm) if adapter_order is None else bool(adapter_order)
+
     @property
     def launch_ops(self) -> tuple[str, ...]:
         """The launches of one layer of this stage (before the top-k sum), in call order."""
@@ -292,7 +297,7 @@ class LayerRun:
         adapter_order: bool | None = None,
     ):
         self.stage = stage
-        self.adapter_order = bool(stage.fused_gemm) if adapter_order is None else bool(adapter_order)
+        self.adapter_order = stage.uses_adapter_order(adapter_order)
         self.proj_lora_ids = proj_lora_ids
         self.buffers = buffers or {}
         self.nan_on_bad_ids = bool(nan_on_bad_ids)
@@ -323,12 +328,8 @@ class LayerRun:
             self.topk_w = aligned16(topk_weights.reshape(-1).float().contiguous(), "topk_weights")
         else:  # the caller's own aligned fp32 copy
             self.topk_w = tw.copy_(topk_weights.reshape(-1))
-        sort_ids = dict(sort_lora_ids=lora_ids, num_adapters=self.L) if self.adapter_order else {}
         if alignments is None:
-            self.base_align: Alignment = align_tokens(
-                topk_ids, E, self.cfg.base_block_size_m, check_values=False, **sort_ids
-            )
-            self.lora_align: Alignment | None = align_tokens(
+            lora_align = align_tokens(
                 topk_ids,
                 E,
                 self.cfg.lora_block_size_m,
@@ -336,13 +337,13 @@ class LayerRun:
                 num_adapters=self.L,
                 check_values=False,
             )
-            self.lora_align_down: Alignment | None = self.lora_align
-        else:
-            self.base_align, self.lora_align, self.lora_align_down = alignments
-            if self.base_align is None:
-                self.base_align = align_tokens(
-                    topk_ids, E, self.cfg.base_block_size_m, check_values=False, **sort_ids
-                )
+            alignments = (None, lora_align, lora_align)
+        self.base_align, self.lora_align, self.lora_align_down = alignments
+        if self.base_align is None:  # built here: with the adapter order where asked
+            sort_ids = dict(sort_lora_ids=lora_ids, num_adapters=self.L) if self.adapter_order else {}
+            self.base_align = align_tokens(
+                topk_ids, E, self.cfg.base_block_size_m, check_values=False, **sort_ids
+            )
         P = T * self.K
         dt, dev = hidden_states.dtype, hidden_states.device
         self.h = self.buffers.get("h")

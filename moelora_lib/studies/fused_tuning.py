@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import math
 import os
 import sys
@@ -48,18 +47,17 @@ from ..common import parse_dtype
 from ..kernels.config import OpConfig
 from ..kernels.stages import FUSED_CONFIG_FIELD
 from ..shapes import Dims, get_shape
-from . import bench
 from .tuner_common import (
     RUN_COLUMNS,
     TRIAL_COLUMNS,
     TrialLog,
-    append_config_row,
     check_budget,
     check_device,
     check_out,
     choose_bm,
     dedupe,
-    time_candidate,
+    sweep_bms,
+    with_bm,
 )
 from .tuning import base_bm_candidates
 
@@ -124,10 +122,6 @@ def fused_op_candidates(op: str, bm: int, current: OpConfig, limit: int = 7) -> 
     return dedupe([first] + [OpConfig(bm, bn, bk, g, 1, w, st) for bn, bk, g, w, st in grid], limit)
 
 
-def _time(run, op: str, cfg: OpConfig, device: torch.device) -> bench.Timing:
-    return bench.time_fn(run.op_fn(op, cfg), "graph", device, 5, 20)
-
-
 def tune_fused_workload(
     model: str,
     T: int,
@@ -169,44 +163,20 @@ def tune_fused_workload(
         bias=False,
     )
     ids = dict(model=model, R=R, L=L, T=T, H=H, I=I, E=E, K=K)
-    best: dict[int, dict[str, tuple[float, OpConfig]]] = {}
-    for n, bm in enumerate(bms):
-        if n > 0 and time.perf_counter() > deadline:
-            log.append(kind="note", **ids, BLOCK_SIZE_M=bm, note="budget: BM not tried")
-            continue
-        cfg = cur.replace(
-            **{
-                FUSED_CONFIG_FIELD[op]: dataclasses.replace(
-                    getattr(cur, FUSED_CONFIG_FIELD[op]), BLOCK_SIZE_M=bm
-                )
-                for op in FUSED_OPS
-            }
-        )
-        run = make_run("fused", inp, cfg)
-        run()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        best[bm] = {}
-        for op in FUSED_OPS:
-            for i, c in enumerate(
-                fused_op_candidates(op, bm, getattr(cur, FUSED_CONFIG_FIELD[op]), max_cands)
-            ):
-                ms, extra, note = time_candidate(
-                    functools.partial(_time, run, op, c, device), device, "current" if i == 0 else "", 120
-                )
-                append_config_row(log, "trial", ids, op, bm, c, t0=t0, ms_p50=ms, note=note, **extra)
-                if op not in best[bm] or ms < best[bm][op][0]:
-                    best[bm][op] = (ms, c)
-        total = sum(best[bm][op][0] for op in FUSED_OPS)
-        log.append(
-            kind="bm_sum",
-            **ids,
-            BLOCK_SIZE_M=bm,
-            sum_ms=total,
-            config=";".join(f"{op}={best[bm][op][1].short()}" for op in FUSED_OPS),
-        )
-        del run
-    del inp
+
+    fields = [FUSED_CONFIG_FIELD[op] for op in FUSED_OPS]
+    best = sweep_bms(
+        bms,
+        lambda bm: make_run("fused", inp, with_bm(cur, fields, bm)),
+        FUSED_OPS,
+        lambda op, bm: fused_op_candidates(op, bm, getattr(cur, FUSED_CONFIG_FIELD[op]), max_cands),
+        device,
+        log,
+        ids,
+        deadline=deadline,
+        t0=t0,
+        first_note="current",
+    )
     if not best:
         return {}
     return choose_bm(best, FUSED_OPS, log, ids, t0=t0, what=f"{model} T={T} fused GEMMs")

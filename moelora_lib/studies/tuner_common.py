@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime as _dt
+import functools
 import json
 import math
 import os
@@ -51,6 +52,8 @@ __all__ = [
     "TRIAL_COLUMNS",
     "RUN_COLUMNS",
     "choose_bm",
+    "sweep_bms",
+    "with_bm",
 ]
 
 #: The trial columns of both trials CSVs (after each tuner's workload columns), and the run columns
@@ -310,6 +313,73 @@ def time_candidate(
         if device.type == "cuda":
             torch.cuda.synchronize()
         return math.inf, {}, note
+
+
+def with_bm(cfg, fields: Sequence[str], bm: int):
+    """``cfg`` (a LayerConfig) with BLOCK_SIZE_M = ``bm`` in the OpConfig ``fields`` (ops sharing one
+    alignment)."""
+    import dataclasses
+
+    return cfg.replace(**{f: dataclasses.replace(getattr(cfg, f), BLOCK_SIZE_M=bm) for f in fields})
+
+
+def sweep_bms(
+    bms: Sequence[int],
+    make_bm_run: Callable[[int], Any],
+    ops: Sequence[str],
+    candidates: Callable[[str, int], list[OpConfig]],
+    device: torch.device,
+    log: TrialLog,
+    ids: dict,
+    *,
+    deadline: float,
+    t0: float,
+    first_note: str = "default",
+) -> dict[int, dict[str, tuple[float, OpConfig]]]:
+    """Time every candidate of every op at every BLOCK_SIZE_M (the loop both MoE tuners share).
+
+    Per ``bm``: ``make_bm_run(bm)`` builds the layer's run (called once, untimed, to compile), then each
+    op's ``candidates(op, bm)`` (the first marked ``first_note``) is timed alone through ``run.op_fn``
+    (graph replay, L2 flushed, warm-up 5 ms, rep 20 ms): one ``trial`` row each (with ``default_ms``,
+    the first candidate's time), one ``bm_sum`` row per BM. No BM after the first starts past
+    ``deadline`` (a :data:`BUDGET_BM_NOTE` row instead). Returns ``best[bm][op] = (ms, config)``, for
+    :func:`choose_bm`."""
+    from . import bench
+
+    def timer(run, op, c):
+        return bench.time_fn(run.op_fn(op, c), "graph", device, 5, 20)
+
+    best: dict[int, dict[str, tuple[float, OpConfig]]] = {}
+    for n_bm, bm in enumerate(bms):
+        if n_bm > 0 and over_budget(deadline, log, BUDGET_BM_NOTE, **ids, BLOCK_SIZE_M=bm):
+            continue
+        run = make_bm_run(bm)
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best[bm] = {}
+        for op in ops:
+            default_ms = None
+            for i, c in enumerate(candidates(op, bm)):
+                ms, extra, note = time_candidate(
+                    functools.partial(timer, run, op, c), device, first_note if i == 0 else "", 120
+                )
+                if i == 0:
+                    default_ms = ms
+                append_config_row(
+                    log, "trial", ids, op, bm, c, t0=t0, ms_p50=ms, default_ms=default_ms, note=note, **extra
+                )
+                if op not in best[bm] or ms < best[bm][op][0]:
+                    best[bm][op] = (ms, c)
+        log.append(
+            kind="bm_sum",
+            **ids,
+            BLOCK_SIZE_M=bm,
+            sum_ms=sum(best[bm][op][0] for op in ops),
+            config=";".join(f"{op}={best[bm][op][1].short()}" for op in ops),
+        )
+        del run
+    return best
 
 
 def choose_bm(

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -61,7 +60,6 @@ from ..kernels.config import BASE_OPS, LORA_OPS, LayerConfig, OpConfig, next_pow
 from ..shapes import Dims, MoEShape, check_int, get_shape
 from . import bench
 from .tuner_common import (
-    BUDGET_BM_NOTE,
     BUDGET_WORKLOAD_NOTE,
     RUN_COLUMNS,
     TRIAL_COLUMNS,
@@ -80,7 +78,8 @@ from .tuner_common import (
     over_budget,
     parse_int,
     path_type,
-    time_candidate,
+    sweep_bms,
+    with_bm,
 )
 
 __all__ = [
@@ -220,20 +219,6 @@ def base_op_fn(run, op: str, cfg: OpConfig) -> Callable[[], Any]:
     return run.op_fn(op, cfg)
 
 
-def _time(
-    fn: Callable[[], Any], device: torch.device, warmup_ms: float = 5, rep_ms: float = 20
-) -> bench.Timing:
-    return bench.time_fn(fn, "graph", device, warmup_ms, rep_ms)
-
-
-def _time_op(run, op: str, cfg: OpConfig, device: torch.device) -> bench.Timing:
-    return _time(run.op_fn(op, cfg), device)
-
-
-def _with_bm(cfg: LayerConfig, ops: Sequence[str], bm: int) -> LayerConfig:
-    return cfg.replace(**{op: dataclasses.replace(getattr(cfg, op), BLOCK_SIZE_M=bm) for op in ops})
-
-
 # ------------------------------------------------------------------------------------------------
 # CSV (appended row by row)
 # ------------------------------------------------------------------------------------------------
@@ -298,41 +283,24 @@ def _tune_group(
     )
     k_dims = {"gate_up_shrink": H, "down_shrink": I}
     ids = dict(model=shape.name, R=R, L=L, T=T, H=H, I=I, E=E, K=K, S=S, group=group)
-    best: dict[int, dict[str, tuple[float, OpConfig]]] = {}
-    for n_bm, bm in enumerate(bms):
-        if n_bm > 0 and over_budget(deadline, log, BUDGET_BM_NOTE, **ids, BLOCK_SIZE_M=bm):
-            continue
-        run = make_run(TUNE_STAGE, inp, _with_bm(dflt, ops, bm))
-        run()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        best[bm] = {}
-        for op in ops:
-            base_cfg = getattr(dflt, op)
-            cands = (
-                lora_op_candidates(op, bm, base_cfg, R, k_dims.get(op, R), max_cands)
-                if group == "lora"
-                else base_op_candidates(bm, base_cfg, max_cands)
-            )
-            default_ms = None
-            for i, c in enumerate(cands):
-                timer = functools.partial(_time_op, run, op, c, device)
-                ms, extra, note = time_candidate(timer, device, "default" if i == 0 else "", 120)
-                if i == 0:
-                    default_ms = ms
-                append_config_row(
-                    log, "trial", ids, op, bm, c, t0=t0, ms_p50=ms, default_ms=default_ms, note=note, **extra
-                )
-                if op not in best[bm] or ms < best[bm][op][0]:
-                    best[bm][op] = (ms, c)
-        log.append(
-            kind="bm_sum",
-            **ids,
-            BLOCK_SIZE_M=bm,
-            sum_ms=sum(best[bm][op][0] for op in ops),
-            config=";".join(f"{op}={best[bm][op][1].short()}" for op in ops),
-        )
-        del run
+
+    def candidates(op: str, bm: int) -> list[OpConfig]:
+        base_cfg = getattr(dflt, op)
+        if group == "lora":
+            return lora_op_candidates(op, bm, base_cfg, R, k_dims.get(op, R), max_cands)
+        return base_op_candidates(bm, base_cfg, max_cands)
+
+    best = sweep_bms(
+        bms,
+        lambda bm: make_run(TUNE_STAGE, inp, with_bm(dflt, ops, bm)),
+        ops,
+        candidates,
+        device,
+        log,
+        ids,
+        deadline=deadline,
+        t0=t0,
+    )
     return choose_bm(best, ops, log, ids, t0=t0, what=f"{shape.name} T={T} {group}")
 
 

@@ -625,3 +625,51 @@ def test_levers_paragraph_reports_held_and_missed(data):
         levers=lt,
     )
     assert "Second round" not in cpu
+
+
+def test_timeline_rows_split_replays_and_gaps():
+    """Two replays of a 3-kernel graph given out of order: split by start, gaps from the previous end."""
+    from moelora_lib.studies import fused_bench as fb
+
+    ev = [("a", 1000, 2000), ("b", 4000, 1000), ("c", 4500, 1500),  # replay 0: b and c overlap
+          ("c", 106000, 1000), ("a", 100000, 3000), ("b", 103500, 500)]  # fmt: skip
+    rows = fb.timeline_rows(ev, 2)
+    assert [(r["replay"], r["seq"], r["name"]) for r in rows] == [
+        (0, 0, "a"), (0, 1, "b"), (0, 2, "c"), (1, 0, "a"), (1, 1, "b"), (1, 2, "c")
+    ]  # fmt: skip
+    assert [r["start_us"] for r in rows] == [0.0, 3.0, 3.5, 0.0, 3.5, 6.0]
+    assert [r["dur_us"] for r in rows] == [2.0, 1.0, 1.5, 3.0, 0.5, 1.0]
+    assert [r["gap_us"] for r in rows] == [0.0, 1.0, -0.5, 0.0, 0.5, 2.0]
+    assert [r["span_us"] for r in rows] == [5.0] * 3 + [7.0] * 3
+    t = fb.timeline_table(pd.DataFrame([dict(r, model="m", T=1, stage="s") for r in rows]))
+    assert t.kernels.tolist() == [3] and t.span_us.tolist() == [6.0]
+    assert t.busy_us.tolist() == [4.5] and t.gaps_us.tolist() == [1.75]  # medians of (1.0, 2.5)
+    with pytest.raises(ValueError, match="split into 4 replays"):
+        fb.timeline_rows(ev, 4)
+    with pytest.raises(ValueError, match="replays must be an int"):
+        fb.timeline_rows(ev, 0)
+    with pytest.raises(ValueError, match="split"):
+        fb.timeline_rows([], 1)
+
+
+def test_graph_timeline_needs_cuda():
+    import torch
+
+    from moelora_lib.studies import fused_bench as fb
+
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only check")
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        fb.graph_timeline(object(), model="m")
+
+
+def test_timeline_paragraph():
+    tt = pd.DataFrame(
+        [
+            dict(model="m", T=1, stage=st, kernels=k, span_us=sp, busy_us=sp - g, gaps_us=g, gap_share=g / sp)
+            for st, k, sp, g in (("tuned", 10, 100.0, 20.0), ("fused", 7, 90.0, 14.0))
+        ]
+    )
+    text = nb12._timeline_text(tt)
+    assert "T = 1 `tuned` 100.0 µs span, 10 activities, gaps 20.0 µs (20 %)" in text
+    assert "T = 1 `fused` 90.0 µs span, 7 activities, gaps 14.0 µs (16 %)" in text

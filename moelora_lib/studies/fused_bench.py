@@ -23,6 +23,8 @@ What this module adds to :mod:`.moe_bench`:
 * :func:`bench_levers` / :func:`levers_table` — the levers of the stage's second round one at a time
   (:data:`LEVERS`: the first round's default configs and pair order, the tuned configs alone) and the
   deterministic mode of ``tuned``, beside the stage rows.
+* :func:`graph_timeline` / :func:`timeline_rows` / :func:`timeline_table` — the kernels of one CUDA-graph
+  replay of the layer from ``torch.profiler``: each kernel's device time and the idle gap before it.
 * :class:`RegisterReport` — :func:`moelora_lib.studies.compile_check.fused_report` (registers, spills, one
   binary over lengths; compile-only) in a background process, so it overlaps the GPU measurements.
 
@@ -71,6 +73,9 @@ __all__ = [
     "LEVERS",
     "bench_levers",
     "levers_table",
+    "timeline_rows",
+    "graph_timeline",
+    "timeline_table",
     "RegisterReport",
 ]
 
@@ -631,6 +636,109 @@ def cumulative_with(cumulative, df, *, stage: str = STAGE, baseline: str = BASEL
             vals.get((p, (m, int(T))), float("nan")) for m, T, p in zip(out.model, out["T"], out.part)
         ]
     return out[out[f"{stage} (this run)"].notna()].reset_index(drop=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# One graph replay, kernel by kernel (launch gaps)
+# ------------------------------------------------------------------------------------------------
+
+
+def timeline_rows(events: Sequence[tuple[str, int, int]], replays: int) -> list[dict[str, Any]]:
+    """Split the device activities of ``replays`` back-to-back graph replays into one row per activity.
+
+    ``events``: (name, start_ns, duration_ns) of every device kernel/memset the profiler recorded, in any
+    order; the replays ran one after another with a host synchronization between them, so after sorting
+    by start the first n = len(events) / replays activities are replay 0, the next n replay 1, ...
+    Rows: replay, seq (launch order inside the replay), name (first 60 characters), start_us (from the
+    replay's first start), dur_us, gap_us (start − the previous activity's end in the same replay; 0 for
+    the first; negative when two activities overlap), span_us (the replay's last end − first start).
+    Raises ValueError when ``replays`` is not an int ≥ 1 or the events do not split evenly."""
+    if not isinstance(replays, int) or isinstance(replays, bool) or replays < 1:
+        raise ValueError(f"replays must be an int >= 1, got {replays!r}")
+    ev = sorted(events, key=lambda e: e[1])
+    if not ev or len(ev) % replays:
+        raise ValueError(f"{len(ev)} device activities do not split into {replays} replays of the same graph")
+    n = len(ev) // replays
+    rows = []
+    for r in range(replays):
+        chunk = ev[r * n : (r + 1) * n]
+        t0 = chunk[0][1]
+        span = max(s + d for _, s, d in chunk) - t0
+        prev_end = None
+        for i, (name, s, d) in enumerate(chunk):
+            rows.append(
+                dict(
+                    replay=r,
+                    seq=i,
+                    name=name[:60],
+                    start_us=(s - t0) / 1e3,
+                    dur_us=d / 1e3,
+                    gap_us=0.0 if prev_end is None else (s - prev_end) / 1e3,
+                    span_us=span / 1e3,
+                )
+            )
+            prev_end = s + d if prev_end is None else max(prev_end, s + d)
+    return rows
+
+
+def graph_timeline(run, *, model: str, replays: int = 5) -> list[dict[str, Any]]:
+    """GPU only: the kernels of one CUDA-graph replay of the whole layer ``run()`` (a built
+    :class:`~moelora_lib.kernels.LayerRun`), from ``torch.profiler`` (CUPTI) over ``replays`` replays of one
+    captured graph, each followed by a host synchronization (L2 not flushed: each replay finds what the
+    previous one left). Rows as :func:`timeline_rows` plus stage, model, T, config and the environment
+    columns: per kernel its device time and the idle gap before it, so the launch gaps inside a replay
+    are visible (the graph removes the host launch cost, not the device's kernel-to-kernel latency).
+    Capture as :func:`moelora_lib.studies.bench.time_cuda` (three warm-up calls on a side stream, then
+    ``torch.cuda.graph``). Raises RuntimeError without CUDA or when the profiler records nothing."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("graph_timeline needs a CUDA GPU (torch.cuda.is_available() is False)")
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    torch.cuda.synchronize()
+    graph.replay()  # upload
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+            torch.cuda.synchronize()
+    events = [
+        (e.name(), int(e.start_ns()), int(e.duration_ns()))
+        for e in prof.profiler.kineto_results.events()
+        if str(e.device_type()).endswith("CUDA") and not e.is_user_annotation()
+        and not e.name().lower().startswith("memcpy")
+    ]  # fmt: skip
+    del graph
+    if not events:
+        raise RuntimeError("graph_timeline: the profiler recorded no device activity in the replays")
+    base = dict(stage=run.stage.name, model=model, T=int(run.dims.T), config=run.cfg.short())
+    return [bench.result_row(**base, **r) for r in timeline_rows(events, replays)]
+
+
+def timeline_table(tl_df):
+    """Per (model, T, stage), the median over replays of: kernels (activities per replay), span_us (one
+    replay, first start to last end), busy_us (sum of device times), gaps_us (sum of positive gaps) and
+    gap_share (gaps_us / span_us)."""
+    g = tl_df.assign(pos_gap=tl_df.gap_us.clip(lower=0))
+    per = (
+        g.groupby(["model", "T", "stage", "replay"])
+        .agg(kernels=("seq", "size"), span_us=("span_us", "first"), busy_us=("dur_us", "sum"),
+             gaps_us=("pos_gap", "sum"))
+        .reset_index()
+    )  # fmt: skip
+    out = per.groupby(["model", "T", "stage"])[["kernels", "span_us", "busy_us", "gaps_us"]].median()
+    out["gap_share"] = out.gaps_us / out.span_us
+    return out.reset_index()
 
 
 # ------------------------------------------------------------------------------------------------

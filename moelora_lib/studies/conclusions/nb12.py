@@ -359,6 +359,32 @@ def _targets_md(t: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+def _timeline_text(tt: pd.DataFrame) -> str:
+    """One paragraph on :func:`~moelora_lib.studies.fused_bench.timeline_table`: per model, the idle gaps
+    inside one graph replay of each stage at the smallest and largest T measured."""
+    parts = []
+    for m in sorted(tt.model.unique()):
+        q = tt[tt.model == m]
+        cells = []
+        for T in sorted({int(q["T"].min()), int(q["T"].max())}):
+            for st in (BASELINE, FINAL):
+                r = q[(q["T"] == T) & (q.stage == st)]
+                if len(r):
+                    r = r.iloc[0]
+                    cells.append(
+                        f"T = {T} `{st}` {r.span_us:.1f} µs span, {int(r.kernels)} activities, "
+                        f"gaps {r.gaps_us:.1f} µs ({100 * r.gap_share:.0f} %)"
+                    )
+        parts.append(f"{m}: " + "; ".join(cells))
+    return (
+        "**One graph replay (profiler timeline, median of 5 replays, L2 not flushed).** "
+        + ". ".join(parts)
+        + ". The gaps are the device's kernel-to-kernel latency inside the graph: what programmatic "
+        "dependent launch or fewer launches could still take (an upper bound: a kernel's ramp-up is in its "
+        "own device time, not in the gap)."
+    )
+
+
 def _levers_text(lt: pd.DataFrame) -> str:
     """The second round, lever by lever, against :data:`LEVER_PREDICTIONS` (reported, not asserted)."""
     P = LEVER_PREDICTIONS
@@ -451,7 +477,7 @@ def _registers_text(reg: pd.DataFrame) -> str:
 
 
 def conclusion(
-    df, checks, targets, launches, *, profile: str, anchors=None, registers=None, levers=None
+    df, checks, targets, launches, *, profile: str, anchors=None, registers=None, levers=None, timeline=None
 ) -> str:
     """The written conclusion of notebook 12.
 
@@ -469,6 +495,8 @@ def conclusion(
         registers: optional rows of :class:`~moelora_lib.studies.fused_bench.RegisterReport`.
         levers: optional :func:`~moelora_lib.studies.fused_bench.levers_table` (GPU): the second round's
             levers one at a time against :data:`LEVER_PREDICTIONS` (reported, not asserted).
+        timeline: optional :func:`~moelora_lib.studies.fused_bench.timeline_table` (GPU): one graph replay
+            per (model, T, stage), its span, busy time and the idle gaps between kernels (reported).
 
     Asserts data sanity only: timing rows of both stages at every (model, T) with every part, finite and
     positive; every check within its tolerance (rows without an adapter bitwise the base part; the LoRA
@@ -528,6 +556,8 @@ def conclusion(
     )
     if levers is not None and len(levers):
         out.append(_levers_text(pd.DataFrame(levers)))
+    if timeline is not None and len(timeline):
+        out.append(_timeline_text(pd.DataFrame(timeline)))
     dl = b_.lora_measured / b_.lora.where(b_.lora > 0)
     if dl.notna().any():
         out.append(

@@ -151,6 +151,40 @@ def clean_l2_flush() -> Callable[[], Any]:
     return lambda: torch.sum(buf)
 
 
+def _warm_up(fn: Callable[[], Any]) -> None:
+    """Three calls of ``fn`` on a side stream, then a device synchronization (CUDA)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+
+
+def _capture(fn: Callable[[], Any]):
+    """One call of ``fn`` captured into a ``torch.cuda.CUDAGraph``, replayed once (the first replay uploads
+    the graph, kept out of any timing); returns the graph."""
+    import torch
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # captures on its own side stream
+        fn()
+    torch.cuda.synchronize()
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph
+
+
+def capture_graph(fn: Callable[[], Any]):
+    """``fn`` warmed up as :func:`time_cuda` does (three calls on a side stream) and captured into a
+    ``torch.cuda.CUDAGraph`` (replayed once to upload it); returns the graph. CUDA only."""
+    _warm_up(fn)
+    return _capture(fn)
+
+
 def time_cuda(
     fn: Callable[[], Any],
     *,
@@ -199,25 +233,12 @@ def time_cuda(
             "use moelora_lib.studies.bench.time_cpu on the cpu profile"
         )
 
-    # Warm-up outside any timed region: compilation, autotuning, allocator growth.
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-
+    _warm_up(fn)  # outside any timed region: compilation, autotuning, allocator growth
     target: Callable[[], Any] = fn
     graph = None
     if mode == "graph":
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):  # captures on its own side stream
-            fn()
-        torch.cuda.synchronize()
+        graph = _capture(fn)
         target = graph.replay
-        target()  # first replay uploads the graph; keep it out of the timings
-        torch.cuda.synchronize()
 
     if min_reps is not None:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -695,19 +695,7 @@ def graph_timeline(run, *, model: str, replays: int = 5) -> list[dict[str, Any]]
     if not torch.cuda.is_available():
         raise RuntimeError("graph_timeline needs a CUDA GPU (torch.cuda.is_available() is False)")
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            run()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    torch.cuda.synchronize()
-    graph.replay()  # upload
-    torch.cuda.synchronize()
+    graph = bench.capture_graph(run)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
             graph.replay()

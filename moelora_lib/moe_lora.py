@@ -226,18 +226,23 @@ def make_layer_run(
     check_values: bool = True,
     deterministic: bool = False,
     adapter_order: bool | None = None,
+    pdl: bool | None = None,
 ) -> LayerRun:
     """Validate and build the :class:`~moelora_lib.kernels.LayerRun` that :func:`fused_moe_lora` runs.
 
     Benchmarks use it to time parts of the layer or to capture it in a CUDA graph. ``deterministic``:
     as in :func:`fused_moe_lora`. ``adapter_order``: as in :class:`~moelora_lib.kernels.LayerRun`
     (None = the stage's choice: on for stage ``fused``); a performance knob, the result does not
-    depend on it beyond fp32 rounding order (bit-identical in practice, see the test).
+    depend on it beyond fp32 rounding order (bit-identical in practice, see the test). ``pdl``: as in
+    :class:`~moelora_lib.kernels.LayerRun` (None = on for stage ``fused`` on Hopper GPUs; True elsewhere,
+    or with another stage, raises ValueError); the result does not depend on it (bit-identical).
     """
     _check_stage_and_config(stage, config)
     check_bool("deterministic", deterministic)
     if adapter_order is not None:
         check_bool("adapter_order", adapter_order)
+    if pdl is not None:
+        check_bool("pdl", pdl)
     d = validate_moe_lora_inputs(
         hidden_states,
         w13,
@@ -254,6 +259,7 @@ def make_layer_run(
         b2,
         check_values,
     )
+    STAGES[stage].uses_pdl(hidden_states.device, pdl)  # ValueError for pdl=True where it cannot apply
     if config is None:
         dims = Dims(
             T=d["T"], H=d["H"], I=d["I"], E=d["E"], top_k=d["K"], adapters=d["L"], rank=d["R"], slices=d["S"]
@@ -279,6 +285,7 @@ def make_layer_run(
         b2=b2,
         config=config,
         adapter_order=adapter_order,
+        pdl=pdl,
         alignments=_device_alignments(
             STAGES[stage], config, topk_ids, lora_ids, d["E"], d["L"], adapter_order=adapter_order
         ),

@@ -248,3 +248,97 @@ def test_rank_intermediate_vector_loads(report, op):
     assert with_lora.get("cp_async_16", 0) > without.get("cp_async_16", 0), (with_lora, without)
     assert not any(with_lora.get(f"cp_async_{b}", 0) for b in (4, 8)), with_lora
     assert report["expand_tuned"].get("cp_async_4", 0) > 0, report["expand_tuned"]
+
+
+# ---- programmatic dependent launch (third round) -------------------------------------------------------
+def test_pdl_griddepcontrol_only_when_asked(report):
+    # with PDL every launch of the layer's chain (both shrinks, both fused GEMMs, the top-k sum) waits once
+    # (griddepcontrol.wait before it reads what the previous launch wrote) and lets the next launch start
+    # once; compiled without PDL (every other stage, every other device) none of it is in the code
+    pdl = report["pdl"]
+    assert set(pdl) == set(FUSED_LAUNCH_OPS) | {"topk_reduce"}, pdl
+    for op, v in pdl.items():
+        assert v["pdl"] == {"wait": 1, "launch_dependents": 1}, (op, v)
+        assert v["plain"] == {"wait": 0, "launch_dependents": 0}, (op, v)
+
+
+def test_pdl_switch_validated_and_off_on_the_cpu():
+    inp = _inputs(TINY, torch.float32, num_tokens=5)
+    if torch.cuda.is_available():
+        pytest.skip("CPU semantics of the switch (a CUDA device may support PDL)")
+    run = make_layer_run(*inp.args(), **inp.kwargs(), stage="fused")
+    assert run.pdl is False  # the stage's default: on only where the device supports it
+    assert make_layer_run(*inp.args(), **inp.kwargs(), stage="fused", pdl=False).pdl is False
+    with pytest.raises(ValueError, match=r"pdl=True needs a CUDA device of compute capability >= 9\.0"):
+        make_layer_run(*inp.args(), **inp.kwargs(), stage="fused", pdl=True)
+    with pytest.raises(ValueError, match=r"pdl=True applies to stage 'fused' only, got stage 'tuned'"):
+        make_layer_run(*inp.args(), **inp.kwargs(), stage="tuned", pdl=True)
+    for bad in (1, 0, "yes"):
+        with pytest.raises(ValueError, match="pdl"):
+            make_layer_run(*inp.args(), **inp.kwargs(), stage="fused", pdl=bad)
+    # the other stages keep their launches: pdl=False is accepted everywhere and changes nothing
+    assert make_layer_run(*inp.args(), **inp.kwargs(), stage="tuned", pdl=False).pdl is False
+
+
+def test_pdl_hoisted_memsets_same_result_on_the_cpu(monkeypatch):
+    # the PDL path zeroes both split-K intermediates before the chain and tells the shrinks not to zero
+    # again; its bookkeeping runs here (the device claimed PDL-capable) with the launches' own PDL switch
+    # off (the interpreter has no griddepcontrol): the same result bit for bit as the plain path, with a
+    # split-K shrink on both projections
+    import moelora_lib.kernels.stages as st
+
+    inp = _inputs(TINY, torch.float32, num_tokens=21, bias=True)
+    plain = make_layer_run(*inp.args(), **inp.kwargs(), stage="fused", config=_cfg(shrink_sk=2))
+    ref = plain().clone()
+    seen = []
+    real = st.lora_shrink_rows
+
+    def spy(*a, **kw):
+        seen.append((kw["zero"], kw["pdl"]))
+        return real(*a, **{**kw, "pdl": False})
+
+    monkeypatch.setattr(st, "lora_shrink_rows", spy)
+    monkeypatch.setattr(st, "pdl_supported", lambda device: True)
+    hoisted = make_layer_run(*inp.args(), **inp.kwargs(), stage="fused", config=_cfg(shrink_sk=2))
+    assert hoisted.pdl is True
+    monkeypatch.setattr(st, "fused_moe_lora", _no_pdl(st.fused_moe_lora))
+    monkeypatch.setattr(st, "topk_reduce", _no_pdl(st.topk_reduce))
+    out = hoisted()
+    assert seen == [(False, True), (False, True)], seen
+    assert torch.equal(out, ref)
+
+
+def _no_pdl(fn):
+    def call(*a, **kw):
+        kw["pdl"] = False
+        return fn(*a, **kw)
+
+    return call
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["gpt-oss-20b", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("T", [1, 64])
+def test_gpu_pdl_bitwise_equal_and_in_a_graph(model, T):
+    """On the H200 at real shapes with the shipped configs: the layer with PDL equals it without, bit for
+    bit, eagerly and replayed from a CUDA graph (fresh inputs copied in before the replay), and is within
+    the bf16 tolerance of the fp32 reference."""
+    inp = make_inputs(get_shape(model), T, rank=32, num_adapters=8, dtype=torch.bfloat16, device="cuda")
+    on = make_layer_run(*inp.args(), **inp.kwargs(), stage="fused", check_values=False)
+    off = make_layer_run(*inp.args(), **inp.kwargs(), stage="fused", check_values=False, pdl=False)
+    assert on.pdl and not off.pdl
+    a, b = on().clone(), off().clone()
+    assert torch.equal(a, b)
+    assert_close_rel(a, moe_lora_reference(*inp.args(), **inp.kwargs()), dtype=torch.bfloat16, what="pdl")
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        on()
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        out = on()
+    on.x.normal_()  # new hidden states in place: the replay must see them through the whole chain
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, off())

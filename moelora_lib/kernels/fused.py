@@ -19,7 +19,8 @@ What changes against ``tuned`` (same split-K shrink, grouped order, EVEN_K, no l
 
 Launches per layer (routing and alignment aside): ``tuned`` 8 kernels — base_gate_up, gate_up_shrink,
 gate_up_expand, act, base_down, down_shrink, down_expand, top-k sum — plus one memset per split-K shrink;
-``fused`` 5 — gate_up_shrink, fused_gate_up, down_shrink, fused_down, top-k sum — plus the same memsets.
+``fused`` 5 — gate_up_shrink, fused_gate_up, down_shrink, fused_down, top-k sum — plus the same memsets
+(with PDL, third round: both before the five launches).
 The base part (``base_part``) is 3 launches instead of 4 (the activation is in the GEMM).
 
 **How rows of different adapters share one base tile (the design choice).** Base pairs are grouped by
@@ -76,6 +77,20 @@ tile holds an expert's ~100 pairs and so all 8 adapters whatever their order. Th
 ``tuned`` (faster at T = 1 and 8 for GPT-OSS-20B, T = 1 for Qwen3 and GPT-OSS-20B T = 8192; slower most at
 prefill, where the per-adapter loop is serial: a ``while`` loop of dependent loads and dots). ``tuned``
 stays the stage to use.
+
+**Third round (issue 13, 2026-12-03): programmatic dependent launch.** On Hopper
+(:func:`~.launchers.pdl_supported`)
+the layer's chain — gate_up_shrink, fused_gate_up, down_shrink, fused_down, the top-k sum — is launched with
+PDL (:class:`~.stages.LayerRun`'s ``pdl``, Triton's ``launch_pdl``; the ``USE_PDL`` constexpr of the kernels):
+a launch may start while the previous one drains; each program waits (``griddepcontrol.wait``) before it
+reads anything the previous launch wrote or writes anything, then lets the next launch start
+(``griddepcontrol.launch_dependents``). The fused GEMMs read their alignment entries (complete before the
+chain: the memset that precedes it is an ordinary launch) before the wait. Every program waits, including
+those that exit early, so a launch never completes before its predecessor and the order is transitive.
+Both split-K intermediates are zeroed before the chain (no memset between two of its launches). Prediction
+(written before the GPU run, ``conclusions/nb12.LEVER_PREDICTIONS``): 3–8 µs off the whole layer at T ≤ 8
+(the 0.3–0.6 µs idle gaps of notebook 12's timeline and each launch's first dependent loads, over five
+boundaries), ≤ 2 % from T = 64 on. The output is bit-identical with and without it.
 
 **Predictions (written before any GPU run; to be measured in notebook 12, H200, bf16, R = 32, 8 adapters,
 tokens spread evenly, graph replay, L2 flushed).** Per-op times are ``tuned``'s from data/07_per_op.csv.

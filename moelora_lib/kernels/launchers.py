@@ -7,6 +7,8 @@ and launches — nothing else. Input validation of user-facing arguments happens
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 
@@ -29,12 +31,30 @@ __all__ = [
     "lora_shrink_rows",
     "fused_moe_lora_args",
     "fused_moe_lora",
+    "pdl_supported",
+    "pdl_options",
 ]
 
 
 def even_k(K: int, block_size_k: int, split_k: int = 1) -> bool:
     """EVEN_K: the K loop of every split covers K exactly, so loads need no K mask."""
     return K % (block_size_k * split_k) == 0
+
+
+def pdl_supported(device: torch.device | str) -> bool:
+    """Whether launches on ``device`` may use programmatic dependent launch (PDL): a CUDA device of
+    compute capability 9.0 or newer (Hopper; CUDA 12.3+ captures the dependency into CUDA graphs).
+    False on the CPU and under the Triton interpreter."""
+    dev = torch.device(device)
+    if dev.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(dev)[0] >= 9
+
+
+def pdl_options(pdl: bool) -> dict:
+    """The launch keywords of a kernel launched with PDL (``launch_pdl`` and the ``USE_PDL`` constexpr
+    that makes each program wait with ``griddepcontrol.wait``); {} without."""
+    return dict(USE_PDL=True, launch_pdl=True) if pdl else {}
 
 
 def _kernel(name: str, specialize_lengths: bool):
@@ -415,6 +435,8 @@ def lora_shrink_rows(
     rows_div: int,
     use_even_k: bool = False,
     inter: torch.Tensor | None = None,
+    zero: bool = True,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """LoRA shrink of stage ``fused``: inter[p, s, :R] = x[p // rows_div]·lora_a[l, e, s]ᵀ.
 
@@ -423,7 +445,10 @@ def lora_shrink_rows(
     specialization on the counts only. Rows of pairs without an adapter are not written
     (uninitialized when SPLIT_K = 1, zero otherwise); columns R..R16 are never written or read.
     Optional ``inter``: a preallocated contiguous [T·K, S, R16] float32 buffer (zeroed here when
-    SPLIT_K > 1).
+    SPLIT_K > 1, unless ``zero`` is False: the caller zeroed it already, as :class:`LayerRun` does with
+    PDL so that no memset sits between two launches of the layer).
+    ``pdl``: launch with programmatic dependent launch (:func:`pdl_supported` devices only; the kernel
+    waits on the previous launch with ``griddepcontrol.wait`` before its first load).
     """
     a5 = lora_a if lora_a.dim() == 5 else lora_a.unsqueeze(2)
     L, E, S, R, K = a5.shape
@@ -437,13 +462,13 @@ def lora_shrink_rows(
                 f"inter must be a contiguous float32 tensor [T·K={shape[0]}, S={S}, R16={shape[2]}], "
                 f"got shape {tuple(inter.shape)}, dtype {inter.dtype}"
             )
-        if cfg.SPLIT_K > 1:
+        if cfg.SPLIT_K > 1 and zero:
             inter.zero_()
     grid, args, constexprs = lora_shrink_rows_args(
         x, lora_a, inter, align, cfg, rows_div=rows_div, use_even_k=use_even_k
     )
     _kernel("lora_shrink_rows", False)[grid](
-        *args, **constexprs, num_warps=cfg.NUM_WARPS, num_stages=cfg.NUM_STAGES
+        *args, **constexprs, **pdl_options(pdl), num_warps=cfg.NUM_WARPS, num_stages=cfg.NUM_STAGES
     )
     return inter
 
@@ -529,6 +554,7 @@ def fused_moe_lora(
     lora_b: torch.Tensor | None = None,
     lora_ids: torch.Tensor | None = None,
     use_even_k: bool = True,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """The base grouped GEMM of stage ``fused`` with the LoRA expand (and, for gate_up, the activation)
     in the same program, over the expert-only alignment ``align``.
@@ -540,6 +566,8 @@ def fused_moe_lora(
     [T·K, S, R16] float32 from :func:`lora_shrink_rows`, its rows written for exactly those pairs;
     ``lora_b``: [L, E, S, N/S, R] (gate_up) or [L, E, H, R] (down). The whole row is accumulated in fp32
     and rounded once (the base, the delta, the bias, the activation, the routing weight).
+    ``pdl``: programmatic dependent launch (:func:`pdl_supported` devices only): the program reads its
+    alignment entries, then waits on the previous launch before reading x / inter or writing out.
     """
     kernel, grid, args, constexprs = fused_moe_lora_args(
         x,
@@ -556,5 +584,7 @@ def fused_moe_lora(
         lora_ids=lora_ids,
         use_even_k=use_even_k,
     )
-    _kernel(kernel, False)[grid](*args, **constexprs, num_warps=cfg.NUM_WARPS, num_stages=cfg.NUM_STAGES)
+    _kernel(kernel, False)[grid](
+        *args, **constexprs, **pdl_options(pdl), num_warps=cfg.NUM_WARPS, num_stages=cfg.NUM_STAGES
+    )
     return out

@@ -33,6 +33,7 @@ from .launchers import (
     lora_shrink_args,
     lora_shrink_rows,
     lora_shrink_rows_args,
+    pdl_supported,
     rank_stride,
 )
 from .topk_reduce import topk_reduce
@@ -113,6 +114,21 @@ class Stage:
         """Whether a layer of this stage builds its base alignment in adapter order
         (:class:`LayerRun`'s ``adapter_order``): the given flag, else on for ``fused_gemm`` stages."""
         return bool(self.fused_gemm) if adapter_order is None else bool(adapter_order)
+
+    def uses_pdl(self, device, pdl: bool | None = None) -> bool:
+        """Whether a layer of this stage on ``device`` launches with programmatic dependent launch
+        (:class:`LayerRun`'s ``pdl``): None = on for ``fused_gemm`` stages where
+        :func:`~.launchers.pdl_supported`; True/False as given. Raises ValueError for True in a stage
+        without ``fused_gemm`` or on a device without PDL."""
+        if pdl is None:
+            return bool(self.fused_gemm) and pdl_supported(device)
+        if pdl and not self.fused_gemm:
+            raise ValueError(f"pdl=True applies to stage 'fused' only, got stage {self.name!r}")
+        if pdl and not pdl_supported(device):
+            raise ValueError(
+                f"pdl=True needs a CUDA device of compute capability >= 9.0 (Hopper), got device {device}"
+            )
+        return bool(pdl)
 
     @property
     def launch_ops(self) -> tuple[str, ...]:
@@ -262,6 +278,13 @@ class LayerRun:
       off otherwise. The result does not depend on it (a row's sums are the same, only which rows
       share a tile changes); the torch alignment then always serves the base GEMMs (no Triton
       version of the adapter order yet).
+    * ``pdl``: stages with ``fused_gemm`` only — launch the layer's kernels (the shrinks, the fused GEMMs,
+      the top-k sum) with programmatic dependent launch (PDL, Hopper): each launch may start while the
+      previous one drains, and each program waits (``griddepcontrol.wait``) before reading what the
+      previous launch wrote; both split-K intermediates are zeroed up front, so no memset sits between
+      two launches. None (default) = on where :func:`~.launchers.pdl_supported` (a CUDA device of
+      compute capability ≥ 9.0), off elsewhere; True on another device raises ValueError. The result
+      does not depend on it (same kernels, same order of arithmetic: bit-identical).
 
     Stages with ``fused_gemm`` (stage ``fused``) run :data:`FUSED_LAUNCH_OPS` instead of the seven
     launches: ``gate_up_shrink`` into a [T·K, S, R16] float32 intermediate (``inter_gate_up`` buffer
@@ -295,9 +318,11 @@ class LayerRun:
         nan_on_bad_ids: bool = False,
         proj_lora_ids: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
         adapter_order: bool | None = None,
+        pdl: bool | None = None,
     ):
         self.stage = stage
         self.adapter_order = stage.uses_adapter_order(adapter_order)
+        self.pdl = stage.uses_pdl(hidden_states.device, pdl)
         self.proj_lora_ids = proj_lora_ids
         self.buffers = buffers or {}
         self.nan_on_bad_ids = bool(nan_on_bad_ids)
@@ -502,7 +527,13 @@ class LayerRun:
         # one kernel for every caller (same summation order); NaN rows for bad ids when they were not
         # checked (the serving layer) instead of summing stale pair rows
         return topk_reduce(
-            self.y, self.topk_ids, self.w13.shape[0], self.lora_ids, self.L, check_ids=self.nan_on_bad_ids
+            self.y,
+            self.topk_ids,
+            self.w13.shape[0],
+            self.lora_ids,
+            self.L,
+            check_ids=self.nan_on_bad_ids,
+            pdl=self.pdl,
         )
 
     # --- stages with fused_gemm (stage ``fused``) -----------------------------------------------
@@ -512,15 +543,19 @@ class LayerRun:
             return self.proj_lora_ids[proj]
         return self.lora_ids
 
-    def _inter_rows(self, proj: str) -> torch.Tensor:
-        """A placeholder [T·K, S, R16] float32 intermediate (compile-only checks; nothing is run)."""
+    def _inter_shape(self, proj: str) -> tuple[int, int, int]:
+        """(T·K, S, R16): the shape of ``proj``'s rank intermediate in a ``fused_gemm`` stage."""
         a = self.lora[0] if proj == "gate_up" else self.lora[2]
         S = a.shape[2] if a.dim() == 5 else 1
-        return torch.empty(
-            (self.T * self.K, S, rank_stride(a.shape[-2])), dtype=torch.float32, device=self.x.device
-        )
+        return (self.T * self.K, S, rank_stride(a.shape[-2]))
 
-    def _rows_shrink(self, proj: str, cfg: OpConfig | None = None, inter: torch.Tensor | None = None):
+    def _inter_rows(self, proj: str) -> torch.Tensor:
+        """A placeholder [T·K, S, R16] float32 intermediate (compile-only checks; nothing is run)."""
+        return torch.empty(self._inter_shape(proj), dtype=torch.float32, device=self.x.device)
+
+    def _rows_shrink(
+        self, proj: str, cfg: OpConfig | None = None, inter: torch.Tensor | None = None, zero: bool = True
+    ):
         io = self._lora_io(f"{proj}_shrink")
         return lora_shrink_rows(
             io["x"],
@@ -530,7 +565,21 @@ class LayerRun:
             rows_div=io["rows_div"],
             use_even_k=self.stage.even_k,
             inter=inter,
+            zero=zero,
+            pdl=self.pdl,
         )
+
+    def _zeroed_inter(self, proj: str) -> torch.Tensor:
+        """The [T·K, S, R16] float32 intermediate of ``proj``'s shrink, ready for it: the caller's buffer or
+        a new one, zeroed when its config splits K (the atomics add into it)."""
+        buf = self.buffers.get(f"inter_{proj}")
+        split = self._op_cfg(f"{proj}_shrink", None).SPLIT_K > 1
+        if buf is None:
+            alloc = torch.zeros if split else torch.empty
+            return alloc(self._inter_shape(proj), dtype=torch.float32, device=self.x.device)
+        if split:
+            buf.zero_()
+        return buf
 
     def _fused_io(self, op: str, inter: torch.Tensor | None) -> dict[str, Any]:
         """The keyword arguments of :func:`~.launchers.fused_moe_lora` for ``op`` (no LoRA when
@@ -569,18 +618,25 @@ class LayerRun:
             self.base_align,
             self._op_cfg(op, cfg),
             top_k=self.K,
+            pdl=self.pdl,
             **io,
         )
 
     def _fused_call(self, with_lora: bool) -> torch.Tensor:
-        inter13 = None
-        if with_lora and self.lora_align is not None:
-            inter13 = self._rows_shrink("gate_up", inter=self.buffers.get("inter_gate_up"))
+        lora13 = with_lora and self.lora_align is not None
+        lora2 = with_lora and self.lora_align_down is not None
+        inter13 = inter2 = None
+        if self.pdl:  # both memsets first: the launches after them form one PDL chain
+            inter13 = self._zeroed_inter("gate_up") if lora13 else None
+            inter2 = self._zeroed_inter("down") if lora2 else None
+        if lora13:
+            buf = inter13 if self.pdl else self.buffers.get("inter_gate_up")
+            inter13 = self._rows_shrink("gate_up", inter=buf, zero=not self.pdl)
         self._fused_gemm("fused_gate_up", inter13)
         self.g = self._g_buf
-        inter2 = None
-        if with_lora and self.lora_align_down is not None:
-            inter2 = self._rows_shrink("down", inter=self.buffers.get("inter_down"))
+        if lora2:
+            buf = inter2 if self.pdl else self.buffers.get("inter_down")
+            inter2 = self._rows_shrink("down", inter=buf, zero=not self.pdl)
         self._fused_gemm("fused_down", inter2)
         return self.reduce()
 

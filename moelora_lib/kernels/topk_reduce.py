@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 __all__ = ["topk_reduce"]
 
@@ -42,7 +43,11 @@ def _topk_reduce_kernel(
     CHECK_IDS: tl.constexpr,
     HAS_LORA: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    if USE_PDL:  # launched early behind the down GEMM: wait for y before reading it
+        gdc_wait()
+        gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = offs < H
@@ -77,6 +82,7 @@ def topk_reduce(
     *,
     check_ids: bool = True,
     out: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """``y.view(T, K, H).sum(dim=1)`` with NaN rows for tokens with out-of-range ids (module docstring).
 
@@ -86,6 +92,8 @@ def topk_reduce(
         lora_ids: [T] int32/int64 or None (then adapter ids are not checked); num_adapters: L.
         check_ids: False = the plain sum (ids already checked by the caller; no id loads).
         out: optional [T, H] of y's dtype (rows contiguous); None allocates.
+        pdl: launch with programmatic dependent launch behind the kernel that wrote ``y`` (stage
+            ``fused`` on Hopper; :func:`~moelora_lib.kernels.launchers.pdl_supported`).
     Returns:
         [T, H] of y's dtype.
     Raises:
@@ -110,7 +118,7 @@ def topk_reduce(
     grid, args, constexprs = reduce_launch_args(
         y, topk_ids, num_experts, lora_ids, num_adapters, check_ids, out
     )
-    _topk_reduce[grid](*args, **constexprs)
+    _topk_reduce[grid](*args, **constexprs, **(dict(USE_PDL=True, launch_pdl=True) if pdl else {}))
     return out
 
 

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -172,12 +173,16 @@ def _lora_shrink_kernel(
     GROUP_SIZE_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     slice_id = tl.program_id(1)
     pid_sk = pid % SPLIT_K
     num_pid_n = tl.cdiv(N, BLOCK_SIZE_N)
     pid_m, pid_n = _pid_to_mn(pid // SPLIT_K, num_blocks, num_pid_n, GROUP_SIZE_M)
+    if USE_PDL:  # every program waits before its first load (x and the zeroed inter come from before)
+        gdc_wait()
+        gdc_launch_dependents()
     if pid_m * BLOCK_SIZE_M >= tl.load(num_post_ptr):
         return
     lora = tl.load(block_lora_ptr + pid_m).to(tl.int64)
@@ -445,15 +450,24 @@ def _fused_moe_lora_act_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_LORA: tl.constexpr,
     ACTIVATION: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """g[p, j] = act(h[p, gate(j)], h[p, up(j)]) with h = x·W13[e]ᵀ + LoRA delta (+ b13[e]), one tile of
     BLOCK_SIZE_N columns j of g; gate(j), up(j) = j, I + j (silu) or 2j, 2j + 1 (swigluoai)."""
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(I, BLOCK_SIZE_N)
     pid_m, pid_n = _pid_to_mn(pid, num_blocks, num_pid_n, GROUP_SIZE_M)
-    if pid_m * BLOCK_SIZE_M >= tl.load(num_post_ptr):
-        return
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if USE_PDL:  # the alignment is complete before the layer's first launch: read it before the wait
+        num_post = tl.load(num_post_ptr)
+        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        gdc_wait()
+        gdc_launch_dependents()
+        if pid_m * BLOCK_SIZE_M >= num_post:
+            return
+    else:
+        if pid_m * BLOCK_SIZE_M >= tl.load(num_post_ptr):
+            return
+        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if expert < 0:
         return
     offs_m = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)
@@ -567,14 +581,23 @@ def _fused_moe_lora_kernel(
     EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_LORA: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """y[p] = (g[p]·W2[e]ᵀ + LoRA delta (+ b2[e]))·w[p] over the base alignment (rows are pairs)."""
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_SIZE_N)
     pid_m, pid_n = _pid_to_mn(pid, num_blocks, num_pid_n, GROUP_SIZE_M)
-    if pid_m * BLOCK_SIZE_M >= tl.load(num_post_ptr):
-        return
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if USE_PDL:  # as in the gate_up kernel: alignment reads before the wait
+        num_post = tl.load(num_post_ptr)
+        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        gdc_wait()
+        gdc_launch_dependents()
+        if pid_m * BLOCK_SIZE_M >= num_post:
+            return
+    else:
+        if pid_m * BLOCK_SIZE_M >= tl.load(num_post_ptr):
+            return
+        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if expert < 0:
         return
     offs_m = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)

@@ -896,7 +896,8 @@ def fused_report(
     the [S, P, R] slice stride) with SPLIT_K = 1 at T = ``fixed_T``: their store widths (the
     no_recompile regression and its fix), and ``"fused_no_lora"``: the vector counts of both fused GEMMs
     compiled without the LoRA part (HAS_LORA False), so the loads the LoRA part adds can be read off,
-    and ``"expand_tuned"``: the same counts for ``tuned``'s down expand (no_recompile's intermediate).
+    and ``"expand_tuned"``: the same counts for ``tuned``'s down expand (no_recompile's intermediate),
+    and ``"pdl"``: :func:`_pdl_report` (the ``griddepcontrol`` instructions with and without PDL).
     """
     from dataclasses import replace
 
@@ -959,6 +960,44 @@ def fused_report(
     # tuned's down expand (reads the [1, P, R] intermediate through do_not_specialize'd stride_is)
     old = launch("down_expand", fixed_T, shape=shape, rank=rank, adapters=adapters, dtype=dtype)
     out["expand_tuned"] = global_vector_ops(ptx(compile_for_sm90(_jit(old[0], False), *old[1:5])))
+    out["pdl"] = _pdl_report(run_at(fixed_T, fixed))
+    return out
+
+
+def _griddep_counts(ptx_text: str) -> dict:
+    return {
+        "wait": ptx_text.count("griddepcontrol.wait"),
+        "launch_dependents": ptx_text.count("griddepcontrol.launch_dependents"),
+    }
+
+
+def _pdl_report(run) -> dict:
+    """Per launch of a stage ``fused`` layer (the four of FUSED_LAUNCH_OPS and the top-k sum): the
+    ``griddepcontrol`` instructions in its PTX compiled with PDL (``pdl``: USE_PDL and launch_pdl, as
+    :func:`~moelora_lib.kernels.launchers.pdl_options` launches it) and without (``plain``)."""
+    import torch
+
+    from ..kernels.launchers import pdl_options
+    from ..kernels.stages import FUSED_LAUNCH_OPS
+    from ..kernels.topk_reduce import _topk_reduce, reduce_launch_args
+
+    out = {}
+    for op in FUSED_LAUNCH_OPS:
+        la = run.launch_args(op)
+        jf = _jit(la.kernel, False)
+        both = {}
+        for name, extra in (("plain", {}), ("pdl", pdl_options(True))):
+            k = compile_for_sm90(jf, la.args, {**la.constexprs, **extra}, la.num_warps, la.num_stages)
+            both[name] = _griddep_counts(ptx(k))
+        out[op] = both
+    y = torch.empty((run.T * run.K, run.H), dtype=run.x.dtype, device=run.x.device)
+    grid, args, cx = reduce_launch_args(
+        y, run.topk_ids, run.w13.shape[0], run.lora_ids, run.L, False, y[: run.T]
+    )
+    out["topk_reduce"] = {
+        name: _griddep_counts(ptx(compile_for_sm90(_topk_reduce, args, {**cx, **extra})))
+        for name, extra in (("plain", {}), ("pdl", pdl_options(True)))
+    }
     return out
 
 

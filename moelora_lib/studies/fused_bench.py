@@ -410,7 +410,11 @@ LEVERS: dict[str, tuple[str, tuple[str, ...], str, bool | None]] = {
     "fused_v1": (STAGE, ("base", "total"), "default", False),
     "fused_pair_order": (STAGE, ("base", "total"), "stage_cfg", False),
     "tuned_deterministic": (BASELINE, ("lora", "total"), "deterministic", None),
+    "fused_no_pdl": (STAGE, ("base", "total"), "stage_cfg", None),
 }
+#: Levers that switch programmatic dependent launch (:class:`~moelora_lib.kernels.LayerRun`'s ``pdl``) away
+#: from the stage's choice (on for ``fused`` on the H200): ``fused_no_pdl`` is the stage as it is, PDL off.
+LEVER_PDL: dict[str, bool] = {"fused_no_pdl": False}
 
 
 def bench_levers(
@@ -463,7 +467,7 @@ def bench_levers(
         for r in mb.bench_layer(
             stage, sh, T, rank=rank, num_adapters=num_adapters, weights=weights, seed=seed,
             activation="silu", bias=False, dtype=dtype, device=device, parts=parts, warmup_ms=warmup_ms,
-            rep_ms=rep_ms, config=cfg, adapter_order=order,
+            rep_ms=rep_ms, config=cfg, adapter_order=order, pdl=LEVER_PDL.get(lv),
         ):  # fmt: skip
             r.update(lever=lv, variant="as_anchor")
             rows.append(r)
@@ -475,7 +479,8 @@ def levers_table(levers_df, df):
     (``12_fused.csv``): ``v1_*`` (first round), ``pair_*`` (tuned configs, pair order), ``fused_*`` (the
     stage: tuned configs, adapter order), ``tuned_*`` and ``det_*`` (``tuned`` deterministic); ``*_lora`` =
     whole − base for the fused variants, the LoRA launches for ``tuned``/``det``; ``tuned_split_k`` = the
-    largest SPLIT_K of the shipped shrinks (from the config string)."""
+    largest SPLIT_K of the shipped shrinks (from the config string); ``nopdl_base``/``nopdl_total`` (the
+    stage with PDL off), only where the lever ``fused_no_pdl`` was timed."""
     import re
 
     import pandas as pd
@@ -496,6 +501,9 @@ def levers_table(levers_df, df):
     out["tuned_base"], out["tuned_lora"], out["tuned_total"] = p["base"], p["lora"], p["total"]
     p = piv(lv[lv.lever == "tuned_deterministic"])
     out["det_lora"], out["det_total"] = p["lora"], p["total"]
+    if (lv.lever == "fused_no_pdl").any():  # runs before this lever existed have no such rows
+        p = piv(lv[lv.lever == "fused_no_pdl"])
+        out["nopdl_base"], out["nopdl_total"] = p["base"], p["total"]
     t = df[(df.stage == BASELINE) & (df.part == "total")].set_index(["model", "T"]).config
     out["tuned_split_k"] = t.map(
         lambda c: max(int(x) for x in re.findall(r"shrink=m\d+n\d+k\d+g\d+s(\d+)", c))

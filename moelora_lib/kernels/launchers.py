@@ -567,7 +567,8 @@ def fused_moe_lora(
     ``lora_b``: [L, E, S, N/S, R] (gate_up) or [L, E, H, R] (down). The whole row is accumulated in fp32
     and rounded once (the base, the delta, the bias, the activation, the routing weight).
     ``pdl``: programmatic dependent launch (:func:`pdl_supported` devices only): the program reads its
-    alignment entries, then waits on the previous launch before reading x / inter or writing out.
+    alignment entries, then waits on the previous launch before reading x / inter or writing out, and lets
+    the next launch start once past its K loop.
     """
     kernel, grid, args, constexprs = fused_moe_lora_args(
         x,

@@ -461,7 +461,6 @@ def _fused_moe_lora_act_kernel(
         num_post = tl.load(num_post_ptr)
         expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
         gdc_wait()
-        gdc_launch_dependents()
         if pid_m * BLOCK_SIZE_M >= num_post:
             return
     else:
@@ -506,6 +505,8 @@ def _fused_moe_lora_act_kernel(
         x_ptrs += BLOCK_SIZE_K * stride_xk
         wg_ptrs += BLOCK_SIZE_K * stride_wk
         wu_ptrs += BLOCK_SIZE_K * stride_wk
+    if USE_PDL:  # the next launch may start once every program is past its K loop (or has exited)
+        gdc_launch_dependents()
     if HAS_LORA:  # the expand of the gate_up LoRA, in this tile: one pass per adapter present
         lid = _row_adapters(lora_ids_ptr, pair_ld, row_mask, top_k, num_adapters)
         cur = tl.min(tl.where(lid >= 0, lid, num_adapters))
@@ -591,7 +592,6 @@ def _fused_moe_lora_kernel(
         num_post = tl.load(num_post_ptr)
         expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
         gdc_wait()
-        gdc_launch_dependents()
         if pid_m * BLOCK_SIZE_M >= num_post:
             return
     else:
@@ -622,6 +622,8 @@ def _fused_moe_lora_kernel(
         acc = tl.dot(xa, wa, acc)
         x_ptrs += BLOCK_SIZE_K * stride_xk
         w_ptrs += BLOCK_SIZE_K * stride_wk
+    if USE_PDL:  # as in the gate_up kernel: the next launch may start once the K loops are done
+        gdc_launch_dependents()
     if HAS_LORA:  # the expand of the down LoRA, in this tile: one pass per adapter present
         lid = _row_adapters(lora_ids_ptr, pair_ld, row_mask, top_k, num_adapters)
         cur = tl.min(tl.where(lid >= 0, lid, num_adapters))

@@ -338,6 +338,7 @@ def fused_moe_lora(
     stage="naive",
     config: LayerConfig | None = None,
     deterministic: bool = False,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     """MoE layer with one LoRA adapter per token on both expert projections (four LoRA ops).
 
@@ -378,11 +379,16 @@ def fused_moe_lora(
             activation, top-k sum) already writes each element from one program in a fixed order.
             Same inputs, config, GPU and software give the same bits. Its cost is the split-K
             speed-up of the thin shrinks (notebook 04). Default False.
+        pdl: programmatic dependent launch between the layer's launches, stage ``fused`` only
+            (:class:`~moelora_lib.kernels.LayerRun`'s ``pdl``): None (default) = on for ``fused`` on a CUDA
+            GPU of compute capability ≥ 9.0, off elsewhere; False = off; True where it cannot apply raises
+            ValueError. The output does not depend on it.
     Returns:
         [T, H] in hidden_states' dtype ([0, H] when T = 0).
     Raises:
         ValueError: an argument's shape, dtype, device or value range is wrong (the message names
-            it), unknown activation or stage, a non-bool deterministic; bfloat16 on the CPU (the
+            it), unknown activation or stage, a non-bool deterministic or pdl, pdl=True where it cannot
+            apply; bfloat16 on the CPU (the
             interpreter's bf16 is wrong).
 
     The value-range check of topk_ids and lora_ids synchronizes with the host once, so this function
@@ -419,6 +425,7 @@ def fused_moe_lora(
         )
         _check_stage_and_config(stage, config)
         check_bool("deterministic", deterministic)
+        STAGES[stage].uses_pdl(hidden_states.device, pdl)
         return hidden_states.new_empty((0, hidden_states.shape[1]))
     on_gpu = isinstance(hidden_states, torch.Tensor) and hidden_states.device.type == "cuda"
     run = make_layer_run(
@@ -439,6 +446,7 @@ def fused_moe_lora(
         config=config,
         check_values=not on_gpu,  # on the GPU: deferred, below
         deterministic=deterministic,
+        pdl=pdl,
     )
     if not on_gpu:
         return run()

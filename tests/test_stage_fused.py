@@ -269,7 +269,7 @@ def test_pdl_switch_validated_and_off_on_the_cpu():
     run = make_layer_run(*inp.args(), **inp.kwargs(), stage="fused")
     assert run.pdl is False  # the stage's default: on only where the device supports it
     assert make_layer_run(*inp.args(), **inp.kwargs(), stage="fused", pdl=False).pdl is False
-    with pytest.raises(ValueError, match=r"pdl=True needs a CUDA device of compute capability >= 9\.0"):
+    with pytest.raises(ValueError, match=r"pdl=True needs a CUDA GPU of compute capability >= 9\.0"):
         make_layer_run(*inp.args(), **inp.kwargs(), stage="fused", pdl=True)
     with pytest.raises(ValueError, match=r"pdl=True applies to stage 'fused' only, got stage 'tuned'"):
         make_layer_run(*inp.args(), **inp.kwargs(), stage="tuned", pdl=True)
@@ -329,6 +329,8 @@ def test_gpu_pdl_bitwise_equal_and_in_a_graph(model, T):
     assert on.pdl and not off.pdl
     a, b = on().clone(), off().clone()
     assert torch.equal(a, b)
+    # the base part: the gate_up GEMM is then the chain's first launch, right behind the alignment
+    assert torch.equal(on.base_part().clone(), off.base_part())
     assert_close_rel(a, moe_lora_reference(*inp.args(), **inp.kwargs()), dtype=torch.bfloat16, what="pdl")
     g = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
@@ -342,3 +344,41 @@ def test_gpu_pdl_bitwise_equal_and_in_a_graph(model, T):
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, off())
+
+
+def test_pdl_public_switches_and_low_level_launchers_validate():
+    # the public call and the module take the switch (False everywhere, True refused off Hopper); the
+    # launchers a user may call directly refuse pdl=True on the CPU and non-bools before any kernel runs
+    from moelora_lib.kernels.launchers import fused_moe_lora as fused_gemm_launch
+    from moelora_lib.kernels.launchers import lora_shrink_rows, pdl_options
+    from moelora_lib.kernels.topk_reduce import topk_reduce
+
+    if torch.cuda.is_available():
+        pytest.skip("CPU semantics of the switch")
+    inp = _inputs(TINY, torch.float32, num_tokens=6)
+    ref = moe_lora_reference(*inp.args(), **inp.kwargs())
+    out = fused_moe_lora(*inp.args(), **inp.kwargs(), stage="fused", pdl=False)
+    assert_close_rel(out, ref, dtype=torch.float32, what="fused pdl=False")
+    for bad, msg in ((True, "pdl=True needs a CUDA GPU"), ("yes", "pdl must be a Python bool")):
+        with pytest.raises(ValueError, match=msg):
+            fused_moe_lora(*inp.args(), **inp.kwargs(), stage="fused", pdl=bad)
+        with pytest.raises(ValueError, match=msg):
+            MoELoRALayer(
+                inp.w13, inp.w2, top_k=2, num_adapters=3, max_rank=16, max_tokens=8, stage="fused", pdl=bad
+            )
+    layer = MoELoRALayer(inp.w13, inp.w2, top_k=2, num_adapters=3, max_rank=16, max_tokens=8, stage="fused")
+    assert layer._pdl is None
+    y = torch.randn(12, 64)
+    ids = torch.randint(0, 4, (6, 2), dtype=torch.int32)
+    for bad, msg in ((True, "pdl=True needs a CUDA GPU"), (1, "pdl must be a Python bool")):
+        with pytest.raises(ValueError, match=msg):
+            topk_reduce(y, ids, 4, pdl=bad)
+    run = make_layer_run(*inp.args(), **inp.kwargs(), stage="fused")
+    io = run._lora_io("gate_up_shrink")
+    with pytest.raises(ValueError, match="pdl=True needs a CUDA GPU"):
+        lora_shrink_rows(io["x"], io["a"], io["align"], run.cfg.gate_up_shrink, rows_div=2, pdl=True)
+    with pytest.raises(ValueError, match="pdl=True needs a CUDA GPU"):
+        fused_gemm_launch(run.x, run.w13, run._g_buf, run.base_align, run.cfg.base_gate_up, top_k=2,
+                          activation="silu", pdl=True)  # fmt: skip
+    with pytest.raises(ValueError, match="pdl must be a Python bool"):
+        pdl_options("no")

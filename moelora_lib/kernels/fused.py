@@ -87,9 +87,12 @@ reads anything the previous launch wrote or writes anything. The shrinks and the
 launch start at once (``griddepcontrol.launch_dependents``); the fused GEMMs only after their K loop: in a
 development run (data/dev/12_round3_pdl, commit 96cbb12) the trigger at the start made GPT-OSS-20B's gate_up
 GEMM 12 µs slower at T = 1 (42.8 → 54.8 µs of work), with the down shrink's ~3800 programs resident and
-waiting through all of it. The fused GEMMs read their alignment entries (complete before the
-chain: the memset that precedes it is an ordinary launch) before the wait. Every program waits, including
-those that exit early, so a launch never completes before its predecessor and the order is transitive.
+waiting through all of it. Nothing is read before the wait, the alignment entries included: the first
+launch of the chain may directly follow the kernels that build the alignment (no split-K memset between
+them in the deterministic mode, at T ≥ 64 with the shipped configs, in the base part or in a batch without
+adapters; a version that read them before the wait ran in the development run only). Every program
+waits, including those that exit early, so a launch never completes before its predecessor and the order is
+transitive.
 Both split-K intermediates are zeroed before the chain (no memset between two of its launches). Prediction
 (written before the GPU run, ``conclusions/nb12.LEVER_PREDICTIONS``): 3–8 µs off the whole layer at T ≤ 8
 (the 0.3–0.6 µs idle gaps of notebook 12's timeline and each launch's first dependent loads, over five

@@ -12,6 +12,7 @@ import os
 import torch
 import triton
 
+from ..common import check_bool
 from ..routing import Alignment
 from .config import OpConfig
 from .triton_kernels import KERNELS
@@ -33,6 +34,7 @@ __all__ = [
     "fused_moe_lora",
     "pdl_supported",
     "pdl_options",
+    "check_pdl",
 ]
 
 
@@ -42,19 +44,33 @@ def even_k(K: int, block_size_k: int, split_k: int = 1) -> bool:
 
 
 def pdl_supported(device: torch.device | str) -> bool:
-    """Whether launches on ``device`` may use programmatic dependent launch (PDL): a CUDA device of
-    compute capability 9.0 or newer (Hopper; CUDA 12.3+ captures the dependency into CUDA graphs).
-    False on the CPU and under the Triton interpreter."""
+    """Whether launches on ``device`` may use programmatic dependent launch (PDL): an NVIDIA CUDA device
+    of compute capability 9.0 or newer (Hopper or newer; CUDA 12.3+ captures the dependency into CUDA
+    graphs). False on the CPU, under the Triton interpreter and on ROCm builds of torch."""
     dev = torch.device(device)
     if dev.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
+        return False
+    if getattr(torch.version, "hip", None):
         return False
     return torch.cuda.get_device_capability(dev)[0] >= 9
 
 
+def check_pdl(pdl, device) -> bool:
+    """``pdl`` as given when it is a bool that can apply on ``device``; ValueError naming ``pdl`` for a
+    non-bool, or for True where :func:`pdl_supported` is False (the kernels' ``griddepcontrol`` has no
+    meaning in the interpreter or on other GPUs)."""
+    check_bool("pdl", pdl)
+    if pdl and not pdl_supported(device):
+        raise ValueError(
+            f"pdl=True needs a CUDA GPU of compute capability >= 9.0 (Hopper or newer), got device {device}"
+        )
+    return pdl
+
+
 def pdl_options(pdl: bool) -> dict:
     """The launch keywords of a kernel launched with PDL (``launch_pdl`` and the ``USE_PDL`` constexpr
-    that makes each program wait with ``griddepcontrol.wait``); {} without."""
-    return dict(USE_PDL=True, launch_pdl=True) if pdl else {}
+    that makes each program wait with ``griddepcontrol.wait``); {} without. ``pdl`` must be a bool."""
+    return dict(USE_PDL=True, launch_pdl=True) if check_bool("pdl", pdl) else {}
 
 
 def _kernel(name: str, specialize_lengths: bool):
@@ -450,6 +466,7 @@ def lora_shrink_rows(
     ``pdl``: launch with programmatic dependent launch (:func:`pdl_supported` devices only; the kernel
     waits on the previous launch with ``griddepcontrol.wait`` before its first load).
     """
+    check_pdl(pdl, x.device)
     a5 = lora_a if lora_a.dim() == 5 else lora_a.unsqueeze(2)
     L, E, S, R, K = a5.shape
     shape = (align.num_pairs, S, rank_stride(R))
@@ -566,10 +583,11 @@ def fused_moe_lora(
     [T·K, S, R16] float32 from :func:`lora_shrink_rows`, its rows written for exactly those pairs;
     ``lora_b``: [L, E, S, N/S, R] (gate_up) or [L, E, H, R] (down). The whole row is accumulated in fp32
     and rounded once (the base, the delta, the bias, the activation, the routing weight).
-    ``pdl``: programmatic dependent launch (:func:`pdl_supported` devices only): the program reads its
-    alignment entries, then waits on the previous launch before reading x / inter or writing out, and lets
-    the next launch start once past its K loop.
+    ``pdl``: programmatic dependent launch (:func:`pdl_supported` devices only; ValueError elsewhere): each
+    program waits on the previous launch before its first load and lets the next launch start once past
+    its K loop.
     """
+    check_pdl(pdl, x.device)
     kernel, grid, args, constexprs = fused_moe_lora_args(
         x,
         w,

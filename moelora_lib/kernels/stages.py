@@ -15,12 +15,13 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..common import aligned16
+from ..common import aligned16, check_bool
 from ..hardware import H200_NUM_SMS
 from ..routing import Alignment, align_tokens
 from ..shapes import Dims
 from .config import BASE_OPS, LORA_OPS, LayerConfig, OpConfig, next_pow2
 from .launchers import (
+    check_pdl,
     fused_moe_gemm,
     fused_moe_gemm_args,
     fused_moe_lora,
@@ -118,17 +119,14 @@ class Stage:
     def uses_pdl(self, device, pdl: bool | None = None) -> bool:
         """Whether a layer of this stage on ``device`` launches with programmatic dependent launch
         (:class:`LayerRun`'s ``pdl``): None = on for ``fused_gemm`` stages where
-        :func:`~.launchers.pdl_supported`; True/False as given. Raises ValueError for True in a stage
-        without ``fused_gemm`` or on a device without PDL."""
+        :func:`~.launchers.pdl_supported`; True/False as given. Raises ValueError for a non-bool, or True
+        in a stage without ``fused_gemm`` or on a device without PDL."""
         if pdl is None:
             return bool(self.fused_gemm) and pdl_supported(device)
+        check_bool("pdl", pdl)
         if pdl and not self.fused_gemm:
             raise ValueError(f"pdl=True applies to stage 'fused' only, got stage {self.name!r}")
-        if pdl and not pdl_supported(device):
-            raise ValueError(
-                f"pdl=True needs a CUDA device of compute capability >= 9.0 (Hopper), got device {device}"
-            )
-        return bool(pdl)
+        return check_pdl(pdl, device)
 
     @property
     def launch_ops(self) -> tuple[str, ...]:
@@ -280,11 +278,11 @@ class LayerRun:
       version of the adapter order yet).
     * ``pdl``: stages with ``fused_gemm`` only — launch the layer's kernels (the shrinks, the fused GEMMs,
       the top-k sum) with programmatic dependent launch (PDL, Hopper): each launch may start while the
-      previous one drains, and each program waits (``griddepcontrol.wait``) before reading what the
-      previous launch wrote; both split-K intermediates are zeroed up front, so no memset sits between
-      two launches. None (default) = on where :func:`~.launchers.pdl_supported` (a CUDA device of
-      compute capability ≥ 9.0), off elsewhere; True on another device raises ValueError. The result
-      does not depend on it (same kernels, same order of arithmetic: bit-identical).
+      previous one drains, and each program waits (``griddepcontrol.wait``) before its first load; both
+      split-K intermediates are zeroed up front, so no memset sits between two launches. None (default)
+      = on where :func:`~.launchers.pdl_supported` (a CUDA device of compute capability ≥ 9.0), off
+      elsewhere; True on another device raises ValueError. The result does not depend on it (same
+      kernels, same order of arithmetic: bit-identical).
 
     Stages with ``fused_gemm`` (stage ``fused``) run :data:`FUSED_LAUNCH_OPS` instead of the seven
     launches: ``gate_up_shrink`` into a [T·K, S, R16] float32 intermediate (``inter_gate_up`` buffer

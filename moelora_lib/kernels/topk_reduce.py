@@ -97,7 +97,8 @@ def topk_reduce(
     Returns:
         [T, H] of y's dtype.
     Raises:
-        ValueError naming the argument for shapes/dtypes that do not fit.
+        ValueError naming the argument for shapes/dtypes that do not fit, a non-bool ``pdl`` or
+        ``pdl=True`` where :func:`~moelora_lib.kernels.launchers.pdl_supported` is False.
     """
     if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(
@@ -109,6 +110,9 @@ def topk_reduce(
     H = y.shape[1]
     if lora_ids is not None and (lora_ids.shape != (T,) or lora_ids.dtype not in (torch.int32, torch.int64)):
         raise ValueError(f"lora_ids must be an int32/int64 tensor [T={T}], got {tuple(lora_ids.shape)}")
+    from .launchers import check_pdl  # lazy: launchers imports the MoE kernels
+
+    check_pdl(pdl, y.device)
     if out is None:
         out = torch.empty((T, H), dtype=y.dtype, device=y.device)
     elif out.shape != (T, H) or out.dtype != y.dtype or out.stride(1) != 1:

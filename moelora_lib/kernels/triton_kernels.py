@@ -457,16 +457,11 @@ def _fused_moe_lora_act_kernel(
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(I, BLOCK_SIZE_N)
     pid_m, pid_n = _pid_to_mn(pid, num_blocks, num_pid_n, GROUP_SIZE_M)
-    if USE_PDL:  # the alignment is complete before the layer's first launch: read it before the wait
-        num_post = tl.load(num_post_ptr)
-        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if USE_PDL:  # every program waits before its first load: even the alignment may be the previous launch's
         gdc_wait()
-        if pid_m * BLOCK_SIZE_M >= num_post:
-            return
-    else:
-        if pid_m * BLOCK_SIZE_M >= tl.load(num_post_ptr):
-            return
-        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if pid_m * BLOCK_SIZE_M >= tl.load(num_post_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if expert < 0:
         return
     offs_m = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)
@@ -588,16 +583,11 @@ def _fused_moe_lora_kernel(
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_SIZE_N)
     pid_m, pid_n = _pid_to_mn(pid, num_blocks, num_pid_n, GROUP_SIZE_M)
-    if USE_PDL:  # as in the gate_up kernel: alignment reads before the wait
-        num_post = tl.load(num_post_ptr)
-        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if USE_PDL:  # as in the gate_up kernel: every program waits before its first load
         gdc_wait()
-        if pid_m * BLOCK_SIZE_M >= num_post:
-            return
-    else:
-        if pid_m * BLOCK_SIZE_M >= tl.load(num_post_ptr):
-            return
-        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if pid_m * BLOCK_SIZE_M >= tl.load(num_post_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if expert < 0:
         return
     offs_m = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)

@@ -148,8 +148,8 @@ class MoELoRALayer(ops.OpLayer):
             a model's layers run one after another, so one copy serves them all. ``memory_report()``
             gives the bytes.
         pdl: programmatic dependent launch between the layer's launches, stage ``fused`` only
-            (:class:`~moelora_lib.kernels.LayerRun`'s ``pdl``): None (default) = on for ``fused`` on a CUDA
-            GPU of compute capability ≥ 9.0; False = off; True where it cannot apply raises ValueError.
+            (:class:`~moelora_lib.kernels.LayerRun`'s ``pdl``): None or False (default) = off; True on a
+            CUDA GPU of compute capability ≥ 9.0 (elsewhere, or with another stage: ValueError).
             The output does not depend on it.
     Raises:
         ValueError naming the argument: shapes, dtypes, devices, sizes, stage, activation, pdl.

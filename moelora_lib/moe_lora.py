@@ -234,7 +234,7 @@ def make_layer_run(
     as in :func:`fused_moe_lora`. ``adapter_order``: as in :class:`~moelora_lib.kernels.LayerRun`
     (None = the stage's choice: on for stage ``fused``); a performance knob, the result does not
     depend on it beyond fp32 rounding order (bit-identical in practice, see the test). ``pdl``: as in
-    :class:`~moelora_lib.kernels.LayerRun` (None = on for stage ``fused`` on Hopper GPUs; True elsewhere,
+    :class:`~moelora_lib.kernels.LayerRun` (None = off; True outside stage ``fused`` or off Hopper-class GPUs
     or with another stage, raises ValueError); the result does not depend on it (bit-identical).
     """
     _check_stage_and_config(stage, config)
@@ -380,9 +380,9 @@ def fused_moe_lora(
             Same inputs, config, GPU and software give the same bits. Its cost is the split-K
             speed-up of the thin shrinks (notebook 04). Default False.
         pdl: programmatic dependent launch between the layer's launches, stage ``fused`` only
-            (:class:`~moelora_lib.kernels.LayerRun`'s ``pdl``): None (default) = on for ``fused`` on a CUDA
-            GPU of compute capability ≥ 9.0, off elsewhere; False = off; True where it cannot apply raises
-            ValueError. The output does not depend on it.
+            (:class:`~moelora_lib.kernels.LayerRun`'s ``pdl``): None or False (default) = off; True on a
+            CUDA GPU of compute capability ≥ 9.0 (elsewhere, or with another stage: ValueError). The output
+            does not depend on it.
     Returns:
         [T, H] in hidden_states' dtype ([0, H] when T = 0).
     Raises:

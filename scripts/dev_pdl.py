@@ -2,13 +2,14 @@
 
     python3 scripts/dev_pdl.py --out OUT_DIR [--models gpt-oss-20b,qwen3-30b-a3b] [--tokens 1,8,64,...]
 
-For each (model, T): the whole layer and the base part of stage ``fused`` with PDL (the stage's default on
-the H200) and with PDL off (notebook 12's lever ``fused_no_pdl``), and ``tuned``'s whole layer beside them,
-all timed as the notebook times them (:func:`moelora_lib.studies.moe_bench.bench_layer`: graph replay, L2
-flushed, median); the two outputs compared bit for bit; at T = 1 one graph replay kernel by kernel for
-both settings (:func:`moelora_lib.studies.fused_bench.graph_timeline`). Prints a table; writes
-``dev_pdl.csv`` and ``dev_pdl_timeline.csv`` under OUT_DIR. A development measurement: it steers the
-change and is quoted only as such; notebook 12 is the evidence.
+For each (model, T): the whole layer and the base part of stage ``fused`` with PDL (notebook 12's lever
+``fused_pdl``) and without (the stage's default now; PDL was the default at 96cbb12, where run 1 ran), and
+``tuned``'s whole layer beside them, all timed as the notebook times them
+(:func:`moelora_lib.studies.moe_bench.bench_layer`: graph replay, L2 flushed, median); the two outputs
+compared bit for bit; at T = 1 one graph replay kernel by kernel for both settings
+(:func:`moelora_lib.studies.fused_bench.graph_timeline`). Prints a table; writes ``dev_pdl.csv`` and
+``dev_pdl_timeline.csv`` under OUT_DIR. A development measurement: it steers the change and is quoted
+only as such; notebook 12 is the evidence.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def main(argv=None) -> int:
             inp = make_inputs(sh, T, rank=32, num_adapters=8, dtype=torch.bfloat16, device="cuda")
             got = {}
             for label, stage, pdl in (
-                ("pdl", "fused", None),
+                ("pdl", "fused", True),
                 ("no_pdl", "fused", False),
                 ("tuned", "tuned", None),
             ):
@@ -59,8 +60,8 @@ def main(argv=None) -> int:
                     r.update(lever=label)
                     rows.append(r)
                     got[(label, r["part"])] = r["us_p50"]
-            on = make_layer_run(*inp.args(), **inp.kwargs(), stage="fused", check_values=False)
-            off = make_layer_run(*inp.args(), **inp.kwargs(), stage="fused", check_values=False, pdl=False)
+            on = make_layer_run(*inp.args(), **inp.kwargs(), stage="fused", check_values=False, pdl=True)
+            off = make_layer_run(*inp.args(), **inp.kwargs(), stage="fused", check_values=False)
             eq = bool(torch.equal(on(), off())) and on.pdl and not off.pdl
             if T == 1:
                 for label, run in (("pdl", on), ("no_pdl", off)):

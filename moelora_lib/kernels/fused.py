@@ -78,10 +78,11 @@ tile holds an expert's ~100 pairs and so all 8 adapters whatever their order. Th
 prefill, where the per-adapter loop is serial: a ``while`` loop of dependent loads and dots). ``tuned``
 stays the stage to use.
 
-**Third round (issue 13, 2026-12-03): programmatic dependent launch.** On Hopper
-(:func:`~.launchers.pdl_supported`)
-the layer's chain — gate_up_shrink, fused_gate_up, down_shrink, fused_down, the top-k sum — is launched with
-PDL (:class:`~.stages.LayerRun`'s ``pdl``, Triton's ``launch_pdl``; the ``USE_PDL`` constexpr of the kernels):
+**Third round (issue 13, 2026-12-03): programmatic dependent launch.** With ``pdl=True`` (Hopper,
+:func:`~.launchers.pdl_supported`; off by default: only a development run of an earlier form has been
+measured, docs/perf_notes.md) the layer's chain — gate_up_shrink, fused_gate_up, down_shrink, fused_down, the
+top-k sum — is launched with PDL (:class:`~.stages.LayerRun`'s ``pdl``, Triton's ``launch_pdl``; the
+``USE_PDL`` constexpr of the kernels):
 a launch may start while the previous one drains; each program waits (``griddepcontrol.wait``) before it
 reads anything the previous launch wrote or writes anything. The shrinks and the top-k sum then let the next
 launch start at once (``griddepcontrol.launch_dependents``); the fused GEMMs only after their K loop: in a

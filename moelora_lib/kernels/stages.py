@@ -34,7 +34,6 @@ from .launchers import (
     lora_shrink_args,
     lora_shrink_rows,
     lora_shrink_rows_args,
-    pdl_supported,
     rank_stride,
 )
 from .topk_reduce import topk_reduce
@@ -118,11 +117,11 @@ class Stage:
 
     def uses_pdl(self, device, pdl: bool | None = None) -> bool:
         """Whether a layer of this stage on ``device`` launches with programmatic dependent launch
-        (:class:`LayerRun`'s ``pdl``): None = on for ``fused_gemm`` stages where
-        :func:`~.launchers.pdl_supported`; True/False as given. Raises ValueError for a non-bool, or True
-        in a stage without ``fused_gemm`` or on a device without PDL."""
+        (:class:`LayerRun`'s ``pdl``): None = off (the default: the final PDL version is not measured on
+        the GPU yet, notebook 12's lever ``fused_pdl``); True/False as given. Raises ValueError for a
+        non-bool, or True in a stage without ``fused_gemm`` or on a device without PDL."""
         if pdl is None:
-            return bool(self.fused_gemm) and pdl_supported(device)
+            return False
         check_bool("pdl", pdl)
         if pdl and not self.fused_gemm:
             raise ValueError(f"pdl=True applies to stage 'fused' only, got stage {self.name!r}")
@@ -279,10 +278,11 @@ class LayerRun:
     * ``pdl``: stages with ``fused_gemm`` only — launch the layer's kernels (the shrinks, the fused GEMMs,
       the top-k sum) with programmatic dependent launch (PDL, Hopper): each launch may start while the
       previous one drains, and each program waits (``griddepcontrol.wait``) before its first load; both
-      split-K intermediates are zeroed up front, so no memset sits between two launches. None (default)
-      = on where :func:`~.launchers.pdl_supported` (a CUDA device of compute capability ≥ 9.0), off
-      elsewhere; True on another device raises ValueError. The result does not depend on it (same
-      kernels, same order of arithmetic: bit-identical).
+      split-K intermediates are zeroed up front, so no memset sits between two launches. None or False
+      (default) = off; True needs :func:`~.launchers.pdl_supported` (a CUDA GPU of compute capability
+      ≥ 9.0), else ValueError. Off by default: only a development run has measured it (docs/perf_notes.md),
+      and not its final form. The result does not depend on it (same kernels, same order of arithmetic:
+      bit-identical).
 
     Stages with ``fused_gemm`` (stage ``fused``) run :data:`FUSED_LAUNCH_OPS` instead of the seven
     launches: ``gate_up_shrink`` into a [T·K, S, R16] float32 intermediate (``inter_gate_up`` buffer

@@ -410,11 +410,11 @@ LEVERS: dict[str, tuple[str, tuple[str, ...], str, bool | None]] = {
     "fused_v1": (STAGE, ("base", "total"), "default", False),
     "fused_pair_order": (STAGE, ("base", "total"), "stage_cfg", False),
     "tuned_deterministic": (BASELINE, ("lora", "total"), "deterministic", None),
-    "fused_no_pdl": (STAGE, ("base", "total"), "stage_cfg", None),
+    "fused_pdl": (STAGE, ("base", "total"), "stage_cfg", None),
 }
-#: Levers that switch programmatic dependent launch (:class:`~moelora_lib.kernels.LayerRun`'s ``pdl``) away
-#: from the stage's choice (on for ``fused`` on the H200): ``fused_no_pdl`` is the stage as it is, PDL off.
-LEVER_PDL: dict[str, bool] = {"fused_no_pdl": False}
+#: Levers that switch programmatic dependent launch on (:class:`~moelora_lib.kernels.LayerRun`'s ``pdl``;
+#: off by default): ``fused_pdl`` is the stage as it is, with PDL.
+LEVER_PDL: dict[str, bool] = {"fused_pdl": True}
 
 
 def bench_levers(
@@ -479,8 +479,8 @@ def levers_table(levers_df, df):
     (``12_fused.csv``): ``v1_*`` (first round), ``pair_*`` (tuned configs, pair order), ``fused_*`` (the
     stage: tuned configs, adapter order), ``tuned_*`` and ``det_*`` (``tuned`` deterministic); ``*_lora`` =
     whole − base for the fused variants, the LoRA launches for ``tuned``/``det``; ``tuned_split_k`` = the
-    largest SPLIT_K of the shipped shrinks (from the config string); ``nopdl_base``/``nopdl_total`` (the
-    stage with PDL off), only where the lever ``fused_no_pdl`` was timed."""
+    largest SPLIT_K of the shipped shrinks (from the config string); ``pdl_base``/``pdl_total`` (the
+    stage with PDL on), only where the lever ``fused_pdl`` was timed."""
     import re
 
     import pandas as pd
@@ -501,9 +501,9 @@ def levers_table(levers_df, df):
     out["tuned_base"], out["tuned_lora"], out["tuned_total"] = p["base"], p["lora"], p["total"]
     p = piv(lv[lv.lever == "tuned_deterministic"])
     out["det_lora"], out["det_total"] = p["lora"], p["total"]
-    if (lv.lever == "fused_no_pdl").any():  # runs before this lever existed have no such rows
-        p = piv(lv[lv.lever == "fused_no_pdl"])
-        out["nopdl_base"], out["nopdl_total"] = p["base"], p["total"]
+    if (lv.lever == "fused_pdl").any():  # runs before this lever existed have no such rows
+        p = piv(lv[lv.lever == "fused_pdl"])
+        out["pdl_base"], out["pdl_total"] = p["base"], p["total"]
     t = df[(df.stage == BASELINE) & (df.part == "total")].set_index(["model", "T"]).config
     out["tuned_split_k"] = t.map(
         lambda c: max(int(x) for x in re.findall(r"shrink=m\d+n\d+k\d+g\d+s(\d+)", c))

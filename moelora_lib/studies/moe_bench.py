@@ -624,7 +624,7 @@ def bench_layer(
     Args: a :class:`Workload`, or the keyword form of :func:`layer_inputs` (``weights`` reuses
         expert/adapter weights); config: a LayerConfig (None = :func:`moelora_lib.kernels.default_config`
         for this T); adapter_order: the base alignment's order (:func:`make_run`; None = the stage's);
-        pdl: programmatic dependent launch (:func:`make_run`; None = the stage's: on for ``fused`` on Hopper).
+        pdl: programmatic dependent launch (:func:`make_run`; None = off; True: stage ``fused`` on Hopper).
     Returns:
         rows (:func:`moelora_lib.studies.bench.result_row`) with stage, part, model, T, H, I, E, K, L, R, S,
         dtype, activation, bias, pattern, config, config_source, mode, ms_p50, ms_p20, ms_p80, us_p50,

@@ -70,10 +70,11 @@ PREDICTED_PREFILL_EXTRA_US = {"gpt-oss-20b": (47.0, 27.0), "qwen3-30b-a3b": (32.
 #: * whole: ``fused`` ≤ ``tuned`` at T ≤ 256, ≤ 1.1× ``tuned`` at T ≥ 1600.
 #: * pdl (third round, written 2026-12-03 before its GPU run): programmatic dependent launch between the
 #:   layer's launches (shrink, fused gate_up, shrink, fused down, top-k sum; both memsets hoisted before the
-#:   chain) saves no_pdl − pdl = 3–8 µs of the whole layer at T ≤ 8: notebook 12's timeline showed 0.3–0.6 µs
-#:   idle before each launch, and each launch's ramp (its first dependent alignment loads, ~0.5–1 µs from
-#:   DRAM) now overlaps the previous launch's drain, over 5 boundaries plus one memset fewer inside the
-#:   chain; from T = 64 on the same few µs are ≤ 2 % of the layer: pdl ÷ no_pdl within 0.98–1.00.
+#:   chain) saves fused − fused_pdl = 3–8 µs of the whole layer at T ≤ 8: notebook 12's timeline showed
+#:   0.3–0.6 µs idle before each launch, and each launch's ramp (its first dependent alignment loads,
+#:   ~0.5–1 µs from DRAM) now overlaps the previous launch's drain, over 5 boundaries plus one memset fewer
+#:   inside the chain; from T = 64 on the same few µs are ≤ 2 % of the layer: fused_pdl ÷ fused within
+#:   0.98–1.00.
 LEVER_PREDICTIONS = {
     "configs": (0.90, 1.05),
     "order_prefill_max": 0.5,
@@ -435,7 +436,7 @@ def _levers_text(lt: pd.DataFrame) -> str:
     lines = [
         "**Second round, lever by lever** (this run; µs p50; `v1` = the first round's default configs "
         "and pair order, `pair` = tuned fused-GEMM configs with the pair order, `fused` = the stage "
-        "now: tuned configs, adapter order and, on the H200, PDL; LoRA part = whole − base for the fused "
+        "now: tuned configs, adapter order; LoRA part = whole − base for the fused "
         "variants; `det` = "
         "`tuned` with SPLIT_K = 1 on both shrinks):",
         f"- tuned fused-GEMM configs: base part `pair` ÷ `tuned` {_range(lt.cfg_x)} (predicted "
@@ -451,16 +452,16 @@ def _levers_text(lt: pd.DataFrame) -> str:
         f"{held(n_ws, len(small))}), {_range(pre.whole_x)} at T ≥ 1600 (predicted ≤ {whole_max}: "
         f"{held(n_wp, len(pre))}).",
     ]
-    has_pdl = "nopdl_total" in lt.columns
+    has_pdl = "pdl_total" in lt.columns
     if has_pdl:
         plo, phi = P["pdl_decode_us"]
         rlo, rhi = P["pdl_rest"]
-        lt = lt.assign(pdl_saved=lt.nopdl_total - lt.fused_total, pdl_x=lt.fused_total / lt.nopdl_total)
+        lt = lt.assign(pdl_saved=lt.fused_total - lt.pdl_total, pdl_x=lt.pdl_total / lt.fused_total)
         d8, rest = lt[lt["T"] <= 8], lt[lt["T"] > 8]
         n_pd = int(d8.pdl_saved.between(plo, phi).sum())
         n_pr = int(rest.pdl_x.between(rlo, rhi).sum())
         lines.append(
-            f"- programmatic dependent launch (third round; `fused` ÷ `fused` with PDL off): at T ≤ 8 the "
+            f"- programmatic dependent launch (third round; `fused` with PDL ÷ `fused`): at T ≤ 8 the "
             f"layer is {_us_range(d8.pdl_saved)} µs faster with PDL (predicted {plo:g}–{phi:g} µs: "
             f"{held(n_pd, len(d8))}); from T = 64 on {_range(rest.pdl_x)} (predicted {rlo:.2f}–{rhi:.2f}: "
             f"{held(n_pr, len(rest))})."
@@ -468,14 +469,14 @@ def _levers_text(lt: pd.DataFrame) -> str:
     lines += [
         "",
         "| model | T | v1 total | pair total | fused total | tuned total | pair LoRA | fused LoRA "
-        "| tuned LoRA | det LoRA | SPLIT_K |" + (" no-PDL total |" if has_pdl else ""),
+        "| tuned LoRA | det LoRA | SPLIT_K |" + (" PDL total |" if has_pdl else ""),
         "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if has_pdl else ""),
     ]
     for _, r in lt.iterrows():
         lines.append(
             f"| {r.model} | {int(r['T'])} | {r.v1_total:.1f} | {r.pair_total:.1f} | {r.fused_total:.1f} | "
             f"{r.tuned_total:.1f} | {r.pair_lora:.1f} | {r.fused_lora:.1f} | {r.tuned_lora:.1f} | "
-            f"{r.det_lora:.1f} | {int(r.tuned_split_k)} |" + (f" {r.nopdl_total:.1f} |" if has_pdl else "")
+            f"{r.det_lora:.1f} | {int(r.tuned_split_k)} |" + (f" {r.pdl_total:.1f} |" if has_pdl else "")
         )
     return "\n".join(lines)
 

@@ -299,7 +299,8 @@ def test_bench_levers_bad_arguments():
     for kw, match in [
         (dict(levers=[]), "non-empty list of distinct"),
         (dict(levers=["fused_v1", "fused_v1"]), "non-empty list of distinct"),
-        (dict(levers=None), "non-empty list of distinct"),
+        (dict(levers=5), "non-empty list of distinct"),  # None is the default: every lever the device runs
+        (dict(levers=["fused_pdl"]), "pdl=True needs a CUDA GPU"),  # asked for on the CPU
         (dict(levers=["nope"]), "levers must be names of"),
         (dict(T=0), "T must be an int >= 1"),
     ]:

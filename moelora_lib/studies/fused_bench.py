@@ -421,7 +421,7 @@ def bench_levers(
     shape,
     T: int,
     *,
-    levers: Sequence[str] = tuple(LEVERS),
+    levers: Sequence[str] | None = None,
     rank: int = 32,
     num_adapters: int = 8,
     weights=None,
@@ -434,12 +434,18 @@ def bench_levers(
     """Time each lever of :data:`LEVERS` at one (model, T) with :func:`~.moe_bench.bench_layer` (uniform
     adapter ids, silu, no biases: the anchor setting); rows as bench_layer's plus ``lever``.
 
-    ``levers``: one name or a list of distinct names. Raises ValueError for an unknown, repeated or empty
-    lever list, or T not an int ≥ 1."""
+    ``levers``: one name or a list of distinct names; None = every lever that can run on ``device``
+    (``fused_pdl`` needs :func:`~moelora_lib.kernels.launchers.pdl_supported`). Raises ValueError for an
+    unknown, repeated or empty lever list, or T not an int ≥ 1 (and, from the layer, for ``fused_pdl``
+    asked for where PDL cannot apply)."""
     from ..kernels import STAGES
     from ..kernels.fused import fused_default_config
     from ..shapes import Dims, get_shape
 
+    if levers is None:
+        from ..kernels.launchers import pdl_supported
+
+        levers = [lv for lv in LEVERS if not LEVER_PDL.get(lv) or pdl_supported(device)]
     levers = [levers] if isinstance(levers, str) else levers
     if not isinstance(levers, (list, tuple)) or not levers or len(set(levers)) != len(levers):
         raise ValueError(

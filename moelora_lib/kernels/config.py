@@ -30,7 +30,8 @@ class OpConfig:
     Attributes:
         BLOCK_SIZE_M/N/K: tile sizes, powers of two ≥ 16 (tl.dot's minimum).
         GROUP_SIZE_M: grouped program order (1 = row-major), ≥ 1.
-        SPLIT_K: programs sharing one output tile along K (shrink only), power of two ≥ 1.
+        SPLIT_K: programs sharing one output tile along K, power of two ≥ 1 (the shrinks; and stage
+            ``fused``'s down GEMM, ``base_down``, at decode; 1 everywhere else).
         NUM_WARPS: warps per program, power of two.
         NUM_STAGES: software-pipelining depth, ≥ 1.
     Raises:
@@ -115,9 +116,12 @@ class LayerConfig:
         bms = {op: getattr(self, op).BLOCK_SIZE_M for op in LORA_OPS}
         if len(set(bms.values())) != 1:
             raise ValueError(f"the four LoRA ops must share BLOCK_SIZE_M, got {bms}")
-        for op in ("gate_up_expand", "down_expand", "base_gate_up", "base_down"):
+        for op in ("gate_up_expand", "down_expand", "base_gate_up"):
             if getattr(self, op).SPLIT_K != 1:
-                raise ValueError(f"{op}: SPLIT_K must be 1 (split-K is for the shrink ops only)")
+                raise ValueError(
+                    f"{op}: SPLIT_K must be 1 (split-K is for the shrink ops and stage fused's down GEMM "
+                    "only)"
+                )
 
     @property
     def lora_block_size_m(self) -> int:
@@ -132,15 +136,15 @@ class LayerConfig:
 
     @property
     def is_deterministic(self) -> bool:
-        """True when no launch splits K (SPLIT_K = 1 on both shrinks): every launch of the layer then
-        writes each output element from one program in a fixed order, so repeated calls on the same
-        inputs and config give the same bits on the same GPU and software."""
-        return all(getattr(self, op).SPLIT_K == 1 for op in LORA_OPS)
+        """True when no launch splits K (SPLIT_K = 1 on both shrinks and on ``base_down``): every launch
+        of the layer then writes each output element from one program in a fixed order, so repeated
+        calls on the same inputs and config give the same bits on the same GPU and software."""
+        return all(getattr(self, op).SPLIT_K == 1 for op in LORA_OPS + ("base_down",))
 
     def deterministic(self) -> LayerConfig:
-        """This config with SPLIT_K = 1 on the two shrinks (the only launches that split K: their
-        relaxed fp32 atomic adds, vLLM PRs #27291/#27818, reach each output element in an order
-        the hardware picks, so split-K results can differ in the last bits from call to call).
+        """This config with SPLIT_K = 1 on the two shrinks and on ``base_down`` (the only launches that
+        split K: their relaxed fp32 atomic adds, vLLM PRs #27291/#27818, reach each output element in an
+        order the hardware picks, so split-K results can differ in the last bits from call to call).
         Every other field is kept; ``source`` gets ``+deterministic`` appended. Returns ``self`` when
         it already is deterministic. The cost is the split-K speed-up of the thin shrink GEMMs
         (notebook 04 measures SPLIT_K against 1)."""
@@ -150,6 +154,7 @@ class LayerConfig:
             self,
             gate_up_shrink=replace(self.gate_up_shrink, SPLIT_K=1),
             down_shrink=replace(self.down_shrink, SPLIT_K=1),
+            base_down=replace(self.base_down, SPLIT_K=1),
             source=self.source + "+deterministic",
         )
 

@@ -513,7 +513,7 @@ def fused_moe_lora_args(
     [E, H, I], out = y [T·K, H], topk_weights required). ``inter``/``lora_b``/``lora_ids`` together or
     not at all (HAS_LORA).
     """
-    assert cfg.BLOCK_SIZE_M == align.block_size_m and cfg.SPLIT_K == 1
+    assert cfg.BLOCK_SIZE_M == align.block_size_m and (cfg.SPLIT_K == 1 or activation is None)
     E, N, K = w.shape
     has_lora = inter is not None
     assert has_lora == (lora_b is not None) == (lora_ids is not None)
@@ -551,7 +551,10 @@ def fused_moe_lora_args(
         args = head + (inter, b5, ids) + counts + (inter_size, K, top_k, R, L, NS) + strides
         return "fused_moe_lora_act", grid, args, dict(cx, ACTIVATION=activation)
     assert topk_weights is not None
-    grid = (align.num_blocks * triton.cdiv(N, cfg.BLOCK_SIZE_N),)
+    if cfg.SPLIT_K > 1:  # split-K partial sums are added into a zeroed fp32 y
+        assert out.dtype == torch.float32
+        cx["SPLIT_K"] = cfg.SPLIT_K
+    grid = (align.num_blocks * triton.cdiv(N, cfg.BLOCK_SIZE_N) * cfg.SPLIT_K,)
     args = head + (topk_weights, inter, b5, ids) + counts + (N, K, top_k, R, L) + strides
     return "fused_moe_lora", grid, args, cx
 

@@ -149,6 +149,8 @@ class Stage:
                 new["GROUP_SIZE_M"] = 1
             if new:
                 changes[op] = replace(c, **new)
+        if not self.fused_gemm and cfg.base_down.SPLIT_K != 1:  # only stage fused's down GEMM splits K
+            changes["base_down"] = replace(cfg.base_down, SPLIT_K=1)
         return replace(cfg, **changes) if changes else cfg
 
 
@@ -378,6 +380,10 @@ class LayerRun:
         self.y = self.buffers.get("y")
         if self.y is None:
             self.y = torch.empty((P, H), dtype=dt, device=dev)
+        # stage fused with SPLIT_K > 1 on its down GEMM: the programs add their shares into a zeroed
+        # fp32 y (``buffers["y32"]`` or a new one per call), which the top-k sum rounds to y's dtype once
+        self._y_split = stage.fused_gemm and self.cfg.base_down.SPLIT_K > 1
+        self._y32: torch.Tensor | None = None
         self.g = None
 
     @property
@@ -524,14 +530,16 @@ class LayerRun:
     def reduce(self) -> torch.Tensor:
         # one kernel for every caller (same summation order); NaN rows for bad ids when they were not
         # checked (the serving layer) instead of summing stale pair rows
+        y = self._y32 if self._y_split and self._y32 is not None else self.y
         return topk_reduce(
-            self.y,
+            y,
             self.topk_ids,
             self.w13.shape[0],
             self.lora_ids,
             self.L,
             check_ids=self.nan_on_bad_ids,
             pdl=self.pdl,
+            out_dtype=self.x.dtype,
         )
 
     # --- stages with fused_gemm (stage ``fused``) -----------------------------------------------
@@ -598,7 +606,7 @@ class LayerRun:
             return dict(
                 x=self._g_buf,
                 w=self.w2,
-                out=self.y,
+                out=self._y32_buf() if self._y_split else self.y,
                 bias=self.b2,
                 topk_weights=self.topk_w,
                 inter=inter,
@@ -607,14 +615,43 @@ class LayerRun:
             )
         raise ValueError(f"op must be one of {FUSED_LAUNCH_OPS}, got {op!r}")
 
-    def _fused_gemm(self, op: str, inter: torch.Tensor | None, cfg: OpConfig | None = None):
+    def _y32_buf(self) -> torch.Tensor:
+        """The fp32 [T·K, H] y of a split-K down GEMM (``buffers["y32"]`` or a new one, kept for the
+        call); its values are whatever the last launch left (:meth:`_zero_y32` zeroes it)."""
+        if self._y32 is None:
+            buf = self.buffers.get("y32")
+            if buf is None:
+                buf = torch.empty(self.y.shape, dtype=torch.float32, device=self.x.device)
+            self._y32 = buf
+        return self._y32
+
+    def _zero_y32(self) -> None:
+        self._y32_buf().zero_()
+
+    def _fused_gemm(
+        self, op: str, inter: torch.Tensor | None, cfg: OpConfig | None = None, zero_y: bool = True
+    ):
+        c = self._op_cfg(op, cfg)
+        if op == "fused_down" and self._y_split:
+            if c.SPLIT_K == 1:
+                raise ValueError(
+                    "fused_down: this layer's down GEMM splits K (fp32 y); a replacement config must keep "
+                    f"SPLIT_K > 1, got {c}"
+                )
+            if zero_y:  # the split-K programs add into y
+                self._zero_y32()
+        elif c.SPLIT_K != 1 and op == "fused_down":
+            raise ValueError(
+                "fused_down: SPLIT_K > 1 needs a layer whose config splits the down GEMM (fp32 y), "
+                f"got {c} for a layer with base_down SPLIT_K = 1"
+            )
         io = self._fused_io(op, inter)
         fused_moe_lora(
             io.pop("x"),
             io.pop("w"),
             io.pop("out"),
             self.base_align,
-            self._op_cfg(op, cfg),
+            c,
             top_k=self.K,
             pdl=self.pdl,
             **io,
@@ -624,9 +661,11 @@ class LayerRun:
         lora13 = with_lora and self.lora_align is not None
         lora2 = with_lora and self.lora_align_down is not None
         inter13 = inter2 = None
-        if self.pdl:  # both memsets first: the launches after them form one PDL chain
+        if self.pdl:  # every memset first: the launches after them form one PDL chain
             inter13 = self._zeroed_inter("gate_up") if lora13 else None
             inter2 = self._zeroed_inter("down") if lora2 else None
+            if self._y_split:
+                self._zero_y32()
         if lora13:
             buf = inter13 if self.pdl else self.buffers.get("inter_gate_up")
             inter13 = self._rows_shrink("gate_up", inter=buf, zero=not self.pdl)
@@ -635,7 +674,7 @@ class LayerRun:
         if lora2:
             buf = inter2 if self.pdl else self.buffers.get("inter_down")
             inter2 = self._rows_shrink("down", inter=buf, zero=not self.pdl)
-        self._fused_gemm("fused_down", inter2)
+        self._fused_gemm("fused_down", inter2, zero_y=not self.pdl)
         return self.reduce()
 
     # --- groupings used by callers and benchmarks ---------------------------------------------

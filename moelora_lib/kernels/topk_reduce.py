@@ -4,10 +4,10 @@ Every :class:`~moelora_lib.kernels.LayerRun` reduces with it (so the module and 
 the same order, bit for bit); the serving layer asks for the id check.
 
 
-``out[t] = Σ_k y[t·K + k]`` (fp32 accumulation, k ascending, one rounding to y's dtype) — what
-``y.view(T, K, H).sum(dim=1)`` computes — in one launch, with one difference: a token whose top-k ids
-leave [0, E) or whose adapter id leaves [-1, L) gets a NaN row. Such pairs are dropped by the alignment
-(never read or written out of bounds), so their ``y`` rows hold whatever an earlier call left in the
+``out[t] = Σ_k y[t·K + k]`` (fp32 accumulation, k ascending, one rounding to out's dtype, by default
+y's) — what ``y.view(T, K, H).sum(dim=1)`` computes — in one launch, with one difference: a token
+whose top-k ids leave [0, E) or whose adapter id leaves [-1, L) gets a NaN row. Such pairs are dropped by the
+alignment (never read or written out of bounds), so their ``y`` rows hold whatever an earlier call left in the
 scratch; summing them would hand one request another request's activations. The serving layer
 (:class:`moelora_lib.MoELoRALayer`) checks no id values (that would need a host sync), so it uses this
 reduction: bad ids show up as NaN rows instead of silently wrong or leaked values. NaN router logits
@@ -83,6 +83,7 @@ def topk_reduce(
     check_ids: bool = True,
     out: torch.Tensor | None = None,
     pdl: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``y.view(T, K, H).sum(dim=1)`` with NaN rows for tokens with out-of-range ids (module docstring).
 
@@ -91,11 +92,13 @@ def topk_reduce(
         topk_ids: [T, K] int32/int64 (any strides). num_experts: E.
         lora_ids: [T] int32/int64 or None (then adapter ids are not checked); num_adapters: L.
         check_ids: False = the plain sum (ids already checked by the caller; no id loads).
-        out: optional [T, H] of y's dtype (rows contiguous); None allocates.
+        out: optional [T, H] of ``out_dtype`` (rows contiguous); None allocates.
+        out_dtype: the output's dtype (float16/bfloat16/float32; default: out's, else y's): stage
+            ``fused``'s split-K down GEMM leaves an fp32 y that is rounded here once.
         pdl: launch with programmatic dependent launch behind the kernel that wrote ``y`` (stage
             ``fused`` on Hopper; :func:`~moelora_lib.kernels.launchers.pdl_supported`).
     Returns:
-        [T, H] of y's dtype.
+        [T, H] of ``out_dtype``.
     Raises:
         ValueError naming the argument for shapes/dtypes that do not fit, a non-bool ``pdl`` or
         ``pdl=True`` where :func:`~moelora_lib.kernels.launchers.pdl_supported` is False.
@@ -113,10 +116,16 @@ def topk_reduce(
     from .launchers import check_pdl  # lazy: launchers imports the MoE kernels
 
     check_pdl(pdl, y.device)
+    if out_dtype is None:
+        out_dtype = y.dtype if out is None else out.dtype
+    if out_dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(
+            f"out_dtype must be torch.float16, torch.bfloat16 or torch.float32, got {out_dtype!r}"
+        )
     if out is None:
-        out = torch.empty((T, H), dtype=y.dtype, device=y.device)
-    elif out.shape != (T, H) or out.dtype != y.dtype or out.stride(1) != 1:
-        raise ValueError(f"out must be a {y.dtype} tensor [T={T}, H={H}] with contiguous rows")
+        out = torch.empty((T, H), dtype=out_dtype, device=y.device)
+    elif out.shape != (T, H) or out.dtype != out_dtype or out.stride(1) != 1:
+        raise ValueError(f"out must be a {out_dtype} tensor [T={T}, H={H}] with contiguous rows")
     if T == 0:
         return out
     grid, args, constexprs = reduce_launch_args(

@@ -578,9 +578,19 @@ def _fused_moe_lora_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_LORA: tl.constexpr,
     USE_PDL: tl.constexpr = False,
+    SPLIT_K: tl.constexpr = 1,
 ):
-    """y[p] = (g[p]·W2[e]ᵀ + LoRA delta (+ b2[e]))·w[p] over the base alignment (rows are pairs)."""
+    """y[p] = (g[p]·W2[e]ᵀ + LoRA delta (+ b2[e]))·w[p] over the base alignment (rows are pairs).
+
+    SPLIT_K > 1 (decode): program (pid, s) covers the K blocks s·KB/SPLIT_K … (s+1)·KB/SPLIT_K and adds
+    its share times w[p] into a zeroed fp32 ``out`` with a relaxed atomic add; split 0 adds the LoRA
+    delta and the bias (the sum is linear, so the shares add up to the unsplit row)."""
     pid = tl.program_id(0)
+    if SPLIT_K > 1:
+        pid_k = pid % SPLIT_K
+        pid = pid // SPLIT_K
+    else:
+        pid_k = 0
     num_pid_n = tl.cdiv(N, BLOCK_SIZE_N)
     pid_m, pid_n = _pid_to_mn(pid, num_blocks, num_pid_n, GROUP_SIZE_M)
     if USE_PDL:  # as in the gate_up kernel: every program waits before its first load
@@ -598,10 +608,14 @@ def _fused_moe_lora_kernel(
     n_mask = offs_n < N
     offs_n_ld = tl.where(n_mask, offs_n, 0).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_SIZE_K)
-    x_ptrs = x_ptr + pair_ld[:, None] * stride_xm + offs_k[None, :] * stride_xk
-    w_ptrs = w_ptr + expert * stride_we + offs_n_ld[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    num_k = tl.cdiv(K, BLOCK_SIZE_K)
+    k_lo = (pid_k * num_k) // SPLIT_K
+    k_hi = ((pid_k + 1) * num_k) // SPLIT_K
+    x_ptrs = x_ptr + pair_ld[:, None] * stride_xm + (k_lo * BLOCK_SIZE_K + offs_k)[None, :] * stride_xk
+    w_ptrs = w_ptr + expert * stride_we + offs_n_ld[None, :] * stride_wn
+    w_ptrs += (k_lo * BLOCK_SIZE_K + offs_k)[:, None] * stride_wk
     acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_SIZE_K)):
+    for k in range(k_lo, k_hi):
         if EVEN_K:
             xa = tl.load(x_ptrs)
             wa = tl.load(w_ptrs)
@@ -614,7 +628,7 @@ def _fused_moe_lora_kernel(
         w_ptrs += BLOCK_SIZE_K * stride_wk
     if USE_PDL:  # as in the gate_up kernel: the next launch may start once the K loops are done
         gdc_launch_dependents()
-    if HAS_LORA:  # the expand of the down LoRA, in this tile: one pass per adapter present
+    if HAS_LORA and pid_k == 0:  # the expand of the down LoRA, in this tile: one pass per adapter present
         lid = _row_adapters(lora_ids_ptr, pair_ld, row_mask, top_k, num_adapters)
         cur = tl.min(tl.where(lid >= 0, lid, num_adapters))
         while cur < num_adapters:
@@ -624,13 +638,16 @@ def _fused_moe_lora_kernel(
                 stride_br, BLOCK_SIZE_R,
             )  # fmt: skip
             cur = tl.min(tl.where(lid > cur, lid, num_adapters))
-    if HAS_BIAS:
+    if HAS_BIAS and pid_k == 0:
         bias = tl.load(bias_ptr + expert * stride_ce + offs_n * stride_cn, mask=n_mask, other=0.0)
         acc = acc + bias.to(tl.float32)[None, :]
     wt = tl.load(topk_w_ptr + pair, mask=row_mask, other=0.0)
     acc = acc * wt[:, None]
     out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+    if SPLIT_K > 1:
+        tl.atomic_add(out_ptrs, acc, mask=row_mask[:, None] & n_mask[None, :], sem="relaxed")
+    else:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
 
 # Arguments whose values follow the prompt length (vLLM #27445 marked the same kind of arguments).

@@ -694,3 +694,31 @@ def test_pdl_lever_column_and_line(data):
     assert "at T ≤ 8 the layer is 5.0 µs faster with PDL (predicted 3–8 µs: held at all 4)" in text
     assert f"(predicted 0.98–1.00: held at {n_rest} of 8)" in text and 0 < n_rest < 8
     assert "| PDL total |" in text
+
+
+def test_fused_deterministic_lever_column_and_line(data):
+    # the fourth round's lever: the stage with SPLIT_K = 1 everywhere, 4 % slower where its config splits
+    # K (the fused rows' config strings: T = 1 splits the down GEMM, T = 8 a shrink) and 1 % elsewhere
+    df, lv = _with_levers(data)
+    fz = (df.stage == "fused") & (df.part == "total")
+    df.loc[fz, "config"] = [
+        f"base_gate_up=m16n64k64g1s1w4st4;base_down=m16n128k64g1s{8 if int(T) == 1 else 1}w4st4;"
+        f"gate_up_shrink=m16n32k64g8s{4 if int(T) == 8 else 1}w4st3"
+        for T in df.loc[fz, "T"]
+    ]
+    f = df[(df.stage == "fused") & df.part.isin(["base", "total"])]
+    slow = f["T"].isin([1, 8]).map({True: 1.04, False: 1.01})
+    extra = f.assign(lever="fused_deterministic", us_p50=f.us_p50 * slow)[
+        ["lever", "model", "T", "part", "us_p50"]
+    ]
+    lt = fb.levers_table(pd.concat([lv, extra], ignore_index=True), df).set_index(["model", "T"])
+    assert lt.fused_split_k.to_dict() == {
+        (m, T): (8 if T == 1 else 4 if T == 8 else 1) for m in MODELS for T in TOKENS
+    }
+    assert "fdet_total" not in fb.levers_table(lv, df).columns  # older runs: no such lever, no column
+    text = nb12.conclusion(
+        df, data["checks"], data["targets"], data["launches"], profile="gpu", anchors=data["anchors"],
+        levers=lt.reset_index(),
+    )  # fmt: skip
+    assert "whole layer 1.04× where the stage splits K (4 points; predicted 1.00–1.10: held at all 4)" in text
+    assert "1.01× where nothing splits (8 points; predicted 0.98–1.02: held at all 8)" in text

@@ -262,6 +262,61 @@ def test_pdl_griddepcontrol_only_when_asked(report):
         assert v["plain"] == {"wait": 0, "launch_dependents": 0}, (op, v)
 
 
+# ---- the down GEMM split over K at decode (fourth round) -----------------------------------------------
+def test_split_down_compiles_to_atomics(report):
+    # SPLIT_K 8 on the down GEMM: 8× the programs, fp32 relaxed atomic adds into an fp32 y, no spills;
+    # unsplit: plain stores into y of the activations' dtype
+    s = report["split_down"]
+    assert s["sk8"]["grid"] == 8 * s["sk1"]["grid"], s
+    assert s["sk8"]["atom_add_f32"] >= 1 and s["sk1"]["atom_add_f32"] == 0, s
+    assert s["sk8"]["LOCAL"] == 0 and s["sk1"]["LOCAL"] == 0, s
+    assert s["sk8"]["out_dtype"] == "torch.float32" and s["sk1"]["out_dtype"] == "torch.bfloat16", s
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("shape", [TINY, TINY_OSS], ids=["silu", "swigluoai_bias"])
+def test_split_down_matches_reference_and_unsplit(shape, dtype):
+    # the down GEMM with K split over 2 and 4 programs (I = 32, BLOCK_SIZE_K 16: 1 K block each at 2,
+    # and at 4 two programs get none and add exact zeros): the LoRA delta and the bias once, every share
+    # times the routing weight, one rounding in the top-k sum
+    inp = _inputs(shape, dtype, num_tokens=13)
+    ref = moe_lora_reference(*inp.args(), **inp.kwargs())
+    cfg = _cfg(bk=16)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for sk in (2, 4):
+        c = cfg.replace(base_down=OpConfig(16, 32, 16, 4, sk, 4, 2))
+        assert not c.is_deterministic and c.deterministic().base_down.SPLIT_K == 1
+        out = fused_moe_lora(*inp.args(), **inp.kwargs(), stage="fused", config=c)
+        one = fused_moe_lora(*inp.args(), **inp.kwargs(), stage="fused", config=c, deterministic=True)
+        assert out.dtype == dtype and out.shape == ref.shape
+        assert_close_rel(out, ref, tol=tol, what=f"split-K {sk} down vs reference")
+        assert_close_rel(out, one, tol=tol, what=f"split-K {sk} down vs SPLIT_K 1")
+        run = make_layer_run(*inp.args(), **inp.kwargs(), stage="fused", config=c)
+        run()
+        assert run._y32 is not None and run._y32.dtype == torch.float32
+        # the base part alone (no LoRA) splits too; the stages without fused GEMMs never split the down GEMM
+        base = make_layer_run(*inp.args(), **inp.kwargs(), stage="fused", config=c.deterministic())
+        assert torch.equal(run.base_part(), run.base_part())  # fp32 atomics of 2 programs: order-free
+        assert_close_rel(run.base_part(), base.base_part(), tol=tol, what="split base part")
+        assert make_layer_run(*inp.args(), **inp.kwargs(), stage="tuned", config=c).cfg.base_down.SPLIT_K == 1
+        # one launch alone with a config that differs from the layer's (the tuner's path): both ways
+        base.op_fn("fused_down", c.base_down)()
+        run.op_fn("fused_down", cfg.base_down)()
+    with pytest.raises(ValueError, match="base_gate_up: SPLIT_K must be 1"):
+        cfg.replace(base_gate_up=OpConfig(16, 16, 32, 4, 2, 4, 2))
+
+
+def test_shipped_decode_config_splits_the_down_gemm_and_deterministic_clears_it():
+    from moelora_lib.configs import load_fused_config
+
+    for T, sk in ((1, 8), (8, 4), (64, 1)):
+        c = load_fused_config(Dims.of("gpt-oss-20b", T, rank=32, adapters=8), gpu_name="NVIDIA_H200")
+        assert c.base_down.SPLIT_K == sk, (T, c.base_down)
+        det = c.deterministic()
+        assert det.is_deterministic and det.base_down.SPLIT_K == 1
+        assert det.base_gate_up == c.base_gate_up
+
+
 def test_pdl_switch_validated_and_off_on_the_cpu():
     inp = _inputs(TINY, torch.float32, num_tokens=5)
     if torch.cuda.is_available():
@@ -326,9 +381,13 @@ def test_gpu_pdl_bitwise_equal_and_in_a_graph(model, T):
     bit, eagerly and replayed from a CUDA graph (fresh inputs copied in before the replay), and is within
     the bf16 tolerance of the fp32 reference."""
     inp = make_inputs(get_shape(model), T, rank=32, num_adapters=8, dtype=torch.bfloat16, device="cuda")
-    on = make_layer_run(*inp.args(), **inp.kwargs(), stage="fused", check_values=False, pdl=True)
-    off = make_layer_run(*inp.args(), **inp.kwargs(), stage="fused", check_values=False)
-    assert on.pdl and not off.pdl
+    # deterministic: the split-K atomics (shrinks, the decode down GEMM) add in an order the hardware
+    # picks, so only SPLIT_K = 1 makes two runs comparable bit for bit (a development run saw one
+    # split-K point differ in the last bits)
+    kw = dict(stage="fused", check_values=False, deterministic=True)
+    on = make_layer_run(*inp.args(), **inp.kwargs(), **kw, pdl=True)
+    off = make_layer_run(*inp.args(), **inp.kwargs(), **kw)
+    assert on.pdl and not off.pdl and on.cfg.is_deterministic
     a, b = on().clone(), off().clone()
     assert torch.equal(a, b)
     # the base part: the gate_up GEMM is then the chain's first launch, right behind the alignment

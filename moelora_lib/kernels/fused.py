@@ -99,6 +99,16 @@ Both split-K intermediates are zeroed before the chain (no memset between two of
 (the 0.3–0.6 µs idle gaps of notebook 12's timeline and each launch's first dependent loads, over five
 boundaries), ≤ 2 % from T = 64 on. The output is bit-identical with and without it.
 
+**Fourth round (issue 13, 2026-12-03): the down GEMM split over K at decode.** ``base_down.SPLIT_K`` > 1
+(this stage only; :meth:`~.stages.Stage.adapt` sets it to 1 in the others): program (tile, s) covers the
+s-th share of the K blocks and adds its share times the routing weight into a zeroed fp32 ``y`` with a
+relaxed atomic add (16-byte ``atom.add.v4.f32``); split 0 adds the LoRA delta and the bias; the top-k sum
+(:func:`~.topk_reduce.topk_reduce`, ``out_dtype``) rounds once to the activations' dtype. The gate_up GEMM
+cannot split (its activation needs all of K). Shipped for GPT-OSS-20B at T = 1 (SPLIT_K 8) and T = 8
+(SPLIT_K 4), the only points where a development sweep (data/dev/12_round4_splitk) found a split variant
+faster, by 2.0 and 5.7 µs of the whole layer (predicted ~9 µs at T = 1: docs/perf_notes.md says why it
+missed). :meth:`~.config.LayerConfig.deterministic` clears it with the shrinks' split.
+
 **Predictions (written before any GPU run; to be measured in notebook 12, H200, bf16, R = 32, 8 adapters,
 tokens spread evenly, graph replay, L2 flushed).** Per-op times are ``tuned``'s from data/07_per_op.csv.
 

@@ -587,9 +587,11 @@ class LayerRun:
             buf.zero_()
         return buf
 
-    def _fused_io(self, op: str, inter: torch.Tensor | None) -> dict[str, Any]:
+    def _fused_io(self, op: str, inter: torch.Tensor | None, split: bool | None = None) -> dict[str, Any]:
         """The keyword arguments of :func:`~.launchers.fused_moe_lora` for ``op`` (no LoRA when
-        ``inter`` is None)."""
+        ``inter`` is None); ``split``: the down GEMM splits K, so it adds into the fp32 y (default: the
+        layer's config)."""
+        split = self._y_split if split is None else split
         has = inter is not None
         if op == "fused_gate_up":
             return dict(
@@ -606,7 +608,7 @@ class LayerRun:
             return dict(
                 x=self._g_buf,
                 w=self.w2,
-                out=self._y32_buf() if self._y_split else self.y,
+                out=self._y32_buf() if split else self.y,
                 bias=self.b2,
                 topk_weights=self.topk_w,
                 inter=inter,
@@ -632,20 +634,10 @@ class LayerRun:
         self, op: str, inter: torch.Tensor | None, cfg: OpConfig | None = None, zero_y: bool = True
     ):
         c = self._op_cfg(op, cfg)
-        if op == "fused_down" and self._y_split:
-            if c.SPLIT_K == 1:
-                raise ValueError(
-                    "fused_down: this layer's down GEMM splits K (fp32 y); a replacement config must keep "
-                    f"SPLIT_K > 1, got {c}"
-                )
-            if zero_y:  # the split-K programs add into y
-                self._zero_y32()
-        elif c.SPLIT_K != 1 and op == "fused_down":
-            raise ValueError(
-                "fused_down: SPLIT_K > 1 needs a layer whose config splits the down GEMM (fp32 y), "
-                f"got {c} for a layer with base_down SPLIT_K = 1"
-            )
-        io = self._fused_io(op, inter)
+        split = op == "fused_down" and c.SPLIT_K > 1  # (a replacement config may differ from the layer's)
+        if split and zero_y:  # the split-K programs add into the fp32 y
+            self._zero_y32()
+        io = self._fused_io(op, inter, split)
         fused_moe_lora(
             io.pop("x"),
             io.pop("w"),
@@ -841,7 +833,7 @@ class LayerRun:
             return Launch(kernel, grid, args, cx, c.NUM_WARPS, c.NUM_STAGES, c)
         proj = "gate_up" if op == "fused_gate_up" else "down"
         align = self.lora_align if proj == "gate_up" else self.lora_align_down
-        io = self._fused_io(op, self._inter_rows(proj) if align is not None else None)
+        io = self._fused_io(op, self._inter_rows(proj) if align is not None else None, c.SPLIT_K > 1)
         name, grid, args, cx = fused_moe_lora_args(
             io.pop("x"), io.pop("w"), io.pop("out"), self.base_align, c, top_k=self.K, **io
         )

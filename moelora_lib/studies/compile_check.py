@@ -868,6 +868,10 @@ def _fused_meta_run(dims, *, activation: str, has_bias: bool, dtype: str, config
     from ..kernels import STAGES
 
     run.stage = replace(STAGES["fused"])
+    run.cfg = run.stage.adapt(
+        config
+    )  # the meta run was built as another stage, which never splits the down GEMM
+    run._y_split = run.cfg.base_down.SPLIT_K > 1
     run._g_buf = run._act_out()
     return run
 
@@ -897,10 +901,14 @@ def fused_report(
     no_recompile regression and its fix), and ``"fused_no_lora"``: the vector counts of both fused GEMMs
     compiled without the LoRA part (HAS_LORA False), so the loads the LoRA part adds can be read off,
     and ``"expand_tuned"``: the same counts for ``tuned``'s down expand (no_recompile's intermediate),
-    and ``"pdl"``: :func:`_pdl_report` (the ``griddepcontrol`` instructions with and without PDL).
+    and ``"pdl"``: :func:`_pdl_report` (the ``griddepcontrol`` instructions with and without PDL),
+    and ``"split_down"``: the down GEMM at T = 1 with SPLIT_K 1 and 8 (``{"sk1"|"sk8": {"REG", "LOCAL",
+    "grid", "atom_add_f32", "out_dtype"}}``: registers, grid size, atomic/reduction instructions, y's
+    dtype).
     """
     from dataclasses import replace
 
+    from ..kernels.config import OpConfig
     from ..kernels.fused import fused_default_config
     from ..kernels.stages import FUSED_CONFIG_FIELD, FUSED_LAUNCH_OPS
     from ..shapes import Dims
@@ -961,6 +969,25 @@ def fused_report(
     old = launch("down_expand", fixed_T, shape=shape, rank=rank, adapters=adapters, dtype=dtype)
     out["expand_tuned"] = global_vector_ops(ptx(compile_for_sm90(_jit(old[0], False), *old[1:5])))
     out["pdl"] = _pdl_report(run_at(fixed_T, fixed))
+    # the down GEMM split over K (the H200's decode config for GPT-OSS-20B T = 1: BLOCK_SIZE_N 128,
+    # BLOCK_SIZE_K 64, SPLIT_K 8) against the same tile unsplit: fp32 atomic adds instead of stores
+    split = {}
+    for sk in (1, 8):
+        bd = OpConfig(16, 128, 64, 1, sk, 4, 4)
+        c = fused_default_config(Dims.of(sh, 1, rank=rank, adapters=adapters))
+        c = c.replace(base_down=bd, base_gate_up=replace(c.base_gate_up, BLOCK_SIZE_M=16))
+        la = run_at(1, c).launch_args("fused_down")
+        k = compile_for_sm90(_jit(la.kernel, False), la.args, la.constexprs, la.num_warps, la.num_stages)
+        text = ptx(k)
+        ru = resource_usage(k)
+        split[f"sk{sk}"] = {
+            "REG": ru["REG"],
+            "LOCAL": ru["LOCAL"],
+            "grid": int(la.grid[0]),
+            "atom_add_f32": len(re.findall(r"\b(?:atom|red)\.[\w.]*add[\w.]*f32\b", text)),
+            "out_dtype": str(run_at(1, c).y.dtype if sk == 1 else run_at(1, c)._y32_buf().dtype),
+        }
+    out["split_down"] = split
     return out
 
 

@@ -405,12 +405,14 @@ def bench_fused_ops(
 
 #: lever name -> (stage, parts timed, how the config is picked, adapter_order). ``stage_cfg``: the stage's own
 #: config for T (tuned files); ``default``: :func:`~moelora_lib.kernels.fused.fused_default_config` (the first
-#: round, commit cd22587); ``deterministic``: the stage's config with SPLIT_K = 1 on both shrinks.
+#: round, commit cd22587); ``deterministic``: the stage's config with SPLIT_K = 1 on both shrinks (and on
+#: stage ``fused``'s down GEMM: :meth:`~moelora_lib.kernels.LayerConfig.deterministic`).
 LEVERS: dict[str, tuple[str, tuple[str, ...], str, bool | None]] = {
     "fused_v1": (STAGE, ("base", "total"), "default", False),
     "fused_pair_order": (STAGE, ("base", "total"), "stage_cfg", False),
     "tuned_deterministic": (BASELINE, ("lora", "total"), "deterministic", None),
     "fused_pdl": (STAGE, ("base", "total"), "stage_cfg", None),
+    "fused_deterministic": (STAGE, ("base", "total"), "deterministic", None),
 }
 #: Levers that switch programmatic dependent launch on (:class:`~moelora_lib.kernels.LayerRun`'s ``pdl``;
 #: off by default): ``fused_pdl`` is the stage as it is, with PDL.
@@ -486,7 +488,9 @@ def levers_table(levers_df, df):
     stage: tuned configs, adapter order), ``tuned_*`` and ``det_*`` (``tuned`` deterministic); ``*_lora`` =
     whole − base for the fused variants, the LoRA launches for ``tuned``/``det``; ``tuned_split_k`` = the
     largest SPLIT_K of the shipped shrinks (from the config string); ``pdl_base``/``pdl_total`` (the
-    stage with PDL on), only where the lever ``fused_pdl`` was timed."""
+    stage with PDL on), only where the lever ``fused_pdl`` was timed; ``fdet_base``/``fdet_total`` (the
+    stage in its deterministic mode) and ``fused_split_k`` (the largest SPLIT_K of the stage's launches),
+    only where ``fused_deterministic`` was timed."""
     import re
 
     import pandas as pd
@@ -510,6 +514,11 @@ def levers_table(levers_df, df):
     if (lv.lever == "fused_pdl").any():  # runs before this lever existed have no such rows
         p = piv(lv[lv.lever == "fused_pdl"])
         out["pdl_base"], out["pdl_total"] = p["base"], p["total"]
+    if (lv.lever == "fused_deterministic").any():  # (fourth round)
+        p = piv(lv[lv.lever == "fused_deterministic"])
+        out["fdet_base"], out["fdet_total"] = p["base"], p["total"]
+        f = df[(df.stage == STAGE) & (df.part == "total")].set_index(["model", "T"]).config
+        out["fused_split_k"] = f.map(lambda c: max(int(x) for x in re.findall(r"s(\d+)w\d+st", c)))
     t = df[(df.stage == BASELINE) & (df.part == "total")].set_index(["model", "T"]).config
     out["tuned_split_k"] = t.map(
         lambda c: max(int(x) for x in re.findall(r"shrink=m\d+n\d+k\d+g\d+s(\d+)", c))

@@ -96,6 +96,12 @@ _DOWN_DECODE = [
     (128, 128, 1, 8, 3),
     (32, 128, 1, 4, 5),
 ]
+# (BLOCK_SIZE_N, BLOCK_SIZE_K, SPLIT_K, NUM_WARPS, NUM_STAGES): the down GEMM split over K at decode
+_DOWN_DECODE_SPLIT = [
+    (128, 64, 8, 4, 4),
+    (128, 128, 4, 8, 4),
+    (64, 64, 4, 4, 4),
+]
 _DOWN_PREFILL = [
     (128, 64, 8, 4, 4),
     (128, 64, 8, 8, 4),
@@ -108,8 +114,10 @@ _DOWN_PREFILL = [
 def fused_op_candidates(op: str, bm: int, current: OpConfig, limit: int = 7) -> list[OpConfig]:
     """≤ ``limit`` configs of one fused GEMM (``op`` in :data:`FUSED_OPS`) at BLOCK_SIZE_M = ``bm``:
     the current config (with bm) first, then decode-sized tiles (bm ≤ 32: weight streaming, no
-    grouped order) or prefill-sized ones (bm ≥ 64: tensor cores, GROUP_SIZE_M 8). SPLIT_K is 1 (these
-    GEMMs write their output tile once). Raises ValueError for an unknown op."""
+    grouped order) or prefill-sized ones (bm ≥ 64: tensor cores, GROUP_SIZE_M 8). SPLIT_K is 1 except
+    for ``fused_down`` at bm ≤ 32, which also gets :data:`_DOWN_DECODE_SPLIT` (K split over 4 or 8
+    programs adding into an fp32 y; the decode points of data/dev/12_round4_splitk) on top of
+    ``limit``. Raises ValueError for an unknown op."""
     if op not in FUSED_OPS:
         raise ValueError(f"op must be one of {FUSED_OPS}, got {op!r}")
     small = bm <= 32
@@ -118,8 +126,13 @@ def fused_op_candidates(op: str, bm: int, current: OpConfig, limit: int = 7) -> 
         if op == "fused_gate_up"
         else (_DOWN_DECODE if small else _DOWN_PREFILL)
     )
-    first = dataclasses.replace(current, BLOCK_SIZE_M=bm, SPLIT_K=1)
-    return dedupe([first] + [OpConfig(bm, bn, bk, g, 1, w, st) for bn, bk, g, w, st in grid], limit)
+    split_ok = op == "fused_down" and small
+    first = dataclasses.replace(current, BLOCK_SIZE_M=bm, SPLIT_K=current.SPLIT_K if split_ok else 1)
+    got = dedupe([first] + [OpConfig(bm, bn, bk, g, 1, w, st) for bn, bk, g, w, st in grid], limit)
+    if split_ok:
+        split = [OpConfig(bm, bn, bk, 1, sk, w, st) for bn, bk, sk, w, st in _DOWN_DECODE_SPLIT]
+        got = dedupe(got + split, limit + len(split))
+    return got
 
 
 def tune_fused_workload(

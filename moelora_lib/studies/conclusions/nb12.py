@@ -75,6 +75,11 @@ PREDICTED_PREFILL_EXTRA_US = {"gpt-oss-20b": (47.0, 27.0), "qwen3-30b-a3b": (32.
 #:   ~0.5–1 µs from DRAM) now overlaps the previous launch's drain, over 5 boundaries plus one memset fewer
 #:   inside the chain; from T = 64 on the same few µs are ≤ 2 % of the layer: fused_pdl ÷ fused within
 #:   0.98–1.00.
+#: * fused deterministic (fourth round, written 2026-12-03 after the development run of the split-K down
+#:   GEMM, data/dev/12_round4_splitk, and before this notebook's run): ``fused`` with SPLIT_K = 1 on every
+#:   launch ÷ ``fused`` within 1.00–1.10 where the stage's shipped config splits K somewhere (the shrinks'
+#:   split-K and, at GPT-OSS-20B T ≤ 8, the down GEMM's: 2–6 µs in the development run), 0.98–1.02 where
+#:   nothing splits.
 LEVER_PREDICTIONS = {
     "configs": (0.90, 1.05),
     "order_prefill_max": 0.5,
@@ -84,6 +89,8 @@ LEVER_PREDICTIONS = {
     "whole_prefill_max": 1.1,
     "pdl_decode_us": (3.0, 8.0),
     "pdl_rest": (0.98, 1.00),
+    "fdet_split": (1.00, 1.10),
+    "fdet_nosplit": (0.98, 1.02),
 }
 
 _NUM_TARGET_COLS = (
@@ -403,7 +410,7 @@ def _timeline_text(tt: pd.DataFrame) -> str:
 def _levers_text(lt: pd.DataFrame) -> str:
     """The second round, lever by lever, against :data:`LEVER_PREDICTIONS` (reported, not asserted)."""
     P = LEVER_PREDICTIONS
-    num = [c for c in lt.columns if c not in ("model", "T", "tuned_split_k")]
+    num = [c for c in lt.columns if c not in ("model", "T", "tuned_split_k", "fused_split_k")]
     assert _finite(lt[num].to_numpy().ravel()), "non-finite values in the levers table"
     lt = lt.assign(
         cfg_x=lt.pair_base / lt.tuned_base,
@@ -465,6 +472,21 @@ def _levers_text(lt: pd.DataFrame) -> str:
             f"layer is {_us_range(d8.pdl_saved)} µs faster with PDL (predicted {plo:g}–{phi:g} µs: "
             f"{held(n_pd, len(d8))}); from T = 64 on {_range(rest.pdl_x)} (predicted {rlo:.2f}–{rhi:.2f}: "
             f"{held(n_pr, len(rest))})."
+        )
+    if "fdet_total" in lt.columns:
+        flo, fhi = P["fdet_split"]
+        glo, ghi = P["fdet_nosplit"]
+        lt = lt.assign(fdet_x=lt.fdet_total / lt.fused_total)
+        fs, fn = lt[lt.fused_split_k > 1], lt[lt.fused_split_k == 1]
+        n_fs = int(fs.fdet_x.between(flo, fhi).sum())
+        n_fn = int(fn.fdet_x.between(glo, ghi).sum())
+        fs_r = _range(fs.fdet_x) if len(fs) else "—"
+        fn_r = _range(fn.fdet_x) if len(fn) else "—"
+        lines.append(
+            f"- deterministic mode (`fused`, fourth round: SPLIT_K = 1 on the shrinks and the down GEMM ÷ "
+            f"the stage): whole layer {fs_r} where the stage splits K ({len(fs)} points; predicted "
+            f"{flo:.2f}–{fhi:.2f}: {held(n_fs, len(fs))}), {fn_r} where nothing splits ({len(fn)} points; "
+            f"predicted {glo:.2f}–{ghi:.2f}: {held(n_fn, len(fn))})."
         )
     lines += [
         "",

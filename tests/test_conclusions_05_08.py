@@ -257,3 +257,20 @@ def test_nb08_bounds_and_targets_reproduce_the_committed_tables():
     merged = tt.merge(committed, on=["mode", "target"], suffixes=("", "_committed"))
     assert len(merged) == len(committed)
     assert (merged.measured - merged.measured_committed).abs().max() < 1e-9
+
+
+def test_nb08_eager_prediction_reported_not_asserted():
+    # the eager ratio times the host's Python dispatch: 6c00f8f's run measured Helion slower (held),
+    # f26749d's run (data/dev/08_failed_f26749d) 1.02x, which the old assertion turned into a failed notebook
+    failed = DATA / "dev" / "08_failed_f26749d"
+    if not failed.is_dir():
+        pytest.skip("data/dev/08_failed_f26749d not in this checkout")
+    df = pd.read_csv(failed / "08_helion_linear.csv")
+    md = nb08.conclusion(
+        df, pd.read_csv(failed / "08_bounds.csv"), pd.read_csv(failed / "08_targets.csv"), profile="gpu"
+    )
+    assert "measured 1.02× at decode** — not held in this run" in md
+    held = nb08.conclusion(
+        _csv("08_helion_linear.csv"), _csv("08_bounds.csv"), _csv("08_targets.csv"), profile="gpu"
+    )
+    assert "at decode** — held: serve Helion only under CUDA-graph replay" in held

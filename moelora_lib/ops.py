@@ -65,7 +65,8 @@ class OpLayer(torch.nn.Module):
 
     @property
     def deterministic(self) -> bool:
-        """Bitwise-repeatable mode (SPLIT_K = 1 on the split-K shrinks); setting it validates the value
+        """Bitwise-repeatable mode (SPLIT_K = 1 on the split-K launches: the shrinks, stage ``fused``'s down
+        GEMM); setting it validates the value
         and drops the per-T configs resolved so far (``_configs``), so the next forward at every T
         follows it."""
         return self._deterministic

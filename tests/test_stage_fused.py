@@ -306,6 +306,53 @@ def test_split_down_matches_reference_and_unsplit(shape, dtype):
         cfg.replace(base_gate_up=OpConfig(16, 16, 32, 4, 2, 4, 2))
 
 
+def test_layer_split_down_buffer_and_cap(monkeypatch):
+    # the serving layer with a config that splits the down GEMM: an fp32 y from its scratch (built once,
+    # sized for SPLIT_DOWN_MAX_TOKENS), equal to the public call with the same config; above the cap the
+    # layer runs the down GEMM unsplit (no larger buffer), also equal to the public call unsplit
+    import moelora_lib.layer as layer_mod
+
+    monkeypatch.setattr(layer_mod, "SPLIT_DOWN_MAX_TOKENS", 16)
+    E, H, I, K, L, R = 4, 64, 32, 2, 3, 16
+    g = torch.Generator().manual_seed(1)
+
+    def rnd(*s):
+        return torch.randn(*s, generator=g) * 0.1
+
+    cfg = _cfg(bk=16).replace(base_down=OpConfig(16, 32, 16, 4, 2, 4, 2))
+    layer = MoELoRALayer(
+        rnd(E, 2 * I, H), rnd(E, H, I), top_k=K, num_adapters=L, max_rank=R, max_tokens=40, stage="fused",
+        config=cfg,
+    )  # fmt: skip
+    layer.load_adapter(1, gate_up=(rnd(E, 2, R, H), rnd(E, 2, I, R)), down=(rnd(E, R, I), rnd(E, H, R)))
+    for T, split in ((9, True), (30, False)):
+        x, logits = rnd(T, H), torch.randn(T, E, generator=g)
+        ids = (torch.arange(T) % (L + 1) - 1).to(torch.int32)
+        tw, ti = route_triton(logits, K)
+        args = (
+            x,
+            layer.w13,
+            layer.w2,
+            tw,
+            ti,
+            ids,
+            layer.lora_a13,
+            layer.lora_b13,
+            layer.lora_a2,
+            layer.lora_b2,
+        )
+        assert (layer.config_for(T).base_down.SPLIT_K > 1) == split
+        want = fused_moe_lora(*args, stage="fused", config=layer.config_for(T))
+        out = layer(x, logits, lora_ids=ids)
+        assert torch.equal(out, want), T
+        assert_close_rel(out, moe_lora_reference(*args), torch.float32)
+    y32 = layer._scratch.workspaces[("y32",)]
+    assert y32.dtype == torch.float32 and y32.numel() == 16 * K * H
+    assert layer.memory_report()["scratch"] >= y32.numel() * 4
+    layer.deterministic = True
+    assert layer.config_for(9).base_down.SPLIT_K == 1
+
+
 def test_shipped_decode_config_splits_the_down_gemm_and_deterministic_clears_it():
     from moelora_lib.configs import load_fused_config
 

@@ -106,7 +106,8 @@ relaxed atomic add (16-byte ``atom.add.v4.f32``); split 0 adds the LoRA delta an
 (:func:`~.topk_reduce.topk_reduce`, ``out_dtype``) rounds once to the activations' dtype. The gate_up GEMM
 cannot split (its activation needs all of K). Shipped for GPT-OSS-20B at T = 1 (SPLIT_K 8) and T = 8
 (SPLIT_K 4), the only points where a development sweep (data/dev/12_round4_splitk) found a split variant
-faster, by 2.0 and 5.7 µs of the whole layer (predicted ~9 µs at T = 1: docs/perf_notes.md says why it
+faster, by 2.0 and 5.7 µs of the whole layer (the loader's nearest-T lookup applies them to T = 2–4 and
+5–36 too, which were not measured) (predicted ~9 µs at T = 1: docs/perf_notes.md says why it
 missed). :meth:`~.config.LayerConfig.deterministic` clears it with the shrinks' split.
 
 **Predictions (written before any GPU run; to be measured in notebook 12, H200, bf16, R = 32, 8 adapters,

@@ -120,7 +120,8 @@ def topk_reduce(
         out_dtype = y.dtype if out is None else out.dtype
     if out_dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(
-            f"out_dtype must be torch.float16, torch.bfloat16 or torch.float32, got {out_dtype!r}"
+            "out_dtype (default: out's dtype, else y's) must be torch.float16, torch.bfloat16 or "
+            f"torch.float32, got {out_dtype!r}"
         )
     if out is None:
         out = torch.empty((T, H), dtype=out_dtype, device=y.device)

@@ -467,8 +467,9 @@ class MultiLoRAModel(nn.Module):
         max_batch: rows of the KV cache (and the largest B); max_seq: positions per row (the largest
             start_pos + S); max_tokens: the largest B·S of one forward (sizes the LoRA/MoE scratch).
         stage: a name of :data:`moelora_lib.kernels.STAGES` for every LoRA/MoE module.
-        deterministic: every LoRA/MoE module in its bitwise-repeatable mode (their split-K shrinks run
-            with SPLIT_K = 1; ``MoELoRALayer``'s ``deterministic``). The rest of a forward (cuBLAS
+        deterministic: every LoRA/MoE module in its bitwise-repeatable mode (their split-K launches —
+            the shrinks, stage ``fused``'s down GEMM — run with SPLIT_K = 1; ``MoELoRALayer``'s
+            ``deterministic``). The rest of a forward (cuBLAS
             GEMMs, norms, rope, decode attention's split-KV combine, the top-k sum) uses no atomics.
             Fixed at construction (the read-only property ``deterministic``): a Generator's CUDA
             graphs bake the launch configs in. Default False.

@@ -143,7 +143,7 @@ def conclusion(df, bounds=None, targets=None, *, profile: str) -> str:
     (M ≥ 256) inside ``PREFILL_BAND``, fused SwiGLU vs the merged GEMM inside ``SWIGLU_BAND``; no measured
     speedup above its bound; the targets table agrees. Eager decode is reported against ``EAGER_MAX``
     (predicted: Helion slower), not asserted: it times the host's Python dispatch, which moves with the
-    machine (6c00f8f's run: 0.68×; f26749d's: 1.02×, data/dev/08_failed_f26749d).
+    machine (6c00f8f's run: 0.64×; f26749d's: 1.02×, data/dev/08_failed_f26749d).
 
     Returns:
         Markdown: which predictions of cell 1 held, which did not and why.

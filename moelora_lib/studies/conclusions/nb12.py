@@ -238,7 +238,11 @@ def _launch_text(launches, gpu: bool) -> str:
         fills = g.fills.astype(int)
         parts.append(
             f"`{st}` {_irange(g.triton)} Triton launches"
-            + (f" plus {_irange(fills)} torch fills (the split-K shrinks' zeroing)" if fills.max() else "")
+            + (
+                f" plus {_irange(fills)} torch fills (the split-K zeroing: shrinks, `fused`'s down GEMM)"
+                if fills.max()
+                else ""
+            )
         )
     fused_tri = tot[tot.stage == FINAL].triton.astype(int)
     tuned_tri = tot[tot.stage == BASELINE].triton.astype(int)

@@ -380,11 +380,14 @@ class LayerRun:
         self.y = self.buffers.get("y")
         if self.y is None:
             self.y = torch.empty((P, H), dtype=dt, device=dev)
-        # stage fused with SPLIT_K > 1 on its down GEMM: the programs add their shares into a zeroed
-        # fp32 y (``buffers["y32"]`` or a new one per call), which the top-k sum rounds to y's dtype once
-        self._y_split = stage.fused_gemm and self.cfg.base_down.SPLIT_K > 1
-        self._y32: torch.Tensor | None = None
+        self._y32: torch.Tensor | None = None  # the split-K down GEMM's fp32 y, once used (_y32_buf)
         self.g = None
+
+    @property
+    def _y_split(self) -> bool:
+        """Stage fused with SPLIT_K > 1 on its down GEMM: the programs add their shares into a zeroed fp32
+        y (``buffers["y32"]`` or a new one per call), which the top-k sum rounds to y's dtype once."""
+        return bool(self.stage.fused_gemm) and self.cfg.base_down.SPLIT_K > 1
 
     @property
     def dims(self) -> Dims:
@@ -587,11 +590,10 @@ class LayerRun:
             buf.zero_()
         return buf
 
-    def _fused_io(self, op: str, inter: torch.Tensor | None, split: bool | None = None) -> dict[str, Any]:
+    def _fused_io(self, op: str, inter: torch.Tensor | None, split: bool) -> dict[str, Any]:
         """The keyword arguments of :func:`~.launchers.fused_moe_lora` for ``op`` (no LoRA when
-        ``inter`` is None); ``split``: the down GEMM splits K, so it adds into the fp32 y (default: the
-        layer's config)."""
-        split = self._y_split if split is None else split
+        ``inter`` is None); ``split``: the launch's config splits the down GEMM over K, so it adds into
+        the fp32 y."""
         has = inter is not None
         if op == "fused_gate_up":
             return dict(

@@ -113,7 +113,7 @@ def topk_reduce(
     H = y.shape[1]
     if lora_ids is not None and (lora_ids.shape != (T,) or lora_ids.dtype not in (torch.int32, torch.int64)):
         raise ValueError(f"lora_ids must be an int32/int64 tensor [T={T}], got {tuple(lora_ids.shape)}")
-    from .launchers import check_pdl  # lazy: launchers imports the MoE kernels
+    from .launchers import check_pdl, pdl_options  # lazy: launchers imports the MoE kernels
 
     check_pdl(pdl, y.device)
     if out_dtype is None:
@@ -132,7 +132,7 @@ def topk_reduce(
     grid, args, constexprs = reduce_launch_args(
         y, topk_ids, num_experts, lora_ids, num_adapters, check_ids, out
     )
-    _topk_reduce[grid](*args, **constexprs, **(dict(USE_PDL=True, launch_pdl=True) if pdl else {}))
+    _topk_reduce[grid](*args, **constexprs, **pdl_options(pdl))
     return out
 
 

@@ -868,10 +868,8 @@ def _fused_meta_run(dims, *, activation: str, has_bias: bool, dtype: str, config
     from ..kernels import STAGES
 
     run.stage = replace(STAGES["fused"])
-    run.cfg = run.stage.adapt(
-        config
-    )  # the meta run was built as another stage, which never splits the down GEMM
-    run._y_split = run.cfg.base_down.SPLIT_K > 1
+    # the meta run was built as another stage, whose adapt() never lets the down GEMM split K
+    run.cfg = run.stage.adapt(config)
     run._g_buf = run._act_out()
     return run
 
@@ -976,7 +974,7 @@ def fused_report(
         bd = OpConfig(16, 128, 64, 1, sk, 4, 4)
         c = fused_default_config(Dims.of(sh, 1, rank=rank, adapters=adapters))
         c = c.replace(base_down=bd, base_gate_up=replace(c.base_gate_up, BLOCK_SIZE_M=16))
-        la = run_at(1, c).launch_args("fused_down")
+        la = run_at(1, c).launch_args("fused_down")  # args: x, w, out (y, or the fp32 y when split), ...
         k = compile_for_sm90(_jit(la.kernel, False), la.args, la.constexprs, la.num_warps, la.num_stages)
         text = ptx(k)
         ru = resource_usage(k)
@@ -985,7 +983,7 @@ def fused_report(
             "LOCAL": ru["LOCAL"],
             "grid": int(la.grid[0]),
             "atom_add_f32": len(re.findall(r"\b(?:atom|red)\.[\w.]*add[\w.]*f32\b", text)),
-            "out_dtype": str(run_at(1, c).y.dtype if sk == 1 else run_at(1, c)._y32_buf().dtype),
+            "out_dtype": str(la.args[2].dtype),
         }
     out["split_down"] = split
     return out

@@ -227,6 +227,7 @@ def make_layer_run(
     deterministic: bool = False,
     adapter_order: bool | None = None,
     pdl: bool | None = None,
+    lora_stack: bool | None = None,
 ) -> LayerRun:
     """Validate and build the :class:`~moelora_lib.kernels.LayerRun` that :func:`fused_moe_lora` runs.
 
@@ -236,6 +237,9 @@ def make_layer_run(
     depend on it beyond fp32 rounding order (bit-identical in practice, see the test). ``pdl``: as in
     :class:`~moelora_lib.kernels.LayerRun` (None = off; True outside stage ``fused`` or off Hopper-class GPUs
     or with another stage, raises ValueError); the result does not depend on it (bit-identical).
+    ``lora_stack``: the LoRA epilogue's form in stage ``fused`` (:class:`~moelora_lib.kernels.LayerRun`;
+    None = its heuristic; a bool with another stage raises ValueError); a performance knob, the result
+    does not depend on it beyond fp32 rounding order.
     """
     _check_stage_and_config(stage, config)
     check_bool("deterministic", deterministic)
@@ -286,6 +290,7 @@ def make_layer_run(
         config=config,
         adapter_order=adapter_order,
         pdl=pdl,
+        lora_stack=lora_stack,
         alignments=_device_alignments(
             STAGES[stage], config, topk_ids, lora_ids, d["E"], d["L"], adapter_order=adapter_order
         ),

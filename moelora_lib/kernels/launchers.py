@@ -505,13 +505,16 @@ def fused_moe_lora_args(
     lora_b: torch.Tensor | None = None,
     lora_ids: torch.Tensor | None = None,
     use_even_k: bool = True,
+    lora_chunk: int = 0,
 ) -> tuple[str, tuple, tuple, dict]:
     """``(kernel, grid, args, constexprs)`` of one :func:`fused_moe_lora` launch; nothing allocated.
 
     ``activation`` given: the gate_up kernel (``fused_moe_lora_act``, x = hidden_states [T, H], w = w13
     [E, 2I, H], out = g [T·K, I]); None: the down kernel (``fused_moe_lora``, x = g [T·K, I], w = w2
     [E, H, I], out = y [T·K, H], topk_weights required). ``inter``/``lora_b``/``lora_ids`` together or
-    not at all (HAS_LORA).
+    not at all (HAS_LORA). ``lora_chunk``: 0 = the LoRA epilogue loops over the adapters present in
+    a tile; a power of two ≥ 16 = every adapter stacked along the rank axis, that many columns per dot
+    (the ``LORA_CHUNK`` constexpr; ignored without LoRA).
     """
     assert cfg.BLOCK_SIZE_M == align.block_size_m and (cfg.SPLIT_K == 1 or activation is None)
     E, N, K = w.shape
@@ -539,6 +542,9 @@ def fused_moe_lora_args(
         HAS_BIAS=bias is not None,
         HAS_LORA=has_lora,
     )
+    if has_lora and lora_chunk:
+        assert lora_chunk >= 16 and lora_chunk & (lora_chunk - 1) == 0, lora_chunk
+        cx["LORA_CHUNK"] = int(lora_chunk)
     head = (x, w, out, b)
     counts = (align.sorted_token_ids, align.block_expert_ids, align.num_tokens_post_padded)
     counts += (align.num_pairs, align.num_blocks)
@@ -575,6 +581,7 @@ def fused_moe_lora(
     lora_ids: torch.Tensor | None = None,
     use_even_k: bool = True,
     pdl: bool = False,
+    lora_chunk: int = 0,
 ) -> torch.Tensor:
     """The base grouped GEMM of stage ``fused`` with the LoRA expand (and, for gate_up, the activation)
     in the same program, over the expert-only alignment ``align``.
@@ -588,7 +595,9 @@ def fused_moe_lora(
     and rounded once (the base, the delta, the bias, the activation, the routing weight).
     ``pdl``: programmatic dependent launch (:func:`pdl_supported` devices only; ValueError elsewhere): each
     program waits on the previous launch before its first load and lets the next launch start once past
-    its K loop.
+    its K loop. ``lora_chunk``: the LoRA epilogue's form (:func:`fused_moe_lora_args`; 0 = one pass per
+    adapter present in the tile, > 0 = all adapters stacked); the result is the same up to fp32 rounding
+    order.
     """
     check_pdl(pdl, x.device)
     kernel, grid, args, constexprs = fused_moe_lora_args(
@@ -605,6 +614,7 @@ def fused_moe_lora(
         lora_b=lora_b,
         lora_ids=lora_ids,
         use_even_k=use_even_k,
+        lora_chunk=lora_chunk,
     )
     _kernel(kernel, False)[grid](
         *args, **constexprs, **pdl_options(pdl), num_warps=cfg.NUM_WARPS, num_stages=cfg.NUM_STAGES

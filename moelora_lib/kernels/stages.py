@@ -47,6 +47,8 @@ __all__ = [
     "FUSED_LAUNCH_KERNELS",
     "FUSED_LAUNCH_OPS",
     "FUSED_CONFIG_FIELD",
+    "LORA_STACK_MAX_COLS",
+    "lora_stack_chunk",
     "default_config",
     "as_dims",
 ]
@@ -152,6 +154,39 @@ class Stage:
         if not self.fused_gemm and cfg.base_down.SPLIT_K != 1:  # only stage fused's down GEMM splits K
             changes["base_down"] = replace(cfg.base_down, SPLIT_K=1)
         return replace(cfg, **changes) if changes else cfg
+
+
+#: Most stacked rank columns (adapters × BLOCK_SIZE_R) for which stage ``fused`` may stack the adapters in its
+#: LoRA epilogue (:func:`lora_stack_chunk`): beyond it the B tiles of absent adapters cost too much.
+LORA_STACK_MAX_COLS = 512
+
+
+def lora_stack_chunk(
+    block_size_m: int, pairs: int, experts: int, adapters: int, rank: int, adapter_order: bool
+) -> int:
+    """The ``LORA_CHUNK`` stage ``fused``'s GEMMs launch with (0 = the per-adapter loop): a heuristic from
+    the expected number of adapters in one base tile.
+
+    The epilogue either loops over the adapters present in a tile (one dependent load-and-dot each, a
+    ``while`` loop the compiler cannot pipeline) or stacks every adapter along the rank axis in a counted,
+    pipelined loop that also reads the B tiles of absent adapters. Expected adapters per tile: a tile
+    holds m = min(BLOCK_SIZE_M, pairs / experts) rows; in the adapter order (sorted within each expert)
+    about BLOCK_SIZE_M / g + 1 groups of g = pairs / (experts · adapters) rows, else up to m adapters.
+    Stacked when that estimate is ≥ max(2, adapters / 2) and adapters · R16 ≤ :data:`LORA_STACK_MAX_COLS`
+    (R16 = rank rounded up to a power of two ≥ 16); chunk = R16 for BLOCK_SIZE_M ≥ 128 (registers: two
+    128-row accumulators already), else min(64, next_pow2(adapters · R16)).
+    """
+    r16 = max(16, next_pow2(rank))
+    if adapters < 1 or pairs < 1 or adapters * r16 > LORA_STACK_MAX_COLS:
+        return 0
+    m = min(float(block_size_m), pairs / experts)
+    est = min(float(adapters), m)
+    if adapter_order:
+        g = pairs / (experts * adapters)
+        est = min(est, block_size_m / g + 1.0)
+    if est < max(2.0, adapters / 2):
+        return 0
+    return r16 if block_size_m >= 128 else min(64, next_pow2(adapters * r16))
 
 
 def as_dims(dims: Dims | int, *rest: int) -> Dims:
@@ -285,6 +320,10 @@ class LayerRun:
       ≥ 9.0), else ValueError. Off by default: only a development run has measured it (docs/perf_notes.md),
       and not its final form. The result does not depend on it (same kernels, same order of arithmetic:
       bit-identical).
+    * ``lora_stack``: stages with ``fused_gemm`` only — the form of the LoRA epilogue of both fused GEMMs:
+      True = every adapter stacked along the rank axis (a counted, pipelined loop), False = one pass per
+      adapter present in the tile, None (default) = :func:`lora_stack_chunk`'s heuristic per launch. The
+      result is the same up to fp32 rounding order.
 
     Stages with ``fused_gemm`` (stage ``fused``) run :data:`FUSED_LAUNCH_OPS` instead of the seven
     launches: ``gate_up_shrink`` into a [T·K, S, R16] float32 intermediate (``inter_gate_up`` buffer
@@ -319,8 +358,12 @@ class LayerRun:
         proj_lora_ids: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
         adapter_order: bool | None = None,
         pdl: bool | None = None,
+        lora_stack: bool | None = None,
     ):
         self.stage = stage
+        self.lora_stack = None if lora_stack is None else check_bool("lora_stack", lora_stack)
+        if self.lora_stack is not None and not stage.fused_gemm:
+            raise ValueError(f"lora_stack applies to stage 'fused' only, got stage {stage.name!r}")
         self.adapter_order = stage.uses_adapter_order(adapter_order)
         self.pdl = stage.uses_pdl(hidden_states.device, pdl)
         self.proj_lora_ids = proj_lora_ids
@@ -632,6 +675,19 @@ class LayerRun:
     def _zero_y32(self) -> None:
         self._y32_buf().zero_()
 
+    def _lora_chunk(self, c: OpConfig, has_lora: bool) -> int:
+        """LORA_CHUNK of a fused GEMM launched with config ``c`` (``lora_stack``; 0 = per-adapter loop)."""
+        if not has_lora or self.lora_stack is False:
+            return 0
+        rank = self.lora[0].shape[-2]
+        auto = lora_stack_chunk(
+            c.BLOCK_SIZE_M, self.T * self.K, self.w13.shape[0], self.L, rank, self.adapter_order
+        )
+        if self.lora_stack is None:
+            return auto
+        r16 = max(16, next_pow2(rank))
+        return auto or (r16 if c.BLOCK_SIZE_M >= 128 else min(64, next_pow2(self.L * r16)))
+
     def _fused_gemm(
         self, op: str, inter: torch.Tensor | None, cfg: OpConfig | None = None, zero_y: bool = True
     ):
@@ -648,6 +704,7 @@ class LayerRun:
             c,
             top_k=self.K,
             pdl=self.pdl,
+            lora_chunk=self._lora_chunk(c, inter is not None),
             **io,
         )
 
@@ -836,8 +893,9 @@ class LayerRun:
         proj = "gate_up" if op == "fused_gate_up" else "down"
         align = self.lora_align if proj == "gate_up" else self.lora_align_down
         io = self._fused_io(op, self._inter_rows(proj) if align is not None else None, c.SPLIT_K > 1)
+        chunk = self._lora_chunk(c, align is not None)
         name, grid, args, cx = fused_moe_lora_args(
-            io.pop("x"), io.pop("w"), io.pop("out"), self.base_align, c, top_k=self.K, **io
+            io.pop("x"), io.pop("w"), io.pop("out"), self.base_align, c, top_k=self.K, lora_chunk=chunk, **io
         )
         assert name == kernel
         return Launch(kernel, grid, args, cx, c.NUM_WARPS, c.NUM_STAGES, c)

@@ -398,6 +398,72 @@ def _lora_cols_dot(
 
 
 @triton.jit
+def _lora_stacked_dot(
+    acc,
+    inter_ptr,
+    b_ptr,
+    pair_ld,
+    lid,
+    expert,
+    cols,
+    col_mask,
+    R,
+    NS,
+    num_adapters,
+    stride_im,
+    stride_is,
+    stride_ir,
+    stride_bl,
+    stride_be,
+    stride_bs,
+    stride_bn,
+    stride_br,
+    BLOCK_SIZE_R: tl.constexpr,
+    LORA_CHUNK: tl.constexpr,
+):
+    """acc += the LoRA delta of every row at once: the adapters stacked along the rank axis.
+
+    Column c of the stacked axis (length L·BLOCK_SIZE_R) is rank r = c % BLOCK_SIZE_R of adapter
+    a = c // BLOCK_SIZE_R. Row p's operand holds inter[pair, s, r] in the columns of its own adapter
+    (lid[p]) and zeros elsewhere; the B operand stacks B[a, expert, s]ᵀ for every adapter a. One counted
+    loop over LORA_CHUNK-column chunks (a ``for`` the compiler can pipeline) replaces the ``while`` loop of
+    :func:`_lora_cols_dot` (one dependent load-and-dot per adapter present): same MMA work when every
+    adapter is in the tile, but the B tiles of absent adapters are read too, so the launcher picks this
+    form only for tiles expected to hold most adapters (prefill). Rows with lid = -1 match no column:
+    exact zeros, as in the loop. Slices and precision as :func:`_lora_cols_dot`.
+    """
+    offs_c = tl.arange(0, LORA_CHUNK)
+    col_s = cols // NS
+    col_n = (cols - col_s * NS).to(tl.int64)
+    s_lo = tl.min(tl.where(col_mask, col_s, 1 << 30))
+    s_hi = tl.max(tl.where(col_mask, col_s, -1))
+    b_base = b_ptr + expert * stride_be
+    for s in range(s_lo, s_hi + 1):
+        n_sel = col_mask & (col_s == s)
+        for c0 in range(0, num_adapters * BLOCK_SIZE_R, LORA_CHUNK):
+            c = c0 + offs_c
+            a = c // BLOCK_SIZE_R
+            r = c - a * BLOCK_SIZE_R
+            c_mask = (r < R) & (a < num_adapters)
+            ia = tl.load(
+                inter_ptr + pair_ld[:, None] * stride_im + s * stride_is + r[None, :] * stride_ir,
+                mask=(lid[:, None] == a[None, :]) & c_mask[None, :],
+                other=0.0,
+            )
+            bb = tl.load(
+                b_base + a.to(tl.int64)[:, None] * stride_bl + s * stride_bs + col_n[None, :] * stride_bn
+                + r[:, None] * stride_br,
+                mask=c_mask[:, None] & n_sel[None, :],
+                other=0.0,
+            )  # fmt: skip
+            if b_ptr.dtype.element_ty == tl.float16:
+                acc = tl.dot(ia, bb.to(tl.float32), acc)
+            else:
+                acc = tl.dot(ia.to(bb.dtype), bb, acc)
+    return acc
+
+
+@triton.jit
 def _row_adapters(lora_ids_ptr, pair_ld, row_mask, top_k, num_adapters):
     """Adapter id of each row's token (lora_ids[p // top_k]); -1 for padding rows and for ids
     outside [0, L) (no adapter: never indexes B)."""
@@ -451,6 +517,7 @@ def _fused_moe_lora_act_kernel(
     HAS_LORA: tl.constexpr,
     ACTIVATION: tl.constexpr,
     USE_PDL: tl.constexpr = False,
+    LORA_CHUNK: tl.constexpr = 0,
 ):
     """g[p, j] = act(h[p, gate(j)], h[p, up(j)]) with h = x·W13[e]ᵀ + LoRA delta (+ b13[e]), one tile of
     BLOCK_SIZE_N columns j of g; gate(j), up(j) = j, I + j (silu) or 2j, 2j + 1 (swigluoai)."""
@@ -502,7 +569,19 @@ def _fused_moe_lora_act_kernel(
         wu_ptrs += BLOCK_SIZE_K * stride_wk
     if USE_PDL:  # the next launch may start once every program is past its K loop (or has exited)
         gdc_launch_dependents()
-    if HAS_LORA:  # the expand of the gate_up LoRA, in this tile: one pass per adapter present
+    if HAS_LORA and LORA_CHUNK > 0:  # the gate_up LoRA expand, every adapter stacked (prefill tiles)
+        lid = _row_adapters(lora_ids_ptr, pair_ld, row_mask, top_k, num_adapters)
+        acc_g = _lora_stacked_dot(
+            acc_g, inter_ptr, b_ptr, pair_ld, lid, expert, gate_col, j_mask, R, NS, num_adapters,
+            stride_im, stride_is, stride_ir, stride_bl, stride_be, stride_bs, stride_bn, stride_br,
+            BLOCK_SIZE_R, LORA_CHUNK,
+        )  # fmt: skip
+        acc_u = _lora_stacked_dot(
+            acc_u, inter_ptr, b_ptr, pair_ld, lid, expert, up_col, j_mask, R, NS, num_adapters,
+            stride_im, stride_is, stride_ir, stride_bl, stride_be, stride_bs, stride_bn, stride_br,
+            BLOCK_SIZE_R, LORA_CHUNK,
+        )  # fmt: skip
+    elif HAS_LORA:  # the expand of the gate_up LoRA, in this tile: one pass per adapter present
         lid = _row_adapters(lora_ids_ptr, pair_ld, row_mask, top_k, num_adapters)
         cur = tl.min(tl.where(lid >= 0, lid, num_adapters))
         while cur < num_adapters:
@@ -579,6 +658,7 @@ def _fused_moe_lora_kernel(
     HAS_LORA: tl.constexpr,
     USE_PDL: tl.constexpr = False,
     SPLIT_K: tl.constexpr = 1,
+    LORA_CHUNK: tl.constexpr = 0,
 ):
     """y[p] = (g[p]·W2[e]ᵀ + LoRA delta (+ b2[e]))·w[p] over the base alignment (rows are pairs).
 
@@ -628,16 +708,23 @@ def _fused_moe_lora_kernel(
         w_ptrs += BLOCK_SIZE_K * stride_wk
     if USE_PDL:  # as in the gate_up kernel: the next launch may start once the K loops are done
         gdc_launch_dependents()
-    if HAS_LORA and pid_k == 0:  # the expand of the down LoRA, in this tile: one pass per adapter present
+    if HAS_LORA and pid_k == 0:  # the expand of the down LoRA, in this tile (split 0 only)
         lid = _row_adapters(lora_ids_ptr, pair_ld, row_mask, top_k, num_adapters)
-        cur = tl.min(tl.where(lid >= 0, lid, num_adapters))
-        while cur < num_adapters:
-            acc = _lora_cols_dot(
-                acc, inter_ptr, b_ptr, pair_ld, lid == cur, cur.to(tl.int64), expert, offs_n_ld, n_mask,
-                R, N, stride_im, stride_is, stride_ir, stride_bl, stride_be, stride_bs, stride_bn,
-                stride_br, BLOCK_SIZE_R,
+        if LORA_CHUNK > 0:  # every adapter stacked along the rank axis (prefill tiles)
+            acc = _lora_stacked_dot(
+                acc, inter_ptr, b_ptr, pair_ld, lid, expert, offs_n_ld, n_mask, R, N, num_adapters,
+                stride_im, stride_is, stride_ir, stride_bl, stride_be, stride_bs, stride_bn, stride_br,
+                BLOCK_SIZE_R, LORA_CHUNK,
             )  # fmt: skip
-            cur = tl.min(tl.where(lid > cur, lid, num_adapters))
+        else:  # one pass per adapter present
+            cur = tl.min(tl.where(lid >= 0, lid, num_adapters))
+            while cur < num_adapters:
+                acc = _lora_cols_dot(
+                    acc, inter_ptr, b_ptr, pair_ld, lid == cur, cur.to(tl.int64), expert, offs_n_ld, n_mask,
+                    R, N, stride_im, stride_is, stride_ir, stride_bl, stride_be, stride_bs, stride_bn,
+                    stride_br, BLOCK_SIZE_R,
+                )  # fmt: skip
+                cur = tl.min(tl.where(lid > cur, lid, num_adapters))
     if HAS_BIAS and pid_k == 0:
         bias = tl.load(bias_ptr + expert * stride_ce + offs_n * stride_cn, mask=n_mask, other=0.0)
         acc = acc + bias.to(tl.float32)[None, :]

@@ -868,6 +868,7 @@ def _fused_meta_run(dims, *, activation: str, has_bias: bool, dtype: str, config
     from ..kernels import STAGES
 
     run.stage = replace(STAGES["fused"])
+    run.adapter_order = run.stage.uses_adapter_order()  # as a real run of the stage (lora_stack's heuristic)
     # the meta run was built as another stage, whose adapt() never lets the down GEMM split K
     run.cfg = run.stage.adapt(config)
     run._g_buf = run._act_out()

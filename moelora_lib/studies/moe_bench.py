@@ -540,10 +540,11 @@ def make_run(
     *,
     adapter_order: bool | None = None,
     pdl: bool | None = None,
+    lora_stack: bool | None = None,
 ):
     """The :class:`~moelora_lib.kernels.LayerRun` of ``stage`` on ``inp`` (validated shapes, no value
-    check — no host sync); ``config`` None = the stage's config for its T; ``adapter_order`` and ``pdl``:
-    as in :func:`moelora_lib.moe_lora.make_layer_run` (None = the stage's choice)."""
+    check — no host sync); ``config`` None = the stage's config for its T; ``adapter_order``, ``pdl`` and
+    ``lora_stack``: as in :func:`moelora_lib.moe_lora.make_layer_run` (None = the stage's choice)."""
     from ..moe_lora import make_layer_run
 
     return make_layer_run(
@@ -554,6 +555,7 @@ def make_run(
         check_values=False,
         adapter_order=adapter_order,
         pdl=pdl,
+        lora_stack=lora_stack,
     )
 
 
@@ -610,6 +612,7 @@ def bench_layer(
     min_reps: int | None = None,
     adapter_order: bool | None = None,
     pdl: bool | None = None,
+    lora_stack: bool | None = None,
 ) -> list[dict[str, Any]]:
     """Time the parts of one MoE+LoRA layer of ``stage`` at T tokens; one row per (part, mode).
 
@@ -624,7 +627,8 @@ def bench_layer(
     Args: a :class:`Workload`, or the keyword form of :func:`layer_inputs` (``weights`` reuses
         expert/adapter weights); config: a LayerConfig (None = :func:`moelora_lib.kernels.default_config`
         for this T); adapter_order: the base alignment's order (:func:`make_run`; None = the stage's);
-        pdl: programmatic dependent launch (:func:`make_run`; None = off; True: stage ``fused`` on Hopper).
+        pdl: programmatic dependent launch (:func:`make_run`; None = off; True: stage ``fused`` on Hopper);
+        lora_stack: stage ``fused``'s LoRA epilogue form (:func:`make_run`; None = its heuristic).
     Returns:
         rows (:func:`moelora_lib.studies.bench.result_row`) with stage, part, model, T, H, I, E, K, L, R, S,
         dtype, activation, bias, pattern, config, config_source, mode, ms_p50, ms_p20, ms_p80, us_p50,
@@ -649,7 +653,7 @@ def bench_layer(
         )
     shape, device = wl.shape, wl.device
     inp = _inputs(wl, weights)
-    run = make_run(stage, inp, config, adapter_order=adapter_order, pdl=pdl)
+    run = make_run(stage, inp, config, adapter_order=adapter_order, pdl=pdl, lora_stack=lora_stack)
     run()  # compile outside the timed region
     _sync(device)
     dtype_bytes = inp.hidden_states.element_size()

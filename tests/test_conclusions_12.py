@@ -722,3 +722,29 @@ def test_fused_deterministic_lever_column_and_line(data):
     )  # fmt: skip
     assert "whole layer 1.04× where the stage splits K (4 points; predicted 1.00–1.10: held at all 4)" in text
     assert "1.01× where nothing splits (8 points; predicted 0.98–1.02: held at all 8)" in text
+
+
+def test_fused_loop_lever_column_and_line(data):
+    # the fifth round's lever: the stage with the per-adapter LoRA loop everywhere, 10 % slower where the
+    # stage's config stacks the adapters (``lora_stack=1`` in its config string: T = 1600 here) and 1 %
+    # elsewhere
+    df, lv = _with_levers(data)
+    fz = (df.stage == "fused") & (df.part == "total")
+    df.loc[fz, "config"] = [
+        "base_gate_up=m16n64k64g1s1w4st4;base_down=m16n128k64g1s1w4st4;gate_up_shrink=m16n32k64g8s1w4st3"
+        + (";lora_stack=1" if int(T) == 1600 else ";lora_stack=0")
+        for T in df.loc[fz, "T"]
+    ]
+    f = df[fz]
+    slow = f["T"].eq(1600).map({True: 1.10, False: 1.01})
+    extra = f.assign(lever="fused_loop", us_p50=f.us_p50 * slow)[["lever", "model", "T", "part", "us_p50"]]
+    lt = fb.levers_table(pd.concat([lv, extra], ignore_index=True), df).set_index(["model", "T"])
+    assert lt.fused_stacked.to_dict() == {(m, T): int(T == 1600) for m in MODELS for T in TOKENS}
+    assert "loop_total" not in fb.levers_table(lv, df).columns  # older runs: no such lever, no column
+    text = nb12.conclusion(
+        df, data["checks"], data["targets"], data["launches"], profile="gpu", anchors=data["anchors"],
+        levers=lt.reset_index(),
+    )  # fmt: skip
+    assert "whole layer 1.10× where the shipped config stacks the adapters" in text
+    assert "(gpt-oss-20b T = 1600, qwen3-30b-a3b T = 1600; predicted 1.02–1.35: held at all 2)" in text
+    assert "1.01× elsewhere (10 points, the same kernels; predicted 0.97–1.03: held at all 10)" in text

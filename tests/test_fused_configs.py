@@ -185,6 +185,14 @@ def test_fused_config_cpu_default():
             "SPLIT_K.*must be 1",
         ),
         ({"fused_gate_up": {"BLOCK_SIZE_M": 16, "BLOK": 1}, "fused_down": {"BLOCK_SIZE_M": 16}}, "BLOK"),
+        (
+            {"fused_gate_up": {"BLOCK_SIZE_M": 16}, "fused_down": {"BLOCK_SIZE_M": 16}, "lora_stack": 1},
+            r'\["lora_stack"\]: must be true or false, got 1',
+        ),
+        (
+            {"fused_gate_up": {"BLOCK_SIZE_M": 16}, "fused_down": {"BLOCK_SIZE_M": 16}, "stack": True},
+            "optionally 'lora_stack'",
+        ),
     ],
 )
 def test_fused_file_errors_name_the_key(tmp_path, leaf, match):

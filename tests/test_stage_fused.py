@@ -490,3 +490,93 @@ def test_pdl_public_switches_and_low_level_launchers_validate():
                           activation="silu", pdl=True)  # fmt: skip
     with pytest.raises(ValueError, match="pdl must be a Python bool"):
         pdl_options("no")
+
+
+# ---- the stacked LoRA epilogue (fifth round) -------------------------------------------------------------
+STACK_IDS = ("T37_ragged", "swigluoai_S2_straddle", "silu_bias_S2_tiles", "rank8_in_tile16", "E7_K3_masked_k")
+STACK_CASES = [c for c in CASES if c[0] in STACK_IDS + ("all_minus1", "L8_zipf")]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("case", STACK_CASES, ids=[c[0] for c in STACK_CASES])
+def test_stacked_lora_epilogue_matches_reference_and_loop(case, dtype):
+    # every adapter stacked along the rank axis (one counted loop of LORA_CHUNK-column dots) against the
+    # fp32 reference and against the per-adapter loop: rows of absent adapters and -1 rows add exact zeros
+    _, shape, kw, cfg = case
+    inp = _inputs(shape, dtype, **kw)
+    ref = moe_lora_reference(*inp.args(), **inp.kwargs())
+    outs = {}
+    for stack in (False, True):
+        run = make_layer_run(*inp.args(), **inp.kwargs(), stage="fused", config=cfg, lora_stack=stack)
+        la = run.launch_args("fused_gate_up")
+        assert (la.constexprs.get("LORA_CHUNK", 0) > 0) == stack, la.constexprs
+        outs[stack] = run()
+        assert_close_rel(outs[stack], ref, dtype, what=f"lora_stack={stack}")
+        none = inp.lora_ids == -1
+        if none.any():  # no adapter: bit-identical to the base part in both forms
+            assert torch.equal(outs[stack][none], run.base_part()[none])
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    assert_close_rel(outs[True], outs[False], tol=tol, what="stacked vs loop")
+
+
+def test_stacked_lora_epilogue_with_split_down():
+    # SPLIT_K 2 on the down GEMM with the stacked epilogue: the delta is added by split 0 only
+    inp = _inputs(TINY, torch.float32, num_tokens=13, num_adapters=4)
+    ref = moe_lora_reference(*inp.args(), **inp.kwargs())
+    c = _cfg(bk=16).replace(base_down=OpConfig(16, 32, 16, 4, 2, 4, 2))
+    out = make_layer_run(*inp.args(), **inp.kwargs(), stage="fused", config=c, lora_stack=True)()
+    assert_close_rel(out, ref, tol=1e-4, what="stacked + split-K down")
+
+
+def test_lora_stack_switch_config_and_heuristic():
+    inp = _inputs(TINY, torch.float32, num_tokens=9)
+    args, kw = inp.args(), inp.kwargs()
+    for bad in (1, "yes", None.__class__):
+        with pytest.raises(ValueError, match="lora_stack must be a Python bool"):
+            make_layer_run(*args, **kw, stage="fused", lora_stack=bad)
+    with pytest.raises(ValueError, match="lora_stack applies to stage 'fused' only"):
+        make_layer_run(*args, **kw, stage="tuned", lora_stack=True)
+    with pytest.raises(ValueError, match="LayerConfig.lora_stack must be True, False or None"):
+        _cfg().replace(lora_stack=1)
+    # the config's choice when the call gives none; the other stages drop it; an explicit switch wins
+    cfg = _cfg().replace(lora_stack=True)
+    assert "lora_stack=1" in cfg.short() and cfg.to_dict()["lora_stack"] is True
+    assert cfg.deterministic().lora_stack is True or cfg.is_deterministic
+    assert STAGES["tuned"].adapt(cfg).lora_stack is None
+    assert make_layer_run(*args, **kw, stage="fused", config=cfg).lora_stack is True
+    assert make_layer_run(*args, **kw, stage="fused", config=cfg, lora_stack=False).lora_stack is False
+    assert make_layer_run(*args, **kw, stage="fused", config=_cfg()).lora_stack is None
+    # the heuristic at the H200 points (R = 32, 8 adapters, the shipped BLOCK_SIZE_M, adapter order)
+    pick = plan.lora_stack_chunk
+    assert pick(16, 4, 32, 8, 32, True) == 0  # GPT-OSS-20B T = 1: one row per tile
+    assert pick(16, 256, 32, 8, 32, True) == 64  # T = 64: 8 rows of 8 adapters per expert
+    assert pick(128, 6400, 32, 8, 32, True) == 32  # T = 1600: ~6 adapters per 128-row tile
+    assert pick(128, 32768, 32, 8, 32, True) == 0  # T = 8192: ~2 adapters per tile
+    assert pick(16, 512, 128, 8, 32, True) == 0  # Qwen3-30B-A3B T = 64: 4 rows per expert
+    assert pick(16, 2048, 128, 8, 32, True) == 64  # T = 256
+    assert pick(128, 32768, 32, 8, 32, False) == 32  # pair order: all 8 adapters in a tile
+    assert pick(16, 256, 32, 64, 32, True) == 0  # 64 adapters × 32 > LORA_STACK_MAX_COLS
+    assert pick(16, 256, 32, 8, 8, True) == 64  # R = 8 -> R16 = 16: 8 × 16 = 128 columns, chunk 64
+
+
+def test_shipped_fused_file_records_the_measured_epilogue_form():
+    # data/dev/12_lora_stack: the measured choice per entry of the H200 file (stacked at GPT-OSS-20B T = 64
+    # and 1600, Qwen3-30B-A3B T = 256 and 1600; the loop elsewhere)
+    from moelora_lib.configs import load_fused_config
+
+    want = {"gpt-oss-20b": {1: 0, 8: 0, 64: 1, 256: 0, 1600: 1, 8192: 0},
+            "qwen3-30b-a3b": {1: 0, 8: 0, 64: 0, 256: 1, 1600: 1, 8192: 0}}  # fmt: skip
+    for m, by_t in want.items():
+        for T, v in by_t.items():
+            c = load_fused_config(Dims.of(m, T, rank=32, adapters=8), gpu_name="NVIDIA_H200")
+            assert c.lora_stack is bool(v), (m, T, c.lora_stack)
+
+
+def test_stacked_epilogue_compiles_without_spills(report):
+    # sm_90, default configs at gpt-oss-20b: T = 64 (BLOCK_SIZE_M 16: chunk 64) and T = 1600 (BLOCK_SIZE_M
+    # 128: chunk 32, beside two 128-row accumulators): no local memory, ≤ 255 registers; the loop form
+    # compiles without LORA_CHUNK
+    s = report["lora_stack"]
+    for key, v in s.items():
+        assert v["LOCAL"] == 0 and 0 < v["REG"] <= 255, (key, v)
+        assert (v["LORA_CHUNK"] > 0) == key.endswith("@stacked"), (key, v)

@@ -148,6 +148,9 @@ BASE_FILE_OP = "FUSED_MOE_BASE"
 FUSED_FILE_OP = "FUSED_MOE_LORA_FUSED"
 #: leaf keys of the fused file -> the LayerConfig field that configures that launch
 FUSED_FILE_KEYS = {"fused_gate_up": "base_gate_up", "fused_down": "base_down"}
+#: The keys a fused leaf may hold: the two GEMMs and, optionally, ``lora_stack`` (true/false: the LoRA
+#: epilogue's form measured for that entry, :class:`~moelora_lib.kernels.LayerConfig`'s ``lora_stack``).
+FUSED_LEAF_KEYS = frozenset(FUSED_FILE_KEYS) | {"lora_stack"}
 SHIPPED_DIR = Path(__file__).resolve().parent
 LORA_DEPTH = 6  # max_loras, num_slices, m, k, n, i
 BASE_DEPTH = 4  # E, N, K, m
@@ -302,24 +305,33 @@ def _walk(node: Any, depth: int, path: str, keys: tuple, out: dict, leaf_kind: s
     if depth == 0:
         where = f"{path} at {_keypath(keys)}"
         if leaf_kind == "fused":
-            if not isinstance(node, dict) or set(node) != set(FUSED_FILE_KEYS):
+            if not isinstance(node, dict) or not set(FUSED_FILE_KEYS) <= set(node) <= FUSED_LEAF_KEYS:
                 got = sorted(node) if isinstance(node, dict) else type(node).__name__
                 raise ValueError(
-                    f"{where}: a fused leaf must have exactly the keys {list(FUSED_FILE_KEYS)}, got {got}"
+                    f"{where}: a fused leaf must have exactly the keys {list(FUSED_FILE_KEYS)} "
+                    f"(and optionally 'lora_stack'), got {got}"
                 )
-            cfgs = {
+            ops = [op for op in node if op in FUSED_FILE_KEYS]
+            cfgs: dict[str, Any] = {
                 FUSED_FILE_KEYS[op]: _parse_leaf(node[op], f"{path} at {_keypath(keys + (op,))}")
-                for op in node
+                for op in ops
             }
-            bms = {op: cfgs[FUSED_FILE_KEYS[op]].BLOCK_SIZE_M for op in node}
+            bms = {op: cfgs[FUSED_FILE_KEYS[op]].BLOCK_SIZE_M for op in ops}
             if len(set(bms.values())) != 1:
                 raise ValueError(f"{where}: fused_gate_up and fused_down must share BLOCK_SIZE_M, got {bms}")
-            for op, c in zip(node, cfgs.values()):
-                if c.SPLIT_K != 1 and op != "fused_down":  # only the down GEMM may split K (fp32 y)
+            for op in ops:
+                if cfgs[FUSED_FILE_KEYS[op]].SPLIT_K != 1 and op != "fused_down":  # fp32 y: down GEMM only
                     raise ValueError(
                         f"{path} at {_keypath(keys + (op, 'SPLIT_K'))}: must be 1 for the fused gate_up GEMM "
                         "(its activation needs all of K; only fused_down may split K)"
                     )
+            if "lora_stack" in node:
+                if not isinstance(node["lora_stack"], bool):
+                    raise ValueError(
+                        f"{path} at {_keypath(keys + ('lora_stack',))}: must be true or false, "
+                        f"got {node['lora_stack']!r}"
+                    )
+                cfgs["lora_stack"] = node["lora_stack"]
             out[keys] = cfgs
         elif leaf_kind == "base" and isinstance(node, dict) and set(node) & set(BASE_OPS):
             unknown = set(node) - set(BASE_OPS)

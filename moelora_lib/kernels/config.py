@@ -90,6 +90,11 @@ class LayerConfig:
     (adapter, expert) alignment, so each group must agree on BLOCK_SIZE_M (as upstream, where a
     mismatch corrupts memory silently; here it raises ValueError). Each op field must be an
     :class:`OpConfig` (ValueError naming the field otherwise).
+
+    ``lora_stack``: stage ``fused`` only — the form of its GEMMs' LoRA epilogue (True: every adapter
+    stacked along the rank axis; False: one pass per adapter present in a tile; None, the default: the
+    heuristic :func:`~moelora_lib.kernels.stages.lora_stack_chunk`). The shipped fused config file sets it
+    per entry where it was measured; the other stages ignore it.
     """
 
     base_gate_up: OpConfig
@@ -99,6 +104,7 @@ class LayerConfig:
     down_shrink: OpConfig
     down_expand: OpConfig
     source: str = "default"
+    lora_stack: bool | None = None
 
     def __post_init__(self) -> None:
         for op in BASE_OPS + LORA_OPS:
@@ -108,6 +114,8 @@ class LayerConfig:
                 raise ValueError(f"LayerConfig.{op} must be an OpConfig{hint}, got {type(v).__name__}: {v!r}")
         if not isinstance(self.source, str):
             raise ValueError(f"LayerConfig.source must be a str, got {type(self.source).__name__}")
+        if self.lora_stack is not None and not isinstance(self.lora_stack, bool):
+            raise ValueError(f"LayerConfig.lora_stack must be True, False or None, got {self.lora_stack!r}")
         if self.base_gate_up.BLOCK_SIZE_M != self.base_down.BLOCK_SIZE_M:
             raise ValueError(
                 "base_gate_up and base_down must share BLOCK_SIZE_M "
@@ -161,7 +169,10 @@ class LayerConfig:
     def to_dict(self) -> dict:
         d = {op: getattr(self, op).to_dict() for op in BASE_OPS + LORA_OPS}
         d["source"] = self.source
+        if self.lora_stack is not None:
+            d["lora_stack"] = self.lora_stack
         return d
 
     def short(self) -> str:
-        return ";".join(f"{op}={getattr(self, op).short()}" for op in BASE_OPS + LORA_OPS)
+        s = ";".join(f"{op}={getattr(self, op).short()}" for op in BASE_OPS + LORA_OPS)
+        return s if self.lora_stack is None else f"{s};lora_stack={int(self.lora_stack)}"

@@ -153,6 +153,8 @@ class Stage:
                 changes[op] = replace(c, **new)
         if not self.fused_gemm and cfg.base_down.SPLIT_K != 1:  # only stage fused's down GEMM splits K
             changes["base_down"] = replace(cfg.base_down, SPLIT_K=1)
+        if not self.fused_gemm and cfg.lora_stack is not None:  # only stage fused has the LoRA epilogue
+            changes["lora_stack"] = None
         return replace(cfg, **changes) if changes else cfg
 
 
@@ -172,9 +174,15 @@ def lora_stack_chunk(
     pipelined loop that also reads the B tiles of absent adapters. Expected adapters per tile: a tile
     holds m = min(BLOCK_SIZE_M, pairs / experts) rows; in the adapter order (sorted within each expert)
     about BLOCK_SIZE_M / g + 1 groups of g = pairs / (experts · adapters) rows, else up to m adapters.
-    Stacked when that estimate is ≥ max(2, adapters / 2) and adapters · R16 ≤ :data:`LORA_STACK_MAX_COLS`
-    (R16 = rank rounded up to a power of two ≥ 16); chunk = R16 for BLOCK_SIZE_M ≥ 128 (registers: two
-    128-row accumulators already), else min(64, next_pow2(adapters · R16)).
+    Stacked when that estimate is ≥ max(2, 0.75 · adapters) and adapters · R16 ≤
+    :data:`LORA_STACK_MAX_COLS` (R16 = rank rounded up to a power of two ≥ 16); chunk = R16 for
+    BLOCK_SIZE_M ≥ 128 (registers: two 128-row accumulators already), else min(64, next_pow2(adapters · R16)).
+
+    Measured (H200, R = 32, 8 adapters, data/dev/12_lora_stack): stacked is faster where this picks it
+    (GPT-OSS-20B T = 64 and 1600, Qwen3-30B-A3B T = 256 and 1600) except GPT-OSS-20B T = 256 (7 % slower,
+    not explained), and slower where it does not (decode: it reads every adapter's B; T = 8192: ~2
+    adapters per tile). The shipped fused config file records the measured choice per entry
+    (``lora_stack``), which takes precedence.
     """
     r16 = max(16, next_pow2(rank))
     if adapters < 1 or pairs < 1 or adapters * r16 > LORA_STACK_MAX_COLS:
@@ -184,7 +192,7 @@ def lora_stack_chunk(
     if adapter_order:
         g = pairs / (experts * adapters)
         est = min(est, block_size_m / g + 1.0)
-    if est < max(2.0, adapters / 2):
+    if est < max(2.0, 0.75 * adapters):
         return 0
     return r16 if block_size_m >= 128 else min(64, next_pow2(adapters * r16))
 
@@ -322,8 +330,9 @@ class LayerRun:
       bit-identical).
     * ``lora_stack``: stages with ``fused_gemm`` only — the form of the LoRA epilogue of both fused GEMMs:
       True = every adapter stacked along the rank axis (a counted, pipelined loop), False = one pass per
-      adapter present in the tile, None (default) = :func:`lora_stack_chunk`'s heuristic per launch. The
-      result is the same up to fp32 rounding order.
+      adapter present in the tile, None (default) = the config's ``lora_stack`` (set per entry in the
+      shipped fused config file), else :func:`lora_stack_chunk`'s heuristic per launch. The result is the
+      same up to fp32 rounding order.
 
     Stages with ``fused_gemm`` (stage ``fused``) run :data:`FUSED_LAUNCH_OPS` instead of the seven
     launches: ``gate_up_shrink`` into a [T·K, S, R16] float32 intermediate (``inter_gate_up`` buffer
@@ -371,6 +380,8 @@ class LayerRun:
         self.nan_on_bad_ids = bool(nan_on_bad_ids)
         self.topk_ids, self.lora_ids = topk_ids, lora_ids
         self.cfg = stage.adapt(config)
+        if self.lora_stack is None:  # the config's choice (the shipped fused file), else the heuristic
+            self.lora_stack = self.cfg.lora_stack
         # Every tensor the kernels read starts 16-byte aligned (a copy only for a misaligned view):
         # Triton specializes pointers on alignment, so an offset view would compile a second binary.
         # Caller-given ``buffers`` are prefixes of aligned allocations and are used as they are.

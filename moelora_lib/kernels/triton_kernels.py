@@ -428,9 +428,10 @@ def _lora_stacked_dot(
     (lid[p]) and zeros elsewhere; the B operand stacks B[a, expert, s]ᵀ for every adapter a. One counted
     loop over LORA_CHUNK-column chunks (a ``for`` the compiler can pipeline) replaces the ``while`` loop of
     :func:`_lora_cols_dot` (one dependent load-and-dot per adapter present): same MMA work when every
-    adapter is in the tile, but the B tiles of absent adapters are read too, so the launcher picks this
-    form only for tiles expected to hold most adapters (prefill). Rows with lid = -1 match no column:
-    exact zeros, as in the loop. Slices and precision as :func:`_lora_cols_dot`.
+    adapter is in the tile, but the dots of absent adapters run too (on zeros: their B is masked off,
+    never read), so the launcher picks this form only for tiles expected to hold most adapters
+    (prefill). Rows with lid = -1 match no column: exact zeros, as in the loop. Slices and precision as
+    :func:`_lora_cols_dot`.
     """
     offs_c = tl.arange(0, LORA_CHUNK)
     col_s = cols // NS
@@ -444,10 +445,14 @@ def _lora_stacked_dot(
             c = c0 + offs_c
             a = c // BLOCK_SIZE_R
             r = c - a * BLOCK_SIZE_R
-            c_mask = (r < R) & (a < num_adapters)
+            row_col = lid[:, None] == a[None, :]  # row p's own adapter's columns
+            # only the adapters present in the tile: the others' B is never read (not even as 0 · B,
+            # which would turn a NaN/Inf left in an unused slot into NaN rows)
+            present = tl.max(row_col.to(tl.int32), axis=0) > 0
+            c_mask = (r < R) & present
             ia = tl.load(
                 inter_ptr + pair_ld[:, None] * stride_im + s * stride_is + r[None, :] * stride_ir,
-                mask=(lid[:, None] == a[None, :]) & c_mask[None, :],
+                mask=row_col & c_mask[None, :],
                 other=0.0,
             )
             bb = tl.load(

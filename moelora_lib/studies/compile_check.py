@@ -871,6 +871,7 @@ def _fused_meta_run(dims, *, activation: str, has_bias: bool, dtype: str, config
     run.adapter_order = run.stage.uses_adapter_order()  # as a real run of the stage (lora_stack's heuristic)
     # the meta run was built as another stage, whose adapt() never lets the down GEMM split K
     run.cfg = run.stage.adapt(config)
+    run.lora_stack = run.cfg.lora_stack  # (the other stage's adapt dropped it)
     run._g_buf = run._act_out()
     return run
 
@@ -890,7 +891,8 @@ def fused_report(
     For each launch of :data:`~moelora_lib.kernels.stages.FUSED_LAUNCH_OPS`:
 
     * ``keys``/``hashes``: distinct cache keys and compiled binaries over ``lengths`` with one fixed
-      config (``fused_default_config`` at T = ``fixed_T``): 1 and 1 = no recompile across lengths;
+      config (``fused_default_config`` at T = ``fixed_T``, ``lora_stack=False``): 1 and 1 = no recompile
+      across lengths;
     * ``res``: registers/spills (cuobjdump) of the default config at each T of ``res_T``
       (``{T: {"REG", "LOCAL", "cfg"}}``);
     * ``vec``: :func:`global_vector_ops` of the fixed-config binary.
@@ -903,7 +905,8 @@ def fused_report(
     and ``"pdl"``: :func:`_pdl_report` (the ``griddepcontrol`` instructions with and without PDL),
     and ``"split_down"``: the down GEMM at T = 1 with SPLIT_K 1 and 8 (``{"sk1"|"sk8": {"REG", "LOCAL",
     "grid", "atom_add_f32", "out_dtype"}}``: registers, grid size, atomic/reduction instructions, y's
-    dtype).
+    dtype), and ``"lora_stack"``: both fused GEMMs at T = 64 and 1600 with the LoRA epilogue as a loop and
+    stacked (``{"<op>@<T>@loop|stacked": {"LORA_CHUNK", "REG", "LOCAL", "cfg"}}``).
     """
     from dataclasses import replace
 
@@ -919,7 +922,10 @@ def fused_report(
         c = cfg if cfg is not None else fused_default_config(d)
         return _fused_meta_run(d, activation=sh.activation, has_bias=sh.has_bias, dtype=dtype, config=c)
 
+    # the LoRA epilogue's form pinned (the loop): lora_stack's heuristic picks it per T, a second binary
+    # where it switches to the stacked form (one per form, not per length)
     fixed = fused_default_config(Dims.of(sh, int(fixed_T), rank=rank, adapters=adapters))
+    fixed = fixed.replace(lora_stack=False)
     out: dict = {}
     for op in FUSED_LAUNCH_OPS:
         keys, hashes, first = [], set(), None
@@ -987,6 +993,26 @@ def fused_report(
             "out_dtype": str(la.args[2].dtype),
         }
     out["split_down"] = split
+    # the LoRA epilogue with every adapter stacked (lora_stack=True) at a decode tile (T = 64,
+    # BLOCK_SIZE_M 16) and a prefill tile (T = 1600, BLOCK_SIZE_M 128): chunk, registers, spills
+    stacked = {}
+    for T in (64, 1600):
+        run = run_at(T)
+        for mode in (False, True):
+            run.lora_stack = mode
+            for op in ("fused_gate_up", "fused_down"):
+                la = run.launch_args(op)
+                k = compile_for_sm90(
+                    _jit(la.kernel, False), la.args, la.constexprs, la.num_warps, la.num_stages
+                )
+                ru = resource_usage(k)
+                stacked[f"{op}@{T}@{'stacked' if mode else 'loop'}"] = {
+                    "LORA_CHUNK": int(la.constexprs.get("LORA_CHUNK", 0)),
+                    "REG": ru["REG"],
+                    "LOCAL": ru["LOCAL"],
+                    "cfg": la.cfg.short(),
+                }
+    out["lora_stack"] = stacked
     return out
 
 

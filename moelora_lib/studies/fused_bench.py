@@ -413,7 +413,11 @@ LEVERS: dict[str, tuple[str, tuple[str, ...], str, bool | None]] = {
     "tuned_deterministic": (BASELINE, ("lora", "total"), "deterministic", None),
     "fused_pdl": (STAGE, ("base", "total"), "stage_cfg", None),
     "fused_deterministic": (STAGE, ("base", "total"), "deterministic", None),
+    "fused_loop": (STAGE, ("total",), "stage_cfg", None),
 }
+#: Levers that force the LoRA epilogue's form (:class:`~moelora_lib.kernels.LayerRun`'s ``lora_stack``):
+#: ``fused_loop`` is the stage with the per-adapter loop everywhere (as before the fifth round).
+LEVER_LORA_STACK: dict[str, bool] = {"fused_loop": False}
 #: Levers that switch programmatic dependent launch on (:class:`~moelora_lib.kernels.LayerRun`'s ``pdl``;
 #: off by default): ``fused_pdl`` is the stage as it is, with PDL.
 LEVER_PDL: dict[str, bool] = {"fused_pdl": True}
@@ -476,6 +480,7 @@ def bench_levers(
             stage, sh, T, rank=rank, num_adapters=num_adapters, weights=weights, seed=seed,
             activation="silu", bias=False, dtype=dtype, device=device, parts=parts, warmup_ms=warmup_ms,
             rep_ms=rep_ms, config=cfg, adapter_order=order, pdl=LEVER_PDL.get(lv),
+            lora_stack=LEVER_LORA_STACK.get(lv),
         ):  # fmt: skip
             r.update(lever=lv, variant="as_anchor")
             rows.append(r)
@@ -490,7 +495,9 @@ def levers_table(levers_df, df):
     largest SPLIT_K of the shipped shrinks (from the config string); ``pdl_base``/``pdl_total`` (the
     stage with PDL on), only where the lever ``fused_pdl`` was timed; ``fdet_base``/``fdet_total`` (the
     stage in its deterministic mode) and ``fused_split_k`` (the largest SPLIT_K of the stage's launches),
-    only where ``fused_deterministic`` was timed."""
+    only where ``fused_deterministic`` was timed; ``loop_total`` (the stage with the per-adapter LoRA loop
+    everywhere) and ``fused_stacked`` (1 where the stage's config stacks the adapters: ``lora_stack=1`` in
+    its config string), only where ``fused_loop`` was timed."""
     import re
 
     import pandas as pd
@@ -519,6 +526,10 @@ def levers_table(levers_df, df):
         out["fdet_base"], out["fdet_total"] = p["base"], p["total"]
         f = df[(df.stage == STAGE) & (df.part == "total")].set_index(["model", "T"]).config
         out["fused_split_k"] = f.map(lambda c: max(int(x) for x in re.findall(r"s(\d+)w\d+st", c)))
+    if (lv.lever == "fused_loop").any():  # (fifth round)
+        out["loop_total"] = piv(lv[lv.lever == "fused_loop"])["total"]
+        f = df[(df.stage == STAGE) & (df.part == "total")].set_index(["model", "T"]).config
+        out["fused_stacked"] = f.map(lambda c: int("lora_stack=1" in c))
     t = df[(df.stage == BASELINE) & (df.part == "total")].set_index(["model", "T"]).config
     out["tuned_split_k"] = t.map(
         lambda c: max(int(x) for x in re.findall(r"shrink=m\d+n\d+k\d+g\d+s(\d+)", c))

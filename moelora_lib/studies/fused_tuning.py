@@ -270,7 +270,14 @@ def tune_fused(
                 continue
             chosen[(m, T)] = got
             dims = Dims.of(shape, T, rank=rank, adapters=adapters)
-            configs.set_entry(data, configs.base_keys(dims), {op: c.to_dict() for op, c in got.items()})
+            keys = configs.base_keys(dims)
+            leaf = {op: c.to_dict() for op, c in got.items()}
+            old = data
+            for k in keys:  # keep the entry's measured LoRA epilogue form (lora_stack), if any
+                old = old.get(str(k), {}) if isinstance(old, dict) else {}
+            if isinstance(old, dict) and "lora_stack" in old:
+                leaf["lora_stack"] = old["lora_stack"]
+            configs.set_entry(data, keys, leaf)
             configs.save_config_file(path, data)
         del weights
         if dev.type == "cuda":

@@ -80,6 +80,11 @@ PREDICTED_PREFILL_EXTRA_US = {"gpt-oss-20b": (47.0, 27.0), "qwen3-30b-a3b": (32.
 #:   launch ÷ ``fused`` within 1.00–1.10 where the stage's shipped config splits K somewhere (the shrinks'
 #:   split-K and, at GPT-OSS-20B T ≤ 8, the down GEMM's: 2–6 µs in the development run), 0.98–1.02 where
 #:   nothing splits.
+#: * stacked LoRA epilogue (fifth round, written 2026-12-03 after the development run
+#:   data/dev/12_lora_stack at acf5988, before this notebook's run): the stage with the per-adapter loop
+#:   everywhere (lever ``fused_loop``) ÷ the stage within 1.02–1.35 where the shipped config stacks the
+#:   adapters (GPT-OSS-20B T = 64, 1600; Qwen3-30B-A3B T = 256, 1600: 1.03–1.30 in the development run),
+#:   0.97–1.03 elsewhere (the same kernels).
 LEVER_PREDICTIONS = {
     "configs": (0.90, 1.05),
     "order_prefill_max": 0.5,
@@ -91,6 +96,8 @@ LEVER_PREDICTIONS = {
     "pdl_rest": (0.98, 1.00),
     "fdet_split": (1.00, 1.10),
     "fdet_nosplit": (0.98, 1.02),
+    "stack_gain": (1.02, 1.35),
+    "stack_same": (0.97, 1.03),
 }
 
 _NUM_TARGET_COLS = (
@@ -414,7 +421,9 @@ def _timeline_text(tt: pd.DataFrame) -> str:
 def _levers_text(lt: pd.DataFrame) -> str:
     """The second round, lever by lever, against :data:`LEVER_PREDICTIONS` (reported, not asserted)."""
     P = LEVER_PREDICTIONS
-    num = [c for c in lt.columns if c not in ("model", "T", "tuned_split_k", "fused_split_k")]
+    num = [
+        c for c in lt.columns if c not in ("model", "T", "tuned_split_k", "fused_split_k", "fused_stacked")
+    ]
     assert _finite(lt[num].to_numpy().ravel()), "non-finite values in the levers table"
     lt = lt.assign(
         cfg_x=lt.pair_base / lt.tuned_base,
@@ -491,6 +500,21 @@ def _levers_text(lt: pd.DataFrame) -> str:
             f"the stage): whole layer {fs_r} where the stage splits K ({len(fs)} points; predicted "
             f"{flo:.2f}–{fhi:.2f}: {held(n_fs, len(fs))}), {fn_r} where nothing splits ({len(fn)} points; "
             f"predicted {glo:.2f}–{ghi:.2f}: {held(n_fn, len(fn))})."
+        )
+    if "loop_total" in lt.columns:
+        slo, shi = P["stack_gain"]
+        elo, ehi = P["stack_same"]
+        lt = lt.assign(loop_x=lt.loop_total / lt.fused_total)
+        st, ot = lt[lt.fused_stacked == 1], lt[lt.fused_stacked == 0]
+        n_st = int(st.loop_x.between(slo, shi).sum())
+        n_ot = int(ot.loop_x.between(elo, ehi).sum())
+        where = ", ".join(f"{r.model} T = {int(r['T'])}" for _, r in st.iterrows()) or "none"
+        lines.append(
+            f"- stacked LoRA epilogue (fifth round; the stage with the per-adapter loop everywhere ÷ the "
+            f"stage): whole layer {_range(st.loop_x) if len(st) else '—'} where the shipped config stacks "
+            f"the adapters ({where}; predicted {slo:.2f}–{shi:.2f}: {held(n_st, len(st))}), "
+            f"{_range(ot.loop_x) if len(ot) else '—'} elsewhere ({len(ot)} points, the same kernels; "
+            f"predicted {elo:.2f}–{ehi:.2f}: {held(n_ot, len(ot))})."
         )
     lines += [
         "",

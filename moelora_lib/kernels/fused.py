@@ -110,6 +110,23 @@ faster, by 2.0 and 5.7 µs of the whole layer (the loader's nearest-T lookup app
 5–36 too, which were not measured) (predicted ~9 µs at T = 1: docs/perf_notes.md says why it
 missed). :meth:`~.config.LayerConfig.deterministic` clears it with the shrinks' split.
 
+**Fifth round (issue 13, 2026-12-03): the LoRA epilogue with every adapter stacked.** With ``LORA_CHUNK`` >
+0 (:func:`~.launchers.fused_moe_lora`'s ``lora_chunk``; :class:`~.stages.LayerRun`'s ``lora_stack``) the
+epilogue does not loop over the adapters present in the tile: the rank axis is extended to L·R16 columns
+(column c = rank c % R16 of adapter c // R16); row p's operand holds its intermediate in its own adapter's
+columns and zeros elsewhere, the B operand holds B[a, e] for the adapters present in the tile (the others
+masked off: never read, so a NaN left in an unused slot cannot reach a row through 0·NaN), and one counted
+loop of LORA_CHUNK-column dots, which the compiler software-pipelines, replaces the ``while`` loop of
+dependent load-and-dot passes. MMA work: all L adapters' columns whatever is present, so the form pays where
+a tile holds most adapters (prefill) and costs where it holds one (decode) or two (T = 8192 in the adapter
+order). Chosen per call: :class:`~.config.LayerConfig`'s ``lora_stack`` (the shipped H200 file sets it per
+entry, from the development run data/dev/12_lora_stack: stacked at GPT-OSS-20B T = 64 and 1600 and
+Qwen3-30B-A3B T = 256 and 1600), else :func:`~.stages.lora_stack_chunk` (expected adapters per tile ≥
+0.75·L). Development run, whole layer µs, loop → stacked: GPT-OSS-20B T = 64 491 → 472, T = 1600 1149 →
+1068, T = 256 636 → 681 (slower, not explained); Qwen3-30B-A3B T = 256 550 → 536, T = 1600 844 → 651;
+stacked slower at T ≤ 8, Qwen3 T = 64 and T = 8192. Notebook 12's lever ``fused_loop`` measures it in the
+suite run.
+
 **Predictions (written before any GPU run; to be measured in notebook 12, H200, bf16, R = 32, 8 adapters,
 tokens spread evenly, graph replay, L2 flushed).** Per-op times are ``tuned``'s from data/07_per_op.csv.
 

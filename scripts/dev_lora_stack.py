@@ -3,12 +3,13 @@
     python3 scripts/dev_lora_stack.py --out OUT_DIR [--models gpt-oss-20b,qwen3-30b-a3b]
         [--tokens 1,8,64,256,1600,8192]
 
-For each (model, T): the whole layer of stage ``fused`` with the shipped config and its LoRA epilogue
-forced to the per-adapter loop (``lora_stack=False``) and to the stacked form (``lora_stack=True``), the
-heuristic's pick (:func:`moelora_lib.kernels.stages.lora_stack_chunk`), and ``tuned``'s whole layer as the
-yardstick, timed as notebook 12 times them (:func:`moelora_lib.studies.moe_bench.bench_layer`: graph
-replay, L2 flushed, median); each output checked against the fp32 reference. Writes ``dev_lora_stack.csv``
-under OUT_DIR. A development measurement that sets the heuristic; notebook 12 is the evidence.
+For each (model, T): the whole layer of stage ``fused`` with the shipped config and its LoRA epilogue forced
+to the per-adapter loop (``lora_stack=False``) and to the stacked form (``lora_stack=True``), the stage's
+default (``auto``: at acf5988, where this ran, a heuristic by expected adapters per tile; now the shipped
+file's ``lora_stack``, else the loop), and ``tuned``'s whole layer as the yardstick, timed as notebook 12
+times them (:func:`moelora_lib.studies.moe_bench.bench_layer`: graph replay, L2 flushed, median); each
+output checked against the fp32 reference. Writes ``dev_lora_stack.csv`` under OUT_DIR. A development
+measurement that sets the heuristic; notebook 12 is the evidence.
 """
 
 from __future__ import annotations

@@ -92,9 +92,9 @@ class LayerConfig:
     :class:`OpConfig` (ValueError naming the field otherwise).
 
     ``lora_stack``: stage ``fused`` only — the form of its GEMMs' LoRA epilogue (True: every adapter
-    stacked along the rank axis; False: one pass per adapter present in a tile; None, the default: the
-    heuristic :func:`~moelora_lib.kernels.stages.lora_stack_chunk`). The shipped fused config file sets it
-    per entry where it was measured; the other stages ignore it.
+    stacked along the rank axis; False or None, the default: one pass per adapter present in a tile).
+    The shipped fused config file sets it per entry (False at every H200 entry, from notebook 12's suite
+    run: :func:`~moelora_lib.kernels.stages.lora_stack_chunk`); the other stages ignore it.
     """
 
     base_gate_up: OpConfig

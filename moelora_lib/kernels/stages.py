@@ -47,7 +47,6 @@ __all__ = [
     "FUSED_LAUNCH_KERNELS",
     "FUSED_LAUNCH_OPS",
     "FUSED_CONFIG_FIELD",
-    "LORA_STACK_MAX_COLS",
     "lora_stack_chunk",
     "default_config",
     "as_dims",
@@ -158,43 +157,21 @@ class Stage:
         return replace(cfg, **changes) if changes else cfg
 
 
-#: Most stacked rank columns (adapters × BLOCK_SIZE_R) for which stage ``fused`` may stack the adapters in its
-#: LoRA epilogue (:func:`lora_stack_chunk`): beyond it the B tiles of absent adapters cost too much.
-LORA_STACK_MAX_COLS = 512
+def lora_stack_chunk(block_size_m: int, adapters: int, rank: int) -> int:
+    """The ``LORA_CHUNK`` (stacked rank columns per dot) stage ``fused``'s GEMMs launch with when the LoRA
+    epilogue stacks the adapters (``lora_stack=True``): R16 for BLOCK_SIZE_M ≥ 128 (registers: two 128-row
+    accumulators already), else min(64, next_pow2(adapters · R16)); R16 = rank rounded up to a power of
+    two ≥ 16.
 
-
-def lora_stack_chunk(
-    block_size_m: int, pairs: int, experts: int, adapters: int, rank: int, adapter_order: bool
-) -> int:
-    """The ``LORA_CHUNK`` stage ``fused``'s GEMMs launch with (0 = the per-adapter loop): a heuristic from
-    the expected number of adapters in one base tile.
-
-    The epilogue either loops over the adapters present in a tile (one dependent load-and-dot each, a
-    ``while`` loop the compiler cannot pipeline) or stacks every adapter along the rank axis in a counted,
-    pipelined loop that also reads the B tiles of absent adapters. Expected adapters per tile: a tile
-    holds m = min(BLOCK_SIZE_M, pairs / experts) rows; in the adapter order (sorted within each expert)
-    about BLOCK_SIZE_M / g + 1 groups of g = pairs / (experts · adapters) rows, else up to m adapters.
-    Stacked when that estimate is ≥ max(2, 0.75 · adapters) and adapters · R16 ≤
-    :data:`LORA_STACK_MAX_COLS` (R16 = rank rounded up to a power of two ≥ 16); chunk = R16 for
-    BLOCK_SIZE_M ≥ 128 (registers: two 128-row accumulators already), else min(64, next_pow2(adapters · R16)).
-
-    Measured (H200, R = 32, 8 adapters, data/dev/12_lora_stack): stacked is faster where this picks it
-    (GPT-OSS-20B T = 64 and 1600, Qwen3-30B-A3B T = 256 and 1600) except GPT-OSS-20B T = 256 (7 % slower,
-    not explained), and slower where it does not (decode: it reads every adapter's B; T = 8192: ~2
-    adapters per tile). The shipped fused config file records the measured choice per entry
-    (``lora_stack``), which takes precedence.
+    The stacked form is opt-in: notebook 12's suite run (8402a0c, lever ``fused_loop``) measured it 1.17–1.41×
+    slower than the per-adapter loop at the four points where the shipped config then chose it (GPT-OSS-20B
+    T = 64 and 1600, Qwen3-30B-A3B T = 256 and 1600), so the default is the loop everywhere. A development
+    run of an earlier form, which read every adapter's B tile (no present-adapter mask: a NaN in an unused
+    slot then reaches other rows as 0·NaN), had measured it faster at those points (data/dev/12_lora_stack);
+    docs/perf_notes.md has both.
     """
     r16 = max(16, next_pow2(rank))
-    if adapters < 1 or pairs < 1 or adapters * r16 > LORA_STACK_MAX_COLS:
-        return 0
-    m = min(float(block_size_m), pairs / experts)
-    est = min(float(adapters), m)
-    if adapter_order:
-        g = pairs / (experts * adapters)
-        est = min(est, block_size_m / g + 1.0)
-    if est < max(2.0, 0.75 * adapters):
-        return 0
-    return r16 if block_size_m >= 128 else min(64, next_pow2(adapters * r16))
+    return r16 if block_size_m >= 128 else min(64, next_pow2(max(1, adapters) * r16))
 
 
 def as_dims(dims: Dims | int, *rest: int) -> Dims:
@@ -330,9 +307,9 @@ class LayerRun:
       bit-identical).
     * ``lora_stack``: stages with ``fused_gemm`` only — the form of the LoRA epilogue of both fused GEMMs:
       True = every adapter stacked along the rank axis (a counted, pipelined loop), False = one pass per
-      adapter present in the tile, None (default) = the config's ``lora_stack`` (set per entry in the
-      shipped fused config file), else :func:`lora_stack_chunk`'s heuristic per launch. The result is the
-      same up to fp32 rounding order.
+      adapter present in the tile, None (default) = the config's ``lora_stack``, else the loop (the shipped
+      H200 file says the loop at every entry: :func:`lora_stack_chunk` has the measurements). The result
+      is the same up to fp32 rounding order.
 
     Stages with ``fused_gemm`` (stage ``fused``) run :data:`FUSED_LAUNCH_OPS` instead of the seven
     launches: ``gate_up_shrink`` into a [T·K, S, R16] float32 intermediate (``inter_gate_up`` buffer
@@ -687,17 +664,10 @@ class LayerRun:
         self._y32_buf().zero_()
 
     def _lora_chunk(self, c: OpConfig, has_lora: bool) -> int:
-        """LORA_CHUNK of a fused GEMM launched with config ``c`` (``lora_stack``; 0 = per-adapter loop)."""
-        if not has_lora or self.lora_stack is False:
+        """LORA_CHUNK of a fused GEMM launched with config ``c`` (0 = the per-adapter loop, the default)."""
+        if not has_lora or not self.lora_stack:
             return 0
-        rank = self.lora[0].shape[-2]
-        auto = lora_stack_chunk(
-            c.BLOCK_SIZE_M, self.T * self.K, self.w13.shape[0], self.L, rank, self.adapter_order
-        )
-        if self.lora_stack is None:
-            return auto
-        r16 = max(16, next_pow2(rank))
-        return auto or (r16 if c.BLOCK_SIZE_M >= 128 else min(64, next_pow2(self.L * r16)))
+        return lora_stack_chunk(c.BLOCK_SIZE_M, self.L, self.lora[0].shape[-2])
 
     def _fused_gemm(
         self, op: str, inter: torch.Tensor | None, cfg: OpConfig | None = None, zero_y: bool = True

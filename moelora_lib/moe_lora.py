@@ -238,8 +238,9 @@ def make_layer_run(
     :class:`~moelora_lib.kernels.LayerRun` (None = off; True outside stage ``fused`` or off Hopper-class GPUs
     or with another stage, raises ValueError); the result does not depend on it (bit-identical).
     ``lora_stack``: the LoRA epilogue's form in stage ``fused`` (:class:`~moelora_lib.kernels.LayerRun`;
-    None = its heuristic; a bool with another stage raises ValueError); a performance knob, the result
-    does not depend on it beyond fp32 rounding order.
+    None = the config's ``lora_stack``, else the per-adapter loop; True with another stage raises
+    ValueError); a performance knob, the result does not depend on it beyond fp32 rounding order. With
+    :func:`fused_moe_lora`, pass ``config=...replace(lora_stack=True)`` instead.
     """
     _check_stage_and_config(stage, config)
     check_bool("deterministic", deterministic)

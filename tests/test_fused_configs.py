@@ -193,6 +193,10 @@ def test_fused_config_cpu_default():
             {"fused_gate_up": {"BLOCK_SIZE_M": 16}, "fused_down": {"BLOCK_SIZE_M": 16}, "stack": True},
             "optionally 'lora_stack'",
         ),
+        (
+            {"fused_gate_up": {"BLOCK_SIZE_M": 16, "lora_stack": True}, "fused_down": {"BLOCK_SIZE_M": 16}},
+            "'lora_stack' belongs to the entry",
+        ),
     ],
 )
 def test_fused_file_errors_name_the_key(tmp_path, leaf, match):

@@ -528,14 +528,20 @@ def test_stacked_lora_epilogue_with_split_down():
     assert_close_rel(out, ref, tol=1e-4, what="stacked + split-K down")
 
 
-def test_lora_stack_switch_config_and_heuristic():
+def test_lora_stack_switch_and_config():
     inp = _inputs(TINY, torch.float32, num_tokens=9)
     args, kw = inp.args(), inp.kwargs()
     for bad in (1, "yes", None.__class__):
         with pytest.raises(ValueError, match="lora_stack must be a Python bool"):
             make_layer_run(*args, **kw, stage="fused", lora_stack=bad)
-    with pytest.raises(ValueError, match="lora_stack applies to stage 'fused' only"):
+    with pytest.raises(ValueError, match="lora_stack=True applies to stage 'fused' only"):
         make_layer_run(*args, **kw, stage="tuned", lora_stack=True)
+    assert make_layer_run(*args, **kw, stage="tuned", lora_stack=False).lora_stack is False  # a no-op, as pdl
+    # an explicit switch is what the recorded config says (cfg.short() in the benchmarks' rows)
+    forced = make_layer_run(
+        *args, **kw, stage="fused", config=_cfg().replace(lora_stack=True), lora_stack=False
+    )
+    assert forced.cfg.lora_stack is False and "lora_stack=0" in forced.cfg.short()
     with pytest.raises(ValueError, match="LayerConfig.lora_stack must be True, False or None"):
         _cfg().replace(lora_stack=1)
     # the config's choice when the call gives none; the other stages drop it; an explicit switch wins

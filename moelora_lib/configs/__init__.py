@@ -312,6 +312,12 @@ def _walk(node: Any, depth: int, path: str, keys: tuple, out: dict, leaf_kind: s
                     f"(and optionally 'lora_stack'), got {got}"
                 )
             ops = [op for op in node if op in FUSED_FILE_KEYS]
+            for op in ops:
+                if isinstance(node[op], dict) and "lora_stack" in node[op]:
+                    raise ValueError(
+                        f"{path} at {_keypath(keys + (op, 'lora_stack'))}: 'lora_stack' belongs to the "
+                        f"entry, beside {list(FUSED_FILE_KEYS)}, not inside one GEMM's config"
+                    )
             cfgs: dict[str, Any] = {
                 FUSED_FILE_KEYS[op]: _parse_leaf(node[op], f"{path} at {_keypath(keys + (op,))}")
                 for op in ops
@@ -589,7 +595,8 @@ def load_fused_config(
     (the two shrinks: stage ``tuned``'s LoRA files). The two GEMMs (the ``base_gate_up`` and
     ``base_down`` fields, see :data:`~moelora_lib.kernels.stages.FUSED_CONFIG_FIELD`) come from
     ``{gpu}_FUSED_MOE_LORA_FUSED.json`` (nesting of the base file, ``config_data[E][N][K][m]``, leaf
-    ``{"fused_gate_up": {...}, "fused_down": {...}}``; written by
+    ``{"fused_gate_up": {...}, "fused_down": {...}}`` and optionally ``"lora_stack": true|false``, the
+    LoRA epilogue's form, :class:`~moelora_lib.kernels.LayerConfig`'s ``lora_stack``; written by
     :mod:`moelora_lib.studies.fused_tuning`); without that file (one :class:`TunedConfigWarning`) they
     are derived from the tuned base GEMMs (:func:`~moelora_lib.kernels.fused.fused_gemm_configs`).
     With no tuned file at all (e.g. the CPU): :func:`~moelora_lib.kernels.fused.fused_default_config`.

@@ -111,23 +111,28 @@ faster, by 2.0 and 5.7 µs of the whole layer (the loader's nearest-T lookup app
 missed). :meth:`~.config.LayerConfig.deterministic` clears it with the shrinks' split.
 
 **Fifth round (issue 13, 2026-12-03): the LoRA epilogue with every adapter stacked; built, opt-in.** With
-``LORA_CHUNK`` > 0 (:func:`~.launchers.fused_moe_lora`'s ``lora_chunk``; :class:`~.stages.LayerRun`'s
-``lora_stack=True``; :class:`~.config.LayerConfig`'s ``lora_stack``) the epilogue does not loop over the
-adapters present in the tile: the rank axis is extended to L·R16 columns (column c = rank c % R16 of adapter
-c // R16); row p's operand holds its intermediate in its own adapter's columns and zeros elsewhere, the B
-operand holds B[a, e] for the adapters present in the tile (the others masked off: never read, so a NaN left
-in an unused slot cannot reach a row through 0·NaN), and one counted loop of LORA_CHUNK-column dots replaces
-the ``while`` loop of dependent load-and-dot passes. Prediction (data/dev/12_lora_stack, a development run
-at acf5988 of a form without the present-adapter mask, which read every adapter's B): loop → stacked, whole
-layer µs, GPT-OSS-20B T = 64 491 → 472, T = 1600 1149 → 1068, Qwen3-30B-A3B T = 256 550 → 536, T = 1600 844
-→ 651; slower at T ≤ 8, T = 8192 and GPT-OSS-20B T = 256. The shipped config chose the stacked form at those
-four points for the suite run (8402a0c), where notebook 12's lever ``fused_loop`` measured the masked form
-1.17–1.41× slower than the loop at all four (GPT-OSS-20B T = 64 576.5 against 491.3 µs, T = 1600 1561.3
-against 1137.9; Qwen3-30B-A3B T = 256 779.2 against 553.5, T = 1600 1060.7 against 847.7). Likely cause, not
-measured: the mask needs a cross-row reduction (which adapters are present) inside the chunk loop, which
-stops the loop's loads from being pipelined; computing that set once before the loop (a bit mask of the
-present adapter ids) is the follow-up. So the loop is the default again (every H200 entry ``lora_stack``
-false) and the stacked form is opt-in.
+``LORA_CHUNK`` > 0 (:func:`~.launchers.fused_moe_lora`'s ``lora_chunk``; :class:`~.stages.LayerRun`'s or
+:func:`~moelora_lib.moe_lora.make_layer_run`'s ``lora_stack=True``; :class:`~.config.LayerConfig`'s
+``lora_stack``, which ``fused_moe_lora(config=...)`` takes) the epilogue does not loop over the adapters
+present in the tile: the rank axis is extended to L·BLOCK_SIZE_R columns (BLOCK_SIZE_R = R rounded up to a
+power of two ≥ 16; column c = rank c % BLOCK_SIZE_R of adapter c // BLOCK_SIZE_R); row p's operand holds its
+intermediate in its own adapter's columns and zeros elsewhere, the B operand holds B[a, e] for the adapters
+present in the tile (the others masked off: never read, so a NaN left in an unused slot cannot reach a row
+through 0·NaN), and one counted loop of LORA_CHUNK-column dots replaces the ``while`` loop of dependent
+load-and-dot passes. Development run (data/dev/12_lora_stack, at acf5988, of a form without the
+present-adapter mask, which read every adapter's B): loop → stacked, whole layer µs, GPT-OSS-20B T = 64 491
+→ 472, T = 1600 1149 → 1068, Qwen3-30B-A3B T = 256 550 → 536, T = 1600 844 → 651; slower at T ≤ 8, T = 8192,
+GPT-OSS-20B T = 256 and Qwen3-30B-A3B T = 64 (predictions in docs/perf_notes.md). The shipped config chose
+the stacked form at those four points for the suite run (8402a0c), where notebook 12's lever ``fused_loop``
+measured the masked form 1.17–1.41× slower than the loop at all four (GPT-OSS-20B T = 64 576.5 against 491.3
+µs, T = 1600 1561.3 against 1137.9; Qwen3-30B-A3B T = 256 779.2 against 553.5, T = 1600 1060.7 against
+847.7). Likely cause, not measured: the mask needs a cross-row reduction (which adapters are present) inside
+the chunk loop, which stops the loop's loads from being pipelined; computing that set once before the loop
+(a bit mask of the present adapter ids) is the follow-up. So the loop is the default again (every H200 entry
+``lora_stack`` false) and the stacked form is opt-in. Both forms assume finite adapter weights (as
+:meth:`moelora_lib.MoELoRALayer.load_adapter` enforces): a NaN or Inf in the B of an adapter present in a
+tile reaches that tile's other rows as 0·NaN, where stage ``tuned``'s expand, which runs over (adapter,
+expert) groups, keeps it in that adapter's rows.
 
 **Predictions (written before any GPU run; to be measured in notebook 12, H200, bf16, R = 32, 8 adapters,
 tokens spread evenly, graph replay, L2 flushed).** Per-op times are ``tuned``'s from data/07_per_op.csv.

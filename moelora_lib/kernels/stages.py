@@ -159,9 +159,9 @@ class Stage:
 
 def lora_stack_chunk(block_size_m: int, adapters: int, rank: int) -> int:
     """The ``LORA_CHUNK`` (stacked rank columns per dot) stage ``fused``'s GEMMs launch with when the LoRA
-    epilogue stacks the adapters (``lora_stack=True``): R16 for BLOCK_SIZE_M ≥ 128 (registers: two 128-row
-    accumulators already), else min(64, next_pow2(adapters · R16)); R16 = rank rounded up to a power of
-    two ≥ 16.
+    epilogue stacks the adapters (``lora_stack=True``): R_p2 for BLOCK_SIZE_M ≥ 128 (registers: two 128-row
+    accumulators already), else min(64, next_pow2(adapters · R_p2)); R_p2 = the kernels' BLOCK_SIZE_R, the
+    rank rounded up to a power of two ≥ 16 (each adapter takes R_p2 columns of the stacked axis).
 
     The stacked form is opt-in: notebook 12's suite run (8402a0c, lever ``fused_loop``) measured it 1.17–1.41×
     slower than the per-adapter loop at the four points where the shipped config then chose it (GPT-OSS-20B
@@ -306,7 +306,7 @@ class LayerRun:
       and not its final form. The result does not depend on it (same kernels, same order of arithmetic:
       bit-identical).
     * ``lora_stack``: stages with ``fused_gemm`` only — the form of the LoRA epilogue of both fused GEMMs:
-      True = every adapter stacked along the rank axis (a counted, pipelined loop), False = one pass per
+      True = every adapter stacked along the rank axis (one counted loop of dots), False = one pass per
       adapter present in the tile, None (default) = the config's ``lora_stack``, else the loop (the shipped
       H200 file says the loop at every entry: :func:`lora_stack_chunk` has the measurements). The result
       is the same up to fp32 rounding order.
@@ -348,8 +348,8 @@ class LayerRun:
     ):
         self.stage = stage
         self.lora_stack = None if lora_stack is None else check_bool("lora_stack", lora_stack)
-        if self.lora_stack is not None and not stage.fused_gemm:
-            raise ValueError(f"lora_stack applies to stage 'fused' only, got stage {stage.name!r}")
+        if self.lora_stack and not stage.fused_gemm:  # (False: the only form other stages have, a no-op)
+            raise ValueError(f"lora_stack=True applies to stage 'fused' only, got stage {stage.name!r}")
         self.adapter_order = stage.uses_adapter_order(adapter_order)
         self.pdl = stage.uses_pdl(hidden_states.device, pdl)
         self.proj_lora_ids = proj_lora_ids
@@ -357,8 +357,10 @@ class LayerRun:
         self.nan_on_bad_ids = bool(nan_on_bad_ids)
         self.topk_ids, self.lora_ids = topk_ids, lora_ids
         self.cfg = stage.adapt(config)
-        if self.lora_stack is None:  # the config's choice (the shipped fused file), else the heuristic
+        if self.lora_stack is None:  # the config's choice (the shipped fused file), else the loop
             self.lora_stack = self.cfg.lora_stack
+        elif stage.fused_gemm and self.cfg.lora_stack != self.lora_stack:  # cfg.short() says what launches
+            self.cfg = self.cfg.replace(lora_stack=self.lora_stack)
         # Every tensor the kernels read starts 16-byte aligned (a copy only for a misaligned view):
         # Triton specializes pointers on alignment, so an offset view would compile a second binary.
         # Caller-given ``buffers`` are prefixes of aligned allocations and are used as they are.

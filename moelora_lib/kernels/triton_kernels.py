@@ -425,12 +425,13 @@ def _lora_stacked_dot(
 
     Column c of the stacked axis (length L·BLOCK_SIZE_R) is rank r = c % BLOCK_SIZE_R of adapter
     a = c // BLOCK_SIZE_R. Row p's operand holds inter[pair, s, r] in the columns of its own adapter
-    (lid[p]) and zeros elsewhere; the B operand stacks B[a, expert, s]ᵀ for every adapter a. One counted
-    loop over LORA_CHUNK-column chunks (a ``for`` the compiler can pipeline) replaces the ``while`` loop of
-    :func:`_lora_cols_dot` (one dependent load-and-dot per adapter present): same MMA work when every
-    adapter is in the tile, but the dots of absent adapters run too (on zeros: their B is masked off,
-    never read), so the launcher picks this form only for tiles expected to hold most adapters
-    (prefill). Rows with lid = -1 match no column: exact zeros, as in the loop. Slices and precision as
+    (lid[p]) and zeros elsewhere; the B operand stacks B[a, expert, s]ᵀ for the adapters present in the
+    tile (the others masked off, never read). One counted loop over LORA_CHUNK-column chunks replaces the
+    ``while`` loop of :func:`_lora_cols_dot` (one dependent load-and-dot per adapter present); the dots of
+    absent adapters run on zeros. Opt-in (``lora_stack=True``): measured slower than the loop in notebook
+    12's suite run (the present-adapter mask is a reduction inside the loop; docs/perf_notes.md). Rows with
+    lid = -1 match no column: exact zeros, as in the loop (B finite, as in the loop: a non-finite B of a
+    present adapter reaches the tile's other rows as 0·NaN in both forms). Slices and precision as
     :func:`_lora_cols_dot`.
     """
     offs_c = tl.arange(0, LORA_CHUNK)
@@ -574,7 +575,7 @@ def _fused_moe_lora_act_kernel(
         wu_ptrs += BLOCK_SIZE_K * stride_wk
     if USE_PDL:  # the next launch may start once every program is past its K loop (or has exited)
         gdc_launch_dependents()
-    if HAS_LORA and LORA_CHUNK > 0:  # the gate_up LoRA expand, every adapter stacked (prefill tiles)
+    if HAS_LORA and LORA_CHUNK > 0:  # the gate_up LoRA expand, every adapter stacked (opt-in)
         lid = _row_adapters(lora_ids_ptr, pair_ld, row_mask, top_k, num_adapters)
         acc_g = _lora_stacked_dot(
             acc_g, inter_ptr, b_ptr, pair_ld, lid, expert, gate_col, j_mask, R, NS, num_adapters,
@@ -715,7 +716,7 @@ def _fused_moe_lora_kernel(
         gdc_launch_dependents()
     if HAS_LORA and pid_k == 0:  # the expand of the down LoRA, in this tile (split 0 only)
         lid = _row_adapters(lora_ids_ptr, pair_ld, row_mask, top_k, num_adapters)
-        if LORA_CHUNK > 0:  # every adapter stacked along the rank axis (prefill tiles)
+        if LORA_CHUNK > 0:  # every adapter stacked along the rank axis (opt-in)
             acc = _lora_stacked_dot(
                 acc, inter_ptr, b_ptr, pair_ld, lid, expert, offs_n_ld, n_mask, R, N, num_adapters,
                 stride_im, stride_is, stride_ir, stride_bl, stride_be, stride_bs, stride_bn, stride_br,

@@ -868,7 +868,7 @@ def _fused_meta_run(dims, *, activation: str, has_bias: bool, dtype: str, config
     from ..kernels import STAGES
 
     run.stage = replace(STAGES["fused"])
-    run.adapter_order = run.stage.uses_adapter_order()  # as a real run of the stage (lora_stack's heuristic)
+    run.adapter_order = run.stage.uses_adapter_order()  # as a real run of the stage
     # the meta run was built as another stage, whose adapt() never lets the down GEMM split K
     run.cfg = run.stage.adapt(config)
     run.lora_stack = run.cfg.lora_stack  # (the other stage's adapt dropped it)
@@ -922,8 +922,8 @@ def fused_report(
         c = cfg if cfg is not None else fused_default_config(d)
         return _fused_meta_run(d, activation=sh.activation, has_bias=sh.has_bias, dtype=dtype, config=c)
 
-    # the LoRA epilogue's form pinned (the loop): lora_stack's heuristic picks it per T, a second binary
-    # where it switches to the stacked form (one per form, not per length)
+    # the LoRA epilogue's form pinned (the loop; the stacked form is a second binary, one per form, not
+    # per length)
     fixed = fused_default_config(Dims.of(sh, int(fixed_T), rank=rank, adapters=adapters))
     fixed = fixed.replace(lora_stack=False)
     out: dict = {}

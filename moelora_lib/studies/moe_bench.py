@@ -628,7 +628,8 @@ def bench_layer(
         expert/adapter weights); config: a LayerConfig (None = :func:`moelora_lib.kernels.default_config`
         for this T); adapter_order: the base alignment's order (:func:`make_run`; None = the stage's);
         pdl: programmatic dependent launch (:func:`make_run`; None = off; True: stage ``fused`` on Hopper);
-        lora_stack: stage ``fused``'s LoRA epilogue form (:func:`make_run`; None = its heuristic).
+        lora_stack: stage ``fused``'s LoRA epilogue form (:func:`make_run`; None = the config's, else
+        the loop).
     Returns:
         rows (:func:`moelora_lib.studies.bench.result_row`) with stage, part, model, T, H, I, E, K, L, R, S,
         dtype, activation, bias, pattern, config, config_source, mode, ms_p50, ms_p20, ms_p80, us_p50,

@@ -230,6 +230,19 @@ def test_fused_tuner_writes_a_file_the_loader_reads(tmp_path, monkeypatch):
         rows = list(csv.DictReader(f))
     assert sum(r["kind"] == "choice" for r in rows) == 4  # two ops x two workloads
     assert all(r["kind"] != "trial" or float(r["ms_p50"]) > 0 for r in rows)
+    # re-tuning an entry keeps its measured LoRA epilogue form (lora_stack)
+    path = tmp_path / "NVIDIA_H200_FUSED_MOE_LORA_FUSED.json"
+    raw = json.loads(path.read_text())
+    raw[str(sh.experts)][str(2 * sh.intermediate)][str(sh.hidden)]["1"]["lora_stack"] = True
+    configs.save_config_file(path, raw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", configs.TunedConfigWarning)
+        ft.tune_fused(
+            ["tiny-oss"], [1], rank=16, adapters=4, out=tmp_path, csv_path=tmp_path / "t.csv",
+            dtype=torch.float32, gpu="NVIDIA_H200",
+        )  # fmt: skip
+    leaf = configs.load_config_file(path, "fused")[str(sh.experts)][str(2 * sh.intermediate)][str(sh.hidden)]
+    assert leaf["1"]["lora_stack"] is True and "lora_stack" not in leaf["40"]
     with pytest.raises(ValueError, match="tokens must be a non-empty list"):
         ft.tune_fused(["tiny"], [0], out=tmp_path, csv_path=tmp_path / "t.csv")
     with pytest.raises(ValueError, match="exists and is not a folder"):

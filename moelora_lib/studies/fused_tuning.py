@@ -272,11 +272,9 @@ def tune_fused(
             dims = Dims.of(shape, T, rank=rank, adapters=adapters)
             keys = configs.base_keys(dims)
             leaf = {op: c.to_dict() for op, c in got.items()}
-            old = data
-            for k in keys:  # keep the entry's measured LoRA epilogue form (lora_stack), if any
-                old = old.get(str(k), {}) if isinstance(old, dict) else {}
-            if isinstance(old, dict) and "lora_stack" in old:
-                leaf["lora_stack"] = old["lora_stack"]
+            old = configs.lookup(data, keys, exact_levels=tuple(range(len(keys))))
+            if old is not None and "lora_stack" in old[1]:  # keep the entry's measured epilogue form
+                leaf["lora_stack"] = old[1]["lora_stack"]
             configs.set_entry(data, keys, leaf)
             configs.save_config_file(path, data)
         del weights

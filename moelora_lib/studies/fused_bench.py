@@ -518,18 +518,19 @@ def levers_table(levers_df, df):
     out["tuned_base"], out["tuned_lora"], out["tuned_total"] = p["base"], p["lora"], p["total"]
     p = piv(lv[lv.lever == "tuned_deterministic"])
     out["det_lora"], out["det_total"] = p["lora"], p["total"]
+    fcfg = (
+        df[(df.stage == STAGE) & (df.part == "total")].set_index(["model", "T"]).config
+    )  # the stage's configs
     if (lv.lever == "fused_pdl").any():  # runs before this lever existed have no such rows
         p = piv(lv[lv.lever == "fused_pdl"])
         out["pdl_base"], out["pdl_total"] = p["base"], p["total"]
     if (lv.lever == "fused_deterministic").any():  # (fourth round)
         p = piv(lv[lv.lever == "fused_deterministic"])
         out["fdet_base"], out["fdet_total"] = p["base"], p["total"]
-        f = df[(df.stage == STAGE) & (df.part == "total")].set_index(["model", "T"]).config
-        out["fused_split_k"] = f.map(lambda c: max(int(x) for x in re.findall(r"s(\d+)w\d+st", c)))
+        out["fused_split_k"] = fcfg.map(lambda c: max(int(x) for x in re.findall(r"s(\d+)w\d+st", c)))
     if (lv.lever == "fused_loop").any():  # (fifth round)
         out["loop_total"] = piv(lv[lv.lever == "fused_loop"])["total"]
-        f = df[(df.stage == STAGE) & (df.part == "total")].set_index(["model", "T"]).config
-        out["fused_stacked"] = f.map(lambda c: int("lora_stack=1" in c))
+        out["fused_stacked"] = fcfg.map(lambda c: int("lora_stack=1" in c))
     t = df[(df.stage == BASELINE) & (df.part == "total")].set_index(["model", "T"]).config
     out["tuned_split_k"] = t.map(
         lambda c: max(int(x) for x in re.findall(r"shrink=m\d+n\d+k\d+g\d+s(\d+)", c))

@@ -518,9 +518,8 @@ def levers_table(levers_df, df):
     out["tuned_base"], out["tuned_lora"], out["tuned_total"] = p["base"], p["lora"], p["total"]
     p = piv(lv[lv.lever == "tuned_deterministic"])
     out["det_lora"], out["det_total"] = p["lora"], p["total"]
-    fcfg = (
-        df[(df.stage == STAGE) & (df.part == "total")].set_index(["model", "T"]).config
-    )  # the stage's configs
+    # the stage's config strings, per (model, T)
+    fcfg = df[(df.stage == STAGE) & (df.part == "total")].set_index(["model", "T"]).config
     if (lv.lever == "fused_pdl").any():  # runs before this lever existed have no such rows
         p = piv(lv[lv.lever == "fused_pdl"])
         out["pdl_base"], out["pdl_total"] = p["base"], p["total"]

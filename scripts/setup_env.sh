@@ -7,7 +7,7 @@
 #       (pinned to the installed versions via a constraints file); only the rest is installed.
 #   CPU machine:
 #       torch==2.13.0 (CPU build) triton==3.6.0 "numpy<2.4" (triton 3.6's interpreter breaks with
-#       numpy>=2.4) + -e .[notebooks,dev,models], in one pip command. A dry run first checks that no CUDA
+#       numpy>=2.4) + -e .[notebooks,helion,models,dev], in one pip command. A dry run first checks that no CUDA
 #       torch / nvidia-* package would be installed and aborts if one would.
 #
 # Env: PYTHON (interpreter for the venv, default python3), MOELORA_SETUP_FORCE=1 (ignore the stamp).
@@ -72,9 +72,9 @@ for name in ("torch", "triton", "numpy"):
         pass
 PYEOF
     echo "setup_env: keeping the host's $(tr '\n' ' ' <"$WORK/constraints.txt")"
-    pip_ install "${QUIET[@]}" -c "$WORK/constraints.txt" -e ".[notebooks,dev,models]"
+    pip_ install "${QUIET[@]}" -c "$WORK/constraints.txt" -e ".[notebooks,helion,models,dev]"
 else
-    REQS=("torch==2.13.0" "triton==3.6.0" "numpy<2.4" -e ".[notebooks,dev,models]")
+    REQS=("torch==2.13.0" "triton==3.6.0" "numpy<2.4" -e ".[notebooks,helion,models,dev]")
     echo "setup_env: resolving (dry run) ${REQS[*]}"
     pip_ install -q --dry-run --ignore-installed --report "$WORK/report.json" "${REQS[@]}"
     "$VENV_PY" - "$WORK/report.json" <<'PYEOF'

@@ -1,5 +1,5 @@
 """moelora_lib.model: compact GPT-OSS / Qwen3-MoE / Qwen3 decoders whose projections carry multi-LoRA
-adapter slots, HF checkpoint loading and random models at real dimensions (issue 12).
+adapter slots, HF checkpoint loading and random models at real dimensions.
 
 * :class:`ModelConfig`, :data:`REAL_CONFIGS` (config.py): the architecture, read from a config.json dict.
 * :class:`MultiLoRAModel` (modeling.py): the model, its KV cache and forward.

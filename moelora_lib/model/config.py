@@ -1,6 +1,6 @@
 """The architecture of a model the runner builds: :class:`ModelConfig`, read from a transformers
 ``config.json`` dict by :meth:`ModelConfig.from_hf`, and :data:`REAL_CONFIGS`, the config.json files of
-the three models of issue 12 (values: ../shared/notes/models-and-peft.md §1).
+the three supported models (values: docs/models-and-peft.md §1).
 
 Supported ``model_type`` values and what they imply (transformers 5 sources in brackets):
 
@@ -308,7 +308,7 @@ def _read_rope(d: dict, max_pos: int) -> tuple[float, dict | None]:
 
 
 # --------------------------------------------------------------------------------------------------
-# the three real config.json files (../shared/notes/models-and-peft.md §1)
+# the three real config.json files (docs/models-and-peft.md §1)
 # --------------------------------------------------------------------------------------------------
 _GPT_OSS_20B = {
     "architectures": ["GptOssForCausalLM"],

@@ -772,9 +772,14 @@ class Generator:
         marks, batch_sizes = [], []
         bar = None
         if progress and max_new_tokens > 1:
-            from tqdm.std import tqdm
-
-            bar = tqdm(total=max_new_tokens - 1, desc="decode", file=sys.stdout, ascii=True, mininterval=2.0)
+            try:  # tqdm is an extra (notebooks); without it there is no bar
+                from tqdm.std import tqdm
+            except ImportError:
+                tqdm = None
+            if tqdm is not None:
+                bar = tqdm(
+                    total=max_new_tokens - 1, desc="decode", file=sys.stdout, ascii=True, mininterval=2.0
+                )
         interval = 1 if stream is not None else eos_check_interval
         col = 0
         active = [i for i in range(n_req) if not done[i]]

@@ -24,7 +24,8 @@ File formats (facts in docs/models-and-peft.md §4; keys are
   ``mlp.experts.lora_*`` and which one it is comes from ``target_parameters``, checked against the
   shapes (the two projections never have the same pair of shapes).
 
-**Orientation of 3-D adapters** (docs/models-and-peft.md §4.6). PEFT 0.19.0, PEFT ≥ 0.19.1 with transformers 4 (GPT-OSS)
+**Orientation of 3-D adapters** (docs/models-and-peft.md §4.6). PEFT 0.19.0, PEFT ≥ 0.19.1 with
+transformers 4 (GPT-OSS)
 and PEFT ≤ 0.18 with transformers 5 (Qwen3-MoE) wrote the two factors with swapped roles: lora_A
 [E·r, out], lora_B [in, E·r], the update being x·B_e·A_e. Such files are **loaded correctly** when
 the shapes show it (shrink = B_eᵀ, expand = A_eᵀ): gate_up whenever H ≠ 2I (true for all three real

@@ -50,6 +50,13 @@ def test_readme_is_short_and_has_no_run_history():
     assert len(_blocks()) == 3
 
 
+def test_readme_links_exist():
+    links = re.findall(r"\]\(([^)#]+)\)", README.read_text())
+    assert links
+    missing = [link for link in links if "://" not in link and not (README.parent / link).exists()]
+    assert not missing, missing
+
+
 def test_readme_functional_block():
     ns = _run(_block("fused_moe_lora("))
     out, d = ns["out"], ns["d"]

@@ -17,6 +17,7 @@ Inputs (CSV schemas as the notebooks write them; a missing file drops its table 
   data/anchors/vllm033_vs_moelora_moe_h200.csv                       vLLM's MoE-LoRA layer, same H200, same
                                                                      method (data/anchors/README.md)
   data/anchors/vllm_blog_e2e.csv                                     vLLM's published end-to-end figures
+  data/anchors/sources.json                                          where each anchor file comes from
 
 Method of the headline ratio (data/anchors/README.md): vLLM's time is the faster of its two LoRA paths at
 each T plus its base GEMMs plus its own CUDA alignment ops; ours is ``MoELoRALayer``'s whole forward
@@ -38,11 +39,6 @@ ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 MOE_ANCHOR = "anchors/vllm033_vs_moelora_moe_h200.csv"
 BLOG_ANCHOR = "anchors/vllm_blog_e2e.csv"
-#: Provenance of the copied anchor files (they carry no env record): data/anchors/README.md.
-ANCHOR_META = {
-    MOE_ANCHOR: "vLLM 0.33.0 beside moelora_lib at 2c3c5d1, one process, NVIDIA H200, 2026-12-03",
-    BLOG_ANCHOR: "vLLM's published figures (vLLM 0.15; GPU and concurrency not stated)",
-}
 MODELS = {
     "gpt-oss-20b": "GPT-OSS-20B",
     "qwen3-30b-a3b": "Qwen3-30B-A3B",
@@ -99,8 +95,9 @@ class Data:
 
     def source(self, name: str, df: pd.DataFrame | None = None) -> str:
         """'`data/NAME`: commit …, GPU …, date …' from the rows (git_commit, gpu) and env/NN_gpu.json."""
-        if name in ANCHOR_META:
-            return f"`data/{name}`: {ANCHOR_META[name]}"
+        if name.startswith("anchors/"):  # copied files carry no env record: data/anchors/sources.json
+            meta = json.loads((self.dir / "anchors" / "sources.json").read_text())
+            return f"`data/{name}`: {meta[name.split('/', 1)[1]]}"
         env = self.env(name[:2])
         commits = (
             sorted(set(df["git_commit"].dropna().astype(str)))

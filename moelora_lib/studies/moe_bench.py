@@ -823,6 +823,16 @@ def _cli(cmd: str, **opts) -> list[str]:
     return [sys.executable, "-m", "moelora_lib.studies.moe_bench", cmd] + _opts(**opts)
 
 
+def _recompile_cmd(
+    stage, model, lengths, out, *, rank, num_adapters, dtype, seed, lock_path=None, weights_folder=None
+):
+    lens = ",".join(str(int(t)) for t in lengths)
+    cmd = _cli(
+        "recompile", stage=stage, model=model, lengths=lens, rank=rank, adapters=num_adapters, dtype=dtype
+    )
+    return cmd + _opts(seed=seed, out=out, lock=lock_path, weights_folder=weights_folder)
+
+
 def recompile_in_subprocesses(
     stages: Sequence[str],
     model: str,
@@ -850,12 +860,10 @@ def recompile_in_subprocesses(
             env = dict(os.environ, TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="moelora_triton_cache_", dir=tmp))
             env.pop("TRITON_INTERPRET", None)
             envs[st] = env
-            lens = ",".join(str(int(t)) for t in lengths)
-            out = os.path.join(tmp, f"{st}.json")
-            cmds[st] = _cli(
-                "recompile", stage=st, model=model, lengths=lens, rank=rank, adapters=num_adapters
+            out, kw = os.path.join(tmp, f"{st}.json"), dict(rank=rank, num_adapters=num_adapters, dtype=dtype)
+            cmds[st] = _recompile_cmd(
+                st, model, lengths, out, **kw, seed=seed, lock_path=lock, weights_folder=weights_folder
             )
-            cmds[st] += _opts(dtype=dtype, seed=seed, out=out, lock=lock, weights_folder=weights_folder)
         bench.run_side_by_side(cmds, envs=envs, timeout_s=timeout_s)
         rows = {}
         for st in stages:

@@ -183,57 +183,40 @@ def _part_cost(costs: list[dict], part: str) -> tuple[int, int]:
 # Inputs
 # ------------------------------------------------------------------------------------------------
 
-#: The keyword form of a :class:`Workload` in this module: keyword -> (Workload field, default).
-_WORKLOAD_KW = dict(
-    rank=("rank", 32),
-    num_adapters=("adapters", 8),
-    dtype=("dtype", torch.bfloat16),
-    device=("device", "cuda"),
-    seed=("seed", 0),
-    activation=("activation", None),
-    bias=("bias", None),
-)
+#: The keyword form of a :class:`Workload` in this module: keyword -> Workload field. Defaults are the
+#: Workload's: rank=32, num_adapters=8, pattern="uniform" ("mixed" in :func:`check_layer`),
+#: dtype=torch.bfloat16, device="cuda", seed=0, activation=None and bias=None (the preset's).
+_WORKLOAD_KW = dict(rank="rank", num_adapters="adapters", pattern="pattern", dtype="dtype", device="device")
+_WORKLOAD_KW |= dict(seed="seed", activation="activation", bias="bias")
 
 
-def _workload(shape, T, pattern_default: str = "uniform", **kw) -> Workload:
-    """``shape`` if it is a :class:`Workload` (then T and every input keyword must be left at their
-    defaults, else TypeError), else the Workload of the keyword form."""
+def _workload(shape, T, inputs: dict, pattern: str = "uniform") -> Workload:
+    """``shape`` if it is a :class:`Workload` (then T and the input keywords must be left out), else the
+    Workload of ``(shape, T, **inputs)``. TypeError for both forms at once, a missing T or an unknown
+    keyword."""
+    unknown = sorted(set(inputs) - set(_WORKLOAD_KW))
+    if unknown:
+        raise TypeError(f"unknown input keyword(s) {unknown}; the inputs are {sorted(_WORKLOAD_KW)}")
     if isinstance(shape, Workload):
-        given = [
-            k
-            for k, v in kw.items()
-            if k != "pattern" and not (v is _WORKLOAD_KW[k][1] or v == _WORKLOAD_KW[k][1])
-        ]
-        if kw.get("pattern") != pattern_default:
-            given.append("pattern")
-        if T is not None or given:
+        if T is not None or inputs:
             raise TypeError(
                 "pass the inputs either as a Workload or as (shape, T, keywords), not both; "
-                f"also given: {(['T'] if T is not None else []) + given}"
+                f"also given: {(['T'] if T is not None else []) + sorted(inputs)}"
             )
         return shape
     if T is None:
         raise TypeError("T (tokens) is required unless a Workload is passed")
-    fields = {_WORKLOAD_KW[k][0]: v for k, v in kw.items() if k != "pattern"}
-    return Workload(model=shape, T=T, pattern=kw.get("pattern", pattern_default), **fields)
+    return Workload(
+        model=shape, T=T, **{"pattern": pattern} | {_WORKLOAD_KW[k]: v for k, v in inputs.items()}
+    )
 
 
 def layer_inputs(
-    shape: MoEShape | str | Workload,
-    T: int | None = None,
-    *,
-    rank: int = 32,
-    num_adapters: int = 8,
-    pattern: str = "uniform",
-    dtype=torch.bfloat16,
-    device="cuda",
-    seed: int = 0,
-    activation: str | None = None,
-    bias: bool | None = None,
-    weights: MoELoRAInputs | None = None,
+    shape: MoEShape | str | Workload, T: int | None = None, *, weights: MoELoRAInputs | None = None, **inputs
 ) -> MoELoRAInputs:
     """Seeded inputs of one layer call: ``layer_inputs(Workload(...))`` or ``layer_inputs(shape, T,
-    rank=..., ...)`` (the keywords are the Workload's fields).
+    rank=..., num_adapters=..., pattern=..., dtype=..., device=..., seed=..., activation=..., bias=...)``
+    (:data:`_WORKLOAD_KW`).
 
     Without ``weights``: :func:`moelora_lib.workloads.make_inputs` (drawn on the CPU in fp32, moved to
     ``device``/``dtype``). With ``weights`` (an earlier result for the same shape, R, L, dtype and
@@ -242,8 +225,7 @@ def layer_inputs(
     by (seed, T). activation: overrides the preset's. bias: overrides the preset's expert biases
     (False drops them; True with reused weights that have none raises ValueError).
     """
-    kw = dict(rank=rank, num_adapters=num_adapters, pattern=pattern, dtype=dtype, device=device, seed=seed)
-    return _inputs(_workload(shape, T, **kw, activation=activation, bias=bias), weights)
+    return _inputs(_workload(shape, T, inputs), weights)
 
 
 #: Where :class:`LayerWeights` keeps generated weight sets on the GPU profile (git-ignored).
@@ -445,22 +427,15 @@ def bench_layer(
     shape: MoEShape | str | Workload,
     T: int | None = None,
     *,
-    rank: int = 32,
-    num_adapters: int = 8,
-    pattern: str = "uniform",
-    dtype=torch.bfloat16,
-    device="cuda",
     modes: Sequence[str] = ("graph",),
     config: LayerConfig | None = None,
-    seed: int = 0,
-    activation: str | None = None,
-    bias: bool | None = None,
     weights: MoELoRAInputs | None = None,
     parts: Sequence[str] = PARTS,
     warmup_ms: float = 25,
     rep_ms: float = 100,
     min_reps: int | None = None,
     adapter_order: bool | None = None,
+    **inputs,
 ) -> list[dict[str, Any]]:
     """Time the parts of one MoE+LoRA layer of ``stage`` at T tokens; one row per (part, mode).
 
@@ -469,15 +444,15 @@ def bench_layer(
     fused add); "total" = the whole layer. The layer is built and called once (untimed), then each
     part is timed for every mode of ``modes`` ("graph", "eager"; one "cpu-interpreter" call on the CPU).
 
-    Inputs: a :class:`Workload` or the keyword form of :func:`layer_inputs`. config: None =
+    Inputs: a :class:`Workload` or the keyword form of :func:`layer_inputs` (``weights`` reuses
+    expert and adapter weights). config: None =
     :func:`moelora_lib.kernels.default_config` for T. adapter_order: as in :func:`make_run`.
     Returns rows (:func:`moelora_lib.studies.bench.result_row`): stage, part, model, T, H, I, E, K, L,
     R, S, dtype, activation, bias, pattern, config, config_source, mode, ms_p50, ms_p20, ms_p80,
     us_p50, flops, bytes, floor_us, warmup_ms, rep_ms, min_reps and the environment columns.
     Raises ValueError for T < 1.
     """
-    kw = dict(rank=rank, num_adapters=num_adapters, pattern=pattern, dtype=dtype, device=device, seed=seed)
-    wl = _workload(shape, T, **kw, activation=activation, bias=bias)
+    wl = _workload(shape, T, inputs)
     if wl.T < 1:
         raise ValueError(
             f"bench_layer: T must be >= 1 (a layer call of no tokens has nothing to time), got {wl.T}"
@@ -537,35 +512,25 @@ def bench_lora_op(
     T: int,
     op: str,
     *,
-    rank: int = 32,
-    num_adapters: int = 8,
-    pattern: str = "uniform",
-    dtype=torch.bfloat16,
-    device="cuda",
     mode: str = "graph",
     config: LayerConfig | None = None,
     op_changes: dict | None = None,
-    seed: int = 0,
-    activation: str | None = None,
-    bias: bool | None = None,
     weights: MoELoRAInputs | None = None,
     warmup_ms: float = 10,
     rep_ms: float = 40,
     run=None,
     return_output: bool = False,
     min_reps: int | None = None,
+    **inputs,
 ):
     """Time one LoRA op alone (:func:`lora_op_fn`); one row like :func:`bench_layer`'s with part = op
-    and the ``op_changes`` (e.g. ``{"SPLIT_K": 4}``, applied to the op's config) as columns. ``run``
-    reuses a LayerRun (the input arguments are then ignored). ``return_output``: (row, output)."""
+    and the ``op_changes`` (e.g. ``{"SPLIT_K": 4}``, applied to the op's config) as columns. Inputs: the
+    keyword form of :func:`layer_inputs`, or ``run``, a LayerRun to reuse (then only ``pattern`` is read,
+    for the row). ``return_output``: (row, output)."""
     shape = get_shape(shape) if isinstance(shape, str) else shape
+    pattern = inputs.get("pattern", "uniform")
     if run is None:
-        kw = dict(
-            rank=rank, num_adapters=num_adapters, pattern=pattern, dtype=dtype, device=device, seed=seed
-        )
-        run = make_run(
-            stage, layer_inputs(shape, T, **kw, activation=activation, bias=bias, weights=weights), config
-        )
+        run = make_run(stage, layer_inputs(shape, T, weights=weights, **inputs), config)
         run()
     device = run.x.device
     op_cfg = getattr(run.cfg, op)
@@ -598,16 +563,9 @@ def check_layer(
     shape: MoEShape | str | Workload,
     T: int | None = None,
     *,
-    rank: int = 32,
-    num_adapters: int = 8,
-    pattern: str = "mixed",
-    dtype=torch.bfloat16,
-    device="cuda",
-    seed: int = 0,
-    activation: str | None = None,
-    bias: bool | None = None,
     weights: MoELoRAInputs | None = None,
     config: LayerConfig | None = None,
+    **inputs,
 ) -> dict[str, Any]:
     """One layer call of ``stage`` against :func:`moelora_lib.reference.moe_lora_reference` (fp32, same
     device and inputs). Inputs: a :class:`Workload` or the keyword form of :func:`layer_inputs`
@@ -619,8 +577,7 @@ def check_layer(
     ref_without_lora| / max|ref|: a pass is not a LoRA never added), config. The reference gathers
     per-pair weight copies ([P, 2I, H] fp32): keep P = T·K modest at model shapes.
     """
-    kw = dict(rank=rank, num_adapters=num_adapters, pattern=pattern, dtype=dtype, device=device, seed=seed)
-    wl = _workload(shape, T, pattern_default="mixed", **kw, activation=activation, bias=bias)
+    wl = _workload(shape, T, inputs, pattern="mixed")
     inp = _inputs(wl, weights)
     run = make_run(stage, inp, config)
     out = run().clone()

@@ -32,9 +32,7 @@ from pathlib import Path
 KERNEL_NAMES = ("fused_moe", "lora_shrink", "lora_expand", "gated_act")
 
 
-# --------------------------------------------------------------------------------------------------
-# compiling
-# --------------------------------------------------------------------------------------------------
+# --- compiling -------------------------------------------------------------------------------------------
 def _target(arch: int = 90):
     from triton.backends.compiler import GPUTarget
 
@@ -134,9 +132,7 @@ def compile_for_sm90(
     )
 
 
-# --------------------------------------------------------------------------------------------------
-# inspecting a CompiledKernel
-# --------------------------------------------------------------------------------------------------
+# --- inspecting a CompiledKernel -------------------------------------------------------------------------
 def _nvidia_bin(tool: str) -> str:
     import triton
 
@@ -256,13 +252,9 @@ def tensor_core_ops(ptx_text: str) -> dict:
     }
 
 
-# --------------------------------------------------------------------------------------------------
-# building the real launch arguments of one layer launch
-# --------------------------------------------------------------------------------------------------
+# --- building the real launch arguments of one layer launch ----------------------------------------------
 #: launch name -> kernel name (the launches of one layer, :data:`moelora_lib.kernels.stages.LAUNCH_KERNELS`)
-# --------------------------------------------------------------------------------------------------
-# the real launch arguments of one layer launch, on meta tensors
-# --------------------------------------------------------------------------------------------------
+# --- the real launch arguments of one layer launch, on meta tensors --------------------------------------
 #: launch name -> kernel name (the launches of one layer, :data:`moelora_lib.kernels.stages.LAUNCH_KERNELS`)
 LAUNCHES = {
     "base_gate_up": "fused_moe",
@@ -341,6 +333,14 @@ def _stage(specialize_lengths: bool = False, even_k: bool = True):
     )
 
 
+def _layer_tensors(d, make, has_bias: bool) -> dict:
+    """The float tensors of one layer call of Dims ``d``, each made by ``make(*shape)``."""
+    T, H, I, E, L, R, S = d.T, d.H, d.I, d.E, d.adapters, d.rank, d.slices
+    t = dict(hidden_states=make(T, H), w13=make(E, 2 * I, H), w2=make(E, H, I), lora_a13=make(L, E, S, R, H))
+    t |= dict(lora_b13=make(L, E, S, 2 * I // S, R), lora_a2=make(L, E, R, I), lora_b2=make(L, E, H, R))
+    return t | (dict(b13=make(E, 2 * I), b2=make(E, H)) if has_bias else {})
+
+
 def meta_layer_run(
     dims,
     *,
@@ -361,27 +361,13 @@ def meta_layer_run(
     from ..common import parse_dtype
     from ..kernels.stages import LayerRun, default_config
 
-    d = dims
-    T, H, I, E, K, L, R, S = d.T, d.H, d.I, d.E, d.top_k, d.adapters, d.rank, d.slices
-    meta = dict(device="meta", dtype=parse_dtype(dtype))
-    topk_ids, lora_ids = _routing(T, E, K, L)
-    run = LayerRun(
-        _stage(specialize_lengths, use_even_k),
-        torch.empty(T, H, **meta),
-        torch.empty(E, 2 * I, H, **meta),
-        torch.empty(E, H, I, **meta),
-        torch.empty(T, K, device="meta", dtype=torch.float32),
-        topk_ids,
-        lora_ids,
-        torch.empty(L, E, S, R, H, **meta),
-        torch.empty(L, E, S, 2 * I // S, R, **meta),
-        torch.empty(L, E, R, I, **meta),
-        torch.empty(L, E, H, R, **meta),
-        activation=activation,
-        b13=torch.empty(E, 2 * I, **meta) if has_bias else None,
-        b2=torch.empty(E, H, **meta) if has_bias else None,
-        config=config if config is not None else default_config(d),
-    )
+    dt = parse_dtype(dtype)
+    topk_ids, lora_ids = _routing(dims.T, dims.E, dims.top_k, dims.adapters)
+    t = _layer_tensors(dims, lambda *shape: torch.empty(*shape, device="meta", dtype=dt), has_bias)
+    w = torch.empty(dims.T, dims.top_k, device="meta", dtype=torch.float32)
+    cfg = config if config is not None else default_config(dims)
+    ids = dict(topk_weights=w, topk_ids=topk_ids, lora_ids=lora_ids)
+    run = LayerRun(_stage(specialize_lengths, use_even_k), **t, **ids, activation=activation, config=cfg)
     fields = ("sorted_token_ids", "block_expert_ids", "block_lora_ids", "num_tokens_post_padded")
     for name in ("base_align", "lora_align"):
         al = getattr(run, name)
@@ -542,9 +528,7 @@ def inspect_job(
     return out
 
 
-# --------------------------------------------------------------------------------------------------
-# offset views and lengths: one key whatever the inputs' alignment
-# --------------------------------------------------------------------------------------------------
+# --- offset views and lengths: one key whatever the inputs' alignment ------------------------------------
 def _cpu_layer_run(dims, dtype, activation: str, has_bias: bool, offset: bool):
     """A real CPU :class:`~moelora_lib.kernels.LayerRun` (seeded inputs, :func:`_routing`,
     ``default_config(dims)``); with ``offset`` every input is an offset view and topk_weights is
@@ -553,8 +537,7 @@ def _cpu_layer_run(dims, dtype, activation: str, has_bias: bool, offset: bool):
 
     from ..kernels.stages import LayerRun, default_config
 
-    d = dims
-    T, H, I, E, K, L, R, S = d.T, d.H, d.I, d.E, d.top_k, d.adapters, d.rank, d.slices
+    T, E, K, L = dims.T, dims.E, dims.top_k, dims.adapters
     g = torch.Generator().manual_seed(0)
 
     def rnd(*shape):
@@ -564,20 +547,12 @@ def _cpu_layer_run(dims, dtype, activation: str, has_bias: bool, offset: bool):
     w = torch.rand(T, K, generator=g)
     if offset:
         w = torch.cat([torch.zeros(1, K), w])[1 : T + 1]
-    inputs = dict(
-        hidden_states=rnd(T, H),
-        w13=rnd(E, 2 * I, H),
-        w2=rnd(E, H, I),
-        topk_weights=w,
-        topk_ids=_offset_view(topk_ids, offset),
-        lora_ids=_offset_view(lora_ids, offset),
-        lora_a13=rnd(L, E, S, R, H),
-        lora_b13=rnd(L, E, S, 2 * I // S, R),
-        lora_a2=rnd(L, E, R, I),
-        lora_b2=rnd(L, E, H, R),
+    inputs = _layer_tensors(dims, rnd, False)
+    inputs |= dict(
+        topk_weights=w, topk_ids=_offset_view(topk_ids, offset), lora_ids=_offset_view(lora_ids, offset)
     )
-    bias = dict(b13=rnd(E, 2 * I), b2=rnd(E, H)) if has_bias else {}
-    run = LayerRun(_stage(), **inputs, **bias, activation=activation, config=default_config(d))
+    bias = dict(b13=rnd(E, 2 * dims.I), b2=rnd(E, dims.H)) if has_bias else {}
+    run = LayerRun(_stage(), **inputs, **bias, activation=activation, config=default_config(dims))
     return run, sorted(n for n, t in {**inputs, **bias}.items() if t.data_ptr() % 16)
 
 
@@ -716,9 +691,7 @@ def reduce_keys(T: int = 5, E: int = 32, K: int = 4, L: int = 8, H: int = 64) ->
     return keys
 
 
-# --------------------------------------------------------------------------------------------------
-# stage fused: variants over lengths, registers, vector stores/loads of the rank intermediate
-# --------------------------------------------------------------------------------------------------
+# --- stage fused: variants over lengths, registers, vector stores/loads of the rank intermediate ---------
 _GLOBAL_OP = re.compile(r"^\s*(?:@!?%p\w*\s+)?(st|ld)\.global((?:\.\w+)*)\s", re.M)
 _CP_ASYNC_SIZE = re.compile(
     r"\bcp\.async\.\w+\.shared\.global\s+\[[^\]]+\],\s*\[[^\]]+\],\s*(0x[0-9a-f]+|\d+)"
@@ -856,9 +829,7 @@ def fused_report(
     return out
 
 
-# --------------------------------------------------------------------------------------------------
-# subprocess runner and CLI
-# --------------------------------------------------------------------------------------------------
+# --- subprocess runner and CLI ---------------------------------------------------------------------------
 def _run_job(job: dict) -> dict:
     job = dict(job)
     op = job.pop("op")

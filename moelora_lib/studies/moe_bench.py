@@ -52,9 +52,7 @@ from . import bench
 PARTS = ("base", "lora", "total")
 BASE_OPS = ("base_gate_up", "base_down")
 
-# ------------------------------------------------------------------------------------------------
-# vLLM anchors
-# ------------------------------------------------------------------------------------------------
+# --- vLLM anchors ----------------------------------------------------------------------------------------
 
 #: vLLM's MoE (+ multi-LoRA) kernels measured side by side with this project in one process on one H200.
 ANCHOR_FILE = bench.REPO_ROOT / "data" / "anchors" / "vllm_vs_moelora_moe_h200.csv"
@@ -91,9 +89,7 @@ def anchor_table(path: str | os.PathLike | None = None):
     return t[cols + ["total_two_kernel_us", "lora_best_us", "total_best_us"]]
 
 
-# ------------------------------------------------------------------------------------------------
-# FLOPs and bytes
-# ------------------------------------------------------------------------------------------------
+# --- FLOPs and bytes -------------------------------------------------------------------------------------
 
 
 def floor_us(flops: float, nbytes: float) -> float:
@@ -179,9 +175,7 @@ def _part_cost(costs: list[dict], part: str) -> tuple[int, int]:
     return sum(c["flops"] for c in sel), sum(c["bytes"] for c in sel)
 
 
-# ------------------------------------------------------------------------------------------------
-# Inputs
-# ------------------------------------------------------------------------------------------------
+# --- Inputs ----------------------------------------------------------------------------------------------
 
 #: The keyword form of a :class:`Workload` in this module: keyword -> Workload field. Defaults are the
 #: Workload's: rank=32, num_adapters=8, pattern="uniform" ("mixed" in :func:`check_layer`),
@@ -394,9 +388,7 @@ def _run_fields(shape: MoEShape, run, pattern: str) -> dict[str, Any]:
     )
 
 
-# ------------------------------------------------------------------------------------------------
-# Benchmarks
-# ------------------------------------------------------------------------------------------------
+# --- Benchmarks ------------------------------------------------------------------------------------------
 
 
 def _timed_row(
@@ -553,9 +545,7 @@ def bench_lora_op(
     return (row, out) if return_output else row
 
 
-# ------------------------------------------------------------------------------------------------
-# Correctness
-# ------------------------------------------------------------------------------------------------
+# --- Correctness -----------------------------------------------------------------------------------------
 
 
 def check_layer(
@@ -604,9 +594,7 @@ def check_layer(
     )
 
 
-# ------------------------------------------------------------------------------------------------
-# Recompilation (notebook 03)
-# ------------------------------------------------------------------------------------------------
+# --- Recompilation (notebook 03) -------------------------------------------------------------------------
 
 
 def log_spaced_lengths(n: int = 40, lo: int = 1, hi: int = 8192) -> list[int]:
@@ -829,9 +817,7 @@ def recompile_in_subprocesses(
         return rows
 
 
-# ------------------------------------------------------------------------------------------------
-# Compile pass in helper processes (before a timing loop)
-# ------------------------------------------------------------------------------------------------
+# --- Compile pass in helper processes (before a timing loop) ---------------------------------------------
 
 
 def layer_point(
@@ -922,9 +908,7 @@ def precompile_in_subprocesses(
     return dict(seconds=time.perf_counter() - t0, processes=len(chunks), points=len(points), failed=failed)
 
 
-# ------------------------------------------------------------------------------------------------
-# ncu (notebook 05)
-# ------------------------------------------------------------------------------------------------
+# --- ncu (notebook 05) -----------------------------------------------------------------------------------
 
 #: ``_lora_shrink_kernel`` launches :func:`_ncu_target` makes per point (2 in the layer call + 3).
 NCU_LAUNCHES_PER_POINT = 5
@@ -1031,9 +1015,7 @@ def ncu_l2_hit_rates(
     ]
 
 
-# ------------------------------------------------------------------------------------------------
-# Command line (fresh processes)
-# ------------------------------------------------------------------------------------------------
+# --- Command line (fresh processes) ----------------------------------------------------------------------
 
 
 def main(argv: Sequence[str] | None = None) -> int:

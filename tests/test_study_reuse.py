@@ -5,7 +5,9 @@
 * notebook 03's two fresh processes run side by side but never time at the same moment (one lock);
 * notebook 05's four ncu points come from one ncu process, split back per point;
 * notebook 08 starts the tuner only when a case is left to tune, and precompiles exactly the configs its
-  sweep meets.
+  sweep meets;
+* vLLM's figures as the notebooks read them, and the conclusion cells of notebooks 01-06 holding on the
+  committed H200 run.
 """
 
 from __future__ import annotations

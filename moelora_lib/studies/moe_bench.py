@@ -391,27 +391,13 @@ def _run_fields(shape: MoEShape, run, pattern: str) -> dict[str, Any]:
 # --- Benchmarks ------------------------------------------------------------------------------------------
 
 
-def _timed_row(
-    fields, part, config, run, mode, tm, flops, nbytes, floor, warmup_ms, rep_ms, min_reps, **extra
-):
-    return bench.result_row(
-        **fields,
-        part=part,
-        config=config,
-        config_source=run.cfg.source,
-        mode=mode,
-        ms_p50=tm.ms_p50,
-        ms_p20=tm.ms_p20,
-        ms_p80=tm.ms_p80,
-        us_p50=tm.ms_p50 * 1e3,
-        flops=flops,
-        bytes=nbytes,
-        floor_us=floor,
-        warmup_ms=warmup_ms,
-        rep_ms=rep_ms,
-        min_reps=min_reps,
-        **extra,
-    )
+def _timed_row(fields, part, config, run, mode, tm, cost, budget, **extra) -> dict[str, Any]:
+    """A result row: the run's ``fields``, then part, config, its source, the timing ``tm``, ``cost``
+    (flops, bytes, floor_us), ``budget`` (warmup_ms, rep_ms, min_reps) and ``extra`` columns."""
+    row = dict(part=part, config=config, config_source=run.cfg.source, mode=mode)
+    row |= dict(ms_p50=tm.ms_p50, ms_p20=tm.ms_p20, ms_p80=tm.ms_p80, us_p50=tm.ms_p50 * 1e3)
+    row |= dict(zip(("flops", "bytes", "floor_us", "warmup_ms", "rep_ms", "min_reps"), (*cost, *budget)))
+    return bench.result_row(**fields, **row, **extra)
 
 
 def bench_layer(
@@ -463,23 +449,8 @@ def bench_layer(
         flops, nbytes = _part_cost(costs, part)
         for mode in ("cpu-interpreter",) if is_cpu else tuple(modes):
             tm = bench.time_fn(fns[part], mode, device, warmup_ms, rep_ms, min_reps=min_reps)
-            fl = floor_us(flops, nbytes)
-            rows.append(
-                _timed_row(
-                    fields,
-                    part,
-                    run.cfg.short(),
-                    run,
-                    mode,
-                    tm,
-                    flops,
-                    nbytes,
-                    fl,
-                    warmup_ms,
-                    rep_ms,
-                    min_reps,
-                )
-            )
+            cost, budget = (flops, nbytes, floor_us(flops, nbytes)), (warmup_ms, rep_ms, min_reps)
+            rows.append(_timed_row(fields, part, run.cfg.short(), run, mode, tm, cost, budget))
     return rows
 
 
@@ -538,10 +509,8 @@ def bench_lora_op(
     m = "cpu-interpreter" if torch.device(device).type == "cpu" else mode
     tm = bench.time_fn(fn, m, device, warmup_ms, rep_ms, min_reps=min_reps)
     fields = _run_fields(shape, run, pattern)
-    cost = (c["flops"], c["bytes"], c["floor_us"])
-    row = _timed_row(
-        fields, op, op_cfg.short(), run, m, tm, *cost, warmup_ms, rep_ms, min_reps, **(op_changes or {})
-    )
+    cost, budget = (c["flops"], c["bytes"], c["floor_us"]), (warmup_ms, rep_ms, min_reps)
+    row = _timed_row(fields, op, op_cfg.short(), run, m, tm, cost, budget, **(op_changes or {}))
     return (row, out) if return_output else row
 
 

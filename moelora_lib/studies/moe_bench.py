@@ -117,9 +117,9 @@ def _touched(T: int, E: int, K: int, num_adapters: int | None, topk_ids, lora_id
 def op_costs(
     shape: MoEShape | str,
     dims: Dims,
+    *,
     dtype_bytes: int = 2,
     topk_ids: torch.Tensor | None = None,
-    *,
     lora_ids: torch.Tensor | None = None,
 ) -> list[dict[str, Any]]:
     """FLOPs, minimal bytes, arithmetic intensity and H200 floor of the six launches of one layer.

@@ -408,13 +408,10 @@ def launch(
     layer_cfg = default_config(dims)
     if LAUNCHES[launch_name] != "gated_act":
         base = getattr(layer_cfg, launch_name)
-        cfg = (
-            base
-            if cfg is None
-            else replace(base, **{k.upper(): v for k, v in cfg.items()})
-            if isinstance(cfg, dict)
-            else cfg
-        )
+        if cfg is None:
+            cfg = base
+        elif isinstance(cfg, dict):
+            cfg = replace(base, **{k.upper(): v for k, v in cfg.items()})
         assert isinstance(cfg, OpConfig)
         group = BASE_OPS if launch_name in BASE_OPS else LORA_OPS
         layer_cfg = layer_cfg.replace(

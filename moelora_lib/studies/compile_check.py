@@ -1,30 +1,20 @@
 """Compile-only inspection of the kernels for sm_90 (H200) on a machine without a GPU.
 
-Used by ``tests/test_compile_sm90.py`` and by notebooks 03 and 06 on the CPU machine. It follows
-docs/environment.md §3: the argument binder of a ``JITFunction`` gives the same
-specialization that ``JITFunction.run`` keys its cache on (it reads only dtypes, ints and the
-16-byte alignment of ``data_ptr()``, so meta tensors stand in for device buffers, like the GPU's
-256-byte aligned allocations), ``_pack_args`` turns it into an ``ASTSource``, and
-``triton.compile(..., target=GPUTarget("cuda", 90, 32))`` runs the whole pipeline down to the
-cubin with the ptxas bundled in the triton wheel. PTX is ``k.asm["ptx"]``; SASS and resource usage
-come from the bundled ``cuobjdump``.
+The argument binder of a ``JITFunction`` gives the specialization ``JITFunction.run`` keys its cache
+on (dtypes, ints and the 16-byte alignment of ``data_ptr()``, so meta tensors stand in for device
+buffers); ``_pack_args`` turns it into an ``ASTSource`` and ``triton.compile(..., target=GPUTarget("cuda",
+90, 32))`` compiles it to a cubin with the ptxas bundled in the triton wheel (docs/environment.md §3).
+PTX is ``k.asm["ptx"]``; SASS and resource usage come from the bundled ``cuobjdump``.
 
-**The kernels must be decorated without ``TRITON_INTERPRET``.** Triton reads the variable when
-``@triton.jit`` runs, so a process that imported the kernels under the interpreter (the test
-suite, see tests/conftest.py) cannot compile them. :func:`run_isolated` runs jobs in a fresh
-``python -m moelora_lib.studies.compile_check batch`` subprocess with the variable removed and returns
-JSON; the same CLI serves humans::
+The kernels must be decorated without ``TRITON_INTERPRET`` (Triton reads it when ``@triton.jit`` runs):
+in an interpreted process the functions here run their job through :func:`run_isolated`, a fresh
+``python -m moelora_lib.studies.compile_check batch`` without the variable. The CLI serves humans too::
 
     python -m moelora_lib.studies.compile_check count --kernel lora_shrink --naive --lengths 1 7 16 4096
-    python -m moelora_lib.studies.compile_check inspect --kernel lora_shrink --T 64 --cfg '{"SPLIT_K": 4}'
+    python -m moelora_lib.studies.compile_check inspect --launch gate_up_shrink --T 64 --cfg '{"SPLIT_K": 4}'
 
-:func:`offset_view_keys` and :func:`align_length_keys` check that neither the data-pointer alignment
-of an input (an offset view such as ``buf[1:17]``) nor the prompt length gives any launch of the layer
-or of the Triton alignment a new key.
-
-``TRITON_CACHE_DIR`` is honoured (re-compiles hit the cache). The functions that take a
-``CompiledKernel`` (:func:`ptx`, :func:`sass`, :func:`resource_usage`) and the text helpers
-(:func:`k_loop_bodies`, :func:`masked_global_loads`, :func:`has_atomic_add`, ...) work anywhere.
+``TRITON_CACHE_DIR`` is honoured. The functions of a ``CompiledKernel`` (:func:`ptx`, :func:`sass`,
+:func:`resource_usage`) and the PTX/SASS text helpers work anywhere.
 """
 
 from __future__ import annotations
@@ -39,36 +29,10 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
-__all__ = [
-    "SM90",
-    "KERNEL_NAMES",
-    "compile_for_sm90",
-    "specialization_key",
-    "count_variants",
-    "variants",
-    "launch",
-    "meta_layer_run",
-    "ptx",
-    "sass",
-    "resource_usage",
-    "k_loop_bodies",
-    "masked_global_loads",
-    "has_atomic_add",
-    "tensor_core_ops",
-    "run_isolated",
-    "inspect_job",
-    "offset_view_keys",
-    "align_length_keys",
-    "global_vector_ops",
-    "fused_report",
-]
-
 KERNEL_NAMES = ("fused_moe", "lora_shrink", "lora_expand", "gated_act")
 
 
-# --------------------------------------------------------------------------------------------------
-# compiling
-# --------------------------------------------------------------------------------------------------
+# --- compiling -------------------------------------------------------------------------------------------
 def _target(arch: int = 90):
     from triton.backends.compiler import GPUTarget
 
@@ -168,9 +132,7 @@ def compile_for_sm90(
     )
 
 
-# --------------------------------------------------------------------------------------------------
-# inspecting a CompiledKernel
-# --------------------------------------------------------------------------------------------------
+# --- inspecting a CompiledKernel -------------------------------------------------------------------------
 def _nvidia_bin(tool: str) -> str:
     import triton
 
@@ -290,9 +252,9 @@ def tensor_core_ops(ptx_text: str) -> dict:
     }
 
 
-# --------------------------------------------------------------------------------------------------
-# building the real launch arguments of one layer launch
-# --------------------------------------------------------------------------------------------------
+# --- building the real launch arguments of one layer launch ----------------------------------------------
+#: launch name -> kernel name (the launches of one layer, :data:`moelora_lib.kernels.stages.LAUNCH_KERNELS`)
+# --- the real launch arguments of one layer launch, on meta tensors --------------------------------------
 #: launch name -> kernel name (the launches of one layer, :data:`moelora_lib.kernels.stages.LAUNCH_KERNELS`)
 LAUNCHES = {
     "base_gate_up": "fused_moe",
@@ -303,21 +265,19 @@ LAUNCHES = {
     "down_expand": "lora_expand",
     "act": "gated_act",
 }
-_DEFAULT_LAUNCH = {
-    "fused_moe": "base_gate_up",
-    "lora_shrink": "gate_up_shrink",
-    "lora_expand": "gate_up_expand",
-    "gated_act": "act",
-}
+#: kernel name -> its first launch
+_DEFAULT_LAUNCH = {k: next(n for n, v in LAUNCHES.items() if v == k) for k in KERNEL_NAMES}
+_ID_LAYOUTS = ("contiguous", "offset", "transposed")
 
 
 def _shape(shape):
+    """A preset name, or a dict of MoEShape fields over ``base`` (default gpt-oss-20b)."""
+    from dataclasses import replace
+
     from ..shapes import get_shape
 
     if isinstance(shape, str):
         return get_shape(shape)
-    from dataclasses import replace
-
     d = dict(shape)
     return replace(get_shape(d.pop("base", "gpt-oss-20b")), **d)
 
@@ -328,21 +288,57 @@ def _routing(T: int, E: int, K: int, L: int):
 
     t = torch.arange(T)
     topk_ids = (t[:, None] * 7 + torch.arange(K)[None, :] * (E // K if E >= 2 * K else 1)) % E
-    topk_ids = topk_ids.to(torch.int32)
-    lora_ids = (t % L).to(torch.int32)
+    return topk_ids.to(torch.int32), (t % L).to(torch.int32)
+
+
+def _offset_view(t, offset: bool = True):
+    """``t``, or a copy of it one element into a fresh buffer (data pointer not 16-byte aligned)."""
+    import torch
+
+    if not offset:
+        return t
+    v = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(t.shape)
+    v.copy_(t)
+    return v
+
+
+def _id_layout(topk_ids, lora_ids, layout: str):
+    """The caller's id tensors as ``layout``: contiguous; offset views (data pointers not 16-byte
+    aligned); transposed/strided (topk_ids column-major, lora_ids every other element)."""
+    import torch
+
+    if layout not in _ID_LAYOUTS:
+        raise ValueError(f"layout must be one of {_ID_LAYOUTS}, got {layout!r}")
+    if layout == "offset":
+        topk_ids, lora_ids = _offset_view(topk_ids), _offset_view(lora_ids)
+        assert topk_ids.data_ptr() % 16 and lora_ids.data_ptr() % 16
+    elif layout == "transposed":
+        topk_ids = topk_ids.t().contiguous().t()
+        lora_ids = torch.stack([lora_ids, lora_ids], 1).reshape(-1)[::2]
     return topk_ids, lora_ids
 
 
-def _meta_alignment(align):
-    from dataclasses import replace
+def _stage(specialize_lengths: bool = False, even_k: bool = True):
+    """A stage with split-K, swizzle and fused add, and the given EVEN_K / specialization switches."""
+    from ..kernels.stages import Stage
 
-    return replace(
-        align,
-        **{
-            f: getattr(align, f).to("meta")
-            for f in ("sorted_token_ids", "block_expert_ids", "block_lora_ids", "num_tokens_post_padded")
-        },
+    return Stage(
+        name="compile_check",
+        title="compile-only launch",
+        specialize_lengths=specialize_lengths,
+        split_k=True,
+        swizzle=True,
+        even_k=even_k,
+        fused_add=True,
     )
+
+
+def _layer_tensors(d, make, has_bias: bool) -> dict:
+    """The float tensors of one layer call of Dims ``d``, each made by ``make(*shape)``."""
+    T, H, I, E, L, R, S = d.T, d.H, d.I, d.E, d.adapters, d.rank, d.slices
+    t = dict(hidden_states=make(T, H), w13=make(E, 2 * I, H), w2=make(E, H, I), lora_a13=make(L, E, S, R, H))
+    t |= dict(lora_b13=make(L, E, S, 2 * I // S, R), lora_a2=make(L, E, R, I), lora_b2=make(L, E, H, R))
+    return t | (dict(b13=make(E, 2 * I), b2=make(E, H)) if has_bias else {})
 
 
 def meta_layer_run(
@@ -355,53 +351,33 @@ def meta_layer_run(
     use_even_k: bool = True,
     specialize_lengths: bool = False,
 ):
-    """A :class:`~moelora_lib.kernels.LayerRun` of ``dims`` (a :class:`~moelora_lib.shapes.Dims`) over
-    meta tensors, for compile-only inspection: the deterministic routing of :func:`_routing`, the real
-    alignments (moved to meta, like the GPU's aligned device buffers), ``config`` (None =
-    ``default_config(dims)``), a stage with fused add and the given EVEN_K / specialization switches.
-    Nothing is allocated on a device or launched."""
+    """A :class:`~moelora_lib.kernels.LayerRun` of ``dims`` (a :class:`~moelora_lib.shapes.Dims`) on meta
+    tensors: :func:`_routing`'s ids, the real alignments moved to meta, ``config`` (None =
+    ``default_config(dims)``), a stage with fused add and the given switches. Nothing is launched."""
+    from dataclasses import replace
+
     import torch
 
     from ..common import parse_dtype
-    from ..kernels.stages import LayerRun, Stage, default_config
+    from ..kernels.stages import LayerRun, default_config
 
-    d, dt = dims, parse_dtype(dtype)
-    T, H, I, E, K, L, R, S = d.T, d.H, d.I, d.E, d.top_k, d.adapters, d.rank, d.slices
-    meta = dict(device="meta", dtype=dt)
-    topk_ids, lora_ids = _routing(T, E, K, L)
-    stage = Stage(
-        name="compile_check",
-        title="compile-only launch",
-        specialize_lengths=specialize_lengths,
-        split_k=True,
-        swizzle=True,
-        even_k=use_even_k,
-        fused_add=True,
-    )
-    run = LayerRun(
-        stage,
-        torch.empty(T, H, **meta),
-        torch.empty(E, 2 * I, H, **meta),
-        torch.empty(E, H, I, **meta),
-        torch.empty(T, K, device="meta", dtype=torch.float32),
-        topk_ids,
-        lora_ids,
-        torch.empty(L, E, S, R, H, **meta),
-        torch.empty(L, E, S, 2 * I // S, R, **meta),
-        torch.empty(L, E, R, I, **meta),
-        torch.empty(L, E, H, R, **meta),
-        activation=activation,
-        b13=torch.empty(E, 2 * I, **meta) if has_bias else None,
-        b2=torch.empty(E, H, **meta) if has_bias else None,
-        config=config if config is not None else default_config(d),
-    )
-    run.base_align, run.lora_align = _meta_alignment(run.base_align), _meta_alignment(run.lora_align)
+    dt = parse_dtype(dtype)
+    topk_ids, lora_ids = _routing(dims.T, dims.E, dims.top_k, dims.adapters)
+    t = _layer_tensors(dims, lambda *shape: torch.empty(*shape, device="meta", dtype=dt), has_bias)
+    w = torch.empty(dims.T, dims.top_k, device="meta", dtype=torch.float32)
+    cfg = config if config is not None else default_config(dims)
+    ids = dict(topk_weights=w, topk_ids=topk_ids, lora_ids=lora_ids)
+    run = LayerRun(_stage(specialize_lengths, use_even_k), **t, **ids, activation=activation, config=cfg)
+    fields = ("sorted_token_ids", "block_expert_ids", "block_lora_ids", "num_tokens_post_padded")
+    for name in ("base_align", "lora_align"):
+        al = getattr(run, name)
+        setattr(run, name, replace(al, **{f: getattr(al, f).to("meta") for f in fields}))
     return run
 
 
 def launch(
     launch_name: str,
-    T,
+    T: int,
     *,
     shape="gpt-oss-20b",
     rank: int = 32,
@@ -411,60 +387,41 @@ def launch(
     use_even_k: bool = True,
     with_bias: bool | None = None,
 ):
-    """``(kernel_name, args, constexprs, num_warps, num_stages, cfg)`` of one launch of the layer.
+    """``(kernel_name, args, constexprs, num_warps, num_stages, cfg)`` of one launch of the layer at T
+    tokens: :meth:`LayerRun.launch_args <moelora_lib.kernels.LayerRun.launch_args>` of
+    :func:`meta_layer_run` (num_pairs = T·K, num_blocks from the real alignment, strides ∝ T·K).
 
-    The arguments are those of the layer's launch plan, :meth:`LayerRun.launch_args
-    <moelora_lib.kernels.LayerRun.launch_args>`, for a prompt of T tokens on meta tensors
-    (:func:`meta_layer_run`: num_pairs = T·K, num_blocks from the real alignment, buffer strides ∝ T·K).
-
-    Args:
-        launch_name: one of :data:`LAUNCHES` (``gate_up_shrink`` ...) or a kernel name (its gate_up
-            / first launch).
-        T: tokens, or a :class:`~moelora_lib.shapes.Dims` (then it also gives H, I, E, K, R, L and S, and
-            ``rank``/``adapters`` are ignored; ``shape`` still gives the activation and the biases).
-        shape: a preset name or a dict of MoEShape fields over ``base`` (default gpt-oss-20b).
-        cfg: an :class:`~moelora_lib.kernels.config.OpConfig`, a dict of OpConfig fields overriding
-            the default config, or None = ``default_config(dims)`` for this launch. The alignment of
-            the launch's group is built with cfg's BLOCK_SIZE_M.
-        use_even_k: the stage switch of the LoRA ops (EVEN_K is still only set when K divides evenly);
-            the base GEMMs always allow EVEN_K, as the layer launches them.
+    launch_name: one of :data:`LAUNCHES`, or a kernel name (its first launch). shape: see :func:`_shape`.
+    cfg: an :class:`~moelora_lib.kernels.config.OpConfig`, a dict of OpConfig fields over the default, or
+    None = ``default_config(dims)``; the launch's alignment group uses cfg's BLOCK_SIZE_M.
+    use_even_k: the LoRA ops' stage switch (the base GEMMs always allow EVEN_K, as the layer).
     """
     from dataclasses import replace
 
-    from ..kernels.config import BASE_OPS, OpConfig
+    from ..kernels.config import BASE_OPS, LORA_OPS, OpConfig
     from ..kernels.stages import default_config
     from ..shapes import Dims
 
     launch_name = _DEFAULT_LAUNCH.get(launch_name, launch_name)
-    kernel = LAUNCHES[launch_name]
     sh = _shape(shape)
-    dims = T if isinstance(T, Dims) else Dims.of(sh, int(T), rank=rank, adapters=adapters)
-    has_bias = sh.has_bias if with_bias is None else with_bias
+    dims = Dims.of(sh, int(T), rank=rank, adapters=adapters)
     layer_cfg = default_config(dims)
-    if kernel != "gated_act":
+    if LAUNCHES[launch_name] != "gated_act":
         base = getattr(layer_cfg, launch_name)
         if cfg is None:
             cfg = base
         elif isinstance(cfg, dict):
             cfg = replace(base, **{k.upper(): v for k, v in cfg.items()})
         assert isinstance(cfg, OpConfig)
-        group = (
-            BASE_OPS
-            if launch_name in BASE_OPS
-            else ("gate_up_shrink", "gate_up_expand", "down_shrink", "down_expand")
-        )
+        group = BASE_OPS if launch_name in BASE_OPS else LORA_OPS
         layer_cfg = layer_cfg.replace(
             **{op: replace(getattr(layer_cfg, op), BLOCK_SIZE_M=cfg.BLOCK_SIZE_M) for op in group}
         )
-    run = meta_layer_run(
-        dims,
-        activation=sh.activation,
-        has_bias=has_bias,
-        dtype=dtype,
-        config=layer_cfg,
-        use_even_k=use_even_k,
+    has_bias = sh.has_bias if with_bias is None else with_bias
+    kw = dict(
+        activation=sh.activation, has_bias=has_bias, dtype=dtype, config=layer_cfg, use_even_k=use_even_k
     )
-    la = run.launch_args(launch_name, cfg)
+    la = meta_layer_run(dims, **kw).launch_args(launch_name, cfg)
     return la.kernel, la.args, la.constexprs, la.num_warps, la.num_stages, la.cfg
 
 
@@ -479,6 +436,18 @@ def _interpreted() -> bool:
     from triton.runtime.jit import JITFunction
 
     return not isinstance(_jit("lora_shrink", True), JITFunction)
+
+
+def _isolated(op: str, **job) -> dict:
+    """Job ``op`` in :func:`run_isolated` (OpConfig arguments as dicts; ``per_length`` keys back to ints)."""
+    from ..kernels.config import OpConfig
+
+    job = {k: v.to_dict() if isinstance(v, OpConfig) else v for k, v in job.items()}
+    r = run_isolated([dict(op=op, **job)])[0]
+    for v in [r, *r.values()]:
+        if isinstance(v, dict) and "per_length" in v:
+            v["per_length"] = {int(t): i for t, i in v["per_length"].items()}
+    return r
 
 
 _HASHES: dict = {}
@@ -496,27 +465,19 @@ def variants(
 ) -> dict:
     """Distinct cache keys (and binaries) of one layer launch over prompt lengths ``lengths``.
 
-    ``cfg``: None = one fixed config for every length (the default config at T = 64); an OpConfig
-    or dict = that config; ``"auto"`` = ``default_config(T)`` per length, as the layer launches.
-    Returns ``{"keys": n, "hashes": n, "configs": n, "per_length": {T: key index}, "key_list": [...]}``
-    where hashes are the distinct ``CompiledKernel.hash`` of the compiled keys (None without compile).
+    ``cfg``: None = one config for every length (the default config at T = 64); an OpConfig or dict =
+    that config; ``"auto"`` = ``default_config(T)`` per length, as the layer launches. Returns ``{"keys":
+    n, "hashes": n (None without compile), "configs": n, "per_length": {T: key index}, "key_list"}``.
+    ValueError when the launch does not run ``kernel_name``.
     """
     from ..kernels.config import OpConfig
 
-    if _interpreted():  # e.g. a CPU notebook that runs the interpreter too: compile in a subprocess
-        job = dict(
-            op="count",
-            kernel=kernel_name,
-            specialize_lengths=bool(specialize_lengths),
-            lengths=[int(t) for t in lengths],
-            launch_name=launch_name,
-            compile=compile,
-            cfg=cfg.to_dict() if isinstance(cfg, OpConfig) else cfg,
-            **launch_kw,
-        )
-        r = run_isolated([job])[0]
-        r["per_length"] = {int(k): v for k, v in r["per_length"].items()}
-        return r
+    if _interpreted():
+        lens = [int(t) for t in lengths]
+        return _isolated(
+            "count", kernel=kernel_name, specialize_lengths=bool(specialize_lengths), lengths=lens,
+            launch_name=launch_name, compile=compile, cfg=cfg, **launch_kw,
+        )  # fmt: skip
     name = launch_name or _DEFAULT_LAUNCH[kernel_name]
     if LAUNCHES[name] != kernel_name:
         raise ValueError(f"launch {name!r} runs {LAUNCHES[name]}, not {kernel_name}")
@@ -526,8 +487,7 @@ def variants(
     keys, per_length, configs, hashes = [], {}, set(), set()
     jf = _jit(kernel_name, specialize_lengths)
     for T in lengths:
-        c = None if fixed == "auto" else fixed
-        _, args, cx, nw, ns, used = launch(name, int(T), cfg=c, **launch_kw)
+        _, args, cx, nw, ns, used = launch(name, int(T), cfg=None if fixed == "auto" else fixed, **launch_kw)
         configs.add(used if isinstance(used, OpConfig) else None)
         key = specialization_key(jf, args, cx, nw, ns)
         if key not in keys:
@@ -537,41 +497,18 @@ def variants(
                     _HASHES[key] = compile_for_sm90(jf, args, cx, nw, ns).hash
                 hashes.add(_HASHES[key])
         per_length[int(T)] = keys.index(key)
-    return {
-        "keys": len(keys),
-        "hashes": len(hashes) if compile else None,
-        "configs": len(configs),
-        "per_length": per_length,
-        "key_list": keys,
-    }
-
-
-def count_variants(kernel_name: str, specialize_lengths: bool, lengths, **kw) -> tuple[int, int]:
-    """``(n_distinct_keys, n_distinct_hashes)`` of ``kernel_name`` over prompt lengths ``lengths``
-    (see :func:`variants` for the keyword arguments)."""
-    v = variants(kernel_name, specialize_lengths, lengths, **kw)
-    return v["keys"], v["hashes"]
+    n_hashes = len(hashes) if compile else None
+    return dict(keys=len(keys), hashes=n_hashes, configs=len(configs), per_length=per_length, key_list=keys)
 
 
 def inspect_job(
     launch_name: str, T: int, *, specialize_lengths: bool = False, want=("res", "ptx", "sass"), **launch_kw
 ) -> dict:
-    """Compile one layer launch for sm_90 and report: hash, key, constexprs, resources, PTX, SASS.
-
-    In a process whose kernels run under the interpreter, the job runs in :func:`run_isolated`."""
+    """Compile one layer launch (:func:`launch`) for sm_90: kernel, hash, key, constexprs, cfg, and the
+    ``want``-ed resources ("res"), PTX and SASS."""
     if _interpreted():
-        cfg = launch_kw.get("cfg")
-        if cfg is not None and not isinstance(cfg, (dict, str)):
-            launch_kw["cfg"] = cfg.to_dict()
-        job = dict(
-            op="inspect",
-            launch=launch_name,
-            T=T,
-            specialize_lengths=specialize_lengths,
-            want=list(want),
-            **launch_kw,
-        )
-        return run_isolated([job])[0]
+        kw = dict(launch=launch_name, T=T, specialize_lengths=specialize_lengths, want=list(want))
+        return _isolated("inspect", **kw, **launch_kw)
     kernel, args, cx, nw, ns, cfg = launch(launch_name, T, **launch_kw)
     jf = _jit(kernel, specialize_lengths)
     k = compile_for_sm90(jf, args, cx, nw, ns)
@@ -582,83 +519,44 @@ def inspect_job(
         "constexprs": {n: (v if isinstance(v, (int, bool, str)) else str(v)) for n, v in cx.items()},
         "cfg": cfg.to_dict() if cfg is not None else None,
     }
-    if "res" in want:
-        out["res"] = resource_usage(k)
-    if "ptx" in want:
-        out["ptx"] = ptx(k)
-    if "sass" in want:
-        out["sass"] = sass(k)
+    for name, fn in (("res", resource_usage), ("ptx", ptx), ("sass", sass)):
+        if name in want:
+            out[name] = fn(k)
     return out
 
 
-# --------------------------------------------------------------------------------------------------
-# offset views and lengths: one key whatever the inputs' alignment (issue 10)
-# --------------------------------------------------------------------------------------------------
-def _offset_view(t, offset: bool):
-    """``t`` itself, or a copy of it that starts one element into a fresh buffer (its data pointer is
-    2, 4 or 8 bytes past an aligned allocation: not 16-byte aligned)."""
-    import torch
-
-    if not offset:
-        return t
-    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
-    v = buf[1:].view(t.shape)
-    v.copy_(t)
-    return v
-
-
+# --- offset views and lengths: one key whatever the inputs' alignment ------------------------------------
 def _cpu_layer_run(dims, dtype, activation: str, has_bias: bool, offset: bool):
-    """A real CPU :class:`~moelora_lib.kernels.LayerRun` (seeded inputs, :func:`_routing`, a stage with
-    fused add, ``default_config(dims)``); with ``offset`` every input tensor is an offset view and
-    topk_weights is ``buf[1:T+1]`` of a [T + 1, K] float32 buffer (the reported case)."""
+    """A real CPU :class:`~moelora_lib.kernels.LayerRun` (seeded inputs, :func:`_routing`,
+    ``default_config(dims)``); with ``offset`` every input is an offset view and topk_weights is
+    ``buf[1:T+1]`` of a [T + 1, K] float32 buffer. Returns (run, names of misaligned inputs)."""
     import torch
 
-    from ..kernels.stages import LayerRun, Stage, default_config
+    from ..kernels.stages import LayerRun, default_config
 
-    d, dt = dims, dtype
-    T, H, I, E, K, L, R, S = d.T, d.H, d.I, d.E, d.top_k, d.adapters, d.rank, d.slices
+    T, E, K, L = dims.T, dims.E, dims.top_k, dims.adapters
     g = torch.Generator().manual_seed(0)
 
     def rnd(*shape):
-        return _offset_view((torch.randn(*shape, generator=g) * 0.1).to(dt), offset)
+        return _offset_view((torch.randn(*shape, generator=g) * 0.1).to(dtype), offset)
 
     topk_ids, lora_ids = _routing(T, E, K, L)
     w = torch.rand(T, K, generator=g)
     if offset:
-        buf = torch.zeros(T + 1, K)
-        buf[1:] = w
-        w = buf[1 : T + 1]
-    inputs = dict(
-        hidden_states=rnd(T, H),
-        w13=rnd(E, 2 * I, H),
-        w2=rnd(E, H, I),
-        topk_weights=w,
-        topk_ids=_offset_view(topk_ids, offset),
-        lora_ids=_offset_view(lora_ids, offset),
-        lora_a13=rnd(L, E, S, R, H),
-        lora_b13=rnd(L, E, S, 2 * I // S, R),
-        lora_a2=rnd(L, E, R, I),
-        lora_b2=rnd(L, E, H, R),
+        w = torch.cat([torch.zeros(1, K), w])[1 : T + 1]
+    inputs = _layer_tensors(dims, rnd, False)
+    inputs |= dict(
+        topk_weights=w, topk_ids=_offset_view(topk_ids, offset), lora_ids=_offset_view(lora_ids, offset)
     )
-    bias = dict(b13=rnd(E, 2 * I), b2=rnd(E, H)) if has_bias else {}
-    stage = Stage(
-        name="compile_check",
-        title="compile-only launch",
-        specialize_lengths=False,
-        split_k=True,
-        swizzle=True,
-        even_k=True,
-        fused_add=True,
-    )
-    run = LayerRun(stage, **inputs, **bias, activation=activation, config=default_config(d))
-    misaligned = sorted(n for n, t in {**inputs, **bias}.items() if t.data_ptr() % 16)
-    return run, misaligned
+    bias = dict(b13=rnd(E, 2 * dims.I), b2=rnd(E, dims.H)) if has_bias else {}
+    run = LayerRun(_stage(), **inputs, **bias, activation=activation, config=default_config(dims))
+    return run, sorted(n for n, t in {**inputs, **bias}.items() if t.data_ptr() % 16)
 
 
 def offset_view_keys(
     T: int = 16,
     H: int = 64,
-    I: int = 32,  # noqa: E741
+    I: int = 32,
     E: int = 8,
     K: int = 6,
     L: int = 2,
@@ -672,23 +570,16 @@ def offset_view_keys(
 ) -> dict:
     """Does an offset view of any input give a layer launch a new Triton key?
 
-    Builds a real (small, CPU) :class:`~moelora_lib.kernels.LayerRun` twice from the same values: once
-    from fresh (aligned) tensors, once where every input is a view whose data pointer is not 16-byte
-    aligned (topk_weights = ``buf[1:T+1]`` of a [T + 1, K] float32 buffer, the reported case;
-    hidden_states, the weights, biases and LoRA tensors one element into their buffers), and compares
-    the sm_90 specialization key of every launch of :data:`~moelora_lib.kernels.stages.LAUNCH_OPS`.
-    Nothing is launched or compiled.
-
-    ``realign=False`` builds the offset run with :func:`moelora_lib.common.aligned16` replaced by the
-    identity in :class:`LayerRun` (the code before the fix), to show what this check detects.
-
-    Returns:
-        ``{"same": {launch: bool}, "misaligned_inputs": [names], "keys": {launch: [aligned, offset]}}``.
+    Builds a small CPU :class:`~moelora_lib.kernels.LayerRun` twice from the same values, from fresh
+    tensors and from views whose data pointers are not 16-byte aligned (:func:`_cpu_layer_run`), and
+    compares the sm_90 key of every launch of :data:`~moelora_lib.kernels.stages.LAUNCH_OPS`; nothing is
+    compiled. ``realign=False`` replaces :func:`moelora_lib.common.aligned16` by the identity in the
+    offset run, to show what the check detects without it. Returns ``{"same": {launch: bool},
+    "misaligned_inputs": [names], "keys": {launch: [aligned, offset]}}``.
     """
     if _interpreted():
-        job = dict(op="offset_keys", T=T, H=H, I=I, E=E, K=K, L=L, R=R, S=S, dtype=dtype)
-        job.update(activation=activation, has_bias=has_bias, realign=realign)
-        return run_isolated([job])[0]
+        kw = dict(T=T, H=H, I=I, E=E, K=K, L=L, R=R, S=S, dtype=dtype, activation=activation)
+        return _isolated("offset_keys", **kw, has_bias=has_bias, realign=realign)
     from contextlib import nullcontext
     from unittest import mock
 
@@ -697,31 +588,19 @@ def offset_view_keys(
     from ..shapes import Dims
 
     dims = Dims(T=T, H=H, I=I, E=E, top_k=K, adapters=L, rank=R, slices=S)
-    dt = parse_dtype(dtype)
     keys: dict[str, list[str]] = {op: [] for op in LAUNCH_OPS}
     misaligned: list[str] = []
     for offset in (False, True):
-        patch = (
-            mock.patch("moelora_lib.kernels.stages.aligned16", lambda t, name="": t)
-            if offset and not realign
-            else nullcontext()
-        )
-        with patch:
-            run, bad = _cpu_layer_run(dims, dt, activation, has_bias, offset)
-        if offset:
-            misaligned = bad
+        identity = mock.patch("moelora_lib.kernels.stages.aligned16", lambda t, name="": t)
+        with identity if offset and not realign else nullcontext():
+            run, bad = _cpu_layer_run(dims, parse_dtype(dtype), activation, has_bias, offset)
+        misaligned = bad if offset else misaligned
         for op in LAUNCH_OPS:
             la = run.launch_args(op)
-            keys[op].append(
-                specialization_key(
-                    _jit(la.kernel, False), la.args, la.constexprs, la.num_warps, la.num_stages
-                )
-            )
-    return {
-        "same": {op: k[0] == k[1] for op, k in keys.items()},
-        "misaligned_inputs": misaligned,
-        "keys": keys,
-    }
+            jf = _jit(la.kernel, False)
+            keys[op].append(specialization_key(jf, la.args, la.constexprs, la.num_warps, la.num_stages))
+    same = {op: k[0] == k[1] for op, k in keys.items()}
+    return {"same": same, "misaligned_inputs": misaligned, "keys": keys}
 
 
 def align_length_keys(
@@ -737,22 +616,17 @@ def align_length_keys(
 ) -> dict:
     """Specialization keys of the three Triton alignment kernels over prompt lengths.
 
-    For each T in ``lengths`` (default: ``moe_bench.log_spaced_lengths(32)``, 63 lengths in
-    [1, 8192]) the base (expert-only) and LoRA alignments of :func:`_routing`'s ids are described by
-    :func:`moelora_lib.kernels.align.align_launch_args` (nothing launched) — through one
-    :func:`~moelora_lib.kernels.align.align_workspace` for the largest T, as the serving layer calls
-    them (``workspace=True``), or with fresh outputs (``fused_moe_lora`` on CUDA).
+    For each T of ``lengths`` (default ``moe_bench.log_spaced_lengths(32)``) the base and LoRA
+    alignments of :func:`_routing`'s ids, as :func:`moelora_lib.kernels.align.align_launch_args`
+    describes them (nothing launched), through one ``align_workspace`` for the largest T
+    (``workspace=True``, as the serving layer) or with fresh outputs. ``layout`` of the id tensors:
+    "contiguous", "offset" or "transposed" (:func:`_id_layout`); ``tile`` pins TILE.
 
-    ``layout`` of the caller's id tensors: ``"contiguous"``; ``"offset"`` (topk_ids and lora_ids one
-    element into their buffers: data pointers not 16-byte aligned); ``"transposed"`` (topk_ids a
-    column-major view, stride (1, T); lora_ids every other element).
-
-    Returns:
-        ``{launch: {"keys": n, "classes": n, "max_keys_per_class": n, "per_length": {T: key index},
-        "key_list": [...]}}`` per launch ``base_count``, ``base_scan``, ``base_scatter``,
-        ``lora_count``, ``lora_scan``, ``lora_scatter``; a class is one tuple of constexpr values
-        (TILE from T·K and the scan's TC/GB from NT follow T on purpose; a fixed ``tile`` pins TILE),
-        so ``max_keys_per_class == 1`` means no int or pointer argument adds a variant.
+    Returns ``{launch: {"keys", "classes", "max_keys_per_class", "per_length": {T: key index},
+    "key_list"}}`` per launch ``base_count``, ``base_scan``, ``base_scatter``, ``lora_count``,
+    ``lora_scan``, ``lora_scatter``; a class is one tuple of constexpr values (TILE and the scan's
+    TC/GB follow T on purpose), so ``max_keys_per_class == 1`` means no int or pointer argument adds
+    a variant.
     """
     if lengths is None:
         from .moe_bench import log_spaced_lengths
@@ -760,32 +634,19 @@ def align_length_keys(
         lengths = log_spaced_lengths(32)
     lengths = [int(t) for t in lengths]
     if _interpreted():
-        job = dict(op="align_keys", lengths=lengths, E=E, K=K, L=L, block_size_m=block_size_m)
-        job.update(layout=layout, workspace=workspace, tile=tile)
-        r = run_isolated([job])[0]
-        for v in r.values():
-            v["per_length"] = {int(t): i for t, i in v["per_length"].items()}
-        return r
-    import torch
-
+        kw = dict(E=E, K=K, L=L, block_size_m=block_size_m, layout=layout, workspace=workspace, tile=tile)
+        return _isolated("align_keys", lengths=lengths, **kw)
     from ..kernels.align import align_launch_args, align_workspace
 
-    if layout not in ("contiguous", "offset", "transposed"):
-        raise ValueError(f"layout must be 'contiguous', 'offset' or 'transposed', got {layout!r}")
+    if layout not in _ID_LAYOUTS:
+        raise ValueError(f"layout must be one of {_ID_LAYOUTS}, got {layout!r}")
     ws = {}
     if workspace:
         n_max = max(lengths) * K
-        ws = {0: align_workspace(n_max, E, block_size_m, 0, tile=tile)}
-        ws[L] = align_workspace(n_max, E, block_size_m, L, tile=tile)
+        ws = {n: align_workspace(n_max, E, block_size_m, n, tile=tile) for n in (0, L)}
     out: dict[str, dict] = {}
     for T in lengths:
-        topk_ids, lora_ids = _routing(T, E, K, L)
-        if layout == "offset":
-            topk_ids, lora_ids = _offset_view(topk_ids, True), _offset_view(lora_ids, True)
-            assert topk_ids.data_ptr() % 16 and lora_ids.data_ptr() % 16
-        elif layout == "transposed":
-            topk_ids = topk_ids.t().contiguous().t()
-            lora_ids = torch.stack([lora_ids, lora_ids], 1).reshape(-1)[::2]
+        topk_ids, lora_ids = _id_layout(*_routing(T, E, K, L), layout)
         for role, lo, n_ad in (("base", None, 0), ("lora", lora_ids, L)):
             _, launches = align_launch_args(topk_ids, E, block_size_m, lo, n_ad, out=ws.get(n_ad), tile=tile)
             for ln in launches:
@@ -793,8 +654,7 @@ def align_length_keys(
                 key = specialization_key(ln.kernel, ln.args, ln.constexprs)
                 if key not in r["key_list"]:
                     r["key_list"].append(key)
-                cls = repr(sorted(ln.constexprs.items()))
-                r["by_class"].setdefault(cls, set()).add(key)
+                r["by_class"].setdefault(repr(sorted(ln.constexprs.items())), set()).add(key)
                 r["per_length"][T] = r["key_list"].index(key)
     return {
         name: {
@@ -809,12 +669,11 @@ def align_length_keys(
 
 
 def reduce_keys(T: int = 5, E: int = 32, K: int = 4, L: int = 8, H: int = 64) -> dict:
-    """sm_90 specialization keys of :func:`~moelora_lib.kernels.topk_reduce.topk_reduce` (the id check
-    on, with lora ids) for the caller's id tensors contiguous, as offset views (data pointers not 16-byte
-    aligned) and transposed/strided, with y and out fixed. Returns ``{layout: key}``; one distinct key
-    means neither the ids' alignment nor their strides give the reduction a new binary."""
+    """sm_90 keys of :func:`~moelora_lib.kernels.topk_reduce.topk_reduce` (id check on, with lora ids)
+    for the id tensors in each layout of :func:`_id_layout`, y and out fixed. Returns ``{layout: key}``;
+    one distinct key: neither the ids' alignment nor their strides give the reduction a new binary."""
     if _interpreted():
-        return run_isolated([dict(op="reduce_keys", T=T, E=E, K=K, L=L, H=H)])[0]
+        return _isolated("reduce_keys", T=T, E=E, K=K, L=L, H=H)
     import torch
 
     from ..kernels.topk_reduce import _topk_reduce, reduce_launch_args
@@ -822,25 +681,15 @@ def reduce_keys(T: int = 5, E: int = 32, K: int = 4, L: int = 8, H: int = 64) ->
     y = torch.zeros(T * K, H, dtype=torch.bfloat16)
     out = torch.zeros(T, H, dtype=torch.bfloat16)
     keys = {}
-    for layout in ("contiguous", "offset", "transposed"):
-        topk_ids, lora_ids = _routing(T, E, K, L)
-        if layout == "offset":
-            topk_ids, lora_ids = _offset_view(topk_ids, True), _offset_view(lora_ids, True)
-            assert topk_ids.data_ptr() % 16 and lora_ids.data_ptr() % 16
-        elif layout == "transposed":
-            topk_ids = topk_ids.t().contiguous().t()
-            lora_ids = torch.stack([lora_ids, lora_ids], 1).reshape(-1)[::2]
+    for layout in _ID_LAYOUTS:
+        topk_ids, lora_ids = _id_layout(*_routing(T, E, K, L), layout)
         _, args, cx = reduce_launch_args(y, topk_ids, E, lora_ids, L, True, out)
         keys[layout] = specialization_key(_topk_reduce, args, cx)
     return keys
 
 
-# --------------------------------------------------------------------------------------------------
-# stage fused: variants over lengths, registers, vector stores/loads of the rank intermediate
-# --------------------------------------------------------------------------------------------------
+# --- stage fused: variants over lengths, registers, vector stores/loads of the rank intermediate ---------
 _GLOBAL_OP = re.compile(r"^\s*(?:@!?%p\w*\s+)?(st|ld)\.global((?:\.\w+)*)\s", re.M)
-
-
 _CP_ASYNC_SIZE = re.compile(
     r"\bcp\.async\.\w+\.shared\.global\s+\[[^\]]+\],\s*\[[^\]]+\],\s*(0x[0-9a-f]+|\d+)"
 )
@@ -848,32 +697,32 @@ _CP_ASYNC_SIZE = re.compile(
 
 def global_vector_ops(ptx_text: str) -> dict:
     """Counts of global memory instructions in PTX by width: ``st_v4``/``st_v2``/``st_scalar``,
-    ``ld_v4``/``ld_v2``/``ld_scalar`` (``st.global.v4.b32`` is one 16-byte vector store) and the
-    pipelined loads ``cp_async_<bytes>`` (``cp.async.cg.shared.global [..], [..], 0x10`` copies 16 bytes)."""
+    ``ld_v4``/``ld_v2``/``ld_scalar`` (``st.global.v4.b32`` is one 16-byte store) and the pipelined
+    loads ``cp_async_<bytes>`` (``cp.async.cg.shared.global [..], [..], 0x10`` copies 16 bytes)."""
     out = {f"{op}_{w}": 0 for op in ("st", "ld") for w in ("v4", "v2", "scalar")}
     for op, mods in _GLOBAL_OP.findall(ptx_text):
-        w = "v4" if ".v4" in mods else "v2" if ".v2" in mods else "scalar"
-        out[f"{op}_{w}"] += 1
+        out[f"{op}_{'v4' if '.v4' in mods else 'v2' if '.v2' in mods else 'scalar'}"] += 1
     for size in _CP_ASYNC_SIZE.findall(ptx_text):
-        key = f"cp_async_{int(size, 0)}"
-        out[key] = out.get(key, 0) + 1
+        out[f"cp_async_{int(size, 0)}"] = out.get(f"cp_async_{int(size, 0)}", 0) + 1
     return out
 
 
 def _fused_meta_run(dims, *, activation: str, has_bias: bool, dtype: str, config):
-    """:func:`meta_layer_run` with stage ``fused``'s switches."""
+    """:func:`meta_layer_run` with stage ``fused``'s switches and ``config`` as that stage adapts it."""
     from dataclasses import replace
 
-    run = meta_layer_run(dims, activation=activation, has_bias=has_bias, dtype=dtype, config=config)
     from ..kernels import STAGES
 
+    run = meta_layer_run(dims, activation=activation, has_bias=has_bias, dtype=dtype, config=config)
     run.stage = replace(STAGES["fused"])
     run.adapter_order = run.stage.uses_adapter_order()  # as a real run of the stage
-    # the meta run was built as another stage, whose adapt() never lets the down GEMM split K
-    run.cfg = run.stage.adapt(config)
-    run.lora_stack = run.cfg.lora_stack  # (the other stage's adapt dropped it)
+    run.cfg = run.stage.adapt(config)  # (the meta stage's adapt never lets the down GEMM split K)
     run._g_buf = run._act_out()
     return run
+
+
+def _compile_launch(la):
+    return compile_for_sm90(_jit(la.kernel, False), la.args, la.constexprs, la.num_warps, la.num_stages)
 
 
 def fused_report(
@@ -888,25 +737,15 @@ def fused_report(
 ) -> dict:
     """Compile-only facts of stage ``fused`` at ``shape`` (real sizes, meta tensors, nothing launched).
 
-    For each launch of :data:`~moelora_lib.kernels.stages.FUSED_LAUNCH_OPS`:
-
-    * ``keys``/``hashes``: distinct cache keys and compiled binaries over ``lengths`` with one fixed
-      config (``fused_default_config`` at T = ``fixed_T``, ``lora_stack=False``): 1 and 1 = no recompile
-      across lengths;
-    * ``res``: registers/spills (cuobjdump) of the default config at each T of ``res_T``
-      (``{T: {"REG", "LOCAL", "cfg"}}``);
-    * ``vec``: :func:`global_vector_ops` of the fixed-config binary.
-
-    Plus ``"shrink_sk1"``: the fused shrink and ``tuned``'s shrink (``lora_shrink``, do_not_specialize on
-    the [S, P, R] slice stride) with SPLIT_K = 1 at T = ``fixed_T``: their store widths (the
-    no_recompile regression and its fix), and ``"fused_no_lora"``: the vector counts of both fused GEMMs
-    compiled without the LoRA part (HAS_LORA False), so the loads the LoRA part adds can be read off,
-    and ``"expand_tuned"``: the same counts for ``tuned``'s down expand (no_recompile's intermediate),
-    and ``"pdl"``: :func:`_pdl_report` (the ``griddepcontrol`` instructions with and without PDL),
-    and ``"split_down"``: the down GEMM at T = 1 with SPLIT_K 1 and 8 (``{"sk1"|"sk8": {"REG", "LOCAL",
-    "grid", "atom_add_f32", "out_dtype"}}``: registers, grid size, atomic/reduction instructions, y's
-    dtype), and ``"lora_stack"``: both fused GEMMs at T = 64 and 1600 with the LoRA epilogue as a loop and
-    stacked (``{"<op>@<T>@loop|stacked": {"LORA_CHUNK", "REG", "LOCAL", "cfg"}}``).
+    Per launch of :data:`~moelora_lib.kernels.stages.FUSED_LAUNCH_OPS`: ``keys``/``hashes`` (distinct
+    cache keys and binaries over ``lengths`` with the default config at ``fixed_T``: 1 and 1 = no
+    recompile), ``res`` (``{T: {"REG", "LOCAL", "cfg"}}`` of the default config at each T of ``res_T``)
+    and ``vec`` (:func:`global_vector_ops` of the fixed-config binary). Plus ``"shrink_sk1"``: the store
+    widths and registers of the fused shrink and ``tuned``'s shrink (whose [S, P, R] slice stride is
+    do_not_specialize) at SPLIT_K = 1; ``"fused_no_lora"``: the vector counts of both fused GEMMs
+    without their LoRA part; ``"expand_tuned"``: those of ``tuned``'s down expand; ``"split_down"``: the
+    down GEMM at T = 1 with SPLIT_K 1 and 8 (``{"sk1"|"sk8": {"REG", "LOCAL", "grid", "atom_add_f32",
+    "out_dtype"}}``).
     """
     from dataclasses import replace
 
@@ -922,39 +761,32 @@ def fused_report(
         c = cfg if cfg is not None else fused_default_config(d)
         return _fused_meta_run(d, activation=sh.activation, has_bias=sh.has_bias, dtype=dtype, config=c)
 
-    # the LoRA epilogue's form pinned (the loop; the stacked form is a second binary, one per form, not
-    # per length)
     fixed = fused_default_config(Dims.of(sh, int(fixed_T), rank=rank, adapters=adapters))
-    fixed = fixed.replace(lora_stack=False)
     out: dict = {}
     for op in FUSED_LAUNCH_OPS:
         keys, hashes, first = [], set(), None
         for T in lengths:
             la = run_at(T, fixed).launch_args(op)
-            jf = _jit(la.kernel, False)
-            key = specialization_key(jf, la.args, la.constexprs, la.num_warps, la.num_stages)
+            key = specialization_key(
+                _jit(la.kernel, False), la.args, la.constexprs, la.num_warps, la.num_stages
+            )
             if key not in keys:
                 keys.append(key)
-                k = compile_for_sm90(jf, la.args, la.constexprs, la.num_warps, la.num_stages)
+                k = _compile_launch(la)
                 hashes.add(k.hash)
                 first = first or k
         res = {}
         for T in res_T:
             la = run_at(T).launch_args(op)
-            k = compile_for_sm90(_jit(la.kernel, False), la.args, la.constexprs, la.num_warps, la.num_stages)
-            ru = resource_usage(k)
+            ru = resource_usage(_compile_launch(la))
             res[int(T)] = {"REG": ru["REG"], "LOCAL": ru["LOCAL"], "cfg": la.cfg.short()}
-        out[op] = {
-            "kernel": FUSED_CONFIG_FIELD[op] and run_at(fixed_T, fixed).launch_args(op).kernel,
-            "keys": len(keys),
-            "hashes": len(hashes),
-            "res": res,
-            "vec": global_vector_ops(ptx(first)),
-        }
+        kernel = FUSED_CONFIG_FIELD[op] and run_at(fixed_T, fixed).launch_args(op).kernel
+        out[op] = dict(
+            kernel=kernel, keys=len(keys), hashes=len(hashes), res=res, vec=global_vector_ops(ptx(first))
+        )
     run = run_at(fixed_T, fixed)
     sk1 = replace(fixed.gate_up_shrink, SPLIT_K=1)
-    la = run.launch_args("gate_up_shrink", sk1)
-    new = compile_for_sm90(_jit(la.kernel, False), la.args, la.constexprs, la.num_warps, la.num_stages)
+    new = _compile_launch(run.launch_args("gate_up_shrink", sk1))
     old = launch("gate_up_shrink", fixed_T, shape=shape, rank=rank, adapters=adapters, dtype=dtype, cfg=sk1)
     old_k = compile_for_sm90(_jit(old[0], False), *old[1:5])
     out["shrink_sk1"] = {
@@ -963,99 +795,38 @@ def fused_report(
         "fused_reg": resource_usage(new)["REG"],
         "tuned_reg": resource_usage(old_k)["REG"],
     }
-    nolora = {}
     run.lora_align = run.lora_align_down = None  # the fused GEMMs without their LoRA part
-    for op in ("fused_gate_up", "fused_down"):
-        la = run.launch_args(op)
-        k = compile_for_sm90(_jit(la.kernel, False), la.args, la.constexprs, la.num_warps, la.num_stages)
-        nolora[op] = global_vector_ops(ptx(k))
-    out["fused_no_lora"] = nolora
+    out["fused_no_lora"] = {
+        op: global_vector_ops(ptx(_compile_launch(run.launch_args(op))))
+        for op in ("fused_gate_up", "fused_down")
+    }
     # tuned's down expand (reads the [1, P, R] intermediate through do_not_specialize'd stride_is)
     old = launch("down_expand", fixed_T, shape=shape, rank=rank, adapters=adapters, dtype=dtype)
     out["expand_tuned"] = global_vector_ops(ptx(compile_for_sm90(_jit(old[0], False), *old[1:5])))
-    out["pdl"] = _pdl_report(run_at(fixed_T, fixed))
-    # the down GEMM split over K (the H200's decode config for GPT-OSS-20B T = 1: BLOCK_SIZE_N 128,
-    # BLOCK_SIZE_K 64, SPLIT_K 8) against the same tile unsplit: fp32 atomic adds instead of stores
+    # the down GEMM split over K (a decode tile: BLOCK_SIZE_N 128, BLOCK_SIZE_K 64, SPLIT_K 8) against the
+    # same tile unsplit: fp32 atomic adds instead of stores
     split = {}
     for sk in (1, 8):
-        bd = OpConfig(16, 128, 64, 1, sk, 4, 4)
         c = fused_default_config(Dims.of(sh, 1, rank=rank, adapters=adapters))
-        c = c.replace(base_down=bd, base_gate_up=replace(c.base_gate_up, BLOCK_SIZE_M=16))
+        c = c.replace(
+            base_down=OpConfig(16, 128, 64, 1, sk, 4, 4),
+            base_gate_up=replace(c.base_gate_up, BLOCK_SIZE_M=16),
+        )
         la = run_at(1, c).launch_args("fused_down")  # args: x, w, out (y, or the fp32 y when split), ...
-        k = compile_for_sm90(_jit(la.kernel, False), la.args, la.constexprs, la.num_warps, la.num_stages)
-        text = ptx(k)
+        k = _compile_launch(la)
         ru = resource_usage(k)
         split[f"sk{sk}"] = {
             "REG": ru["REG"],
             "LOCAL": ru["LOCAL"],
             "grid": int(la.grid[0]),
-            "atom_add_f32": len(re.findall(r"\b(?:atom|red)\.[\w.]*add[\w.]*f32\b", text)),
+            "atom_add_f32": len(re.findall(r"\b(?:atom|red)\.[\w.]*add[\w.]*f32\b", ptx(k))),
             "out_dtype": str(la.args[2].dtype),
         }
     out["split_down"] = split
-    # the LoRA epilogue with every adapter stacked (lora_stack=True) at a decode tile (T = 64,
-    # BLOCK_SIZE_M 16) and a prefill tile (T = 1600, BLOCK_SIZE_M 128): chunk, registers, spills
-    stacked = {}
-    for T in (64, 1600):
-        run = run_at(T)
-        for mode in (False, True):
-            run.lora_stack = mode
-            for op in ("fused_gate_up", "fused_down"):
-                la = run.launch_args(op)
-                k = compile_for_sm90(
-                    _jit(la.kernel, False), la.args, la.constexprs, la.num_warps, la.num_stages
-                )
-                ru = resource_usage(k)
-                stacked[f"{op}@{T}@{'stacked' if mode else 'loop'}"] = {
-                    "LORA_CHUNK": int(la.constexprs.get("LORA_CHUNK", 0)),
-                    "REG": ru["REG"],
-                    "LOCAL": ru["LOCAL"],
-                    "cfg": la.cfg.short(),
-                }
-    out["lora_stack"] = stacked
     return out
 
 
-def _griddep_counts(ptx_text: str) -> dict:
-    return {
-        "wait": ptx_text.count("griddepcontrol.wait"),
-        "launch_dependents": ptx_text.count("griddepcontrol.launch_dependents"),
-    }
-
-
-def _pdl_report(run) -> dict:
-    """Per launch of a stage ``fused`` layer (the four of FUSED_LAUNCH_OPS and the top-k sum): the
-    ``griddepcontrol`` instructions in its PTX compiled with PDL (``pdl``: USE_PDL and launch_pdl, as
-    :func:`~moelora_lib.kernels.launchers.pdl_options` launches it) and without (``plain``)."""
-    import torch
-
-    from ..kernels.launchers import pdl_options
-    from ..kernels.stages import FUSED_LAUNCH_OPS
-    from ..kernels.topk_reduce import _topk_reduce, reduce_launch_args
-
-    out = {}
-    for op in FUSED_LAUNCH_OPS:
-        la = run.launch_args(op)
-        jf = _jit(la.kernel, False)
-        both = {}
-        for name, extra in (("plain", {}), ("pdl", pdl_options(True))):
-            k = compile_for_sm90(jf, la.args, {**la.constexprs, **extra}, la.num_warps, la.num_stages)
-            both[name] = _griddep_counts(ptx(k))
-        out[op] = both
-    y = torch.empty((run.T * run.K, run.H), dtype=run.x.dtype, device=run.x.device)
-    grid, args, cx = reduce_launch_args(
-        y, run.topk_ids, run.w13.shape[0], run.lora_ids, run.L, False, y[: run.T]
-    )
-    out["topk_reduce"] = {
-        name: _griddep_counts(ptx(compile_for_sm90(_topk_reduce, args, {**cx, **extra})))
-        for name, extra in (("plain", {}), ("pdl", pdl_options(True)))
-    }
-    return out
-
-
-# --------------------------------------------------------------------------------------------------
-# subprocess runner and CLI
-# --------------------------------------------------------------------------------------------------
+# --- subprocess runner and CLI ---------------------------------------------------------------------------
 def _run_job(job: dict) -> dict:
     job = dict(job)
     op = job.pop("op")
@@ -1063,12 +834,9 @@ def _run_job(job: dict) -> dict:
         return variants(job.pop("kernel"), job.pop("specialize_lengths"), job.pop("lengths"), **job)
     if op == "inspect":
         return inspect_job(job.pop("launch"), job.pop("T"), **job)
-    if op == "offset_keys":
-        return offset_view_keys(**job)
-    if op == "align_keys":
-        return align_length_keys(job.pop("lengths"), **job)
-    if op == "reduce_keys":
-        return reduce_keys(**job)
+    fns = dict(offset_keys=offset_view_keys, align_keys=align_length_keys, reduce_keys=reduce_keys)
+    if op in fns:
+        return fns[op](**job)
     if op == "fused_report":
         return fused_report(job.pop("lengths"), **job)
     raise ValueError(f"unknown op {op!r}")
@@ -1077,11 +845,11 @@ def _run_job(job: dict) -> dict:
 def run_isolated(jobs: list[dict], timeout: float = 600.0) -> list[dict]:
     """Run compile jobs in one fresh subprocess without TRITON_INTERPRET; return their results.
 
-    Jobs: ``{"op": "count", "kernel", "specialize_lengths", "lengths", ...variants() kwargs}``,
-    ``{"op": "inspect", "launch", "T", ...inspect_job() kwargs}``, ``{"op": "offset_keys",
-    ...offset_view_keys() kwargs}`` or ``{"op": "align_keys", "lengths", ...align_length_keys()
-    kwargs}`` or ``{"op": "reduce_keys", ...reduce_keys() kwargs}``. A failing job raises
-    RuntimeError with the subprocess's stderr.
+    A job is ``{"op": ..., **arguments}``: "count" (kernel, specialize_lengths, lengths, ... of
+    :func:`variants`), "inspect" (launch, T, ... of :func:`inspect_job`), "offset_keys"
+    (:func:`offset_view_keys`), "align_keys" (:func:`align_length_keys`), "reduce_keys"
+    (:func:`reduce_keys`) or "fused_report" (lengths, ... of :func:`fused_report`). A failing job
+    raises RuntimeError with the subprocess's stderr.
     """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
@@ -1113,38 +881,29 @@ def _main(argv=None) -> int:
     c.add_argument("--naive", action="store_true", help="Triton's default specialization (stage naive)")
     c.add_argument("--lengths", type=int, nargs="+", default=[1, 2, 7, 16, 33, 64, 1000, 4096, 8192])
     c.add_argument("--auto-config", action="store_true", help="default_config(T) per length")
-    c.add_argument("--shape", default="gpt-oss-20b")
     i = sub.add_parser("inspect", help="compile one launch; print resources (and PTX/SASS with --asm)")
     i.add_argument("--launch", required=True, choices=sorted(LAUNCHES) + list(KERNEL_NAMES))
     i.add_argument("--T", type=int, default=64)
     i.add_argument("--cfg", default=None, help="JSON dict of OpConfig fields")
-    i.add_argument("--shape", default="gpt-oss-20b")
     i.add_argument("--dtype", default="bfloat16")
     i.add_argument("--asm", choices=["ptx", "sass"], default=None)
+    for s in (c, i):
+        s.add_argument("--shape", default="gpt-oss-20b")
     a = p.parse_args(argv)
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("compile_check: unset TRITON_INTERPRET to compile for sm_90", file=sys.stderr)
         return 2
     if a.cmd == "batch":
-        jobs = json.load(sys.stdin)
-        results = [_run_job(j) for j in jobs]
-        json.dump(results, sys.stdout)
+        json.dump([_run_job(j) for j in json.load(sys.stdin)], sys.stdout)
     elif a.cmd == "count":
-        v = variants(
-            a.kernel,
-            a.naive,
-            a.lengths,
-            launch_name=a.launch,
-            cfg="auto" if a.auto_config else None,
-            shape=a.shape,
-        )
+        cfg = "auto" if a.auto_config else None
+        v = variants(a.kernel, a.naive, a.lengths, launch_name=a.launch, cfg=cfg, shape=a.shape)
         print(json.dumps({k: v[k] for k in ("keys", "hashes", "configs", "per_length")}))
     else:
+        cfg = json.loads(a.cfg) if a.cfg else None
         want = ("res",) + ((a.asm,) if a.asm else ())
-        r = inspect_job(
-            a.launch, a.T, cfg=json.loads(a.cfg) if a.cfg else None, shape=a.shape, dtype=a.dtype, want=want
-        )
+        r = inspect_job(a.launch, a.T, cfg=cfg, shape=a.shape, dtype=a.dtype, want=want)
         if a.asm:
             print(r[a.asm])
         print(json.dumps({k: r[k] for k in ("kernel", "hash", "constexprs", "cfg", "res")}))

@@ -1,41 +1,28 @@
-"""MoE-LoRA measurement layer on top of :mod:`moelora_lib.studies.bench` (no timing code of its own).
+"""MoE-LoRA measurements for the notebooks, on top of :mod:`moelora_lib.studies.bench` (which times).
 
-What it gives the notebooks:
+* :func:`op_costs` — FLOPs, minimal bytes, arithmetic intensity and H200 floor of the six launches of a layer.
+* :func:`layer_inputs` and :class:`LayerWeights` — seeded inputs; the (GB-sized) expert and adapter
+  weights generated once and reused over a sweep of T.
+* :func:`bench_layer` — the base MoE, the LoRA part and the whole layer of one stage at one T;
+  :func:`bench_lora_op` — one LoRA op alone (per-op tables, SPLIT_K and GROUP_SIZE_M sweeps).
+* :func:`check_layer` — one call against the fp32 reference, and tokens without an adapter bitwise
+  equal to the base MoE.
+* :func:`anchor_table` — vLLM measured side by side on the same H200.
+* Fresh processes: recompilation counts (notebook 03), a parallel compile pass before a timing loop,
+  the ncu L2 hit rate (notebook 05), through ``python -m moelora_lib.studies.moe_bench``.
 
-* :func:`op_costs` — FLOPs and minimal bytes of the six launches of one layer (base w13 GEMM, base w2
-  GEMM, and the four LoRA ops) with their arithmetic intensity and roofline floor on the H200.
-* :func:`layer_inputs` — seeded inputs (:func:`moelora_lib.workloads.make_inputs`) with
-  activation/bias overrides, optionally reusing the expert and adapter weights of an earlier call so
-  that a sweep over T generates the (GB-sized) weights once.
-* :func:`bench_layer` — times the base MoE alone, the four LoRA ops alone, and the whole layer of one
-  stage at one T; :func:`bench_lora_op` times one LoRA op alone (per-op tables, split-K and
-  GROUP_SIZE_M sweeps).
-* :func:`check_layer` — one call against the fp32 reference, and the bitwise check that tokens
-  without an adapter get exactly the base MoE.
-* :data:`ANCHOR_FILE` / :func:`anchor_table` — vLLM measured side by side on the same H200.
-* :func:`length_spec_keys` / :func:`count_compiled_variants` and the ``recompile`` / ``ncu-shrink``
-  command line (``python -m moelora_lib.studies.moe_bench ...``) used by notebooks 03 and 05 in fresh
-  processes.
+Units: ms (``ms_p50/p20/p80``), µs (``us_p50``, ``floor_us``); 2 FLOPs per multiply-add; bytes read +
+written. Shape letters of :mod:`moelora_lib.shapes`; P = T·K (token, expert) pairs.
 
-Units: times in ms (``ms_p50/p20/p80``) and µs (``us_p50``, ``floor_us``); FLOPs count 2 per
-multiply-add; bytes are bytes read + written. Shapes use the letters of :mod:`moelora_lib.shapes`
-(T, H, I, E, K, L, R, S); P = T·K (token, expert) pairs.
+Method (GPU, as vLLM's anchor in docs/anchors-h200.md): :func:`moelora_lib.studies.bench.time_fn` —
+``triton.testing.do_bench`` median with p20/p80, L2 flushed before every repetition, the callable
+replayed from a CUDA graph (``mode="graph"``) or called directly (``"eager"``, Python launch cost
+included). Compilation, routing and the (adapter, expert) alignment happen before timing. On the CPU
+(Triton interpreter) rows say ``mode="cpu-interpreter"``: interpreter wall clock, no performance number.
 
-Method (GPU; the anchor method of docs/anchors-h200.md): :func:`moelora_lib.studies.bench.time_cuda`
-— ``triton.testing.do_bench`` median with p20/p80, L2 flushed before every repetition, the timed
-callable captured once into a CUDA graph and the graph replayed (``mode="graph"``), or called directly
-(``mode="eager"``, which includes Python launch cost). Compilation happens in an untimed first call.
-Routing and the (adapter, expert) alignment are built when the :class:`~moelora_lib.kernels.LayerRun`
-is made and are not timed (vLLM's anchor excluded them too). On the CPU (``device="cpu"``, Triton
-interpreter) :func:`moelora_lib.studies.bench.time_cpu` is used and rows say ``mode="cpu-interpreter"``:
-those numbers measure the interpreter, never the kernels, and are no performance numbers. Every
-timing goes through :func:`moelora_lib.studies.bench.time_fn`.
-
-Inputs are named by a :class:`moelora_lib.workloads.Workload`
-(``bench_layer("tuned", Workload("qwen3-30b-a3b", 64))``) or, as before, by the keywords
-``shape, T, rank=, num_adapters=, pattern=, dtype=, device=, seed=``.
-Launches come from the layer's one launch plan, :class:`moelora_lib.kernels.LayerRun`
-(:meth:`~moelora_lib.kernels.LayerRun.op_fn`); nothing here wires a kernel.
+Inputs are a :class:`moelora_lib.workloads.Workload` (``bench_layer("tuned", Workload("qwen3-30b-a3b",
+64))``) or the keywords ``shape, T, rank=, num_adapters=, pattern=, dtype=, device=, seed=``. Launches
+come from the layer's launch plan, :class:`moelora_lib.kernels.LayerRun`; nothing here wires a kernel.
 """
 
 from __future__ import annotations
@@ -62,41 +49,10 @@ from ..testing import rel_err
 from ..workloads import MoELoRAInputs, Workload, adapter_ids, make_inputs
 from . import bench
 
-__all__ = [
-    "ANCHOR_FILE",
-    "ANCHOR_SOURCE",
-    "anchor_table",
-    "op_costs",
-    "layer_inputs",
-    "LayerWeights",
-    "WEIGHTS_CACHE",
-    "bench_layer",
-    "bench_lora_op",
-    "lora_op_fn",
-    "make_run",
-    "recompile_in_subprocess",
-    "recompile_in_subprocesses",
-    "layer_point",
-    "compile_points",
-    "precompile_in_subprocesses",
-    "check_layer",
-    "floor_us",
-    "length_spec_keys",
-    "count_compiled_variants",
-    "predicted_variants",
-    "log_spaced_lengths",
-    "run_recompile",
-    "ncu_l2_hit_rate",
-    "ncu_l2_hit_rates",
-    "DTYPES",
-    "Workload",
-]
-
 PARTS = ("base", "lora", "total")
+BASE_OPS = ("base_gate_up", "base_down")
 
-# ------------------------------------------------------------------------------------------------
-# vLLM anchors
-# ------------------------------------------------------------------------------------------------
+# --- vLLM anchors ----------------------------------------------------------------------------------------
 
 #: vLLM's MoE (+ multi-LoRA) kernels measured side by side with this project in one process on one H200.
 ANCHOR_FILE = bench.REPO_ROOT / "data" / "anchors" / "vllm_vs_moelora_moe_h200.csv"
@@ -106,15 +62,14 @@ _VLLM_BASE, _VLLM_CURRENT, _VLLM_TWO_KERNEL = "vllm", "vllm_main", ("2k_tma_pdl"
 
 
 def anchor_table(path: str | os.PathLike | None = None):
-    """vLLM's figures on the H200 (µs, CUDA-graph replay, do_bench median, L2 flushed every rep; bf16,
-    R = 32, 8 adapter slots, tokens spread evenly; GPT-OSS-20B as a bf16 base with silu and no biases,
-    its LoRA w13 as one fused slice), read from :data:`ANCHOR_FILE` (``path`` overrides it).
+    """vLLM's figures on the H200 (µs; CUDA-graph replay, do_bench median, L2 flushed; bf16, R = 32,
+    L = 8, tokens spread evenly; GPT-OSS-20B with silu and no biases, its LoRA w13 one fused slice),
+    read from :data:`ANCHOR_FILE` (or ``path``).
 
-    One row per (model, T) with base_us (vLLM's base MoE), lora_current_us / total_current_us (vLLM's
-    current path), lora_two_kernel_us / total_two_kernel_us (the faster of its two two-kernel paths,
-    with and without TMA/PDL, per part), lora_best_us / total_best_us (the faster of current and
-    two-kernel: the figures the stage-6 and stage-7 targets compare against). The file's
-    ``*@cfg2025`` rows (vLLM before its 2026 config update) and this project's rows are not used.
+    One row per (model, T): base_us (vLLM's base MoE); lora/total_current_us (its current LoRA path);
+    lora/total_two_kernel_us (the faster of its two two-kernel paths, per part); lora/total_best_us
+    (the faster of current and two-kernel). The file's ``*@cfg2025`` rows and this project's rows are
+    not used.
     """
     import pandas as pd
 
@@ -126,29 +81,15 @@ def anchor_table(path: str | os.PathLike | None = None):
     for part in ("lora", "total"):
         p = a[a.part == part]
         t[f"{part}_current_us"] = p[p.impl == _VLLM_CURRENT].set_index(["shape", "T"]).median_us
-        two = p[p.impl.isin(_VLLM_TWO_KERNEL)].groupby(["shape", "T"]).median_us.min()
-        t[f"{part}_two_kernel_us"] = two
-    t["lora_best_us"] = t[["lora_current_us", "lora_two_kernel_us"]].min(axis=1)
-    t["total_best_us"] = t[["total_current_us", "total_two_kernel_us"]].min(axis=1)
+        t[f"{part}_two_kernel_us"] = p[p.impl.isin(_VLLM_TWO_KERNEL)].groupby(["shape", "T"]).median_us.min()
+    for part in ("lora", "total"):
+        t[f"{part}_best_us"] = t[[f"{part}_current_us", f"{part}_two_kernel_us"]].min(axis=1)
     t = t.rename_axis(["model", "T"]).reset_index().sort_values(["model", "T"], ignore_index=True)
-    return t[
-        [
-            "model",
-            "T",
-            "base_us",
-            "lora_current_us",
-            "total_current_us",
-            "lora_two_kernel_us",
-            "total_two_kernel_us",
-            "lora_best_us",
-            "total_best_us",
-        ]
-    ]
+    cols = ["model", "T", "base_us", "lora_current_us", "total_current_us", "lora_two_kernel_us"]
+    return t[cols + ["total_two_kernel_us", "lora_best_us", "total_best_us"]]
 
 
-# ------------------------------------------------------------------------------------------------
-# FLOPs and bytes
-# ------------------------------------------------------------------------------------------------
+# --- FLOPs and bytes -------------------------------------------------------------------------------------
 
 
 def floor_us(flops: float, nbytes: float) -> float:
@@ -175,59 +116,39 @@ def _touched(T: int, E: int, K: int, num_adapters: int | None, topk_ids, lora_id
 
 def op_costs(
     shape: MoEShape | str,
-    T: int | Dims,
-    rank: int | None = None,
-    slices: int | None = None,
+    dims: Dims,
+    *,
     dtype_bytes: int = 2,
     topk_ids: torch.Tensor | None = None,
-    *,
     lora_ids: torch.Tensor | None = None,
-    num_adapters: int | None = None,
 ) -> list[dict[str, Any]]:
     """FLOPs, minimal bytes, arithmetic intensity and H200 floor of the six launches of one layer.
 
     Args:
-        shape: a preset (or its name; names the rows).
-        T: tokens, with rank: R and slices: S (default the preset's); or a
-            :class:`~moelora_lib.shapes.Dims`, which gives T, H, I, E, K, R, S and L (then ``rank``,
-            ``slices`` and ``num_adapters`` must be left out).
-        dtype_bytes: bytes per weight/activation element (2 = bf16). The LoRA rank intermediate is
-            fp32 (4 bytes), as in :func:`moelora_lib.kernels.lora_shrink`.
-        topk_ids: [T, K] routed experts; when given, the touched experts are counted from it,
-            else min(E, T·K) (every pair on a different expert).
-        lora_ids: [T] adapter ids (with topk_ids): the touched (adapter, expert) pairs are counted
-            from both; else min(num_adapters·E, T·K) — an upper bound when every token has an adapter.
-        num_adapters: L (only for the estimate without lora_ids; default 1).
+        shape: a preset or its name (names the rows). dims: T, H, I, E, K, R, S and L.
+        dtype_bytes: bytes per weight/activation element (2 = bf16); the rank intermediate is fp32.
+        topk_ids: [T, K] routed experts: touched experts counted from it, else min(E, T·K).
+        lora_ids: [T] adapter ids (with topk_ids): touched (adapter, expert) pairs counted from both,
+            else min(L·E, T·K) (an upper bound when every token has an adapter).
     Returns:
         One dict per op ("base_gate_up", "base_down", "gate_up_shrink", "gate_up_expand",
-        "down_shrink", "down_expand") with model, T, H, I, E, K, R, S, experts_touched,
-        lora_pairs_touched, flops, bytes, weight_bytes, intensity (FLOP/byte), floor_us,
-        bound ("memory" or "compute").
+        "down_shrink", "down_expand"): model, op, T, H, I, E, K, R, S, experts_touched,
+        lora_pairs_touched, flops, bytes, weight_bytes, intensity (FLOP/byte), floor_us, bound
+        ("memory" or "compute").
 
-    Bytes counted (each tensor read or written once, P = T·K):
-        base_gate_up: W13 of touched experts (2I·H each) + x [T, H] + h [P, 2I] written.
-        base_down:    W2 of touched experts (H·I each) + g [P, I] + y [P, H] written.
-        gate_up_shrink: A13 of touched pairs (S·R·H) + x + the fp32 intermediate [S, P, R] written.
-        gate_up_expand: B13 of touched pairs (2I·R) + the intermediate + h read and written (add).
-        down_shrink:  A2 of touched pairs (R·I) + g + the intermediate [P, R] written.
-        down_expand:  B2 of touched pairs (H·R) + the intermediate + y read and written.
+    Bytes, each tensor once: base_gate_up W13 of touched experts + x + h [P, 2I] written; base_down W2
+    + g [P, I] + y [P, H]; gate_up_shrink A13 of touched pairs + x + the fp32 [S, P, R] written;
+    gate_up_expand B13 + the intermediate + h read and written; down_shrink A2 + g + [P, R];
+    down_expand B2 + the intermediate + y read and written.
     """
     shape = get_shape(shape) if isinstance(shape, str) else shape
-    if isinstance(T, Dims):
-        if rank is not None or slices is not None or num_adapters is not None:
-            raise TypeError("op_costs: with a Dims, leave out rank, slices and num_adapters")
-        d = T
-        num_adapters = d.adapters
-    else:
-        if rank is None:
-            raise TypeError("op_costs: rank is required with an int T")
-        d = Dims.of(shape, T, rank=rank, adapters=num_adapters or 1, slices=slices)
+    if not isinstance(dims, Dims):
+        raise TypeError(f"op_costs: dims must be a Dims, got {type(dims).__name__}")
+    d = dims
     T, H, I, E, K, R, S = d.T, d.H, d.I, d.E, d.top_k, d.rank, d.slices
-    b, P = dtype_bytes, d.pairs
-    n_e, n_pair = _touched(T, E, K, num_adapters, topk_ids, lora_ids)
-    f32 = 4
-    ops = [
-        # name, flops, weight bytes, activation bytes
+    b, P, f32 = dtype_bytes, d.pairs, 4
+    n_e, n_pair = _touched(T, E, K, d.adapters, topk_ids, lora_ids)
+    ops = [  # name, flops, weight bytes, activation bytes
         ("base_gate_up", 2 * P * 2 * I * H, n_e * 2 * I * H * b, T * H * b + P * 2 * I * b),
         ("base_down", 2 * P * H * I, n_e * H * I * b, P * I * b + P * H * b),
         ("gate_up_shrink", 2 * P * H * R * S, n_pair * S * R * H * b, T * H * b + S * P * R * f32),
@@ -238,133 +159,76 @@ def op_costs(
     rows = []
     for op, flops, wbytes, abytes in ops:
         nbytes = wbytes + abytes
-        t_mem = bench.copy_bandwidth_floor_us(nbytes)
-        t_cmp = bench.compute_floor_us(flops)
+        t_mem, t_cmp = bench.copy_bandwidth_floor_us(nbytes), bench.compute_floor_us(flops)
         rows.append(
-            dict(
-                model=shape.name,
-                op=op,
-                T=T,
-                H=H,
-                I=I,
-                E=E,
-                K=K,
-                R=R,
-                S=S,
-                experts_touched=n_e,
-                lora_pairs_touched=n_pair,
-                flops=int(flops),
-                bytes=int(nbytes),
-                weight_bytes=int(wbytes),
-                intensity=flops / nbytes,
-                floor_us=max(t_mem, t_cmp),
-                bound="memory" if t_mem >= t_cmp else "compute",
-            )
+            dict(model=shape.name, op=op, T=T, H=H, I=I, E=E, K=K, R=R, S=S, experts_touched=n_e)
+            | dict(lora_pairs_touched=n_pair, flops=int(flops), bytes=int(nbytes), weight_bytes=int(wbytes))
+            | dict(intensity=flops / nbytes, floor_us=max(t_mem, t_cmp))
+            | dict(bound="memory" if t_mem >= t_cmp else "compute")
         )
     return rows
 
 
 def _part_cost(costs: list[dict], part: str) -> tuple[int, int]:
-    ops = {
-        "base": ("base_gate_up", "base_down"),
-        "lora": LORA_OPS,
-        "total": ("base_gate_up", "base_down") + LORA_OPS,
-    }.get(part, (part,))
+    ops = {"base": BASE_OPS, "lora": LORA_OPS, "total": BASE_OPS + LORA_OPS}.get(part, (part,))
     sel = [c for c in costs if c["op"] in ops]
     return sum(c["flops"] for c in sel), sum(c["bytes"] for c in sel)
 
 
-# ------------------------------------------------------------------------------------------------
-# Inputs
-# ------------------------------------------------------------------------------------------------
+# --- Inputs ----------------------------------------------------------------------------------------------
+
+#: The keyword form of a :class:`Workload` in this module: keyword -> Workload field. Defaults are the
+#: Workload's: rank=32, num_adapters=8, pattern="uniform" ("mixed" in :func:`check_layer`),
+#: dtype=torch.bfloat16, device="cuda", seed=0, activation=None and bias=None (the preset's).
+_WORKLOAD_KW = dict(rank="rank", num_adapters="adapters", pattern="pattern", dtype="dtype", device="device")
+_WORKLOAD_KW |= dict(seed="seed", activation="activation", bias="bias")
 
 
-#: The keyword form of a :class:`Workload` in this module: keyword -> (Workload field, default).
-_WORKLOAD_KW = dict(
-    rank=("rank", 32),
-    num_adapters=("adapters", 8),
-    dtype=("dtype", torch.bfloat16),
-    device=("device", "cuda"),
-    seed=("seed", 0),
-    activation=("activation", None),
-    bias=("bias", None),
-)
-
-
-def _workload(shape, T, pattern_default: str = "uniform", **kw) -> Workload:
-    """``shape`` if it is a :class:`Workload` (then T and every input keyword must be left out), else
-    the Workload of the keyword form."""
+def _workload(shape, T, inputs: dict, pattern: str = "uniform") -> Workload:
+    """``shape`` if it is a :class:`Workload` (then T and the input keywords must be left out), else the
+    Workload of ``(shape, T, **inputs)``. TypeError for both forms at once, a missing T or an unknown
+    keyword."""
+    unknown = sorted(set(inputs) - set(_WORKLOAD_KW))
+    if unknown:
+        raise TypeError(f"unknown input keyword(s) {unknown}; the inputs are {sorted(_WORKLOAD_KW)}")
     if isinstance(shape, Workload):
-        given = [
-            k
-            for k, v in kw.items()
-            if k != "pattern" and not (v is _WORKLOAD_KW[k][1] or v == _WORKLOAD_KW[k][1])
-        ]
-        if kw.get("pattern") != pattern_default:
-            given.append("pattern")
-        if T is not None or given:
+        if T is not None or inputs:
             raise TypeError(
                 "pass the inputs either as a Workload or as (shape, T, keywords), not both; "
-                f"also given: {(['T'] if T is not None else []) + given}"
+                f"also given: {(['T'] if T is not None else []) + sorted(inputs)}"
             )
         return shape
     if T is None:
         raise TypeError("T (tokens) is required unless a Workload is passed")
-    fields = {_WORKLOAD_KW[k][0]: v for k, v in kw.items() if k != "pattern"}
-    return Workload(model=shape, T=T, pattern=kw.get("pattern", pattern_default), **fields)
+    return Workload(
+        model=shape, T=T, **{"pattern": pattern} | {_WORKLOAD_KW[k]: v for k, v in inputs.items()}
+    )
 
 
 def layer_inputs(
-    shape: MoEShape | str | Workload,
-    T: int | None = None,
-    *,
-    rank: int = 32,
-    num_adapters: int = 8,
-    pattern: str = "uniform",
-    dtype=torch.bfloat16,
-    device="cuda",
-    seed: int = 0,
-    activation: str | None = None,
-    bias: bool | None = None,
-    weights: MoELoRAInputs | None = None,
+    shape: MoEShape | str | Workload, T: int | None = None, *, weights: MoELoRAInputs | None = None, **inputs
 ) -> MoELoRAInputs:
-    """Seeded inputs for one layer call with T tokens: ``layer_inputs(Workload(...))`` or
-    ``layer_inputs(shape, T, rank=..., ...)`` (the keywords are the fields of the Workload).
+    """Seeded inputs of one layer call: ``layer_inputs(Workload(...))`` or ``layer_inputs(shape, T,
+    rank=..., num_adapters=..., pattern=..., dtype=..., device=..., seed=..., activation=..., bias=...)``
+    (:data:`_WORKLOAD_KW`).
 
-    Without ``weights``: :func:`moelora_lib.workloads.make_inputs` (generated on the CPU in fp32,
-    then moved to ``device``/``dtype``). With ``weights`` (an earlier result of this function for the
-    same shape, rank, L, dtype and device): its expert weights, biases and adapters are reused and
-    only the tokens are new — x [T, H] ~ N(0, 1), router logits [T, E], softmax top-k routing and the
-    adapter ids of ``pattern`` — seeded by (seed, T). That keeps sweeps over T from regenerating GBs.
-
-    activation: overrides the preset's ("silu" for the vLLM side-by-side rows of GPT-OSS-20B).
-    bias: overrides the preset's expert biases (False drops them; True with reused weights that
-        have none raises ValueError).
+    Without ``weights``: :func:`moelora_lib.workloads.make_inputs` (drawn on the CPU in fp32, moved to
+    ``device``/``dtype``). With ``weights`` (an earlier result for the same shape, R, L, dtype and
+    device) its expert weights, biases and adapters are reused and only the tokens are new: x [T, H]
+    ~ N(0, 1), router logits [T, E], softmax top-k routing and the adapter ids of ``pattern``, seeded
+    by (seed, T). activation: overrides the preset's. bias: overrides the preset's expert biases
+    (False drops them; True with reused weights that have none raises ValueError).
     """
-    wl = _workload(
-        shape,
-        T,
-        rank=rank,
-        num_adapters=num_adapters,
-        pattern=pattern,
-        dtype=dtype,
-        device=device,
-        seed=seed,
-        activation=activation,
-        bias=bias,
-    )
-    return _inputs(wl, weights)
+    return _inputs(_workload(shape, T, inputs), weights)
 
 
-#: Where :class:`LayerWeights` keeps generated weight sets on the GPU profile (git-ignored, beside the
-#: Triton and Helion caches); passed explicitly by the notebooks and their helper processes.
+#: Where :class:`LayerWeights` keeps generated weight sets on the GPU profile (git-ignored).
 WEIGHTS_CACHE = bench.REPO_ROOT / ".cache" / "layer_weights"
 
 
 @functools.cache
 def _generator_code_hash() -> str:
-    """A hash of the code that generates the inputs (seeded draws, routing, presets): part of every
-    cache key of :class:`LayerWeights`, so a change there regenerates instead of loading stale weights."""
+    """Hash of the code that generates the inputs: part of every :class:`LayerWeights` file name."""
     import hashlib
     import inspect
 
@@ -375,23 +239,16 @@ def _generator_code_hash() -> str:
 
 
 class LayerWeights:
-    """The seeded expert weights, biases and adapters of each (model, bias) built once and handed to
-    every cell that needs them (reuse them with ``layer_inputs(shape, T, weights=...)``).
+    """The seeded expert weights, biases and adapters of each (model, bias), built once and handed to
+    every cell that needs them (``layer_inputs(shape, T, weights=WEIGHTS.get(shape))``).
 
-    ``get(shape, bias=...)`` returns exactly what ``layer_inputs(shape, 1, rank=rank,
-    num_adapters=num_adapters, dtype=dtype, device=device, seed=seed, bias=bias)`` returns (the same
-    tensors, bit for bit): generating them costs about 8 s per GPT-OSS-20B or Qwen3-30B-A3B layer (a
-    serial CPU random stream of ~0.8 G values, then the copy to the device), so a notebook that asked
-    for them in three cells, or once per missed target, paid that each time.
-
-    In this process the sets are kept until :meth:`drop`. With ``folder`` (the GPU profile passes
-    :data:`WEIGHTS_CACHE`) a generated set is also saved there (``torch.save``, written atomically,
-    ~1.8 GB per set in bf16) and later loaded instead of generated — by the next notebook or a helper
-    process — in about a second. The file name holds a hash of every input of the generation (the
-    preset's fields, T = 1, R, L, slices, dtype, device type, seed, biases), the torch version and
-    the source of the generating code (:mod:`~moelora_lib.workloads`, :mod:`~moelora_lib.routing`,
-    :mod:`~moelora_lib.shapes`), so a different input or changed code generates a new set instead of
-    loading a stale one. Nothing else is cached: the tokens of every other T are drawn as before.
+    ``get(shape, bias=...)`` returns exactly what ``layer_inputs(shape, 1, rank=, num_adapters=,
+    dtype=, device=, seed=, bias=)`` returns (about 8 s of CPU random draws per GPT-OSS-20B layer).
+    Sets are kept in this process until :meth:`drop`. With ``folder`` (:data:`WEIGHTS_CACHE` on the
+    GPU profile) a generated set is also saved there (``torch.save``, atomically, ~1.8 GB in bf16) and
+    later loaded in about a second, by the next notebook or a helper process. The file name hashes
+    every input of the generation (preset fields, R, L, S, dtype, device type, seed, biases), the
+    torch version and the source of the generating modules, so a change generates a new set.
     """
 
     def __init__(
@@ -408,26 +265,16 @@ class LayerWeights:
         self.device = torch.device(device)
         self.folder = None if folder is None else os.fspath(folder)
         self._sets: dict[tuple[str, bool], MoELoRAInputs] = {}
-        #: per get(): "memo" (this process), "loaded" (folder) or "generated"
+        #: per get(): (model, bias, "memo" | "loaded" | "generated")
         self.log: list[tuple[str, bool, str]] = []
 
     def _key(self, shape: MoEShape, bias: bool) -> str:
         import hashlib
 
-        fields = dict(
-            shape=dataclasses.asdict(shape),
-            T=1,
-            rank=self.rank,
-            adapters=self.num_adapters,
-            slices=shape.lora_slices,
-            pattern="uniform",
-            dtype=dtype_name(self.dtype),
-            device=self.device.type,
-            seed=self.seed,
-            bias=bias,
-            torch=torch.__version__,
-            code=_generator_code_hash(),
-        )
+        fields = dict(shape=dataclasses.asdict(shape), T=1, rank=self.rank, adapters=self.num_adapters)
+        fields |= dict(slices=shape.lora_slices, pattern="uniform", dtype=dtype_name(self.dtype))
+        fields |= dict(device=self.device.type, seed=self.seed, bias=bias, torch=torch.__version__)
+        fields |= dict(code=_generator_code_hash())
         h = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
         return (
             f"{shape.name}-r{self.rank}-l{self.num_adapters}-{dtype_name(self.dtype)}-s{self.seed}-"
@@ -447,20 +294,13 @@ class LayerWeights:
         inp, how = None, "generated"
         if path is not None and os.path.exists(path):
             try:
-                inp, how = self._load(path), "loaded"
+                state = torch.load(path, map_location=self.device, weights_only=True)
+                inp, how = MoELoRAInputs(**state), "loaded"
             except Exception:  # a truncated or foreign file: generate and overwrite it
                 inp = None
         if inp is None:
-            inp = layer_inputs(
-                shape,
-                1,
-                rank=self.rank,
-                num_adapters=self.num_adapters,
-                dtype=self.dtype,
-                device=self.device,
-                seed=self.seed,
-                bias=use_bias,
-            )
+            kw = dict(rank=self.rank, num_adapters=self.num_adapters, dtype=self.dtype, device=self.device)
+            inp = layer_inputs(shape, 1, **kw, seed=self.seed, bias=use_bias)
             if path is not None:
                 self._save(inp, path)
         self._sets[k] = inp
@@ -468,8 +308,7 @@ class LayerWeights:
         return inp
 
     def drop(self, shape: MoEShape | str | None = None) -> None:
-        """Forget the sets of ``shape`` (all sets when None) in this process (the files stay), so
-        their device memory can be freed."""
+        """Forget the sets of ``shape`` (all when None) in this process (the files stay)."""
         name = None if shape is None else (shape if isinstance(shape, str) else shape.name)
         for k in [k for k in self._sets if name is None or k[0] == name]:
             del self._sets[k]
@@ -489,27 +328,15 @@ class LayerWeights:
                 os.remove(tmp)
             raise
 
-    def _load(self, path: str) -> MoELoRAInputs:
-        state = torch.load(path, map_location=self.device, weights_only=True)
-        return MoELoRAInputs(**state)
-
 
 def _inputs(wl: Workload, weights: MoELoRAInputs | None) -> MoELoRAInputs:
-    shape, T, pattern, seed, bias = wl.shape, wl.T, wl.pattern, wl.seed, wl.bias
+    shape, T, seed, bias = wl.shape, wl.T, wl.seed, wl.bias
     act = wl.activation or shape.activation
     if weights is None:
-        inp = make_inputs(
-            shape,
-            T,
-            rank=wl.rank,
-            num_adapters=wl.adapters,
-            pattern=pattern,
-            dtype=wl.dtype,
-            device=wl.device,
-            seed=seed,
-            bias=bias,
+        kw = dict(
+            rank=wl.rank, num_adapters=wl.adapters, pattern=wl.pattern, dtype=wl.dtype, device=wl.device
         )
-        return dataclasses.replace(inp, activation=act)
+        return dataclasses.replace(make_inputs(shape, T, **kw, seed=seed, bias=bias), activation=act)
     use_bias = (weights.b13 is not None) if bias is None else bias
     if use_bias and weights.b13 is None:
         raise ValueError("bias=True but the reused weights have no biases; build them with bias=True")
@@ -517,8 +344,7 @@ def _inputs(wl: Workload, weights: MoELoRAInputs | None) -> MoELoRAInputs:
     x = torch.randn(T, shape.hidden, generator=g)
     logits = torch.randn(T, shape.experts, generator=g)
     topk_w, topk_ids = route(logits, shape.top_k, shape.renormalize)
-    L = weights.lora_a13.shape[0]
-    ids = adapter_ids(T, L, pattern, g)
+    ids = adapter_ids(T, weights.lora_a13.shape[0], wl.pattern, g)
     dev = weights.w13.device
     return dataclasses.replace(
         weights,
@@ -533,30 +359,14 @@ def _inputs(wl: Workload, weights: MoELoRAInputs | None) -> MoELoRAInputs:
     )
 
 
-def make_run(
-    stage: str,
-    inp: MoELoRAInputs,
-    config: LayerConfig | None = None,
-    *,
-    adapter_order: bool | None = None,
-    pdl: bool | None = None,
-    lora_stack: bool | None = None,
-):
-    """The :class:`~moelora_lib.kernels.LayerRun` of ``stage`` on ``inp`` (validated shapes, no value
-    check — no host sync); ``config`` None = the stage's config for its T; ``adapter_order``, ``pdl`` and
-    ``lora_stack``: as in :func:`moelora_lib.moe_lora.make_layer_run` (None = the stage's choice)."""
+def make_run(stage: str, inp: MoELoRAInputs, config: LayerConfig | None = None, *, adapter_order=None):
+    """The :class:`~moelora_lib.kernels.LayerRun` of ``stage`` on ``inp`` (shapes validated, no value
+    check, no host sync); ``config`` None = the stage's config for T; ``adapter_order``: as in
+    :func:`moelora_lib.moe_lora.make_layer_run` (None = the stage's choice)."""
     from ..moe_lora import make_layer_run
 
-    return make_layer_run(
-        *inp.args(),
-        **inp.kwargs(),
-        stage=stage,
-        config=config,
-        check_values=False,
-        adapter_order=adapter_order,
-        pdl=pdl,
-        lora_stack=lora_stack,
-    )
+    kw = dict(stage=stage, config=config, check_values=False, adapter_order=adapter_order)
+    return make_layer_run(*inp.args(), **inp.kwargs(), **kw)
 
 
 def _sync(device) -> None:
@@ -568,15 +378,8 @@ def _run_fields(shape: MoEShape, run, pattern: str) -> dict[str, Any]:
     """The identifying columns of a row, read from a LayerRun."""
     d = run.dims
     return dict(
-        stage=run.stage.name,
-        model=shape.name,
-        T=d.T,
-        H=d.H,
-        I=d.I,
-        E=d.E,
-        K=d.top_k,
-        L=d.adapters,
-        R=d.rank,
+        stage=run.stage.name, model=shape.name, T=d.T, H=d.H, I=d.I, E=d.E, K=d.top_k, L=d.adapters, R=d.rank
+    ) | dict(
         S=d.slices,
         dtype=dtype_name(run.x.dtype),
         activation=run.activation,
@@ -585,9 +388,16 @@ def _run_fields(shape: MoEShape, run, pattern: str) -> dict[str, Any]:
     )
 
 
-# ------------------------------------------------------------------------------------------------
-# Benchmarks
-# ------------------------------------------------------------------------------------------------
+# --- Benchmarks ------------------------------------------------------------------------------------------
+
+
+def _timed_row(fields, part, config, run, mode, tm, cost, budget, **extra) -> dict[str, Any]:
+    """A result row: the run's ``fields``, then part, config, its source, the timing ``tm``, ``cost``
+    (flops, bytes, floor_us), ``budget`` (warmup_ms, rep_ms, min_reps) and ``extra`` columns."""
+    row = dict(part=part, config=config, config_source=run.cfg.source, mode=mode)
+    row |= dict(ms_p50=tm.ms_p50, ms_p20=tm.ms_p20, ms_p80=tm.ms_p80, us_p50=tm.ms_p50 * 1e3)
+    row |= dict(zip(("flops", "bytes", "floor_us", "warmup_ms", "rep_ms", "min_reps"), (*cost, *budget)))
+    return bench.result_row(**fields, **row, **extra)
 
 
 def bench_layer(
@@ -595,111 +405,64 @@ def bench_layer(
     shape: MoEShape | str | Workload,
     T: int | None = None,
     *,
-    rank: int = 32,
-    num_adapters: int = 8,
-    pattern: str = "uniform",
-    dtype=torch.bfloat16,
-    device="cuda",
     modes: Sequence[str] = ("graph",),
     config: LayerConfig | None = None,
-    seed: int = 0,
-    activation: str | None = None,
-    bias: bool | None = None,
     weights: MoELoRAInputs | None = None,
     parts: Sequence[str] = PARTS,
     warmup_ms: float = 25,
     rep_ms: float = 100,
     min_reps: int | None = None,
     adapter_order: bool | None = None,
-    pdl: bool | None = None,
-    lora_stack: bool | None = None,
+    **inputs,
 ) -> list[dict[str, Any]]:
     """Time the parts of one MoE+LoRA layer of ``stage`` at T tokens; one row per (part, mode).
 
-    Parts: "base" = :meth:`LayerRun.base_part` (base w13 GEMM, activation, base w2 GEMM, top-k sum —
-    the MoE layer without LoRA); "lora" = :meth:`LayerRun.lora_part` (the four LoRA ops, with the
-    delta buffers and adds in stages without fused add); "total" = the whole layer ``run()``.
-    The layer is built (routing and alignment, untimed), called once (compilation, untimed), then
-    each part is timed with :func:`moelora_lib.studies.bench.time_cuda` for every mode in ``modes`` ("graph",
-    "eager"); on the CPU with :func:`moelora_lib.studies.bench.time_cpu` (mode "cpu-interpreter", one call:
-    no performance number).
+    Parts: "base" = :meth:`LayerRun.base_part` (the MoE layer without LoRA); "lora" =
+    :meth:`LayerRun.lora_part` (the four LoRA ops, with the delta buffers and adds of stages without
+    fused add); "total" = the whole layer. The layer is built and called once (untimed), then each
+    part is timed for every mode of ``modes`` ("graph", "eager"; one "cpu-interpreter" call on the CPU).
 
-    Args: a :class:`Workload`, or the keyword form of :func:`layer_inputs` (``weights`` reuses
-        expert/adapter weights); config: a LayerConfig (None = :func:`moelora_lib.kernels.default_config`
-        for this T); adapter_order: the base alignment's order (:func:`make_run`; None = the stage's);
-        pdl: programmatic dependent launch (:func:`make_run`; None = off; True: stage ``fused`` on Hopper);
-        lora_stack: stage ``fused``'s LoRA epilogue form (:func:`make_run`; None = the config's, else
-        the loop).
-    Returns:
-        rows (:func:`moelora_lib.studies.bench.result_row`) with stage, part, model, T, H, I, E, K, L, R, S,
-        dtype, activation, bias, pattern, config, config_source, mode, ms_p50, ms_p20, ms_p80, us_p50,
-        flops, bytes, floor_us (µs; bytes at 4.3 TB/s vs flops at 675 TFLOP/s, the larger), warmup_ms,
-        rep_ms, min_reps (:func:`moelora_lib.studies.bench.time_cuda`'s), plus the environment columns.
+    Inputs: a :class:`Workload` or the keyword form of :func:`layer_inputs` (``weights`` reuses
+    expert and adapter weights). config: None =
+    :func:`moelora_lib.kernels.default_config` for T. adapter_order: as in :func:`make_run`.
+    Returns rows (:func:`moelora_lib.studies.bench.result_row`): stage, part, model, T, H, I, E, K, L,
+    R, S, dtype, activation, bias, pattern, config, config_source, mode, ms_p50, ms_p20, ms_p80,
+    us_p50, flops, bytes, floor_us, warmup_ms, rep_ms, min_reps and the environment columns.
+    Raises ValueError for T < 1.
     """
-    wl = _workload(
-        shape,
-        T,
-        rank=rank,
-        num_adapters=num_adapters,
-        pattern=pattern,
-        dtype=dtype,
-        device=device,
-        seed=seed,
-        activation=activation,
-        bias=bias,
-    )
+    wl = _workload(shape, T, inputs)
     if wl.T < 1:
         raise ValueError(
             f"bench_layer: T must be >= 1 (a layer call of no tokens has nothing to time), got {wl.T}"
         )
     shape, device = wl.shape, wl.device
     inp = _inputs(wl, weights)
-    run = make_run(stage, inp, config, adapter_order=adapter_order, pdl=pdl, lora_stack=lora_stack)
+    run = make_run(stage, inp, config, adapter_order=adapter_order)
     run()  # compile outside the timed region
     _sync(device)
-    dtype_bytes = inp.hidden_states.element_size()
-    costs = op_costs(shape, run.dims, dtype_bytes=dtype_bytes, topk_ids=inp.topk_ids, lora_ids=inp.lora_ids)
+    b = inp.hidden_states.element_size()
+    costs = op_costs(shape, run.dims, dtype_bytes=b, topk_ids=inp.topk_ids, lora_ids=inp.lora_ids)
     fns = {"base": run.base_part, "lora": run.lora_part, "total": run}
     is_cpu = torch.device(device).type == "cpu"
-    rows = []
+    fields, rows = _run_fields(shape, run, wl.pattern), []
     for part in parts:
         flops, nbytes = _part_cost(costs, part)
         for mode in ("cpu-interpreter",) if is_cpu else tuple(modes):
             tm = bench.time_fn(fns[part], mode, device, warmup_ms, rep_ms, min_reps=min_reps)
-            rows.append(
-                bench.result_row(
-                    **_run_fields(shape, run, wl.pattern),
-                    part=part,
-                    config=run.cfg.short(),
-                    config_source=run.cfg.source,
-                    mode=mode,
-                    ms_p50=tm.ms_p50,
-                    ms_p20=tm.ms_p20,
-                    ms_p80=tm.ms_p80,
-                    us_p50=tm.ms_p50 * 1e3,
-                    flops=flops,
-                    bytes=nbytes,
-                    floor_us=floor_us(flops, nbytes),
-                    warmup_ms=warmup_ms,
-                    rep_ms=rep_ms,
-                    min_reps=min_reps,
-                )
-            )
+            cost, budget = (flops, nbytes, floor_us(flops, nbytes)), (warmup_ms, rep_ms, min_reps)
+            rows.append(_timed_row(fields, part, run.cfg.short(), run, mode, tm, cost, budget))
     return rows
 
 
 def lora_op_fn(run, op: str, op_config=None) -> Callable[[], torch.Tensor]:
-    """A no-argument callable launching one LoRA op of ``run`` (a LayerRun): :meth:`LayerRun.op_fn
-    <moelora_lib.kernels.LayerRun.op_fn>` restricted to the LoRA ops.
+    """A no-argument callable launching one LoRA op of ``run`` (:meth:`LayerRun.op_fn
+    <moelora_lib.kernels.LayerRun.op_fn>` restricted to the LoRA ops; ValueError for another op).
 
-    op: "gate_up_shrink", "gate_up_expand", "down_shrink" or "down_expand".
-    op_config: an :class:`~moelora_lib.kernels.OpConfig` replacing ``run.cfg.<op>`` (its
-        BLOCK_SIZE_M must equal the LoRA alignment's); launched as given — the stage's
-        switches (EVEN_K, fused add, length specialization) apply, SPLIT_K/GROUP_SIZE_M are not
-        clamped by the stage.
-    The shrink returns the fp32 intermediate [S, P, R]; the expand adds (fused-add stages) or writes
-    (other stages) the delta into a private copy of the base buffer (h or y), so repeated calls cost
-    what one call in the layer costs.
+    op_config: an :class:`~moelora_lib.kernels.OpConfig` replacing ``run.cfg.<op>`` (its BLOCK_SIZE_M
+    must equal the LoRA alignment's), launched as given: the stage's switches apply, SPLIT_K and
+    GROUP_SIZE_M are not clamped. The shrink returns the fp32 intermediate [S, P, R]; the expand adds
+    (fused-add stages) or writes its delta into a private copy of h or y, so repeated calls cost what
+    one call in the layer costs.
     """
     if op not in LORA_OPS:
         raise ValueError(f"op must be one of {LORA_OPS}, got {op!r}")
@@ -712,44 +475,25 @@ def bench_lora_op(
     T: int,
     op: str,
     *,
-    rank: int = 32,
-    num_adapters: int = 8,
-    pattern: str = "uniform",
-    dtype=torch.bfloat16,
-    device="cuda",
     mode: str = "graph",
     config: LayerConfig | None = None,
     op_changes: dict | None = None,
-    seed: int = 0,
-    activation: str | None = None,
-    bias: bool | None = None,
     weights: MoELoRAInputs | None = None,
     warmup_ms: float = 10,
     rep_ms: float = 40,
     run=None,
     return_output: bool = False,
     min_reps: int | None = None,
+    **inputs,
 ):
-    """Time one LoRA op alone (see :func:`lora_op_fn`); one row like :func:`bench_layer`'s with
-    part = op. ``op_changes`` (e.g. ``{"SPLIT_K": 4}``) is applied to the op's config with
-    ``dataclasses.replace``. ``run`` reuses an existing LayerRun (then the input arguments are
-    ignored). With ``return_output`` returns (row, output of one call) for error checks."""
+    """Time one LoRA op alone (:func:`lora_op_fn`); one row like :func:`bench_layer`'s with part = op
+    and the ``op_changes`` (e.g. ``{"SPLIT_K": 4}``, applied to the op's config) as columns. Inputs: the
+    keyword form of :func:`layer_inputs`, or ``run``, a LayerRun to reuse (then only ``pattern`` is read,
+    for the row). ``return_output``: (row, output)."""
     shape = get_shape(shape) if isinstance(shape, str) else shape
+    pattern = inputs.get("pattern", "uniform")
     if run is None:
-        inp = layer_inputs(
-            shape,
-            T,
-            rank=rank,
-            num_adapters=num_adapters,
-            pattern=pattern,
-            dtype=dtype,
-            device=device,
-            seed=seed,
-            activation=activation,
-            bias=bias,
-            weights=weights,
-        )
-        run = make_run(stage, inp, config)
+        run = make_run(stage, layer_inputs(shape, T, weights=weights, **inputs), config)
         run()
     device = run.x.device
     op_cfg = getattr(run.cfg, op)
@@ -761,36 +505,16 @@ def bench_lora_op(
         out = out.clone()
     _sync(device)
     # touched (adapter, expert) pairs estimated as min(L·E, T·K) (the run keeps no topk_ids)
-    costs = {c["op"]: c for c in op_costs(shape, run.dims, dtype_bytes=run.x.element_size())}
-    is_cpu = torch.device(device).type == "cpu"
-    m = "cpu-interpreter" if is_cpu else mode
+    c = {c["op"]: c for c in op_costs(shape, run.dims, dtype_bytes=run.x.element_size())}[op]
+    m = "cpu-interpreter" if torch.device(device).type == "cpu" else mode
     tm = bench.time_fn(fn, m, device, warmup_ms, rep_ms, min_reps=min_reps)
     fields = _run_fields(shape, run, pattern)
-    c = costs[op]
-    row = bench.result_row(
-        **fields,
-        part=op,
-        config=op_cfg.short(),
-        config_source=run.cfg.source,
-        mode=m,
-        ms_p50=tm.ms_p50,
-        ms_p20=tm.ms_p20,
-        ms_p80=tm.ms_p80,
-        us_p50=tm.ms_p50 * 1e3,
-        flops=c["flops"],
-        bytes=c["bytes"],
-        floor_us=c["floor_us"],
-        warmup_ms=warmup_ms,
-        rep_ms=rep_ms,
-        min_reps=min_reps,
-        **{k: v for k, v in (op_changes or {}).items()},
-    )
+    cost, budget = (c["flops"], c["bytes"], c["floor_us"]), (warmup_ms, rep_ms, min_reps)
+    row = _timed_row(fields, op, op_cfg.short(), run, m, tm, cost, budget, **(op_changes or {}))
     return (row, out) if return_output else row
 
 
-# ------------------------------------------------------------------------------------------------
-# Correctness
-# ------------------------------------------------------------------------------------------------
+# --- Correctness -----------------------------------------------------------------------------------------
 
 
 def check_layer(
@@ -798,41 +522,21 @@ def check_layer(
     shape: MoEShape | str | Workload,
     T: int | None = None,
     *,
-    rank: int = 32,
-    num_adapters: int = 8,
-    pattern: str = "mixed",
-    dtype=torch.bfloat16,
-    device="cuda",
-    seed: int = 0,
-    activation: str | None = None,
-    bias: bool | None = None,
     weights: MoELoRAInputs | None = None,
     config: LayerConfig | None = None,
+    **inputs,
 ) -> dict[str, Any]:
-    """One layer call of ``stage`` against :func:`moelora_lib.reference.moe_lora_reference` (fp32,
-    on the same device, same inputs). Inputs: a :class:`Workload`, or the keyword form of
-    :func:`layer_inputs` (default pattern here: "mixed", so tokens without an adapter are checked too).
+    """One layer call of ``stage`` against :func:`moelora_lib.reference.moe_lora_reference` (fp32, same
+    device and inputs). Inputs: a :class:`Workload` or the keyword form of :func:`layer_inputs`
+    (default pattern "mixed", so tokens without an adapter are checked too).
 
-    Returns a dict: stage, model, T, dtype, activation, bias, pattern, rel_err
-    (max|out − ref| / max|ref|), no_adapter_rows (tokens with lora id −1), no_adapter_bitwise (those
-    rows of ``run()`` equal the rows of ``run.base_part()`` exactly; True when there are none), and
-    delta_rel (max|ref − ref_without_lora| / max|ref|: how big the LoRA contribution is, so a passing
-    rel_err is not a LoRA that was never added).
-    The reference gathers per-pair weight copies ([P, 2I, H] fp32): keep P = T·K modest at model shapes.
+    Returns dict: stage, model, T, dtype, activation, bias, pattern, rel_err (max|out − ref| /
+    max|ref|), no_adapter_rows (tokens with lora id −1), no_adapter_bitwise (those rows of ``run()``
+    equal those of ``run.base_part()`` exactly; True when there are none), delta_rel (max|ref −
+    ref_without_lora| / max|ref|: a pass is not a LoRA never added), config. The reference gathers
+    per-pair weight copies ([P, 2I, H] fp32): keep P = T·K modest at model shapes.
     """
-    wl = _workload(
-        shape,
-        T,
-        pattern_default="mixed",
-        rank=rank,
-        num_adapters=num_adapters,
-        pattern=pattern,
-        dtype=dtype,
-        device=device,
-        seed=seed,
-        activation=activation,
-        bias=bias,
-    )
+    wl = _workload(shape, T, inputs, pattern="mixed")
     inp = _inputs(wl, weights)
     run = make_run(stage, inp, config)
     out = run().clone()
@@ -840,19 +544,8 @@ def check_layer(
     ref = moe_lora_reference(*inp.args(), **inp.kwargs())
     none = inp.lora_ids == -1
     bitwise = bool(torch.equal(out[none], base[none])) if bool(none.any()) else True
-    ref_base = moe_lora_reference(
-        inp.hidden_states,
-        inp.w13,
-        inp.w2,
-        inp.topk_weights,
-        inp.topk_ids,
-        torch.full_like(inp.lora_ids, -1),
-        None,
-        None,
-        None,
-        None,
-        **inp.kwargs(),
-    )
+    no_lora = (torch.full_like(inp.lora_ids, -1), None, None, None, None)
+    ref_base = moe_lora_reference(*inp.args()[:5], *no_lora, **inp.kwargs())
     delta_rel = float((ref - ref_base).abs().max() / ref.abs().max().clamp_min(1e-30))
     return dict(
         stage=stage,
@@ -870,9 +563,7 @@ def check_layer(
     )
 
 
-# ------------------------------------------------------------------------------------------------
-# Recompilation (notebook 03)
-# ------------------------------------------------------------------------------------------------
+# --- Recompilation (notebook 03) -------------------------------------------------------------------------
 
 
 def log_spaced_lengths(n: int = 40, lo: int = 1, hi: int = 8192) -> list[int]:
@@ -895,12 +586,11 @@ def length_spec_keys(
 ) -> dict[str, tuple]:
     """Triton's specialization key of the length-dependent integer arguments of each kernel at T.
 
-    Computed with Triton's own ``native_specialize_impl`` (no GPU needed): "" for a plain int, "D" for
-    a multiple of 16, a constexpr for 1, None where the stage marks the argument
-    ``do_not_specialize``. A new key means a new compiled binary (same config). Values follow the
-    launchers: num_pairs = T·K; num_blocks = the static alignment size / BLOCK_SIZE_M (expert-only for
-    the base GEMMs, L+1 slots for the LoRA ops); the rank intermediate's stride = T·K·R; gated_act's
-    n_rows = T·K.
+    From Triton's ``native_specialize_impl`` (no GPU): "" for a plain int, "D" for a multiple of 16, a
+    constexpr for 1, None where the stage marks the argument ``do_not_specialize``. A new key is a new
+    binary (same config). Values as the launchers pass them: num_pairs = T·K; num_blocks = the static
+    alignment size / BLOCK_SIZE_M (experts for the base GEMMs, L+1 slots for the LoRA ops); the rank
+    intermediate's stride = T·K·R; gated_act's n_rows = T·K.
     """
     from triton.backends.compiler import BaseBackend
     from triton.runtime.jit import native_specialize_impl
@@ -908,21 +598,13 @@ def length_spec_keys(
     from ..kernels.triton_kernels import LENGTH_ARGS
 
     spec = STAGES[stage].specialize_lengths
-    K, E = shape.top_k, shape.experts
-    P = T * K
+    P, E = T * shape.top_k, shape.experts
     bm_b, bm_l = config.base_block_size_m, config.lora_block_size_m
+    lora_blocks = max_padded_pairs(P, (num_adapters + 1) * E, bm_l) // bm_l
     values = {
         "fused_moe": dict(num_pairs=P, num_blocks=max_padded_pairs(P, E, bm_b) // bm_b),
-        "lora_shrink": dict(
-            num_pairs=P,
-            num_blocks=max_padded_pairs(P, (num_adapters + 1) * E, bm_l) // bm_l,
-            stride_os=P * rank,
-        ),
-        "lora_expand": dict(
-            num_pairs=P,
-            num_blocks=max_padded_pairs(P, (num_adapters + 1) * E, bm_l) // bm_l,
-            stride_is=P * rank,
-        ),
+        "lora_shrink": dict(num_pairs=P, num_blocks=lora_blocks, stride_os=P * rank),
+        "lora_expand": dict(num_pairs=P, num_blocks=lora_blocks, stride_is=P * rank),
         "gated_act": dict(n_rows=P),
     }
     keys = {}
@@ -934,40 +616,24 @@ def length_spec_keys(
     return keys
 
 
-def predicted_variants(
-    stage: str, shape: MoEShape, lengths: Sequence[int], rank: int, num_adapters: int, config: LayerConfig
-) -> dict[str, int]:
-    """Distinct specialization keys per kernel over ``lengths`` (fixed config): the number of binaries
-    Triton compiles for each kernel, as predicted from :func:`length_spec_keys`."""
-    seen: dict[str, set] = {}
-    for T in lengths:
-        for kern, key in length_spec_keys(stage, shape, T, rank, num_adapters, config).items():
-            seen.setdefault(kern, set()).add(key)
-    return {k: len(v) for k, v in seen.items()}
-
-
 def count_compiled_variants(specialize_lengths: bool, device: int | None = None) -> dict[str, int]:
-    """Compiled binaries in the JIT caches of the kernels of one specialization flavour.
+    """Compiled binaries in the JIT caches of the kernels of one specialization flavour (GPU only).
 
-    Triton 3.6 keeps them in ``JITFunction.device_caches[device][0]`` (the ``kernel_cache`` dict of
-    ``JITFunction.run`` in triton/runtime/jit.py: one entry per specialization + options key). GPU only;
-    under the interpreter the kernels are not JITFunctions and nothing is compiled.
-    """
+    Triton keeps them in ``JITFunction.device_caches[device][0]`` (the kernel cache of
+    ``JITFunction.run``: one entry per specialization + options key)."""
     from ..kernels.triton_kernels import KERNELS
 
     dev = torch.cuda.current_device() if device is None else device
     out = {}
     for name, flavours in KERNELS.items():
-        k = flavours[bool(specialize_lengths)]
-        caches = getattr(k, "device_caches", None)
+        caches = getattr(flavours[bool(specialize_lengths)], "device_caches", None)
         out[name] = len(caches[dev][0]) if caches is not None and dev in caches else 0
     return out
 
 
 class _TimedSection:
-    """``with _TimedSection(path):`` holds an exclusive ``flock`` on ``path`` (created if missing) for the
-    block; a no-op for None. Processes that share the GPU take it around their timed calls, so those
-    never overlap each other (the untimed work in between does)."""
+    """``with _TimedSection(path):`` holds an exclusive ``flock`` on ``path`` for the block (no-op for
+    None): processes sharing the GPU take it around their timed calls, which then never overlap."""
 
     def __init__(self, path: str | os.PathLike | None):
         self.path, self.fd = path, None
@@ -1003,27 +669,32 @@ def run_recompile(
     lock_path: str | os.PathLike | None = None,
     weights_folder: str | os.PathLike | None = None,
 ) -> list[dict[str, Any]]:
-    """In this (fresh) process: for each length in order, build the layer (untimed), time the first
-    call (wall clock, synchronized: compilation of any new binary included) and the median of
-    ``warm_reps`` warm calls, and count the compiled binaries. One fixed config
-    (:func:`default_config` at ``config_T``) for every length, so every new binary is a
-    length specialization. GPU only.
+    """In this (fresh) process, per length in order: build the layer (untimed), time the first call
+    (wall clock, synchronized, compilation included) and the median of ``warm_reps`` warm calls, and
+    count the compiled binaries. One config (:func:`default_config` at ``config_T``) for every length,
+    so every new binary is a length specialization. GPU only.
 
-    lock_path: a file whose exclusive lock is held around each length's timed calls and count
-    (:func:`recompile_in_subprocesses` runs the stages side by side with one lock, so their timed calls
-    never overlap). weights_folder: a :class:`LayerWeights` folder (the expert and adapter weights,
-    bias-free, loaded instead of generated when an earlier process saved them there)."""
+    lock_path: a file locked around each length's timed calls (stages side by side never overlap
+    them). weights_folder: a :class:`LayerWeights` folder (bias-free weights loaded, not generated)."""
     shape = get_shape(model)
-    dt = DTYPES[dtype]
-    weights = LayerWeights(
-        rank=rank, num_adapters=num_adapters, dtype=dt, device="cuda", seed=seed, folder=weights_folder
-    ).get(shape, bias=False)
+    store = LayerWeights(
+        rank=rank,
+        num_adapters=num_adapters,
+        dtype=DTYPES[dtype],
+        device="cuda",
+        seed=seed,
+        folder=weights_folder,
+    )
+    weights = store.get(shape, bias=False)
     cfg = default_config(Dims.of(shape, config_T, rank=rank, adapters=num_adapters))
     spec = STAGES[stage].specialize_lengths
     rows = []
     for T in lengths:
-        inp = layer_inputs(shape, T, rank=rank, num_adapters=num_adapters, weights=weights, seed=seed)
-        run = make_run(stage, inp, cfg)
+        run = make_run(
+            stage,
+            layer_inputs(shape, T, rank=rank, num_adapters=num_adapters, weights=weights, seed=seed),
+            cfg,
+        )
         torch.cuda.synchronize()
         with _TimedSection(lock_path):
             torch.cuda.synchronize()
@@ -1045,83 +716,35 @@ def run_recompile(
                 T=T,
                 first_call_ms=first_ms,
                 warm_call_ms=sorted(warm)[len(warm) // 2],
-                compiled_total=sum(counts.values()),
-                **{f"compiled_{k}": v for k, v in counts.items()},
-                config=cfg.short(),
             )
+            | dict(compiled_total=sum(counts.values()), **{f"compiled_{k}": v for k, v in counts.items()})
+            | dict(config=cfg.short())
         )
     return rows
 
 
+def _opts(**opts) -> list[str]:
+    """``--opt value ...`` of keyword arguments (``_`` becomes ``-``; None left out)."""
+    out = []
+    for k, v in opts.items():
+        if v is not None:
+            out += [f"--{k.replace('_', '-')}", os.fspath(v) if isinstance(v, os.PathLike) else str(v)]
+    return out
+
+
+def _cli(cmd: str, **opts) -> list[str]:
+    """argv of ``python -m moelora_lib.studies.moe_bench <cmd> --opt value ...``."""
+    return [sys.executable, "-m", "moelora_lib.studies.moe_bench", cmd] + _opts(**opts)
+
+
 def _recompile_cmd(
-    stage: str,
-    model: str,
-    lengths: Sequence[int],
-    out: str,
-    *,
-    rank: int,
-    num_adapters: int,
-    dtype: str,
-    seed: int,
-    lock_path: str | None = None,
-    weights_folder: str | os.PathLike | None = None,
-) -> list[str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "moelora_lib.studies.moe_bench",
-        "recompile",
-        "--stage",
-        stage,
-        "--model",
-        model,
-        "--lengths",
-        ",".join(str(int(t)) for t in lengths),
-        "--rank",
-        str(rank),
-        "--adapters",
-        str(num_adapters),
-        "--dtype",
-        dtype,
-        "--seed",
-        str(seed),
-        "--out",
-        out,
-    ]
-    if lock_path is not None:
-        cmd += ["--lock", lock_path]
-    if weights_folder is not None:
-        cmd += ["--weights-folder", os.fspath(weights_folder)]
-    return cmd
-
-
-def recompile_in_subprocess(
-    stage: str,
-    model: str,
-    lengths: Sequence[int],
-    *,
-    rank: int = 32,
-    num_adapters: int = 8,
-    dtype: str = "bfloat16",
-    seed: int = 0,
-    timeout_s: float = 400,
-    weights_folder: str | os.PathLike | None = None,
-) -> list[dict[str, Any]]:
-    """:func:`run_recompile` in a fresh Python process (``python -m moelora_lib.studies.moe_bench recompile``)
-    with an empty ``TRITON_CACHE_DIR``, so every binary is really compiled (no in-process JIT cache,
-    no on-disk cache from earlier runs). Returns its rows; raises RuntimeError with the tail of the
-    child's output if it fails."""
-    return recompile_in_subprocesses(
-        [stage],
-        model,
-        lengths,
-        rank=rank,
-        num_adapters=num_adapters,
-        dtype=dtype,
-        seed=seed,
-        timeout_s=timeout_s,
-        weights_folder=weights_folder,
-    )[stage]
+    stage, model, lengths, out, *, rank, num_adapters, dtype, seed, lock_path=None, weights_folder=None
+):
+    lens = ",".join(str(int(t)) for t in lengths)
+    cmd = _cli(
+        "recompile", stage=stage, model=model, lengths=lens, rank=rank, adapters=num_adapters, dtype=dtype
+    )
+    return cmd + _opts(seed=seed, out=out, lock=lock_path, weights_folder=weights_folder)
 
 
 def recompile_in_subprocesses(
@@ -1136,33 +759,24 @@ def recompile_in_subprocesses(
     timeout_s: float = 400,
     weights_folder: str | os.PathLike | None = None,
 ) -> dict[str, list[dict[str, Any]]]:
-    """:func:`run_recompile` for each of ``stages`` in a fresh process of its own, all started at once:
-    each with its own empty ``TRITON_CACHE_DIR`` (every binary really compiled, nothing shared), and one
-    lock file (``run_recompile(lock_path=...)``) held around every length's timed calls, so the timed
-    calls of two stages never overlap; their start-up, weights and untimed layer builds do. On the
-    16-core GPU host the two processes do not compete for a core. Returns {stage: rows}; raises
-    RuntimeError with the tail of a child's output if one fails (the others are stopped)."""
+    """:func:`run_recompile` for each of ``stages`` in a fresh process of its own
+    (``python -m moelora_lib.studies.moe_bench recompile``), all started at once, each with its own
+    empty ``TRITON_CACHE_DIR`` (every binary really compiled) and one lock file held around every
+    length's timed calls (with several stages), so no two stages' timed calls overlap. Returns {stage:
+    rows}; raises RuntimeError with the tail of a child's output if one fails (the others are stopped)."""
     import tempfile
 
     stages = list(stages)
     with tempfile.TemporaryDirectory(prefix="moelora_recompile_") as tmp:
-        lock = os.path.join(tmp, "timed.lock")
+        lock = os.path.join(tmp, "timed.lock") if len(stages) > 1 else None
         cmds, envs = {}, {}
         for st in stages:
             env = dict(os.environ, TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="moelora_triton_cache_", dir=tmp))
             env.pop("TRITON_INTERPRET", None)
             envs[st] = env
+            out, kw = os.path.join(tmp, f"{st}.json"), dict(rank=rank, num_adapters=num_adapters, dtype=dtype)
             cmds[st] = _recompile_cmd(
-                st,
-                model,
-                lengths,
-                os.path.join(tmp, f"{st}.json"),
-                rank=rank,
-                num_adapters=num_adapters,
-                dtype=dtype,
-                seed=seed,
-                lock_path=lock if len(stages) > 1 else None,
-                weights_folder=weights_folder,
+                st, model, lengths, out, **kw, seed=seed, lock_path=lock, weights_folder=weights_folder
             )
         bench.run_side_by_side(cmds, envs=envs, timeout_s=timeout_s)
         rows = {}
@@ -1172,9 +786,7 @@ def recompile_in_subprocesses(
         return rows
 
 
-# ------------------------------------------------------------------------------------------------
-# Compile pass in helper processes (notebooks 02, 04, 05, 07)
-# ------------------------------------------------------------------------------------------------
+# --- Compile pass in helper processes (before a timing loop) ---------------------------------------------
 
 
 def layer_point(
@@ -1189,41 +801,27 @@ def layer_point(
     op_changes: Sequence[tuple[str, dict]] = (),
 ) -> dict[str, Any]:
     """One point of a compile pass (:func:`compile_points`): the layer of ``stage`` at T tokens on the
-    ``weights_bias`` weight set of ``model`` (:meth:`LayerWeights.get`), built as
-    ``layer_inputs(model, T, weights=..., activation=, bias=, pattern=)`` and ``make_run(stage, inp)``
-    (the stage's own config for T), plus each LoRA op alone with ``op_changes`` applied to its config
-    (``[("gate_up_shrink", {"SPLIT_K": 4}), ...]``, as :func:`bench_lora_op` launches it)."""
-    return dict(
-        stage=stage,
-        model=model,
-        T=int(T),
-        weights_bias=weights_bias,
-        activation=activation,
-        bias=bias,
-        pattern=pattern,
-        op_changes=[[op, dict(ch)] for op, ch in op_changes],
-    )
+    ``weights_bias`` weight set of ``model`` (:meth:`LayerWeights.get`), built as ``layer_inputs(model,
+    T, weights=..., activation=, bias=, pattern=)`` and ``make_run(stage, inp)``, plus each LoRA op
+    alone with ``op_changes`` applied to its config (``[("gate_up_shrink", {"SPLIT_K": 4}), ...]``)."""
+    pt = dict(stage=stage, model=model, T=int(T), weights_bias=weights_bias, activation=activation, bias=bias)
+    return pt | dict(pattern=pattern, op_changes=[[op, dict(ch)] for op, ch in op_changes])
 
 
 def compile_points(points: Sequence[dict[str, Any]], weights: LayerWeights) -> list[str]:
-    """Launch, once each and untimed, everything a timing loop over ``points`` (:func:`layer_point`)
-    launches: the whole layer, its base and LoRA parts, and the LoRA ops with their changed configs —
-    so every kernel binary they need is compiled (and kept in Triton's on-disk cache). Returns one
-    message per point that failed (the timing loop then meets the same error itself, loudly)."""
+    """Launch once, untimed, everything a timing loop over ``points`` (:func:`layer_point`) launches
+    (the whole layer, its base and LoRA parts, the LoRA ops with their changed configs), so every
+    binary they need is compiled into Triton's on-disk cache. Returns one message per point that
+    failed (the timing loop then meets the same error itself)."""
     failed = []
     for pt in points:
         try:
             w = weights.get(pt["model"], bias=pt["weights_bias"])
+            kw = dict(
+                rank=weights.rank, num_adapters=weights.num_adapters, pattern=pt["pattern"], seed=weights.seed
+            )
             inp = layer_inputs(
-                pt["model"],
-                pt["T"],
-                rank=weights.rank,
-                num_adapters=weights.num_adapters,
-                pattern=pt["pattern"],
-                seed=weights.seed,
-                activation=pt["activation"],
-                bias=pt["bias"],
-                weights=w,
+                pt["model"], pt["T"], **kw, activation=pt["activation"], bias=pt["bias"], weights=w
             )
             run = make_run(pt["stage"], inp)
             run()
@@ -1242,14 +840,12 @@ def precompile_in_subprocesses(
     points: Sequence[dict[str, Any]], weights: LayerWeights, *, jobs: int = 8, timeout_s: float = 300
 ) -> dict[str, Any]:
     """:func:`compile_points` split over ``jobs`` helper processes side by side
-    (``python -m moelora_lib.studies.moe_bench compile``), before a timing loop: Triton compiles one
-    binary at a time per process, so the ~0.3–0.5 s per new (kernel, config, specialization) of a loop
-    over T, stages and swept configs were paid one after another in the notebook; here they are paid in
-    parallel, into Triton's on-disk cache, and the loop loads them. Nothing timed runs while the helpers
-    do; nothing measured depends on them (a binary they did not produce is compiled on first use, as
-    before). Needs ``weights.folder`` (the helpers load the weight sets from it; the sets are written
-    there first): without one, nothing is done. Points are dealt per model, so each helper loads one
-    weight set. Returns dict(seconds, processes, points, failed)."""
+    (``python -m moelora_lib.studies.moe_bench compile``): Triton compiles one binary at a time per
+    process (~0.3–0.5 s each), so the binaries of a loop over T, stages and configs are compiled in
+    parallel into the on-disk cache and the loop loads them. Nothing is timed meanwhile, and nothing
+    measured depends on it (a missing binary is compiled on first use). Needs ``weights.folder`` (the
+    helpers load the weight sets saved there); without one nothing is done. Points are dealt per
+    model, one weight set per helper. Returns dict(seconds, processes, points, failed)."""
     import tempfile
 
     t0 = time.perf_counter()
@@ -1257,42 +853,23 @@ def precompile_in_subprocesses(
     if weights.folder is None or not points or jobs < 1:
         return dict(seconds=0.0, processes=0, points=len(points), failed=[])
     for key in dict.fromkeys((pt["model"], pt["weights_bias"]) for pt in points):
-        weights.get(key[0], bias=key[1])  # generated and saved once, here, if no helper can load it yet
+        weights.get(key[0], bias=key[1])  # generated and saved once, here, before any helper loads it
     by_model: dict[str, list[dict]] = {}
     for pt in points:
         by_model.setdefault(pt["model"], []).append(pt)
     per_model = max(1, jobs // max(1, len(by_model)))
-    chunks = [pts[i::per_model] for pts in by_model.values() for i in range(per_model)]
-    chunks = [c for c in chunks if c]
+    chunks = [c for pts in by_model.values() for i in range(per_model) if (c := pts[i::per_model])]
     failed: list[str] = []
+    w = weights
     with tempfile.TemporaryDirectory(prefix="moelora_compile_") as tmp:
         cmds = {}
         for i, chunk in enumerate(chunks):
             src = os.path.join(tmp, f"{i}.json")
             with open(src, "w") as f:
                 json.dump(chunk, f)
-            cmds[str(i)] = [
-                sys.executable,
-                "-m",
-                "moelora_lib.studies.moe_bench",
-                "compile",
-                "--points",
-                src,
-                "--out",
-                os.path.join(tmp, f"{i}.out.json"),
-                "--rank",
-                str(weights.rank),
-                "--adapters",
-                str(weights.num_adapters),
-                "--dtype",
-                dtype_name(weights.dtype),
-                "--device",
-                str(weights.device),
-                "--seed",
-                str(weights.seed),
-                "--weights-folder",
-                weights.folder,
-            ]
+            out = os.path.join(tmp, f"{i}.out.json")
+            kw = dict(rank=w.rank, adapters=w.num_adapters, dtype=dtype_name(w.dtype), device=w.device)
+            cmds[str(i)] = _cli("compile", points=src, out=out, **kw, seed=w.seed, weights_folder=w.folder)
         bench.run_side_by_side(cmds, timeout_s=timeout_s)
         for i in range(len(chunks)):
             with open(os.path.join(tmp, f"{i}.out.json")) as f:
@@ -1300,57 +877,31 @@ def precompile_in_subprocesses(
     return dict(seconds=time.perf_counter() - t0, processes=len(chunks), points=len(points), failed=failed)
 
 
-# ------------------------------------------------------------------------------------------------
-# ncu (notebook 05)
-# ------------------------------------------------------------------------------------------------
-
-
-def _ncu_target(
-    model: str,
-    points: Sequence[tuple[int, int]],
-    rank: int,
-    num_adapters: int,
-    seed: int,
-    weights_folder: str | os.PathLike | None = None,
-) -> None:
-    """Per (T, GROUP_SIZE_M) point, in order: build the layer of stage ``swizzle`` (one call: two
-    launches of the shrink kernel, gate_up and down), then launch its gate_up shrink with that
-    GROUP_SIZE_M three times — five launches of ``_lora_shrink_kernel`` per point (the process ncu
-    profiles). One weight set for every point (:class:`LayerWeights`, loaded from ``weights_folder``
-    when an earlier process saved it there)."""
-    shape = get_shape(model)
-    weights = LayerWeights(
-        rank=rank,
-        num_adapters=num_adapters,
-        dtype=torch.bfloat16,
-        device="cuda",
-        seed=seed,
-        folder=weights_folder,
-    ).get(shape, bias=False)
-    for T, group_size_m in points:
-        inp = layer_inputs(
-            shape,
-            T,
-            rank=rank,
-            num_adapters=num_adapters,
-            seed=seed,
-            activation="silu",
-            bias=False,
-            weights=weights,
-        )
-        run = make_run("swizzle", inp, None)
-        run()
-        fn = lora_op_fn(
-            run, "gate_up_shrink", dataclasses.replace(run.cfg.gate_up_shrink, GROUP_SIZE_M=group_size_m)
-        )
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        del run, inp, fn
-
+# --- ncu (notebook 05) -----------------------------------------------------------------------------------
 
 #: ``_lora_shrink_kernel`` launches :func:`_ncu_target` makes per point (2 in the layer call + 3).
 NCU_LAUNCHES_PER_POINT = 5
+
+
+def _ncu_target(model: str, points, rank: int, num_adapters: int, seed: int, weights_folder=None) -> None:
+    """Per (T, GROUP_SIZE_M) point, in order: one layer call of stage ``swizzle`` (two shrink launches),
+    then its gate_up shrink with that GROUP_SIZE_M three times (the process ncu profiles). One weight
+    set for every point (loaded from ``weights_folder`` when an earlier process saved it there)."""
+    shape = get_shape(model)
+    kw = dict(rank=rank, num_adapters=num_adapters, seed=seed)
+    store = LayerWeights(**kw, dtype=torch.bfloat16, device="cuda", folder=weights_folder)
+    weights = store.get(shape, bias=False)
+    for T, group_size_m in points:
+        run = make_run(
+            "swizzle", layer_inputs(shape, T, **kw, activation="silu", bias=False, weights=weights)
+        )
+        run()
+        cfg = dataclasses.replace(run.cfg.gate_up_shrink, GROUP_SIZE_M=group_size_m)
+        fn = lora_op_fn(run, "gate_up_shrink", cfg)
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        del run, fn
 
 
 def ncu_l2_hit_rates(
@@ -1363,55 +914,41 @@ def ncu_l2_hit_rates(
     weights_folder: str | os.PathLike | None = None,
     timeout_s: float = 300,
 ) -> list[dict[str, Any]]:
-    """Run ``ncu --clock-control none --metrics lts__t_sector_hit_rate.pct`` once, on one subprocess
+    """Run ``ncu --clock-control none --metrics lts__t_sector_hit_rate.pct`` once over one subprocess
     that launches the gate_up shrink (stage swizzle) at every (T, GROUP_SIZE_M) of ``points`` in turn
-    (:func:`_ncu_target`); ncu replays each launch with its caches flushed first (its default
-    ``--cache-control all``), so a point's numbers do not depend on the points before it — the same
-    numbers as one process per point, for one process start and one weight set instead of one per
-    point. Returns one dict per point, in order: T, group_size_m, ok, l2_hit_pct (mean over the
-    point's :data:`NCU_LAUNCHES_PER_POINT` profiled launches, ncu's launch order), launches, message.
-    ok=False with the reason when ncu is missing, lacks counter permissions, fails, or reports a
-    number of launches that does not split evenly into the points."""
+    (:func:`_ncu_target`). ncu replays each launch with its caches flushed first (``--cache-control
+    all``), so a point does not depend on the points before it. Returns one dict per point, in order:
+    T, group_size_m, ok, l2_hit_pct (mean over the point's :data:`NCU_LAUNCHES_PER_POINT` launches),
+    launches, message; ok=False with the reason when ncu is missing, lacks counter permissions, fails,
+    or reports a number of launches that does not split evenly into the points."""
     import shutil
     import subprocess
 
     points = [(int(t), int(g)) for t, g in points]
 
     def failed(msg: str) -> list[dict[str, Any]]:
+        nan = float("nan")
         return [
-            dict(T=t, group_size_m=g, ok=False, l2_hit_pct=float("nan"), launches=0, message=msg)
-            for t, g in points
+            dict(T=t, group_size_m=g, ok=False, l2_hit_pct=nan, launches=0, message=msg) for t, g in points
         ]
 
     ncu = shutil.which("ncu")
     if ncu is None:
         return failed("ncu not found on PATH")
+    pts = ",".join(f"{t}:{g}" for t, g in points)
+    target = _cli("ncu-target", model=model, points=pts, rank=rank, adapters=num_adapters, seed=seed)
+    target += _opts(weights_folder=weights_folder)
+    metric = "lts__t_sector_hit_rate.pct"
     cmd = [
         ncu,
         "--clock-control",
         "none",
         "--metrics",
-        "lts__t_sector_hit_rate.pct",
+        metric,
         "--csv",
         "-k",
         "regex:_lora_shrink_kernel",
-        sys.executable,
-        "-m",
-        "moelora_lib.studies.moe_bench",
-        "ncu-target",
-        "--model",
-        model,
-        "--points",
-        ",".join(f"{t}:{g}" for t, g in points),
-        "--rank",
-        str(rank),
-        "--adapters",
-        str(num_adapters),
-        "--seed",
-        str(seed),
-    ]
-    if weights_folder is not None:
-        cmd += ["--weights-folder", os.fspath(weights_folder)]
+    ] + target
     try:
         proc = subprocess.run(
             cmd, capture_output=True, text=True, timeout=timeout_s, cwd=str(bench.REPO_ROOT)
@@ -1420,21 +957,20 @@ def ncu_l2_hit_rates(
         return failed(f"ncu failed: {e}")
     vals = []
     for line in proc.stdout.splitlines():
-        if "lts__t_sector_hit_rate.pct" in line:
-            cells = [c.strip('"') for c in line.split('","')]
+        if metric in line:
             try:
-                vals.append(float(cells[-1].strip('"').replace(",", "")))
+                vals.append(float(line.split('","')[-1].strip('"').replace(",", "")))
             except ValueError:
                 pass
     if not vals:
         tail = (proc.stdout + proc.stderr)[-400:].replace("\n", " | ")
         return failed(f"no metric in ncu output (rc {proc.returncode}): {tail}")
-    if len(vals) != NCU_LAUNCHES_PER_POINT * len(points):
-        return failed(
-            f"ncu profiled {len(vals)} launches, expected {NCU_LAUNCHES_PER_POINT} per point for "
-            f"{len(points)} points (rc {proc.returncode})"
-        )
     n = NCU_LAUNCHES_PER_POINT
+    if len(vals) != n * len(points):
+        return failed(
+            f"ncu profiled {len(vals)} launches, expected {n} per point for {len(points)} points "
+            f"(rc {proc.returncode})"
+        )
     return [
         dict(
             T=t,
@@ -1448,108 +984,56 @@ def ncu_l2_hit_rates(
     ]
 
 
-def ncu_l2_hit_rate(
-    model: str,
-    T: int,
-    group_size_m: int,
-    *,
-    rank: int = 32,
-    num_adapters: int = 8,
-    seed: int = 0,
-    weights_folder: str | os.PathLike | None = None,
-    timeout_s: float = 180,
-) -> dict[str, Any]:
-    """:func:`ncu_l2_hit_rates` for one point: dict(ok, l2_hit_pct, launches, message)."""
-    r = ncu_l2_hit_rates(
-        model,
-        [(T, group_size_m)],
-        rank=rank,
-        num_adapters=num_adapters,
-        seed=seed,
-        weights_folder=weights_folder,
-        timeout_s=timeout_s,
-    )[0]
-    return {k: r[k] for k in ("ok", "l2_hit_pct", "launches", "message")}
-
-
-# ------------------------------------------------------------------------------------------------
-# Command line (fresh processes for notebooks 03 and 05)
-# ------------------------------------------------------------------------------------------------
+# --- Command line (fresh processes) ----------------------------------------------------------------------
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m moelora_lib.studies.moe_bench recompile --stage S --model M --lengths 1,7,...
-    --out F.json``
-    or ``... ncu-target --model M --points 64:1,64:8 [--weights-folder DIR]``."""
+    """``python -m moelora_lib.studies.moe_bench recompile --stage S --lengths 1,7,... --out F.json``,
+    ``... compile --points P.json --out F.json`` or ``... ncu-target --points 64:1,64:8``."""
     p = argparse.ArgumentParser(prog="python -m moelora_lib.studies.moe_bench")
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("recompile", help="compiled variants and first/warm call latency per length")
     r.add_argument("--stage", required=True, choices=list(STAGES))
-    r.add_argument("--model", default="gpt-oss-20b")
     r.add_argument("--lengths", required=True, help="comma-separated prompt lengths, in call order")
-    r.add_argument("--rank", type=int, default=32)
-    r.add_argument("--adapters", type=int, default=8)
-    r.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
     r.add_argument("--config-T", type=int, default=64)
-    r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--out", required=True, help="JSON file for the rows")
     r.add_argument("--lock", default=None, help="lock file held around each length's timed calls")
-    r.add_argument("--weights-folder", default=None, help="LayerWeights folder (load/save the weight set)")
     c = sub.add_parser("compile", help="launch layer points once, untimed (a compile pass)")
     c.add_argument("--points", required=True, help="JSON file: a list of layer_point() dicts")
-    c.add_argument("--out", required=True, help="JSON file for the failure messages")
-    c.add_argument("--rank", type=int, default=32)
-    c.add_argument("--adapters", type=int, default=8)
-    c.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
     c.add_argument("--device", default="cuda")
-    c.add_argument("--seed", type=int, default=0)
-    c.add_argument("--weights-folder", default=None)
     n = sub.add_parser("ncu-target", help="launch the gate_up shrink (profiled by ncu)")
-    n.add_argument("--model", default="gpt-oss-20b")
-    n.add_argument("--T", type=int, default=64)
-    n.add_argument("--group-size-m", type=int, default=1)
-    n.add_argument("--points", default="", help="T:GROUP_SIZE_M,... in order (instead of --T/--group-size-m)")
-    n.add_argument("--weights-folder", default=None, help="LayerWeights folder (load/save the weight set)")
-    n.add_argument("--rank", type=int, default=32)
-    n.add_argument("--adapters", type=int, default=8)
-    n.add_argument("--seed", type=int, default=0)
+    n.add_argument("--points", required=True, help="T:GROUP_SIZE_M,... in order")
+    for s in (r, c, n):
+        s.add_argument("--model", default="gpt-oss-20b")
+        s.add_argument("--rank", type=int, default=32)
+        s.add_argument("--adapters", type=int, default=8)
+        s.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+        s.add_argument("--seed", type=int, default=0)
+        s.add_argument(
+            "--weights-folder", default=None, help="LayerWeights folder (load/save the weight set)"
+        )
+        if s is not n:
+            s.add_argument(
+                "--out", required=True, help="JSON file for the rows (recompile) or failures (compile)"
+            )
     a = p.parse_args(argv)
+    if a.cmd == "ncu-target":
+        points = [tuple(int(v) for v in pt.split(":")) for pt in a.points.split(",") if pt]
+        _ncu_target(a.model, points, a.rank, a.adapters, a.seed, a.weights_folder)
+        return 0
     if a.cmd == "compile":
         with open(a.points) as f:
             points = json.load(f)
-        store = LayerWeights(
-            rank=a.rank,
-            num_adapters=a.adapters,
-            dtype=DTYPES[a.dtype],
-            device=a.device,
-            seed=a.seed,
-            folder=a.weights_folder,
-        )
-        with open(a.out, "w") as f:
-            json.dump(compile_points(points, store), f)
-        return 0
-    if a.cmd == "recompile":
+        kw = dict(rank=a.rank, num_adapters=a.adapters, dtype=DTYPES[a.dtype], device=a.device, seed=a.seed)
+        result = compile_points(points, LayerWeights(**kw, folder=a.weights_folder))
+    else:
+        kw = dict(rank=a.rank, num_adapters=a.adapters, dtype=a.dtype, config_T=a.config_T, seed=a.seed)
         lengths = [int(x) for x in a.lengths.split(",") if x]
-        rows = run_recompile(
-            a.stage,
-            a.model,
-            lengths,
-            rank=a.rank,
-            num_adapters=a.adapters,
-            dtype=a.dtype,
-            config_T=a.config_T,
-            seed=a.seed,
-            lock_path=a.lock,
-            weights_folder=a.weights_folder,
+        result = run_recompile(
+            a.stage, a.model, lengths, **kw, lock_path=a.lock, weights_folder=a.weights_folder
         )
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        with open(a.out, "w") as f:
-            json.dump(rows, f)
-        return 0
-    points = [tuple(int(v) for v in p.split(":")) for p in a.points.split(",") if p] or [
-        (a.T, a.group_size_m)
-    ]
-    _ncu_target(a.model, points, a.rank, a.adapters, a.seed, a.weights_folder)
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(result, f)
     return 0
 
 

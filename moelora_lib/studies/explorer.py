@@ -3,19 +3,14 @@
 :func:`load_evidence` reads the committed GPU CSVs of ``data/`` (never ``data/cpu/``, whose interpreter
 timings are no performance numbers) into tidy tables; a missing file is a note, not an error.
 :func:`options` lists the values they hold, a :class:`Selection` names one view, and :func:`layer_table`,
-:func:`per_op_table`, :func:`selection_notes` and :func:`figure` build it. :class:`Explorer` wires these
-into ipywidgets controls, with the kernel lines a stage changes
-(:func:`moelora_lib.studies.notebook.show_kernel_change`), a re-measurement on this machine's GPU
-(:func:`measure`) and a tiny-shape check against the fp32 reference (:func:`tiny_check`).
-
-No kernel module is imported at import time: :func:`moelora_lib.studies.notebook.setup` must set
-``TRITON_INTERPRET`` first.
+:func:`selection_notes` and :func:`figure` build it. :class:`Explorer` wires these into ipywidgets
+controls, with the kernel lines a stage changes (:func:`moelora_lib.studies.notebook.show_kernel_change`).
+No kernel module is imported at import time (``setup`` sets ``TRITON_INTERPRET`` first).
 """
 
 from __future__ import annotations
 
 import base64
-import contextlib
 import html
 import io
 import os
@@ -37,17 +32,7 @@ LAYER_FILES = (
     ("02_naive_kernel.csv", "notebook 02: stage naive (its base part, the real GPT-OSS setting)"),
     ("12_fused.csv", "notebook 12: stage fused"),
 )
-#: Files of per-launch times, in priority order (04 and 05 are sweeps: their default-value rows count).
-PER_OP_FILES = (
-    ("07_per_op.csv", "notebook 07: stage tuned, all six launches"),
-    ("06_missed_per_op.csv", "notebook 06: stage even_k_fused_add, the LoRA ops where a target was missed"),
-    ("05_swizzle.csv", "notebook 05: the GROUP_SIZE_M sweep's row at the default value"),
-    ("04_split_k.csv", "notebook 04: the SPLIT_K sweep's row at the default value"),
-)
 SERVING_FILE = ("09_graph.csv", "notebook 09: the serving layer (routing + alignment + launches), one graph")
-#: Launch order of one layer (the activation is not timed alone).
-OPS = ("base_gate_up", "gate_up_shrink", "gate_up_expand", "base_down", "down_shrink", "down_expand")
-LORA_OPS = ("gate_up_shrink", "gate_up_expand", "down_shrink", "down_expand")
 #: The settings of the layer rows: vLLM's anchor setting (silu, no expert biases) or the preset's own.
 SETTINGS = {
     "as_anchor": "silu, no expert biases (vLLM's anchor setting)",
@@ -55,29 +40,18 @@ SETTINGS = {
 }
 #: What vLLM's figures (moe_bench.anchor_table) were measured with.
 ANCHOR_SETTING = dict(rank=32, adapters=8, pattern="uniform", setting="as_anchor")
-NEEDS_GPU = (
-    "Measuring needs a CUDA GPU, and torch sees none on this machine (torch.cuda.is_available() is False). "
-    "The numbers shown are the committed H200 evidence in data/; run this notebook on a GPU machine to "
-    "measure the selection now."
-)
 _KEY = ["stage", "model", "T", "R", "L", "pattern", "setting"]
 _LAYER_COLS = [*_KEY, "part", "us_p50", "us_p20", "us_p80", "floor_us", "config_source", "source"]
-_OP_COLS = [*_KEY, "op", "us_p50", "floor_us", "config", "source"]
-
-
-class NeedsGPU(RuntimeError):
-    """:func:`measure` was called where torch sees no CUDA device."""
 
 
 @dataclass
 class Evidence:
     """The committed evidence, tidy: ``layer`` (one row per stage, model, T, R, L, pattern, setting, part;
-    µs of CUDA-graph replay on the H200), ``per_op`` (the same per launch, column ``op``), ``anchors``
+    µs of CUDA-graph replay on the H200), ``anchors``
     (vLLM's figures, :func:`moelora_lib.studies.moe_bench.anchor_table`, or None), ``serving`` (notebook
     09's rows or None), ``notes`` (one sentence per missing or unreadable file), ``files`` (name -> rows)."""
 
     layer: Any
-    per_op: Any
     anchors: Any = None
     serving: Any = None
     notes: list[str] = field(default_factory=list)
@@ -155,7 +129,7 @@ def load_evidence(data_dir: str | os.PathLike | None = None, *, anchors: bool = 
     import pandas as pd
 
     folder = Path(data_dir) if data_dir is not None else data_path()
-    ev = Evidence(None, None, data_dir=folder)
+    ev = Evidence(None, data_dir=folder)
     layer = []
     for name, what in LAYER_FILES:
         if (df := _read(folder, name, f"the layer times of {what}", ev)) is not None:
@@ -164,21 +138,6 @@ def load_evidence(data_dir: str | os.PathLike | None = None, *, anchors: bool = 
             layer.append(_tidy(df.assign(setting=_setting(df)), name, _LAYER_COLS))
     layer = pd.concat(layer, ignore_index=True) if layer else pd.DataFrame(columns=_LAYER_COLS)
     ev.layer = layer.drop_duplicates([*_KEY, "part"], keep="first").reset_index(drop=True)
-    per_op = []
-    for name, what in PER_OP_FILES:
-        if (df := _read(folder, name, f"the per-launch times of {what}", ev)) is None:
-            continue
-        if name == "07_per_op.csv":  # notebook 07 times the launches in vLLM's setting, uniform ids
-            df = df.assign(pattern="uniform", setting="as_anchor")
-        else:
-            df = df[df["part"].isin(LORA_OPS)].rename(columns={"part": "op"})
-            df = df.assign(setting=_setting(df))
-            sweep = {"04_split_k.csv": "SPLIT_K", "05_swizzle.csv": "GROUP_SIZE_M"}.get(name)
-            if sweep:
-                df = df[df[sweep] == df["default_value"]]
-        per_op.append(_tidy(df, name, _OP_COLS))
-    per_op = pd.concat(per_op, ignore_index=True) if per_op else pd.DataFrame(columns=_OP_COLS)
-    ev.per_op = per_op.drop_duplicates([*_KEY, "op"], keep="first").reset_index(drop=True)
     name, what = SERVING_FILE
     if (folder / name).is_file():
         ev.serving = _read(folder, name, what, ev)
@@ -363,25 +322,6 @@ def layer_table(ev: Evidence, sel: Selection):
     return t
 
 
-def per_op_table(ev: Evidence, sel: Selection):
-    """The six launches (rows, launch order) × the chosen stages that have per-launch rows (µs), with the
-    floor of each launch (the first file's in :data:`PER_OP_FILES` order) and the files."""
-    import pandas as pd
-
-    rows = _pick(ev.per_op, sel)
-    rows = rows[rows["stage"].isin(sel.stages)]
-    t = pd.DataFrame(index=pd.Index(OPS, name="op"))
-    for st in sel.stages:
-        q = rows[rows["stage"] == st].set_index("op")
-        if len(q):
-            t[st] = q["us_p50"].reindex(OPS)
-    prio = {name: i for i, (name, _) in enumerate(PER_OP_FILES)}
-    ranked = rows.assign(_p=rows["source"].map(prio)).sort_values("_p", kind="stable")
-    t["floor_us"] = ranked.groupby("op")["floor_us"].first().reindex(OPS).astype(float).values
-    t["source"] = [", ".join(sorted(set(rows.loc[rows["op"] == op, "source"].str[:2]))) for op in OPS]
-    return t
-
-
 def selection_notes(ev: Evidence, sel: Selection) -> list[str]:
     """Plain sentences about what the selection lacks and why (and the missing files)."""
     notes = [] if sel.stages else ["No stage chosen: tick at least one stage."]
@@ -422,34 +362,25 @@ def selection_notes(ev: Evidence, sel: Selection) -> list[str]:
 PART_COLOR = {"lora": "#1f77b4", "base": "#ff7f0e", "total": "#2ca02c"}
 
 
-def _log_axis(axis) -> None:
-    """Decades only, labelled 1, 10, 100, ... (no minor ticks, no mathtext: half the redraw time)."""
-    from matplotlib.ticker import FuncFormatter, NullLocator
-
-    axis.set_minor_locator(NullLocator())
-    axis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
-
-
 def figure(ev: Evidence, sel: Selection):
-    """Three panels: the chosen stages at T (LoRA part, base, whole layer; dashed: vLLM's figures, dotted:
-    the floors), the LoRA part over T per stage, and the per-launch times at T. A matplotlib Figure."""
+    """Two panels: the chosen stages at T (LoRA part, base, whole layer; dashed: vLLM's figures, dotted:
+    the floors) and the LoRA part over T per stage. A matplotlib Figure (no pyplot state)."""
     import numpy as np
     from matplotlib import colormaps
     from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter, NullLocator
 
-    fig = Figure(figsize=(15, 4.1), dpi=80)  # fixed margins: a layout engine doubles the redraw time
-    ax1, ax2, ax3 = fig.subplots(1, 3, width_ratios=[1.25, 1.0, 1.0])
-    fig.subplots_adjust(left=0.05, right=0.99, bottom=0.16, top=0.93, wspace=0.3)
-    order = stage_order()
-    color = {s: colormaps["viridis"](0.9 * order.index(s) / max(1, len(order) - 1)) for s in order}
+    fig = Figure(figsize=(13, 4.1), dpi=80)  # fixed margins: a layout engine doubles the redraw time
+    ax1, ax2 = fig.subplots(1, 2, width_ratios=[1.3, 1.0])
+    fig.subplots_adjust(left=0.06, right=0.99, bottom=0.16, top=0.93, wspace=0.2)
     t = layer_table(ev, sel)
     st = t[t["kind"] == "stage"].reset_index(drop=True)
     x = np.arange(len(st))
     for i, p in enumerate(PARTS):
         ax1.bar(x + (i - 1) * 0.27, st[f"{p}_us"].fillna(0), 0.27, color=PART_COLOR[p], label=PART_LABEL[p])
     anchor = _anchor_row(ev, sel)
-    if anchor is not None:
-        for p, col in (("lora", "lora_best_us"), ("base", "base_us"), ("total", "total_best_us")):
+    for p, col in (("lora", "lora_best_us"), ("base", "base_us"), ("total", "total_best_us")):
+        if anchor is not None:
             ax1.axhline(anchor[col], color=PART_COLOR[p], ls="--", lw=1.2, label=f"vLLM {PART_LABEL[p]}")
     for _, r in t[t["kind"] == "floor"].iterrows():
         for p in ("lora", "total"):
@@ -459,13 +390,14 @@ def figure(ev: Evidence, sel: Selection):
     ax1.set_ylim(0, top * 1.4)  # room for the legend above the bars
     ax1.set_ylabel("µs (median, CUDA-graph replay)")
     ax1.set_title(f"{sel.model}, T = {sel.T}", fontsize=10)
-
+    order = stage_order()
     sweep = _pick(ev.layer, sel, every_T=True)
     sweep = sweep[sweep["part"] == "lora"] if len(sweep) else sweep
     for s in sel.stages:
         q = sweep[sweep["stage"] == s].sort_values("T")
+        c = colormaps["viridis"](0.9 * order.index(s) / max(1, len(order) - 1)) if s in order else "grey"
         if len(q):
-            ax2.plot(q["T"], q["us_p50"], "o-", ms=3, lw=1.3, color=color.get(s, "grey"), label=s)
+            ax2.plot(q["T"], q["us_p50"], "o-", ms=3, lw=1.3, color=c, label=s)
     if len(sweep):
         f = sweep.groupby("T")["floor_us"].median()
         ax2.plot(f.index, f.values, "k--", lw=1, label="floor")
@@ -473,37 +405,12 @@ def figure(ev: Evidence, sel: Selection):
         a = ev.anchors[ev.anchors["model"] == sel.model].sort_values("T")
         ax2.plot(a["T"], a["lora_best_us"], "k^:", ms=4, label="vLLM best")
     ax2.axvline(sel.T, color="red", lw=0.8, alpha=0.6)
-    ax2.set_xscale("log")
-    ax2.set_yscale("log")
-    _log_axis(ax2.xaxis)
-    _log_axis(ax2.yaxis)
-    ax2.set(xlabel="tokens T", ylabel="µs")
+    ax2.set(xscale="log", yscale="log", xlabel="tokens T", ylabel="µs")
+    for axis in (ax2.xaxis, ax2.yaxis):  # decades labelled 1, 10, 100 (no mathtext: half the redraw time)
+        axis.set_minor_locator(NullLocator())
+        axis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
     ax2.set_title("LoRA part over T", fontsize=10)
-
-    ops = per_op_table(ev, sel)
-    have = [c for c in ops.columns if c not in ("floor_us", "source")]
-    y = np.arange(len(OPS))
-    for j, s in enumerate(have):
-        h = 0.8 / len(have)
-        ax3.barh(y + (j - (len(have) - 1) / 2) * h, ops[s].fillna(0), h, color=color.get(s, "grey"), label=s)
-    if have:
-        ax3.plot(ops["floor_us"], y, "k|", ms=12, mew=2, label="floor")
-        ax3.set_xscale("log")  # the base GEMMs are 10-50x the LoRA ops
-        _log_axis(ax3.xaxis)
-    else:
-        ax3.text(
-            0.5,
-            0.5,
-            "no per-launch rows\nat this selection",
-            ha="center",
-            va="center",
-            transform=ax3.transAxes,
-        )
-    ax3.set_yticks(y, OPS, fontsize=8)
-    ax3.invert_yaxis()
-    ax3.set_xlabel("µs")
-    ax3.set_title(f"per launch at T = {sel.T}", fontsize=10)
-    for ax, kw in ((ax1, dict(ncol=3, loc="upper center")), (ax2, {}), (ax3, {})):
+    for ax, kw in ((ax1, dict(ncol=3, loc="upper center")), (ax2, {})):
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=6.5, **kw)
     return fig
@@ -585,75 +492,6 @@ def kernel_change_html(stage: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------------
-# Measuring now (GPU) and the tiny correctness check
-# ------------------------------------------------------------------------------------------------
-
-
-def measure(sel: Selection, *, seed: int = 0, warmup_ms: float = 10, rep_ms: float = 40, before=None):
-    """Time the selection now with :func:`moelora_lib.studies.moe_bench.bench_layer` for every chosen stage
-    (bf16, CUDA-graph replay, L2 flushed), one row per (stage, part). ``before``: called once right before
-    measuring. Raises :class:`NeedsGPU` where torch sees no CUDA device."""
-    import pandas as pd
-    import torch
-
-    if not torch.cuda.is_available():
-        raise NeedsGPU(NEEDS_GPU)
-    if before is not None:
-        before()
-    from . import moe_bench as mb
-
-    anchor = _effective_setting(sel) == "as_anchor"
-    kw = dict(
-        rank=sel.rank,
-        num_adapters=sel.adapters,
-        pattern=sel.pattern,
-        dtype=torch.bfloat16,
-        device="cuda",
-        seed=seed,
-        activation="silu" if anchor else None,
-        bias=False if anchor else None,
-    )
-    w = mb.layer_inputs(sel.model, sel.T, **kw)
-    rows = []
-    for st in sel.stages:
-        rows += mb.bench_layer(st, sel.model, sel.T, **kw, weights=w, warmup_ms=warmup_ms, rep_ms=rep_ms)
-    return pd.DataFrame(rows)
-
-
-def tiny_check(
-    stages, *, device: str = "cpu", dtype=None, T: int = 8, seed: int = 0, models=("tiny", "tiny-oss")
-):
-    """Every stage in ``stages`` at the tiny presets against the fp32 reference
-    (:func:`moelora_lib.studies.moe_bench.check_layer`, adapter pattern "mixed"). On the CPU the Triton
-    interpreter must be on (RuntimeError otherwise). Returns a DataFrame: stage, model, T, dtype, rel_err,
-    tolerance, delta_rel, no_adapter_rows, no_adapter_bitwise, seconds, ok (within tolerance, tokens
-    without an adapter bit-identical to the base layer, and a LoRA contribution: delta_rel > 0.01)."""
-    import pandas as pd
-    import torch
-
-    from moelora_lib.testing import TOLERANCES
-
-    dtype = dtype or torch.float32
-    if torch.device(device).type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        raise RuntimeError(
-            "the check on the CPU runs the kernels through the Triton interpreter: set TRITON_INTERPRET=1 "
-            "before any kernel import (moelora_lib.studies.notebook.setup does it for the CPU profile)"
-        )
-    from . import moe_bench as mb
-
-    rows = []
-    for st in stages:
-        for m in models:
-            t0 = time.perf_counter()
-            r = mb.check_layer(st, m, T, rank=16, num_adapters=4, dtype=dtype, device=device, seed=seed)
-            rows.append({**r, "seconds": time.perf_counter() - t0, "tolerance": TOLERANCES[dtype]})
-    df = pd.DataFrame(rows)
-    df["ok"] = (df.rel_err <= df.tolerance) & df.no_adapter_bitwise & (df.delta_rel > 0.01)
-    cols = ["stage", "model", "T", "dtype", "rel_err", "tolerance", "delta_rel", "no_adapter_rows"]
-    return df[[*cols, "no_adapter_bitwise", "seconds", "ok"]]
-
-
-# ------------------------------------------------------------------------------------------------
 # The widgets
 # ------------------------------------------------------------------------------------------------
 
@@ -663,24 +501,20 @@ def _md_code(text: str) -> str:
 
 
 class Explorer:
-    """The interactive view (ipywidgets): controls, plot, tables, notes, kernel lines, measure and check.
-
-    Displaying it shows the widgets in JupyterLab and a static copy (figure and table) where widgets do
-    not render. A control change calls :meth:`redraw`; ``last_redraw_s`` holds how long it took. The CSS
-    classes ``moelora-*`` name the parts for browser tests.
-    """
+    """The interactive view (ipywidgets): controls, plot, layer table, notes and the kernel lines a stage
+    changes. Displaying it shows the widgets in JupyterLab and a static copy (figure and table) where
+    widgets do not render. A control change calls :meth:`redraw` (``last_redraw_s``: its seconds). The CSS
+    classes ``moelora-*`` name the parts for browser tests."""
 
     LABELS = dict(model="model preset", T="tokens T", rank="rank R", adapters="adapters L")
     LABELS.update(pattern="adapter pattern", setting="setting")
 
     def __init__(
-        self, ev, selection=None, *, source_stage="even_k_fused_add", device="cpu", dtype=None, seed=0
+        self, ev: Evidence, selection: Selection | None = None, *, source_stage: str = "even_k_fused_add"
     ):
         import ipywidgets as w
 
-        self.ev, self.device, self.dtype, self.seed = ev, device, dtype, seed
-        self.opts = options(ev)
-        self.last_redraw_s, self.measured, self.checks, self._png = float("nan"), None, None, None
+        self.ev, self.opts, self.last_redraw_s, self._png = ev, options(ev), float("nan"), None
         sel = selection or Selection()
         sel = sel.validated(ev) if len(ev.layer) else sel
         dd = dict(style={"description_width": "initial"}, layout=w.Layout(width="auto"))
@@ -694,56 +528,26 @@ class Explorer:
             s: w.Checkbox(value=s in sel.stages, description=s, indent=False, layout=w.Layout(width="auto"))
             for s in self.opts["stages"]
         }
-        self._status = w.HTML().add_class("moelora-status")
-        self._plot = w.Output().add_class("moelora-plot")
-        self._table = w.HTML().add_class("moelora-table")
-        self._ops = w.HTML().add_class("moelora-ops")
-        self._notes = w.HTML().add_class("moelora-notes")
+        self._status, self._table = w.HTML().add_class("moelora-status"), w.HTML().add_class("moelora-table")
+        self._plot, self._notes = w.Output().add_class("moelora-plot"), w.HTML().add_class("moelora-notes")
         self.source_stage = w.Dropdown(
             options=stage_order(), value=source_stage, description="kernel lines of stage", **dd
         )
         self._source = w.HTML().add_class("moelora-source")
-        measure_b = w.Button(description="measure now (GPU)", icon="play", button_style="warning")
-        check_b = w.Button(description="check on tiny shapes", icon="check", button_style="info")
-        self._measure_out = w.Output().add_class("moelora-measure")
-        self._check_out = w.Output().add_class("moelora-check")
         for c in [*self.controls.values(), *self.stage_boxes.values()]:
             c.observe(self.redraw, names="value")
         self.source_stage.observe(self.show_source, names="value")
-        measure_b.on_click(lambda _b: self.measure_now())
-        check_b.on_click(lambda _b: self.run_check())
         c = self.controls
         intro = (
             "<b>The stages side by side</b>, from the committed H200 evidence (data/*.csv; medians, "
             "CUDA-graph replay, L2 flushed). The controls offer only the values those files hold."
         )
-        main = w.VBox(
-            [
-                w.HTML(intro),
-                w.HBox([c["model"], c["T"], c["rank"], c["adapters"], c["pattern"]]),
-                w.HBox([c["setting"]]),
-                w.HBox([w.Label("stages:"), *self.stage_boxes.values()]),
-                self._status,
-                self._plot,
-                self._table,
-            ]
-        ).add_class("moelora-main")
-        h = lambda text: w.HTML(f"<h4 style='margin:10px 0 2px'>{text}</h4>")  # noqa: E731
-        self.widget = w.VBox(
-            [
-                main,
-                h("Per launch, and the floors"),
-                self._ops,
-                self._notes,
-                h("The kernel lines a stage changes"),
-                self.source_stage,
-                self._source,
-                h("Measure now, check now"),
-                w.HBox([measure_b, check_b]),
-                self._measure_out,
-                self._check_out,
-            ]
-        ).add_class("moelora-explorer")
+        rows = [[c["model"], c["T"], c["rank"], c["adapters"], c["pattern"]], [c["setting"]]]
+        rows.append([w.Label("stages:"), *self.stage_boxes.values()])
+        main = [w.HTML(intro), *map(w.HBox, rows), self._status, self._plot, self._table]
+        head = w.HTML("<h4 style='margin:10px 0 2px'>The kernel lines a stage changes</h4>")
+        parts = [w.VBox(main).add_class("moelora-main"), self._notes, head, self.source_stage, self._source]
+        self.widget = w.VBox(parts).add_class("moelora-explorer")
         if len(ev.layer):
             self.redraw()
         else:
@@ -805,7 +609,6 @@ class Explorer:
             image = {"image/png": base64.b64encode(png).decode("ascii"), "text/plain": "<explorer figure>"}
             self._plot.outputs = ({"output_type": "display_data", "data": image, "metadata": {}},)
             self._table.value = table_html(layer_table(self.ev, sel))
-            self._ops.value = table_html(per_op_table(self.ev, sel), index=True)
             notes = selection_notes(self.ev, sel)
             self._notes.value = "".join(f"<div style='font-size:12px'>• {_md_code(n)}</div>" for n in notes)
         except Exception as exc:
@@ -833,57 +636,6 @@ class Explorer:
                 ctl.value = v
                 rows.append(dict(control=key, value=v, seconds=self.last_redraw_s))
         return pd.DataFrame(rows)
-
-    def _area(self, out, show: bool):
-        if not show:
-            return contextlib.nullcontext()
-        out.clear_output()
-        return out
-
-    def measure_now(self, *, show: bool = True):
-        """:func:`measure` the selection beside the committed numbers (µs per stage and part; raw rows in
-        ``self.measured``); without CUDA, say so and return None. ``show``: into the widget's area."""
-        from IPython.display import HTML, display
-
-        sel = self.selection()
-        with self._area(self._measure_out, show):
-            try:
-                df = measure(
-                    sel, seed=self.seed, before=lambda: print(f"measuring {sel.label()} on the GPU ...")
-                )
-            except NeedsGPU as exc:
-                display(HTML(f"<b>{html.escape(str(exc))}</b>"))
-                return None
-            now = df.pivot_table(index="stage", columns="part", values="us_p50").reindex(list(sel.stages))
-            committed = layer_table(self.ev, sel).set_index("row")[[f"{p}_us" for p in PARTS]]
-            both = now.reindex(columns=list(PARTS)).rename(columns=lambda p: f"{p}_us_now")
-            both = (
-                both.join(committed.rename(columns=lambda c: f"{c}_committed"))
-                .rename_axis("stage")
-                .reset_index()
-            )
-            print(f"measured on: {df['gpu'].iloc[0]}; committed on: NVIDIA H200")
-            if show:
-                display(HTML(table_html(both)))
-        self.measured = df
-        return both
-
-    def run_check(self, *, show: bool = True):
-        """:func:`tiny_check` of the chosen stages (all when none is ticked); returns the DataFrame."""
-        import torch
-        from IPython.display import HTML, display
-
-        stages = self.selection().stages or tuple(self.opts["stages"])
-        with self._area(self._check_out, show):
-            where = (
-                "the Triton interpreter on the CPU" if self.device == "cpu" else f"the GPU ({self.device})"
-            )
-            print(f"checking {len(stages)} stages at the tiny presets through {where} ...")
-            df = tiny_check(stages, device=self.device, dtype=self.dtype or torch.float32, seed=self.seed)
-            if show:
-                display(HTML(table_html(df)))
-        self.checks = df
-        return df
 
     def _repr_mimebundle_(self, include=None, exclude=None):
         data = self.widget._repr_mimebundle_(include=include, exclude=exclude)

@@ -269,12 +269,12 @@ def stage_kernel_source(stage_name: str) -> str:
     return "\n".join(parts) + "\n"
 
 
-def show_kernel_change(prev_stage: str, stage: str) -> str:
+def show_kernel_change(prev_stage: str, stage: str, *, show: bool = True) -> str:
     """The kernel lines ``stage`` changes against ``prev_stage``: a unified diff (difflib, 3 lines of
     context) of :func:`stage_kernel_source` of the two stages, i.e. of the jitted kernels' source
     (``inspect.getsource(kernel.fn)``) as each stage compiles it. Shown as a Markdown ``diff`` block when
-    running in IPython; returns the diff text ("" when the stages launch the same kernel source, e.g.
-    ``tuned``, which changes only where its configs come from).
+    running in IPython and ``show``; returns the diff text ("" when the stages launch the same kernel
+    source, e.g. ``tuned``, which changes only where its configs come from).
 
     Raises ValueError naming the argument (``prev_stage`` or ``stage``) for an unknown stage name.
     """
@@ -286,14 +286,9 @@ def show_kernel_change(prev_stage: str, stage: str) -> str:
     a = stage_kernel_source(prev_stage).splitlines(keepends=True)
     b = stage_kernel_source(stage).splitlines(keepends=True)
     diff = "".join(difflib.unified_diff(a, b, fromfile=prev_stage, tofile=stage, n=3))
-    try:
-        from IPython import get_ipython
+    if show and "IPython" in sys.modules and sys.modules["IPython"].get_ipython() is not None:
         from IPython.display import Markdown, display
-    except ImportError:
-        return diff
-    if get_ipython() is not None:
-        shown = (
-            diff or f"(no kernel line differs: `{stage}` launches the kernels of `{prev_stage}` unchanged)\n"
-        )
-        display(Markdown(f"```diff\n{shown}```" if diff else shown))
+
+        same = f"(no kernel line differs: `{stage}` launches the kernels of `{prev_stage}` unchanged)"
+        display(Markdown(f"```diff\n{diff}```" if diff else same))
     return diff

@@ -17,6 +17,7 @@ interpreter, never the kernel.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import functools
 import importlib.metadata
@@ -74,40 +75,43 @@ def _quantiles(times_ms: list[float]) -> tuple[float, float, float]:
 CLEAN_FLUSH_BYTES = 256 * 1024 * 1024
 
 
-def _events(
-    fn: Callable[[], Any], warmup_ms: float, rep_ms: float, before: Callable[[], Any] | None = None
-) -> list[float]:
+def _elapsed_ms(fn: Callable[[], Any], n: int) -> float:
+    """Mean CUDA-event time of ``n`` back-to-back calls of ``fn``, in ms."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n
+
+
+def _events(fn: Callable[[], Any], warmup_ms: float, rep_ms: float, before: Callable[[], Any] = lambda: None):
     """do_bench's event loop: per-call CUDA-event times in ms; ``before`` (untimed, e.g. an L2 flush) runs
     ahead of every call and counts in the 5-call estimate of the repetition count, as in do_bench."""
     import torch
 
     def once():
-        if before is not None:
-            before()
+        before()
         fn()
 
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
+    estimate_ms = max(_elapsed_ms(once, 5), 1e-4)
+    for _ in range(max(1, int(warmup_ms / estimate_ms))):
         once()
-    end.record()
-    torch.cuda.synchronize()
-    estimate_ms = max(start.elapsed_time(end) / 5, 1e-4)
-    n_warmup = max(1, int(warmup_ms / estimate_ms))
     n_repeat = max(1, int(rep_ms / estimate_ms))
-    for _ in range(n_warmup):
-        once()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n_repeat)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n_repeat)]
-    for s, e in zip(starts, ends):
-        if before is not None:
-            before()
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n_repeat)
+    ]
+    for s, e in events:
+        before()
         s.record()
         fn()
         e.record()
     torch.cuda.synchronize()
-    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+    return [s.elapsed_time(e) for s, e in events]
 
 
 @functools.lru_cache(maxsize=1)
@@ -139,11 +143,12 @@ def _warm_up(fn: Callable[[], Any]) -> None:
     torch.cuda.synchronize()
 
 
-def _capture(fn: Callable[[], Any]):
-    """One call of ``fn`` captured into a ``torch.cuda.CUDAGraph``, replayed once (the first replay uploads
-    the graph, kept out of any timing); returns the graph."""
+def capture_graph(fn: Callable[[], Any]):
+    """``fn`` warmed up as :func:`time_cuda` does and captured into a ``torch.cuda.CUDAGraph`` (replayed
+    once to upload it, outside any timing); returns the graph. CUDA only."""
     import torch
 
+    _warm_up(fn)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):  # captures on its own side stream
         fn()
@@ -151,13 +156,6 @@ def _capture(fn: Callable[[], Any]):
     graph.replay()
     torch.cuda.synchronize()
     return graph
-
-
-def capture_graph(fn: Callable[[], Any]):
-    """``fn`` warmed up as :func:`time_cuda` does and captured into a ``torch.cuda.CUDAGraph`` (replayed
-    once to upload it); returns the graph. CUDA only."""
-    _warm_up(fn)
-    return _capture(fn)
 
 
 def time_cuda(
@@ -199,22 +197,10 @@ def time_cuda(
             "use moelora_lib.studies.bench.time_cpu on the cpu profile"
         )
 
-    _warm_up(fn)  # outside any timed region: compilation, autotuning, allocator growth
-    target: Callable[[], Any] = fn
-    graph = None
-    if mode == "graph":
-        graph = _capture(fn)
-        target = graph.replay
-
+    graph = capture_graph(fn) if mode == "graph" else _warm_up(fn)  # compilation, autotuning: untimed
+    target = graph.replay if graph is not None else fn
     if min_reps is not None:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(3):
-            target()
-        end.record()
-        torch.cuda.synchronize()
-        rep_ms = max(rep_ms, min_reps * start.elapsed_time(end) / 3)
-
+        rep_ms = max(rep_ms, min_reps * _elapsed_ms(target, 3))
     if flush_l2 == "clean":
         p50, p20, p80 = _quantiles(_events(target, warmup_ms, rep_ms, before=clean_l2_flush()))
     elif flush_l2:  # True or "dirty"
@@ -232,10 +218,8 @@ def time_cuda(
 def time_cpu(fn: Callable[[], Any], *, reps: int = 3, warmup: int = 1) -> Timing:
     """Wall-clock ``fn()`` (``time.perf_counter``): ``warmup`` untimed calls, then ``reps`` timed ones; mode
     "cpu". Under the interpreters the numbers are interpreter cost, never kernel performance."""
-    if reps < 1:
-        raise ValueError(f"reps must be >= 1, got {reps}")
-    if warmup < 0:
-        raise ValueError(f"warmup must be >= 0, got {warmup}")
+    if reps < 1 or warmup < 0:
+        raise ValueError(f"reps must be >= 1 and warmup >= 0, got reps={reps}, warmup={warmup}")
     for _ in range(warmup):
         fn()
     times = []
@@ -243,8 +227,7 @@ def time_cpu(fn: Callable[[], Any], *, reps: int = 3, warmup: int = 1) -> Timing
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
-    p50, p20, p80 = _quantiles(times)
-    return Timing(p50, p20, p80, "cpu")
+    return Timing(*_quantiles(times), "cpu")
 
 
 #: Timing modes that mean "wall clock on the CPU" (the rows of the cpu profile say "cpu-interpreter").
@@ -289,10 +272,9 @@ def compute_floor_us(flops: float, tflops: float = H200_BF16_TFLOPS) -> float:
 
 
 def _version(dist: str) -> str:
-    try:
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
         return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return "absent"
+    return "absent"
 
 
 def _run(*argv: str) -> str | None:
@@ -339,17 +321,13 @@ def _gpu_info() -> dict[str, Any]:
 @functools.lru_cache(maxsize=1)
 def _static_env() -> dict[str, Any]:
     """The parts of the record that do not change within one process (computed once)."""
-    rec = _gpu_info()
-    rec.update(
-        torch=_version("torch"),
-        triton=_version("triton"),
-        helion=_version("helion"),
-        numpy=_version("numpy"),
-        python=platform.python_version(),
-        git_commit=git_commit(),
-        hostname=socket.gethostname(),
-    )
-    return rec
+    rec = {**_gpu_info(), **{d: _version(d) for d in ("torch", "triton", "helion", "numpy")}}
+    return {
+        **rec,
+        "python": platform.python_version(),
+        "git_commit": git_commit(),
+        "hostname": socket.gethostname(),
+    }
 
 
 def env_record() -> dict[str, Any]:
@@ -367,14 +345,7 @@ def result_row(**fields: Any) -> dict[str, Any]:
     ``MOELORA_TUNED_CONFIG_FOLDER`` in force, or None); a :class:`Timing` passed as ``timing=`` becomes
     ms_p50/ms_p20/ms_p80/mode. Explicit fields win over the environment columns."""
     env = env_record()
-    row: dict[str, Any] = {
-        "gpu": env["gpu"],
-        "torch": env["torch"],
-        "triton": env["triton"],
-        "helion": env["helion"],
-        "git_commit": env["git_commit"],
-        "tuned_config_folder": env[TUNED_CONFIG_ENV],
-    }
+    row = {k: env[TUNED_CONFIG_ENV if k == "tuned_config_folder" else k] for k in ENV_COLUMNS}
     timing = fields.pop("timing", None)
     if isinstance(timing, Timing):
         fields = {**timing.as_dict(), **fields}

@@ -212,14 +212,10 @@ class Selection:
     def validated(self, ev: Evidence) -> Selection:
         """Raise ValueError naming the field when a value is not in the CSVs (:func:`options`)."""
         opts = options(ev)
-        for key in ("model", "T", "rank", "adapters", "pattern", "setting"):
-            if getattr(self, key) not in opts[key]:
-                raise ValueError(
-                    f"{key} = {getattr(self, key)!r} is not in the committed CSVs; they hold {opts[key]}"
-                )
-        bad = [s for s in self.stages if s not in opts["stages"]]
-        if bad:
-            raise ValueError(f"stages {bad} are not in the committed CSVs; they hold {opts['stages']}")
+        for key, have in opts.items():
+            value = getattr(self, key)
+            if (key == "stages" and set(value) - set(have)) or (key != "stages" and value not in have):
+                raise ValueError(f"{key} = {value!r} is not in the committed CSVs; they hold {have}")
         return replace(self, stages=tuple(s for s in opts["stages"] if s in self.stages))
 
 
@@ -243,25 +239,17 @@ def _pick(df, sel: Selection, *, every_T: bool = False):
     return df[m if every_T else m & (df["T"] == sel.T)]
 
 
+def _applies(sel: Selection) -> bool:
+    """Whether vLLM's figures apply to ``sel`` (:data:`ANCHOR_SETTING`)."""
+    here = dict(rank=sel.rank, adapters=sel.adapters, pattern=sel.pattern, setting=_effective_setting(sel))
+    return here == ANCHOR_SETTING
+
+
 def _anchor_row(ev: Evidence, sel: Selection):
-    a = ANCHOR_SETTING
-    applies = (sel.rank, sel.adapters, sel.pattern, _effective_setting(sel)) == (
-        a["rank"],
-        a["adapters"],
-        a["pattern"],
-        a["setting"],
-    )
-    if ev.anchors is None or not applies:
+    if ev.anchors is None or not _applies(sel):
         return None
     q = ev.anchors[(ev.anchors["model"] == sel.model) & (ev.anchors["T"] == sel.T)]
     return q.iloc[0] if len(q) else None
-
-
-def _applies(sel: Selection) -> bool:
-    a = ANCHOR_SETTING
-    return (sel.rank, sel.adapters, sel.pattern, _effective_setting(sel)) == tuple(
-        a[k] for k in ("rank", "adapters", "pattern", "setting")
-    )
 
 
 def layer_table(ev: Evidence, sel: Selection):
@@ -273,14 +261,10 @@ def layer_table(ev: Evidence, sel: Selection):
 
     nan = float("nan")
     rows = _pick(ev.layer, sel)
-    piv = (
-        rows.pivot_table(index="stage", columns="part", values="us_p50", aggfunc="first")
-        if len(rows)
-        else None
-    )
+    piv = rows.pivot_table(index="stage", columns="part", values="us_p50", aggfunc="first")
 
     def us(stage, part):
-        return float(piv.at[stage, part]) if piv is not None and stage in piv.index and part in piv else nan
+        return float(piv.at[stage, part]) if stage in piv.index and part in piv else nan
 
     anchor = _anchor_row(ev, sel)
     out = []
@@ -295,16 +279,8 @@ def layer_table(ev: Evidence, sel: Selection):
         out.append(r)
     if anchor is not None:
         for label, kind in (("vLLM best path", "best"), ("vLLM current path", "current")):
-            out.append(
-                dict(
-                    row=label,
-                    kind="vllm",
-                    lora_us=float(anchor[f"lora_{kind}_us"]),
-                    base_us=float(anchor["base_us"]),
-                    total_us=float(anchor[f"total_{kind}_us"]),
-                    source="anchors",
-                )
-            )
+            us_ = {f"{p}_us": float(anchor[f"{p}_{kind}_us" if p != "base" else "base_us"]) for p in PARTS}
+            out.append(dict(row=label, kind="vllm", **us_, source="anchors"))
     if len(rows):
         fl = rows.groupby("part")["floor_us"].median()
         floors = {f"{p}_us": float(fl.get(p, nan)) for p in PARTS}

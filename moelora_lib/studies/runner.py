@@ -189,12 +189,10 @@ def write_kernelspec(jupyter_dir: str | os.PathLike, executable: str | None = No
     name = kernel_name_for(exe)
     spec_dir = Path(jupyter_dir) / "kernels" / name
     spec_dir.mkdir(parents=True, exist_ok=True)
-    spec = {
-        "argv": [exe, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": "Python 3 (moelora runner)",
-        "language": "python",
-        "metadata": {"debugger": False},
-    }
+    argv = [exe, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+    spec = dict(
+        argv=argv, display_name="Python 3 (moelora runner)", language="python", metadata={"debugger": False}
+    )
     (spec_dir / "kernel.json").write_text(json.dumps(spec, indent=1) + "\n")
     return name
 
@@ -429,26 +427,20 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
-    only = args.only
+    # Usage errors are refused before anything is written: a gpu run without CUDA would overwrite the
+    # committed executed notebooks in data/executed/ with failed copies and log a failed row.
     try:
-        notebooks = find_notebooks(args.notebooks, only)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if args.list:
-        for nb in notebooks:
-            print(nb.name)
-        return 0
-    if not notebooks:
-        print(f"error: no notebooks matching {NOTEBOOK_GLOB} in {args.notebooks}", file=sys.stderr)
-        return 2
-    profile = resolve_profile(args.profile)
-    # Refuse before anything is written: a gpu run without CUDA would overwrite the committed executed
-    # notebooks in data/executed/ with failed copies and log a failed row.
-    try:
+        notebooks = find_notebooks(args.notebooks, args.only)
+        if args.list:
+            for nb in notebooks:
+                print(nb.name)
+            return 0
+        if not notebooks:
+            raise ValueError(f"no notebooks matching {NOTEBOOK_GLOB} in {args.notebooks}")
+        profile = resolve_profile(args.profile)
         require_cuda(profile)
         prepare_out_dir(args.out if args.out is not None else default_out_dir(profile))
-    except (NoCudaDevice, OSError) as exc:
+    except (ValueError, NoCudaDevice, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
@@ -457,7 +449,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.notebooks,
             args.out,
             profile,
-            only,
+            args.only,
             log_output=args.log_output,
             progress_bar=not args.no_progress,
             keep_going=args.keep_going,
@@ -473,18 +465,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     failed = [r for r in results if r.status != "ok"]
     total = time.perf_counter() - t0
-    n_ok = len(results) - len(failed)
-    print(f"\n{n_ok} of {len(notebooks)} notebooks ok, profile={profile}, {total:.1f} s")
+    print(
+        f"\n{len(results) - len(failed)} of {len(notebooks)} notebooks ok, profile={profile}, {total:.1f} s"
+    )
     for r in results:
         print(f"  {r.status:6s} {r.seconds:8.1f} s  {r.notebook}")
-    not_run = len(notebooks) - len(results)
-    if not_run:
-        print(f"  ({not_run} not run after the first failure; use --keep-going to run them)")
-    if failed:
-        for r in failed:
-            print(f"FAILED: {r.error}", file=sys.stderr)
-        return 1
-    return 0
+    if len(notebooks) > len(results):
+        n = len(notebooks) - len(results)
+        print(f"  ({n} not run after the first failure; use --keep-going to run them)")
+    for r in failed:
+        print(f"FAILED: {r.error}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -438,22 +438,18 @@ def table_html(df, *, index: bool = False) -> str:
 
 def kernel_change_html(stage: str) -> str:
     """The kernel lines ``stage`` changes against the stage before it in the registry, as HTML (the first
-    stage: its LoRA kernels' source as it compiles them); see
-    :func:`moelora_lib.studies.notebook.show_kernel_change`."""
+    stage: its kernels' source); see :func:`moelora_lib.studies.notebook.show_kernel_change`."""
     from .notebook import show_kernel_change, stage_kernel_source
 
     order = stage_order()
     i = order.index(stage)
-    if i == 0:
-        text, head = (
-            stage_kernel_source(stage),
-            f"Stage <code>{stage}</code> is the starting point: its kernels.",
-        )
-    else:
-        text = show_kernel_change(order[i - 1], stage, show=False)
-        head = f"What <code>{stage}</code> changes in the kernels against <code>{order[i - 1]}</code>:"
-        if not text:
-            head = f"<code>{stage}</code> launches the kernels of <code>{order[i - 1]}</code> unchanged."
+    prev = order[i - 1] if i else None
+    text = show_kernel_change(prev, stage, show=False) if prev else stage_kernel_source(stage)
+    head = f"What <code>{stage}</code> changes in the kernels against <code>{prev}</code>:"
+    if not prev:
+        head = f"Stage <code>{stage}</code> is the starting point: its kernels."
+    elif not text:
+        head = f"<code>{stage}</code> launches the kernels of <code>{prev}</code> unchanged."
     color = {"+": "#e6ffed", "-": "#ffeef0", "@": "#f1f8ff"}
     lines = [
         f"<span style='background:{color[ln[0]]}'>{html.escape(ln)}</span>"
@@ -544,29 +540,19 @@ class Explorer:
         """Set controls by name (model, T, rank, adapters, pattern, setting; ``stages``: a stage name or a
         list of them) as a user would; returns the seconds of the last redraw. Raises ValueError for an
         unknown control, a value it does not offer or an unknown stage; a refused call changes nothing."""
-        unknown = [k for k in values if k != "stages" and k not in self.controls]
-        if unknown:
-            raise ValueError(f"unknown control {unknown[0]!r}; controls are {['stages', *self.controls]}")
-        for k, v in values.items():
-            if k != "stages":
-                allowed = [o[1] if isinstance(o, tuple) else o for o in self.controls[k].options]
-                if v not in allowed or isinstance(v, bool):
-                    raise ValueError(f"{k}: {v!r} is not one of the values the evidence holds: {allowed}")
-        names = values.get("stages")
-        if "stages" in values:
-            if isinstance(names, str):
-                names = [names]
-            if not (
-                isinstance(names, (list, tuple, set, frozenset)) and all(isinstance(n, str) for n in names)
+        for k, v in values.items():  # every value checked before anything changes
+            if k == "stages":
+                names = [v] if isinstance(v, str) else v
+                if not isinstance(names, (list, tuple, set, frozenset)) or set(names) - set(self.stage_boxes):
+                    raise ValueError(
+                        f"stages: expected a stage name or a list of {list(self.stage_boxes)}, got {v!r}"
+                    )
+            elif k not in self.controls:
+                raise ValueError(f"unknown control {k!r}; controls are {['stages', *self.controls]}")
+            elif v not in (
+                allowed := [o[1] if isinstance(o, tuple) else o for o in self.controls[k].options]
             ):
-                raise ValueError(
-                    f"stages must be a stage name or a list of stage names, got {values['stages']!r}"
-                )
-            bad = [n for n in names if n not in self.stage_boxes]
-            if bad:
-                raise ValueError(
-                    f"stages: unknown stage {bad[0]!r}; the stages shown are {list(self.stage_boxes)}"
-                )
+                raise ValueError(f"{k}: {v!r} is not one of the values the evidence holds: {allowed}")
         for k, v in values.items():
             if k == "stages":
                 for s, b in self.stage_boxes.items():
@@ -605,8 +591,10 @@ class Explorer:
         rows = []
         for key, ctl in self.controls.items():
             start = ctl.value
-            other = next((o[1] if isinstance(o, tuple) else o for o in ctl.options if o != start), None)
-            for v in [other, start] if other is not None and other != start else [start]:
+            other = next(
+                (v for o in ctl.options if (v := o[1] if isinstance(o, tuple) else o) != start), None
+            )
+            for v in [other, start] if other is not None else [start]:
                 if v == ctl.value:
                     self.redraw()  # no change, no redraw: force one so every control is timed
                 ctl.value = v

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .runner import REPO_ROOT, resolve_profile
+from .runner import REPO_ROOT, _set_env, resolve_profile
 
 __all__ = ["NotebookSession", "setup", "progress", "save_figure", "conclude", "rel", "show_kernel_change"]
 
@@ -83,10 +83,7 @@ def setup(notebook: str, profile: str = "auto", seed: int = 0, *, save_env: bool
                 "kernel modules were already imported in the other mode: restart the kernel and run from "
                 "the top"
             )
-        if interpret_wanted:
-            os.environ["TRITON_INTERPRET"] = "1"
-        else:
-            os.environ.pop("TRITON_INTERPRET", None)
+        _set_env("TRITON_INTERPRET", "1" if interpret_wanted else None)
 
     import pandas as pd
     import torch
@@ -101,24 +98,13 @@ def setup(notebook: str, profile: str = "auto", seed: int = 0, *, save_env: bool
     data = bench.data_path() if profile == "gpu" else bench.data_path("cpu")
     figures = data / "figures"
     figures.mkdir(parents=True, exist_ok=True)
-    env = (
-        bench.save_env(bench.data_path("env", f"{notebook}_{profile}.json"))
-        if save_env
-        else bench.env_record()
-    )
+    env_path = bench.data_path("env", f"{notebook}_{profile}.json")
+    env = bench.save_env(env_path) if save_env else bench.env_record()
     gpu = profile == "gpu"
-    session = NotebookSession(
-        notebook,
-        profile,
-        "cuda" if gpu else "cpu",
-        torch.bfloat16 if gpu else torch.float32,
-        data,
-        figures,
-        env,
-    )
+    device, dtype = ("cuda", torch.bfloat16) if gpu else ("cpu", torch.float32)
+    session = NotebookSession(notebook, profile, device, dtype, data, figures, env)
     shown = {k: env.get(k) for k in ("gpu", "torch", "triton", "helion", "git_commit")}
-    dtype = str(session.dtype).removeprefix("torch.")
-    print(f"profile={profile} device={session.device} dtype={dtype} data={rel(data)} {shown}")
+    print(f"profile={profile} device={device} dtype={str(dtype)[6:]} data={rel(data)} {shown}")
     return session
 
 
@@ -173,15 +159,8 @@ _LORA_KERNELS = ("lora_shrink", "lora_expand")
 
 def _fixed_constexprs(stage) -> dict[str, Any]:
     """The constexprs a stage fixes in the LoRA kernels (what its :meth:`Stage.adapt` and launches force)."""
-    fixed: dict[str, Any] = {}
-    if not stage.split_k:
-        fixed["SPLIT_K"] = 1
-    if not stage.swizzle:
-        fixed["GROUP_SIZE_M"] = 1
-    if not stage.even_k:
-        fixed["EVEN_K"] = False
-    fixed["ADD_INPUTS"] = bool(stage.fused_add)
-    return fixed
+    off = {"SPLIT_K": (stage.split_k, 1), "GROUP_SIZE_M": (stage.swizzle, 1), "EVEN_K": (stage.even_k, False)}
+    return {**{k: v for k, (on, v) in off.items() if not on}, "ADD_INPUTS": bool(stage.fused_add)}
 
 
 def _resolve_branches(src: str, fixed: dict[str, Any]) -> str:

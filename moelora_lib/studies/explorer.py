@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .bench import REPO_ROOT, data_path
+from .notebook import rel
 
 PARTS = ("lora", "base", "total")
 PART_LABEL = {"lora": "LoRA part", "base": "base MoE", "total": "whole layer"}
@@ -59,25 +60,18 @@ class Evidence:
     data_dir: Path = field(default_factory=data_path)
 
 
-def _rel(path: Path) -> str:
-    try:
-        return path.resolve().relative_to(REPO_ROOT).as_posix()
-    except ValueError:
-        return path.name
-
-
 def _read(folder: Path, name: str, what: str, ev: Evidence):
     import pandas as pd
 
     path = folder / name
     if not path.is_file():
-        ev.notes.append(f"`{_rel(path)}` not found: {what} are not shown.")
+        ev.notes.append(f"`{rel(path)}` not found: {what} are not shown.")
         return None
     try:
         df = pd.read_csv(path)
     except Exception as exc:  # noqa: BLE001 - a broken file is reported, not fatal
         ev.notes.append(
-            f"`{_rel(path)}` could not be read ({type(exc).__name__}: {exc}): {what} are not shown."
+            f"`{rel(path)}` could not be read ({type(exc).__name__}: {exc}): {what} are not shown."
         )
         return None
     ev.files[name] = len(df)
@@ -143,7 +137,7 @@ def load_evidence(data_dir: str | os.PathLike | None = None, *, anchors: bool = 
         ev.serving = _read(folder, name, what, ev)
     else:
         ev.notes.append(
-            f"`{_rel(folder / name)}` not found: notebook 09 has not been run on the GPU yet; the serving "
+            f"`{rel(folder / name)}` not found: notebook 09 has not been run on the GPU yet; the serving "
             "layer's rows appear once it has."
         )
     if anchors:
@@ -154,9 +148,9 @@ def load_evidence(data_dir: str | os.PathLike | None = None, *, anchors: bool = 
             path = folder / path.relative_to(REPO_ROOT / "data")
         if path.is_file():
             ev.anchors = moe_bench.anchor_table(path)
-            ev.files[_rel(path)] = len(ev.anchors)
+            ev.files[rel(path)] = len(ev.anchors)
         else:
-            ev.notes.append(f"`{_rel(path)}` not found: vLLM's figures are not shown.")
+            ev.notes.append(f"`{rel(path)}` not found: vLLM's figures are not shown.")
     return ev
 
 
@@ -183,7 +177,7 @@ def options(ev: Evidence) -> dict[str, list]:
 def describe(ev: Evidence) -> str:
     """A few lines: which files were read (rows), the values the controls offer, the missing files."""
     opts = options(ev)
-    lines = [f"evidence read from {_rel(ev.data_dir)}/ (GPU run, read-only):"]
+    lines = [f"evidence read from {rel(ev.data_dir)}/ (GPU run, read-only):"]
     lines += [f"  {name}: {n} rows" for name, n in ev.files.items()]
     lines.append("controls offer what the CSVs hold: " + "; ".join(f"{k} {v}" for k, v in opts.items()))
     return "\n".join(lines + [f"note: {n}" for n in ev.notes])

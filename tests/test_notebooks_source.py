@@ -1,9 +1,11 @@
 """The notebooks are the source: checks on the committed ``notebooks/NN_*.ipynb`` files,
 plus the layering rule that the product never imports the studies.
 
-Per notebook: committed without outputs; one ``parameters`` cell of literal assignments with
+Per notebook (the shape of notebook 01): a first cell of Markdown with the question and the prediction,
+at most 250 words; committed without outputs; one ``parameters`` cell of literal assignments with
 ``PROFILE = "auto"``; the kernelspec/language metadata papermill needs; a last cell that renders the
-written conclusion (``conclude(...)``); no references a clone does not have and no unformatted
+written conclusion as Markdown (``conclude(...)`` or ``Markdown(...)``); no run history in any cell
+(commit hashes, dates, "last run", session talk); no references a clone does not have and no unformatted
 ``{NAME}`` placeholders in prose. For the suite: ``ruff check notebooks/`` is clean.
 """
 
@@ -29,6 +31,25 @@ FORBIDDEN = {
     "shared/notes": re.compile(r"shared/notes"),
     "/work/": re.compile(r"/work/"),
     "issue <n>": re.compile(r"\bissue \d", re.IGNORECASE),
+    # each notebook writes its conclusion in its last cell; the package that rendered them is gone
+    "studies.conclusions": re.compile(r"studies\.conclusions|studies import conclusions"),
+}
+#: Words allowed in a notebook's first (Markdown) cell: the question, the prediction, how to read it.
+INTRO_WORDS = 250
+# Run history has no place in a notebook: it lives in git log and docs/perf_notes.md.
+HISTORY = {
+    "commit hash": re.compile(r"\b(?=[0-9a-f]*[0-9])(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b"),
+    "date": re.compile(
+        r"\b20\d\d-[01]\d-[0-3]\d\b"
+        r"|\b\d{1,2} (Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec)[a-z]* 20\d\d\b"
+        r"|\b(January|February|March|April|May|June|July|August|September|October|November|December) "
+        r"\d{1,2},? 20\d\d\b"
+    ),
+    "run history": re.compile(
+        r"\b(sessions?|last run|previous run|earlier run|this round|round \d+"
+        r"|(first|second|third|next) round)\b",
+        re.IGNORECASE,
+    ),
 }
 # A `{WARMUP_MS}`-style placeholder left in Markdown prose (it only renders in an f-string).
 PLACEHOLDER = re.compile(r"\{[A-Za-z_][A-Za-z0-9_]*\}")
@@ -55,6 +76,56 @@ def _ids(paths):
 
 def test_there_are_notebooks():
     assert NOTEBOOKS, "no notebooks/NN_*.ipynb found"
+
+
+def _words(markdown: str) -> int:
+    return len([w for w in markdown.split() if re.search(r"[A-Za-z0-9]", w)])
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
+def test_first_cell_is_a_short_markdown_intro(path: Path):
+    first = _read(path).cells[0]
+    assert first.cell_type == "markdown", f"{path.name}: the first cell is {first.cell_type}, not Markdown"
+    n = _words(first.source)
+    assert n <= INTRO_WORDS, (
+        f"{path.name}: the first cell has {n} words; keep the question, the prediction and how to read "
+        f"the notebook within {INTRO_WORDS} (details go next to the code they explain)"
+    )
+
+
+def _history_text(cell, what: str) -> str:
+    """Where ``what`` is looked for: hashes and dates anywhere; run-history words in Markdown and in code
+    comments (code may name a CSV value such as the tuner's ``kind == "session"`` rows)."""
+    if what != "run history" or cell.cell_type == "markdown":
+        return cell.source
+    return "\n".join(line.split("#", 1)[1] for line in cell.source.splitlines() if "#" in line)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
+def test_no_run_history(path: Path):
+    problems = [
+        f"cell {i}: {what} {m.group()!r} in {text[max(0, m.start() - 40) : m.end() + 40]!r}"
+        for i, cell in enumerate(_read(path).cells)
+        for what, pattern in HISTORY.items()
+        for text in [_history_text(cell, what)]
+        for m in pattern.finditer(text)
+    ]
+    assert not problems, (
+        f"{path.name} carries run history (it belongs in git log and docs/perf_notes.md):\n  "
+        + "\n  ".join(problems)
+    )
+
+
+def test_history_patterns():
+    """The run-history scanner itself: hashes, dates and session talk found; colours, numbers and
+    ordinary words not."""
+    found = lambda text: [w for w, p in HISTORY.items() if p.search(text)]  # noqa: E731
+    assert found("measured at 2c3c5d1 on the H200") == ["commit hash"]
+    assert found("run on 2026-12-01") == ["date"] and found("on 3 Dec 2026") == ["date"]
+    assert found("In the last run it was faster") == ["run history"]
+    assert found("this session measured it") == ["run history"]
+    for text in ("color='#1f77b4'", "T = 1600000", "a decade of deadbeef", "NotebookSession", "2 ** 20"):
+        assert found(text) == [], text
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
@@ -110,12 +181,13 @@ def test_kernel_metadata_for_papermill(path: Path):
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
 def test_ends_with_the_written_conclusion(path: Path):
-    """The last cell renders the written conclusion from the CSV the notebook just wrote
-    (``conclude(...)`` from moelora_lib.studies.notebook), so a reader does not decode printed tables."""
+    """The last cell renders the written conclusion from the CSV the notebook just wrote (Markdown via
+    ``conclude(...)`` or ``IPython.display.Markdown``), so a reader does not decode printed tables."""
     last = _read(path).cells[-1]
-    assert last.cell_type == "code" and "conclude(" in last.source, (
-        f"{path.name}: the last cell must be a code cell calling conclude(...) with the rendered "
-        f"conclusion; it is a {last.cell_type} cell starting {last.source.strip()[:60]!r}"
+    assert last.cell_type == "code" and ("conclude(" in last.source or "Markdown(" in last.source), (
+        f"{path.name}: the last cell must be a code cell rendering the conclusion as Markdown "
+        f"(conclude(...) or Markdown(...)); it is a {last.cell_type} cell starting "
+        f"{last.source.strip()[:60]!r}"
     )
 
 

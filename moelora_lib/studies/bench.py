@@ -1,42 +1,30 @@
 """The one benchmark harness: timing, roofline floors, result rows to CSV, the environment record.
 
-Units: ``Timing`` fields are milliseconds (``ms_*``); the floor helpers return microseconds (µs).
+Units: :class:`Timing` fields are milliseconds; the floor helpers return microseconds.
 
-Method (GPU, :func:`time_cuda`), following the anchor method of ``triton.testing.do_bench``:
-  * ``fn`` is called a few times and the device synchronized *before* anything is timed, so module
-    load, Triton compilation and autotuning stay out of the numbers;
-  * each repetition is timed with a pair of CUDA events around one call of ``fn`` (or one
-    ``CUDAGraph.replay()`` in graph mode) and the median (p50) with p20/p80 over all repetitions is
-    reported;
-  * with ``flush_l2=True`` (or ``"dirty"``) the L2 cache is flushed before *every* repetition by zeroing
-    a 256 MB buffer (``triton.testing.do_bench`` does this itself, via ``driver.clear_cache``, before
-    recording the start event, so the flush is not in the timed interval; the H200's L2 is 60 MB as
-    PyTorch reports it).
-    That flush leaves the L2 full of *dirty* lines of the flush buffer, and the timed kernel pays for
-    writing them back to HBM as it evicts them: invisible for compute-bound kernels, 3–9 µs of a
-    memory-bound decode GEMM of 33–470 MB (measured in notebook 08, ``data/08_l2_probe.csv``);
-  * with ``flush_l2="clean"`` the L2 is instead evicted by *reading* a 256 MB buffer before every
-    repetition (a ``torch.sum`` over it), so the timed call starts with a cold L2 that holds only
-    clean lines, as in a decode step of a real model (the previous layer's weights, read-only).
-    Same event loop and repetition count rule as do_bench otherwise;
-  * ``mode="graph"`` captures ``fn`` once into a ``torch.cuda.CUDAGraph`` (after warm-up, on a side
-    stream) and times ``graph.replay``, which removes the per-launch CPU overhead that dominates
-    decode-sized kernels. The flush is a separate kernel between replays, outside the graph.
+GPU (:func:`time_cuda`), the method of ``triton.testing.do_bench``: ``fn`` is warmed up (compilation and
+autotuning stay out of the numbers), each repetition is timed with a pair of CUDA events around one call
+(or one ``CUDAGraph.replay()`` in graph mode, which removes the per-launch CPU overhead that dominates
+decode-sized kernels), and the median with p20/p80 is reported. The L2 is flushed before every repetition:
+``flush_l2=True``/``"dirty"`` zeroes a 256 MB buffer as do_bench does, which leaves dirty lines that the
+timed kernel writes back (3–9 µs of a memory-bound decode GEMM, notebook 08's ``data/08_l2_probe.csv``);
+``"clean"`` reads a 256 MB buffer instead, so the timed call starts from a cold L2 of clean lines, as in a
+decode step after the previous layer's read-only weights.
 
-CPU (:func:`time_cpu`) is a plain ``time.perf_counter`` wall clock; with ``TRITON_INTERPRET=1`` such
-numbers measure the interpreter, never the kernel, and are not comparable with GPU numbers.
-
-Absolute times are quoted only from the GPU; ratios between stages are measured side by side in one run.
+CPU (:func:`time_cpu`): ``time.perf_counter`` wall clock; under ``TRITON_INTERPRET=1`` it measures the
+interpreter, never the kernel.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import functools
 import importlib.metadata
 import os
 import platform
 import socket
+import statistics
 import subprocess
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -57,11 +45,8 @@ TUNED_CONFIG_ENV = "MOELORA_TUNED_CONFIG_FOLDER"
 
 @dataclass(frozen=True)
 class Timing:
-    """One timing result in milliseconds: median (p50) and the 20th/80th percentiles.
-
-    mode: "graph" (CUDA graph replay), "eager" (direct calls) or "cpu" (perf_counter wall clock); a
-    study may relabel a graph timing by its L2 state (notebook 08: "graph_clean", "graph_rotate").
-    """
+    """One timing in milliseconds: median (p50) and the 20th/80th percentiles; ``mode`` is "graph",
+    "eager" or "cpu" (a study may relabel a graph timing by its L2 state, e.g. "graph_clean")."""
 
     ms_p50: float
     ms_p20: float
@@ -74,65 +59,59 @@ class Timing:
         return self.ms_p50 * 1e3
 
     def as_dict(self) -> dict[str, float | str]:
-        """``{"ms_p50", "ms_p20", "ms_p80", "mode"}`` for a result row (``mode``: the one timing column of
-        every result row in this project)."""
+        """``{"ms_p50", "ms_p20", "ms_p80", "mode"}`` for a result row."""
         return {"ms_p50": self.ms_p50, "ms_p20": self.ms_p20, "ms_p80": self.ms_p80, "mode": self.mode}
 
 
 def _quantiles(times_ms: list[float]) -> tuple[float, float, float]:
-    """p50, p20, p80 with linear interpolation (the same definition as ``torch.quantile``)."""
-    xs = sorted(times_ms)
-    if not xs:
+    """p50, p20, p80 with linear interpolation (the definition of ``torch.quantile``)."""
+    if not times_ms:
         raise ValueError("no timings")
-
-    def q(p: float) -> float:
-        pos = p * (len(xs) - 1)
-        lo = int(pos)
-        hi = min(lo + 1, len(xs) - 1)
-        return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-    return q(0.5), q(0.2), q(0.8)
+    q = statistics.quantiles(times_ms * 2 if len(times_ms) == 1 else times_ms, n=10, method="inclusive")
+    return q[4], q[1], q[7]
 
 
 #: Bytes read before every repetition by the "clean" L2 flush (about 4x the H200's 60 MB L2).
 CLEAN_FLUSH_BYTES = 256 * 1024 * 1024
 
 
-def _events(
-    fn: Callable[[], Any], warmup_ms: float, rep_ms: float, before: Callable[[], Any] | None = None
-) -> list[float]:
-    """The do_bench event loop: per-call CUDA-event times in ms. ``before`` (untimed) runs ahead of
-    every call, e.g. an L2 flush; without it the L2 stays warm between calls. The repetition count
-    comes from an estimate over 5 calls that includes ``before``, like do_bench."""
+def _elapsed_ms(fn: Callable[[], Any], n: int) -> float:
+    """Mean CUDA-event time of ``n`` back-to-back calls of ``fn``, in ms."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n
+
+
+def _events(fn: Callable[[], Any], warmup_ms: float, rep_ms: float, before: Callable[[], Any] = lambda: None):
+    """do_bench's event loop: per-call CUDA-event times in ms; ``before`` (untimed, e.g. an L2 flush) runs
+    ahead of every call and counts in the 5-call estimate of the repetition count, as in do_bench."""
     import torch
 
     def once():
-        if before is not None:
-            before()
+        before()
         fn()
 
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
+    estimate_ms = max(_elapsed_ms(once, 5), 1e-4)
+    for _ in range(max(1, int(warmup_ms / estimate_ms))):
         once()
-    end.record()
-    torch.cuda.synchronize()
-    estimate_ms = max(start.elapsed_time(end) / 5, 1e-4)
-    n_warmup = max(1, int(warmup_ms / estimate_ms))
     n_repeat = max(1, int(rep_ms / estimate_ms))
-    for _ in range(n_warmup):
-        once()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n_repeat)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n_repeat)]
-    for s, e in zip(starts, ends):
-        if before is not None:
-            before()
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n_repeat)
+    ]
+    for s, e in events:
+        before()
         s.record()
         fn()
         e.record()
     torch.cuda.synchronize()
-    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+    return [s.elapsed_time(e) for s, e in events]
 
 
 @functools.lru_cache(maxsize=1)
@@ -143,8 +122,8 @@ def _clean_flush_buffer(device_index: int):
 
 
 def clean_l2_flush() -> Callable[[], Any]:
-    """A callable that evicts the L2 by reading :data:`CLEAN_FLUSH_BYTES` (a ``torch.sum`` over a
-    float32 buffer allocated once per device), leaving only clean lines behind. Needs CUDA."""
+    """A callable that evicts the L2 by reading :data:`CLEAN_FLUSH_BYTES` (``torch.sum`` over a buffer
+    allocated once per device), leaving only clean lines behind. Needs CUDA."""
     import torch
 
     buf = _clean_flush_buffer(torch.cuda.current_device())
@@ -164,11 +143,12 @@ def _warm_up(fn: Callable[[], Any]) -> None:
     torch.cuda.synchronize()
 
 
-def _capture(fn: Callable[[], Any]):
-    """One call of ``fn`` captured into a ``torch.cuda.CUDAGraph``, replayed once (the first replay uploads
-    the graph, kept out of any timing); returns the graph."""
+def capture_graph(fn: Callable[[], Any]):
+    """``fn`` warmed up as :func:`time_cuda` does and captured into a ``torch.cuda.CUDAGraph`` (replayed
+    once to upload it, outside any timing); returns the graph. CUDA only."""
     import torch
 
+    _warm_up(fn)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):  # captures on its own side stream
         fn()
@@ -176,13 +156,6 @@ def _capture(fn: Callable[[], Any]):
     graph.replay()
     torch.cuda.synchronize()
     return graph
-
-
-def capture_graph(fn: Callable[[], Any]):
-    """``fn`` warmed up as :func:`time_cuda` does (three calls on a side stream) and captured into a
-    ``torch.cuda.CUDAGraph`` (replayed once to upload it); returns the graph. CUDA only."""
-    _warm_up(fn)
-    return _capture(fn)
 
 
 def time_cuda(
@@ -196,26 +169,17 @@ def time_cuda(
 ) -> Timing:
     """Time ``fn()`` on the current CUDA device; returns ms p50/p20/p80 (see the module docstring).
 
-    fn: a no-argument callable that launches the work (inputs bound in a closure; it may return a
-        tensor, which is ignored). In graph mode it must be capturable: no host synchronization, no
-        data-dependent shapes, no CPU-side allocation decisions that differ between calls.
-    mode: "graph" (capture once, time ``CUDAGraph.replay``) or "eager" (time ``fn`` directly, so the
-        CPU launch overhead is included when it exceeds the GPU time).
-    flush_l2: ``True`` or ``"dirty"``: flush L2 before every repetition the way
-        ``triton.testing.do_bench`` does (zeroing 256 MB: the flush is not timed, but the dirty lines
-        it leaves are written back during the timed call); ``"clean"``: evict L2 by reading 256 MB
-        (:func:`clean_l2_flush`; own event loop, same method otherwise); ``False``: back-to-back calls
-        with a warm L2 (own event loop).
-    warmup_ms, rep_ms: do_bench's warm-up and measurement budgets, in milliseconds of GPU time.
-    min_reps: at least about this many repetitions: ``rep_ms`` is raised to ``min_reps`` times one
-        call's time (from three timed calls after the warm-up, without the flush, which is small
-        beside the ms-scale calls this matters for), so a short budget still gives a median over
-        several samples of a slow call. None: the repetition count is ``rep_ms`` / one call, as in
-        do_bench. Approximate: do_bench's own estimate also counts its L2 flush per call (a 1-ms copy with
-        ``min_reps=8`` got ~5 timed repetitions on the H200).
+    fn: a no-argument callable; in graph mode it must be capturable (no host synchronization, no
+        data-dependent shapes).
+    mode: "graph" (time ``CUDAGraph.replay``) or "eager" (time ``fn``, CPU launch overhead included).
+    flush_l2: ``True``/``"dirty"`` (do_bench's flush), ``"clean"`` (:func:`clean_l2_flush`) or ``False``
+        (back-to-back calls, warm L2).
+    warmup_ms, rep_ms: do_bench's warm-up and measurement budgets (ms of GPU time).
+    min_reps: about this many repetitions at least (``rep_ms`` raised to ``min_reps`` times one call's
+        time from three timed calls); None: ``rep_ms`` / one call, as in do_bench.
 
-    Raises RuntimeError when CUDA is not available (use :func:`time_cpu` on the cpu profile);
-    ValueError for an unknown ``mode`` or ``flush_l2``.
+    Raises ValueError for a bad ``mode``, ``flush_l2`` or ``min_reps``; RuntimeError without CUDA (use
+    :func:`time_cpu` on the cpu profile).
     """
     import torch
 
@@ -233,22 +197,10 @@ def time_cuda(
             "use moelora_lib.studies.bench.time_cpu on the cpu profile"
         )
 
-    _warm_up(fn)  # outside any timed region: compilation, autotuning, allocator growth
-    target: Callable[[], Any] = fn
-    graph = None
-    if mode == "graph":
-        graph = _capture(fn)
-        target = graph.replay
-
+    graph = capture_graph(fn) if mode == "graph" else _warm_up(fn)  # compilation, autotuning: untimed
+    target = graph.replay if graph is not None else fn
     if min_reps is not None:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(3):
-            target()
-        end.record()
-        torch.cuda.synchronize()
-        rep_ms = max(rep_ms, min_reps * start.elapsed_time(end) / 3)
-
+        rep_ms = max(rep_ms, min_reps * _elapsed_ms(target, 3))
     if flush_l2 == "clean":
         p50, p20, p80 = _quantiles(_events(target, warmup_ms, rep_ms, before=clean_l2_flush()))
     elif flush_l2:  # True or "dirty"
@@ -264,15 +216,10 @@ def time_cuda(
 
 
 def time_cpu(fn: Callable[[], Any], *, reps: int = 3, warmup: int = 1) -> Timing:
-    """Wall-clock ``fn()`` with ``time.perf_counter``: ``warmup`` untimed calls, then ``reps`` timed ones.
-
-    For the cpu profile (Triton/Helion interpreters): the numbers are interpreter cost in ms, useful
-    only to keep CI fast, never as kernel performance. mode is "cpu".
-    """
-    if reps < 1:
-        raise ValueError(f"reps must be >= 1, got {reps}")
-    if warmup < 0:
-        raise ValueError(f"warmup must be >= 0, got {warmup}")
+    """Wall-clock ``fn()`` (``time.perf_counter``): ``warmup`` untimed calls, then ``reps`` timed ones; mode
+    "cpu". Under the interpreters the numbers are interpreter cost, never kernel performance."""
+    if reps < 1 or warmup < 0:
+        raise ValueError(f"reps must be >= 1 and warmup >= 0, got reps={reps}, warmup={warmup}")
     for _ in range(warmup):
         fn()
     times = []
@@ -280,8 +227,7 @@ def time_cpu(fn: Callable[[], Any], *, reps: int = 3, warmup: int = 1) -> Timing
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
-    p50, p20, p80 = _quantiles(times)
-    return Timing(p50, p20, p80, "cpu")
+    return Timing(*_quantiles(times), "cpu")
 
 
 #: Timing modes that mean "wall clock on the CPU" (the rows of the cpu profile say "cpu-interpreter").
@@ -299,15 +245,9 @@ def time_fn(
     cpu_reps: int = 1,
     min_reps: int | None = None,
 ) -> Timing:
-    """The one timing dispatch of the studies: :func:`time_cuda` on a GPU, :func:`time_cpu` on the CPU.
-
-    fn: a no-argument callable (see :func:`time_cuda`).
-    mode: "graph" or "eager" (GPU); "cpu" or "cpu-interpreter" force the CPU wall clock.
-    device: where ``fn`` runs; a CPU device (or a CPU mode) times ``cpu_reps`` calls with no warm-up
-        (under the interpreters the numbers are interpreter cost, never kernel performance).
-    warmup_ms, rep_ms, flush_l2, min_reps: passed to :func:`time_cuda` (ignored on the CPU).
-    Returns the :class:`Timing` (its ``mode`` is "graph"/"eager", or "cpu").
-    """
+    """The one timing dispatch of the studies: :func:`time_cuda` on a GPU; :func:`time_cpu` (``cpu_reps``
+    calls, no warm-up) on a CPU device or with mode "cpu"/"cpu-interpreter". The other arguments go to
+    :func:`time_cuda`."""
     import torch
 
     if mode in CPU_MODES or torch.device(device).type == "cpu":
@@ -315,59 +255,44 @@ def time_fn(
     return time_cuda(fn, mode=mode, flush_l2=flush_l2, warmup_ms=warmup_ms, rep_ms=rep_ms, min_reps=min_reps)
 
 
-# ---------------------------------------------------------------------------------------------
-# Roofline floors
-# ---------------------------------------------------------------------------------------------
-
-
 def copy_bandwidth_floor_us(nbytes: float, tb_per_s: float = H200_COPY_TB_PER_S) -> float:
-    """Lower bound in µs to move ``nbytes`` (bytes read + bytes written) at ``tb_per_s`` TB/s (1e12 B/s).
-
-    4.3 TB/s is the measured H200 device-to-device copy rate (:mod:`moelora_lib.hardware`). Small-M GEMMs
-    stream their weights at about 3 TB/s in practice (cuBLAS, docs/environment.md §6), so treat this
-    as a floor, not a target.
-    """
+    """Lower bound in µs to move ``nbytes`` (read + written) at ``tb_per_s`` TB/s (default: the measured
+    H200 device-to-device copy rate, :mod:`moelora_lib.hardware`). ValueError unless ``tb_per_s`` > 0."""
     if tb_per_s <= 0:
         raise ValueError("tb_per_s must be > 0")
     return float(nbytes) / (tb_per_s * 1e12) * 1e6
 
 
 def compute_floor_us(flops: float, tflops: float = H200_BF16_TFLOPS) -> float:
-    """Lower bound in µs to execute ``flops`` floating-point operations at ``tflops`` TFLOP/s.
-
-    675 TFLOP/s is the measured bf16 dense matmul rate on the H200 (count 2 flops per multiply-add).
-    """
+    """Lower bound in µs to execute ``flops`` (2 per multiply-add) at ``tflops`` TFLOP/s (default: the
+    measured H200 bf16 dense matmul rate). ValueError unless ``tflops`` > 0."""
     if tflops <= 0:
         raise ValueError("tflops must be > 0")
     return float(flops) / (tflops * 1e12) * 1e6
 
 
-# ---------------------------------------------------------------------------------------------
-# Environment record and result rows
-# ---------------------------------------------------------------------------------------------
-
-
 def _version(dist: str) -> str:
-    try:
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
         return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return "absent"
+    return "absent"
 
 
-def _git(*args: str) -> str | None:
+def _run(*argv: str) -> str | None:
+    """``argv``'s stripped stdout, or None when it fails or cannot be started."""
     try:
-        proc = subprocess.run(
-            ["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True, timeout=10, check=False
-        )
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=20, check=False)
     except (OSError, subprocess.SubprocessError):
         return None
     return proc.stdout.strip() if proc.returncode == 0 else None
 
 
+def _git(*args: str) -> str | None:
+    return _run("git", "-C", str(REPO_ROOT), *args)
+
+
 def git_commit() -> str:
-    """``$MOELORA_GIT_COMMIT`` when set (the GPU job sets it: the device machine's copy of the tree
-    may carry a stale ``.git``), else ``git rev-parse --short HEAD`` of this repo with "-dirty" if
-    tracked or new files outside ``data/`` differ from HEAD, else "unknown"."""
+    """``$MOELORA_GIT_COMMIT`` when set (the GPU job sets it: the device's copy may carry a stale ``.git``),
+    else ``git rev-parse --short HEAD`` with "-dirty" if files outside ``data/`` differ, else "unknown"."""
     env = os.environ.get("MOELORA_GIT_COMMIT")
     if env:
         return env
@@ -388,35 +313,21 @@ def _gpu_info() -> dict[str, Any]:
     if torch.cuda.is_available():
         info["gpu_count"] = torch.cuda.device_count()
         info["gpu"] = torch.cuda.get_device_name(0)
-        try:
-            proc = subprocess.run(
-                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                capture_output=True,
-                text=True,
-                timeout=20,
-                check=False,
-            )
-            if proc.returncode == 0 and proc.stdout.strip():
-                info["driver"] = proc.stdout.strip().splitlines()[0]
-        except (OSError, subprocess.SubprocessError):
-            pass
+        driver = _run("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader")
+        info["driver"] = driver.splitlines()[0] if driver else None
     return info
 
 
 @functools.lru_cache(maxsize=1)
 def _static_env() -> dict[str, Any]:
     """The parts of the record that do not change within one process (computed once)."""
-    rec = _gpu_info()
-    rec.update(
-        torch=_version("torch"),
-        triton=_version("triton"),
-        helion=_version("helion"),
-        numpy=_version("numpy"),
-        python=platform.python_version(),
-        git_commit=git_commit(),
-        hostname=socket.gethostname(),
-    )
-    return rec
+    rec = {**_gpu_info(), **{d: _version(d) for d in ("torch", "triton", "helion", "numpy")}}
+    return {
+        **rec,
+        "python": platform.python_version(),
+        "git_commit": git_commit(),
+        "hostname": socket.gethostname(),
+    }
 
 
 def env_record() -> dict[str, Any]:
@@ -430,21 +341,11 @@ def env_record() -> dict[str, Any]:
 
 
 def result_row(**fields: Any) -> dict[str, Any]:
-    """``fields`` (stage, op, model, T, H, ..., ms_p50, ...) plus the columns gpu, torch, triton, helion,
-    git_commit and tuned_config_folder (the ``MOELORA_TUNED_CONFIG_FOLDER`` in force, or None).
-
-    A ``Timing`` passed as ``timing=`` is expanded into ms_p50/ms_p20/ms_p80/mode.
-    Explicit fields win over the environment columns.
-    """
+    """``fields`` plus the columns :data:`ENV_COLUMNS` (``tuned_config_folder``: the
+    ``MOELORA_TUNED_CONFIG_FOLDER`` in force, or None); a :class:`Timing` passed as ``timing=`` becomes
+    ms_p50/ms_p20/ms_p80/mode. Explicit fields win over the environment columns."""
     env = env_record()
-    row: dict[str, Any] = {
-        "gpu": env["gpu"],
-        "torch": env["torch"],
-        "triton": env["triton"],
-        "helion": env["helion"],
-        "git_commit": env["git_commit"],
-        "tuned_config_folder": env[TUNED_CONFIG_ENV],
-    }
+    row = {k: env[TUNED_CONFIG_ENV if k == "tuned_config_folder" else k] for k in ENV_COLUMNS}
     timing = fields.pop("timing", None)
     if isinstance(timing, Timing):
         fields = {**timing.as_dict(), **fields}
@@ -454,10 +355,8 @@ def result_row(**fields: Any) -> dict[str, Any]:
 
 
 def write_rows(path: str | os.PathLike, rows: Iterable[Mapping[str, Any]], *, append: bool = False):
-    """Write ``rows`` as a tidy CSV (one row per measurement) with pandas; returns the DataFrame written.
-
-    Creates parent folders. ``append=True`` keeps the rows already in ``path`` (columns are unioned).
-    """
+    """Write ``rows`` as a tidy CSV (parents created); ``append=True`` keeps the rows already there
+    (columns unioned). Returns the DataFrame written."""
     import pandas as pd
 
     path = Path(path)
@@ -483,13 +382,10 @@ def run_side_by_side(
     timeout_s: float = 600,
     cwd: str | os.PathLike | None = None,
 ) -> None:
-    """Start every command of ``cmds`` ({name: argv}) at once (``cwd`` default: the repository) and wait
-    for all: the notebooks' way to run independent helper processes side by side on the 16-core GPU
-    host (what each may time is the command's own business: notebook 03's take one lock around their
-    timed calls). Each child's output goes to a file, not a pipe (no child blocks on a full pipe).
-    ``envs``: {name: environment} (default: this process's). Raises RuntimeError naming the command,
-    with the tail of its output, when one exits non-zero or the group outlives ``timeout_s``; the
-    others are stopped then."""
+    """Start every command of ``cmds`` ({name: argv}, in ``cwd``, default the repository; ``envs``:
+    {name: environment}) at once and wait for all, each child's output going to a file. Raises
+    RuntimeError naming the command, with the tail of its output, when one exits non-zero or the group
+    outlives ``timeout_s``; the others are stopped then."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="moelora_side_by_side_") as tmp:
@@ -524,26 +420,5 @@ def run_side_by_side(
 
 
 def data_path(*parts: str) -> Path:
-    """``<repo>/data/<parts...>``: where notebooks write CSVs, figures and env records, whatever the
-    kernel's working directory is."""
+    """``<repo>/data/<parts...>``, whatever the kernel's working directory is."""
     return REPO_ROOT.joinpath("data", *parts)
-
-
-__all__ = [
-    "ENV_COLUMNS",
-    "H200_BF16_TFLOPS",
-    "H200_COPY_TB_PER_S",
-    "Timing",
-    "compute_floor_us",
-    "copy_bandwidth_floor_us",
-    "data_path",
-    "env_record",
-    "git_commit",
-    "result_row",
-    "run_side_by_side",
-    "save_env",
-    "time_cpu",
-    "time_cuda",
-    "time_fn",
-    "write_rows",
-]

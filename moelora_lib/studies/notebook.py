@@ -1,4 +1,4 @@
-"""The one set-up call of the stage notebooks, and the small display helpers they share.
+"""The one set-up call of the notebooks, and the small display helpers they share.
 
 Every notebook starts (after its ``parameters`` cell) with::
 
@@ -6,45 +6,41 @@ Every notebook starts (after its ``parameters`` cell) with::
     nb = setup("02", PROFILE, seed=SEED)
 
 :func:`setup` resolves ``PROFILE`` ("auto": "gpu" where CUDA is present, else "cpu"), switches the Triton
-interpreter on for the CPU profile *before* any kernel module is imported (``@triton.jit`` reads
-``TRITON_INTERPRET`` when it decorates), seeds torch, sets pandas display options, picks the device, the
-dtype (bf16 on the GPU; fp32 on the CPU, where the interpreter's bf16 dot is wrong) and the data folder
-(``data/`` on the GPU, ``data/cpu/`` on the CPU so a CPU run never overwrites GPU evidence), and records
-the environment to ``data/env/<NN>_<profile>.json``.
+interpreter on for the CPU profile before any kernel module is imported (``@triton.jit`` reads
+``TRITON_INTERPRET`` when it decorates), seeds torch, picks the device, the dtype (bf16 on the GPU; fp32
+on the CPU, where the interpreter's bf16 dot is wrong) and the data folder (``data/`` on the GPU,
+``data/cpu/`` on the CPU so a CPU run never overwrites GPU evidence), and records the environment to
+``data/env/<NN>_<profile>.json``.
 
-Helpers: :func:`progress` (text progress bars that read well in executed copies), :func:`save_figure`
-(save under the figures folder and show inline), :func:`conclude` (render a Markdown conclusion),
-:func:`rel` (a path relative to the repository, so outputs carry no machine paths).
+Helpers: :func:`progress` (text progress bars that read well in executed copies), :func:`save_figure`,
+:func:`conclude` (render a Markdown conclusion), :func:`rel` (a repository-relative path) and
+:func:`show_kernel_change` (the kernel lines one stage changes against another).
 """
 
 from __future__ import annotations
 
+import ast
+import difflib
+import inspect
 import numbers
 import os
 import sys
+import textwrap
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .runner import REPO_ROOT, resolve_profile
+from .runner import REPO_ROOT, _set_env, resolve_profile
 
-__all__ = ["NotebookSession", "setup", "progress", "save_figure", "conclude", "rel"]
+__all__ = ["NotebookSession", "setup", "progress", "save_figure", "conclude", "rel", "show_kernel_change"]
 
 
 @dataclass(frozen=True)
 class NotebookSession:
-    """What :func:`setup` resolved for one notebook run.
-
-    Attributes:
-        notebook: the notebook's number ("02").
-        profile: "gpu" or "cpu".
-        device: "cuda" or "cpu".
-        dtype: torch.bfloat16 (gpu) or torch.float32 (cpu).
-        data: folder for CSV/JSON results (``data/`` or ``data/cpu/``).
-        figures: folder for PNG figures (``<data>/figures``), created.
-        env: the environment record (gpu, torch, triton, helion, git commit, ...).
-    """
+    """What :func:`setup` resolved: notebook ("02"), profile ("gpu"/"cpu"), device ("cuda"/"cpu"), dtype
+    (bf16 on the GPU, fp32 on the CPU), data (CSV folder), figures (``<data>/figures``) and env (the
+    environment record)."""
 
     notebook: str
     profile: str
@@ -56,7 +52,6 @@ class NotebookSession:
 
     @property
     def gpu(self) -> bool:
-        """True on the GPU profile."""
         return self.profile == "gpu"
 
     def csv(self, name: str) -> Path:
@@ -64,18 +59,8 @@ class NotebookSession:
         return self.data / name
 
 
-def _kernels_imported() -> bool:
-    return "moelora_lib.kernels.triton_kernels" in sys.modules
-
-
 def setup(notebook: str, profile: str = "auto", seed: int = 0, *, save_env: bool = True) -> NotebookSession:
-    """Prepare a notebook run; see the module docstring.
-
-    Args:
-        notebook: the notebook's two-digit number, e.g. "02" (names the env record).
-        profile: "auto", "gpu" or "cpu".
-        seed: passed to ``torch.manual_seed``.
-        save_env: write ``data/env/<notebook>_<profile>.json``.
+    """Prepare a notebook run (see the module docstring); ``save_env`` writes the env record.
 
     Raises:
         ValueError: unknown profile, a notebook id that is not two digits, a seed that is not an int
@@ -86,25 +71,19 @@ def setup(notebook: str, profile: str = "auto", seed: int = 0, *, save_env: bool
     if not (isinstance(notebook, str) and len(notebook) == 2 and notebook.isdigit()):
         raise ValueError(f"notebook: expected a two-digit id like '02', got {notebook!r}")
     if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
-        raise ValueError(
-            f"seed: expected an int (passed to torch.manual_seed), got {seed!r} ({type(seed).__name__})"
-        )
+        raise ValueError(f"seed: expected an int (passed to torch.manual_seed), got {seed!r}")
     if not isinstance(save_env, bool):
-        raise ValueError(f"save_env: expected a bool, got {save_env!r} ({type(save_env).__name__})")
+        raise ValueError(f"save_env: expected a bool, got {save_env!r}")
     profile = resolve_profile(profile)
     interpret_wanted = profile == "cpu"
-    interpret_now = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    if interpret_wanted != interpret_now:
-        if _kernels_imported():
+    if interpret_wanted != (os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")):
+        if "moelora_lib.kernels.triton_kernels" in sys.modules:
             raise RuntimeError(
                 f"profile {profile!r} needs TRITON_INTERPRET={'1' if interpret_wanted else 'unset'}, but the "
                 "kernel modules were already imported in the other mode: restart the kernel and run from "
                 "the top"
             )
-        if interpret_wanted:
-            os.environ["TRITON_INTERPRET"] = "1"
-        else:
-            os.environ.pop("TRITON_INTERPRET", None)
+        _set_env("TRITON_INTERPRET", "1" if interpret_wanted else None)
 
     import pandas as pd
     import torch
@@ -114,30 +93,18 @@ def setup(notebook: str, profile: str = "auto", seed: int = 0, *, save_env: bool
     if profile == "gpu" and not torch.cuda.is_available():
         raise RuntimeError("profile 'gpu' needs a CUDA GPU; use PROFILE = 'auto' or 'cpu' on this machine")
     torch.manual_seed(seed)
-    pd.set_option("display.width", 200)
-    pd.set_option("display.max_columns", 40)
-    pd.set_option("display.max_rows", 200)
+    for key, value in (("width", 200), ("max_columns", 40), ("max_rows", 200)):
+        pd.set_option(f"display.{key}", value)
     data = bench.data_path() if profile == "gpu" else bench.data_path("cpu")
     figures = data / "figures"
     figures.mkdir(parents=True, exist_ok=True)
-    if save_env:
-        env = bench.save_env(bench.data_path("env", f"{notebook}_{profile}.json"))
-    else:
-        env = bench.env_record()
-    session = NotebookSession(
-        notebook=notebook,
-        profile=profile,
-        device="cuda" if profile == "gpu" else "cpu",
-        dtype=torch.bfloat16 if profile == "gpu" else torch.float32,
-        data=data,
-        figures=figures,
-        env=env,
-    )
+    env_path = bench.data_path("env", f"{notebook}_{profile}.json")
+    env = bench.save_env(env_path) if save_env else bench.env_record()
+    gpu = profile == "gpu"
+    device, dtype = ("cuda", torch.bfloat16) if gpu else ("cpu", torch.float32)
+    session = NotebookSession(notebook, profile, device, dtype, data, figures, env)
     shown = {k: env.get(k) for k in ("gpu", "torch", "triton", "helion", "git_commit")}
-    print(
-        f"profile={profile} device={session.device} dtype={str(session.dtype).removeprefix('torch.')} "
-        f"data={rel(data)} {shown}"
-    )
+    print(f"profile={profile} device={device} dtype={str(dtype)[6:]} data={rel(data)} {shown}")
     return session
 
 
@@ -153,10 +120,8 @@ def progress(iterable: Iterable, desc: str | None = None, total: int | None = No
 
 
 def save_figure(fig, session: NotebookSession, name: str, *, dpi: int = 120) -> Path:
-    """Save ``fig`` as ``<figures>/<name>`` (PNG) and leave it to show inline; returns the path.
-
-    ``name`` is a bare file name ending in ``.png``; raises ValueError otherwise.
-    """
+    """Save ``fig`` as ``<figures>/<name>`` (PNG) and return the path; ``name`` is a bare file name ending
+    in ``.png`` (ValueError otherwise)."""
     if not (isinstance(name, str) and name.endswith(".png") and "/" not in name):
         raise ValueError(f"name: expected a bare file name ending in '.png', got {name!r}")
     path = session.figures / name
@@ -166,11 +131,8 @@ def save_figure(fig, session: NotebookSession, name: str, *, dpi: int = 120) -> 
 
 
 def conclude(markdown: str) -> None:
-    """Display ``markdown`` as a rendered Markdown output (the notebook's written conclusion).
-
-    Returns None, so that a cell ending in ``conclude(...)`` shows the rendered text once.
-    Raises TypeError for anything but a non-empty str.
-    """
+    """Display ``markdown`` rendered (a notebook's conclusion); returns None. TypeError unless a non-empty
+    str."""
     from IPython.display import Markdown, display
 
     if not (isinstance(markdown, str) and markdown.strip()):
@@ -185,3 +147,127 @@ def rel(path: str | os.PathLike) -> str:
         return str(p.relative_to(REPO_ROOT))
     except ValueError:
         return p.name
+
+
+# ------------------------------------------------------------------------------------------------
+# The kernel lines a stage changes
+# ------------------------------------------------------------------------------------------------
+
+#: The LoRA kernels, whose constexprs follow the stage's switches (the base GEMM follows its own config).
+_LORA_KERNELS = ("lora_shrink", "lora_expand")
+
+
+def _fixed_constexprs(stage) -> dict[str, Any]:
+    """The constexprs a stage fixes in the LoRA kernels (what its :meth:`Stage.adapt` and launches force)."""
+    off = {"SPLIT_K": (stage.split_k, 1), "GROUP_SIZE_M": (stage.swizzle, 1), "EVEN_K": (stage.even_k, False)}
+    return {**{k: v for k, (on, v) in off.items() if not on}, "ADD_INPUTS": bool(stage.fused_add)}
+
+
+def _resolve_branches(src: str, fixed: dict[str, Any]) -> str:
+    """``src`` with every ``if`` whose test is decided by ``fixed`` replaced by the branch taken."""
+    lines = src.splitlines()
+    drop: set[int] = set()
+    shift: dict[int, int] = {}
+    elif_to_if: set[int] = set()
+
+    def test_value(node: ast.If):
+        try:
+            code = compile(ast.Expression(node.test), "<test>", "eval")
+            return bool(eval(code, {"__builtins__": {}}, dict(fixed)))  # noqa: S307 - names and literals
+        except Exception:  # noqa: BLE001 - a test that names anything not fixed stays as written
+            return None
+
+    def visit(nodes):
+        for node in nodes:
+            if isinstance(node, ast.If) and (taken := test_value(node)) is not None:
+                drop.update(range(node.lineno, node.end_lineno + 1))
+                keep = node.body if taken else node.orelse
+                if keep:
+                    a, b = keep[0].lineno, keep[-1].end_lineno
+                    drop.difference_update(range(a, b + 1))
+                    if (
+                        len(keep) == 1
+                        and isinstance(keep[0], ast.If)
+                        and keep[0].col_offset == node.col_offset
+                    ):
+                        elif_to_if.add(a)  # an elif taken on its own becomes an if
+                    else:
+                        for i in range(a, b + 1):
+                            shift[i] = shift.get(i, 0) + keep[0].col_offset - node.col_offset
+                    visit(keep)
+            else:
+                for name in ("body", "orelse", "finalbody", "handlers"):
+                    visit(getattr(node, name, []) or [])
+
+    visit(ast.parse(src).body)
+    out = []
+    for i, line in enumerate(lines, 1):
+        if i in drop:
+            continue
+        line = line[shift.get(i, 0) :] if line[: shift.get(i, 0)].strip() == "" else line
+        if i in elif_to_if:
+            line = line.replace("elif ", "if ", 1)
+        out.append(line)
+    return "\n".join(out)
+
+
+def _stage_kernels(stage) -> list[str]:
+    """The kernel names (``triton_kernels.KERNELS`` keys) one layer of ``stage`` launches, in call order."""
+    from moelora_lib.kernels import stages as st
+
+    table = st.FUSED_LAUNCH_KERNELS if stage.fused_gemm else st.LAUNCH_KERNELS
+    return list(dict.fromkeys(table[op] for op in stage.launch_ops if op in table))
+
+
+def stage_kernel_source(stage_name: str) -> str:
+    """The source of every kernel ``stage_name`` launches, as that stage compiles it: the ``@triton.jit``
+    line with its ``do_not_specialize`` arguments, the constexprs the stage fixes, and the body with the
+    branches those constexprs decide resolved. Raises ValueError for an unknown stage."""
+    from moelora_lib.kernels import STAGES
+    from moelora_lib.kernels.triton_kernels import KERNELS
+
+    if stage_name not in STAGES:
+        raise ValueError(f"stage: unknown stage {stage_name!r}; known: {list(STAGES)}")
+    stage = STAGES[stage_name]
+    parts = []
+    for name in _stage_kernels(stage):
+        jit = KERNELS[name][bool(stage.specialize_lengths)]
+        dns = getattr(jit, "do_not_specialize", None) or getattr(jit, "kwargs", {}).get("do_not_specialize")
+        src = textwrap.dedent(inspect.getsource(jit.fn))
+        params = set(inspect.signature(jit.fn).parameters)
+        fixed = (
+            {k: v for k, v in _fixed_constexprs(stage).items() if k in params}
+            if name in _LORA_KERNELS
+            else {}
+        )
+        parts.append(f"# kernel {name}")
+        parts.append(f"@triton.jit(do_not_specialize={list(dns)})" if dns else "@triton.jit")
+        if fixed:
+            parts.append("# fixed by the stage: " + ", ".join(f"{k} = {v}" for k, v in fixed.items()))
+        parts.append(_resolve_branches(src, fixed))
+    return "\n".join(parts) + "\n"
+
+
+def show_kernel_change(prev_stage: str, stage: str, *, show: bool = True) -> str:
+    """The kernel lines ``stage`` changes against ``prev_stage``: a unified diff (difflib, 3 lines of
+    context) of :func:`stage_kernel_source` of the two stages, i.e. of the jitted kernels' source
+    (``inspect.getsource(kernel.fn)``) as each stage compiles it. Shown as a Markdown ``diff`` block when
+    running in IPython and ``show``; returns the diff text ("" when the stages launch the same kernel
+    source, e.g. ``tuned``, which changes only where its configs come from).
+
+    Raises ValueError naming the argument (``prev_stage`` or ``stage``) for an unknown stage name.
+    """
+    from moelora_lib.kernels import STAGES
+
+    for arg, value in (("prev_stage", prev_stage), ("stage", stage)):
+        if value not in STAGES:
+            raise ValueError(f"{arg}: unknown stage {value!r}; known: {list(STAGES)}")
+    a = stage_kernel_source(prev_stage).splitlines(keepends=True)
+    b = stage_kernel_source(stage).splitlines(keepends=True)
+    diff = "".join(difflib.unified_diff(a, b, fromfile=prev_stage, tofile=stage, n=3))
+    if show and "IPython" in sys.modules and sys.modules["IPython"].get_ipython() is not None:
+        from IPython.display import Markdown, display
+
+        same = f"(no kernel line differs: `{stage}` launches the kernels of `{prev_stage}` unchanged)"
+        display(Markdown(f"```diff\n{diff}```" if diff else same))
+    return diff

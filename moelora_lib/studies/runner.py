@@ -1,36 +1,24 @@
 """Run the notebook suite headless with papermill.
 
     python -m moelora_lib.studies.runner [--profile cpu|gpu|auto] [--only 01,02] [--out DIR]
-                                 [--log-output] [--keep-going] [--list]
+                                 [--log-output] [--keep-going] [--cell-timeout S] [--list]
 
-Every ``notebooks/[0-9][0-9]_*.ipynb`` is executed in name order with the parameter
-``PROFILE=<profile>``; the executed copy goes to ``<out>/<same name>`` and one row per notebook
-(notebook, profile, seconds, status, git_commit, ...) is appended to ``<out>/run_log.csv`` (created when
-missing; nothing else writes it).
+Every ``notebooks/[0-9][0-9]_*.ipynb`` runs in name order with the parameter ``PROFILE=<profile>``; the
+executed copy goes to ``<out>/<same name>`` and one row per notebook to ``<out>/run_log.csv``
+(:data:`RUN_LOG_COLUMNS`). Profiles: ``gpu`` (full shapes; ``TRITON_INTERPRET`` removed from the kernel's
+environment), ``cpu`` (small shapes; ``TRITON_INTERPRET=1``; copies default to ``data/executed/cpu/``, so
+a CPU run never overwrites the executed GPU notebooks in ``data/executed/``), ``auto`` (gpu where torch
+sees CUDA).
 
-Kernel: the notebooks run in the interpreter that runs the runner (``sys.executable``), never in
-whatever ``python3`` kernelspec happens to be on ``JUPYTER_PATH``. The runner writes its own kernelspec
-``moelora-<hash of sys.executable>`` into a temporary folder, puts that folder first on ``JUPYTER_PATH``
-for the run, resolves the name with jupyter_client's ``KernelSpecManager`` and refuses to run (naming
-the kernelspec it found) unless its ``argv[0]`` is ``sys.executable``. The executed copies keep the
-source notebook's ``metadata.kernelspec``, so they open in JupyterLab as the sources do.
+The notebooks run in the interpreter that runs the runner: it writes its own kernelspec
+``moelora-<hash of sys.executable>`` into a temporary folder put first on ``JUPYTER_PATH`` and refuses to
+run unless the spec jupyter_client resolves starts ``sys.executable``. Executed copies keep the source's
+``metadata.kernelspec``.
 
-Profiles:
-  gpu  full shapes on a CUDA GPU. ``TRITON_INTERPRET`` is removed from the kernel's environment.
-  cpu  small shapes; ``TRITON_INTERPRET=1`` is set in the kernel's environment, so Triton kernels run
-       in the interpreter. Executed copies default to ``data/executed/cpu/`` so that a CPU run never
-       overwrites the executed GPU notebooks in ``data/executed/``.
-  auto ``gpu`` if ``torch.cuda.is_available()`` else ``cpu``.
-
-``--profile gpu`` on a machine where torch sees no CUDA device is refused before any file is written
-(exit status 2), so it cannot overwrite the committed executed notebooks in ``data/executed/`` nor add a
-failed row to their ``run_log.csv``. Usage errors (an empty ``--only``, a selector that matches no
-notebook, an ``--out`` that cannot be created or written, a ``--cell-timeout`` that is not a positive
-number) also exit with status 2 and a one-line message.
-
-On a failure the runner stops (or, with ``--keep-going``, carries on with the next notebook) and exits
-with status 1 after printing which notebook failed, at which cell (0-based index in the source
-notebook, and its first source line) and with which exception.
+Exit status: 0 all ok; 1 a notebook failed (the message names the notebook, the cell, 0-based in the
+source notebook, and the exception; ``--keep-going`` runs the rest first); 2 a usage error, refused
+before any file is written (``--profile gpu`` without CUDA, an empty or unmatched ``--only``, an
+``--out`` that cannot be written, a ``--cell-timeout`` that is not a positive number); 130 interrupted.
 """
 
 from __future__ import annotations
@@ -85,20 +73,6 @@ class NotebookFailure(RuntimeError):
         self.results = results
 
 
-def resolve_profile(profile: str) -> str:
-    """Map "auto" to "gpu" when CUDA is available, else "cpu"; validate the others."""
-    if profile == "auto":
-        try:
-            import torch
-
-            return "gpu" if torch.cuda.is_available() else "cpu"
-        except ImportError:
-            return "cpu"
-    if profile not in PROFILES:
-        raise ValueError(f"unknown profile {profile!r}; expected one of {PROFILES + ('auto',)}")
-    return profile
-
-
 def cuda_available() -> bool:
     """``torch.cuda.is_available()``; False when torch cannot be imported."""
     try:
@@ -106,6 +80,15 @@ def cuda_available() -> bool:
     except ImportError:
         return False
     return bool(torch.cuda.is_available())
+
+
+def resolve_profile(profile: str) -> str:
+    """Map "auto" to "gpu" when CUDA is available, else "cpu"; ValueError for an unknown profile."""
+    if profile == "auto":
+        return "gpu" if cuda_available() else "cpu"
+    if profile not in PROFILES:
+        raise ValueError(f"unknown profile {profile!r}; expected one of {PROFILES + ('auto',)}")
+    return profile
 
 
 def require_cuda(profile: str) -> None:
@@ -119,11 +102,8 @@ def require_cuda(profile: str) -> None:
 
 
 def prepare_out_dir(out: str | os.PathLike) -> Path:
-    """Create ``out`` (and its parents) if needed and check that a file can be written in it.
-
-    Raises:
-        OSError: with a one-line message naming the folder, when it cannot be created or written.
-    """
+    """Create ``out`` if needed and check that a file can be written in it; OSError with a one-line
+    message naming the folder otherwise."""
     path = Path(out)
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -137,8 +117,8 @@ def prepare_out_dir(out: str | os.PathLike) -> Path:
 
 
 def timeout_seconds(value: float | int | None) -> int | None:
-    """A per-cell timeout as the whole number of seconds papermill/nbclient accept (rounded up, so
-    0.5 s does not become "no limit"); ``None`` stays ``None``. Raises ValueError unless positive."""
+    """A per-cell timeout in whole seconds, rounded up (0.5 s must not become "no limit"); None stays
+    None; ValueError unless positive."""
     if value is None:
         return None
     seconds = float(value)
@@ -148,13 +128,9 @@ def timeout_seconds(value: float | int | None) -> int | None:
 
 
 def find_notebooks(notebook_dir: str | os.PathLike, only: Sequence[str] | None = None) -> list[Path]:
-    """The stage notebooks ``NN_*.ipynb`` in ``notebook_dir``, sorted; ``only`` filters by prefix.
-
-    ``only`` holds stage numbers or name prefixes (``["01", "2", "03_no"]``); ``None`` selects every
-    notebook. A selector that matches nothing is an error, so a typo does not silently run zero
-    notebooks, and so is an ``only`` without any non-blank selector (an empty ``--only`` does not mean
-    "everything").
-    """
+    """The notebooks ``NN_*.ipynb`` in ``notebook_dir``, sorted; ``only`` (stage numbers or name prefixes,
+    ``["01", "2", "03_no"]``; None: all) filters. ValueError for a selector that matches nothing or an
+    ``only`` without a non-blank selector (an empty ``--only`` does not mean "everything")."""
     notebooks = sorted(Path(notebook_dir).glob(NOTEBOOK_GLOB))
     if only is None:
         return notebooks
@@ -183,24 +159,21 @@ def default_out_dir(profile: str) -> Path:
 
 @contextlib.contextmanager
 def kernel_environment(profile: str) -> Iterator[None]:
-    """Set the environment that the Jupyter kernel inherits, and restore it afterwards.
-
-    cpu: ``TRITON_INTERPRET=1`` (read by ``@triton.jit`` at decoration time, so it must be set before
-    the kernel process imports any kernel module). gpu: ``TRITON_INTERPRET`` removed.
-    """
-    saved = {k: os.environ.get(k) for k in ("TRITON_INTERPRET",)}
+    """The kernel inherits ``TRITON_INTERPRET=1`` (cpu; ``@triton.jit`` reads it when it decorates) or no
+    ``TRITON_INTERPRET`` (gpu); the variable is restored afterwards."""
+    saved = os.environ.get("TRITON_INTERPRET")
     try:
-        if profile == "cpu":
-            os.environ["TRITON_INTERPRET"] = "1"
-        else:
-            os.environ.pop("TRITON_INTERPRET", None)
+        _set_env("TRITON_INTERPRET", "1" if profile == "cpu" else None)
         yield
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        _set_env("TRITON_INTERPRET", saved)
+
+
+def _set_env(key: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(key, None)
+    else:
+        os.environ[key] = value
 
 
 def kernel_name_for(executable: str | None = None) -> str:
@@ -210,29 +183,23 @@ def kernel_name_for(executable: str | None = None) -> str:
 
 
 def write_kernelspec(jupyter_dir: str | os.PathLike, executable: str | None = None) -> str:
-    """Write ``<jupyter_dir>/kernels/<name>/kernel.json`` for an ipykernel in ``executable``; return name.
-
-    ``jupyter_dir`` is meant to be an entry of ``JUPYTER_PATH``. The kernel inherits this process's
-    environment (``PYTHONPATH``, ``TRITON_INTERPRET``, ...), as any Jupyter kernel does.
-    """
+    """Write ``<jupyter_dir>/kernels/<name>/kernel.json`` (an entry of ``JUPYTER_PATH``) for an ipykernel
+    in ``executable``; returns the name. The kernel inherits this process's environment."""
     exe = os.path.abspath(executable or sys.executable)
     name = kernel_name_for(exe)
     spec_dir = Path(jupyter_dir) / "kernels" / name
     spec_dir.mkdir(parents=True, exist_ok=True)
-    spec = {
-        "argv": [exe, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": "Python 3 (moelora runner)",
-        "language": "python",
-        "metadata": {"debugger": False},
-    }
+    argv = [exe, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+    spec = dict(
+        argv=argv, display_name="Python 3 (moelora runner)", language="python", metadata={"debugger": False}
+    )
     (spec_dir / "kernel.json").write_text(json.dumps(spec, indent=1) + "\n")
     return name
 
 
 def check_kernelspec(name: str, executable: str | None = None):
-    """Resolve kernelspec ``name`` as papermill will (jupyter_client's ``KernelSpecManager``, which
-    reads ``JUPYTER_PATH`` now) and return it; raise :class:`KernelSpecMismatch` naming the spec (name,
-    resource dir, argv[0]) unless it starts ``executable`` (default ``sys.executable``)."""
+    """Resolve kernelspec ``name`` as papermill will and return it; :class:`KernelSpecMismatch` naming the
+    spec (name, resource dir, argv[0]) unless it starts ``executable`` (default ``sys.executable``)."""
     from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
 
     exe = os.path.abspath(executable or sys.executable)
@@ -255,12 +222,9 @@ def check_kernelspec(name: str, executable: str | None = None):
 
 @contextlib.contextmanager
 def own_kernel(executable: str | None = None) -> Iterator[str]:
-    """Yield the name of a kernelspec that starts ``executable`` (default ``sys.executable``).
-
-    The spec lives in a temporary folder put first on ``JUPYTER_PATH`` for the duration (restored
-    afterwards), so no ``python3`` or other kernelspec elsewhere can shadow it; it is checked with
-    :func:`check_kernelspec` before it is yielded.
-    """
+    """Yield the name of a checked kernelspec that starts ``executable`` (default ``sys.executable``),
+    written into a temporary folder put first on ``JUPYTER_PATH`` (restored afterwards), so no other
+    kernelspec can shadow it."""
     saved = os.environ.get("JUPYTER_PATH")
     with tempfile.TemporaryDirectory(prefix="moelora-kernel-") as tmp:
         name = write_kernelspec(tmp, executable)
@@ -269,10 +233,7 @@ def own_kernel(executable: str | None = None) -> Iterator[str]:
             check_kernelspec(name, executable)
             yield name
         finally:
-            if saved is None:
-                os.environ.pop("JUPYTER_PATH", None)
-            else:
-                os.environ["JUPYTER_PATH"] = saved
+            _set_env("JUPYTER_PATH", saved)
 
 
 def _repo_relative(path: str) -> str:
@@ -283,8 +244,7 @@ def _repo_relative(path: str) -> str:
 
 
 def _tidy_executed(executed: Path, source: Path) -> None:
-    """Give the executed copy the source's ``metadata.kernelspec`` (not the runner's private kernel
-    name) and repo-relative papermill paths (no machine paths in committed notebooks)."""
+    """The executed copy gets the source's ``metadata.kernelspec`` and repo-relative papermill paths."""
     import nbformat
 
     if not executed.exists():
@@ -301,8 +261,8 @@ def _tidy_executed(executed: Path, source: Path) -> None:
 
 
 def _source_cell_index(notebook: Path, executed_index: int, source: str) -> int:
-    """Map papermill's cell index (in the executed copy, which has an injected-parameters cell) back
-    to the index in the source notebook, by matching the failing cell's source."""
+    """Papermill's cell index (the executed copy has an injected-parameters cell) mapped back to the
+    source notebook by matching the failing cell's source."""
     try:
         import nbformat
 
@@ -330,27 +290,16 @@ def describe_failure(notebook: Path, exc: BaseException) -> str:
     return f"notebook {notebook.name} failed before or outside a cell: {type(exc).__name__}: {exc}"
 
 
-def _append_run_log(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    new_file = not path.exists() or path.stat().st_size == 0
-    with path.open("a", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(RUN_LOG_COLUMNS), extrasaction="ignore")
-        if new_file:
-            writer.writeheader()
-        writer.writerows(rows)
-
-
 def _log_row(out: Path, notebook: str, profile: str, seconds: float, status: str, commit: str, error):
-    row = {
-        "notebook": notebook,
-        "profile": profile,
-        "seconds": f"{seconds:.2f}",
-        "status": status,
-        "git_commit": commit,
-        "finished_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "error": error or "",
-    }
-    _append_run_log(out / RUN_LOG_NAME, [row])
+    """Append one row to ``<out>/run_log.csv`` (header written when the file is new)."""
+    path = out / RUN_LOG_NAME
+    new_file = not path.exists() or path.stat().st_size == 0
+    now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    with path.open("a", newline="") as fh:
+        writer = csv.writer(fh)
+        if new_file:
+            writer.writerow(RUN_LOG_COLUMNS)
+        writer.writerow([notebook, profile, f"{seconds:.2f}", status, commit, now, error or ""])
 
 
 def run_notebooks(
@@ -365,21 +314,19 @@ def run_notebooks(
     cell_timeout: float | None = None,
     cwd: str | os.PathLike | None = None,
 ) -> list[NotebookResult]:
-    """Execute the stage notebooks of ``notebook_dir`` in order; return one result per notebook run.
+    """Execute the notebooks of ``notebook_dir`` in order; return one result per notebook run.
 
-    notebook_dir: folder with ``NN_*.ipynb``. out_dir: where the executed copies and ``run_log.csv``
-    go (``None``: :func:`default_out_dir`). profile: "cpu", "gpu" or "auto". only: stage selectors,
-    see :func:`find_notebooks`. cwd: the kernel's working directory (default: the notebook's folder,
-    as in Jupyter). cell_timeout: seconds per cell (``None``: no limit; rounded up to whole seconds).
-
-    Without ``keep_going`` the first failure raises :class:`NotebookFailure` (its message names the
-    notebook and the cell; ``.results`` holds every result so far, the failed one last). With
-    ``keep_going`` failures are returned as results with ``status == "failed"`` and ``error`` set.
-
-    Raises, before any file is written: :class:`NoCudaDevice` (profile "gpu" without a CUDA device),
-    ValueError (a bad ``only`` or ``cell_timeout``), FileNotFoundError (no notebooks), OSError (``out``
-    cannot be created or written).
+    out_dir: executed copies and ``run_log.csv`` (None: :func:`default_out_dir`). only: see
+    :func:`find_notebooks`. cwd: the kernel's working directory (default: the notebook's folder).
+    cell_timeout: seconds per cell (None: no limit). Without ``keep_going`` the first failure raises
+    :class:`NotebookFailure` (``.results`` holds every result so far); with it, failures are results with
+    ``status == "failed"``. Raises before any file is written: :class:`NoCudaDevice`, ValueError (bad
+    ``only`` or ``cell_timeout``), FileNotFoundError (no notebooks), OSError (``out`` not writable).
     """
+    import papermill
+
+    from .bench import git_commit
+
     profile = resolve_profile(profile)
     require_cuda(profile)
     cell_timeout = timeout_seconds(cell_timeout)
@@ -388,78 +335,48 @@ def run_notebooks(
     if not notebooks:
         raise FileNotFoundError(f"no notebooks matching {NOTEBOOK_GLOB} in {notebook_dir}")
     prepare_out_dir(out)
-    with own_kernel() as kernel_name:
-        print(f"kernel: {kernel_name} -> {sys.executable}", flush=True)
-        return _run_all(
-            notebooks,
-            out,
-            profile,
-            kernel_name=kernel_name,
-            log_output=log_output,
-            progress_bar=progress_bar,
-            keep_going=keep_going,
-            cell_timeout=cell_timeout,
-            cwd=cwd,
-        )
-
-
-def _run_all(
-    notebooks: list[Path],
-    out: Path,
-    profile: str,
-    *,
-    kernel_name: str,
-    log_output: bool,
-    progress_bar: bool,
-    keep_going: bool,
-    cell_timeout: int | None,
-    cwd: str | os.PathLike | None,
-) -> list[NotebookResult]:
-    """The loop of :func:`run_notebooks`, inside :func:`own_kernel` (``kernel_name``)."""
-    import papermill
-
-    from moelora_lib.studies.bench import git_commit
-
     commit = git_commit()
     results: list[NotebookResult] = []
     n = len(notebooks)
-    for i, nb in enumerate(notebooks, 1):
-        dst = out / nb.name
-        print(f"[{i}/{n}] {nb.name} (profile={profile}) ...", flush=True)
-        t0 = time.perf_counter()
-        error: str | None = None
-        try:
-            with kernel_environment(profile):
-                papermill.execute_notebook(
-                    str(nb),
-                    str(dst),
-                    parameters={"PROFILE": profile},
-                    kernel_name=kernel_name,
-                    language="python",
-                    progress_bar=progress_bar,
-                    log_output=log_output,
-                    cwd=str(cwd) if cwd is not None else str(nb.parent),
-                    execution_timeout=cell_timeout,
-                )
-        except KeyboardInterrupt:  # e.g. `timeout --signal=INT` in scripts/gpu_job.sh
+    with own_kernel() as kernel_name:
+        print(f"kernel: {kernel_name} -> {sys.executable}", flush=True)
+        for i, nb in enumerate(notebooks, 1):
+            dst = out / nb.name
+            print(f"[{i}/{n}] {nb.name} (profile={profile}) ...", flush=True)
+            t0 = time.perf_counter()
+            error: str | None = None
+            try:
+                with kernel_environment(profile):
+                    papermill.execute_notebook(
+                        str(nb),
+                        str(dst),
+                        parameters={"PROFILE": profile},
+                        kernel_name=kernel_name,
+                        language="python",
+                        progress_bar=progress_bar,
+                        log_output=log_output,
+                        cwd=str(cwd) if cwd is not None else str(nb.parent),
+                        execution_timeout=cell_timeout,
+                    )
+            except KeyboardInterrupt:  # e.g. `timeout --signal=INT` in scripts/gpu_job.sh
+                seconds = time.perf_counter() - t0
+                _log_row(out, nb.name, profile, seconds, "interrupted", commit, "interrupted")
+                print(f"[{i}/{n}] {nb.name}: interrupted after {seconds:.1f} s", file=sys.stderr, flush=True)
+                raise
+            except Exception as exc:  # noqa: BLE001 - every failure is reported the same way
+                error = describe_failure(nb, exc)
+            finally:
+                with contextlib.suppress(Exception):
+                    _tidy_executed(dst, nb)
             seconds = time.perf_counter() - t0
-            _log_row(out, nb.name, profile, seconds, "interrupted", commit, "interrupted")
-            print(f"[{i}/{n}] {nb.name}: interrupted after {seconds:.1f} s", file=sys.stderr, flush=True)
-            raise
-        except Exception as exc:  # noqa: BLE001 - every failure is reported the same way
-            error = describe_failure(nb, exc)
-        finally:
-            with contextlib.suppress(Exception):
-                _tidy_executed(dst, nb)
-        seconds = time.perf_counter() - t0
-        result = NotebookResult(nb.name, profile, seconds, "failed" if error else "ok", dst, error)
-        results.append(result)
-        _log_row(out, nb.name, profile, seconds, result.status, commit, error)
-        print(f"[{i}/{n}] {nb.name}: {result.status} in {seconds:.1f} s -> {dst}", flush=True)
-        if error:
-            print(f"FAILED: {error}", file=sys.stderr, flush=True)
-            if not keep_going:
-                raise NotebookFailure(error, results)
+            result = NotebookResult(nb.name, profile, seconds, "failed" if error else "ok", dst, error)
+            results.append(result)
+            _log_row(out, nb.name, profile, seconds, result.status, commit, error)
+            print(f"[{i}/{n}] {nb.name}: {result.status} in {seconds:.1f} s -> {dst}", flush=True)
+            if error:
+                print(f"FAILED: {error}", file=sys.stderr, flush=True)
+                if not keep_going:
+                    raise NotebookFailure(error, results)
     return results
 
 
@@ -510,26 +427,20 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
-    only = args.only
+    # Usage errors are refused before anything is written: a gpu run without CUDA would overwrite the
+    # committed executed notebooks in data/executed/ with failed copies and log a failed row.
     try:
-        notebooks = find_notebooks(args.notebooks, only)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if args.list:
-        for nb in notebooks:
-            print(nb.name)
-        return 0
-    if not notebooks:
-        print(f"error: no notebooks matching {NOTEBOOK_GLOB} in {args.notebooks}", file=sys.stderr)
-        return 2
-    profile = resolve_profile(args.profile)
-    # Refuse before anything is written: a gpu run without CUDA would overwrite the committed executed
-    # notebooks in data/executed/ with failed copies and log a failed row.
-    try:
+        notebooks = find_notebooks(args.notebooks, args.only)
+        if args.list:
+            for nb in notebooks:
+                print(nb.name)
+            return 0
+        if not notebooks:
+            raise ValueError(f"no notebooks matching {NOTEBOOK_GLOB} in {args.notebooks}")
+        profile = resolve_profile(args.profile)
         require_cuda(profile)
         prepare_out_dir(args.out if args.out is not None else default_out_dir(profile))
-    except (NoCudaDevice, OSError) as exc:
+    except (ValueError, NoCudaDevice, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
@@ -538,7 +449,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.notebooks,
             args.out,
             profile,
-            only,
+            args.only,
             log_output=args.log_output,
             progress_bar=not args.no_progress,
             keep_going=args.keep_going,
@@ -554,18 +465,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     failed = [r for r in results if r.status != "ok"]
     total = time.perf_counter() - t0
-    n_ok = len(results) - len(failed)
-    print(f"\n{n_ok} of {len(notebooks)} notebooks ok, profile={profile}, {total:.1f} s")
+    print(
+        f"\n{len(results) - len(failed)} of {len(notebooks)} notebooks ok, profile={profile}, {total:.1f} s"
+    )
     for r in results:
         print(f"  {r.status:6s} {r.seconds:8.1f} s  {r.notebook}")
-    not_run = len(notebooks) - len(results)
-    if not_run:
-        print(f"  ({not_run} not run after the first failure; use --keep-going to run them)")
-    if failed:
-        for r in failed:
-            print(f"FAILED: {r.error}", file=sys.stderr)
-        return 1
-    return 0
+    if len(notebooks) > len(results):
+        n = len(notebooks) - len(results)
+        print(f"  ({n} not run after the first failure; use --keep-going to run them)")
+    for r in failed:
+        print(f"FAILED: {r.error}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

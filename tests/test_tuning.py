@@ -157,9 +157,18 @@ def test_fused_tuner_writes_a_file_the_loader_reads(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", configs.TunedConfigWarning)
         got = ft.tune_fused(
-            ["tiny-oss"], [1, 40], rank=16, adapters=4, out=tmp_path, csv_path=tmp_path / "t.csv",
-            dtype=torch.float32, gpu="NVIDIA_H200", device="cpu", max_bms=1, max_cands=1,
-        )  # fmt: skip
+            ["tiny-oss"],
+            [1, 40],
+            rank=16,
+            adapters=4,
+            out=tmp_path,
+            csv_path=tmp_path / "t.csv",
+            dtype=torch.float32,
+            gpu="NVIDIA_H200",
+            device="cpu",
+            max_bms=1,
+            max_cands=1,
+        )
     assert set(got) == {("tiny-oss", 1), ("tiny-oss", 40)}
     sh = get_shape("tiny-oss")
     for T in (1, 40):

@@ -221,3 +221,160 @@ def test_fused_tuner_bad_arguments_named_before_writing(tmp_path):
         with pytest.raises(ValueError, match=match):
             ft.tune_fused(args.pop("models"), args.pop("tokens"), **args)
     assert not (tmp_path / "o").exists() and not (tmp_path / "t.csv").exists()
+
+
+# ---- the dense tuner -----------------------------------------------------------------------------
+QKV = dict(hidden=48, slices=(64, 16, 16), rank=16, adapters=2)  # tiny/qkv
+
+
+def dense_leaf(bm, bn, **kw):
+    return {
+        "block_m": bm,
+        "block_n": bn,
+        "block_k": 32,
+        "group_size_m": 1,
+        "num_warps": 4,
+        "num_stages": 2,
+        **kw,
+    }
+
+
+def test_dense_projections_plan_and_candidates():
+    ps = {p.label: p for p in dt.projections("all")}
+    assert (
+        len(ps) == 12
+        and ps["gpt-oss-20b/qkv"].slices == (4096, 512, 512)
+        and ps["qwen3-32b/down"].hidden == 25600
+    )
+    assert [p.label for p in dt.projections("tiny:qkv,qwen3-32b:down")] == ["tiny/qkv", "qwen3-32b/down"]
+    with pytest.raises(ValueError, match="unknown projection 'mlp'"):
+        dt.projections("gpt-oss-20b:mlp")
+    # identical entries under vLLM's keys: the later workload takes the existing one
+    wl = {w.proj.label: w for w in dt.plan(dt.projections("all"), [32], 8, [64])}
+    assert wl["qwen3-30b-a3b/qkv"].expand_shared and not wl["qwen3-30b-a3b/qkv"].shrink_shared
+    assert wl["qwen3-30b-a3b/o"].shrink_shared and wl["qwen3-32b/down"].expand_shared
+    assert not any(w.shrink_shared and w.expand_shared for w in wl.values())
+    for p in (ps["gpt-oss-20b/qkv"], ps["llama-3.3-70b/down"]):
+        for T in (1, 256, 8192):
+            w = dt.Workload(p, 32, 8, T)
+            bms = dt.bm_candidates(T, 8)
+            assert 1 <= len(bms) <= 3 and w.default().block_size_m in bms
+            for bm in bms:
+                s, e = w.candidates("shrink", bm, 8, 2), w.candidates("expand", bm, 8, 2)
+                assert 4 <= len(s) <= 8 and 4 <= len(e) <= 8 and all(c.BLOCK_SIZE_M == bm for c in s + e)
+                assert all(c.SPLIT_K == 1 for c in e) and len(set(s)) == len(s)
+                assert all(c.BLOCK_SIZE_K * c.SPLIT_K <= max(p.hidden, c.BLOCK_SIZE_K) for c in s)
+                assert all(dt._smem_shrink(c, 2) <= dt.SMEM_LIMIT_BYTES for c in s[1:])
+
+
+@needs_interpreter
+def test_dense_tune_writes_files_the_loader_reads(tmp_path):
+    out, trials = tmp_path / "cfg", tmp_path / "trials.csv"
+    msgs = []
+    s = dt.tune("tiny/qkv", [16], 2, [3, 24], out, trials, device="cpu", progress=False, echo=msgs.append)
+    assert "CPU SMOKE RUN" in msgs[0] and "estimate" in msgs[1]
+    assert s["tuned"] == [("tiny/qkv", 16, 3), ("tiny/qkv", 16, 24)] and s["gpu"] == "cpu"
+    assert sorted(os.listdir(out)) == ["cpu_EXPAND_TRUE.json", "cpu_SHRINK.json"]
+    rows = rows_of(trials)
+    assert list(rows[0]) == dt.CSV_COLUMNS
+    assert {r["kind"] for r in rows} >= {"trial", "bm_sum", "check", "choice", "session"}
+    assert all(float(r["rel_err"]) <= TOLERANCES[torch.float32] for r in rows if r["kind"] == "check")
+    assert {r["mode"] for r in rows if r["kind"] == "trial"} == {"cpu-interpreter"}
+    chosen = {
+        (r["T"], r["op"]): OpConfig(**json.loads(r["config_json"])) for r in rows if r["kind"] == "choice"
+    }
+    c = configs.load_dense_config(24, **QKV, folder=out, gpu_name="cpu")
+    assert c.source == f"folder:{out}" and (c.shrink, c.expand) == (
+        chosen["24", "shrink"],
+        chosen["24", "expand"],
+    )
+    before = {p: (out / p).read_text() for p in os.listdir(out)}
+    s2 = dt.tune("tiny/qkv", [16], 2, [3, 24], out, trials, device="cpu", progress=False, echo=msgs.append)
+    assert s2["tuned"] == [] and len(s2["skipped"]) == 2  # resumable
+    assert {p: (out / p).read_text() for p in os.listdir(out)} == before
+
+
+@needs_interpreter
+def test_dense_tuner_takes_existing_entries_and_skips_conflicts(tmp_path):
+    out, trials = tmp_path / "cfg", tmp_path / "trials.csv"
+    ex = configs.set_entry({}, configs.dense_keys("expand", 3, **QKV), dense_leaf(32, 64))
+    configs.save_config_file(out / "cpu_EXPAND_TRUE.json", ex)
+    s = dt.tune("tiny/qkv", [16], 2, [3], out, trials, device="cpu", progress=False, echo=lambda m: None)
+    assert s["tuned"] == [("tiny/qkv", 16, 3)]
+    c = configs.load_dense_config(3, **QKV, folder=out, gpu_name="cpu")
+    assert c.block_size_m == 32 and c.expand.BLOCK_SIZE_N == 64 and c.expand.NUM_STAGES == 2
+    rows = [r for r in rows_of(trials) if r["kind"] == "trial"]
+    assert {r["BLOCK_SIZE_M"] for r in rows} == {"32"}
+    assert [r["note"] for r in rows if r["op"] == "expand"] == ["shared entry (not tuned here)"]
+    sh = json.loads((out / "cpu_SHRINK.json").read_text())
+    configs.set_entry(sh, configs.dense_keys("shrink", 5, **QKV), dense_leaf(16, 32, split_k=1))
+    configs.set_entry(ex, configs.dense_keys("expand", 5, **QKV), dense_leaf(32, 64))
+    configs.save_config_file(out / "cpu_SHRINK.json", sh)
+    configs.save_config_file(out / "cpu_EXPAND_TRUE.json", ex)
+    s = dt.tune("tiny/qkv", [16], 2, [5], out, trials, device="cpu", progress=False, echo=lambda m: None)
+    assert s["conflicts"] == [("tiny/qkv", 16, 5)] and s["tuned"] == []
+    assert any(r["kind"] == "conflict" for r in rows_of(trials))
+
+
+@needs_interpreter
+@pytest.mark.parametrize(
+    "flag,value,match",
+    [
+        ("--projections", "gpt-oss-20b", "only the smoke presets"),
+        ("--tokens", "100", "at most 64 tokens"),
+        ("--dtype", "bfloat16", "bfloat16 does not run on the CPU"),
+        ("--max-candidates", "5", "at most 2 candidates"),
+        ("--jobs", "-1", "int >= 0"),
+        ("--warmup-ms", "nan", "finite"),
+        ("--csv", "OTHER_CSV", "not a trials CSV of the dense tuner"),
+        ("--out", "FILE", "not a folder"),
+    ],
+)
+def test_dense_cli_names_bad_flags_before_work(tmp_path, capsys, flag, value, match):
+    (tmp_path / "file.txt").write_text("x")
+    (tmp_path / "other.csv").write_text("a,b\n1,2\n")
+    value = {"FILE": str(tmp_path / "file.txt"), "OTHER_CSV": str(tmp_path / "other.csv")}.get(value, value)
+    base = {"--projections": "tiny", "--tokens": "1", "--ranks": "16", "--adapters": "2", "--device": "cpu"}
+    base.update({"--out": str(tmp_path / "cfg"), "--csv": str(tmp_path / "t.csv"), flag: value})
+    with pytest.raises(SystemExit) as e:
+        dt.main([x for k, v in base.items() for x in (k, v)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and flag in err and match in err, err
+    assert not (tmp_path / "cfg").exists() and not (tmp_path / "t.csv").exists()
+
+
+def test_dense_dry_run_prints_the_plan(tmp_path, capsys):
+    argv = [
+        "--projections",
+        "gpt-oss-20b",
+        "--tokens",
+        "1,8,64,256,1600,8192",
+        "--ranks",
+        "32",
+        "--adapters",
+        "8",
+    ]
+    argv += [
+        "--out",
+        str(tmp_path / "cfg"),
+        "--csv",
+        str(tmp_path / "t.csv"),
+        "--device",
+        "cuda",
+        "--dry-run",
+    ]
+    assert dt.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "2 projections x 1 rank(s) x 6 T = 12 workloads" in out and "estimate ~" in out
+    assert not (tmp_path / "cfg").exists() and not (tmp_path / "t.csv").exists()
+
+
+def test_dense_precompile_compiles_for_sm90(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton_cache"))
+    c = dt.Workload(dt.projections("tiny/o")[0], 16, 2, 8).candidates("expand", 16, 1, 2)[0]
+    job = dict(op="expand", H=64, slices=[48], R=16, L=2, cfg=c.to_dict(), dtype="bfloat16")
+    bad = dict(job, cfg=dict(c.to_dict(), BLOCK_SIZE_N=48))
+    st = dt.precompile([job, bad], 1, 240, 90)
+    assert (st["ok"], st["failed"], st["unfinished"]) == (1, 1, 0), st
+    assert "BLOCK_SIZE_N must be a power of two" in st["errors"][0]
+    assert any((tmp_path / "triton_cache").rglob("*.cubin"))

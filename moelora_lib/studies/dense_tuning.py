@@ -44,7 +44,6 @@ import dataclasses
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -395,51 +394,36 @@ def _precompile_main() -> int:
 
 
 def precompile(jobs: list[dict], n_proc: int, timeout_s: float, arch: int) -> dict[str, Any]:
-    """Compile ``jobs`` in ``n_proc`` fresh processes (no GPU used, TRITON_INTERPRET removed) into Triton's
-    on-disk cache, at most ``timeout_s`` seconds; processes still running then are killed (the rest
-    compiles on demand). Returns {"jobs", "ok", "failed", "unfinished", "wall_s", "compile_s", "errors"}."""
+    """Compile ``jobs`` in ``n_proc`` fresh processes side by side (:func:`~.bench.run_side_by_side`; no GPU
+    used, TRITON_INTERPRET removed) into Triton's on-disk cache, at most ``timeout_s`` seconds (what is not
+    compiled then compiles on demand). Returns {"jobs", "ok", "failed", "unfinished", "wall_s", "compile_s",
+    "errors"}."""
+    from . import bench
+
     t0 = time.perf_counter()
-    stats: dict[str, Any] = dict(jobs=len(jobs), ok=0, failed=0, unfinished=0, compile_s=0.0, errors=[])
+    stats: dict[str, Any] = dict(
+        jobs=len(jobs), ok=0, failed=0, unfinished=len(jobs), compile_s=0.0, errors=[]
+    )
     if not jobs or n_proc <= 0:
-        return dict(stats, unfinished=len(jobs), wall_s=0.0)
-    root = str(Path(__file__).resolve().parents[2])
+        return dict(stats, wall_s=0.0)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONPATH"] = os.pathsep.join([str(bench.REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
     code = "import sys; from moelora_lib.studies.dense_tuning import _precompile_main as m; sys.exit(m())"
     n_proc = min(n_proc, len(jobs))
     with tempfile.TemporaryDirectory(prefix="dense_precompile_") as tmp:
-        procs = []
+        outs = [Path(tmp) / f"{k}.out.jsonl" for k in range(n_proc)]
+        cmds = {}
         for k in range(n_proc):
-            jp, op, ep = (Path(tmp) / f"{k}.{s}" for s in ("jobs.json", "out.jsonl", "err.txt"))
-            jp.write_text(json.dumps(jobs[k::n_proc]))
-            with open(ep, "w") as err:
-                cmd = [sys.executable, "-c", code, str(jp), str(op), str(arch)]
-                p = subprocess.Popen(
-                    cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=root
-                )
-            procs.append((p, op, ep, len(jobs[k::n_proc])))
-        deadline = time.perf_counter() + timeout_s
-        while any(p.poll() is None for p, *_ in procs) and time.perf_counter() < deadline:
-            time.sleep(0.2)
-        for p, op, ep, n in procs:
-            killed = p.poll() is None
-            if killed:
-                p.kill()  # only the processes started here
-                p.wait()
-            results = [
-                json.loads(x) for x in (op.read_text().splitlines() if op.exists() else []) if x.strip()
-            ]
-            stats["ok"] += sum(r["ok"] for r in results)
-            stats["failed"] += sum(not r["ok"] for r in results)
-            stats["unfinished"] += n - len(results)
-            stats["compile_s"] += sum(r["s"] for r in results)
-            stats["errors"] += [r["error"] for r in results if not r["ok"]][:3]
-            if killed:
-                stats["errors"].append(
-                    f"worker stopped at the {timeout_s:.0f} s limit ({n - len(results)} left)"
-                )
-            elif p.returncode != 0:
-                stats["errors"].append(f"worker rc {p.returncode}: {ep.read_text()[-500:]}")
+            (Path(tmp) / f"{k}.json").write_text(json.dumps(jobs[k::n_proc]))
+            cmds[str(k)] = [sys.executable, "-c", code, str(Path(tmp) / f"{k}.json"), str(outs[k]), str(arch)]
+        try:
+            bench.run_side_by_side(cmds, envs={k: env for k in cmds}, timeout_s=timeout_s)
+        except RuntimeError as e:  # a worker failed or the limit passed: the others were stopped
+            stats["errors"].append(str(e)[-500:])
+        results = [json.loads(x) for o in outs if o.exists() for x in o.read_text().splitlines() if x.strip()]
+    stats.update(ok=sum(r["ok"] for r in results), failed=sum(not r["ok"] for r in results))
+    stats.update(unfinished=len(jobs) - len(results), compile_s=sum(r["s"] for r in results))
+    stats["errors"] = [r["error"] for r in results if not r["ok"]][:3] + stats["errors"]
     return dict(stats, wall_s=time.perf_counter() - t0)
 
 
@@ -778,8 +762,9 @@ def tune(
     summary: dict[str, Any] = dict(estimate=est, out=str(out), gpu=gpu, precompile=None)
     if dev.type == "cpu":
         echo(
-            f"dense_tuning: CPU SMOKE RUN under the Triton interpreter: tiny shapes, {max_cands} candidate(s) "
-            "per op; times are interpreter wall clock, NOT kernel performance; files for GPU name 'cpu'"
+            f"dense_tuning: CPU SMOKE RUN under the Triton interpreter: tiny shapes, {max_cands} "
+            "candidate(s) per op; times are interpreter wall clock, NOT kernel performance; files for GPU "
+            "name 'cpu'"
         )
     n_done = sum(w.done for w in wls)
     echo(

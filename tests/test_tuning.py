@@ -97,7 +97,7 @@ def test_tuning_cli_rejects_bad_arguments(tmp_path, capsys, extra, flag, text):
         tuning.main(argv)
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert f"argument {flag}: " in err and text in err and "Traceback" not in err
+    assert flag in err and text in err and "Traceback" not in err
     assert not (tmp_path / "cfg").exists() and not (tmp_path / "t.csv").exists()  # no work done
 
 
@@ -108,10 +108,10 @@ def test_tuning_cli_rejects_bad_paths_and_devices(tmp_path, capsys):
     not_trials.write_text("a,b\n1,2\n")
     t = str(tmp_path / "t.csv")
     cases = [
-        (["--out", str(f), "--csv", t], "argument --out: ", "is not a folder"),
-        (["--out", str(f / "sub"), "--csv", t], "argument --out: ", "is a file"),
-        (["--out", str(tmp_path / "o"), "--csv", str(tmp_path)], "argument --csv: ", "is a folder"),
-        (["--out", str(tmp_path / "o"), "--csv", str(not_trials)], "argument --csv: ", "not a trials CSV"),
+        (["--out", str(f), "--csv", t], "--out: ", "is not a folder"),
+        (["--out", str(f / "sub"), "--csv", t], "--out: ", "is a file"),
+        (["--out", str(tmp_path / "o"), "--csv", str(tmp_path)], "--csv: ", "is a folder"),
+        (["--out", str(tmp_path / "o"), "--csv", str(not_trials)], "--csv: ", "not a trials CSV"),
     ]
     if not torch.cuda.is_available():
         cases.append(

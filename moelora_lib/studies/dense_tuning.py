@@ -39,7 +39,6 @@ _SHRINK.json``, ``{gpu}_EXPAND_TRUE.json``; ``load_dense_config``) are resumable
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -57,7 +56,7 @@ import torch
 from .. import configs
 from ..common import parse_dtype
 from ..kernels.config import OpConfig, next_pow2
-from ..shapes import DENSE_CPU_MODELS, DENSE_GPU_MODELS, DENSE_PRESETS, DenseProjection, check_int
+from ..shapes import DENSE_CPU_MODELS, DENSE_GPU_MODELS, DENSE_PRESETS, DenseProjection
 from . import tuner
 from .tuner import RUN_COLUMNS, TRIAL_COLUMNS
 
@@ -582,27 +581,6 @@ def _tune_workload(
 # ------------------------------------------------------------------------------------------------
 # Arguments, the whole run, the command line
 # ------------------------------------------------------------------------------------------------
-#: tune's arguments -> their CLI flags (the name an error message gives)
-_FLAGS = dict(
-    projections="--projections",
-    ranks="--ranks",
-    adapters="--adapters",
-    tokens="--tokens",
-    out="--out",
-    csv_path="--csv",
-    budget_s="--budget-s",
-    device="--device",
-    dtype="--dtype",
-    max_bms="--max-bms",
-    max_cands="--max-candidates",
-    jobs="--jobs",
-    seed="--seed",
-    warmup_ms="--warmup-ms",
-    rep_ms="--rep-ms",
-    l2="--l2",
-)
-
-
 def _defaults(device, max_bms, max_cands, jobs) -> tuple[int, int, int]:
     """max_bms, max_cands, jobs with the device's defaults where None (CPU: 1, 2, 0; GPU: 2, 8, min(14,
     usable cpus − 2))."""
@@ -618,72 +596,33 @@ def _defaults(device, max_bms, max_cands, jobs) -> tuple[int, int, int]:
     )
 
 
-def _check_args(
-    projs,
-    ranks,
-    adapters,
-    tokens,
-    out,
-    csv_path,
-    budget_s,
-    device,
-    dtype,
-    max_bms,
-    max_cands,
-    jobs,
-    seed,
-    warmup_ms,
-    rep_ms,
-    l2,
-    *,
-    names=None,
-    need_device=True,
-):
-    """Every argument of :func:`tune`, before any work: ValueError naming it (by its CLI flag when
-    ``names`` maps argument -> flag). Returns (projections, device, dtype)."""
-    n = {arg: arg for arg in _FLAGS} | (names or {})
+def _check_args(projs, ranks, adapters, tokens, out, csv_path, budget_s, device, dtype, max_bms, max_cands,
+                jobs, seed, warmup_ms, rep_ms, l2, *, names=None, need_device=True):  # fmt: skip
+    """Every argument of :func:`tune`, before any work: ValueError naming it (``names``: argument -> name,
+    e.g. :data:`.tuner.FLAGS`). Returns (projections, device, dtype)."""
+    n = {a: a for a in tuner.FLAGS} | (names or {})
     try:
         ps = projections(projs) if isinstance(projs, (str, list, tuple)) else None
     except ValueError as e:
         raise ValueError(f"{n['projections']}: {e}") from None
     if not ps:
         raise ValueError(f"{n['projections']}: expected 'all' or model[/proj] names, got {projs!r}")
-    tuner.check_ints(n["ranks"], ranks)
-    tuner.check_ints(n["tokens"], tokens)
-    check_int(n["adapters"], adapters, 1)
-    check_int(n["max_bms"], max_bms, 1)
-    check_int(n["max_cands"], max_cands, 1, 16)
-    check_int(n["jobs"], jobs, 0, 64)
-    check_int(n["seed"], seed)
-    tuner.check_budget(budget_s, n["budget_s"])
+    ints = dict(adapters=(adapters, 1, None), max_bms=(max_bms, 1, None), max_cands=(max_cands, 1, 16))
+    dev, dt = tuner.check_run(
+        names, tokens=tokens, budget_s=budget_s, device=device, dtype=dtype, out=out, csv_path=csv_path,
+        key_columns=_KEY_COLUMNS, what="the dense tuner", lists=dict(ranks=(ranks, False)),
+        ints=dict(ints, jobs=(jobs, 0, 64), seed=(seed, None, None)), need_device=need_device,
+    )  # fmt: skip
     for name, v, lo in (("warmup_ms", warmup_ms, 0.0), ("rep_ms", rep_ms, 0.001)):
         if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= lo):
             raise ValueError(f"{n[name]}: expected a finite number of ms >= {lo:g}, got {v!r}")
     if l2 not in ("clean", "dirty"):
         raise ValueError(f"{n['l2']}: expected 'clean' or 'dirty', got {l2!r}")
-    if need_device:
-        dev = tuner.check_device(device, n["device"])
-    else:  # a plan only (--dry-run): the device need not be here
-        dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-        if dev.type not in ("cpu", "cuda"):
-            raise ValueError(f"{n['device']}: the tuner runs on 'cpu' or 'cuda', got {device!r}")
-    try:
-        dt = (
-            parse_dtype(dtype)
-            if dtype is not None
-            else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
-        )
-    except ValueError as e:
-        raise ValueError(f"{n['dtype']}: {e}") from None
-    if dt not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"{n['dtype']}: expected float16, bfloat16 or float32, got {dtype!r}")
-    if dev.type == "cpu":
+    if dev.type == "cpu":  # the interpreter runs a kernel program by program
         big = [p.label for p in ps if p.model not in DENSE_CPU_MODELS]
         if big:
-            raise ValueError(
-                f"{n['projections']}: the CPU (Triton interpreter) runs only the smoke presets "
-                f"{list(DENSE_CPU_MODELS)} (e.g. 'tiny/qkv'), got {big}"
-            )
+            raise ValueError(f"{n['projections']}: the CPU (Triton interpreter) runs only the smoke presets "
+                             f"{list(DENSE_CPU_MODELS)} (e.g. 'tiny/qkv'), got {big}")  # fmt: skip
         if max(tokens) > CPU_MAX_TOKENS:
             raise ValueError(f"{n['tokens']}: at most {CPU_MAX_TOKENS} tokens on the CPU (interpreter)")
         if max_cands > CPU_MAX_CANDIDATES:
@@ -694,8 +633,6 @@ def _check_args(
             raise ValueError(
                 f"{n['dtype']}: bfloat16 does not run on the CPU interpreter; use float32 or float16"
             )
-    tuner.check_out(out, n["out"])
-    tuner.check_csv(csv_path, n["csv_path"], _KEY_COLUMNS, "the dense tuner")
     return ps, dev, dt
 
 
@@ -844,58 +781,31 @@ def _put(files: tuner.ConfigFiles, w: Workload, shrink: OpConfig, expand: OpConf
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line (module docstring). Every flag is checked before any work: a bad one exits with
     code 2 and one error line naming the flag."""
-    p = argparse.ArgumentParser(
-        prog="python -m moelora_lib.studies.dense_tuning", description=__doc__.split("\n")[0]
-    )
-
-    def ms_type(lo: float):
-        def parse(text: str) -> float:
-            try:
-                v = float(text)
-            except ValueError:
-                v = math.nan
-            if not (v >= lo and math.isfinite(v)):
-                raise ValueError(f"expected a finite number of ms >= {lo:g}, got {text!r}")
-            return v
-
-        return tuner.arg_type(parse, "ms")
-
+    p = tuner.parser("python -m moelora_lib.studies.dense_tuning", __doc__, "1,8,64,256,1600,8192")
     add = p.add_argument
-    projs_help = "'all', or comma-separated model[/proj] (models: " + ", ".join(DENSE_PRESETS) + ")"
     add(
         "--projections",
         required=True,
-        type=tuner.arg_type(lambda t: projections(t) and t, "projections"),
-        help=projs_help,
+        help="'all', or comma-separated model[/proj] of " + ", ".join(DENSE_PRESETS),
     )
-    add("--tokens", default="1,8,64,256,1600,8192", type=tuner.int_list_type(1), help="T values")
     add("--ranks", default="32", type=tuner.int_list_type(1), help="R values (max LoRA rank)")
-    add("--adapters", type=tuner.int_type(1), default=8, help="L, adapter slots")
-    add("--out", required=True, help="config folder to write the two JSON files into")
-    add("--csv", required=True, help="trials CSV (appended; resumable)")
-    add("--budget-s", type=tuner.budget_type, default=math.inf, help="no new workload starts past this")
-    add("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    add("--dtype", default=None, help="bfloat16 (GPU default), float16, float32 (CPU default)")
-    add("--max-bms", type=tuner.int_type(1), default=None, help="BLOCK_SIZE_M candidates (+ the default's)")
-    add("--max-candidates", type=tuner.int_type(1), default=None, help="configs per op and BM (GPU 8, CPU 2)")
     add("--jobs", type=tuner.int_type(0), default=None, help="compile processes (default min(14, cpus - 2))")
-    add("--seed", type=tuner.int_type(None), default=0)
-    add("--warmup-ms", type=ms_type(0), default=tuner.WARMUP_MS)
-    add("--rep-ms", type=ms_type(0.001), default=tuner.REP_MS)
+    add("--warmup-ms", type=float, default=tuner.WARMUP_MS)
+    add("--rep-ms", type=float, default=tuner.REP_MS)
     add("--l2", choices=["clean", "dirty"], default="clean", help="L2 flush before every repetition")
-    add("--no-progress", action="store_true")
     add("--dry-run", action="store_true", help="check the flags, print the plan and estimate, exit")
     a = p.parse_args(argv)
-    kw = {arg: getattr(a, flag[2:].replace("-", "_")) for arg, flag in _FLAGS.items()}
-    pos = [kw.pop(arg) for arg in ("projections", "ranks", "adapters", "tokens", "out", "csv_path")]
+    pos = (a.projections, a.ranks, a.adapters, a.tokens, a.out, a.csv)
+    kw = dict(budget_s=a.budget_s, device=a.device, dtype=a.dtype, max_bms=a.max_bms, max_cands=a.max_cands)
+    kw.update(jobs=a.jobs, seed=a.seed, warmup_ms=a.warmup_ms, rep_ms=a.rep_ms, l2=a.l2)
     try:  # every flag checked before any work
         resolved = dict(
-            zip(("max_bms", "max_cands", "jobs"), _defaults(a.device, a.max_bms, a.max_candidates, a.jobs))
+            zip(("max_bms", "max_cands", "jobs"), _defaults(a.device, a.max_bms, a.max_cands, a.jobs))
         )
-        _check_args(*pos, **{**kw, **resolved}, names=_FLAGS, need_device=not a.dry_run)
+        _check_args(*pos, **{**kw, **resolved}, names=tuner.FLAGS, need_device=not a.dry_run)
     except ValueError as e:
         p.error(str(e))
-    s = tune(*pos, dry_run=a.dry_run, progress=not a.no_progress, names=_FLAGS, **kw)
+    s = tune(*pos, dry_run=a.dry_run, progress=not a.no_progress, names=tuner.FLAGS, **kw)
     if not a.dry_run:
         print(
             f"dense_tuning: {len(s['tuned'])} workloads tuned, {len(s['skipped'])} already done, "

@@ -23,7 +23,6 @@ past it; an untuned workload is left to the loader's nearest-entry lookup.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import sys
@@ -34,10 +33,9 @@ from pathlib import Path
 import torch
 
 from .. import configs
-from ..common import parse_dtype
 from ..kernels.config import OpConfig
 from ..kernels.stages import FUSED_CONFIG_FIELD
-from ..shapes import Dims, check_int
+from ..shapes import Dims
 from . import tuner
 from .tuner import RUN_COLUMNS, TRIAL_COLUMNS
 from .tuning import base_bm_candidates, graph_timer
@@ -143,15 +141,18 @@ def tune_fused(
     csv_path: str | Path,
     budget_s: float = math.inf,
     device=None,
-    dtype=torch.bfloat16,
+    dtype=None,
     gpu: str | None = None,
     max_bms: int = 2,
     max_cands: int = 7,
+    seed: int = 0,
     progress: bool = False,
+    names: dict[str, str] | None = None,
 ) -> dict[tuple[str, int], dict[str, OpConfig]]:
     """Tune every (model, T) and merge the choices into ``out/{gpu}_FUSED_MOE_LORA_FUSED.json`` (atomically
     after each workload). Returns {(model, T): {op: OpConfig}}. ``max_bms``: BLOCK_SIZE_M candidates
-    besides the current one; ``max_cands``: configs per GEMM and BM.
+    besides the current one; ``max_cands``: configs per GEMM and BM; ``dtype`` None: bfloat16 on a GPU,
+    float32 on the CPU; ``names``: argument -> name in error messages.
 
     Raises ValueError naming the argument, before anything is written: ``models`` not a non-empty list of
     presets, ``tokens`` not a non-empty list of ints ≥ 1, rank/adapters/max_bms/max_cands not ints ≥ 1, a
@@ -159,16 +160,15 @@ def tune_fused(
     a file or cannot be made, a ``csv_path`` that is a folder or cannot be made."""
     from .moe_bench import layer_inputs
 
-    shapes = tuner.check_models(models)
-    tuner.check_ints("tokens", tokens)
-    for name, v in (("rank", rank), ("adapters", adapters), ("max_bms", max_bms), ("max_cands", max_cands)):
-        check_int(name, v, 1)
-    tuner.check_budget(budget_s)
+    shapes = tuner.check_models(models, (names or {}).get("models", "models"))
     if gpu is not None and (not isinstance(gpu, str) or not gpu or "/" in gpu or "\\" in gpu):
         raise ValueError(f"gpu: expected a GPU name for the file names (no path separators), got {gpu!r}")
-    dev = tuner.check_device(device)
-    tuner.check_out(out)
-    tuner.check_csv(csv_path, "csv_path", ("kind", "model", "T", "op", "config_json"), "the fused tuner")
+    ints = dict(rank=(rank, 1, None), adapters=(adapters, 1, None), max_bms=(max_bms, 1, None))
+    dev, dtype = tuner.check_run(
+        names, tokens=tokens, budget_s=budget_s, device=device, dtype=dtype, out=out, csv_path=csv_path,
+        key_columns=("kind", "model", "T", "op", "config_json"), what="the fused tuner",
+        ints=dict(ints, max_cands=(max_cands, 1, None), seed=(seed, None, None)),
+    )  # fmt: skip
     gpu = gpu or (configs.gpu_name() if dev.type == "cuda" else "cpu")
     t0 = time.perf_counter()
     log = tuner.TrialLog(Path(csv_path), CSV_COLUMNS)
@@ -182,7 +182,7 @@ def tune_fused(
             weights.clear()  # one model's weights at a time on the device
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
-            kw = dict(rank=rank, num_adapters=adapters, dtype=dtype, device=dev, seed=0, bias=False)
+            kw = dict(rank=rank, num_adapters=adapters, dtype=dtype, device=dev, seed=seed, bias=False)
             weights[s.name] = layer_inputs(s, 1, **kw)
         kw = dict(deadline=t0 + budget_s, t0=t0, max_bms=max_bms, max_cands=max_cands)
         if got := tune_fused_workload(s.name, T, rank, adapters, weights[s.name], dev, log, **kw):
@@ -213,33 +213,17 @@ def tune_fused(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line (module docstring); a bad argument exits with code 2 and one line naming it."""
-    p = argparse.ArgumentParser(
-        prog="python -m moelora_lib.studies.fused_tuning", description=__doc__.split("\n")[0]
-    )
-    add = p.add_argument
-    add("--model", required=True, help="comma-separated presets, e.g. gpt-oss-20b,qwen3-30b-a3b")
-    add(
-        "--tokens",
-        default="1,8,64,256,1600,8192",
-        type=tuner.int_list_type(1),
-        help="comma-separated T values",
-    )
-    add("--rank", type=tuner.int_type(1), default=32)
-    add("--adapters", type=tuner.int_type(1), default=8)
-    add("--dtype", default="bfloat16")
-    add("--out", required=True, help="config folder (the shipped one: moelora_lib/configs/<gpu>)")
-    add("--csv", required=True, help="trials CSV (appended)")
-    add("--budget-s", type=tuner.budget_type, default=math.inf)
-    add(
-        "--max-bms", type=tuner.int_type(1), default=2, help="BLOCK_SIZE_M candidates besides the current one"
-    )
-    add("--max-cands", type=tuner.int_type(1), default=7, help="configs per GEMM and BLOCK_SIZE_M")
-    add("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    p = tuner.parser("python -m moelora_lib.studies.fused_tuning", __doc__, "1,8,64,256,1600,8192")
+    p.add_argument("--model", required=True, help="comma-separated presets, e.g. gpt-oss-20b,qwen3-30b-a3b")
+    p.add_argument("--rank", type=tuner.int_type(1), default=32)
+    p.set_defaults(max_bms=2, max_cands=7)
     a = p.parse_args(argv)
+    kw = dict(rank=a.rank, adapters=a.adapters, out=a.out, csv_path=a.csv, budget_s=a.budget_s, dtype=a.dtype)
+    kw.update(
+        max_bms=a.max_bms, max_cands=a.max_cands, device=a.device, seed=a.seed, progress=not a.no_progress
+    )
     try:
-        kw = dict(rank=a.rank, adapters=a.adapters, out=a.out, csv_path=a.csv, budget_s=a.budget_s)
-        kw.update(dtype=parse_dtype(a.dtype), max_bms=a.max_bms, max_cands=a.max_cands, device=a.device)
-        chosen = tune_fused([m for m in a.model.split(",") if m], a.tokens, **kw)
+        chosen = tune_fused([m for m in a.model.split(",") if m], a.tokens, **kw, names=tuner.FLAGS)
     except ValueError as e:
         p.error(str(e))
     for (m, T), got in chosen.items():

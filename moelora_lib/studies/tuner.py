@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from .. import configs
+from ..common import parse_dtype
 from ..kernels.config import OpConfig
 from ..shapes import check_int, get_shape
 
@@ -202,12 +203,70 @@ def _budget(text: str) -> float:
         raise ValueError(f"expected seconds >= 0 (inf = no budget), got {text!r}") from None
 
 
-budget_type = arg_type(_budget, "seconds")
+#: Every tuner argument -> its CLI flag: the name a command-line error gives (``names=FLAGS``).
+FLAGS = dict(
+    models="--model", projections="--projections", ranks="--ranks", rank="--rank", copy_ranks="--copy-ranks",
+    adapters="--adapters", tokens="--tokens", out="--out", csv_path="--csv", budget_s="--budget-s",
+    device="--device", dtype="--dtype", max_bms="--max-bms", max_cands="--max-candidates", seed="--seed",
+    jobs="--jobs", warmup_ms="--warmup-ms", rep_ms="--rep-ms", l2="--l2",
+)  # fmt: skip
 
 
-def path_type(check: Callable[..., Path], *args) -> Callable[[str], str]:
-    """An argparse type running ``check(text, None, *args)`` (a path check) and keeping the text."""
-    return arg_type(lambda t: (check(t, None, *args), t)[1], "path")
+def parser(prog: str, doc: str, tokens: str) -> argparse.ArgumentParser:
+    """The command line every tuner shares (``--tokens`` default ``tokens``); a tuner adds its own flags.
+    A malformed number exits with code 2 and one line naming the flag; the rest is checked by the tuner's
+    argument check with ``names=FLAGS`` before any work."""
+    p = argparse.ArgumentParser(prog=prog, description=doc.split("\n")[0])
+    add = p.add_argument
+    add("--tokens", default=tokens, type=int_list_type(1), help="T values, comma-separated")
+    add("--adapters", type=int_type(1), default=8, help="L, adapter slots")
+    add("--out", required=True, help="config folder to write the JSON files into")
+    add("--csv", required=True, help="trials CSV (appended; resumable)")
+    add(
+        "--budget-s", type=arg_type(_budget, "seconds"), default=math.inf, help="no workload starts past this"
+    )
+    add("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    add("--dtype", default=None, help="bfloat16 (GPU default), float16 or float32 (CPU default)")
+    add("--max-bms", type=int_type(1), default=None, help="BLOCK_SIZE_M candidates (+ the default's)")
+    add("--max-candidates", "--max-cands", dest="max_cands", type=int_type(1), help="configs per op and BM")
+    add("--seed", type=int_type(None), default=0)
+    add("--no-progress", action="store_true")
+    return p
+
+
+def check_run(names, *, tokens, budget_s, device, dtype, out, csv_path, key_columns, what, ints, lists=None,
+              need_device=True) -> tuple[torch.device, torch.dtype]:  # fmt: skip
+    """The arguments every tuner takes, before any work: ValueError naming the argument (``names``: argument
+    -> the name to give, e.g. :data:`FLAGS`). ``ints``: {argument: (value, lo, hi)}; ``lists``: {argument:
+    (values, allow_empty)}, ints >= 1; ``key_columns``, ``what``: the trials CSV's (:func:`check_csv`);
+    ``need_device`` False: the device need not be on this machine (a dry run). Returns (device, dtype:
+    ``dtype`` or bfloat16 on a GPU, float32 on the CPU)."""
+    names = names or {}
+    for a, (v, allow_empty) in {"tokens": (tokens, False), **(lists or {})}.items():
+        check_ints(names.get(a, a), v, allow_empty=allow_empty)
+    for a, (v, lo, hi) in ints.items():
+        check_int(names.get(a, a), v, lo, hi)
+    check_budget(budget_s, names.get("budget_s", "budget_s"))
+    n_dev, n_dt = names.get("device", "device"), names.get("dtype", "dtype")
+    if need_device:
+        dev = check_device(device, n_dev)
+    else:
+        dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        if dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"{n_dev}: the tuner runs on 'cpu' or 'cuda', got {device!r}")
+    try:
+        dt = (
+            parse_dtype(dtype)
+            if dtype is not None
+            else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+        )
+    except ValueError as e:
+        raise ValueError(f"{n_dt}: {e}") from None
+    if dt not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"{n_dt}: expected float16, bfloat16 or float32, got {dtype!r}")
+    check_out(out, names.get("out", "out"))
+    check_csv(csv_path, names.get("csv_path", "csv_path"), key_columns, what)
+    return dev, dt
 
 
 # ------------------------------------------------------------------------------------------------

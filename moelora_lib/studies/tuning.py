@@ -29,7 +29,6 @@ next_pow2(R))), written for these ranks too and marked ``copied``: a stand-in, n
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import os
@@ -42,10 +41,9 @@ from typing import Any
 import torch
 
 from .. import configs
-from ..common import parse_dtype
 from ..kernels import default_config
 from ..kernels.config import BASE_OPS, LORA_OPS, OpConfig, next_pow2
-from ..shapes import Dims, MoEShape, check_int, get_shape
+from ..shapes import Dims, MoEShape
 from . import bench, tuner
 from .tuner import RUN_COLUMNS, TRIAL_COLUMNS
 
@@ -220,43 +218,20 @@ def _for_rank(cfgs: dict[str, OpConfig], R: int) -> dict[str, OpConfig]:
     return {op: dataclasses.replace(c, **{key[op.endswith("shrink")]: r}) for op, c in cfgs.items()}
 
 
-def _check_csv(csv_path, name: str | None = "csv_path") -> Path:
-    return tuner.check_csv(csv_path, name, _KEY_COLUMNS)
-
-
 def _check_tune_args(
-    models,
-    ranks,
-    adapters,
-    tokens,
-    out,
-    csv_path,
-    budget_s,
-    copy_ranks,
-    device,
-    dtype,
-    max_bms,
-    max_cands,
-    seed,
-) -> tuple[list[MoEShape], torch.device]:
-    """Every argument of :func:`tune`, before any work; ValueError naming the argument."""
-    shapes = tuner.check_models(models)
-    tuner.check_ints("ranks", ranks)
-    tuner.check_ints("copy_ranks", copy_ranks, allow_empty=True)
-    tuner.check_ints("tokens", tokens)
-    for name, v in (("adapters", adapters), ("max_bms", max_bms), ("max_cands", max_cands)):
-        check_int(name, v, 1)
-    check_int("seed", seed)
-    tuner.check_budget(budget_s)
-    if dtype is not None:
-        try:
-            parse_dtype(dtype)
-        except ValueError as e:
-            raise ValueError(f"dtype: {e}") from None
-    dev = tuner.check_device(device)
-    tuner.check_out(out)
-    _check_csv(csv_path)
-    return shapes, dev
+    models, ranks, adapters, tokens, out, csv_path, *, budget_s, copy_ranks, device, dtype, max_bms,
+    max_cands, seed, names=None
+) -> tuple[list[MoEShape], torch.device, torch.dtype]:  # fmt: skip
+    """Every argument of :func:`tune`, before any work; ValueError naming the argument (``names``: argument
+    -> name, e.g. :data:`.tuner.FLAGS`). Returns (shapes, device, dtype)."""
+    shapes = tuner.check_models(models, (names or {}).get("models", "models"))
+    ints = dict(adapters=(adapters, 1, None), max_bms=(max_bms, 1, None), max_cands=(max_cands, 1, None))
+    dev, dt = tuner.check_run(
+        names, tokens=tokens, budget_s=budget_s, device=device, dtype=dtype, out=out, csv_path=csv_path,
+        key_columns=_KEY_COLUMNS, what="the MoE tuner", ints=dict(ints, seed=(seed, None, None)),
+        lists=dict(ranks=(ranks, False), copy_ranks=(copy_ranks, True)),
+    )  # fmt: skip
+    return shapes, dev, dt
 
 
 def tune(
@@ -286,12 +261,13 @@ def tune(
     CSV of this tuner."""
     from .moe_bench import layer_inputs
 
-    args = (models, ranks, adapters, tokens, out, csv_path, budget_s, copy_ranks, device, dtype)
-    shapes, dev = _check_tune_args(*args, max_bms, max_cands, seed)
-    t0 = time.perf_counter()
-    dtype = (
-        parse_dtype(dtype) if dtype is not None else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    kw = dict(
+        budget_s=budget_s, copy_ranks=copy_ranks, device=device, dtype=dtype, seed=seed, max_bms=max_bms
     )
+    shapes, dev, dtype = _check_tune_args(
+        models, ranks, adapters, tokens, out, csv_path, **kw, max_cands=max_cands
+    )
+    t0 = time.perf_counter()
     gpu = configs.gpu_name() if dev.type == "cuda" else "cpu"
     log = tuner.TrialLog(Path(csv_path), CSV_COLUMNS)
     files = tuner.ConfigFiles(Path(out), gpu, (*LORA_OPS, "base"), configs.config_file_name)
@@ -355,65 +331,28 @@ def tune(
     return tuner.finish(log, summary, t0)
 
 
-def _models_type(text: str) -> list[str]:
-    names = [x.strip() for x in text.split(",") if x.strip()]
-    if not names:
-        raise ValueError(f"expected comma-separated preset names, got {text!r}")
-    for m in names:
-        get_shape(m)  # ValueError naming the known presets
-    return names
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line (module docstring). Every argument is checked before any work: a bad one exits
     with code 2 and one error line naming the flag."""
-    p = argparse.ArgumentParser(
-        prog="python -m moelora_lib.studies.tuning", description=__doc__.split("\n")[0]
+    p = tuner.parser(
+        "python -m moelora_lib.studies.tuning", __doc__, "1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192"
     )
-    add = p.add_argument
-    add(
-        "--model",
-        required=True,
-        type=tuner.arg_type(_models_type, "models"),
-        help="preset names, comma-separated",
+    p.add_argument("--model", required=True, help="preset names, comma-separated")
+    p.add_argument(
+        "--ranks", default="32", type=tuner.int_list_type(1), help="ranks (the first: copy source)"
     )
-    add(
-        "--ranks",
-        default="32",
-        type=tuner.int_list_type(1),
-        help="ranks to tune (the first is the copy source)",
-    )
-    add(
-        "--copy-ranks",
-        default="",
-        type=tuner.int_list_type(1, allow_empty=True),
-        help="ranks given R[0]'s choices",
-    )
-    add("--adapters", type=tuner.int_type(1), default=8, help="L, adapter slots")
-    add("--tokens", default="1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192", type=tuner.int_list_type(1))
-    add("--out", required=True, type=tuner.path_type(tuner.check_out), help="config folder to write into")
-    add("--csv", required=True, type=tuner.path_type(_check_csv), help="trials CSV (appended; resumable)")
-    add("--budget-s", type=tuner.budget_type, default=math.inf, help="no new workload starts past this")
-    dev_type = tuner.arg_type(lambda t: str(tuner.check_device(t, None)), "device")
-    add("--device", default=None, type=dev_type, help="cuda or cpu (default: cuda if available)")
-    add(
-        "--max-bms",
-        type=tuner.int_type(1),
-        default=2,
-        help="BLOCK_SIZE_M candidates per group (+ the default's)",
-    )
-    add("--max-candidates", type=tuner.int_type(1), default=6, help="configs per op and BLOCK_SIZE_M")
-    add("--seed", type=tuner.int_type(None), default=0)
-    add("--no-progress", action="store_true")
+    p.add_argument("--copy-ranks", default="", type=tuner.int_list_type(1, allow_empty=True),
+                   help="ranks given the first rank's choices (not tuned)")  # fmt: skip
+    p.set_defaults(max_bms=2, max_cands=6)
     a = p.parse_args(argv)
-    args = (a.model, a.ranks, a.adapters, a.tokens, a.out, a.csv)
-    try:  # the default device, and whatever argparse cannot see: before any work
-        tuner.check_device(a.device, "--device")
-        _check_tune_args(*args, a.budget_s, a.copy_ranks, a.device, None, a.max_bms, a.max_candidates, a.seed)
+    args = ([m.strip() for m in a.model.split(",") if m.strip()], a.ranks, a.adapters, a.tokens, a.out, a.csv)
+    kw = dict(budget_s=a.budget_s, copy_ranks=a.copy_ranks, device=a.device, dtype=a.dtype, seed=a.seed)
+    kw.update(max_bms=a.max_bms, max_cands=a.max_cands)
+    try:
+        _check_tune_args(*args, **kw, names=tuner.FLAGS)
     except ValueError as e:
         p.error(str(e))
-    kw = dict(budget_s=a.budget_s, copy_ranks=a.copy_ranks, device=a.device, max_bms=a.max_bms, seed=a.seed)
-    s = tune(*args, **kw, max_cands=a.max_candidates, progress=not a.no_progress)
+    s = tune(*args, **kw, progress=not a.no_progress)
     print(
         f"tuning: {len(s['tuned'])} workloads tuned, {len(s['skipped'])} already done, "
         f"{len(s['not_tuned'])} not tuned (budget): {s['not_tuned']}, {len(s['copied'])} copied; "

@@ -500,9 +500,8 @@ def _tune_workload(
     bms_fixed = {c.BLOCK_SIZE_M for c in fixed.values()}
     if len(bms_fixed) > 1:
         note = "existing shrink and expand entries have different BLOCK_SIZE_M: "
-        log.append(
-            kind="conflict", **w.ids, note=note + "; ".join(f"{op}={c.short()}" for op, c in fixed.items())
-        )
+        note += "; ".join(f"{op}={c.short()}" for op, c in fixed.items())
+        log.append(kind="conflict", **w.ids, note=note)
         return None
     ids, aligns = inp.ids(T), {}
     inp.out.zero_()  # the expand timings add into it
@@ -510,40 +509,24 @@ def _tune_workload(
     def prepare(bm: int):
         align = aligns[bm] = _align_oneshot(ids, inp.L, bm)
         # a valid rank intermediate for the expand timings (the first shrink candidate at this BM)
-        inp.op_fn("shrink", T, align, fixed.get("shrink") or w.candidates("shrink", bm, max_cands, elem)[0])()
+        inp.op_fn("shrink", T, align, fixed.get("shrink") or w.candidates("shrink", bm, 1, elem)[0])()
         flush = l2 if l2 == "clean" else True
-        return lambda op, c: bench.time_fn(
-            inp.op_fn(op, T, align, c), "graph", dev, warmup_ms, rep_ms, flush_l2=flush
-        )
+        timing = dict(warmup_ms=warmup_ms, rep_ms=rep_ms, flush_l2=flush)
+        return lambda op, c: bench.time_fn(inp.op_fn(op, T, align, c), "graph", dev, **timing)
 
     bms = sorted(bms_fixed) if bms_fixed else bm_candidates(T, w.L, max_bms)
     ranked = tuner.sweep(
-        bms,
-        prepare,
-        ("shrink", "expand"),
-        lambda op, bm: w.candidates(op, bm, max_cands, elem),
-        dev,
-        log,
-        w.ids,
-        deadline=deadline,
-        t0=t0,
-        fixed=fixed,
-        cpu_mode="cpu-interpreter",
-    )
+        bms, prepare, ("shrink", "expand"), lambda op, bm: w.candidates(op, bm, max_cands, elem), dev, log,
+        w.ids, deadline=deadline, t0=t0, fixed=fixed, cpu_mode="cpu-interpreter",
+    )  # fmt: skip
     # pairs in order of summed time (each BM's top 3 × top 3, at most 5), then the default config
-    pairs = [
-        (ms_s + ms_e, bm, cs, ce)
-        for bm, r in ranked.items()
-        for ms_s, cs in r["shrink"][:3]
-        for ms_e, ce in r["expand"][:3]
-        if math.isfinite(ms_s + ms_e)
-    ]
+    pairs = [(ms_s + ms_e, bm, cs, ce) for bm, r in ranked.items() for ms_s, cs in r["shrink"][:3]
+             for ms_e, ce in r["expand"][:3] if math.isfinite(ms_s + ms_e)]  # fmt: skip
     pairs = sorted(pairs, key=lambda p: p[0])[:5]
     dflt = w.default()
     if not fixed or dflt.block_size_m in bms_fixed:
-        pairs.append(
-            (math.nan, dflt.block_size_m, fixed.get("shrink", dflt.shrink), fixed.get("expand", dflt.expand))
-        )
+        d = (fixed.get("shrink", dflt.shrink), fixed.get("expand", dflt.expand))
+        pairs.append((math.nan, dflt.block_size_m, *d))
     tol = TOLERANCES[inp.x.dtype]
     w0 = torch.zeros(sum(inp.proj.slices), inp.proj.hidden, dtype=inp.x.dtype, device=dev)
     ref = lora_linear_reference(inp.x[:T], w0, inp.a, inp.b, ids, slices=inp.proj.slices)  # the LoRA delta
@@ -556,16 +539,8 @@ def _tune_workload(
         ok = err <= tol
         pair = f"shrink={cs.short()};expand={ce.short()}"
         note = "ok" if ok else f"WRONG (tolerance {tol:.1e}) {why}".strip()
-        log.append(
-            kind="check",
-            **w.ids,
-            op="pair",
-            BLOCK_SIZE_M=bm,
-            config=pair,
-            sum_ms=total,
-            rel_err=err,
-            note=note,
-        )
+        log.append(kind="check", **w.ids, op="pair", BLOCK_SIZE_M=bm, config=pair, sum_ms=total, rel_err=err,
+                   note=note)  # fmt: skip
         if ok:
             for op, c in (("shrink", cs), ("expand", ce)):
                 ms = next((m for m, cc in ranked.get(bm, {}).get(op, []) if cc == c), math.nan)
@@ -676,9 +651,7 @@ def tune(
     log = tuner.TrialLog(Path(csv_path), CSV_COLUMNS) if not dry_run or Path(csv_path).is_file() else None
     files = None
     if not dry_run or Path(out).is_dir():
-        files = tuner.ConfigFiles(
-            Path(out), gpu, _FILE_OPS.values(), lambda g, op: configs.dense_config_file_name(g, op)
-        )
+        files = tuner.ConfigFiles(Path(out), gpu, _FILE_OPS.values(), configs.dense_config_file_name)
     if log is not None and files is not None:
         for w in plan(ps, ranks, adapters, tokens):  # finished work into the files first (resume)
             if done := _choices(log, w):
@@ -686,16 +659,8 @@ def tune(
     wls = plan(ps, ranks, adapters, tokens, files=files, log=log)
     dname = str(dt).removeprefix("torch.")
     cjobs = compile_jobs(wls, max_bms=max_bms, max_cands=max_cands, dtype=dname) if dev.type == "cuda" else []
-    est = estimate(
-        wls,
-        max_bms=max_bms,
-        max_cands=max_cands,
-        n_compiles=len(cjobs),
-        jobs=jobs,
-        warmup_ms=warmup_ms,
-        rep_ms=rep_ms,
-        device=dev.type,
-    )
+    opts = dict(max_bms=max_bms, max_cands=max_cands, warmup_ms=warmup_ms, rep_ms=rep_ms)
+    est = estimate(wls, n_compiles=len(cjobs), jobs=jobs, device=dev.type, **opts)
     summary: dict[str, Any] = dict(estimate=est, out=str(out), gpu=gpu, precompile=None)
     if dev.type == "cpu":
         echo(
@@ -706,10 +671,9 @@ def tune(
     n_done = sum(w.done for w in wls)
     echo(
         f"dense_tuning: {len(ps)} projections x {len(ranks)} rank(s) x {len(tokens)} T = {len(wls)} "
-        "workloads "
-        f"({n_done} already in the CSV); {est['trials']} trials, {len(cjobs)} distinct kernels to compile in "
-        f"{jobs} process(es); estimate ~{est['total']:.0f} s (compile ~{est['compile']:.0f} s, timing "
-        f"~{est['timing']:.0f} s, inputs/checks ~{est['workloads']:.0f} s, start ~{est['startup']:.0f} s)"
+        f"workloads ({n_done} already in the CSV); {est['trials']} trials, {len(cjobs)} distinct kernels "
+        f"to compile in {jobs} process(es); estimate ~{est['total']:.0f} s (compile ~{est['compile']:.0f} s, "
+        f"timing ~{est['timing']:.0f} s, inputs/checks ~{est['workloads']:.0f} s)"
         + (f"; budget {budget_s:.0f} s" if math.isfinite(budget_s) else "")
     )
     if dry_run:
@@ -720,11 +684,8 @@ def tune(
         st = summary["precompile"] = precompile(cjobs, jobs, min(300.0, 0.6 * budget_s), 10 * cap[0] + cap[1])
         note = f"{st['ok']} ok, {st['failed']} failed, {st['unfinished']} unfinished of {st['jobs']} in "
         note += f"{st['wall_s']:.1f} s wall ({st['compile_s']:.0f} s of compiles) on {jobs} processes"
-        log.append(
-            kind="precompile",
-            elapsed_s=round(time.perf_counter() - t0, 2),
-            note=note + (f"; errors: {st['errors'][:3]}" if st["errors"] else ""),
-        )
+        note += f"; errors: {st['errors'][:3]}" if st["errors"] else ""
+        log.append(kind="precompile", elapsed_s=round(time.perf_counter() - t0, 2), note=note)
         echo(f"dense_tuning: precompile {log.rows[-1]['note']}")
     inputs: dict[tuple, _Inputs] = {}
 
@@ -735,42 +696,21 @@ def tune(
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
             inputs[w.proj, w.R] = _Inputs(w.proj, w.R, w.L, max(tokens), dt, dev, seed)
-        got = _tune_workload(
-            w,
-            inputs[w.proj, w.R],
-            files,
-            log,
-            deadline=t0 + budget_s,
-            max_bms=max_bms,
-            max_cands=max_cands,
-            t0=t0,
-            warmup_ms=warmup_ms,
-            rep_ms=rep_ms,
-            l2=l2,
-        )
+        got = _tune_workload(w, inputs[w.proj, w.R], files, log, deadline=t0 + budget_s, t0=t0, l2=l2, **opts)
         if got is not None:
             _put(files, w, *got)
         return got is not None
 
     tuner.run_workloads(
-        wls,
-        log,
-        files,
-        summary,
-        label=lambda w: (w.proj.label, w.R, w.T),
-        ids=lambda w: w.ids,
-        todo=lambda w: not _choices(log, w),
-        tune=tune_one,
-        deadline=t0 + budget_s,
-        t0=t0,
-        progress=progress,
+        wls, log, files, summary, label=lambda w: (w.proj.label, w.R, w.T), ids=lambda w: w.ids,
+        todo=lambda w: not _choices(log, w), tune=tune_one, deadline=t0 + budget_s, t0=t0, progress=progress,
         desc="dense tuning",
-    )
+    )  # fmt: skip
     inputs.clear()
-    note = f"; estimate was {est['total']:.0f} s"
-    return tuner.finish(
-        log, summary, t0, note + ("; CPU smoke run (interpreter wall clock)" if gpu == "cpu" else "")
+    note = f"; estimate was {est['total']:.0f} s" + (
+        "; CPU smoke run (interpreter wall clock)" if gpu == "cpu" else ""
     )
+    return tuner.finish(log, summary, t0, note)
 
 
 def _put(files: tuner.ConfigFiles, w: Workload, shrink: OpConfig, expand: OpConfig) -> None:

@@ -61,7 +61,6 @@ from . import tuner
 from .tuner import RUN_COLUMNS, TRIAL_COLUMNS
 
 __all__ = [
-    "DENSE_MODELS",
     "Projection",
     "projections",
     "CSV_COLUMNS",
@@ -86,7 +85,6 @@ CACHE_LOAD_S = 0.05
 SMEM_LIMIT_BYTES = 200 * 1024
 #: CPU smoke run limits (the Triton interpreter runs a kernel program by program).
 CPU_MAX_TOKENS, CPU_MAX_CANDIDATES = 64, 2
-DENSE_MODELS = dict(DENSE_PRESETS)
 CSV_COLUMNS = [*("kind", "model", "proj", "H", "slices", "S", "N", "R", "L", "T"), *TRIAL_COLUMNS, "rel_err"]
 CSV_COLUMNS += RUN_COLUMNS
 _KEY_COLUMNS = ("kind", "model", "proj", "H", "slices", "R", "L", "T", "op", "config_json")

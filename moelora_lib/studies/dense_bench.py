@@ -26,13 +26,7 @@ import torch.nn.functional as F
 
 from ..common import dtype_name, parse_dtype
 from ..kernels import STAGES
-from ..kernels.dense_lora import (
-    adapt_dense_config,
-    dense_config_for,
-    dense_expand,
-    dense_lora_add,
-    dense_shrink,
-)
+from ..kernels import dense_lora as dl
 from ..lora_linear import LoRALinear, _align_oneshot, lora_linear_reference
 from ..shapes import DENSE_CPU_MODELS, DENSE_GPU_MODELS, DENSE_PRESETS, DenseModel, DenseProjection
 from ..testing import TOLERANCES
@@ -90,25 +84,9 @@ class ProjectionInputs:
     seed: int
     scaling: float
 
-    @property
-    def device(self) -> torch.device:
-        return self.x.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.x.dtype
-
-    @property
-    def L(self) -> int:
-        return self.lora_a.shape[0]
-
-    @property
-    def R(self) -> int:
-        return self.lora_a.shape[2]
-
-    @property
-    def max_tokens(self) -> int:
-        return self.x.shape[0]
+    def __post_init__(self):
+        self.device, self.dtype, self.max_tokens = self.x.device, self.x.dtype, self.x.shape[0]
+        self.L, self.R = self.lora_a.shape[0], self.lora_a.shape[2]
 
     def x_for(self, T: int) -> torch.Tensor:
         """x[:T]; ValueError if T is not in [1, max_tokens]."""
@@ -210,62 +188,39 @@ class LoRAPart:
         st, p = STAGES[stage], inp.proj
         self.stage, self.slices = st, p.slices
         self.x, self.lora_a, self.lora_b = inp.x_for(T), inp.lora_a, inp.lora_b
-        self.cfg = config or dense_config_for(
+        self.cfg = config or dl.dense_config_for(
             st, T, hidden=p.hidden, slices=p.slices, rank=inp.R, adapters=inp.L
         )
-        self.launched = adapt_dense_config(st, self.cfg)
+        self.launched = dl.adapt_dense_config(st, self.cfg)
         self.align = _align_oneshot(lora_ids, inp.L, self.cfg.block_size_m)
         self.base = F.linear(self.x, inp.weight)
         self.out = self.base.clone()
         self.inter = torch.zeros((T, len(p.slices) * inp.R), dtype=torch.float32, device=inp.device)
         ddt = torch.float32 if inp.dtype == torch.float16 else inp.dtype
         self.delta = None if st.fused_add else torch.empty((T, p.n_total), dtype=ddt, device=inp.device)
+        self.kw = dict(use_even_k=st.even_k, specialize_lengths=st.specialize_lengths)
 
     def reset(self) -> None:
         self.out.copy_(self.base)
 
     def shrink(self) -> torch.Tensor:
         """The shrink launch alone (zeroing the intermediate first under split-K)."""
-        st, c = self.stage, self.launched
-        return dense_shrink(
-            self.x,
-            self.lora_a,
-            self.align,
-            c.shrink,
-            use_even_k=st.even_k,
-            specialize_lengths=st.specialize_lengths,
-            inter=self.inter,
+        return dl.dense_shrink(
+            self.x, self.lora_a, self.align, self.launched.shrink, inter=self.inter, **self.kw
         )
 
     def expand(self) -> torch.Tensor:
         """The expand launch alone, reading the last shrink's intermediate: adding into ``out`` (fused
         add) or storing into the delta buffer (that stage's fill and torch add are not in it)."""
-        st, c = self.stage, self.launched
-        return dense_expand(
-            self.inter,
-            self.lora_b,
-            self.out if st.fused_add else self.delta,
-            self.align,
-            c.expand,
-            slices=self.slices,
-            add_inputs=st.fused_add,
-            use_even_k=st.even_k,
-            specialize_lengths=st.specialize_lengths,
+        fused = self.stage.fused_add
+        out, cfg = self.out if fused else self.delta, self.launched.expand
+        return dl.dense_expand(
+            self.inter, self.lora_b, out, self.align, cfg, slices=self.slices, add_inputs=fused, **self.kw
         )
 
     def __call__(self) -> torch.Tensor:
-        return dense_lora_add(
-            self.stage,
-            self.out,
-            self.x,
-            self.lora_a,
-            self.lora_b,
-            self.align,
-            self.cfg,
-            slices=self.slices,
-            inter=self.inter,
-            delta=self.delta,
-        )
+        args = (self.stage, self.out, self.x, self.lora_a, self.lora_b, self.align, self.cfg)
+        return dl.dense_lora_add(*args, slices=self.slices, inter=self.inter, delta=self.delta)
 
 
 class _TorchBaseline:
@@ -344,17 +299,10 @@ _BASELINE_CLASSES = {"torch_loop": TorchLoop, "torch_gbmm": TorchGatherBmm}
 def build_module(inp: ProjectionInputs, stage: str = "tuned", *, max_tokens: int | None = None) -> LoRALinear:
     """A :class:`LoRALinear` of ``stage`` on ``inp``'s weight (shared) with its L adapters loaded
     (scaling 1: already folded in B); ``max_tokens`` defaults to inp.max_tokens."""
-    p = inp.proj
-    m = LoRALinear(
-        inp.weight,
-        slices=p.slices,
-        num_adapters=inp.L,
-        max_rank=inp.R,
-        max_tokens=max_tokens or inp.max_tokens,
-        stage=stage,
-    )
-    o = [sum(p.slices[:s]) for s in range(len(p.slices) + 1)]
-    S = len(p.slices)
+    p, S = inp.proj, len(inp.proj.slices)
+    kw = dict(num_adapters=inp.L, max_rank=inp.R, max_tokens=max_tokens or inp.max_tokens, stage=stage)
+    m = LoRALinear(inp.weight, slices=p.slices, **kw)
+    o = [sum(p.slices[:s]) for s in range(S + 1)]
     for a in range(inp.L):
         bs = [inp.lora_b[a, o[s] : o[s + 1]] for s in range(S)]
         m.load_adapter(a, [inp.lora_a[a, s] for s in range(S)], bs, scaling=1.0)
@@ -367,20 +315,10 @@ def build_module(inp: ProjectionInputs, stage: str = "tuned", *, max_tokens: int
 
 
 def _fields(inp: ProjectionInputs, T: int, pattern: str) -> dict[str, Any]:
+    """model, proj, H, N, slices, S, T, L, R, dtype, pattern: the columns naming a point."""
     p = inp.proj
-    return dict(
-        model=p.model,
-        proj=p.proj,
-        H=p.hidden,
-        N=p.n_total,
-        slices=p.slices_str,
-        S=len(p.slices),
-        T=T,
-        L=inp.L,
-        R=inp.R,
-        dtype=dtype_name(inp.dtype),
-        pattern=pattern,
-    )
+    f = dict(model=p.model, proj=p.proj, H=p.hidden, N=p.n_total, slices=p.slices_str, S=len(p.slices))
+    return dict(f, T=T, L=inp.L, R=inp.R, dtype=dtype_name(inp.dtype), pattern=pattern)
 
 
 def _timing(fn, device, mode: str, warmup_ms: float, rep_ms: float, min_reps=None) -> dict[str, Any]:
@@ -406,57 +344,39 @@ def _time_row(fn, inp, T, pattern, cost, kw, timing) -> dict[str, Any]:
     )
 
 
-def _inputs(proj, T, inputs, input_kw) -> ProjectionInputs:
-    """``inputs`` (ValueError unless of ``proj``), or new ones from :func:`make_inputs`'s ``input_kw``."""
-    if inputs is None:
-        return make_inputs(proj, T, **input_kw)
-    if inputs.proj != get_projection(proj):
-        raise ValueError(f"inputs are for {inputs.proj.name}, not {get_projection(proj).name}")
-    return inputs
-
-
-def _point(proj, T, inputs, pattern, input_kw) -> tuple[ProjectionInputs, torch.Tensor, dict[str, dict]]:
-    """(inputs, adapter ids of ``pattern``, :func:`part_costs`) of one timed point."""
-    inp = _inputs(proj, T, inputs, input_kw)
+def _point(inp: ProjectionInputs, T: int, pattern: str):
+    """(adapter ids of ``pattern``, :func:`part_costs`) of one timed point."""
     ids = inp.lora_ids(T, pattern)
     elem = inp.x.element_size()
-    return inp, ids, part_costs(inp.proj, T, rank=inp.R, adapters=inp.L, dtype_bytes=elem, lora_ids=ids)
-
-
-def _check_stage(stage: str) -> None:
-    if stage not in STAGES:
-        raise ValueError(f"stage must be one of {list(STAGES)}, got {stage!r}")
+    return ids, part_costs(inp.proj, T, rank=inp.R, adapters=inp.L, dtype_bytes=elem, lora_ids=ids)
 
 
 def _kw(impl: str, stage: str | None, part: str, cfg=None, launched=None) -> dict[str, Any]:
-    """The row fields of an implementation: ``cfg`` the stage's config, ``launched`` it after the
-    stage's adapt (shown when given)."""
+    """impl, stage, part, config (``launched``, the config after the stage's adapt, when given),
+    config_source and block_size_m of ``cfg``."""
     shown = cfg if launched is None else launched
+    cfg_fields = (shown.short(), cfg.source, cfg.block_size_m) if cfg is not None else (None,) * 3
     return dict(
-        impl=impl,
-        stage=stage,
-        part=part,
-        config=shown.short() if shown is not None else None,
-        config_source=cfg.source if cfg is not None else None,
-        block_size_m=cfg.block_size_m if cfg is not None else None,
+        zip(
+            ("impl", "stage", "part", "config", "config_source", "block_size_m"),
+            (impl, stage, part, *cfg_fields),
+        )
     )
 
 
 def bench_projection(
     stage: str,
-    proj: str | DenseProjection,
+    inp: ProjectionInputs,
     T: int,
     *,
     parts: Sequence[str] = PARTS,
-    inputs: ProjectionInputs | None = None,
     module: LoRALinear | None = None,
     pattern: str = "uniform",
-    mode: str = "graph",
     config=None,
+    mode: str = "graph",
     warmup_ms: float = 25,
     rep_ms: float = 100,
     min_reps: int | None = None,
-    **input_kw,
 ) -> list[dict[str, Any]]:
     """Time ``parts`` (of :data:`PARTS`, :data:`KERNELS`, :data:`BASELINES`) of ``stage`` at T tokens;
     one row per part, each callable run once untimed first.
@@ -465,19 +385,19 @@ def bench_projection(
     overrides the stage's). "total": the :class:`LoRALinear` forward (base + alignment + LoRA in one
     graph; ``module`` from :func:`build_module` reused, else one built). "shrink" / "expand": the LoRA
     part's launches alone. "torch_loop" / "torch_gbmm": :class:`TorchLoop`, :class:`TorchGatherBmm`.
-    ``inputs`` from :func:`make_inputs`, else made from ``input_kw``.
+    ``inp``: :func:`make_inputs` of the projection (reused across T).
 
     Rows: model, proj, H, N, slices, S, T, L, R, dtype, pattern, impl, stage, part, config,
     config_source, block_size_m (the alignment's), mode, ms_p50/p20/p80, us_p50, flops, bytes, floor_us,
     bound, warmup_ms, rep_ms, min_reps and the environment columns. Raises ValueError for an unknown
-    stage or part, inputs of another projection, or a module of another stage.
+    stage or part, or a module of another stage.
     """
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {list(STAGES)}, got {stage!r}")
     bad = [p for p in parts if p not in PARTS + KERNELS + BASELINES]
     if bad:
         raise ValueError(f"parts must be in {PARTS + KERNELS + BASELINES}, got {bad}")
-    inp, ids, costs = _point(proj, T, inputs, pattern, input_kw)
+    ids, costs = _point(inp, T, pattern)
     x = inp.x_for(T)
     timing = dict(mode=mode, warmup_ms=warmup_ms, rep_ms=rep_ms, min_reps=min_reps)
     kernels = LoRAPart(stage, inp, T, ids) if set(parts) & set(KERNELS) else None
@@ -511,31 +431,20 @@ def bench_alignment(
     block_size_m: int,
     adapters: int = 8,
     pattern: str = "uniform",
-    mode: str = "graph",
-    warmup_ms: float = 25,
-    rep_ms: float = 100,
-    min_reps: int | None = None,
     device="cuda",
     seed: int = 0,
+    **timing,
 ) -> dict[str, Any]:
     """Time the token→adapter alignment of T tokens alone (what :class:`LoRALinear` launches before the
-    shrink). One row: impl "align", part "align", T, L, block_size_m, pattern, mode, ms_p50/p20/p80,
-    us_p50, warmup_ms, rep_ms, min_reps."""
+    shrink); ``timing``: mode, warmup_ms, rep_ms, min_reps as in :func:`bench_projection`. One row:
+    impl "align", part "align", T, L, block_size_m, pattern, mode, ms_p50/p20/p80, us_p50, warmup_ms,
+    rep_ms, min_reps."""
+    timing = dict(dict(mode="graph", warmup_ms=25, rep_ms=100, min_reps=None), **timing)
     g = torch.Generator().manual_seed(int(seed) * 1_000_003 + T)
     ids = adapter_ids(T, adapters, pattern, g).to(device=device, dtype=torch.int32)
-    fn = lambda: _align_oneshot(ids, adapters, block_size_m)  # noqa: E731
-    return bench.result_row(
-        impl="align",
-        part="align",
-        T=T,
-        L=adapters,
-        block_size_m=block_size_m,
-        pattern=pattern,
-        **_timing(fn, device, mode, warmup_ms, rep_ms, min_reps),
-        warmup_ms=warmup_ms,
-        rep_ms=rep_ms,
-        min_reps=min_reps,
-    )
+    row = dict(impl="align", part="align", T=T, L=adapters, block_size_m=block_size_m, pattern=pattern)
+    tm = _timing(lambda: _align_oneshot(ids, adapters, block_size_m), device, **timing)
+    return bench.result_row(**row, **tm, **{k: timing[k] for k in ("warmup_ms", "rep_ms", "min_reps")})
 
 
 # ------------------------------------------------------------------------------------------------
@@ -555,17 +464,15 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def check_projection(
-    proj: str | DenseProjection,
+    inp: ProjectionInputs,
     T: int,
     *,
     stages: Sequence[str] = tuple(s for s in STAGES if not STAGES[s].fused_gemm),
     module_stages: Sequence[str] = ("tuned",),
     baselines: Sequence[str] = BASELINES,
-    inputs: ProjectionInputs | None = None,
     modules: dict[str, LoRALinear] | None = None,
     pattern: str = "mixed",
     ref_dtype: torch.dtype | None = None,
-    **input_kw,
 ) -> list[dict[str, Any]]:
     """The LoRA part of every stage of ``stages`` (one call into the base output), the
     :class:`LoRALinear` forward of every stage of ``module_stages`` (part "total"; ``modules``: stage ->
@@ -578,7 +485,6 @@ def check_projection(
     added), no_adapter_rows, no_adapter_bitwise (those rows equal ``F.linear``'s bit for bit), config,
     config_source.
     """
-    inp = _inputs(proj, T, inputs, input_kw)
     ids, x = inp.lora_ids(T, pattern), inp.x_for(T)
     if ref_dtype is None:
         ref_dtype = torch.float64 if inp.device.type == "cpu" else torch.float32
@@ -642,9 +548,7 @@ def check_projections(
         inp = make_inputs(p, max(tokens), **input_kw)
         modules = {st: build_module(inp, st) for st in module_stages}
         for T in tokens:
-            rows += check_projection(
-                p, T, stages=stages, module_stages=module_stages, inputs=inp, modules=modules
-            )
+            rows += check_projection(inp, T, stages=stages, module_stages=module_stages, modules=modules)
         del inp, modules
         free_memory(input_kw.get("device", "cuda"))
     return rows

@@ -28,7 +28,6 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, wait
 from pathlib import Path
-from typing import Any
 
 from moelora_lib.hardware import H200_NUM_SMS
 
@@ -39,18 +38,8 @@ _TD, _PI = "tensor_descriptor", "persistent_interleaved"
 
 
 def _cfg(bm, bn, bk, warps, stages, indexing="pointer", pid="flat", l2=None, split=None) -> dict:
-    c: dict[str, Any] = {
-        "block_sizes": [bm, bn, bk],
-        "num_warps": warps,
-        "num_stages": stages,
-        "indexing": indexing,
-        "pid_type": pid,
-    }
-    if l2:
-        c["l2_groupings"] = [l2]
-    if split:
-        c["split_k"] = split
-    return c
+    c = dict(block_sizes=[bm, bn, bk], num_warps=warps, num_stages=stages, indexing=indexing, pid_type=pid)
+    return c | ({"l2_groupings": [l2]} if l2 else {}) | ({"split_k": split} if split else {})
 
 
 def _split_factor(k: int, n: int, bn: int, num_sms: int, m_tiles: int = 1) -> int | None:
@@ -344,8 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     import torch
 
-    from moelora_lib.common import gpu_name
     from moelora_lib import helion_linear as hl
+    from moelora_lib.common import gpu_name
     from moelora_lib.studies import bench
     from moelora_lib.studies.notebook import progress
     from moelora_lib.testing import TOLERANCES
@@ -436,15 +425,9 @@ def main(argv: list[str] | None = None) -> int:
         if best is not None:
             hl.set_entry(table, epi, args.dtype, k, n, bucket, best[0])
             n_tuned += 1
-        env = bench.env_record()
-        table["_meta"] = {
-            "gpu": gpu,
-            "tuning_seconds": total,
-            "helion": env["helion"],
-            "torch": torch.__version__,
-            "updated_utc": env["timestamp_utc"],
-            "timing": f"moelora_lib.studies.bench.time_fn graph mode, flush_l2={args.l2!r}",
-        }
+        env, how = bench.env_record(), f"moelora_lib.studies.bench.time_fn graph mode, flush_l2={args.l2!r}"
+        meta = dict(gpu=gpu, tuning_seconds=total, helion=env["helion"], torch=torch.__version__)
+        table["_meta"] = dict(meta, updated_utc=env["timestamp_utc"], timing=how)
         hl.save_configs(table, out_path)
         bench.write_rows(args.csv, rows, append=True)
         del x, ref
@@ -453,9 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"nothing to tune; tuning seconds in {out_path}: {prev_seconds:.1f} s")
         return 0
     total = prev_seconds + (time.perf_counter() - t_start)
-    log(
-        f"tuned {n_tuned}/{len(todo)} cases; this run {time.perf_counter() - t_start:.1f} s; total {total:.1f} s"
-    )
+    log(f"tuned {n_tuned}/{len(todo)} cases; this run {total - prev_seconds:.1f} s; total {total:.1f} s")
     return 0
 
 

@@ -92,6 +92,11 @@ def sweep_compile_tasks(methods: dict, jobs: Iterable[tuple], ms: Iterable[int])
     return tasks
 
 
+def _calls(x, fs):
+    """(a call of fs[0] on x, a call of every f of fs on x): one layer, and the layers over W's copies."""
+    return (lambda: fs[0](x)), (lambda: [f(x) for f in fs])
+
+
 def _two_gemm(x, w_gate, w_up):
     return F.silu(F.linear(x, w_gate)) * F.linear(x, w_up)
 
@@ -175,51 +180,23 @@ def sweep(
             common = dict(stage="helion_linear", model=name, proj=proj, epilogue=epi, M=m, K=k, N=n, dtype=dt)
             flops = 2.0 * m * n * k
             nbytes = (n * k + m * k + m * (n // 2 if epi == "swiglu" else n)) * tdtype.itemsize
-            path = method.path_for(layer, m)
-            # (impl, fn, the fn over the copies, output, path)
-            impls = [
-                (
-                    "helion",
-                    lambda x=x, f=layer: f(x),
-                    lambda x=x, fs=layers_rot: [f(x) for f in fs],
-                    layer(x),
-                    path,
-                ),
-                (
-                    "torch",
-                    lambda x=x, f=torch_layer: f(x),
-                    lambda x=x, fs=torch_rot: [f(x) for f in fs],
-                    torch_layer(x),
-                    "torch",
-                ),
-            ]
+            # (impl, one call, one call of every copy, path)
+            impls = [("helion", *_calls(x, layers_rot), method.path_for(layer, m))]
+            impls.append(("torch", *_calls(x, torch_rot), "torch"))
             if epi == "swiglu":
-                i = n // 2
-                two = lambda x=x, w=w, i=i: _two_gemm(x, w[:i], w[i:])  # noqa: E731
-                two_rot = lambda x=x, ws=w_rot, i=i: [_two_gemm(x, wc[:i], wc[i:]) for wc in ws]  # noqa: E731
-                impls.append(("torch_two_gemm", two, two_rot, two(), "torch"))
-            for impl, fn, fn_rot, y, p in impls:
-                err = _rel_err(y, ref)
+                two = [lambda v, wc=wc, i=n // 2: _two_gemm(v, wc[:i], wc[i:]) for wc in w_rot]
+                impls.append(("torch_two_gemm", *_calls(x, two), "torch"))
+            for impl, fn, fn_rot, p in impls:
+                err = _rel_err(fn(), ref)
                 for mode in modes:
                     if mode == "graph_rotate" and m > ROTATE_MAX_M:
                         continue
                     c = copies if mode == "graph_rotate" else 1
                     t = _per_call(timed(fn_rot, mode), c) if mode == "graph_rotate" else timed(fn, mode)
                     us = t.ms_p50 * 1e3
-                    rows.append(
-                        bench.result_row(
-                            **common,
-                            impl=impl,
-                            path=p,
-                            rel_err=err,
-                            copies=c,
-                            timing=t,
-                            flops=flops,
-                            bytes=nbytes,
-                            tb_per_s=nbytes / (us * 1e-6) / 1e12,
-                            tflops=flops / (us * 1e-6) / 1e12,
-                        )
-                    )
+                    rate = dict(tb_per_s=nbytes / (us * 1e-6) / 1e12, tflops=flops / (us * 1e-6) / 1e12)
+                    row = dict(common, impl=impl, path=p, rel_err=err, copies=c)
+                    rows.append(bench.result_row(**row, timing=t, flops=flops, bytes=nbytes, **rate))
             del x, ref, impls
         del w, layer, torch_layer, w_rot, layers_rot, torch_rot
         gc.collect()
@@ -301,31 +278,15 @@ def l2_probe(
         path = method.path_for(layers[0], m)
         torch_layers = [Linear.from_weight(w, TorchLinearMethod("none")) for w in ws]
         for impl, ls in (("helion", layers), ("torch", torch_layers)):
-            one = lambda x=x, f=ls[0]: f(x)  # noqa: E731
-            runs = {
-                "dirty": (one, True, 1),
-                "clean": (one, "clean", 1),
-                "warm": (one, False, 1),
-                "rotate": (lambda x=x, fs=ls: [f(x) for f in fs], False, len(ls)),
-            }
+            one, every = _calls(x, ls)
+            runs = {"dirty": (one, True, 1), "clean": (one, "clean", 1), "warm": (one, False, 1)}
+            runs["rotate"] = (every, False, len(ls))
             for l2, (fn, flush, c) in runs.items():
                 t = _per_call(bench.time_fn(fn, "graph", "cuda", **kw, flush_l2=flush), c)
-                rows.append(
-                    bench.result_row(
-                        stage="helion_l2_probe",
-                        K=k,
-                        N=n,
-                        M=m,
-                        dtype=dtype,
-                        impl=impl,
-                        l2=l2,
-                        copies=c,
-                        weight_bytes=wbytes,
-                        timing=t,
-                        tb_per_s=wbytes / (t.ms_p50 * 1e-3) / 1e12,
-                        path=path if impl == "helion" else "torch",
-                    )
-                )
+                row = dict(stage="helion_l2_probe", K=k, N=n, M=m, dtype=dtype, impl=impl, l2=l2, copies=c)
+                tb = wbytes / (t.ms_p50 * 1e-3) / 1e12
+                path_ = path if impl == "helion" else "torch"
+                rows.append(bench.result_row(**row, weight_bytes=wbytes, timing=t, tb_per_s=tb, path=path_))
         del ws, layers, torch_layers, w0, x
         gc.collect()
         torch.cuda.empty_cache()

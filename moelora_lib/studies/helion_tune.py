@@ -201,16 +201,9 @@ def add_task(tasks: dict[str, dict], epi: str, dtype: str, k: int, n: int, cfg: 
     t["ms"] += [m for m in dict.fromkeys(ms) if m not in t["ms"]]
 
 
-def precompile(cases: list[dict], dtype: str, jobs: int, timeout_s: float, log) -> dict[str, dict]:
-    """Compile every candidate of ``cases`` for every Triton M-variant ``warmup`` meets
-    (:func:`precompile_tasks`)."""
-    from moelora_lib.helion_linear import warm_m_values
-
-    tasks: dict[str, dict] = {}
-    for c in cases:
-        for cfg in candidates(c["epilogue"], c["K"], c["N"], c["bucket"]):
-            add_task(tasks, c["epilogue"], dtype, c["K"], c["N"], cfg, warm_m_values(c["bucket"]) + [c["m"]])
-    return precompile_tasks(tasks, jobs, timeout_s, log)
+def _jobs(jobs: int) -> int:
+    """``jobs``, or for -1 one process per core but two, at most 14."""
+    return jobs if jobs >= 0 else max(1, min(14, (os.cpu_count() or 4) - 2))
 
 
 def precompile_tasks(tasks: dict[str, dict], jobs: int, timeout_s: float, log) -> dict[str, dict]:
@@ -251,7 +244,7 @@ def precompile_in_subprocess(tasks: dict[str, dict], jobs: int, timeout_s: float
 
     from moelora_lib.studies import bench
 
-    jobs = jobs if jobs > 0 else max(1, min(14, (os.cpu_count() or 4) - 2))
+    jobs = _jobs(jobs)
     code = (
         "import json, sys, time; from moelora_lib.studies.helion_tune import precompile_tasks; "
         "t0 = time.time(); precompile_tasks(json.load(open(sys.argv[1])), int(sys.argv[2]), "
@@ -310,13 +303,10 @@ def _parse(argv):
         p.error(f"--shapes: expected a comma-separated list of {sorted(LINEAR_MODELS)}, got {a.shapes!r}")
     if not a.epilogues or set(a.epilogues) - set(EPILOGUES):
         p.error(f"--epilogues: expected a comma-separated list of {list(EPILOGUES)}, got {a.epilogues!r}")
-    try:
-        ms = [int(v) for v in a.m.split(",") if v]
-    except ValueError:
-        ms = []
-    if not ms or min(ms) < 1:
+    ms = [v for v in a.m.split(",") if v]
+    if not ms or not all(v.isdigit() and int(v) >= 1 for v in ms):
         p.error(f"--m: expected a comma-separated list of ints >= 1, got {a.m!r}")
-    a.m = ms
+    a.m = [int(v) for v in ms]
     for name in ("budget_s", "warmup_ms", "rep_ms"):
         if not (getattr(a, name) > 0 and math.isfinite(getattr(a, name))):
             p.error(f"--{name.replace('_', '-')}: expected a number > 0, got {getattr(a, name)}")
@@ -358,8 +348,12 @@ def main(argv: list[str] | None = None) -> int:
     n_cases = len(build_cases(args.shapes, args.epilogues, args.m))
     todo = cases_to_tune(args.shapes, args.epilogues, args.m, table, args.dtype, args.force)
     log(f"{n_cases} cases, {n_cases - len(todo)} already in {out_path}, {len(todo)} to tune")
-    jobs = args.jobs if args.jobs >= 0 else max(1, min(14, (os.cpu_count() or 4) - 2))
-    compiled = precompile(todo, args.dtype, jobs, timeout_s=0.5 * args.budget_s, log=log)
+    tasks: dict[str, dict] = {}  # every candidate of every case, for every Triton M-variant warmup meets
+    for c in todo:
+        ms = hl.warm_m_values(c["bucket"]) + [c["m"]]
+        for cfg in candidates(c["epilogue"], c["K"], c["N"], c["bucket"]):
+            add_task(tasks, c["epilogue"], args.dtype, c["K"], c["N"], cfg, ms)
+    compiled = precompile_tasks(tasks, _jobs(args.jobs), timeout_s=0.5 * args.budget_s, log=log)
 
     gpu = gpu_name(required=True)
     timing_kw = dict(flush_l2=args.l2, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)

@@ -400,7 +400,7 @@ def bench_projection(
     ids, costs = _point(inp, T, pattern)
     x = inp.x_for(T)
     timing = dict(mode=mode, warmup_ms=warmup_ms, rep_ms=rep_ms, min_reps=min_reps)
-    kernels = LoRAPart(stage, inp, T, ids) if set(parts) & set(KERNELS) else None
+    kernels = None  # one LoRAPart for both launches, built at the first
     rows = []
     for part in parts:
         if part == "base":
@@ -414,6 +414,7 @@ def bench_projection(
                 raise ValueError(f"module is of stage {mod.stage.name!r}, not {stage!r}")
             fn, kw, cost = (lambda m=mod: m(x, ids)), _kw(stage, stage, part, mod.config_for(T)), costs[part]
         elif part in KERNELS:
+            kernels = kernels or LoRAPart(stage, inp, T, ids)
             fn, cost = getattr(kernels, part), costs[part]
             kw = _kw(stage, stage, part, kernels.cfg, kernels.launched)
             if part == "expand":

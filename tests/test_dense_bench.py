@@ -104,20 +104,20 @@ def test_inputs_seeded_and_shaped():
     assert torch.bincount(u.long()).tolist() == [6, 5, 5]  # spread evenly
     assert torch.equal(u, a.lora_ids(16, "uniform"))
     assert (a.lora_ids(16, "mixed") == -1).any()
+    assert a.L == 3 and a.R == 8 and a.max_tokens == 16 and a.dtype == torch.float32
     with pytest.raises(ValueError):
         a.x_for(17)
-    with pytest.raises(ValueError):
-        db.bench_projection("naive", "tiny/o", 4, inputs=a)  # inputs of another projection
+    named = db.make_inputs("tiny/qkv", 16, seed=3, **{**TINY, "dtype": "float32"})
+    assert torch.equal(named.weight, a.weight)  # a dtype by name, as the check processes pass it
 
 
 # ---- correctness (interpreter) --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("proj", ["tiny/qkv", "tiny/down"])
-@pytest.mark.parametrize("T", [1, 37])
+@pytest.mark.parametrize("proj, T", [("tiny/qkv", 37), ("tiny/down", 1)])  # 3 slices, -1 rows; K = 96
 def test_every_implementation_matches_the_reference(proj, T):
     inp = db.make_inputs(proj, T, **TINY)
-    rows = db.check_projection(proj, T, inputs=inp, stages=("naive", "split_k", "even_k_fused_add", "tuned"))
+    rows = db.check_projection(inp, T, stages=("naive", "split_k", "even_k_fused_add", "tuned"))
     df = pd.DataFrame(rows)
     assert list(df.impl) == ["naive", "split_k", "even_k_fused_add", "tuned", "tuned", *db.BASELINES]
     assert list(df.part) == ["lora"] * 4 + ["total"] + ["lora"] * 2
@@ -149,10 +149,9 @@ def test_baselines_with_uniform_ids_match():
 
 def test_timing_rows_on_cpu():
     inp = db.make_inputs("tiny/o", 8, **TINY)
-    rows = db.bench_projection("tuned", "tiny/o", 5, inputs=inp)
-    rows += db.bench_projection("naive", "tiny/o", 5, inputs=inp, parts=("lora",))
-    rows += db.bench_baselines("tiny/o", 5, inputs=inp)
-    rows += db.bench_kernels("tuned", "tiny/o", 5, inputs=inp)
+    rows = db.bench_projection("tuned", inp, 5)
+    rows += db.bench_projection("naive", inp, 5, parts=("lora",))
+    rows += db.bench_projection("tuned", inp, 5, parts=db.BASELINES + db.KERNELS)
     rows.append(db.bench_alignment(5, block_size_m=16, adapters=3, device="cpu"))
     df = pd.DataFrame(rows)
     assert list(zip(df.impl, df.part)) == [
@@ -172,12 +171,11 @@ def test_timing_rows_on_cpu():
     assert (t.model == "tiny").all() and (t.proj == "o").all() and (t.slices == "48").all()
     assert t[t.part == "lora"].floor_us.nunique() == 1  # one floor for every implementation of the part
     assert df[df.part == "lora"].block_size_m.dropna().eq(16).all()
-    with pytest.raises(ValueError):
-        db.bench_projection("fastest", "tiny/o", 5, inputs=inp)
-    with pytest.raises(ValueError):
-        db.bench_projection("tuned", "tiny/o", 5, inputs=inp, parts=("everything",))
-    with pytest.raises(ValueError):
-        db.bench_baselines("tiny/o", 5, inputs=inp, impls=("numpy",))
+    assert df[df.stage.isna() & (df.part == "lora")].impl.tolist() == list(db.BASELINES)
+    with pytest.raises(ValueError, match="stage"):
+        db.bench_projection("fastest", inp, 5)
+    with pytest.raises(ValueError, match="parts"):
+        db.bench_projection("tuned", inp, 5, parts=("everything",))
 
 
 def test_module_total_of_another_stage_is_refused():
@@ -185,7 +183,7 @@ def test_module_total_of_another_stage_is_refused():
     mod = db.build_module(inp, "even_k_fused_add")
     assert mod.loaded_slots == [0, 1, 2]
     with pytest.raises(ValueError, match="stage"):
-        db.bench_projection("tuned", "tiny/o", 4, inputs=inp, parts=("total",), module=mod)
+        db.bench_projection("tuned", inp, 4, parts=("total",), module=mod)
 
 
 # ---- summary and targets --------------------------------------------------------------------------------

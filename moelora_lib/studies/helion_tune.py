@@ -1,40 +1,20 @@
-"""Tune the Helion linear backend: time a short, hand-picked list of configs per (shape, M bucket) and
-write the winners into the per-GPU JSON (moelora_lib/configs/helion/<GPU_NAME>.json format).
-
-Usage (on the GPU; a subprocess from a notebook is fine, it has a proper ``__main__``)::
+"""Tune the Helion linear backend: time a short, hand-picked list of configs per (shape, M bucket)
+and write the winners into the per-GPU JSON (moelora_lib/configs/helion/<GPU_NAME>.json format).
 
     python -m moelora_lib.studies.helion_tune --shapes llama3-8b,qwen3-32b,llama3-70b \\
         --m 1,2,4,8,16,32,256,1024,4096 --epilogues none,swiglu \\
         --out moelora_lib/configs/helion/NVIDIA_H200.json --csv data/helion_tuning.csv --budget-s 300
 
-Method:
-  * cases: every projection (qkv, o, gate_up, down) of each model for epilogue "none"; gate_up only
-    for "swiglu" (and "silu"); every projection for "bias". Identical (epilogue, K, N) are tuned once.
-    Each ``--m`` value is timed at exactly that M and its config stored under ``bucket_for(M)``.
-  * candidates (:func:`candidates`): 4–12 explicit configs per bucket class — decode (M ≤ 16): BM 16,
-    BN 16–64, BK 128–512, 3–6 stages, pointer vs tensor-descriptor (TMA) loads of W, and split-K
-    configs when the N tiles alone cannot give every SM two programs; M = 32: BM 32 or 16; prefill:
-    64–128 × 64–256 tiles, split-K (also with 128 × 128 tiles on two warpgroups) when the tiles do
-    not fill the GPU at M = 256–1024, TMA + persistent programs at M ≥ 1024.
-    Decode buckets share their candidate list, so one compile serves several buckets.
-  * compile first, in parallel: spawned worker processes generate the code and compile each
-    (config, Triton M-variant) without launching (``run(..., warmup=True)``), filling Triton's on-disk
-    cache; the timing process then only loads cubins. Failed compiles are logged and skipped.
-  * timing: ``moelora_lib.studies.bench.time_fn(fn, "graph", flush_l2=--l2)`` (CUDA-graph replay;
-    by default the L2 is evicted by a read before every call, so the timed call does not also pay
-    for writing back a dirty flush buffer — see moelora_lib.studies.bench) for every candidate and for the
-    PyTorch path (cuBLAS ``F.linear`` + epilogue) at the same M, after a correctness check against
-    PyTorch (relative error within :data:`moelora_lib.testing.TOLERANCES` of the dtype, of max |ref|).
-  * resumable: a (epilogue, dtype, K, N, bucket) already in ``--out`` is skipped (``--force`` redoes
-    it); the JSON is rewritten atomically after every case, the CSV appended after every case.
-  * ``--budget-s``: no new case starts after this many seconds; the rest is left for a later run.
-    The total tuning seconds (summed over runs) are kept in the JSON's ``_meta.tuning_seconds`` and in
-    the CSV column ``tune_elapsed_s``.
+Cases (:func:`build_cases`) are compiled first in spawned processes, then every candidate
+(:func:`candidates`) is checked against PyTorch (:data:`moelora_lib.testing.TOLERANCES`) and timed with
+``bench.time_fn`` in graph mode (``--l2 clean``: L2 evicted by a read before every call) beside the
+PyTorch path. Resumable: cases in ``--out`` are skipped (``--force`` redoes them); the JSON is written
+atomically and the CSV appended after every case; no case starts after ``--budget-s``.
 
-CSV: one row per (case, candidate) and one per PyTorch baseline: op (epilogue), models, K, N, M,
-bucket, dtype, impl ("helion" | "torch"), candidate, config (JSON), status ("ok" | "compile_error" |
-"run_error" | "wrong"), error, rel_err, ms_p50/p20/p80, mode, speedup_vs_torch, best, compile_s, plus
-the bench environment columns.
+CSV (one row per candidate and per PyTorch baseline): op (epilogue), models, K, N, M, bucket, dtype,
+impl ("helion" | "torch"), candidate, config (JSON), status ("ok" | "compile_error" | "run_error" |
+"wrong"), error, rel_err, ms_p50/p20/p80, mode, speedup_vs_torch, best, compile_s, tune_elapsed_s
+(seconds summed over runs, also ``_meta.tuning_seconds``) and the bench environment columns.
 """
 
 from __future__ import annotations
@@ -48,34 +28,23 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, wait
 from pathlib import Path
-from typing import Any
 
 from moelora_lib.hardware import H200_NUM_SMS
 
 DEFAULT_M = (1, 2, 4, 8, 16, 32, 256, 1024, 4096)
+#: Largest shared-memory footprint a candidate may ask for (the H200 allows 227 KiB per block).
+SMEM_LIMIT_BYTES = 227 * 1024
+_TD, _PI = "tensor_descriptor", "persistent_interleaved"
 
 
-# ---------------------------------------------------------------------------------------------
-# Candidate configs
-# ---------------------------------------------------------------------------------------------
 def _cfg(bm, bn, bk, warps, stages, indexing="pointer", pid="flat", l2=None, split=None) -> dict:
-    c: dict[str, Any] = {
-        "block_sizes": [bm, bn, bk],
-        "num_warps": warps,
-        "num_stages": stages,
-        "indexing": indexing,
-        "pid_type": pid,
-    }
-    if l2:
-        c["l2_groupings"] = [l2]
-    if split:
-        c["split_k"] = split
-    return c
+    c = dict(block_sizes=[bm, bn, bk], num_warps=warps, num_stages=stages, indexing=indexing, pid_type=pid)
+    return c | ({"l2_groupings": [l2]} if l2 else {}) | ({"split_k": split} if split else {})
 
 
 def _split_factor(k: int, n: int, bn: int, num_sms: int, m_tiles: int = 1) -> int | None:
-    """A split_k that brings the output tiles (``m_tiles`` x ceil(N / bn)) up to about two programs
-    per SM, or None if not needed. Each chunk keeps at least 1024 elements of K; at most 16 chunks."""
+    """A split_k (power of two, ≤ 16, chunks of ≥ 1024 of K) that brings the ``m_tiles`` x ceil(N / bn)
+    output tiles up to about two programs per SM; None if they already fill the GPU."""
     tiles = m_tiles * math.ceil(n / bn)
     if tiles >= 2 * num_sms:
         return None
@@ -85,28 +54,21 @@ def _split_factor(k: int, n: int, bn: int, num_sms: int, m_tiles: int = 1) -> in
     return s if s > 1 else None
 
 
-#: Largest shared-memory footprint a candidate may ask for (the H200 allows 227 KiB per block).
-SMEM_LIMIT_BYTES = 227 * 1024
-
-
 def smem_bytes(cfg: dict, epilogue: str, elem: int = 2) -> int:
     """Pipelined shared memory of a candidate: num_stages x (x tile + W tile(s)), in bytes."""
     bm, bn, bk = cfg["block_sizes"]
-    w_tiles = 2 if epilogue == "swiglu" else 1
-    return cfg["num_stages"] * (bm * bk + w_tiles * bn * bk) * elem
+    return cfg["num_stages"] * (bm * bk + (2 if epilogue == "swiglu" else 1) * bn * bk) * elem
 
 
 def candidates(epilogue: str, k: int, n: int, bucket: int, num_sms: int = H200_NUM_SMS) -> list[dict]:
-    """The explicit candidate list for one (epilogue, K, N, bucket); see the module docstring.
+    """The 4–12 configs tried for one (epilogue, K, N, bucket), those over :data:`SMEM_LIMIT_BYTES` dropped.
 
-    Decode (M <= 16): the weight stream is all that matters, so the list varies what keeps enough
-    bytes in flight on every SM: BN 16-64 (more programs for narrow N), BK 128-512, 3-6 stages,
-    pointer vs tensor-descriptor (TMA) loads, and split-K when the N tiles alone cannot give every
-    SM two programs. M = 32: the same with BM 32, and BM 16 (two row tiles). Prefill: 64-128 x
-    64-256 tiles, L2 grouping 8, split-K when the tiles do not fill the GPU (M = 256-1024 with narrow
-    N, also on 128 x 128 tiles with two warpgroups), TMA + persistent programs.
-    Decode buckets share their candidate list, so one compile serves several buckets. Candidates
-    whose pipelined tiles exceed :data:`SMEM_LIMIT_BYTES` are dropped.
+    Decode (M ≤ 16, weight-stream bound; one list for every decode bucket, so one compile serves
+    several): BM 16, BN 16–64, BK 128–512, 3–6 stages, pointer or TMA loads of W, split-K when the N
+    tiles cannot give every SM two programs. M = 32: BM 32, or BM 16 (two row tiles share each W tile
+    through L2). Prefill: 64–128 x 64–256 tiles, L2 grouping 8, split-K where the tiles do not fill the
+    GPU, TMA + persistent programs at M ≥ 1024. SwiGLU loads two W tiles per k step: half the BN or
+    stages. Raises ValueError for an unknown epilogue or bucket, or a size that is not an int ≥ 1.
     """
     from moelora_lib.common import is_int
     from moelora_lib.helion_linear.configs import BUCKETS, EPILOGUES, SPLIT_K_EPILOGUES
@@ -118,138 +80,78 @@ def candidates(epilogue: str, k: int, n: int, bucket: int, num_sms: int = H200_N
     for name, v in (("k", k), ("n", n), ("num_sms", num_sms)):
         if not (is_int(v) and v >= 1):
             raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
-    splittable = epilogue in SPLIT_K_EPILOGUES
 
-    def split(bm: int, bn: int, bk: int, warps: int, stages: int, m_tiles: int = 1, **kw) -> list[dict]:
-        if not splittable:
-            return []
-        f = _split_factor(k, n, bn, num_sms, m_tiles)
+    def split(bm, bn, bk, warps, stages, m_tiles=1, **kw) -> list[dict]:
+        f = _split_factor(k, n, bn, num_sms, m_tiles) if epilogue in SPLIT_K_EPILOGUES else None
         return [_cfg(bm, bn, bk, warps, stages, split=f, **kw)] if f else []
 
-    out: list[dict]
-    if epilogue == "swiglu":  # two W tiles per k step: half the BN (or stages) of the plain GEMM
+    c, m64, m128 = _cfg, max(1, bucket // 64), max(1, bucket // 128)
+    # fmt: off
+    if epilogue == "swiglu":
         if bucket <= 16:
-            out = [
-                _cfg(16, 64, 128, 4, 4),
-                _cfg(16, 32, 256, 4, 4),
-                _cfg(16, 32, 256, 4, 5),
-                _cfg(16, 16, 512, 4, 4),
-                _cfg(16, 64, 256, 4, 3),
-                _cfg(16, 64, 128, 4, 4, indexing="tensor_descriptor"),
-                _cfg(16, 32, 256, 4, 4, indexing="tensor_descriptor"),
-            ]
+            out = [c(16, 64, 128, 4, 4), c(16, 32, 256, 4, 4), c(16, 32, 256, 4, 5), c(16, 16, 512, 4, 4),
+                   c(16, 64, 256, 4, 3), c(16, 64, 128, 4, 4, _TD), c(16, 32, 256, 4, 4, _TD)]
         elif bucket <= 32:
-            out = [
-                _cfg(32, 64, 128, 4, 4),
-                _cfg(32, 32, 256, 4, 3),
-                _cfg(32, 32, 256, 4, 4),
-                _cfg(32, 64, 128, 4, 5),
-            ]
+            out = [c(32, 64, 128, 4, 4), c(32, 32, 256, 4, 3), c(32, 32, 256, 4, 4), c(32, 64, 128, 4, 5)]
         else:
-            out = [
-                _cfg(64, 128, 64, 8, 3, l2=8),
-                _cfg(64, 64, 64, 4, 4, l2=8),
-                _cfg(128, 64, 64, 8, 3, l2=8),
-                _cfg(128, 128, 64, 8, 3, l2=8),
-                _cfg(64, 128, 64, 8, 4, indexing="tensor_descriptor", l2=8),
-            ]
+            out = [c(64, 128, 64, 8, 3, l2=8), c(64, 64, 64, 4, 4, l2=8), c(128, 64, 64, 8, 3, l2=8),
+                   c(128, 128, 64, 8, 3, l2=8), c(64, 128, 64, 8, 4, _TD, l2=8)]
     elif bucket <= 16:
-        out = [
-            _cfg(16, 64, 128, 4, 5),
-            _cfg(16, 64, 256, 4, 4),
-            _cfg(16, 32, 256, 4, 4),
-            _cfg(16, 32, 256, 4, 6),
-            _cfg(16, 32, 512, 4, 4),
-            _cfg(16, 16, 512, 4, 4),
-            _cfg(16, 64, 256, 8, 4),
-            _cfg(16, 64, 256, 4, 3, indexing="tensor_descriptor"),
-            _cfg(16, 32, 256, 4, 4, indexing="tensor_descriptor"),
-        ]
+        out = [c(16, 64, 128, 4, 5), c(16, 64, 256, 4, 4), c(16, 32, 256, 4, 4), c(16, 32, 256, 4, 6),
+               c(16, 32, 512, 4, 4), c(16, 16, 512, 4, 4), c(16, 64, 256, 8, 4), c(16, 64, 256, 4, 3, _TD),
+               c(16, 32, 256, 4, 4, _TD)]
         out += split(16, 64, 128, 4, 4) + split(16, 32, 256, 4, 4)
     elif bucket <= 32:
-        out = [
-            _cfg(32, 64, 128, 4, 4),
-            _cfg(32, 32, 256, 4, 4),
-            _cfg(32, 64, 256, 4, 3),
-            _cfg(32, 32, 128, 4, 5),
-            _cfg(32, 32, 256, 4, 6),
-            _cfg(32, 64, 256, 4, 4),
-            _cfg(32, 32, 512, 4, 3),
-            # BM 16 at M = 32: two row tiles share each W tile through L2, half the accumulator.
-            _cfg(16, 64, 128, 4, 5),
-            _cfg(16, 32, 256, 4, 6),
-        ]
+        out = [c(32, 64, 128, 4, 4), c(32, 32, 256, 4, 4), c(32, 64, 256, 4, 3), c(32, 32, 128, 4, 5),
+               c(32, 32, 256, 4, 6), c(32, 64, 256, 4, 4), c(32, 32, 512, 4, 3), c(16, 64, 128, 4, 5),
+               c(16, 32, 256, 4, 6)]
         out += split(32, 64, 128, 4, 4) + split(32, 32, 256, 4, 4)
     elif bucket <= 256:
-        out = [
-            _cfg(64, 128, 64, 4, 4, l2=8),
-            _cfg(128, 128, 64, 8, 3, l2=8),
-            _cfg(64, 256, 64, 8, 3, l2=8),
-            _cfg(64, 64, 128, 4, 4, l2=8),
-            _cfg(128, 64, 64, 4, 4, l2=8),
-            _cfg(64, 128, 64, 4, 4, indexing="tensor_descriptor", l2=8),
-            _cfg(64, 128, 64, 4, 5, l2=8),
-            _cfg(64, 256, 64, 4, 3, l2=8),
-        ]
-        out += split(64, 128, 64, 4, 4, m_tiles=max(1, bucket // 64), l2=8)
-        out += split(128, 256, 64, 8, 3, m_tiles=max(1, bucket // 128), l2=8)
-        # Two warpgroups per tile (the wgmma rate of one SM) and split-K to still fill the GPU.
-        out += split(128, 128, 64, 8, 3, m_tiles=max(1, bucket // 128), l2=8)
-        out += split(128, 128, 64, 8, 4, m_tiles=max(1, bucket // 128), indexing="tensor_descriptor", l2=8)
+        out = [c(64, 128, 64, 4, 4, l2=8), c(128, 128, 64, 8, 3, l2=8), c(64, 256, 64, 8, 3, l2=8),
+               c(64, 64, 128, 4, 4, l2=8), c(128, 64, 64, 4, 4, l2=8), c(64, 128, 64, 4, 4, _TD, l2=8),
+               c(64, 128, 64, 4, 5, l2=8), c(64, 256, 64, 4, 3, l2=8)]
+        out += split(64, 128, 64, 4, 4, m_tiles=m64, l2=8) + split(128, 256, 64, 8, 3, m_tiles=m128, l2=8)
+        out += split(128, 128, 64, 8, 3, m_tiles=m128, l2=8)
+        out += split(128, 128, 64, 8, 4, m_tiles=m128, indexing=_TD, l2=8)
     else:
-        out = [
-            _cfg(128, 128, 64, 8, 3, l2=8),
-            _cfg(128, 256, 64, 8, 3, l2=8),
-            _cfg(128, 256, 64, 8, 3, indexing="tensor_descriptor", pid="persistent_interleaved", l2=8),
-            _cfg(128, 128, 64, 8, 4, indexing="tensor_descriptor", pid="persistent_interleaved", l2=8),
-            _cfg(128, 256, 64, 8, 4, indexing="tensor_descriptor", l2=8),
-        ]
-        out += split(128, 128, 64, 8, 4, m_tiles=max(1, bucket // 128), indexing="tensor_descriptor", l2=8)
-    return [c for c in out if smem_bytes(c, epilogue) <= SMEM_LIMIT_BYTES]
+        out = [c(128, 128, 64, 8, 3, l2=8), c(128, 256, 64, 8, 3, l2=8),
+               c(128, 256, 64, 8, 3, _TD, _PI, l2=8), c(128, 128, 64, 8, 4, _TD, _PI, l2=8),
+               c(128, 256, 64, 8, 4, _TD, l2=8)]
+        out += split(128, 128, 64, 8, 4, m_tiles=m128, indexing=_TD, l2=8)
+    # fmt: on
+    return [cfg for cfg in out if smem_bytes(cfg, epilogue) <= SMEM_LIMIT_BYTES]
 
 
-# ---------------------------------------------------------------------------------------------
-# Cases
-# ---------------------------------------------------------------------------------------------
 def build_cases(models: list[str], epilogues: list[str], ms: list[int]) -> list[dict]:
-    """``[{"epilogue", "K", "N", "models": "llama3-8b:qkv;...", "m", "bucket"}, ...]``, deduplicated."""
+    """``[{"epilogue", "K", "N", "models": "llama3-8b:qkv;...", "m", "bucket"}, ...]``: one per
+    (epilogue, K, N, bucket), the first M of each bucket."""
     from moelora_lib.helion_linear import bucket_for, linear_shapes
 
     groups: dict[tuple[str, int, int], list[str]] = {}
     for model, proj, k, n in linear_shapes(models):
         for epi in epilogues:
-            if epi in ("swiglu", "silu") and proj != "gate_up":
-                continue
-            groups.setdefault((epi, k, n), []).append(f"{model}:{proj}")
+            if epi not in ("swiglu", "silu") or proj == "gate_up":
+                groups.setdefault((epi, k, n), []).append(f"{model}:{proj}")
     cases = []
     for (epi, k, n), names in groups.items():
-        seen = set()
+        firsts = {}
         for m in ms:
-            b = bucket_for(m)
-            if b in seen:
-                continue
-            seen.add(b)
+            firsts.setdefault(bucket_for(m), m)
+        for b, m in firsts.items():
             cases.append({"epilogue": epi, "K": k, "N": n, "models": ";".join(names), "m": m, "bucket": b})
     return cases
 
 
 def cases_to_tune(
-    models: list[str],
-    epilogues: list[str],
-    ms: list[int],
-    table: dict,
-    dtype: str = "bfloat16",
-    force: bool = False,
+    models: list[str], epilogues: list[str], ms: list[int], table: dict, dtype: str = "bfloat16", force=False
 ) -> list[dict]:
-    """The cases of :func:`build_cases` that a run would tune: those without an entry in ``table`` (a
-    loaded config file; every case with ``force``). Cheap (no GPU, no Helion import): notebook 08 asks
-    it first and starts the tuner's process only when something is left to tune."""
+    """The cases of :func:`build_cases` without an entry in ``table`` (all with ``force``): no GPU, no
+    Helion import, so notebook 08 starts the tuner's process only when one is left."""
     from moelora_lib.helion_linear import lookup
 
+    cases = build_cases(models, epilogues, ms)
     return [
-        c
-        for c in build_cases(models, epilogues, ms)
-        if force or lookup(table, c["epilogue"], dtype, c["K"], c["N"], c["bucket"]) is None
+        c for c in cases if force or lookup(table, c["epilogue"], dtype, c["K"], c["N"], c["bucket"]) is None
     ]
 
 
@@ -257,7 +159,7 @@ def cases_to_tune(
 # Parallel precompile (spawned workers; compile without launching)
 # ---------------------------------------------------------------------------------------------
 def _compile_only_launcher(triton_kernel, grid, *args, num_warps, num_stages, **kwargs):
-    """Helion launcher that compiles (and fills Triton's disk cache) but launches nothing."""
+    """Helion launcher that compiles (filling Triton's disk cache) but launches nothing."""
     kwargs.setdefault("launch_cooperative_grid", False)
     return triton_kernel.run(
         *args, grid=grid, warmup=True, num_warps=num_warps, num_stages=num_stages, **kwargs
@@ -265,7 +167,7 @@ def _compile_only_launcher(triton_kernel, grid, *args, num_warps, num_stages, **
 
 
 def _precompile(task: dict) -> dict:
-    """Worker: build the runner for task["config"] and compile it for each M in task["ms"]."""
+    """Worker: build the runner of task["config"] and compile it for each M of task["ms"]."""
     t0 = time.perf_counter()
     try:
         import torch
@@ -282,50 +184,34 @@ def _precompile(task: dict) -> dict:
             runner(*kernel_args(epi, x, w, b), _launcher=_compile_only_launcher)
         return {**task, "ok": True, "error": "", "compile_s": time.perf_counter() - t0}
     except Exception as e:  # a config that does not compile (e.g. out of shared memory)
-        return {
-            **task,
-            "ok": False,
-            "error": f"{type(e).__name__}: {str(e)[:300]}",
-            "compile_s": time.perf_counter() - t0,
-        }
+        err = f"{type(e).__name__}: {str(e)[:300]}"
+        return {**task, "ok": False, "error": err, "compile_s": time.perf_counter() - t0}
 
 
 def _task_key(epi: str, dtype: str, k: int, n: int, cfg: dict) -> str:
     return json.dumps([epi, dtype, k, n, cfg], sort_keys=True)
 
 
-def precompile(cases: list[dict], dtype: str, jobs: int, timeout_s: float, log) -> dict[str, dict]:
-    """Compile every (case candidate, Triton M-variant) in ``jobs`` spawned processes.
-    Returns {task_key: result}; a task that did not finish within ``timeout_s`` is absent."""
-    from moelora_lib.helion_linear import warm_m_values
+def add_task(tasks: dict[str, dict], epi: str, dtype: str, k: int, n: int, cfg: dict, ms) -> None:
+    """Add the Ms ``ms`` to the compile task of (epi, dtype, K, N, cfg) in ``tasks``, created if new."""
+    t = tasks.setdefault(
+        _task_key(epi, dtype, k, n, cfg),
+        {"epilogue": epi, "dtype": dtype, "K": k, "N": n, "config": cfg, "ms": []},
+    )
+    t["ms"] += [m for m in dict.fromkeys(ms) if m not in t["ms"]]
 
-    tasks: dict[str, dict] = {}
-    for c in cases:
-        for cfg in candidates(c["epilogue"], c["K"], c["N"], c["bucket"]):
-            key = _task_key(c["epilogue"], dtype, c["K"], c["N"], cfg)
-            t = tasks.setdefault(
-                key,
-                {
-                    "epilogue": c["epilogue"],
-                    "dtype": dtype,
-                    "K": c["K"],
-                    "N": c["N"],
-                    "config": cfg,
-                    "ms": [],
-                },
-            )
-            for m in warm_m_values(c["bucket"]) + [c["m"]]:  # every Triton variant warmup() meets
-                if m not in t["ms"]:
-                    t["ms"].append(m)
-    return precompile_tasks(tasks, jobs, timeout_s, log)
+
+def _jobs(jobs: int) -> int:
+    """``jobs``, or for -1 one process per core but two, at most 14."""
+    return jobs if jobs >= 0 else max(1, min(14, (os.cpu_count() or 4) - 2))
 
 
 def precompile_tasks(tasks: dict[str, dict], jobs: int, timeout_s: float, log) -> dict[str, dict]:
-    """Compile ``tasks`` ({task_key: {"epilogue", "dtype", "K", "N", "config", "ms"}}, see
-    :func:`precompile`) in ``jobs`` spawned processes (:func:`_precompile`: the runner of each config
-    built and run with a launcher that compiles without launching, for every M; Triton's on-disk cache
-    keeps the binaries, so a later build of the same config in another process loads them instead of
-    compiling). Returns {task_key: result}; a task that did not finish within ``timeout_s`` is absent."""
+    """Compile ``tasks`` ({key: {"epilogue", "dtype", "K", "N", "config", "ms"}}, see :func:`add_task`)
+    in ``jobs`` spawned processes; Triton's on-disk cache keeps the binaries, so a later build of the
+    same config in another process loads them. Returns {key: result with "ok", "error", "compile_s"};
+    a task unfinished after ``timeout_s`` is absent. Needs a real ``__main__`` (not a notebook kernel):
+    see :func:`precompile_in_subprocess`."""
     if jobs <= 0 or not tasks:
         return {}
     results: dict[str, dict] = {}
@@ -349,10 +235,45 @@ def precompile_tasks(tasks: dict[str, dict], jobs: int, timeout_s: float, log) -
     return results
 
 
+def precompile_in_subprocess(tasks: dict[str, dict], jobs: int, timeout_s: float = 360) -> bool:
+    """:func:`precompile_tasks` (``jobs`` -1: one per core but two, at most 14) in a fresh interpreter,
+    so that it also works from a notebook kernel; prints its log. True when it finished; on a failure
+    prints why and returns False (the configs then compile on first use: nothing measured changes)."""
+    import subprocess
+    import tempfile
+
+    from moelora_lib.studies import bench
+
+    jobs = _jobs(jobs)
+    code = (
+        "import json, sys, time; from moelora_lib.studies.helion_tune import precompile_tasks; "
+        "t0 = time.time(); precompile_tasks(json.load(open(sys.argv[1])), int(sys.argv[2]), "
+        "float(sys.argv[3]), lambda m: print(f'[precompile {time.time() - t0:5.1f}s] {m}', flush=True))"
+    )
+    with tempfile.TemporaryDirectory(prefix="moelora_helion_precompile_") as tmp:
+        path = Path(tmp) / "tasks.json"
+        path.write_text(json.dumps(tasks))
+        cmd = [sys.executable, "-c", code, str(path), str(jobs), str(max(1.0, timeout_s - 60))]
+        try:
+            proc = subprocess.run(
+                cmd, capture_output=True, text=True, timeout=timeout_s, cwd=str(bench.REPO_ROOT)
+            )
+        except (OSError, subprocess.SubprocessError) as e:
+            print(f"[precompile] skipped ({type(e).__name__}: {e}); configs compile on first use")
+            return False
+    out = (proc.stdout + proc.stderr).replace(str(bench.REPO_ROOT) + "/", "").strip()
+    print("\n".join(line for line in out.splitlines() if line.startswith("[precompile"))[-3000:])
+    if proc.returncode != 0:
+        print(f"[precompile] failed (rc {proc.returncode}): {out[-800:]}; configs compile on first use")
+    return proc.returncode == 0
+
+
 # ---------------------------------------------------------------------------------------------
 # Tuning
 # ---------------------------------------------------------------------------------------------
 def _parse(argv):
+    from moelora_lib.helion_linear import EPILOGUES, LINEAR_MODELS
+
     p = argparse.ArgumentParser(
         prog="python -m moelora_lib.studies.helion_tune", description=__doc__.split("\n")[0]
     )
@@ -372,39 +293,29 @@ def _parse(argv):
         "--l2",
         default="clean",
         choices=["clean", "dirty"],
-        help="L2 state before every timed call (bench.time_cuda flush_l2): 'clean' (evicted by a read, "
-        "as in a real decode step) or 'dirty' (do_bench's zeroing flush)",
+        help="L2 before every timed call: 'clean' (evicted by a read) or 'dirty' (do_bench's zeroing flush)",
     )
     p.add_argument("--force", action="store_true", help="re-tune cases already in --out")
-    args = p.parse_args(argv)
-    # Validate everything here, before the GPU check, so a typo gets a usage error on any machine.
-    from moelora_lib.helion_linear import EPILOGUES, LINEAR_MODELS
-
-    shapes = [v for v in args.shapes.split(",") if v]
-    bad = [v for v in shapes if v not in LINEAR_MODELS]
-    if not shapes or bad:
-        p.error(f"--shapes: expected a comma-separated list of {sorted(LINEAR_MODELS)}, got {args.shapes!r}")
-    epis = [v for v in args.epilogues.split(",") if v]
-    bad = [v for v in epis if v not in EPILOGUES]
-    if not epis or bad:
-        p.error(f"--epilogues: expected a comma-separated list of {list(EPILOGUES)}, got {args.epilogues!r}")
-    try:
-        ms = [int(v) for v in args.m.split(",") if v]
-    except ValueError:
-        ms = []
-    if not ms or min(ms) < 1:
-        p.error(f"--m: expected a comma-separated list of ints >= 1, got {args.m!r}")
+    a = p.parse_args(argv)
+    # Validated before the GPU check: a typo gets a usage error on any machine.
+    a.shapes, a.epilogues = [v for v in a.shapes.split(",") if v], [v for v in a.epilogues.split(",") if v]
+    if not a.shapes or set(a.shapes) - set(LINEAR_MODELS):
+        p.error(f"--shapes: expected a comma-separated list of {sorted(LINEAR_MODELS)}, got {a.shapes!r}")
+    if not a.epilogues or set(a.epilogues) - set(EPILOGUES):
+        p.error(f"--epilogues: expected a comma-separated list of {list(EPILOGUES)}, got {a.epilogues!r}")
+    ms = [v for v in a.m.split(",") if v]
+    if not ms or not all(v.isdigit() and int(v) >= 1 for v in ms):
+        p.error(f"--m: expected a comma-separated list of ints >= 1, got {a.m!r}")
+    a.m = [int(v) for v in ms]
     for name in ("budget_s", "warmup_ms", "rep_ms"):
-        v = getattr(args, name)
-        if not (v > 0 and math.isfinite(v)):
-            p.error(f"--{name.replace('_', '-')}: expected a number > 0, got {v}")
-    if args.jobs < -1:
-        p.error(f"--jobs: expected -1 (auto), 0 (off) or a positive count, got {args.jobs}")
-    if Path(args.out).is_dir():
-        p.error(f"--out: expected a JSON file path, got a directory {args.out!r}")
-    if Path(args.csv).is_dir():
-        p.error(f"--csv: expected a CSV file path, got a directory {args.csv!r}")
-    return args
+        if not (getattr(a, name) > 0 and math.isfinite(getattr(a, name))):
+            p.error(f"--{name.replace('_', '-')}: expected a number > 0, got {getattr(a, name)}")
+    if a.jobs < -1:
+        p.error(f"--jobs: expected -1 (auto), 0 (off) or a positive count, got {a.jobs}")
+    for name in ("out", "csv"):
+        if Path(getattr(a, name)).is_dir():
+            p.error(f"--{name}: expected a file path, got a directory {getattr(a, name)!r}")
+    return a
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -412,18 +323,10 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     import torch
 
+    from moelora_lib import helion_linear as hl
     from moelora_lib.common import gpu_name
-    from moelora_lib.helion_linear import (
-        ConfigFileError,
-        build_runner,
-        kernel_args,
-        load_configs,
-        save_configs,
-        set_entry,
-        torch_reference,
-    )
     from moelora_lib.studies import bench
-    from moelora_lib.studies.notebook import progress as tqdm  # a text bar, also in notebooks
+    from moelora_lib.studies.notebook import progress
     from moelora_lib.testing import TOLERANCES
 
     def log(msg: str) -> None:
@@ -433,59 +336,53 @@ def main(argv: list[str] | None = None) -> int:
         print("helion_tune needs a CUDA GPU", file=sys.stderr)
         return 2
     torch.cuda.set_device(0)
-    out_path = Path(args.out)
-    table: dict = {}
+    out_path, table = Path(args.out), {}
     if out_path.exists():
         try:
-            table = load_configs(out_path)
-        except ConfigFileError as e:
+            table = hl.load_configs(out_path)
+        except hl.ConfigFileError as e:
             print(f"refusing to overwrite a malformed config file: {e}", file=sys.stderr)
             return 2
     prev_seconds = float(table.get("_meta", {}).get("tuning_seconds", 0.0))
-    dtype = getattr(torch, args.dtype)
-    models = [s for s in args.shapes.split(",") if s]
-    epilogues = [s for s in args.epilogues.split(",") if s]
-    ms = [int(v) for v in args.m.split(",") if v]
-    cases = build_cases(models, epilogues, ms)
-    todo = cases_to_tune(models, epilogues, ms, table, args.dtype, args.force)
-    log(f"{len(cases)} cases, {len(cases) - len(todo)} already in {out_path}, {len(todo)} to tune")
-
-    jobs = args.jobs if args.jobs >= 0 else max(1, min(14, (os.cpu_count() or 4) - 2))
-    compiled = precompile(todo, args.dtype, jobs, timeout_s=0.5 * args.budget_s, log=log)
+    dtype, tol = getattr(torch, args.dtype), TOLERANCES[getattr(torch, args.dtype)]
+    n_cases = len(build_cases(args.shapes, args.epilogues, args.m))
+    todo = cases_to_tune(args.shapes, args.epilogues, args.m, table, args.dtype, args.force)
+    log(f"{n_cases} cases, {n_cases - len(todo)} already in {out_path}, {len(todo)} to tune")
+    tasks: dict[str, dict] = {}  # every candidate of every case, for every Triton M-variant warmup meets
+    for c in todo:
+        ms = hl.warm_m_values(c["bucket"]) + [c["m"]]
+        for cfg in candidates(c["epilogue"], c["K"], c["N"], c["bucket"]):
+            add_task(tasks, c["epilogue"], args.dtype, c["K"], c["N"], cfg, ms)
+    compiled = precompile_tasks(tasks, _jobs(args.jobs), timeout_s=0.5 * args.budget_s, log=log)
 
     gpu = gpu_name(required=True)
-    tol = TOLERANCES[dtype]
     timing_kw = dict(flush_l2=args.l2, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
     weights: dict[tuple, tuple] = {}
     n_tuned = 0
-    bar = tqdm(todo, desc="helion_tune", unit=" cases", disable=not todo)
+    bar = progress(todo, desc="helion_tune", unit=" cases", disable=not todo)
     for case in bar:
-        elapsed = time.perf_counter() - t_start
-        if elapsed > args.budget_s:
+        if time.perf_counter() - t_start > args.budget_s:
             log(f"budget {args.budget_s:.0f} s reached; {len(todo) - n_tuned} cases left for a later run")
             break
         epi, k, n, m, bucket = case["epilogue"], case["K"], case["N"], case["m"], case["bucket"]
         bar.set_postfix_str(f"{epi} K={k} N={n} M={m}")
-        wkey = (epi, k, n)
-        if wkey not in weights:
+        if (epi, k, n) not in weights:
             weights.clear()
             torch.manual_seed(0)
             w = torch.randn(n, k, dtype=dtype, device="cuda") * k**-0.5
-            b = torch.randn(n, dtype=dtype, device="cuda") if epi == "bias" else None
-            weights[wkey] = (w, b)
-        w, b = weights[wkey]
+            weights[(epi, k, n)] = (w, torch.randn(n, dtype=dtype, device="cuda") if epi == "bias" else None)
+        w, b = weights[(epi, k, n)]
         x = torch.randn(m, k, dtype=dtype, device="cuda")
-        ref = torch_reference(x, w, b, epi).float()
+        ref = hl.torch_reference(x, w, b, epi).float()
         common = dict(
             stage="helion_tune", op=epi, models=case["models"], K=k, N=n, M=m, bucket=bucket, dtype=args.dtype
         )
-        rows = []
         t_torch = bench.time_fn(
-            lambda x=x, w=w, b=b, epi=epi: torch_reference(x, w, b, epi), "graph", "cuda", **timing_kw
+            lambda x=x, w=w, b=b, e=epi: hl.torch_reference(x, w, b, e), "graph", "cuda", **timing_kw
         )
-        rows.append(
+        rows = [
             bench.result_row(**common, impl="torch", candidate=-1, config="", status="ok", timing=t_torch)
-        )
+        ]
         best = None
         for i, cfg in enumerate(candidates(epi, k, n, bucket)):
             row = dict(**common, impl="helion", candidate=i, config=json.dumps(cfg, sort_keys=True))
@@ -497,47 +394,35 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             try:
                 t0 = time.perf_counter()
-                runner = build_runner(epi, cfg, w, b)
-                args_k = kernel_args(epi, x, w, b)
+                runner, args_k = hl.build_runner(epi, cfg, w, b), hl.kernel_args(epi, x, w, b)
                 y = runner(*args_k)
                 torch.cuda.synchronize()
                 if pre is None:
                     row["compile_s"] = time.perf_counter() - t0
-                rel = ((y.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
-                row["rel_err"] = rel
-                if not rel < tol:
+                row["rel_err"] = ((y.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+                if not row["rel_err"] < tol:
                     rows.append(bench.result_row(**row, status="wrong"))
                     continue
-                t = bench.time_fn(
-                    lambda runner=runner, args_k=args_k: runner(*args_k), "graph", "cuda", **timing_kw
-                )
+                t = bench.time_fn(lambda r=runner, a=args_k: r(*a), "graph", "cuda", **timing_kw)
             except Exception as e:
-                rows.append(
-                    bench.result_row(**row, status="run_error", error=f"{type(e).__name__}: {str(e)[:300]}")
-                )
-                log(f"run error {epi} K={k} N={n} M={m} cand {i}: {type(e).__name__}: {str(e)[:200]}")
+                err = f"{type(e).__name__}: {str(e)[:300]}"
+                rows.append(bench.result_row(**row, status="run_error", error=err))
+                log(f"run error {epi} K={k} N={n} M={m} cand {i}: {err[:250]}")
                 continue
             row["speedup_vs_torch"] = t_torch.ms_p50 / t.ms_p50
             rows.append(bench.result_row(**row, status="ok", timing=t))
             if best is None or t.ms_p50 < best[1].ms_p50:
                 best = (cfg, t, len(rows) - 1)
-        total = prev_seconds + (time.perf_counter() - t_start)
-        for r in rows:
-            r["best"] = False
-            r["tune_elapsed_s"] = round(total, 2)
+        total = round(prev_seconds + (time.perf_counter() - t_start), 2)
+        for j, r in enumerate(rows):
+            r["best"], r["tune_elapsed_s"] = best is not None and j == best[2], total
         if best is not None:
-            rows[best[2]]["best"] = True
-            set_entry(table, epi, args.dtype, k, n, bucket, best[0])
+            hl.set_entry(table, epi, args.dtype, k, n, bucket, best[0])
             n_tuned += 1
-        table["_meta"] = {
-            "gpu": gpu,
-            "tuning_seconds": round(total, 2),
-            "helion": bench.env_record()["helion"],
-            "torch": torch.__version__,
-            "updated_utc": bench.env_record()["timestamp_utc"],
-            "timing": f"moelora_lib.studies.bench.time_fn graph mode, flush_l2={args.l2!r}",
-        }
-        save_configs(table, out_path)
+        env, how = bench.env_record(), f"moelora_lib.studies.bench.time_fn graph mode, flush_l2={args.l2!r}"
+        meta = dict(gpu=gpu, tuning_seconds=total, helion=env["helion"], torch=torch.__version__)
+        table["_meta"] = dict(meta, updated_utc=env["timestamp_utc"], timing=how)
+        hl.save_configs(table, out_path)
         bench.write_rows(args.csv, rows, append=True)
         del x, ref
     bar.close()
@@ -545,10 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"nothing to tune; tuning seconds in {out_path}: {prev_seconds:.1f} s")
         return 0
     total = prev_seconds + (time.perf_counter() - t_start)
-    log(
-        f"tuned {n_tuned}/{len(todo)} cases; this run {time.perf_counter() - t_start:.1f} s; "
-        f"total {total:.1f} s"
-    )
+    log(f"tuned {n_tuned}/{len(todo)} cases; this run {total - prev_seconds:.1f} s; total {total:.1f} s")
     return 0
 
 

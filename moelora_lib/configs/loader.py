@@ -87,6 +87,7 @@ ENV_VAR = "MOELORA_TUNED_CONFIG_FOLDER"
 
 SHIPPED_DIR = Path(__file__).resolve().parent
 
+#: the fallbacks already warned about: (folder, op) and (kind, GPU, folder set) keys
 _WARNED: set[tuple] = set()
 
 #: explicit GPU name -> config GPU name mappings (:func:`map_gpu_name`); never filled implicitly

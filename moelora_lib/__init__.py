@@ -10,10 +10,10 @@ Importing the package runs no kernel, reads no environment variable and does not
 modules: the names below load on first use (PEP 562), so a notebook or script can set
 ``TRITON_INTERPRET=1`` (CPU) after ``import moelora_lib`` and before the first kernel is touched.
 
-Layout: the product (shapes, workloads, reference, routing, kernels, moe_lora, layer, ops, lora_linear,
-configs, helion_linear,
-hardware, common, testing) never imports :mod:`moelora_lib.studies` (benchmarks, tuners, compile-only
-checks, the notebook runner).
+Layout: the product (shapes, workloads, reference, routing, configs, kernels, moe_lora, layer, ops,
+lora_linear, helion_linear, hardware, common, testing) never imports :mod:`moelora_lib.studies`
+(benchmarks, tuners, compile-only checks, the notebook runner); :mod:`moelora_lib.configs` (config types,
+defaults, file format, loader) imports no kernel module.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Hardware facts used by default configs, tuners and roofline floors: one place for each number.
 
-All figures are for one NVIDIA H200 (SXM, 141 GB HBM3e), as measured on the lent H200 of this
-project (docs/anchors-h200.md, "Physical limits on this H200") or as reported by the driver:
+All figures are for one NVIDIA H200 (SXM, 141 GB HBM3e), measured (docs/anchors-h200.md, "Physical
+limits on this H200") or as reported by the driver:
 
 - ``H200_NUM_SMS``: 132 streaming multiprocessors
   (``torch.cuda.get_device_properties(0).multi_processor_count``).

@@ -37,11 +37,9 @@ torch (the others). Stages are the MoE ones (:data:`moelora_lib.kernels.STAGES`,
 Configs: stage ``tuned`` reads tuned configs through :func:`moelora_lib.configs.load_dense_config`
 (vLLM's dense ``{gpu}_SHRINK.json`` / ``{gpu}_EXPAND_TRUE.json`` files; the ``folder`` > env >
 shipped > defaults precedence of the MoE configs) written by :mod:`moelora_lib.studies.dense_tuning`;
-until tuned files are shipped for the GPU it launches
-:func:`~moelora_lib.kernels.dense_lora.default_dense_config` (silently for a shipped folder that has
-only MoE configs). Not done yet (left for the GPU session): the shipped H200 dense files, timings
-against vLLM's dense ops (docs/anchors-h200.md, last section), notebook 10. Not exported from
-``moelora_lib/__init__.py`` (another engineer's file): import from ``moelora_lib.lora_linear``.
+where no tuned file applies it launches :func:`~moelora_lib.configs.defaults.default_dense_config`
+(silently for a shipped folder that has only MoE configs). Timings against vLLM's dense ops:
+notebook 10 (docs/anchors-h200.md, last section).
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ __all__ = [
     "PRESETS",
     "get_shape",
     "check_int",
+    "check_dims",
     "DenseModel",
     "DenseProjection",
     "DENSE_PRESETS",
@@ -234,6 +235,17 @@ class Dims:
         E, _, I = w2.shape
         L, _, S, R, _ = lora_a13.shape
         return cls(T=T, H=H, I=I, E=E, top_k=topk_ids.shape[1], adapters=L, rank=R, slices=S)
+
+
+def check_dims(name: str, dims) -> Dims:
+    """``dims`` when it is a :class:`Dims`; else TypeError naming ``name`` and what was given (a layer's
+    sizes travel as one Dims: build it with :meth:`Dims.of` or :meth:`Dims.from_tensors`)."""
+    if not isinstance(dims, Dims):
+        raise TypeError(
+            f"{name} must be a moelora_lib.shapes.Dims (Dims.of(preset, T, ...)), got {type(dims).__name__}: "
+            f"{dims!r}"
+        )
+    return dims
 
 
 # ------------------------------------------------------------------------------------------------

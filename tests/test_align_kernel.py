@@ -80,16 +80,11 @@ def _invariants(al, ids, E, lora=None, L=0, incl=False):
     "T,K,E,BM,L,incl",
     [
         (7, 2, 4, 16, 0, False),  # expert-only
-        (7, 2, 4, 16, 2, False),
-        (7, 2, 4, 16, 2, True),
-        (1, 8, 128, 16, 3, True),  # T = 1, E = 128 with few tokens
-        (1, 1, 4, 32, 1, False),  # T = 1, K = 1
+        (7, 2, 4, 16, 2, True),  # include_no_adapter
+        (1, 8, 128, 16, 3, False),  # T = 1, E = 128 with few tokens
         (0, 4, 8, 16, 2, True),  # T = 0
-        (0, 2, 8, 16, 0, False),
         (6, 1, 8, 32, 1, True),  # K = 1, L = 1
         (5, 8, 16, 64, 8, True),  # K = 8, L = 8, BM = 64
-        (9, 4, 128, 64, 5, False),  # E = 128
-        (12, 4, 32, 32, 4, True),
     ],
 )
 def test_matches_oracle(device, T, K, E, BM, L, incl):
@@ -98,7 +93,7 @@ def test_matches_oracle(device, T, K, E, BM, L, incl):
     _invariants(al, ids, E, lora, L, incl)
 
 
-@pytest.mark.parametrize("L,incl", [(0, False), (3, False), (3, True)])
+@pytest.mark.parametrize("L,incl", [(0, False), (3, True)])
 def test_many_tiles(device, L, incl):
     """Several tile programs (tile = 16): the tile offsets inside a group are scanned across tiles."""
     ids, lora = _ids(23, 4, 6, L, device, seed=5)
@@ -110,7 +105,7 @@ def test_random_sweep(device):
     """Random small shapes: T in [0, 20], K in {1, 2, 4, 8}, E in {1, 3, 16, 128}, L in 0..8, BM, tile."""
     g = torch.Generator().manual_seed(10)
     pick = lambda xs: xs[int(torch.randint(len(xs), (1,), generator=g))]  # noqa: E731
-    for i in range(12):
+    for i in range(5):
         T, K = int(torch.randint(0, 21, (1,), generator=g)), pick([1, 2, 4, 8])
         E, L, BM = pick([1, 3, 16, 128]), pick([0, 1, 2, 5, 8]), pick([16, 32, 64])
         ids, lora = _ids(T, K, E, L, device, seed=i)

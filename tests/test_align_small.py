@@ -58,9 +58,11 @@ def _same(ids, E, bb, lora, L, bl, incl=False, **kw):
     return base, lo
 
 
-@pytest.mark.parametrize("T", [1, 3, 64, 256])
-@pytest.mark.parametrize("model", [GPT_OSS, QWEN3], ids=["gpt-oss", "qwen3"])
-@pytest.mark.parametrize("bb,bl", [(16, 16), (64, 16), (32, 64)])
+@pytest.mark.parametrize(
+    "model,T,bb,bl",
+    [(GPT_OSS, 1, 16, 16), (QWEN3, 64, 64, 16), (GPT_OSS, 256, 32, 64)],
+    ids=["gpt-oss-T1", "qwen3-T64", "gpt-oss-T256"],
+)
 def test_model_shapes(device, model, T, bb, bl):
     E, K, L = model
     ids, lora = _ids(T, K, E, L, device, seed=T + bb + bl)
@@ -84,10 +86,9 @@ def test_small_cases(device, T, K, E, L, bb, bl, incl):
     _same(ids, E, bb, lora, L, bl, incl)
 
 
-@pytest.mark.parametrize("model", [GPT_OSS, QWEN3], ids=["gpt-oss", "qwen3"])
-def test_max_pairs(device, model):
-    """T·K = SMALL_MAX_PAIRS (GPT-OSS T = 512, Qwen3 T = 256)."""
-    E, K, L = model
+def test_max_pairs(device):
+    """T·K = SMALL_MAX_PAIRS (Qwen3 T = 256)."""
+    E, K, L = QWEN3
     T = SMALL_MAX_PAIRS // K
     ids, lora = _ids(T, K, E, L, device, seed=3)
     _same(ids, E, 16, lora, L, 16)
@@ -97,7 +98,7 @@ def test_max_pairs(device, model):
 def test_random_sweep(device):
     g = torch.Generator().manual_seed(11)
     pick = lambda xs: xs[int(torch.randint(len(xs), (1,), generator=g))]  # noqa: E731
-    for i in range(10):
+    for i in range(4):
         K, E, L = pick([1, 2, 4, 8]), pick([1, 3, 16, 32, 128]), pick([1, 2, 5, 8])
         T = int(torch.randint(0, min(300, SMALL_MAX_PAIRS // K) + 1, (1,), generator=g))
         ids, lora = _ids(T, K, E, L, device, seed=i)
@@ -148,7 +149,7 @@ def test_several_rows(device, monkeypatch):
     """ROW_PAIRS below the pair vector: NR rows, per-row counts summed across rows; NR·next_pow2(G)
     above the register tile takes the group-chunk loop (Qwen3 at 2048 pairs, 32 rows of 64)."""
     monkeypatch.setattr(AS, "ROW_PAIRS", 64)
-    for model, T in ((GPT_OSS, 64), (GPT_OSS, 300), (QWEN3, 256)):
+    for model, T in ((GPT_OSS, 300), (QWEN3, 256)):
         E, K, L = model
         ids, lora = _ids(T, K, E, L, device, seed=T)
         ws = pair_workspace(T * K, E, 16, L, 32, device=device)
@@ -317,9 +318,10 @@ _SM90_SCRIPT = textwrap.dedent(
         for T in (1, 256):
             kern, args, cx, nw = launch(T, K, E, L, 16, 16)
             out["res"][f"{name}/T={T}"] = resource_usage(compile_for_sm90(kern, args, cx, nw, None))
-        # cache keys over T = 1..256 (and an offset view of topk_ids): one per pair-vector size
+        # cache keys at both sides of every pair-vector size edge, at T with T·K % 16 == 0 and != 0 (the
+        # specializations an int or pointer argument could add), and offset views of topk_ids
         keys = set()
-        for T in list(range(1, 257)) + [5, 100]:
+        for T in [1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 100, 128, 129, 200, 255, 256]:
             kern, args, cx, nw = launch(T, K, E, L, 16, 16, offset=T in (5, 100))
             keys.add(specialization_key(kern, args, cx, nw))
         out["keys"][name] = len(keys)
@@ -337,7 +339,7 @@ def test_compiles_for_sm90_without_spills():
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    print("\nsm_90 resource usage:", json.dumps(out["res"]), "\ncache keys over T = 1..256:", out["keys"])
+    print("\nsm_90 resource usage:", json.dumps(out["res"]), "\ncache keys over T in 1..256:", out["keys"])
     for what, r in out["res"].items():
         assert r["LOCAL"] == 0 and r["STACK"] == 0, (what, r)  # no spills
         assert 0 < r["REG"] <= 128, (what, r)

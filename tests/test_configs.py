@@ -1,26 +1,32 @@
-"""Tuned-config files: lookup, precedence, errors, atomic writes, the tuner on the interpreter, stage
-tuned."""
+"""Tuned-config files: lookup, precedence, errors, atomic writes, Dims-only shapes, stage tuned; the
+configs package imports no kernel module."""
 
 import dataclasses
 import json
 import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
 from moelora_lib import configs, fused_moe_lora
-from moelora_lib.kernels import default_config
-from moelora_lib.kernels.config import LORA_OPS
+from moelora_lib.configs import LORA_OPS, default_config, loader
 from moelora_lib.reference import moe_lora_reference
-from moelora_lib.shapes import get_shape
-from moelora_lib.studies import tuning
+from moelora_lib.shapes import Dims, get_shape
 from moelora_lib.testing import TOLERANCES, rel_err
 from moelora_lib.workloads import make_inputs
 
 GPU = "TEST_GPU"
-# a workload: T, H, I, E, K, R, L, S
-W = dict(T=8, H=64, I=32, E=4, K=2, R=16, L=2, S=2)
+# a workload; dims(**over) changes it by shape letter (T, H, I, E, K, R, L, S)
+W = Dims(T=8, H=64, I=32, E=4, top_k=2, adapters=2, rank=16, slices=2)
+_FIELD = {"K": "top_k", "R": "rank", "L": "adapters", "S": "slices"}
+
+
+def dims(w=W, **over):
+    return dataclasses.replace(w, **{_FIELD.get(k, k): v for k, v in over.items()})
 
 
 def leaf(bm=16, **kw):
@@ -45,13 +51,13 @@ def write_folder(folder, tokens=(1, 64), bm=None, base_bm=32, gpu=GPU, w=W, tag=
         data = {}
         for T in tokens:
             lf = leaf(bm or 16, BLOCK_SIZE_N=16 if T < 32 else 64, **({"NUM_STAGES": tag} if tag else {}))
-            configs.set_entry(data, configs.lora_keys(op, T, w["H"], w["I"], w["R"], w["L"], w["S"]), lf)
+            configs.set_entry(data, configs.lora_keys(op, dims(w, T=T)), lf)
         configs.save_config_file(folder / configs.config_file_name(gpu, op), data)
     data = {}
     for T in tokens:
         configs.set_entry(
             data,
-            configs.base_keys(T, w["H"], w["I"], w["E"]),
+            configs.base_keys(dims(w, T=T)),
             {"base_gate_up": leaf(base_bm), "base_down": leaf(base_bm, BLOCK_SIZE_N=64)},
         )
     configs.save_config_file(folder / configs.config_file_name(gpu, "base"), data)
@@ -59,10 +65,7 @@ def write_folder(folder, tokens=(1, 64), bm=None, base_bm=32, gpu=GPU, w=W, tag=
 
 
 def load(folder=None, gpu=GPU, **over):
-    w = {**W, **over}
-    return configs.load_layer_config(
-        w["T"], w["H"], w["I"], w["E"], w["K"], w["R"], w["L"], w["S"], folder=folder, gpu_name=gpu
-    )
+    return configs.load_layer_config(dims(**over), folder=folder, gpu_name=gpu)
 
 
 @pytest.fixture(autouse=True)
@@ -83,10 +86,42 @@ def test_file_names_and_keys_follow_vllm():
     )
     assert configs.config_file_name("NVIDIA_H200", "base") == "NVIDIA_H200_FUSED_MOE_BASE.json"
     # [max_loras][num_slices][m][k = rank][n = hidden][i = moe_intermediate_size]
-    assert configs.lora_keys("gate_up_shrink", 7, 2048, 768, 16, 4, 2) == (4, 2, 7, 16, 2048, 768)
-    assert configs.lora_keys("gate_up_expand", 7, 2880, 2880, 32, 8, 1) == (8, 1, 7, 32, 2880, 5760)
-    assert configs.lora_keys("down_shrink", 7, 2048, 768, 16, 4, 2) == (4, 1, 7, 16, 2048, 768)
-    assert configs.base_keys(7, 2880, 2880, 32) == (32, 5760, 2880, 7)
+    qwen = Dims(T=7, H=2048, I=768, E=128, top_k=8, adapters=4, rank=16, slices=2)
+    oss = Dims(T=7, H=2880, I=2880, E=32, top_k=4, adapters=8, rank=32, slices=1)
+    assert configs.lora_keys("gate_up_shrink", qwen) == (4, 2, 7, 16, 2048, 768)
+    assert configs.lora_keys("gate_up_expand", oss) == (8, 1, 7, 32, 2880, 5760)
+    assert configs.lora_keys("down_shrink", qwen) == (4, 1, 7, 16, 2048, 768)
+    assert configs.base_keys(oss) == (32, 5760, 2880, 7)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: configs.load_layer_config(8),
+        lambda: configs.load_fused_config(8),
+        lambda: configs.lora_keys("down_shrink", (8, 64, 32, 16, 2, 2)),
+        lambda: configs.base_keys(8),
+        lambda: configs.default_config({"T": 8}),
+    ],
+    ids=["load_layer_config", "load_fused_config", "lora_keys", "base_keys", "default_config"],
+)
+def test_shapes_are_dims_only(call):
+    with pytest.raises(TypeError, match=r"dims must be a moelora_lib\.shapes\.Dims"):
+        call()
+
+
+def test_importing_configs_does_not_import_the_kernels():
+    code = (
+        "import sys, moelora_lib.configs, moelora_lib.configs.loader\n"
+        "bad = sorted(m for m in sys.modules if m.startswith('moelora_lib.kernels'))\n"
+        "assert not bad, bad\n"
+        "from moelora_lib.kernels.config import OpConfig\n"
+        "assert OpConfig is moelora_lib.configs.OpConfig\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root)
+    assert r.returncode == 0, r.stderr
 
 
 def test_nearest_bucket_lookup(tmp_path):
@@ -107,7 +142,7 @@ def test_num_slices_must_match_exactly(tmp_path):
     folder = write_folder(tmp_path / "f")
     with pytest.warns(UserWarning, match="num_slices"):
         cfg = load(folder, S=1)  # W13 files only have num_slices 2
-    assert cfg.gate_up_shrink == default_config(8, 64, 32, 4, 2, 16, 2, 1).gate_up_shrink
+    assert cfg.gate_up_shrink == default_config(dims(S=1)).gate_up_shrink
     assert cfg.source.endswith("; lora=default") and cfg.base_gate_up.BLOCK_SIZE_M == 32
 
 
@@ -116,7 +151,7 @@ def test_precedence(tmp_path, monkeypatch):
     env = write_folder(tmp_path / "env", tag=6)
     shipped_root = tmp_path / "pkg"
     write_folder(shipped_root / GPU, tag=7)
-    monkeypatch.setattr(configs, "SHIPPED_DIR", shipped_root)
+    monkeypatch.setattr(loader, "SHIPPED_DIR", shipped_root)
     monkeypatch.setenv(configs.ENV_VAR, str(env))
     c = load(explicit)
     assert c.gate_up_shrink.NUM_STAGES == 5 and c.source == f"folder:{explicit}"
@@ -127,7 +162,7 @@ def test_precedence(tmp_path, monkeypatch):
     assert c.gate_up_shrink.NUM_STAGES == 7 and c.source == f"shipped:{GPU}"
     with pytest.warns(configs.TunedConfigWarning, match="'OTHER_GPU'"):
         c = load(gpu="OTHER_GPU")  # nothing shipped for this GPU: defaults, said once
-    assert c == default_config(W["T"], W["H"], W["I"], W["E"], W["K"], W["R"], W["L"], W["S"])
+    assert c == default_config(W)
     assert c.source == "default"
 
 
@@ -201,7 +236,7 @@ def test_missing_file_warns_once_and_falls_back(tmp_path):
         c2 = load(folder, T=64)
     msgs = [str(w.message) for w in rec if "tuned configs" in str(w.message)]
     assert len(msgs) == 1 and "FUSED_MOE_LORA_W2_EXPAND" in msgs[0]
-    dflt = default_config(8, 64, 32, 4, 2, 16, 2, 2)
+    dflt = default_config(W)
     assert all(getattr(c1, op) == getattr(dflt, op) for op in LORA_OPS)
     assert c1.base_gate_up.BLOCK_SIZE_M == 32 and c1.source == f"folder:{folder}; lora=default"
     assert c2.source == c1.source
@@ -216,7 +251,7 @@ def test_atomic_write_leaves_no_temp_file(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(configs.os, "replace", boom)
+    monkeypatch.setattr(os, "replace", boom)
     with pytest.raises(KeyboardInterrupt):
         configs.save_config_file(p, {"1": {}})
     assert sorted(os.listdir(tmp_path)) == ["x.json"]
@@ -231,60 +266,12 @@ def test_cache_sees_a_rewritten_file(tmp_path):
     assert load(folder).gate_up_shrink.NUM_STAGES == 4
 
 
-def test_tiny_tune_writes_a_loadable_file(tmp_path):
-    out, csv_path = tmp_path / "cfg", tmp_path / "trials.csv"
-    s = tuning.tune(
-        ["tiny"],
-        [16],
-        2,
-        [3],
-        out,
-        csv_path,
-        copy_ranks=[32],
-        device="cpu",
-        max_bms=1,
-        max_cands=2,
-        progress=False,
-    )
-    assert s["tuned"] == [("tiny", 16, 3)] and s["copied"] == [("tiny", 32, 3)]
-    sh = get_shape("tiny")
-    cfg = configs.load_layer_config(
-        3, sh.hidden, sh.intermediate, sh.experts, sh.top_k, 16, 2, sh.lora_slices, folder=out, gpu_name="cpu"
-    )
-    assert cfg.source == f"folder:{out}"
-    import pandas as pd
-
-    df = pd.read_csv(csv_path)
-    assert set(df.kind) >= {"trial", "choice", "bm_sum", "copied", "session"}
-    assert (df[df.kind == "trial"].ms_p50 > 0).all()
-    # resumable: a second run tunes nothing
-    s2 = tuning.tune(
-        ["tiny"], [16], 2, [3], out, csv_path, device="cpu", max_bms=1, max_cands=2, progress=False
-    )
-    assert s2["tuned"] == [] and s2["skipped"] == [("tiny", 16, 3)]
-
-
-def test_candidate_lists_are_small_and_valid():
-    for T in (1, 8, 64, 256, 1600, 8192):
-        for m in ("gpt-oss-20b", "qwen3-30b-a3b"):
-            s = get_shape(m)
-            d = default_config(T, s.hidden, s.intermediate, s.experts, s.top_k, 32, 8, s.lora_slices)
-            bms = tuning.lora_bm_candidates(T, s.top_k, s.experts, 8)
-            assert 1 <= len(bms) <= 3 and d.lora_block_size_m in bms
-            assert d.base_block_size_m in tuning.base_bm_candidates(T, s.top_k, s.experts)
-            for op in LORA_OPS:
-                cands = tuning.lora_op_candidates(op, bms[-1], getattr(d, op), 32, s.hidden)
-                assert 2 <= len(cands) <= 8 and all(c.BLOCK_SIZE_M == bms[-1] for c in cands)
-                if op.endswith("expand"):
-                    assert all(c.SPLIT_K == 1 for c in cands)
-
-
 @pytest.mark.parametrize("model", ["tiny", "tiny-oss"])
 def test_stage_tuned_matches_reference(tmp_path, monkeypatch, model, device):
     s = get_shape(model)
     inp = make_inputs(s, 5, rank=16, num_adapters=2, pattern="mixed", device=device, seed=1)
     # a tuned folder whose configs differ from the defaults (BM 32, BN 32), found through the env var
-    w = dict(T=5, H=s.hidden, I=s.intermediate, E=s.experts, K=s.top_k, R=16, L=2, S=s.lora_slices)
+    w = Dims.of(s, 5, rank=16, adapters=2)
     folder = write_folder(tmp_path / "f", tokens=(5,), bm=32, w=w, gpu=configs.gpu_name())
     monkeypatch.setenv(configs.ENV_VAR, str(folder))
     out = fused_moe_lora(*inp.args(), **inp.kwargs(), stage="tuned")
@@ -300,10 +287,10 @@ def test_config_folder_that_does_not_exist_raises(tmp_path, monkeypatch):
     # a typo in an explicitly named folder must not silently drop every tuned config
     missing = tmp_path / "no_such_folder"
     with pytest.raises(ValueError, match="folder argument.*not a directory"):
-        configs.load_layer_config(8, 64, 32, 4, 2, 16, 4, 2, folder=missing, gpu_name="TEST_GPU")
+        configs.load_layer_config(dims(L=4), folder=missing, gpu_name="TEST_GPU")
     monkeypatch.setenv(configs.ENV_VAR, str(missing))
     with pytest.raises(ValueError, match="MOELORA_TUNED_CONFIG_FOLDER"):
-        configs.load_layer_config(8, 64, 32, 4, 2, 16, 4, 2, gpu_name="TEST_GPU")
+        configs.load_layer_config(dims(L=4), gpu_name="TEST_GPU")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -314,17 +301,15 @@ QWEN = dict(T=64, R=32, L=8)
 
 @pytest.fixture
 def no_map(monkeypatch):
-    monkeypatch.setattr(configs, "_GPU_MAP", {})
+    monkeypatch.setattr(loader, "_GPU_MAP", {})
 
 
 def _on_gpu(monkeypatch, name):
     """Pretend to run on a GPU whose torch name is ``name`` (CPU tests)."""
-    monkeypatch.setattr(configs, "_current_gpu_name", lambda: name.replace(" ", "_").replace("-", "_"))
+    monkeypatch.setattr(loader, "_current_gpu_name", lambda: name.replace(" ", "_").replace("-", "_"))
 
 
 def _qwen_dims():
-    from moelora_lib.shapes import Dims
-
     return Dims.of("qwen3-30b-a3b", QWEN["T"], rank=QWEN["R"], adapters=QWEN["L"])
 
 

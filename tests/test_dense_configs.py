@@ -1,11 +1,9 @@
-"""Tuned dense multi-LoRA configs (moelora_lib.configs.load_dense_config, vLLM's dense file format) and
-the dense tuner (moelora_lib.studies.dense_tuning) on the CPU interpreter: file names and keys, nearest
-lookup, precedence, warnings, GPU mapping, the resolved-config memo, malformed files, a tiny tuner run
-read back by stage "tuned", the tuner's flag validation, and one compile-only precompile job."""
+"""Tuned dense multi-LoRA configs (moelora_lib.configs.load_dense_config, vLLM's dense file format) on
+the CPU: file names and keys, nearest lookup, precedence, warnings, GPU mapping, the resolved-config
+memo, malformed files, and a hand-written folder read by stage "tuned" of lora_linear / LoRALinear."""
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import warnings
@@ -14,14 +12,14 @@ import pytest
 import torch
 
 from moelora_lib import configs
-from moelora_lib.kernels import STAGES, OpConfig
-from moelora_lib.kernels.dense_lora import DenseLoRAConfig, default_dense_config, dense_config_for
+from moelora_lib.configs import DenseLoRAConfig, OpConfig, default_dense_config, files, loader
+from moelora_lib.kernels import STAGES
+from moelora_lib.kernels.dense_lora import dense_config_for
 from moelora_lib.lora_linear import LoRALinear, lora_linear, lora_linear_reference
-from moelora_lib.studies import dense_tuning as dt
 from moelora_lib.testing import TOLERANCES, rel_err
 
 GPU = "TEST_GPU"
-#: the tuner and the layer run on CPU tensors only through the Triton interpreter (tests/conftest.py)
+#: the layer runs on CPU tensors only through the Triton interpreter (tests/conftest.py)
 needs_interpreter = pytest.mark.skipif(
     torch.cuda.is_available(), reason="CPU interpreter test (a GPU host compiles the kernels instead)"
 )
@@ -72,14 +70,14 @@ def tuned_warnings(rec):
 @pytest.fixture(autouse=True)
 def _clean(monkeypatch):
     monkeypatch.delenv(configs.ENV_VAR, raising=False)
-    monkeypatch.setattr(configs, "_GPU_MAP", {})
+    monkeypatch.setattr(loader, "_GPU_MAP", {})
     configs.clear_cache()
     yield
     configs.clear_cache()
 
 
 def _on_gpu(monkeypatch, name):
-    monkeypatch.setattr(configs, "_current_gpu_name", lambda: name.replace(" ", "_").replace("-", "_"))
+    monkeypatch.setattr(loader, "_current_gpu_name", lambda: name.replace(" ", "_").replace("-", "_"))
 
 
 # ---- format -------------------------------------------------------------------------------------
@@ -172,7 +170,7 @@ def test_precedence(tmp_path, monkeypatch):
     env = write_folder(tmp_path / "env", tag=6)
     shipped_root = tmp_path / "pkg"
     write_folder(shipped_root / GPU, tag=7)
-    monkeypatch.setattr(configs, "SHIPPED_DIR", shipped_root)
+    monkeypatch.setattr(loader, "SHIPPED_DIR", shipped_root)
     monkeypatch.setenv(configs.ENV_VAR, str(env))
     c = load(folder=explicit)
     assert c.shrink.NUM_STAGES == 5 and c.source == f"folder:{explicit}"
@@ -221,14 +219,14 @@ def test_unknown_gpu_warns_once_naming_gpu_folders_and_tuner(monkeypatch, torch_
 
 
 def test_cpu_without_folder_and_shipped_moe_only_folder_stay_silent(tmp_path, monkeypatch):
-    from moelora_lib.kernels.config import LORA_OPS
+    from moelora_lib.configs import LORA_OPS
 
     # a shipped folder with MoE configs and no dense files (the H200's until the dense tuner has run)
     root = tmp_path / "pkg"
     (root / "NVIDIA_H200").mkdir(parents=True)
     for op in (*LORA_OPS, "base"):
         (root / "NVIDIA_H200" / configs.config_file_name("NVIDIA_H200", op)).write_text("{}")
-    monkeypatch.setattr(configs, "SHIPPED_DIR", root)
+    monkeypatch.setattr(loader, "SHIPPED_DIR", root)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _on_gpu(monkeypatch, "cpu")
@@ -242,7 +240,7 @@ def test_cpu_without_folder_and_shipped_moe_only_folder_stay_silent(tmp_path, mo
 
 
 def test_moe_only_folder_warns_once_per_folder(tmp_path, monkeypatch):
-    from moelora_lib.kernels.config import LORA_OPS
+    from moelora_lib.configs import LORA_OPS
 
     folder = tmp_path / "moe"
     folder.mkdir()
@@ -271,7 +269,7 @@ def test_missing_expand_file_warns_once(tmp_path):
 def test_map_gpu_name_uses_a_shipped_dense_folder(tmp_path, monkeypatch):
     root = tmp_path / "pkg"
     write_folder(root / "NVIDIA_H200", gpu="NVIDIA_H200", tag=4)  # dense files only
-    monkeypatch.setattr(configs, "SHIPPED_DIR", root)
+    monkeypatch.setattr(loader, "SHIPPED_DIR", root)
     assert configs.shipped_gpus() == ["NVIDIA_H200"]
     _on_gpu(monkeypatch, "NVIDIA H200 NVL")
     assert load(gpu="NVIDIA_H200").source == "shipped:NVIDIA_H200"  # per call
@@ -297,12 +295,12 @@ def test_memo_cleared_by_save_and_clear_cache(tmp_path):
     folder = write_folder(tmp_path / "f", tag=3)
     c = load(folder=folder)
     assert c.shrink.NUM_STAGES == 3 and load(folder=folder) is c  # resolved once
-    assert any(k[0] == "dense" for k in configs._RESOLVED)
+    assert any(k[0] == "dense" for k in files._RESOLVED)
     write_folder(folder, tag=4)  # save_config_file forgets the resolved configs
     assert load(folder=folder).shrink.NUM_STAGES == 4
     c = load(folder=folder)
     configs.clear_cache()
-    assert not configs._RESOLVED and load(folder=folder) is not c
+    assert not files._RESOLVED and load(folder=folder) is not c
 
 
 def _expect_error(folder, op, match):
@@ -366,70 +364,14 @@ def test_tuned_block_sizes_and_module_workspaces(tmp_path, monkeypatch):
     assert m.config_for(8).source == f"env:{folder}" and m.config_for(8).block_size_m == 32
 
 
-# ---- the tuner ------------------------------------------------------------------------------------
-def test_projection_presets_and_sharing():
-    ps = {p.label: p for p in dt.projections("all")}
-    assert len(ps) == 12
-    assert ps["gpt-oss-20b/qkv"].slices == (4096, 512, 512) and ps["gpt-oss-20b/o"].hidden == 4096
-    assert ps["gpt-oss-20b/o"].slices == (2880,)
-    assert ps["qwen3-30b-a3b/qkv"].hidden == 2048 and ps["qwen3-30b-a3b/o"].slices == (2048,)
-    assert ps["qwen3-32b/qkv"].slices == (8192, 1024, 1024) and ps["qwen3-32b/down"].hidden == 25600
-    assert (
-        ps["qwen3-32b/gate_up"].slices == (25600, 25600)
-        and ps["llama-3.3-70b/gate_up"].slices == (28672,) * 2
-    )
-    assert ps["llama-3.3-70b/o"].slices == (8192,) and ps["llama-3.3-70b/down"].hidden == 28672
-    assert [p.label for p in dt.projections("tiny:qkv,qwen3-32b:down")] == ["tiny/qkv", "qwen3-32b/down"]
-    with pytest.raises(ValueError, match="unknown projection 'mlp'"):
-        dt.projections("gpt-oss-20b:mlp")
-    # identical shrink / expand entries (vLLM's keys): the later workload takes the existing one
-    wl = {w.proj.label: w for w in dt.plan(dt.projections("all"), [32], 8, [64])}
-    assert wl["qwen3-30b-a3b/qkv"].expand_shared and not wl["qwen3-30b-a3b/qkv"].shrink_shared
-    assert wl["qwen3-30b-a3b/o"].shrink_shared  # 4096 -> R, as GPT-OSS-20B o
-    assert wl["qwen3-32b/down"].expand_shared and wl["llama-3.3-70b/o"].shrink_shared
-    assert not any(w.shrink_shared and w.expand_shared for w in wl.values())
-
-
-def test_candidate_lists_are_small_and_valid():
-    for p in dt.projections("all"):
-        for T in (1, 8, 64, 256, 1600, 8192):
-            w = dt.Workload(p, 32, 8, T)
-            bms = dt.bm_candidates(T, 8)
-            assert 1 <= len(bms) <= 3 and w.default().block_size_m in bms
-            for bm in bms:
-                s = w.candidates("shrink", bm, 8, 2)
-                e = w.candidates("expand", bm, 8, 2)
-                assert 4 <= len(s) <= 8 and 4 <= len(e) <= 8, (p.label, T, bm)
-                assert all(c.BLOCK_SIZE_M == bm for c in s + e)
-                assert all(c.SPLIT_K == 1 for c in e)
-                assert all(c.BLOCK_SIZE_K * c.SPLIT_K <= max(p.hidden, c.BLOCK_SIZE_K) for c in s)
-                assert all(dt._smem_shrink(c, 2) <= dt.SMEM_LIMIT_BYTES for c in s[1:])
-
-
+# ---- stage "tuned" reads a folder ----------------------------------------------------------------
 @needs_interpreter
-def test_tiny_tune_is_read_back_and_used_by_stage_tuned(tmp_path, monkeypatch):
-    out, trials = tmp_path / "cfg", tmp_path / "trials.csv"
-    msgs = []
-    s = dt.tune("tiny/qkv", [16], 2, [3, 24], out, trials, device="cpu", progress=False, echo=msgs.append)
-    assert "CPU SMOKE RUN" in msgs[0] and "NOT kernel performance" in msgs[0] and "estimate" in msgs[1]
-    assert s["tuned"] == [("tiny/qkv", 16, 3), ("tiny/qkv", 16, 24)] and s["gpu"] == "cpu"
-    assert sorted(os.listdir(out)) == ["cpu_EXPAND_TRUE.json", "cpu_SHRINK.json"]
-    rows = list(csv.DictReader(open(trials)))
-    kinds = {r["kind"] for r in rows}
-    assert kinds >= {"trial", "bm_sum", "check", "choice", "session"}
-    assert all(float(r["rel_err"]) <= TOLERANCES[torch.float32] for r in rows if r["kind"] == "check")
-    assert {r["mode"] for r in rows if r["kind"] == "trial"} == {"cpu-interpreter"}  # not performance
-    chosen = {
-        (r["T"], r["op"]): OpConfig(**json.loads(r["config_json"])) for r in rows if r["kind"] == "choice"
-    }
-    # the loader reads the files back: the chosen configs
-    kw = dict(hidden=48, slices=(64, 16, 16), rank=16, adapters=2)  # tiny/qkv
+def test_stage_tuned_uses_the_folder_and_is_correct(tmp_path, monkeypatch):
+    kw = dict(hidden=48, slices=(64, 16, 16), rank=16, adapters=2)  # the tiny preset's qkv
+    out = write_folder(tmp_path / "cfg", tokens=(3, 24), bms={3: 16, 24: 32}, gpu="cpu", w=kw)
     c = configs.load_dense_config(24, **kw, folder=out, gpu_name="cpu")
-    assert c.source == f"folder:{out}" and (c.shrink, c.expand) == (
-        chosen["24", "shrink"],
-        chosen["24", "expand"],
-    )
-    # stage "tuned" uses them (through the env var, on the CPU's GPU name "cpu") and is correct
+    assert c.source == f"folder:{out}" and c.block_size_m == 32 and c.shrink.BLOCK_SIZE_N == 16
+    # stage "tuned" uses it (through the env var, on the CPU's GPU name "cpu") and is correct
     monkeypatch.setenv(configs.ENV_VAR, str(out))
     g = torch.Generator().manual_seed(0)
     x, wt = torch.randn(24, 48, generator=g), torch.randn(96, 48, generator=g) * 0.1
@@ -440,140 +382,10 @@ def test_tiny_tune_is_read_back_and_used_by_stage_tuned(tmp_path, monkeypatch):
     assert (
         rel_err(y, lora_linear_reference(x, wt, a, b, ids, slices=(64, 16, 16))) <= TOLERANCES[torch.float32]
     )
-    # resumable: a second run tunes nothing and rewrites the same files
-    before = {p: (out / p).read_text() for p in os.listdir(out)}
-    s2 = dt.tune("tiny/qkv", [16], 2, [3, 24], out, trials, device="cpu", progress=False, echo=msgs.append)
-    assert s2["tuned"] == [] and len(s2["skipped"]) == 2
-    assert {p: (out / p).read_text() for p in os.listdir(out)} == before
-
-
-@needs_interpreter
-def test_tuner_takes_existing_entries_and_skips_conflicts(tmp_path):
-    out, trials = tmp_path / "cfg", tmp_path / "trials.csv"
-    kw = dict(hidden=48, slices=(64, 16, 16), rank=16, adapters=2)  # tiny/qkv
-    # an existing expand entry at T=3 with BM 32: the T=3 workload tunes its shrink at BM 32 only
-    ex = configs.set_entry({}, configs.dense_keys("expand", 3, **kw), leaf(32, 64))
-    configs.save_config_file(out / "cpu_EXPAND_TRUE.json", ex)
-    s = dt.tune("tiny/qkv", [16], 2, [3], out, trials, device="cpu", progress=False, echo=lambda m: None)
-    assert s["tuned"] == [("tiny/qkv", 16, 3)]
-    c = configs.load_dense_config(3, **kw, folder=out, gpu_name="cpu")
-    assert c.block_size_m == 32 and c.expand.BLOCK_SIZE_N == 64 and c.expand.NUM_STAGES == 2
-    rows = [r for r in csv.DictReader(open(trials)) if r["kind"] == "trial"]
-    assert {r["BLOCK_SIZE_M"] for r in rows} == {"32"}
-    assert [r["note"] for r in rows if r["op"] == "expand"] == ["shared entry (not tuned here)"]
-    # existing shrink and expand entries of different BM at T=5: a conflict, nothing written
-    sh = json.loads((out / "cpu_SHRINK.json").read_text())
-    configs.set_entry(sh, configs.dense_keys("shrink", 5, **kw), leaf(16, 32, split_k=1))
-    configs.set_entry(ex, configs.dense_keys("expand", 5, **kw), leaf(32, 64))
-    configs.save_config_file(out / "cpu_SHRINK.json", sh)
-    configs.save_config_file(out / "cpu_EXPAND_TRUE.json", ex)
-    s = dt.tune("tiny/qkv", [16], 2, [5], out, trials, device="cpu", progress=False, echo=lambda m: None)
-    assert s["conflicts"] == [("tiny/qkv", 16, 5)] and s["tuned"] == []
-    assert any(r["kind"] == "conflict" for r in csv.DictReader(open(trials)))
-
-
-def _cli_error(capsys, tmp_path, flag, value):
-    base = {
-        "--projections": "tiny",
-        "--tokens": "1",
-        "--ranks": "16",
-        "--adapters": "2",
-        "--out": str(tmp_path / "cfg"),
-        "--csv": str(tmp_path / "t.csv"),
-        "--device": "cpu",
-    }
-    args = [x for k, v in {**base, flag: value}.items() for x in (k, v)]
-    with pytest.raises(SystemExit) as e:
-        dt.main(args)
-    assert e.value.code == 2
-    return capsys.readouterr().err
-
-
-@needs_interpreter
-@pytest.mark.parametrize(
-    "flag,value,match",
-    [
-        ("--projections", "nope", "unknown model 'nope'"),
-        ("--projections", "gpt-oss-20b", "only the smoke presets"),
-        ("--tokens", "0", "ints >= 1"),
-        ("--tokens", "1,x", "ints >= 1"),
-        ("--tokens", "100", "at most 64 tokens"),
-        ("--ranks", "", "ints >= 1"),
-        ("--adapters", "0", "int >= 1"),
-        ("--budget-s", "-1", "seconds >= 0"),
-        ("--device", "tpu", "expected 'cpu', 'cuda'"),
-        ("--dtype", "int8", ""),
-        ("--dtype", "bfloat16", "bfloat16 does not run on the CPU"),
-        ("--max-candidates", "5", "at most 2 candidates"),
-        ("--max-bms", "0", "int >= 1"),
-        ("--jobs", "-1", "int >= 0"),
-        ("--l2", "warm", "invalid choice"),
-        ("--rep-ms", "0", "ms >= 0.001"),
-        ("--warmup-ms", "nan", "finite"),
-        ("--csv", "DIR", "is a folder"),
-        ("--csv", "OTHER_CSV", "not a trials CSV of the dense tuner"),
-        ("--out", "FILE", "not a folder"),
-    ],
-)
-def test_cli_validates_every_flag(tmp_path, capsys, flag, value, match):
-    (tmp_path / "file.txt").write_text("x")
-    (tmp_path / "other.csv").write_text("a,b\n1,2\n")
-    value = {
-        "DIR": str(tmp_path),
-        "FILE": str(tmp_path / "file.txt"),
-        "OTHER_CSV": str(tmp_path / "other.csv"),
-    }.get(value, value)
-    err = _cli_error(capsys, tmp_path, flag, value)
-    assert flag in err and match in err, err
-    assert not (tmp_path / "cfg").exists()  # no work done
-
-
-def test_cli_dry_run_prints_the_plan(tmp_path, capsys):
-    rc = dt.main(
-        [
-            "--projections",
-            "gpt-oss-20b",
-            "--tokens",
-            "1,8,64,256,1600,8192",
-            "--ranks",
-            "32",
-            "--adapters",
-            "8",
-        ]
-        + [
-            "--out",
-            str(tmp_path / "cfg"),
-            "--csv",
-            str(tmp_path / "t.csv"),
-            "--device",
-            "cuda",
-            "--jobs",
-            "14",
-        ]
-        + ["--dry-run"]
-    )
-    out = capsys.readouterr().out
-    assert rc == 0 and "2 projections x 1 rank(s) x 6 T = 12 workloads" in out and "estimate ~" in out
-    assert not (tmp_path / "cfg").exists() and not (tmp_path / "t.csv").exists()
-
-
-def test_precompile_worker_compiles_for_sm90(tmp_path, monkeypatch):
-    # the GPU run compiles every candidate in parallel processes first (no GPU needed): one job here
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton_cache"))
-    w = dt.Workload(dt.projections("tiny/o")[0], 16, 2, 8)
-    c = w.candidates("expand", 16, 1, 2)[0]
-    job = dict(op="expand", H=64, slices=[48], R=16, L=2, cfg=c.to_dict(), dtype="bfloat16")
-    bad = dict(job, cfg=dict(c.to_dict(), BLOCK_SIZE_N=48))
-    st = dt.precompile([job, bad], 1, 240, 90)
-    assert (st["ok"], st["failed"], st["unfinished"]) == (1, 1, 0), st
-    assert "BLOCK_SIZE_N must be a power of two" in st["errors"][0]
-    assert any((tmp_path / "triton_cache").rglob("*.cubin"))
 
 
 def test_dense_gpus_in_ignores_moe_lora_files(tmp_path):
-    from moelora_lib.configs import _dense_gpus_in
-
     (tmp_path / "NVIDIA_H200_FUSED_MOE_LORA_W13_SHRINK.json").write_text("{}")
     (tmp_path / "NVIDIA_H200_FUSED_MOE_LORA_W13_EXPAND_TRUE.json").write_text("{}")
     (tmp_path / "MY_GPU_SHRINK.json").write_text("{}")
-    assert _dense_gpus_in(tmp_path) == ["MY_GPU"]
+    assert loader._dense_gpus_in(tmp_path) == ["MY_GPU"]

@@ -1,5 +1,5 @@
-"""Stage ``fused``'s second round (issue 13): the adapter-ordered base alignment, the fused GEMMs' own
-config file and its loader, and the fused tuner (CPU: torch ops and the Triton interpreter, fp32/fp16).
+"""Stage ``fused``: the adapter-ordered base alignment, the fused GEMMs' own config file and its loader
+(CPU: torch ops and the Triton interpreter, fp32/fp16).
 
 The alignment is checked against a plain-Python reference written here (not the function under test):
 per expert, the pairs in (adapter slot, pair) order, padding to BLOCK_SIZE_M per expert only.
@@ -7,7 +7,6 @@ per expert, the pairs in (adapter slot, pair) order, padding to BLOCK_SIZE_M per
 
 from __future__ import annotations
 
-import csv
 import json
 import shutil
 import warnings
@@ -16,7 +15,7 @@ import pytest
 import torch
 
 from moelora_lib import STAGES, configs
-from moelora_lib.kernels.fused import fused_default_config, fused_gemm_configs
+from moelora_lib.configs import fused_default_config, fused_gemm_configs
 from moelora_lib.moe_lora import make_layer_run
 from moelora_lib.reference import moe_lora_reference
 from moelora_lib.routing import align_tokens
@@ -46,8 +45,7 @@ def _python_sorted_alignment(topk_ids, lora_ids, E, L, BM):
     return out, experts, len(out)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("BM", [16, 32])
+@pytest.mark.parametrize("seed, BM", [(0, 16), (1, 32)])
 def test_sorted_alignment_matches_python_reference(seed, BM):
     g = torch.Generator().manual_seed(seed)
     T, K, E, L = 37, 3, 5, 4
@@ -77,8 +75,9 @@ def test_sorted_alignment_bad_arguments_are_named():
         align_tokens(topk, 2, 16, sort_lora_ids=ids)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("model", ["tiny", "tiny-oss"])
+@pytest.mark.parametrize(
+    "model, dtype", [("tiny", torch.float32), ("tiny-oss", torch.float16)], ids=["tiny-fp32", "tiny-oss-fp16"]
+)
 def test_fused_stage_adapter_order_same_result(model, dtype):
     """The adapter order changes which rows share a tile, not a row's sums: equal to the pair order
     (bit for bit here: other adapters' dots add exact zeros to a row) and close to the reference."""
@@ -186,16 +185,8 @@ def test_fused_config_cpu_default():
         ),
         ({"fused_gate_up": {"BLOCK_SIZE_M": 16, "BLOK": 1}, "fused_down": {"BLOCK_SIZE_M": 16}}, "BLOK"),
         (
-            {"fused_gate_up": {"BLOCK_SIZE_M": 16}, "fused_down": {"BLOCK_SIZE_M": 16}, "lora_stack": 1},
-            r'\["lora_stack"\]: must be true or false, got 1',
-        ),
-        (
             {"fused_gate_up": {"BLOCK_SIZE_M": 16}, "fused_down": {"BLOCK_SIZE_M": 16}, "stack": True},
-            "optionally 'lora_stack'",
-        ),
-        (
-            {"fused_gate_up": {"BLOCK_SIZE_M": 16, "lora_stack": True}, "fused_down": {"BLOCK_SIZE_M": 16}},
-            "'lora_stack' belongs to the entry",
+            r"must have exactly the keys .*, got \['fused_down', 'fused_gate_up', 'stack'\]",
         ),
     ],
 )
@@ -204,54 +195,6 @@ def test_fused_file_errors_name_the_key(tmp_path, leaf, match):
     p.write_text(json.dumps(configs.set_entry({}, (32, 5760, 2880, 64), leaf)))
     with pytest.raises(ValueError, match=match):
         configs.load_config_file(p, "fused")
-
-
-# ---- the tuner, as a functional test through the interpreter ---------------------------------------
-
-
-def test_fused_tuner_writes_a_file_the_loader_reads(tmp_path, monkeypatch):
-    if not torch.cuda.is_available():
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    from moelora_lib.studies import fused_tuning as ft
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", configs.TunedConfigWarning)
-        got = ft.tune_fused(
-            ["tiny-oss"], [1, 40], rank=16, adapters=4, out=tmp_path, csv_path=tmp_path / "t.csv",
-            dtype=torch.float32, gpu="NVIDIA_H200",
-        )  # fmt: skip
-    assert set(got) == {("tiny-oss", 1), ("tiny-oss", 40)}
-    data = configs.load_config_file(tmp_path / "NVIDIA_H200_FUSED_MOE_LORA_FUSED.json", "fused")
-    sh = get_shape("tiny-oss")
-    for T in (1, 40):
-        leaf = data[str(sh.experts)][str(2 * sh.intermediate)][str(sh.hidden)][str(T)]
-        assert leaf["fused_gate_up"] == got[("tiny-oss", T)]["fused_gate_up"].to_dict()
-    with open(tmp_path / "t.csv", newline="") as f:
-        rows = list(csv.DictReader(f))
-    assert sum(r["kind"] == "choice" for r in rows) == 4  # two ops x two workloads
-    assert all(r["kind"] != "trial" or float(r["ms_p50"]) > 0 for r in rows)
-    # re-tuning an entry keeps its measured LoRA epilogue form (lora_stack)
-    path = tmp_path / "NVIDIA_H200_FUSED_MOE_LORA_FUSED.json"
-    raw = json.loads(path.read_text())
-    raw[str(sh.experts)][str(2 * sh.intermediate)][str(sh.hidden)]["1"]["lora_stack"] = True
-    configs.save_config_file(path, raw)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", configs.TunedConfigWarning)
-        ft.tune_fused(
-            ["tiny-oss"], [1], rank=16, adapters=4, out=tmp_path, csv_path=tmp_path / "t.csv",
-            dtype=torch.float32, gpu="NVIDIA_H200",
-        )  # fmt: skip
-    leaf = configs.load_config_file(path, "fused")[str(sh.experts)][str(2 * sh.intermediate)][str(sh.hidden)]
-    assert leaf["1"]["lora_stack"] is True and "lora_stack" not in leaf["40"]
-    with pytest.raises(ValueError, match="tokens must be a non-empty list"):
-        ft.tune_fused(["tiny"], [0], out=tmp_path, csv_path=tmp_path / "t.csv")
-    with pytest.raises(ValueError, match="exists and is not a folder"):
-        ft.tune_fused(["tiny"], [1], out=tmp_path / "t.csv", csv_path=tmp_path / "u.csv")
-    with pytest.raises(ValueError, match="op must be one of"):
-        ft.fused_op_candidates("base_down", 16, got[("tiny-oss", 1)]["fused_down"])
-
-
-# ---- from the new-user trial of the second round -------------------------------------------------------
 
 
 def test_fused_file_alone_in_a_folder_is_used(tmp_path):
@@ -293,31 +236,6 @@ def test_sorted_alignment_refuses_huge_num_adapters_and_other_device():
         align_tokens(topk, 3, 16, sort_lora_ids=ids.to("meta"), num_adapters=2)
 
 
-def test_fused_tuner_bad_arguments_named_before_writing(tmp_path):
-    from moelora_lib.studies import fused_tuning as ft
-
-    (tmp_path / "afile").write_text("x")
-    kw = dict(out=tmp_path / "o", csv_path=tmp_path / "t.csv")
-    cases = [
-        (dict(models="tiny"), "models must be a non-empty list"),
-        (dict(models=[]), "models must be a non-empty list"),
-        (dict(tokens=[True]), "tokens must be a non-empty list of ints"),
-        (dict(rank=True), "rank must be an int >= 1"),
-        (dict(adapters=0), "adapters must be an int >= 1"),
-        (dict(gpu="a/b"), "no path separators"),
-        (dict(out=tmp_path / "afile" / "sub"), "out: cannot make"),
-        (dict(out=5), "out: expected a folder path"),
-        (dict(csv_path=tmp_path), "csv_path: .* is a folder"),
-        (dict(csv_path=tmp_path / "afile" / "x.csv"), "csv_path's folder"),
-    ]
-    for over, match in cases:
-        args = dict(models=["tiny"], tokens=[1], **kw)
-        args.update(over)
-        with pytest.raises(ValueError, match=match):
-            ft.tune_fused(args.pop("models"), args.pop("tokens"), **args)
-    assert not (tmp_path / "o").exists()  # nothing was made by a refused call
-
-
 def test_bench_levers_bad_arguments():
     from moelora_lib.studies import fused_bench as fb
 
@@ -325,7 +243,6 @@ def test_bench_levers_bad_arguments():
         (dict(levers=[]), "non-empty list of distinct"),
         (dict(levers=["fused_v1", "fused_v1"]), "non-empty list of distinct"),
         (dict(levers=5), "non-empty list of distinct"),  # None is the default: every lever the device runs
-        (dict(levers=["fused_pdl"]), "pdl=True needs a CUDA GPU"),  # asked for on the CPU
         (dict(levers=["nope"]), "levers must be names of"),
         (dict(T=0), "T must be an int >= 1"),
     ]:

@@ -1,5 +1,5 @@
-"""One launch plan, one record per fact: LayerRun's op_fn / launch_args, Dims and Workload in the old call
-forms' place, the one timing dispatch, the vLLM anchors read from data/anchors, one tolerance table."""
+"""One launch plan, one record per fact: LayerRun's op_fn / launch_args, Workload as one value for the
+inputs, the one timing dispatch, the vLLM anchors read from data/anchors, one tolerance table."""
 
 from __future__ import annotations
 
@@ -8,12 +8,10 @@ import math
 import pytest
 import torch
 
-from moelora_lib import configs
-from moelora_lib.kernels import LAUNCH_OPS, default_config
-from moelora_lib.kernels.config import BASE_OPS, LORA_OPS
+from moelora_lib.kernels import LAUNCH_OPS
 from moelora_lib.kernels.launchers import lora_shrink
 from moelora_lib.shapes import Dims
-from moelora_lib.studies import bench, helion_study, tuning
+from moelora_lib.studies import bench, helion_study
 from moelora_lib.studies import moe_bench as mb
 from moelora_lib.testing import TOLERANCES
 from moelora_lib.workloads import Workload
@@ -30,7 +28,7 @@ def run():
 
 
 # --- the launch plan ---------------------------------------------------------------------------------
-def test_op_fn_is_what_lora_op_fn_and_base_op_fn_hand_out(run):
+def test_op_fn_is_what_lora_op_fn_hands_out(run):
     # the shrink alone = a shrink wired by hand the way the layer wires it (gate_up: x, A13, rows_div K)
     got = run.op_fn("gate_up_shrink")()
     want = lora_shrink(
@@ -41,12 +39,8 @@ def test_op_fn_is_what_lora_op_fn_and_base_op_fn_hand_out(run):
     rows = torch.unique(ids[ids < run.lora_align.num_pairs]).long()
     assert torch.equal(got[:, rows], want[:, rows])
     assert torch.equal(mb.lora_op_fn(run, "gate_up_shrink")()[:, rows], got[:, rows])
-    for op in BASE_OPS:
-        assert callable(tuning.base_op_fn(run, op, getattr(run.cfg, op)))
     with pytest.raises(ValueError, match="op must be one of"):
         mb.lora_op_fn(run, "base_down")
-    with pytest.raises(ValueError, match="op must be one of"):
-        tuning.base_op_fn(run, "down_shrink", run.cfg.down_shrink)
     with pytest.raises(ValueError, match="op must be one of"):
         run.launch_args("nope")
 
@@ -68,24 +62,7 @@ def test_launch_args_cover_every_launch(run):
     assert run.launch_args("gate_up_expand").constexprs["ADD_INPUTS"] is True  # fused-add stage
 
 
-# --- Dims and Workload in place of loose ints ------------------------------------------------------------
-def test_dims_and_the_old_positional_forms_agree(tmp_path):
-    d = Dims.of("qwen3-30b-a3b", 64, rank=32, adapters=8)
-    old = (64, 2048, 768, 128, 8, 32, 8, 2)  # T, H, I, E, K, R, L, S (R before L)
-    assert default_config(d) == default_config(*old)
-    assert configs.load_layer_config(d, folder=None, gpu_name="NO_SUCH_GPU") == configs.load_layer_config(
-        *old, gpu_name="NO_SUCH_GPU"
-    )
-    for op in LORA_OPS:
-        assert configs.lora_keys(op, d) == configs.lora_keys(op, 64, 2048, 768, 32, 8, 2)
-    assert configs.base_keys(d) == configs.base_keys(64, 2048, 768, 128)
-    assert mb.op_costs("qwen3-30b-a3b", d) == mb.op_costs("qwen3-30b-a3b", 64, 32, num_adapters=8)
-    with pytest.raises(TypeError):
-        default_config(d, 1)
-    with pytest.raises(TypeError):
-        mb.op_costs("qwen3-30b-a3b", d, 32)
-
-
+# --- Workload: the inputs as one value -----------------------------------------------------------------
 def test_workload_equals_the_keyword_form():
     wl = Workload("tiny", 4, rank=16, adapters=2, pattern="zipf", dtype="fp32", seed=3, device="cpu")
     assert wl.dtype is torch.float32 and wl.dims == Dims.of("tiny", 4, rank=16, adapters=2)

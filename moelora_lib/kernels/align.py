@@ -36,9 +36,9 @@ pairs over tiles (so T = 8192 is not one CTA's loop), and it ranks pairs by a so
 atomic cursor, so the order inside a group is the oracle's (ascending pair index) on every run.
 
 Base and LoRA alignments are separate calls (three launches each): the two group sets differ (E vs
-(L + 1)·E keys) and each call returns one :class:`~moelora_lib.routing.Alignment`; running both in the
-same three launches (a grid axis over the two problems) is the obvious next step if notebook 09 shows
-launch latency dominating at small T.
+(L + 1)·E keys) and each call returns one :class:`~moelora_lib.routing.Alignment`. Where the launches
+cost more than the work (T·K ≤ :data:`~moelora_lib.kernels.align_small.PAIR_PATH_MAX_PAIRS`),
+:func:`~moelora_lib.kernels.align_small.align_tokens_pair` does both alignments in one launch instead.
 
 One binary per constexpr class, whatever T and the inputs' offsets: Triton specializes int
 arguments on == 1 and % 16 and pointers on 16-byte alignment, so every length-dependent int (N, NT,
@@ -55,21 +55,12 @@ Ids out of range (topk_ids ∉ [0, E), lora_ids ∉ [-1, L)) are not checked (th
 sync): such pairs are dropped, never written out of bounds; the torch oracle's result is then
 unspecified, so only in-range ids are part of the contract.
 
-First H200 check (triton 3.6, one run each, CUDA-graph replay timed by triton's do_bench with its L2
-flush; L = 8, 1/9 of tokens without adapter, include_no_adapter=False, BM 16 at T ≤ 256 else 64, and
-the earlier default tile min(1024, next_pow2(T·K))): bit-identical to the oracle at T = 1, 256, 8192
-for GPT-OSS-20B (E = 32, K = 4) and Qwen3-30B-A3B (E = 128, K = 8) shapes, and this module's tests
-passed there compiled; base + LoRA alignment took 17 / 35 / 42 µs (GPT-OSS) and 29 / 42 / 62 µs
-(Qwen3) against 154–341 µs for the torch version — still above the serving layer's targets (≤ 8 µs at
-T ≤ 256, ≤ 25 µs at T = 8192). A tile sweep (64..1024) gave the best totals at tile 64–256 for
-T = 256 (19 / 32 µs) and 512 for T = 8192 (28 / 60 µs), hence today's default. Per kernel (profiler,
-mean of base and LoRA calls): the scatter/fill launch dominates (3–13 µs: the tile sort, and at T = 1
-the fill programs' walk over the G group ends), the one-program scan grows with NT·G (9.5 µs at Qwen3
-T = 8192 with tile 1024), and one alignment's three launches cost ~9 µs in replay at T = 1 for ~5 µs
-of kernel time.
+Default tile: next_pow2(T·K / 8) clamped to [64, 512], the H200's best totals in a tile sweep (tiles of
+64–256 at T = 256, 512 at T = 8192; docs/perf_notes.md). The scatter/fill launch dominates the time.
 
-Not yet used anywhere: notebook 09 measures it against the torch version and wires it into
-``LayerRun`` / the layer module.
+Used by :class:`moelora_lib.layer.MoELoRALayer` and :mod:`moelora_lib.lora_linear` on CUDA above the pair
+path's size (:func:`~moelora_lib.kernels.align_small.use_pair_path`), with preallocated workspaces
+(:func:`align_workspace`).
 """
 
 from __future__ import annotations
@@ -360,7 +351,7 @@ def align_sizes(num_pairs: int, num_groups: int, block_size_m: int, tile: int | 
 
     Pure arithmetic on Python ints (no tensor), so the int32 edge can be tested without huge tensors.
     ``tile`` (pairs per tile program, a power of two in [16, 1024]) defaults to next_pow2(T·K / 8)
-    clamped to [64, 512] (the best of 64..1024 in a first H200 sweep, see the module docstring).
+    clamped to [64, 512] (the H200's best tiles, see the module docstring).
 
     Raises:
         ValueError: ``num_pairs`` (T·top_k), ``num_groups`` or their padded size too large for int32

@@ -46,29 +46,11 @@ every length-dependent int (N, the block counts) and the ids' pointers and strid
 ``do_not_specialize``; the output buffers are views of a workspace at length-independent 128-byte
 aligned offsets (:class:`PairWorkspace`).
 
-First H200 check (triton 3.6, torch 2.11; one run; 50 calls captured back to back in one CUDA graph,
-median of 20 replays per call; E/K/L = 32/4/8 (GPT-OSS-20B) and 128/8/8 (Qwen3-30B-A3B), lora ids
-uniform in [-1, L), both BLOCK_SIZE_M 16; on the GPU bit-identical to the oracle for T ∈ {0, 1, 3,
-64, 256, 512} and BM pairs 16/16, 64/32, also with rows of 64 pairs): base + LoRA alignment in µs,
-this launch vs the two three-launch calls of align.py (align.py row: an earlier run, same harness) —
-
-=========  =====  =====  =====  =====  =====  =====
-T          1      16     64     128    256    512
-GPT-OSS    2.4    2.6    3.5    4.4    8.1    16.9
-  align.py 11.9   12.1   12.8   12.9   13.2   14.1
-Qwen3      3.2    3.6    5.7    9.9    19.1   —
-  align.py 22.9   24.0   25.8   25.4   26.0   28.7
-=========  =====  =====  =====  =====  =====  =====
-
-(One CUDA graph holding a single call, replayed back to back: 5-6 µs up to 512 pairs — the graph
-launch itself.) It meets the ≤ 8 µs target up to 512 pairs and is just above it at 1024 GPT-OSS
-pairs; at 1024 Qwen3 pairs it is 2.5× faster than align.py but 10 µs, and at 2048 pairs it is faster
-for Qwen3 (19 vs 26 µs) and slower for GPT-OSS (17 vs 14 µs). Taking parts out (an earlier version
-with rows of 256 pairs, Qwen3, T = 256) showed where the time goes: 25 µs in all, 16 without the
-sorts, and 1-4 µs less each without the fill, the table zeroing, the phase-1 or the phase-3
-scatters — the cost is spread over phases that all grow with N in a single CTA. More, shorter rows
-were slower (rows of 64 pairs: 81 µs; of 256: 25 µs; one row of 2048: 19.3 µs), hence ROW_PAIRS =
-SMALL_MAX_PAIRS (one row) by default; the row split is kept as a knob.
+Why: on the H200 this one launch aligns both problems in 2.4–8.1 µs for T·K ≤ 1024 GPT-OSS-20B pairs,
+against 12–13 µs for align.py's two three-launch calls; at 2048 pairs its single CTA per problem is
+the slower one for GPT-OSS-20B (17 vs 14 µs; docs/perf_notes.md), hence :data:`PAIR_PATH_MAX_PAIRS`.
+Every phase grows with N in one CTA, so more, shorter rows do not help (rows of 64 pairs are slower
+than one row of 2048): ROW_PAIRS = SMALL_MAX_PAIRS (one row) by default; the row split is a knob.
 """
 
 from __future__ import annotations
@@ -705,7 +687,7 @@ def align_tokens_pair(
         out: a :class:`PairWorkspace` (:func:`pair_workspace`, same E, L, both BLOCK_SIZE_Ms,
             max_num_pairs ≥ T·K, same device); the results are then views of it. None = allocate.
         num_warps: of the launch; None = 4 up to a 256-pair vector (BLOCK), 8 up to 1024, else 16
-            (the best or near it on the H200 in a first sweep).
+            (the best or near it on the H200).
     Returns:
         ``(base, lora)``: two :class:`~moelora_lib.routing.Alignment`: sorted_token_ids [P] int32 (pair
         ids t·K + k, ascending inside a group, sentinel T·K in padding and past the end), block_expert_ids

@@ -37,18 +37,9 @@ Design:
   vectorize), so the binary is one per (dtype, D, g, NH, sliding, sinks, cache_rows given or not);
   tests/test_decode_attention.py checks the keys compile-only for sm_90.
 
-Prediction for the H200 (written before the first GPU run): GPT-OSS-20B decode,
-batch 1, 1600-token prompt, bf16, NKV = 8, D = 64, g = 8, max_seq ≥ 1600. Bytes a layer must read: K and V
-of the visible positions, seq·NKV·D·2 tensors·2 bytes = 3.3 MB on a full layer at seq 1600 and 0.26 MB on a
-sliding layer (W = 128), 1.8 MB per layer on average (12 + 12 layers), i.e. ~0.4 µs per layer at ~4.3 TB/s:
-time is latency, not bytes. num_splits = 33 at B = 1 (264 programs wanted, 8 (b, kv head) pairs); at
-seq 1600 the chunk is 64 positions, so 25 splits run one BLOCK_N = 64 block each (sliding layers: 2
-splits); the split kernel should take ~3-5 µs (one dependent K load, dot, V load, dot, store) and the
-combine ~2-3 µs, so ~5-8 µs per layer in the graph against ~67 µs now (the explicit path's ~8 launches over
-all max_seq positions), i.e. the "attention" category from ~1600 µs to ~150-250 µs per decode step
-(rope, the cache write and the projections around it unchanged). Measured (notebook 11 at cd22587, H200,
-where rope and the cache writes are one kernels/norm_rope.py launch counted in the same category): "attention"
-0.18–0.21 ms per GPT-OSS-20B step at one request (1.6 ms before), 0.38 ms on Qwen3-30B-A3B (6.4 ms before).
+Cost: at decode the K/V bytes are small (GPT-OSS-20B at seq 1600: 1.8 MB per layer on average, ~0.4 µs
+at ~4.3 TB/s), so the time is launch latency and dependent loads: the two launches per layer replace
+the explicit path's ~8 launches over all max_seq positions (step breakdown: notebook 11).
 
 Errors: ValueError naming the argument and the expected shape/dtype/device (see :func:`decode_attention`).
 """

@@ -60,9 +60,10 @@ Design references: vLLM's ``vllm/lora/ops/triton_ops/lora_shrink_op.py`` / ``lor
 (split-K with relaxed atomics, EVEN_K, grouped order, ADD_INPUTS; docs/upstream-vllm-moe-lora.md §5)
 and Punica's SGMV. The code is this project's own.
 
-Configs: :class:`DenseLoRAConfig` (one :class:`~moelora_lib.kernels.config.OpConfig` per kernel,
-sharing BLOCK_SIZE_M, the alignment's block size) and :func:`default_dense_config` (hand-picked H200
-starting points by T). Stage ``tuned`` reads tuned configs (:func:`dense_config_for` ->
+Configs: :class:`~moelora_lib.configs.schema.DenseLoRAConfig` (one
+:class:`~moelora_lib.configs.schema.OpConfig` per kernel, sharing BLOCK_SIZE_M, the alignment's block
+size) and :func:`~moelora_lib.configs.defaults.default_dense_config` (hand-picked H200 starting points
+by T; both re-exported here). Stage ``tuned`` reads tuned configs (:func:`dense_config_for` ->
 :func:`moelora_lib.configs.load_dense_config`: vLLM's dense ``{gpu}_SHRINK.json`` /
 ``{gpu}_EXPAND_TRUE.json`` files, same folders and precedence as the MoE configs) written by
 :mod:`moelora_lib.studies.dense_tuning`, and falls back to the defaults where there are none.
@@ -70,7 +71,7 @@ starting points by T). Stage ``tuned`` reads tuned configs (:func:`dense_config_
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -78,9 +79,10 @@ import triton
 import triton.language as tl
 
 from ..common import aligned16
-from ..hardware import H200_NUM_SMS
+from ..configs import load_dense_config, tuned_dense_block_sizes_m
+from ..configs.defaults import default_dense_config, dense_block_sizes_m
+from ..configs.schema import DenseLoRAConfig, OpConfig
 from ..routing import Alignment
-from .config import OpConfig, next_pow2
 from .launchers import even_k
 from .triton_kernels import _pid_to_mn
 
@@ -281,120 +283,6 @@ DENSE_KERNELS = {
 # --------------------------------------------------------------------------------------------------
 # configs
 # --------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class DenseLoRAConfig:
-    """Launch configs of the two dense LoRA kernels of one projection.
-
-    Attributes:
-        shrink: :class:`OpConfig` of ``_dense_shrink_kernel`` (SPLIT_K ≥ 1 allowed).
-        expand: :class:`OpConfig` of ``_dense_expand_kernel`` (SPLIT_K must be 1).
-        source: where it came from ("default", a file name...).
-    Both share one alignment, so they must agree on BLOCK_SIZE_M.
-    Raises:
-        ValueError: naming the field: not an OpConfig, BLOCK_SIZE_M mismatch, expand SPLIT_K ≠ 1.
-    """
-
-    shrink: OpConfig
-    expand: OpConfig
-    source: str = "default"
-
-    def __post_init__(self) -> None:
-        for op in ("shrink", "expand"):
-            v = getattr(self, op)
-            if not isinstance(v, OpConfig):
-                hint = " (build it with OpConfig.from_dict)" if isinstance(v, dict) else ""
-                raise ValueError(
-                    f"DenseLoRAConfig.{op} must be an OpConfig{hint}, got {type(v).__name__}: {v!r}"
-                )
-        if not isinstance(self.source, str):
-            raise ValueError(f"DenseLoRAConfig.source must be a str, got {type(self.source).__name__}")
-        if self.shrink.BLOCK_SIZE_M != self.expand.BLOCK_SIZE_M:
-            raise ValueError(
-                "DenseLoRAConfig: shrink and expand share one alignment and must share BLOCK_SIZE_M "
-                f"({self.shrink.BLOCK_SIZE_M} != {self.expand.BLOCK_SIZE_M})"
-            )
-        if self.expand.SPLIT_K != 1:
-            raise ValueError(f"DenseLoRAConfig.expand: SPLIT_K must be 1, got {self.expand.SPLIT_K}")
-
-    @property
-    def block_size_m(self) -> int:
-        return self.shrink.BLOCK_SIZE_M
-
-    @property
-    def is_deterministic(self) -> bool:
-        """True when the shrink does not split K (the expand never does)."""
-        return self.shrink.SPLIT_K == 1
-
-    def deterministic(self) -> DenseLoRAConfig:
-        """This config with the shrink's SPLIT_K = 1 (split-K's relaxed fp32 atomics add in an order
-        the hardware picks; with one program per output tile every call gives the same bits). Other
-        fields kept; ``source`` gets ``+deterministic``; ``self`` when already deterministic."""
-        if self.is_deterministic:
-            return self
-        return replace(self, shrink=replace(self.shrink, SPLIT_K=1), source=self.source + "+deterministic")
-
-    def to_dict(self) -> dict:
-        return {"shrink": self.shrink.to_dict(), "expand": self.expand.to_dict(), "source": self.source}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> DenseLoRAConfig:
-        """From ``{"shrink": {...}, "expand": {...}[, "source": str]}`` (OpConfig keys)."""
-        return cls(
-            OpConfig.from_dict(d["shrink"], where="shrink"),
-            OpConfig.from_dict(d["expand"], where="expand"),
-            d.get("source", "dict"),
-        )
-
-    def short(self) -> str:
-        return f"shrink={self.shrink.short()};expand={self.expand.short()}"
-
-
-def _block_m(T: int, adapters: int) -> int:
-    """BLOCK_SIZE_M by tokens per adapter (T / L, assuming every token has one, spread evenly)."""
-    g_avg = max(1, T) / max(1, adapters)
-    return 16 if g_avg <= 16 else (32 if g_avg <= 48 else 64)
-
-
-def dense_block_sizes_m(max_tokens: int, adapters: int) -> tuple[int, ...]:
-    """Every BLOCK_SIZE_M :func:`default_dense_config` picks for 1 ≤ T ≤ max_tokens (ascending), so a
-    module can allocate its alignment workspaces up front."""
-    edges = (1, 16 * adapters + 1, 48 * adapters + 1)  # the first T of each BLOCK_SIZE_M bucket
-    return tuple(sorted({_block_m(T, adapters) for T in edges if T <= max(1, max_tokens)}))
-
-
-def default_dense_config(
-    T: int, *, hidden: int, slices: tuple[int, ...], rank: int, adapters: int
-) -> DenseLoRAConfig:
-    """Hand-picked H200 starting config for a dense multi-LoRA projection of T tokens (not tuned).
-
-    Args:
-        T: tokens of the call. hidden: H (the shrink's K). slices: output widths (N_s).
-        rank: R (max rank of the slots). adapters: L.
-    BLOCK_SIZE_M by tokens per adapter T/L (16 up to 16, 32 up to 48, else 64), as the MoE defaults do
-    per (adapter, expert) group. Shrink: one column tile for S·R up to 128 (BLOCK_SIZE_N =
-    next_pow2(S·R), 16..128), BLOCK_SIZE_K 64 (EVEN_K for H % 64 == 0 at SPLIT_K 1), SPLIT_K doubled
-    (≤ 16, K chunks ≥ 4·BLOCK_SIZE_K) until about two programs per SM of the H200. Expand:
-    BLOCK_SIZE_K = next_pow2(R) ≥ 16 (the whole rank in one step), BLOCK_SIZE_N 64 (128 for slices
-    ≥ 1024 wide at more than 16 tokens per adapter), clamped to the widest slice.
-    """
-    S = len(slices)
-    bm = _block_m(T, adapters)
-    n_shrink = S * rank
-    est_blocks = min(max(1, T), adapters) + max(1, T) // bm
-    bn = min(128, max(16, next_pow2(n_shrink)))
-    n_tiles = -(-n_shrink // bn)
-    bk = 64
-    sk = 1
-    while sk < 16 and est_blocks * n_tiles * sk < 2 * H200_NUM_SMS and bk * sk * 8 <= hidden:
-        sk *= 2
-    shrink = OpConfig(bm, bn, bk, 8, sk, 4, 3)
-    widest = max(slices)
-    bn_e = 128 if widest >= 1024 and max(1, T) / max(1, adapters) > 16 else 64
-    bn_e = max(16, min(bn_e, next_pow2(widest)))
-    expand = OpConfig(bm, bn_e, max(16, next_pow2(rank)), 8, 1, 4, 2)
-    return DenseLoRAConfig(shrink, expand, source="default")
-
-
 def adapt_dense_config(stage, cfg: DenseLoRAConfig) -> DenseLoRAConfig:
     """The config ``stage`` (a :class:`~moelora_lib.kernels.stages.Stage`) launches: SPLIT_K → 1
     without ``split_k``, GROUP_SIZE_M → 1 without ``swizzle`` (as ``Stage.adapt`` does for the MoE)."""
@@ -434,8 +322,6 @@ def dense_config_for(
     stage's fused add picks the ``EXPAND_TRUE`` file); for every other stage
     :func:`default_dense_config` (``folder`` / ``gpu_name`` are then ignored)."""
     if _is_tuned(stage):
-        from ..configs import load_dense_config  # lazy: configs imports kernels.config
-
         return load_dense_config(
             T,
             hidden,
@@ -456,8 +342,6 @@ def dense_block_sizes_for(
     (ascending): the tuned files' (:func:`moelora_lib.configs.tuned_dense_block_sizes_m`) for stage
     ``tuned``, :func:`dense_block_sizes_m` for the others."""
     if _is_tuned(stage):
-        from ..configs import tuned_dense_block_sizes_m
-
         return tuned_dense_block_sizes_m(
             max_tokens, hidden=hidden, slices=slices, rank=rank, adapters=adapters, add_inputs=stage.fused_add
         )

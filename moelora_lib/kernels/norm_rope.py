@@ -1,18 +1,16 @@
 """Two small serving kernels of the model runner (moelora_lib.model): RMSNorm with the residual add fused,
 and q/k-norm + rotary embedding + KV-cache write of one attention layer in one launch.
 
-Why: a decode step of GPT-OSS-20B at batch 1 spent ~0.96 ms of its 5.5 ms outside attention, the
-projections and the MoE (notebook 11's step breakdown, category ``other``, H200, run at 78bfa17) and a further
-part of ``attention`` on rope and the cache writes: each torch RMSNorm is ~6 element-wise launches (cast,
+Why: at decode these are many tiny launches: each torch RMSNorm is ~6 element-wise launches (cast,
 square, mean, add eps, rsqrt, scale, weight, cast) plus one for the residual add, and rope + two
-index-put cache writes another ~10, per layer. Each launch moves a few KB, so at decode they cost their
-launch and ramp (~2–3 µs each in a CUDA graph), not bytes. These kernels make that one launch per norm
+index-put cache writes another ~10, per layer. Each moves a few KB, so they cost their launch and ramp
+(~2–3 µs each in a CUDA graph), not bytes. These kernels make that one launch per norm
 (residual add included) and one per attention layer for q/k-norm, rope and both cache writes.
 
 Numerics: the same operations in the same dtype steps as the torch modules they replace, so results are
 bit-identical to them except for the fp32 summation order of the mean of squares (compiled with
 ``enable_fp_fusion=False``: a fused multiply-add would round x1·cos - x2·sin once where torch rounds each
-product; the H200 run of tests/test_norm_rope.py at 5bd4d59 saw those 1-ulp differences):
+product, a 1-ulp difference on the H200):
 
 * :func:`rms_norm` — transformers' ``GptOssRMSNorm`` / ``Qwen3RMSNorm`` (moelora_lib.model.modeling.
   RMSNorm): s = x + residual rounded to x's dtype (torch's add), x̂ = s·rsqrt(mean(s²) + eps) in fp32, then
@@ -26,11 +24,8 @@ Method: the fused add + RMSNorm follows the common practice of inference engines
 ``fused_add_rms_norm`` CUDA op, whose interface — residual updated in place, normed output — this
 mirrors); the rope formula is transformers' ``apply_rotary_pos_emb`` / ``rotate_half``. Own code.
 
-Prediction (written before the first H200 run): GPT-OSS-20B decode at batch 1, 24 layers: 49 norms and 24
-adds as ~340 launches become 49; rope + cache writes ~240 launches become 24; at ~2 µs per removed launch
-≈ 1 ms of the 5.5 ms step (≈ +20 % OTPS), less where launches overlap in the graph. Measured (notebook 11 at
-cd22587, with the decode attention kernel in the same run): the step's "other" kernels 0.96 → 0.43 ms and
-the step 5.5 → 3.17 ms (base model).
+Effect on GPT-OSS-20B decode at batch 1 (24 layers): 49 norms and 24 adds, ~340 launches, become 49;
+rope + cache writes, ~240 launches, become 24 (step breakdown: notebook 11).
 """
 
 from __future__ import annotations

@@ -146,6 +146,14 @@ def test_reference_matches_independent_loop():
         assert_close_rel(ref, loop, tol=1e-5, what=shape.name)
 
 
+def test_default_stage_is_tuned(device):
+    inp = _inputs(TINY, device, torch.float32, num_tokens=9)
+    assert make_layer_run(*inp.args(), **inp.kwargs()).stage is STAGES["tuned"]
+    out = fused_moe_lora(*inp.args(), **inp.kwargs())
+    assert torch.equal(out, fused_moe_lora(*inp.args(), **inp.kwargs(), stage="tuned"))
+    assert_close_rel(out, moe_lora_reference(*inp.args(), **inp.kwargs()), torch.float32)
+
+
 def test_empty_batch_returns_empty(device):
     inp = _inputs(TINY, device, torch.float32, num_tokens=4)
     args = [a[:0] if i in (0, 3, 4, 5) else a for i, a in enumerate(inp.args())]

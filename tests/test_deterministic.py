@@ -1,4 +1,4 @@
-"""Deterministic mode (issue 13): ``deterministic=True`` runs every split-K shrink with SPLIT_K = 1.
+"""Deterministic mode: ``deterministic=True`` runs every split-K shrink with SPLIT_K = 1.
 
 The shrinks' split-K partial sums meet in relaxed fp32 atomic adds whose order the GPU picks, so a split-K
 result can change in the last bits from call to call; with SPLIT_K = 1 each output element comes from one

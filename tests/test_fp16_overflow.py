@@ -1,8 +1,8 @@
-"""fp16: a rank intermediate beyond fp16's range must not overflow the layer (issue 10).
+"""fp16: a rank intermediate beyond fp16's range must not overflow the layer.
 
-The shrink keeps the rank intermediate x·Aᵀ in fp32; the expand used to round it to the weight dtype
-right before its dot, so with fp16 weights a value above 65 504 became inf and every stage returned
-inf/NaN where the fp32 reference is finite. Here one rank row of A is large (x·A ≈ 76 800 on the
+The shrink keeps the rank intermediate x·Aᵀ in fp32; rounding it to fp16 weights' dtype before the
+expand's dot would turn a value above 65 504 into inf, and every stage would return inf/NaN where the
+fp32 reference is finite. Here one rank row of A is large (x·A ≈ 76 800 on the
 gate_up projection, g·A2 ≈ 82 000 on the down projection) and the matching column of B small, so
 the delta and the output stay moderate. Every stage must be finite and within the fp16 tolerance.
 """

@@ -90,7 +90,12 @@ def test_case_overflows_fp16_only_in_the_rank_intermediate(case):
     assert rel_err(moe_lora_reference(*sat, **kw), ref) > 10 * TOLERANCES[torch.float16]
 
 
-@pytest.mark.parametrize("stage", list(STAGES))
+# the stages whose expand differs: naive (delta stored, then added), even_k_fused_add (the expand adds
+# into the tile; every later unfused stage runs its kernels), fused (the expand inside the base GEMM)
+EXPAND_FORMS = ["naive", "even_k_fused_add", "fused"]
+
+
+@pytest.mark.parametrize("stage", EXPAND_FORMS)
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_fp16_rank_intermediate_beyond_fp16_range(case, stage, device):
     _, proj, slices = case

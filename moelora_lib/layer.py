@@ -29,7 +29,8 @@ that no loaded slot covers has no LoRA launch at all. A slot never loaded (or un
 Per call on a GPU: routing in one launch (:mod:`moelora_lib.kernels.route`), both alignments in one
 launch up to :data:`~moelora_lib.kernels.align_small.PAIR_PATH_MAX_PAIRS` pairs
 (:mod:`moelora_lib.kernels.align_small`; above, three launches per alignment,
-:mod:`moelora_lib.kernels.align`), then the stage's seven launches and the top-k reduction. A CUDA graph
+:mod:`moelora_lib.kernels.align`), then the stage's launches (seven, four for stage ``fused``) and the
+top-k reduction. A CUDA graph
 captures a forward whole (tests/test_layer_gpu.py); notebook 09 measures it. The only device
 temporaries left are the reduced output (and, with mixed coverage, the per-projection ids); inside a
 CUDA graph they come from the graph's memory pool.
@@ -157,12 +158,8 @@ class MoELoRALayer(ops.OpLayer):
             P = max_tokens·top_k) with every other layer of the same sizes, dtype and device (default):
             a model's layers run one after another, so one copy serves them all. ``memory_report()``
             gives the bytes.
-        pdl: programmatic dependent launch between the layer's launches, stage ``fused`` only
-            (:class:`~moelora_lib.kernels.LayerRun`'s ``pdl``): None or False (default) = off; True on a
-            CUDA GPU of compute capability ≥ 9.0 (elsewhere, or with another stage: ValueError).
-            The output does not depend on it.
     Raises:
-        ValueError naming the argument: shapes, dtypes, devices, sizes, stage, activation, pdl.
+        ValueError naming the argument: shapes, dtypes, devices, sizes, stage, activation.
 
     Parameters (frozen, in the state dict): ``w13``, ``w2``, ``b13``, ``b2``. Buffers (not in the
     state dict; runtime state): ``lora_a13`` [L, E, S, R, H], ``lora_b13`` [L, E, S, 2I/S, R],
@@ -192,7 +189,6 @@ class MoELoRALayer(ops.OpLayer):
         debug: bool = False,
         deterministic: bool = False,
         share_scratch: bool = True,
-        pdl: bool | None = None,
     ):
         super().__init__()
         for name, v, lo in (
@@ -263,8 +259,6 @@ class MoELoRALayer(ops.OpLayer):
         self._configs: dict[int, LayerConfig] = {}
         self.deterministic = deterministic  # property: validates, clears the per-T configs
         self.share_scratch = check_bool("share_scratch", share_scratch)
-        self.stage.uses_pdl(w13.device, pdl)  # ValueError for a non-bool or where it cannot apply
-        self._pdl = pdl  # None: resolved per call on the input's device
         self._covers: list[tuple[bool, bool]] = [(False, False)] * L  # host copy of slot_covers
         self._buffers_key = None
         self._bufs: dict[str, torch.Tensor] = {}
@@ -685,6 +679,5 @@ class MoELoRALayer(ops.OpLayer):
             buffers=bufs,
             nan_on_bad_ids=True,  # ids unchecked: NaN rows, never another call's pair rows
             proj_lora_ids=(ids13, ids2),  # the ids each LoRA alignment was built from (stage fused)
-            pdl=self._pdl,
         )
         return run()

@@ -221,33 +221,23 @@ def make_layer_run(
     activation="silu",
     b13=None,
     b2=None,
-    stage="naive",
+    stage="tuned",
     config: LayerConfig | None = None,
     check_values: bool = True,
     deterministic: bool = False,
     adapter_order: bool | None = None,
-    pdl: bool | None = None,
-    lora_stack: bool | None = None,
 ) -> LayerRun:
     """Validate and build the :class:`~moelora_lib.kernels.LayerRun` that :func:`fused_moe_lora` runs.
 
     Benchmarks use it to time parts of the layer or to capture it in a CUDA graph. ``deterministic``:
     as in :func:`fused_moe_lora`. ``adapter_order``: as in :class:`~moelora_lib.kernels.LayerRun`
     (None = the stage's choice: on for stage ``fused``); a performance knob, the result does not
-    depend on it beyond fp32 rounding order (bit-identical in practice, see the test). ``pdl``: as in
-    :class:`~moelora_lib.kernels.LayerRun` (None = off; True outside stage ``fused`` or off Hopper-class GPUs
-    or with another stage, raises ValueError); the result does not depend on it (bit-identical).
-    ``lora_stack``: the LoRA epilogue's form in stage ``fused`` (:class:`~moelora_lib.kernels.LayerRun`;
-    None = the config's ``lora_stack``, else the per-adapter loop; True with another stage raises
-    ValueError); a performance knob, the result does not depend on it beyond fp32 rounding order. With
-    :func:`fused_moe_lora`, pass ``config=...replace(lora_stack=True)`` instead.
+    depend on it beyond fp32 rounding order (bit-identical in practice, see the test).
     """
     _check_stage_and_config(stage, config)
     check_bool("deterministic", deterministic)
     if adapter_order is not None:
         check_bool("adapter_order", adapter_order)
-    if pdl is not None:
-        check_bool("pdl", pdl)
     d = validate_moe_lora_inputs(
         hidden_states,
         w13,
@@ -264,7 +254,6 @@ def make_layer_run(
         b2,
         check_values,
     )
-    STAGES[stage].uses_pdl(hidden_states.device, pdl)  # ValueError for pdl=True where it cannot apply
     if config is None:
         dims = Dims(
             T=d["T"], H=d["H"], I=d["I"], E=d["E"], top_k=d["K"], adapters=d["L"], rank=d["R"], slices=d["S"]
@@ -290,8 +279,6 @@ def make_layer_run(
         b2=b2,
         config=config,
         adapter_order=adapter_order,
-        pdl=pdl,
-        lora_stack=lora_stack,
         alignments=_device_alignments(
             STAGES[stage], config, topk_ids, lora_ids, d["E"], d["L"], adapter_order=adapter_order
         ),
@@ -341,10 +328,9 @@ def fused_moe_lora(
     activation="silu",
     b13=None,
     b2=None,
-    stage="naive",
+    stage="tuned",
     config: LayerConfig | None = None,
     deterministic: bool = False,
-    pdl: bool | None = None,
 ) -> torch.Tensor:
     """MoE layer with one LoRA adapter per token on both expert projections (four LoRA ops).
 
@@ -376,9 +362,10 @@ def fused_moe_lora(
             ranks below R zero-padded.
         activation: "silu" or "swigluoai".
         b13: [E, 2I] or None; b2: [E, H] or None (expert biases).
-        stage: a name in :data:`moelora_lib.kernels.STAGES`.
-        config: a :class:`~moelora_lib.kernels.LayerConfig`; None = :func:`default_config`, or for
-            stage "tuned" :func:`moelora_lib.configs.load_layer_config` (tuned files, else defaults).
+        stage: a name in :data:`moelora_lib.kernels.STAGES` (default "tuned").
+        config: a :class:`~moelora_lib.kernels.LayerConfig`; None = the stage's ``config_for``: for
+            "tuned" :func:`moelora_lib.configs.load_layer_config` (tuned files, else the defaults), for
+            "fused" :func:`moelora_lib.configs.load_fused_config`, else :func:`default_config`.
         deterministic: bitwise-repeatable output: the config (given or picked) runs with SPLIT_K = 1
             on both shrinks and on stage ``fused``'s down GEMM (``LayerConfig.deterministic()``), the
             only launches whose fp32 atomics add in an order the hardware picks; every other launch
@@ -386,16 +373,11 @@ def fused_moe_lora(
             from one program in a fixed order. Same inputs, config, GPU and software give the same bits.
             Its cost is the split-K speed-up of those launches (notebook 04 for the shrinks, notebook 12's
             ``fused_deterministic`` lever for stage ``fused``). Default False.
-        pdl: programmatic dependent launch between the layer's launches, stage ``fused`` only
-            (:class:`~moelora_lib.kernels.LayerRun`'s ``pdl``): None or False (default) = off; True on a
-            CUDA GPU of compute capability ≥ 9.0 (elsewhere, or with another stage: ValueError). The output
-            does not depend on it.
     Returns:
         [T, H] in hidden_states' dtype ([0, H] when T = 0).
     Raises:
         ValueError: an argument's shape, dtype, device or value range is wrong (the message names
-            it), unknown activation or stage, a non-bool deterministic or pdl, pdl=True where it cannot
-            apply; bfloat16 on the CPU (the
+            it), unknown activation or stage, a non-bool deterministic; bfloat16 on the CPU (the
             interpreter's bf16 is wrong).
 
     The value-range check of topk_ids and lora_ids synchronizes with the host once, so this function
@@ -408,10 +390,9 @@ def fused_moe_lora(
     the bounds and raise if they are out of range (the result is then discarded). On the CPU the check
     comes first.
 
-    Eager host cost (why it is built this way, notebook 09): one call validates ~11 tensors in
-    Python, picks the config, and issues 1 (id bounds, :mod:`moelora_lib.kernels.id_bounds`) + 1 or 6
-    (alignment) + 7 (layer) kernel launches, a copy and a reduction; the ~40 torch ops of
-    :func:`moelora_lib.routing.align_tokens` and the four host syncs of the earlier version are gone.
+    Eager host cost (notebook 09 measures it): one call validates ~11 tensors in Python, picks the
+    config, and issues 1 (id bounds, :mod:`moelora_lib.kernels.id_bounds`) + 1 or 6 (alignment) + the
+    stage's layer launches, a copy and a reduction, with one host sync (the deferred id check).
     """
     if isinstance(hidden_states, torch.Tensor) and hidden_states.dim() == 2 and hidden_states.shape[0] == 0:
         validate_moe_lora_inputs(
@@ -432,7 +413,6 @@ def fused_moe_lora(
         )
         _check_stage_and_config(stage, config)
         check_bool("deterministic", deterministic)
-        STAGES[stage].uses_pdl(hidden_states.device, pdl)
         return hidden_states.new_empty((0, hidden_states.shape[1]))
     on_gpu = isinstance(hidden_states, torch.Tensor) and hidden_states.device.type == "cuda"
     run = make_layer_run(
@@ -453,7 +433,6 @@ def fused_moe_lora(
         config=config,
         check_values=not on_gpu,  # on the GPU: deferred, below
         deterministic=deterministic,
-        pdl=pdl,
     )
     if not on_gpu:
         return run()

@@ -11,7 +11,6 @@ import torch
 from moelora_lib import fused_moe_lora
 from moelora_lib.kernels.config import LayerConfig, OpConfig
 from moelora_lib.shapes import Dims, get_shape
-from moelora_lib.studies import tuning
 from moelora_lib.studies.notebook import setup
 from moelora_lib.workloads import Workload, adapter_ids, make_inputs
 
@@ -246,102 +245,15 @@ def test_fused_moe_lora_wrong_rank_or_type_names_the_argument(name):
         fused_moe_lora(**kw)
 
 
-# --- 7. the tuner's command line: exit code 2 and one line naming the flag, before any work ----------
-@pytest.mark.parametrize(
-    "extra,flag,text",
-    [
-        (["--ranks", "a"], "--ranks", "'a'"),
-        (["--ranks", "0"], "--ranks", ">= 1"),
-        (["--ranks", ""], "--ranks", "comma-separated"),
-        (["--copy-ranks", "x"], "--copy-ranks", "'x'"),
-        (["--max-candidates", "0"], "--max-candidates", ">= 1"),
-        (["--max-bms", "0"], "--max-bms", ">= 1"),
-        (["--tokens", "0"], "--tokens", ">= 1"),
-        (["--tokens", "-1"], "--tokens", ">= 1"),
-        (["--tokens", "1,x"], "--tokens", "'x'"),
-        (["--model", "nope"], "--model", "unknown model preset 'nope'"),
-        (["--model", ","], "--model", "preset names"),
-        (["--adapters", "0"], "--adapters", ">= 1"),
-        (["--adapters", "2.5"], "--adapters", "'2.5'"),
-        (["--device", "tpu"], "--device", "'tpu'"),
-        (["--budget-s", "-1"], "--budget-s", ">= 0"),
-        (["--budget-s", "nan"], "--budget-s", ">= 0"),
-        (["--seed", "x"], "--seed", "'x'"),
-    ],
-)
-def test_tuning_cli_rejects_bad_arguments(tmp_path, capsys, extra, flag, text):
-    argv = ["--model", "tiny", "--out", str(tmp_path / "cfg"), "--csv", str(tmp_path / "t.csv"), *extra]
-    with pytest.raises(SystemExit) as e:
-        tuning.main(argv)
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert f"argument {flag}: " in err and text in err and "Traceback" not in err
-    assert not (tmp_path / "cfg").exists() and not (tmp_path / "t.csv").exists()  # no work done
+# --- 7. one way to pass a shape: a Dims ---------------------------------------------------------------
+def test_configs_take_a_dims_only():
+    from moelora_lib.kernels import STAGES, default_config
+    from moelora_lib.kernels.fused import fused_default_config
 
-
-def test_tuning_cli_rejects_cuda_without_a_gpu(tmp_path, capsys):
-    if torch.cuda.is_available():
-        pytest.skip("CPU-only check")
-    with pytest.raises(SystemExit) as e:
-        tuning.main(
-            [
-                "--model",
-                "tiny",
-                "--out",
-                str(tmp_path / "o"),
-                "--csv",
-                str(tmp_path / "t.csv"),
-                "--device",
-                "cuda",
-            ]
-        )
-    assert e.value.code == 2
-    assert "argument --device: 'cuda' needs a CUDA GPU" in capsys.readouterr().err
-
-
-def test_tuning_cli_rejects_bad_paths(tmp_path, capsys):
-    f = tmp_path / "file"
-    f.write_text("x")
-    not_trials = tmp_path / "other.csv"
-    not_trials.write_text("a,b\n1,2\n")
-    cases = [
-        (["--out", str(f), "--csv", str(tmp_path / "t.csv")], "argument --out: ", "is not a folder"),
-        (["--out", str(f / "sub"), "--csv", str(tmp_path / "t.csv")], "argument --out: ", "is a file"),
-        (["--out", str(tmp_path / "o"), "--csv", str(tmp_path)], "argument --csv: ", "is a folder"),
-        (["--out", str(tmp_path / "o"), "--csv", str(not_trials)], "argument --csv: ", "not a trials CSV"),
-    ]
-    for argv, flag, text in cases:
-        with pytest.raises(SystemExit) as e:
-            tuning.main(["--model", "tiny", *argv])
-        assert e.value.code == 2
-        err = capsys.readouterr().err
-        assert flag in err and text in err, err
-
-
-@pytest.mark.parametrize(
-    "kw,name",
-    [
-        (dict(models=[]), "models"),
-        (dict(models=["nope"]), "models"),
-        (dict(ranks=[]), "ranks"),
-        (dict(ranks=[0]), "ranks"),
-        (dict(tokens=[0]), "tokens"),
-        (dict(tokens=[2.5]), "tokens"),
-        (dict(adapters=0), "adapters"),
-        (dict(copy_ranks=["x"]), "copy_ranks"),
-        (dict(max_cands=0), "max_cands"),
-        (dict(max_bms=0), "max_bms"),
-        (dict(budget_s=-1.0), "budget_s"),
-        (dict(device="tpu"), "device"),
-        (dict(seed="a"), "seed"),
-    ],
-)
-def test_tune_api_rejects_bad_arguments(tmp_path, kw, name):
-    args = dict(
-        models=["tiny"], ranks=[16], adapters=2, tokens=[3], out=tmp_path / "o", csv_path=tmp_path / "t.csv"
-    )
-    args.update(kw)
-    pos = [args.pop(k) for k in ("models", "ranks", "adapters", "tokens", "out", "csv_path")]
-    with pytest.raises(ValueError, match=name):
-        tuning.tune(*pos, progress=False, **{"device": "cpu", **args})
-    assert not (tmp_path / "t.csv").exists()
+    d = Dims(T=8, H=64, I=32, E=4, top_k=2, adapters=2, rank=16)
+    assert default_config(d).source == "default"
+    for fn in (default_config, fused_default_config, STAGES["naive"].config_for):
+        with pytest.raises(TypeError):
+            fn(8, 64, 32, 4, 2, 16, 2)
+    with pytest.raises(TypeError, match="Dims"):
+        default_config((8, 64, 32, 4, 2, 16, 2))

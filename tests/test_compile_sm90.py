@@ -42,7 +42,7 @@ LORA_KERNELS = ["fused_moe", "lora_shrink", "lora_expand"]
 
 def _jobs():
     from moelora_lib.kernels.stages import default_config
-    from moelora_lib.shapes import get_shape
+    from moelora_lib.shapes import Dims
 
     jobs = {}
     # (a) variant counts: one fixed config over all lengths (keys and compiled hashes), and the
@@ -86,10 +86,9 @@ def _jobs():
         )
     # (d) + (e): default configs at gpt-oss-20b shapes, bf16: tensor cores and spills (one compile per
     # distinct (launch, config))
-    sh = get_shape(SHAPE)
     seen = set()
     for T in SPILL_T:
-        cfg = default_config(T, sh.hidden, sh.intermediate, sh.experts, sh.top_k, 32, 8, sh.lora_slices)
+        cfg = default_config(Dims.of(SHAPE, T, rank=32, adapters=8))
         for launch in LAUNCHES:
             c = getattr(cfg, launch).short() if launch != "act" else "-"
             if (launch, c) in seen:

@@ -1,4 +1,4 @@
-"""Deterministic mode (issue 13): ``deterministic=True`` runs every split-K shrink with SPLIT_K = 1.
+"""Deterministic mode: ``deterministic=True`` runs every split-K shrink with SPLIT_K = 1.
 
 The shrinks' split-K partial sums meet in relaxed fp32 atomic adds whose order the GPU picks, so a split-K
 result can change in the last bits from call to call; with SPLIT_K = 1 each output element comes from one
@@ -80,8 +80,7 @@ def test_dense_config_deterministic():
     assert not cfg.is_deterministic
 
 
-@pytest.mark.parametrize("stage", ["split_k", "tuned", "fused"])
-@pytest.mark.parametrize("preset", ["tiny", "tiny-oss"])
+@pytest.mark.parametrize("stage,preset", [("split_k", "tiny"), ("tuned", "tiny-oss"), ("fused", "tiny")])
 def test_functional_deterministic_equals_split_k_1_bitwise(stage, preset):
     T = 24
     inp = make_inputs(get_shape(preset), T, rank=16, num_adapters=4, dtype=torch.float32, device="cpu")

@@ -103,7 +103,7 @@ def test_forward_equals_fused_moe_lora(dt, stage, S, bias, act):
     for slot, r in enumerate((R, 8, 4)):
         gu, dn = _adapter(dt, r, S=S, seed=10 + slot)
         layer.load_adapter(slot, gate_up=gu, down=dn, scaling=0.5 + slot)
-    for T in (1, 5, 33):
+    for T in (1, 33):  # a decode token; 66 pairs, ragged last blocks
         x, logits, ids = _inputs(dt, T, seed=T)
         out = layer(x, logits, lora_ids=ids)
         ref = _functional(layer, x, logits, ids, stage)

@@ -1,4 +1,4 @@
-"""Pointer alignment and length of an argument never give a kernel a new Triton binary (issue 10).
+"""Pointer alignment and length of an argument never give a kernel a new Triton binary.
 
 Triton specializes pointer arguments on 16-byte alignment and ints on == 1 / % 16. The reported case:
 ``topk_weights`` passed as ``buf[1:17]`` of a [17, 6] float32 buffer compiled the base down GEMM and
@@ -217,8 +217,8 @@ def test_layer_run_keeps_aligned_inputs_and_meta_tensors(device):
 
 
 def test_topk_reduce_one_key_for_offset_and_strided_ids():
-    """The H200 suite run at e5ed62e (notebook 09's variant check) found one new topk_reduce binary when
-    the caller's topk_ids / lora_ids were offset views: their pointers were specialized on alignment."""
+    """Offset or transposed topk_ids / lora_ids views give topk_reduce no new binary (their pointers and
+    strides are do_not_specialize)."""
     from moelora_lib.studies.compile_check import reduce_keys
 
     keys = reduce_keys()

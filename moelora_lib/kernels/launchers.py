@@ -7,12 +7,9 @@ and launches — nothing else. Input validation of user-facing arguments happens
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 
-from ..common import check_bool
 from ..routing import Alignment
 from .config import OpConfig
 from .triton_kernels import KERNELS
@@ -32,45 +29,12 @@ __all__ = [
     "lora_shrink_rows",
     "fused_moe_lora_args",
     "fused_moe_lora",
-    "pdl_supported",
-    "pdl_options",
-    "check_pdl",
 ]
 
 
 def even_k(K: int, block_size_k: int, split_k: int = 1) -> bool:
     """EVEN_K: the K loop of every split covers K exactly, so loads need no K mask."""
     return K % (block_size_k * split_k) == 0
-
-
-def pdl_supported(device: torch.device | str) -> bool:
-    """Whether launches on ``device`` may use programmatic dependent launch (PDL): an NVIDIA CUDA device
-    of compute capability 9.0 or newer (Hopper or newer; CUDA 12.3+ captures the dependency into CUDA
-    graphs). False on the CPU, under the Triton interpreter and on ROCm builds of torch."""
-    dev = torch.device(device)
-    if dev.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
-        return False
-    if getattr(torch.version, "hip", None):
-        return False
-    return torch.cuda.get_device_capability(dev)[0] >= 9
-
-
-def check_pdl(pdl, device) -> bool:
-    """``pdl`` as given when it is a bool that can apply on ``device``; ValueError naming ``pdl`` for a
-    non-bool, or for True where :func:`pdl_supported` is False (the kernels' ``griddepcontrol`` has no
-    meaning in the interpreter or on other GPUs)."""
-    check_bool("pdl", pdl)
-    if pdl and not pdl_supported(device):
-        raise ValueError(
-            f"pdl=True needs a CUDA GPU of compute capability >= 9.0 (Hopper or newer), got device {device}"
-        )
-    return pdl
-
-
-def pdl_options(pdl: bool) -> dict:
-    """The launch keywords of a kernel launched with PDL (``launch_pdl`` and the ``USE_PDL`` constexpr
-    that makes each program wait with ``griddepcontrol.wait``); {} without. ``pdl`` must be a bool."""
-    return dict(USE_PDL=True, launch_pdl=True) if check_bool("pdl", pdl) else {}
 
 
 def _kernel(name: str, specialize_lengths: bool):
@@ -244,7 +208,7 @@ def lora_shrink(
         in fp32 (vLLM keeps it in the activation dtype), so a value beyond fp16's 65 504 stays
         finite; :func:`lora_expand` reads it as bf16 with bf16 weights, as fp32 otherwise.
     Optional ``inter``: a preallocated contiguous [S, T·K, R] float32 output (no allocation; it is
-        zeroed here when SPLIT_K > 1). Default None allocates, as before.
+        zeroed here when SPLIT_K > 1). Default None allocates.
     """
     a5 = lora_a if lora_a.dim() == 5 else lora_a.unsqueeze(2)
     L, E, S, R, K = a5.shape
@@ -345,7 +309,7 @@ def lora_expand(
             to bf16 (fp32's exponent range), bf16 tensor-core dot; fp16 weights — inter
             kept in fp32 and lora_b widened to fp32, dot at Triton's default input_precision (tf32
             on the GPU: fp32's range, fp16's 10-bit mantissa), so an intermediate beyond fp16's
-            65 504 does not overflow (issue 10); fp32 — fp32 operands (tf32 on the GPU).
+            65 504 does not overflow; fp32 — fp32 operands (tf32 on the GPU).
         lora_b: [L, E, S, N, R] (gate_up) or [L, E, N, R] (down, S = 1).
         out: [T·K, S·N]; with add_inputs the delta is added to what ``out`` holds (read-modify-write
             of the tile, no delta buffer); without, the delta is stored (rows of pairs without an
@@ -394,7 +358,7 @@ def gated_act(
     ``"silu"``: silu(h[:, :I])·h[:, I:]; ``"swigluoai"``: GPT-OSS, interleaved gate/up columns,
     (clamp(up, ±7) + 1)·g·sigmoid(1.702·g) with g = min(gate, 7).
     Optional ``out``: a preallocated contiguous [P, I] tensor of h's dtype (no allocation); default
-    None allocates, as before.
+    None allocates.
     """
     P, two_i = h.shape
     inter_size = two_i // 2
@@ -451,8 +415,6 @@ def lora_shrink_rows(
     rows_div: int,
     use_even_k: bool = False,
     inter: torch.Tensor | None = None,
-    zero: bool = True,
-    pdl: bool = False,
 ) -> torch.Tensor:
     """LoRA shrink of stage ``fused``: inter[p, s, :R] = x[p // rows_div]·lora_a[l, e, s]ᵀ.
 
@@ -461,12 +423,8 @@ def lora_shrink_rows(
     specialization on the counts only. Rows of pairs without an adapter are not written
     (uninitialized when SPLIT_K = 1, zero otherwise); columns R..R16 are never written or read.
     Optional ``inter``: a preallocated contiguous [T·K, S, R16] float32 buffer (zeroed here when
-    SPLIT_K > 1, unless ``zero`` is False: the caller zeroed it already, as :class:`LayerRun` does with
-    PDL so that no memset sits between two launches of the layer).
-    ``pdl``: launch with programmatic dependent launch (:func:`pdl_supported` devices only; the kernel
-    waits on the previous launch with ``griddepcontrol.wait`` before its first load).
+    SPLIT_K > 1).
     """
-    check_pdl(pdl, x.device)
     a5 = lora_a if lora_a.dim() == 5 else lora_a.unsqueeze(2)
     L, E, S, R, K = a5.shape
     shape = (align.num_pairs, S, rank_stride(R))
@@ -479,13 +437,13 @@ def lora_shrink_rows(
                 f"inter must be a contiguous float32 tensor [T·K={shape[0]}, S={S}, R16={shape[2]}], "
                 f"got shape {tuple(inter.shape)}, dtype {inter.dtype}"
             )
-        if cfg.SPLIT_K > 1 and zero:
+        if cfg.SPLIT_K > 1:
             inter.zero_()
     grid, args, constexprs = lora_shrink_rows_args(
         x, lora_a, inter, align, cfg, rows_div=rows_div, use_even_k=use_even_k
     )
     _kernel("lora_shrink_rows", False)[grid](
-        *args, **constexprs, **pdl_options(pdl), num_warps=cfg.NUM_WARPS, num_stages=cfg.NUM_STAGES
+        *args, **constexprs, num_warps=cfg.NUM_WARPS, num_stages=cfg.NUM_STAGES
     )
     return inter
 
@@ -505,16 +463,13 @@ def fused_moe_lora_args(
     lora_b: torch.Tensor | None = None,
     lora_ids: torch.Tensor | None = None,
     use_even_k: bool = True,
-    lora_chunk: int = 0,
 ) -> tuple[str, tuple, tuple, dict]:
     """``(kernel, grid, args, constexprs)`` of one :func:`fused_moe_lora` launch; nothing allocated.
 
     ``activation`` given: the gate_up kernel (``fused_moe_lora_act``, x = hidden_states [T, H], w = w13
     [E, 2I, H], out = g [T·K, I]); None: the down kernel (``fused_moe_lora``, x = g [T·K, I], w = w2
     [E, H, I], out = y [T·K, H], topk_weights required). ``inter``/``lora_b``/``lora_ids`` together or
-    not at all (HAS_LORA). ``lora_chunk``: 0 = the LoRA epilogue loops over the adapters present in
-    a tile; a power of two ≥ 16 = every adapter stacked along the rank axis, that many columns per dot
-    (the ``LORA_CHUNK`` constexpr; ignored without LoRA).
+    not at all (HAS_LORA).
     """
     assert cfg.BLOCK_SIZE_M == align.block_size_m and (cfg.SPLIT_K == 1 or activation is None)
     E, N, K = w.shape
@@ -542,9 +497,6 @@ def fused_moe_lora_args(
         HAS_BIAS=bias is not None,
         HAS_LORA=has_lora,
     )
-    if has_lora and lora_chunk:
-        assert lora_chunk >= 16 and lora_chunk & (lora_chunk - 1) == 0, lora_chunk
-        cx["LORA_CHUNK"] = int(lora_chunk)
     head = (x, w, out, b)
     counts = (align.sorted_token_ids, align.block_expert_ids, align.num_tokens_post_padded)
     counts += (align.num_pairs, align.num_blocks)
@@ -580,8 +532,6 @@ def fused_moe_lora(
     lora_b: torch.Tensor | None = None,
     lora_ids: torch.Tensor | None = None,
     use_even_k: bool = True,
-    pdl: bool = False,
-    lora_chunk: int = 0,
 ) -> torch.Tensor:
     """The base grouped GEMM of stage ``fused`` with the LoRA expand (and, for gate_up, the activation)
     in the same program, over the expert-only alignment ``align``.
@@ -593,13 +543,7 @@ def fused_moe_lora(
     [T·K, S, R16] float32 from :func:`lora_shrink_rows`, its rows written for exactly those pairs;
     ``lora_b``: [L, E, S, N/S, R] (gate_up) or [L, E, H, R] (down). The whole row is accumulated in fp32
     and rounded once (the base, the delta, the bias, the activation, the routing weight).
-    ``pdl``: programmatic dependent launch (:func:`pdl_supported` devices only; ValueError elsewhere): each
-    program waits on the previous launch before its first load and lets the next launch start once past
-    its K loop. ``lora_chunk``: the LoRA epilogue's form (:func:`fused_moe_lora_args`; 0 = one pass per
-    adapter present in the tile, > 0 = all adapters stacked); the result is the same up to fp32 rounding
-    order.
     """
-    check_pdl(pdl, x.device)
     kernel, grid, args, constexprs = fused_moe_lora_args(
         x,
         w,
@@ -614,9 +558,6 @@ def fused_moe_lora(
         lora_b=lora_b,
         lora_ids=lora_ids,
         use_even_k=use_even_k,
-        lora_chunk=lora_chunk,
     )
-    _kernel(kernel, False)[grid](
-        *args, **constexprs, **pdl_options(pdl), num_warps=cfg.NUM_WARPS, num_stages=cfg.NUM_STAGES
-    )
+    _kernel(kernel, False)[grid](*args, **constexprs, num_warps=cfg.NUM_WARPS, num_stages=cfg.NUM_STAGES)
     return out

@@ -1,4 +1,4 @@
-"""Stage ``naive`` (notebook 02): the first fused_moe_lora kernels.
+"""Stage ``naive`` (notebook 02): the baseline fused_moe_lora kernels.
 
 Shrink and expand over the (adapter, expert)-sorted pairs for gate_up and for down, fully masked
 loads, no split-K, row-major program order, the expand writing a zeroed delta buffer that a

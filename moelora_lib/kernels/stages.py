@@ -8,20 +8,18 @@ switches: a later stage never changes what an earlier one computes or how.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import torch
 
-from ..common import aligned16, check_bool
+from ..common import aligned16
 from ..hardware import H200_NUM_SMS
 from ..routing import Alignment, align_tokens
 from ..shapes import Dims
 from .config import BASE_OPS, LORA_OPS, LayerConfig, OpConfig, next_pow2
 from .launchers import (
-    check_pdl,
     fused_moe_gemm,
     fused_moe_gemm_args,
     fused_moe_lora,
@@ -47,9 +45,7 @@ __all__ = [
     "FUSED_LAUNCH_KERNELS",
     "FUSED_LAUNCH_OPS",
     "FUSED_CONFIG_FIELD",
-    "lora_stack_chunk",
     "default_config",
-    "as_dims",
 ]
 
 #: The launches of one layer, in call order, and the kernel each one runs.
@@ -116,27 +112,15 @@ class Stage:
         (:class:`LayerRun`'s ``adapter_order``): the given flag, else on for ``fused_gemm`` stages."""
         return bool(self.fused_gemm) if adapter_order is None else bool(adapter_order)
 
-    def uses_pdl(self, device, pdl: bool | None = None) -> bool:
-        """Whether a layer of this stage on ``device`` launches with programmatic dependent launch
-        (:class:`LayerRun`'s ``pdl``): None = off (the default: the final PDL version is not measured on
-        the GPU yet, notebook 12's lever ``fused_pdl``); True/False as given. Raises ValueError for a
-        non-bool, or True in a stage without ``fused_gemm`` or on a device without PDL."""
-        if pdl is None:
-            return False
-        check_bool("pdl", pdl)
-        if pdl and not self.fused_gemm:
-            raise ValueError(f"pdl=True applies to stage 'fused' only, got stage {self.name!r}")
-        return check_pdl(pdl, device)
-
     @property
     def launch_ops(self) -> tuple[str, ...]:
         """The launches of one layer of this stage (before the top-k sum), in call order."""
         return FUSED_LAUNCH_OPS if self.fused_gemm else LAUNCH_OPS
 
-    def config_for(self, dims: Dims | int, *legacy: int) -> LayerConfig:
-        """The config a call of ``dims`` starts from: :func:`default_config` (stage ``tuned`` overrides
-        this with the tuned-config loader). ``dims``: a Dims or the old ints T, H, I, E, K, R, L, S."""
-        return default_config(dims, *legacy)
+    def config_for(self, dims: Dims) -> LayerConfig:
+        """The config a call of ``dims`` starts from: :func:`default_config` (stages ``tuned`` and
+        ``fused`` override this with their config loaders)."""
+        return default_config(dims)
 
     def adapt(self, cfg: LayerConfig) -> LayerConfig:
         """The config this stage actually launches: features it lacks are switched off."""
@@ -152,54 +136,22 @@ class Stage:
                 changes[op] = replace(c, **new)
         if not self.fused_gemm and cfg.base_down.SPLIT_K != 1:  # only stage fused's down GEMM splits K
             changes["base_down"] = replace(cfg.base_down, SPLIT_K=1)
-        if not self.fused_gemm and cfg.lora_stack is not None:  # only stage fused has the LoRA epilogue
-            changes["lora_stack"] = None
         return replace(cfg, **changes) if changes else cfg
 
 
-def lora_stack_chunk(block_size_m: int, adapters: int, rank: int) -> int:
-    """The ``LORA_CHUNK`` (stacked rank columns per dot) stage ``fused``'s GEMMs launch with when the LoRA
-    epilogue stacks the adapters (``lora_stack=True``): R_p2 for BLOCK_SIZE_M ≥ 128 (registers: two 128-row
-    accumulators already), else min(64, next_pow2(adapters · R_p2)); R_p2 = the kernels' BLOCK_SIZE_R, the
-    rank rounded up to a power of two ≥ 16 (each adapter takes R_p2 columns of the stacked axis).
-
-    The stacked form is opt-in: notebook 12's suite run (8402a0c, lever ``fused_loop``) measured it 1.17–1.41×
-    slower than the per-adapter loop at the four points where the shipped config then chose it (GPT-OSS-20B
-    T = 64 and 1600, Qwen3-30B-A3B T = 256 and 1600), so the default is the loop everywhere. A development
-    run of an earlier form, which read every adapter's B tile (no present-adapter mask: a NaN in an unused
-    slot then reaches other rows as 0·NaN), had measured it faster at those points (data/dev/12_lora_stack);
-    docs/perf_notes.md has both.
-    """
-    r16 = max(16, next_pow2(rank))
-    return r16 if block_size_m >= 128 else min(64, next_pow2(max(1, adapters) * r16))
-
-
-def as_dims(dims: Dims | int, *rest: int) -> Dims:
-    """A :class:`~moelora_lib.shapes.Dims`, or the old positional form (T, H, I, E, K, R, L[, S]) as one.
-
-    The positional form keeps the order the config loader has always used: R (rank) before L (adapters).
-    """
-    if isinstance(dims, Dims):
-        if rest:
-            raise TypeError("pass either a Dims or the positional ints (T, H, I, E, K, R, L[, S]), not both")
-        return dims
-    if len(rest) not in (6, 7):
-        raise TypeError(f"expected a Dims or the ints T, H, I, E, K, R, L[, S]; got {1 + len(rest)} values")
-    T, H, I, E, K, R, L, *S = (operator.index(v) for v in (dims, *rest))
-    return Dims(T=T, H=H, I=I, E=E, top_k=K, adapters=L, rank=R, slices=S[0] if S else 2)
-
-
-def default_config(dims: Dims | int, *legacy: int) -> LayerConfig:
+def default_config(dims: Dims) -> LayerConfig:
     """Hand-picked H200 starting configs by average rows per group (no tuning).
 
     ``dims``: a :class:`~moelora_lib.shapes.Dims` (``default_config(Dims.of("qwen3-30b-a3b", 64))``);
-    the old positional form ``default_config(T, H, I, E, K, R, L, S=2)`` is still accepted.
+    anything else raises TypeError.
 
     Base GEMMs: by T·K/E rows per expert. LoRA ops: by T·K/(L·E) rows per (adapter, expert) group
     (assuming every token has an adapter). SPLIT_K targets about two programs per SM of the H200
     for the shrink. BLOCK_SIZE_K = 64 keeps EVEN_K for every preset's hidden/intermediate.
     """
-    d = as_dims(dims, *legacy)
+    if not isinstance(dims, Dims):
+        raise TypeError(f"dims must be a moelora_lib.shapes.Dims, got {type(dims).__name__}")
+    d = dims
     T, top_k, experts, adapters, rank = d.T, d.top_k, d.E, d.adapters, d.rank
     hidden, intermediate, slices = d.H, d.I, d.slices
     pairs = max(1, T * top_k)
@@ -269,7 +221,7 @@ class LayerRun:
     arguments of one launch to compile-only checks. All inputs must already be validated (see
     :func:`moelora_lib.fused_moe_lora`); meta tensors work for :meth:`launch_args`.
 
-    Two optional inputs let a caller that owns its memory (:class:`moelora_lib.layer.MoELoRALayer`)
+    Optional inputs let a caller that owns its memory (:class:`moelora_lib.layer.MoELoRALayer`)
     run the same plan without allocating or aligning here:
 
     * ``alignments = (base, lora_gate_up, lora_down)``: precomputed :class:`Alignment` s (e.g. from
@@ -280,8 +232,7 @@ class LayerRun:
       (hidden_states' dtype), ``tw`` [P] float32 (receives the flat routing weights), ``inter_gate_up``
       [S, P, R] and ``inter_down`` [1, P, R] float32 (the rank intermediates), and for stages without
       fused add ``delta_gate_up`` [P, 2I] and ``delta_down`` [P, H] (float32 when hidden_states is
-      float16, else its dtype); P = T·K. A missing name is
-      allocated as before.
+      float16, else its dtype); P = T·K. A missing name is allocated here.
     * ``nan_on_bad_ids``: the final top-k sum gives NaN rows for tokens whose topk_ids leave [0, E) or
       whose lora_ids leave [-1, L) (:func:`~moelora_lib.kernels.topk_reduce.topk_reduce`, one launch
       like torch's sum) instead of summing pair rows the alignment dropped — for callers that do not
@@ -295,21 +246,8 @@ class LayerRun:
       ``sort_lora_ids``), so that a base tile holds the rows of one or two adapters; None (default) =
       on for stages with ``fused_gemm`` (whose GEMMs run one LoRA dot per adapter present in a tile),
       off otherwise. The result does not depend on it (a row's sums are the same, only which rows
-      share a tile changes); the torch alignment then always serves the base GEMMs (no Triton
-      version of the adapter order yet).
-    * ``pdl``: stages with ``fused_gemm`` only — launch the layer's kernels (the shrinks, the fused GEMMs,
-      the top-k sum) with programmatic dependent launch (PDL, Hopper): each launch may start while the
-      previous one drains, and each program waits (``griddepcontrol.wait``) before its first load; both
-      split-K intermediates are zeroed up front, so no memset sits between two launches. None or False
-      (default) = off; True needs :func:`~.launchers.pdl_supported` (a CUDA GPU of compute capability
-      ≥ 9.0), else ValueError. Off by default: only a development run has measured it (docs/perf_notes.md),
-      and not its final form. The result does not depend on it (same kernels, same order of arithmetic:
-      bit-identical).
-    * ``lora_stack``: stages with ``fused_gemm`` only — the form of the LoRA epilogue of both fused GEMMs:
-      True = every adapter stacked along the rank axis (one counted loop of dots), False = one pass per
-      adapter present in the tile, None (default) = the config's ``lora_stack``, else the loop (the shipped
-      H200 file says the loop at every entry: :func:`lora_stack_chunk` has the measurements). The result
-      is the same up to fp32 rounding order.
+      share a tile changes); the torch alignment then serves the base GEMMs (the Triton alignments
+      have no adapter order).
 
     Stages with ``fused_gemm`` (stage ``fused``) run :data:`FUSED_LAUNCH_OPS` instead of the seven
     launches: ``gate_up_shrink`` into a [T·K, S, R16] float32 intermediate (``inter_gate_up`` buffer
@@ -343,24 +281,14 @@ class LayerRun:
         nan_on_bad_ids: bool = False,
         proj_lora_ids: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
         adapter_order: bool | None = None,
-        pdl: bool | None = None,
-        lora_stack: bool | None = None,
     ):
         self.stage = stage
-        self.lora_stack = None if lora_stack is None else check_bool("lora_stack", lora_stack)
-        if self.lora_stack and not stage.fused_gemm:  # (False: the only form other stages have, a no-op)
-            raise ValueError(f"lora_stack=True applies to stage 'fused' only, got stage {stage.name!r}")
         self.adapter_order = stage.uses_adapter_order(adapter_order)
-        self.pdl = stage.uses_pdl(hidden_states.device, pdl)
         self.proj_lora_ids = proj_lora_ids
         self.buffers = buffers or {}
         self.nan_on_bad_ids = bool(nan_on_bad_ids)
         self.topk_ids, self.lora_ids = topk_ids, lora_ids
         self.cfg = stage.adapt(config)
-        if self.lora_stack is None:  # the config's choice (the shipped fused file), else the loop
-            self.lora_stack = self.cfg.lora_stack
-        elif stage.fused_gemm and self.cfg.lora_stack != self.lora_stack:  # cfg.short() says what launches
-            self.cfg = self.cfg.replace(lora_stack=self.lora_stack)
         # Every tensor the kernels read starts 16-byte aligned (a copy only for a misaligned view):
         # Triton specializes pointers on alignment, so an offset view would compile a second binary.
         # Caller-given ``buffers`` are prefixes of aligned allocations and are used as they are.
@@ -574,7 +502,6 @@ class LayerRun:
             self.lora_ids,
             self.L,
             check_ids=self.nan_on_bad_ids,
-            pdl=self.pdl,
             out_dtype=self.x.dtype,
         )
 
@@ -595,9 +522,7 @@ class LayerRun:
         """A placeholder [T·K, S, R16] float32 intermediate (compile-only checks; nothing is run)."""
         return torch.empty(self._inter_shape(proj), dtype=torch.float32, device=self.x.device)
 
-    def _rows_shrink(
-        self, proj: str, cfg: OpConfig | None = None, inter: torch.Tensor | None = None, zero: bool = True
-    ):
+    def _rows_shrink(self, proj: str, cfg: OpConfig | None = None, inter: torch.Tensor | None = None):
         io = self._lora_io(f"{proj}_shrink")
         return lora_shrink_rows(
             io["x"],
@@ -607,21 +532,7 @@ class LayerRun:
             rows_div=io["rows_div"],
             use_even_k=self.stage.even_k,
             inter=inter,
-            zero=zero,
-            pdl=self.pdl,
         )
-
-    def _zeroed_inter(self, proj: str) -> torch.Tensor:
-        """The [T·K, S, R16] float32 intermediate of ``proj``'s shrink, ready for it: the caller's buffer or
-        a new one, zeroed when its config splits K (the atomics add into it)."""
-        buf = self.buffers.get(f"inter_{proj}")
-        split = self._op_cfg(f"{proj}_shrink", None).SPLIT_K > 1
-        if buf is None:
-            alloc = torch.zeros if split else torch.empty
-            return alloc(self._inter_shape(proj), dtype=torch.float32, device=self.x.device)
-        if split:
-            buf.zero_()
-        return buf
 
     def _fused_io(self, op: str, inter: torch.Tensor | None, split: bool) -> dict[str, Any]:
         """The keyword arguments of :func:`~.launchers.fused_moe_lora` for ``op`` (no LoRA when
@@ -654,7 +565,7 @@ class LayerRun:
 
     def _y32_buf(self) -> torch.Tensor:
         """The fp32 [T·K, H] y of a split-K down GEMM (``buffers["y32"]`` or a new one, kept for the
-        call); its values are whatever the last launch left (:meth:`_zero_y32` zeroes it)."""
+        call); its values are whatever the last launch left (:meth:`_fused_gemm` zeroes it)."""
         if self._y32 is None:
             buf = self.buffers.get("y32")
             if buf is None:
@@ -662,22 +573,11 @@ class LayerRun:
             self._y32 = buf
         return self._y32
 
-    def _zero_y32(self) -> None:
-        self._y32_buf().zero_()
-
-    def _lora_chunk(self, c: OpConfig, has_lora: bool) -> int:
-        """LORA_CHUNK of a fused GEMM launched with config ``c`` (0 = the per-adapter loop, the default)."""
-        if not has_lora or not self.lora_stack:
-            return 0
-        return lora_stack_chunk(c.BLOCK_SIZE_M, self.L, self.lora[0].shape[-2])
-
-    def _fused_gemm(
-        self, op: str, inter: torch.Tensor | None, cfg: OpConfig | None = None, zero_y: bool = True
-    ):
+    def _fused_gemm(self, op: str, inter: torch.Tensor | None, cfg: OpConfig | None = None):
         c = self._op_cfg(op, cfg)
         split = op == "fused_down" and c.SPLIT_K > 1  # (a replacement config may differ from the layer's)
-        if split and zero_y:  # the split-K programs add into the fp32 y
-            self._zero_y32()
+        if split:  # the split-K programs add into the fp32 y
+            self._y32_buf().zero_()
         io = self._fused_io(op, inter, split)
         fused_moe_lora(
             io.pop("x"),
@@ -686,29 +586,18 @@ class LayerRun:
             self.base_align,
             c,
             top_k=self.K,
-            pdl=self.pdl,
-            lora_chunk=self._lora_chunk(c, inter is not None),
             **io,
         )
 
     def _fused_call(self, with_lora: bool) -> torch.Tensor:
-        lora13 = with_lora and self.lora_align is not None
-        lora2 = with_lora and self.lora_align_down is not None
         inter13 = inter2 = None
-        if self.pdl:  # every memset first: the launches after them form one PDL chain
-            inter13 = self._zeroed_inter("gate_up") if lora13 else None
-            inter2 = self._zeroed_inter("down") if lora2 else None
-            if self._y_split:
-                self._zero_y32()
-        if lora13:
-            buf = inter13 if self.pdl else self.buffers.get("inter_gate_up")
-            inter13 = self._rows_shrink("gate_up", inter=buf, zero=not self.pdl)
+        if with_lora and self.lora_align is not None:
+            inter13 = self._rows_shrink("gate_up", inter=self.buffers.get("inter_gate_up"))
         self._fused_gemm("fused_gate_up", inter13)
         self.g = self._g_buf
-        if lora2:
-            buf = inter2 if self.pdl else self.buffers.get("inter_down")
-            inter2 = self._rows_shrink("down", inter=buf, zero=not self.pdl)
-        self._fused_gemm("fused_down", inter2, zero_y=not self.pdl)
+        if with_lora and self.lora_align_down is not None:
+            inter2 = self._rows_shrink("down", inter=self.buffers.get("inter_down"))
+        self._fused_gemm("fused_down", inter2)
         return self.reduce()
 
     # --- groupings used by callers and benchmarks ---------------------------------------------
@@ -876,9 +765,8 @@ class LayerRun:
         proj = "gate_up" if op == "fused_gate_up" else "down"
         align = self.lora_align if proj == "gate_up" else self.lora_align_down
         io = self._fused_io(op, self._inter_rows(proj) if align is not None else None, c.SPLIT_K > 1)
-        chunk = self._lora_chunk(c, align is not None)
         name, grid, args, cx = fused_moe_lora_args(
-            io.pop("x"), io.pop("w"), io.pop("out"), self.base_align, c, top_k=self.K, lora_chunk=chunk, **io
+            io.pop("x"), io.pop("w"), io.pop("out"), self.base_align, c, top_k=self.K, **io
         )
         assert name == kernel
         return Launch(kernel, grid, args, cx, c.NUM_WARPS, c.NUM_STAGES, c)

@@ -3,7 +3,6 @@
 Every :class:`~moelora_lib.kernels.LayerRun` reduces with it (so the module and the public call sum in
 the same order, bit for bit); the serving layer asks for the id check.
 
-
 ``out[t] = Σ_k y[t·K + k]`` (fp32 accumulation, k ascending, one rounding to out's dtype, by default
 y's) — what ``y.view(T, K, H).sum(dim=1)`` computes — in one launch, with one difference: a token
 whose top-k ids leave [0, E) or whose adapter id leaves [-1, L) gets a NaN row. Such pairs are dropped by the
@@ -20,7 +19,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 __all__ = ["topk_reduce"]
 
@@ -43,11 +41,7 @@ def _topk_reduce_kernel(
     CHECK_IDS: tl.constexpr,
     HAS_LORA: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
 ):
-    if USE_PDL:  # launched early behind the down GEMM: wait for y before reading it
-        gdc_wait()
-        gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = offs < H
@@ -82,7 +76,6 @@ def topk_reduce(
     *,
     check_ids: bool = True,
     out: torch.Tensor | None = None,
-    pdl: bool = False,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``y.view(T, K, H).sum(dim=1)`` with NaN rows for tokens with out-of-range ids (module docstring).
@@ -95,13 +88,10 @@ def topk_reduce(
         out: optional [T, H] of ``out_dtype`` (rows contiguous); None allocates.
         out_dtype: the output's dtype (float16/bfloat16/float32; default: out's, else y's): stage
             ``fused``'s split-K down GEMM leaves an fp32 y that is rounded here once.
-        pdl: launch with programmatic dependent launch behind the kernel that wrote ``y`` (stage
-            ``fused`` on Hopper; :func:`~moelora_lib.kernels.launchers.pdl_supported`).
     Returns:
         [T, H] of ``out_dtype``.
     Raises:
-        ValueError naming the argument for shapes/dtypes that do not fit, a non-bool ``pdl`` or
-        ``pdl=True`` where :func:`~moelora_lib.kernels.launchers.pdl_supported` is False.
+        ValueError naming the argument for shapes/dtypes that do not fit.
     """
     if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(
@@ -113,9 +103,6 @@ def topk_reduce(
     H = y.shape[1]
     if lora_ids is not None and (lora_ids.shape != (T,) or lora_ids.dtype not in (torch.int32, torch.int64)):
         raise ValueError(f"lora_ids must be an int32/int64 tensor [T={T}], got {tuple(lora_ids.shape)}")
-    from .launchers import check_pdl, pdl_options  # lazy: launchers imports the MoE kernels
-
-    check_pdl(pdl, y.device)
     if out_dtype is None:
         out_dtype = y.dtype if out is None else out.dtype
     if out_dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -132,7 +119,7 @@ def topk_reduce(
     grid, args, constexprs = reduce_launch_args(
         y, topk_ids, num_experts, lora_ids, num_adapters, check_ids, out
     )
-    _topk_reduce[grid](*args, **constexprs, **pdl_options(pdl))
+    _topk_reduce[grid](*args, **constexprs)
     return out
 
 

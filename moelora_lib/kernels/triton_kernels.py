@@ -42,7 +42,7 @@ the dtype of B:
 * bf16: rounded to bf16 (fp32's exponent range, 7-bit mantissa), bf16 tensor-core dot;
 * fp16: kept in fp32, with B widened to fp32 (exactly), dot at Triton's default input_precision,
   tf32 on the GPU (fp32's range, fp16's 10-bit mantissa). fp16 ends at 65 504, so rounding the
-  intermediate to fp16 made an intermediate beyond it inf although the fp32 math is finite (issue 10);
+  intermediate to fp16 would turn an intermediate beyond it into inf although the fp32 math is finite;
 * fp32: fp32 operands (tf32 on the GPU).
 
 Only the expand's result (the delta, or tile + delta with ``ADD_INPUTS``) is rounded to the output's
@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -173,16 +172,12 @@ def _lora_shrink_kernel(
     GROUP_SIZE_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     slice_id = tl.program_id(1)
     pid_sk = pid % SPLIT_K
     num_pid_n = tl.cdiv(N, BLOCK_SIZE_N)
     pid_m, pid_n = _pid_to_mn(pid // SPLIT_K, num_blocks, num_pid_n, GROUP_SIZE_M)
-    if USE_PDL:  # every program waits before its first load (x and the zeroed inter come from before)
-        gdc_wait()
-        gdc_launch_dependents()
     if pid_m * BLOCK_SIZE_M >= tl.load(num_post_ptr):
         return
     lora = tl.load(block_lora_ptr + pid_m).to(tl.int64)
@@ -398,78 +393,6 @@ def _lora_cols_dot(
 
 
 @triton.jit
-def _lora_stacked_dot(
-    acc,
-    inter_ptr,
-    b_ptr,
-    pair_ld,
-    lid,
-    expert,
-    cols,
-    col_mask,
-    R,
-    NS,
-    num_adapters,
-    stride_im,
-    stride_is,
-    stride_ir,
-    stride_bl,
-    stride_be,
-    stride_bs,
-    stride_bn,
-    stride_br,
-    BLOCK_SIZE_R: tl.constexpr,
-    LORA_CHUNK: tl.constexpr,
-):
-    """acc += the LoRA delta of every row at once: the adapters stacked along the rank axis.
-
-    Column c of the stacked axis (length L·BLOCK_SIZE_R) is rank r = c % BLOCK_SIZE_R of adapter
-    a = c // BLOCK_SIZE_R. Row p's operand holds inter[pair, s, r] in the columns of its own adapter
-    (lid[p]) and zeros elsewhere; the B operand stacks B[a, expert, s]ᵀ for the adapters present in the
-    tile (the others masked off, never read). One counted loop over LORA_CHUNK-column chunks replaces the
-    ``while`` loop of :func:`_lora_cols_dot` (one dependent load-and-dot per adapter present); the dots of
-    absent adapters run on zeros. Opt-in (``lora_stack=True``): measured slower than the loop in notebook
-    12's suite run (the present-adapter mask is a reduction inside the loop; docs/perf_notes.md). Rows with
-    lid = -1 match no column: exact zeros, as in the loop (B finite, as in the loop: a non-finite B of a
-    present adapter reaches the tile's other rows as 0·NaN in both forms). Slices and precision as
-    :func:`_lora_cols_dot`.
-    """
-    offs_c = tl.arange(0, LORA_CHUNK)
-    col_s = cols // NS
-    col_n = (cols - col_s * NS).to(tl.int64)
-    s_lo = tl.min(tl.where(col_mask, col_s, 1 << 30))
-    s_hi = tl.max(tl.where(col_mask, col_s, -1))
-    b_base = b_ptr + expert * stride_be
-    for s in range(s_lo, s_hi + 1):
-        n_sel = col_mask & (col_s == s)
-        for c0 in range(0, num_adapters * BLOCK_SIZE_R, LORA_CHUNK):
-            c = c0 + offs_c
-            a = c // BLOCK_SIZE_R
-            r = c - a * BLOCK_SIZE_R
-            row_col = lid[:, None] == a[None, :]  # row p's own adapter's columns
-            # only the adapters present in the tile: the others' B is never read (not even as 0 · B,
-            # which would turn a NaN/Inf left in an unused slot into NaN rows)
-            present = tl.max(row_col.to(tl.int32), axis=0) > 0
-            c_mask = (r < R) & present
-            ia = tl.load(
-                inter_ptr + pair_ld[:, None] * stride_im + s * stride_is + r[None, :] * stride_ir,
-                mask=row_col & c_mask[None, :],
-                other=0.0,
-            )
-            bb = tl.load(
-                b_base + a.to(tl.int64)[:, None] * stride_bl + s * stride_bs + col_n[None, :] * stride_bn
-                + r[:, None] * stride_br,
-                mask=c_mask[:, None] & n_sel[None, :],
-                other=0.0,
-            )  # fmt: skip
-            if b_ptr.dtype.element_ty == tl.float16:
-                acc = tl.dot(ia, bb.to(tl.float32), acc)
-            else:
-                acc = tl.dot(ia.to(bb.dtype), bb, acc)
-    return acc
-
-
-@triton.jit
 def _row_adapters(lora_ids_ptr, pair_ld, row_mask, top_k, num_adapters):
     """Adapter id of each row's token (lora_ids[p // top_k]); -1 for padding rows and for ids
     outside [0, L) (no adapter: never indexes B)."""
@@ -522,16 +445,12 @@ def _fused_moe_lora_act_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_LORA: tl.constexpr,
     ACTIVATION: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
-    LORA_CHUNK: tl.constexpr = 0,
 ):
     """g[p, j] = act(h[p, gate(j)], h[p, up(j)]) with h = x·W13[e]ᵀ + LoRA delta (+ b13[e]), one tile of
     BLOCK_SIZE_N columns j of g; gate(j), up(j) = j, I + j (silu) or 2j, 2j + 1 (swigluoai)."""
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(I, BLOCK_SIZE_N)
     pid_m, pid_n = _pid_to_mn(pid, num_blocks, num_pid_n, GROUP_SIZE_M)
-    if USE_PDL:  # every program waits before its first load: even the alignment may be the previous launch's
-        gdc_wait()
     if pid_m * BLOCK_SIZE_M >= tl.load(num_post_ptr):
         return
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -573,21 +492,7 @@ def _fused_moe_lora_act_kernel(
         x_ptrs += BLOCK_SIZE_K * stride_xk
         wg_ptrs += BLOCK_SIZE_K * stride_wk
         wu_ptrs += BLOCK_SIZE_K * stride_wk
-    if USE_PDL:  # the next launch may start once every program is past its K loop (or has exited)
-        gdc_launch_dependents()
-    if HAS_LORA and LORA_CHUNK > 0:  # the gate_up LoRA expand, every adapter stacked (opt-in)
-        lid = _row_adapters(lora_ids_ptr, pair_ld, row_mask, top_k, num_adapters)
-        acc_g = _lora_stacked_dot(
-            acc_g, inter_ptr, b_ptr, pair_ld, lid, expert, gate_col, j_mask, R, NS, num_adapters,
-            stride_im, stride_is, stride_ir, stride_bl, stride_be, stride_bs, stride_bn, stride_br,
-            BLOCK_SIZE_R, LORA_CHUNK,
-        )  # fmt: skip
-        acc_u = _lora_stacked_dot(
-            acc_u, inter_ptr, b_ptr, pair_ld, lid, expert, up_col, j_mask, R, NS, num_adapters,
-            stride_im, stride_is, stride_ir, stride_bl, stride_be, stride_bs, stride_bn, stride_br,
-            BLOCK_SIZE_R, LORA_CHUNK,
-        )  # fmt: skip
-    elif HAS_LORA:  # the expand of the gate_up LoRA, in this tile: one pass per adapter present
+    if HAS_LORA:  # the expand of the gate_up LoRA, in this tile: one pass per adapter present
         lid = _row_adapters(lora_ids_ptr, pair_ld, row_mask, top_k, num_adapters)
         cur = tl.min(tl.where(lid >= 0, lid, num_adapters))
         while cur < num_adapters:
@@ -662,9 +567,7 @@ def _fused_moe_lora_kernel(
     EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_LORA: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
     SPLIT_K: tl.constexpr = 1,
-    LORA_CHUNK: tl.constexpr = 0,
 ):
     """y[p] = (g[p]·W2[e]ᵀ + LoRA delta (+ b2[e]))·w[p] over the base alignment (rows are pairs).
 
@@ -679,8 +582,6 @@ def _fused_moe_lora_kernel(
         pid_k = 0
     num_pid_n = tl.cdiv(N, BLOCK_SIZE_N)
     pid_m, pid_n = _pid_to_mn(pid, num_blocks, num_pid_n, GROUP_SIZE_M)
-    if USE_PDL:  # as in the gate_up kernel: every program waits before its first load
-        gdc_wait()
     if pid_m * BLOCK_SIZE_M >= tl.load(num_post_ptr):
         return
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -712,25 +613,16 @@ def _fused_moe_lora_kernel(
         acc = tl.dot(xa, wa, acc)
         x_ptrs += BLOCK_SIZE_K * stride_xk
         w_ptrs += BLOCK_SIZE_K * stride_wk
-    if USE_PDL:  # as in the gate_up kernel: the next launch may start once the K loops are done
-        gdc_launch_dependents()
     if HAS_LORA and pid_k == 0:  # the expand of the down LoRA, in this tile (split 0 only)
         lid = _row_adapters(lora_ids_ptr, pair_ld, row_mask, top_k, num_adapters)
-        if LORA_CHUNK > 0:  # every adapter stacked along the rank axis (opt-in)
-            acc = _lora_stacked_dot(
-                acc, inter_ptr, b_ptr, pair_ld, lid, expert, offs_n_ld, n_mask, R, N, num_adapters,
-                stride_im, stride_is, stride_ir, stride_bl, stride_be, stride_bs, stride_bn, stride_br,
-                BLOCK_SIZE_R, LORA_CHUNK,
+        cur = tl.min(tl.where(lid >= 0, lid, num_adapters))
+        while cur < num_adapters:  # one pass per adapter present
+            acc = _lora_cols_dot(
+                acc, inter_ptr, b_ptr, pair_ld, lid == cur, cur.to(tl.int64), expert, offs_n_ld, n_mask,
+                R, N, stride_im, stride_is, stride_ir, stride_bl, stride_be, stride_bs, stride_bn,
+                stride_br, BLOCK_SIZE_R,
             )  # fmt: skip
-        else:  # one pass per adapter present
-            cur = tl.min(tl.where(lid >= 0, lid, num_adapters))
-            while cur < num_adapters:
-                acc = _lora_cols_dot(
-                    acc, inter_ptr, b_ptr, pair_ld, lid == cur, cur.to(tl.int64), expert, offs_n_ld, n_mask,
-                    R, N, stride_im, stride_is, stride_ir, stride_bl, stride_be, stride_bs, stride_bn,
-                    stride_br, BLOCK_SIZE_R,
-                )  # fmt: skip
-                cur = tl.min(tl.where(lid > cur, lid, num_adapters))
+            cur = tl.min(tl.where(lid > cur, lid, num_adapters))
     if HAS_BIAS and pid_k == 0:
         bias = tl.load(bias_ptr + expert * stride_ce + offs_n * stride_cn, mask=n_mask, other=0.0)
         acc = acc + bias.to(tl.float32)[None, :]

@@ -19,25 +19,23 @@ from dataclasses import dataclass
 
 from ..shapes import Dims
 from .config import LayerConfig
-from .stages import Stage, as_dims
+from .stages import Stage
 
 
 @dataclass(frozen=True)
 class TunedStage(Stage):
     """A :class:`Stage` whose default configs come from the tuned-config loader."""
 
-    def config_for(
-        self, dims: Dims | int, *legacy: int, folder=None, gpu_name: str | None = None
-    ) -> LayerConfig:
+    def config_for(self, dims: Dims, folder=None, gpu_name: str | None = None) -> LayerConfig:
         """:func:`moelora_lib.configs.load_layer_config` for a call of ``dims`` (the env var is read now).
 
-        ``dims``: a :class:`~moelora_lib.shapes.Dims` (or the old ints T, H, I, E, K, R, L, S).
+        ``dims``: a :class:`~moelora_lib.shapes.Dims`.
         ``folder``: a config folder (else ``$MOELORA_TUNED_CONFIG_FOLDER``, else the shipped one).
         ``gpu_name``: whose configs to use (e.g. ``"NVIDIA_H200"`` on an H200 NVL, explicitly);
         None = the :func:`moelora_lib.configs.map_gpu_name` mapping of this GPU, else its own name."""
-        from ..configs import load_layer_config  # lazy: configs imports kernels.config
+        from ..configs import load_layer_config  # lazy: loaded on the first config lookup
 
-        return load_layer_config(as_dims(dims, *legacy), folder=folder, gpu_name=gpu_name)
+        return load_layer_config(dims, folder=folder, gpu_name=gpu_name)
 
 
 STAGE = TunedStage(

@@ -1,35 +1,12 @@
-"""Notebook 12's measurements of stage ``fused`` beside stage ``tuned`` and vLLM (no timing code of its own).
+"""Notebook 12's measurements of stage ``fused`` beside stage ``tuned`` and vLLM's figures.
 
-Stage ``fused`` (:mod:`moelora_lib.kernels.fused`) runs the LoRA expands inside the base GEMMs, so its LoRA
-part is not a set of launches (:meth:`LayerRun.lora_part <moelora_lib.kernels.LayerRun.lora_part>` raises):
-the notebook times the whole layer and the base part of both stages with
-:func:`moelora_lib.studies.moe_bench.bench_layer` and takes the LoRA part as whole − base
-(:func:`layer_table`); for ``tuned`` it also times the LoRA launches alone, so the two ways of getting a
-LoRA part can be compared on the stage where both exist.
-
-What this module adds to :mod:`.moe_bench`:
-
-* :func:`check_point` — one layer call against the fp32 reference (the fields of
-  :func:`~.moe_bench.check_layer`), the base part against the reference without LoRA, and two calls
-  giving the same output.
-* :func:`count_launches` / :func:`launch_rows` — the kernels one layer call launches, counted by wrapping
-  Triton's launch entry (``JITFunction.run``; ``InterpretedFunction.run`` under the interpreter) and the
-  torch fills (``torch.zeros``, ``Tensor.zero_``, ...), on the CPU and the GPU alike; on a GPU also the
-  device kernels and memsets ``torch.profiler`` records for one eager call (:func:`profiled_launches`).
-* :func:`fused_op_costs` / :func:`bench_fused_ops` — the four launches of stage ``fused`` timed alone
-  (:meth:`LayerRun.op_fn <moelora_lib.kernels.LayerRun.op_fn>`) with their FLOPs, bytes and floors.
-* :func:`layer_table` / :func:`targets_table` — per (model, T) the parts, the LoRA part as whole − base with
-  its p20–p80 band, and the targets of the stage against :func:`~.moe_bench.anchor_table`.
-* :func:`bench_levers` / :func:`levers_table` — the levers of the stage's second round one at a time
-  (:data:`LEVERS`: the first round's default configs and pair order, the tuned configs alone) and the
-  deterministic mode of ``tuned``, beside the stage rows.
-* :func:`graph_timeline` / :func:`timeline_rows` / :func:`timeline_table` — the kernels of one CUDA-graph
-  replay of the layer from ``torch.profiler``: each kernel's device time and the idle gap before it.
-* :class:`RegisterReport` — :func:`moelora_lib.studies.compile_check.fused_report` (registers, spills, one
-  binary over lengths; compile-only) in a background process, so it overlaps the GPU measurements.
-
-Units: µs (``us_p50``, ``floor_us``), FLOPs 2 per multiply-add, bytes read + written; shapes in the letters
-of :mod:`moelora_lib.shapes` (P = T·K pairs).
+Stage ``fused`` runs the LoRA expands inside the base GEMMs, so its LoRA part is not a set of launches: both
+stages are timed as whole layer and base part (:func:`.moe_bench.bench_layer`) and LoRA = whole − base
+(:func:`layer_table`). Here: checks against the fp32 reference (:func:`check_point`), launch counts
+(:func:`launch_rows`), the four launches of ``fused`` alone (:func:`bench_fused_ops`), the targets against
+vLLM (:func:`targets_table`), config levers (:func:`bench_levers`), one graph replay kernel by kernel
+(:func:`graph_timeline`) and compile-only register counts (:class:`RegisterReport`).
+Units: µs; FLOPs 2 per multiply-add; bytes read + written; P = T·K pairs.
 """
 
 from __future__ import annotations
@@ -403,24 +380,16 @@ def bench_fused_ops(
 # ------------------------------------------------------------------------------------------------
 
 
-#: lever name -> (stage, parts timed, how the config is picked, adapter_order). ``stage_cfg``: the stage's own
-#: config for T (tuned files); ``default``: :func:`~moelora_lib.kernels.fused.fused_default_config` (the first
-#: round, commit cd22587); ``deterministic``: the stage's config with SPLIT_K = 1 on both shrinks (and on
-#: stage ``fused``'s down GEMM: :meth:`~moelora_lib.kernels.LayerConfig.deterministic`).
+#: lever name -> (stage, parts timed, config, adapter_order). Configs: ``stage_cfg`` the stage's own for T;
+#: ``default`` :func:`~moelora_lib.kernels.fused.fused_default_config` (heuristic, untuned);
+#: ``deterministic`` the stage's with SPLIT_K = 1 (:meth:`~moelora_lib.kernels.LayerConfig.deterministic`).
+#: adapter_order False = the base alignment in pair order instead of grouped by adapter.
 LEVERS: dict[str, tuple[str, tuple[str, ...], str, bool | None]] = {
     "fused_v1": (STAGE, ("base", "total"), "default", False),
     "fused_pair_order": (STAGE, ("base", "total"), "stage_cfg", False),
     "tuned_deterministic": (BASELINE, ("lora", "total"), "deterministic", None),
-    "fused_pdl": (STAGE, ("base", "total"), "stage_cfg", None),
     "fused_deterministic": (STAGE, ("base", "total"), "deterministic", None),
-    "fused_loop": (STAGE, ("total",), "stage_cfg", None),
 }
-#: Levers that force the LoRA epilogue's form (:class:`~moelora_lib.kernels.LayerRun`'s ``lora_stack``):
-#: ``fused_loop`` is the stage with the per-adapter loop everywhere (as before the fifth round).
-LEVER_LORA_STACK: dict[str, bool] = {"fused_loop": False}
-#: Levers that switch programmatic dependent launch on (:class:`~moelora_lib.kernels.LayerRun`'s ``pdl``;
-#: off by default): ``fused_pdl`` is the stage as it is, with PDL.
-LEVER_PDL: dict[str, bool] = {"fused_pdl": True}
 
 
 def bench_levers(
@@ -437,22 +406,15 @@ def bench_levers(
     rep_ms: float = 40,
     seed: int = 0,
 ) -> list[dict[str, Any]]:
-    """Time each lever of :data:`LEVERS` at one (model, T) with :func:`~.moe_bench.bench_layer` (uniform
-    adapter ids, silu, no biases: the anchor setting); rows as bench_layer's plus ``lever``.
+    """Time each lever of :data:`LEVERS` (None = all) at one (model, T) with :func:`~.moe_bench.bench_layer`
+    (uniform adapter ids, silu, no biases: the anchor setting); rows as bench_layer's plus ``lever``.
 
-    ``levers``: one name or a list of distinct names; None = every lever that can run on ``device``
-    (``fused_pdl`` needs :func:`~moelora_lib.kernels.launchers.pdl_supported`). Raises ValueError for an
-    unknown, repeated or empty lever list, or T not an int ≥ 1 (and, from the layer, for ``fused_pdl``
-    asked for where PDL cannot apply)."""
+    Raises ValueError for an unknown, repeated or empty lever list, or T not an int ≥ 1."""
     from ..kernels import STAGES
     from ..kernels.fused import fused_default_config
     from ..shapes import Dims, get_shape
 
-    if levers is None:
-        from ..kernels.launchers import pdl_supported
-
-        levers = [lv for lv in LEVERS if not LEVER_PDL.get(lv) or pdl_supported(device)]
-    levers = [levers] if isinstance(levers, str) else levers
+    levers = list(LEVERS) if levers is None else [levers] if isinstance(levers, str) else levers
     if not isinstance(levers, (list, tuple)) or not levers or len(set(levers)) != len(levers):
         raise ValueError(
             f"levers must be a lever name or a non-empty list of distinct names of {list(LEVERS)}, "
@@ -469,18 +431,18 @@ def bench_levers(
     rows = []
     for lv in levers:
         stage, parts, how, order = LEVERS[lv]
+        cfg = STAGES[stage].config_for(dims)
         cfg = (
             fused_default_config(dims)
             if how == "default"
-            else STAGES[stage].config_for(dims).deterministic()
+            else cfg.deterministic()
             if how == "deterministic"
-            else STAGES[stage].config_for(dims)
+            else cfg
         )
         for r in mb.bench_layer(
             stage, sh, T, rank=rank, num_adapters=num_adapters, weights=weights, seed=seed,
             activation="silu", bias=False, dtype=dtype, device=device, parts=parts, warmup_ms=warmup_ms,
-            rep_ms=rep_ms, config=cfg, adapter_order=order, pdl=LEVER_PDL.get(lv),
-            lora_stack=LEVER_LORA_STACK.get(lv),
+            rep_ms=rep_ms, config=cfg, adapter_order=order,
         ):  # fmt: skip
             r.update(lever=lv, variant="as_anchor")
             rows.append(r)
@@ -488,16 +450,11 @@ def bench_levers(
 
 
 def levers_table(levers_df, df):
-    """Per (model, T): the whole layer and its parts (µs p50) of each lever beside the stage rows of ``df``
-    (``12_fused.csv``): ``v1_*`` (first round), ``pair_*`` (tuned configs, pair order), ``fused_*`` (the
-    stage: tuned configs, adapter order), ``tuned_*`` and ``det_*`` (``tuned`` deterministic); ``*_lora`` =
-    whole − base for the fused variants, the LoRA launches for ``tuned``/``det``; ``tuned_split_k`` = the
-    largest SPLIT_K of the shipped shrinks (from the config string); ``pdl_base``/``pdl_total`` (the
-    stage with PDL on), only where the lever ``fused_pdl`` was timed; ``fdet_base``/``fdet_total`` (the
-    stage in its deterministic mode) and ``fused_split_k`` (the largest SPLIT_K of the stage's launches),
-    only where ``fused_deterministic`` was timed; ``loop_total`` (the stage with the per-adapter LoRA loop
-    everywhere) and ``fused_stacked`` (1 where the stage's config stacks the adapters: ``lora_stack=1`` in
-    its config string), only where ``fused_loop`` was timed."""
+    """Per (model, T): µs p50 of each lever beside the stage rows of ``df`` (``12_fused.csv``): ``v1_*``
+    (default configs, pair order), ``pair_*`` (stage configs, pair order), ``fused_*`` (the stage),
+    ``tuned_*``, ``det_*`` (``tuned`` deterministic), ``fdet_*`` (``fused`` deterministic, where timed);
+    ``*_lora`` = whole − base for ``fused`` variants, the LoRA launches for ``tuned``/``det``;
+    ``tuned_split_k``/``fused_split_k`` = the largest SPLIT_K in the stage's config string."""
     import re
 
     import pandas as pd
@@ -518,18 +475,11 @@ def levers_table(levers_df, df):
     out["tuned_base"], out["tuned_lora"], out["tuned_total"] = p["base"], p["lora"], p["total"]
     p = piv(lv[lv.lever == "tuned_deterministic"])
     out["det_lora"], out["det_total"] = p["lora"], p["total"]
-    # the stage's config strings, per (model, T)
-    fcfg = df[(df.stage == STAGE) & (df.part == "total")].set_index(["model", "T"]).config
-    if (lv.lever == "fused_pdl").any():  # runs before this lever existed have no such rows
-        p = piv(lv[lv.lever == "fused_pdl"])
-        out["pdl_base"], out["pdl_total"] = p["base"], p["total"]
-    if (lv.lever == "fused_deterministic").any():  # (fourth round)
+    if (lv.lever == "fused_deterministic").any():
         p = piv(lv[lv.lever == "fused_deterministic"])
         out["fdet_base"], out["fdet_total"] = p["base"], p["total"]
+        fcfg = df[(df.stage == STAGE) & (df.part == "total")].set_index(["model", "T"]).config
         out["fused_split_k"] = fcfg.map(lambda c: max(int(x) for x in re.findall(r"s(\d+)w\d+st", c)))
-    if (lv.lever == "fused_loop").any():  # (fifth round)
-        out["loop_total"] = piv(lv[lv.lever == "fused_loop"])["total"]
-        out["fused_stacked"] = fcfg.map(lambda c: int("lora_stack=1" in c))
     t = df[(df.stage == BASELINE) & (df.part == "total")].set_index(["model", "T"]).config
     out["tuned_split_k"] = t.map(
         lambda c: max(int(x) for x in re.findall(r"shrink=m\d+n\d+k\d+g\d+s(\d+)", c))

@@ -1,17 +1,10 @@
-"""Measurements of the serving layer (notebook 09): alignment, eager host overhead, the whole layer in
-one CUDA graph, compiled variants, memory.
+"""Notebook 09's measurements of the serving layer: alignment, eager host overhead, the whole layer in
+one CUDA graph, compiled variants, memory. Every function returns rows for ``data/09_*.csv``.
 
-Every function returns tidy rows (:func:`moelora_lib.studies.bench.result_row`) that the notebook
-writes to ``data/09_*.csv``; on the CPU profile the same code runs at tiny shapes through the Triton
-interpreter (then times are interpreter cost, never performance, and the rows say ``mode =
-"cpu-interpreter"``).
-
-Method (same as the anchor table, docs/anchors-h200.md): GPU times are medians of CUDA-graph replays
-timed by ``triton.testing.do_bench`` with its L2 flush before every replay
-(:func:`moelora_lib.studies.bench.time_fn`, mode "graph"). Eager wall times are host clocks
-(``time.perf_counter``) around one call followed by ``torch.cuda.synchronize()``, median over many
-calls, after warm-up (so they include the host's Python and launch costs, and whatever GPU time is
-not hidden behind them).
+GPU times: medians of CUDA-graph replays (:func:`moelora_lib.studies.bench.time_fn`, mode "graph", L2
+flushed unless said otherwise). Eager wall times: ``time.perf_counter`` around one call plus
+``torch.cuda.synchronize()``, median over many calls after warm-up. On the CPU the same code runs through
+the Triton interpreter (times are interpreter cost; rows say ``mode = "cpu-interpreter"``).
 """
 
 from __future__ import annotations
@@ -37,22 +30,6 @@ from ..shapes import Dims, MoEShape, get_shape
 from ..workloads import MoELoRAInputs
 from . import bench
 from .moe_bench import layer_inputs, log_spaced_lengths
-
-__all__ = [
-    "SHAPES",
-    "TOKENS",
-    "alignments_equal",
-    "align_rows",
-    "build_layer",
-    "wall_us",
-    "eager_rows",
-    "host_breakdown_rows",
-    "host_profile_rows",
-    "graph_rows",
-    "variant_rows",
-    "memory_rows",
-    "jit_cache_sizes",
-]
 
 #: The two MoE models of the serving-layer targets, and the token counts of the anchor table.
 SHAPES = ("gpt-oss-20b", "qwen3-30b-a3b")
@@ -111,25 +88,16 @@ def align_rows(
     warmup_ms: float = WARMUP_MS,
     rep_ms: float = REP_MS,
 ) -> list[dict[str, Any]]:
-    """Base + LoRA alignment of one layer call at T tokens, torch vs Triton (and ``pair_fn``).
+    """Base + LoRA alignment of one layer call at T tokens, torch vs Triton; one row per implementation.
 
-    The BLOCK_SIZE_M of each alignment are the tuned stage's for this T. Routing: softmax top-k of
-    N(0, 1) logits; adapters spread evenly (``pattern="uniform"``, 1/(L+1) of tokens without one).
-    Implementations: ``torch`` (:func:`moelora_lib.routing.align_tokens`, ~40 torch ops), ``triton``
-    (:func:`~moelora_lib.kernels.align.align_tokens_triton` twice, 2 × 3 launches, preallocated
-    workspaces), ``triton_one_launch`` up to :data:`~moelora_lib.kernels.align_small.SMALL_MAX_PAIRS`
-    pairs (:func:`~moelora_lib.kernels.align_small.align_tokens_pair`: both in one launch; the layer
-    uses it up to :data:`~moelora_lib.kernels.align_small.PAIR_PATH_MAX_PAIRS`), and ``pair_fn`` if
-    given: a callable (topk_ids, E, base_bm, lora_ids, L, lora_bm)
-    returning a no-argument function that aligns both (e.g. a one-launch path) and returns the two
-    alignments. Each row: impl, us_p50 (graph replay, L2 flushed), identical (bit-for-bit equal to
-    the torch result).
-
-    Only the routing and adapter ids are used: ``weights`` (an earlier
-    :func:`~moelora_lib.studies.moe_bench.layer_inputs` result of this shape, e.g. a
-    :class:`~moelora_lib.studies.moe_bench.LayerWeights` set) draws them from (seed, T) without
-    generating a layer's weights (~8 s each at the model shapes); None generates a whole input set.
-    warmup_ms, rep_ms: do_bench's budgets per timing.
+    BLOCK_SIZE_M: the tuned stage's for T. Implementations: ``torch`` (:func:`moelora_lib.routing.align_tokens`),
+    ``triton`` (:func:`~moelora_lib.kernels.align.align_tokens_triton` twice, 3 launches each),
+    ``triton_one_launch`` (:func:`~moelora_lib.kernels.align_small.align_tokens_pair`, both in one launch,
+    up to ``SMALL_MAX_PAIRS`` pairs) or ``pair_fn(topk_ids, E, base_bm, lora_ids, L, lora_bm)`` returning a
+    no-argument function that returns both alignments. Row fields: impl, us_p50 (graph replay, L2
+    flushed), identical (bit-for-bit equal to torch). ``weights``: a
+    :func:`~moelora_lib.studies.moe_bench.layer_inputs` result (or ``LayerWeights``) of this shape whose
+    ids are redrawn for (seed, T) without generating weights.
     """
     sh = _shape(shape)
     inp = layer_inputs(sh, T, rank=rank, num_adapters=adapters, device=device, seed=seed, weights=weights)
@@ -612,16 +580,7 @@ def memory_rows(
     rep = layer.memory_report()
     return [
         bench.result_row(
-            model=sh.name,
-            T=T,
-            max_tokens=layer.max_tokens,
-            kind=k,
-            value=None if v is None else int(v),
+            model=sh.name, T=T, max_tokens=layer.max_tokens, kind=k, value=None if v is None else int(v)
         )
         for k, v in {**rep, "forward_temporaries": temp}.items()
     ]
-
-
-def lengths_for(max_tokens: int, tokens: Sequence[int] = TOKENS) -> list[int]:
-    """The token counts of ``tokens`` that fit a layer of ``max_tokens``."""
-    return [t for t in tokens if t <= max_tokens]

@@ -31,31 +31,6 @@ from ..testing import TOLERANCES, rel_err
 from . import bench
 from . import moe_bench as mb
 
-__all__ = [
-    "STAGE",
-    "BASELINE",
-    "LORA_TARGETS",
-    "TOTAL_TARGETS",
-    "lora_target",
-    "total_target",
-    "check_point",
-    "count_launches",
-    "profiled_launches",
-    "launch_rows",
-    "fused_op_costs",
-    "bench_fused_ops",
-    "layer_table",
-    "targets_table",
-    "cumulative_with",
-    "LEVERS",
-    "bench_levers",
-    "levers_table",
-    "timeline_rows",
-    "graph_timeline",
-    "timeline_table",
-    "RegisterReport",
-]
-
 #: The stage measured and the stage it is measured against.
 STAGE, BASELINE = "fused", "tuned"
 
@@ -81,25 +56,14 @@ def total_target(T: int) -> float:
     return TOTAL_TARGETS["ends"] if T == 1 or T >= 1600 else TOTAL_TARGETS["mid"]
 
 
-# ------------------------------------------------------------------------------------------------
-# Correctness
-# ------------------------------------------------------------------------------------------------
-
-
 def check_point(stage: str, inp, *, model: str, pattern: str, variant: str) -> list[dict[str, Any]]:
-    """Checks of one layer call of ``stage`` on ``inp`` (a :class:`~moelora_lib.workloads.MoELoRAInputs`).
+    """Checks of one layer call of ``stage`` on ``inp`` (:class:`~moelora_lib.workloads.MoELoRAInputs`),
+    one row per ``check``, each with rel_err (max|out − ref| / max|ref|) and tol (``TOLERANCES``):
 
-    Rows (``check``):
-
-    * ``layer_vs_reference`` — the fields of :func:`~.moe_bench.check_layer` (rel_err = max|out − ref| /
-      max|ref| against the fp32 reference, no_adapter_rows, no_adapter_bitwise: rows with adapter id −1
-      equal the base part bitwise, delta_rel = the LoRA contribution's size);
-    * ``base_vs_reference`` — :meth:`LayerRun.base_part` against the reference with every adapter id −1
-      (the part the notebook times as "base");
-    * ``call_twice`` — a second call of the layer against the first (split-K atomics may reorder fp32
-      sums, so within the tolerance, not bitwise).
-
-    Every row has rel_err and tol (``TOLERANCES`` of the dtype).
+    * ``layer_vs_reference`` — against the fp32 reference, plus no_adapter_rows, no_adapter_bitwise (rows
+      with adapter id −1 equal the base part bitwise) and delta_rel (the LoRA contribution's size);
+    * ``base_vs_reference`` — :meth:`LayerRun.base_part` against the reference with every adapter id −1;
+    * ``call_twice`` — a second call against the first (split-K atomics may reorder fp32 sums).
     """
     run = mb.make_run(stage, inp)
     out = run().clone()
@@ -112,45 +76,22 @@ def check_point(stage: str, inp, *, model: str, pattern: str, variant: str) -> l
     none = inp.lora_ids == -1
     bitwise = bool(torch.equal(out[none], base[none])) if bool(none.any()) else True
     delta_rel = float((ref - ref_base).abs().max() / ref.abs().max().clamp_min(1e-30))
-    tol = TOLERANCES[inp.hidden_states.dtype]
     common = dict(
-        stage=stage,
-        model=model,
-        T=int(inp.hidden_states.shape[0]),
-        dtype=dtype_name(inp.hidden_states.dtype),
-        activation=inp.activation,
-        bias=inp.b13 is not None,
-        pattern=pattern,
-        variant=variant,
-        config=run.cfg.short(),
-        config_source=run.cfg.source,
-        tol=tol,
-    )
+        stage=stage, model=model, T=int(inp.hidden_states.shape[0]),
+        dtype=dtype_name(inp.hidden_states.dtype), activation=inp.activation, bias=inp.b13 is not None,
+        pattern=pattern, variant=variant,
+        config=run.cfg.short(), config_source=run.cfg.source, tol=TOLERANCES[inp.hidden_states.dtype],
+    )  # fmt: skip
     return [
-        bench.result_row(
-            check="layer_vs_reference",
-            **common,
-            rel_err=rel_err(out, ref),
-            no_adapter_rows=int(none.sum()),
-            no_adapter_bitwise=bitwise,
-            delta_rel=delta_rel,
-        ),
+        bench.result_row(check="layer_vs_reference", **common, rel_err=rel_err(out, ref),
+                         no_adapter_rows=int(none.sum()), no_adapter_bitwise=bitwise, delta_rel=delta_rel),
         bench.result_row(check="base_vs_reference", **common, rel_err=rel_err(base, ref_base)),
         bench.result_row(check="call_twice", **common, rel_err=rel_err(again, out)),
-    ]
+    ]  # fmt: skip
 
-
-# ------------------------------------------------------------------------------------------------
-# Launches per layer
-# ------------------------------------------------------------------------------------------------
 
 #: torch calls that launch a fill kernel (a memset in a CUDA graph) when the tensor is not empty.
 _FILLS = (("torch", "zeros"), ("torch", "zeros_like"), ("Tensor", "zero_"), ("Tensor", "fill_"))
-
-
-def _kernel_name(fn) -> str:
-    inner = getattr(fn, "fn", None)
-    return getattr(inner, "__name__", None) or getattr(fn, "__name__", None) or type(fn).__name__
 
 
 @contextmanager
@@ -163,14 +104,16 @@ def _counting(counts: Counter):
         from triton.runtime.interpreter import InterpretedFunction
 
         classes.append(InterpretedFunction)
-    except ImportError:  # pragma: no cover - every Triton this project supports has it
+    except ImportError:  # pragma: no cover - every supported Triton has it
         pass
-    saved: list[tuple[Any, str, Any]] = []
 
     def wrap_run(real):
         def run(self, *args, **kwargs):
             if not kwargs.get("warmup", False):
-                counts[_kernel_name(self)] += 1
+                inner = getattr(self, "fn", None)
+                counts[
+                    getattr(inner, "__name__", None) or getattr(self, "__name__", type(self).__name__)
+                ] += 1
             return real(self, *args, **kwargs)
 
         return run
@@ -185,15 +128,12 @@ def _counting(counts: Counter):
 
         return fill
 
+    saved: list[tuple[Any, str, Any]] = [(cls, "run", cls.__dict__["run"]) for cls in classes]
+    saved += [(torch if o == "torch" else torch.Tensor, a, None) for o, a in _FILLS]
+    saved = [(o, a, r if r is not None else getattr(o, a)) for o, a, r in saved]
     try:
-        for cls in classes:
-            saved.append((cls, "run", cls.__dict__["run"]))
-            cls.run = wrap_run(cls.__dict__["run"])
-        for owner_name, attr in _FILLS:
-            owner = torch if owner_name == "torch" else torch.Tensor
-            real = getattr(owner, attr)
-            saved.append((owner, attr, real))
-            setattr(owner, attr, wrap_fill(real, owner_name == "Tensor"))
+        for owner, attr, real in saved:
+            setattr(owner, attr, wrap_run(real) if attr == "run" else wrap_fill(real, owner is torch.Tensor))
         yield counts
     finally:
         for owner, attr, real in reversed(saved):
@@ -201,13 +141,10 @@ def _counting(counts: Counter):
 
 
 def count_launches(fn: Callable[[], Any]) -> dict[str, int]:
-    """Call ``fn()`` once (eagerly) and return {kernel name: launches, ..., "torch_fill": fills}.
-
-    Triton kernels are counted at their launch entry (``kernel[grid](...)``), on the GPU and under the
-    interpreter; a torch fill (``torch.zeros``, ``zeros_like``, ``Tensor.zero_``, ``fill_`` of a non-empty
-    tensor) is one more kernel on a GPU (the split-K shrinks zero their fp32 intermediate this way). Other
-    torch ops are not counted: :func:`profiled_launches` sees every device kernel on a GPU.
-    """
+    """Call ``fn()`` once (eagerly) and return {kernel name: launches, ..., "torch_fill": fills}: Triton
+    kernels counted at their launch entry (GPU and interpreter), torch fills of non-empty tensors
+    (``torch.zeros``, ``zeros_like``, ``Tensor.zero_``, ``fill_``: one kernel each on a GPU). Other torch
+    ops are not counted (:func:`profiled_launches` sees every device kernel)."""
     counts: Counter = Counter()
     with _counting(counts):
         fn()
@@ -215,9 +152,9 @@ def count_launches(fn: Callable[[], Any]) -> dict[str, int]:
 
 
 def profiled_launches(fn: Callable[[], Any]) -> dict[str, Any]:
-    """GPU only: the device kernels and memsets ``torch.profiler`` records for one eager ``fn()`` (after
-    one unprofiled call). Returns dict(kernels, memsets, names: ';'-joined kernel names, first 48
-    characters each, in launch order), or dict(error=...) when the profiler gives nothing."""
+    """GPU only: the device kernels and memsets ``torch.profiler`` records for one eager ``fn()`` (after an
+    unprofiled call): dict(kernels, memsets, names: ';'-joined, first 48 characters each, launch order),
+    or dict(error=...) when the profiler records nothing."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -232,57 +169,42 @@ def profiled_launches(fn: Callable[[], Any]) -> dict[str, Any]:
         for e in prof.events()
         if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
     ]
+    if not dev:
+        return dict(error="the profiler recorded no device activity")
     dev.sort(key=lambda e: e.time_range.start)
     memsets = [e for e in dev if e.name.lower().startswith("memset")]
     kernels = [e for e in dev if not e.name.lower().startswith(("memset", "memcpy"))]
-    if not dev:
-        return dict(error="the profiler recorded no device activity")
     return dict(
         kernels=len(kernels), memsets=len(memsets), names=";".join(e.name[:48] for e in kernels + memsets)
     )
 
 
 def launch_rows(run, *, model: str, profile_gpu: bool) -> list[dict[str, Any]]:
-    """The launches of ``run`` (a built :class:`~moelora_lib.kernels.LayerRun`): one row for the whole
-    layer and one for the base part, with ``triton`` (Triton launches), ``fills`` (torch fills),
-    ``counted`` (their sum), ``kernels`` (name=count;...), ``planned`` (the stage's launch plan plus the
-    top-k sum: ``len(stage.launch_ops) + 1``, the launch count the stage docstrings give) and, with
-    ``profile_gpu``, ``profiled_kernels``/``profiled_memsets`` from :func:`profiled_launches` (whole layer
-    only; NaN on the base row)."""
+    """The launches of ``run`` (a built :class:`~moelora_lib.kernels.LayerRun`), rows ``part`` = total and
+    base: ``triton``, ``fills``, ``counted`` (their sum), ``kernels`` (name=count;...), ``planned``
+    (``len(stage.launch_ops) + 1``: the plan plus the top-k sum; NaN for base) and, with ``profile_gpu``,
+    ``profiled_kernels``/``profiled_memsets``/``profiled_names``/``profiled_error`` (total only)."""
     rows = []
     for part, fn in (("total", run), ("base", run.base_part)):
         c = count_launches(fn)
         fills = int(c.pop("torch_fill", 0))
         row = dict(
-            stage=run.stage.name,
-            model=model,
-            T=int(run.dims.T),
-            part=part,
-            triton=int(sum(c.values())),
-            fills=fills,
-            counted=int(sum(c.values())) + fills,
+            stage=run.stage.name, model=model, T=int(run.dims.T), part=part, triton=int(sum(c.values())),
+            fills=fills, counted=int(sum(c.values())) + fills,
             kernels=";".join(f"{k}={v}" for k, v in sorted(c.items())),
             planned=len(run.stage.launch_ops) + 1 if part == "total" else float("nan"),
             config=run.cfg.short(),
-        )
+        )  # fmt: skip
         if profile_gpu and part == "total":
             try:
                 p = profiled_launches(fn)
             except Exception as e:  # noqa: BLE001 - a profiler failure must not stop the measurements
                 p = dict(error=f"{type(e).__name__}: {e}"[:200])
-            row.update(
-                profiled_kernels=p.get("kernels", float("nan")),
-                profiled_memsets=p.get("memsets", float("nan")),
-                profiled_names=p.get("names", ""),
-                profiled_error=p.get("error", ""),
-            )
+            nan = float("nan")
+            row.update(profiled_kernels=p.get("kernels", nan), profiled_memsets=p.get("memsets", nan),
+                       profiled_names=p.get("names", ""), profiled_error=p.get("error", ""))  # fmt: skip
         rows.append(bench.result_row(**row))
     return rows
-
-
-# ------------------------------------------------------------------------------------------------
-# The four launches of stage fused, alone
-# ------------------------------------------------------------------------------------------------
 
 
 def fused_op_costs(run, model: str, topk_ids=None, lora_ids=None) -> dict[str, dict[str, float]]:
@@ -326,22 +248,18 @@ def fused_op_costs(run, model: str, topk_ids=None, lora_ids=None) -> dict[str, d
 def bench_fused_ops(
     run, *, model: str, topk_ids=None, lora_ids=None, warmup_ms: float = 10, rep_ms: float = 40
 ) -> list[dict[str, Any]]:
-    """Time each launch of a ``fused`` layer alone (:meth:`LayerRun.op_fn`, graph replay, L2 flushed);
-    one row per op in the form of :func:`~.moe_bench.bench_layer`'s rows (part = the op's name) with
-    flops, bytes and floor_us from :func:`fused_op_costs`."""
+    """Time each launch of a ``fused`` layer alone (:meth:`LayerRun.op_fn`, graph replay, L2 flushed): one
+    row per op in :func:`~.moe_bench.bench_layer`'s form (part = the op) with :func:`fused_op_costs`."""
     from ..kernels.stages import FUSED_CONFIG_FIELD, FUSED_LAUNCH_OPS
 
     device = run.x.device
-    is_cpu = device.type == "cpu"
-    mode = "cpu-interpreter" if is_cpu else "graph"
+    mode = "cpu-interpreter" if device.type == "cpu" else "graph"
     costs = fused_op_costs(run, model, topk_ids, lora_ids)
     d = run.dims
     rows = []
     for op in FUSED_LAUNCH_OPS:
-        fn = run.op_fn(op)
-        tm = bench.time_fn(fn, mode, device, warmup_ms, rep_ms)
+        tm = bench.time_fn(run.op_fn(op), mode, device, warmup_ms, rep_ms)
         c = costs[op]
-        cfg = getattr(run.cfg, FUSED_CONFIG_FIELD[op])
         rows.append(
             bench.result_row(
                 stage=run.stage.name,
@@ -358,7 +276,7 @@ def bench_fused_ops(
                 activation=run.activation,
                 bias=run.b13 is not None,
                 part=op,
-                config=cfg.short(),
+                config=getattr(run.cfg, FUSED_CONFIG_FIELD[op]).short(),
                 config_source=run.cfg.source,
                 mode=mode,
                 ms_p50=tm.ms_p50,
@@ -370,14 +288,9 @@ def bench_fused_ops(
                 floor_us=c["floor_us"],
                 warmup_ms=warmup_ms,
                 rep_ms=rep_ms,
-            )
+            )  # fmt: skip
         )
     return rows
-
-
-# ------------------------------------------------------------------------------------------------
-# Tables
-# ------------------------------------------------------------------------------------------------
 
 
 #: lever name -> (stage, parts timed, config, adapter_order). Configs: ``stage_cfg`` the stage's own for T;
@@ -524,52 +437,33 @@ def _ratio(num, den):
 
 
 def targets_table(df, anchors, *, stage: str = STAGE, baseline: str = BASELINE):
-    """The targets of stage ``stage`` per anchored (model, T), with ``baseline`` beside it.
+    """The targets of ``stage`` per (model, T) of both ``df`` (``12_fused.csv`` rows) and ``anchors``
+    (:func:`~.moe_bench.anchor_table`, vLLM on the H200), with ``baseline`` beside it.
 
-    Args:
-        df: ``12_fused.csv`` rows (:func:`~.moe_bench.bench_layer` parts base/total, and lora for the
-            baseline).
-        anchors: :func:`~.moe_bench.anchor_table` (vLLM on the H200).
-    Returns:
-        One row per (model, T) in both: ``base_us``, ``lora_us`` (= total − base), ``lora_lo_us``/
-        ``lora_hi_us``, ``total_us``, ``base_floor_us``; vLLM's ``vllm_base_us``, ``vllm_lora_best_us``,
-        ``vllm_total_best_us``; ``lora_x`` = vLLM ÷ ours (inf where the LoRA part is ≤ 0), ``lora_x_low``
-        (with ``lora_hi_us``), ``lora_target``, ``met_lora``; ``total_x``, ``total_target``, ``met_total``,
-        ``met_never_slower``; informational ``lora_share`` (LoRA ÷ base) / ``met_lora_share`` (T ≤ 64,
-        else NaN), ``base_over_floor`` / ``met_base_floor`` (T ≤ 64 and T ≥ 1600, else NaN); the
-        baseline's ``tuned_base_us``, ``tuned_lora_us`` (its LoRA launches timed alone),
-        ``tuned_lora_derived_us`` (its total − base), ``tuned_total_us``, ``tuned_lora_x``,
-        ``tuned_total_x``; and ``speedup_total``/``speedup_base``/``speedup_lora`` = baseline ÷ stage
-        (the LoRA one on whole − base for both).
-    """
+    Columns: ``base_us``, ``lora_us`` (total − base) with ``lora_lo_us``/``lora_hi_us``, ``total_us``,
+    ``base_floor_us``; ``vllm_base_us``, ``vllm_lora_best_us``, ``vllm_total_best_us``; ``lora_x`` = vLLM ÷
+    ours (inf where the LoRA part is ≤ 0), ``lora_x_low``, ``lora_target``, ``met_lora``; ``total_x``,
+    ``total_target``, ``met_total``, ``met_never_slower``; ``lora_share``/``met_lora_share`` (T ≤ 64),
+    ``base_over_floor``/``met_base_floor`` (T ≤ 64, T ≥ 1600); the baseline's ``tuned_base_us``,
+    ``tuned_lora_us`` (LoRA launches alone), ``tuned_lora_derived_us``, ``tuned_total_us``,
+    ``tuned_lora_x``, ``tuned_total_x``; ``speedup_total``/``_base``/``_lora`` = baseline ÷ stage."""
     import pandas as pd
 
     lt = layer_table(df)
     ours = lt[lt.stage == stage].drop(columns="stage")
-    base_cols = ["model", "T", "base", "total", "lora", "lora_measured"]
-    ref = lt[lt.stage == baseline][base_cols].rename(
-        columns={
-            "base": "tuned_base_us",
-            "total": "tuned_total_us",
-            "lora": "tuned_lora_derived_us",
-            "lora_measured": "tuned_lora_us",
-        }
-    )
+    ref = lt[lt.stage == baseline][["model", "T", "base", "total", "lora", "lora_measured"]].rename(
+        columns=dict(base="tuned_base_us", total="tuned_total_us", lora="tuned_lora_derived_us",
+                     lora_measured="tuned_lora_us")
+    )  # fmt: skip
     a = anchors[["model", "T", "base_us", "lora_best_us", "total_best_us"]].rename(
-        columns={
-            "base_us": "vllm_base_us",
-            "lora_best_us": "vllm_lora_best_us",
-            "total_best_us": "vllm_total_best_us",
-        }
+        columns=dict(
+            base_us="vllm_base_us", lora_best_us="vllm_lora_best_us", total_best_us="vllm_total_best_us"
+        )
     )
     t = ours.rename(
-        columns={
-            "base": "base_us",
-            "total": "total_us",
-            "lora": "lora_us",
-            "lora_lo": "lora_lo_us",
-            "lora_hi": "lora_hi_us",
-        }
+        columns=dict(
+            base="base_us", total="total_us", lora="lora_us", lora_lo="lora_lo_us", lora_hi="lora_hi_us"
+        )
     ).drop(columns="lora_measured")
     t = t.merge(a, on=["model", "T"], how="inner").merge(ref, on=["model", "T"], how="left")
     t = t.sort_values(["model", "T"], ignore_index=True)
@@ -583,20 +477,14 @@ def targets_table(df, anchors, *, stage: str = STAGE, baseline: str = BASELINE):
     t["met_total"] = t.total_x >= t.total_target
     t["met_never_slower"] = t.total_x >= TOTAL_TARGETS["never_slower"]
     t["lora_share"] = t.lora_us / t.base_us
-    t["met_lora_share"] = pd.Series(
-        [(x <= LORA_SHARE_MAX) if T_ <= 64 else None for T_, x in zip(T, t.lora_share)],
-        index=t.index,
-        dtype=object,
-    )
+    share = [(x <= LORA_SHARE_MAX) if T_ <= 64 else None for T_, x in zip(T, t.lora_share)]
+    t["met_lora_share"] = pd.Series(share, index=t.index, dtype=object)
     t["base_over_floor"] = t.base_us / t.base_floor_us
-    t["met_base_floor"] = pd.Series(
-        [
-            (x <= BASE_FLOOR_DECODE) if T_ <= 64 else (x <= BASE_FLOOR_PREFILL) if T_ >= 1600 else None
-            for T_, x in zip(T, t.base_over_floor)
-        ],
-        index=t.index,
-        dtype=object,
-    )
+    floor = [
+        (x <= BASE_FLOOR_DECODE) if T_ <= 64 else (x <= BASE_FLOOR_PREFILL) if T_ >= 1600 else None
+        for T_, x in zip(T, t.base_over_floor)
+    ]
+    t["met_base_floor"] = pd.Series(floor, index=t.index, dtype=object)
     t["tuned_lora_x"] = _ratio(t.vllm_lora_best_us, t.tuned_lora_us)
     t["tuned_total_x"] = t.vllm_total_best_us / t.tuned_total_us
     t["speedup_total"] = t.tuned_total_us / t.total_us
@@ -620,11 +508,6 @@ def cumulative_with(cumulative, df, *, stage: str = STAGE, baseline: str = BASEL
             vals.get((p, (m, int(T))), float("nan")) for m, T, p in zip(out.model, out["T"], out.part)
         ]
     return out[out[f"{stage} (this run)"].notna()].reset_index(drop=True)
-
-
-# ------------------------------------------------------------------------------------------------
-# One graph replay, kernel by kernel (launch gaps)
-# ------------------------------------------------------------------------------------------------
 
 
 def timeline_rows(events: Sequence[tuple[str, int, int]], replays: int) -> list[dict[str, Any]]:
@@ -711,11 +594,6 @@ def timeline_table(tl_df):
     out = per.groupby(["model", "T", "stage"])[["kernels", "span_us", "busy_us", "gaps_us"]].median()
     out["gap_share"] = out.gaps_us / out.span_us
     return out.reset_index()
-
-
-# ------------------------------------------------------------------------------------------------
-# Registers, compile-only, in the background
-# ------------------------------------------------------------------------------------------------
 
 
 class RegisterReport:

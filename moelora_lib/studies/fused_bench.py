@@ -11,16 +11,11 @@ Units: µs; FLOPs 2 per multiply-add; bytes read + written; P = T·K pairs.
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import subprocess
-import sys
-import tempfile
 from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -511,14 +506,10 @@ def cumulative_with(cumulative, df, *, stage: str = STAGE, baseline: str = BASEL
 
 
 def timeline_rows(events: Sequence[tuple[str, int, int]], replays: int) -> list[dict[str, Any]]:
-    """Split the device activities of ``replays`` back-to-back graph replays into one row per activity.
-
-    ``events``: (name, start_ns, duration_ns) of every device kernel/memset the profiler recorded, in any
-    order; the replays ran one after another with a host synchronization between them, so after sorting
-    by start the first n = len(events) / replays activities are replay 0, the next n replay 1, ...
-    Rows: replay, seq (launch order inside the replay), name (first 60 characters), start_us (from the
-    replay's first start), dur_us, gap_us (start − the previous activity's end in the same replay; 0 for
-    the first; negative when two activities overlap), span_us (the replay's last end − first start).
+    """Split ``events`` ((name, start_ns, duration_ns) of every device activity, any order) of ``replays``
+    back-to-back graph replays, separated by host synchronizations, into one row per activity: replay, seq,
+    name (60 characters), start_us (from the replay's first start), dur_us, gap_us (start − the previous
+    activity's end in the replay; 0 for the first, negative on overlap), span_us (the replay's extent).
     Raises ValueError when ``replays`` is not an int ≥ 1 or the events do not split evenly."""
     if not isinstance(replays, int) or isinstance(replays, bool) or replays < 1:
         raise ValueError(f"replays must be an int >= 1, got {replays!r}")
@@ -533,30 +524,19 @@ def timeline_rows(events: Sequence[tuple[str, int, int]], replays: int) -> list[
         span = max(s + d for _, s, d in chunk) - t0
         prev_end = None
         for i, (name, s, d) in enumerate(chunk):
-            rows.append(
-                dict(
-                    replay=r,
-                    seq=i,
-                    name=name[:60],
-                    start_us=(s - t0) / 1e3,
-                    dur_us=d / 1e3,
-                    gap_us=0.0 if prev_end is None else (s - prev_end) / 1e3,
-                    span_us=span / 1e3,
-                )
-            )
+            gap = 0.0 if prev_end is None else (s - prev_end) / 1e3
+            rows.append(dict(replay=r, seq=i, name=name[:60], start_us=(s - t0) / 1e3, dur_us=d / 1e3,
+                             gap_us=gap, span_us=span / 1e3))  # fmt: skip
             prev_end = s + d if prev_end is None else max(prev_end, s + d)
     return rows
 
 
 def graph_timeline(run, *, model: str, replays: int = 5) -> list[dict[str, Any]]:
-    """GPU only: the kernels of one CUDA-graph replay of the whole layer ``run()`` (a built
-    :class:`~moelora_lib.kernels.LayerRun`), from ``torch.profiler`` (CUPTI) over ``replays`` replays of one
-    captured graph, each followed by a host synchronization (L2 not flushed: each replay finds what the
-    previous one left). Rows as :func:`timeline_rows` plus stage, model, T, config and the environment
-    columns: per kernel its device time and the idle gap before it, so the launch gaps inside a replay
-    are visible (the graph removes the host launch cost, not the device's kernel-to-kernel latency).
-    Capture as :func:`moelora_lib.studies.bench.time_cuda` (three warm-up calls on a side stream, then
-    ``torch.cuda.graph``). Raises RuntimeError without CUDA or when the profiler records nothing."""
+    """GPU only: the kernels of one CUDA-graph replay of ``run()`` (a built
+    :class:`~moelora_lib.kernels.LayerRun`) from ``torch.profiler`` over ``replays`` replays of one captured
+    graph (host sync after each, L2 not flushed): rows of :func:`timeline_rows` plus stage, model, T, config,
+    so the device's kernel-to-kernel gaps inside a replay are visible. Raises RuntimeError without CUDA or
+    when the profiler records nothing."""
     from torch.profiler import ProfilerActivity, profile
 
     if not torch.cuda.is_available():
@@ -597,75 +577,37 @@ def timeline_table(tl_df):
 
 
 class RegisterReport:
-    """:func:`moelora_lib.studies.compile_check.fused_report` for each model, in one background process
-    (no ``TRITON_INTERPRET``: it compiles for sm_90 without a GPU), started now and read with
-    :meth:`rows`. Registers are of the preset's own activation and biases (GPT-OSS-20B: swigluoai and
-    biases; the timed rows run silu without biases, as vLLM's anchor did)."""
+    """:func:`moelora_lib.studies.compile_check.fused_report` for each model (registers, spills, binaries
+    over lengths; compile-only for sm_90, no GPU needed) in a subprocess started now on a background thread
+    (:func:`~moelora_lib.studies.compile_check.run_isolated`), so it overlaps the GPU measurements. The
+    presets' own activation and biases."""
 
     def __init__(self, models: Sequence[str], lengths: Sequence[int], res_T: Sequence[int] = (1, 64, 1600)):
+        from concurrent.futures import ThreadPoolExecutor
+
+        from .compile_check import run_isolated
+
         self.models = list(models)
-        jobs = [
-            dict(op="fused_report", lengths=[int(x) for x in lengths], shape=m, res_T=[int(x) for x in res_T])
-            for m in self.models
-        ]
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-        root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        # the jobs go in now and the outputs to files, so the child compiles while this process measures
-        self._out = tempfile.TemporaryFile(mode="w+")
-        self._err = tempfile.TemporaryFile(mode="w+")
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "moelora_lib.studies.compile_check", "batch"],
-            stdin=subprocess.PIPE,
-            stdout=self._out,
-            stderr=self._err,
-            text=True,
-            env=env,
-            cwd=root,
-        )
-        self._proc.stdin.write(json.dumps(jobs))
-        self._proc.stdin.close()
-        self._result: list[dict] | None = None
-        self._error: str | None = None
+        lens, res = [int(x) for x in lengths], [int(x) for x in res_T]
+        jobs = [dict(op="fused_report", lengths=lens, shape=m, res_T=res) for m in self.models]
+        self._pool = ThreadPoolExecutor(max_workers=1)
+        self._future = self._pool.submit(run_isolated, jobs, 900.0)
+        self._pool.shutdown(wait=False)
 
     def rows(self, timeout: float = 300.0) -> list[dict[str, Any]]:
-        """One row per (model, op, T): REG, LOCAL (bytes of local memory: spills), cfg, plus ``binaries``
-        (compiled binaries of the op over the lengths with one config: 1 = no recompile). Waits for the
-        child at most ``timeout`` s; raises RuntimeError with its stderr if it failed or timed out."""
-        if self._result is None and self._error is None:
-            try:
-                rc = self._proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
-                self._error = f"timed out after {timeout:.0f} s"
-            else:
-                self._out.seek(0)
-                self._err.seek(0)
-                if rc != 0:
-                    self._error = f"rc {rc}: {self._err.read()[-3000:]}"
-                else:
-                    self._result = json.loads(self._out.read())
-            self._out.close()
-            self._err.close()
-        if self._error is not None:
-            raise RuntimeError(f"register report failed: {self._error}")
+        """One row per (model, op, T): REG, LOCAL (bytes of local memory: spills), cfg, binaries (over the
+        lengths with one config). Waits at most ``timeout`` s; raises RuntimeError if the job failed."""
+        try:
+            result = self._future.result(timeout=timeout)
+        except Exception as e:  # noqa: BLE001 - a timeout or the child's failure, reported the same way
+            raise RuntimeError(f"register report failed: {type(e).__name__}: {e}") from e
         rows = []
-        for m, rep in zip(self.models, self._result):
+        for m, rep in zip(self.models, result):
             for op, r in rep.items():
-                if not isinstance(r, dict) or "res" not in r:
-                    continue
-                for T, v in r["res"].items():
-                    rows.append(
-                        dict(
-                            model=m,
-                            op=op,
-                            T=int(T),
-                            REG=int(v["REG"]),
-                            LOCAL=int(v["LOCAL"]),
-                            cfg=v["cfg"],
-                            binaries=int(r["hashes"]),
-                        )
-                    )
+                if isinstance(r, dict) and "res" in r:
+                    rows += [
+                        dict(model=m, op=op, T=int(T), REG=int(v["REG"]), LOCAL=int(v["LOCAL"]), cfg=v["cfg"],
+                             binaries=int(r["hashes"]))
+                        for T, v in r["res"].items()
+                    ]  # fmt: skip
         return rows

@@ -72,9 +72,6 @@ def _row(shape: MoEShape, T: int, tm: bench.Timing, **fields) -> dict[str, Any]:
     )  # fmt: skip
 
 
-# ------------------------------------------------------------------------------------------------
-# alignment: torch oracle vs Triton
-# ------------------------------------------------------------------------------------------------
 def align_rows(
     shape: MoEShape | str,
     T: int,
@@ -138,9 +135,6 @@ def align_rows(
     return rows
 
 
-# ------------------------------------------------------------------------------------------------
-# the module
-# ------------------------------------------------------------------------------------------------
 def build_layer(
     inp: MoELoRAInputs, shape: MoEShape | str, *, max_tokens: int, stage: str = "tuned", **kw
 ) -> MoELoRALayer:
@@ -424,9 +418,6 @@ def graph_rows(
     return rows
 
 
-# ------------------------------------------------------------------------------------------------
-# compiled variants and memory
-# ------------------------------------------------------------------------------------------------
 def jit_cache_sizes(device: int | None = None) -> dict[str, int]:
     """Compiled binaries in the JIT caches of every kernel a layer call launches (the layer's kernels
     without length specialization, routing, id bounds, the alignment kernels). GPU only (0 under the

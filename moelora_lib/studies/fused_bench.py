@@ -203,40 +203,28 @@ def launch_rows(run, *, model: str, profile_gpu: bool) -> list[dict[str, Any]]:
 
 
 def fused_op_costs(run, model: str, topk_ids=None, lora_ids=None) -> dict[str, dict[str, float]]:
-    """FLOPs, minimal bytes and floor (µs) of the four launches of stage ``fused`` for ``run``'s dims.
-
-    From :func:`~.moe_bench.op_costs` (same touched-expert and touched-pair counts): ``fused_gate_up`` =
-    the base gate_up GEMM with g [P, I] written instead of h [P, 2I], plus B13 of the touched pairs, the
-    fp32 intermediate [P, S, R16] read and the expand's FLOPs; ``fused_down`` = the base down GEMM plus B2,
-    the intermediate [P, R16] and the expand's FLOPs; the shrinks = op_costs' shrinks with the
-    intermediate padded to R16 (:func:`~moelora_lib.kernels.launchers.rank_stride`)."""
+    """FLOPs, minimal bytes and floor (µs) of the four launches of stage ``fused`` for ``run``'s dims, from
+    :func:`~.moe_bench.op_costs` (same touched experts and pairs): ``fused_gate_up`` = the base gate_up GEMM
+    writing g [P, I] instead of h [P, 2I], plus B13 of the touched pairs, the fp32 intermediate [P, S, R16]
+    and the expand's FLOPs; ``fused_down`` = the base down GEMM plus B2, the intermediate [P, R16] and the
+    expand's FLOPs; the shrinks with the intermediate padded to R16
+    (:func:`~moelora_lib.kernels.launchers.rank_stride`)."""
     from ..kernels.launchers import rank_stride
 
-    d = run.dims
-    b = run.x.element_size()
-    rows = mb.op_costs(model, d, dtype_bytes=b, topk_ids=topk_ids, lora_ids=lora_ids)
-    c = {r["op"]: r for r in rows}
+    d, b = run.dims, run.x.element_size()
+    c = {r["op"]: r for r in mb.op_costs(model, d, dtype_bytes=b, topk_ids=topk_ids, lora_ids=lora_ids)}
     P, I, S, R = d.pairs, d.I, d.slices, d.rank
-    R16 = rank_stride(R)
-    inter13, inter2 = S * P * R16 * 4, P * R16 * 4
-    gu_exp, dn_exp = c["gate_up_expand"], c["down_expand"]
-    rows = {
-        "gate_up_shrink": (
-            c["gate_up_shrink"]["flops"],
-            c["gate_up_shrink"]["bytes"] - S * P * R * 4 + inter13,
-        ),
-        "fused_gate_up": (
-            c["base_gate_up"]["flops"] + gu_exp["flops"],
-            c["base_gate_up"]["bytes"] - P * 2 * I * b + P * I * b + gu_exp["weight_bytes"] + inter13,
-        ),
-        "down_shrink": (c["down_shrink"]["flops"], c["down_shrink"]["bytes"] - P * R * 4 + inter2),
-        "fused_down": (
-            c["base_down"]["flops"] + dn_exp["flops"],
-            c["base_down"]["bytes"] + dn_exp["weight_bytes"] + inter2,
-        ),
-    }
+    inter13, inter2 = S * P * rank_stride(R) * 4, P * rank_stride(R) * 4
+    gu, dn, gs, ds = c["gate_up_expand"], c["down_expand"], c["gate_up_shrink"], c["down_shrink"]
+    bg, bd = c["base_gate_up"], c["base_down"]
+    ops = {
+        "gate_up_shrink": (gs["flops"], gs["bytes"] - S * P * R * 4 + inter13),
+        "fused_gate_up": (bg["flops"] + gu["flops"], bg["bytes"] - P * I * b + gu["weight_bytes"] + inter13),
+        "down_shrink": (ds["flops"], ds["bytes"] - P * R * 4 + inter2),
+        "fused_down": (bd["flops"] + dn["flops"], bd["bytes"] + dn["weight_bytes"] + inter2),
+    }  # fmt: skip
     return {
-        op: dict(flops=float(f), bytes=float(n), floor_us=mb.floor_us(f, n)) for op, (f, n) in rows.items()
+        op: dict(flops=float(f), bytes=float(n), floor_us=mb.floor_us(f, n)) for op, (f, n) in ops.items()
     }
 
 

@@ -322,33 +322,25 @@ def graph_rows(
 
 
 def jit_cache_sizes(device: int | None = None) -> dict[str, int]:
-    """Compiled binaries in the JIT caches of every kernel a layer call launches (the layer's kernels
-    without length specialization, routing, id bounds, the alignment kernels). GPU only (0 under the
-    interpreter)."""
+    """Compiled binaries per jitted kernel a layer call may launch (the layer's kernels without length
+    specialization, then ``<module>.<name>`` of the alignment, routing, id-bounds and top-k kernels; device
+    helpers are jitted too but never launched, so their caches stay empty). All 0 without CUDA."""
     import importlib
 
     from ..kernels.triton_kernels import KERNELS
 
     jits = {name: flav[False] for name, flav in KERNELS.items()}
     for mod_name in ("align", "align_small", "route", "id_bounds", "topk_reduce"):
-        try:
-            mod = importlib.import_module(f"moelora_lib.kernels.{mod_name}")
-        except ImportError:
-            continue
+        mod = importlib.import_module(f"moelora_lib.kernels.{mod_name}")
         for name in dir(mod):
             obj = getattr(mod, name)
-            # the launched kernels: jitted functions (device helpers are jitted too but never launched,
-            # so their caches stay empty)
             if hasattr(obj, "device_caches") or type(obj).__name__ in ("JITFunction", "InterpretedFunction"):
                 jits[f"{mod_name}.{name.strip('_')}"] = obj
     if not torch.cuda.is_available():
         return dict.fromkeys(jits, 0)
     dev = torch.cuda.current_device() if device is None else device
-    out = {}
-    for name, k in jits.items():
-        caches = getattr(k, "device_caches", None)
-        out[name] = len(caches[dev][0]) if caches is not None and dev in caches else 0
-    return out
+    caches = {name: getattr(k, "device_caches", None) or {} for name, k in jits.items()}
+    return {name: len(c[dev][0]) if dev in c else 0 for name, c in caches.items()}
 
 
 def _misaligned(t: torch.Tensor) -> torch.Tensor:

@@ -768,7 +768,7 @@ def decode_floor(
     lora_attn = r * (H * 3 + c.q_width + 2 * c.kv_width) + r * (c.q_width + H)
     if c.is_moe:
         E, K, I = c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size
-        per_layer += _expected_distinct(K, batch, E) * 3 * H * I + E * H
+        per_layer += _expected_distinct(K, batch, E) * (3 * H * I) + E * H
         if adapters:
             touched = adapters * _expected_distinct(K, max(1.0, batch / adapters), E)
             lora += touched * r * (H + 2 * I + I + H)

@@ -171,16 +171,9 @@ def adapter_tensors(
 
 
 def write_peft_adapter(
-    folder,
-    config: ModelConfig,
-    *,
-    rank: int,
-    alpha: float,
-    seed: int,
-    dtype=torch.bfloat16,
-    device="cpu",
-    std=0.02,
-) -> Path:
+    folder, config: ModelConfig, *, rank: int, alpha: float, seed: int, dtype=torch.bfloat16, device="cpu",
+    std: float = 0.02,
+) -> Path:  # fmt: skip
     """Write :func:`adapter_tensors` as a PEFT LoRA folder (``adapter_config.json`` with PEFT's plain-LoRA
     fields, lora_dropout 0 as parameter targets require, and ``adapter_model.safetensors``). Returns it."""
     from safetensors.torch import save_file

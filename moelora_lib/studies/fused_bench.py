@@ -289,19 +289,9 @@ LEVERS: dict[str, tuple[str, tuple[str, ...], str, bool | None]] = {
 
 
 def bench_levers(
-    shape,
-    T: int,
-    *,
-    levers: Sequence[str] | None = None,
-    rank: int = 32,
-    num_adapters: int = 8,
-    weights=None,
-    dtype=torch.bfloat16,
-    device="cuda",
-    warmup_ms: float = 10,
-    rep_ms: float = 40,
-    seed: int = 0,
-) -> list[dict[str, Any]]:
+    shape, T: int, *, levers: Sequence[str] | None = None, rank: int = 32, num_adapters: int = 8,
+    weights=None, dtype=torch.bfloat16, device="cuda", warmup_ms: float = 10, rep_ms: float = 40, seed=0,
+) -> list[dict[str, Any]]:  # fmt: skip
     """Time each lever of :data:`LEVERS` (None = all) at one (model, T) with :func:`~.moe_bench.bench_layer`
     (uniform adapter ids, silu, no biases: the anchor setting); rows as bench_layer's plus ``lever``.
 

@@ -250,14 +250,7 @@ def _short_path(file: str) -> str:
 
 
 def host_profile_rows(
-    shape: MoEShape | str,
-    T: int,
-    fn: Callable[[], Any],
-    *,
-    what: str,
-    device="cuda",
-    calls: int = 50,
-    top: int = 20,
+    shape: MoEShape | str, T: int, fn: Callable[[], Any], *, what: str, device="cuda", calls=50, top=20
 ) -> list[dict[str, Any]]:
     """Where the host time of ``fn`` goes: ``cProfile`` over ``calls`` calls after warm-up, the ``top``
     functions by own time (µs per call of ``fn``, inflated by the profiler: the ranking is the point) with

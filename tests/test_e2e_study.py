@@ -163,8 +163,8 @@ def test_floors():
 # --------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def cpu_run():
-    """The notebook's CPU flow on tiny-gpt-oss: base, adapters (slot 0 from a file), mixed, breakdown,
-    recompilation check."""
+    """The notebook's CPU flow on tiny-gpt-oss: base, adapters (slot 0 from a file), mixed, the mixed
+    batch's breakdown, recompilation check."""
     name = "tiny-gpt-oss"
     model = e2e.build_model(
         name, dtype=torch.float32, device="cpu", max_batch=2, max_seq=16, max_tokens=32, max_rank=4
@@ -178,10 +178,9 @@ def cpu_run():
             gen, name, scenario, concurrency=2, prompt_len=6, new_tokens=2, warm_tokens=0
         )
         rows.append(row)
-        b = e2e.step_breakdown(
-            model, batch=2, adapters=e2e.adapter_slots(scenario, 2, 8), position=6, steps=1
-        )
-        bd += e2e.breakdown_rows(b, row, position=6)
+    # the per-step breakdown of the mixed batch (the scenario with every category present)
+    b = e2e.step_breakdown(model, batch=2, adapters=e2e.adapter_slots(scenario, 2, 8), position=6, steps=1)
+    bd += e2e.breakdown_rows(b, row, position=6)
     rc = e2e.recompile_rows(gen, name, lengths=[5], warm_reps=1)
     return model, rows, bd, rc, loads
 

@@ -1,46 +1,16 @@
-"""End-to-end multi-adapter generation (notebook 11): TTFT and output tokens/s of whole models.
+"""Notebook 11's measurements: multi-adapter generation of whole models (TTFT, output tokens/s).
 
-What it gives the notebook (rows for ``data/11_*.csv``, each through :func:`moelora_lib.studies.bench.
-result_row`, so every row carries the GPU, torch/triton/helion versions and the git commit):
+Rows for ``data/11_*.csv`` (through :func:`moelora_lib.studies.bench.result_row`): generation runs of
+:class:`~moelora_lib.model.generate.Generator` (:func:`run_generation`), adapter loading from PEFT files
+(:func:`load_adapters`), the first request at a new prompt length (:func:`recompile_rows`), where a decode
+step's GPU time goes (:func:`step_breakdown`), and transformers + PEFT on the same device
+(:func:`hf_baseline_rows`); plus the bytes/FLOPs floors (:func:`decode_floor`, :func:`prefill_floor`) and
+the targets (:func:`targets_table`). Models have random weights at the real dimensions (speed depends only
+on the shapes); the CPU profile runs tiny configs of each kind through the Triton interpreter.
 
-* :data:`MODELS`, :func:`config_dict` / :func:`model_config` — the three models of the study at their real
-  dimensions (:data:`moelora_lib.model.REAL_CONFIGS`) and one tiny config of each kind for the CPU profile
-  (``tiny-gpt-oss``, ``tiny-qwen3-moe``, ``tiny-qwen3``: same fields, small sizes).
-* :func:`build_model` — a :class:`~moelora_lib.model.MultiLoRAModel` with random weights drawn on the
-  device (:func:`~moelora_lib.model.random_model`; speed depends only on the shapes).
-* :func:`write_peft_adapter` / :func:`load_random_adapter` / :func:`load_adapters` — random rank-R adapters
-  on attention (q, k, v, o) and the MLP (GPT-OSS and Qwen3-MoE: the experts' gate_up and down as PEFT's 3-D
-  ``target_parameters`` factors; Qwen3: gate, up, down). ``load_adapters`` writes the slots named in
-  ``file_slots`` as real PEFT files (``adapter_config.json`` + ``adapter_model.safetensors``, PEFT's key
-  names and layouts) and loads them through :func:`moelora_lib.model.peft_adapters.load_peft_adapter`,
-  so the loading path runs at the real sizes and its time is measured; the other slots are filled with
-  random factors directly on the device (``load_adapter`` of every module). Why not every slot from a
-  file: one rank-32 adapter of Qwen3-30B-A3B is 2.6 GB of bf16 (48 layers × 128 experts), eight of them
-  would be 21 GB written and read back on the host's CPU, minutes of a GPU lease spent with the GPU idle;
-  the kernels read slot buffers, so where a slot's values came from does not change any timing.
-* :func:`run_generation` — one :meth:`~moelora_lib.model.generate.Generator.generate` call, after an
-  untimed call with the same shapes (compilation and first-use costs stay out), as one row: TTFT per
-  request (mean, p50, max), output tokens/s per request (mean, min) and aggregate, the median decode step.
-* :func:`recompile_rows` — the first request at a prompt length never seen before against warm requests
-  of that length, with the number of kernel binaries compiled in between (:func:`compiled_binaries`).
-* :func:`step_breakdown` — where one decode step's GPU time goes (attention, attention projections' base
-  GEMMs, MLP/MoE base, LoRA, other) from ``torch.profiler`` kernel times of eager steps with the same
-  inputs as the captured graph, attributed through ``record_function`` scopes on the model's modules.
-* :func:`hf_baseline_rows` — transformers + PEFT at the same dimensions on the same device (random
-  weights, eager, one adapter: PEFT refuses mixed-adapter batches), timed the way the generator times.
-* :func:`decode_floor` / :func:`prefill_floor` — the bytes a decode step must read and the FLOPs a prefill
-  must do, over the H200's measured ceilings (:mod:`moelora_lib.hardware`): the OTPS ceiling and TTFT
-  floor the measurements are put against.
-* :func:`summary_table` / :func:`targets_table` — shared by the notebook and its conclusion
-  (:mod:`moelora_lib.studies.conclusions.nb11`).
-
-Definitions (the generator's, :class:`~moelora_lib.model.generate.GenerationResult`): TTFT = call start ->
-the request's first token on the host (its prefill group done, device synchronized); OTPS per request =
-(tokens − 1) / (last token − first token); aggregate OTPS = all output tokens / the whole call; a decode
-step = the CUDA-graph replay plus the few launches that feed the next token back. Greedy decoding, no eos,
-so every request makes exactly ``new_tokens`` tokens. On the CPU profile (Triton interpreter, tiny
-configs, fp32, no CUDA graphs) every time is interpreter cost, never performance (``mode =
-"cpu-interpreter"``).
+Definitions (:class:`~moelora_lib.model.generate.GenerationResult`): TTFT = call start -> the request's
+first token on the host; OTPS per request = (tokens − 1) / (last token − first token); aggregate OTPS = all
+output tokens / the whole call. Greedy, no eos: every request makes ``new_tokens`` tokens.
 """
 
 from __future__ import annotations
@@ -67,41 +37,6 @@ from ..hardware import H200_BF16_TFLOPS, H200_READ_TB_PER_S
 from ..model import REAL_CONFIGS, ModelConfig, MultiLoRAModel, random_model
 from . import bench
 
-__all__ = [
-    "MODELS",
-    "TINY_MODELS",
-    "SCENARIOS",
-    "HF_SCENARIOS",
-    "CATEGORIES",
-    "TARGETS",
-    "config_dict",
-    "model_config",
-    "build_model",
-    "peft_targets",
-    "adapter_tensors",
-    "write_peft_adapter",
-    "load_random_adapter",
-    "load_adapters",
-    "make_prompts",
-    "adapter_slots",
-    "run_generation",
-    "generation_row",
-    "compiled_binaries",
-    "recompile_rows",
-    "step_breakdown",
-    "breakdown_rows",
-    "hf_model",
-    "hf_generate",
-    "hf_baseline_rows",
-    "decode_floor",
-    "prefill_floor",
-    "summary_table",
-    "targets_table",
-    "free_memory",
-    "TABLES",
-    "write_tables",
-]
-
 #: The three models of the study (names of :data:`moelora_lib.model.REAL_CONFIGS`).
 MODELS = ("gpt-oss-20b", "qwen3-30b-a3b", "qwen3-32b")
 #: The CPU profile's stand-in for each model: the same config.json fields at tiny sizes.
@@ -113,62 +48,23 @@ HF_SCENARIOS = ("transformers", "transformers_peft")
 #: Categories of :func:`step_breakdown` (µs of kernel time per decode step).
 CATEGORIES = ("attention", "attn_proj_base", "mlp_base", "lora", "other", "unattributed")
 
+_COMMON = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=2)
+_QWEN = dict(_COMMON, intermediate_size=96, max_window_layers=2, bos_token_id=125, eos_token_id=126)
 _TINY_SIZES = {
     "gpt_oss": dict(
-        hidden_size=64,
-        intermediate_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_hidden_layers=2,
-        layer_types=["sliding_attention", "full_attention"],
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        experts_per_token=2,
-        vocab_size=128,
-        sliding_window=8,
-        pad_token_id=127,
-        eos_token_id=126,
+        _COMMON, intermediate_size=32, layer_types=["sliding_attention", "full_attention"],
+        num_local_experts=4, num_experts_per_tok=2, experts_per_token=2, vocab_size=128, sliding_window=8,
+        pad_token_id=127, eos_token_id=126,
     ),
-    "qwen3_moe": dict(
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_hidden_layers=2,
-        max_window_layers=2,
-        num_experts=4,
-        num_experts_per_tok=2,
-        vocab_size=128,
-        bos_token_id=125,
-        eos_token_id=126,
-    ),
-    "qwen3": dict(
-        hidden_size=64,
-        intermediate_size=96,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_hidden_layers=2,
-        max_window_layers=2,
-        vocab_size=128,
-        bos_token_id=125,
-        eos_token_id=126,
-    ),
-}
+    "qwen3_moe": dict(_QWEN, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, vocab_size=128),
+    "qwen3": dict(_QWEN, vocab_size=128),
+}  # fmt: skip
 _TINY_OF = {"tiny-gpt-oss": "gpt-oss-20b", "tiny-qwen3-moe": "qwen3-30b-a3b", "tiny-qwen3": "qwen3-32b"}
 
 
-# --------------------------------------------------------------------------------------------------
-# models
-# --------------------------------------------------------------------------------------------------
 def config_dict(name: str) -> dict:
-    """The config.json dict of ``name``: a :data:`MODELS` name (the real file) or a tiny one
-    (:data:`TINY_MODELS` values: the real file with small sizes). A fresh dict per call.
-
-    Raises ValueError for an unknown name."""
+    """A fresh config.json dict of ``name``: a :data:`MODELS` name or a :data:`TINY_MODELS` value (the real
+    file with small sizes). Raises ValueError for an unknown name."""
     if name in REAL_CONFIGS:
         return REAL_CONFIGS[name]
     if name in _TINY_OF:
@@ -184,33 +80,12 @@ def model_config(name: str) -> ModelConfig:
     return ModelConfig.from_hf(config_dict(name))
 
 
-def build_model(
-    name: str,
-    *,
-    stage: str = "tuned",
-    dtype: torch.dtype,
-    device,
-    max_batch: int,
-    max_seq: int,
-    max_tokens: int,
-    num_adapters: int = 8,
-    max_rank: int = 32,
-    seed: int = 0,
-) -> MultiLoRAModel:
-    """A random-weight :class:`~moelora_lib.model.MultiLoRAModel` of ``name`` (see the module docstring),
-    built directly on ``device``; no adapter loaded."""
-    return random_model(
-        model_config(name),
-        seed=seed,
-        dtype=dtype,
-        device=device,
-        num_adapters=num_adapters,
-        max_rank=max_rank,
-        max_batch=max_batch,
-        max_seq=max_seq,
-        max_tokens=max_tokens,
-        stage=stage,
-    )
+def build_model(name: str, *, stage: str = "tuned", seed: int = 0, **sizes) -> MultiLoRAModel:
+    """A random-weight :class:`~moelora_lib.model.MultiLoRAModel` of ``name`` built on the device, no adapter
+    loaded. ``sizes``: :func:`~moelora_lib.model.random_model`'s dtype, device, max_batch, max_seq,
+    max_tokens, num_adapters (default 8), max_rank (default 32)."""
+    sizes = {"num_adapters": 8, "max_rank": 32, **sizes}
+    return random_model(model_config(name), seed=seed, stage=stage, **sizes)
 
 
 #: The CSVs of notebook 11 (``data/11_<name>.csv``) and the function whose rows each holds.
@@ -218,9 +93,9 @@ TABLES = ("generation", "breakdown", "recompile", "adapter_load")
 
 
 def write_tables(folder, **rows) -> dict[str, Path]:
-    """Write each of ``rows`` (``generation=[...]``, ``breakdown=[...]``, ... — names of :data:`TABLES`)
-    to ``<folder>/11_<name>.csv`` with :func:`~moelora_lib.studies.bench.write_rows`, replacing the file:
-    called after every model, so a run cut short still leaves what it measured. Returns the paths."""
+    """Write each of ``rows`` (keyword = a :data:`TABLES` name) to ``<folder>/11_<name>.csv``, replacing
+    the file (called after every model, so a run cut short keeps what it measured). Returns the paths.
+    Raises ValueError for an unknown table name."""
     out = {}
     for name, r in rows.items():
         if name not in TABLES:
@@ -231,7 +106,7 @@ def write_tables(folder, **rows) -> dict[str, Path]:
 
 
 def free_memory(device) -> None:
-    """gc + ``torch.cuda.empty_cache()`` on a GPU: between models (tens of GB of weights, graph pools)."""
+    """gc and, on a GPU, ``torch.cuda.empty_cache()`` (between models)."""
     gc.collect()
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
@@ -243,15 +118,12 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
-# --------------------------------------------------------------------------------------------------
-# adapters
-# --------------------------------------------------------------------------------------------------
 _CLASS = {"gpt_oss": "GptOssForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 def peft_targets(config: ModelConfig) -> tuple[list[str], list[str] | None]:
-    """(target_modules, target_parameters) of the study's adapters: attention q/k/v/o everywhere; the
-    experts' gate_up and down (3-D parameters) on MoE models, the dense MLP's gate/up/down on Qwen3."""
+    """(target_modules, target_parameters) of the study's adapters: attention q/k/v/o; the experts' 3-D
+    gate_up and down on MoE models, the dense MLP's gate/up/down otherwise."""
     modules = ["q_proj", "k_proj", "v_proj", "o_proj"]
     if config.is_moe:
         return modules, ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -259,43 +131,24 @@ def peft_targets(config: ModelConfig) -> tuple[list[str], list[str] | None]:
 
 
 def _module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(in, out) of each targeted nn.Linear-like module of one layer."""
-    c = config
-    H = c.hidden_size
-    shapes = {
-        "self_attn.q_proj": (H, c.q_width),
-        "self_attn.k_proj": (H, c.kv_width),
-        "self_attn.v_proj": (H, c.kv_width),
-        "self_attn.o_proj": (c.q_width, H),
-    }
+    """(in, out) of each targeted linear module of one layer."""
+    c, H = config, config.hidden_size
+    shapes = {"self_attn.q_proj": (H, c.q_width), "self_attn.k_proj": (H, c.kv_width)}
+    shapes |= {"self_attn.v_proj": (H, c.kv_width), "self_attn.o_proj": (c.q_width, H)}
     if not c.is_moe:
-        shapes.update(
-            {
-                "mlp.gate_proj": (H, c.intermediate_size),
-                "mlp.up_proj": (H, c.intermediate_size),
-                "mlp.down_proj": (c.intermediate_size, H),
-            }
-        )
+        I = c.intermediate_size
+        shapes |= {"mlp.gate_proj": (H, I), "mlp.up_proj": (H, I), "mlp.down_proj": (I, H)}
     return shapes
 
 
 def adapter_tensors(
-    config: ModelConfig,
-    *,
-    rank: int,
-    seed: int,
-    dtype: torch.dtype = torch.bfloat16,
-    device="cpu",
-    std: float = 0.02,
+    config: ModelConfig, *, rank: int, seed: int, dtype: torch.dtype = torch.bfloat16, device="cpu", std=0.02
 ) -> dict[str, torch.Tensor]:
-    """A random rank-``rank`` adapter as PEFT's ``adapter_model.safetensors`` holds it: {key: tensor}.
+    """A random rank-``rank`` adapter as PEFT's ``adapter_model.safetensors`` holds it, {key: tensor}.
 
-    Keys ``base_model.model.model.layers.{l}.<module>.lora_{A,B}.weight``; module LoRA ``lora_A`` [r, in],
-    ``lora_B`` [out, r]; 3-D experts (GPT-OSS, Qwen3-MoE; gate_up registered first, so it is the inner
-    wrapper ``mlp.experts.base_layer``, down the outer ``mlp.experts``): ``lora_A`` [E·r, in],
-    ``lora_B`` [out, E·r] with gate_up in = H, out = 2I and down in = I, out = H. N(0, std²) entries drawn
-    on ``device`` (fast on a GPU) in ``dtype``; lora_B nonzero (PEFT's trained adapters are), so no
-    kernel ever sees an all-zero factor."""
+    Keys ``base_model.model.model.layers.{l}.<module>.lora_{A,B}.weight``: linear modules ``lora_A``
+    [r, in], ``lora_B`` [out, r]; 3-D experts (gate_up is the inner ``mlp.experts.base_layer``, down the
+    outer ``mlp.experts``) ``lora_A`` [E·r, in], ``lora_B`` [out, E·r]. Entries N(0, std²), B nonzero."""
     g = torch.Generator(device=device)
     g.manual_seed(int(seed))
 
@@ -318,56 +171,33 @@ def adapter_tensors(
 
 
 def write_peft_adapter(
-    folder,
-    config: ModelConfig,
-    *,
-    rank: int,
-    alpha: float,
-    seed: int,
-    dtype: torch.dtype = torch.bfloat16,
-    device="cpu",
+    folder, config: ModelConfig, *, rank: int, alpha: float, seed: int, dtype=torch.bfloat16, device="cpu",
     std: float = 0.02,
-) -> Path:
-    """Write a random adapter (:func:`adapter_tensors`, entries N(0, std²)) as a PEFT LoRA folder:
-    ``adapter_config.json`` (PEFT 0.21's fields for plain LoRA with ``target_modules`` /
-    ``target_parameters``, lora_dropout 0 as PEFT requires for parameter targets) and
-    ``adapter_model.safetensors``. Returns the folder."""
+) -> Path:  # fmt: skip
+    """Write :func:`adapter_tensors` as a PEFT LoRA folder (``adapter_config.json`` with PEFT's plain-LoRA
+    fields, lora_dropout 0 as parameter targets require, and ``adapter_model.safetensors``). Returns it."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     modules, params = peft_targets(config)
-    cfg = {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": None,
-        "r": int(rank),
-        "lora_alpha": alpha,
-        "lora_dropout": 0.0,
-        "bias": "none",
-        "target_modules": modules,
-        "target_parameters": params,
-        "use_rslora": False,
-        "use_dora": False,
-        "fan_in_fan_out": False,
-        "rank_pattern": {},
-        "alpha_pattern": {},
-        "modules_to_save": None,
-        "init_lora_weights": True,
-        "inference_mode": True,
-    }
+    cfg = dict(
+        peft_type="LORA", task_type="CAUSAL_LM", base_model_name_or_path=None, r=int(rank), lora_alpha=alpha,
+        lora_dropout=0.0, bias="none", target_modules=modules, target_parameters=params, use_rslora=False,
+        use_dora=False, fan_in_fan_out=False, rank_pattern={}, alpha_pattern={}, modules_to_save=None,
+        init_lora_weights=True, inference_mode=True,
+    )  # fmt: skip
     tensors = adapter_tensors(config, rank=rank, seed=seed, dtype=dtype, device=device, std=std)
-    host = {k: t.cpu().contiguous() for k, t in tensors.items()}
-    save_file(host, str(folder / "adapter_model.safetensors"))
+    save_file(
+        {k: t.cpu().contiguous() for k, t in tensors.items()}, str(folder / "adapter_model.safetensors")
+    )
     (folder / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
     return folder
 
 
 def load_random_adapter(model: MultiLoRAModel, slot: int, *, rank: int, alpha: float, seed: int, std=0.02):
-    """Fill slot ``slot`` of every LoRA module of ``model`` with random rank-``rank`` factors drawn on the
-    model's device (scaling alpha / rank), covering what :func:`peft_targets` covers: qkv (three slices)
-    and o; the experts' gate_up (every slice) and down, or the dense MLP's gate_up (two slices) and
-    down."""
+    """Fill slot ``slot`` of every LoRA module that :func:`peft_targets` covers with random rank-``rank``
+    factors drawn on the model's device (scaling alpha / rank)."""
     dev, dt = model.device, model.dtype
     g = torch.Generator(device=dev)
     g.manual_seed(int(seed))
@@ -396,22 +226,16 @@ def load_random_adapter(model: MultiLoRAModel, slot: int, *, rank: int, alpha: f
 
 
 def load_adapters(
-    model: MultiLoRAModel,
-    name: str,
-    *,
-    rank: int,
-    alpha: float,
-    seed: int,
-    file_slots: Sequence[int] = (0,),
-    workdir=None,
+    model: MultiLoRAModel, name: str, *, rank: int, alpha: float, seed: int, file_slots=(0,), workdir=None
 ) -> list[dict[str, Any]]:
-    """Load an adapter into every slot of ``model``: the slots in ``file_slots`` from PEFT files written
-    here (:func:`write_peft_adapter`, in ``workdir`` or a temporary folder removed afterwards) through
-    :func:`~moelora_lib.model.peft_adapters.load_peft_adapter`, the others directly
-    (:func:`load_random_adapter`). Each slot gets its own seed.
+    """Load an adapter into every slot: those in ``file_slots`` written as PEFT files
+    (:func:`write_peft_adapter`, in ``workdir`` or a temporary folder) and loaded through
+    :func:`~moelora_lib.model.peft_adapters.load_peft_adapter`, the others filled directly
+    (:func:`load_random_adapter`); a seed per slot. Files only where asked: a Qwen3-30B-A3B adapter is
+    2.6 GB, and the kernels read slot buffers whatever filled them.
 
-    Returns one row per slot: model, stage, slot, source ("peft_file" | "direct"), write_s (file only),
-    load_s, file_mb, rank, alpha — times synchronized with the device."""
+    Returns one row per slot: model, stage, slot, source ("peft_file" | "direct"), write_s, load_s, file_mb,
+    rank, alpha (seconds synchronized with the device)."""
     from ..model.peft_adapters import load_peft_adapter
 
     dev = model.device
@@ -423,27 +247,15 @@ def load_adapters(
     try:
         for slot in range(model.num_adapters):
             s_seed = seed * 1000 + slot
-            row = dict(
-                model=name,
-                stage=_stage_of(model),
-                slot=slot,
-                rank=rank,
-                alpha=alpha,
-                write_s=float("nan"),
-                file_mb=float("nan"),
-            )
+            row = dict(model=name, stage=_stage_of(model), slot=slot, rank=rank, alpha=alpha)
+            row.update(write_s=float("nan"), file_mb=float("nan"))
             _sync(dev)
             if slot in file_slots:
                 t0 = time.perf_counter()
                 folder = write_peft_adapter(
-                    Path(workdir) / f"{name}-slot{slot}",
-                    model.config,
-                    rank=rank,
-                    alpha=alpha,
-                    seed=s_seed,
-                    dtype=torch.bfloat16 if model.dtype == torch.bfloat16 else torch.float32,
-                    device=dev,
-                )
+                    Path(workdir) / f"{name}-slot{slot}", model.config, rank=rank, alpha=alpha, seed=s_seed,
+                    dtype=torch.bfloat16 if model.dtype == torch.bfloat16 else torch.float32, device=dev,
+                )  # fmt: skip
                 row["write_s"] = time.perf_counter() - t0
                 row["file_mb"] = (folder / "adapter_model.safetensors").stat().st_size / 1e6
                 t0 = time.perf_counter()
@@ -462,9 +274,6 @@ def load_adapters(
     return rows
 
 
-# --------------------------------------------------------------------------------------------------
-# generation
-# --------------------------------------------------------------------------------------------------
 def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     """``n`` random prompts of ``length`` token ids in [0, vocab) (seeded, on the host)."""
     g = torch.Generator().manual_seed(int(seed))
@@ -472,8 +281,8 @@ def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def adapter_slots(scenario: str, n: int, num_adapters: int) -> list[int | None]:
-    """Adapter per request: "base" -> None for all; "adapters_mixed" -> request i on slot i mod L (every
-    request a different adapter up to L requests)."""
+    """Adapter slot per request: "base" None for all, "adapters_mixed" request i on slot i mod L.
+    Raises ValueError for another scenario."""
     if scenario == "base":
         return [None] * n
     if scenario == "adapters_mixed":
@@ -486,163 +295,95 @@ def _mode(device) -> str:
 
 
 def generation_row(res, *, model: str, scenario: str, stage: str | None, impl: str, adapters, **fields):
-    """One CSV row of a :class:`~moelora_lib.model.generate.GenerationResult` (or the same fields of
-    :func:`hf_generate`): times in ms, throughputs in tokens/s."""
+    """One CSV row of a :class:`~moelora_lib.model.generate.GenerationResult` (or :func:`hf_generate`'s
+    result): times in ms, throughputs in tokens/s; ``fields`` appended."""
     ttft = [t * 1e3 for t in res.ttft_s]
     otps = [x for x in res.request_otps if math.isfinite(x)]
     steps = [s * 1e3 for s in res.step_s]
+    nan = float("nan")
     return bench.result_row(
-        model=model,
-        impl=impl,
-        scenario=scenario,
-        stage=stage,
-        concurrency=len(res.tokens),
+        model=model, impl=impl, scenario=scenario, stage=stage, concurrency=len(res.tokens),
         distinct_adapters=len({a for a in adapters if a is not None and a >= 0}),
-        ttft_ms_mean=statistics.fmean(ttft),
-        ttft_ms_p50=statistics.median(ttft),
-        ttft_ms_max=max(ttft),
-        otps_per_request=statistics.fmean(otps) if otps else float("nan"),
-        otps_per_request_min=min(otps) if otps else float("nan"),
-        otps_aggregate=res.aggregate_otps,
-        decode_otps=res.decode_otps,
-        step_ms_p50=statistics.median(steps) if steps else float("nan"),
-        step_ms_mean=statistics.fmean(steps) if steps else float("nan"),
-        prefill_ms=res.prefill_s * 1e3,
-        decode_s=res.decode_s,
-        total_s=res.total_s,
-        output_tokens=res.output_tokens,
-        **fields,
-    )
+        ttft_ms_mean=statistics.fmean(ttft), ttft_ms_p50=statistics.median(ttft), ttft_ms_max=max(ttft),
+        otps_per_request=statistics.fmean(otps) if otps else nan,
+        otps_per_request_min=min(otps) if otps else nan, otps_aggregate=res.aggregate_otps,
+        decode_otps=res.decode_otps, step_ms_p50=statistics.median(steps) if steps else nan,
+        step_ms_mean=statistics.fmean(steps) if steps else nan, prefill_ms=res.prefill_s * 1e3,
+        decode_s=res.decode_s, total_s=res.total_s, output_tokens=res.output_tokens, **fields,
+    )  # fmt: skip
 
 
 def run_generation(
-    gen,
-    name: str,
-    scenario: str,
-    *,
-    concurrency: int,
-    prompt_len: int,
-    new_tokens: int,
-    seed: int = 0,
-    warm_tokens: int = 2,
-    progress: bool = False,
-) -> dict[str, Any]:
-    """Time one ``gen.generate`` of ``concurrency`` random prompts of ``prompt_len`` tokens, each making
-    ``new_tokens`` tokens with its adapter (:func:`adapter_slots`), after an untimed call of the same
-    shapes making ``warm_tokens`` tokens (so the prefill kernels at these lengths and the decode graph of
-    this batch are built before the timed call). Returns :func:`generation_row`'s row.
-
-    Asserts that every request made ``new_tokens`` tokens."""
+    gen, name: str, scenario: str, *, concurrency: int, prompt_len: int, new_tokens: int, seed: int = 0,
+    warm_tokens: int = 2, progress: bool = False,
+) -> dict[str, Any]:  # fmt: skip
+    """Time one ``gen.generate`` of ``concurrency`` random prompts of ``prompt_len`` tokens making
+    ``new_tokens`` each on the scenario's adapters (:func:`adapter_slots`), after an untimed call of the
+    same shapes making ``warm_tokens`` (compilation and graph capture stay out). Returns
+    :func:`generation_row`'s row; asserts every request made ``new_tokens`` tokens."""
     model = gen.model
     vocab, L = model.config.vocab_size, model.num_adapters
     adapters = adapter_slots(scenario, concurrency, L)
     if warm_tokens:
         gen.generate(make_prompts(concurrency, prompt_len, vocab, seed + 7919), adapters, warm_tokens)
-    prompts = make_prompts(concurrency, prompt_len, vocab, seed)
-    res = gen.generate(prompts, adapters, new_tokens, progress=progress)
-    assert all(len(t) == new_tokens for t in res.tokens), [len(t) for t in res.tokens]
-    stage = _stage_of(model)
-    return generation_row(
-        res,
-        model=name,
-        scenario=scenario,
-        stage=stage,
-        impl="moelora",
-        adapters=adapters,
-        prompt_len=prompt_len,
-        new_tokens=new_tokens,
-        rank=_rank_of(model),
-        adapters_loaded=_loaded(model),
-        cuda_graphs=bool(gen.use_cuda_graphs),
-        mode=_mode(model.device),
-        dtype=dtype_name(model.dtype),
+    res = gen.generate(
+        make_prompts(concurrency, prompt_len, vocab, seed), adapters, new_tokens, progress=progress
     )
-
-
-def _lora_modules(model) -> list:
-    return list(model.lora_modules().values())
+    assert all(len(t) == new_tokens for t in res.tokens), [len(t) for t in res.tokens]
+    return generation_row(
+        res, model=name, scenario=scenario, stage=_stage_of(model), impl="moelora", adapters=adapters,
+        prompt_len=prompt_len, new_tokens=new_tokens, rank=int(model.max_rank),
+        adapters_loaded=_loaded(model),
+        cuda_graphs=bool(gen.use_cuda_graphs), mode=_mode(model.device), dtype=dtype_name(model.dtype),
+    )  # fmt: skip
 
 
 def _stage_of(model) -> str:
-    return _lora_modules(model)[0].stage.name
-
-
-def _rank_of(model) -> int:
-    return int(model.max_rank)
+    return next(iter(model.lora_modules().values())).stage.name
 
 
 def _loaded(model) -> int:
     """Slots holding an adapter in any module."""
     slots = set()
-    for m in _lora_modules(model):
-        s = m.loaded_slots
-        slots |= set(s if not isinstance(s, dict) else s.keys())
+    for m in model.lora_modules().values():
+        slots |= set(m.loaded_slots)
     return len(slots)
 
 
-# --------------------------------------------------------------------------------------------------
-# recompilation
-# --------------------------------------------------------------------------------------------------
-def _jit_functions() -> list:
-    """Every launched Triton kernel of the package's kernel modules imported so far (JIT functions found
-    in their globals and one dict level down, e.g. ``KERNELS[name][flavour]``)."""
-    found: dict[int, Any] = {}
-
-    def take(obj):
-        try:
-            if hasattr(obj, "device_caches"):
-                found[id(obj)] = obj
-        except Exception:  # a module global with an unusual __getattr__: not a kernel
-            pass
-
-    for mod_name, mod in list(sys.modules.items()):
-        if not mod_name.startswith("moelora_lib.kernels.") or mod is None:
-            continue
-        for obj in vars(mod).values():
-            take(obj)
-            if isinstance(obj, dict):
-                for v in obj.values():
-                    take(v)
-                    if isinstance(v, dict):
-                        for w in v.values():
-                            take(w)
-    return list(found.values())
-
-
 def compiled_binaries() -> int:
-    """Kernel binaries in the JIT caches of the package's Triton kernels on the current GPU (0 on the CPU,
-    where the interpreter compiles nothing)."""
+    """Kernel binaries in the JIT caches of every Triton kernel of the imported ``moelora_lib.kernels.*``
+    modules (globals and up to two dict levels, e.g. ``KERNELS[name][flavour]``) on the current GPU; 0 on
+    the CPU, where the interpreter compiles nothing."""
     if not torch.cuda.is_available():
         return 0
+    found: dict[int, Any] = {}
+
+    def take(obj, depth=0):
+        if isinstance(obj, dict) and depth < 2:
+            for v in obj.values():
+                take(v, depth + 1)
+        elif getattr(obj, "device_caches", None) is not None:
+            found[id(obj)] = obj
+
+    for mod_name, mod in list(sys.modules.items()):
+        if mod_name.startswith("moelora_lib.kernels.") and mod is not None:
+            for obj in vars(mod).values():
+                take(obj)
     dev = torch.cuda.current_device()
-    n = 0
-    for k in _jit_functions():
-        caches = getattr(k, "device_caches", None)
-        if caches is not None and dev in caches:
-            n += len(caches[dev][0])
-    return n
+    return sum(len(k.device_caches[dev][0]) for k in found.values() if dev in k.device_caches)
 
 
 def recompile_rows(
-    gen,
-    name: str,
-    *,
-    lengths: Sequence[int],
-    scenario: str = "adapters_mixed",
-    new_tokens: int = 2,
-    warm_reps: int = 3,
-    seed: int = 0,
-    prewarm: bool = False,
-) -> list[dict[str, Any]]:
-    """The recompilation check, end to end: for each prompt length (never run before on this model), one
-    request's TTFT the first time (``ttft_first_ms``) and the median over ``warm_reps`` more requests of
-    the same length (``ttft_warm_ms``), at concurrency 1 with the scenario's adapter; ``new_binaries`` =
-    kernel binaries compiled by the first request (:func:`compiled_binaries`). ``ratio`` = first / warm.
+    gen, name: str, *, lengths: Sequence[int], scenario: str = "adapters_mixed", new_tokens: int = 2,
+    warm_reps: int = 3, seed: int = 0, prewarm: bool = False,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """For each prompt length never run before on this model: one request's TTFT the first time
+    (``ttft_first_ms``) against the median of ``warm_reps`` more (``ttft_warm_ms``), concurrency 1;
+    ``new_binaries`` = kernel binaries the first request compiled; ``ratio`` = first / warm.
 
     ``prewarm``: first capture every single-prompt prefill graph up to ``max_seq``
-    (``gen.warmup(prefill_lengths="all")``, what a server does at start-up; its seconds are the row's
-    ``prewarm_s``, and the binaries it compiled ``prewarm_binaries``), so that a new length costs neither a
-    compile nor a capture; off for the ``naive`` stage, whose point is what a new length costs without it."""
+    (``gen.warmup(prefill_lengths="all")``, what a server does at start-up; its seconds and binaries are
+    ``prewarm_s``/``prewarm_binaries``)."""
     model = gen.model
     vocab = model.config.vocab_size
     adapters = adapter_slots(scenario, 1, model.num_adapters)
@@ -683,14 +424,11 @@ def recompile_rows(
                 prewarm_s=prewarm_s,
                 prewarm_binaries=prewarm_bin,
                 mode=_mode(model.device),
-            )
+            )  # fmt: skip
         )
     return rows
 
 
-# --------------------------------------------------------------------------------------------------
-# per-step breakdown
-# --------------------------------------------------------------------------------------------------
 _LORA_KERNEL = re.compile(r"_(lora|dense)_(shrink|expand)_kernel")
 _ALIGN_KERNEL = re.compile(r"_align_")
 _MOE_KERNEL = re.compile(r"_(fused_moe|route|topk_reduce|gated_act|id_bounds)_kernel|_fused_")
@@ -741,9 +479,9 @@ def _scopes(event) -> list[str]:
 
 
 def _attribute(events, *, cuda: bool, moe: bool) -> dict[str, float]:
-    """Sum profiler ``events`` (``prof.events()``) into :data:`CATEGORIES`: on a GPU the device time of
-    every kernel, through the scopes of the op it is linked to (``FunctionEvent.kernels``), else by its
-    name (:func:`_category_by_name`); on the CPU the self CPU time of every op."""
+    """Sum profiler ``events`` into :data:`CATEGORIES`: on a GPU each kernel's device time through the
+    scopes of the op it is linked to, else by name (:func:`_category_by_name`); on the CPU each op's self
+    CPU time."""
     from torch.autograd import DeviceType
 
     totals = dict.fromkeys(CATEGORIES, 0.0)
@@ -764,7 +502,7 @@ def _attribute(events, *, cuda: bool, moe: bool) -> dict[str, float]:
             or getattr(e, "is_user_annotation", False)
             or e.name.startswith(_SCOPE)
         ):
-            continue  # the scopes' own GPU spans (Kineto's gpu_user_annotation) are not kernels
+            continue  # the scopes' own GPU spans are not kernels
         key = (e.name, round(e.time_range.elapsed_us(), 3))
         if linked[key]:
             linked[key] -= 1
@@ -776,24 +514,16 @@ def _attribute(events, *, cuda: bool, moe: bool) -> dict[str, float]:
 def step_breakdown(
     model: MultiLoRAModel, *, batch: int, adapters: Sequence[int | None], position: int, steps: int = 3
 ) -> dict[str, float]:
-    """µs per decode step by category (:data:`CATEGORIES`), from ``torch.profiler`` over ``steps`` eager
-    decode steps of ``batch`` rows (token ids random, every row at cache position ``position``, adapters as
-    given), after one unprofiled step.
+    """µs per decode step by category (:data:`CATEGORIES`) and their sum ``kernel_sum``, from
+    ``torch.profiler`` over ``steps`` eager decode steps of ``batch`` rows at cache position ``position``
+    (after one unprofiled step).
 
-    Attribution: ``record_function`` scopes on each :class:`~moelora_lib.model.modeling.Attention`
-    ("attention"), MLP block (MoE or dense, "mlp") and :class:`moelora_lib.LoRALinear` ("proj"); a kernel
-    counts for the innermost scope of the op that launched it: LoRA shrink/expand kernels are "lora"
-    wherever they run (and a LoRALinear's token->adapter alignment); in a LoRALinear the rest is its
-    base GEMM ("attn_proj_base" inside attention, else "mlp_base"); inside attention but outside its
-    projections "attention" (RoPE, q/k norms, cache writes, the attention itself); in the MLP block
-    the router, routing, alignment, expert GEMMs and the top-k reduction ("mlp_base"); outside every
-    scope "other" (embedding, norms, residual adds, lm_head, the greedy argmax). Device kernels the
-    profiler could not link to an op are classified by name where they are ours (LoRA, MoE, alignment
-    kernels), else "unattributed". On a GPU the values are kernel (device) time and ``kernel_sum`` their
-    total; on the CPU, self CPU time of the ops (interpreter cost).
-
-    The captured graph replays the same kernels back to back; the difference between its step time and
-    ``kernel_sum`` is launch gaps and idle time (computed by :func:`breakdown_rows`)."""
+    ``record_function`` scopes on each attention block ("attention"), MLP block ("mlp") and
+    :class:`moelora_lib.LoRALinear` ("proj") attribute each kernel: LoRA shrink/expand kernels (and a
+    LoRALinear's alignment) are "lora"; the rest of a LoRALinear is its base GEMM ("attn_proj_base" in
+    attention, else "mlp_base"); attention's other kernels "attention"; the MLP block's router, routing,
+    alignment and expert GEMMs "mlp_base"; outside every scope "other". Kernels the profiler did not link
+    to an op go by name where they are ours, else "unattributed". GPU: device time; CPU: self CPU time."""
     from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity, profile
 
@@ -816,16 +546,9 @@ def step_breakdown(
         stack.pop().__exit__(None, None, None)
 
     handles = []
+    labels = ((Attention, "attention"), ((MoEBlock, DenseMLP), "mlp"), (LoRALinear, "proj"))
     for m in model.modules():
-        label = (
-            "attention"
-            if isinstance(m, Attention)
-            else "mlp"
-            if isinstance(m, (MoEBlock, DenseMLP))
-            else "proj"
-            if isinstance(m, LoRALinear)
-            else None
-        )
+        label = next((lab for cls, lab in labels if isinstance(m, cls)), None)
         if label:
             handles += [m.register_forward_pre_hook(pre(label)), m.register_forward_hook(post)]
     g = torch.Generator().manual_seed(batch)
@@ -838,9 +561,7 @@ def step_breakdown(
         return model(ids, start, lora, cache_rows=rows, last_only=True).argmax(dim=-1)
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    # Kineto logs "USDT ... profiler_start/stop" on stderr for every profile, which would fill the executed
-    # notebook; level 6 is above its highest. Logging only (a value the caller set is kept).
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # Kineto's start/stop lines would fill the notebook
     try:
         with torch.no_grad():
             step()
@@ -861,30 +582,19 @@ def step_breakdown(
 def breakdown_rows(
     breakdown: dict[str, float], gen_row: dict[str, Any], *, position: int
 ) -> list[dict[str, Any]]:
-    """Tidy rows of one :func:`step_breakdown` next to the measured decode step of ``gen_row`` (a
-    :func:`run_generation` row of the same model, scenario and batch): one row per category plus
-    ``kernel_sum``, ``step`` (the median decode step of the timed generate, graph replay on a GPU) and
-    ``gaps`` = step − kernel_sum (launch gaps and idle time; negative if eager kernels ran slower)."""
+    """Rows of one :func:`step_breakdown` beside ``gen_row`` (a :func:`run_generation` row of the same
+    model, scenario and batch): one per category and ``kernel_sum``, then ``step`` (the timed median decode
+    step) and ``gaps`` = step − kernel_sum (launch gaps and idle time)."""
     key = {k: gen_row[k] for k in ("model", "scenario", "stage", "concurrency", "prompt_len", "mode")}
     step_us = gen_row["step_ms_p50"] * 1e3
-    parts = [*CATEGORIES, "kernel_sum"]
-    rows = [bench.result_row(**key, category=c, us_per_step=breakdown[c], position=position) for c in parts]
-    rows.append(bench.result_row(**key, category="step", us_per_step=step_us, position=position))
-    rows.append(
-        bench.result_row(
-            **key, category="gaps", us_per_step=step_us - breakdown["kernel_sum"], position=position
-        )
-    )
-    return rows
+    vals = {c: breakdown[c] for c in (*CATEGORIES, "kernel_sum")}
+    vals |= {"step": step_us, "gaps": step_us - breakdown["kernel_sum"]}
+    return [bench.result_row(**key, category=c, us_per_step=v, position=position) for c, v in vals.items()]
 
 
-# --------------------------------------------------------------------------------------------------
-# transformers + PEFT baseline
-# --------------------------------------------------------------------------------------------------
 def hf_model(name: str, *, dtype: torch.dtype, device, seed: int = 0):
-    """transformers' own model class for ``name`` (random weights, ``initializer_range`` std, built
-    directly on ``device`` in ``dtype``: a GPT-OSS-20B is 42 GB in bf16, so no fp32 copy), in eval mode.
-    The file's ``quantization_config`` is dropped (the weights are bf16)."""
+    """transformers' own model class for ``name`` with random weights (``initializer_range``), built on
+    ``device`` in ``dtype``, eval mode; the file's ``quantization_config`` dropped."""
     import transformers
 
     d = config_dict(name)
@@ -903,8 +613,7 @@ def hf_model(name: str, *, dtype: torch.dtype, device, seed: int = 0):
 
 
 def _cache_kw(model) -> str:
-    """The forward's name for the KV cache argument: ``cache`` (transformers ≥ 5.24 deprecates
-    ``past_key_values``) or ``past_key_values``."""
+    """The forward's KV-cache argument: ``cache`` where the signature has it, else ``past_key_values``."""
     import inspect
 
     try:
@@ -914,23 +623,21 @@ def _cache_kw(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def _out_cache(out):
-    cache = getattr(out, "cache", None)
-    return cache if cache is not None else out.past_key_values
-
-
 @torch.no_grad()
 def hf_generate(model, prompt: Sequence[int], new_tokens: int, device):
-    """Greedy generation with a transformers model (a PeftModel too) at batch 1: one prefill forward
-    (``logits_to_keep=1``, as ``generate`` does), then one forward per token with the model's own cache;
-    timed like the generator (TTFT = call start -> first token on the host after a device sync; the
-    decode loop synchronizes once at the end, per-step times from CUDA events). Returns an object with
-    the :class:`~moelora_lib.model.generate.GenerationResult` fields :func:`generation_row` reads."""
+    """Greedy generation at batch 1 with a transformers model (or PeftModel): one prefill forward
+    (``logits_to_keep=1``), then one forward per token with the model's cache. TTFT as the generator's;
+    per-step times from CUDA events. Returns an object with the fields :func:`generation_row` reads."""
     from types import SimpleNamespace
 
     dev = torch.device(device)
     cuda = dev.type == "cuda"
     kw_name = _cache_kw(model.get_base_model() if hasattr(model, "get_base_model") else model)
+
+    def cache_of(out):
+        cache = getattr(out, "cache", None)
+        return cache if cache is not None else out.past_key_values
+
     _sync(dev)
     t0 = time.perf_counter()
     ids = torch.tensor([list(prompt)], dtype=torch.int64, device=dev)
@@ -939,61 +646,44 @@ def hf_generate(model, prompt: Sequence[int], new_tokens: int, device):
     toks = [tok]
     _sync(dev)
     t_first = time.perf_counter()
-    cache = _out_cache(out)
+    cache = cache_of(out)
     marks = []
     for _ in range(new_tokens - 1):
         out = model(input_ids=tok[:, None], use_cache=True, logits_to_keep=1, **{kw_name: cache})
-        cache = _out_cache(out)
+        cache = cache_of(out)
         tok = out.logits[:, -1].argmax(dim=-1)
         toks.append(tok)
         if cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            marks.append(ev)
+            marks.append(torch.cuda.Event(enable_timing=True))
+            marks[-1].record()
         else:
             marks.append(time.perf_counter())
     _sync(dev)
     t_end = time.perf_counter()
     if cuda and marks:  # event times relative to the first token, anchored at the last event = t_end
-        last = marks[-1]
-        ends = [t_end - ev.elapsed_time(last) / 1e3 for ev in marks]
+        ends = [t_end - ev.elapsed_time(marks[-1]) / 1e3 for ev in marks]
     else:
         ends = list(marks)
     steps = [b - a for a, b in zip([t_first] + ends[:-1], ends)]
     decode_s = (ends[-1] - t_first) if ends else 0.0
-    tokens = [int(t) for t in torch.cat(toks).tolist()]
-    n = len(tokens)
+    n = len(toks)
+    otps = (n - 1) / decode_s if n > 1 and decode_s > 0 else float("nan")
     return SimpleNamespace(
-        tokens=[tokens],
-        ttft_s=[t_first - t0],
-        request_otps=[(n - 1) / decode_s if n > 1 and decode_s > 0 else float("nan")],
-        aggregate_otps=n / (t_end - t0),
-        decode_otps=(n - 1) / decode_s if decode_s > 0 else float("nan"),
-        step_s=steps,
-        prefill_s=t_first - t0,
-        decode_s=decode_s,
-        total_s=t_end - t0,
-        output_tokens=n,
-    )
+        tokens=[[int(t) for t in torch.cat(toks).tolist()]], ttft_s=[t_first - t0], request_otps=[otps],
+        aggregate_otps=n / (t_end - t0), decode_otps=otps, step_s=steps, prefill_s=t_first - t0,
+        decode_s=decode_s, total_s=t_end - t0, output_tokens=n,
+    )  # fmt: skip
 
 
 def hf_baseline_rows(
-    name: str,
-    *,
-    dtype: torch.dtype,
-    device,
-    prompt_len: int,
-    new_tokens: int,
-    rank: int,
-    alpha: float,
-    seed: int = 0,
-    warm_tokens: int = 2,
-    scenarios: Sequence[str] = HF_SCENARIOS,
-) -> list[dict[str, Any]]:
-    """transformers (and, with "transformers_peft", + PEFT with one adapter of rank ``rank`` on the same
-    modules as ours: attention q/k/v/o and the experts' 3-D gate_up/down, or the dense MLP) at
-    concurrency 1, each after an untimed call of ``warm_tokens`` tokens. Eager (transformers' default
-    attention and experts implementations, recorded in the rows). The model is freed before returning."""
+    name: str, *, dtype: torch.dtype, device, prompt_len: int, new_tokens: int, rank: int, alpha: float,
+    seed: int = 0, warm_tokens: int = 2, scenarios: Sequence[str] = HF_SCENARIOS,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """transformers alone and (``transformers_peft``) + PEFT with one rank-``rank`` adapter on the same
+    modules as ours (:func:`peft_targets`; PEFT refuses batches mixing adapters), eager, concurrency 1, each
+    after an untimed call of ``warm_tokens`` tokens. Rows as :func:`generation_row` plus the attention and
+    experts implementations and versions. The model is freed before returning. Raises ValueError for an
+    unknown scenario."""
     import transformers
 
     model = hf_model(name, dtype=dtype, device=device, seed=seed)
@@ -1011,13 +701,9 @@ def hf_baseline_rows(
 
                 modules, params = peft_targets(model_config(name))
                 lc = peft.LoraConfig(
-                    r=rank,
-                    lora_alpha=alpha,
-                    lora_dropout=0.0,
-                    target_modules=modules,
-                    target_parameters=params,
-                    init_lora_weights=False,  # random A and B (PEFT's default B = 0 would time zeros)
-                )
+                    r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=modules,
+                    target_parameters=params, init_lora_weights=False,  # random B: B = 0 would time zeros
+                )  # fmt: skip
                 with warnings.catch_warnings():  # transformers' deprecation notices inside PEFT's wrapping
                     warnings.simplefilter("ignore", FutureWarning)
                     model = peft.get_peft_model(model, lc).eval()
@@ -1027,6 +713,7 @@ def hf_baseline_rows(
             if warm_tokens:
                 hf_generate(model, make_prompts(1, prompt_len, vocab, seed + 7919)[0], warm_tokens, device)
             res = hf_generate(model, make_prompts(1, prompt_len, vocab, seed)[0], new_tokens, device)
+            peft_on = scenario == "transformers_peft"
             rows.append(
                 generation_row(
                     res,
@@ -1034,16 +721,16 @@ def hf_baseline_rows(
                     scenario=scenario,
                     stage=None,
                     impl=scenario,
-                    adapters=[0] if scenario == "transformers_peft" else [None],
+                    adapters=[0] if peft_on else [None],
                     prompt_len=prompt_len,
                     new_tokens=new_tokens,
-                    rank=rank if scenario == "transformers_peft" else 0,
-                    adapters_loaded=1 if scenario == "transformers_peft" else 0,
+                    rank=rank if peft_on else 0,
+                    adapters_loaded=int(peft_on),
                     cuda_graphs=False,
                     mode="eager" if torch.device(device).type == "cuda" else "cpu",
                     dtype=dtype_name(dtype),
                     **impl,
-                )
+                )  # fmt: skip
             )
     finally:
         del model
@@ -1051,9 +738,6 @@ def hf_baseline_rows(
     return rows
 
 
-# --------------------------------------------------------------------------------------------------
-# floors
-# --------------------------------------------------------------------------------------------------
 def _expected_distinct(n_picks_per_token: int, tokens: int, pool: int) -> float:
     """Expected distinct experts hit when ``tokens`` tokens each pick ``n_picks_per_token`` of ``pool``
     uniformly (no repeats within a token)."""
@@ -1063,34 +747,23 @@ def _expected_distinct(n_picks_per_token: int, tokens: int, pool: int) -> float:
 
 
 def decode_floor(
-    name: str,
-    *,
-    batch: int,
-    context: int,
-    adapters: int = 0,
-    rank: int = 32,
-    bytes_per_el: int = 2,
+    name: str, *, batch: int, context: int, adapters: int = 0, rank: int = 32, bytes_per_el: int = 2,
     tb_per_s: float = H200_READ_TB_PER_S,
-) -> dict[str, float]:
-    """Bytes one decode step of ``batch`` rows must read (each weight once; experts: the expected number
-    hit under uniform routing; the KV cache up to ``context`` positions per row; ``adapters`` distinct
-    adapters of rank ``rank``, their factors of the touched experts) and the time at ``tb_per_s`` (the
-    H200's measured read stream). Returns weight_gb, kv_gb, lora_gb, floor_ms and otps_ceiling (per
-    request: one token per step)."""
+) -> dict[str, float]:  # fmt: skip
+    """Bytes one decode step of ``batch`` rows must read and its time at ``tb_per_s`` (the H200's measured
+    read stream): each weight once (experts: the expected number hit under uniform routing), the KV cache
+    up to ``context`` positions per row, the factors of ``adapters`` distinct rank-``rank`` adapters (of the
+    touched experts). Returns weight_gb, kv_gb, lora_gb, floor_ms, otps_ceiling (per request)."""
     c = model_config(name)
-    H, Lyr = c.hidden_size, c.num_hidden_layers
-    attn = H * (c.q_width + 2 * c.kv_width) + c.q_width * H
-    per_layer = float(attn)
+    H, Lyr, r = c.hidden_size, c.num_hidden_layers, rank
+    per_layer = float(H * (c.q_width + 2 * c.kv_width) + c.q_width * H)
     lora = 0.0
-    r = rank
     lora_attn = r * (H * 3 + c.q_width + 2 * c.kv_width) + r * (c.q_width + H)
     if c.is_moe:
         E, K, I = c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size
-        per_expert = 3 * H * I
-        per_layer += _expected_distinct(K, batch, E) * per_expert + E * H
+        per_layer += _expected_distinct(K, batch, E) * (3 * H * I) + E * H
         if adapters:
-            per_adapter_tokens = batch / adapters
-            touched = adapters * _expected_distinct(K, max(1.0, per_adapter_tokens), E)
+            touched = adapters * _expected_distinct(K, max(1.0, batch / adapters), E)
             lora += touched * r * (H + 2 * I + I + H)
     else:
         I = c.intermediate_size
@@ -1100,38 +773,28 @@ def decode_floor(
     weights = (per_layer * Lyr + c.vocab_size * H + batch * H) * bytes_per_el
     kv = batch * Lyr * 2 * c.kv_width * context * bytes_per_el
     lora_b = lora * Lyr * bytes_per_el
-    total = weights + kv + lora_b
-    floor_ms = total / (tb_per_s * 1e12) * 1e3
-    return dict(
-        weight_gb=weights / 1e9,
-        kv_gb=kv / 1e9,
-        lora_gb=lora_b / 1e9,
-        floor_ms=floor_ms,
-        otps_ceiling=1e3 / floor_ms,
-    )
+    floor_ms = (weights + kv + lora_b) / (tb_per_s * 1e12) * 1e3
+    return dict(weight_gb=weights / 1e9, kv_gb=kv / 1e9, lora_gb=lora_b / 1e9, floor_ms=floor_ms,
+                otps_ceiling=1e3 / floor_ms)  # fmt: skip
 
 
 def prefill_floor(name: str, *, prompt_len: int, tflops: float = H200_BF16_TFLOPS) -> dict[str, float]:
-    """FLOPs of one request's prefill (2 per multiply-add: every projection at ``prompt_len`` tokens, the
-    routed experts, causal attention scores and values, the lm_head at the last token only) and the time
-    at ``tflops`` (the H200's measured bf16 matmul rate): the TTFT floor at concurrency 1."""
+    """FLOPs of one request's prefill (2 per multiply-add: the projections, the routed experts, causal
+    attention, the lm_head at the last token) and its time at ``tflops`` (the H200's measured bf16 rate):
+    the TTFT floor at concurrency 1. Returns tflop, floor_ms."""
     c = model_config(name)
     H, T = c.hidden_size, prompt_len
     attn_proj = H * (c.q_width + 2 * c.kv_width) + c.q_width * H
     mlp = c.num_experts_per_tok * 3 * H * c.moe_intermediate_size if c.is_moe else 3 * H * c.intermediate_size
-    per_token = 2 * (attn_proj + mlp)
-    window = [c.sliding_window if t == "sliding_attention" else None for t in c.layer_types]
     attn = 0.0
-    for w in window:  # q·k and p·v over the visible keys (causal; sliding layers see at most w)
+    for t in c.layer_types:  # q·k and p·v over the visible keys (causal; a sliding layer sees at most w)
+        w = c.sliding_window if t == "sliding_attention" else None
         visible = T * (T + 1) / 2 if w is None else sum(min(i + 1, w) for i in range(T))
         attn += 2 * 2 * c.q_width * visible
-    flops = per_token * T * c.num_hidden_layers + attn + 2 * c.vocab_size * H
+    flops = 2 * (attn_proj + mlp) * T * c.num_hidden_layers + attn + 2 * c.vocab_size * H
     return dict(tflop=flops / 1e12, floor_ms=flops / (tflops * 1e12) * 1e3)
 
 
-# --------------------------------------------------------------------------------------------------
-# summary and targets
-# --------------------------------------------------------------------------------------------------
 #: The targets of notebook 11 (value against threshold): ``ge`` = value ≥ threshold to be met.
 TARGETS = {
     "otps_c1": dict(threshold=300.0, ge=True, what="OTPS per request, GPT-OSS-20B, 8 adapters, 1 request"),
@@ -1144,9 +807,8 @@ HEADLINE = "gpt-oss-20b"
 
 
 def summary_table(gen, *, final: str = "tuned"):
-    """One row per (model, concurrency) of our stage ``final``: base and adapters_mixed side by side
-    (TTFT mean, OTPS per request and aggregate, median step) with ``ratio`` = mixed ÷ base OTPS per
-    request (``ratio_aggregate`` the same for aggregate OTPS)."""
+    """Per (model, concurrency) of our stage ``final``: base and adapters_mixed side by side (TTFT mean,
+    OTPS per request and aggregate, median step), ``ratio`` / ``ratio_aggregate`` = mixed ÷ base OTPS."""
     import pandas as pd
 
     ours = gen[(gen.impl == "moelora") & (gen.stage == final)]
@@ -1160,21 +822,11 @@ def summary_table(gen, *, final: str = "tuned"):
     return pd.DataFrame(wide)
 
 
-def _row(df, **eq):
-    sel = df
-    for k, v in eq.items():
-        sel = sel[sel[k] == v]
-    return sel
-
-
 def targets_table(gen, recompile, *, headline: str = HEADLINE, final: str = "tuned"):
-    """The targets, point by point: target, model, concurrency, prompt_len, value, threshold, met.
-
-    * otps_c1 / ttft_c1: ``headline``, adapters_mixed, stage ``final``, concurrency 1;
-    * lora_vs_base: every (model, concurrency) with both scenarios at stage ``final``;
-    * vs_transformers: the headline's adapters_mixed OTPS at concurrency 1 ÷ transformers_peft's;
-    * recompile: every row of ``recompile`` at stage ``final``.
-    Targets whose rows are missing are left out (the conclusion asserts their presence on the GPU)."""
+    """The :data:`TARGETS` point by point (columns target, model, concurrency, prompt_len, value, threshold,
+    met): otps_c1/ttft_c1 on ``headline`` with mixed adapters at concurrency 1; lora_vs_base at every
+    (model, concurrency) with both scenarios; vs_transformers = the headline's OTPS ÷ transformers_peft's;
+    recompile per row of ``recompile`` at stage ``final``. Targets without rows are left out."""
     import pandas as pd
 
     out = []
@@ -1182,20 +834,16 @@ def targets_table(gen, recompile, *, headline: str = HEADLINE, final: str = "tun
     def add(target, model, conc, plen, value):
         t = TARGETS[target]
         met = value >= t["threshold"] if t["ge"] else value <= t["threshold"]
-        out.append(
-            dict(
-                target=target,
-                model=model,
-                concurrency=conc,
-                prompt_len=plen,
-                value=float(value),
-                threshold=t["threshold"],
-                met=bool(met),
-            )
-        )
+        out.append(dict(target=target, model=model, concurrency=conc, prompt_len=plen, value=float(value),
+                        threshold=t["threshold"], met=bool(met)))  # fmt: skip
+
+    def sel(df, **eq):
+        for k, v in eq.items():
+            df = df[df[k] == v]
+        return df
 
     ours = gen[(gen.impl == "moelora") & (gen.stage == final)]
-    head = _row(ours, model=headline, scenario="adapters_mixed", concurrency=1)
+    head = sel(ours, model=headline, scenario="adapters_mixed", concurrency=1)
     if len(head):
         h = head.iloc[0]
         add("otps_c1", headline, 1, h.prompt_len, h.otps_per_request)
@@ -1203,14 +851,15 @@ def targets_table(gen, recompile, *, headline: str = HEADLINE, final: str = "tun
     summ = summary_table(gen, final=final) if len(ours) else None
     if summ is not None and "ratio" in summ:
         for _, r in summ.dropna(subset=["ratio"]).iterrows():
-            plen = _row(ours, model=r.model, concurrency=r.concurrency).prompt_len.iloc[0]
+            plen = sel(ours, model=r.model, concurrency=r.concurrency).prompt_len.iloc[0]
             add("lora_vs_base", r.model, int(r.concurrency), plen, r.ratio)
-    peft_rows = _row(gen, model=headline, impl="transformers_peft")
+    peft_rows = sel(gen, model=headline, impl="transformers_peft")
     if len(head) and len(peft_rows):
         p = peft_rows.iloc[0]
         add("vs_transformers", headline, 1, p.prompt_len, head.iloc[0].otps_per_request / p.otps_per_request)
     if recompile is not None and len(recompile):
         for _, r in recompile[recompile.stage == final].iterrows():
             add("recompile", r.model, 1, int(r.prompt_len), r.ratio)
-    cols = ["target", "model", "concurrency", "prompt_len", "value", "threshold", "met"]
-    return pd.DataFrame(out, columns=cols)
+    return pd.DataFrame(
+        out, columns=["target", "model", "concurrency", "prompt_len", "value", "threshold", "met"]
+    )

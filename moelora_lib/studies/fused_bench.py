@@ -1,49 +1,21 @@
-"""Notebook 12's measurements of stage ``fused`` beside stage ``tuned`` and vLLM (no timing code of its own).
+"""Notebook 12's measurements of stage ``fused`` beside stage ``tuned`` and vLLM's figures.
 
-Stage ``fused`` (:mod:`moelora_lib.kernels.fused`) runs the LoRA expands inside the base GEMMs, so its LoRA
-part is not a set of launches (:meth:`LayerRun.lora_part <moelora_lib.kernels.LayerRun.lora_part>` raises):
-the notebook times the whole layer and the base part of both stages with
-:func:`moelora_lib.studies.moe_bench.bench_layer` and takes the LoRA part as whole − base
-(:func:`layer_table`); for ``tuned`` it also times the LoRA launches alone, so the two ways of getting a
-LoRA part can be compared on the stage where both exist.
-
-What this module adds to :mod:`.moe_bench`:
-
-* :func:`check_point` — one layer call against the fp32 reference (the fields of
-  :func:`~.moe_bench.check_layer`), the base part against the reference without LoRA, and two calls
-  giving the same output.
-* :func:`count_launches` / :func:`launch_rows` — the kernels one layer call launches, counted by wrapping
-  Triton's launch entry (``JITFunction.run``; ``InterpretedFunction.run`` under the interpreter) and the
-  torch fills (``torch.zeros``, ``Tensor.zero_``, ...), on the CPU and the GPU alike; on a GPU also the
-  device kernels and memsets ``torch.profiler`` records for one eager call (:func:`profiled_launches`).
-* :func:`fused_op_costs` / :func:`bench_fused_ops` — the four launches of stage ``fused`` timed alone
-  (:meth:`LayerRun.op_fn <moelora_lib.kernels.LayerRun.op_fn>`) with their FLOPs, bytes and floors.
-* :func:`layer_table` / :func:`targets_table` — per (model, T) the parts, the LoRA part as whole − base with
-  its p20–p80 band, and the targets of the stage against :func:`~.moe_bench.anchor_table`.
-* :func:`bench_levers` / :func:`levers_table` — the levers of the stage's second round one at a time
-  (:data:`LEVERS`: the first round's default configs and pair order, the tuned configs alone) and the
-  deterministic mode of ``tuned``, beside the stage rows.
-* :func:`graph_timeline` / :func:`timeline_rows` / :func:`timeline_table` — the kernels of one CUDA-graph
-  replay of the layer from ``torch.profiler``: each kernel's device time and the idle gap before it.
-* :class:`RegisterReport` — :func:`moelora_lib.studies.compile_check.fused_report` (registers, spills, one
-  binary over lengths; compile-only) in a background process, so it overlaps the GPU measurements.
-
-Units: µs (``us_p50``, ``floor_us``), FLOPs 2 per multiply-add, bytes read + written; shapes in the letters
-of :mod:`moelora_lib.shapes` (P = T·K pairs).
+Stage ``fused`` runs the LoRA expands inside the base GEMMs, so its LoRA part is not a set of launches: both
+stages are timed as whole layer and base part (:func:`.moe_bench.bench_layer`) and LoRA = whole − base
+(:func:`layer_table`). Here: checks against the fp32 reference (:func:`check_point`), launch counts
+(:func:`launch_rows`), the four launches of ``fused`` alone (:func:`bench_fused_ops`), the targets against
+vLLM (:func:`targets_table`), config levers (:func:`bench_levers`), one graph replay kernel by kernel
+(:func:`graph_timeline`) and compile-only register counts (:class:`RegisterReport`).
+Units: µs; FLOPs 2 per multiply-add; bytes read + written; P = T·K pairs.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import subprocess
-import sys
-import tempfile
 from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -53,31 +25,6 @@ from ..reference import moe_lora_reference
 from ..testing import TOLERANCES, rel_err
 from . import bench
 from . import moe_bench as mb
-
-__all__ = [
-    "STAGE",
-    "BASELINE",
-    "LORA_TARGETS",
-    "TOTAL_TARGETS",
-    "lora_target",
-    "total_target",
-    "check_point",
-    "count_launches",
-    "profiled_launches",
-    "launch_rows",
-    "fused_op_costs",
-    "bench_fused_ops",
-    "layer_table",
-    "targets_table",
-    "cumulative_with",
-    "LEVERS",
-    "bench_levers",
-    "levers_table",
-    "timeline_rows",
-    "graph_timeline",
-    "timeline_table",
-    "RegisterReport",
-]
 
 #: The stage measured and the stage it is measured against.
 STAGE, BASELINE = "fused", "tuned"
@@ -104,25 +51,14 @@ def total_target(T: int) -> float:
     return TOTAL_TARGETS["ends"] if T == 1 or T >= 1600 else TOTAL_TARGETS["mid"]
 
 
-# ------------------------------------------------------------------------------------------------
-# Correctness
-# ------------------------------------------------------------------------------------------------
-
-
 def check_point(stage: str, inp, *, model: str, pattern: str, variant: str) -> list[dict[str, Any]]:
-    """Checks of one layer call of ``stage`` on ``inp`` (a :class:`~moelora_lib.workloads.MoELoRAInputs`).
+    """Checks of one layer call of ``stage`` on ``inp`` (:class:`~moelora_lib.workloads.MoELoRAInputs`),
+    one row per ``check``, each with rel_err (max|out − ref| / max|ref|) and tol (``TOLERANCES``):
 
-    Rows (``check``):
-
-    * ``layer_vs_reference`` — the fields of :func:`~.moe_bench.check_layer` (rel_err = max|out − ref| /
-      max|ref| against the fp32 reference, no_adapter_rows, no_adapter_bitwise: rows with adapter id −1
-      equal the base part bitwise, delta_rel = the LoRA contribution's size);
-    * ``base_vs_reference`` — :meth:`LayerRun.base_part` against the reference with every adapter id −1
-      (the part the notebook times as "base");
-    * ``call_twice`` — a second call of the layer against the first (split-K atomics may reorder fp32
-      sums, so within the tolerance, not bitwise).
-
-    Every row has rel_err and tol (``TOLERANCES`` of the dtype).
+    * ``layer_vs_reference`` — against the fp32 reference, plus no_adapter_rows, no_adapter_bitwise (rows
+      with adapter id −1 equal the base part bitwise) and delta_rel (the LoRA contribution's size);
+    * ``base_vs_reference`` — :meth:`LayerRun.base_part` against the reference with every adapter id −1;
+    * ``call_twice`` — a second call against the first (split-K atomics may reorder fp32 sums).
     """
     run = mb.make_run(stage, inp)
     out = run().clone()
@@ -135,45 +71,22 @@ def check_point(stage: str, inp, *, model: str, pattern: str, variant: str) -> l
     none = inp.lora_ids == -1
     bitwise = bool(torch.equal(out[none], base[none])) if bool(none.any()) else True
     delta_rel = float((ref - ref_base).abs().max() / ref.abs().max().clamp_min(1e-30))
-    tol = TOLERANCES[inp.hidden_states.dtype]
     common = dict(
-        stage=stage,
-        model=model,
-        T=int(inp.hidden_states.shape[0]),
-        dtype=dtype_name(inp.hidden_states.dtype),
-        activation=inp.activation,
-        bias=inp.b13 is not None,
-        pattern=pattern,
-        variant=variant,
-        config=run.cfg.short(),
-        config_source=run.cfg.source,
-        tol=tol,
-    )
+        stage=stage, model=model, T=int(inp.hidden_states.shape[0]),
+        dtype=dtype_name(inp.hidden_states.dtype), activation=inp.activation, bias=inp.b13 is not None,
+        pattern=pattern, variant=variant,
+        config=run.cfg.short(), config_source=run.cfg.source, tol=TOLERANCES[inp.hidden_states.dtype],
+    )  # fmt: skip
     return [
-        bench.result_row(
-            check="layer_vs_reference",
-            **common,
-            rel_err=rel_err(out, ref),
-            no_adapter_rows=int(none.sum()),
-            no_adapter_bitwise=bitwise,
-            delta_rel=delta_rel,
-        ),
+        bench.result_row(check="layer_vs_reference", **common, rel_err=rel_err(out, ref),
+                         no_adapter_rows=int(none.sum()), no_adapter_bitwise=bitwise, delta_rel=delta_rel),
         bench.result_row(check="base_vs_reference", **common, rel_err=rel_err(base, ref_base)),
         bench.result_row(check="call_twice", **common, rel_err=rel_err(again, out)),
-    ]
+    ]  # fmt: skip
 
-
-# ------------------------------------------------------------------------------------------------
-# Launches per layer
-# ------------------------------------------------------------------------------------------------
 
 #: torch calls that launch a fill kernel (a memset in a CUDA graph) when the tensor is not empty.
 _FILLS = (("torch", "zeros"), ("torch", "zeros_like"), ("Tensor", "zero_"), ("Tensor", "fill_"))
-
-
-def _kernel_name(fn) -> str:
-    inner = getattr(fn, "fn", None)
-    return getattr(inner, "__name__", None) or getattr(fn, "__name__", None) or type(fn).__name__
 
 
 @contextmanager
@@ -186,14 +99,16 @@ def _counting(counts: Counter):
         from triton.runtime.interpreter import InterpretedFunction
 
         classes.append(InterpretedFunction)
-    except ImportError:  # pragma: no cover - every Triton this project supports has it
+    except ImportError:  # pragma: no cover - every supported Triton has it
         pass
-    saved: list[tuple[Any, str, Any]] = []
 
     def wrap_run(real):
         def run(self, *args, **kwargs):
             if not kwargs.get("warmup", False):
-                counts[_kernel_name(self)] += 1
+                inner = getattr(self, "fn", None)
+                counts[
+                    getattr(inner, "__name__", None) or getattr(self, "__name__", type(self).__name__)
+                ] += 1
             return real(self, *args, **kwargs)
 
         return run
@@ -208,15 +123,12 @@ def _counting(counts: Counter):
 
         return fill
 
+    saved: list[tuple[Any, str, Any]] = [(cls, "run", cls.__dict__["run"]) for cls in classes]
+    saved += [(torch if o == "torch" else torch.Tensor, a, None) for o, a in _FILLS]
+    saved = [(o, a, r if r is not None else getattr(o, a)) for o, a, r in saved]
     try:
-        for cls in classes:
-            saved.append((cls, "run", cls.__dict__["run"]))
-            cls.run = wrap_run(cls.__dict__["run"])
-        for owner_name, attr in _FILLS:
-            owner = torch if owner_name == "torch" else torch.Tensor
-            real = getattr(owner, attr)
-            saved.append((owner, attr, real))
-            setattr(owner, attr, wrap_fill(real, owner_name == "Tensor"))
+        for owner, attr, real in saved:
+            setattr(owner, attr, wrap_run(real) if attr == "run" else wrap_fill(real, owner is torch.Tensor))
         yield counts
     finally:
         for owner, attr, real in reversed(saved):
@@ -224,13 +136,10 @@ def _counting(counts: Counter):
 
 
 def count_launches(fn: Callable[[], Any]) -> dict[str, int]:
-    """Call ``fn()`` once (eagerly) and return {kernel name: launches, ..., "torch_fill": fills}.
-
-    Triton kernels are counted at their launch entry (``kernel[grid](...)``), on the GPU and under the
-    interpreter; a torch fill (``torch.zeros``, ``zeros_like``, ``Tensor.zero_``, ``fill_`` of a non-empty
-    tensor) is one more kernel on a GPU (the split-K shrinks zero their fp32 intermediate this way). Other
-    torch ops are not counted: :func:`profiled_launches` sees every device kernel on a GPU.
-    """
+    """Call ``fn()`` once (eagerly) and return {kernel name: launches, ..., "torch_fill": fills}: Triton
+    kernels counted at their launch entry (GPU and interpreter), torch fills of non-empty tensors
+    (``torch.zeros``, ``zeros_like``, ``Tensor.zero_``, ``fill_``: one kernel each on a GPU). Other torch
+    ops are not counted (:func:`profiled_launches` sees every device kernel)."""
     counts: Counter = Counter()
     with _counting(counts):
         fn()
@@ -238,9 +147,9 @@ def count_launches(fn: Callable[[], Any]) -> dict[str, int]:
 
 
 def profiled_launches(fn: Callable[[], Any]) -> dict[str, Any]:
-    """GPU only: the device kernels and memsets ``torch.profiler`` records for one eager ``fn()`` (after
-    one unprofiled call). Returns dict(kernels, memsets, names: ';'-joined kernel names, first 48
-    characters each, in launch order), or dict(error=...) when the profiler gives nothing."""
+    """GPU only: the device kernels and memsets ``torch.profiler`` records for one eager ``fn()`` (after an
+    unprofiled call): dict(kernels, memsets, names: ';'-joined, first 48 characters each, launch order),
+    or dict(error=...) when the profiler records nothing."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -255,116 +164,85 @@ def profiled_launches(fn: Callable[[], Any]) -> dict[str, Any]:
         for e in prof.events()
         if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
     ]
+    if not dev:
+        return dict(error="the profiler recorded no device activity")
     dev.sort(key=lambda e: e.time_range.start)
     memsets = [e for e in dev if e.name.lower().startswith("memset")]
     kernels = [e for e in dev if not e.name.lower().startswith(("memset", "memcpy"))]
-    if not dev:
-        return dict(error="the profiler recorded no device activity")
     return dict(
         kernels=len(kernels), memsets=len(memsets), names=";".join(e.name[:48] for e in kernels + memsets)
     )
 
 
 def launch_rows(run, *, model: str, profile_gpu: bool) -> list[dict[str, Any]]:
-    """The launches of ``run`` (a built :class:`~moelora_lib.kernels.LayerRun`): one row for the whole
-    layer and one for the base part, with ``triton`` (Triton launches), ``fills`` (torch fills),
-    ``counted`` (their sum), ``kernels`` (name=count;...), ``planned`` (the stage's launch plan plus the
-    top-k sum: ``len(stage.launch_ops) + 1``, the launch count the stage docstrings give) and, with
-    ``profile_gpu``, ``profiled_kernels``/``profiled_memsets`` from :func:`profiled_launches` (whole layer
-    only; NaN on the base row)."""
+    """The launches of ``run`` (a built :class:`~moelora_lib.kernels.LayerRun`), rows ``part`` = total and
+    base: ``triton``, ``fills``, ``counted`` (their sum), ``kernels`` (name=count;...), ``planned``
+    (``len(stage.launch_ops) + 1``: the plan plus the top-k sum; NaN for base) and, with ``profile_gpu``,
+    ``profiled_kernels``/``profiled_memsets``/``profiled_names``/``profiled_error`` (total only)."""
     rows = []
     for part, fn in (("total", run), ("base", run.base_part)):
         c = count_launches(fn)
         fills = int(c.pop("torch_fill", 0))
         row = dict(
-            stage=run.stage.name,
-            model=model,
-            T=int(run.dims.T),
-            part=part,
-            triton=int(sum(c.values())),
-            fills=fills,
-            counted=int(sum(c.values())) + fills,
+            stage=run.stage.name, model=model, T=int(run.dims.T), part=part, triton=int(sum(c.values())),
+            fills=fills, counted=int(sum(c.values())) + fills,
             kernels=";".join(f"{k}={v}" for k, v in sorted(c.items())),
             planned=len(run.stage.launch_ops) + 1 if part == "total" else float("nan"),
             config=run.cfg.short(),
-        )
+        )  # fmt: skip
         if profile_gpu and part == "total":
             try:
                 p = profiled_launches(fn)
             except Exception as e:  # noqa: BLE001 - a profiler failure must not stop the measurements
                 p = dict(error=f"{type(e).__name__}: {e}"[:200])
-            row.update(
-                profiled_kernels=p.get("kernels", float("nan")),
-                profiled_memsets=p.get("memsets", float("nan")),
-                profiled_names=p.get("names", ""),
-                profiled_error=p.get("error", ""),
-            )
+            nan = float("nan")
+            row.update(profiled_kernels=p.get("kernels", nan), profiled_memsets=p.get("memsets", nan),
+                       profiled_names=p.get("names", ""), profiled_error=p.get("error", ""))  # fmt: skip
         rows.append(bench.result_row(**row))
     return rows
 
 
-# ------------------------------------------------------------------------------------------------
-# The four launches of stage fused, alone
-# ------------------------------------------------------------------------------------------------
-
-
 def fused_op_costs(run, model: str, topk_ids=None, lora_ids=None) -> dict[str, dict[str, float]]:
-    """FLOPs, minimal bytes and floor (µs) of the four launches of stage ``fused`` for ``run``'s dims.
-
-    From :func:`~.moe_bench.op_costs` (same touched-expert and touched-pair counts): ``fused_gate_up`` =
-    the base gate_up GEMM with g [P, I] written instead of h [P, 2I], plus B13 of the touched pairs, the
-    fp32 intermediate [P, S, R16] read and the expand's FLOPs; ``fused_down`` = the base down GEMM plus B2,
-    the intermediate [P, R16] and the expand's FLOPs; the shrinks = op_costs' shrinks with the
-    intermediate padded to R16 (:func:`~moelora_lib.kernels.launchers.rank_stride`)."""
+    """FLOPs, minimal bytes and floor (µs) of the four launches of stage ``fused`` for ``run``'s dims, from
+    :func:`~.moe_bench.op_costs` (same touched experts and pairs): ``fused_gate_up`` = the base gate_up GEMM
+    writing g [P, I] instead of h [P, 2I], plus B13 of the touched pairs, the fp32 intermediate [P, S, R16]
+    and the expand's FLOPs; ``fused_down`` = the base down GEMM plus B2, the intermediate [P, R16] and the
+    expand's FLOPs; the shrinks with the intermediate padded to R16
+    (:func:`~moelora_lib.kernels.launchers.rank_stride`)."""
     from ..kernels.launchers import rank_stride
 
-    d = run.dims
-    b = run.x.element_size()
-    rows = mb.op_costs(model, d, dtype_bytes=b, topk_ids=topk_ids, lora_ids=lora_ids)
-    c = {r["op"]: r for r in rows}
+    d, b = run.dims, run.x.element_size()
+    c = {r["op"]: r for r in mb.op_costs(model, d, dtype_bytes=b, topk_ids=topk_ids, lora_ids=lora_ids)}
     P, I, S, R = d.pairs, d.I, d.slices, d.rank
-    R16 = rank_stride(R)
-    inter13, inter2 = S * P * R16 * 4, P * R16 * 4
-    gu_exp, dn_exp = c["gate_up_expand"], c["down_expand"]
-    rows = {
-        "gate_up_shrink": (
-            c["gate_up_shrink"]["flops"],
-            c["gate_up_shrink"]["bytes"] - S * P * R * 4 + inter13,
-        ),
-        "fused_gate_up": (
-            c["base_gate_up"]["flops"] + gu_exp["flops"],
-            c["base_gate_up"]["bytes"] - P * 2 * I * b + P * I * b + gu_exp["weight_bytes"] + inter13,
-        ),
-        "down_shrink": (c["down_shrink"]["flops"], c["down_shrink"]["bytes"] - P * R * 4 + inter2),
-        "fused_down": (
-            c["base_down"]["flops"] + dn_exp["flops"],
-            c["base_down"]["bytes"] + dn_exp["weight_bytes"] + inter2,
-        ),
-    }
+    inter13, inter2 = S * P * rank_stride(R) * 4, P * rank_stride(R) * 4
+    gu, dn, gs, ds = c["gate_up_expand"], c["down_expand"], c["gate_up_shrink"], c["down_shrink"]
+    bg, bd = c["base_gate_up"], c["base_down"]
+    ops = {
+        "gate_up_shrink": (gs["flops"], gs["bytes"] - S * P * R * 4 + inter13),
+        "fused_gate_up": (bg["flops"] + gu["flops"], bg["bytes"] - P * I * b + gu["weight_bytes"] + inter13),
+        "down_shrink": (ds["flops"], ds["bytes"] - P * R * 4 + inter2),
+        "fused_down": (bd["flops"] + dn["flops"], bd["bytes"] + dn["weight_bytes"] + inter2),
+    }  # fmt: skip
     return {
-        op: dict(flops=float(f), bytes=float(n), floor_us=mb.floor_us(f, n)) for op, (f, n) in rows.items()
+        op: dict(flops=float(f), bytes=float(n), floor_us=mb.floor_us(f, n)) for op, (f, n) in ops.items()
     }
 
 
 def bench_fused_ops(
     run, *, model: str, topk_ids=None, lora_ids=None, warmup_ms: float = 10, rep_ms: float = 40
 ) -> list[dict[str, Any]]:
-    """Time each launch of a ``fused`` layer alone (:meth:`LayerRun.op_fn`, graph replay, L2 flushed);
-    one row per op in the form of :func:`~.moe_bench.bench_layer`'s rows (part = the op's name) with
-    flops, bytes and floor_us from :func:`fused_op_costs`."""
+    """Time each launch of a ``fused`` layer alone (:meth:`LayerRun.op_fn`, graph replay, L2 flushed): one
+    row per op in :func:`~.moe_bench.bench_layer`'s form (part = the op) with :func:`fused_op_costs`."""
     from ..kernels.stages import FUSED_CONFIG_FIELD, FUSED_LAUNCH_OPS
 
     device = run.x.device
-    is_cpu = device.type == "cpu"
-    mode = "cpu-interpreter" if is_cpu else "graph"
+    mode = "cpu-interpreter" if device.type == "cpu" else "graph"
     costs = fused_op_costs(run, model, topk_ids, lora_ids)
     d = run.dims
     rows = []
     for op in FUSED_LAUNCH_OPS:
-        fn = run.op_fn(op)
-        tm = bench.time_fn(fn, mode, device, warmup_ms, rep_ms)
+        tm = bench.time_fn(run.op_fn(op), mode, device, warmup_ms, rep_ms)
         c = costs[op]
-        cfg = getattr(run.cfg, FUSED_CONFIG_FIELD[op])
         rows.append(
             bench.result_row(
                 stage=run.stage.name,
@@ -381,7 +259,7 @@ def bench_fused_ops(
                 activation=run.activation,
                 bias=run.b13 is not None,
                 part=op,
-                config=cfg.short(),
+                config=getattr(run.cfg, FUSED_CONFIG_FIELD[op]).short(),
                 config_source=run.cfg.source,
                 mode=mode,
                 ms_p50=tm.ms_p50,
@@ -393,66 +271,36 @@ def bench_fused_ops(
                 floor_us=c["floor_us"],
                 warmup_ms=warmup_ms,
                 rep_ms=rep_ms,
-            )
+            )  # fmt: skip
         )
     return rows
 
 
-# ------------------------------------------------------------------------------------------------
-# Tables
-# ------------------------------------------------------------------------------------------------
-
-
-#: lever name -> (stage, parts timed, how the config is picked, adapter_order). ``stage_cfg``: the stage's own
-#: config for T (tuned files); ``default``: :func:`~moelora_lib.kernels.fused.fused_default_config` (the first
-#: round, commit cd22587); ``deterministic``: the stage's config with SPLIT_K = 1 on both shrinks (and on
-#: stage ``fused``'s down GEMM: :meth:`~moelora_lib.kernels.LayerConfig.deterministic`).
+#: lever name -> (stage, parts timed, config, adapter_order). Configs: ``stage_cfg`` the stage's own for T;
+#: ``default`` :func:`~moelora_lib.kernels.fused.fused_default_config` (heuristic, untuned);
+#: ``deterministic`` the stage's with SPLIT_K = 1 (:meth:`~moelora_lib.kernels.LayerConfig.deterministic`).
+#: adapter_order False = the base alignment in pair order instead of grouped by adapter.
 LEVERS: dict[str, tuple[str, tuple[str, ...], str, bool | None]] = {
     "fused_v1": (STAGE, ("base", "total"), "default", False),
     "fused_pair_order": (STAGE, ("base", "total"), "stage_cfg", False),
     "tuned_deterministic": (BASELINE, ("lora", "total"), "deterministic", None),
-    "fused_pdl": (STAGE, ("base", "total"), "stage_cfg", None),
     "fused_deterministic": (STAGE, ("base", "total"), "deterministic", None),
-    "fused_loop": (STAGE, ("total",), "stage_cfg", None),
 }
-#: Levers that force the LoRA epilogue's form (:class:`~moelora_lib.kernels.LayerRun`'s ``lora_stack``):
-#: ``fused_loop`` is the stage with the per-adapter loop everywhere (as before the fifth round).
-LEVER_LORA_STACK: dict[str, bool] = {"fused_loop": False}
-#: Levers that switch programmatic dependent launch on (:class:`~moelora_lib.kernels.LayerRun`'s ``pdl``;
-#: off by default): ``fused_pdl`` is the stage as it is, with PDL.
-LEVER_PDL: dict[str, bool] = {"fused_pdl": True}
 
 
 def bench_levers(
-    shape,
-    T: int,
-    *,
-    levers: Sequence[str] | None = None,
-    rank: int = 32,
-    num_adapters: int = 8,
-    weights=None,
-    dtype=torch.bfloat16,
-    device="cuda",
-    warmup_ms: float = 10,
-    rep_ms: float = 40,
-    seed: int = 0,
-) -> list[dict[str, Any]]:
-    """Time each lever of :data:`LEVERS` at one (model, T) with :func:`~.moe_bench.bench_layer` (uniform
-    adapter ids, silu, no biases: the anchor setting); rows as bench_layer's plus ``lever``.
+    shape, T: int, *, levers: Sequence[str] | None = None, rank: int = 32, num_adapters: int = 8,
+    weights=None, dtype=torch.bfloat16, device="cuda", warmup_ms: float = 10, rep_ms: float = 40, seed=0,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Time each lever of :data:`LEVERS` (None = all) at one (model, T) with :func:`~.moe_bench.bench_layer`
+    (uniform adapter ids, silu, no biases: the anchor setting); rows as bench_layer's plus ``lever``.
 
-    ``levers``: one name or a list of distinct names; None = every lever that can run on ``device``
-    (``fused_pdl`` needs :func:`~moelora_lib.kernels.launchers.pdl_supported`). Raises ValueError for an
-    unknown, repeated or empty lever list, or T not an int ≥ 1 (and, from the layer, for ``fused_pdl``
-    asked for where PDL cannot apply)."""
+    Raises ValueError for an unknown, repeated or empty lever list, or T not an int ≥ 1."""
     from ..kernels import STAGES
     from ..kernels.fused import fused_default_config
     from ..shapes import Dims, get_shape
 
-    if levers is None:
-        from ..kernels.launchers import pdl_supported
-
-        levers = [lv for lv in LEVERS if not LEVER_PDL.get(lv) or pdl_supported(device)]
-    levers = [levers] if isinstance(levers, str) else levers
+    levers = list(LEVERS) if levers is None else [levers] if isinstance(levers, str) else levers
     if not isinstance(levers, (list, tuple)) or not levers or len(set(levers)) != len(levers):
         raise ValueError(
             f"levers must be a lever name or a non-empty list of distinct names of {list(LEVERS)}, "
@@ -469,18 +317,18 @@ def bench_levers(
     rows = []
     for lv in levers:
         stage, parts, how, order = LEVERS[lv]
+        cfg = STAGES[stage].config_for(dims)
         cfg = (
             fused_default_config(dims)
             if how == "default"
-            else STAGES[stage].config_for(dims).deterministic()
+            else cfg.deterministic()
             if how == "deterministic"
-            else STAGES[stage].config_for(dims)
+            else cfg
         )
         for r in mb.bench_layer(
             stage, sh, T, rank=rank, num_adapters=num_adapters, weights=weights, seed=seed,
             activation="silu", bias=False, dtype=dtype, device=device, parts=parts, warmup_ms=warmup_ms,
-            rep_ms=rep_ms, config=cfg, adapter_order=order, pdl=LEVER_PDL.get(lv),
-            lora_stack=LEVER_LORA_STACK.get(lv),
+            rep_ms=rep_ms, config=cfg, adapter_order=order,
         ):  # fmt: skip
             r.update(lever=lv, variant="as_anchor")
             rows.append(r)
@@ -488,16 +336,11 @@ def bench_levers(
 
 
 def levers_table(levers_df, df):
-    """Per (model, T): the whole layer and its parts (µs p50) of each lever beside the stage rows of ``df``
-    (``12_fused.csv``): ``v1_*`` (first round), ``pair_*`` (tuned configs, pair order), ``fused_*`` (the
-    stage: tuned configs, adapter order), ``tuned_*`` and ``det_*`` (``tuned`` deterministic); ``*_lora`` =
-    whole − base for the fused variants, the LoRA launches for ``tuned``/``det``; ``tuned_split_k`` = the
-    largest SPLIT_K of the shipped shrinks (from the config string); ``pdl_base``/``pdl_total`` (the
-    stage with PDL on), only where the lever ``fused_pdl`` was timed; ``fdet_base``/``fdet_total`` (the
-    stage in its deterministic mode) and ``fused_split_k`` (the largest SPLIT_K of the stage's launches),
-    only where ``fused_deterministic`` was timed; ``loop_total`` (the stage with the per-adapter LoRA loop
-    everywhere) and ``fused_stacked`` (1 where the stage's config stacks the adapters: ``lora_stack=1`` in
-    its config string), only where ``fused_loop`` was timed."""
+    """Per (model, T): µs p50 of each lever beside the stage rows of ``df`` (``12_fused.csv``): ``v1_*``
+    (default configs, pair order), ``pair_*`` (stage configs, pair order), ``fused_*`` (the stage),
+    ``tuned_*``, ``det_*`` (``tuned`` deterministic), ``fdet_*`` (``fused`` deterministic, where timed);
+    ``*_lora`` = whole − base for ``fused`` variants, the LoRA launches for ``tuned``/``det``;
+    ``tuned_split_k``/``fused_split_k`` = the largest SPLIT_K in the stage's config string."""
     import re
 
     import pandas as pd
@@ -518,18 +361,11 @@ def levers_table(levers_df, df):
     out["tuned_base"], out["tuned_lora"], out["tuned_total"] = p["base"], p["lora"], p["total"]
     p = piv(lv[lv.lever == "tuned_deterministic"])
     out["det_lora"], out["det_total"] = p["lora"], p["total"]
-    # the stage's config strings, per (model, T)
-    fcfg = df[(df.stage == STAGE) & (df.part == "total")].set_index(["model", "T"]).config
-    if (lv.lever == "fused_pdl").any():  # runs before this lever existed have no such rows
-        p = piv(lv[lv.lever == "fused_pdl"])
-        out["pdl_base"], out["pdl_total"] = p["base"], p["total"]
-    if (lv.lever == "fused_deterministic").any():  # (fourth round)
+    if (lv.lever == "fused_deterministic").any():
         p = piv(lv[lv.lever == "fused_deterministic"])
         out["fdet_base"], out["fdet_total"] = p["base"], p["total"]
+        fcfg = df[(df.stage == STAGE) & (df.part == "total")].set_index(["model", "T"]).config
         out["fused_split_k"] = fcfg.map(lambda c: max(int(x) for x in re.findall(r"s(\d+)w\d+st", c)))
-    if (lv.lever == "fused_loop").any():  # (fifth round)
-        out["loop_total"] = piv(lv[lv.lever == "fused_loop"])["total"]
-        out["fused_stacked"] = fcfg.map(lambda c: int("lora_stack=1" in c))
     t = df[(df.stage == BASELINE) & (df.part == "total")].set_index(["model", "T"]).config
     out["tuned_split_k"] = t.map(
         lambda c: max(int(x) for x in re.findall(r"shrink=m\d+n\d+k\d+g\d+s(\d+)", c))
@@ -574,52 +410,33 @@ def _ratio(num, den):
 
 
 def targets_table(df, anchors, *, stage: str = STAGE, baseline: str = BASELINE):
-    """The targets of stage ``stage`` per anchored (model, T), with ``baseline`` beside it.
+    """The targets of ``stage`` per (model, T) of both ``df`` (``12_fused.csv`` rows) and ``anchors``
+    (:func:`~.moe_bench.anchor_table`, vLLM on the H200), with ``baseline`` beside it.
 
-    Args:
-        df: ``12_fused.csv`` rows (:func:`~.moe_bench.bench_layer` parts base/total, and lora for the
-            baseline).
-        anchors: :func:`~.moe_bench.anchor_table` (vLLM on the H200).
-    Returns:
-        One row per (model, T) in both: ``base_us``, ``lora_us`` (= total − base), ``lora_lo_us``/
-        ``lora_hi_us``, ``total_us``, ``base_floor_us``; vLLM's ``vllm_base_us``, ``vllm_lora_best_us``,
-        ``vllm_total_best_us``; ``lora_x`` = vLLM ÷ ours (inf where the LoRA part is ≤ 0), ``lora_x_low``
-        (with ``lora_hi_us``), ``lora_target``, ``met_lora``; ``total_x``, ``total_target``, ``met_total``,
-        ``met_never_slower``; informational ``lora_share`` (LoRA ÷ base) / ``met_lora_share`` (T ≤ 64,
-        else NaN), ``base_over_floor`` / ``met_base_floor`` (T ≤ 64 and T ≥ 1600, else NaN); the
-        baseline's ``tuned_base_us``, ``tuned_lora_us`` (its LoRA launches timed alone),
-        ``tuned_lora_derived_us`` (its total − base), ``tuned_total_us``, ``tuned_lora_x``,
-        ``tuned_total_x``; and ``speedup_total``/``speedup_base``/``speedup_lora`` = baseline ÷ stage
-        (the LoRA one on whole − base for both).
-    """
+    Columns: ``base_us``, ``lora_us`` (total − base) with ``lora_lo_us``/``lora_hi_us``, ``total_us``,
+    ``base_floor_us``; ``vllm_base_us``, ``vllm_lora_best_us``, ``vllm_total_best_us``; ``lora_x`` = vLLM ÷
+    ours (inf where the LoRA part is ≤ 0), ``lora_x_low``, ``lora_target``, ``met_lora``; ``total_x``,
+    ``total_target``, ``met_total``, ``met_never_slower``; ``lora_share``/``met_lora_share`` (T ≤ 64),
+    ``base_over_floor``/``met_base_floor`` (T ≤ 64, T ≥ 1600); the baseline's ``tuned_base_us``,
+    ``tuned_lora_us`` (LoRA launches alone), ``tuned_lora_derived_us``, ``tuned_total_us``,
+    ``tuned_lora_x``, ``tuned_total_x``; ``speedup_total``/``_base``/``_lora`` = baseline ÷ stage."""
     import pandas as pd
 
     lt = layer_table(df)
     ours = lt[lt.stage == stage].drop(columns="stage")
-    base_cols = ["model", "T", "base", "total", "lora", "lora_measured"]
-    ref = lt[lt.stage == baseline][base_cols].rename(
-        columns={
-            "base": "tuned_base_us",
-            "total": "tuned_total_us",
-            "lora": "tuned_lora_derived_us",
-            "lora_measured": "tuned_lora_us",
-        }
-    )
+    ref = lt[lt.stage == baseline][["model", "T", "base", "total", "lora", "lora_measured"]].rename(
+        columns=dict(base="tuned_base_us", total="tuned_total_us", lora="tuned_lora_derived_us",
+                     lora_measured="tuned_lora_us")
+    )  # fmt: skip
     a = anchors[["model", "T", "base_us", "lora_best_us", "total_best_us"]].rename(
-        columns={
-            "base_us": "vllm_base_us",
-            "lora_best_us": "vllm_lora_best_us",
-            "total_best_us": "vllm_total_best_us",
-        }
+        columns=dict(
+            base_us="vllm_base_us", lora_best_us="vllm_lora_best_us", total_best_us="vllm_total_best_us"
+        )
     )
     t = ours.rename(
-        columns={
-            "base": "base_us",
-            "total": "total_us",
-            "lora": "lora_us",
-            "lora_lo": "lora_lo_us",
-            "lora_hi": "lora_hi_us",
-        }
+        columns=dict(
+            base="base_us", total="total_us", lora="lora_us", lora_lo="lora_lo_us", lora_hi="lora_hi_us"
+        )
     ).drop(columns="lora_measured")
     t = t.merge(a, on=["model", "T"], how="inner").merge(ref, on=["model", "T"], how="left")
     t = t.sort_values(["model", "T"], ignore_index=True)
@@ -633,20 +450,14 @@ def targets_table(df, anchors, *, stage: str = STAGE, baseline: str = BASELINE):
     t["met_total"] = t.total_x >= t.total_target
     t["met_never_slower"] = t.total_x >= TOTAL_TARGETS["never_slower"]
     t["lora_share"] = t.lora_us / t.base_us
-    t["met_lora_share"] = pd.Series(
-        [(x <= LORA_SHARE_MAX) if T_ <= 64 else None for T_, x in zip(T, t.lora_share)],
-        index=t.index,
-        dtype=object,
-    )
+    share = [(x <= LORA_SHARE_MAX) if T_ <= 64 else None for T_, x in zip(T, t.lora_share)]
+    t["met_lora_share"] = pd.Series(share, index=t.index, dtype=object)
     t["base_over_floor"] = t.base_us / t.base_floor_us
-    t["met_base_floor"] = pd.Series(
-        [
-            (x <= BASE_FLOOR_DECODE) if T_ <= 64 else (x <= BASE_FLOOR_PREFILL) if T_ >= 1600 else None
-            for T_, x in zip(T, t.base_over_floor)
-        ],
-        index=t.index,
-        dtype=object,
-    )
+    floor = [
+        (x <= BASE_FLOOR_DECODE) if T_ <= 64 else (x <= BASE_FLOOR_PREFILL) if T_ >= 1600 else None
+        for T_, x in zip(T, t.base_over_floor)
+    ]
+    t["met_base_floor"] = pd.Series(floor, index=t.index, dtype=object)
     t["tuned_lora_x"] = _ratio(t.vllm_lora_best_us, t.tuned_lora_us)
     t["tuned_total_x"] = t.vllm_total_best_us / t.tuned_total_us
     t["speedup_total"] = t.tuned_total_us / t.total_us
@@ -672,20 +483,11 @@ def cumulative_with(cumulative, df, *, stage: str = STAGE, baseline: str = BASEL
     return out[out[f"{stage} (this run)"].notna()].reset_index(drop=True)
 
 
-# ------------------------------------------------------------------------------------------------
-# One graph replay, kernel by kernel (launch gaps)
-# ------------------------------------------------------------------------------------------------
-
-
 def timeline_rows(events: Sequence[tuple[str, int, int]], replays: int) -> list[dict[str, Any]]:
-    """Split the device activities of ``replays`` back-to-back graph replays into one row per activity.
-
-    ``events``: (name, start_ns, duration_ns) of every device kernel/memset the profiler recorded, in any
-    order; the replays ran one after another with a host synchronization between them, so after sorting
-    by start the first n = len(events) / replays activities are replay 0, the next n replay 1, ...
-    Rows: replay, seq (launch order inside the replay), name (first 60 characters), start_us (from the
-    replay's first start), dur_us, gap_us (start − the previous activity's end in the same replay; 0 for
-    the first; negative when two activities overlap), span_us (the replay's last end − first start).
+    """Split ``events`` ((name, start_ns, duration_ns) of every device activity, any order) of ``replays``
+    back-to-back graph replays, separated by host synchronizations, into one row per activity: replay, seq,
+    name (60 characters), start_us (from the replay's first start), dur_us, gap_us (start − the previous
+    activity's end in the replay; 0 for the first, negative on overlap), span_us (the replay's extent).
     Raises ValueError when ``replays`` is not an int ≥ 1 or the events do not split evenly."""
     if not isinstance(replays, int) or isinstance(replays, bool) or replays < 1:
         raise ValueError(f"replays must be an int >= 1, got {replays!r}")
@@ -700,30 +502,19 @@ def timeline_rows(events: Sequence[tuple[str, int, int]], replays: int) -> list[
         span = max(s + d for _, s, d in chunk) - t0
         prev_end = None
         for i, (name, s, d) in enumerate(chunk):
-            rows.append(
-                dict(
-                    replay=r,
-                    seq=i,
-                    name=name[:60],
-                    start_us=(s - t0) / 1e3,
-                    dur_us=d / 1e3,
-                    gap_us=0.0 if prev_end is None else (s - prev_end) / 1e3,
-                    span_us=span / 1e3,
-                )
-            )
+            gap = 0.0 if prev_end is None else (s - prev_end) / 1e3
+            rows.append(dict(replay=r, seq=i, name=name[:60], start_us=(s - t0) / 1e3, dur_us=d / 1e3,
+                             gap_us=gap, span_us=span / 1e3))  # fmt: skip
             prev_end = s + d if prev_end is None else max(prev_end, s + d)
     return rows
 
 
 def graph_timeline(run, *, model: str, replays: int = 5) -> list[dict[str, Any]]:
-    """GPU only: the kernels of one CUDA-graph replay of the whole layer ``run()`` (a built
-    :class:`~moelora_lib.kernels.LayerRun`), from ``torch.profiler`` (CUPTI) over ``replays`` replays of one
-    captured graph, each followed by a host synchronization (L2 not flushed: each replay finds what the
-    previous one left). Rows as :func:`timeline_rows` plus stage, model, T, config and the environment
-    columns: per kernel its device time and the idle gap before it, so the launch gaps inside a replay
-    are visible (the graph removes the host launch cost, not the device's kernel-to-kernel latency).
-    Capture as :func:`moelora_lib.studies.bench.time_cuda` (three warm-up calls on a side stream, then
-    ``torch.cuda.graph``). Raises RuntimeError without CUDA or when the profiler records nothing."""
+    """GPU only: the kernels of one CUDA-graph replay of ``run()`` (a built
+    :class:`~moelora_lib.kernels.LayerRun`) from ``torch.profiler`` over ``replays`` replays of one captured
+    graph (host sync after each, L2 not flushed): rows of :func:`timeline_rows` plus stage, model, T, config,
+    so the device's kernel-to-kernel gaps inside a replay are visible. Raises RuntimeError without CUDA or
+    when the profiler records nothing."""
     from torch.profiler import ProfilerActivity, profile
 
     if not torch.cuda.is_available():
@@ -763,81 +554,38 @@ def timeline_table(tl_df):
     return out.reset_index()
 
 
-# ------------------------------------------------------------------------------------------------
-# Registers, compile-only, in the background
-# ------------------------------------------------------------------------------------------------
-
-
 class RegisterReport:
-    """:func:`moelora_lib.studies.compile_check.fused_report` for each model, in one background process
-    (no ``TRITON_INTERPRET``: it compiles for sm_90 without a GPU), started now and read with
-    :meth:`rows`. Registers are of the preset's own activation and biases (GPT-OSS-20B: swigluoai and
-    biases; the timed rows run silu without biases, as vLLM's anchor did)."""
+    """:func:`moelora_lib.studies.compile_check.fused_report` for each model (registers, spills, binaries
+    over lengths; compile-only for sm_90, no GPU needed) in a subprocess started now on a background thread
+    (:func:`~moelora_lib.studies.compile_check.run_isolated`), so it overlaps the GPU measurements. The
+    presets' own activation and biases."""
 
     def __init__(self, models: Sequence[str], lengths: Sequence[int], res_T: Sequence[int] = (1, 64, 1600)):
+        from concurrent.futures import ThreadPoolExecutor
+
+        from .compile_check import run_isolated
+
         self.models = list(models)
-        jobs = [
-            dict(op="fused_report", lengths=[int(x) for x in lengths], shape=m, res_T=[int(x) for x in res_T])
-            for m in self.models
-        ]
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-        root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        # the jobs go in now and the outputs to files, so the child compiles while this process measures
-        self._out = tempfile.TemporaryFile(mode="w+")
-        self._err = tempfile.TemporaryFile(mode="w+")
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "moelora_lib.studies.compile_check", "batch"],
-            stdin=subprocess.PIPE,
-            stdout=self._out,
-            stderr=self._err,
-            text=True,
-            env=env,
-            cwd=root,
-        )
-        self._proc.stdin.write(json.dumps(jobs))
-        self._proc.stdin.close()
-        self._result: list[dict] | None = None
-        self._error: str | None = None
+        lens, res = [int(x) for x in lengths], [int(x) for x in res_T]
+        jobs = [dict(op="fused_report", lengths=lens, shape=m, res_T=res) for m in self.models]
+        self._pool = ThreadPoolExecutor(max_workers=1)
+        self._future = self._pool.submit(run_isolated, jobs, 900.0)
+        self._pool.shutdown(wait=False)
 
     def rows(self, timeout: float = 300.0) -> list[dict[str, Any]]:
-        """One row per (model, op, T): REG, LOCAL (bytes of local memory: spills), cfg, plus ``binaries``
-        (compiled binaries of the op over the lengths with one config: 1 = no recompile). Waits for the
-        child at most ``timeout`` s; raises RuntimeError with its stderr if it failed or timed out."""
-        if self._result is None and self._error is None:
-            try:
-                rc = self._proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
-                self._error = f"timed out after {timeout:.0f} s"
-            else:
-                self._out.seek(0)
-                self._err.seek(0)
-                if rc != 0:
-                    self._error = f"rc {rc}: {self._err.read()[-3000:]}"
-                else:
-                    self._result = json.loads(self._out.read())
-            self._out.close()
-            self._err.close()
-        if self._error is not None:
-            raise RuntimeError(f"register report failed: {self._error}")
+        """One row per (model, op, T): REG, LOCAL (bytes of local memory: spills), cfg, binaries (over the
+        lengths with one config). Waits at most ``timeout`` s; raises RuntimeError if the job failed."""
+        try:
+            result = self._future.result(timeout=timeout)
+        except Exception as e:  # noqa: BLE001 - a timeout or the child's failure, reported the same way
+            raise RuntimeError(f"register report failed: {type(e).__name__}: {e}") from e
         rows = []
-        for m, rep in zip(self.models, self._result):
+        for m, rep in zip(self.models, result):
             for op, r in rep.items():
-                if not isinstance(r, dict) or "res" not in r:
-                    continue
-                for T, v in r["res"].items():
-                    rows.append(
-                        dict(
-                            model=m,
-                            op=op,
-                            T=int(T),
-                            REG=int(v["REG"]),
-                            LOCAL=int(v["LOCAL"]),
-                            cfg=v["cfg"],
-                            binaries=int(r["hashes"]),
-                        )
-                    )
+                if isinstance(r, dict) and "res" in r:
+                    rows += [
+                        dict(model=m, op=op, T=int(T), REG=int(v["REG"]), LOCAL=int(v["LOCAL"]), cfg=v["cfg"],
+                             binaries=int(r["hashes"]))
+                        for T, v in r["res"].items()
+                    ]  # fmt: skip
         return rows

@@ -1,17 +1,10 @@
-"""Measurements of the serving layer (notebook 09): alignment, eager host overhead, the whole layer in
-one CUDA graph, compiled variants, memory.
+"""Notebook 09's measurements of the serving layer: alignment, eager host overhead, the whole layer in
+one CUDA graph, compiled variants, memory. Every function returns rows for ``data/09_*.csv``.
 
-Every function returns tidy rows (:func:`moelora_lib.studies.bench.result_row`) that the notebook
-writes to ``data/09_*.csv``; on the CPU profile the same code runs at tiny shapes through the Triton
-interpreter (then times are interpreter cost, never performance, and the rows say ``mode =
-"cpu-interpreter"``).
-
-Method (same as the anchor table, docs/anchors-h200.md): GPU times are medians of CUDA-graph replays
-timed by ``triton.testing.do_bench`` with its L2 flush before every replay
-(:func:`moelora_lib.studies.bench.time_fn`, mode "graph"). Eager wall times are host clocks
-(``time.perf_counter``) around one call followed by ``torch.cuda.synchronize()``, median over many
-calls, after warm-up (so they include the host's Python and launch costs, and whatever GPU time is
-not hidden behind them).
+GPU times: medians of CUDA-graph replays (:func:`moelora_lib.studies.bench.time_fn`, mode "graph", L2
+flushed unless said otherwise). Eager wall times: ``time.perf_counter`` around one call plus
+``torch.cuda.synchronize()``, median over many calls after warm-up. On the CPU the same code runs through
+the Triton interpreter (times are interpreter cost; rows say ``mode = "cpu-interpreter"``).
 """
 
 from __future__ import annotations
@@ -38,22 +31,6 @@ from ..workloads import MoELoRAInputs
 from . import bench
 from .moe_bench import layer_inputs, log_spaced_lengths
 
-__all__ = [
-    "SHAPES",
-    "TOKENS",
-    "alignments_equal",
-    "align_rows",
-    "build_layer",
-    "wall_us",
-    "eager_rows",
-    "host_breakdown_rows",
-    "host_profile_rows",
-    "graph_rows",
-    "variant_rows",
-    "memory_rows",
-    "jit_cache_sizes",
-]
-
 #: The two MoE models of the serving-layer targets, and the token counts of the anchor table.
 SHAPES = ("gpt-oss-20b", "qwen3-30b-a3b")
 TOKENS = (1, 8, 64, 256, 1600, 8192)
@@ -66,13 +43,9 @@ def _sync(device) -> None:
 
 def alignments_equal(a: Alignment, b: Alignment) -> bool:
     """True when two alignments are bit-identical (ids, block ids, padded length, sizes)."""
-    return (
-        a.block_size_m == b.block_size_m
-        and a.num_pairs == b.num_pairs
-        and torch.equal(a.sorted_token_ids.cpu(), b.sorted_token_ids.cpu())
-        and torch.equal(a.block_expert_ids.cpu(), b.block_expert_ids.cpu())
-        and torch.equal(a.block_lora_ids.cpu(), b.block_lora_ids.cpu())
-        and torch.equal(a.num_tokens_post_padded.cpu(), b.num_tokens_post_padded.cpu())
+    fields = ("sorted_token_ids", "block_expert_ids", "block_lora_ids", "num_tokens_post_padded")
+    return (a.block_size_m, a.num_pairs) == (b.block_size_m, b.num_pairs) and all(
+        torch.equal(getattr(a, f).cpu(), getattr(b, f).cpu()) for f in fields
     )
 
 
@@ -95,74 +68,41 @@ def _row(shape: MoEShape, T: int, tm: bench.Timing, **fields) -> dict[str, Any]:
     )  # fmt: skip
 
 
-# ------------------------------------------------------------------------------------------------
-# alignment: torch oracle vs Triton
-# ------------------------------------------------------------------------------------------------
 def align_rows(
-    shape: MoEShape | str,
-    T: int,
-    *,
-    device="cuda",
-    adapters: int = 8,
-    rank: int = 32,
-    seed: int = 0,
-    pair_fn: Callable | None = None,
-    weights: MoELoRAInputs | None = None,
-    warmup_ms: float = WARMUP_MS,
-    rep_ms: float = REP_MS,
-) -> list[dict[str, Any]]:
-    """Base + LoRA alignment of one layer call at T tokens, torch vs Triton (and ``pair_fn``).
-
-    The BLOCK_SIZE_M of each alignment are the tuned stage's for this T. Routing: softmax top-k of
-    N(0, 1) logits; adapters spread evenly (``pattern="uniform"``, 1/(L+1) of tokens without one).
-    Implementations: ``torch`` (:func:`moelora_lib.routing.align_tokens`, ~40 torch ops), ``triton``
-    (:func:`~moelora_lib.kernels.align.align_tokens_triton` twice, 2 × 3 launches, preallocated
-    workspaces), ``triton_one_launch`` up to :data:`~moelora_lib.kernels.align_small.SMALL_MAX_PAIRS`
-    pairs (:func:`~moelora_lib.kernels.align_small.align_tokens_pair`: both in one launch; the layer
-    uses it up to :data:`~moelora_lib.kernels.align_small.PAIR_PATH_MAX_PAIRS`), and ``pair_fn`` if
-    given: a callable (topk_ids, E, base_bm, lora_ids, L, lora_bm)
-    returning a no-argument function that aligns both (e.g. a one-launch path) and returns the two
-    alignments. Each row: impl, us_p50 (graph replay, L2 flushed), identical (bit-for-bit equal to
-    the torch result).
-
-    Only the routing and adapter ids are used: ``weights`` (an earlier
-    :func:`~moelora_lib.studies.moe_bench.layer_inputs` result of this shape, e.g. a
-    :class:`~moelora_lib.studies.moe_bench.LayerWeights` set) draws them from (seed, T) without
-    generating a layer's weights (~8 s each at the model shapes); None generates a whole input set.
-    warmup_ms, rep_ms: do_bench's budgets per timing.
-    """
+    shape: MoEShape | str, T: int, *, device="cuda", adapters: int = 8, rank: int = 32, seed: int = 0,
+    weights: MoELoRAInputs | None = None, warmup_ms: float = WARMUP_MS, rep_ms: float = REP_MS,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Base + LoRA alignment of one layer call at T tokens (the tuned stage's BLOCK_SIZE_M for T), one row
+    per implementation: ``torch`` (:func:`moelora_lib.routing.align_tokens`), ``triton``
+    (:func:`~moelora_lib.kernels.align.align_tokens_triton` twice, 3 launches each, preallocated
+    workspaces) and, up to ``SMALL_MAX_PAIRS`` pairs, ``triton_one_launch``
+    (:func:`~moelora_lib.kernels.align_small.align_tokens_pair`). Fields: impl, us_p50 (graph replay, L2
+    flushed), identical (bit-for-bit equal to torch). ``weights``: a ``layer_inputs`` result or
+    ``LayerWeights`` of this shape; only its ids are redrawn for (seed, T)."""
     sh = _shape(shape)
     inp = layer_inputs(sh, T, rank=rank, num_adapters=adapters, device=device, seed=seed, weights=weights)
     ti, li, E, L = inp.topk_ids, inp.lora_ids, sh.experts, adapters
     cfg = STAGES["tuned"].adapt(STAGES["tuned"].config_for(Dims.of(sh, T, rank=rank, adapters=adapters)))
     bmb, bml = cfg.base_block_size_m, cfg.lora_block_size_m
     N = T * sh.top_k
-    ws_b = align_workspace(N, E, bmb, 0, device=device)
-    ws_l = align_workspace(N, E, bml, L, device=device)
-
-    def torch_fn():
-        return (
+    ws_b, ws_l = align_workspace(N, E, bmb, 0, device=device), align_workspace(N, E, bml, L, device=device)
+    impls = {
+        "torch": lambda: (
             align_tokens(ti, E, bmb, check_values=False),
             align_tokens(ti, E, bml, lora_ids=li, num_adapters=L, check_values=False),
-        )
-
-    def triton_fn():
-        return (
+        ),
+        "triton": lambda: (
             align_tokens_triton(ti, E, bmb, out=ws_b),
             align_tokens_triton(ti, E, bml, lora_ids=li, num_adapters=L, out=ws_l),
-        )
-
-    impls = {"torch": torch_fn, "triton": triton_fn}
+        ),
+    }
     if N <= SMALL_MAX_PAIRS and (L + 1) * E <= MAX_GROUPS:
         ws_p = pair_workspace(N, E, bmb, L, bml, device=device)
         impls["triton_one_launch"] = lambda: align_tokens_pair(ti, E, bmb, li, L, bml, out=ws_p)
-    if pair_fn is not None:
-        impls["triton_one_launch"] = pair_fn(ti, E, bmb, li, L, bml)
-    ref = torch_fn()
+    ref = impls["torch"]()
     rows = []
     for name, fn in impls.items():
-        got = fn()
-        same = all(alignments_equal(r, g) for r, g in zip(ref, got))
+        same = all(alignments_equal(r, g) for r, g in zip(ref, fn()))
         tm = _time(fn, device, warmup_ms=warmup_ms, rep_ms=rep_ms)
         rows.append(
             _row(sh, T, tm, impl=name, E=E, K=sh.top_k, L=L, bm_base=bmb, bm_lora=bml, identical=same)
@@ -170,37 +110,20 @@ def align_rows(
     return rows
 
 
-# ------------------------------------------------------------------------------------------------
-# the module
-# ------------------------------------------------------------------------------------------------
 def build_layer(
     inp: MoELoRAInputs, shape: MoEShape | str, *, max_tokens: int, stage: str = "tuned", **kw
 ) -> MoELoRALayer:
-    """A :class:`~moelora_lib.layer.MoELoRALayer` over the weights of ``inp`` (no copy of the expert
-    weights) with its L adapters loaded into slots 0..L-1 (scaling already folded, so 1.0)."""
-    sh = _shape(shape)
-    L, R = inp.lora_a13.shape[0], inp.lora_a13.shape[3]
+    """A :class:`~moelora_lib.layer.MoELoRALayer` over the weights of ``inp`` (no copy) with its L adapters
+    in slots 0..L-1 (scaling already folded: 1.0). ``kw`` goes to the layer."""
+    L, S, R = inp.lora_a13.shape[0], inp.lora_a13.shape[2], inp.lora_a13.shape[3]
     layer = MoELoRALayer(
-        inp.w13,
-        inp.w2,
-        top_k=inp.topk_ids.shape[1],
-        num_adapters=L,
-        max_rank=R,
-        max_tokens=max_tokens,
-        slices=inp.lora_a13.shape[2],
-        b13=inp.b13,
-        b2=inp.b2,
-        activation=inp.activation,
-        renormalize=sh.renormalize,
-        stage=stage,
-        **kw,
-    )
+        inp.w13, inp.w2, top_k=inp.topk_ids.shape[1], num_adapters=L, max_rank=R, max_tokens=max_tokens,
+        slices=S, b13=inp.b13, b2=inp.b2, activation=inp.activation, renormalize=_shape(shape).renormalize,
+        stage=stage, **kw,
+    )  # fmt: skip
     for slot in range(L):
-        layer.load_adapter(
-            slot,
-            gate_up=(inp.lora_a13[slot], inp.lora_b13[slot]),
-            down=(inp.lora_a2[slot], inp.lora_b2[slot]),
-        )
+        gate_up, down = (inp.lora_a13[slot], inp.lora_b13[slot]), (inp.lora_a2[slot], inp.lora_b2[slot])
+        layer.load_adapter(slot, gate_up=gate_up, down=down)
     return layer
 
 
@@ -225,41 +148,17 @@ def wall_us(fn: Callable[[], Any], device, *, reps: int = 200, warmup: int = 10)
     return statistics.median(wall), statistics.median(host)
 
 
-def _public_kernels(inp: MoELoRAInputs, stage: str) -> Callable[[], Any]:
-    """The kernels one public call launches (id bounds, Triton alignment, the layer), without its host
-    sync and value check: capturable, so its GPU time can be replayed."""
-
-    bounds = id_bounds_triton if inp.topk_ids.device.type == "cuda" else id_value_bounds
-
-    def fn():
-        bounds(inp.topk_ids, inp.lora_ids)
-        return make_layer_run(*inp.args(), **inp.kwargs(), stage=stage, check_values=False)()
-
-    return fn
-
-
 def eager_rows(
-    shape: MoEShape | str,
-    T: int,
-    inp: MoELoRAInputs,
-    layer: MoELoRALayer,
-    *,
-    device="cuda",
-    stage: str = "tuned",
-    reps: int = 200,
-    warmup_ms: float = WARMUP_MS,
-    rep_ms: float = REP_MS,
-) -> list[dict[str, Any]]:
+    shape: MoEShape | str, T: int, inp: MoELoRAInputs, layer: MoELoRALayer, *, device="cuda",
+    stage: str = "tuned", reps: int = 200, warmup_ms: float = WARMUP_MS, rep_ms: float = REP_MS,
+) -> list[dict[str, Any]]:  # fmt: skip
     """Eager wall time of the public call and of the module at T tokens, beside their kernels' GPU time.
 
-    Rows (``what``): ``public`` (:func:`fused_moe_lora`, all checks), ``module_topk`` (the module with
-    top-k weights/ids), ``module_logits`` (the module routing from logits): wall_us (incl. the final
-    synchronize) and host_us (until the call returns); ``public_kernels`` / ``module_kernels``: the GPU
-    time of the same launches replayed in a CUDA graph without an L2 flush (consecutive eager calls
-    see the same L2), and ``layer_kernels``: the layer's launches alone with a precomputed alignment.
-    On the CPU profile the rows time the interpreter (no performance number). warmup_ms, rep_ms:
-    do_bench's budgets of the graph timings.
-    """
+    Rows (``what``): ``public`` (:func:`fused_moe_lora`, all checks), ``module_topk``, ``module_logits``
+    (the module given top-k ids, or routing from logits) with wall_us (incl. the final synchronize) and
+    host_us (until the call returns); ``public_kernels``/``module_kernels``/``layer_kernels`` (the
+    layer's launches alone) with gpu_us: the same launches replayed in a CUDA graph without an L2 flush
+    (consecutive eager calls see the same L2)."""
     sh = _shape(shape)
     x, tw, ti, li, lg = inp.hidden_states, inp.topk_weights, inp.topk_ids, inp.lora_ids, inp.router_logits
     calls = {
@@ -267,26 +166,21 @@ def eager_rows(
         "module_topk": lambda: layer(x, topk_weights=tw, topk_ids=ti, lora_ids=li),
         "module_logits": lambda: layer(x, lg, lora_ids=li),
     }
-    rows = []
     on_gpu = torch.device(device).type == "cuda"
+    rows = []
     for what, fn in calls.items():
-        if on_gpu:
-            w, h = wall_us(fn, device, reps=reps)
-        else:
-            w, h = wall_us(fn, device, reps=1, warmup=1)  # interpreter cost only
-        rows.append(
-            bench.result_row(
-                model=sh.name,
-                T=T,
-                what=what,
-                mode="eager" if on_gpu else "cpu-interpreter",
-                wall_us=w,
-                host_us=h,
-            )
-        )
+        w, h = wall_us(fn, device, reps=reps) if on_gpu else wall_us(fn, device, reps=1, warmup=1)
+        mode = "eager" if on_gpu else "cpu-interpreter"
+        rows.append(bench.result_row(model=sh.name, T=T, what=what, mode=mode, wall_us=w, host_us=h))
     run = make_layer_run(*inp.args(), **inp.kwargs(), stage=stage, check_values=False)
+    bounds = id_bounds_triton if on_gpu else id_value_bounds
+
+    def public_kernels():  # what the public call launches, without its host sync and value check
+        bounds(ti, li)
+        return make_layer_run(*inp.args(), **inp.kwargs(), stage=stage, check_values=False)()
+
     kernels = {
-        "public_kernels": _public_kernels(inp, stage),
+        "public_kernels": public_kernels,
         "module_kernels": calls["module_logits"],
         "layer_kernels": run,
     }
@@ -299,51 +193,40 @@ def eager_rows(
 def host_breakdown_rows(
     shape: MoEShape | str, T: int, inp: MoELoRAInputs, *, device="cuda", stage: str = "tuned", reps: int = 100
 ) -> list[dict[str, Any]]:
-    """Host µs of each step of one public call (median, GPU idle before each step, no sync inside):
-    validation, config pick, id bounds + pinned copy, the Triton alignments as the call runs them
-    (``moe_lora._device_alignments``: one launch for small T, else 2 × 3), building the
-    LayerRun, the layer's launches + reduction (also one by one, ``launch.*``), and two floors of
-    this host: one tiny Triton launch (``floor.triton_launch``) and one tiny torch op
-    (``floor.torch_op``). Tells where the eager overhead goes."""
+    """Host µs (median, GPU idle before each, no sync inside) of each step of one public call: validation,
+    config pick, id bounds + pinned copy, the alignments as the call runs them, building the LayerRun, the
+    layer's launches + reduction (also one by one, ``launch.*``), and this host's floors: one tiny Triton
+    launch (``floor.triton_launch``) and one tiny torch op (``floor.torch_op``)."""
+    from ..kernels import LayerRun
+
     sh = _shape(shape)
-    dims = Dims.of(
-        sh, T, rank=inp.lora_a13.shape[3], adapters=inp.lora_a13.shape[0], slices=inp.lora_a13.shape[2]
-    )
+    L, S, R = inp.lora_a13.shape[0], inp.lora_a13.shape[2], inp.lora_a13.shape[3]
+    dims = Dims.of(sh, T, rank=R, adapters=L, slices=S)
     st = STAGES[stage]
     raw_cfg = st.config_for(dims)
     cfg = st.adapt(raw_cfg)
-    E, L = sh.experts, inp.lora_a13.shape[0]
-    bounds = id_bounds_triton if torch.device(device).type == "cuda" else id_value_bounds
-    pinned = torch.empty(4, dtype=torch.int64, pin_memory=torch.device(device).type == "cuda")
+    cuda = torch.device(device).type == "cuda"
+    bounds = id_bounds_triton if cuda else id_value_bounds
+    pinned = torch.empty(4, dtype=torch.int64, pin_memory=cuda)
     run = make_layer_run(*inp.args(), **inp.kwargs(), stage=stage, check_values=False)
     al = (run.base_align, run.lora_align, run.lora_align_down)
-    from ..kernels import LayerRun
-
     steps = {
         "validate": lambda: validate_moe_lora_inputs(*inp.args(), inp.activation, inp.b13, inp.b2, False),
         "config": lambda: st.config_for(dims),
         "id_bounds": lambda: pinned.copy_(bounds(inp.topk_ids, inp.lora_ids), non_blocking=True),
-        # what the public call does on CUDA: one launch up to PAIR_PATH_MAX_PAIRS pairs, else 2 x 3
-        "alignments": lambda: _device_alignments(st, raw_cfg, inp.topk_ids, inp.lora_ids, E, L),
+        "alignments": lambda: _device_alignments(st, raw_cfg, inp.topk_ids, inp.lora_ids, sh.experts, L),
         "layer_run": lambda: LayerRun(st, *inp.args(), **inp.kwargs(), config=cfg, alignments=al),
         "launches": run,
-        # the launches one by one (run.base_gate_up() ... run.reduce())
-        "launch.base_gate_up": run.base_gate_up,
-        "launch.lora_gate_up": run.lora_gate_up,  # shrink (+ zeroing for split-K) + expand
-        "launch.act": run.act,
-        "launch.base_down": run.base_down,
-        "launch.lora_down": run.lora_down,
-        "launch.reduce": run.reduce,
-        # floors of this host: one tiny Triton launch, one tiny torch op
-        "floor.triton_launch": lambda: id_bounds_triton(inp.topk_ids, None),
-        "floor.torch_op": lambda: inp.topk_weights.sum(),
     }
+    for op in ("base_gate_up", "lora_gate_up", "act", "base_down", "lora_down", "reduce"):
+        steps[f"launch.{op}"] = getattr(run, op)
+    steps["floor.triton_launch"] = lambda: id_bounds_triton(inp.topk_ids, None)
+    steps["floor.torch_op"] = lambda: inp.topk_weights.sum()
     rows = []
-    n = reps if torch.device(device).type == "cuda" else 1
     for what, fn in steps.items():
         fn()
         times = []
-        for _ in range(n):
+        for _ in range(reps if cuda else 1):
             _sync(device)
             t0 = time.perf_counter()
             fn()
@@ -367,19 +250,11 @@ def _short_path(file: str) -> str:
 
 
 def host_profile_rows(
-    shape: MoEShape | str,
-    T: int,
-    fn: Callable[[], Any],
-    *,
-    what: str,
-    device="cuda",
-    calls: int = 50,
-    top: int = 20,
+    shape: MoEShape | str, T: int, fn: Callable[[], Any], *, what: str, device="cuda", calls=50, top=20
 ) -> list[dict[str, Any]]:
-    """Where the host time of ``fn`` goes: ``cProfile`` over ``calls`` calls (after warm-up; one
-    synchronize after the loop), the ``top`` functions by own time (``tottime``, µs per call of ``fn``)
-    with their cumulative time, file (relative to its package) and line. Profiling slows Python
-    down, so the absolute µs are inflated; the ranking is the point."""
+    """Where the host time of ``fn`` goes: ``cProfile`` over ``calls`` calls after warm-up, the ``top``
+    functions by own time (µs per call of ``fn``, inflated by the profiler: the ranking is the point) with
+    cumulative time, file (relative to its package) and line."""
     import cProfile
     import pstats
 
@@ -395,55 +270,38 @@ def host_profile_rows(
     prof.disable()
     stats = pstats.Stats(prof).stats  # {(file, line, name): (cc, nc, tt, ct, callers)}
     items = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
-    rows = []
-    for (file, line, name), (_, ncalls, tt, ct, _) in items:
-        short = _short_path(file)
-        rows.append(
-            bench.result_row(
-                model=sh.name,
-                T=T,
-                what=what,
-                function=name,
-                file=short,
-                line=line,
-                calls_per_call=ncalls / calls,
-                tottime_us=tt / calls * 1e6,
-                cumtime_us=ct / calls * 1e6,
-            )
-        )
-    return rows
+    return [
+        bench.result_row(
+            model=sh.name,
+            T=T,
+            what=what,
+            function=name,
+            file=_short_path(file),
+            line=line,
+            calls_per_call=ncalls / calls,
+            tottime_us=tt / calls * 1e6,
+            cumtime_us=ct / calls * 1e6,
+        )  # fmt: skip
+        for (file, line, name), (_, ncalls, tt, ct, _) in items
+    ]
 
 
 def graph_rows(
-    shape: MoEShape | str,
-    T: int,
-    inp: MoELoRAInputs,
-    layer: MoELoRALayer,
-    *,
-    device="cuda",
-    stage="tuned",
-    warmup_ms: float = WARMUP_MS,
-    rep_ms: float = REP_MS,
-) -> list[dict[str, Any]]:
-    """The whole layer in one CUDA graph at T tokens, beside the layer's kernels alone.
-
-    Rows (``what``): ``layer_kernels`` (the seven launches with a precomputed alignment: what the
-    anchor table's vLLM figures also time — vLLM's alignment is not in them), ``module_topk`` (Triton
-    alignment + layer), ``module_logits`` (softmax top-k routing + alignment + layer); graph replay,
-    L2 flushed. ``max_abs_diff``: the module's output against the public call's given the same routing
-    (0 = bit-identical; the module routes with :func:`~moelora_lib.kernels.route.route_triton`).
-    warmup_ms, rep_ms: do_bench's budgets per timing.
-    """
+    shape: MoEShape | str, T: int, inp: MoELoRAInputs, layer: MoELoRALayer, *, device="cuda", stage="tuned",
+    warmup_ms: float = WARMUP_MS, rep_ms: float = REP_MS,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """The whole layer in one CUDA graph at T tokens (graph replay, L2 flushed), rows (``what``):
+    ``layer_kernels`` (the layer's launches with a precomputed alignment: what vLLM's anchor figures time),
+    ``module_topk`` (Triton alignment + layer), ``module_logits`` (routing + alignment + layer);
+    ``max_abs_diff`` against the public call given the same routing (the module routes with
+    :func:`~moelora_lib.kernels.route.route_triton`; 0 = bit-identical)."""
     sh = _shape(shape)
     x, tw, ti, li, lg = inp.hidden_states, inp.topk_weights, inp.topk_ids, inp.lora_ids, inp.router_logits
     ref = fused_moe_lora(*inp.args(), **inp.kwargs(), stage=stage)
-    # the module routes with route_triton (fp32 rounding of its own): compare with the public call
-    # given the same routing
     rw, ri = route_triton(lg, ti.shape[1], sh.renormalize)
     ref_logits = fused_moe_lora(x, inp.w13, inp.w2, rw, ri, *inp.args()[5:], **inp.kwargs(), stage=stage)
-    run = make_layer_run(*inp.args(), **inp.kwargs(), stage=stage, check_values=False)
     fns = {
-        "layer_kernels": run,
+        "layer_kernels": make_layer_run(*inp.args(), **inp.kwargs(), stage=stage, check_values=False),
         "module_topk": lambda: layer(x, topk_weights=tw, topk_ids=ti, lora_ids=li),
         "module_logits": lambda: layer(x, lg, lora_ids=li),
     }
@@ -456,37 +314,26 @@ def graph_rows(
     return rows
 
 
-# ------------------------------------------------------------------------------------------------
-# compiled variants and memory
-# ------------------------------------------------------------------------------------------------
 def jit_cache_sizes(device: int | None = None) -> dict[str, int]:
-    """Compiled binaries in the JIT caches of every kernel a layer call launches (the layer's kernels
-    without length specialization, routing, id bounds, the alignment kernels). GPU only (0 under the
-    interpreter)."""
+    """Compiled binaries per jitted kernel a layer call may launch (the layer's kernels without length
+    specialization, then ``<module>.<name>`` of the alignment, routing, id-bounds and top-k kernels; device
+    helpers are jitted too but never launched, so their caches stay empty). All 0 without CUDA."""
     import importlib
 
     from ..kernels.triton_kernels import KERNELS
 
     jits = {name: flav[False] for name, flav in KERNELS.items()}
     for mod_name in ("align", "align_small", "route", "id_bounds", "topk_reduce"):
-        try:
-            mod = importlib.import_module(f"moelora_lib.kernels.{mod_name}")
-        except ImportError:
-            continue
+        mod = importlib.import_module(f"moelora_lib.kernels.{mod_name}")
         for name in dir(mod):
             obj = getattr(mod, name)
-            # the launched kernels: jitted functions (device helpers are jitted too but never launched,
-            # so their caches stay empty)
             if hasattr(obj, "device_caches") or type(obj).__name__ in ("JITFunction", "InterpretedFunction"):
                 jits[f"{mod_name}.{name.strip('_')}"] = obj
     if not torch.cuda.is_available():
         return dict.fromkeys(jits, 0)
     dev = torch.cuda.current_device() if device is None else device
-    out = {}
-    for name, k in jits.items():
-        caches = getattr(k, "device_caches", None)
-        out[name] = len(caches[dev][0]) if caches is not None and dev in caches else 0
-    return out
+    caches = {name: getattr(k, "device_caches", None) or {} for name, k in jits.items()}
+    return {name: len(c[dev][0]) if dev in c else 0 for name, c in caches.items()}
 
 
 def _misaligned(t: torch.Tensor) -> torch.Tensor:
@@ -529,28 +376,18 @@ def alignment_settings(layer: MoELoRALayer, cfg, lengths: Sequence[int]) -> dict
 def variant_rows(
     shape: MoEShape | str, layer: MoELoRALayer, weights: MoELoRAInputs, *, n_lengths: int = 32, device="cuda"
 ) -> list[dict[str, Any]]:
-    """New compiled binaries per kernel when the module runs ``n_lengths`` log-spaced T (1..max_tokens)
-    with one fixed config, then the same lengths with every per-call input an offset view
-    (misaligned data pointers). Expected: no more new binaries per kernel than distinct compile-time
-    settings (``settings``: one per launch site for the layer's kernels; the alignment's tile sizes,
-    which follow T by design), and none for the offset views."""
+    """New compiled binaries per kernel when the module runs ``n_lengths`` log-spaced T (1..max_tokens) with
+    one fixed config, then the same lengths with every per-call input an offset view (misaligned data
+    pointers), beside ``settings``: the distinct compile-time settings those lengths call for (one per
+    launch site for the layer's kernels; for the alignment the tile sizes, which follow T by design)."""
     sh = _shape(shape)
-    lengths = [t for t in log_spaced_lengths(n_lengths, 1, layer.max_tokens)]
-    fixed = STAGES[layer.stage.name].config_for(
-        Dims(
-            T=64,
-            H=layer.H,
-            I=layer.I,
-            E=layer.E,
-            top_k=layer.K,
-            adapters=layer.L,
-            rank=layer.R,
-            slices=layer.S,
-        )
+    lengths = list(log_spaced_lengths(n_lengths, 1, layer.max_tokens))
+    d = Dims(
+        T=64, H=layer.H, I=layer.I, E=layer.E, top_k=layer.K, adapters=layer.L, rank=layer.R, slices=layer.S
     )
+    fixed = STAGES[layer.stage.name].config_for(d)
     saved, layer.fixed_config, layer._configs = layer.fixed_config, fixed, {}
     settings = alignment_settings(layer, fixed, lengths)
-    rows = []
     try:
         before = jit_cache_sizes()
         for T in lengths:
@@ -562,41 +399,34 @@ def variant_rows(
             warnings.simplefilter("ignore", MisalignedCopyWarning)
             for T in lengths:
                 inp = layer_inputs(sh, T, weights=weights, device=device)
-                layer(
-                    _misaligned(inp.hidden_states),
-                    topk_weights=_misaligned(inp.topk_weights),
-                    topk_ids=_misaligned(inp.topk_ids),
-                    lora_ids=_misaligned(inp.lora_ids),
-                )
+                m = {k: _misaligned(getattr(inp, k)) for k in ("topk_weights", "topk_ids", "lora_ids")}
+                layer(_misaligned(inp.hidden_states), **m)
         _sync(device)
         after_offsets = jit_cache_sizes()
     finally:
         layer.fixed_config, layer._configs = saved, {}
-    for k in before:
-        if torch.cuda.is_available() and after_offsets[k] == 0:
-            continue  # a device helper (inlined into a kernel, never launched) or a kernel not used
-        rows.append(
-            bench.result_row(
-                model=sh.name,
-                kernel=k,
-                n_lengths=len(lengths),
-                new_binaries_lengths=after_lengths[k] - before[k],
-                new_binaries_offset_views=after_offsets[k] - after_lengths[k],
-                binaries_total=after_offsets[k],
-                # distinct compile-time settings the lengths call for (the alignment's tile sizes follow
-                # T by design; the layer's kernels have one per launch site with a fixed config)
-                settings=settings.get(k, LAUNCH_SITES.get(k, 1)),
-            )
-        )
-    return rows
+    return [
+        bench.result_row(
+            model=sh.name,
+            kernel=k,
+            n_lengths=len(lengths),
+            new_binaries_lengths=after_lengths[k] - before[k],
+            new_binaries_offset_views=after_offsets[k] - after_lengths[k],
+            binaries_total=after_offsets[k],
+            settings=settings.get(k, LAUNCH_SITES.get(k, 1)),
+        )  # fmt: skip
+        for k in before
+        # on a GPU, skip device helpers (inlined, never launched) and kernels this layer does not use
+        if not (torch.cuda.is_available() and after_offsets[k] == 0)
+    ]
 
 
 def memory_rows(
     shape: MoEShape | str, layer: MoELoRALayer, inp: MoELoRAInputs, *, device="cuda"
 ) -> list[dict[str, Any]]:
-    """The module's bytes by kind (:meth:`MoELoRALayer.memory_report`) and the peak of temporaries one
-    forward at T = ``inp``'s T allocates (GPU: ``torch.cuda.max_memory_allocated`` above the memory in
-    use before the call; CPU: not measured, None)."""
+    """The module's bytes by kind (:meth:`MoELoRALayer.memory_report`) and ``forward_temporaries``: the peak
+    of temporaries one forward at ``inp``'s T allocates (GPU: ``max_memory_allocated`` above the memory in
+    use before the call; CPU: None)."""
     sh = _shape(shape)
     T = inp.hidden_states.shape[0]
     layer(inp.hidden_states, inp.router_logits, lora_ids=inp.lora_ids)  # workspaces allocated
@@ -609,19 +439,10 @@ def memory_rows(
         torch.cuda.synchronize()
         temp = torch.cuda.max_memory_allocated() - m0
         del out
-    rep = layer.memory_report()
+    rep = {**layer.memory_report(), "forward_temporaries": temp}
     return [
         bench.result_row(
-            model=sh.name,
-            T=T,
-            max_tokens=layer.max_tokens,
-            kind=k,
-            value=None if v is None else int(v),
+            model=sh.name, T=T, max_tokens=layer.max_tokens, kind=k, value=None if v is None else int(v)
         )
-        for k, v in {**rep, "forward_temporaries": temp}.items()
+        for k, v in rep.items()
     ]
-
-
-def lengths_for(max_tokens: int, tokens: Sequence[int] = TOKENS) -> list[int]:
-    """The token counts of ``tokens`` that fit a layer of ``max_tokens``."""
-    return [t for t in tokens if t <= max_tokens]

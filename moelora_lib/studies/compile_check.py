@@ -20,6 +20,7 @@ in an interpreted process the functions here run their job through :func:`run_is
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import re
@@ -267,7 +268,6 @@ LAUNCHES = {
 }
 #: kernel name -> its first launch
 _DEFAULT_LAUNCH = {k: next(n for n, v in LAUNCHES.items() if v == k) for k in KERNEL_NAMES}
-_ID_LAYOUTS = ("contiguous", "offset", "transposed")
 
 
 def _shape(shape):
@@ -289,33 +289,6 @@ def _routing(T: int, E: int, K: int, L: int):
     t = torch.arange(T)
     topk_ids = (t[:, None] * 7 + torch.arange(K)[None, :] * (E // K if E >= 2 * K else 1)) % E
     return topk_ids.to(torch.int32), (t % L).to(torch.int32)
-
-
-def _offset_view(t, offset: bool = True):
-    """``t``, or a copy of it one element into a fresh buffer (data pointer not 16-byte aligned)."""
-    import torch
-
-    if not offset:
-        return t
-    v = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(t.shape)
-    v.copy_(t)
-    return v
-
-
-def _id_layout(topk_ids, lora_ids, layout: str):
-    """The caller's id tensors as ``layout``: contiguous; offset views (data pointers not 16-byte
-    aligned); transposed/strided (topk_ids column-major, lora_ids every other element)."""
-    import torch
-
-    if layout not in _ID_LAYOUTS:
-        raise ValueError(f"layout must be one of {_ID_LAYOUTS}, got {layout!r}")
-    if layout == "offset":
-        topk_ids, lora_ids = _offset_view(topk_ids), _offset_view(lora_ids)
-        assert topk_ids.data_ptr() % 16 and lora_ids.data_ptr() % 16
-    elif layout == "transposed":
-        topk_ids = topk_ids.t().contiguous().t()
-        lora_ids = torch.stack([lora_ids, lora_ids], 1).reshape(-1)[::2]
-    return topk_ids, lora_ids
 
 
 def _stage(specialize_lengths: bool = False, even_k: bool = True):
@@ -525,169 +498,6 @@ def inspect_job(
     return out
 
 
-# --- offset views and lengths: one key whatever the inputs' alignment ------------------------------------
-def _cpu_layer_run(dims, dtype, activation: str, has_bias: bool, offset: bool):
-    """A real CPU :class:`~moelora_lib.kernels.LayerRun` (seeded inputs, :func:`_routing`,
-    ``default_config(dims)``); with ``offset`` every input is an offset view and topk_weights is
-    ``buf[1:T+1]`` of a [T + 1, K] float32 buffer. Returns (run, names of misaligned inputs)."""
-    import torch
-
-    from ..kernels.stages import LayerRun, default_config
-
-    T, E, K, L = dims.T, dims.E, dims.top_k, dims.adapters
-    g = torch.Generator().manual_seed(0)
-
-    def rnd(*shape):
-        return _offset_view((torch.randn(*shape, generator=g) * 0.1).to(dtype), offset)
-
-    topk_ids, lora_ids = _routing(T, E, K, L)
-    w = torch.rand(T, K, generator=g)
-    if offset:
-        w = torch.cat([torch.zeros(1, K), w])[1 : T + 1]
-    inputs = _layer_tensors(dims, rnd, False)
-    inputs |= dict(
-        topk_weights=w, topk_ids=_offset_view(topk_ids, offset), lora_ids=_offset_view(lora_ids, offset)
-    )
-    bias = dict(b13=rnd(E, 2 * dims.I), b2=rnd(E, dims.H)) if has_bias else {}
-    run = LayerRun(_stage(), **inputs, **bias, activation=activation, config=default_config(dims))
-    return run, sorted(n for n, t in {**inputs, **bias}.items() if t.data_ptr() % 16)
-
-
-def offset_view_keys(
-    T: int = 16,
-    H: int = 64,
-    I: int = 32,
-    E: int = 8,
-    K: int = 6,
-    L: int = 2,
-    R: int = 16,
-    *,
-    S: int = 2,
-    dtype: str = "float16",
-    activation: str = "silu",
-    has_bias: bool = True,
-    realign: bool = True,
-) -> dict:
-    """Does an offset view of any input give a layer launch a new Triton key?
-
-    Builds a small CPU :class:`~moelora_lib.kernels.LayerRun` twice from the same values, from fresh
-    tensors and from views whose data pointers are not 16-byte aligned (:func:`_cpu_layer_run`), and
-    compares the sm_90 key of every launch of :data:`~moelora_lib.kernels.stages.LAUNCH_OPS`; nothing is
-    compiled. ``realign=False`` replaces :func:`moelora_lib.common.aligned16` by the identity in the
-    offset run, to show what the check detects without it. Returns ``{"same": {launch: bool},
-    "misaligned_inputs": [names], "keys": {launch: [aligned, offset]}}``.
-    """
-    if _interpreted():
-        kw = dict(T=T, H=H, I=I, E=E, K=K, L=L, R=R, S=S, dtype=dtype, activation=activation)
-        return _isolated("offset_keys", **kw, has_bias=has_bias, realign=realign)
-    from contextlib import nullcontext
-    from unittest import mock
-
-    from ..common import parse_dtype
-    from ..kernels.stages import LAUNCH_OPS
-    from ..shapes import Dims
-
-    dims = Dims(T=T, H=H, I=I, E=E, top_k=K, adapters=L, rank=R, slices=S)
-    keys: dict[str, list[str]] = {op: [] for op in LAUNCH_OPS}
-    misaligned: list[str] = []
-    for offset in (False, True):
-        identity = mock.patch("moelora_lib.kernels.stages.aligned16", lambda t, name="": t)
-        with identity if offset and not realign else nullcontext():
-            run, bad = _cpu_layer_run(dims, parse_dtype(dtype), activation, has_bias, offset)
-        misaligned = bad if offset else misaligned
-        for op in LAUNCH_OPS:
-            la = run.launch_args(op)
-            jf = _jit(la.kernel, False)
-            keys[op].append(specialization_key(jf, la.args, la.constexprs, la.num_warps, la.num_stages))
-    same = {op: k[0] == k[1] for op, k in keys.items()}
-    return {"same": same, "misaligned_inputs": misaligned, "keys": keys}
-
-
-def align_length_keys(
-    lengths=None,
-    *,
-    E: int = 32,
-    K: int = 4,
-    L: int = 8,
-    block_size_m: int = 16,
-    layout: str = "contiguous",
-    workspace: bool = True,
-    tile: int | None = None,
-) -> dict:
-    """Specialization keys of the three Triton alignment kernels over prompt lengths.
-
-    For each T of ``lengths`` (default ``moe_bench.log_spaced_lengths(32)``) the base and LoRA
-    alignments of :func:`_routing`'s ids, as :func:`moelora_lib.kernels.align.align_launch_args`
-    describes them (nothing launched), through one ``align_workspace`` for the largest T
-    (``workspace=True``, as the serving layer) or with fresh outputs. ``layout`` of the id tensors:
-    "contiguous", "offset" or "transposed" (:func:`_id_layout`); ``tile`` pins TILE.
-
-    Returns ``{launch: {"keys", "classes", "max_keys_per_class", "per_length": {T: key index},
-    "key_list"}}`` per launch ``base_count``, ``base_scan``, ``base_scatter``, ``lora_count``,
-    ``lora_scan``, ``lora_scatter``; a class is one tuple of constexpr values (TILE and the scan's
-    TC/GB follow T on purpose), so ``max_keys_per_class == 1`` means no int or pointer argument adds
-    a variant.
-    """
-    if lengths is None:
-        from .moe_bench import log_spaced_lengths
-
-        lengths = log_spaced_lengths(32)
-    lengths = [int(t) for t in lengths]
-    if _interpreted():
-        kw = dict(E=E, K=K, L=L, block_size_m=block_size_m, layout=layout, workspace=workspace, tile=tile)
-        return _isolated("align_keys", lengths=lengths, **kw)
-    from ..kernels.align import align_launch_args, align_workspace
-
-    if layout not in _ID_LAYOUTS:
-        raise ValueError(f"layout must be one of {_ID_LAYOUTS}, got {layout!r}")
-    ws = {}
-    if workspace:
-        n_max = max(lengths) * K
-        ws = {n: align_workspace(n_max, E, block_size_m, n, tile=tile) for n in (0, L)}
-    out: dict[str, dict] = {}
-    for T in lengths:
-        topk_ids, lora_ids = _id_layout(*_routing(T, E, K, L), layout)
-        for role, lo, n_ad in (("base", None, 0), ("lora", lora_ids, L)):
-            _, launches = align_launch_args(topk_ids, E, block_size_m, lo, n_ad, out=ws.get(n_ad), tile=tile)
-            for ln in launches:
-                r = out.setdefault(f"{role}_{ln.name}", {"key_list": [], "per_length": {}, "by_class": {}})
-                key = specialization_key(ln.kernel, ln.args, ln.constexprs)
-                if key not in r["key_list"]:
-                    r["key_list"].append(key)
-                r["by_class"].setdefault(repr(sorted(ln.constexprs.items())), set()).add(key)
-                r["per_length"][T] = r["key_list"].index(key)
-    return {
-        name: {
-            "keys": len(r["key_list"]),
-            "classes": len(r["by_class"]),
-            "max_keys_per_class": max(len(v) for v in r["by_class"].values()),
-            "per_length": r["per_length"],
-            "key_list": r["key_list"],
-        }
-        for name, r in out.items()
-    }
-
-
-def reduce_keys(T: int = 5, E: int = 32, K: int = 4, L: int = 8, H: int = 64) -> dict:
-    """sm_90 keys of :func:`~moelora_lib.kernels.topk_reduce.topk_reduce` (id check on, with lora ids)
-    for the id tensors in each layout of :func:`_id_layout`, y and out fixed. Returns ``{layout: key}``;
-    one distinct key: neither the ids' alignment nor their strides give the reduction a new binary."""
-    if _interpreted():
-        return _isolated("reduce_keys", T=T, E=E, K=K, L=L, H=H)
-    import torch
-
-    from ..kernels.topk_reduce import _topk_reduce, reduce_launch_args
-
-    y = torch.zeros(T * K, H, dtype=torch.bfloat16)
-    out = torch.zeros(T, H, dtype=torch.bfloat16)
-    keys = {}
-    for layout in _ID_LAYOUTS:
-        topk_ids, lora_ids = _id_layout(*_routing(T, E, K, L), layout)
-        _, args, cx = reduce_launch_args(y, topk_ids, E, lora_ids, L, True, out)
-        keys[layout] = specialization_key(_topk_reduce, args, cx)
-    return keys
-
-
 # --- stage fused: variants over lengths, registers, vector stores/loads of the rank intermediate ---------
 _GLOBAL_OP = re.compile(r"^\s*(?:@!?%p\w*\s+)?(st|ld)\.global((?:\.\w+)*)\s", re.M)
 _CP_ASYNC_SIZE = re.compile(
@@ -834,9 +644,9 @@ def _run_job(job: dict) -> dict:
         return variants(job.pop("kernel"), job.pop("specialize_lengths"), job.pop("lengths"), **job)
     if op == "inspect":
         return inspect_job(job.pop("launch"), job.pop("T"), **job)
-    fns = dict(offset_keys=offset_view_keys, align_keys=align_length_keys, reduce_keys=reduce_keys)
-    if op in fns:
-        return fns[op](**job)
+    if ":" in op:  # "module:function", e.g. a test's helper
+        mod, fn = op.split(":")
+        return getattr(importlib.import_module(mod), fn)(**job)
     if op == "fused_report":
         return fused_report(job.pop("lengths"), **job)
     raise ValueError(f"unknown op {op!r}")
@@ -846,10 +656,9 @@ def run_isolated(jobs: list[dict], timeout: float = 600.0) -> list[dict]:
     """Run compile jobs in one fresh subprocess without TRITON_INTERPRET; return their results.
 
     A job is ``{"op": ..., **arguments}``: "count" (kernel, specialize_lengths, lengths, ... of
-    :func:`variants`), "inspect" (launch, T, ... of :func:`inspect_job`), "offset_keys"
-    (:func:`offset_view_keys`), "align_keys" (:func:`align_length_keys`), "reduce_keys"
-    (:func:`reduce_keys`) or "fused_report" (lengths, ... of :func:`fused_report`). A failing job
-    raises RuntimeError with the subprocess's stderr.
+    :func:`variants`), "inspect" (launch, T, ... of :func:`inspect_job`), "fused_report" (lengths, ...
+    of :func:`fused_report`) or "module:function" (its keyword arguments; importable from the repository
+    root). A failing job raises RuntimeError with the subprocess's stderr.
     """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")

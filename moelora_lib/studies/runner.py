@@ -267,7 +267,7 @@ def describe_failure(notebook: Path, exc: BaseException) -> str:
         src_index = _source_cell_index(notebook, exc.cell_index, exc.source)
         lines = [ln for ln in (exc.source or "").splitlines() if ln.strip()]
         first = lines[0].strip() if lines else "<empty>"
-        where = f"cell {src_index} (0-based, In [{exc.exec_count}]; cell {exc.cell_index} in the executed copy)"
+        where = f"cell {src_index} (0-based, In [{exc.exec_count}]; {exc.cell_index} in the executed copy)"
         return f"notebook {notebook.name} failed at {where}: `{first}` -> {exc.ename}: {exc.evalue}"
     return f"notebook {notebook.name} failed before or outside a cell: {type(exc).__name__}: {exc}"
 

@@ -61,10 +61,8 @@ def _check_jit(jitfn) -> None:
     from triton.runtime.jit import JITFunction
 
     if not isinstance(jitfn, JITFunction):
-        raise RuntimeError(
-            f"{jitfn!r} is not a JITFunction (was it decorated under TRITON_INTERPRET=1?); compile "
-            "for sm_90 in a process without TRITON_INTERPRET, e.g. compile_check.run_isolated(jobs)"
-        )
+        raise RuntimeError(f"{jitfn!r} is not a JITFunction (decorated under TRITON_INTERPRET=1?); compile "
+                           "in a process without it, e.g. compile_check.run_isolated(jobs)")  # fmt: skip
 
 
 def _kwargs(jitfn, constexprs: dict, num_warps, num_stages) -> dict:
@@ -88,40 +86,21 @@ def _bind(jitfn, args, constexprs, num_warps, num_stages, arch):
     return kw, bound_args, specialization, options
 
 
-def specialization_key(
-    jitfn,
-    args,
-    constexprs: dict,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-    arch: int = SM90,
-) -> str:
-    """The key ``JITFunction.run`` looks its kernel cache up with, for these launch arguments.
-
-    ``str(specialization) + str(options)``: one entry per parameter, e.g. ``('i32', 'D')`` for an
-    int divisible by 16, ``('constexpr', 1)`` for an int equal to 1 (or ``('i32', None)`` when the
-    parameter is ``do_not_specialize``), plus the constexpr values and num_warps/num_stages.
-    Two launches with the same key reuse one binary; a new key compiles a new one.
-    """
+def specialization_key(jitfn, args, constexprs: dict, num_warps: int | None = None,
+                       num_stages: int | None = None, arch: int = SM90) -> str:  # fmt: skip
+    """The key ``JITFunction.run`` looks its kernel cache up with for these launch arguments
+    (specialization per parameter, e.g. ``('i32', 'D')`` for an int divisible by 16, plus constexprs
+    and options): the same key reuses one binary, a new key compiles a new one."""
     from triton.runtime.jit import compute_cache_key
 
     _, _, specialization, options = _bind(jitfn, args, constexprs, num_warps, num_stages, arch)
     return compute_cache_key({}, specialization, options)
 
 
-def compile_for_sm90(
-    jitfn,
-    args,
-    constexprs: dict,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-    arch: int = SM90,
-):
-    """Compile ``jitfn`` for these launch arguments to a ``CompiledKernel`` for sm_``arch`` (no GPU).
-
-    ``args`` are the positional launch arguments (CPU or meta tensors, ints); ``constexprs`` the
-    keyword constexprs; num_warps/num_stages None = Triton's defaults. Honours TRITON_CACHE_DIR.
-    """
+def compile_for_sm90(jitfn, args, constexprs: dict, num_warps: int | None = None,
+                     num_stages: int | None = None, arch: int = SM90):  # fmt: skip
+    """A ``CompiledKernel`` of ``jitfn`` for sm_``arch`` (no GPU) for these launch arguments (CPU or meta
+    tensors, ints) and keyword constexprs; num_warps/num_stages None = Triton's. Honours TRITON_CACHE_DIR."""
     import triton
     from triton.compiler import ASTSource
 
@@ -164,9 +143,8 @@ def resource_usage(compiled) -> dict:
         f.write(compiled.asm["cubin"])
         path = f.name
     try:
-        out = subprocess.run(
-            [_nvidia_bin("cuobjdump"), "-res-usage", path], check=True, capture_output=True, text=True
-        ).stdout
+        cmd = [_nvidia_bin("cuobjdump"), "-res-usage", path]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     finally:
         os.remove(path)
     m = re.search(r"REG:\d+.*", out)
@@ -186,12 +164,8 @@ _BRANCH = re.compile(r"\bbra(?:\.uni)?\s+(\$L__\w+)\s*;")
 
 
 def k_loop_bodies(ptx_text: str) -> list[str]:
-    """The bodies of the PTX loops: the lines from a label to the last branch back to it.
-
-    A loop in PTX is a label followed later by a (conditional) ``bra`` to that same label. With
-    ``num_stages=1`` there is no software-pipelined prologue, so every load of the K loop sits in
-    its body. Nested or sequential loops are each returned; outermost spans first.
-    """
+    """The bodies of the PTX loops (a label to the last ``bra`` back to it), outermost first. With
+    ``num_stages=1`` (no pipelined prologue) every load of the K loop sits in its body."""
     lines = ptx_text.splitlines()
     where = {}
     for i, line in enumerate(lines):
@@ -213,22 +187,13 @@ _LD_GLOBAL = re.compile(r"^\s*(?:@!?%p\w*\s+)?ld\.global\b", re.M)
 
 
 def masked_global_loads(ptx_text: str) -> dict:
-    """Count the global loads of a PTX fragment by kind.
-
-    ``predicated``: ``@%p ld.global`` (a masked tl.load without pipelining); ``zero_fill``:
-    ``cp.async [dst], [src], size, %rN`` (the src-size operand zero-fills a masked async copy);
-    ``predicated_cp_async``: ``@%p cp.async``; ``all_ld_global``: every ``ld.global`` line.
-    """
-    return {
-        "predicated": len(_PRED_LD.findall(ptx_text)),
-        "zero_fill": len(_CP_ASYNC_ZFILL.findall(ptx_text)),
-        "predicated_cp_async": len(_PRED_CP_ASYNC.findall(ptx_text)),
-        "all_ld_global": len(_LD_GLOBAL.findall(ptx_text)),
-    }
+    """Global loads of PTX by kind: ``predicated`` (``@%p ld.global``), ``zero_fill`` (``cp.async`` with a
+    src-size operand), ``predicated_cp_async`` (``@%p cp.async``), ``all_ld_global``."""
+    pats = dict(predicated=_PRED_LD, zero_fill=_CP_ASYNC_ZFILL, predicated_cp_async=_PRED_CP_ASYNC)
+    return {k: len(p.findall(ptx_text)) for k, p in (pats | dict(all_ld_global=_LD_GLOBAL)).items()}
 
 
 _RED_PTX = re.compile(r"(?<![\w.])red\.global\S*add|atom\.global\S*relaxed\S*add|atom\.global\S*add")
-_RED_SASS = re.compile(r"(?<![\w.])(?:REDG|RED|ATOMG)\.\S*ADD")
 
 
 def has_atomic_add(ptx_text: str | None = None, sass_text: str | None = None) -> dict:
@@ -247,25 +212,15 @@ def has_atomic_add(ptx_text: str | None = None, sass_text: str | None = None) ->
 
 def tensor_core_ops(ptx_text: str) -> dict:
     """Counts of ``mma.sync`` and ``wgmma.mma_async`` instructions in PTX."""
-    return {
-        "mma_sync": len(re.findall(r"(?<![\w.])mma\.sync\.aligned\.\S+", ptx_text)),
-        "wgmma": len(re.findall(r"\bwgmma\.mma_async\.\S+", ptx_text)),
-    }
+    mma = len(re.findall(r"(?<![\w.])mma\.sync\.aligned\.\S+", ptx_text))
+    return {"mma_sync": mma, "wgmma": len(re.findall(r"\bwgmma\.mma_async\.\S+", ptx_text))}
 
 
-# --- building the real launch arguments of one layer launch ----------------------------------------------
-#: launch name -> kernel name (the launches of one layer, :data:`moelora_lib.kernels.stages.LAUNCH_KERNELS`)
 # --- the real launch arguments of one layer launch, on meta tensors --------------------------------------
 #: launch name -> kernel name (the launches of one layer, :data:`moelora_lib.kernels.stages.LAUNCH_KERNELS`)
-LAUNCHES = {
-    "base_gate_up": "fused_moe",
-    "base_down": "fused_moe",
-    "gate_up_shrink": "lora_shrink",
-    "down_shrink": "lora_shrink",
-    "gate_up_expand": "lora_expand",
-    "down_expand": "lora_expand",
-    "act": "gated_act",
-}
+LAUNCHES = dict(base_gate_up="fused_moe", base_down="fused_moe", gate_up_shrink="lora_shrink")
+LAUNCHES |= dict(down_shrink="lora_shrink", gate_up_expand="lora_expand", down_expand="lora_expand")
+LAUNCHES["act"] = "gated_act"
 #: kernel name -> its first launch
 _DEFAULT_LAUNCH = {k: next(n for n, v in LAUNCHES.items() if v == k) for k in KERNEL_NAMES}
 
@@ -295,15 +250,9 @@ def _stage(specialize_lengths: bool = False, even_k: bool = True):
     """A stage with split-K, swizzle and fused add, and the given EVEN_K / specialization switches."""
     from ..kernels.stages import Stage
 
-    return Stage(
-        name="compile_check",
-        title="compile-only launch",
-        specialize_lengths=specialize_lengths,
-        split_k=True,
-        swizzle=True,
-        even_k=even_k,
-        fused_add=True,
-    )
+    kw = dict(specialize_lengths=specialize_lengths, split_k=True, swizzle=True, even_k=even_k)
+    kw["fused_add"] = True
+    return Stage(name="compile_check", title="compile-only launch", **kw)
 
 
 def _layer_tensors(d, make, has_bias: bool) -> dict:
@@ -314,16 +263,8 @@ def _layer_tensors(d, make, has_bias: bool) -> dict:
     return t | (dict(b13=make(E, 2 * I), b2=make(E, H)) if has_bias else {})
 
 
-def meta_layer_run(
-    dims,
-    *,
-    activation: str = "silu",
-    has_bias: bool = False,
-    dtype="bfloat16",
-    config=None,
-    use_even_k: bool = True,
-    specialize_lengths: bool = False,
-):
+def meta_layer_run(dims, *, activation: str = "silu", has_bias: bool = False, dtype="bfloat16", config=None,
+                   use_even_k: bool = True, specialize_lengths: bool = False):  # fmt: skip
     """A :class:`~moelora_lib.kernels.LayerRun` of ``dims`` (a :class:`~moelora_lib.shapes.Dims`) on meta
     tensors: :func:`_routing`'s ids, the real alignments moved to meta, ``config`` (None =
     ``default_config(dims)``), a stage with fused add and the given switches. Nothing is launched."""
@@ -348,27 +289,13 @@ def meta_layer_run(
     return run
 
 
-def launch(
-    launch_name: str,
-    T: int,
-    *,
-    shape="gpt-oss-20b",
-    rank: int = 32,
-    adapters: int = 8,
-    dtype: str = "bfloat16",
-    cfg=None,
-    use_even_k: bool = True,
-    with_bias: bool | None = None,
-):
-    """``(kernel_name, args, constexprs, num_warps, num_stages, cfg)`` of one launch of the layer at T
-    tokens: :meth:`LayerRun.launch_args <moelora_lib.kernels.LayerRun.launch_args>` of
-    :func:`meta_layer_run` (num_pairs = T·K, num_blocks from the real alignment, strides ∝ T·K).
-
-    launch_name: one of :data:`LAUNCHES`, or a kernel name (its first launch). shape: see :func:`_shape`.
-    cfg: an :class:`~moelora_lib.kernels.config.OpConfig`, a dict of OpConfig fields over the default, or
-    None = ``default_config(dims)``; the launch's alignment group uses cfg's BLOCK_SIZE_M.
-    use_even_k: the LoRA ops' stage switch (the base GEMMs always allow EVEN_K, as the layer).
-    """
+def launch(launch_name: str, T: int, *, shape="gpt-oss-20b", rank: int = 32, adapters: int = 8,
+           dtype: str = "bfloat16", cfg=None, use_even_k: bool = True,
+           with_bias: bool | None = None):  # fmt: skip
+    """``(kernel_name, args, constexprs, num_warps, num_stages, cfg)`` of one layer launch at T
+    (``launch_args`` of :func:`meta_layer_run`). launch_name: of :data:`LAUNCHES` or a kernel name (its
+    first launch); shape: see :func:`_shape`; cfg: an OpConfig, a dict of fields over the default, or
+    None; the launch's alignment group takes cfg's BLOCK_SIZE_M; use_even_k: the LoRA ops' switch."""
     from dataclasses import replace
 
     from ..kernels.config import BASE_OPS, LORA_OPS, OpConfig
@@ -387,13 +314,13 @@ def launch(
             cfg = replace(base, **{k.upper(): v for k, v in cfg.items()})
         assert isinstance(cfg, OpConfig)
         group = BASE_OPS if launch_name in BASE_OPS else LORA_OPS
+        bm = cfg.BLOCK_SIZE_M
         layer_cfg = layer_cfg.replace(
-            **{op: replace(getattr(layer_cfg, op), BLOCK_SIZE_M=cfg.BLOCK_SIZE_M) for op in group}
+            **{op: replace(getattr(layer_cfg, op), BLOCK_SIZE_M=bm) for op in group}
         )
     has_bias = sh.has_bias if with_bias is None else with_bias
-    kw = dict(
-        activation=sh.activation, has_bias=has_bias, dtype=dtype, config=layer_cfg, use_even_k=use_even_k
-    )
+    kw = dict(activation=sh.activation, has_bias=has_bias, dtype=dtype, config=layer_cfg)
+    kw["use_even_k"] = use_even_k
     la = meta_layer_run(dims, **kw).launch_args(launch_name, cfg)
     return la.kernel, la.args, la.constexprs, la.num_warps, la.num_stages, la.cfg
 
@@ -426,23 +353,12 @@ def _isolated(op: str, **job) -> dict:
 _HASHES: dict = {}
 
 
-def variants(
-    kernel_name: str,
-    specialize_lengths: bool,
-    lengths,
-    *,
-    launch_name: str | None = None,
-    cfg=None,
-    compile: bool = True,
-    **launch_kw,
-) -> dict:
-    """Distinct cache keys (and binaries) of one layer launch over prompt lengths ``lengths``.
-
-    ``cfg``: None = one config for every length (the default config at T = 64); an OpConfig or dict =
-    that config; ``"auto"`` = ``default_config(T)`` per length, as the layer launches. Returns ``{"keys":
-    n, "hashes": n (None without compile), "configs": n, "per_length": {T: key index}, "key_list"}``.
-    ValueError when the launch does not run ``kernel_name``.
-    """
+def variants(kernel_name: str, specialize_lengths: bool, lengths, *, launch_name: str | None = None, cfg=None,
+             compile: bool = True, **launch_kw) -> dict:  # fmt: skip
+    """Distinct cache keys (and binaries) of one layer launch over ``lengths``. ``cfg``: None = the
+    default config at T = 64 for all; an OpConfig or dict; ``"auto"`` = ``default_config(T)`` per length.
+    Returns ``{"keys", "hashes" (None without compile), "configs", "per_length": {T: key index},
+    "key_list"}``. ValueError when the launch does not run ``kernel_name``."""
     from ..kernels.config import OpConfig
 
     if _interpreted():
@@ -485,13 +401,9 @@ def inspect_job(
     kernel, args, cx, nw, ns, cfg = launch(launch_name, T, **launch_kw)
     jf = _jit(kernel, specialize_lengths)
     k = compile_for_sm90(jf, args, cx, nw, ns)
-    out = {
-        "kernel": kernel,
-        "hash": k.hash,
-        "key": specialization_key(jf, args, cx, nw, ns),
-        "constexprs": {n: (v if isinstance(v, (int, bool, str)) else str(v)) for n, v in cx.items()},
-        "cfg": cfg.to_dict() if cfg is not None else None,
-    }
+    out = dict(kernel=kernel, hash=k.hash, key=specialization_key(jf, args, cx, nw, ns))
+    out["constexprs"] = {n: (v if isinstance(v, (int, bool, str)) else str(v)) for n, v in cx.items()}
+    out["cfg"] = cfg.to_dict() if cfg is not None else None
     for name, fn in (("res", resource_usage), ("ptx", ptx), ("sass", sass)):
         if name in want:
             out[name] = fn(k)
@@ -500,9 +412,8 @@ def inspect_job(
 
 # --- stage fused: variants over lengths, registers, vector stores/loads of the rank intermediate ---------
 _GLOBAL_OP = re.compile(r"^\s*(?:@!?%p\w*\s+)?(st|ld)\.global((?:\.\w+)*)\s", re.M)
-_CP_ASYNC_SIZE = re.compile(
-    r"\bcp\.async\.\w+\.shared\.global\s+\[[^\]]+\],\s*\[[^\]]+\],\s*(0x[0-9a-f]+|\d+)"
-)
+_CP_ASYNC_SIZE = re.compile(r"\bcp\.async\.\w+\.shared\.global\s+\[[^\]]+\],\s*\[[^\]]+\],"
+                            r"\s*(0x[0-9a-f]+|\d+)")  # fmt: skip
 
 
 def global_vector_ops(ptx_text: str) -> dict:

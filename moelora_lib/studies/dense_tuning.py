@@ -46,18 +46,8 @@ from ..shapes import DENSE_CPU_MODELS, DENSE_GPU_MODELS, DENSE_PRESETS, DensePro
 from . import tuner
 from .tuner import RUN_COLUMNS, TRIAL_COLUMNS
 
-__all__ = [
-    "Projection",
-    "projections",
-    "CSV_COLUMNS",
-    "bm_candidates",
-    "shrink_candidates",
-    "expand_candidates",
-    "plan",
-    "precompile",
-    "tune",
-    "main",
-]
+__all__ = ["Projection", "projections", "CSV_COLUMNS", "bm_candidates", "shrink_candidates"]
+__all__ += ["expand_candidates", "plan", "precompile", "tune", "main"]
 
 #: The stage whose switches the tuned configs are for (split-K, grouped order, EVEN_K, fused add).
 TUNE_STAGE = "tuned"
@@ -96,11 +86,8 @@ def projections(spec: str | Sequence[str]) -> list[Projection]:
         if it != "all" and model not in DENSE_PRESETS:
             raise ValueError(f"unknown model {model!r} in {it!r}; known: {['all', *DENSE_PRESETS]}")
         models = DENSE_GPU_MODELS if it == "all" else [model]
-        got = [
-            Projection(p.model, p.proj, p.hidden, p.slices)
-            for m in models
-            for p in DENSE_PRESETS[m].projections()
-        ]
+        presets = [p for m in models for p in DENSE_PRESETS[m].projections()]
+        got = [Projection(p.model, p.proj, p.hidden, p.slices) for p in presets]
         if proj and not (got := [p for p in got if p.proj == proj]):
             have = [p.proj for p in DENSE_PRESETS[model].projections()]
             raise ValueError(f"unknown projection {proj!r} of {model}; it has {have}")
@@ -202,17 +189,8 @@ class Workload:
     @property
     def ids(self) -> dict[str, Any]:
         p = self.proj
-        return dict(
-            model=p.model,
-            proj=p.proj,
-            H=p.hidden,
-            slices=p.slices_str,
-            S=len(p.slices),
-            N=sum(p.slices),
-            R=self.R,
-            L=self.L,
-            T=self.T,
-        )
+        ids = dict(model=p.model, proj=p.proj, H=p.hidden, slices=p.slices_str, S=len(p.slices))
+        return ids | dict(N=sum(p.slices), R=self.R, L=self.L, T=self.T)
 
     def keys(self, op: str) -> tuple[int, ...]:
         p = self.proj
@@ -227,9 +205,8 @@ class Workload:
     def candidates(self, op: str, bm: int, limit: int, elem: int) -> list[OpConfig]:
         p, d = self.proj, self.default()
         if op == "shrink":
-            return shrink_candidates(
-                bm, d.shrink, hidden=p.hidden, n=len(p.slices) * self.R, limit=limit, elem=elem
-            )
+            n = len(p.slices) * self.R
+            return shrink_candidates(bm, d.shrink, hidden=p.hidden, n=n, limit=limit, elem=elem)
         return expand_candidates(bm, d.expand, rank=self.R, widest=max(p.slices), limit=limit, elem=elem)
 
 
@@ -276,20 +253,13 @@ def _meta_launch(job: dict):
     H, slices, R, L, T = job["H"], tuple(job["slices"]), job["R"], job["L"], 16
     cfg = OpConfig(**job["cfg"])
     d = default_dense_config(T, hidden=H, slices=slices, rank=R, adapters=L)
-    other = dataclasses.replace(
-        d.expand if job["op"] == "shrink" else d.shrink, BLOCK_SIZE_M=cfg.BLOCK_SIZE_M
-    )
+    other = d.expand if job["op"] == "shrink" else d.shrink
+    other = dataclasses.replace(other, BLOCK_SIZE_M=cfg.BLOCK_SIZE_M)
     pair = DenseLoRAConfig(cfg, other) if job["op"] == "shrink" else DenseLoRAConfig(other, cfg)
     meta = dict(device="meta", dtype=parse_dtype(job["dtype"]))
     ids = (torch.arange(T) % L).to(torch.int32)
-    al = align_tokens(
-        torch.zeros(T, 1, dtype=torch.int32),
-        1,
-        cfg.BLOCK_SIZE_M,
-        lora_ids=ids,
-        num_adapters=L,
-        check_values=False,
-    )
+    topk = torch.zeros(T, 1, dtype=torch.int32)
+    al = align_tokens(topk, 1, cfg.BLOCK_SIZE_M, lora_ids=ids, num_adapters=L, check_values=False)
     fields = ("sorted_token_ids", "block_expert_ids", "block_lora_ids", "num_tokens_post_padded")
     al = dataclasses.replace(al, **{f: getattr(al, f).to("meta") for f in fields})
     x, out = torch.empty(T, H, **meta), torch.empty(T, sum(slices), **meta)
@@ -307,15 +277,9 @@ def compile_jobs(workloads: Sequence[Workload], *, max_bms: int, max_cands: int,
             for c in (
                 c for bm in bm_candidates(w.T, w.L, max_bms) for c in w.candidates(op, bm, max_cands, elem)
             ):
-                job = dict(
-                    op=op,
-                    H=w.proj.hidden,
-                    slices=list(w.proj.slices),
-                    R=w.R,
-                    L=w.L,
-                    cfg=c.to_dict(),
-                    dtype=dtype,
-                )
+                p = w.proj
+                job = dict(op=op, H=p.hidden, slices=list(p.slices), R=w.R, L=w.L, cfg=c.to_dict())
+                job["dtype"] = dtype
                 jobs.setdefault(json.dumps(job, sort_keys=True), job)  # the same candidate at another T
     return list(jobs.values())
 
@@ -350,9 +314,8 @@ def precompile(jobs: list[dict], n_proc: int, timeout_s: float, arch: int) -> di
     from . import bench
 
     t0 = time.perf_counter()
-    stats: dict[str, Any] = dict(
-        jobs=len(jobs), ok=0, failed=0, unfinished=len(jobs), compile_s=0.0, errors=[]
-    )
+    stats: dict[str, Any] = dict(jobs=len(jobs), ok=0, failed=0, unfinished=len(jobs), compile_s=0.0)
+    stats["errors"] = []
     if not jobs or n_proc <= 0:
         return dict(stats, wall_s=0.0)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -407,16 +370,8 @@ class _Inputs:
         kw = dict(use_even_k=st.even_k, specialize_lengths=st.specialize_lengths)
         if op == "shrink":
             return lambda: dense_shrink(self.x[:T], self.a, align, cfg, inter=self.inter[:T], **kw)
-        return lambda: dense_expand(
-            self.inter[:T],
-            self.b,
-            self.out[:T],
-            align,
-            cfg,
-            slices=self.proj.slices,
-            add_inputs=st.fused_add,
-            **kw,
-        )
+        kw |= dict(slices=self.proj.slices, add_inputs=st.fused_add)
+        return lambda: dense_expand(self.inter[:T], self.b, self.out[:T], align, cfg, **kw)
 
     def rel_err(self, T: int, align, shrink: OpConfig, expand: OpConfig, ref: torch.Tensor) -> float:
         """max|out − ref| / max|ref| of the pair (stage tuned's dense_lora_add into a zero base), computed
@@ -426,9 +381,8 @@ class _Inputs:
 
         out = torch.zeros(T, sum(self.proj.slices), dtype=self.x.dtype, device=self.device)
         cfg = DenseLoRAConfig(shrink, expand, source="tuner")
-        dense_lora_add(
-            STAGES[TUNE_STAGE], out, self.x[:T], self.a, self.b, align, cfg, slices=self.proj.slices
-        )
+        args = (STAGES[TUNE_STAGE], out, self.x[:T], self.a, self.b, align, cfg)
+        dense_lora_add(*args, slices=self.proj.slices)
         o = out.to(torch.float64)
         if not bool(torch.isfinite(o).all()):
             return math.inf

@@ -1,18 +1,11 @@
 """The one benchmark harness: timing, roofline floors, result rows to CSV, the environment record.
 
-Units: :class:`Timing` fields are milliseconds; the floor helpers return microseconds.
-
-GPU (:func:`time_cuda`), the method of ``triton.testing.do_bench``: ``fn`` is warmed up (compilation and
-autotuning stay out of the numbers), each repetition is timed with a pair of CUDA events around one call
-(or one ``CUDAGraph.replay()`` in graph mode, which removes the per-launch CPU overhead that dominates
-decode-sized kernels), and the median with p20/p80 is reported. The L2 is flushed before every repetition:
-``flush_l2=True``/``"dirty"`` zeroes a 256 MB buffer as do_bench does, which leaves dirty lines that the
-timed kernel writes back (3–9 µs of a memory-bound decode GEMM, notebook 08's ``data/08_l2_probe.csv``);
-``"clean"`` reads a 256 MB buffer instead, so the timed call starts from a cold L2 of clean lines, as in a
-decode step after the previous layer's read-only weights.
-
-CPU (:func:`time_cpu`): ``time.perf_counter`` wall clock; under ``TRITON_INTERPRET=1`` it measures the
-interpreter, never the kernel.
+Units: :class:`Timing` in ms; the floor helpers in µs. GPU (:func:`time_cuda`): ``triton.testing.do_bench``'s
+method (warm-up untimed; CUDA events around one call or one ``CUDAGraph.replay()``; median, p20/p80),
+the L2 flushed before every repetition: ``True``/``"dirty"`` zeroes 256 MB as do_bench does (dirty lines
+the timed kernel writes back: 3–9 µs of a decode GEMM, data/08_l2_probe.csv), ``"clean"`` reads 256 MB
+(a cold L2 of clean lines, as after the previous layer's weights). CPU (:func:`time_cpu`): wall clock;
+under ``TRITON_INTERPRET=1`` interpreter cost, never kernel performance.
 """
 
 from __future__ import annotations
@@ -158,44 +151,22 @@ def capture_graph(fn: Callable[[], Any]):
     return graph
 
 
-def time_cuda(
-    fn: Callable[[], Any],
-    *,
-    mode: str = "graph",
-    flush_l2: bool | str = True,
-    warmup_ms: float = 25,
-    rep_ms: float = 100,
-    min_reps: int | None = None,
-) -> Timing:
-    """Time ``fn()`` on the current CUDA device; returns ms p50/p20/p80 (see the module docstring).
-
-    fn: a no-argument callable; in graph mode it must be capturable (no host synchronization, no
-        data-dependent shapes).
-    mode: "graph" (time ``CUDAGraph.replay``) or "eager" (time ``fn``, CPU launch overhead included).
-    flush_l2: ``True``/``"dirty"`` (do_bench's flush), ``"clean"`` (:func:`clean_l2_flush`) or ``False``
-        (back-to-back calls, warm L2).
-    warmup_ms, rep_ms: do_bench's warm-up and measurement budgets (ms of GPU time).
-    min_reps: about this many repetitions at least (``rep_ms`` raised to ``min_reps`` times one call's
-        time from three timed calls); None: ``rep_ms`` / one call, as in do_bench.
-
-    Raises ValueError for a bad ``mode``, ``flush_l2`` or ``min_reps``; RuntimeError without CUDA (use
-    :func:`time_cpu` on the cpu profile).
-    """
+def time_cuda(fn: Callable[[], Any], *, mode: str = "graph", flush_l2: bool | str = True,
+              warmup_ms: float = 25, rep_ms: float = 100, min_reps: int | None = None) -> Timing:  # fmt: skip
+    """Time ``fn()`` (capturable in graph mode) on the current CUDA device: mode "graph" (replay) or
+    "eager" (launch overhead included); ``flush_l2`` True/"dirty", "clean" or False (warm L2);
+    ``warmup_ms``/``rep_ms`` do_bench's budgets; ``min_reps`` raises ``rep_ms`` to about that many
+    repetitions. ValueError for a bad argument; RuntimeError without CUDA."""
     import torch
 
     if not (isinstance(flush_l2, bool) or flush_l2 in ("dirty", "clean")):
         raise ValueError(f"flush_l2 must be True, False, 'dirty' or 'clean', got {flush_l2!r}")
     if mode not in ("graph", "eager"):
         raise ValueError(f"mode must be 'graph' or 'eager', got {mode!r}")
-    if min_reps is not None and not (
-        isinstance(min_reps, int) and not isinstance(min_reps, bool) and min_reps >= 1
-    ):
+    if min_reps is not None and (isinstance(min_reps, bool) or not isinstance(min_reps, int) or min_reps < 1):
         raise ValueError(f"min_reps must be None or an int >= 1, got {min_reps!r}")
     if not torch.cuda.is_available():
-        raise RuntimeError(
-            "time_cuda needs a CUDA GPU (torch.cuda.is_available() is False); "
-            "use moelora_lib.studies.bench.time_cpu on the cpu profile"
-        )
+        raise RuntimeError("time_cuda needs a CUDA GPU; use studies.bench.time_cpu on the cpu profile")
 
     graph = capture_graph(fn) if mode == "graph" else _warm_up(fn)  # compilation, autotuning: untimed
     target = graph.replay if graph is not None else fn
@@ -206,9 +177,7 @@ def time_cuda(
     elif flush_l2:  # True or "dirty"
         import triton.testing
 
-        p50, p20, p80 = triton.testing.do_bench(
-            target, warmup=warmup_ms, rep=rep_ms, quantiles=list(QUANTILES)
-        )
+        p50, p20, p80 = triton.testing.do_bench(target, warmup=warmup_ms, rep=rep_ms, quantiles=[*QUANTILES])
     else:
         p50, p20, p80 = _quantiles(_events(target, warmup_ms, rep_ms))
     del graph
@@ -234,17 +203,9 @@ def time_cpu(fn: Callable[[], Any], *, reps: int = 3, warmup: int = 1) -> Timing
 CPU_MODES = ("cpu", "cpu-interpreter")
 
 
-def time_fn(
-    fn: Callable[[], Any],
-    mode: str = "graph",
-    device: Any = "cuda",
-    warmup_ms: float = 25,
-    rep_ms: float = 100,
-    *,
-    flush_l2: bool | str = True,
-    cpu_reps: int = 1,
-    min_reps: int | None = None,
-) -> Timing:
+def time_fn(fn: Callable[[], Any], mode: str = "graph", device: Any = "cuda", warmup_ms: float = 25,
+            rep_ms: float = 100, *, flush_l2: bool | str = True, cpu_reps: int = 1,
+            min_reps: int | None = None) -> Timing:  # fmt: skip
     """The one timing dispatch of the studies: :func:`time_cuda` on a GPU; :func:`time_cpu` (``cpu_reps``
     calls, no warm-up) on a CPU device or with mode "cpu"/"cpu-interpreter". The other arguments go to
     :func:`time_cuda`."""
@@ -322,12 +283,7 @@ def _gpu_info() -> dict[str, Any]:
 def _static_env() -> dict[str, Any]:
     """The parts of the record that do not change within one process (computed once)."""
     rec = {**_gpu_info(), **{d: _version(d) for d in ("torch", "triton", "helion", "numpy")}}
-    return {
-        **rec,
-        "python": platform.python_version(),
-        "git_commit": git_commit(),
-        "hostname": socket.gethostname(),
-    }
+    return dict(rec, python=platform.python_version(), git_commit=git_commit(), hostname=socket.gethostname())
 
 
 def env_record() -> dict[str, Any]:
@@ -375,17 +331,11 @@ def save_env(path: str | os.PathLike) -> dict[str, Any]:
     return rec
 
 
-def run_side_by_side(
-    cmds: Mapping[str, list[str]],
-    *,
-    envs: Mapping[str, Mapping[str, str]] | None = None,
-    timeout_s: float = 600,
-    cwd: str | os.PathLike | None = None,
-) -> None:
-    """Start every command of ``cmds`` ({name: argv}, in ``cwd``, default the repository; ``envs``:
-    {name: environment}) at once and wait for all, each child's output going to a file. Raises
-    RuntimeError naming the command, with the tail of its output, when one exits non-zero or the group
-    outlives ``timeout_s``; the others are stopped then."""
+def run_side_by_side(cmds: Mapping[str, list[str]], *, envs: Mapping[str, Mapping[str, str]] | None = None,
+                     timeout_s: float = 600, cwd: str | os.PathLike | None = None) -> None:  # fmt: skip
+    """Start every command of ``cmds`` ({name: argv}; ``envs`` {name: environment}; ``cwd`` default the
+    repository) at once and wait for all. RuntimeError naming the command with its output tail when one
+    exits non-zero or the group outlives ``timeout_s``; the others are stopped then."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="moelora_side_by_side_") as tmp:
@@ -394,13 +344,9 @@ def run_side_by_side(
             for name, cmd in cmds.items():
                 log = os.path.join(tmp, f"{len(procs)}.log")
                 with open(log, "w") as f:
-                    proc = subprocess.Popen(
-                        cmd,
-                        stdout=f,
-                        stderr=subprocess.STDOUT,
-                        env=None if envs is None else dict(envs[name]),
-                        cwd=str(cwd or REPO_ROOT),
-                    )
+                    env = None if envs is None else dict(envs[name])
+                    kw = dict(stdout=f, stderr=subprocess.STDOUT, env=env, cwd=str(cwd or REPO_ROOT))
+                    proc = subprocess.Popen(cmd, **kw)
                 procs[name] = (cmd, proc, log)
             deadline = time.monotonic() + timeout_s
             for cmd, proc, log in procs.values():

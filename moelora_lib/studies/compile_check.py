@@ -20,6 +20,7 @@ in an interpreted process the functions here run their job through :func:`run_is
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import re
@@ -60,10 +61,8 @@ def _check_jit(jitfn) -> None:
     from triton.runtime.jit import JITFunction
 
     if not isinstance(jitfn, JITFunction):
-        raise RuntimeError(
-            f"{jitfn!r} is not a JITFunction (was it decorated under TRITON_INTERPRET=1?); compile "
-            "for sm_90 in a process without TRITON_INTERPRET, e.g. compile_check.run_isolated(jobs)"
-        )
+        raise RuntimeError(f"{jitfn!r} is not a JITFunction (decorated under TRITON_INTERPRET=1?); compile "
+                           "in a process without it, e.g. compile_check.run_isolated(jobs)")  # fmt: skip
 
 
 def _kwargs(jitfn, constexprs: dict, num_warps, num_stages) -> dict:
@@ -87,40 +86,21 @@ def _bind(jitfn, args, constexprs, num_warps, num_stages, arch):
     return kw, bound_args, specialization, options
 
 
-def specialization_key(
-    jitfn,
-    args,
-    constexprs: dict,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-    arch: int = SM90,
-) -> str:
-    """The key ``JITFunction.run`` looks its kernel cache up with, for these launch arguments.
-
-    ``str(specialization) + str(options)``: one entry per parameter, e.g. ``('i32', 'D')`` for an
-    int divisible by 16, ``('constexpr', 1)`` for an int equal to 1 (or ``('i32', None)`` when the
-    parameter is ``do_not_specialize``), plus the constexpr values and num_warps/num_stages.
-    Two launches with the same key reuse one binary; a new key compiles a new one.
-    """
+def specialization_key(jitfn, args, constexprs: dict, num_warps: int | None = None,
+                       num_stages: int | None = None, arch: int = SM90) -> str:  # fmt: skip
+    """The key ``JITFunction.run`` looks its kernel cache up with for these launch arguments
+    (specialization per parameter, e.g. ``('i32', 'D')`` for an int divisible by 16, plus constexprs
+    and options): the same key reuses one binary, a new key compiles a new one."""
     from triton.runtime.jit import compute_cache_key
 
     _, _, specialization, options = _bind(jitfn, args, constexprs, num_warps, num_stages, arch)
     return compute_cache_key({}, specialization, options)
 
 
-def compile_for_sm90(
-    jitfn,
-    args,
-    constexprs: dict,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-    arch: int = SM90,
-):
-    """Compile ``jitfn`` for these launch arguments to a ``CompiledKernel`` for sm_``arch`` (no GPU).
-
-    ``args`` are the positional launch arguments (CPU or meta tensors, ints); ``constexprs`` the
-    keyword constexprs; num_warps/num_stages None = Triton's defaults. Honours TRITON_CACHE_DIR.
-    """
+def compile_for_sm90(jitfn, args, constexprs: dict, num_warps: int | None = None,
+                     num_stages: int | None = None, arch: int = SM90):  # fmt: skip
+    """A ``CompiledKernel`` of ``jitfn`` for sm_``arch`` (no GPU) for these launch arguments (CPU or meta
+    tensors, ints) and keyword constexprs; num_warps/num_stages None = Triton's. Honours TRITON_CACHE_DIR."""
     import triton
     from triton.compiler import ASTSource
 
@@ -163,9 +143,8 @@ def resource_usage(compiled) -> dict:
         f.write(compiled.asm["cubin"])
         path = f.name
     try:
-        out = subprocess.run(
-            [_nvidia_bin("cuobjdump"), "-res-usage", path], check=True, capture_output=True, text=True
-        ).stdout
+        cmd = [_nvidia_bin("cuobjdump"), "-res-usage", path]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     finally:
         os.remove(path)
     m = re.search(r"REG:\d+.*", out)
@@ -185,12 +164,8 @@ _BRANCH = re.compile(r"\bbra(?:\.uni)?\s+(\$L__\w+)\s*;")
 
 
 def k_loop_bodies(ptx_text: str) -> list[str]:
-    """The bodies of the PTX loops: the lines from a label to the last branch back to it.
-
-    A loop in PTX is a label followed later by a (conditional) ``bra`` to that same label. With
-    ``num_stages=1`` there is no software-pipelined prologue, so every load of the K loop sits in
-    its body. Nested or sequential loops are each returned; outermost spans first.
-    """
+    """The bodies of the PTX loops (a label to the last ``bra`` back to it), outermost first. With
+    ``num_stages=1`` (no pipelined prologue) every load of the K loop sits in its body."""
     lines = ptx_text.splitlines()
     where = {}
     for i, line in enumerate(lines):
@@ -212,22 +187,13 @@ _LD_GLOBAL = re.compile(r"^\s*(?:@!?%p\w*\s+)?ld\.global\b", re.M)
 
 
 def masked_global_loads(ptx_text: str) -> dict:
-    """Count the global loads of a PTX fragment by kind.
-
-    ``predicated``: ``@%p ld.global`` (a masked tl.load without pipelining); ``zero_fill``:
-    ``cp.async [dst], [src], size, %rN`` (the src-size operand zero-fills a masked async copy);
-    ``predicated_cp_async``: ``@%p cp.async``; ``all_ld_global``: every ``ld.global`` line.
-    """
-    return {
-        "predicated": len(_PRED_LD.findall(ptx_text)),
-        "zero_fill": len(_CP_ASYNC_ZFILL.findall(ptx_text)),
-        "predicated_cp_async": len(_PRED_CP_ASYNC.findall(ptx_text)),
-        "all_ld_global": len(_LD_GLOBAL.findall(ptx_text)),
-    }
+    """Global loads of PTX by kind: ``predicated`` (``@%p ld.global``), ``zero_fill`` (``cp.async`` with a
+    src-size operand), ``predicated_cp_async`` (``@%p cp.async``), ``all_ld_global``."""
+    pats = dict(predicated=_PRED_LD, zero_fill=_CP_ASYNC_ZFILL, predicated_cp_async=_PRED_CP_ASYNC)
+    return {k: len(p.findall(ptx_text)) for k, p in (pats | dict(all_ld_global=_LD_GLOBAL)).items()}
 
 
 _RED_PTX = re.compile(r"(?<![\w.])red\.global\S*add|atom\.global\S*relaxed\S*add|atom\.global\S*add")
-_RED_SASS = re.compile(r"(?<![\w.])(?:REDG|RED|ATOMG)\.\S*ADD")
 
 
 def has_atomic_add(ptx_text: str | None = None, sass_text: str | None = None) -> dict:
@@ -246,28 +212,17 @@ def has_atomic_add(ptx_text: str | None = None, sass_text: str | None = None) ->
 
 def tensor_core_ops(ptx_text: str) -> dict:
     """Counts of ``mma.sync`` and ``wgmma.mma_async`` instructions in PTX."""
-    return {
-        "mma_sync": len(re.findall(r"(?<![\w.])mma\.sync\.aligned\.\S+", ptx_text)),
-        "wgmma": len(re.findall(r"\bwgmma\.mma_async\.\S+", ptx_text)),
-    }
+    mma = len(re.findall(r"(?<![\w.])mma\.sync\.aligned\.\S+", ptx_text))
+    return {"mma_sync": mma, "wgmma": len(re.findall(r"\bwgmma\.mma_async\.\S+", ptx_text))}
 
 
-# --- building the real launch arguments of one layer launch ----------------------------------------------
-#: launch name -> kernel name (the launches of one layer, :data:`moelora_lib.kernels.stages.LAUNCH_KERNELS`)
 # --- the real launch arguments of one layer launch, on meta tensors --------------------------------------
 #: launch name -> kernel name (the launches of one layer, :data:`moelora_lib.kernels.stages.LAUNCH_KERNELS`)
-LAUNCHES = {
-    "base_gate_up": "fused_moe",
-    "base_down": "fused_moe",
-    "gate_up_shrink": "lora_shrink",
-    "down_shrink": "lora_shrink",
-    "gate_up_expand": "lora_expand",
-    "down_expand": "lora_expand",
-    "act": "gated_act",
-}
+LAUNCHES = dict(base_gate_up="fused_moe", base_down="fused_moe", gate_up_shrink="lora_shrink")
+LAUNCHES |= dict(down_shrink="lora_shrink", gate_up_expand="lora_expand", down_expand="lora_expand")
+LAUNCHES["act"] = "gated_act"
 #: kernel name -> its first launch
 _DEFAULT_LAUNCH = {k: next(n for n, v in LAUNCHES.items() if v == k) for k in KERNEL_NAMES}
-_ID_LAYOUTS = ("contiguous", "offset", "transposed")
 
 
 def _shape(shape):
@@ -291,46 +246,13 @@ def _routing(T: int, E: int, K: int, L: int):
     return topk_ids.to(torch.int32), (t % L).to(torch.int32)
 
 
-def _offset_view(t, offset: bool = True):
-    """``t``, or a copy of it one element into a fresh buffer (data pointer not 16-byte aligned)."""
-    import torch
-
-    if not offset:
-        return t
-    v = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(t.shape)
-    v.copy_(t)
-    return v
-
-
-def _id_layout(topk_ids, lora_ids, layout: str):
-    """The caller's id tensors as ``layout``: contiguous; offset views (data pointers not 16-byte
-    aligned); transposed/strided (topk_ids column-major, lora_ids every other element)."""
-    import torch
-
-    if layout not in _ID_LAYOUTS:
-        raise ValueError(f"layout must be one of {_ID_LAYOUTS}, got {layout!r}")
-    if layout == "offset":
-        topk_ids, lora_ids = _offset_view(topk_ids), _offset_view(lora_ids)
-        assert topk_ids.data_ptr() % 16 and lora_ids.data_ptr() % 16
-    elif layout == "transposed":
-        topk_ids = topk_ids.t().contiguous().t()
-        lora_ids = torch.stack([lora_ids, lora_ids], 1).reshape(-1)[::2]
-    return topk_ids, lora_ids
-
-
 def _stage(specialize_lengths: bool = False, even_k: bool = True):
     """A stage with split-K, swizzle and fused add, and the given EVEN_K / specialization switches."""
     from ..kernels.stages import Stage
 
-    return Stage(
-        name="compile_check",
-        title="compile-only launch",
-        specialize_lengths=specialize_lengths,
-        split_k=True,
-        swizzle=True,
-        even_k=even_k,
-        fused_add=True,
-    )
+    kw = dict(specialize_lengths=specialize_lengths, split_k=True, swizzle=True, even_k=even_k)
+    kw["fused_add"] = True
+    return Stage(name="compile_check", title="compile-only launch", **kw)
 
 
 def _layer_tensors(d, make, has_bias: bool) -> dict:
@@ -341,16 +263,8 @@ def _layer_tensors(d, make, has_bias: bool) -> dict:
     return t | (dict(b13=make(E, 2 * I), b2=make(E, H)) if has_bias else {})
 
 
-def meta_layer_run(
-    dims,
-    *,
-    activation: str = "silu",
-    has_bias: bool = False,
-    dtype="bfloat16",
-    config=None,
-    use_even_k: bool = True,
-    specialize_lengths: bool = False,
-):
+def meta_layer_run(dims, *, activation: str = "silu", has_bias: bool = False, dtype="bfloat16", config=None,
+                   use_even_k: bool = True, specialize_lengths: bool = False):  # fmt: skip
     """A :class:`~moelora_lib.kernels.LayerRun` of ``dims`` (a :class:`~moelora_lib.shapes.Dims`) on meta
     tensors: :func:`_routing`'s ids, the real alignments moved to meta, ``config`` (None =
     ``default_config(dims)``), a stage with fused add and the given switches. Nothing is launched."""
@@ -375,27 +289,13 @@ def meta_layer_run(
     return run
 
 
-def launch(
-    launch_name: str,
-    T: int,
-    *,
-    shape="gpt-oss-20b",
-    rank: int = 32,
-    adapters: int = 8,
-    dtype: str = "bfloat16",
-    cfg=None,
-    use_even_k: bool = True,
-    with_bias: bool | None = None,
-):
-    """``(kernel_name, args, constexprs, num_warps, num_stages, cfg)`` of one launch of the layer at T
-    tokens: :meth:`LayerRun.launch_args <moelora_lib.kernels.LayerRun.launch_args>` of
-    :func:`meta_layer_run` (num_pairs = T·K, num_blocks from the real alignment, strides ∝ T·K).
-
-    launch_name: one of :data:`LAUNCHES`, or a kernel name (its first launch). shape: see :func:`_shape`.
-    cfg: an :class:`~moelora_lib.kernels.config.OpConfig`, a dict of OpConfig fields over the default, or
-    None = ``default_config(dims)``; the launch's alignment group uses cfg's BLOCK_SIZE_M.
-    use_even_k: the LoRA ops' stage switch (the base GEMMs always allow EVEN_K, as the layer).
-    """
+def launch(launch_name: str, T: int, *, shape="gpt-oss-20b", rank: int = 32, adapters: int = 8,
+           dtype: str = "bfloat16", cfg=None, use_even_k: bool = True,
+           with_bias: bool | None = None):  # fmt: skip
+    """``(kernel_name, args, constexprs, num_warps, num_stages, cfg)`` of one layer launch at T
+    (``launch_args`` of :func:`meta_layer_run`). launch_name: of :data:`LAUNCHES` or a kernel name (its
+    first launch); shape: see :func:`_shape`; cfg: an OpConfig, a dict of fields over the default, or
+    None; the launch's alignment group takes cfg's BLOCK_SIZE_M; use_even_k: the LoRA ops' switch."""
     from dataclasses import replace
 
     from ..kernels.config import BASE_OPS, LORA_OPS, OpConfig
@@ -414,13 +314,13 @@ def launch(
             cfg = replace(base, **{k.upper(): v for k, v in cfg.items()})
         assert isinstance(cfg, OpConfig)
         group = BASE_OPS if launch_name in BASE_OPS else LORA_OPS
+        bm = cfg.BLOCK_SIZE_M
         layer_cfg = layer_cfg.replace(
-            **{op: replace(getattr(layer_cfg, op), BLOCK_SIZE_M=cfg.BLOCK_SIZE_M) for op in group}
+            **{op: replace(getattr(layer_cfg, op), BLOCK_SIZE_M=bm) for op in group}
         )
     has_bias = sh.has_bias if with_bias is None else with_bias
-    kw = dict(
-        activation=sh.activation, has_bias=has_bias, dtype=dtype, config=layer_cfg, use_even_k=use_even_k
-    )
+    kw = dict(activation=sh.activation, has_bias=has_bias, dtype=dtype, config=layer_cfg)
+    kw["use_even_k"] = use_even_k
     la = meta_layer_run(dims, **kw).launch_args(launch_name, cfg)
     return la.kernel, la.args, la.constexprs, la.num_warps, la.num_stages, la.cfg
 
@@ -453,23 +353,12 @@ def _isolated(op: str, **job) -> dict:
 _HASHES: dict = {}
 
 
-def variants(
-    kernel_name: str,
-    specialize_lengths: bool,
-    lengths,
-    *,
-    launch_name: str | None = None,
-    cfg=None,
-    compile: bool = True,
-    **launch_kw,
-) -> dict:
-    """Distinct cache keys (and binaries) of one layer launch over prompt lengths ``lengths``.
-
-    ``cfg``: None = one config for every length (the default config at T = 64); an OpConfig or dict =
-    that config; ``"auto"`` = ``default_config(T)`` per length, as the layer launches. Returns ``{"keys":
-    n, "hashes": n (None without compile), "configs": n, "per_length": {T: key index}, "key_list"}``.
-    ValueError when the launch does not run ``kernel_name``.
-    """
+def variants(kernel_name: str, specialize_lengths: bool, lengths, *, launch_name: str | None = None, cfg=None,
+             compile: bool = True, **launch_kw) -> dict:  # fmt: skip
+    """Distinct cache keys (and binaries) of one layer launch over ``lengths``. ``cfg``: None = the
+    default config at T = 64 for all; an OpConfig or dict; ``"auto"`` = ``default_config(T)`` per length.
+    Returns ``{"keys", "hashes" (None without compile), "configs", "per_length": {T: key index},
+    "key_list"}``. ValueError when the launch does not run ``kernel_name``."""
     from ..kernels.config import OpConfig
 
     if _interpreted():
@@ -512,187 +401,19 @@ def inspect_job(
     kernel, args, cx, nw, ns, cfg = launch(launch_name, T, **launch_kw)
     jf = _jit(kernel, specialize_lengths)
     k = compile_for_sm90(jf, args, cx, nw, ns)
-    out = {
-        "kernel": kernel,
-        "hash": k.hash,
-        "key": specialization_key(jf, args, cx, nw, ns),
-        "constexprs": {n: (v if isinstance(v, (int, bool, str)) else str(v)) for n, v in cx.items()},
-        "cfg": cfg.to_dict() if cfg is not None else None,
-    }
+    out = dict(kernel=kernel, hash=k.hash, key=specialization_key(jf, args, cx, nw, ns))
+    out["constexprs"] = {n: (v if isinstance(v, (int, bool, str)) else str(v)) for n, v in cx.items()}
+    out["cfg"] = cfg.to_dict() if cfg is not None else None
     for name, fn in (("res", resource_usage), ("ptx", ptx), ("sass", sass)):
         if name in want:
             out[name] = fn(k)
     return out
 
 
-# --- offset views and lengths: one key whatever the inputs' alignment ------------------------------------
-def _cpu_layer_run(dims, dtype, activation: str, has_bias: bool, offset: bool):
-    """A real CPU :class:`~moelora_lib.kernels.LayerRun` (seeded inputs, :func:`_routing`,
-    ``default_config(dims)``); with ``offset`` every input is an offset view and topk_weights is
-    ``buf[1:T+1]`` of a [T + 1, K] float32 buffer. Returns (run, names of misaligned inputs)."""
-    import torch
-
-    from ..kernels.stages import LayerRun, default_config
-
-    T, E, K, L = dims.T, dims.E, dims.top_k, dims.adapters
-    g = torch.Generator().manual_seed(0)
-
-    def rnd(*shape):
-        return _offset_view((torch.randn(*shape, generator=g) * 0.1).to(dtype), offset)
-
-    topk_ids, lora_ids = _routing(T, E, K, L)
-    w = torch.rand(T, K, generator=g)
-    if offset:
-        w = torch.cat([torch.zeros(1, K), w])[1 : T + 1]
-    inputs = _layer_tensors(dims, rnd, False)
-    inputs |= dict(
-        topk_weights=w, topk_ids=_offset_view(topk_ids, offset), lora_ids=_offset_view(lora_ids, offset)
-    )
-    bias = dict(b13=rnd(E, 2 * dims.I), b2=rnd(E, dims.H)) if has_bias else {}
-    run = LayerRun(_stage(), **inputs, **bias, activation=activation, config=default_config(dims))
-    return run, sorted(n for n, t in {**inputs, **bias}.items() if t.data_ptr() % 16)
-
-
-def offset_view_keys(
-    T: int = 16,
-    H: int = 64,
-    I: int = 32,
-    E: int = 8,
-    K: int = 6,
-    L: int = 2,
-    R: int = 16,
-    *,
-    S: int = 2,
-    dtype: str = "float16",
-    activation: str = "silu",
-    has_bias: bool = True,
-    realign: bool = True,
-) -> dict:
-    """Does an offset view of any input give a layer launch a new Triton key?
-
-    Builds a small CPU :class:`~moelora_lib.kernels.LayerRun` twice from the same values, from fresh
-    tensors and from views whose data pointers are not 16-byte aligned (:func:`_cpu_layer_run`), and
-    compares the sm_90 key of every launch of :data:`~moelora_lib.kernels.stages.LAUNCH_OPS`; nothing is
-    compiled. ``realign=False`` replaces :func:`moelora_lib.common.aligned16` by the identity in the
-    offset run, to show what the check detects without it. Returns ``{"same": {launch: bool},
-    "misaligned_inputs": [names], "keys": {launch: [aligned, offset]}}``.
-    """
-    if _interpreted():
-        kw = dict(T=T, H=H, I=I, E=E, K=K, L=L, R=R, S=S, dtype=dtype, activation=activation)
-        return _isolated("offset_keys", **kw, has_bias=has_bias, realign=realign)
-    from contextlib import nullcontext
-    from unittest import mock
-
-    from ..common import parse_dtype
-    from ..kernels.stages import LAUNCH_OPS
-    from ..shapes import Dims
-
-    dims = Dims(T=T, H=H, I=I, E=E, top_k=K, adapters=L, rank=R, slices=S)
-    keys: dict[str, list[str]] = {op: [] for op in LAUNCH_OPS}
-    misaligned: list[str] = []
-    for offset in (False, True):
-        identity = mock.patch("moelora_lib.kernels.stages.aligned16", lambda t, name="": t)
-        with identity if offset and not realign else nullcontext():
-            run, bad = _cpu_layer_run(dims, parse_dtype(dtype), activation, has_bias, offset)
-        misaligned = bad if offset else misaligned
-        for op in LAUNCH_OPS:
-            la = run.launch_args(op)
-            jf = _jit(la.kernel, False)
-            keys[op].append(specialization_key(jf, la.args, la.constexprs, la.num_warps, la.num_stages))
-    same = {op: k[0] == k[1] for op, k in keys.items()}
-    return {"same": same, "misaligned_inputs": misaligned, "keys": keys}
-
-
-def align_length_keys(
-    lengths=None,
-    *,
-    E: int = 32,
-    K: int = 4,
-    L: int = 8,
-    block_size_m: int = 16,
-    layout: str = "contiguous",
-    workspace: bool = True,
-    tile: int | None = None,
-) -> dict:
-    """Specialization keys of the three Triton alignment kernels over prompt lengths.
-
-    For each T of ``lengths`` (default ``moe_bench.log_spaced_lengths(32)``) the base and LoRA
-    alignments of :func:`_routing`'s ids, as :func:`moelora_lib.kernels.align.align_launch_args`
-    describes them (nothing launched), through one ``align_workspace`` for the largest T
-    (``workspace=True``, as the serving layer) or with fresh outputs. ``layout`` of the id tensors:
-    "contiguous", "offset" or "transposed" (:func:`_id_layout`); ``tile`` pins TILE.
-
-    Returns ``{launch: {"keys", "classes", "max_keys_per_class", "per_length": {T: key index},
-    "key_list"}}`` per launch ``base_count``, ``base_scan``, ``base_scatter``, ``lora_count``,
-    ``lora_scan``, ``lora_scatter``; a class is one tuple of constexpr values (TILE and the scan's
-    TC/GB follow T on purpose), so ``max_keys_per_class == 1`` means no int or pointer argument adds
-    a variant.
-    """
-    if lengths is None:
-        from .moe_bench import log_spaced_lengths
-
-        lengths = log_spaced_lengths(32)
-    lengths = [int(t) for t in lengths]
-    if _interpreted():
-        kw = dict(E=E, K=K, L=L, block_size_m=block_size_m, layout=layout, workspace=workspace, tile=tile)
-        return _isolated("align_keys", lengths=lengths, **kw)
-    from ..kernels.align import align_launch_args, align_workspace
-
-    if layout not in _ID_LAYOUTS:
-        raise ValueError(f"layout must be one of {_ID_LAYOUTS}, got {layout!r}")
-    ws = {}
-    if workspace:
-        n_max = max(lengths) * K
-        ws = {n: align_workspace(n_max, E, block_size_m, n, tile=tile) for n in (0, L)}
-    out: dict[str, dict] = {}
-    for T in lengths:
-        topk_ids, lora_ids = _id_layout(*_routing(T, E, K, L), layout)
-        for role, lo, n_ad in (("base", None, 0), ("lora", lora_ids, L)):
-            _, launches = align_launch_args(topk_ids, E, block_size_m, lo, n_ad, out=ws.get(n_ad), tile=tile)
-            for ln in launches:
-                r = out.setdefault(f"{role}_{ln.name}", {"key_list": [], "per_length": {}, "by_class": {}})
-                key = specialization_key(ln.kernel, ln.args, ln.constexprs)
-                if key not in r["key_list"]:
-                    r["key_list"].append(key)
-                r["by_class"].setdefault(repr(sorted(ln.constexprs.items())), set()).add(key)
-                r["per_length"][T] = r["key_list"].index(key)
-    return {
-        name: {
-            "keys": len(r["key_list"]),
-            "classes": len(r["by_class"]),
-            "max_keys_per_class": max(len(v) for v in r["by_class"].values()),
-            "per_length": r["per_length"],
-            "key_list": r["key_list"],
-        }
-        for name, r in out.items()
-    }
-
-
-def reduce_keys(T: int = 5, E: int = 32, K: int = 4, L: int = 8, H: int = 64) -> dict:
-    """sm_90 keys of :func:`~moelora_lib.kernels.topk_reduce.topk_reduce` (id check on, with lora ids)
-    for the id tensors in each layout of :func:`_id_layout`, y and out fixed. Returns ``{layout: key}``;
-    one distinct key: neither the ids' alignment nor their strides give the reduction a new binary."""
-    if _interpreted():
-        return _isolated("reduce_keys", T=T, E=E, K=K, L=L, H=H)
-    import torch
-
-    from ..kernels.topk_reduce import _topk_reduce, reduce_launch_args
-
-    y = torch.zeros(T * K, H, dtype=torch.bfloat16)
-    out = torch.zeros(T, H, dtype=torch.bfloat16)
-    keys = {}
-    for layout in _ID_LAYOUTS:
-        topk_ids, lora_ids = _id_layout(*_routing(T, E, K, L), layout)
-        _, args, cx = reduce_launch_args(y, topk_ids, E, lora_ids, L, True, out)
-        keys[layout] = specialization_key(_topk_reduce, args, cx)
-    return keys
-
-
 # --- stage fused: variants over lengths, registers, vector stores/loads of the rank intermediate ---------
 _GLOBAL_OP = re.compile(r"^\s*(?:@!?%p\w*\s+)?(st|ld)\.global((?:\.\w+)*)\s", re.M)
-_CP_ASYNC_SIZE = re.compile(
-    r"\bcp\.async\.\w+\.shared\.global\s+\[[^\]]+\],\s*\[[^\]]+\],\s*(0x[0-9a-f]+|\d+)"
-)
+_CP_ASYNC_SIZE = re.compile(r"\bcp\.async\.\w+\.shared\.global\s+\[[^\]]+\],\s*\[[^\]]+\],"
+                            r"\s*(0x[0-9a-f]+|\d+)")  # fmt: skip
 
 
 def global_vector_ops(ptx_text: str) -> dict:
@@ -834,9 +555,9 @@ def _run_job(job: dict) -> dict:
         return variants(job.pop("kernel"), job.pop("specialize_lengths"), job.pop("lengths"), **job)
     if op == "inspect":
         return inspect_job(job.pop("launch"), job.pop("T"), **job)
-    fns = dict(offset_keys=offset_view_keys, align_keys=align_length_keys, reduce_keys=reduce_keys)
-    if op in fns:
-        return fns[op](**job)
+    if ":" in op:  # "module:function", e.g. a test's helper
+        mod, fn = op.split(":")
+        return getattr(importlib.import_module(mod), fn)(**job)
     if op == "fused_report":
         return fused_report(job.pop("lengths"), **job)
     raise ValueError(f"unknown op {op!r}")
@@ -846,10 +567,9 @@ def run_isolated(jobs: list[dict], timeout: float = 600.0) -> list[dict]:
     """Run compile jobs in one fresh subprocess without TRITON_INTERPRET; return their results.
 
     A job is ``{"op": ..., **arguments}``: "count" (kernel, specialize_lengths, lengths, ... of
-    :func:`variants`), "inspect" (launch, T, ... of :func:`inspect_job`), "offset_keys"
-    (:func:`offset_view_keys`), "align_keys" (:func:`align_length_keys`), "reduce_keys"
-    (:func:`reduce_keys`) or "fused_report" (lengths, ... of :func:`fused_report`). A failing job
-    raises RuntimeError with the subprocess's stderr.
+    :func:`variants`), "inspect" (launch, T, ... of :func:`inspect_job`), "fused_report" (lengths, ...
+    of :func:`fused_report`) or "module:function" (its keyword arguments; importable from the repository
+    root). A failing job raises RuntimeError with the subprocess's stderr.
     """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")

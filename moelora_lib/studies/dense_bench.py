@@ -1,15 +1,11 @@
 """Dense multi-LoRA measurements (notebook 10): the attention (qkv, o) and dense-MLP (gate_up, down)
-projections of :data:`MODELS`, their seeded inputs, bytes/FLOPs floors, timed parts, torch baselines,
-correctness checks, vLLM's anchor figures and the targets table.
+projections of :data:`MODELS`: seeded inputs, floors, timed parts, torch baselines, checks, vLLM's
+anchor figures and the targets table.
 
-Method (GPU): every timing goes through :func:`moelora_lib.studies.bench.time_fn` (CUDA graph replayed,
-do_bench median with p20/p80, L2 flushed before every repetition: the anchor table's method,
-docs/anchors-h200.md). The LoRA part's alignment and the baselines' index lists are built before timing
-(vLLM's figures exclude its metadata step too); "total" includes the alignment. On the CPU (Triton
-interpreter) rows say ``mode = "cpu-interpreter"``: interpreter wall clock, never kernel performance.
-
-Units: ms_p50/p20/p80 in ms, us_p50 and floor_us in µs; 2 FLOPs per multiply-add; bytes read + written.
-Letters: T tokens, H input width, N fused output width (Σ slices), S slices, L adapter slots, R rank.
+Timing: :func:`.bench.time_fn` (CUDA-graph replay, do_bench median, L2 flushed; docs/anchors-h200.md).
+The LoRA part's alignment and the baselines' index lists are built before timing ("total" includes the
+alignment). CPU rows say ``mode = "cpu-interpreter"`` (interpreter wall clock). Units: ms_p50/p20/p80 ms,
+us_p50 and floor_us µs. Letters: T tokens, H input width, N = Σ slices, S slices, L slots, R rank.
 """
 
 from __future__ import annotations
@@ -33,8 +29,7 @@ from ..testing import TOLERANCES
 from ..workloads import adapter_ids
 from . import bench
 
-#: What :func:`bench_projection` times: the parts of one call, the LoRA part's two launches alone, and
-#: the torch baselines of the LoRA part (their rows: impl = the baseline, part "lora", stage None).
+#: What :func:`bench_projection` times: parts of one call, the LoRA part's launches, torch baselines.
 PARTS = ("base", "lora", "total")
 KERNELS = ("shrink", "expand")
 BASELINES = ("torch_loop", "torch_gbmm")
@@ -101,20 +96,10 @@ class ProjectionInputs:
         return adapter_ids(T, self.L, pattern, g).to(device=self.device, dtype=torch.int32)
 
 
-def make_inputs(
-    proj: str | DenseProjection,
-    max_tokens: int,
-    *,
-    rank: int = 32,
-    adapters: int = 8,
-    dtype=torch.bfloat16,
-    device="cuda",
-    seed: int = 0,
-    scaling: float = 2.0,
-) -> ProjectionInputs:
-    """:class:`ProjectionInputs` drawn on ``device`` in ``dtype`` (a torch dtype or its name) from a
-    generator of that device seeded by ``seed`` (no fp32 copy on the host: a Llama-3.3-70B gate_up
-    weight is 0.94 GB in bf16)."""
+def make_inputs(proj: str | DenseProjection, max_tokens: int, *, rank: int = 32, adapters: int = 8,
+                dtype=torch.bfloat16, device="cuda", seed: int = 0,
+                scaling: float = 2.0) -> ProjectionInputs:  # fmt: skip
+    """:class:`ProjectionInputs` drawn directly on ``device`` in ``dtype`` (name or torch dtype), seeded."""
     p, dtype = get_projection(proj), parse_dtype(dtype)
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -132,24 +117,12 @@ def make_inputs(
     return ProjectionInputs(p, x, weight, lora_a, lora_b, int(seed), float(scaling))
 
 
-def part_costs(
-    proj: str | DenseProjection,
-    T: int,
-    *,
-    rank: int = 32,
-    adapters: int = 8,
-    dtype_bytes: int = 2,
-    lora_ids: torch.Tensor | None = None,
-) -> dict[str, dict[str, float]]:
-    """FLOPs, minimal bytes and floor of the parts "base", "shrink", "expand", "lora" (shrink + expand)
-    and "total" (base + lora) of one call at T tokens: {part: {flops, bytes, floor_us, bound}}, the floor
-    the larger of bytes at the H200 copy rate and FLOPs at its bf16 peak (``bound`` says which).
-
-    Each tensor read or written once; T_a tokens with an adapter and n_a adapters touched (from
-    ``lora_ids``, else T and min(T, L)). base: W, x, y written. shrink: A of n_a adapters, T_a rows of x,
-    the fp32 [T_a, S·R] intermediate written. expand: B of n_a adapters, the intermediate, T_a rows of y
-    read and written (the add into the base output).
-    """
+def part_costs(proj: str | DenseProjection, T: int, *, rank: int = 32, adapters: int = 8,
+               dtype_bytes: int = 2, lora_ids: torch.Tensor | None = None,
+               ) -> dict[str, dict[str, float]]:  # fmt: skip
+    """{part: {flops, bytes, floor_us, bound}} of "base", "shrink", "expand", "lora", "total" at T: each
+    tensor once (T_a tokens with an adapter and n_a adapters from ``lora_ids``, else T and min(T, L);
+    the rank intermediate fp32); floor = max(bytes at the H200 copy rate, FLOPs at its bf16 peak)."""
     p = get_projection(proj)
     H, N, S, R, b, f32 = p.hidden, p.n_total, len(p.slices), rank, dtype_bytes, 4
     if lora_ids is None:
@@ -335,12 +308,10 @@ def _timing(fn, device, mode: str, warmup_ms: float, rep_ms: float, min_reps=Non
 def _time_row(fn, inp, T, pattern, cost, kw, timing) -> dict[str, Any]:
     """A timing row: the point's fields, ``kw`` (impl, stage, part, config, ...), the timing, the part's
     cost and the timing parameters."""
+    cost = {k: cost[k] for k in ("flops", "bytes", "floor_us", "bound")}
+    budget = {k: timing[k] for k in ("warmup_ms", "rep_ms", "min_reps")}
     return bench.result_row(
-        **_fields(inp, T, pattern),
-        **kw,
-        **_timing(fn, inp.device, **timing),
-        **{k: cost[k] for k in ("flops", "bytes", "floor_us", "bound")},
-        **{k: timing[k] for k in ("warmup_ms", "rep_ms", "min_reps")},
+        **_fields(inp, T, pattern), **kw, **_timing(fn, inp.device, **timing), **cost, **budget
     )
 
 
@@ -356,42 +327,21 @@ def _kw(impl: str, stage: str | None, part: str, cfg=None, launched=None) -> dic
     config_source and block_size_m of ``cfg``."""
     shown = cfg if launched is None else launched
     cfg_fields = (shown.short(), cfg.source, cfg.block_size_m) if cfg is not None else (None,) * 3
-    return dict(
-        zip(
-            ("impl", "stage", "part", "config", "config_source", "block_size_m"),
-            (impl, stage, part, *cfg_fields),
-        )
-    )
+    names = ("impl", "stage", "part", "config", "config_source", "block_size_m")
+    return dict(zip(names, (impl, stage, part, *cfg_fields)))
 
 
-def bench_projection(
-    stage: str,
-    inp: ProjectionInputs,
-    T: int,
-    *,
-    parts: Sequence[str] = PARTS,
-    module: LoRALinear | None = None,
-    pattern: str = "uniform",
-    config=None,
-    mode: str = "graph",
-    warmup_ms: float = 25,
-    rep_ms: float = 100,
-    min_reps: int | None = None,
-) -> list[dict[str, Any]]:
-    """Time ``parts`` (of :data:`PARTS`, :data:`KERNELS`, :data:`BASELINES`) of ``stage`` at T tokens;
-    one row per part, each callable run once untimed first.
-
-    "base": ``F.linear`` (cuBLAS; impl "cublas", stage None). "lora": :class:`LoRAPart` (``config``
-    overrides the stage's). "total": the :class:`LoRALinear` forward (base + alignment + LoRA in one
-    graph; ``module`` from :func:`build_module` reused, else one built). "shrink" / "expand": the LoRA
-    part's launches alone. "torch_loop" / "torch_gbmm": :class:`TorchLoop`, :class:`TorchGatherBmm`.
-    ``inp``: :func:`make_inputs` of the projection (reused across T).
-
-    Rows: model, proj, H, N, slices, S, T, L, R, dtype, pattern, impl, stage, part, config,
-    config_source, block_size_m (the alignment's), mode, ms_p50/p20/p80, us_p50, flops, bytes, floor_us,
-    bound, warmup_ms, rep_ms, min_reps and the environment columns. Raises ValueError for an unknown
-    stage or part, or a module of another stage.
-    """
+def bench_projection(stage: str, inp: ProjectionInputs, T: int, *, parts: Sequence[str] = PARTS,
+                     module: LoRALinear | None = None, pattern: str = "uniform", config=None,
+                     mode: str = "graph", warmup_ms: float = 25, rep_ms: float = 100,
+                     min_reps: int | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    """Time ``parts`` of ``stage`` at T, one row per part (each run once untimed first): "base"
+    (``F.linear``, impl "cublas"), "lora" (:class:`LoRAPart`; ``config`` overrides), "total" (the
+    :class:`LoRALinear` forward; ``module`` reused or built), "shrink"/"expand" (launches alone),
+    "torch_loop"/"torch_gbmm" (baselines). Rows: model, proj, H, N, slices, S, T, L, R, dtype, pattern,
+    impl, stage, part, config, config_source, block_size_m, mode, ms_p50/p20/p80, us_p50, flops, bytes,
+    floor_us, bound, warmup_ms, rep_ms, min_reps, environment columns. ValueError for an unknown stage
+    or part, or a module of another stage."""
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {list(STAGES)}, got {stage!r}")
     bad = [p for p in parts if p not in PARTS + KERNELS + BASELINES]
@@ -426,20 +376,11 @@ def bench_projection(
     return rows
 
 
-def bench_alignment(
-    T: int,
-    *,
-    block_size_m: int,
-    adapters: int = 8,
-    pattern: str = "uniform",
-    device="cuda",
-    seed: int = 0,
-    **timing,
-) -> dict[str, Any]:
-    """Time the token→adapter alignment of T tokens alone (what :class:`LoRALinear` launches before the
-    shrink); ``timing``: mode, warmup_ms, rep_ms, min_reps as in :func:`bench_projection`. One row:
-    impl "align", part "align", T, L, block_size_m, pattern, mode, ms_p50/p20/p80, us_p50, warmup_ms,
-    rep_ms, min_reps."""
+def bench_alignment(T: int, *, block_size_m: int, adapters: int = 8, pattern: str = "uniform", device="cuda",
+                    seed: int = 0, **timing) -> dict[str, Any]:  # fmt: skip
+    """Time the token→adapter alignment alone (``timing`` as :func:`bench_projection`'s). One row: impl
+    and part "align", T, L, block_size_m, pattern, mode, ms_p50/p20/p80, us_p50, warmup_ms, rep_ms,
+    min_reps."""
     timing = dict(dict(mode="graph", warmup_ms=25, rep_ms=100, min_reps=None), **timing)
     g = torch.Generator().manual_seed(int(seed) * 1_000_003 + T)
     ids = adapter_ids(T, adapters, pattern, g).to(device=device, dtype=torch.int32)
@@ -464,28 +405,16 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((o - ref).abs().max() / ref.abs().max().clamp_min(1e-30)) if ref.numel() else 0.0
 
 
-def check_projection(
-    inp: ProjectionInputs,
-    T: int,
-    *,
-    stages: Sequence[str] = tuple(s for s in STAGES if not STAGES[s].fused_gemm),
-    module_stages: Sequence[str] = ("tuned",),
-    baselines: Sequence[str] = BASELINES,
-    modules: dict[str, LoRALinear] | None = None,
-    pattern: str = "mixed",
-    ref_dtype: torch.dtype | None = None,
-) -> list[dict[str, Any]]:
-    """The LoRA part of every stage of ``stages`` (one call into the base output), the
-    :class:`LoRALinear` forward of every stage of ``module_stages`` (part "total"; ``modules``: stage ->
-    a module of :func:`build_module`, else built) and the torch ``baselines`` against
-    :func:`lora_linear_reference` (``ref_dtype``: float64 on the CPU, float32 on a GPU by default).
-    ``pattern`` "mixed" puts tokens without an adapter in the batch.
-
-    One row per implementation: the point's fields, impl, stage, part, check "vs_reference", rel_err,
-    tol (:data:`moelora_lib.testing.TOLERANCES`), delta_rel (max|ref − base| / max|ref|: the LoRA was
-    added), no_adapter_rows, no_adapter_bitwise (those rows equal ``F.linear``'s bit for bit), config,
-    config_source.
-    """
+def check_projection(inp: ProjectionInputs, T: int, *,
+                     stages: Sequence[str] = tuple(s for s in STAGES if not STAGES[s].fused_gemm),
+                     module_stages: Sequence[str] = ("tuned",), baselines: Sequence[str] = BASELINES,
+                     modules: dict[str, LoRALinear] | None = None, pattern: str = "mixed",
+                     ref_dtype: torch.dtype | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    """The LoRA part of each of ``stages``, the :class:`LoRALinear` forward of each of ``module_stages``
+    (part "total"; ``modules`` reused) and the torch ``baselines`` against ``lora_linear_reference``
+    (``ref_dtype``: float64 on the CPU, float32 on a GPU). One row each: the point's fields, impl,
+    stage, part, check "vs_reference", rel_err, tol, delta_rel (the LoRA was added), no_adapter_rows,
+    no_adapter_bitwise (those rows equal ``F.linear``'s bit for bit), config, config_source."""
     ids, x = inp.lora_ids(T, pattern), inp.x_for(T)
     if ref_dtype is None:
         ref_dtype = torch.float64 if inp.device.type == "cpu" else torch.float32
@@ -500,20 +429,14 @@ def check_projection(
     n_none = int(none.sum())
 
     def row(impl, stage, part, out, cfg=None):
-        return bench.result_row(
-            **_fields(inp, T, pattern),
-            impl=impl,
-            stage=stage,
-            part=part,
-            check="vs_reference",
-            rel_err=_rel_err(out, ref),
-            tol=TOLERANCES[inp.dtype],
-            delta_rel=delta_rel,
-            no_adapter_rows=n_none,
-            no_adapter_bitwise=bool(torch.equal(out[none], base[none])) if n_none else True,
+        r = dict(impl=impl, stage=stage, part=part, check="vs_reference", rel_err=_rel_err(out, ref))
+        r |= dict(tol=TOLERANCES[inp.dtype], delta_rel=delta_rel, no_adapter_rows=n_none)
+        r |= dict(no_adapter_bitwise=bool(torch.equal(out[none], base[none])) if n_none else True)
+        r |= dict(
             config=cfg.short() if cfg is not None else None,
             config_source=cfg.source if cfg is not None else None,
         )
+        return bench.result_row(**_fields(inp, T, pattern), **r)
 
     rows = []
     for stage in stages:
@@ -533,17 +456,11 @@ def check_projection(
     return rows
 
 
-def check_projections(
-    projs: Sequence[str | DenseProjection],
-    tokens: Sequence[int],
-    *,
-    stages: Sequence[str],
-    module_stages: Sequence[str] = ("tuned",),
-    **input_kw,
-) -> list[dict[str, Any]]:
-    """:func:`check_projection` at every T of ``tokens`` for each projection, with inputs for
-    ``max(tokens)`` and one module per stage of ``module_stages`` built once per projection and freed
-    before the next. Rows in (projection, T) order."""
+def check_projections(projs: Sequence[str | DenseProjection], tokens: Sequence[int], *,
+                      stages: Sequence[str], module_stages: Sequence[str] = ("tuned",),
+                      **input_kw) -> list[dict[str, Any]]:  # fmt: skip
+    """:func:`check_projection` at every T for each projection (inputs and modules made once per
+    projection, freed before the next). Rows in (projection, T) order."""
     rows: list[dict[str, Any]] = []
     for p in projs:
         inp = make_inputs(p, max(tokens), **input_kw)
@@ -555,19 +472,11 @@ def check_projections(
     return rows
 
 
-def check_in_subprocesses(
-    projs: Sequence[str | DenseProjection],
-    tokens: Sequence[int],
-    *,
-    jobs: int = 4,
-    timeout_s: float = 600,
-    **kw,
-) -> list[dict[str, Any]]:
-    """:func:`check_projections` (keywords ``kw``, ``dtype`` by name) split over ``jobs`` processes side
-    by side, projections dealt round robin (the two whose gather baseline peaks at ~15 GB at T = 8192,
-    Qwen3-32B and Llama-3.3-70B gate_up, four apart, share one process for ``jobs`` = 2 or 4). The same
-    rows in the same order as one process (checks are computations, not timings); each process also
-    fills Triton's on-disk cache for the timing cell. Raises RuntimeError when a process fails."""
+def check_in_subprocesses(projs: Sequence[str | DenseProjection], tokens: Sequence[int], *, jobs: int = 4,
+                          timeout_s: float = 600, **kw) -> list[dict[str, Any]]:  # fmt: skip
+    """:func:`check_projections` (``dtype`` by name) over ``jobs`` processes side by side, projections dealt
+    round robin; the same rows in the same order as one process (each process also fills Triton's cache).
+    RuntimeError when a process fails."""
     import json
     import sys
     import tempfile
@@ -622,10 +531,8 @@ def anchor_table(path: str | os.PathLike | None = None):
     d = a[a.model != "-"].copy()
     d["T"], d["H"] = d["T"].astype(int), d["K"].astype(int)
     key = ["model", "proj", "H", "slices", "T"]
-    cols = {
-        ("cublas", "base"): "base_us",
-        ("vllm", "lora"): "lora_us",
-        ("vllm", "shrink"): "shrink_us",
+    cols = {("cublas", "base"): "base_us", ("vllm", "lora"): "lora_us", ("vllm", "shrink"): "shrink_us"}
+    cols |= {
         ("vllm", "expand"): "expand_us",
         ("vllm", "total"): "total_us",
         ("torch_gbmm", "lora"): "gbmm_us",

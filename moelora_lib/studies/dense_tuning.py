@@ -1,40 +1,26 @@
 """The dense multi-LoRA tuner: shrink and expand configs of :func:`moelora_lib.lora_linear.lora_linear`
-(stage ``tuned``) per projection shape and T, written in vLLM's dense LoRA file format.
-
-Run (H200: 72 workloads, about 2.5 minutes by :func:`estimate`, printed first; ``--dry-run`` prints only
-that)::
+(stage ``tuned``) per projection shape and T, in vLLM's dense LoRA file format (``{gpu}_SHRINK.json``,
+``{gpu}_EXPAND_TRUE.json``; ``load_dense_config``)::
 
     python -m moelora_lib.studies.dense_tuning --projections all --tokens 1,8,64,256,1600,8192 \\
         --ranks 32 --adapters 8 --out moelora_lib/configs/NVIDIA_H200 \\
         --csv data/10_dense_tuning_trials.csv --budget-s 330
 
-CPU smoke run (Triton interpreter; preset ``tiny``, 1–2 candidates, interpreter wall clock, NOT kernel
-performance; files for the GPU name ``cpu``)::
+CPU smoke run (interpreter; ``--projections tiny``, T ≤ 64, ≤ 2 candidates; files for GPU name ``cpu``;
+times are NOT kernel performance). Per workload (projection, R, L, T; T tokens spread evenly over L
+adapters, shuffled), through :mod:`.tuner`:
 
-    TRITON_INTERPRET=1 python -m moelora_lib.studies.dense_tuning --projections tiny --tokens 1,8 \\
-        --ranks 16 --adapters 2 --out /tmp/dense_cfg --csv /tmp/dense_trials.csv
+1. Shrink and expand share one alignment, so one BLOCK_SIZE_M (:func:`bm_candidates`): each op is timed
+   over its candidates (default first); the BM with the smallest sum of the two best medians wins.
+2. vLLM's keys do not tell every projection apart (no slice widths in the shrink key, no hidden size in
+   the expand key): an op whose entry exists (this run or ``--out``) keeps it and its BM, and only the
+   other op is tuned; both present with different BMs: nothing written (``conflict`` row).
+3. The fastest pairs are checked against ``lora_linear_reference`` (fp64) within ``TOLERANCES``, then the
+   default; only a checked pair is written.
 
-``--projections``: ``all`` (attention of GPT-OSS-20B and Qwen3-30B-A3B; every projection of Qwen3-32B and
-Llama-3.3-70B) or comma-separated ``model`` / ``model/proj`` (:func:`projections`). Per workload
-(projection, R, L, T), on random inputs whose T tokens are spread evenly over the L adapters in a shuffled
-order, through the engine :mod:`.tuner`:
-
-1. The shrink and the expand share one alignment, so one BLOCK_SIZE_M (:func:`bm_candidates`); each op is
-   timed alone over its candidates (:func:`shrink_candidates`, :func:`expand_candidates`, the default
-   first); the BM with the smallest sum of the two best medians wins.
-2. vLLM's keys do not tell every projection apart (the shrink key has no slice widths, the expand key no
-   hidden size): an op whose entry exists already (this run, or the ``--out`` files) takes that config and
-   its BLOCK_SIZE_M and only the other op is tuned, so every shrink entry has an expand entry of the same
-   BM. Both present with different BMs: nothing written (``conflict`` row).
-3. The fastest pairs are checked against :func:`moelora_lib.lora_linear.lora_linear_reference` (fp64, the
-   LoRA delta alone) within :data:`moelora_lib.testing.TOLERANCES`, then the default; only a checked pair
-   is written.
-
-On the GPU every candidate kernel is first compiled in ``--jobs`` processes (:func:`precompile`, no GPU
-needed), filling Triton's cache so the timing process loads binaries (a compile takes 1–1.4 s). Timing:
-CUDA-graph replay, L2 evicted before every repetition (``--l2``), warm-up 5 ms, rep 20 ms. The CSV (``kind``
-trial / bm_sum / check / choice / note / conflict / precompile / session) and the two JSON files (``{gpu}
-_SHRINK.json``, ``{gpu}_EXPAND_TRUE.json``; ``load_dense_config``) are resumable as :mod:`.tuning`'s.
+On the GPU every candidate is first compiled in ``--jobs`` processes (:func:`precompile`) into Triton's
+cache. Timing: CUDA-graph replay, L2 evicted before every repetition (``--l2``). CSV kinds: trial /
+bm_sum / check / choice / note / conflict / precompile / session; CSV and files resume as :mod:`.tuning`'s.
 """
 
 from __future__ import annotations
@@ -60,27 +46,11 @@ from ..shapes import DENSE_CPU_MODELS, DENSE_GPU_MODELS, DENSE_PRESETS, DensePro
 from . import tuner
 from .tuner import RUN_COLUMNS, TRIAL_COLUMNS
 
-__all__ = [
-    "Projection",
-    "projections",
-    "CSV_COLUMNS",
-    "bm_candidates",
-    "shrink_candidates",
-    "expand_candidates",
-    "plan",
-    "estimate",
-    "precompile",
-    "tune",
-    "main",
-]
+__all__ = ["Projection", "projections", "CSV_COLUMNS", "bm_candidates", "shrink_candidates"]
+__all__ += ["expand_candidates", "plan", "precompile", "tune", "main"]
 
 #: The stage whose switches the tuned configs are for (split-K, grouped order, EVEN_K, fused add).
 TUNE_STAGE = "tuned"
-#: Rough costs behind :func:`estimate` (H200 host): seconds per Triton compile, per timed trial beyond
-#: warm-up + rep, per worker-process start, per workload (inputs, alignment, fp64 check), at start, and
-#: per binary loaded from Triton's cache.
-COMPILE_S, TRIAL_OVERHEAD_S, WORKER_START_S, WORKLOAD_S, STARTUP_S = 1.3, 0.015, 8.0, 0.25, 15.0
-CACHE_LOAD_S = 0.05
 #: Largest shared memory a candidate may ask for (the H200 allows 227 KiB per block).
 SMEM_LIMIT_BYTES = 200 * 1024
 #: CPU smoke run limits (the Triton interpreter runs a kernel program by program).
@@ -116,11 +86,8 @@ def projections(spec: str | Sequence[str]) -> list[Projection]:
         if it != "all" and model not in DENSE_PRESETS:
             raise ValueError(f"unknown model {model!r} in {it!r}; known: {['all', *DENSE_PRESETS]}")
         models = DENSE_GPU_MODELS if it == "all" else [model]
-        got = [
-            Projection(p.model, p.proj, p.hidden, p.slices)
-            for m in models
-            for p in DENSE_PRESETS[m].projections()
-        ]
+        presets = [p for m in models for p in DENSE_PRESETS[m].projections()]
+        got = [Projection(p.model, p.proj, p.hidden, p.slices) for p in presets]
         if proj and not (got := [p for p in got if p.proj == proj]):
             have = [p.proj for p in DENSE_PRESETS[model].projections()]
             raise ValueError(f"unknown projection {proj!r} of {model}; it has {have}")
@@ -207,7 +174,7 @@ def expand_candidates(
 
 
 # ------------------------------------------------------------------------------------------------
-# The plan: workloads, which ops they tune, the compiles, the estimate
+# The plan: workloads, which ops they tune, the compiles
 # ------------------------------------------------------------------------------------------------
 @dataclass
 class Workload:
@@ -222,17 +189,8 @@ class Workload:
     @property
     def ids(self) -> dict[str, Any]:
         p = self.proj
-        return dict(
-            model=p.model,
-            proj=p.proj,
-            H=p.hidden,
-            slices=p.slices_str,
-            S=len(p.slices),
-            N=sum(p.slices),
-            R=self.R,
-            L=self.L,
-            T=self.T,
-        )
+        ids = dict(model=p.model, proj=p.proj, H=p.hidden, slices=p.slices_str, S=len(p.slices))
+        return ids | dict(N=sum(p.slices), R=self.R, L=self.L, T=self.T)
 
     def keys(self, op: str) -> tuple[int, ...]:
         p = self.proj
@@ -247,9 +205,8 @@ class Workload:
     def candidates(self, op: str, bm: int, limit: int, elem: int) -> list[OpConfig]:
         p, d = self.proj, self.default()
         if op == "shrink":
-            return shrink_candidates(
-                bm, d.shrink, hidden=p.hidden, n=len(p.slices) * self.R, limit=limit, elem=elem
-            )
+            n = len(p.slices) * self.R
+            return shrink_candidates(bm, d.shrink, hidden=p.hidden, n=n, limit=limit, elem=elem)
         return expand_candidates(bm, d.expand, rank=self.R, widest=max(p.slices), limit=limit, elem=elem)
 
 
@@ -296,20 +253,13 @@ def _meta_launch(job: dict):
     H, slices, R, L, T = job["H"], tuple(job["slices"]), job["R"], job["L"], 16
     cfg = OpConfig(**job["cfg"])
     d = default_dense_config(T, hidden=H, slices=slices, rank=R, adapters=L)
-    other = dataclasses.replace(
-        d.expand if job["op"] == "shrink" else d.shrink, BLOCK_SIZE_M=cfg.BLOCK_SIZE_M
-    )
+    other = d.expand if job["op"] == "shrink" else d.shrink
+    other = dataclasses.replace(other, BLOCK_SIZE_M=cfg.BLOCK_SIZE_M)
     pair = DenseLoRAConfig(cfg, other) if job["op"] == "shrink" else DenseLoRAConfig(other, cfg)
     meta = dict(device="meta", dtype=parse_dtype(job["dtype"]))
     ids = (torch.arange(T) % L).to(torch.int32)
-    al = align_tokens(
-        torch.zeros(T, 1, dtype=torch.int32),
-        1,
-        cfg.BLOCK_SIZE_M,
-        lora_ids=ids,
-        num_adapters=L,
-        check_values=False,
-    )
+    topk = torch.zeros(T, 1, dtype=torch.int32)
+    al = align_tokens(topk, 1, cfg.BLOCK_SIZE_M, lora_ids=ids, num_adapters=L, check_values=False)
     fields = ("sorted_token_ids", "block_expert_ids", "block_lora_ids", "num_tokens_post_padded")
     al = dataclasses.replace(al, **{f: getattr(al, f).to("meta") for f in fields})
     x, out = torch.empty(T, H, **meta), torch.empty(T, sum(slices), **meta)
@@ -327,45 +277,11 @@ def compile_jobs(workloads: Sequence[Workload], *, max_bms: int, max_cands: int,
             for c in (
                 c for bm in bm_candidates(w.T, w.L, max_bms) for c in w.candidates(op, bm, max_cands, elem)
             ):
-                job = dict(
-                    op=op,
-                    H=w.proj.hidden,
-                    slices=list(w.proj.slices),
-                    R=w.R,
-                    L=w.L,
-                    cfg=c.to_dict(),
-                    dtype=dtype,
-                )
+                p = w.proj
+                job = dict(op=op, H=p.hidden, slices=list(p.slices), R=w.R, L=w.L, cfg=c.to_dict())
+                job["dtype"] = dtype
                 jobs.setdefault(json.dumps(job, sort_keys=True), job)  # the same candidate at another T
     return list(jobs.values())
-
-
-def estimate(
-    workloads, *, max_bms, max_cands, n_compiles, jobs, warmup_ms, rep_ms, device
-) -> dict[str, float]:
-    """Rough seconds of a run: {"compile", "timing", "workloads", "startup", "total", "trials"}. GPU:
-    compiles × :data:`COMPILE_S` / jobs (+ worker start and cache loads), trials × (warm-up + rep +
-    :data:`TRIAL_OVERHEAD_S`), per workload :data:`WORKLOAD_S` and the fp64 check (2·T·H·N flops at
-    40 TFLOP/s). CPU: about 0.05 s per interpreted trial."""
-    trials, check_flops = 0, 0.0
-    todo = [w for w in workloads if not w.done]
-    for w in todo:
-        bms = bm_candidates(w.T, w.L, max_bms)
-        bms = bms[-1:] if w.shrink_shared or w.expand_shared else bms  # one BM: the existing entry's
-        for op in _FILE_OPS:
-            shared = getattr(w, f"{op}_shared")
-            trials += sum(1 if shared else len(w.candidates(op, bm, max_cands, 2)) for bm in bms)
-        check_flops += 2.0 * w.T * w.proj.hidden * sum(w.proj.slices)
-    if device == "cpu":
-        timing, compile_s, work, startup = trials * 0.05, 0.0, len(todo) * 0.1, 3.0
-    else:
-        timing = trials * ((warmup_ms + rep_ms) / 1e3 + TRIAL_OVERHEAD_S)
-        compile_s = n_compiles * COMPILE_S / max(1, jobs)
-        if jobs > 0 and n_compiles:
-            compile_s += WORKER_START_S + n_compiles * CACHE_LOAD_S
-        work, startup = len(todo) * WORKLOAD_S + check_flops / 40e12, STARTUP_S
-    total = timing + compile_s + work + startup
-    return dict(compile=compile_s, timing=timing, workloads=work, startup=startup, total=total, trials=trials)
 
 
 def _precompile_main() -> int:
@@ -398,9 +314,8 @@ def precompile(jobs: list[dict], n_proc: int, timeout_s: float, arch: int) -> di
     from . import bench
 
     t0 = time.perf_counter()
-    stats: dict[str, Any] = dict(
-        jobs=len(jobs), ok=0, failed=0, unfinished=len(jobs), compile_s=0.0, errors=[]
-    )
+    stats: dict[str, Any] = dict(jobs=len(jobs), ok=0, failed=0, unfinished=len(jobs), compile_s=0.0)
+    stats["errors"] = []
     if not jobs or n_proc <= 0:
         return dict(stats, wall_s=0.0)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -455,16 +370,8 @@ class _Inputs:
         kw = dict(use_even_k=st.even_k, specialize_lengths=st.specialize_lengths)
         if op == "shrink":
             return lambda: dense_shrink(self.x[:T], self.a, align, cfg, inter=self.inter[:T], **kw)
-        return lambda: dense_expand(
-            self.inter[:T],
-            self.b,
-            self.out[:T],
-            align,
-            cfg,
-            slices=self.proj.slices,
-            add_inputs=st.fused_add,
-            **kw,
-        )
+        kw |= dict(slices=self.proj.slices, add_inputs=st.fused_add)
+        return lambda: dense_expand(self.inter[:T], self.b, self.out[:T], align, cfg, **kw)
 
     def rel_err(self, T: int, align, shrink: OpConfig, expand: OpConfig, ref: torch.Tensor) -> float:
         """max|out − ref| / max|ref| of the pair (stage tuned's dense_lora_add into a zero base), computed
@@ -474,9 +381,8 @@ class _Inputs:
 
         out = torch.zeros(T, sum(self.proj.slices), dtype=self.x.dtype, device=self.device)
         cfg = DenseLoRAConfig(shrink, expand, source="tuner")
-        dense_lora_add(
-            STAGES[TUNE_STAGE], out, self.x[:T], self.a, self.b, align, cfg, slices=self.proj.slices
-        )
+        args = (STAGES[TUNE_STAGE], out, self.x[:T], self.a, self.b, align, cfg)
+        dense_lora_add(*args, slices=self.proj.slices)
         o = out.to(torch.float64)
         if not bool(torch.isfinite(o).all()):
             return math.inf
@@ -570,7 +476,7 @@ def _defaults(device, max_bms, max_cands, jobs) -> tuple[int, int, int]:
 
 
 def _check_args(projs, ranks, adapters, tokens, out, csv_path, budget_s, device, dtype, max_bms, max_cands,
-                jobs, seed, warmup_ms, rep_ms, l2, *, names=None, need_device=True):  # fmt: skip
+                jobs, seed, warmup_ms, rep_ms, l2, *, names=None):  # fmt: skip
     """Every argument of :func:`tune`, before any work: ValueError naming it (``names``: argument -> name,
     e.g. :data:`.tuner.FLAGS`). Returns (projections, device, dtype)."""
     n = {a: a for a in tuner.FLAGS} | (names or {})
@@ -584,7 +490,7 @@ def _check_args(projs, ranks, adapters, tokens, out, csv_path, budget_s, device,
     dev, dt = tuner.check_run(
         names, tokens=tokens, budget_s=budget_s, device=device, dtype=dtype, out=out, csv_path=csv_path,
         key_columns=_KEY_COLUMNS, what="the dense tuner", lists=dict(ranks=(ranks, False)),
-        ints=dict(ints, jobs=(jobs, 0, 64), seed=(seed, None, None)), need_device=need_device,
+        ints=dict(ints, jobs=(jobs, 0, 64), seed=(seed, None, None)),
     )  # fmt: skip
     for name, v, lo in (("warmup_ms", warmup_ms, 0.0), ("rep_ms", rep_ms, 0.001)):
         if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= lo):
@@ -628,38 +534,29 @@ def tune(
     rep_ms: float = tuner.REP_MS,
     l2: str = "clean",
     progress: bool = True,
-    dry_run: bool = False,
     names: dict[str, str] | None = None,
     echo: Callable[[str], Any] = print,
 ) -> dict[str, Any]:
     """Tune every (projection, R, T) workload and write ``{gpu}_SHRINK.json`` / ``{gpu}_EXPAND_TRUE.json``
     into ``out`` (module docstring); returns a summary dict (tuned, skipped, not_tuned, conflicts: lists of
-    (label, R, T); estimate, precompile, elapsed_s, out, gpu).
-
-    Defaults by device: max_bms 2 (CPU 1), max_cands 8 (CPU 2), jobs min(14, cpus − 2) (CPU 0).
-    ``dry_run``: check, plan, print the estimate, tune nothing. Raises ValueError naming the argument before
-    any work (:func:`_check_args`)."""
+    (label, R, T); precompile, elapsed_s, out, gpu). Defaults by device: max_bms 2 (CPU 1), max_cands 8
+    (CPU 2), jobs min(14, cpus − 2) (CPU 0). Raises ValueError naming the argument before any work."""
     max_bms, max_cands, jobs = _defaults(device, max_bms, max_cands, jobs)
     args = (projs, ranks, adapters, tokens, out, csv_path, budget_s, device, dtype, max_bms, max_cands, jobs)
-    ps, dev, dt = _check_args(*args, seed, warmup_ms, rep_ms, l2, names=names, need_device=not dry_run)
+    ps, dev, dt = _check_args(*args, seed, warmup_ms, rep_ms, l2, names=names)
     jobs = 0 if dev.type == "cpu" else jobs
     t0 = time.perf_counter()
     gpu = "cpu" if dev.type == "cpu" else configs.gpu_name() if torch.cuda.is_available() else "NVIDIA_H200"
-    # a dry run only reads: the CSV and the files if they exist
-    log = tuner.TrialLog(Path(csv_path), CSV_COLUMNS) if not dry_run or Path(csv_path).is_file() else None
-    files = None
-    if not dry_run or Path(out).is_dir():
-        files = tuner.ConfigFiles(Path(out), gpu, _FILE_OPS.values(), configs.dense_config_file_name)
-    if log is not None and files is not None:
-        for w in plan(ps, ranks, adapters, tokens):  # finished work into the files first (resume)
-            if done := _choices(log, w):
-                _put(files, w, done["shrink"], done["expand"])
+    log = tuner.TrialLog(Path(csv_path), CSV_COLUMNS)
+    files = tuner.ConfigFiles(Path(out), gpu, _FILE_OPS.values(), configs.dense_config_file_name)
+    for w in plan(ps, ranks, adapters, tokens):  # finished work into the files first (resume)
+        if done := _choices(log, w):
+            _put(files, w, done["shrink"], done["expand"])
     wls = plan(ps, ranks, adapters, tokens, files=files, log=log)
     dname = str(dt).removeprefix("torch.")
     cjobs = compile_jobs(wls, max_bms=max_bms, max_cands=max_cands, dtype=dname) if dev.type == "cuda" else []
     opts = dict(max_bms=max_bms, max_cands=max_cands, warmup_ms=warmup_ms, rep_ms=rep_ms)
-    est = estimate(wls, n_compiles=len(cjobs), jobs=jobs, device=dev.type, **opts)
-    summary: dict[str, Any] = dict(estimate=est, out=str(out), gpu=gpu, precompile=None)
+    summary: dict[str, Any] = dict(out=str(out), gpu=gpu, precompile=None)
     if dev.type == "cpu":
         echo(
             f"dense_tuning: CPU SMOKE RUN under the Triton interpreter: tiny shapes, {max_cands} "
@@ -669,14 +566,9 @@ def tune(
     n_done = sum(w.done for w in wls)
     echo(
         f"dense_tuning: {len(ps)} projections x {len(ranks)} rank(s) x {len(tokens)} T = {len(wls)} "
-        f"workloads ({n_done} already in the CSV); {est['trials']} trials, {len(cjobs)} distinct kernels "
-        f"to compile in {jobs} process(es); estimate ~{est['total']:.0f} s (compile ~{est['compile']:.0f} s, "
-        f"timing ~{est['timing']:.0f} s, inputs/checks ~{est['workloads']:.0f} s)"
-        + (f"; budget {budget_s:.0f} s" if math.isfinite(budget_s) else "")
+        f"workloads ({n_done} already in the CSV); {len(cjobs)} distinct kernels to compile in {jobs} "
+        "process(es)" + (f"; budget {budget_s:.0f} s" if math.isfinite(budget_s) else "")
     )
-    if dry_run:
-        return dict(summary, elapsed_s=time.perf_counter() - t0, workloads=wls, compile_jobs=cjobs)
-    assert log is not None and files is not None
     if cjobs and jobs > 0:
         cap = torch.cuda.get_device_capability(dev)
         st = summary["precompile"] = precompile(cjobs, jobs, min(300.0, 0.6 * budget_s), 10 * cap[0] + cap[1])
@@ -705,10 +597,7 @@ def tune(
         desc="dense tuning",
     )  # fmt: skip
     inputs.clear()
-    note = f"; estimate was {est['total']:.0f} s" + (
-        "; CPU smoke run (interpreter wall clock)" if gpu == "cpu" else ""
-    )
-    return tuner.finish(log, summary, t0, note)
+    return tuner.finish(log, summary, t0, "; CPU smoke run (interpreter wall clock)" if gpu == "cpu" else "")
 
 
 def _put(files: tuner.ConfigFiles, w: Workload, shrink: OpConfig, expand: OpConfig) -> None:
@@ -731,7 +620,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     add("--warmup-ms", type=float, default=tuner.WARMUP_MS)
     add("--rep-ms", type=float, default=tuner.REP_MS)
     add("--l2", choices=["clean", "dirty"], default="clean", help="L2 flush before every repetition")
-    add("--dry-run", action="store_true", help="check the flags, print the plan and estimate, exit")
     a = p.parse_args(argv)
     pos = (a.projections, a.ranks, a.adapters, a.tokens, a.out, a.csv)
     kw = dict(budget_s=a.budget_s, device=a.device, dtype=a.dtype, max_bms=a.max_bms, max_cands=a.max_cands)
@@ -740,17 +628,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         resolved = dict(
             zip(("max_bms", "max_cands", "jobs"), _defaults(a.device, a.max_bms, a.max_cands, a.jobs))
         )
-        _check_args(*pos, **{**kw, **resolved}, names=tuner.FLAGS, need_device=not a.dry_run)
+        _check_args(*pos, **{**kw, **resolved}, names=tuner.FLAGS)
     except ValueError as e:
         p.error(str(e))
-    s = tune(*pos, dry_run=a.dry_run, progress=not a.no_progress, names=tuner.FLAGS, **kw)
-    if not a.dry_run:
-        print(
-            f"dense_tuning: {len(s['tuned'])} workloads tuned, {len(s['skipped'])} already done, "
-            f"{len(s['not_tuned'])} not tuned (budget): {s['not_tuned']}, {len(s['conflicts'])} conflicts: "
-            f"{s['conflicts']}; wrote {s['out']} ({s['gpu']}); elapsed {s['elapsed_s']:.1f} s"
-            + ("; CPU smoke run: interpreter wall clock, NOT performance" if s["gpu"] == "cpu" else "")
-        )
+    s = tune(*pos, progress=not a.no_progress, names=tuner.FLAGS, **kw)
+    print(
+        f"dense_tuning: {len(s['tuned'])} workloads tuned, {len(s['skipped'])} already done, "
+        f"{len(s['not_tuned'])} not tuned (budget): {s['not_tuned']}, {len(s['conflicts'])} conflicts: "
+        f"{s['conflicts']}; wrote {s['out']} ({s['gpu']}); elapsed {s['elapsed_s']:.1f} s"
+        + ("; CPU smoke run: interpreter wall clock, NOT performance" if s["gpu"] == "cpu" else "")
+    )
     return 0
 
 

@@ -48,9 +48,8 @@ _LAYER_COLS = [*_KEY, "part", "us_p50", "us_p20", "us_p80", "floor_us", "config_
 @dataclass
 class Evidence:
     """The committed evidence, tidy: ``layer`` (one row per stage, model, T, R, L, pattern, setting, part;
-    µs of CUDA-graph replay on the H200), ``anchors``
-    (vLLM's figures, :func:`moelora_lib.studies.moe_bench.anchor_table`, or None), ``serving`` (notebook
-    09's rows or None), ``notes`` (one sentence per missing or unreadable file), ``files`` (name -> rows)."""
+    µs, CUDA-graph replay, H200), ``anchors`` (``moe_bench.anchor_table`` or None), ``serving`` (notebook
+    09's rows or None), ``notes`` (one per missing or unreadable file), ``files`` (name -> rows)."""
 
     layer: Any
     anchors: Any = None
@@ -80,9 +79,8 @@ def _read(folder: Path, name: str, what: str, ev: Evidence):
 
 def _setting(df):
     """``variant`` where the file has it, else derived: silu without biases is vLLM's anchor setting."""
-    derived = ((df["activation"].astype(str) == "silu") & ~df["bias"].astype(bool)).map(
-        {True: "as_anchor", False: "real"}
-    )
+    plain = (df["activation"].astype(str) == "silu") & ~df["bias"].astype(bool)
+    derived = plain.map({True: "as_anchor", False: "real"})
     if "variant" in df:
         return df["variant"].where(df["variant"].notna(), derived).astype(str)
     return derived.astype(str)
@@ -136,10 +134,7 @@ def load_evidence(data_dir: str | os.PathLike | None = None, *, anchors: bool = 
     if (folder / name).is_file():
         ev.serving = _read(folder, name, what, ev)
     else:
-        ev.notes.append(
-            f"`{rel(folder / name)}` not found: notebook 09 has not been run on the GPU yet; the serving "
-            "layer's rows appear once it has."
-        )
+        ev.notes.append(f"`{rel(folder / name)}` not found: notebook 09 has not been run on the GPU yet.")
     if anchors:
         from . import moe_bench
 
@@ -197,11 +192,8 @@ class Selection:
     stages: tuple[str, ...] = ("naive", "no_recompile", "split_k", "swizzle", "even_k_fused_add", "tuned")
 
     def label(self) -> str:
-        n = len(self.stages)
-        return (
-            f"{self.model} · T = {self.T} · R = {self.rank} · L = {self.adapters} · {self.pattern} · "
-            f"{self.setting} · {n} stage{'s' if n != 1 else ''}"
-        )
+        n, head = len(self.stages), f"{self.model} · T = {self.T} · R = {self.rank} · L = {self.adapters}"
+        return f"{head} · {self.pattern} · {self.setting} · {n} stage{'s' if n != 1 else ''}"
 
     def validated(self, ev: Evidence) -> Selection:
         """Raise ValueError naming the field when a value is not in the CSVs (:func:`options`)."""
@@ -299,21 +291,15 @@ def selection_notes(ev: Evidence, sel: Selection) -> list[str]:
     st = st[st["kind"] == "stage"]
     none = st[st[["lora_us", "base_us", "total_us"]].isna().all(axis=1)]["row"].tolist()
     if none:
-        notes.append(
-            f"No committed rows for {', '.join(none)} at this selection "
-            "(the CSVs measure each stage at the settings its notebook needed)."
-        )
+        notes.append(f"No committed rows for {', '.join(none)} at this selection (the CSVs measure each "
+                     "stage at the settings its notebook needed).")  # fmt: skip
     no_base = st[st["base_us"].isna() & st["lora_us"].notna()]["row"].tolist()
     if no_base:
-        notes.append(
-            f"Base part not measured on its own for {', '.join(no_base)}: from naive to even_k_fused_add the "
-            "stages switch LoRA-op features only and run the same base launches."
-        )
+        notes.append(f"Base part not measured on its own for {', '.join(no_base)}: from naive to "
+                     "even_k_fused_add the stages switch LoRA-op features only.")  # fmt: skip
     if "fused" in sel.stages:
-        notes.append(
-            "fused: its LoRA expand runs inside the base GEMMs, so its LoRA part is whole − base of the same "
-            "run; its launches differ from the six here (data/12_fused.csv has them)."
-        )
+        notes.append("fused: its LoRA expand runs inside the base GEMMs, so its LoRA part is whole − base of "
+                     "the same run (data/12_fused.csv has its launches).")  # fmt: skip
     if _effective_setting(sel) != sel.setting:
         notes.append(
             f"{sel.model}'s own setting is silu without biases: its 'real' rows are the as_anchor rows."
@@ -402,19 +388,10 @@ _TABLE_CSS = (
     "white-space:nowrap}.moelora-tab th{background:#f3f3f3}"
     ".moelora-tab td:first-child{text-align:left}</style>"
 )
-_COLUMN_LABELS = {
-    "row": "",
-    "lora_us": "LoRA part µs",
-    "base_us": "base µs",
-    "total_us": "whole layer µs",
-    "lora_vs_naive": "LoRA ×naive",
-    "total_vs_naive": "layer ×naive",
-    "lora_over_floor": "LoRA ÷ floor",
-    "vllm_lora_x": "vLLM LoRA ÷ ours",
-    "vllm_total_x": "vLLM layer ÷ ours",
-    "source": "from data/NN_*",
-    "floor_us": "floor µs",
-}
+_COLUMN_LABELS = dict(row="", lora_us="LoRA part µs", base_us="base µs", total_us="whole layer µs")
+_COLUMN_LABELS |= dict(lora_vs_naive="LoRA ×naive", total_vs_naive="layer ×naive")
+_COLUMN_LABELS |= dict(lora_over_floor="LoRA ÷ floor", vllm_lora_x="vLLM LoRA ÷ ours")
+_COLUMN_LABELS |= dict(vllm_total_x="vLLM layer ÷ ours", floor_us="floor µs", source="from data/NN_*")
 
 
 def table_html(df, *, index: bool = False) -> str:
@@ -445,16 +422,10 @@ def kernel_change_html(stage: str) -> str:
     elif not text:
         head = f"<code>{stage}</code> launches the kernels of <code>{prev}</code> unchanged."
     color = {"+": "#e6ffed", "-": "#ffeef0", "@": "#f1f8ff"}
-    lines = [
-        f"<span style='background:{color[ln[0]]}'>{html.escape(ln)}</span>"
-        if ln[:1] in color
-        else html.escape(ln)
-        for ln in text.splitlines()
-    ]
-    return (
-        f"<p>{head}</p><pre class='moelora-src' style='max-height:460px;overflow:auto;font-size:11.5px;"
-        f"background:#fafafa;border:1px solid #e3e3e3;padding:6px'>" + "\n".join(lines) + "</pre>"
-    )
+    esc = [(ln[:1], html.escape(ln)) for ln in text.splitlines()]
+    lines = [f"<span style='background:{color[c]}'>{e}</span>" if c in color else e for c, e in esc]
+    style = "max-height:460px;overflow:auto;font-size:11.5px;background:#fafafa;border:1px solid #e3e3e3"
+    return f"<p>{head}</p><pre class='moelora-src' style='{style};padding:6px'>" + "\n".join(lines) + "</pre>"
 
 
 # ------------------------------------------------------------------------------------------------

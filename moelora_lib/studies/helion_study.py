@@ -1,15 +1,12 @@
 """Notebook 08's measurements: the Helion linear backend against cuBLAS (PyTorch), the memory ceilings,
 the L2-state probe and the best ratio each row allows.
 
-Sweep rows (:func:`sweep`, one per model, proj, epilogue, M, impl, timing mode): stage "helion_linear",
-K, N (weight rows; swiglu N = 2I), dtype, impl ("helion" | "torch" | "torch_two_gemm"), path
-(``HelionLinearMethod.path_for``), mode, copies, ms_p50/p20/p80, flops (2·M·N·K), bytes (weight + x +
-output once each), tb_per_s, tflops, rel_err (max |y − ref| / max |ref| against the fp32 result) and the
-bench environment columns. Modes: "graph" (CUDA-graph replay after do_bench's zeroing L2 flush, which
-leaves dirty lines the timed call writes back), "graph_clean" (replay after an L2 eviction by a read),
-"graph_rotate" (M ≤ :data:`ROTATE_MAX_M`: one graph replays the GEMM over ``copies`` copies of W that
-stream 4x the L2, no flush, time per GEMM = replay / copies: back-to-back layers as in a captured decode
-step), "eager", "cpu". Every timing goes through :func:`moelora_lib.studies.bench.time_fn`.
+Sweep rows (:func:`sweep`, one per model, proj, epilogue, M, impl, mode): stage "helion_linear", K, N
+(swiglu N = 2I), dtype, impl ("helion" | "torch" | "torch_two_gemm"), path, mode, copies, ms_p50/p20/p80,
+flops, bytes (each tensor once), tb_per_s, tflops, rel_err (vs the fp32 result), environment columns.
+Modes (:func:`.bench.time_fn`): "graph" (replay after do_bench's zeroing L2 flush), "graph_clean" (after
+an eviction by a read), "graph_rotate" (M ≤ :data:`ROTATE_MAX_M`: one replay over ``copies`` copies of W
+streaming 4x the L2, time per GEMM: back-to-back layers as in a decode step), "eager", "cpu".
 """
 
 from __future__ import annotations
@@ -77,9 +74,8 @@ def _sweep_jobs(models: Iterable[str], epilogues: Iterable[str], dtype: str) -> 
 
 
 def sweep_compile_tasks(methods: dict, jobs: Iterable[tuple], ms: Iterable[int]) -> dict[str, dict]:
-    """The compile tasks (:func:`moelora_lib.studies.helion_tune.add_task`) of a sweep: per job of
-    :func:`_sweep_jobs`, the config ``methods[epilogue]`` picks for the bucket of each M of ``ms``, with
-    every Triton M-variant its ``warmup`` meets and the M itself; shared configs are one task."""
+    """The compile tasks (``helion_tune.add_task``) of a sweep: per job, the config ``methods[epilogue]``
+    picks for each M's bucket, at every Triton M-variant its warm-up meets and M itself."""
     from ..helion_linear import bucket_for, lookup, warm_m_values
     from .helion_tune import add_task
 
@@ -110,30 +106,16 @@ def _per_call(t, calls: int):
     return dataclasses.replace(t, ms_p50=t.ms_p50 / calls, ms_p20=t.ms_p20 / calls, ms_p80=t.ms_p80 / calls)
 
 
-def sweep(
-    *,
-    profile: str,
-    models: Iterable[str] = ("llama3-8b", "qwen3-32b", "llama3-70b"),
-    ms: Iterable[int] = (1, 2, 4, 8, 16, 32, 256, 1024, 4096),
-    dtype: str = "bfloat16",
-    configs: Any = None,
-    seed: int = 0,
-    timing_kw: dict | None = None,
-    epilogues: Iterable[str] = ("none", "swiglu"),
-    progress: bool = True,
-    precompile_jobs: int = -1,
-) -> list[dict]:
-    """Helion against PyTorch for every projection, epilogue and M; returns the rows (module docstring).
-
-    profile "gpu": the models' projections in ``dtype``; "none" everywhere, "swiglu" for gate_up (torch:
-    the merged GEMM + silu·mul, and two GEMMs + silu·mul); modes graph, graph_clean, graph_rotate (M ≤
-    32) and eager. ``configs``: HelionLinearMethod's (None: the shipped file of this GPU). Before the
-    first job every config the sweep meets is compiled in ``precompile_jobs`` spawned processes (-1:
-    auto, 0: none; skipped for a dict) by :func:`moelora_lib.studies.helion_tune.precompile_in_subprocess`,
-    so each job's warm-up loads binaries (nothing timed changes). Weights are drawn on the device.
-    profile "cpu": :data:`CPU_SHAPE` in fp32 and fp16 through the Triton interpreter (TRITON_INTERPRET=1)
-    with :func:`cpu_demo_table`, one rep of wall clock. Every row carries rel_err; the caller asserts it.
-    """
+def sweep(*, profile: str, models: Iterable[str] = ("llama3-8b", "qwen3-32b", "llama3-70b"),
+          ms: Iterable[int] = (1, 2, 4, 8, 16, 32, 256, 1024, 4096), dtype: str = "bfloat16",
+          configs: Any = None, seed: int = 0, timing_kw: dict | None = None,
+          epilogues: Iterable[str] = ("none", "swiglu"), progress: bool = True, precompile_jobs: int = -1,
+          ) -> list[dict]:  # fmt: skip
+    """Helion against PyTorch for every projection, epilogue and M (rows: module docstring). "gpu":
+    "none" everywhere, "swiglu" for gate_up (torch: merged GEMM and two GEMMs); every mode; ``configs``
+    HelionLinearMethod's (None: this GPU's file); the configs met are first compiled in
+    ``precompile_jobs`` processes (-1 auto, 0 none). "cpu": :data:`CPU_SHAPE` in fp32/fp16 under the
+    interpreter with :func:`cpu_demo_table`. Every row carries rel_err; the caller asserts it."""
     from .helion_tune import precompile_in_subprocess
     from .notebook import progress as tqdm
 
@@ -227,42 +209,30 @@ def summary(df):
 
 
 def ceilings(nbytes: int = 2 * 1024**3, timing_kw: dict | None = None) -> dict:
-    """Measured memory ceilings of this GPU (TB/s = 1e12 B/s), eager without an L2 flush (the buffers are
-    35x the L2): ``copy_tb_per_s`` (a device copy of ``nbytes``, read + written) and ``read_tb_per_s``
-    (``torch.sum`` over ``nbytes`` of fp32: the bound of a weight-streaming GEMM); ``tiny_kernel_us``:
-    one one-element kernel graph-replayed after a clean flush (the fixed cost of a launch in a graph)."""
+    """Measured ceilings (TB/s = 1e12 B/s, eager, buffers 35x the L2): ``copy_tb_per_s`` (a copy of
+    ``nbytes``, read + written), ``read_tb_per_s`` (``torch.sum`` of ``nbytes``: a weight-streaming
+    GEMM's bound), ``tiny_kernel_us`` (a one-element kernel graph-replayed: a launch's fixed cost)."""
     kw = {"warmup_ms": 10, "rep_ms": 60, **(timing_kw or {}), "flush_l2": False}
     a = torch.ones(nbytes // 4, dtype=torch.float32, device="cuda")
     b = torch.empty_like(a)
     t_copy = bench.time_fn(lambda a=a, b=b: b.copy_(a), "eager", "cuda", **kw)
     t_read = bench.time_fn(lambda a=a: torch.sum(a), "eager", "cuda", **kw)
     tiny = torch.zeros(1, device="cuda")
-    # after a flush kernel, so the graph is queued when the start event fires (else the host's
-    # graph-launch latency would be timed)
+    # after a flush kernel: the graph is queued when the start event fires (no host launch latency)
     t_tiny = bench.time_fn(lambda: tiny.add_(1), "graph", "cuda", **{**kw, "flush_l2": "clean"})
     del a, b
     torch.cuda.empty_cache()
-    return {
-        "tiny_kernel_us": t_tiny.ms_p50 * 1e3,
-        "copy_tb_per_s": 2 * nbytes / (t_copy.ms_p50 * 1e-3) / 1e12,
-        "read_tb_per_s": nbytes / (t_read.ms_p50 * 1e-3) / 1e12,
-        "nbytes": nbytes,
-    }
+    copy, read = 2 * nbytes / (t_copy.ms_p50 * 1e-3) / 1e12, nbytes / (t_read.ms_p50 * 1e-3) / 1e12
+    return dict(tiny_kernel_us=t_tiny.ms_p50 * 1e3, copy_tb_per_s=copy, read_tb_per_s=read, nbytes=nbytes)
 
 
-def l2_probe(
-    shapes: Iterable[tuple[int, int]] = ((4096, 4096), (4096, 28672), (28672, 8192)),
-    m: int = 1,
-    dtype: str = "bfloat16",
-    configs: Any = None,
-    timing_kw: dict | None = None,
-    seed: int = 0,
-) -> list[dict]:
-    """A decode GEMM (``m`` rows) of each (K, N) for cuBLAS and Helion, graph-replayed after four L2
-    states: ``dirty`` (do_bench's zeroing flush), ``clean`` (evicted by a read), ``rotate`` (no flush,
-    cycling through :func:`rotation_copies` copies of W; time per GEMM) and ``warm`` (no flush, one W).
-    Rows: stage "helion_l2_probe", K, N, M, dtype, impl, l2, copies, weight_bytes, ms_p50/p20/p80, mode,
-    tb_per_s (weight bytes per second), path, and the bench environment columns."""
+def l2_probe(shapes: Iterable[tuple[int, int]] = ((4096, 4096), (4096, 28672), (28672, 8192)), m: int = 1,
+             dtype: str = "bfloat16", configs: Any = None, timing_kw: dict | None = None,
+             seed: int = 0) -> list[dict]:  # fmt: skip
+    """A decode GEMM of each (K, N), cuBLAS and Helion, graph-replayed after four L2 states: ``dirty``
+    (zeroing flush), ``clean`` (read eviction), ``rotate`` (no flush, :func:`rotation_copies` copies of
+    W, time per GEMM), ``warm`` (no flush). Rows: stage "helion_l2_probe", K, N, M, dtype, impl, l2,
+    copies, weight_bytes, ms_p50/p20/p80, mode, tb_per_s, path, environment columns."""
     kw = {"warmup_ms": 10, "rep_ms": 40, **(timing_kw or {})}
     kw.pop("flush_l2", None)
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -294,12 +264,10 @@ def l2_probe(
 
 
 def best_ratio_bounds(s, read_tb_per_s: float, tflops: float, launch_us: float = 0.0):
-    """The largest speedup over the measured PyTorch time any kernel could reach per row of
-    :func:`summary` (columns M, K, N, epilogue, dtype, torch_us): a copy with ``floor_us`` =
-    max(bytes / read_tb_per_s, flops / tflops) + ``launch_us`` (bytes: weight + x + output once, at the
-    row's dtype; swiglu output [M, N/2]) and ``max_speedup`` = torch_us / floor_us. A bound only as far
-    as its rates are: pass the best seen. Raises ValueError for a rate ≤ 0, a negative ``launch_us`` or
-    missing columns."""
+    """Per :func:`summary` row, the largest speedup over PyTorch any kernel could reach: adds ``floor_us``
+    = max(bytes / read_tb_per_s, flops / tflops) + ``launch_us`` (each tensor once; swiglu output [M,
+    N/2]) and ``max_speedup`` = torch_us / floor_us. ValueError for a rate ≤ 0, a negative
+    ``launch_us`` or missing columns."""
     for name, v in (("read_tb_per_s", read_tb_per_s), ("tflops", tflops)):
         if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
             raise ValueError(f"{name}: expected a finite rate > 0, got {v!r}")
@@ -325,15 +293,11 @@ def gmean(values) -> float:
 
 
 def bounds_and_targets(s, ceilings: dict, peak_tflops: float = PEAK_TFLOPS):
-    """(bounds, targets) DataFrames from :func:`summary` ``s`` and :func:`ceilings`.
-
-    bounds (graph_clean and graph_rotate rows): :func:`best_ratio_bounds` at the best rates seen in the
-    mode (bytes at max(read ceiling, fastest achieved TB/s), flops at max(``peak_tflops``, fastest
-    TFLOP/s)) plus est_speedup (one graph launch, ``tiny_kernel_us``, added in graph_clean),
-    bound_tb_per_s, bound_tflops, launch_us. targets (per graph mode): mode, target, measured (geomean
-    speedup of decode M ≤ 32, SwiGLU vs the merged GEMM and vs two GEMMs, prefill M ≥ 256), goal,
-    bound, bound_with_launch, met. AssertionError if a measured speedup exceeds its bound.
-    """
+    """(bounds, targets) from :func:`summary` ``s`` and :func:`ceilings`. bounds (graph_clean,
+    graph_rotate): :func:`best_ratio_bounds` at the best rates seen in the mode, plus est_speedup (with
+    ``tiny_kernel_us`` in graph_clean), bound_tb_per_s, bound_tflops, launch_us. targets per mode:
+    target, measured (geomean speedup: decode M ≤ 32, SwiGLU vs merged and two GEMMs, prefill M ≥ 256),
+    goal, bound, bound_with_launch, met. AssertionError if a measured speedup exceeds its bound."""
     import pandas as pd
 
     bounds, targets = [], []

@@ -5,16 +5,14 @@ and write the winners into the per-GPU JSON (moelora_lib/configs/helion/<GPU_NAM
         --m 1,2,4,8,16,32,256,1024,4096 --epilogues none,swiglu \\
         --out moelora_lib/configs/helion/NVIDIA_H200.json --csv data/helion_tuning.csv --budget-s 300
 
-Cases (:func:`build_cases`) are compiled first in spawned processes, then every candidate
-(:func:`candidates`) is checked against PyTorch (:data:`moelora_lib.testing.TOLERANCES`) and timed with
-``bench.time_fn`` in graph mode (``--l2 clean``: L2 evicted by a read before every call) beside the
-PyTorch path. Resumable: cases in ``--out`` are skipped (``--force`` redoes them); the JSON is written
-atomically and the CSV appended after every case; no case starts after ``--budget-s``.
+Every candidate (:func:`candidates`) of each case (:func:`build_cases`) is compiled first in spawned
+processes, checked against PyTorch (``TOLERANCES``) and timed (``bench.time_fn``, graph mode, ``--l2``)
+beside the PyTorch path. Resumable: cases in ``--out`` are skipped (``--force`` redoes them); JSON
+written atomically and CSV appended after every case; no case starts after ``--budget-s``.
 
-CSV (one row per candidate and per PyTorch baseline): op (epilogue), models, K, N, M, bucket, dtype,
-impl ("helion" | "torch"), candidate, config (JSON), status ("ok" | "compile_error" | "run_error" |
-"wrong"), error, rel_err, ms_p50/p20/p80, mode, speedup_vs_torch, best, compile_s, tune_elapsed_s
-(seconds summed over runs, also ``_meta.tuning_seconds``) and the bench environment columns.
+CSV, one row per candidate and PyTorch baseline: op, models, K, N, M, bucket, dtype, impl, candidate,
+config, status ("ok" | "compile_error" | "run_error" | "wrong"), error, rel_err, ms_p50/p20/p80, mode,
+speedup_vs_torch, best, compile_s, tune_elapsed_s (summed over runs) and the environment columns.
 """
 
 from __future__ import annotations
@@ -61,15 +59,11 @@ def smem_bytes(cfg: dict, epilogue: str, elem: int = 2) -> int:
 
 
 def candidates(epilogue: str, k: int, n: int, bucket: int, num_sms: int = H200_NUM_SMS) -> list[dict]:
-    """The 4–12 configs tried for one (epilogue, K, N, bucket), those over :data:`SMEM_LIMIT_BYTES` dropped.
-
-    Decode (M ≤ 16, weight-stream bound; one list for every decode bucket, so one compile serves
-    several): BM 16, BN 16–64, BK 128–512, 3–6 stages, pointer or TMA loads of W, split-K when the N
-    tiles cannot give every SM two programs. M = 32: BM 32, or BM 16 (two row tiles share each W tile
-    through L2). Prefill: 64–128 x 64–256 tiles, L2 grouping 8, split-K where the tiles do not fill the
-    GPU, TMA + persistent programs at M ≥ 1024. SwiGLU loads two W tiles per k step: half the BN or
-    stages. Raises ValueError for an unknown epilogue or bucket, or a size that is not an int ≥ 1.
-    """
+    """The 4–12 configs tried for one (epilogue, K, N, bucket) within :data:`SMEM_LIMIT_BYTES`: decode
+    (M ≤ 16, one list for all decode buckets) BM 16, long BK, pointer or TMA loads, split-K when the N
+    tiles cannot give every SM two programs; M = 32 BM 32 or 16; prefill 64–128 x 64–256 tiles, L2
+    grouping 8, TMA + persistent at M ≥ 1024; SwiGLU (two W tiles) halves BN or stages. ValueError for
+    an unknown epilogue or bucket, or a size that is not an int ≥ 1."""
     from moelora_lib.common import is_int
     from moelora_lib.helion_linear.configs import BUCKETS, EPILOGUES, SPLIT_K_EPILOGUES
 
@@ -142,17 +136,15 @@ def build_cases(models: list[str], epilogues: list[str], ms: list[int]) -> list[
     return cases
 
 
-def cases_to_tune(
-    models: list[str], epilogues: list[str], ms: list[int], table: dict, dtype: str = "bfloat16", force=False
-) -> list[dict]:
+def cases_to_tune(models: list[str], epilogues: list[str], ms: list[int], table: dict,
+                  dtype: str = "bfloat16", force=False) -> list[dict]:  # fmt: skip
     """The cases of :func:`build_cases` without an entry in ``table`` (all with ``force``): no GPU, no
     Helion import, so notebook 08 starts the tuner's process only when one is left."""
     from moelora_lib.helion_linear import lookup
 
     cases = build_cases(models, epilogues, ms)
-    return [
-        c for c in cases if force or lookup(table, c["epilogue"], dtype, c["K"], c["N"], c["bucket"]) is None
-    ]
+    new = [c for c in cases if lookup(table, c["epilogue"], dtype, c["K"], c["N"], c["bucket"]) is None]
+    return cases if force else new
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,9 +153,8 @@ def cases_to_tune(
 def _compile_only_launcher(triton_kernel, grid, *args, num_warps, num_stages, **kwargs):
     """Helion launcher that compiles (filling Triton's disk cache) but launches nothing."""
     kwargs.setdefault("launch_cooperative_grid", False)
-    return triton_kernel.run(
-        *args, grid=grid, warmup=True, num_warps=num_warps, num_stages=num_stages, **kwargs
-    )
+    kwargs |= dict(num_warps=num_warps, num_stages=num_stages)
+    return triton_kernel.run(*args, grid=grid, warmup=True, **kwargs)
 
 
 def _precompile(task: dict) -> dict:
@@ -194,10 +185,8 @@ def _task_key(epi: str, dtype: str, k: int, n: int, cfg: dict) -> str:
 
 def add_task(tasks: dict[str, dict], epi: str, dtype: str, k: int, n: int, cfg: dict, ms) -> None:
     """Add the Ms ``ms`` to the compile task of (epi, dtype, K, N, cfg) in ``tasks``, created if new."""
-    t = tasks.setdefault(
-        _task_key(epi, dtype, k, n, cfg),
-        {"epilogue": epi, "dtype": dtype, "K": k, "N": n, "config": cfg, "ms": []},
-    )
+    new = {"epilogue": epi, "dtype": dtype, "K": k, "N": n, "config": cfg, "ms": []}
+    t = tasks.setdefault(_task_key(epi, dtype, k, n, cfg), new)
     t["ms"] += [m for m in dict.fromkeys(ms) if m not in t["ms"]]
 
 
@@ -207,11 +196,9 @@ def _jobs(jobs: int) -> int:
 
 
 def precompile_tasks(tasks: dict[str, dict], jobs: int, timeout_s: float, log) -> dict[str, dict]:
-    """Compile ``tasks`` ({key: {"epilogue", "dtype", "K", "N", "config", "ms"}}, see :func:`add_task`)
-    in ``jobs`` spawned processes; Triton's on-disk cache keeps the binaries, so a later build of the
-    same config in another process loads them. Returns {key: result with "ok", "error", "compile_s"};
-    a task unfinished after ``timeout_s`` is absent. Needs a real ``__main__`` (not a notebook kernel):
-    see :func:`precompile_in_subprocess`."""
+    """Compile ``tasks`` (:func:`add_task`) in ``jobs`` spawned processes into Triton's on-disk cache.
+    Returns {key: result with "ok", "error", "compile_s"} (unfinished after ``timeout_s``: absent).
+    Needs a real ``__main__``; from a notebook use :func:`precompile_in_subprocess`."""
     if jobs <= 0 or not tasks:
         return {}
     results: dict[str, dict] = {}
@@ -236,9 +223,8 @@ def precompile_tasks(tasks: dict[str, dict], jobs: int, timeout_s: float, log) -
 
 
 def precompile_in_subprocess(tasks: dict[str, dict], jobs: int, timeout_s: float = 360) -> bool:
-    """:func:`precompile_tasks` (``jobs`` -1: one per core but two, at most 14) in a fresh interpreter,
-    so that it also works from a notebook kernel; prints its log. True when it finished; on a failure
-    prints why and returns False (the configs then compile on first use: nothing measured changes)."""
+    """:func:`precompile_tasks` (``jobs`` -1: cores − 2, at most 14) in a fresh interpreter, its log
+    printed. False on a failure (the configs then compile on first use; nothing measured changes)."""
     import subprocess
     import tempfile
 
@@ -255,9 +241,8 @@ def precompile_in_subprocess(tasks: dict[str, dict], jobs: int, timeout_s: float
         path.write_text(json.dumps(tasks))
         cmd = [sys.executable, "-c", code, str(path), str(jobs), str(max(1.0, timeout_s - 60))]
         try:
-            proc = subprocess.run(
-                cmd, capture_output=True, text=True, timeout=timeout_s, cwd=str(bench.REPO_ROOT)
-            )
+            kw = dict(capture_output=True, text=True, timeout=timeout_s, cwd=str(bench.REPO_ROOT))
+            proc = subprocess.run(cmd, **kw)
         except (OSError, subprocess.SubprocessError) as e:
             print(f"[precompile] skipped ({type(e).__name__}: {e}); configs compile on first use")
             return False
@@ -274,9 +259,7 @@ def precompile_in_subprocess(tasks: dict[str, dict], jobs: int, timeout_s: float
 def _parse(argv):
     from moelora_lib.helion_linear import EPILOGUES, LINEAR_MODELS
 
-    p = argparse.ArgumentParser(
-        prog="python -m moelora_lib.studies.helion_tune", description=__doc__.split("\n")[0]
-    )
+    p = argparse.ArgumentParser(prog="python -m moelora_lib.studies.helion_tune", description="Tune Helion.")
     p.add_argument("--shapes", default="llama3-8b,qwen3-32b,llama3-70b", help="models (helion_linear.shapes)")
     p.add_argument("--m", default=",".join(map(str, DEFAULT_M)), help="M values to time (one per bucket)")
     p.add_argument("--epilogues", default="none,swiglu")
@@ -284,17 +267,10 @@ def _parse(argv):
     p.add_argument("--out", required=True, help="config JSON to create or extend (atomic writes)")
     p.add_argument("--csv", required=True, help="CSV of every tried config (appended)")
     p.add_argument("--budget-s", type=float, default=300.0, help="start no new case after this many seconds")
-    p.add_argument(
-        "--jobs", type=int, default=-1, help="precompile processes (-1: cpu count - 2, max 14; 0: off)"
-    )
+    p.add_argument("--jobs", type=int, default=-1, help="precompile processes (-1: cpus - 2, max 14; 0: off)")
     p.add_argument("--warmup-ms", type=float, default=5.0)
     p.add_argument("--rep-ms", type=float, default=20.0)
-    p.add_argument(
-        "--l2",
-        default="clean",
-        choices=["clean", "dirty"],
-        help="L2 before every timed call: 'clean' (evicted by a read) or 'dirty' (do_bench's zeroing flush)",
-    )
+    p.add_argument("--l2", default="clean", choices=["clean", "dirty"], help="L2 before each timed call")
     p.add_argument("--force", action="store_true", help="re-tune cases already in --out")
     a = p.parse_args(argv)
     # Validated before the GPU check: a typo gets a usage error on any machine.
@@ -374,15 +350,12 @@ def main(argv: list[str] | None = None) -> int:
         w, b = weights[(epi, k, n)]
         x = torch.randn(m, k, dtype=dtype, device="cuda")
         ref = hl.torch_reference(x, w, b, epi).float()
-        common = dict(
-            stage="helion_tune", op=epi, models=case["models"], K=k, N=n, M=m, bucket=bucket, dtype=args.dtype
-        )
-        t_torch = bench.time_fn(
-            lambda x=x, w=w, b=b, e=epi: hl.torch_reference(x, w, b, e), "graph", "cuda", **timing_kw
-        )
-        rows = [
-            bench.result_row(**common, impl="torch", candidate=-1, config="", status="ok", timing=t_torch)
-        ]
+        common = dict(stage="helion_tune", op=epi, models=case["models"], K=k, N=n, M=m, bucket=bucket)
+        common["dtype"] = args.dtype
+        ref_fn = lambda x=x, w=w, b=b, e=epi: hl.torch_reference(x, w, b, e)  # noqa: E731
+        t_torch = bench.time_fn(ref_fn, "graph", "cuda", **timing_kw)
+        torch_row = dict(impl="torch", candidate=-1, config="", status="ok", timing=t_torch)
+        rows = [bench.result_row(**common, **torch_row)]
         best = None
         for i, cfg in enumerate(candidates(epi, k, n, bucket)):
             row = dict(**common, impl="helion", candidate=i, config=json.dumps(cfg, sort_keys=True))

@@ -1,28 +1,16 @@
-"""MoE-LoRA measurements for the notebooks, on top of :mod:`moelora_lib.studies.bench` (which times).
+"""MoE-LoRA measurements for the notebooks, on top of :mod:`.bench` (which times).
 
-* :func:`op_costs` — FLOPs, minimal bytes, arithmetic intensity and H200 floor of the six launches of a layer.
-* :func:`layer_inputs` and :class:`LayerWeights` — seeded inputs; the (GB-sized) expert and adapter
-  weights generated once and reused over a sweep of T.
-* :func:`bench_layer` — the base MoE, the LoRA part and the whole layer of one stage at one T;
-  :func:`bench_lora_op` — one LoRA op alone (per-op tables, SPLIT_K and GROUP_SIZE_M sweeps).
-* :func:`check_layer` — one call against the fp32 reference, and tokens without an adapter bitwise
-  equal to the base MoE.
-* :func:`anchor_table` — vLLM measured side by side on the same H200.
-* Fresh processes: recompilation counts (notebook 03), a parallel compile pass before a timing loop,
-  the ncu L2 hit rate (notebook 05), through ``python -m moelora_lib.studies.moe_bench``.
+:func:`op_costs` (FLOPs, bytes, floor of the six launches of a layer), :func:`layer_inputs` and
+:class:`LayerWeights` (seeded inputs; weights made once per sweep), :func:`bench_layer` /
+:func:`bench_lora_op` (time a layer's parts or one LoRA op), :func:`check_layer` (against the fp32
+reference), :func:`anchor_table` (vLLM on the same H200), and fresh-process helpers (recompilation
+counts, parallel compile pass, ncu L2 hit rate) behind ``python -m moelora_lib.studies.moe_bench``.
 
 Units: ms (``ms_p50/p20/p80``), µs (``us_p50``, ``floor_us``); 2 FLOPs per multiply-add; bytes read +
-written. Shape letters of :mod:`moelora_lib.shapes`; P = T·K (token, expert) pairs.
-
-Method (GPU, as vLLM's anchor in docs/anchors-h200.md): :func:`moelora_lib.studies.bench.time_fn` —
-``triton.testing.do_bench`` median with p20/p80, L2 flushed before every repetition, the callable
-replayed from a CUDA graph (``mode="graph"``) or called directly (``"eager"``, Python launch cost
-included). Compilation, routing and the (adapter, expert) alignment happen before timing. On the CPU
-(Triton interpreter) rows say ``mode="cpu-interpreter"``: interpreter wall clock, no performance number.
-
-Inputs are a :class:`moelora_lib.workloads.Workload` (``bench_layer("tuned", Workload("qwen3-30b-a3b",
-64))``) or the keywords ``shape, T, rank=, num_adapters=, pattern=, dtype=, device=, seed=``. Launches
-come from the layer's launch plan, :class:`moelora_lib.kernels.LayerRun`; nothing here wires a kernel.
+written; P = T·K. Timing: :func:`.bench.time_fn` (do_bench median, L2 flushed, CUDA-graph replay or
+eager); on the CPU rows say ``mode="cpu-interpreter"`` (no performance number). Inputs: a
+:class:`~moelora_lib.workloads.Workload` or the keywords ``shape, T, rank=, num_adapters=, pattern=,
+dtype=, device=, seed=``; launches come from :class:`moelora_lib.kernels.LayerRun`.
 """
 
 from __future__ import annotations
@@ -62,15 +50,9 @@ _VLLM_BASE, _VLLM_CURRENT, _VLLM_TWO_KERNEL = "vllm", "vllm_main", ("2k_tma_pdl"
 
 
 def anchor_table(path: str | os.PathLike | None = None):
-    """vLLM's figures on the H200 (µs; CUDA-graph replay, do_bench median, L2 flushed; bf16, R = 32,
-    L = 8, tokens spread evenly; GPT-OSS-20B with silu and no biases, its LoRA w13 one fused slice),
-    read from :data:`ANCHOR_FILE` (or ``path``).
-
-    One row per (model, T): base_us (vLLM's base MoE); lora/total_current_us (its current LoRA path);
-    lora/total_two_kernel_us (the faster of its two two-kernel paths, per part); lora/total_best_us
-    (the faster of current and two-kernel). The file's ``*@cfg2025`` rows and this project's rows are
-    not used.
-    """
+    """vLLM's figures on the H200 (µs; bf16, R = 32, L = 8) from :data:`ANCHOR_FILE` (or ``path``), one row
+    per (model, T): base_us, lora/total_current_us (its current LoRA path), lora/total_two_kernel_us
+    (faster of its two two-kernel paths), lora/total_best_us (faster of both)."""
     import pandas as pd
 
     a = pd.read_csv(path or ANCHOR_FILE)
@@ -114,33 +96,13 @@ def _touched(T: int, E: int, K: int, num_adapters: int | None, topk_ids, lora_id
     return n_e, n_pair
 
 
-def op_costs(
-    shape: MoEShape | str,
-    dims: Dims,
-    *,
-    dtype_bytes: int = 2,
-    topk_ids: torch.Tensor | None = None,
-    lora_ids: torch.Tensor | None = None,
-) -> list[dict[str, Any]]:
-    """FLOPs, minimal bytes, arithmetic intensity and H200 floor of the six launches of one layer.
-
-    Args:
-        shape: a preset or its name (names the rows). dims: T, H, I, E, K, R, S and L.
-        dtype_bytes: bytes per weight/activation element (2 = bf16); the rank intermediate is fp32.
-        topk_ids: [T, K] routed experts: touched experts counted from it, else min(E, T·K).
-        lora_ids: [T] adapter ids (with topk_ids): touched (adapter, expert) pairs counted from both,
-            else min(L·E, T·K) (an upper bound when every token has an adapter).
-    Returns:
-        One dict per op ("base_gate_up", "base_down", "gate_up_shrink", "gate_up_expand",
-        "down_shrink", "down_expand"): model, op, T, H, I, E, K, R, S, experts_touched,
-        lora_pairs_touched, flops, bytes, weight_bytes, intensity (FLOP/byte), floor_us, bound
-        ("memory" or "compute").
-
-    Bytes, each tensor once: base_gate_up W13 of touched experts + x + h [P, 2I] written; base_down W2
-    + g [P, I] + y [P, H]; gate_up_shrink A13 of touched pairs + x + the fp32 [S, P, R] written;
-    gate_up_expand B13 + the intermediate + h read and written; down_shrink A2 + g + [P, R];
-    down_expand B2 + the intermediate + y read and written.
-    """
+def op_costs(shape: MoEShape | str, dims: Dims, *, dtype_bytes: int = 2, topk_ids: torch.Tensor | None = None,
+             lora_ids: torch.Tensor | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    """FLOPs, minimal bytes (each tensor once: weights of the touched experts / (adapter, expert) pairs,
+    activations read and written; the rank intermediate fp32), intensity and H200 floor of the six
+    launches. Touched experts/pairs are counted from ``topk_ids`` [T, K] / ``lora_ids`` [T] when given,
+    else min(E, T·K) / min(L·E, T·K). One dict per op: model, op, T, H, I, E, K, R, S, experts_touched,
+    lora_pairs_touched, flops, bytes, weight_bytes, intensity, floor_us, bound ("memory"/"compute")."""
     shape = get_shape(shape) if isinstance(shape, str) else shape
     if not isinstance(dims, Dims):
         raise TypeError(f"op_costs: dims must be a Dims, got {type(dims).__name__}")
@@ -177,17 +139,14 @@ def _part_cost(costs: list[dict], part: str) -> tuple[int, int]:
 
 # --- Inputs ----------------------------------------------------------------------------------------------
 
-#: The keyword form of a :class:`Workload` in this module: keyword -> Workload field. Defaults are the
-#: Workload's: rank=32, num_adapters=8, pattern="uniform" ("mixed" in :func:`check_layer`),
-#: dtype=torch.bfloat16, device="cuda", seed=0, activation=None and bias=None (the preset's).
+#: The keyword form of a :class:`Workload` here: keyword -> Workload field (defaults: the Workload's).
 _WORKLOAD_KW = dict(rank="rank", num_adapters="adapters", pattern="pattern", dtype="dtype", device="device")
 _WORKLOAD_KW |= dict(seed="seed", activation="activation", bias="bias")
 
 
 def _workload(shape, T, inputs: dict, pattern: str = "uniform") -> Workload:
-    """``shape`` if it is a :class:`Workload` (then T and the input keywords must be left out), else the
-    Workload of ``(shape, T, **inputs)``. TypeError for both forms at once, a missing T or an unknown
-    keyword."""
+    """``shape`` if a :class:`Workload` (no T, no keywords), else ``Workload(shape, T, **inputs)``; TypeError
+    for both forms, a missing T or an unknown keyword."""
     unknown = sorted(set(inputs) - set(_WORKLOAD_KW))
     if unknown:
         raise TypeError(f"unknown input keyword(s) {unknown}; the inputs are {sorted(_WORKLOAD_KW)}")
@@ -208,17 +167,10 @@ def _workload(shape, T, inputs: dict, pattern: str = "uniform") -> Workload:
 def layer_inputs(
     shape: MoEShape | str | Workload, T: int | None = None, *, weights: MoELoRAInputs | None = None, **inputs
 ) -> MoELoRAInputs:
-    """Seeded inputs of one layer call: ``layer_inputs(Workload(...))`` or ``layer_inputs(shape, T,
-    rank=..., num_adapters=..., pattern=..., dtype=..., device=..., seed=..., activation=..., bias=...)``
-    (:data:`_WORKLOAD_KW`).
-
-    Without ``weights``: :func:`moelora_lib.workloads.make_inputs` (drawn on the CPU in fp32, moved to
-    ``device``/``dtype``). With ``weights`` (an earlier result for the same shape, R, L, dtype and
-    device) its expert weights, biases and adapters are reused and only the tokens are new: x [T, H]
-    ~ N(0, 1), router logits [T, E], softmax top-k routing and the adapter ids of ``pattern``, seeded
-    by (seed, T). activation: overrides the preset's. bias: overrides the preset's expert biases
-    (False drops them; True with reused weights that have none raises ValueError).
-    """
+    """Seeded inputs of one layer call (a Workload or its keyword form, :data:`_WORKLOAD_KW`):
+    :func:`moelora_lib.workloads.make_inputs`, or with ``weights`` (an earlier result of the same shape,
+    R, L, dtype, device) its weights reused and only tokens, routing and adapter ids new, seeded by
+    (seed, T). ``bias`` True with reused weights that have none: ValueError."""
     return _inputs(_workload(shape, T, inputs), weights)
 
 
@@ -239,28 +191,14 @@ def _generator_code_hash() -> str:
 
 
 class LayerWeights:
-    """The seeded expert weights, biases and adapters of each (model, bias), built once and handed to
-    every cell that needs them (``layer_inputs(shape, T, weights=WEIGHTS.get(shape))``).
+    """The seeded weights of each (model, bias), made once: ``get(shape, bias=)`` returns what
+    ``layer_inputs(shape, 1, rank=, num_adapters=, dtype=, device=, seed=, bias=)`` returns, kept until
+    :meth:`drop`. With ``folder`` a generated set is also saved there atomically (~1.8 GB in bf16,
+    loaded in a second by later processes), named by a hash of every generation input, the torch
+    version and the generating modules' source."""
 
-    ``get(shape, bias=...)`` returns exactly what ``layer_inputs(shape, 1, rank=, num_adapters=,
-    dtype=, device=, seed=, bias=)`` returns (about 8 s of CPU random draws per GPT-OSS-20B layer).
-    Sets are kept in this process until :meth:`drop`. With ``folder`` (:data:`WEIGHTS_CACHE` on the
-    GPU profile) a generated set is also saved there (``torch.save``, atomically, ~1.8 GB in bf16) and
-    later loaded in about a second, by the next notebook or a helper process. The file name hashes
-    every input of the generation (preset fields, R, L, S, dtype, device type, seed, biases), the
-    torch version and the source of the generating modules, so a change generates a new set.
-    """
-
-    def __init__(
-        self,
-        *,
-        rank: int = 32,
-        num_adapters: int = 8,
-        dtype=torch.bfloat16,
-        device="cuda",
-        seed: int = 0,
-        folder: str | os.PathLike | None = None,
-    ):
+    def __init__(self, *, rank: int = 32, num_adapters: int = 8, dtype=torch.bfloat16, device="cuda",
+                 seed: int = 0, folder: str | os.PathLike | None = None):  # fmt: skip
         self.rank, self.num_adapters, self.dtype, self.seed = rank, num_adapters, dtype, seed
         self.device = torch.device(device)
         self.folder = None if folder is None else os.fspath(folder)
@@ -341,22 +279,15 @@ def _inputs(wl: Workload, weights: MoELoRAInputs | None) -> MoELoRAInputs:
     if use_bias and weights.b13 is None:
         raise ValueError("bias=True but the reused weights have no biases; build them with bias=True")
     g = torch.Generator().manual_seed(seed * 1_000_003 + T)
-    x = torch.randn(T, shape.hidden, generator=g)
+    x = torch.randn(T, shape.hidden, generator=g).to(weights.w13.dtype)
     logits = torch.randn(T, shape.experts, generator=g)
     topk_w, topk_ids = route(logits, shape.top_k, shape.renormalize)
     ids = adapter_ids(T, weights.lora_a13.shape[0], wl.pattern, g)
     dev = weights.w13.device
-    return dataclasses.replace(
-        weights,
-        hidden_states=x.to(device=dev, dtype=weights.w13.dtype),
-        topk_weights=topk_w.to(dev),
-        topk_ids=topk_ids.to(dev),
-        lora_ids=ids.to(dev),
-        router_logits=logits.to(dev),
-        activation=act,
-        b13=weights.b13 if use_bias else None,
-        b2=weights.b2 if use_bias else None,
-    )
+    new = dict(hidden_states=x, topk_weights=topk_w, topk_ids=topk_ids, lora_ids=ids, router_logits=logits)
+    new = {k: v.to(dev) for k, v in new.items()}
+    return dataclasses.replace(weights, **new, activation=act, b13=weights.b13 if use_bias else None,
+                               b2=weights.b2 if use_bias else None)  # fmt: skip
 
 
 def make_run(stage: str, inp: MoELoRAInputs, config: LayerConfig | None = None, *, adapter_order=None):
@@ -377,15 +308,9 @@ def _sync(device) -> None:
 def _run_fields(shape: MoEShape, run, pattern: str) -> dict[str, Any]:
     """The identifying columns of a row, read from a LayerRun."""
     d = run.dims
-    return dict(
-        stage=run.stage.name, model=shape.name, T=d.T, H=d.H, I=d.I, E=d.E, K=d.top_k, L=d.adapters, R=d.rank
-    ) | dict(
-        S=d.slices,
-        dtype=dtype_name(run.x.dtype),
-        activation=run.activation,
-        bias=run.b13 is not None,
-        pattern=pattern,
-    )
+    f = dict(stage=run.stage.name, model=shape.name, T=d.T, H=d.H, I=d.I, E=d.E, K=d.top_k, L=d.adapters)
+    f |= dict(R=d.rank, S=d.slices, dtype=dtype_name(run.x.dtype), activation=run.activation)
+    return f | dict(bias=run.b13 is not None, pattern=pattern)
 
 
 # --- Benchmarks ------------------------------------------------------------------------------------------
@@ -400,36 +325,17 @@ def _timed_row(fields, part, config, run, mode, tm, cost, budget, **extra) -> di
     return bench.result_row(**fields, **row, **extra)
 
 
-def bench_layer(
-    stage: str,
-    shape: MoEShape | str | Workload,
-    T: int | None = None,
-    *,
-    modes: Sequence[str] = ("graph",),
-    config: LayerConfig | None = None,
-    weights: MoELoRAInputs | None = None,
-    parts: Sequence[str] = PARTS,
-    warmup_ms: float = 25,
-    rep_ms: float = 100,
-    min_reps: int | None = None,
-    adapter_order: bool | None = None,
-    **inputs,
-) -> list[dict[str, Any]]:
-    """Time the parts of one MoE+LoRA layer of ``stage`` at T tokens; one row per (part, mode).
-
-    Parts: "base" = :meth:`LayerRun.base_part` (the MoE layer without LoRA); "lora" =
-    :meth:`LayerRun.lora_part` (the four LoRA ops, with the delta buffers and adds of stages without
-    fused add); "total" = the whole layer. The layer is built and called once (untimed), then each
-    part is timed for every mode of ``modes`` ("graph", "eager"; one "cpu-interpreter" call on the CPU).
-
-    Inputs: a :class:`Workload` or the keyword form of :func:`layer_inputs` (``weights`` reuses
-    expert and adapter weights). config: None =
-    :func:`moelora_lib.kernels.default_config` for T. adapter_order: as in :func:`make_run`.
-    Returns rows (:func:`moelora_lib.studies.bench.result_row`): stage, part, model, T, H, I, E, K, L,
-    R, S, dtype, activation, bias, pattern, config, config_source, mode, ms_p50, ms_p20, ms_p80,
-    us_p50, flops, bytes, floor_us, warmup_ms, rep_ms, min_reps and the environment columns.
-    Raises ValueError for T < 1.
-    """
+def bench_layer(stage: str, shape: MoEShape | str | Workload, T: int | None = None, *,
+                modes: Sequence[str] = ("graph",), config: LayerConfig | None = None,
+                weights: MoELoRAInputs | None = None, parts: Sequence[str] = PARTS, warmup_ms: float = 25,
+                rep_ms: float = 100, min_reps: int | None = None, adapter_order: bool | None = None,
+                **inputs) -> list[dict[str, Any]]:  # fmt: skip
+    """Time the parts of one layer of ``stage`` at T tokens, one row per (part, mode): "base"
+    (``LayerRun.base_part``), "lora" (``lora_part``: the four LoRA ops and their adds), "total". Built
+    and called once untimed first. config None = ``default_config`` for T. Rows
+    (:func:`.bench.result_row`): stage, part, model, T, H, I, E, K, L, R, S, dtype, activation, bias,
+    pattern, config, config_source, mode, ms_p50/p20/p80, us_p50, flops, bytes, floor_us, warmup_ms,
+    rep_ms, min_reps and the environment columns. ValueError for T < 1."""
     wl = _workload(shape, T, inputs)
     if wl.T < 1:
         raise ValueError(
@@ -455,37 +361,18 @@ def bench_layer(
 
 
 def lora_op_fn(run, op: str, op_config=None) -> Callable[[], torch.Tensor]:
-    """A no-argument callable launching one LoRA op of ``run`` (:meth:`LayerRun.op_fn
-    <moelora_lib.kernels.LayerRun.op_fn>` restricted to the LoRA ops; ValueError for another op).
-
-    op_config: an :class:`~moelora_lib.kernels.OpConfig` replacing ``run.cfg.<op>`` (its BLOCK_SIZE_M
-    must equal the LoRA alignment's), launched as given: the stage's switches apply, SPLIT_K and
-    GROUP_SIZE_M are not clamped. The shrink returns the fp32 intermediate [S, P, R]; the expand adds
-    (fused-add stages) or writes its delta into a private copy of h or y, so repeated calls cost what
-    one call in the layer costs.
-    """
+    """``run.op_fn(op, op_config)`` for a LoRA op (ValueError for another): one launch with ``op_config``
+    (BLOCK_SIZE_M = the LoRA alignment's) replacing ``run.cfg.<op>`` unclamped; the expand writes into a
+    private copy, so repeated calls cost what one call in the layer costs."""
     if op not in LORA_OPS:
         raise ValueError(f"op must be one of {LORA_OPS}, got {op!r}")
     return run.op_fn(op, op_config)
 
 
-def bench_lora_op(
-    stage: str,
-    shape: MoEShape | str,
-    T: int,
-    op: str,
-    *,
-    mode: str = "graph",
-    config: LayerConfig | None = None,
-    op_changes: dict | None = None,
-    weights: MoELoRAInputs | None = None,
-    warmup_ms: float = 10,
-    rep_ms: float = 40,
-    run=None,
-    return_output: bool = False,
-    min_reps: int | None = None,
-    **inputs,
-):
+def bench_lora_op(stage: str, shape: MoEShape | str, T: int, op: str, *, mode: str = "graph",
+                  config: LayerConfig | None = None, op_changes: dict | None = None,
+                  weights: MoELoRAInputs | None = None, warmup_ms: float = 10, rep_ms: float = 40, run=None,
+                  return_output: bool = False, min_reps: int | None = None, **inputs):  # fmt: skip
     """Time one LoRA op alone (:func:`lora_op_fn`); one row like :func:`bench_layer`'s with part = op
     and the ``op_changes`` (e.g. ``{"SPLIT_K": 4}``, applied to the op's config) as columns. Inputs: the
     keyword form of :func:`layer_inputs`, or ``run``, a LayerRun to reuse (then only ``pattern`` is read,
@@ -517,25 +404,13 @@ def bench_lora_op(
 # --- Correctness -----------------------------------------------------------------------------------------
 
 
-def check_layer(
-    stage: str,
-    shape: MoEShape | str | Workload,
-    T: int | None = None,
-    *,
-    weights: MoELoRAInputs | None = None,
-    config: LayerConfig | None = None,
-    **inputs,
-) -> dict[str, Any]:
-    """One layer call of ``stage`` against :func:`moelora_lib.reference.moe_lora_reference` (fp32, same
-    device and inputs). Inputs: a :class:`Workload` or the keyword form of :func:`layer_inputs`
-    (default pattern "mixed", so tokens without an adapter are checked too).
-
-    Returns dict: stage, model, T, dtype, activation, bias, pattern, rel_err (max|out − ref| /
-    max|ref|), no_adapter_rows (tokens with lora id −1), no_adapter_bitwise (those rows of ``run()``
-    equal those of ``run.base_part()`` exactly; True when there are none), delta_rel (max|ref −
-    ref_without_lora| / max|ref|: a pass is not a LoRA never added), config. The reference gathers
-    per-pair weight copies ([P, 2I, H] fp32): keep P = T·K modest at model shapes.
-    """
+def check_layer(stage: str, shape: MoEShape | str | Workload, T: int | None = None, *,
+                weights: MoELoRAInputs | None = None, config: LayerConfig | None = None,
+                **inputs) -> dict[str, Any]:  # fmt: skip
+    """One layer call against ``moe_lora_reference`` (fp32; default pattern "mixed"). Returns stage,
+    model, T, dtype, activation, bias, pattern, rel_err, no_adapter_rows, no_adapter_bitwise (those rows
+    equal ``base_part()``'s exactly), delta_rel (max|ref − ref without LoRA| / max|ref|: a pass is not a
+    LoRA never added), config. The reference holds [P, 2I, H] fp32: keep P = T·K modest."""
     wl = _workload(shape, T, inputs, pattern="mixed")
     inp = _inputs(wl, weights)
     run = make_run(stage, inp, config)
@@ -547,20 +422,14 @@ def check_layer(
     no_lora = (torch.full_like(inp.lora_ids, -1), None, None, None, None)
     ref_base = moe_lora_reference(*inp.args()[:5], *no_lora, **inp.kwargs())
     delta_rel = float((ref - ref_base).abs().max() / ref.abs().max().clamp_min(1e-30))
-    return dict(
-        stage=stage,
-        model=wl.model_name,
-        T=wl.T,
-        dtype=dtype_name(wl.dtype),
-        activation=inp.activation,
+    r = dict(stage=stage, model=wl.model_name, T=wl.T, dtype=dtype_name(wl.dtype), activation=inp.activation)
+    r |= dict(
         bias=inp.b13 is not None,
         pattern=wl.pattern,
         rel_err=rel_err(out, ref),
         no_adapter_rows=int(none.sum()),
-        no_adapter_bitwise=bitwise,
-        delta_rel=delta_rel,
-        config=run.cfg.short(),
     )
+    return r | dict(no_adapter_bitwise=bitwise, delta_rel=delta_rel, config=run.cfg.short())
 
 
 # --- Recompilation (notebook 03) -------------------------------------------------------------------------
@@ -584,14 +453,9 @@ def log_spaced_lengths(n: int = 40, lo: int = 1, hi: int = 8192) -> list[int]:
 def length_spec_keys(
     stage: str, shape: MoEShape, T: int, rank: int, num_adapters: int, config: LayerConfig
 ) -> dict[str, tuple]:
-    """Triton's specialization key of the length-dependent integer arguments of each kernel at T.
-
-    From Triton's ``native_specialize_impl`` (no GPU): "" for a plain int, "D" for a multiple of 16, a
-    constexpr for 1, None where the stage marks the argument ``do_not_specialize``. A new key is a new
-    binary (same config). Values as the launchers pass them: num_pairs = T·K; num_blocks = the static
-    alignment size / BLOCK_SIZE_M (experts for the base GEMMs, L+1 slots for the LoRA ops); the rank
-    intermediate's stride = T·K·R; gated_act's n_rows = T·K.
-    """
+    """Triton's specialization key (``native_specialize_impl``, no GPU) of each kernel's length-dependent
+    int arguments at T, valued as the launchers pass them (num_pairs = T·K, num_blocks = static alignment
+    size / BLOCK_SIZE_M, intermediate stride = T·K·R): a new key is a new binary."""
     from triton.backends.compiler import BaseBackend
     from triton.runtime.jit import native_specialize_impl
 
@@ -617,10 +481,7 @@ def length_spec_keys(
 
 
 def count_compiled_variants(specialize_lengths: bool, device: int | None = None) -> dict[str, int]:
-    """Compiled binaries in the JIT caches of the kernels of one specialization flavour (GPU only).
-
-    Triton keeps them in ``JITFunction.device_caches[device][0]`` (the kernel cache of
-    ``JITFunction.run``: one entry per specialization + options key)."""
+    """Compiled binaries in ``JITFunction.device_caches[device][0]`` of each kernel of one flavour (GPU)."""
     from ..kernels.triton_kernels import KERNELS
 
     dev = torch.cuda.current_device() if device is None else device
@@ -655,20 +516,10 @@ class _TimedSection:
             self.fd = None
 
 
-def run_recompile(
-    stage: str,
-    model: str,
-    lengths: Sequence[int],
-    *,
-    rank: int = 32,
-    num_adapters: int = 8,
-    dtype: str = "bfloat16",
-    config_T: int = 64,
-    seed: int = 0,
-    warm_reps: int = 3,
-    lock_path: str | os.PathLike | None = None,
-    weights_folder: str | os.PathLike | None = None,
-) -> list[dict[str, Any]]:
+def run_recompile(stage: str, model: str, lengths: Sequence[int], *, rank: int = 32, num_adapters: int = 8,
+                  dtype: str = "bfloat16", config_T: int = 64, seed: int = 0, warm_reps: int = 3,
+                  lock_path: str | os.PathLike | None = None,
+                  weights_folder: str | os.PathLike | None = None) -> list[dict[str, Any]]:  # fmt: skip
     """In this (fresh) process, per length in order: build the layer (untimed), time the first call
     (wall clock, synchronized, compilation included) and the median of ``warm_reps`` warm calls, and
     count the compiled binaries. One config (:func:`default_config` at ``config_T``) for every length,
@@ -677,24 +528,14 @@ def run_recompile(
     lock_path: a file locked around each length's timed calls (stages side by side never overlap
     them). weights_folder: a :class:`LayerWeights` folder (bias-free weights loaded, not generated)."""
     shape = get_shape(model)
-    store = LayerWeights(
-        rank=rank,
-        num_adapters=num_adapters,
-        dtype=DTYPES[dtype],
-        device="cuda",
-        seed=seed,
-        folder=weights_folder,
-    )
+    kw = dict(rank=rank, num_adapters=num_adapters, seed=seed)
+    store = LayerWeights(**kw, dtype=DTYPES[dtype], device="cuda", folder=weights_folder)
     weights = store.get(shape, bias=False)
     cfg = default_config(Dims.of(shape, config_T, rank=rank, adapters=num_adapters))
     spec = STAGES[stage].specialize_lengths
     rows = []
     for T in lengths:
-        run = make_run(
-            stage,
-            layer_inputs(shape, T, rank=rank, num_adapters=num_adapters, weights=weights, seed=seed),
-            cfg,
-        )
+        run = make_run(stage, layer_inputs(shape, T, **kw, weights=weights), cfg)
         torch.cuda.synchronize()
         with _TimedSection(lock_path):
             torch.cuda.synchronize()
@@ -709,17 +550,11 @@ def run_recompile(
                 torch.cuda.synchronize()
                 warm.append((time.perf_counter() - t0) * 1e3)
             counts = count_compiled_variants(spec)
-        rows.append(
-            dict(
-                stage=stage,
-                model=model,
-                T=T,
-                first_call_ms=first_ms,
-                warm_call_ms=sorted(warm)[len(warm) // 2],
-            )
-            | dict(compiled_total=sum(counts.values()), **{f"compiled_{k}": v for k, v in counts.items()})
-            | dict(config=cfg.short())
+        row = dict(
+            stage=stage, model=model, T=T, first_call_ms=first_ms, warm_call_ms=sorted(warm)[len(warm) // 2]
         )
+        row |= dict(compiled_total=sum(counts.values()), **{f"compiled_{k}": v for k, v in counts.items()})
+        rows.append(row | dict(config=cfg.short()))
     return rows
 
 
@@ -747,23 +582,13 @@ def _recompile_cmd(
     return cmd + _opts(seed=seed, out=out, lock=lock_path, weights_folder=weights_folder)
 
 
-def recompile_in_subprocesses(
-    stages: Sequence[str],
-    model: str,
-    lengths: Sequence[int],
-    *,
-    rank: int = 32,
-    num_adapters: int = 8,
-    dtype: str = "bfloat16",
-    seed: int = 0,
-    timeout_s: float = 400,
-    weights_folder: str | os.PathLike | None = None,
-) -> dict[str, list[dict[str, Any]]]:
-    """:func:`run_recompile` for each of ``stages`` in a fresh process of its own
-    (``python -m moelora_lib.studies.moe_bench recompile``), all started at once, each with its own
-    empty ``TRITON_CACHE_DIR`` (every binary really compiled) and one lock file held around every
-    length's timed calls (with several stages), so no two stages' timed calls overlap. Returns {stage:
-    rows}; raises RuntimeError with the tail of a child's output if one fails (the others are stopped)."""
+def recompile_in_subprocesses(stages: Sequence[str], model: str, lengths: Sequence[int], *, rank: int = 32,
+                              num_adapters: int = 8, dtype: str = "bfloat16", seed: int = 0,
+                              timeout_s: float = 400, weights_folder: str | os.PathLike | None = None,
+                              ) -> dict[str, list[dict[str, Any]]]:  # fmt: skip
+    """:func:`run_recompile` per stage in fresh processes started at once, each with an empty
+    ``TRITON_CACHE_DIR``; a lock file keeps their timed calls from overlapping. Returns {stage: rows};
+    RuntimeError with a failing child's output tail (the others are stopped)."""
     import tempfile
 
     stages = list(stages)
@@ -789,30 +614,19 @@ def recompile_in_subprocesses(
 # --- Compile pass in helper processes (before a timing loop) ---------------------------------------------
 
 
-def layer_point(
-    stage: str,
-    model: str,
-    T: int,
-    *,
-    weights_bias: bool | None = None,
-    activation: str | None = None,
-    bias: bool | None = None,
-    pattern: str = "uniform",
-    op_changes: Sequence[tuple[str, dict]] = (),
-) -> dict[str, Any]:
-    """One point of a compile pass (:func:`compile_points`): the layer of ``stage`` at T tokens on the
-    ``weights_bias`` weight set of ``model`` (:meth:`LayerWeights.get`), built as ``layer_inputs(model,
-    T, weights=..., activation=, bias=, pattern=)`` and ``make_run(stage, inp)``, plus each LoRA op
-    alone with ``op_changes`` applied to its config (``[("gate_up_shrink", {"SPLIT_K": 4}), ...]``)."""
+def layer_point(stage: str, model: str, T: int, *, weights_bias: bool | None = None,
+                activation: str | None = None, bias: bool | None = None, pattern: str = "uniform",
+                op_changes: Sequence[tuple[str, dict]] = ()) -> dict[str, Any]:  # fmt: skip
+    """One point of a compile pass (:func:`compile_points`): the layer of ``stage`` at T on the
+    ``weights_bias`` weight set of ``model``, plus each LoRA op with ``op_changes`` applied
+    (``[("gate_up_shrink", {"SPLIT_K": 4}), ...]``)."""
     pt = dict(stage=stage, model=model, T=int(T), weights_bias=weights_bias, activation=activation, bias=bias)
     return pt | dict(pattern=pattern, op_changes=[[op, dict(ch)] for op, ch in op_changes])
 
 
 def compile_points(points: Sequence[dict[str, Any]], weights: LayerWeights) -> list[str]:
-    """Launch once, untimed, everything a timing loop over ``points`` (:func:`layer_point`) launches
-    (the whole layer, its base and LoRA parts, the LoRA ops with their changed configs), so every
-    binary they need is compiled into Triton's on-disk cache. Returns one message per point that
-    failed (the timing loop then meets the same error itself)."""
+    """Launch once, untimed, all a timing loop over ``points`` launches (layer, parts, changed LoRA ops),
+    compiling every binary into Triton's cache. Returns one message per failed point."""
     failed = []
     for pt in points:
         try:
@@ -839,13 +653,10 @@ def compile_points(points: Sequence[dict[str, Any]], weights: LayerWeights) -> l
 def precompile_in_subprocesses(
     points: Sequence[dict[str, Any]], weights: LayerWeights, *, jobs: int = 8, timeout_s: float = 300
 ) -> dict[str, Any]:
-    """:func:`compile_points` split over ``jobs`` helper processes side by side
-    (``python -m moelora_lib.studies.moe_bench compile``): Triton compiles one binary at a time per
-    process (~0.3–0.5 s each), so the binaries of a loop over T, stages and configs are compiled in
-    parallel into the on-disk cache and the loop loads them. Nothing is timed meanwhile, and nothing
-    measured depends on it (a missing binary is compiled on first use). Needs ``weights.folder`` (the
-    helpers load the weight sets saved there); without one nothing is done. Points are dealt per
-    model, one weight set per helper. Returns dict(seconds, processes, points, failed)."""
+    """:func:`compile_points` over ``jobs`` helper processes side by side (Triton compiles one binary at a
+    time per process), filling the on-disk cache the timing loop then loads; nothing measured depends on
+    it. Needs ``weights.folder`` (else does nothing); points dealt per model. Returns dict(seconds,
+    processes, points, failed)."""
     import tempfile
 
     t0 = time.perf_counter()
@@ -884,9 +695,8 @@ NCU_LAUNCHES_PER_POINT = 5
 
 
 def _ncu_target(model: str, points, rank: int, num_adapters: int, seed: int, weights_folder=None) -> None:
-    """Per (T, GROUP_SIZE_M) point, in order: one layer call of stage ``swizzle`` (two shrink launches),
-    then its gate_up shrink with that GROUP_SIZE_M three times (the process ncu profiles). One weight
-    set for every point (loaded from ``weights_folder`` when an earlier process saved it there)."""
+    """The process ncu profiles: per (T, GROUP_SIZE_M), one layer call of stage ``swizzle`` (two shrink
+    launches), then its gate_up shrink with that GROUP_SIZE_M three times."""
     shape = get_shape(model)
     kw = dict(rank=rank, num_adapters=num_adapters, seed=seed)
     store = LayerWeights(**kw, dtype=torch.bfloat16, device="cuda", folder=weights_folder)
@@ -904,23 +714,13 @@ def _ncu_target(model: str, points, rank: int, num_adapters: int, seed: int, wei
         del run, fn
 
 
-def ncu_l2_hit_rates(
-    model: str,
-    points: Sequence[tuple[int, int]],
-    *,
-    rank: int = 32,
-    num_adapters: int = 8,
-    seed: int = 0,
-    weights_folder: str | os.PathLike | None = None,
-    timeout_s: float = 300,
-) -> list[dict[str, Any]]:
-    """Run ``ncu --clock-control none --metrics lts__t_sector_hit_rate.pct`` once over one subprocess
-    that launches the gate_up shrink (stage swizzle) at every (T, GROUP_SIZE_M) of ``points`` in turn
-    (:func:`_ncu_target`). ncu replays each launch with its caches flushed first (``--cache-control
-    all``), so a point does not depend on the points before it. Returns one dict per point, in order:
-    T, group_size_m, ok, l2_hit_pct (mean over the point's :data:`NCU_LAUNCHES_PER_POINT` launches),
-    launches, message; ok=False with the reason when ncu is missing, lacks counter permissions, fails,
-    or reports a number of launches that does not split evenly into the points."""
+def ncu_l2_hit_rates(model: str, points: Sequence[tuple[int, int]], *, rank: int = 32, num_adapters: int = 8,
+                     seed: int = 0, weights_folder: str | os.PathLike | None = None,
+                     timeout_s: float = 300) -> list[dict[str, Any]]:  # fmt: skip
+    """``ncu --metrics lts__t_sector_hit_rate.pct`` over one :func:`_ncu_target` process (caches flushed
+    before each replayed launch). One dict per point: T, group_size_m, ok, l2_hit_pct (mean of its
+    :data:`NCU_LAUNCHES_PER_POINT` launches), launches, message; ok=False with the reason when ncu is
+    missing, fails or reports a launch count that does not split into the points."""
     import shutil
     import subprocess
 
@@ -939,19 +739,10 @@ def ncu_l2_hit_rates(
     target = _cli("ncu-target", model=model, points=pts, rank=rank, adapters=num_adapters, seed=seed)
     target += _opts(weights_folder=weights_folder)
     metric = "lts__t_sector_hit_rate.pct"
-    cmd = [
-        ncu,
-        "--clock-control",
-        "none",
-        "--metrics",
-        metric,
-        "--csv",
-        "-k",
-        "regex:_lora_shrink_kernel",
-    ] + target
+    cmd = [ncu, "--clock-control", "none", "--metrics", metric, "--csv", "-k", "regex:_lora_shrink_kernel"]
     try:
         proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=timeout_s, cwd=str(bench.REPO_ROOT)
+            cmd + target, capture_output=True, text=True, timeout=timeout_s, cwd=str(bench.REPO_ROOT)
         )
     except (OSError, subprocess.SubprocessError) as e:
         return failed(f"ncu failed: {e}")
@@ -971,16 +762,10 @@ def ncu_l2_hit_rates(
             f"ncu profiled {len(vals)} launches, expected {n} per point for {len(points)} points "
             f"(rc {proc.returncode})"
         )
+    pct = [sum(vals[i * n : (i + 1) * n]) / n for i in range(len(points))]
     return [
-        dict(
-            T=t,
-            group_size_m=g,
-            ok=True,
-            l2_hit_pct=sum(vals[i * n : (i + 1) * n]) / n,
-            launches=n,
-            message="ok",
-        )
-        for i, (t, g) in enumerate(points)
+        dict(T=t, group_size_m=g, ok=True, l2_hit_pct=p, launches=n, message="ok")
+        for (t, g), p in zip(points, pct)
     ]
 
 

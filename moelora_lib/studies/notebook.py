@@ -5,16 +5,11 @@ Every notebook starts (after its ``parameters`` cell) with::
     from moelora_lib.studies.notebook import setup
     nb = setup("02", PROFILE, seed=SEED)
 
-:func:`setup` resolves ``PROFILE`` ("auto": "gpu" where CUDA is present, else "cpu"), switches the Triton
-interpreter on for the CPU profile before any kernel module is imported (``@triton.jit`` reads
-``TRITON_INTERPRET`` when it decorates), seeds torch, picks the device, the dtype (bf16 on the GPU; fp32
-on the CPU, where the interpreter's bf16 dot is wrong) and the data folder (``data/`` on the GPU,
-``data/cpu/`` on the CPU so a CPU run never overwrites GPU evidence), and records the environment to
-``data/env/<NN>_<profile>.json``.
-
-Helpers: :func:`progress` (text progress bars that read well in executed copies), :func:`save_figure`,
-:func:`conclude` (render a Markdown conclusion), :func:`rel` (a repository-relative path) and
-:func:`show_kernel_change` (the kernel lines one stage changes against another).
+:func:`setup` resolves ``PROFILE`` ("auto": gpu where CUDA is present), sets ``TRITON_INTERPRET`` for
+the CPU profile before any kernel module is imported, seeds torch, picks device, dtype (bf16 on the GPU;
+fp32 on the CPU, where the interpreter's bf16 dot is wrong) and data folder (``data/``, or ``data/cpu/``
+so a CPU run never overwrites GPU evidence), and records the environment to ``data/env/<NN>_<profile>.json``.
+Helpers: :func:`progress`, :func:`save_figure`, :func:`conclude`, :func:`rel`, :func:`show_kernel_change`.
 """
 
 from __future__ import annotations
@@ -60,14 +55,9 @@ class NotebookSession:
 
 
 def setup(notebook: str, profile: str = "auto", seed: int = 0, *, save_env: bool = True) -> NotebookSession:
-    """Prepare a notebook run (see the module docstring); ``save_env`` writes the env record.
-
-    Raises:
-        ValueError: unknown profile, a notebook id that is not two digits, a seed that is not an int
-            (bools rejected), or a save_env that is not a bool.
-        RuntimeError: the gpu profile without CUDA, or the kernel modules were already imported in the
-            other interpreter mode (restart the kernel and run the notebook from the top).
-    """
+    """Prepare a notebook run (module docstring). ValueError: unknown profile, a notebook id not two
+    digits, a non-int seed, a non-bool save_env. RuntimeError: gpu without CUDA, or the kernel modules
+    already imported in the other interpreter mode."""
     if not (isinstance(notebook, str) and len(notebook) == 2 and notebook.isdigit()):
         raise ValueError(f"notebook: expected a two-digit id like '02', got {notebook!r}")
     if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
@@ -78,11 +68,9 @@ def setup(notebook: str, profile: str = "auto", seed: int = 0, *, save_env: bool
     interpret_wanted = profile == "cpu"
     if interpret_wanted != (os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")):
         if "moelora_lib.kernels.triton_kernels" in sys.modules:
-            raise RuntimeError(
-                f"profile {profile!r} needs TRITON_INTERPRET={'1' if interpret_wanted else 'unset'}, but the "
-                "kernel modules were already imported in the other mode: restart the kernel and run from "
-                "the top"
-            )
+            want = "1" if interpret_wanted else "unset"
+            msg = f"profile {profile!r} needs TRITON_INTERPRET={want}, but the kernel modules were imported"
+            raise RuntimeError(msg + " in the other mode: restart the kernel and run from the top")
         _set_env("TRITON_INTERPRET", "1" if interpret_wanted else None)
 
     import pandas as pd
@@ -114,9 +102,8 @@ def progress(iterable: Iterable, desc: str | None = None, total: int | None = No
     from tqdm.std import tqdm
 
     kw.setdefault("mininterval", 2.0)
-    return tqdm(
-        iterable, desc=desc, total=total, file=sys.stdout, ascii=True, dynamic_ncols=False, ncols=90, **kw
-    )
+    kw |= dict(file=sys.stdout, ascii=True, dynamic_ncols=False, ncols=90)
+    return tqdm(iterable, desc=desc, total=total, **kw)
 
 
 def save_figure(fig, session: NotebookSession, name: str, *, dpi: int = 120) -> Path:
@@ -185,11 +172,8 @@ def _resolve_branches(src: str, fixed: dict[str, Any]) -> str:
                 if keep:
                     a, b = keep[0].lineno, keep[-1].end_lineno
                     drop.difference_update(range(a, b + 1))
-                    if (
-                        len(keep) == 1
-                        and isinstance(keep[0], ast.If)
-                        and keep[0].col_offset == node.col_offset
-                    ):
+                    first = keep[0]
+                    if len(keep) == 1 and isinstance(first, ast.If) and first.col_offset == node.col_offset:
                         elif_to_if.add(a)  # an elif taken on its own becomes an if
                     else:
                         for i in range(a, b + 1):
@@ -235,11 +219,7 @@ def stage_kernel_source(stage_name: str) -> str:
         dns = getattr(jit, "do_not_specialize", None) or getattr(jit, "kwargs", {}).get("do_not_specialize")
         src = textwrap.dedent(inspect.getsource(jit.fn))
         params = set(inspect.signature(jit.fn).parameters)
-        fixed = (
-            {k: v for k, v in _fixed_constexprs(stage).items() if k in params}
-            if name in _LORA_KERNELS
-            else {}
-        )
+        fixed = {k: v for k, v in _fixed_constexprs(stage).items() if k in params and name in _LORA_KERNELS}
         parts.append(f"# kernel {name}")
         parts.append(f"@triton.jit(do_not_specialize={list(dns)})" if dns else "@triton.jit")
         if fixed:
@@ -249,14 +229,10 @@ def stage_kernel_source(stage_name: str) -> str:
 
 
 def show_kernel_change(prev_stage: str, stage: str, *, show: bool = True) -> str:
-    """The kernel lines ``stage`` changes against ``prev_stage``: a unified diff (difflib, 3 lines of
-    context) of :func:`stage_kernel_source` of the two stages, i.e. of the jitted kernels' source
-    (``inspect.getsource(kernel.fn)``) as each stage compiles it. Shown as a Markdown ``diff`` block when
-    running in IPython and ``show``; returns the diff text ("" when the stages launch the same kernel
-    source, e.g. ``tuned``, which changes only where its configs come from).
-
-    Raises ValueError naming the argument (``prev_stage`` or ``stage``) for an unknown stage name.
-    """
+    """The kernel lines ``stage`` changes against ``prev_stage``: a unified diff of the two stages'
+    :func:`stage_kernel_source` (jitted source as each compiles it), shown as a Markdown ``diff`` block in
+    IPython when ``show``; returns the text ("" when the kernel source is the same, e.g. ``tuned``).
+    ValueError naming the argument for an unknown stage."""
     from moelora_lib.kernels import STAGES
 
     for arg, value in (("prev_stage", prev_stage), ("stage", stage)):

@@ -3,22 +3,15 @@
     python -m moelora_lib.studies.runner [--profile cpu|gpu|auto] [--only 01,02] [--out DIR]
                                  [--log-output] [--keep-going] [--cell-timeout S] [--list]
 
-Every ``notebooks/[0-9][0-9]_*.ipynb`` runs in name order with the parameter ``PROFILE=<profile>``; the
-executed copy goes to ``<out>/<same name>`` and one row per notebook to ``<out>/run_log.csv``
-(:data:`RUN_LOG_COLUMNS`). Profiles: ``gpu`` (full shapes; ``TRITON_INTERPRET`` removed from the kernel's
-environment), ``cpu`` (small shapes; ``TRITON_INTERPRET=1``; copies default to ``data/executed/cpu/``, so
-a CPU run never overwrites the executed GPU notebooks in ``data/executed/``), ``auto`` (gpu where torch
-sees CUDA).
+Every ``notebooks/[0-9][0-9]_*.ipynb`` runs in name order with ``PROFILE=<profile>``; the executed copy
+goes to ``<out>/<same name>``, one row per notebook to ``<out>/run_log.csv`` (:data:`RUN_LOG_COLUMNS`).
+Profiles: ``gpu`` (full shapes, no ``TRITON_INTERPRET``), ``cpu`` (small shapes, ``TRITON_INTERPRET=1``,
+copies to ``data/executed/cpu/``), ``auto`` (gpu where torch sees CUDA). The kernel is this interpreter:
+a kernelspec ``moelora-<hash>`` in a temporary folder first on ``JUPYTER_PATH``, checked before use.
 
-The notebooks run in the interpreter that runs the runner: it writes its own kernelspec
-``moelora-<hash of sys.executable>`` into a temporary folder put first on ``JUPYTER_PATH`` and refuses to
-run unless the spec jupyter_client resolves starts ``sys.executable``. Executed copies keep the source's
-``metadata.kernelspec``.
-
-Exit status: 0 all ok; 1 a notebook failed (the message names the notebook, the cell, 0-based in the
-source notebook, and the exception; ``--keep-going`` runs the rest first); 2 a usage error, refused
-before any file is written (``--profile gpu`` without CUDA, an empty or unmatched ``--only``, an
-``--out`` that cannot be written, a ``--cell-timeout`` that is not a positive number); 130 interrupted.
+Exit status: 0 all ok; 1 a notebook failed (notebook, source cell index and exception named;
+``--keep-going`` runs the rest first); 2 a usage error, refused before any file is written; 130
+interrupted.
 """
 
 from __future__ import annotations
@@ -94,11 +87,8 @@ def resolve_profile(profile: str) -> str:
 def require_cuda(profile: str) -> None:
     """Raise :class:`NoCudaDevice` when ``profile`` is "gpu" and torch sees no CUDA device."""
     if profile == "gpu" and not cuda_available():
-        raise NoCudaDevice(
-            "--profile gpu needs a CUDA GPU, and torch sees none on this machine "
-            "(torch.cuda.is_available() is False); nothing was run or written. "
-            "Use --profile cpu (or auto) here; the gpu profile runs on a CUDA host."
-        )
+        raise NoCudaDevice("--profile gpu needs a CUDA GPU, and torch sees none on this machine; nothing was "
+                           "run or written. Use --profile cpu (or auto) here.")  # fmt: skip
 
 
 def prepare_out_dir(out: str | os.PathLike) -> Path:
@@ -117,8 +107,8 @@ def prepare_out_dir(out: str | os.PathLike) -> Path:
 
 
 def timeout_seconds(value: float | int | None) -> int | None:
-    """A per-cell timeout in whole seconds, rounded up (0.5 s must not become "no limit"); None stays
-    None; ValueError unless positive."""
+    """A per-cell timeout in whole seconds, rounded up (0.5 s must not become "no limit"); ValueError
+    unless positive; None stays None."""
     if value is None:
         return None
     seconds = float(value)
@@ -136,10 +126,7 @@ def find_notebooks(notebook_dir: str | os.PathLike, only: Sequence[str] | None =
         return notebooks
     selectors = [s.strip() for s in only if s.strip()]
     if not selectors:
-        raise ValueError(
-            f"--only {','.join(only)!r} selects no notebook: give stage numbers or name prefixes, "
-            "e.g. --only 01,02 (leave --only out to run every notebook)"
-        )
+        raise ValueError(f"--only {','.join(only)!r} {_NO_SELECTION}")
     selected: list[Path] = []
     for sel in selectors:
         prefix = f"{int(sel):02d}_" if sel.isdigit() else sel
@@ -155,6 +142,9 @@ def default_out_dir(profile: str) -> Path:
     """``data/executed`` for the gpu profile, ``data/executed/cpu`` for the cpu profile."""
     base = REPO_ROOT / "data" / "executed"
     return base if profile == "gpu" else base / "cpu"
+
+
+_NO_SELECTION = "selects no notebook: give stage numbers or name prefixes, e.g. --only 01,02"
 
 
 @contextlib.contextmanager
@@ -190,9 +180,8 @@ def write_kernelspec(jupyter_dir: str | os.PathLike, executable: str | None = No
     spec_dir = Path(jupyter_dir) / "kernels" / name
     spec_dir.mkdir(parents=True, exist_ok=True)
     argv = [exe, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
-    spec = dict(
-        argv=argv, display_name="Python 3 (moelora runner)", language="python", metadata={"debugger": False}
-    )
+    spec = dict(argv=argv, display_name="Python 3 (moelora runner)", language="python")
+    spec["metadata"] = {"debugger": False}
     (spec_dir / "kernel.json").write_text(json.dumps(spec, indent=1) + "\n")
     return name
 
@@ -206,25 +195,20 @@ def check_kernelspec(name: str, executable: str | None = None):
     try:
         spec = KernelSpecManager().get_kernel_spec(name)
     except NoSuchKernel as exc:
-        raise KernelSpecMismatch(
-            f"kernelspec {name!r} not found (JUPYTER_PATH={os.environ.get('JUPYTER_PATH', '')!r})"
-        ) from exc
+        path = os.environ.get("JUPYTER_PATH", "")
+        raise KernelSpecMismatch(f"kernelspec {name!r} not found (JUPYTER_PATH={path!r})") from exc
     argv0 = spec.argv[0] if spec.argv else "<empty argv>"
     # Compare paths, not resolved files: a venv's python is a symlink to the base interpreter.
     if os.path.abspath(argv0) != exe:
-        raise KernelSpecMismatch(
-            f"kernelspec {name!r} (resource dir {spec.resource_dir}) starts {argv0!r}, not this "
-            f"interpreter {exe!r}; the notebooks would run in another environment. Remove or rename "
-            f"that kernelspec, or run the runner with the interpreter it names."
-        )
+        raise KernelSpecMismatch(f"kernelspec {name!r} (resource dir {spec.resource_dir}) starts {argv0!r}, "
+                                 f"not this interpreter {exe!r}; remove or rename it.")  # fmt: skip
     return spec
 
 
 @contextlib.contextmanager
 def own_kernel(executable: str | None = None) -> Iterator[str]:
-    """Yield the name of a checked kernelspec that starts ``executable`` (default ``sys.executable``),
-    written into a temporary folder put first on ``JUPYTER_PATH`` (restored afterwards), so no other
-    kernelspec can shadow it."""
+    """The name of a checked kernelspec that starts ``executable``, in a temporary folder put first on
+    ``JUPYTER_PATH`` (restored afterwards) so no other spec can shadow it."""
     saved = os.environ.get("JUPYTER_PATH")
     with tempfile.TemporaryDirectory(prefix="moelora-kernel-") as tmp:
         name = write_kernelspec(tmp, executable)
@@ -283,10 +267,8 @@ def describe_failure(notebook: Path, exc: BaseException) -> str:
         src_index = _source_cell_index(notebook, exc.cell_index, exc.source)
         lines = [ln for ln in (exc.source or "").splitlines() if ln.strip()]
         first = lines[0].strip() if lines else "<empty>"
-        return (
-            f"notebook {notebook.name} failed at cell {src_index} (0-based, In [{exc.exec_count}]; "
-            f"cell {exc.cell_index} in the executed copy): `{first}` -> {exc.ename}: {exc.evalue}"
-        )
+        where = f"cell {src_index} (0-based, In [{exc.exec_count}]; {exc.cell_index} in the executed copy)"
+        return f"notebook {notebook.name} failed at {where}: `{first}` -> {exc.ename}: {exc.evalue}"
     return f"notebook {notebook.name} failed before or outside a cell: {type(exc).__name__}: {exc}"
 
 
@@ -302,27 +284,15 @@ def _log_row(out: Path, notebook: str, profile: str, seconds: float, status: str
         writer.writerow([notebook, profile, f"{seconds:.2f}", status, commit, now, error or ""])
 
 
-def run_notebooks(
-    notebook_dir: str | os.PathLike,
-    out_dir: str | os.PathLike | None,
-    profile: str,
-    only: Sequence[str] | None = None,
-    *,
-    log_output: bool = False,
-    progress_bar: bool = True,
-    keep_going: bool = False,
-    cell_timeout: float | None = None,
-    cwd: str | os.PathLike | None = None,
-) -> list[NotebookResult]:
-    """Execute the notebooks of ``notebook_dir`` in order; return one result per notebook run.
-
-    out_dir: executed copies and ``run_log.csv`` (None: :func:`default_out_dir`). only: see
-    :func:`find_notebooks`. cwd: the kernel's working directory (default: the notebook's folder).
-    cell_timeout: seconds per cell (None: no limit). Without ``keep_going`` the first failure raises
-    :class:`NotebookFailure` (``.results`` holds every result so far); with it, failures are results with
-    ``status == "failed"``. Raises before any file is written: :class:`NoCudaDevice`, ValueError (bad
-    ``only`` or ``cell_timeout``), FileNotFoundError (no notebooks), OSError (``out`` not writable).
-    """
+def run_notebooks(notebook_dir: str | os.PathLike, out_dir: str | os.PathLike | None, profile: str,
+                  only: Sequence[str] | None = None, *, log_output: bool = False, progress_bar: bool = True,
+                  keep_going: bool = False, cell_timeout: float | None = None,
+                  cwd: str | os.PathLike | None = None) -> list[NotebookResult]:  # fmt: skip
+    """Execute the notebooks in order, one result each; copies and ``run_log.csv`` in ``out_dir`` (None:
+    :func:`default_out_dir`); ``cwd`` the kernel's folder (default the notebook's). Without
+    ``keep_going`` the first failure raises :class:`NotebookFailure` (``.results`` so far). Before any
+    file is written: :class:`NoCudaDevice`, ValueError (``only``, ``cell_timeout``), FileNotFoundError,
+    OSError (``out`` not writable)."""
     import papermill
 
     from .bench import git_commit
@@ -347,17 +317,10 @@ def run_notebooks(
             error: str | None = None
             try:
                 with kernel_environment(profile):
-                    papermill.execute_notebook(
-                        str(nb),
-                        str(dst),
-                        parameters={"PROFILE": profile},
-                        kernel_name=kernel_name,
-                        language="python",
-                        progress_bar=progress_bar,
-                        log_output=log_output,
-                        cwd=str(cwd) if cwd is not None else str(nb.parent),
-                        execution_timeout=cell_timeout,
-                    )
+                    kw = dict(kernel_name=kernel_name, language="python", progress_bar=progress_bar)
+                    kw |= dict(log_output=log_output, cwd=str(cwd if cwd is not None else nb.parent))
+                    papermill.execute_notebook(str(nb), str(dst), parameters={"PROFILE": profile},
+                                               execution_timeout=cell_timeout, **kw)  # fmt: skip
             except KeyboardInterrupt:  # e.g. `timeout --signal=INT` in scripts/gpu_job.sh
                 seconds = time.perf_counter() - t0
                 _log_row(out, nb.name, profile, seconds, "interrupted", commit, "interrupted")
@@ -383,10 +346,7 @@ def run_notebooks(
 def _only_arg(text: str) -> list[str]:
     selectors = [s.strip() for s in text.split(",") if s.strip()]
     if not selectors:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} selects no notebook: give stage numbers or name prefixes, e.g. --only 01,02 "
-            "(leave --only out to run every notebook)"
-        )
+        raise argparse.ArgumentTypeError(f"{text!r} {_NO_SELECTION}")
     return selectors
 
 
@@ -394,41 +354,26 @@ def _timeout_arg(text: str) -> int:
     try:
         return timeout_seconds(float(text))
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a positive number of seconds (e.g. --cell-timeout 600)"
-        ) from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds") from None
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m moelora_lib.studies.runner", description=__doc__.split("\n")[0]
-    )
+    p = argparse.ArgumentParser(prog="python -m moelora_lib.studies.runner", description="Run the notebooks.")
     p.add_argument("--profile", default="auto", choices=[*PROFILES, "auto"])
-    p.add_argument(
-        "--only",
-        default=None,
-        type=_only_arg,
-        help="comma-separated stage numbers or name prefixes, e.g. 01,02 (default: every notebook)",
-    )
+    p.add_argument("--only", default=None, type=_only_arg, help="stage numbers or name prefixes, e.g. 01,02")
     p.add_argument("--out", default=None, help="executed copies + run_log.csv (default: data/executed[/cpu])")
     p.add_argument("--notebooks", default=str(REPO_ROOT / "notebooks"), help="folder of NN_*.ipynb")
     p.add_argument("--log-output", action="store_true", help="stream cell outputs to this process's log")
     p.add_argument("--no-progress", action="store_true", help="no per-cell progress bar")
     p.add_argument("--keep-going", action="store_true", help="run the remaining notebooks after a failure")
-    p.add_argument(
-        "--cell-timeout",
-        type=_timeout_arg,
-        default=None,
-        help="seconds per cell, a positive number, rounded up to whole seconds (default: no limit)",
-    )
+    p.add_argument("--cell-timeout", type=_timeout_arg, default=None, help="seconds per cell (default: none)")
     p.add_argument("--list", action="store_true", help="list the notebooks that would run, then exit")
     return p.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
-    # Usage errors are refused before anything is written: a gpu run without CUDA would overwrite the
-    # committed executed notebooks in data/executed/ with failed copies and log a failed row.
+    # usage errors are refused before anything is written (a failed gpu run would overwrite data/executed/)
     try:
         notebooks = find_notebooks(args.notebooks, args.only)
         if args.list:
@@ -445,16 +390,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     t0 = time.perf_counter()
     try:
-        results = run_notebooks(
-            args.notebooks,
-            args.out,
-            profile,
-            args.only,
-            log_output=args.log_output,
-            progress_bar=not args.no_progress,
-            keep_going=args.keep_going,
-            cell_timeout=args.cell_timeout,
-        )
+        kw = dict(log_output=args.log_output, progress_bar=not args.no_progress, keep_going=args.keep_going)
+        kw |= dict(cell_timeout=args.cell_timeout)
+        results = run_notebooks(args.notebooks, args.out, profile, args.only, **kw)
     except NotebookFailure as exc:
         results = exc.results
     except (KernelSpecMismatch, NoCudaDevice) as exc:
@@ -465,9 +403,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     failed = [r for r in results if r.status != "ok"]
     total = time.perf_counter() - t0
-    print(
-        f"\n{len(results) - len(failed)} of {len(notebooks)} notebooks ok, profile={profile}, {total:.1f} s"
-    )
+    print(f"\n{len(results) - len(failed)} of {len(notebooks)} notebooks ok, profile={profile}, {total:.1f}s")
     for r in results:
         print(f"  {r.status:6s} {r.seconds:8.1f} s  {r.notebook}")
     if len(notebooks) > len(results):

@@ -234,13 +234,12 @@ def parser(prog: str, doc: str, tokens: str) -> argparse.ArgumentParser:
     return p
 
 
-def check_run(names, *, tokens, budget_s, device, dtype, out, csv_path, key_columns, what, ints, lists=None,
-              need_device=True) -> tuple[torch.device, torch.dtype]:  # fmt: skip
+def check_run(names, *, tokens, budget_s, device, dtype, out, csv_path, key_columns, what, ints,
+              lists=None) -> tuple[torch.device, torch.dtype]:  # fmt: skip
     """The arguments every tuner takes, before any work: ValueError naming the argument (``names``: argument
     -> the name to give, e.g. :data:`FLAGS`). ``ints``: {argument: (value, lo, hi)}; ``lists``: {argument:
-    (values, allow_empty)}, ints >= 1; ``key_columns``, ``what``: the trials CSV's (:func:`check_csv`);
-    ``need_device`` False: the device need not be on this machine (a dry run). Returns (device, dtype:
-    ``dtype`` or bfloat16 on a GPU, float32 on the CPU)."""
+    (values, allow_empty)}, ints >= 1; ``key_columns``, ``what``: the trials CSV's (:func:`check_csv`).
+    Returns (device, dtype: ``dtype`` or bfloat16 on a GPU, float32 on the CPU)."""
     names = names or {}
     for a, (v, allow_empty) in {"tokens": (tokens, False), **(lists or {})}.items():
         check_ints(names.get(a, a), v, allow_empty=allow_empty)
@@ -248,12 +247,7 @@ def check_run(names, *, tokens, budget_s, device, dtype, out, csv_path, key_colu
         check_int(names.get(a, a), v, lo, hi)
     check_budget(budget_s, names.get("budget_s", "budget_s"))
     n_dev, n_dt = names.get("device", "device"), names.get("dtype", "dtype")
-    if need_device:
-        dev = check_device(device, n_dev)
-    else:
-        dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-        if dev.type not in ("cpu", "cuda"):
-            raise ValueError(f"{n_dev}: the tuner runs on 'cpu' or 'cuda', got {device!r}")
+    dev = check_device(device, n_dev)
     try:
         dt = (
             parse_dtype(dtype)

@@ -6,25 +6,15 @@ Run::
         --adapters 8 --tokens 1,8,64,256,1600,8192 --out moelora_lib/configs/NVIDIA_H200 \\
         --csv data/07_tuning_trials.csv --budget-s 240
 
-Per workload (model, R, L, T), on the inputs of :func:`moelora_lib.studies.moe_bench.layer_inputs`
-(uniform adapter ids, silu, no biases: the vLLM side-by-side setting; neither changes the GEMM shapes),
-through the engine :mod:`.tuner`:
-
-1. **LoRA ops, jointly.** The four ops share one (adapter, expert) alignment, so one BLOCK_SIZE_M. Per
-   candidate BM (:func:`lora_bm_candidates`) a :class:`~moelora_lib.kernels.LayerRun` of stage
-   ``even_k_fused_add``; each op's other parameters over :func:`lora_op_candidates` (≤ 6, the default
-   first), the op timed alone (:meth:`LayerRun.op_fn <moelora_lib.kernels.LayerRun.op_fn>`). The BM with
-   the smallest sum of the four best medians wins.
-2. **Base GEMMs**, the same way (BM shared by base_gate_up and base_down; :func:`base_bm_candidates`,
-   :func:`base_op_candidates`), once per (model, T): the rank does not change them.
-
-Timing: CUDA-graph replay, L2 flushed, warm-up 5 ms, rep 20 ms; on the CPU one interpreted call (a
-functional test of this code path, not performance). Every trial is a row of the trials CSV (``kind`` =
-trial / bm_sum / choice / copied / note / session); a workload whose choices are in the CSV is skipped and
-re-written into the JSON files (:mod:`moelora_lib.configs` format; rewritten atomically after every
-workload). ``--budget-s``: no workload or further BM starts past it. ``--copy-ranks``: the first rank's
-choices, with the rank-sized tile adjusted (shrink BLOCK_SIZE_N, expand BLOCK_SIZE_K = max(16,
-next_pow2(R))), written for these ranks too and marked ``copied``: a stand-in, not a tune.
+Per workload (model, R, L, T) on ``moe_bench.layer_inputs`` (uniform ids, silu, no biases: vLLM's
+side-by-side setting), through :mod:`.tuner`: (1) the four LoRA ops share one alignment, so one
+BLOCK_SIZE_M: per BM (:func:`lora_bm_candidates`) a LayerRun of stage ``even_k_fused_add``, each op
+timed alone over :func:`lora_op_candidates` (default first); the BM with the smallest sum of the best
+medians wins. (2) The base GEMMs the same way (:func:`base_bm_candidates`, :func:`base_op_candidates`),
+once per (model, T). Timing: CUDA-graph replay, L2 flushed; on the CPU one interpreted call (not
+performance). CSV kinds: trial / bm_sum / choice / copied / note / session; finished workloads are
+skipped and re-written into the JSON files. ``--copy-ranks``: the first rank's choices with the
+rank-sized tile adjusted, marked ``copied`` (a stand-in, not a tune).
 """
 
 from __future__ import annotations
@@ -47,23 +37,11 @@ from ..shapes import Dims, MoEShape
 from . import bench, tuner
 from .tuner import RUN_COLUMNS, TRIAL_COLUMNS
 
-__all__ = [
-    "CSV_COLUMNS",
-    "lora_bm_candidates",
-    "base_bm_candidates",
-    "lora_op_candidates",
-    "base_op_candidates",
-    "tune_workload",
-    "tune",
-    "main",
-]
+__all__ = ["CSV_COLUMNS", "lora_bm_candidates", "base_bm_candidates", "lora_op_candidates"]
+__all__ += ["base_op_candidates", "tune_workload", "tune", "main"]
 
 TUNE_STAGE = "even_k_fused_add"
-CSV_COLUMNS = [
-    *("kind", "model", "R", "L", "T", "H", "I", "E", "K", "S", "group"),
-    *TRIAL_COLUMNS,
-    *RUN_COLUMNS,
-]
+CSV_COLUMNS = ["kind", "model", "R", "L", "T", "H", "I", "E", "K", "S", "group", *TRIAL_COLUMNS, *RUN_COLUMNS]
 _KEY_COLUMNS = ("kind", "model", "R", "L", "T", "group", "op", "config_json")
 LORA_BMS = (16, 32, 64)
 BASE_BMS = (16, 32, 64, 128)
@@ -93,14 +71,10 @@ def base_bm_candidates(T: int, K: int, E: int, max_bms: int = 2) -> list[int]:
     return _bms(BASE_BMS, T * K / E, max_bms, dflt)
 
 
-def lora_op_candidates(
-    op: str, bm: int, dflt: OpConfig, R: int, k_dim: int, limit: int = 6
-) -> list[OpConfig]:
-    """≤ ``limit`` configs of one LoRA op at BLOCK_SIZE_M = bm; the default (with bm) first.
-
-    shrink (K = H or I, N = R): BLOCK_SIZE_N = max(16, next_pow2(R)); SPLIT_K in {sk/2, sk, 2·sk} around
-    the default's; BLOCK_SIZE_K 64 or 128; 4 or 8 warps. expand (K = R, N = 2I/S or H): BLOCK_SIZE_K =
-    max(16, next_pow2(R)); BLOCK_SIZE_N 64/128/256; GROUP_SIZE_M 1 or 8; 2-3 stages."""
+def lora_op_candidates(op: str, bm: int, dflt: OpConfig, R: int, k_dim: int, limit: int = 6) -> list:
+    """≤ ``limit`` configs of one LoRA op at BLOCK_SIZE_M = bm, the default first. shrink: BLOCK_SIZE_N =
+    max(16, next_pow2(R)), SPLIT_K around the default's, BLOCK_SIZE_K 64/128, 4 or 8 warps; expand:
+    BLOCK_SIZE_K = max(16, next_pow2(R)), BLOCK_SIZE_N 64–256, GROUP_SIZE_M 1 or 8, 2–3 stages."""
     d = dataclasses.replace(dflt, BLOCK_SIZE_M=bm)
     r = max(16, next_pow2(R))
     if op.endswith("shrink"):
@@ -118,21 +92,11 @@ def base_op_candidates(bm: int, dflt: OpConfig, limit: int = 5) -> list[OpConfig
     """≤ ``limit`` configs of one base GEMM at BLOCK_SIZE_M = bm; the default (with bm) first.
     Decode-sized tiles (bm ≤ 32: weight streaming) and prefill-sized tiles (bm ≥ 64: tensor cores)."""
     if bm <= 32:
-        grid = [
-            (64, 64, 1, 4, 5),
-            (64, 128, 1, 4, 4),
-            (128, 64, 1, 4, 4),
-            (128, 128, 1, 8, 3),
-            (32, 128, 1, 4, 5),
-        ]
+        grid = [(64, 64, 1, 4, 5), (64, 128, 1, 4, 4), (128, 64, 1, 4, 4), (128, 128, 1, 8, 3)]
+        grid.append((32, 128, 1, 4, 5))
     else:
-        grid = [
-            (128, 64, 8, 4, 4),
-            (128, 64, 8, 8, 4),
-            (128, 128, 8, 8, 3),
-            (256, 64, 8, 8, 3),
-            (64, 128, 8, 4, 4),
-        ]
+        grid = [(128, 64, 8, 4, 4), (128, 64, 8, 8, 4), (128, 128, 8, 8, 3), (256, 64, 8, 8, 3)]
+        grid.append((64, 128, 8, 4, 4))
     d = dataclasses.replace(dflt, BLOCK_SIZE_M=bm)
     return tuner.dedupe([d] + [OpConfig(bm, bn, bk, g, 1, w, st) for bn, bk, g, w, st in grid], limit)
 
@@ -146,21 +110,9 @@ def graph_timer(run, device: torch.device):
 # ------------------------------------------------------------------------------------------------
 # One workload
 # ------------------------------------------------------------------------------------------------
-def tune_workload(
-    shape: MoEShape,
-    T: int,
-    R: int,
-    L: int,
-    weights,
-    device,
-    log: tuner.TrialLog,
-    *,
-    deadline: float = math.inf,
-    max_bms: int = 2,
-    max_cands: int = 6,
-    t0: float | None = None,
-    groups: Sequence[str] = ("lora", "base"),
-) -> dict[str, dict[str, OpConfig]]:
+def tune_workload(shape: MoEShape, T: int, R: int, L: int, weights, device, log: tuner.TrialLog, *,
+                  deadline: float = math.inf, max_bms: int = 2, max_cands: int = 6, t0: float | None = None,
+                  groups: Sequence[str] = ("lora", "base")) -> dict[str, dict[str, OpConfig]]:  # fmt: skip
     """Tune the groups ("lora": the four LoRA ops jointly; "base": the two base GEMMs) of one workload
     (``weights``: a layer_inputs of this shape, R, L); returns {group: {op: OpConfig}}, every trial in
     ``log``."""
@@ -169,10 +121,8 @@ def tune_workload(
     t0 = time.perf_counter() if t0 is None else t0
     H, I, E, K, S = shape.hidden, shape.intermediate, shape.experts, shape.top_k, weights.lora_a13.shape[2]
     dflt = default_config(Dims.of(shape, T, rank=R, adapters=L, slices=S))
-    kw = dict(
-        rank=R, num_adapters=L, pattern="uniform", weights=weights, seed=0, activation="silu", bias=False
-    )
-    inp = layer_inputs(shape, T, **kw)
+    kw = dict(rank=R, num_adapters=L, pattern="uniform", weights=weights, seed=0, activation="silu")
+    inp = layer_inputs(shape, T, **kw, bias=False)
     k_dims = {"gate_up_shrink": H, "down_shrink": I}
 
     def candidates(op: str, bm: int) -> list[OpConfig]:
@@ -184,11 +134,8 @@ def tune_workload(
     for group in groups:
         ops = GROUP_OPS[group]
         ids = dict(model=shape.name, R=R, L=L, T=T, H=H, I=I, E=E, K=K, S=S, group=group)
-        bms = (
-            lora_bm_candidates(T, K, E, L, max_bms)
-            if group == "lora"
-            else base_bm_candidates(T, K, E, max_bms)
-        )
+        lora = group == "lora"
+        bms = lora_bm_candidates(T, K, E, L, max_bms) if lora else base_bm_candidates(T, K, E, max_bms)
 
         def prepare(bm: int, ops=ops):
             return graph_timer(make_run(TUNE_STAGE, inp, tuner.with_bm(dflt, ops, bm)), device)
@@ -234,39 +181,19 @@ def _check_tune_args(
     return shapes, dev, dt
 
 
-def tune(
-    models: Sequence[str],
-    ranks: Sequence[int],
-    adapters: int,
-    tokens: Sequence[int],
-    out: str | os.PathLike,
-    csv_path: str | os.PathLike,
-    *,
-    budget_s: float = math.inf,
-    copy_ranks: Sequence[int] = (),
-    device: str | None = None,
-    dtype: torch.dtype | None = None,
-    max_bms: int = 2,
-    max_cands: int = 6,
-    seed: int = 0,
-    progress: bool = True,
-) -> dict[str, Any]:
+def tune(models: Sequence[str], ranks: Sequence[int], adapters: int, tokens: Sequence[int],
+         out: str | os.PathLike, csv_path: str | os.PathLike, *, budget_s: float = math.inf,
+         copy_ranks: Sequence[int] = (), device: str | None = None, dtype: torch.dtype | None = None,
+         max_bms: int = 2, max_cands: int = 6, seed: int = 0, progress: bool = True,
+         ) -> dict[str, Any]:  # fmt: skip
     """Tune every (model, rank, T) workload (ranks, then T, then models) and write the JSON files into
-    ``out``; returns a summary dict (tuned, skipped, not_tuned, copied: lists of (model, R, T); elapsed_s,
-    out, gpu).
-
-    Raises ValueError naming the argument, before any work: an unknown preset, empty ranks/tokens, a
-    rank/T/adapters/max_bms/max_cands that is not an int >= 1, a negative or NaN budget, a device the tuner
-    cannot use on this machine, an ``out`` that is a file, a ``csv_path`` that is a folder or not a trials
-    CSV of this tuner."""
+    ``out``; returns a summary (tuned, skipped, not_tuned, copied: lists of (model, R, T); elapsed_s, out,
+    gpu). ValueError naming the argument before any work (presets, ints, budget, device, out, csv)."""
     from .moe_bench import layer_inputs
 
-    kw = dict(
-        budget_s=budget_s, copy_ranks=copy_ranks, device=device, dtype=dtype, seed=seed, max_bms=max_bms
-    )
-    shapes, dev, dtype = _check_tune_args(
-        models, ranks, adapters, tokens, out, csv_path, **kw, max_cands=max_cands
-    )
+    kw = dict(budget_s=budget_s, copy_ranks=copy_ranks, device=device, dtype=dtype, seed=seed)
+    kw |= dict(max_bms=max_bms, max_cands=max_cands)
+    shapes, dev, dtype = _check_tune_args(models, ranks, adapters, tokens, out, csv_path, **kw)
     t0 = time.perf_counter()
     gpu = configs.gpu_name() if dev.type == "cuda" else "cpu"
     log = tuner.TrialLog(Path(csv_path), CSV_COLUMNS)
@@ -299,19 +226,11 @@ def tune(
 
     summary: dict[str, Any] = dict(out=str(out), gpu=gpu)
     tuner.run_workloads(
-        jobs,
-        log,
-        files,
-        summary,
-        label=lambda j: (j[0].name, j[1], j[2]),
+        jobs, log, files, summary, label=lambda j: (j[0].name, j[1], j[2]),
         ids=lambda j: dict(model=j[0].name, R=j[1], L=adapters, T=j[2]),
-        todo=lambda j: any(not done(*j, g) for g in GROUP_OPS),
-        tune=tune_one,
-        deadline=t0 + budget_s,
-        t0=t0,
-        progress=progress,
-        desc="tuning",
-    )
+        todo=lambda j: any(not done(*j, g) for g in GROUP_OPS), tune=tune_one, deadline=t0 + budget_s, t0=t0,
+        progress=progress, desc="tuning",
+    )  # fmt: skip
     weights.clear()
     summary["copied"] = []
     src = ranks[0]
@@ -334,13 +253,10 @@ def tune(
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line (module docstring). Every argument is checked before any work: a bad one exits
     with code 2 and one error line naming the flag."""
-    p = tuner.parser(
-        "python -m moelora_lib.studies.tuning", __doc__, "1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192"
-    )
+    tokens = "1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192"
+    p = tuner.parser("python -m moelora_lib.studies.tuning", __doc__, tokens)
     p.add_argument("--model", required=True, help="preset names, comma-separated")
-    p.add_argument(
-        "--ranks", default="32", type=tuner.int_list_type(1), help="ranks (the first: copy source)"
-    )
+    p.add_argument("--ranks", default="32", type=tuner.int_list_type(1), help="ranks (first: copy source)")
     p.add_argument("--copy-ranks", default="", type=tuner.int_list_type(1, allow_empty=True),
                    help="ranks given the first rank's choices (not tuned)")  # fmt: skip
     p.set_defaults(max_bms=2, max_cands=6)

@@ -18,6 +18,7 @@ import warnings
 
 import pytest
 import torch
+from offset_view_helpers import ALIGN_KEYS, OFFSET_KEYS, reduce_keys
 
 from moelora_lib import fused_moe_lora
 from moelora_lib.common import MISALIGNED_COPY_WARN_BYTES, MisalignedCopyWarning, aligned16
@@ -35,19 +36,19 @@ LAYOUTS = ("contiguous", "offset", "transposed")
 def _jobs() -> dict:
     jobs = {
         # the reported case (K = 6: buf[1:17] of [17, 6] float32 starts 24 bytes in), fp16, biases
-        ("offset", 6): dict(op="offset_keys", K=6),
+        ("offset", 6): dict(op=OFFSET_KEYS, K=6),
         # K = 2 (8 bytes in), GPT-OSS activation, one fused gate_up slice, no biases
-        ("offset", 2): dict(op="offset_keys", K=2, S=1, activation="swigluoai", has_bias=False),
+        ("offset", 2): dict(op=OFFSET_KEYS, K=2, S=1, activation="swigluoai", has_bias=False),
         # the same inputs without aligned16: what the check detects
-        ("before", 6): dict(op="offset_keys", K=6, realign=False),
+        ("before", 6): dict(op=OFFSET_KEYS, K=6, realign=False),
     }
     for E, K, L in ALIGN_SHAPES:
         for layout in LAYOUTS:
-            common = dict(op="align_keys", lengths=None, E=E, K=K, L=L, layout=layout)
+            common = dict(op=ALIGN_KEYS, lengths=None, E=E, K=K, L=L, layout=layout)
             jobs[("align", E, layout, "ws")] = dict(common, workspace=True)
             jobs[("align", E, layout, "fresh")] = dict(common, workspace=False)
         jobs[("align", E, "contiguous", "tile64")] = dict(
-            op="align_keys", lengths=None, E=E, K=K, L=L, tile=64, workspace=True
+            op=ALIGN_KEYS, lengths=None, E=E, K=K, L=L, tile=64, workspace=True
         )
     return jobs
 
@@ -59,7 +60,7 @@ def keys() -> dict:
     jobs = _jobs()
     lengths = log_spaced_lengths(32)
     for j in jobs.values():
-        if j["op"] == "align_keys":
+        if j["op"] == ALIGN_KEYS:
             j["lengths"] = lengths
     results = run_isolated(list(jobs.values()), timeout=900)
     return dict(zip(jobs, results))
@@ -219,7 +220,6 @@ def test_layer_run_keeps_aligned_inputs_and_meta_tensors(device):
 def test_topk_reduce_one_key_for_offset_and_strided_ids():
     """Offset or transposed topk_ids / lora_ids views give topk_reduce no new binary (their pointers and
     strides are do_not_specialize)."""
-    from moelora_lib.studies.compile_check import reduce_keys
 
     keys = reduce_keys()
     assert set(keys) == {"contiguous", "offset", "transposed"}

@@ -49,7 +49,7 @@ scratch is laid out with length-independent, 16-byte aligned offsets: group ends
 at Gp, tile counts at 2·Gp (Gp = G rounded up to a multiple of 4 entries), so no sub-buffer's
 alignment follows NT·G. What still follows T are the constexpr tile sizes (TILE from T·K, the scan's
 TC from NT and its GB from TC): a few classes, each compiled once
-(``moelora_lib.studies.compile_check.align_length_keys`` counts them).
+(``tests/offset_view_helpers.py`` counts them).
 
 Ids out of range (topk_ids ∉ [0, E), lora_ids ∉ [-1, L)) are not checked (that would need a host
 sync): such pairs are dropped, never written out of bounds; the torch oracle's result is then
@@ -531,7 +531,7 @@ def align_launch_args(
     :class:`AlignLaunch` es of :func:`align_tokens_triton`; validates and allocates, launches nothing.
 
     The single source of the alignment's launch arguments, shared with compile-only inspection
-    (:func:`moelora_lib.studies.compile_check.align_length_keys`). Arguments and errors: as
+    (counted by ``align_length_keys`` in ``tests/offset_view_helpers.py``). Arguments and errors: as
     :func:`align_tokens_triton`. ``kernel[grid](*args, **constexprs)`` for each launch, in order,
     computes the alignment.
     """

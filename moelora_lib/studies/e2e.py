@@ -459,13 +459,8 @@ def step_breakdown(
     dev, stack = model.device, []
     cuda = dev.type == "cuda"
 
-    def pre(label):
-        def hook(_mod, _args):
-            rf = record_function(_SCOPE + label)
-            rf.__enter__()
-            stack.append(rf)
-
-        return hook
+    def pre(label):  # the hook returns None: the inputs stay as they are
+        return lambda _mod, _args: stack.append(record_function(_SCOPE + label).__enter__())
 
     def post(_mod, _args, _out):
         stack.pop().__exit__(None, None, None)
@@ -498,8 +493,7 @@ def step_breakdown(
     finally:
         for h in handles:
             h.remove()
-    totals = _attribute(prof.events(), cuda=cuda, moe=model.config.is_moe)
-    out = {k: v / steps for k, v in totals.items()}
+    out = {k: v / steps for k, v in _attribute(prof.events(), cuda=cuda, moe=model.config.is_moe).items()}
     out["kernel_sum"] = sum(out[k] for k in CATEGORIES)
     return out
 
@@ -530,10 +524,9 @@ def hf_model(name: str, *, dtype: torch.dtype, device, seed: int = 0):
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = getattr(transformers, cls_name)(cfg)
+            return getattr(transformers, cls_name)(cfg).eval()
     finally:
         torch.set_default_dtype(prev)
-    return model.eval()
 
 
 @torch.no_grad()
@@ -560,17 +553,13 @@ def hf_generate(model, prompt: Sequence[int], new_tokens: int, device):
     t0 = time.perf_counter()
     ids = torch.tensor([list(prompt)], dtype=torch.int64, device=dev)
     out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-    tok = out.logits[:, -1].argmax(dim=-1)
-    toks = [tok]
+    toks = [out.logits[:, -1].argmax(dim=-1)]
     _sync(dev)
     t_first = time.perf_counter()
-    cache = cache_of(out)
     marks = []
     for _ in range(new_tokens - 1):
-        out = model(input_ids=tok[:, None], use_cache=True, logits_to_keep=1, **{kw_name: cache})
-        cache = cache_of(out)
-        tok = out.logits[:, -1].argmax(dim=-1)
-        toks.append(tok)
+        out = model(input_ids=toks[-1][:, None], use_cache=True, logits_to_keep=1, **{kw_name: cache_of(out)})
+        toks.append(out.logits[:, -1].argmax(dim=-1))
         marks.append(torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter())
         if cuda:
             marks[-1].record()
@@ -641,11 +630,8 @@ def hf_baseline_rows(
 
 
 def _expected_distinct(n_picks_per_token: int, tokens: int, pool: int) -> float:
-    """Expected distinct experts hit when ``tokens`` tokens each pick ``n_picks_per_token`` of ``pool``
-    uniformly (no repeats within a token)."""
-    if tokens <= 0:
-        return 0.0
-    return pool * (1.0 - (1.0 - n_picks_per_token / pool) ** tokens)
+    """Expected distinct experts hit when ``tokens`` tokens each pick ``n_picks_per_token`` of ``pool``."""
+    return pool * (1.0 - (1.0 - n_picks_per_token / pool) ** tokens) if tokens > 0 else 0.0
 
 
 def decode_floor(

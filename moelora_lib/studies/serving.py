@@ -120,7 +120,6 @@ def wall_us(fn: Callable[[], Any], device, *, reps: int = 200, warmup: int = 10)
     idle GPU: wall = host time + the GPU time not hidden behind it."""
     for _ in range(warmup):
         fn()
-    _sync(device)
     wall, host = [], []
     for _ in range(reps):
         _sync(device)
@@ -128,9 +127,8 @@ def wall_us(fn: Callable[[], Any], device, *, reps: int = 200, warmup: int = 10)
         fn()
         t1 = time.perf_counter()
         _sync(device)
-        t2 = time.perf_counter()
+        wall.append((time.perf_counter() - t0) * 1e6)
         host.append((t1 - t0) * 1e6)
-        wall.append((t2 - t0) * 1e6)
     return statistics.median(wall), statistics.median(host)
 
 
@@ -150,10 +148,9 @@ def eager_rows(
         "module_logits": lambda: layer(x, lg, lora_ids=li),
     }
     on_gpu = torch.device(device).type == "cuda"
-    rows = []
+    mode, rows = "eager" if on_gpu else "cpu-interpreter", []
     for what, fn in calls.items():
         w, h = wall_us(fn, device, reps=reps) if on_gpu else wall_us(fn, device, reps=1, warmup=1)
-        mode = "eager" if on_gpu else "cpu-interpreter"
         rows.append(bench.result_row(model=sh.name, T=T, what=what, mode=mode, wall_us=w, host_us=h))
     run = make_layer_run(*inp.args(), **inp.kwargs(), stage=stage, check_values=False)
     bounds = id_bounds_triton if on_gpu else id_value_bounds
@@ -195,22 +192,12 @@ def host_breakdown_rows(
         "layer_run": lambda: LayerRun(st, *inp.args(), **inp.kwargs(), config=cfg, alignments=al),
         "launches": run,
     }
-    for op in ("base_gate_up", "lora_gate_up", "act", "base_down", "lora_down", "reduce"):
-        steps[f"launch.{op}"] = getattr(run, op)
+    ops = ("base_gate_up", "lora_gate_up", "act", "base_down", "lora_down", "reduce")
+    steps |= {f"launch.{op}": getattr(run, op) for op in ops}
     steps["floor.triton_launch"] = lambda: id_bounds_triton(inp.topk_ids, None)
     steps["floor.torch_op"] = lambda: inp.topk_weights.sum()
-    rows = []
-    for what, fn in steps.items():
-        fn()
-        times = []
-        for _ in range(reps if cuda else 1):
-            _sync(device)
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e6)
-        _sync(device)
-        rows.append(bench.result_row(model=sh.name, T=T, step=what, host_us=statistics.median(times)))
-    return rows
+    host = {what: wall_us(fn, device, reps=reps if cuda else 1, warmup=1)[1] for what, fn in steps.items()}
+    return [bench.result_row(model=sh.name, T=T, step=what, host_us=us) for what, us in host.items()]
 
 
 def _short_path(file: str) -> str:
@@ -238,12 +225,10 @@ def host_profile_rows(
     for _ in range(3):
         fn()
     _sync(device)
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(calls):
-        fn()
-    _sync(device)
-    prof.disable()
+    with cProfile.Profile() as prof:
+        for _ in range(calls):
+            fn()
+        _sync(device)
     stats = pstats.Stats(prof).stats  # {(file, line, name): (cc, nc, tt, ct, callers)}
     items = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
     return [
@@ -302,10 +287,7 @@ def jit_cache_sizes(device: int | None = None) -> dict[str, int]:
 
 def _misaligned(t: torch.Tensor) -> torch.Tensor:
     """A copy of ``t`` one element past a fresh allocation (not 16-byte aligned for 2- and 4-byte dtypes)."""
-    flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
-    v = flat[1:].view(t.shape)
-    v.copy_(t)
-    return v
+    return torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(t.shape).copy_(t)
 
 
 #: Launch sites of each layer kernel in one forward (gate_up and down for the GEMMs and LoRA ops).

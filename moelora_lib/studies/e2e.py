@@ -122,17 +122,6 @@ def peft_targets(config: ModelConfig) -> tuple[list[str], list[str] | None]:
     return modules + ["gate_proj", "up_proj", "down_proj"], None
 
 
-def _module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(in, out) of each targeted linear module of one layer."""
-    c, H = config, config.hidden_size
-    shapes = {"self_attn.q_proj": (H, c.q_width), "self_attn.k_proj": (H, c.kv_width)}
-    shapes |= {"self_attn.v_proj": (H, c.kv_width), "self_attn.o_proj": (c.q_width, H)}
-    if not c.is_moe:
-        I = c.intermediate_size
-        shapes |= {"mlp.gate_proj": (H, I), "mlp.up_proj": (H, I), "mlp.down_proj": (I, H)}
-    return shapes
-
-
 def _normal(seed: int, dtype, device, std: float):
     """A function drawing N(0, std²) tensors of a given shape from one generator seeded with ``seed``."""
     g = torch.Generator(device=device)
@@ -146,15 +135,20 @@ def adapter_tensors(
     """A random rank-``rank`` adapter as PEFT's ``adapter_model.safetensors`` holds it, {key: tensor}, keys
     ``base_model.model.model.layers.{l}.<module>.lora_{A,B}.weight``: linear modules A [r, in], B [out, r];
     3-D experts (gate_up = ``mlp.experts.base_layer``, down = ``mlp.experts``) A [E·r, in], B [out, E·r]."""
-    rnd = _normal(seed, dtype, device, std)
+    c, H, rnd = config, config.hidden_size, _normal(seed, dtype, device, std)
+    shapes = {"self_attn.q_proj": (H, c.q_width), "self_attn.k_proj": (H, c.kv_width)}  # (in, out)
+    shapes |= {"self_attn.v_proj": (H, c.kv_width), "self_attn.o_proj": (c.q_width, H)}
+    if not c.is_moe:
+        I = c.intermediate_size
+        shapes |= {"mlp.gate_proj": (H, I), "mlp.up_proj": (H, I), "mlp.down_proj": (I, H)}
     out: dict[str, torch.Tensor] = {}
     for layer in range(config.num_hidden_layers):
         p = f"base_model.model.model.layers.{layer}."
-        for mod, (d_in, d_out) in _module_shapes(config).items():
+        for mod, (d_in, d_out) in shapes.items():
             out[f"{p}{mod}.lora_A.weight"] = rnd(rank, d_in)
             out[f"{p}{mod}.lora_B.weight"] = rnd(d_out, rank)
         if config.is_moe:
-            E, H, I = config.num_experts, config.hidden_size, config.moe_intermediate_size
+            E, I = config.num_experts, config.moe_intermediate_size
             out[f"{p}mlp.experts.base_layer.lora_A.weight"] = rnd(E * rank, H)
             out[f"{p}mlp.experts.base_layer.lora_B.weight"] = rnd(2 * I, E * rank)
             out[f"{p}mlp.experts.lora_A.weight"] = rnd(E * rank, I)
@@ -218,10 +212,9 @@ def load_adapters(
     slot: model, stage, slot, source ("peft_file" | "direct"), write_s, load_s, file_mb, rank, alpha."""
     from ..model.peft_adapters import load_peft_adapter
 
-    dev, rows, tmp = model.device, [], None
-    if workdir is None and file_slots:
-        tmp = tempfile.TemporaryDirectory(prefix="moelora-e2e-")
-        workdir = tmp.name
+    dev, rows = model.device, []
+    tmp = tempfile.TemporaryDirectory(prefix="moelora-e2e-") if workdir is None and file_slots else None
+    workdir = tmp.name if tmp is not None else workdir
     try:
         for slot in range(model.num_adapters):
             s_seed = seed * 1000 + slot
@@ -259,11 +252,9 @@ def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 def adapter_slots(scenario: str, n: int, num_adapters: int) -> list[int | None]:
     """Adapter slot per request: "base" None for all, "adapters_mixed" request i on slot i mod L.
     Raises ValueError for another scenario."""
-    if scenario == "base":
-        return [None] * n
-    if scenario == "adapters_mixed":
-        return [i % num_adapters for i in range(n)]
-    raise ValueError(f"scenario must be one of {SCENARIOS}, got {scenario!r}")
+    if scenario not in SCENARIOS:
+        raise ValueError(f"scenario must be one of {SCENARIOS}, got {scenario!r}")
+    return [None] * n if scenario == "base" else [i % num_adapters for i in range(n)]
 
 
 def _mode(device) -> str:
@@ -300,9 +291,8 @@ def run_generation(
     vocab, adapters = model.config.vocab_size, adapter_slots(scenario, concurrency, model.num_adapters)
     if warm_tokens:
         gen.generate(make_prompts(concurrency, prompt_len, vocab, seed + 7919), adapters, warm_tokens)
-    res = gen.generate(
-        make_prompts(concurrency, prompt_len, vocab, seed), adapters, new_tokens, progress=progress
-    )
+    prompts = make_prompts(concurrency, prompt_len, vocab, seed)
+    res = gen.generate(prompts, adapters, new_tokens, progress=progress)
     assert all(len(t) == new_tokens for t in res.tokens), [len(t) for t in res.tokens]
     loaded = set().union(*(m.loaded_slots for m in model.lora_modules().values()))  # slots of any module
     return generation_row(
@@ -321,19 +311,13 @@ def compiled_binaries() -> int:
     modules (globals and two dict levels, e.g. ``KERNELS[name][flavour]``) on the current GPU; 0 on CPU."""
     if not torch.cuda.is_available():
         return 0
-    found: dict[int, Any] = {}
-
-    def take(obj, depth=0):
-        if isinstance(obj, dict) and depth < 2:
-            for v in obj.values():
-                take(v, depth + 1)
-        elif getattr(obj, "device_caches", None) is not None:
-            found[id(obj)] = obj
-
-    for mod_name, mod in list(sys.modules.items()):
-        if mod_name.startswith("moelora_lib.kernels.") and mod is not None:
-            for obj in vars(mod).values():
-                take(obj)
+    mods = [m for n, m in list(sys.modules.items()) if n.startswith("moelora_lib.kernels.") and m is not None]
+    objs = [o for m in mods for o in vars(m).values()]
+    for _ in range(2):  # two dict levels (duplicates are dropped below)
+        objs += [v for o in objs if isinstance(o, dict) for v in o.values()]
+    found = {
+        id(o): o for o in objs if not isinstance(o, dict) and getattr(o, "device_caches", None) is not None
+    }
     dev = torch.cuda.current_device()
     return sum(len(k.device_caches[dev][0]) for k in found.values() if dev in k.device_caches)
 
@@ -590,11 +574,9 @@ def hf_baseline_rows(
 
     model = hf_model(name, dtype=dtype, device=device, seed=seed)
     vocab = model.config.vocab_size
-    impl = dict(
-        attn_implementation=getattr(model.config, "_attn_implementation", None),
-        experts_implementation=getattr(model.config, "_experts_implementation", None),
-        transformers=transformers.__version__,
-    )
+    impl = dict(attn_implementation=getattr(model.config, "_attn_implementation", None),
+                experts_implementation=getattr(model.config, "_experts_implementation", None),
+                transformers=transformers.__version__)  # fmt: skip
     rows = []
     try:
         for scenario in scenarios:

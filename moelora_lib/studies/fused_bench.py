@@ -33,16 +33,6 @@ TOTAL_TARGETS = {"ends": 1.5, "mid": 1.15, "never_slower": 1.0}
 LORA_SHARE_MAX, BASE_FLOOR_DECODE, BASE_FLOOR_PREFILL = 0.10, 1.25, 1.5
 
 
-def lora_target(T: int) -> float:
-    """The LoRA-part target at T (vLLM's best ÷ ours): 2.5× at T ≤ 64, 2× above."""
-    return next(x for hi, x in LORA_TARGETS if T <= hi)
-
-
-def total_target(T: int) -> float:
-    """The whole-layer target at T (vLLM ÷ ours): 1.5× at T = 1 and T ≥ 1600, 1.15× in between."""
-    return TOTAL_TARGETS["ends"] if T == 1 or T >= 1600 else TOTAL_TARGETS["mid"]
-
-
 def check_point(stage: str, inp, *, model: str, pattern: str, variant: str) -> list[dict[str, Any]]:
     """Checks of one layer call of ``stage`` on ``inp`` (MoELoRAInputs), one row per ``check`` with rel_err
     (max|out − ref| / max|ref|) and tol: ``layer_vs_reference`` (fp32 reference; plus no_adapter_rows,
@@ -236,12 +226,9 @@ def bench_levers(
 
     levers = list(LEVERS) if levers is None else [levers] if isinstance(levers, str) else levers
     if not isinstance(levers, (list, tuple)) or not levers or len(set(levers)) != len(levers):
-        raise ValueError(
-            f"levers must be a lever name or a non-empty list of distinct names of {list(LEVERS)}, "
-            f"got {levers!r}"
-        )
-    bad = [lv for lv in levers if lv not in LEVERS]
-    if bad:
+        msg = f"a lever name or a non-empty list of distinct names of {list(LEVERS)}, got {levers!r}"
+        raise ValueError(f"levers must be {msg}")
+    if bad := [lv for lv in levers if lv not in LEVERS]:
         raise ValueError(f"levers must be names of {list(LEVERS)}, got {bad}")
     if not isinstance(T, int) or isinstance(T, bool) or T < 1:
         raise ValueError(f"T must be an int >= 1, got {T!r}")
@@ -254,13 +241,11 @@ def bench_levers(
         cfg = STAGES[stage].config_for(dims)
         if how != "stage_cfg":
             cfg = fused_default_config(dims) if how == "default" else cfg.deterministic()
-        for r in mb.bench_layer(
-            stage, sh, T, rank=rank, num_adapters=num_adapters, weights=weights, seed=seed,
-            activation="silu", bias=False, dtype=dtype, device=device, parts=parts, warmup_ms=warmup_ms,
-            rep_ms=rep_ms, config=cfg, adapter_order=order,
-        ):  # fmt: skip
-            r.update(lever=lv, variant="as_anchor")
-            rows.append(r)
+        rows += [dict(r, lever=lv, variant="as_anchor") for r in mb.bench_layer(
+            stage, sh, T, rank=rank, num_adapters=num_adapters, weights=weights, seed=seed, activation="silu",
+            bias=False, dtype=dtype, device=device, parts=parts, warmup_ms=warmup_ms, rep_ms=rep_ms,
+            config=cfg, adapter_order=order,
+        )]  # fmt: skip
     return rows
 
 
@@ -358,10 +343,10 @@ def targets_table(df, anchors, *, stage: str = STAGE, baseline: str = BASELINE):
     T = t["T"].astype(int)
     t["lora_x"] = _ratio(t.vllm_lora_best_us, t.lora_us)
     t["lora_x_low"] = _ratio(t.vllm_lora_best_us, t.lora_hi_us)
-    t["lora_target"] = [lora_target(int(x)) for x in T]
+    t["lora_target"] = [next(x for hi, x in LORA_TARGETS if T_ <= hi) for T_ in T]
     t["met_lora"] = t.lora_x >= t.lora_target
     t["total_x"] = t.vllm_total_best_us / t.total_us
-    t["total_target"] = [total_target(int(x)) for x in T]
+    t["total_target"] = [TOTAL_TARGETS["ends"] if T_ == 1 or T_ >= 1600 else TOTAL_TARGETS["mid"] for T_ in T]
     t["met_total"] = t.total_x >= t.total_target
     t["met_never_slower"] = t.total_x >= TOTAL_TARGETS["never_slower"]
     t["lora_share"] = t.lora_us / t.base_us
@@ -488,13 +473,10 @@ class RegisterReport:
             result = self._future.result(timeout=timeout)
         except Exception as e:  # noqa: BLE001 - a timeout or the child's failure, reported the same way
             raise RuntimeError(f"register report failed: {type(e).__name__}: {e}") from e
-        rows = []
-        for m, rep in zip(self.models, result):
-            for op, r in rep.items():
-                if isinstance(r, dict) and "res" in r:
-                    rows += [
-                        dict(model=m, op=op, T=int(T), REG=int(v["REG"]), LOCAL=int(v["LOCAL"]), cfg=v["cfg"],
-                             binaries=int(r["hashes"]))
-                        for T, v in r["res"].items()
-                    ]  # fmt: skip
-        return rows
+        return [
+            dict(model=m, op=op, T=int(T), REG=int(v["REG"]), LOCAL=int(v["LOCAL"]), cfg=v["cfg"],
+                 binaries=int(r["hashes"]))
+            for m, rep in zip(self.models, result)
+            for op, r in rep.items() if isinstance(r, dict) and "res" in r
+            for T, v in r["res"].items()
+        ]  # fmt: skip

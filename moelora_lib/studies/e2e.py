@@ -366,8 +366,10 @@ _SCOPE = "e2e::"
 
 
 def _category(scopes: list[str], kernel: str) -> str:
-    """Category of one kernel (or CPU op) given the e2e scopes around it, innermost first. In a LoRALinear
-    ("proj") F.linear is the base; its token->adapter alignment serves only the LoRA."""
+    """Category of one kernel (or CPU op) from the e2e scopes around it, innermost first: LoRA shrink/expand
+    and a LoRALinear's ("proj") alignment "lora"; the rest of a LoRALinear (its F.linear) "attn_proj_base"
+    inside attention, else "mlp_base"; attention's other kernels "attention"; the MLP block's (router,
+    routing, alignment, expert GEMMs) "mlp_base"; outside every scope "other"."""
     inner = scopes[0] if scopes else None
     if _LORA_KERNEL.search(kernel) or (inner == "proj" and _ALIGN_KERNEL.search(kernel)):
         return "lora"
@@ -411,12 +413,9 @@ def _attribute(events, *, cuda: bool, moe: bool) -> dict[str, float]:
                 totals[_category(_scopes(e), k.name)] += k.duration
                 linked[(k.name, round(k.duration, 3))] += 1
     for e in events if cuda else ():  # device activities the profiler did not link to an op: by name
-        if (
-            e.device_type == DeviceType.CPU
-            or getattr(e, "is_user_annotation", False)
-            or e.name.startswith(_SCOPE)
-        ):
-            continue  # the scopes' own GPU spans are not kernels
+        scope = getattr(e, "is_user_annotation", False) or e.name.startswith(_SCOPE)  # the scopes' own spans
+        if e.device_type == DeviceType.CPU or scope:
+            continue
         key = (e.name, round(e.time_range.elapsed_us(), 3))
         if linked[key]:
             linked[key] -= 1
@@ -428,12 +427,10 @@ def _attribute(events, *, cuda: bool, moe: bool) -> dict[str, float]:
 def step_breakdown(
     model: MultiLoRAModel, *, batch: int, adapters: Sequence[int | None], position: int, steps: int = 3
 ) -> dict[str, float]:
-    """µs per decode step by :data:`CATEGORIES` and ``kernel_sum``, ``torch.profiler`` over ``steps`` eager
-    decode steps of ``batch`` rows at cache ``position`` (after one unprofiled step). Scopes on attention
-    blocks, MLP blocks and LoRALinear modules attribute each kernel: LoRA shrink/expand (and a LoRALinear's
-    alignment) "lora"; a LoRALinear's base GEMM "attn_proj_base" in attention, else "mlp_base"; attention's
-    other kernels "attention"; the MLP's router, routing, alignment, expert GEMMs "mlp_base"; outside every
-    scope "other"; unlinked kernels by name, else "unattributed". GPU: device time; CPU: self CPU time."""
+    """µs per decode step by :data:`CATEGORIES` and ``kernel_sum``: ``torch.profiler`` over ``steps`` eager
+    decode steps of ``batch`` rows at cache ``position`` (after one unprofiled step), each kernel attributed
+    through scopes on the attention blocks, MLP blocks and LoRALinear modules (:func:`_category`), unlinked
+    ones by name. GPU: device time; CPU: self CPU time."""
     from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity, profile
 
@@ -452,8 +449,7 @@ def step_breakdown(
     handles = []
     labels = ((Attention, "attention"), ((MoEBlock, DenseMLP), "mlp"), (LoRALinear, "proj"))
     for m in model.modules():
-        label = next((lab for cls, lab in labels if isinstance(m, cls)), None)
-        if label:
+        if label := next((lab for cls, lab in labels if isinstance(m, cls)), None):
             handles += [m.register_forward_pre_hook(pre(label)), m.register_forward_hook(post)]
     g = torch.Generator().manual_seed(batch)
     ids = torch.randint(0, model.config.vocab_size, (batch, 1), generator=g).to(dev)
@@ -679,8 +675,6 @@ HEADLINE = "gpt-oss-20b"
 def summary_table(gen, *, final: str = "tuned"):
     """Per (model, concurrency) of our stage ``final``: base and adapters_mixed side by side (TTFT mean,
     OTPS per request and aggregate, median step), ``ratio`` / ``ratio_aggregate`` = mixed ÷ base OTPS."""
-    import pandas as pd
-
     ours = gen[(gen.impl == "moelora") & (gen.stage == final)]
     cols = ["ttft_ms_mean", "otps_per_request", "otps_aggregate", "step_ms_p50"]
     wide = ours.pivot_table(index=["model", "concurrency"], columns="scenario", values=cols, sort=False)
@@ -689,7 +683,7 @@ def summary_table(gen, *, final: str = "tuned"):
     if {"base_otps_per_request", "adapters_mixed_otps_per_request"} <= set(wide.columns):
         wide["ratio"] = wide.adapters_mixed_otps_per_request / wide.base_otps_per_request
         wide["ratio_aggregate"] = wide.adapters_mixed_otps_aggregate / wide.base_otps_aggregate
-    return pd.DataFrame(wide)
+    return wide
 
 
 def targets_table(gen, recompile, *, headline: str = HEADLINE, final: str = "tuned"):

@@ -330,10 +330,8 @@ def targets_table(df, anchors, *, stage: str = STAGE, baseline: str = BASELINE):
 
     lt = layer_table(df)
     ours = lt[lt.stage == stage].drop(columns="stage")
-    ref = lt[lt.stage == baseline][["model", "T", "base", "total", "lora", "lora_measured"]].rename(
-        columns=dict(base="tuned_base_us", total="tuned_total_us", lora="tuned_lora_derived_us",
-                     lora_measured="tuned_lora_us")
-    )  # fmt: skip
+    ref = lt[lt.stage == baseline][["model", "T", "base", "total", "lora", "lora_measured"]]
+    ref.columns = ["model", "T", "tuned_base_us", "tuned_total_us", "tuned_lora_derived_us", "tuned_lora_us"]
     a = anchors[["model", "T", "base_us", "lora_best_us", "total_best_us"]]
     a = a.rename(columns={c: f"vllm_{c}" for c in ("base_us", "lora_best_us", "total_best_us")})
     t = ours.drop(columns="lora_measured")
@@ -353,10 +351,8 @@ def targets_table(df, anchors, *, stage: str = STAGE, baseline: str = BASELINE):
     share = [(x <= LORA_SHARE_MAX) if T_ <= 64 else None for T_, x in zip(T, t.lora_share)]
     t["met_lora_share"] = pd.Series(share, index=t.index, dtype=object)
     t["base_over_floor"] = t.base_us / t.base_floor_us
-    floor = [
-        (x <= BASE_FLOOR_DECODE) if T_ <= 64 else (x <= BASE_FLOOR_PREFILL) if T_ >= 1600 else None
-        for T_, x in zip(T, t.base_over_floor)
-    ]
+    lim = [BASE_FLOOR_DECODE if T_ <= 64 else BASE_FLOOR_PREFILL if T_ >= 1600 else None for T_ in T]
+    floor = [None if m is None else x <= m for m, x in zip(lim, t.base_over_floor)]
     t["met_base_floor"] = pd.Series(floor, index=t.index, dtype=object)
     t["tuned_lora_x"] = _ratio(t.vllm_lora_best_us, t.tuned_lora_us)
     t["tuned_total_x"] = t.vllm_total_best_us / t.tuned_total_us
@@ -372,13 +368,12 @@ def cumulative_with(cumulative, df, *, stage: str = STAGE, baseline: str = BASEL
     alone), on the (model, T, part) rows that this run also measured."""
     lt = layer_table(df)
     out = cumulative.drop(columns=[c for c in ("run",) if c in cumulative]).copy()
+    keys = [(p, (m, int(T))) for m, T, p in zip(out.model, out["T"], out.part)]
     for st, label in ((baseline, f"{baseline} (this run)"), (stage, f"{stage} (this run)")):
         s = lt[lt.stage == st].set_index(["model", "T"])
         lora = s.lora_measured if st == baseline else s.lora
         vals = {("lora", k): v for k, v in lora.items()} | {("total", k): v for k, v in s.total.items()}
-        out[label] = [
-            vals.get((p, (m, int(T))), float("nan")) for m, T, p in zip(out.model, out["T"], out.part)
-        ]
+        out[label] = [vals.get(k, float("nan")) for k in keys]
     return out[out[f"{stage} (this run)"].notna()].reset_index(drop=True)
 
 

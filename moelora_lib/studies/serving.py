@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -294,45 +294,37 @@ def _misaligned(t: torch.Tensor) -> torch.Tensor:
 LAUNCH_SITES = {"fused_moe": 2, "lora_shrink": 2, "lora_expand": 2, "gated_act": 1}
 
 
-def alignment_settings(layer: MoELoRALayer, cfg, lengths: Sequence[int]) -> dict[str, int]:
-    """Distinct constexpr settings of each alignment kernel over ``lengths`` (launch args built on CPU ids;
-    nothing launched)."""
-    from ..kernels.align import align_launch_args
-    from ..kernels.align_small import pair_launch_args, use_pair_path
-
-    seen: dict[str, set] = {}
-
-    def add(kernel, constexprs):
-        seen.setdefault(kernel, set()).add(tuple(sorted(constexprs.items())))
-
-    c = layer.stage.adapt(cfg)
-    for T in lengths:
-        ti = torch.zeros((T, layer.K), dtype=torch.int32)
-        li = torch.zeros((T,), dtype=torch.int32)
-        if use_pair_path(T * layer.K, layer.E, layer.L):  # what the layer launches at this T
-            *_, pl = pair_launch_args(ti, layer.E, c.base_block_size_m, li, layer.L, c.lora_block_size_m)
-            add("align_small.align_pair_kernel", pl.constexprs)
-            continue
-        for bm, lora in ((c.base_block_size_m, None), (c.lora_block_size_m, li)):
-            _, launches = align_launch_args(ti, layer.E, bm, lora, layer.L if lora is not None else 0)
-            for la in launches:
-                add(f"align.align_{la.name}_kernel", la.constexprs)
-    return {k: len(v) for k, v in seen.items()}
-
-
 def variant_rows(
     shape: MoEShape | str, layer: MoELoRALayer, weights: MoELoRAInputs, *, n_lengths: int = 32, device="cuda"
 ) -> list[dict[str, Any]]:
     """New compiled binaries per kernel over ``n_lengths`` log-spaced T (1..max_tokens) with one fixed config,
     then again with misaligned (offset-view) inputs, beside ``settings``: the distinct compile-time settings
     those lengths call for (one per launch site; the alignment's tile sizes follow T by design)."""
+    from ..kernels.align import align_launch_args
+    from ..kernels.align_small import pair_launch_args, use_pair_path
+
     sh = _shape(shape)
     lengths = list(log_spaced_lengths(n_lengths, 1, layer.max_tokens))
     ly = layer
     d = Dims(T=64, H=ly.H, I=ly.I, E=ly.E, top_k=ly.K, adapters=ly.L, rank=ly.R, slices=ly.S)
     fixed = STAGES[layer.stage.name].config_for(d)
     saved, layer.fixed_config, layer._configs = layer.fixed_config, fixed, {}
-    settings = alignment_settings(layer, fixed, lengths)
+    seen: dict[str, set] = {}  # each alignment kernel's constexpr settings (launch args from CPU ids)
+
+    def add(kernel, constexprs):
+        seen.setdefault(kernel, set()).add(tuple(sorted(constexprs.items())))
+
+    c = layer.stage.adapt(fixed)
+    for T in lengths:
+        ti, li = torch.zeros((T, layer.K), dtype=torch.int32), torch.zeros((T,), dtype=torch.int32)
+        if use_pair_path(T * layer.K, layer.E, layer.L):  # what the layer launches at this T
+            *_, pl = pair_launch_args(ti, layer.E, c.base_block_size_m, li, layer.L, c.lora_block_size_m)
+            add("align_small.align_pair_kernel", pl.constexprs)
+            continue
+        for bm, lora in ((c.base_block_size_m, None), (c.lora_block_size_m, li)):
+            for la in align_launch_args(ti, layer.E, bm, lora, layer.L if lora is not None else 0)[1]:
+                add(f"align.align_{la.name}_kernel", la.constexprs)
+    settings = {k: len(v) for k, v in seen.items()}
     try:
         before = jit_cache_sizes()
         for T in lengths:

@@ -1,11 +1,8 @@
-"""Notebook 11's measurements (rows for ``data/11_*.csv``): multi-adapter generation of whole models with
-random weights at the real dimensions (TTFT, output tokens/s), adapter loading from PEFT files, the first
-request at a new prompt length, a decode step's GPU time by category, transformers + PEFT on the same
-device, the bytes/FLOPs floors and the targets. The CPU profile runs tiny configs through the interpreter.
-
-TTFT = call start -> the request's first token on the host; OTPS per request = (tokens − 1) / (last token −
-first token); aggregate OTPS = all output tokens / the whole call. Greedy, no eos.
-"""
+"""Notebook 11's measurements (rows for ``data/11_*.csv``): generation of whole models with random weights
+at the real dimensions and multiple adapters, adapter loading, recompilation, a decode step by category,
+transformers + PEFT, the bytes/FLOPs floors and the targets. TTFT = call start -> the request's first token
+on the host; OTPS per request = (tokens − 1) / (last token − first token); aggregate OTPS = all output
+tokens / the whole call. Greedy, no eos."""
 
 from __future__ import annotations
 
@@ -45,11 +42,9 @@ CATEGORIES = ("attention", "attn_proj_base", "mlp_base", "lora", "other", "unatt
 _COMMON = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=2)
 _QWEN = dict(_COMMON, intermediate_size=96, max_window_layers=2, bos_token_id=125, eos_token_id=126)
 _TINY_SIZES = {
-    "gpt_oss": dict(
-        _COMMON, intermediate_size=32, layer_types=["sliding_attention", "full_attention"],
-        num_local_experts=4, num_experts_per_tok=2, experts_per_token=2, vocab_size=128, sliding_window=8,
-        pad_token_id=127, eos_token_id=126,
-    ),
+    "gpt_oss": dict(_COMMON, intermediate_size=32, layer_types=["sliding_attention", "full_attention"],
+                    num_local_experts=4, num_experts_per_tok=2, experts_per_token=2, vocab_size=128,
+                    sliding_window=8, pad_token_id=127, eos_token_id=126),
     "qwen3_moe": dict(_QWEN, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, vocab_size=128),
     "qwen3": dict(_QWEN, vocab_size=128),
 }  # fmt: skip
@@ -526,8 +521,7 @@ def hf_generate(model, prompt: Sequence[int], new_tokens: int, device):
         kw_name = "past_key_values"
 
     def cache_of(out):
-        cache = getattr(out, "cache", None)
-        return cache if cache is not None else out.past_key_values
+        return out.cache if getattr(out, "cache", None) is not None else out.past_key_values
 
     _sync(dev)
     t0 = time.perf_counter()
@@ -569,11 +563,10 @@ def hf_baseline_rows(
     import transformers
 
     model = hf_model(name, dtype=dtype, device=device, seed=seed)
-    vocab = model.config.vocab_size
+    vocab, rows = model.config.vocab_size, []
     impl = dict(attn_implementation=getattr(model.config, "_attn_implementation", None),
                 experts_implementation=getattr(model.config, "_experts_implementation", None),
                 transformers=transformers.__version__)  # fmt: skip
-    rows = []
     try:
         for scenario in scenarios:
             if scenario == "transformers_peft":
@@ -623,8 +616,7 @@ def decode_floor(
     c = model_config(name)
     H, Lyr, r = c.hidden_size, c.num_hidden_layers, rank
     per_layer = float(H * (c.q_width + 2 * c.kv_width) + c.q_width * H)
-    lora = 0.0
-    lora_attn = r * (H * 3 + c.q_width + 2 * c.kv_width) + r * (c.q_width + H)
+    lora, lora_attn = 0.0, r * (H * 3 + c.q_width + 2 * c.kv_width) + r * (c.q_width + H)
     if c.is_moe:
         E, K, I = c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size
         per_layer += _expected_distinct(K, batch, E) * (3 * H * I) + E * H

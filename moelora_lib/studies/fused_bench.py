@@ -1,9 +1,7 @@
-"""Notebook 12's measurements of stage ``fused`` beside stage ``tuned`` and vLLM's figures.
-
-Stage ``fused`` runs the LoRA expands inside the base GEMMs, so both stages are timed as whole layer and
-base part (:func:`.moe_bench.bench_layer`) and LoRA = whole − base (:func:`layer_table`).
-Units: µs; FLOPs 2 per multiply-add; bytes read + written; P = T·K pairs.
-"""
+"""Notebook 12's measurements of stage ``fused`` beside stage ``tuned`` and vLLM's figures. ``fused`` runs
+the LoRA expands inside the base GEMMs, so both stages are timed as whole layer and base part
+(:func:`.moe_bench.bench_layer`) and LoRA = whole − base (:func:`layer_table`).
+Units: µs; FLOPs 2 per multiply-add; bytes read + written; P = T·K pairs."""
 
 from __future__ import annotations
 
@@ -42,9 +40,8 @@ def check_point(stage: str, inp, *, model: str, pattern: str, variant: str) -> l
     run = mb.make_run(stage, inp)
     out, base, again = run().clone(), run.base_part().clone(), run().clone()
     ref = moe_lora_reference(*inp.args(), **inp.kwargs())
-    args = list(inp.args())
-    args[5] = torch.full_like(inp.lora_ids, -1)
-    ref_base = moe_lora_reference(*args, **inp.kwargs())
+    a = inp.args()  # every adapter id -1: the base part
+    ref_base = moe_lora_reference(*a[:5], torch.full_like(inp.lora_ids, -1), *a[6:], **inp.kwargs())
     none = inp.lora_ids == -1
     bitwise = bool(torch.equal(out[none], base[none])) if bool(none.any()) else True
     delta_rel = float((ref - ref_base).abs().max() / ref.abs().max().clamp_min(1e-30))
@@ -184,14 +181,11 @@ def bench_fused_ops(
     :func:`.moe_bench.bench_layer`'s form (part = the op) with :func:`fused_op_costs`."""
     from ..kernels.stages import FUSED_CONFIG_FIELD, FUSED_LAUNCH_OPS
 
-    device = run.x.device
+    device, d, rows = run.x.device, run.dims, []
     mode = "cpu-interpreter" if device.type == "cpu" else "graph"
     costs = fused_op_costs(run, model, topk_ids, lora_ids)
-    d = run.dims
-    rows = []
     for op in FUSED_LAUNCH_OPS:
-        tm = bench.time_fn(run.op_fn(op), mode, device, warmup_ms, rep_ms)
-        c = costs[op]
+        tm, c = bench.time_fn(run.op_fn(op), mode, device, warmup_ms, rep_ms), costs[op]
         rows.append(bench.result_row(
             stage=run.stage.name, model=model, T=d.T, H=d.H, I=d.I, E=d.E, K=d.top_k, L=d.adapters, R=d.rank,
             S=d.slices, dtype=dtype_name(run.x.dtype), activation=run.activation, bias=run.b13 is not None,
@@ -318,14 +312,13 @@ def _ratio(num, den):
 
 def targets_table(df, anchors, *, stage: str = STAGE, baseline: str = BASELINE):
     """The targets of ``stage`` per (model, T) of both ``df`` (``12_fused.csv`` rows) and ``anchors``
-    (:func:`.moe_bench.anchor_table`, vLLM on the H200), with ``baseline`` beside it.
-    Columns: ``base_us``, ``lora_us`` (total − base) with ``lora_lo_us``/``lora_hi_us``, ``total_us``,
-    ``base_floor_us``; ``vllm_base_us``, ``vllm_lora_best_us``, ``vllm_total_best_us``; ``lora_x`` = vLLM ÷
-    ours (inf where the LoRA part is ≤ 0), ``lora_x_low``, ``lora_target``, ``met_lora``; ``total_x``,
-    ``total_target``, ``met_total``, ``met_never_slower``; ``lora_share``/``met_lora_share`` (T ≤ 64),
-    ``base_over_floor``/``met_base_floor`` (T ≤ 64, T ≥ 1600); the baseline's ``tuned_base_us``,
-    ``tuned_lora_us`` (LoRA launches alone), ``tuned_lora_derived_us``, ``tuned_total_us``,
-    ``tuned_lora_x``, ``tuned_total_x``; ``speedup_total``/``_base``/``_lora`` = baseline ÷ stage."""
+    (:func:`.moe_bench.anchor_table`, vLLM on the H200), ``baseline`` beside it. Columns: base_us, lora_us
+    (total − base) with lora_lo_us/lora_hi_us, total_us, base_floor_us; vllm_base_us, vllm_lora_best_us,
+    vllm_total_best_us; lora_x = vLLM ÷ ours (inf where the LoRA part is ≤ 0), lora_x_low, lora_target,
+    met_lora; total_x, total_target, met_total, met_never_slower; lora_share/met_lora_share (T ≤ 64),
+    base_over_floor/met_base_floor (T ≤ 64, T ≥ 1600); the baseline's tuned_base_us, tuned_lora_us (LoRA
+    launches alone), tuned_lora_derived_us, tuned_total_us, tuned_lora_x, tuned_total_x; speedup_total,
+    speedup_base, speedup_lora = baseline ÷ stage."""
     import pandas as pd
 
     lt = layer_table(df)
@@ -416,12 +409,9 @@ def graph_timeline(run, *, model: str, replays: int = 5) -> list[dict[str, Any]]
         for _ in range(replays):
             graph.replay()
             torch.cuda.synchronize()
-    events = [
-        (e.name(), int(e.start_ns()), int(e.duration_ns()))
-        for e in prof.profiler.kineto_results.events()
-        if str(e.device_type()).endswith("CUDA") and not e.is_user_annotation()
-        and not e.name().lower().startswith("memcpy")
-    ]  # fmt: skip
+    dev = [e for e in prof.profiler.kineto_results.events() if str(e.device_type()).endswith("CUDA")]
+    events = [(e.name(), int(e.start_ns()), int(e.duration_ns())) for e in dev
+              if not e.is_user_annotation() and not e.name().lower().startswith("memcpy")]  # fmt: skip
     del graph
     if not events:
         raise RuntimeError("graph_timeline: the profiler recorded no device activity in the replays")

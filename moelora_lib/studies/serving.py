@@ -90,8 +90,7 @@ def align_rows(
     if N <= SMALL_MAX_PAIRS and (L + 1) * E <= MAX_GROUPS:
         ws_p = pair_workspace(N, E, bmb, L, bml, device=device)
         impls["triton_one_launch"] = lambda: align_tokens_pair(ti, E, bmb, li, L, bml, out=ws_p)
-    ref = impls["torch"]()
-    rows = []
+    ref, rows = impls["torch"](), []
     for name, fn in impls.items():
         same = all(alignments_equal(r, g) for r, g in zip(ref, fn()))
         tm = bench.time_fn(fn, "graph", device, warmup_ms, rep_ms)
@@ -177,9 +176,8 @@ def host_breakdown_rows(
     sh = _shape(shape)
     L, S, R = inp.lora_a13.shape[0], inp.lora_a13.shape[2], inp.lora_a13.shape[3]
     dims = Dims.of(sh, T, rank=R, adapters=L, slices=S)
-    st = STAGES[stage]
+    st, cuda = STAGES[stage], torch.device(device).type == "cuda"
     cfg = st.adapt(raw_cfg := st.config_for(dims))
-    cuda = torch.device(device).type == "cuda"
     bounds = id_bounds_triton if cuda else id_value_bounds
     pinned = torch.empty(4, dtype=torch.int64, pin_memory=cuda)
     run = make_layer_run(*inp.args(), **inp.kwargs(), stage=stage, check_values=False)
@@ -205,11 +203,9 @@ def _short_path(file: str) -> str:
     ``python/<name>`` for the standard library, built-ins (``~``, ``<string>``) as they are."""
     if file.startswith(("~", "<")):
         return file
-    for marker in ("site-packages/", "dist-packages/"):
+    for marker, keep in (("site-packages/", ""), ("dist-packages/", ""), ("moelora_lib/", "moelora_lib/")):
         if marker in file:
-            return file.split(marker, 1)[1]
-    if "moelora_lib/" in file:
-        return "moelora_lib/" + file.rsplit("moelora_lib/", 1)[1]
+            return keep + file.rpartition(marker)[2]
     return "python/" + file.replace("\\", "/").rsplit("/", 1)[-1]
 
 
@@ -358,8 +354,7 @@ def memory_rows(
 ) -> list[dict[str, Any]]:
     """The module's bytes by kind (``memory_report``) and ``forward_temporaries``: the peak of temporaries one
     forward at ``inp``'s T allocates (GPU: max allocated above the memory in use before; CPU: None)."""
-    sh = _shape(shape)
-    T = inp.hidden_states.shape[0]
+    sh, T = _shape(shape), inp.hidden_states.shape[0]
     layer(inp.hidden_states, inp.router_logits, lora_ids=inp.lora_ids)  # workspaces allocated
     temp = None
     if torch.device(device).type == "cuda":

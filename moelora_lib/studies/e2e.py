@@ -188,8 +188,7 @@ def load_random_adapter(model: MultiLoRAModel, slot: int, *, rank: int, alpha: f
     for layer in model.layers:
         dense(layer.self_attn.qkv_proj)
         dense(layer.self_attn.o_proj)
-        mlp = layer.mlp
-        if hasattr(mlp, "experts"):
+        if hasattr(mlp := layer.mlp, "experts"):
             x = mlp.experts
             gate_up = (rnd(x.E, x.S, rank, x.H), rnd(x.E, x.S, 2 * x.I // x.S, rank))
             x.load_adapter(slot, gate_up=gate_up, down=(rnd(x.E, rank, x.I), rnd(x.E, x.H, rank)), scaling=s)
@@ -240,8 +239,7 @@ def load_adapters(
 
 def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     """``n`` random prompts of ``length`` token ids in [0, vocab) (seeded, on the host)."""
-    g = torch.Generator().manual_seed(int(seed))
-    return torch.randint(0, vocab, (n, length), generator=g).tolist()
+    return torch.randint(0, vocab, (n, length), generator=torch.Generator().manual_seed(int(seed))).tolist()
 
 
 def adapter_slots(scenario: str, n: int, num_adapters: int) -> list[int | None]:

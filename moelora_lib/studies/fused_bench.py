@@ -145,9 +145,8 @@ def launch_rows(run, *, model: str, profile_gpu: bool) -> list[dict[str, Any]]:
                 p = profiled_launches(fn)
             except Exception as e:  # noqa: BLE001 - a profiler failure must not stop the measurements
                 p = dict(error=f"{type(e).__name__}: {e}"[:200])
-            nan = float("nan")
-            row.update(profiled_kernels=p.get("kernels", nan), profiled_memsets=p.get("memsets", nan),
-                       profiled_names=p.get("names", ""), profiled_error=p.get("error", ""))  # fmt: skip
+            missing = dict(kernels=float("nan"), memsets=float("nan"), names="", error="")
+            row.update({f"profiled_{k}": p.get(k, v) for k, v in missing.items()})
         rows.append(bench.result_row(**row))
     return rows
 
@@ -422,14 +421,10 @@ def graph_timeline(run, *, model: str, replays: int = 5) -> list[dict[str, Any]]
 def timeline_table(tl_df):
     """Per (model, T, stage), medians over replays of kernels (per replay), span_us, busy_us (sum of device
     times), gaps_us (sum of positive gaps) and gap_share (gaps_us / span_us)."""
-    g = tl_df.assign(pos_gap=tl_df.gap_us.clip(lower=0))
-    per = (
-        g.groupby(["model", "T", "stage", "replay"])
-        .agg(kernels=("seq", "size"), span_us=("span_us", "first"), busy_us=("dur_us", "sum"),
-             gaps_us=("pos_gap", "sum"))
-        .reset_index()
-    )  # fmt: skip
-    out = per.groupby(["model", "T", "stage"])[["kernels", "span_us", "busy_us", "gaps_us"]].median()
+    g, keys = tl_df.assign(pos_gap=tl_df.gap_us.clip(lower=0)), ["model", "T", "stage"]
+    per = g.groupby([*keys, "replay"]).agg(kernels=("seq", "size"), span_us=("span_us", "first"),
+                                           busy_us=("dur_us", "sum"), gaps_us=("pos_gap", "sum"))  # fmt: skip
+    out = per.reset_index().groupby(keys)[["kernels", "span_us", "busy_us", "gaps_us"]].median()
     out["gap_share"] = out.gaps_us / out.span_us
     return out.reset_index()
 

@@ -43,9 +43,8 @@ def _sync(device) -> None:
 def alignments_equal(a: Alignment, b: Alignment) -> bool:
     """True when two alignments are bit-identical (ids, block ids, padded length, sizes)."""
     fields = ("sorted_token_ids", "block_expert_ids", "block_lora_ids", "num_tokens_post_padded")
-    return (a.block_size_m, a.num_pairs) == (b.block_size_m, b.num_pairs) and all(
-        torch.equal(getattr(a, f).cpu(), getattr(b, f).cpu()) for f in fields
-    )
+    same = (a.block_size_m, a.num_pairs) == (b.block_size_m, b.num_pairs)
+    return same and all(torch.equal(getattr(a, f).cpu(), getattr(b, f).cpu()) for f in fields)
 
 
 def _shape(shape: MoEShape | str) -> MoEShape:
@@ -57,10 +56,8 @@ WARMUP_MS, REP_MS = 25, 100
 
 
 def _row(shape: MoEShape, T: int, tm: bench.Timing, **fields) -> dict[str, Any]:
-    return bench.result_row(
-        model=shape.name, T=T, mode=tm.mode, us_p50=tm.ms_p50 * 1e3, us_p20=tm.ms_p20 * 1e3,
-        us_p80=tm.ms_p80 * 1e3, **fields,
-    )  # fmt: skip
+    us = dict(us_p50=tm.ms_p50 * 1e3, us_p20=tm.ms_p20 * 1e3, us_p80=tm.ms_p80 * 1e3)
+    return bench.result_row(model=shape.name, T=T, mode=tm.mode, **us, **fields)
 
 
 def align_rows(
@@ -270,8 +267,7 @@ def jit_cache_sizes(device: int | None = None) -> dict[str, int]:
     jits = {name: flav[False] for name, flav in KERNELS.items()}
     for mod_name in ("align", "align_small", "route", "id_bounds", "topk_reduce"):
         mod = importlib.import_module(f"moelora_lib.kernels.{mod_name}")
-        for name in dir(mod):
-            obj = getattr(mod, name)
+        for name, obj in ((n, getattr(mod, n)) for n in dir(mod)):
             if hasattr(obj, "device_caches") or type(obj).__name__ in ("JITFunction", "InterpretedFunction"):
                 jits[f"{mod_name}.{name.strip('_')}"] = obj
     if not torch.cuda.is_available():

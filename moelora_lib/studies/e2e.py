@@ -1,17 +1,8 @@
-"""Notebook 11's measurements: multi-adapter generation of whole models (TTFT, output tokens/s).
-
-Rows for ``data/11_*.csv`` (through :func:`moelora_lib.studies.bench.result_row`): generation runs of
-:class:`~moelora_lib.model.generate.Generator` (:func:`run_generation`), adapter loading from PEFT files
-(:func:`load_adapters`), the first request at a new prompt length (:func:`recompile_rows`), where a decode
-step's GPU time goes (:func:`step_breakdown`), and transformers + PEFT on the same device
-(:func:`hf_baseline_rows`); plus the bytes/FLOPs floors (:func:`decode_floor`, :func:`prefill_floor`) and
-the targets (:func:`targets_table`). Models have random weights at the real dimensions (speed depends only
-on the shapes); the CPU profile runs tiny configs of each kind through the Triton interpreter.
-
-Definitions (:class:`~moelora_lib.model.generate.GenerationResult`): TTFT = call start -> the request's
-first token on the host; OTPS per request = (tokens − 1) / (last token − first token); aggregate OTPS = all
-output tokens / the whole call. Greedy, no eos: every request makes ``new_tokens`` tokens.
-"""
+"""Notebook 11's measurements (rows for ``data/11_*.csv``): generation of whole models with random weights
+at the real dimensions and multiple adapters, adapter loading, recompilation, a decode step by category,
+transformers + PEFT, the bytes/FLOPs floors and the targets. TTFT = call start -> the request's first token
+on the host; OTPS per request = (tokens − 1) / (last token − first token); aggregate OTPS = all output
+tokens / the whole call. Greedy, no eos."""
 
 from __future__ import annotations
 
@@ -51,11 +42,9 @@ CATEGORIES = ("attention", "attn_proj_base", "mlp_base", "lora", "other", "unatt
 _COMMON = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=2)
 _QWEN = dict(_COMMON, intermediate_size=96, max_window_layers=2, bos_token_id=125, eos_token_id=126)
 _TINY_SIZES = {
-    "gpt_oss": dict(
-        _COMMON, intermediate_size=32, layer_types=["sliding_attention", "full_attention"],
-        num_local_experts=4, num_experts_per_tok=2, experts_per_token=2, vocab_size=128, sliding_window=8,
-        pad_token_id=127, eos_token_id=126,
-    ),
+    "gpt_oss": dict(_COMMON, intermediate_size=32, layer_types=["sliding_attention", "full_attention"],
+                    num_local_experts=4, num_experts_per_tok=2, experts_per_token=2, vocab_size=128,
+                    sliding_window=8, pad_token_id=127, eos_token_id=126),
     "qwen3_moe": dict(_QWEN, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, vocab_size=128),
     "qwen3": dict(_QWEN, vocab_size=128),
 }  # fmt: skip
@@ -63,8 +52,8 @@ _TINY_OF = {"tiny-gpt-oss": "gpt-oss-20b", "tiny-qwen3-moe": "qwen3-30b-a3b", "t
 
 
 def config_dict(name: str) -> dict:
-    """A fresh config.json dict of ``name``: a :data:`MODELS` name or a :data:`TINY_MODELS` value (the real
-    file with small sizes). Raises ValueError for an unknown name."""
+    """A fresh config.json dict of a :data:`MODELS` name or a :data:`TINY_MODELS` value (the real file with
+    small sizes). Raises ValueError for an unknown name."""
     if name in REAL_CONFIGS:
         return REAL_CONFIGS[name]
     if name in _TINY_OF:
@@ -81,9 +70,8 @@ def model_config(name: str) -> ModelConfig:
 
 
 def build_model(name: str, *, stage: str = "tuned", seed: int = 0, **sizes) -> MultiLoRAModel:
-    """A random-weight :class:`~moelora_lib.model.MultiLoRAModel` of ``name`` built on the device, no adapter
-    loaded. ``sizes``: :func:`~moelora_lib.model.random_model`'s dtype, device, max_batch, max_seq,
-    max_tokens, num_adapters (default 8), max_rank (default 32)."""
+    """A random-weight MultiLoRAModel of ``name``, no adapter loaded. ``sizes``: ``random_model``'s dtype,
+    device, max_batch, max_seq, max_tokens, num_adapters (default 8), max_rank (default 32)."""
     sizes = {"num_adapters": 8, "max_rank": 32, **sizes}
     return random_model(model_config(name), seed=seed, stage=stage, **sizes)
 
@@ -93,9 +81,8 @@ TABLES = ("generation", "breakdown", "recompile", "adapter_load")
 
 
 def write_tables(folder, **rows) -> dict[str, Path]:
-    """Write each of ``rows`` (keyword = a :data:`TABLES` name) to ``<folder>/11_<name>.csv``, replacing
-    the file (called after every model, so a run cut short keeps what it measured). Returns the paths.
-    Raises ValueError for an unknown table name."""
+    """Write each of ``rows`` (keyword = a :data:`TABLES` name) to ``<folder>/11_<name>.csv``, replacing the
+    file; returns the paths. Raises ValueError for an unknown table name."""
     out = {}
     for name, r in rows.items():
         if name not in TABLES:
@@ -105,17 +92,17 @@ def write_tables(folder, **rows) -> dict[str, Path]:
     return out
 
 
-def free_memory(device) -> None:
-    """gc and, on a GPU, ``torch.cuda.empty_cache()`` (between models)."""
-    gc.collect()
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-
-
 def _sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
+
+
+def free_memory(device) -> None:
+    """gc and, on a GPU, ``torch.cuda.empty_cache()`` (between models)."""
+    gc.collect()
+    _sync(device)
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
 
 
 _CLASS = {"gpt_oss": "GptOssForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -130,39 +117,33 @@ def peft_targets(config: ModelConfig) -> tuple[list[str], list[str] | None]:
     return modules + ["gate_proj", "up_proj", "down_proj"], None
 
 
-def _module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(in, out) of each targeted linear module of one layer."""
-    c, H = config, config.hidden_size
-    shapes = {"self_attn.q_proj": (H, c.q_width), "self_attn.k_proj": (H, c.kv_width)}
-    shapes |= {"self_attn.v_proj": (H, c.kv_width), "self_attn.o_proj": (c.q_width, H)}
-    if not c.is_moe:
-        I = c.intermediate_size
-        shapes |= {"mlp.gate_proj": (H, I), "mlp.up_proj": (H, I), "mlp.down_proj": (I, H)}
-    return shapes
+def _normal(seed: int, dtype, device, std: float):
+    """A function drawing N(0, std²) tensors of a given shape from one generator seeded with ``seed``."""
+    g = torch.Generator(device=device)
+    g.manual_seed(int(seed))
+    return lambda *shape: torch.empty(shape, dtype=dtype, device=device).normal_(0.0, std, generator=g)
 
 
 def adapter_tensors(
     config: ModelConfig, *, rank: int, seed: int, dtype: torch.dtype = torch.bfloat16, device="cpu", std=0.02
 ) -> dict[str, torch.Tensor]:
-    """A random rank-``rank`` adapter as PEFT's ``adapter_model.safetensors`` holds it, {key: tensor}.
-
-    Keys ``base_model.model.model.layers.{l}.<module>.lora_{A,B}.weight``: linear modules ``lora_A``
-    [r, in], ``lora_B`` [out, r]; 3-D experts (gate_up is the inner ``mlp.experts.base_layer``, down the
-    outer ``mlp.experts``) ``lora_A`` [E·r, in], ``lora_B`` [out, E·r]. Entries N(0, std²), B nonzero."""
-    g = torch.Generator(device=device)
-    g.manual_seed(int(seed))
-
-    def rnd(*shape):
-        return torch.empty(shape, dtype=dtype, device=device).normal_(0.0, std, generator=g)
-
+    """A random rank-``rank`` adapter as PEFT's ``adapter_model.safetensors`` holds it, {key: tensor}, keys
+    ``base_model.model.model.layers.{l}.<module>.lora_{A,B}.weight``: linear modules A [r, in], B [out, r];
+    3-D experts (gate_up = ``mlp.experts.base_layer``, down = ``mlp.experts``) A [E·r, in], B [out, E·r]."""
+    c, H, rnd = config, config.hidden_size, _normal(seed, dtype, device, std)
+    shapes = {"self_attn.q_proj": (H, c.q_width), "self_attn.k_proj": (H, c.kv_width)}  # (in, out)
+    shapes |= {"self_attn.v_proj": (H, c.kv_width), "self_attn.o_proj": (c.q_width, H)}
+    if not c.is_moe:
+        I = c.intermediate_size
+        shapes |= {"mlp.gate_proj": (H, I), "mlp.up_proj": (H, I), "mlp.down_proj": (I, H)}
     out: dict[str, torch.Tensor] = {}
     for layer in range(config.num_hidden_layers):
         p = f"base_model.model.model.layers.{layer}."
-        for mod, (d_in, d_out) in _module_shapes(config).items():
+        for mod, (d_in, d_out) in shapes.items():
             out[f"{p}{mod}.lora_A.weight"] = rnd(rank, d_in)
             out[f"{p}{mod}.lora_B.weight"] = rnd(d_out, rank)
         if config.is_moe:
-            E, H, I = config.num_experts, config.hidden_size, config.moe_intermediate_size
+            E, I = config.num_experts, config.moe_intermediate_size
             out[f"{p}mlp.experts.base_layer.lora_A.weight"] = rnd(E * rank, H)
             out[f"{p}mlp.experts.base_layer.lora_B.weight"] = rnd(2 * I, E * rank)
             out[f"{p}mlp.experts.lora_A.weight"] = rnd(E * rank, I)
@@ -198,25 +179,16 @@ def write_peft_adapter(
 def load_random_adapter(model: MultiLoRAModel, slot: int, *, rank: int, alpha: float, seed: int, std=0.02):
     """Fill slot ``slot`` of every LoRA module that :func:`peft_targets` covers with random rank-``rank``
     factors drawn on the model's device (scaling alpha / rank)."""
-    dev, dt = model.device, model.dtype
-    g = torch.Generator(device=dev)
-    g.manual_seed(int(seed))
-
-    def rnd(*shape):
-        return torch.empty(shape, dtype=dt, device=dev).normal_(0.0, std, generator=g)
-
-    s = float(alpha) / rank
+    rnd, s = _normal(seed, model.dtype, model.device, std), float(alpha) / rank
 
     def dense(mod):
-        a = [rnd(rank, mod.in_features) for _ in mod.slices]
-        b = [rnd(n, rank) for n in mod.slices]
+        a, b = [rnd(rank, mod.in_features) for _ in mod.slices], [rnd(n, rank) for n in mod.slices]
         mod.load_adapter(slot, a if mod.S > 1 else a[0], b if mod.S > 1 else b[0], scaling=s)
 
     for layer in model.layers:
         dense(layer.self_attn.qkv_proj)
         dense(layer.self_attn.o_proj)
-        mlp = layer.mlp
-        if hasattr(mlp, "experts"):
+        if hasattr(mlp := layer.mlp, "experts"):
             x = mlp.experts
             gate_up = (rnd(x.E, x.S, rank, x.H), rnd(x.E, x.S, 2 * x.I // x.S, rank))
             x.load_adapter(slot, gate_up=gate_up, down=(rnd(x.E, rank, x.I), rnd(x.E, x.H, rank)), scaling=s)
@@ -228,45 +200,36 @@ def load_random_adapter(model: MultiLoRAModel, slot: int, *, rank: int, alpha: f
 def load_adapters(
     model: MultiLoRAModel, name: str, *, rank: int, alpha: float, seed: int, file_slots=(0,), workdir=None
 ) -> list[dict[str, Any]]:
-    """Load an adapter into every slot: those in ``file_slots`` written as PEFT files
-    (:func:`write_peft_adapter`, in ``workdir`` or a temporary folder) and loaded through
-    :func:`~moelora_lib.model.peft_adapters.load_peft_adapter`, the others filled directly
-    (:func:`load_random_adapter`); a seed per slot. Files only where asked: a Qwen3-30B-A3B adapter is
-    2.6 GB, and the kernels read slot buffers whatever filled them.
-
-    Returns one row per slot: model, stage, slot, source ("peft_file" | "direct"), write_s, load_s, file_mb,
-    rank, alpha (seconds synchronized with the device)."""
+    """Load an adapter (seed per slot) into every slot: ``file_slots`` written as PEFT files (in ``workdir``
+    or a temporary folder) and loaded with ``load_peft_adapter``, the others filled directly
+    (:func:`load_random_adapter`; files only where asked: a Qwen3-30B-A3B adapter is 2.6 GB). One row per
+    slot: model, stage, slot, source ("peft_file" | "direct"), write_s, load_s, file_mb, rank, alpha."""
     from ..model.peft_adapters import load_peft_adapter
 
-    dev = model.device
-    rows = []
-    tmp = None
-    if workdir is None and file_slots:
-        tmp = tempfile.TemporaryDirectory(prefix="moelora-e2e-")
-        workdir = tmp.name
+    dev, rows = model.device, []
+    tmp = tempfile.TemporaryDirectory(prefix="moelora-e2e-") if workdir is None and file_slots else None
+    workdir = tmp.name if tmp is not None else workdir
     try:
         for slot in range(model.num_adapters):
             s_seed = seed * 1000 + slot
             row = dict(model=name, stage=_stage_of(model), slot=slot, rank=rank, alpha=alpha)
             row.update(write_s=float("nan"), file_mb=float("nan"))
             _sync(dev)
+            t0 = time.perf_counter()
             if slot in file_slots:
-                t0 = time.perf_counter()
-                folder = write_peft_adapter(
-                    Path(workdir) / f"{name}-slot{slot}", model.config, rank=rank, alpha=alpha, seed=s_seed,
-                    dtype=torch.bfloat16 if model.dtype == torch.bfloat16 else torch.float32, device=dev,
-                )  # fmt: skip
+                dt = torch.bfloat16 if model.dtype == torch.bfloat16 else torch.float32
+                folder = write_peft_adapter(Path(workdir) / f"{name}-slot{slot}", model.config, rank=rank,
+                                            alpha=alpha, seed=s_seed, dtype=dt, device=dev)  # fmt: skip
                 row["write_s"] = time.perf_counter() - t0
                 row["file_mb"] = (folder / "adapter_model.safetensors").stat().st_size / 1e6
                 t0 = time.perf_counter()
                 load_peft_adapter(model, slot, folder)
-                _sync(dev)
-                row.update(source="peft_file", load_s=time.perf_counter() - t0)
+                row["source"] = "peft_file"
             else:
-                t0 = time.perf_counter()
                 load_random_adapter(model, slot, rank=rank, alpha=alpha, seed=s_seed)
-                _sync(dev)
-                row.update(source="direct", load_s=time.perf_counter() - t0)
+                row["source"] = "direct"
+            _sync(dev)
+            row["load_s"] = time.perf_counter() - t0
             rows.append(bench.result_row(**row))
     finally:
         if tmp is not None:
@@ -276,18 +239,15 @@ def load_adapters(
 
 def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     """``n`` random prompts of ``length`` token ids in [0, vocab) (seeded, on the host)."""
-    g = torch.Generator().manual_seed(int(seed))
-    return torch.randint(0, vocab, (n, length), generator=g).tolist()
+    return torch.randint(0, vocab, (n, length), generator=torch.Generator().manual_seed(int(seed))).tolist()
 
 
 def adapter_slots(scenario: str, n: int, num_adapters: int) -> list[int | None]:
     """Adapter slot per request: "base" None for all, "adapters_mixed" request i on slot i mod L.
     Raises ValueError for another scenario."""
-    if scenario == "base":
-        return [None] * n
-    if scenario == "adapters_mixed":
-        return [i % num_adapters for i in range(n)]
-    raise ValueError(f"scenario must be one of {SCENARIOS}, got {scenario!r}")
+    if scenario not in SCENARIOS:
+        raise ValueError(f"scenario must be one of {SCENARIOS}, got {scenario!r}")
+    return [None] * n if scenario == "base" else [i % num_adapters for i in range(n)]
 
 
 def _mode(device) -> str:
@@ -295,8 +255,8 @@ def _mode(device) -> str:
 
 
 def generation_row(res, *, model: str, scenario: str, stage: str | None, impl: str, adapters, **fields):
-    """One CSV row of a :class:`~moelora_lib.model.generate.GenerationResult` (or :func:`hf_generate`'s
-    result): times in ms, throughputs in tokens/s; ``fields`` appended."""
+    """One CSV row of a GenerationResult (or :func:`hf_generate`'s result): times in ms, throughputs in
+    tokens/s; ``fields`` appended."""
     ttft = [t * 1e3 for t in res.ttft_s]
     otps = [x for x in res.request_otps if math.isfinite(x)]
     steps = [s * 1e3 for s in res.step_s]
@@ -318,22 +278,19 @@ def run_generation(
     warm_tokens: int = 2, progress: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """Time one ``gen.generate`` of ``concurrency`` random prompts of ``prompt_len`` tokens making
-    ``new_tokens`` each on the scenario's adapters (:func:`adapter_slots`), after an untimed call of the
-    same shapes making ``warm_tokens`` (compilation and graph capture stay out). Returns
-    :func:`generation_row`'s row; asserts every request made ``new_tokens`` tokens."""
+    ``new_tokens`` each on the scenario's adapters, after an untimed call of the same shapes making
+    ``warm_tokens`` (compilation and graph capture stay out): :func:`generation_row`'s row."""
     model = gen.model
-    vocab, L = model.config.vocab_size, model.num_adapters
-    adapters = adapter_slots(scenario, concurrency, L)
+    vocab, adapters = model.config.vocab_size, adapter_slots(scenario, concurrency, model.num_adapters)
     if warm_tokens:
         gen.generate(make_prompts(concurrency, prompt_len, vocab, seed + 7919), adapters, warm_tokens)
-    res = gen.generate(
-        make_prompts(concurrency, prompt_len, vocab, seed), adapters, new_tokens, progress=progress
-    )
+    prompts = make_prompts(concurrency, prompt_len, vocab, seed)
+    res = gen.generate(prompts, adapters, new_tokens, progress=progress)
     assert all(len(t) == new_tokens for t in res.tokens), [len(t) for t in res.tokens]
+    loaded = set().union(*(m.loaded_slots for m in model.lora_modules().values()))  # slots of any module
     return generation_row(
         res, model=name, scenario=scenario, stage=_stage_of(model), impl="moelora", adapters=adapters,
-        prompt_len=prompt_len, new_tokens=new_tokens, rank=int(model.max_rank),
-        adapters_loaded=_loaded(model),
+        prompt_len=prompt_len, new_tokens=new_tokens, rank=int(model.max_rank), adapters_loaded=len(loaded),
         cuda_graphs=bool(gen.use_cuda_graphs), mode=_mode(model.device), dtype=dtype_name(model.dtype),
     )  # fmt: skip
 
@@ -342,33 +299,18 @@ def _stage_of(model) -> str:
     return next(iter(model.lora_modules().values())).stage.name
 
 
-def _loaded(model) -> int:
-    """Slots holding an adapter in any module."""
-    slots = set()
-    for m in model.lora_modules().values():
-        slots |= set(m.loaded_slots)
-    return len(slots)
-
-
 def compiled_binaries() -> int:
     """Kernel binaries in the JIT caches of every Triton kernel of the imported ``moelora_lib.kernels.*``
-    modules (globals and up to two dict levels, e.g. ``KERNELS[name][flavour]``) on the current GPU; 0 on
-    the CPU, where the interpreter compiles nothing."""
+    modules (globals and two dict levels, e.g. ``KERNELS[name][flavour]``) on the current GPU; 0 on CPU."""
     if not torch.cuda.is_available():
         return 0
-    found: dict[int, Any] = {}
-
-    def take(obj, depth=0):
-        if isinstance(obj, dict) and depth < 2:
-            for v in obj.values():
-                take(v, depth + 1)
-        elif getattr(obj, "device_caches", None) is not None:
-            found[id(obj)] = obj
-
-    for mod_name, mod in list(sys.modules.items()):
-        if mod_name.startswith("moelora_lib.kernels.") and mod is not None:
-            for obj in vars(mod).values():
-                take(obj)
+    mods = [m for n, m in list(sys.modules.items()) if n.startswith("moelora_lib.kernels.") and m is not None]
+    objs = [o for m in mods for o in vars(m).values()]
+    for _ in range(2):  # two dict levels (duplicates are dropped below)
+        objs += [v for o in objs if isinstance(o, dict) for v in o.values()]
+    found = {
+        id(o): o for o in objs if not isinstance(o, dict) and getattr(o, "device_caches", None) is not None
+    }
     dev = torch.cuda.current_device()
     return sum(len(k.device_caches[dev][0]) for k in found.values() if dev in k.device_caches)
 
@@ -377,16 +319,12 @@ def recompile_rows(
     gen, name: str, *, lengths: Sequence[int], scenario: str = "adapters_mixed", new_tokens: int = 2,
     warm_reps: int = 3, seed: int = 0, prewarm: bool = False,
 ) -> list[dict[str, Any]]:  # fmt: skip
-    """For each prompt length never run before on this model: one request's TTFT the first time
-    (``ttft_first_ms``) against the median of ``warm_reps`` more (``ttft_warm_ms``), concurrency 1;
-    ``new_binaries`` = kernel binaries the first request compiled; ``ratio`` = first / warm.
-
-    ``prewarm``: first capture every single-prompt prefill graph up to ``max_seq``
-    (``gen.warmup(prefill_lengths="all")``, what a server does at start-up; its seconds and binaries are
-    ``prewarm_s``/``prewarm_binaries``)."""
+    """Per prompt length never run before on this model, concurrency 1: TTFT the first time
+    (``ttft_first_ms``) against the median of ``warm_reps`` more (``ttft_warm_ms``), ``ratio`` = first /
+    warm, ``new_binaries`` compiled by the first. ``prewarm``: first capture every single-prompt prefill
+    graph (``gen.warmup(prefill_lengths="all")``, as a server at start-up: ``prewarm_s``/``_binaries``)."""
     model = gen.model
-    vocab = model.config.vocab_size
-    adapters = adapter_slots(scenario, 1, model.num_adapters)
+    vocab, adapters = model.config.vocab_size, adapter_slots(scenario, 1, model.num_adapters)
     prewarm_s, prewarm_bin = 0.0, 0
     if prewarm:
         before = compiled_binaries()
@@ -400,32 +338,15 @@ def recompile_rows(
         before = compiled_binaries()
         first = gen.generate(make_prompts(1, length, vocab, seed + 100 + i), adapters, new_tokens)
         new = compiled_binaries() - before
-        warm = [
-            gen.generate(
-                make_prompts(1, length, vocab, seed + 200 + 10 * i + k), adapters, new_tokens
-            ).ttft_s[0]
-            for k in range(warm_reps)
-        ]
+        prompts = (make_prompts(1, length, vocab, seed + 200 + 10 * i + k) for k in range(warm_reps))
+        warm = [gen.generate(p, adapters, new_tokens).ttft_s[0] for p in prompts]
         f_ms, w_ms = first.ttft_s[0] * 1e3, statistics.median(warm) * 1e3
-        rows.append(
-            bench.result_row(
-                model=name,
-                stage=_stage_of(model),
-                scenario=scenario,
-                prompt_len=length,
-                new_tokens=new_tokens,
-                ttft_first_ms=f_ms,
-                ttft_warm_ms=w_ms,
-                ttft_warm_min_ms=min(warm) * 1e3,
-                ratio=f_ms / w_ms,
-                new_binaries=new,
-                warm_reps=warm_reps,
-                prewarm=bool(prewarm),
-                prewarm_s=prewarm_s,
-                prewarm_binaries=prewarm_bin,
-                mode=_mode(model.device),
-            )  # fmt: skip
-        )
+        rows.append(bench.result_row(
+            model=name, stage=_stage_of(model), scenario=scenario, prompt_len=length, new_tokens=new_tokens,
+            ttft_first_ms=f_ms, ttft_warm_ms=w_ms, ttft_warm_min_ms=min(warm) * 1e3, ratio=f_ms / w_ms,
+            new_binaries=new, warm_reps=warm_reps, prewarm=bool(prewarm), prewarm_s=prewarm_s,
+            prewarm_binaries=prewarm_bin, mode=_mode(model.device),
+        ))  # fmt: skip
     return rows
 
 
@@ -438,35 +359,24 @@ _SCOPE = "e2e::"
 
 
 def _category(scopes: list[str], kernel: str) -> str:
-    """Category of one kernel (or CPU op) given the e2e scopes around it, innermost first."""
-    if _LORA_KERNEL.search(kernel):
-        return "lora"
+    """Category of one kernel (or CPU op) from the e2e scopes around it, innermost first: LoRA shrink/expand
+    and a LoRALinear's ("proj") alignment "lora"; the rest of a LoRALinear (its F.linear) "attn_proj_base"
+    inside attention, else "mlp_base"; attention's other kernels "attention"; the MLP block's (router,
+    routing, alignment, expert GEMMs) "mlp_base"; outside every scope "other"."""
     inner = scopes[0] if scopes else None
-    if inner == "proj":  # a LoRALinear: F.linear is the base; its token->adapter grouping serves only LoRA
-        if _ALIGN_KERNEL.search(kernel):
-            return "lora"
+    if _LORA_KERNEL.search(kernel) or (inner == "proj" and _ALIGN_KERNEL.search(kernel)):
+        return "lora"
+    if inner == "proj":
         return "attn_proj_base" if "attention" in scopes else "mlp_base"
-    if inner == "attention":
-        return "attention"
-    if inner == "mlp":
-        return "mlp_base"
-    return "other"
+    return {"attention": "attention", "mlp": "mlp_base"}.get(inner, "other")
 
 
 def _category_by_name(kernel: str, *, moe: bool) -> str:
     """Category of a kernel no op scope was found for: our Triton kernels by name (the alignment serves the
     MoE layer on an MoE model, only the dense LoRA on a dense one), anything else "unattributed"."""
-    if _LORA_KERNEL.search(kernel):
-        return "lora"
-    if _ALIGN_KERNEL.search(kernel):
-        return "mlp_base" if moe else "lora"
-    if _MOE_KERNEL.search(kernel):
-        return "mlp_base"
-    if _ATTN_KERNEL.search(kernel):
-        return "attention"
-    if _NORM_KERNEL.search(kernel):
-        return "other"
-    return "unattributed"
+    named = ((_LORA_KERNEL, "lora"), (_ALIGN_KERNEL, "mlp_base" if moe else "lora"),
+             (_MOE_KERNEL, "mlp_base"), (_ATTN_KERNEL, "attention"), (_NORM_KERNEL, "other"))  # fmt: skip
+    return next((cat for rx, cat in named if rx.search(kernel)), "unattributed")
 
 
 def _scopes(event) -> list[str]:
@@ -479,9 +389,8 @@ def _scopes(event) -> list[str]:
 
 
 def _attribute(events, *, cuda: bool, moe: bool) -> dict[str, float]:
-    """Sum profiler ``events`` into :data:`CATEGORIES`: on a GPU each kernel's device time through the
-    scopes of the op it is linked to, else by name (:func:`_category_by_name`); on the CPU each op's self
-    CPU time."""
+    """Sum profiler ``events`` into :data:`CATEGORIES`: on a GPU each kernel's device time through the scopes
+    of the op it is linked to, else by name; on the CPU each op's self CPU time."""
     from torch.autograd import DeviceType
 
     totals = dict.fromkeys(CATEGORIES, 0.0)
@@ -497,12 +406,9 @@ def _attribute(events, *, cuda: bool, moe: bool) -> dict[str, float]:
                 totals[_category(_scopes(e), k.name)] += k.duration
                 linked[(k.name, round(k.duration, 3))] += 1
     for e in events if cuda else ():  # device activities the profiler did not link to an op: by name
-        if (
-            e.device_type == DeviceType.CPU
-            or getattr(e, "is_user_annotation", False)
-            or e.name.startswith(_SCOPE)
-        ):
-            continue  # the scopes' own GPU spans are not kernels
+        scope = getattr(e, "is_user_annotation", False) or e.name.startswith(_SCOPE)  # the scopes' own spans
+        if e.device_type == DeviceType.CPU or scope:
+            continue
         key = (e.name, round(e.time_range.elapsed_us(), 3))
         if linked[key]:
             linked[key] -= 1
@@ -514,33 +420,21 @@ def _attribute(events, *, cuda: bool, moe: bool) -> dict[str, float]:
 def step_breakdown(
     model: MultiLoRAModel, *, batch: int, adapters: Sequence[int | None], position: int, steps: int = 3
 ) -> dict[str, float]:
-    """µs per decode step by category (:data:`CATEGORIES`) and their sum ``kernel_sum``, from
-    ``torch.profiler`` over ``steps`` eager decode steps of ``batch`` rows at cache position ``position``
-    (after one unprofiled step).
-
-    ``record_function`` scopes on each attention block ("attention"), MLP block ("mlp") and
-    :class:`moelora_lib.LoRALinear` ("proj") attribute each kernel: LoRA shrink/expand kernels (and a
-    LoRALinear's alignment) are "lora"; the rest of a LoRALinear is its base GEMM ("attn_proj_base" in
-    attention, else "mlp_base"); attention's other kernels "attention"; the MLP block's router, routing,
-    alignment and expert GEMMs "mlp_base"; outside every scope "other". Kernels the profiler did not link
-    to an op go by name where they are ours, else "unattributed". GPU: device time; CPU: self CPU time."""
+    """µs per decode step by :data:`CATEGORIES` and ``kernel_sum``: ``torch.profiler`` over ``steps`` eager
+    decode steps of ``batch`` rows at cache ``position`` (after one unprofiled step), each kernel attributed
+    through scopes on the attention blocks, MLP blocks and LoRALinear modules (:func:`_category`), unlinked
+    ones by name. GPU: device time; CPU: self CPU time."""
     from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity, profile
 
     from ..lora_linear import LoRALinear
     from ..model.modeling import Attention, DenseMLP, MoEBlock
 
-    dev = model.device
+    dev, stack = model.device, []
     cuda = dev.type == "cuda"
-    stack: list = []
 
-    def pre(label):
-        def hook(_mod, _args):
-            rf = record_function(_SCOPE + label)
-            rf.__enter__()
-            stack.append(rf)
-
-        return hook
+    def pre(label):  # the hook returns None: the inputs stay as they are
+        return lambda _mod, _args: stack.append(record_function(_SCOPE + label).__enter__())
 
     def post(_mod, _args, _out):
         stack.pop().__exit__(None, None, None)
@@ -548,8 +442,7 @@ def step_breakdown(
     handles = []
     labels = ((Attention, "attention"), ((MoEBlock, DenseMLP), "mlp"), (LoRALinear, "proj"))
     for m in model.modules():
-        label = next((lab for cls, lab in labels if isinstance(m, cls)), None)
-        if label:
+        if label := next((lab for cls, lab in labels if isinstance(m, cls)), None):
             handles += [m.register_forward_pre_hook(pre(label)), m.register_forward_hook(post)]
     g = torch.Generator().manual_seed(batch)
     ids = torch.randint(0, model.config.vocab_size, (batch, 1), generator=g).to(dev)
@@ -573,8 +466,7 @@ def step_breakdown(
     finally:
         for h in handles:
             h.remove()
-    totals = _attribute(prof.events(), cuda=cuda, moe=model.config.is_moe)
-    out = {k: v / steps for k, v in totals.items()}
+    out = {k: v / steps for k, v in _attribute(prof.events(), cuda=cuda, moe=model.config.is_moe).items()}
     out["kernel_sum"] = sum(out[k] for k in CATEGORIES)
     return out
 
@@ -582,9 +474,8 @@ def step_breakdown(
 def breakdown_rows(
     breakdown: dict[str, float], gen_row: dict[str, Any], *, position: int
 ) -> list[dict[str, Any]]:
-    """Rows of one :func:`step_breakdown` beside ``gen_row`` (a :func:`run_generation` row of the same
-    model, scenario and batch): one per category and ``kernel_sum``, then ``step`` (the timed median decode
-    step) and ``gaps`` = step − kernel_sum (launch gaps and idle time)."""
+    """Rows of one :func:`step_breakdown` beside ``gen_row`` (its :func:`run_generation` row): one per
+    category and ``kernel_sum``, ``step`` (timed median step), ``gaps`` = step − kernel_sum (gaps, idle)."""
     key = {k: gen_row[k] for k in ("model", "scenario", "stage", "concurrency", "prompt_len", "mode")}
     step_us = gen_row["step_ms_p50"] * 1e3
     vals = {c: breakdown[c] for c in (*CATEGORIES, "kernel_sum")}
@@ -606,21 +497,9 @@ def hf_model(name: str, *, dtype: torch.dtype, device, seed: int = 0):
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = getattr(transformers, cls_name)(cfg)
+            return getattr(transformers, cls_name)(cfg).eval()
     finally:
         torch.set_default_dtype(prev)
-    return model.eval()
-
-
-def _cache_kw(model) -> str:
-    """The forward's KV-cache argument: ``cache`` where the signature has it, else ``past_key_values``."""
-    import inspect
-
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return "past_key_values"
-    return "cache" if "cache" in params else "past_key_values"
 
 
 @torch.no_grad()
@@ -628,42 +507,38 @@ def hf_generate(model, prompt: Sequence[int], new_tokens: int, device):
     """Greedy generation at batch 1 with a transformers model (or PeftModel): one prefill forward
     (``logits_to_keep=1``), then one forward per token with the model's cache. TTFT as the generator's;
     per-step times from CUDA events. Returns an object with the fields :func:`generation_row` reads."""
+    import inspect
     from types import SimpleNamespace
 
     dev = torch.device(device)
     cuda = dev.type == "cuda"
-    kw_name = _cache_kw(model.get_base_model() if hasattr(model, "get_base_model") else model)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    try:  # the forward's KV-cache argument: ``cache`` where the signature has it, else ``past_key_values``
+        kw_name = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+    except (TypeError, ValueError):
+        kw_name = "past_key_values"
 
     def cache_of(out):
-        cache = getattr(out, "cache", None)
-        return cache if cache is not None else out.past_key_values
+        return out.cache if getattr(out, "cache", None) is not None else out.past_key_values
 
     _sync(dev)
     t0 = time.perf_counter()
     ids = torch.tensor([list(prompt)], dtype=torch.int64, device=dev)
     out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-    tok = out.logits[:, -1].argmax(dim=-1)
-    toks = [tok]
+    toks = [out.logits[:, -1].argmax(dim=-1)]
     _sync(dev)
     t_first = time.perf_counter()
-    cache = cache_of(out)
     marks = []
     for _ in range(new_tokens - 1):
-        out = model(input_ids=tok[:, None], use_cache=True, logits_to_keep=1, **{kw_name: cache})
-        cache = cache_of(out)
-        tok = out.logits[:, -1].argmax(dim=-1)
-        toks.append(tok)
+        out = model(input_ids=toks[-1][:, None], use_cache=True, logits_to_keep=1, **{kw_name: cache_of(out)})
+        toks.append(out.logits[:, -1].argmax(dim=-1))
+        marks.append(torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter())
         if cuda:
-            marks.append(torch.cuda.Event(enable_timing=True))
             marks[-1].record()
-        else:
-            marks.append(time.perf_counter())
     _sync(dev)
     t_end = time.perf_counter()
-    if cuda and marks:  # event times relative to the first token, anchored at the last event = t_end
-        ends = [t_end - ev.elapsed_time(marks[-1]) / 1e3 for ev in marks]
-    else:
-        ends = list(marks)
+    # event times relative to the first token, anchored at the last event = t_end
+    ends = [t_end - ev.elapsed_time(marks[-1]) / 1e3 for ev in marks] if cuda else list(marks)
     steps = [b - a for a, b in zip([t_first] + ends[:-1], ends)]
     decode_s = (ends[-1] - t_first) if ends else 0.0
     n = len(toks)
@@ -679,21 +554,17 @@ def hf_baseline_rows(
     name: str, *, dtype: torch.dtype, device, prompt_len: int, new_tokens: int, rank: int, alpha: float,
     seed: int = 0, warm_tokens: int = 2, scenarios: Sequence[str] = HF_SCENARIOS,
 ) -> list[dict[str, Any]]:  # fmt: skip
-    """transformers alone and (``transformers_peft``) + PEFT with one rank-``rank`` adapter on the same
-    modules as ours (:func:`peft_targets`; PEFT refuses batches mixing adapters), eager, concurrency 1, each
-    after an untimed call of ``warm_tokens`` tokens. Rows as :func:`generation_row` plus the attention and
-    experts implementations and versions. The model is freed before returning. Raises ValueError for an
-    unknown scenario."""
+    """transformers alone and (``transformers_peft``) + PEFT with one rank-``rank`` adapter on the modules of
+    :func:`peft_targets` (PEFT refuses batches mixing adapters), eager, concurrency 1, each after an untimed
+    call of ``warm_tokens``: :func:`generation_row` rows plus the attention/experts implementations and
+    versions. Frees the model. Raises ValueError for an unknown scenario."""
     import transformers
 
     model = hf_model(name, dtype=dtype, device=device, seed=seed)
-    vocab = model.config.vocab_size
-    impl = dict(
-        attn_implementation=getattr(model.config, "_attn_implementation", None),
-        experts_implementation=getattr(model.config, "_experts_implementation", None),
-        transformers=transformers.__version__,
-    )
-    rows = []
+    vocab, rows = model.config.vocab_size, []
+    impl = dict(attn_implementation=getattr(model.config, "_attn_implementation", None),
+                experts_implementation=getattr(model.config, "_experts_implementation", None),
+                transformers=transformers.__version__)  # fmt: skip
     try:
         for scenario in scenarios:
             if scenario == "transformers_peft":
@@ -714,24 +585,13 @@ def hf_baseline_rows(
                 hf_generate(model, make_prompts(1, prompt_len, vocab, seed + 7919)[0], warm_tokens, device)
             res = hf_generate(model, make_prompts(1, prompt_len, vocab, seed)[0], new_tokens, device)
             peft_on = scenario == "transformers_peft"
-            rows.append(
-                generation_row(
-                    res,
-                    model=name,
-                    scenario=scenario,
-                    stage=None,
-                    impl=scenario,
-                    adapters=[0] if peft_on else [None],
-                    prompt_len=prompt_len,
-                    new_tokens=new_tokens,
-                    rank=rank if peft_on else 0,
-                    adapters_loaded=int(peft_on),
-                    cuda_graphs=False,
-                    mode="eager" if torch.device(device).type == "cuda" else "cpu",
-                    dtype=dtype_name(dtype),
-                    **impl,
-                )  # fmt: skip
-            )
+            rows.append(generation_row(
+                res, model=name, scenario=scenario, stage=None, impl=scenario,
+                adapters=[0] if peft_on else [None], prompt_len=prompt_len, new_tokens=new_tokens,
+                rank=rank if peft_on else 0, adapters_loaded=int(peft_on), cuda_graphs=False,
+                mode="eager" if torch.device(device).type == "cuda" else "cpu", dtype=dtype_name(dtype),
+                **impl,
+            ))  # fmt: skip
     finally:
         del model
         free_memory(device)
@@ -739,11 +599,8 @@ def hf_baseline_rows(
 
 
 def _expected_distinct(n_picks_per_token: int, tokens: int, pool: int) -> float:
-    """Expected distinct experts hit when ``tokens`` tokens each pick ``n_picks_per_token`` of ``pool``
-    uniformly (no repeats within a token)."""
-    if tokens <= 0:
-        return 0.0
-    return pool * (1.0 - (1.0 - n_picks_per_token / pool) ** tokens)
+    """Expected distinct experts hit when ``tokens`` tokens each pick ``n_picks_per_token`` of ``pool``."""
+    return pool * (1.0 - (1.0 - n_picks_per_token / pool) ** tokens) if tokens > 0 else 0.0
 
 
 def decode_floor(
@@ -757,8 +614,7 @@ def decode_floor(
     c = model_config(name)
     H, Lyr, r = c.hidden_size, c.num_hidden_layers, rank
     per_layer = float(H * (c.q_width + 2 * c.kv_width) + c.q_width * H)
-    lora = 0.0
-    lora_attn = r * (H * 3 + c.q_width + 2 * c.kv_width) + r * (c.q_width + H)
+    lora, lora_attn = 0.0, r * (H * 3 + c.q_width + 2 * c.kv_width) + r * (c.q_width + H)
     if c.is_moe:
         E, K, I = c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size
         per_layer += _expected_distinct(K, batch, E) * (3 * H * I) + E * H
@@ -809,8 +665,6 @@ HEADLINE = "gpt-oss-20b"
 def summary_table(gen, *, final: str = "tuned"):
     """Per (model, concurrency) of our stage ``final``: base and adapters_mixed side by side (TTFT mean,
     OTPS per request and aggregate, median step), ``ratio`` / ``ratio_aggregate`` = mixed ÷ base OTPS."""
-    import pandas as pd
-
     ours = gen[(gen.impl == "moelora") & (gen.stage == final)]
     cols = ["ttft_ms_mean", "otps_per_request", "otps_aggregate", "step_ms_p50"]
     wide = ours.pivot_table(index=["model", "concurrency"], columns="scenario", values=cols, sort=False)
@@ -819,7 +673,7 @@ def summary_table(gen, *, final: str = "tuned"):
     if {"base_otps_per_request", "adapters_mixed_otps_per_request"} <= set(wide.columns):
         wide["ratio"] = wide.adapters_mixed_otps_per_request / wide.base_otps_per_request
         wide["ratio_aggregate"] = wide.adapters_mixed_otps_aggregate / wide.base_otps_aggregate
-    return pd.DataFrame(wide)
+    return wide
 
 
 def targets_table(gen, recompile, *, headline: str = HEADLINE, final: str = "tuned"):

@@ -1,10 +1,9 @@
-"""Notebook 09's measurements of the serving layer: alignment, eager host overhead, the whole layer in
-one CUDA graph, compiled variants, memory. Every function returns rows for ``data/09_*.csv``.
+"""Notebook 09's measurements of the serving layer (rows for ``data/09_*.csv``): alignment, eager host
+overhead, the whole layer in one CUDA graph, compiled variants, memory.
 
-GPU times: medians of CUDA-graph replays (:func:`moelora_lib.studies.bench.time_fn`, mode "graph", L2
-flushed unless said otherwise). Eager wall times: ``time.perf_counter`` around one call plus
-``torch.cuda.synchronize()``, median over many calls after warm-up. On the CPU the same code runs through
-the Triton interpreter (times are interpreter cost; rows say ``mode = "cpu-interpreter"``).
+GPU times: medians of CUDA-graph replays (:func:`.bench.time_fn`, L2 flushed unless said otherwise); eager
+wall times: ``perf_counter`` around one call + synchronize, median after warm-up. On the CPU the Triton
+interpreter runs the same code (rows say ``mode = "cpu-interpreter"``).
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -44,17 +43,12 @@ def _sync(device) -> None:
 def alignments_equal(a: Alignment, b: Alignment) -> bool:
     """True when two alignments are bit-identical (ids, block ids, padded length, sizes)."""
     fields = ("sorted_token_ids", "block_expert_ids", "block_lora_ids", "num_tokens_post_padded")
-    return (a.block_size_m, a.num_pairs) == (b.block_size_m, b.num_pairs) and all(
-        torch.equal(getattr(a, f).cpu(), getattr(b, f).cpu()) for f in fields
-    )
+    same = (a.block_size_m, a.num_pairs) == (b.block_size_m, b.num_pairs)
+    return same and all(torch.equal(getattr(a, f).cpu(), getattr(b, f).cpu()) for f in fields)
 
 
 def _shape(shape: MoEShape | str) -> MoEShape:
     return shape if isinstance(shape, MoEShape) else get_shape(shape)
-
-
-def _time(fn: Callable[[], Any], device, **kw) -> bench.Timing:
-    return bench.time_fn(fn, "graph", device, **kw)
 
 
 #: do_bench's budgets (ms) unless a caller passes its own (notebook 09: its WARMUP_MS / REP_MS).
@@ -62,29 +56,23 @@ WARMUP_MS, REP_MS = 25, 100
 
 
 def _row(shape: MoEShape, T: int, tm: bench.Timing, **fields) -> dict[str, Any]:
-    return bench.result_row(
-        model=shape.name, T=T, mode=tm.mode, us_p50=tm.ms_p50 * 1e3, us_p20=tm.ms_p20 * 1e3,
-        us_p80=tm.ms_p80 * 1e3, **fields,
-    )  # fmt: skip
+    us = dict(us_p50=tm.ms_p50 * 1e3, us_p20=tm.ms_p20 * 1e3, us_p80=tm.ms_p80 * 1e3)
+    return bench.result_row(model=shape.name, T=T, mode=tm.mode, **us, **fields)
 
 
 def align_rows(
     shape: MoEShape | str, T: int, *, device="cuda", adapters: int = 8, rank: int = 32, seed: int = 0,
     weights: MoELoRAInputs | None = None, warmup_ms: float = WARMUP_MS, rep_ms: float = REP_MS,
 ) -> list[dict[str, Any]]:  # fmt: skip
-    """Base + LoRA alignment of one layer call at T tokens (the tuned stage's BLOCK_SIZE_M for T), one row
-    per implementation: ``torch`` (:func:`moelora_lib.routing.align_tokens`), ``triton``
-    (:func:`~moelora_lib.kernels.align.align_tokens_triton` twice, 3 launches each, preallocated
-    workspaces) and, up to ``SMALL_MAX_PAIRS`` pairs, ``triton_one_launch``
-    (:func:`~moelora_lib.kernels.align_small.align_tokens_pair`). Fields: impl, us_p50 (graph replay, L2
-    flushed), identical (bit-for-bit equal to torch). ``weights``: a ``layer_inputs`` result or
-    ``LayerWeights`` of this shape; only its ids are redrawn for (seed, T)."""
+    """Base + LoRA alignment of one layer call at T tokens (tuned stage's BLOCK_SIZE_M), one row per impl:
+    ``torch`` (``routing.align_tokens``), ``triton`` (``align_tokens_triton`` twice, preallocated
+    workspaces), up to ``SMALL_MAX_PAIRS`` pairs ``triton_one_launch`` (``align_tokens_pair``); us_p50 and
+    identical (bit-equal to torch). ``weights``: ``layer_inputs``' result; ids redrawn for (seed, T)."""
     sh = _shape(shape)
     inp = layer_inputs(sh, T, rank=rank, num_adapters=adapters, device=device, seed=seed, weights=weights)
-    ti, li, E, L = inp.topk_ids, inp.lora_ids, sh.experts, adapters
+    ti, li, E, K, L = inp.topk_ids, inp.lora_ids, sh.experts, sh.top_k, adapters
     cfg = STAGES["tuned"].adapt(STAGES["tuned"].config_for(Dims.of(sh, T, rank=rank, adapters=adapters)))
-    bmb, bml = cfg.base_block_size_m, cfg.lora_block_size_m
-    N = T * sh.top_k
+    bmb, bml, N = cfg.base_block_size_m, cfg.lora_block_size_m, T * K
     ws_b, ws_l = align_workspace(N, E, bmb, 0, device=device), align_workspace(N, E, bml, L, device=device)
     impls = {
         "torch": lambda: (
@@ -99,22 +87,18 @@ def align_rows(
     if N <= SMALL_MAX_PAIRS and (L + 1) * E <= MAX_GROUPS:
         ws_p = pair_workspace(N, E, bmb, L, bml, device=device)
         impls["triton_one_launch"] = lambda: align_tokens_pair(ti, E, bmb, li, L, bml, out=ws_p)
-    ref = impls["torch"]()
-    rows = []
+    ref, rows = impls["torch"](), []
     for name, fn in impls.items():
         same = all(alignments_equal(r, g) for r, g in zip(ref, fn()))
-        tm = _time(fn, device, warmup_ms=warmup_ms, rep_ms=rep_ms)
-        rows.append(
-            _row(sh, T, tm, impl=name, E=E, K=sh.top_k, L=L, bm_base=bmb, bm_lora=bml, identical=same)
-        )
+        tm = bench.time_fn(fn, "graph", device, warmup_ms, rep_ms)
+        rows.append(_row(sh, T, tm, impl=name, E=E, K=K, L=L, bm_base=bmb, bm_lora=bml, identical=same))
     return rows
 
 
 def build_layer(
     inp: MoELoRAInputs, shape: MoEShape | str, *, max_tokens: int, stage: str = "tuned", **kw
 ) -> MoELoRALayer:
-    """A :class:`~moelora_lib.layer.MoELoRALayer` over the weights of ``inp`` (no copy) with its L adapters
-    in slots 0..L-1 (scaling already folded: 1.0). ``kw`` goes to the layer."""
+    """A MoELoRALayer over ``inp``'s weights (no copy), its L adapters in slots 0..L-1 (scaling 1.0)."""
     L, S, R = inp.lora_a13.shape[0], inp.lora_a13.shape[2], inp.lora_a13.shape[3]
     layer = MoELoRALayer(
         inp.w13, inp.w2, top_k=inp.topk_ids.shape[1], num_adapters=L, max_rank=R, max_tokens=max_tokens,
@@ -128,13 +112,10 @@ def build_layer(
 
 
 def wall_us(fn: Callable[[], Any], device, *, reps: int = 200, warmup: int = 10) -> tuple[float, float]:
-    """(median wall µs of one call incl. ``synchronize`` after it, median µs until the call returns).
-
-    Each repetition starts from an idle GPU (synchronize first), so a call's wall time is its host
-    time plus the GPU time that is not hidden behind it."""
+    """(median wall µs of one call incl. the synchronize after it, median µs until it returns), each from an
+    idle GPU: wall = host time + the GPU time not hidden behind it."""
     for _ in range(warmup):
         fn()
-    _sync(device)
     wall, host = [], []
     for _ in range(reps):
         _sync(device)
@@ -142,9 +123,8 @@ def wall_us(fn: Callable[[], Any], device, *, reps: int = 200, warmup: int = 10)
         fn()
         t1 = time.perf_counter()
         _sync(device)
-        t2 = time.perf_counter()
+        wall.append((time.perf_counter() - t0) * 1e6)
         host.append((t1 - t0) * 1e6)
-        wall.append((t2 - t0) * 1e6)
     return statistics.median(wall), statistics.median(host)
 
 
@@ -152,13 +132,10 @@ def eager_rows(
     shape: MoEShape | str, T: int, inp: MoELoRAInputs, layer: MoELoRALayer, *, device="cuda",
     stage: str = "tuned", reps: int = 200, warmup_ms: float = WARMUP_MS, rep_ms: float = REP_MS,
 ) -> list[dict[str, Any]]:  # fmt: skip
-    """Eager wall time of the public call and of the module at T tokens, beside their kernels' GPU time.
-
-    Rows (``what``): ``public`` (:func:`fused_moe_lora`, all checks), ``module_topk``, ``module_logits``
-    (the module given top-k ids, or routing from logits) with wall_us (incl. the final synchronize) and
-    host_us (until the call returns); ``public_kernels``/``module_kernels``/``layer_kernels`` (the
-    layer's launches alone) with gpu_us: the same launches replayed in a CUDA graph without an L2 flush
-    (consecutive eager calls see the same L2)."""
+    """Eager wall time at T tokens beside the kernels' GPU time. Rows (``what``) with wall_us and host_us:
+    ``public`` (:func:`fused_moe_lora`, all checks), ``module_topk``/``module_logits`` (given top-k ids or
+    logits); with gpu_us (the launches in a CUDA graph, no L2 flush, as consecutive eager calls see L2):
+    ``public_kernels``, ``module_kernels``, ``layer_kernels`` (the layer's launches alone)."""
     sh = _shape(shape)
     x, tw, ti, li, lg = inp.hidden_states, inp.topk_weights, inp.topk_ids, inp.lora_ids, inp.router_logits
     calls = {
@@ -167,10 +144,9 @@ def eager_rows(
         "module_logits": lambda: layer(x, lg, lora_ids=li),
     }
     on_gpu = torch.device(device).type == "cuda"
-    rows = []
+    mode, rows = "eager" if on_gpu else "cpu-interpreter", []
     for what, fn in calls.items():
         w, h = wall_us(fn, device, reps=reps) if on_gpu else wall_us(fn, device, reps=1, warmup=1)
-        mode = "eager" if on_gpu else "cpu-interpreter"
         rows.append(bench.result_row(model=sh.name, T=T, what=what, mode=mode, wall_us=w, host_us=h))
     run = make_layer_run(*inp.args(), **inp.kwargs(), stage=stage, check_values=False)
     bounds = id_bounds_triton if on_gpu else id_value_bounds
@@ -179,11 +155,7 @@ def eager_rows(
         bounds(ti, li)
         return make_layer_run(*inp.args(), **inp.kwargs(), stage=stage, check_values=False)()
 
-    kernels = {
-        "public_kernels": public_kernels,
-        "module_kernels": calls["module_logits"],
-        "layer_kernels": run,
-    }
+    kernels = dict(public_kernels=public_kernels, module_kernels=calls["module_logits"], layer_kernels=run)
     for what, fn in kernels.items():
         tm = bench.time_fn(fn, "graph", device, warmup_ms, rep_ms, flush_l2=False)
         rows.append(bench.result_row(model=sh.name, T=T, what=what, mode=tm.mode, gpu_us=tm.ms_p50 * 1e3))
@@ -193,19 +165,16 @@ def eager_rows(
 def host_breakdown_rows(
     shape: MoEShape | str, T: int, inp: MoELoRAInputs, *, device="cuda", stage: str = "tuned", reps: int = 100
 ) -> list[dict[str, Any]]:
-    """Host µs (median, GPU idle before each, no sync inside) of each step of one public call: validation,
-    config pick, id bounds + pinned copy, the alignments as the call runs them, building the LayerRun, the
-    layer's launches + reduction (also one by one, ``launch.*``), and this host's floors: one tiny Triton
-    launch (``floor.triton_launch``) and one tiny torch op (``floor.torch_op``)."""
+    """Host µs (median, GPU idle before each) of each step of one public call: validate, config, id_bounds
+    (+ pinned copy), alignments, layer_run, launches (also one by one, ``launch.*``), and this host's floors
+    ``floor.triton_launch`` (one tiny Triton launch) and ``floor.torch_op`` (one tiny torch op)."""
     from ..kernels import LayerRun
 
     sh = _shape(shape)
     L, S, R = inp.lora_a13.shape[0], inp.lora_a13.shape[2], inp.lora_a13.shape[3]
     dims = Dims.of(sh, T, rank=R, adapters=L, slices=S)
-    st = STAGES[stage]
-    raw_cfg = st.config_for(dims)
-    cfg = st.adapt(raw_cfg)
-    cuda = torch.device(device).type == "cuda"
+    st, cuda = STAGES[stage], torch.device(device).type == "cuda"
+    cfg = st.adapt(raw_cfg := st.config_for(dims))
     bounds = id_bounds_triton if cuda else id_value_bounds
     pinned = torch.empty(4, dtype=torch.int64, pin_memory=cuda)
     run = make_layer_run(*inp.args(), **inp.kwargs(), stage=stage, check_values=False)
@@ -218,43 +187,30 @@ def host_breakdown_rows(
         "layer_run": lambda: LayerRun(st, *inp.args(), **inp.kwargs(), config=cfg, alignments=al),
         "launches": run,
     }
-    for op in ("base_gate_up", "lora_gate_up", "act", "base_down", "lora_down", "reduce"):
-        steps[f"launch.{op}"] = getattr(run, op)
+    ops = ("base_gate_up", "lora_gate_up", "act", "base_down", "lora_down", "reduce")
+    steps |= {f"launch.{op}": getattr(run, op) for op in ops}
     steps["floor.triton_launch"] = lambda: id_bounds_triton(inp.topk_ids, None)
     steps["floor.torch_op"] = lambda: inp.topk_weights.sum()
-    rows = []
-    for what, fn in steps.items():
-        fn()
-        times = []
-        for _ in range(reps if cuda else 1):
-            _sync(device)
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e6)
-        _sync(device)
-        rows.append(bench.result_row(model=sh.name, T=T, step=what, host_us=statistics.median(times)))
-    return rows
+    host = {what: wall_us(fn, device, reps=reps if cuda else 1, warmup=1)[1] for what, fn in steps.items()}
+    return [bench.result_row(model=sh.name, T=T, step=what, host_us=us) for what, us in host.items()]
 
 
 def _short_path(file: str) -> str:
-    """A source path without the machine's prefix: ``pkg/module.py`` for installed packages and this
-    project, ``python/<name>`` for the standard library, as is for built-ins (``~``, ``<string>``)."""
+    """``file`` without the machine's prefix: ``pkg/module.py`` for packages and this project,
+    ``python/<name>`` for the standard library, built-ins (``~``, ``<string>``) as they are."""
     if file.startswith(("~", "<")):
         return file
-    for marker in ("site-packages/", "dist-packages/"):
+    for marker, keep in (("site-packages/", ""), ("dist-packages/", ""), ("moelora_lib/", "moelora_lib/")):
         if marker in file:
-            return file.split(marker, 1)[1]
-    if "moelora_lib/" in file:
-        return "moelora_lib/" + file.rsplit("moelora_lib/", 1)[1]
+            return keep + file.rpartition(marker)[2]
     return "python/" + file.replace("\\", "/").rsplit("/", 1)[-1]
 
 
 def host_profile_rows(
     shape: MoEShape | str, T: int, fn: Callable[[], Any], *, what: str, device="cuda", calls=50, top=20
 ) -> list[dict[str, Any]]:
-    """Where the host time of ``fn`` goes: ``cProfile`` over ``calls`` calls after warm-up, the ``top``
-    functions by own time (µs per call of ``fn``, inflated by the profiler: the ranking is the point) with
-    cumulative time, file (relative to its package) and line."""
+    """Where ``fn``'s host time goes: ``cProfile`` over ``calls`` calls, the ``top`` functions by own time
+    (µs per call of ``fn``, inflated by the profiler: the ranking is the point), cumtime, file, line."""
     import cProfile
     import pstats
 
@@ -262,39 +218,26 @@ def host_profile_rows(
     for _ in range(3):
         fn()
     _sync(device)
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(calls):
-        fn()
-    _sync(device)
-    prof.disable()
+    with cProfile.Profile() as prof:
+        for _ in range(calls):
+            fn()
+        _sync(device)
     stats = pstats.Stats(prof).stats  # {(file, line, name): (cc, nc, tt, ct, callers)}
     items = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
     return [
-        bench.result_row(
-            model=sh.name,
-            T=T,
-            what=what,
-            function=name,
-            file=_short_path(file),
-            line=line,
-            calls_per_call=ncalls / calls,
-            tottime_us=tt / calls * 1e6,
-            cumtime_us=ct / calls * 1e6,
-        )  # fmt: skip
-        for (file, line, name), (_, ncalls, tt, ct, _) in items
-    ]
+        bench.result_row(model=sh.name, T=T, what=what, function=name, file=_short_path(file), line=line,
+                         calls_per_call=n / calls, tottime_us=tt / calls * 1e6, cumtime_us=ct / calls * 1e6)
+        for (file, line, name), (_, n, tt, ct, _) in items
+    ]  # fmt: skip
 
 
 def graph_rows(
     shape: MoEShape | str, T: int, inp: MoELoRAInputs, layer: MoELoRALayer, *, device="cuda", stage="tuned",
     warmup_ms: float = WARMUP_MS, rep_ms: float = REP_MS,
 ) -> list[dict[str, Any]]:  # fmt: skip
-    """The whole layer in one CUDA graph at T tokens (graph replay, L2 flushed), rows (``what``):
-    ``layer_kernels`` (the layer's launches with a precomputed alignment: what vLLM's anchor figures time),
-    ``module_topk`` (Triton alignment + layer), ``module_logits`` (routing + alignment + layer);
-    ``max_abs_diff`` against the public call given the same routing (the module routes with
-    :func:`~moelora_lib.kernels.route.route_triton`; 0 = bit-identical)."""
+    """The whole layer in one CUDA graph at T tokens (L2 flushed), rows (``what``): ``layer_kernels`` (the
+    launches with a precomputed alignment, as vLLM's anchors time), ``module_topk`` (+ Triton alignment),
+    ``module_logits`` (+ routing); ``max_abs_diff`` against the public call given the same routing."""
     sh = _shape(shape)
     x, tw, ti, li, lg = inp.hidden_states, inp.topk_weights, inp.topk_ids, inp.lora_ids, inp.router_logits
     ref = fused_moe_lora(*inp.args(), **inp.kwargs(), stage=stage)
@@ -309,15 +252,14 @@ def graph_rows(
     rows = []
     for what, fn in fns.items():
         diff = (fn().float() - refs[what].float()).abs().max().item() if T else 0.0
-        tm = _time(fn, device, warmup_ms=warmup_ms, rep_ms=rep_ms)
+        tm = bench.time_fn(fn, "graph", device, warmup_ms, rep_ms)
         rows.append(_row(sh, T, tm, what=what, max_abs_diff=diff))
     return rows
 
 
 def jit_cache_sizes(device: int | None = None) -> dict[str, int]:
-    """Compiled binaries per jitted kernel a layer call may launch (the layer's kernels without length
-    specialization, then ``<module>.<name>`` of the alignment, routing, id-bounds and top-k kernels; device
-    helpers are jitted too but never launched, so their caches stay empty). All 0 without CUDA."""
+    """Compiled binaries per jitted kernel a layer call may launch (the layer's kernels, then
+    ``<module>.<name>`` of the alignment, routing, id-bounds and top-k modules). All 0 without CUDA."""
     import importlib
 
     from ..kernels.triton_kernels import KERNELS
@@ -325,8 +267,7 @@ def jit_cache_sizes(device: int | None = None) -> dict[str, int]:
     jits = {name: flav[False] for name, flav in KERNELS.items()}
     for mod_name in ("align", "align_small", "route", "id_bounds", "topk_reduce"):
         mod = importlib.import_module(f"moelora_lib.kernels.{mod_name}")
-        for name in dir(mod):
-            obj = getattr(mod, name)
+        for name, obj in ((n, getattr(mod, n)) for n in dir(mod)):
             if hasattr(obj, "device_caches") or type(obj).__name__ in ("JITFunction", "InterpretedFunction"):
                 jits[f"{mod_name}.{name.strip('_')}"] = obj
     if not torch.cuda.is_available():
@@ -337,57 +278,45 @@ def jit_cache_sizes(device: int | None = None) -> dict[str, int]:
 
 
 def _misaligned(t: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t`` whose data pointer is one element past a fresh allocation (not 16-byte aligned
-    for 2- and 4-byte dtypes)."""
-    flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
-    v = flat[1:].view(t.shape)
-    v.copy_(t)
-    return v
+    """A copy of ``t`` one element past a fresh allocation (not 16-byte aligned for 2- and 4-byte dtypes)."""
+    return torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(t.shape).copy_(t)
 
 
 #: Launch sites of each layer kernel in one forward (gate_up and down for the GEMMs and LoRA ops).
 LAUNCH_SITES = {"fused_moe": 2, "lora_shrink": 2, "lora_expand": 2, "gated_act": 1}
 
 
-def alignment_settings(layer: MoELoRALayer, cfg, lengths: Sequence[int]) -> dict[str, int]:
-    """Distinct constexpr settings of each alignment kernel over ``lengths`` for this layer and config
-    (built with :func:`~moelora_lib.kernels.align.align_launch_args` on CPU ids; nothing launched)."""
-    from ..kernels.align import align_launch_args
-    from ..kernels.align_small import pair_launch_args, use_pair_path
-
-    seen: dict[str, set] = {}
-    c = layer.stage.adapt(cfg)
-    for T in lengths:
-        ti = torch.zeros((T, layer.K), dtype=torch.int32)
-        li = torch.zeros((T,), dtype=torch.int32)
-        if use_pair_path(T * layer.K, layer.E, layer.L):  # what the layer launches at this T
-            *_, pl = pair_launch_args(ti, layer.E, c.base_block_size_m, li, layer.L, c.lora_block_size_m)
-            seen.setdefault("align_small.align_pair_kernel", set()).add(tuple(sorted(pl.constexprs.items())))
-            continue
-        for bm, lora in ((c.base_block_size_m, None), (c.lora_block_size_m, li)):
-            _, launches = align_launch_args(ti, layer.E, bm, lora, layer.L if lora is not None else 0)
-            for la in launches:
-                seen.setdefault(f"align.align_{la.name}_kernel", set()).add(
-                    tuple(sorted(la.constexprs.items()))
-                )
-    return {k: len(v) for k, v in seen.items()}
-
-
 def variant_rows(
     shape: MoEShape | str, layer: MoELoRALayer, weights: MoELoRAInputs, *, n_lengths: int = 32, device="cuda"
 ) -> list[dict[str, Any]]:
-    """New compiled binaries per kernel when the module runs ``n_lengths`` log-spaced T (1..max_tokens) with
-    one fixed config, then the same lengths with every per-call input an offset view (misaligned data
-    pointers), beside ``settings``: the distinct compile-time settings those lengths call for (one per
-    launch site for the layer's kernels; for the alignment the tile sizes, which follow T by design)."""
+    """New compiled binaries per kernel over ``n_lengths`` log-spaced T (1..max_tokens) with one fixed config,
+    then again with misaligned (offset-view) inputs, beside ``settings``: the distinct compile-time settings
+    those lengths call for (one per launch site; the alignment's tile sizes follow T by design)."""
+    from ..kernels.align import align_launch_args
+    from ..kernels.align_small import pair_launch_args, use_pair_path
+
     sh = _shape(shape)
     lengths = list(log_spaced_lengths(n_lengths, 1, layer.max_tokens))
-    d = Dims(
-        T=64, H=layer.H, I=layer.I, E=layer.E, top_k=layer.K, adapters=layer.L, rank=layer.R, slices=layer.S
-    )
+    ly = layer
+    d = Dims(T=64, H=ly.H, I=ly.I, E=ly.E, top_k=ly.K, adapters=ly.L, rank=ly.R, slices=ly.S)
     fixed = STAGES[layer.stage.name].config_for(d)
     saved, layer.fixed_config, layer._configs = layer.fixed_config, fixed, {}
-    settings = alignment_settings(layer, fixed, lengths)
+    seen: dict[str, set] = {}  # each alignment kernel's constexpr settings (launch args from CPU ids)
+
+    def add(kernel, constexprs):
+        seen.setdefault(kernel, set()).add(tuple(sorted(constexprs.items())))
+
+    c = layer.stage.adapt(fixed)
+    for T in lengths:
+        ti, li = torch.zeros((T, layer.K), dtype=torch.int32), torch.zeros((T,), dtype=torch.int32)
+        if use_pair_path(T * layer.K, layer.E, layer.L):  # what the layer launches at this T
+            *_, pl = pair_launch_args(ti, layer.E, c.base_block_size_m, li, layer.L, c.lora_block_size_m)
+            add("align_small.align_pair_kernel", pl.constexprs)
+            continue
+        for bm, lora in ((c.base_block_size_m, None), (c.lora_block_size_m, li)):
+            for la in align_launch_args(ti, layer.E, bm, lora, layer.L if lora is not None else 0)[1]:
+                add(f"align.align_{la.name}_kernel", la.constexprs)
+    settings = {k: len(v) for k, v in seen.items()}
     try:
         before = jit_cache_sizes()
         for T in lengths:
@@ -406,29 +335,22 @@ def variant_rows(
     finally:
         layer.fixed_config, layer._configs = saved, {}
     return [
-        bench.result_row(
-            model=sh.name,
-            kernel=k,
-            n_lengths=len(lengths),
-            new_binaries_lengths=after_lengths[k] - before[k],
-            new_binaries_offset_views=after_offsets[k] - after_lengths[k],
-            binaries_total=after_offsets[k],
-            settings=settings.get(k, LAUNCH_SITES.get(k, 1)),
-        )  # fmt: skip
+        bench.result_row(model=sh.name, kernel=k, n_lengths=len(lengths),
+                         new_binaries_lengths=after_lengths[k] - before[k],
+                         new_binaries_offset_views=after_offsets[k] - after_lengths[k],
+                         binaries_total=after_offsets[k], settings=settings.get(k, LAUNCH_SITES.get(k, 1)))
         for k in before
         # on a GPU, skip device helpers (inlined, never launched) and kernels this layer does not use
         if not (torch.cuda.is_available() and after_offsets[k] == 0)
-    ]
+    ]  # fmt: skip
 
 
 def memory_rows(
     shape: MoEShape | str, layer: MoELoRALayer, inp: MoELoRAInputs, *, device="cuda"
 ) -> list[dict[str, Any]]:
-    """The module's bytes by kind (:meth:`MoELoRALayer.memory_report`) and ``forward_temporaries``: the peak
-    of temporaries one forward at ``inp``'s T allocates (GPU: ``max_memory_allocated`` above the memory in
-    use before the call; CPU: None)."""
-    sh = _shape(shape)
-    T = inp.hidden_states.shape[0]
+    """The module's bytes by kind (``memory_report``) and ``forward_temporaries``: the peak of temporaries one
+    forward at ``inp``'s T allocates (GPU: max allocated above the memory in use before; CPU: None)."""
+    sh, T = _shape(shape), inp.hidden_states.shape[0]
     layer(inp.hidden_states, inp.router_logits, lora_ids=inp.lora_ids)  # workspaces allocated
     temp = None
     if torch.device(device).type == "cuda":
@@ -440,9 +362,5 @@ def memory_rows(
         temp = torch.cuda.max_memory_allocated() - m0
         del out
     rep = {**layer.memory_report(), "forward_temporaries": temp}
-    return [
-        bench.result_row(
-            model=sh.name, T=T, max_tokens=layer.max_tokens, kind=k, value=None if v is None else int(v)
-        )
-        for k, v in rep.items()
-    ]
+    row = dict(model=sh.name, T=T, max_tokens=layer.max_tokens)
+    return [bench.result_row(**row, kind=k, value=None if v is None else int(v)) for k, v in rep.items()]

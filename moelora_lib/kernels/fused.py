@@ -44,35 +44,12 @@ stage ``tuned`` and the GEMMs of ``{gpu}_FUSED_MOE_LORA_FUSED.json`` (written by
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
+from ..configs.defaults import fused_default_config, fused_gemm_configs
 from ..shapes import Dims
 from .config import LayerConfig
-from .stages import Stage, default_config
-
-
-def fused_gemm_configs(cfg: LayerConfig) -> LayerConfig:
-    """Stage ``fused``'s two GEMM configs derived from a base-GEMM record (``base_gate_up``,
-    ``base_down`` of ``cfg``; the other fields kept).
-
-    * ``base_gate_up`` (the fused gate_up+activation GEMM): the base tile with BLOCK_SIZE_N halved
-      (≥ 32): each program holds two accumulators (gate and up) and loads two weight tiles per K
-      step, so halving N keeps registers and shared memory per program at the base GEMM's and covers
-      the same 2·BLOCK_SIZE_N columns of h. At most 3 pipeline stages for the widest tiles (shared
-      memory per stage is BM·BK + 2·BK·BN elements).
-    * ``base_down`` (the fused down GEMM): the base tile (one accumulator, as the base GEMM).
-    """
-    gu = cfg.base_gate_up
-    gu = replace(gu, BLOCK_SIZE_N=max(32, gu.BLOCK_SIZE_N // 2))
-    if gu.BLOCK_SIZE_M >= 128:
-        gu = replace(gu, NUM_STAGES=min(gu.NUM_STAGES, 3))
-    return replace(cfg, base_gate_up=gu)
-
-
-def fused_default_config(dims: Dims) -> LayerConfig:
-    """Default configs of stage ``fused`` (a heuristic over :func:`~.stages.default_config`, not tuned):
-    the defaults' shrinks and :func:`fused_gemm_configs` of the default base tiles."""
-    return replace(fused_gemm_configs(default_config(dims)), source="default:fused")
+from .stages import Stage
 
 
 @dataclass(frozen=True)

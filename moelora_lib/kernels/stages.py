@@ -15,10 +15,10 @@ from typing import Any, NamedTuple
 import torch
 
 from ..common import aligned16
-from ..hardware import H200_NUM_SMS
+from ..configs.defaults import default_config
 from ..routing import Alignment, align_tokens
 from ..shapes import Dims
-from .config import BASE_OPS, LORA_OPS, LayerConfig, OpConfig, next_pow2
+from .config import BASE_OPS, LORA_OPS, LayerConfig, OpConfig
 from .launchers import (
     fused_moe_gemm,
     fused_moe_gemm_args,
@@ -137,60 +137,6 @@ class Stage:
         if not self.fused_gemm and cfg.base_down.SPLIT_K != 1:  # only stage fused's down GEMM splits K
             changes["base_down"] = replace(cfg.base_down, SPLIT_K=1)
         return replace(cfg, **changes) if changes else cfg
-
-
-def default_config(dims: Dims) -> LayerConfig:
-    """Hand-picked H200 starting configs by average rows per group (no tuning).
-
-    ``dims``: a :class:`~moelora_lib.shapes.Dims` (``default_config(Dims.of("qwen3-30b-a3b", 64))``);
-    anything else raises TypeError.
-
-    Base GEMMs: by T·K/E rows per expert. LoRA ops: by T·K/(L·E) rows per (adapter, expert) group
-    (assuming every token has an adapter). SPLIT_K targets about two programs per SM of the H200
-    for the shrink. BLOCK_SIZE_K = 64 keeps EVEN_K for every preset's hidden/intermediate.
-    """
-    if not isinstance(dims, Dims):
-        raise TypeError(f"dims must be a moelora_lib.shapes.Dims, got {type(dims).__name__}")
-    d = dims
-    T, top_k, experts, adapters, rank = d.T, d.top_k, d.E, d.adapters, d.rank
-    hidden, intermediate, slices = d.H, d.I, d.slices
-    pairs = max(1, T * top_k)
-    m_avg = pairs / experts
-    if m_avg <= 8:
-        base = OpConfig(16, 64, 64, 1, 1, 4, 5)
-    elif m_avg <= 64:
-        base = OpConfig(32, 64, 64, 8, 1, 4, 4)
-    elif m_avg <= 256:
-        base = OpConfig(64, 128, 64, 8, 1, 4, 4)
-    else:
-        base = OpConfig(128, 128, 64, 8, 1, 8, 4)
-
-    groups = max(1, adapters) * experts
-    g_avg = pairs / groups
-    bm = 16 if g_avg <= 16 else (32 if g_avg <= 48 else 64)
-    est_blocks = min(pairs, groups) + pairs // bm
-
-    def shrink(K: int, S: int) -> OpConfig:
-        bn = max(16, next_pow2(rank))
-        bk = 64
-        sk = 1
-        while sk < 16 and est_blocks * S * sk < 2 * H200_NUM_SMS and bk * sk * 4 <= K:
-            sk *= 2
-        return OpConfig(bm, bn, bk, 8, sk, 4, 3)
-
-    def expand(N: int) -> OpConfig:
-        bn = 128 if N >= 1024 and g_avg > 16 else 64
-        return OpConfig(bm, bn, max(16, next_pow2(rank)), 8, 1, 4, 2)
-
-    return LayerConfig(
-        base_gate_up=base,
-        base_down=base,
-        gate_up_shrink=shrink(hidden, slices),
-        gate_up_expand=expand(2 * intermediate // slices),
-        down_shrink=shrink(intermediate, 1),
-        down_expand=expand(hidden),
-        source="default",
-    )
 
 
 class Launch(NamedTuple):

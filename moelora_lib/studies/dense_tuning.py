@@ -101,7 +101,7 @@ def projections(spec: str | Sequence[str]) -> list[Projection]:
 def bm_candidates(T: int, L: int, max_bms: int = 2) -> list[int]:
     """BLOCK_SIZE_M candidates by tokens per adapter g = T/L: 16 (g ≤ 16), 16/32 (g ≤ 48), 32/64 (g ≤ 128),
     else 64/128; the largest ``max_bms`` of them plus the default's BM."""
-    from ..kernels.dense_lora import _block_m
+    from ..configs.defaults import _block_m
 
     g = max(1, T) / max(1, L)
     bms = [16] if g <= 16 else [16, 32] if g <= 48 else [32, 64] if g <= 128 else [64, 128]
@@ -400,7 +400,8 @@ def _tune_workload(
 
     dev, T, elem = inp.device, w.T, inp.x.element_size()
     fixed = {op: files.data[fop] and _leaf_at(files.data[fop], w.keys(fop)) for op, fop in _FILE_OPS.items()}
-    fixed = {op: configs._parse_dense_leaf(v, str(files.path(_FILE_OPS[op]))) for op, v in fixed.items() if v}
+    parse = configs.files._parse_dense_leaf
+    fixed = {op: parse(v, str(files.path(_FILE_OPS[op]))) for op, v in fixed.items() if v}
     bms_fixed = {c.BLOCK_SIZE_M for c in fixed.values()}
     if len(bms_fixed) > 1:
         note = "existing shrink and expand entries have different BLOCK_SIZE_M: "

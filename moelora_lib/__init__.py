@@ -11,7 +11,7 @@ modules: the names below load on first use (PEP 562), so a notebook or script ca
 ``TRITON_INTERPRET=1`` (CPU) after ``import moelora_lib`` and before the first kernel is touched.
 
 Layout: the product (shapes, workloads, reference, routing, configs, kernels, moe_lora, layer, ops,
-lora_linear, helion_linear, hardware, common, testing) never imports :mod:`moelora_lib.studies`
+linear, helion_linear, hardware, common, testing) never imports :mod:`moelora_lib.studies`
 (benchmarks, tuners, compile-only checks, the notebook runner); :mod:`moelora_lib.configs` (config types,
 defaults, file format, loader) imports no kernel module.
 """
@@ -36,8 +36,8 @@ _LAZY = {
     "fused_moe_lora": ("moe_lora", "fused_moe_lora"),
     "route": ("routing", "route"),
     "MoELoRALayer": ("layer", "MoELoRALayer"),
-    "lora_linear": ("lora_linear", "lora_linear"),
-    "LoRALinear": ("lora_linear", "LoRALinear"),
+    "lora_linear": ("linear", "lora_linear"),
+    "LoRALinear": ("linear", "LoRALinear"),
     "STAGES": ("kernels", "STAGES"),
     "LayerConfig": ("kernels", "LayerConfig"),
     "OpConfig": ("kernels", "OpConfig"),

@@ -1,5 +1,5 @@
 """The per-call scratch the serving modules share (:class:`moelora_lib.layer.MoELoRALayer`,
-:class:`moelora_lib.lora_linear.LoRALinear`): one :class:`Scratch` per set of sizes, dtype and device,
+:class:`moelora_lib.linear.LoRALinear`): one :class:`Scratch` per set of sizes, dtype and device,
 attached to every module of those sizes (:func:`attach_scratch`), and the modules' ``memory_report``
 (:func:`memory_report`).
 

@@ -37,7 +37,7 @@ import torch
 import moelora_lib
 from moelora_lib import MoELoRALayer
 from moelora_lib.reference import moe_lora_reference
-import moelora_lib.model, moelora_lib.lora_linear  # noqa: F401,E401
+import moelora_lib.model, moelora_lib.linear  # noqa: F401,E401
 import moelora_lib.helion_linear, moelora_lib.configs  # noqa: F401,E401
 
 torch.manual_seed(0)

@@ -132,7 +132,7 @@ def test_every_implementation_matches_the_reference(proj, T):
 def test_baselines_with_uniform_ids_match():
     inp = db.make_inputs("tiny/gate_up", 20, **TINY)
     ids = inp.lora_ids(20, "uniform")
-    from moelora_lib.lora_linear import lora_linear_reference
+    from moelora_lib.linear import lora_linear_reference
 
     ref = lora_linear_reference(inp.x, inp.weight, inp.lora_a, inp.lora_b, ids, slices=inp.proj.slices)
     for cls in (db.TorchLoop, db.TorchGatherBmm):

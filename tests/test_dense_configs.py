@@ -15,7 +15,7 @@ from moelora_lib import configs
 from moelora_lib.configs import DenseLoRAConfig, OpConfig, default_dense_config, files, loader
 from moelora_lib.kernels import STAGES
 from moelora_lib.kernels.dense_lora import dense_config_for
-from moelora_lib.lora_linear import LoRALinear, lora_linear, lora_linear_reference
+from moelora_lib.linear import LoRALinear, lora_linear, lora_linear_reference
 from moelora_lib.testing import TOLERANCES, rel_err
 
 GPU = "TEST_GPU"

@@ -19,7 +19,7 @@ from moelora_lib.configs import load_layer_config
 from moelora_lib.kernels import STAGES, LayerConfig, OpConfig, default_config
 from moelora_lib.kernels.dense_lora import DenseLoRAConfig
 from moelora_lib.layer import MoELoRALayer
-from moelora_lib.lora_linear import LoRALinear, lora_linear, lora_linear_reference
+from moelora_lib.linear import LoRALinear, lora_linear, lora_linear_reference
 from moelora_lib.moe_lora import make_layer_run
 from moelora_lib.reference import moe_lora_reference
 from moelora_lib.shapes import Dims, get_shape

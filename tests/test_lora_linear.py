@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from moelora_lib.kernels import STAGES, OpConfig
 from moelora_lib.kernels.dense_lora import DenseLoRAConfig, default_dense_config, dense_block_sizes_m
-from moelora_lib.lora_linear import LoRALinear, lora_linear, lora_linear_reference
+from moelora_lib.linear import LoRALinear, lora_linear, lora_linear_reference
 from moelora_lib.routing import align_tokens
 from moelora_lib.testing import assert_close_rel
 
@@ -524,7 +524,7 @@ def test_compiled_kernels_sm90(compiled):
 
 # --- found by a new-user trial of the dense module: each case kept as a test -------------------------
 def _trial_module(**kw):
-    from moelora_lib.lora_linear import LoRALinear
+    from moelora_lib.linear import LoRALinear
 
     g = torch.Generator().manual_seed(3)
     w = torch.randn(96, 64, generator=g) * 0.1
@@ -573,7 +573,7 @@ def test_trial_module_dtype_after_to_copy_pickle_and_load_checks():
 
 
 def test_trial_functional_meta_and_requires_grad_refused():
-    from moelora_lib.lora_linear import lora_linear
+    from moelora_lib.linear import lora_linear
 
     x = torch.randn(3, 64)
     w = torch.randn(96, 64)
@@ -586,3 +586,15 @@ def test_trial_functional_meta_and_requires_grad_refused():
         lora_linear(x.requires_grad_(), w, la, lb, ids, slices=(64, 16, 16))
     with torch.no_grad():
         assert lora_linear(x, w, la, lb, ids, slices=(64, 16, 16)).shape == (3, 96)
+
+
+def test_package_names_are_the_function_and_the_class_in_any_import_order():
+    """``moelora_lib.lora_linear`` is the function, also after the module defining it was imported."""
+    import types
+
+    import moelora_lib
+    import moelora_lib.linear as module
+    from moelora_lib import LoRALinear, lora_linear
+
+    assert lora_linear is module.lora_linear and not isinstance(lora_linear, types.ModuleType)
+    assert LoRALinear is module.LoRALinear and moelora_lib.lora_linear is module.lora_linear

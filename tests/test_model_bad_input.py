@@ -255,7 +255,7 @@ def test_cuda_device_without_cuda(files):
 
 
 def test_cpu_without_interpreter(files, monkeypatch):
-    import moelora_lib.lora_linear as ll
+    import moelora_lib.linear as ll
 
     def off(dtype, name="x"):
         raise ValueError("not the interpreter")

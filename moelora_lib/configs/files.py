@@ -350,7 +350,7 @@ def save_config_file(path: str | os.PathLike, data: dict) -> Path:
 
 
 # --------------------------------------------------------------------------------------------------
-# Dense multi-LoRA (moelora_lib.lora_linear): vLLM's dense shrink / expand config files
+# Dense multi-LoRA (moelora_lib.linear): vLLM's dense shrink / expand config files
 # --------------------------------------------------------------------------------------------------
 def dense_config_file_name(gpu: str, op: str, add_inputs: bool = True) -> str:
     """``{gpu}_SHRINK.json`` for "dense_shrink" (or "shrink"), ``{gpu}_EXPAND_TRUE.json`` /

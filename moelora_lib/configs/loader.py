@@ -519,7 +519,7 @@ def load_dense_config(
     add_inputs: bool = True,
 ):
     """The :class:`~moelora_lib.configs.schema.DenseLoRAConfig` of one dense multi-LoRA call
-    (:func:`moelora_lib.lora_linear.lora_linear`, stage ``tuned``), from tuned files if any.
+    (:func:`moelora_lib.linear.lora_linear`, stage ``tuned``), from tuned files if any.
 
     Args:
         T: tokens of the call. hidden: H. slices: the output widths (N_s). rank: R. adapters: L.

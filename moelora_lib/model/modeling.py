@@ -427,7 +427,7 @@ def _check_device(device, dtype: torch.dtype) -> torch.device:
             "patterns, triton-lang/triton#11584); use torch.float16 or torch.float32 with device='cpu', "
             "bfloat16 on a GPU"
         )
-    from ..lora_linear import _check_cpu_backend
+    from ..linear import _check_cpu_backend
 
     try:
         _check_cpu_backend(dtype)

@@ -559,7 +559,7 @@ def read_peft_adapter(path, config, *, expert_slices: int) -> PeftAdapter:
 # --- loading into a model --------------------------------------------------------------------------
 def _lora_modules(model):
     from ..layer import MoELoRALayer
-    from ..lora_linear import LoRALinear
+    from ..linear import LoRALinear
 
     return [m for m in model.modules() if isinstance(m, (LoRALinear, MoELoRALayer))]
 

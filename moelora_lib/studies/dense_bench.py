@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from ..common import dtype_name, parse_dtype
 from ..kernels import STAGES
 from ..kernels import dense_lora as dl
-from ..lora_linear import LoRALinear, _align_oneshot, lora_linear_reference
+from ..linear import LoRALinear, _align_oneshot, lora_linear_reference
 from ..shapes import DENSE_CPU_MODELS, DENSE_GPU_MODELS, DENSE_PRESETS, DenseModel, DenseProjection
 from ..testing import TOLERANCES
 from ..workloads import adapter_ids

@@ -1,4 +1,4 @@
-"""The dense multi-LoRA tuner: shrink and expand configs of :func:`moelora_lib.lora_linear.lora_linear`
+"""The dense multi-LoRA tuner: shrink and expand configs of :func:`moelora_lib.linear.lora_linear`
 (stage ``tuned``) per projection shape and T, in vLLM's dense LoRA file format (``{gpu}_SHRINK.json``,
 ``{gpu}_EXPAND_TRUE.json``; ``load_dense_config``)::
 
@@ -394,7 +394,7 @@ def _tune_workload(
 ) -> tuple[OpConfig, OpConfig] | None:
     """Tune one workload (module docstring, points 1–3); returns the checked (shrink, expand), or None for a
     conflict (nothing written)."""
-    from ..lora_linear import _align_oneshot, lora_linear_reference
+    from ..linear import _align_oneshot, lora_linear_reference
     from ..testing import TOLERANCES
     from . import bench
 

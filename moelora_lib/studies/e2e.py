@@ -427,7 +427,7 @@ def step_breakdown(
     from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity, profile
 
-    from ..lora_linear import LoRALinear
+    from ..linear import LoRALinear
     from ..model.modeling import Attention, DenseMLP, MoEBlock
 
     dev, stack = model.device, []

@@ -227,11 +227,12 @@ def readme_block(d: Data) -> str:
                 f"{int(o.new_tokens)} out, "
                 "rank 32, greedy, random weights at the real dimensions:\n\n"
                 + table(rows, ["run", "TTFT ms", "output tokens/s", "ours with an adapter ÷ this"])
-                + "\n\n\\* not measured side by side: vLLM's blog states neither its GPU nor its concurrency."
+                + "\n\n\\* not measured side by side (`data/anchors/vllm_blog_e2e.csv`): vLLM's blog "
+                "states neither its GPU nor its concurrency, and runs GPT-OSS's MXFP4 experts (ours: bf16)."
             )
     srcs = [n for n in ("09_graph.csv", "11_generation.csv") if (d.dir / n).exists()]
     parts.append(
-        f"Measured on {d.readme_source(*srcs)}; vLLM's rows: `data/{MOE_ANCHOR}`. "
+        f"Measured on {d.readme_source(*srcs)}; vLLM's layer rows: `data/{MOE_ANCHOR}`. "
         "Every table, with its commit: "
         "[docs/results.md](docs/results.md)."
     )

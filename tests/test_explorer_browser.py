@@ -3,7 +3,7 @@
 The test starts JupyterLab (loopback, a free port, a random token, every Jupyter/IPython/matplotlib folder and
 HOME in a temp dir) with the project's kernel (the runner's kernelspec for this interpreter), opens a copy of
 the explorer, runs all cells, changes the "tokens T" control as a user would and checks that the plot and
-the table changed; it saves a screenshot of the explorer after the change to data/figures/00_explorer.png.
+the table changed; it saves a screenshot of the explorer after the change (to the test's temp folder).
 
 Browser: Debian's Chromium (``apt-get install chromium``; .ci/run installs it), driven through Playwright's
 ``executable_path`` — Playwright's own browser download is not used (``playwright install`` needs a CDN this
@@ -39,7 +39,6 @@ from moelora_lib.studies.runner import write_kernelspec  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 HEADING = "### What the committed evidence says"  # the conclusion cell's first line
 NOTEBOOK = ROOT / "notebooks" / "00_explorer.ipynb"
-SCREENSHOT = ROOT / "data" / "figures" / "00_explorer.png"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 pytestmark = pytest.mark.skipif(
@@ -165,7 +164,8 @@ def lab(tmp_path):
         server.stop()
 
 
-def test_explorer_in_jupyterlab(lab):
+def test_explorer_in_jupyterlab(lab, tmp_path):
+    screenshot = tmp_path / "00_explorer.png"  # never over the committed data/figures/00_explorer.png
     from playwright.sync_api import expect, sync_playwright
 
     # A copy per test (JupyterLab marks it dirty and may autosave it), opened with the project's kernel.
@@ -226,14 +226,13 @@ def test_explorer_in_jupyterlab(lab):
             assert want in table_after, f"the table does not show tuned's whole layer at T = 1600 ({want})"
             assert page.locator(".moelora-plot img").get_attribute("src") != src_before
 
-            SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
             main = page.locator(".moelora-main")
             # the explorer in the middle of the notebook panel, clear of its toolbar and the status bar
             page.evaluate("() => window.jupyterapp.shell.collapseLeft()")
             main.evaluate("el => el.scrollIntoView({block: 'center'})")
-            main.screenshot(path=str(SCREENSHOT))
+            main.screenshot(path=str(screenshot))
         finally:
             browser.close()
     print("browser test timings (s): " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()))
     assert not errors, f"errors in the page: {errors}"
-    assert SCREENSHOT.stat().st_size > 10_000
+    assert screenshot.stat().st_size > 10_000

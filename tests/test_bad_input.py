@@ -323,7 +323,7 @@ def test_config_loaders_check_gpu_name_and_folder_types(loader, arg):
         "fused": lambda **kw: configs.load_fused_config(d, **kw),
         "dense": lambda **kw: configs.load_dense_config(5, 64, (64, 16, 16), 16, 4, **kw),
     }[loader]
-    with pytest.raises(TypeError, match=rf"^{arg} must be a str"):
+    with pytest.raises(ValueError, match=rf"^{arg} must be a str"):
         call(**{arg: 5})
 
 

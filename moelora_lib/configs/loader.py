@@ -349,8 +349,8 @@ def load_layer_config(
             mapping set by :func:`map_gpu_name` for the current GPU, else :func:`gpu_name`). Passing
             ``"NVIDIA_H200"`` on another GPU uses the H200's configs there, explicitly.
     Returns: a LayerConfig whose ``source`` records where each group came from.
-    Raises: TypeError when ``dims`` is not a Dims, ``folder`` not a str / os.PathLike / None or
-        ``gpu_name`` not a str / None (naming the argument). ValueError for a malformed or invalid
+    Raises: TypeError when ``dims`` is not a Dims. ValueError naming the argument when ``folder`` is
+        not a str / os.PathLike / None or ``gpu_name`` not a str / None; for a malformed or invalid
         file (naming the file and key path), or when the folder named by ``folder`` or by
         ``$MOELORA_TUNED_CONFIG_FOLDER`` is not a directory (a typo there would otherwise silently drop
         every tuned config). A missing file inside an existing folder falls back to the defaults with
@@ -366,12 +366,14 @@ def load_layer_config(
 
 
 def _check_source_args(folder, gpu_name) -> None:
-    """TypeError naming the argument unless ``folder`` is a str, os.PathLike or None and ``gpu_name`` a
+    """ValueError naming the argument unless ``folder`` is a str, os.PathLike or None and ``gpu_name`` a
     str or None (the loaders' common arguments)."""
     if folder is not None and not isinstance(folder, (str, os.PathLike)):
-        raise TypeError(f"folder must be a str, os.PathLike or None, got {type(folder).__name__}: {folder!r}")
+        raise ValueError(
+            f"folder must be a str, os.PathLike or None, got {type(folder).__name__}: {folder!r}"
+        )
     if gpu_name is not None and not isinstance(gpu_name, str):
-        raise TypeError(
+        raise ValueError(
             "gpu_name must be a str (e.g. 'NVIDIA_H200') or None, "
             f"got {type(gpu_name).__name__}: {gpu_name!r}"
         )
@@ -548,7 +550,7 @@ def load_dense_config(
     is the nearest one whose BLOCK_SIZE_M equals the shrink's (they share one alignment).
     Returns: a DenseLoRAConfig whose ``source`` says where it came from (``folder:/p``, ``env:/p``,
         ``shipped:NVIDIA_H200``, `` (mapped from ...)``, or ``default``).
-    Raises: ValueError naming the argument for bad sizes; TypeError naming ``folder`` or ``gpu_name``
+    Raises: ValueError naming the argument for bad sizes; ValueError naming ``folder`` or ``gpu_name``
         for one of the wrong type (as :func:`load_layer_config`); ValueError for a malformed file
         (naming the file and key path); when the folder named by ``folder`` / the environment variable
         is not a directory; when the expand file has no entry with the shrink's BLOCK_SIZE_M for (L, S)

@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import os
 import weakref
 
 import torch
@@ -59,7 +60,7 @@ from .kernels.align_small import (
 from .kernels.launchers import rank_stride
 from .kernels.route import route_triton
 from .moe_lora import _check_cpu_backend, _desc, validate_moe_lora_inputs
-from .routing import check_id_values, route
+from .routing import check_finite_weights, check_id_values, route
 from .scratch import Scratch, attach_scratch, memory_report, nbytes
 from .shapes import Dims
 
@@ -73,22 +74,10 @@ class _Scratch(Scratch):
     def __init__(self, dt, dev, max_tokens, E, H, I, K, L, R, S, fused_add):
         super().__init__()
         P = max_tokens * K
-        f = dict(dtype=dt, device=dev)
-        self.bufs = dict(
-            h=torch.zeros(P * 2 * I, **f),
-            g=torch.zeros(P * I, **f),
-            y=torch.zeros(P * H, **f),
-            tw=torch.zeros(P, dtype=torch.float32, device=dev),
-            route_w=torch.zeros(P, dtype=torch.float32, device=dev),
-            route_ids=torch.zeros(P, dtype=torch.int32, device=dev),
-            # R rounded up to 16 (= R for the usual ranks): stage fused's [P, S, R16] layout fits too
-            inter13=torch.zeros(S * P * rank_stride(R), dtype=torch.float32, device=dev),
-            inter2=torch.zeros(P * rank_stride(R), dtype=torch.float32, device=dev),
-        )
-        if not fused_add:  # stages that store the delta (fp32 for fp16: no overflow), then add it
-            fd = dict(dtype=torch.float32 if dt == torch.float16 else dt, device=dev)
-            self.bufs["delta13"] = torch.zeros(P * 2 * I, **fd)
-            self.bufs["delta2"] = torch.zeros(P * H, **fd)
+        self.bufs = {
+            name: torch.zeros(n, dtype=bdt, device=dev)
+            for name, (n, bdt) in _scratch_sizes(dt, max_tokens, H, I, K, R, S, fused_add).items()
+        }
         self.max_num_pairs, self.E, self.device = P, E, dev
 
     def workspace(self, role: str, block_size_m: int, num_adapters: int) -> AlignWorkspace:
@@ -117,6 +106,40 @@ class _Scratch(Scratch):
 #: The shipped split configs are decode ones (T = 1 and 8).
 SPLIT_DOWN_MAX_TOKENS = 64
 
+
+def _scratch_sizes(dt, max_tokens, H, I, K, R, S, fused_add) -> dict[str, tuple[int, torch.dtype]]:
+    """name -> (elements, dtype) of the flat scratch buffers of :class:`_Scratch` (P = max_tokens·K pairs)."""
+    P = max_tokens * K
+    f32 = torch.float32
+    sizes = dict(
+        h=(P * 2 * I, dt),
+        g=(P * I, dt),
+        y=(P * H, dt),
+        tw=(P, f32),
+        route_w=(P, f32),
+        route_ids=(P, torch.int32),
+        # R rounded up to 16 (= R for the usual ranks): stage fused's [P, S, R16] layout fits too
+        inter13=(S * P * rank_stride(R), f32),
+        inter2=(P * rank_stride(R), f32),
+    )
+    if not fused_add:  # stages that store the delta (fp32 for fp16: no overflow), then add it
+        ddt = f32 if dt == torch.float16 else dt
+        sizes.update(delta13=(P * 2 * I, ddt), delta2=(P * H, ddt))
+    return sizes
+
+
+def _device_total_memory(dev: torch.device) -> int | None:
+    """Total bytes of ``dev``'s memory (CUDA: the GPU's; CPU: physical RAM), None when unknown."""
+    if dev.type == "cuda":
+        return torch.cuda.get_device_properties(dev).total_memory
+    if dev.type == "cpu":
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (AttributeError, ValueError, OSError):
+            return None
+    return None
+
+
 #: Live scratches by sizes (weak: freed with the last layer using it).
 _SCRATCH: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
@@ -140,7 +163,8 @@ class MoELoRALayer(ops.OpLayer):
         top_k: K, experts per token (1 ≤ K ≤ E).
         num_adapters: L ≥ 1 adapter slots.
         max_rank: R ≥ 1, the largest rank a slot holds.
-        max_tokens: largest T a forward accepts (≥ 1); the buffers are sized for it.
+        max_tokens: largest T a forward accepts (≥ 1); the buffers are sized for it, and must fit the
+            device's total memory (ValueError naming max_tokens otherwise).
         slices: S, 2 (gate and up adapters) or 1 (one fused gate_up adapter, GPT-OSS style).
         b13: [E, 2I] or None; b2: [E, H] or None (expert biases).
         activation: "silu" or "swigluoai".
@@ -148,7 +172,8 @@ class MoELoRALayer(ops.OpLayer):
         stage: a name of :data:`moelora_lib.kernels.STAGES` (default "tuned").
         config: a fixed :class:`~moelora_lib.kernels.LayerConfig` for every T (None = per T, as
             fused_moe_lora picks it).
-        debug: check id values in forward (topk_ids ∈ [0, E), lora_ids ∈ [-1, L)); a host sync.
+        debug: check values in forward (topk_ids ∈ [0, E), lora_ids ∈ [-1, L), router_logits or the
+            given topk_weights finite); a host sync.
         deterministic: bitwise-repeatable output (SPLIT_K = 1 on both shrinks and on stage ``fused``'s down
             GEMM, as
             :func:`moelora_lib.fused_moe_lora`'s ``deterministic``); the routing and the alignment
@@ -216,6 +241,14 @@ class MoELoRALayer(ops.OpLayer):
         _check_layer_dtype(dt, dev, "w13")
         if K > E:
             raise ValueError(f"top_k = {K} must be <= E = {E} (w13 dim 0)")
+        sizes = _scratch_sizes(dt, max_tokens, H, two_i // 2, K, R, S, STAGES[stage].fused_add)
+        need = sum(n * torch.empty((), dtype=bdt).element_size() for n, bdt in sizes.values())
+        total = _device_total_memory(dev)
+        if total is not None and need > total:
+            raise ValueError(
+                f"max_tokens = {max_tokens} needs {need / 2**30:.1f} GiB of scratch buffers "
+                f"(max_tokens·top_k pairs), more than the {total / 2**30:.1f} GiB of {dev}; lower max_tokens"
+            )
         z = dict(dtype=dt, device=dev)
         lora_a13 = torch.zeros((L, E, S, R, H), **z)
         lora_b13 = torch.zeros((L, E, S, two_i // S, R), **z)
@@ -492,7 +525,9 @@ class MoELoRALayer(ops.OpLayer):
             [T, H] of the layer's dtype; [0, H] (empty) when T = 0.
         Raises:
             ValueError naming the argument for a wrong shape, dtype or device, T > max_tokens, both or
-            neither routing form; with ``debug=True`` also for id values out of range.
+            neither routing form (a routing argument or lora_ids that is not a tensor included); with
+            ``debug=True`` also for id values out of range and for NaN or inf in router_logits or
+            topk_weights.
         Id values are not checked otherwise (no host sync): a token with a top-k id outside [0, E) or an
         adapter id outside [-1, L) — or NaN router logits, which route nowhere — gets a NaN output row
         (its pairs are dropped by the alignment; :mod:`moelora_lib.kernels.topk_reduce`), never values
@@ -543,7 +578,8 @@ class MoELoRALayer(ops.OpLayer):
         if topk_weights is None or topk_ids is None:
             raise ValueError("pass router_logits, or both topk_weights and topk_ids")
         if (
-            tuple(topk_weights.shape) != (T, self.K)
+            not isinstance(topk_weights, torch.Tensor)
+            or tuple(topk_weights.shape) != (T, self.K)
             or topk_weights.dtype != torch.float32
             or topk_weights.device != dev
         ):
@@ -552,7 +588,8 @@ class MoELoRALayer(ops.OpLayer):
                 f"got {_desc(topk_weights)}"
             )
         if (
-            tuple(topk_ids.shape) != (T, self.K)
+            not isinstance(topk_ids, torch.Tensor)
+            or tuple(topk_ids.shape) != (T, self.K)
             or topk_ids.dtype not in (torch.int32, torch.int64)
             or topk_ids.device != dev
         ):
@@ -594,6 +631,8 @@ class MoELoRALayer(ops.OpLayer):
         if self.debug:
             if router_logits is not None and not bool(torch.isfinite(router_logits).all()):
                 raise ValueError("router_logits contain NaN or inf (debug check): such tokens route nowhere")
+            if router_logits is None:
+                check_finite_weights(topk_weights)
             check_id_values(topk_ids, E, lora_ids, L)
         cfg = self.config_for(T)
         st = self.stage

@@ -133,7 +133,7 @@ def validate_lora_linear_inputs(
     Raises:
         ValueError naming the argument: not a tensor, wrong rank/shape (the message gives the expected
         shape in the shape letters), dtype (x: float16/bfloat16/float32; the others like x, lora_ids
-        int32), device (like x), ``slices`` not positive ints or not summing to weight.shape[0], S of
+        int32 or int64), device (like x), ``slices`` not positive ints or not summing to weight.shape[0], S of
         lora_a ≠ len(slices), rank R of lora_b ≠ lora_a's, L or R < 1, bfloat16 on the CPU, a device other
         than CPU/CUDA (meta), an input that requires grad while grad mode is on (inference only), and
         with ``check_values`` lora_ids values outside [-1, L) (one host sync).
@@ -174,7 +174,7 @@ def validate_lora_linear_inputs(
             "(pad a smaller rank with zeros)"
         )
     _check("lora_b", lora_b, (("L", L), ("N_total", N), ("R", R)), (dt,), dev)
-    _check("lora_ids", lora_ids, (("T", T),), (torch.int32,), dev)
+    _check("lora_ids", lora_ids, (("T", T),), (torch.int32, torch.int64), dev)
     if bias is not None:
         _check("bias", bias, (("N_total", N),), (dt,), dev)
     if torch.is_grad_enabled():  # the LoRA part is Triton launches with no autograd formula
@@ -236,7 +236,7 @@ def lora_linear(
         lora_a: [L, S, R, H], x's dtype; slice s = projection s's A (rank r_s ≤ R, zero-padded).
         lora_b: [L, N_total, R], x's dtype; rows of slice s = projection s's B, scaling folded in,
             zero-padded to R columns.
-        lora_ids: [T] int32, slot of each token in [-1, L); -1 = no adapter (exactly the base).
+        lora_ids: [T] int32/int64, slot of each token in [-1, L); -1 = no adapter (exactly the base).
         slices: output widths (N_0, ..., N_{S-1}), Σ = N_total, e.g. (q, k, v) = (4096, 512, 512).
         bias: [N_total] or None.
         stage: a name in :data:`moelora_lib.kernels.STAGES` (its switches: length specialization,
@@ -622,7 +622,7 @@ class LoRALinear(ops.OpLayer):
 
         Args:
             x: [T, H] of the layer's dtype and device, T ≤ max_tokens.
-            lora_ids: [T] int32 on the layer's device, slot of each token in [-1, L); -1 or an empty
+            lora_ids: [T] int32/int64 on the layer's device, slot of each token in [-1, L); -1 or an empty
                 slot = no adapter.
         Returns:
             [T, N_total] of the layer's dtype (a new tensor).
@@ -648,10 +648,12 @@ class LoRALinear(ops.OpLayer):
         if (
             not isinstance(lora_ids, torch.Tensor)
             or tuple(lora_ids.shape) != (T,)
-            or lora_ids.dtype != torch.int32
+            or lora_ids.dtype not in (torch.int32, torch.int64)
             or lora_ids.device != dev
         ):
-            raise ValueError(f"lora_ids must be an int32 tensor [T={T}] on {dev}, got {_desc(lora_ids)}")
+            raise ValueError(
+                f"lora_ids must be an int32/int64 tensor [T={T}] on {dev}, got {_desc(lora_ids)}"
+            )
 
     def _align(self, ids: torch.Tensor, T: int, bm: int) -> Alignment:
         zeros = self._scratch.bufs["zeros"][:T]
@@ -702,7 +704,7 @@ class LoRALinear(ops.OpLayer):
 @torch.library.custom_op("moelora::lora_linear_module", mutates_args=())
 def lora_linear_module(x: torch.Tensor, lora_ids: torch.Tensor, layer: str) -> torch.Tensor:
     """One forward of the registered :class:`LoRALinear` ``layer`` (a name from
-    :func:`moelora_lib.ops.register_layer`): x [T, H], lora_ids [T] int32 -> [T, N_total] (new tensor).
+    :func:`moelora_lib.ops.register_layer`): x [T, H], lora_ids [T] int32/int64 -> [T, N_total] (new tensor).
     The weights and adapter slots are read from the live module at run time."""
     return ops.get_layer(layer)._forward_impl(x, lora_ids)
 

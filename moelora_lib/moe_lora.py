@@ -7,7 +7,7 @@ import torch
 from .common import check_bool, check_tensor
 from .common import describe as _desc
 from .kernels import STAGES, LayerConfig, LayerRun
-from .routing import check_id_bounds, check_id_values
+from .routing import check_finite_weights, check_id_bounds, check_id_values
 from .shapes import Dims
 
 __all__ = ["fused_moe_lora", "validate_moe_lora_inputs", "make_layer_run"]
@@ -86,7 +86,8 @@ def validate_moe_lora_inputs(
 ) -> dict:
     """Check every argument of :func:`fused_moe_lora`; return the dims T, H, I, E, K, L, S, R.
 
-    ``check_values`` also checks topk_ids ∈ [0, E) and lora_ids ∈ [-1, L) (a host sync).
+    ``check_values`` also checks topk_ids ∈ [0, E), lora_ids ∈ [-1, L) and that topk_weights is finite
+    (a host sync).
     Each shape letter (T, H, I, E, K, L, R) takes the size most arguments agree on, so a wrong size is
     reported on the argument that disagrees (a wrong H in hidden_states names hidden_states, not w13).
     Raises:
@@ -183,7 +184,7 @@ def validate_moe_lora_inputs(
     if not 1 <= K <= E:
         raise ValueError(f"topk_ids: top_k = {K} must be in [1, E={E}]")
     _check("topk_weights", topk_weights, (("T", T), ("K", K)), (torch.float32,), dev)
-    _check("lora_ids", lora_ids, (("T", T),), (torch.int32,), dev)
+    _check("lora_ids", lora_ids, (("T", T),), (torch.int32, torch.int64), dev)
     _check("lora_a13", lora_a13, (("L", L), ("E", E), ("S", S), ("R", R), ("H", H)), (dt,), dev, like)
     _check(
         "lora_b13", lora_b13, (("L", L), ("E", E), ("S", S), ("2I/S", two_i // S), ("R", R)), (dt,), dev, like
@@ -195,6 +196,7 @@ def validate_moe_lora_inputs(
     if b2 is not None:
         _check("b2", b2, (("E", E), ("H", H)), (dt,), dev, like)
     if check_values:
+        check_finite_weights(topk_weights)
         check_id_values(topk_ids, E, lora_ids, L)
     return dict(T=T, H=H, I=inter, E=E, K=K, L=L, S=S, R=R)
 
@@ -353,9 +355,9 @@ def fused_moe_lora(
         w13: [E, 2I, H] gate_up weights (nn.Linear layout out × in); rows [gate | up] for "silu",
             interleaved gate/up rows for "swigluoai" (GPT-OSS).
         w2: [E, H, I] down weights.
-        topk_weights: [T, K] float32 routing weights (applied once, on the down output).
+        topk_weights: [T, K] float32 routing weights (applied once, on the down output), finite.
         topk_ids: [T, K] int32/int64 in [0, E).
-        lora_ids: [T] int32 adapter slot of each token in [-1, L); -1 = no adapter.
+        lora_ids: [T] int32/int64 adapter slot of each token in [-1, L); -1 = no adapter.
         lora_a13: [L, E, S, R, H]; lora_b13: [L, E, S, 2I/S, R] (S = 1 fused gate_up, GPT-OSS 3-D
             adapters; S = 2 gate and up slices). Slice s covers h columns [s·2I/S, (s+1)·2I/S).
         lora_a2: [L, E, R, I]; lora_b2: [L, E, H, R]. Scaling alpha/r already folded into B;
@@ -377,18 +379,19 @@ def fused_moe_lora(
         [T, H] in hidden_states' dtype ([0, H] when T = 0).
     Raises:
         ValueError: an argument's shape, dtype, device or value range is wrong (the message names
-            it), unknown activation or stage, a non-bool deterministic; bfloat16 on the CPU (the
-            interpreter's bf16 is wrong).
+            it; NaN or inf in topk_weights included), unknown activation or stage, a non-bool
+            deterministic; bfloat16 on the CPU (the interpreter's bf16 is wrong).
 
-    The value-range check of topk_ids and lora_ids synchronizes with the host once, so this function
-    is not meant for CUDA-graph capture: use :class:`moelora_lib.MoELoRALayer` (no host sync), or build
-    a :class:`~moelora_lib.kernels.LayerRun` once with :func:`make_layer_run` (``check_values=False``)
-    and capture ``run()``, as the benchmarks do. On a GPU the check is deferred so that the host never
-    waits for the layer's kernels: the id bounds are reduced on the device and copied to pinned host
-    memory first, the alignment (Triton, :mod:`moelora_lib.kernels.align`; it drops out-of-range pairs
-    instead of reading out of bounds) and the layer are launched, and only then does the host wait for
-    the bounds and raise if they are out of range (the result is then discarded). On the CPU the check
-    comes first.
+    The value check of topk_ids, lora_ids and topk_weights synchronizes with the host once, so this
+    function is not meant for CUDA-graph capture: use :class:`moelora_lib.MoELoRALayer` (no host sync),
+    or build a :class:`~moelora_lib.kernels.LayerRun` once with :func:`make_layer_run`
+    (``check_values=False``) and capture ``run()``, as the benchmarks do. On a GPU the check is deferred
+    so that the host never waits for the layer's kernels: the id bounds and the finiteness of
+    topk_weights are reduced on the device and copied to pinned host memory first, the alignment
+    (Triton, :mod:`moelora_lib.kernels.align`; it drops out-of-range pairs instead of reading out of
+    bounds) and the layer are launched, and only then does the host wait for the bounds and raise if
+    they are out of range or a weight is not finite (the result is then discarded). On the CPU the
+    check comes first.
 
     Eager host cost (notebook 09 measures it): one call validates ~11 tensors in Python, picks the
     config, and issues 1 (id bounds, :mod:`moelora_lib.kernels.id_bounds`) + 1 or 6 (alignment) + the
@@ -440,9 +443,13 @@ def fused_moe_lora(
 
     bounds = torch.empty(4, dtype=torch.int64, pin_memory=True)
     bounds.copy_(id_bounds_triton(topk_ids, lora_ids), non_blocking=True)
+    finite = torch.empty(1, dtype=torch.bool, pin_memory=True)
+    finite.copy_(torch.isfinite(topk_weights).all().reshape(1), non_blocking=True)
     copied = torch.cuda.Event()
     copied.record()
     out = run()
     copied.synchronize()  # waits for the bounds only, not for the layer's kernels
     check_id_bounds(bounds.tolist(), w13.shape[0], lora_a13.shape[0])
+    if not bool(finite[0]):
+        check_finite_weights(topk_weights)  # raises, with the count
     return out

@@ -114,7 +114,7 @@ def moe_lora_layer(
         hidden_states: [T, H] float16/bfloat16/float32 (the layer's dtype and device).
         router_logits: [T, E] float, or None when topk_weights/topk_ids are given.
         topk_weights: [T, K] float32 or None; topk_ids: [T, K] int32/int64 or None.
-        lora_ids: [T] int32 in [-1, L), -1 = no adapter.
+        lora_ids: [T] int32/int64 in [-1, L), -1 = no adapter.
         layer: name from :func:`register_layer`.
     Returns:
         [T, H] of hidden_states' dtype, a new tensor ([0, H] for T = 0).

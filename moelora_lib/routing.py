@@ -32,6 +32,7 @@ __all__ = [
     "align_tokens",
     "max_padded_pairs",
     "check_id_values",
+    "check_finite_weights",
     "id_value_bounds",
     "check_id_bounds",
 ]
@@ -49,7 +50,10 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True):
         (topk_weights [T, K] float32, topk_ids [T, K] int32)
     Raises:
         ValueError: router_logits not a 2-D float tensor, or top_k outside [1, E].
+        TypeError: renormalize not a Python bool.
     """
+    if not isinstance(renormalize, bool):
+        raise TypeError(f"renormalize must be a Python bool (True or False), got {renormalize!r}")
     if not isinstance(router_logits, torch.Tensor) or router_logits.dim() != 2:
         raise ValueError(f"router_logits must be a 2-D tensor [T, E], got {_desc(router_logits)}")
     if not router_logits.is_floating_point():
@@ -144,6 +148,16 @@ def check_id_values(
     the min/max found.
     """
     check_id_bounds(id_value_bounds(topk_ids, lora_ids).tolist(), num_experts, num_adapters)
+
+
+def check_finite_weights(topk_weights: torch.Tensor) -> None:
+    """ValueError naming topk_weights when it holds NaN or inf (one host sync; empty tensors pass).
+
+    A non-finite routing weight turns the token's output row into NaN (it multiplies the down output).
+    """
+    if topk_weights.numel() and not bool(torch.isfinite(topk_weights).all()):
+        bad = int((~torch.isfinite(topk_weights)).sum())
+        raise ValueError(f"topk_weights must be finite, got {bad} NaN or inf value(s)")
 
 
 def align_tokens(

@@ -148,16 +148,17 @@ def check_int(name: str, v, lo: int | None = None, hi: int | None = None) -> int
 
 @dataclass(frozen=True)
 class Dims:
-    """The sizes of one MoE+LoRA layer call, in the shape letters of this module (all ints >= 1).
+    """The sizes of one MoE+LoRA layer call, in the shape letters of this module (ints: T ≥ 0, the
+    others ≥ 1).
 
     Attributes:
-        T: tokens. H: hidden. I: intermediate per expert. E: experts. top_k: K.
+        T: tokens (0 = an empty batch). H: hidden. I: intermediate per expert. E: experts. top_k: K.
         adapters: L, LoRA slots. rank: R, max rank of the slots. slices: S, gate_up LoRA slices (1 or 2).
 
     Used instead of loose positional ints wherever a layer's sizes travel together (config keys, default
     configs, op costs, compile-only launches). Build one with :meth:`of` from a preset, or
-    :meth:`from_tensors` from a layer's inputs. Raises ValueError naming the field for a non-positive
-    size, S not in (1, 2), or top_k > E.
+    :meth:`from_tensors` from a layer's inputs. Raises ValueError naming the field for a non-int,
+    a negative T, another size < 1, S not in (1, 2), or top_k > E.
     """
 
     T: int

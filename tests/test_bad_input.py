@@ -257,3 +257,102 @@ def test_configs_take_a_dims_only():
             fn(8, 64, 32, 4, 2, 16, 2)
     with pytest.raises(TypeError, match="Dims"):
         default_config((8, 64, 32, 4, 2, 16, 2))
+
+
+# --- 8. routing inputs, id dtypes, flags, config sources, value checks, buffer sizes ------------------
+def _layer(device, **kw):
+    g = torch.Generator().manual_seed(0)
+    w13 = (torch.randn(4, 64, 64, generator=g) * 0.1).to(device)
+    w2 = (torch.randn(4, 64, 32, generator=g) * 0.1).to(device)
+    from moelora_lib import MoELoRALayer
+
+    kw = {**dict(top_k=2, num_adapters=3, max_rank=16, max_tokens=8), **kw}
+    return MoELoRALayer(w13, w2, **kw)
+
+
+def _routing(device, T=5):
+    tw = torch.full((T, 2), 0.5, device=device)
+    ti = torch.stack([torch.arange(T) % 4, (torch.arange(T) + 1) % 4], 1).to(device, torch.int32)
+    lid = torch.tensor([0, 1, -1, 2, 0][:T], dtype=torch.int32, device=device)
+    return tw, ti, lid
+
+
+@pytest.mark.parametrize("name", ["topk_weights", "topk_ids", "lora_ids", "router_logits"])
+def test_layer_non_tensor_routing_inputs_name_the_argument(device, name):
+    layer = _layer(device)
+    x = torch.randn(5, 64, device=device)
+    tw, ti, lid = _routing(device)
+    kw = dict(topk_weights=tw, topk_ids=ti, lora_ids=lid)
+    if name == "router_logits":
+        del kw["topk_weights"], kw["topk_ids"]
+        kw["router_logits"] = [[0.0] * 4] * 5
+    else:
+        kw[name] = kw[name].tolist()
+    with pytest.raises(ValueError, match=rf"^{name} must be an? .*tensor .*got list"):
+        layer(x, **kw)
+
+
+def _kw_on(device):
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in _kw().items()}
+
+
+def test_fused_moe_lora_lora_ids_int64_accepted_other_int_named(device):
+    kw = _kw_on(device)
+    ref = fused_moe_lora(**kw)
+    assert torch.equal(fused_moe_lora(**{**kw, "lora_ids": kw["lora_ids"].long()}), ref)
+    with pytest.raises(ValueError, match=r"^lora_ids must have dtype in \['torch.int32', 'torch.int64'\]"):
+        fused_moe_lora(**{**kw, "lora_ids": kw["lora_ids"].short()})
+
+
+@pytest.mark.parametrize("bad", ["no", 1, None])
+def test_route_renormalize_must_be_bool(bad):
+    import moelora_lib
+
+    with pytest.raises(TypeError, match="^renormalize must be a Python bool"):
+        moelora_lib.route(torch.randn(5, 4), 2, renormalize=bad)
+
+
+@pytest.mark.parametrize("loader", ["layer", "fused", "dense"])
+@pytest.mark.parametrize("arg", ["gpu_name", "folder"])
+def test_config_loaders_check_gpu_name_and_folder_types(loader, arg):
+    from moelora_lib import configs
+
+    d = Dims(T=5, H=64, I=32, E=4, top_k=2, adapters=4, rank=16)
+    call = {
+        "layer": lambda **kw: configs.load_layer_config(d, **kw),
+        "fused": lambda **kw: configs.load_fused_config(d, **kw),
+        "dense": lambda **kw: configs.load_dense_config(5, 64, (64, 16, 16), 16, 4, **kw),
+    }[loader]
+    with pytest.raises(ValueError, match=rf"^{arg} must be a str"):
+        call(**{arg: 5})
+
+
+def test_layer_debug_rejects_non_finite_topk_weights(device):
+    x = torch.randn(5, 64, device=device)
+    tw, ti, lid = _routing(device)
+    tw[1, 0] = float("nan")
+    tw[3, 1] = float("inf")
+    with pytest.raises(ValueError, match="^topk_weights must be finite, got 2 NaN or inf"):
+        _layer(device, debug=True)(x, topk_weights=tw, topk_ids=ti, lora_ids=lid)
+
+
+def test_fused_moe_lora_rejects_non_finite_topk_weights(device):
+    kw = _kw_on(device)
+    kw["topk_weights"] = kw["topk_weights"].clone()
+    kw["topk_weights"][2, 0] = float("nan")
+    with pytest.raises(ValueError, match="^topk_weights must be finite, got 1 NaN or inf"):
+        fused_moe_lora(**kw)
+
+
+def test_layer_max_tokens_beyond_device_memory_names_max_tokens(device):
+    with pytest.raises(ValueError, match=r"^max_tokens = 1000000000000 needs .* GiB of scratch buffers"):
+        _layer(device, max_tokens=10**12)
+    assert _layer(device, max_tokens=64).max_tokens == 64
+
+
+def test_dims_accepts_empty_batch_only_for_T():
+    assert Dims(T=0, H=64, I=32, E=4, top_k=2, adapters=1, rank=1).pairs == 0
+    with pytest.raises(ValueError, match=r"^Dims.T must be an int >= 0"):
+        Dims(T=-1, H=64, I=32, E=4, top_k=2, adapters=1, rank=1)
+    with pytest.raises(ValueError, match=r"^Dims.H must be an int >= 1"):
+        Dims(T=0, H=0, I=32, E=4, top_k=2, adapters=1, rank=1)

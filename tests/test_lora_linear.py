@@ -239,7 +239,7 @@ def _bad(name):
     elif name == "lora_b_N":
         kw["lora_b"] = bb[:, :90]
     elif name == "ids_dtype":
-        kw["lora_ids"] = ids.long()
+        kw["lora_ids"] = ids.short()
     elif name == "ids_T":
         kw["lora_ids"] = ids[:5]
     elif name == "ids_range":
@@ -266,7 +266,7 @@ BAD = {
     "rank_mismatch": r"lora_b: rank R \(dim 2\) = 8 must equal lora_a's R",
     "lora_b_L": r"lora_b must have shape \[L=3",
     "lora_b_N": r"lora_b must have shape .*N_total=96",
-    "ids_dtype": "lora_ids must have dtype torch.int32",
+    "ids_dtype": r"lora_ids must have dtype in \['torch.int32', 'torch.int64'\], got torch.int16$",
     "ids_T": r"lora_ids must have shape \[T=6\]",
     "ids_range": r"lora_ids values must be in \[-1, L=3\)",
     "ids_below": r"lora_ids values must be in \[-1, L=3\)",
@@ -401,8 +401,8 @@ def test_module_errors():
     assert m.loaded_slots == [] and (m.lora_a == 0).all()  # nothing written by a failed load
     with pytest.raises(ValueError, match="exceeds the layer's max_tokens = 48"):
         m(torch.zeros(49, H).half(), torch.zeros(49, dtype=torch.int32))
-    with pytest.raises(ValueError, match="lora_ids must be an int32 tensor"):
-        m(torch.zeros(4, H).half(), torch.zeros(4, dtype=torch.int64))
+    with pytest.raises(ValueError, match="lora_ids must be an int32/int64 tensor"):
+        m(torch.zeros(4, H).half(), torch.zeros(4, dtype=torch.int16))
     with pytest.raises(ValueError, match="x must be torch.float16"):
         m(torch.zeros(4, H), torch.zeros(4, dtype=torch.int32))
     with pytest.raises(ValueError, match="slices .* must sum to N_total"):
@@ -598,3 +598,15 @@ def test_package_names_are_the_function_and_the_class_in_any_import_order():
 
     assert lora_linear is module.lora_linear and not isinstance(lora_linear, types.ModuleType)
     assert LoRALinear is module.LoRALinear and moelora_lib.lora_linear is module.lora_linear
+
+
+def test_lora_ids_int64_accepted_like_int32():
+    x, w, b, a, bb, ids = _inputs(13, 64, (64, 16, 16), 16, torch.float32)
+    ref = lora_linear(x, w, a, bb, ids, slices=(64, 16, 16), bias=b)
+    assert _same_bits(lora_linear(x, w, a, bb, ids.long(), slices=(64, 16, 16), bias=b), ref)
+    m = _module(dt=torch.float32)
+    m.load_adapter(1, *_adapter(8, 1, dt=torch.float32))
+    xm = x.float()
+    assert _same_bits(m(xm, ids.long()), m(xm, ids))
+    with pytest.raises(ValueError, match=r"^lora_ids must be an int32/int64 tensor \[T=13\]"):
+        m(xm, ids.to(torch.uint8))

@@ -311,8 +311,7 @@ def load_fused_config(
     ``source`` ends in ``; fused=file``, ``; fused=derived`` or is ``default:fused``.
     """
     dims = check_dims("load_fused_config: dims", dims)
-    if gpu_name is not None and not isinstance(gpu_name, str):
-        raise ValueError(f"gpu_name must be a str (e.g. 'NVIDIA_H200') or None, got {gpu_name!r}")
+    _check_source_args(folder, gpu_name)
     key = _memo_key(("fused", dims), folder, gpu_name)
     cfg = _RESOLVED.get(key)
     if cfg is not None:
@@ -350,8 +349,9 @@ def load_layer_config(
             mapping set by :func:`map_gpu_name` for the current GPU, else :func:`gpu_name`). Passing
             ``"NVIDIA_H200"`` on another GPU uses the H200's configs there, explicitly.
     Returns: a LayerConfig whose ``source`` records where each group came from.
-    Raises: TypeError when ``dims`` is not a Dims. ValueError for a malformed or invalid file (naming
-        the file and key path), or when the folder named by ``folder`` or by
+    Raises: TypeError when ``dims`` is not a Dims. ValueError naming the argument when ``folder`` is
+        not a str / os.PathLike / None or ``gpu_name`` not a str / None; for a malformed or invalid
+        file (naming the file and key path), or when the folder named by ``folder`` or by
         ``$MOELORA_TUNED_CONFIG_FOLDER`` is not a directory (a typo there would otherwise silently drop
         every tuned config). A missing file inside an existing folder falls back to the defaults with
         one :class:`TunedConfigWarning`; no tuned file at all for the GPU (e.g. an unknown GPU, nothing
@@ -359,9 +359,24 @@ def load_layer_config(
         naming the GPU and the folders searched.
     """
     dims = check_dims("load_layer_config: dims", dims)
+    _check_source_args(folder, gpu_name)
     key = _memo_key((dims,), folder, gpu_name)
     cfg = _RESOLVED.get(key)
     return cfg if cfg is not None else _memo_put(key, _resolve_layer_config(dims, folder, gpu_name))
+
+
+def _check_source_args(folder, gpu_name) -> None:
+    """ValueError naming the argument unless ``folder`` is a str, os.PathLike or None and ``gpu_name`` a
+    str or None (the loaders' common arguments)."""
+    if folder is not None and not isinstance(folder, (str, os.PathLike)):
+        raise ValueError(
+            f"folder must be a str, os.PathLike or None, got {type(folder).__name__}: {folder!r}"
+        )
+    if gpu_name is not None and not isinstance(gpu_name, str):
+        raise ValueError(
+            "gpu_name must be a str (e.g. 'NVIDIA_H200') or None, "
+            f"got {type(gpu_name).__name__}: {gpu_name!r}"
+        )
 
 
 def _memo_key(key: tuple, folder, gpu_name: str | None) -> tuple:
@@ -535,9 +550,11 @@ def load_dense_config(
     is the nearest one whose BLOCK_SIZE_M equals the shrink's (they share one alignment).
     Returns: a DenseLoRAConfig whose ``source`` says where it came from (``folder:/p``, ``env:/p``,
         ``shipped:NVIDIA_H200``, `` (mapped from ...)``, or ``default``).
-    Raises: ValueError naming the argument for bad sizes; for a malformed file (naming the file and
-        key path); when the folder named by ``folder`` / the environment variable is not a directory;
-        when the expand file has no entry with the shrink's BLOCK_SIZE_M for (L, S) (naming both).
+    Raises: ValueError naming the argument for bad sizes; ValueError naming ``folder`` or ``gpu_name``
+        for one of the wrong type (as :func:`load_layer_config`); ValueError for a malformed file
+        (naming the file and key path); when the folder named by ``folder`` / the environment variable
+        is not a directory; when the expand file has no entry with the shrink's BLOCK_SIZE_M for (L, S)
+        (naming both).
     Fallbacks (the defaults): nothing shipped for the GPU — one :class:`TunedConfigWarning` per (GPU,
     folder set), none for ``cpu``; a shipped folder without dense files (MoE files only) — silent; an
     explicit or environment folder without dense files for the GPU — one warning per folder; one of
@@ -546,6 +563,7 @@ def load_dense_config(
     :func:`load_layer_config`; :func:`clear_cache` / :func:`save_config_file` forget it.
     """
     T, hidden, slices, rank, adapters = _check_dense_args(T, hidden, slices, rank, adapters)
+    _check_source_args(folder, gpu_name)
     key = _memo_key(("dense", T, hidden, slices, rank, adapters, bool(add_inputs)), folder, gpu_name)
     cfg = _RESOLVED.get(key)
     if cfg is None:

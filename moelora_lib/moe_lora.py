@@ -395,7 +395,8 @@ def fused_moe_lora(
 
     Eager host cost (notebook 09 measures it): one call validates ~11 tensors in Python, picks the
     config, and issues 1 (id bounds, :mod:`moelora_lib.kernels.id_bounds`) + 1 or 6 (alignment) + the
-    stage's layer launches, a copy and a reduction, with one host sync (the deferred id check).
+    stage's layer launches, the finiteness reduction of topk_weights (``torch.isfinite(...).all()``) and
+    two copies to pinned memory, with one host sync (the deferred value check).
     """
     if isinstance(hidden_states, torch.Tensor) and hidden_states.dim() == 2 and hidden_states.shape[0] == 0:
         validate_moe_lora_inputs(

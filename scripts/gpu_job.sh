@@ -7,6 +7,7 @@
 # Env: NOTEBOOKS   stage selection for the runner (default: all notebooks); groups separated by "+" run
 #                  one after another in that order (NOTEBOOKS=09,10,11,12+00: the explorer last)
 #      GPU_TESTS=1 also run `pytest -m gpu` after the notebooks
+#      GPU_TESTS_PATHS  the test files or node ids for it (default: tests)
 #      OUT         where results.tar.gz, gpu_job.log (and pytest_gpu.xml) go (default: ./_gpu_out)
 #      JOB_BUDGET_S wall-clock budget for the whole job (default 560 s: the device allows 600 s per
 #                  command); the notebooks and tests are stopped in time to always pack the results
@@ -124,7 +125,7 @@ if [[ "${GPU_TESTS:-0}" == 1 ]]; then
     if ((t > 10)); then
         echo "gpu_job: pytest -m gpu (timeout ${t}s)"
         timeout --signal=INT --kill-after=10 "$t" \
-            python3 -m pytest -m gpu -q -p no:cacheprovider --junitxml="$OUT/pytest_gpu.xml" tests
+            python3 -m pytest -m gpu -q -p no:cacheprovider --junitxml="$OUT/pytest_gpu.xml" ${GPU_TESTS_PATHS:-tests}
         trc=$?
         [[ $RC == 0 ]] && RC=$trc
     else

@@ -764,12 +764,12 @@ def load_peft_adapter(model, slot: int, path) -> PeftAdapter:
                 "down": ((mod.E, None, mod.I), (mod.E, mod.H, None)),
             }
             for arg, (a, b) in kw.items():
-                for t, w in zip((a, b), want[arg]):
+                for which, t, w in zip(("A", "B"), (a, b), want[arg]):
                     if any(x is not None and x != y for x, y in zip(w, t.shape)) or t.dim() != len(w):
+                        w_txt = tuple("r" if x is None else x for x in w)
                         raise ValueError(
-                            f"{adapter.sources[(layer, 'experts_' + arg)]}: shape {tuple(t.shape)} "
-                            "doesn't fit "
-                            f"layers[{layer}].mlp.experts ({w}, None = rank)"
+                            f"{adapter.sources[(layer, 'experts_' + arg)]}: {arg} {which} has shape "
+                            f"{tuple(t.shape)}, layers[{layer}].mlp.experts needs {w_txt} (r = the rank)"
                         )
             plan.append((mod, (), dict(kw, scaling=1.0)))
 

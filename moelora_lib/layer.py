@@ -227,7 +227,9 @@ class MoELoRALayer(ops.OpLayer):
             a model's layers run one after another, so one copy serves them all. ``memory_report()``
             gives the bytes.
     Raises:
-        ValueError naming the argument: shapes, dtypes, devices, sizes, stage, activation.
+        ValueError naming the argument: shapes, dtypes, devices, sizes, stage, activation. When w13
+        and w2 disagree, the message names the one that is wrong (a transposed weight is recognised;
+        else w13 is the reference) with its expected shape, the received one and the other's shape.
 
     Parameters (frozen, in the state dict): ``w13``, ``w2``, ``b13``, ``b2``. Buffers (not in the
     state dict; runtime state): ``lora_a13`` [L, E, S, R, H], ``lora_b13`` [L, E, S, 2I/S, R],

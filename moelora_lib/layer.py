@@ -149,6 +149,49 @@ def _check_layer_dtype(dt: torch.dtype, dev: torch.device, name: str) -> None:
     check_kernel_dtype(dt, dev, name, _check_cpu_backend)
 
 
+def _check_expert_weights(w13, w2, b13, b2) -> None:
+    """w13 [E, 2I, H] and w2 [E, H, I] must agree; the message names the tensor that is wrong.
+
+    Each weight gives its own (E, H, I). When they differ, the one whose shape is the other's
+    expectation with dims 1 and 2 swapped (a transposed weight) is named; else w13 is named when the
+    given biases agree with w2 and not with it; else w2 is named, its expected shape taken from w13.
+    The message has the expected and the received shape and the shape the expectation comes from.
+    """
+    for name, t, layout in (("w13", w13, "[E, 2I, H]"), ("w2", w2, "[E, H, I]")):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3 or not t.is_floating_point():
+            raise ValueError(f"{name} must be a 3-D float tensor {layout} (nn.Linear layout), got {_desc(t)}")
+    e2, h2, i2 = w2.shape
+    want13 = (e2, 2 * i2, h2)  # w13's shape as w2 implies it
+    if tuple(w13.shape) == want13:
+        return
+
+    def msg(name, layout, want, got, other, other_shape):
+        swapped = tuple(got) == (want[0], want[2], want[1])
+        hint = " (dims 1 and 2 swapped: the layer takes the nn.Linear layout)" if swapped else ""
+        return (
+            f"{name} must have shape {layout} = {want} (E, H, I from {other} {tuple(other_shape)}), "
+            f"got {tuple(got)}{hint}"
+        )
+
+    if tuple(w13.shape) == (e2, h2, 2 * i2):  # w13 transposed (w2 can't be transposed at once)
+        raise ValueError(msg("w13", "[E, 2I, H]", want13, w13.shape, "w2", w2.shape))
+    if w13.shape[1] % 2:
+        raise ValueError(f"w13 must have shape [E, 2I, H] with an even 2I (dim 1), got {tuple(w13.shape)}")
+    e1, i1, h1 = w13.shape[0], w13.shape[1] // 2, w13.shape[2]
+    want2 = (e1, h1, i1)  # w2's shape as w13 implies it
+    if tuple(w2.shape) == (e1, i1, h1):  # w2 transposed
+        raise ValueError(msg("w2", "[E, H, I]", want2, w2.shape, "w13", w13.shape))
+    votes13 = votes2 = 0
+    for b, dims in ((b13, lambda e, h, i: (e, 2 * i)), (b2, lambda e, h, i: (e, h))):
+        if isinstance(b, torch.Tensor) and b.dim() == 2:
+            votes13 += tuple(b.shape) == dims(e1, h1, i1)
+            votes2 += tuple(b.shape) == dims(e2, h2, i2)
+    if votes2 > votes13:
+        raise ValueError(msg("w13", "[E, 2I, H]", want13, w13.shape, "w2 and the biases", w2.shape))
+    # otherwise w13 is the reference (the first argument; the slots' shapes derive from it)
+    raise ValueError(msg("w2", "[E, H, I]", want2, w2.shape, "w13", w13.shape))
+
+
 class MoELoRALayer(ops.OpLayer):
     """MoE layer (gate_up, activation, down, weighted sum over top-k) with L LoRA adapter slots.
 
@@ -184,7 +227,9 @@ class MoELoRALayer(ops.OpLayer):
             a model's layers run one after another, so one copy serves them all. ``memory_report()``
             gives the bytes.
     Raises:
-        ValueError naming the argument: shapes, dtypes, devices, sizes, stage, activation.
+        ValueError naming the argument: shapes, dtypes, devices, sizes, stage, activation. When w13
+        and w2 disagree, the message names the one that is wrong (a transposed weight is recognised;
+        else w13 is the reference) with its expected shape, the received one and the other's shape.
 
     Parameters (frozen, in the state dict): ``w13``, ``w2``, ``b13``, ``b2``. Buffers (not in the
     state dict; runtime state): ``lora_a13`` [L, E, S, R, H], ``lora_b13`` [L, E, S, 2I/S, R],
@@ -231,8 +276,7 @@ class MoELoRALayer(ops.OpLayer):
         if config is not None and not isinstance(config, LayerConfig):
             raise ValueError(f"config must be a LayerConfig or None, got {type(config).__name__}")
         check_bool("deterministic", deterministic)
-        if not isinstance(w13, torch.Tensor) or w13.dim() != 3 or not w13.is_floating_point():
-            raise ValueError(f"w13 must be a 3-D float tensor [E, 2I, H], got {_desc(w13)}")
+        _check_expert_weights(w13, w2, b13, b2)
         if w13.shape[1] % (2 * slices):
             raise ValueError(f"w13: 2I (dim 1) = {w13.shape[1]} must be divisible by 2·slices = {2 * slices}")
         E, two_i, H = w13.shape

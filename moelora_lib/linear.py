@@ -557,18 +557,19 @@ class LoRALinear(ops.OpLayer):
                     raise ValueError(f"{what}[{s}] must be a 2-D float tensor, got {_desc(t)}")
                 if t.device != self.weight.device:
                     raise ValueError(f"{what}[{s}] must be on {self.weight.device}, got {t.device}")
-            r = a.shape[0]
-            if not 1 <= r <= self.R:
-                raise ValueError(f"lora_a[{s}]: rank r = {r} must be in [1, max_rank R = {self.R}]")
-            if tuple(a.shape) != (r, self.in_features):
+            # the layout before the rank range: a transposed factor is a shape error, not a rank error
+            if a.shape[1] != self.in_features:
                 raise ValueError(
-                    f"lora_a[{s}] must have shape [r, H] = ({r}, {self.in_features}), got {tuple(a.shape)}"
+                    f"lora_a[{s}] must have shape [r, H] = (r, {self.in_features}), got {tuple(a.shape)}"
                 )
+            r = a.shape[0]
             if tuple(b.shape) != (self.slices[s], r):
                 raise ValueError(
                     f"lora_b[{s}] must have shape [N_s, r] = ({self.slices[s]}, {r}) (r from lora_a[{s}]), "
                     f"got {tuple(b.shape)}"
                 )
+            if not 1 <= r <= self.R:
+                raise ValueError(f"lora_a[{s}]: rank r = {r} must be in [1, max_rank R = {self.R}]")
             pairs.append((a, b, r))
         if all(p is None for p in pairs):
             raise ValueError("load_adapter: every slice is None; to clear a slot use unload_adapter")

@@ -52,14 +52,40 @@ Slot layout produced (``PeftAdapter.layers[l]``):
 Where the pieces of one entry have different scalings (per-expert files with ``rank_pattern``), they
 are folded into B and the entry's scaling is 1.0. Ranks below the entry's r are zero-padded.
 
-Refused with ValueError naming the key or field: ``use_dora``, ``lora_bias``, ``bias`` ≠ "none",
-``fan_in_fan_out``, ``modules_to_save``, trainable tokens, aLoRA / QALoRA / other LoRA variants,
-``peft_type`` ≠ LORA, an adapter for another model class (``auto_mapping.base_model_class``), keys of
-modules the model does not have (embeddings, lm_head, routers, dense MLP on an MoE model, per-expert
-keys on GPT-OSS, layers ≥ num_hidden_layers, experts ≥ E), a lone lora_A or lora_B, shapes that do not
-fit the config (the expected shape is in the message), ranks that disagree with the config's r /
-``rank_pattern``, ``target_parameters`` other than the experts' ``gate_up_proj`` / ``down_proj``, and at
-load time a rank above the module's R or a slot outside [0, L).
+adapter_config.json fields (every dataclass field of ``peft.LoraConfig`` 0.21.2), by what the loader
+does with them:
+
+* **read**: ``r``, ``lora_alpha``, ``use_rslora``, ``rank_pattern``, ``alpha_pattern`` (the scalings);
+  ``target_parameters`` (which 3-D expert parameter a key is; only the experts' ``gate_up_proj`` /
+  ``down_proj``); ``peft_type`` (must be LORA); ``auto_mapping.base_model_class`` (must be this family);
+  ``init_lora_weights`` (see below).
+* **no effect on the loaded update** (training, bookkeeping, or which modules got factors; the file's
+  keys are what is loaded): ``task_type``, ``peft_version``, ``base_model_name_or_path``, ``revision``,
+  ``inference_mode``, ``target_modules``, ``exclude_modules``, ``layers_to_transform``,
+  ``layers_pattern``, ``lora_dropout``, ``megatron_core``, ``qalora_group_size``, ``runtime_config``,
+  ``ensure_weight_tying``, and the init settings ``loftq_config``, ``eva_config``, ``corda_config``,
+  ``lora_ga_config`` (they act only through ``init_lora_weights``).
+* **refused when set** (not falsy; ``bias`` when not "none"): ``use_dora``, ``lora_bias``, ``bias``,
+  ``fan_in_fan_out``, ``modules_to_save``, ``trainable_token_indices``, ``alora_invocation_tokens``,
+  ``use_qalora``, ``layer_replication``, ``megatron_config``, ``use_bdlora``, ``arrow_config``,
+  ``kasa_config``, ``velora_config``, ``monteclora_config``: each adds weights or changes the forward in a
+  way the slots do not implement.
+* ``init_lora_weights``: ``true``, ``false``, ``"gaussian"``, ``"eva"``, ``"orthogonal"``, ``"mica"`` only
+  set the factors' starting values (the forward is plain LoRA) and are accepted. ``"pissa"``,
+  ``"pissa_niter_<n>"``, ``"olora"``, ``"corda"``, ``"lora_ga"`` subtract the initial factors from the base
+  weights, and ``"loftq"`` replaces them by quantized ones; PEFT reloads such a file by rewriting the base
+  weights, which a base shared by all slots cannot do, so they are refused. The fix for the first five is
+  PEFT's conversion to a plain LoRA: ``save_pretrained(out, path_initial_model_for_weight_conversion=init)``
+  where ``init`` holds the adapter saved right after ``get_peft_model`` (before training); the result has
+  ``init_lora_weights: true`` and rank 2r, and loads here. Any other value is refused.
+* **any other field** with a set value (not null / false / empty) is refused, naming it: the loader
+  cannot tell whether it changes the math.
+
+Also refused with ValueError naming the key: keys of modules the model does not have (embeddings,
+lm_head, routers, dense MLP on an MoE model, per-expert keys on GPT-OSS, layers ≥ num_hidden_layers,
+experts ≥ E), a lone lora_A or lora_B, shapes that do not fit the config (the expected shape is in the
+message), ranks that disagree with the config's r / ``rank_pattern``, and at load time a rank above the
+module's R or a slot outside [0, L). Every refusal happens before anything is written to the model.
 """
 
 from __future__ import annotations
@@ -82,7 +108,40 @@ ATTENTION = ("q", "k", "v", "o")
 DENSEMLP = ("gate", "up", "down")
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 
-# adapter_config.json fields whose non-default values change the math or add weights we do not load
+# adapter_config.json fields, by what the loader does with them (the module docstring has the table)
+_READ_FIELDS = (
+    "peft_type",
+    "auto_mapping",
+    "r",
+    "lora_alpha",
+    "use_rslora",
+    "rank_pattern",
+    "alpha_pattern",
+    "target_parameters",
+    "init_lora_weights",
+    "bias",
+)
+_NO_EFFECT_FIELDS = (
+    "task_type",
+    "peft_version",
+    "base_model_name_or_path",
+    "revision",
+    "inference_mode",
+    "target_modules",
+    "exclude_modules",
+    "layers_to_transform",
+    "layers_pattern",
+    "lora_dropout",
+    "megatron_core",
+    "qalora_group_size",
+    "runtime_config",
+    "ensure_weight_tying",
+    "loftq_config",
+    "eva_config",
+    "corda_config",
+    "lora_ga_config",
+)
+# set (truthy) values add weights or change the forward in ways the slots do not implement
 _REFUSED_TRUTHY = (
     "use_dora",
     "lora_bias",
@@ -92,12 +151,17 @@ _REFUSED_TRUTHY = (
     "alora_invocation_tokens",
     "use_qalora",
     "layer_replication",
+    "megatron_config",
     "use_bdlora",
     "arrow_config",
     "kasa_config",
     "velora_config",
     "monteclora_config",
 )
+# init_lora_weights values that only choose the factors' starting values (the forward is plain LoRA)
+_PLAIN_INITS = (True, False, "gaussian", "eva", "orthogonal", "mica")
+# init_lora_weights values after which PEFT's reload rewrites the base weights
+_BASE_REWRITING_INITS = ("pissa", "olora", "corda", "lora_ga")  # and every "pissa…" / "corda…" value
 _CLASS_PREFIX = {"gpt_oss": "GptOss", "qwen3_moe": "Qwen3Moe", "qwen3": "Qwen3"}
 
 _KEY_RE = re.compile(r"^base_model\.model\.(model\.layers\.(\d+)\.(.+))\.lora_([AB])\.weight$")
@@ -163,6 +227,30 @@ def _read_config(path: str) -> dict:
     return cfg
 
 
+def _check_init(init) -> None:
+    """``init_lora_weights``: accept the values whose forward is plain LoRA on the unchanged base."""
+    if any(init is v or (isinstance(init, str) and init == v) for v in _PLAIN_INITS):
+        return
+    text = init.lower() if isinstance(init, str) else None
+    if text is not None and (text in _BASE_REWRITING_INITS or text.startswith(("pissa", "corda"))):
+        raise ValueError(
+            f"adapter_config.json: init_lora_weights = {init!r}: PEFT reloads this adapter by subtracting "
+            "its initial factors from the base weights, which a base shared by all adapter slots cannot do. "
+            "Convert it to a plain LoRA with PEFT: save_pretrained(out, "
+            "path_initial_model_for_weight_conversion=<the adapter saved right after get_peft_model, before "
+            "training>); the converted folder (init_lora_weights true, rank 2r) loads here"
+        )
+    if text == "loftq":
+        raise ValueError(
+            "adapter_config.json: init_lora_weights = 'loftq': the factors complement LoftQ-quantized base "
+            "weights, which this loader does not produce; only plain LoRA on the unchanged base is supported"
+        )
+    raise ValueError(
+        f"adapter_config.json: init_lora_weights = {init!r} is not supported (accepted: true, false, "
+        "'gaussian', 'eva', 'orthogonal', 'mica')"
+    )
+
+
 def _check_peft_config(cfg: dict, config) -> None:
     peft_type = cfg.get("peft_type", "LORA")
     if str(peft_type).upper() != "LORA":
@@ -174,6 +262,14 @@ def _check_peft_config(cfg: dict, config) -> None:
     bias = cfg.get("bias", "none")
     if bias not in (None, "none"):
         raise ValueError(f"adapter_config.json: bias = {bias!r} is not supported (only 'none')")
+    _check_init(cfg.get("init_lora_weights", True))
+    known = set(_READ_FIELDS) | set(_NO_EFFECT_FIELDS) | set(_REFUSED_TRUTHY)
+    for name, v in cfg.items():
+        if name not in known and v not in (None, False, "", [], {}):
+            raise ValueError(
+                f"adapter_config.json: unknown field {name} = {v!r}: not a LoraConfig field this loader "
+                "knows (PEFT 0.21.2), so it cannot tell whether it changes the adapter's math; refused"
+            )
     for name in ("r", "lora_alpha"):
         v = cfg.get(name)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
@@ -668,12 +764,12 @@ def load_peft_adapter(model, slot: int, path) -> PeftAdapter:
                 "down": ((mod.E, None, mod.I), (mod.E, mod.H, None)),
             }
             for arg, (a, b) in kw.items():
-                for t, w in zip((a, b), want[arg]):
+                for which, t, w in zip(("A", "B"), (a, b), want[arg]):
                     if any(x is not None and x != y for x, y in zip(w, t.shape)) or t.dim() != len(w):
+                        w_txt = tuple("r" if x is None else x for x in w)
                         raise ValueError(
-                            f"{adapter.sources[(layer, 'experts_' + arg)]}: shape {tuple(t.shape)} "
-                            "doesn't fit "
-                            f"layers[{layer}].mlp.experts ({w}, None = rank)"
+                            f"{adapter.sources[(layer, 'experts_' + arg)]}: {arg} {which} has shape "
+                            f"{tuple(t.shape)}, layers[{layer}].mlp.experts needs {w_txt} (r = the rank)"
                         )
             plan.append((mod, (), dict(kw, scaling=1.0)))
 

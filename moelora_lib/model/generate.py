@@ -323,7 +323,7 @@ def sample_tokens(
         kth = torch.topk(z, top_k, dim=-1).values[:, -1:]
         z = z.masked_fill(z < kth, -math.inf)
     if top_p is not None and top_p < 1.0:
-        sorted_z, order = torch.sort(z, dim=-1, descending=True)
+        sorted_z, order = torch.sort(z, dim=-1, descending=True, stable=True)
         probs = torch.softmax(sorted_z, dim=-1)  # finite: the row max is 0
         mass_before = torch.cumsum(probs, dim=-1) - probs  # mass of the strictly better tokens
         sorted_z = sorted_z.masked_fill(mass_before >= top_p, -math.inf)

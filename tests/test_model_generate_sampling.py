@@ -29,7 +29,7 @@ def _trim(row, eos):
 # --- temperature: finite positive temperatures never overflow; a tiny one is greedy -----------------
 
 
-@pytest.mark.parametrize("temperature", [1e-30, 1e-44, 1e-300, 5e-324])
+@pytest.mark.parametrize("temperature", [1e-30, 1e-37, 1e-44, 1e-300, 5e-324])
 def test_tiny_temperature_generates_the_greedy_tokens(stub, temperature):
     """T below max|logit| / 3.4e38 overflowed logits / T to inf (softmax NaN, token 0 for every row);
     the limit of a tiny temperature is the greedy token, also where T rounds to 0 in float32."""
@@ -45,7 +45,7 @@ def test_sample_tokens_extreme_logits_and_temperatures():
     keys = torch.arange(4000, dtype=torch.int64)
     # logits near float32's limits: l - max overflows to -inf (never drawn), never NaN
     big = torch.tensor([[3e38, -3e38, 1.0, 2e38]] * 4000)
-    for t in (1e-44, 1e-3, 1.0, 1e6, 1e30, 1e300):
+    for t in (1e-44, 1e-38, 1e-3, 1.0, 1e6, 1e30, 1e300):
         tok = sample_tokens(big, t, keys=keys)
         assert 1 not in tok.tolist(), t  # 3e38 - (-3e38) overflows: -inf, never drawn
         assert (tok == 0).all() if t < 1e38 else set(tok.tolist()) == {0, 2, 3}, t

@@ -457,7 +457,7 @@ def _gen_kwargs(**kw):
         (dict(temperature=1.0, top_p=float("nan")), "top_p"),
         (dict(temperature=1.0, top_p=True), "top_p"),
         (dict(temperature=1.0, top_k=0), "top_k: expected None or an int >= 1"),
-        (dict(temperature=1.0, seed="x"), "seed: expected None or an int, got 'x'"),
+        (dict(temperature=1.0, seed="x"), r"seed: expected None or an int in \[-2\^63, 2\^64\) .*got 'x'"),
         (dict(temperature=1.0, seed=1.5), "seed: expected None or an int"),
         (dict(eos_token_id=-1), r"eos_token_id: expected None or a token id in \[0, 64\)"),
         (dict(eos_check_interval=0), "eos_check_interval: expected an int >= 1"),

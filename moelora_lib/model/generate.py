@@ -52,7 +52,9 @@ How a call runs (request i always owns cache row i):
    ``eos_token_id`` the host reads the per-row "hit eos" flags every ``eos_check_interval`` steps (one
    small copy, default every step); finished requests are then removed and the rest re-packed into
    the (possibly smaller) bucket. A larger interval saves syncs at the cost of up to interval-1
-   wasted steps per finished request; tokens after its eos are dropped, so the output is the same.
+   wasted steps per finished request; tokens after its eos are dropped, so the output is the same
+   (sampled output too: a request's sampling noise is keyed by its seed and output position only, see
+   :func:`sample_tokens` and :func:`request_keys`, so re-packing changes none of its tokens).
    ``stream`` needs the tokens on the host, so it syncs every step.
 
 Adapter slots: ``adapters[i]`` is a slot in [0, L), or None / -1 for the base model. When the model
@@ -81,7 +83,14 @@ import torch
 
 from ..common import is_int
 
-__all__ = ["Generator", "GenerationResult", "sample_tokens", "prefill_length", "DEFAULT_GRAPH_BATCH_SIZES"]
+__all__ = [
+    "Generator",
+    "GenerationResult",
+    "sample_tokens",
+    "request_keys",
+    "prefill_length",
+    "DEFAULT_GRAPH_BATCH_SIZES",
+]
 
 DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 
@@ -164,6 +173,106 @@ def _is_number(v) -> bool:
 # ----------------------------------------------------------------------------------------------------
 # Sampling
 
+_MASK32 = 0xFFFFFFFF
+# Odd multipliers below 2**31: a 32-bit value times one stays below 2**63, so int64 arithmetic never
+# overflows and the product's low 32 bits are exact on every device.
+_MUL1, _MUL2 = 0x2C1B3C6D, 0x297A2D39
+# Domain constants: keep the seed, stream, position and vocabulary inputs of the hash apart.
+_SALT_SEED, _SALT_STREAM, _SALT_POS, _SALT_VOCAB = 0x3A5C1E27, 0x61C88647, 0x1B56C4E9, 0x5851F42D
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijective 32-bit integer hash (xor-shift / multiply rounds) of ``x`` int64 holding values in
+    [0, 2^32); returns a new int64 tensor of the same shape with values in [0, 2^32)."""
+    x = x ^ (x >> 16)
+    x.mul_(_MUL1).bitwise_and_(_MASK32)
+    x.bitwise_xor_(x >> 15)
+    x.mul_(_MUL2).bitwise_and_(_MASK32)
+    x.bitwise_xor_(x >> 16)
+    return x
+
+
+def _seed_words(seed: int) -> tuple[int, int]:
+    """An int seed in [-2^63, 2^64) as two 32-bit words (two's complement for negatives)."""
+    s = int(seed) & 0xFFFF_FFFF_FFFF_FFFF
+    return s & _MASK32, s >> 32
+
+
+def request_keys(seed: int | Sequence[int], n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Per-request sampling keys for :func:`sample_tokens`: [n] int64 in [0, 2^32) on ``device``.
+
+    ``seed`` an int s: request i gets the key of the stream (s, i). ``seed`` a list of n ints: request i
+    gets the key of (seed[i], 0), so a request with seed[i] = s samples the same tokens whether it runs
+    alone or with others, and ``seed=s`` equals ``seed=[s]`` for one request. Seeds are ints in
+    [-2^63, 2^64). Raises ValueError for another seed or n.
+    """
+    if not (is_int(n) and n >= 1):
+        raise ValueError(f"n: expected an int >= 1, got {n!r}")
+    _check_seed(seed, n)
+    if is_int(seed):
+        words = [(*_seed_words(seed), i) for i in range(n)]
+    else:
+        words = [(*_seed_words(s), 0) for s in seed]
+    w = torch.tensor(words, dtype=torch.int64, device=device)
+    key = _mix32(w[:, 0] ^ _SALT_SEED)
+    key = _mix32(key ^ w[:, 1])
+    return _mix32(key ^ (w[:, 2] & _MASK32) ^ _SALT_STREAM)
+
+
+def _check_seed(seed, n: int) -> None:
+    def ok(s):
+        return is_int(s) and -(1 << 63) <= s < (1 << 64)
+
+    if is_int(seed) and ok(seed):
+        return
+    if isinstance(seed, (list, tuple)) and len(seed) == n and all(ok(s) for s in seed):
+        return
+    raise ValueError(
+        f"seed: expected None or an int in [-2^63, 2^64) (or a list of {n} such ints, one per request), "
+        f"got {seed!r}"
+    )
+
+
+def _eos_ids(eos, vocab_size: int) -> tuple[int, ...]:
+    """``eos_token_id`` (None, an int or a non-empty list/tuple of ints in [0, vocab_size)) as a tuple of
+    ints (empty for None); ValueError naming it otherwise."""
+    if eos is None:
+        return ()
+    ids = list(eos) if isinstance(eos, (list, tuple)) else [eos]
+    if not ids or not all(is_int(t) and 0 <= t < vocab_size for t in ids):
+        raise ValueError(
+            f"eos_token_id: expected None or a token id in [0, {vocab_size}) (an int or a non-empty list "
+            f"of them), got {eos!r}"
+        )
+    return tuple(int(t) for t in ids)
+
+
+def _counter_gumbel(keys: torch.Tensor, position: int | torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Gumbel noise [B, V] float32 that is a pure function of (keys[b], position, v): a 32-bit hash of
+    the three (:func:`_mix32`), its top 23 bits as u = (k + 1/2) / 2^23 in (0, 1) exactly, then
+    -log(-log u) (finite: in [-2.8, 16.7]). The integer part is bit-identical on every device; the two
+    logs may differ by rounding between CPU and GPU. Torch ops only: no host sync, graph-capturable."""
+    if isinstance(position, torch.Tensor):
+        position = position.to(torch.int64)
+    row = _mix32(_mix32(keys ^ _SALT_POS) ^ (position & _MASK32))  # [B]
+    vocab = _mix32(torch.arange(vocab_size, dtype=torch.int64, device=keys.device) ^ _SALT_VOCAB)
+    x = _mix32(row[:, None] ^ vocab[None, :])  # [B, V]
+    u = (x >> 9).float().add_(0.5).mul_(2.0**-23)
+    return u.log_().neg_().clamp_(min=torch.finfo(torch.float32).tiny).log_().neg_()
+
+
+def _scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """(logits - row max) / temperature in float32: <= 0 with the row's max at 0, so no finite positive
+    temperature overflows to inf or gives NaN. A temperature below float32's smallest normal number
+    (1.2e-38; a subnormal divisor may be flushed to 0 on a GPU) gives its limit: 0 at the row's max,
+    -inf elsewhere; one above float32's largest number is clamped to it."""
+    f32 = np.finfo(np.float32)
+    z = logits.float()
+    z = z - z.amax(dim=-1, keepdim=True)
+    if temperature < float(f32.tiny):
+        return z.masked_fill_(z < 0, -math.inf)
+    return z.div_(float(np.float32(min(temperature, float(f32.max)))))
+
 
 def sample_tokens(
     logits: torch.Tensor,
@@ -171,29 +280,62 @@ def sample_tokens(
     top_k: int | None = None,
     top_p: float | None = None,
     generator: torch.Generator | None = None,
+    *,
+    keys: torch.Tensor | None = None,
+    position: int | torch.Tensor = 0,
 ) -> torch.Tensor:
-    """Next tokens from ``logits`` [B, V] float32 -> [B] int64, without a host sync.
+    """Next tokens from ``logits`` [B, V] (float) -> [B] int64, without a host sync.
 
     ``temperature == 0``: argmax (greedy). Otherwise softmax(logits / temperature) restricted to the
-    ``top_k`` largest logits and to the smallest set of tokens whose probability mass reaches ``top_p``
-    (the top token always kept), sampled with the exponential-race trick: argmax(p / q) with
-    q ~ Exp(1) draws token v with probability p_v and needs no ``torch.multinomial`` (which syncs).
+    ``top_k`` largest logits (ties at the k-th all kept) and to the smallest set of tokens whose
+    probability mass reaches ``top_p`` (the top token always kept), sampled with the Gumbel-max
+    (exponential race) trick: argmax(z + g) with g Gumbel noise draws token v with probability p_v and
+    needs no ``torch.multinomial`` (which syncs). The logits are shifted by their row max before the
+    division, so a tiny temperature tends to the greedy token (tokens tied at the max drawn uniformly)
+    with no inf/NaN for any finite temperature > 0.
+
+    Noise: with ``keys`` ([B] int64 in [0, 2^32) on the logits' device, e.g. from :func:`request_keys`)
+    it is a pure function of (keys[b], ``position`` (an int, or [B] int64), token id): a row's sample
+    depends only on its key, position and logits, not on the other rows or the call order, identically
+    on CPU and GPU up to the rounding of two logs. It costs about a dozen elementwise passes over
+    [B, V] (int64 hashing, two logs). Without ``keys`` it comes from ``generator`` (None: torch's
+    global RNG).
+
+    Raises ValueError for a temperature that is not a finite real number >= 0, a ``top_k`` that is not
+    an int >= 1, a ``top_p`` outside (0, 1], or ``keys`` of the wrong shape, dtype or device.
     """
+    if not (_is_number(temperature) and math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature: expected a finite real number >= 0, got {temperature!r}")
+    if top_k is not None and not (is_int(top_k) and top_k >= 1):
+        raise ValueError(f"top_k: expected None or an int >= 1, got {top_k!r}")
+    if top_p is not None and not (_is_number(top_p) and 0 < top_p <= 1):
+        raise ValueError(f"top_p: expected None or a number in (0, 1], got {top_p!r}")
+    if keys is not None and not (
+        isinstance(keys, torch.Tensor)
+        and keys.dtype == torch.int64
+        and tuple(keys.shape) == tuple(logits.shape[:1])
+        and keys.device == logits.device
+    ):
+        got = f"{keys.dtype} {tuple(keys.shape)} on {keys.device}" if isinstance(keys, torch.Tensor) else keys
+        raise ValueError(f"keys: expected None or int64 [{logits.shape[0]}] on {logits.device}, got {got!r}")
     if temperature == 0.0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, -math.inf)
+    z = _scaled_logits(logits, float(temperature))
+    if top_k is not None and top_k < z.shape[-1]:
+        kth = torch.topk(z, top_k, dim=-1).values[:, -1:]
+        z = z.masked_fill(z < kth, -math.inf)
     if top_p is not None and top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
+        sorted_z, order = torch.sort(z, dim=-1, descending=True, stable=True)
+        probs = torch.softmax(sorted_z, dim=-1)  # finite: the row max is 0
         mass_before = torch.cumsum(probs, dim=-1) - probs  # mass of the strictly better tokens
-        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p, -math.inf)
-        logits = torch.full_like(logits, -math.inf).scatter(-1, order, sorted_logits)
-    probs = torch.softmax(logits, dim=-1)
-    q = torch.empty_like(probs).exponential_(1.0, generator=generator)
-    return (probs / q).argmax(dim=-1)
+        sorted_z = sorted_z.masked_fill(mass_before >= top_p, -math.inf)
+        z = torch.full_like(z, -math.inf).scatter(-1, order, sorted_z)
+    if keys is not None:
+        noise = _counter_gumbel(keys, position, z.shape[-1])
+    else:  # -log q with q ~ Exp(1), clamped away from 0 so the noise stays finite
+        q = torch.empty_like(z).exponential_(1.0, generator=generator)
+        noise = q.clamp_(min=torch.finfo(q.dtype).tiny).log_().neg_()
+    return (z + noise).argmax(dim=-1)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -631,16 +773,13 @@ class Generator:
             raise ValueError(f"top_k: expected None or an int >= 1, got {top_k!r}")
         if top_p is not None and not (_is_number(top_p) and 0 < top_p <= 1):
             raise ValueError(f"top_p: expected None or a number in (0, 1], got {top_p!r}")
-        if seed is not None and not is_int(seed):
-            raise ValueError(f"seed: expected None or an int, got {seed!r}")
+        if seed is not None:
+            _check_seed(seed, len(prompts))
         if stream is not None and not callable(stream):
             raise ValueError(
                 f"stream: expected None or a callable stream(request_index, token), got {stream!r}"
             )
-        if eos is not None and not (is_int(eos) and 0 <= eos < lim.vocab_size):
-            raise ValueError(
-                f"eos_token_id: expected None or a token id in [0, {lim.vocab_size}), got {eos!r}"
-            )
+        _eos_ids(eos, lim.vocab_size)
         if not (is_int(interval) and interval >= 1):
             raise ValueError(f"eos_check_interval: expected an int >= 1, got {interval!r}")
         return ids, lora
@@ -699,8 +838,8 @@ class Generator:
         temperature: float = 0.0,
         top_k: int | None = None,
         top_p: float | None = None,
-        seed: int | None = None,
-        eos_token_id: int | None = None,
+        seed: int | Sequence[int] | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
         eos_check_interval: int = 1,
         progress: bool = False,
         stream: Callable[[int, int], None] | None = None,
@@ -712,9 +851,18 @@ class Generator:
             non-empty, ids in [0, V), len + max_new_tokens <= model.max_seq. Request i uses cache row i.
           adapters: N slots, each None or -1 (base) or in [0, L) holding an adapter (see the module
             docstring).
-          max_new_tokens: >= 1; a request stops earlier when it samples ``eos_token_id`` (kept).
-          temperature: 0 = greedy (argmax); > 0 samples (with ``top_k`` / ``top_p``, see
-            :func:`sample_tokens`) from a generator seeded with ``seed`` (None: the global RNG).
+          max_new_tokens: >= 1; a request stops earlier when it samples an ``eos_token_id`` (kept).
+          temperature: 0 = greedy (argmax); a finite number > 0 samples (with ``top_k`` / ``top_p``, see
+            :func:`sample_tokens`; a tiny temperature tends to greedy).
+          seed: the sampling noise of request i at output position p is a pure function of its key
+            (:func:`request_keys`) and p, so its tokens depend only on its seed, prompt and adapter, never
+            on the other requests, ``eos_check_interval`` or ``batch_prefill``. An int s: request i keyed
+            by (s, i); a list of N ints: request i keyed by seed[i] alone (the same tokens alone or
+            batched); None: an int drawn from torch's global CPU RNG once per call (so
+            ``torch.manual_seed`` makes it repeatable). Ints in [-2^63, 2^64).
+          eos_token_id: None, a token id, or a non-empty list of them: a request stops at the first token
+            that is any of them (GPT-OSS and Qwen3 list several in generation_config.json:
+            ``transformers.GenerationConfig.from_pretrained(folder).eos_token_id``).
           eos_check_interval: decode steps between host checks for eos (see the module docstring).
           progress: a text progress bar over decode steps (stdout).
           stream: called as stream(request_index, token) for every token, in order (syncs per step).
@@ -737,13 +885,18 @@ class Generator:
             state,
         )
         n_req, dev = len(ids), self.device
-        gen = None
-        if temperature > 0 and seed is not None:
-            gen = torch.Generator(device=dev)
-            gen.manual_seed(int(seed))
+        eos_ids = _eos_ids(eos_token_id, self.limits.vocab_size)
+        eos_set = set(eos_ids)
+        eos_t = torch.tensor(eos_ids, dtype=torch.int64, device=dev) if eos_ids else None
+        keys = None
+        if temperature > 0:
+            if seed is None:  # host-side draw: no device sync
+                seed = int(torch.randint(0, 1 << 62, (), dtype=torch.int64))
+            keys = request_keys(seed, n_req, dev)
 
-        def pick(logits: torch.Tensor) -> torch.Tensor:
-            return sample_tokens(logits, float(temperature), top_k, top_p, gen)
+        def pick(logits: torch.Tensor, rows: torch.Tensor, position: int) -> torch.Tensor:
+            """Tokens of requests ``rows`` ([n] int64 on the device) at output position ``position``."""
+            return sample_tokens(logits, float(temperature), top_k, top_p, keys=keys[rows], position=position)
 
         clock = _Clock(dev)
         out = torch.full((n_req, max_new_tokens), -1, dtype=torch.int64, device=dev)
@@ -752,16 +905,18 @@ class Generator:
 
         # 1. prefill, one group at a time; sync after each for TTFT
         for group in self._prefill_groups(ids):
-            first = pick(self._prefill(group, ids, lora))
-            out[torch.tensor(group, device=dev), 0] = first
+            rows = torch.tensor(group, dtype=torch.int64, device=dev)
+            logits = self._prefill(group, ids, lora)
+            first = logits.argmax(dim=-1) if temperature == 0 else pick(logits, rows, 0)
+            out[rows, 0] = first
             clock.sync()
             t = time.perf_counter() - t_call
-            if eos_token_id is not None or stream is not None:
+            if eos_ids or stream is not None:
                 for i, tok in zip(group, first.tolist()):
                     ttft[i] = t
                     if stream is not None:
                         stream(i, tok)
-                    done[i] = tok == eos_token_id
+                    done[i] = tok in eos_set
             else:
                 for i in group:
                     ttft[i] = t
@@ -786,10 +941,10 @@ class Generator:
         while active and col < max_new_tokens - 1:
             bucket, idx = self._load_bucket(active, col, out, [len(p) for p in ids], lora)
             n = len(active)
-            hit = torch.zeros(n, dtype=torch.bool, device=dev) if eos_token_id is not None else None
+            hit = torch.zeros(n, dtype=torch.bool, device=dev) if eos_ids else None
             while col < max_new_tokens - 1:
                 logits, greedy = self._step(bucket)
-                nxt = greedy[:n] if temperature == 0 else pick(logits[:n])
+                nxt = greedy[:n] if temperature == 0 else pick(logits[:n], idx, col + 1)
                 col += 1
                 out[idx, col] = nxt
                 bucket.input_ids[:n, 0] = nxt
@@ -802,7 +957,7 @@ class Generator:
                     for i, tok in zip(active, nxt.tolist()):
                         stream(i, tok)
                 if hit is not None:
-                    hit |= nxt == eos_token_id
+                    hit |= (nxt[:, None] == eos_t).any(dim=-1)
                     if col % interval == 0:
                         flags = hit.tolist()
                         if any(flags):
@@ -819,13 +974,11 @@ class Generator:
         tokens, finished, req_dec, req_otps = [], [], [], []
         for i in range(n_req):
             row = out_host[i]
-            n_tok = max_new_tokens
-            if eos_token_id is not None and eos_token_id in row:
-                n_tok = row.index(eos_token_id) + 1
+            n_tok = next((j + 1 for j, t in enumerate(row) if t in eos_set), max_new_tokens)
             toks = row[:n_tok]
             assert -1 not in toks, "internal error: a request stopped before its last token"
             tokens.append(toks)
-            finished.append(eos_token_id is not None and toks[-1] == eos_token_id)
+            finished.append(toks[-1] in eos_set)
             t_last = ttft[i] if n_tok == 1 else step_end[n_tok - 2] - t_call
             req_dec.append(t_last - ttft[i])
             req_otps.append((n_tok - 1) / req_dec[-1] if n_tok > 1 and req_dec[-1] > 0 else float("nan"))

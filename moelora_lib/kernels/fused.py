@@ -9,7 +9,8 @@ layer, routing and alignment aside: gate_up_shrink, fused_gate_up, down_shrink, 
   adapter present in the tile (a ``while`` loop over the ids in ascending order), runs one
   [BLOCK_SIZE_M, R]·[R, BLOCK_SIZE_N] dot of that adapter's intermediate rows (others masked to zero)
   with B[l, e] into the same fp32 accumulator and keeps its result for that adapter's rows only (a
-  select: the other rows keep their accumulator). ``g``/``y`` is written once: no expand launch, no read-modify-write.
+  select: the other rows keep their accumulator). ``g``/``y`` is written once: no expand launch, no
+  read-modify-write.
   Why the base alignment and not the (adapter, expert) one: the base GEMM streams each expert's
   weights once, where an (adapter, expert) order would stream them once per group and pad every group
   to BLOCK_SIZE_M. The cost is one LoRA dot per adapter present in a tile, so the base alignment orders

@@ -161,6 +161,62 @@ def test_empty_batch_returns_empty(device):
     assert out.shape == (0, TINY.hidden)
 
 
+# --- a non-finite value in one slot's weights stays in that slot's rows -------------------------
+#: slot -> the LoRA tensor holding its non-finite value; slot 0 stays finite
+POISONED = {1: "lora_a13", 2: "lora_b13", 3: "lora_a2", 4: "lora_b2"}
+#: 10 tokens, all on experts 0 and 1: each expert's tile holds rows of every slot and rows without one
+POISON_IDS = [1, 0, -1, 2, 3, 4, 0, -1, 2, 4]
+
+
+def _poisoned(shape, device, dtype, value, **kw):
+    """Inputs with 5 slots where slot s of POISONED holds ``value`` in its tensor at [s, e, ..., 0, 0]
+    for every expert e (and slice): every tile meets each poisoned slot's value in that slot's dot."""
+    T = len(POISON_IDS)
+    experts = torch.tensor([[0, 1]] * T, dtype=torch.int32)
+    inp = _inputs(shape, device, dtype, num_tokens=T, num_adapters=5, experts_override=experts, **kw)
+    inp.lora_ids = torch.tensor(POISON_IDS, dtype=torch.int32, device=device)
+    for slot, name in POISONED.items():
+        t = getattr(inp, name).clone()
+        t[slot, ..., 0, 0] = value
+        setattr(inp, name, t)
+    return inp
+
+
+def _assert_poison_stays_in_its_slot(out, ref, lora_ids, dtype):
+    """Each poisoned slot's rows non-finite exactly where the reference's are (and the finite entries
+    close to it); rows of the clean slot and rows without adapter as the reference."""
+    out, ref, ids = out.cpu(), ref.cpu(), lora_ids.cpu()
+    clean = (ids == 0) | (ids == -1)
+    assert torch.isfinite(ref[clean]).all()
+    assert_close_rel(out[clean], ref[clean], dtype, what="rows of the clean slot and without adapter")
+    for slot, name in POISONED.items():
+        rows = ids == slot
+        assert not torch.isfinite(ref[rows]).all(), name  # guards the case: the value reaches the rows
+        assert torch.equal(torch.isfinite(out[rows]), torch.isfinite(ref[rows])), name
+        fin = torch.isfinite(ref[rows])
+        if fin.any():
+            assert_close_rel(out[rows][fin], ref[rows][fin], dtype, what=f"finite entries, {name}")
+
+
+# every stage in fp32 with NaN; the fused stage also with inf and in fp16
+POISON_CASES = [(st, "nan", torch.float32) for st in STAGES]
+POISON_CASES += [("fused", "inf", torch.float32), ("fused", "nan", torch.float16)]
+
+
+@pytest.mark.parametrize(
+    "stage,value,dtype", POISON_CASES, ids=[f"{c[0]}-{c[1]}-{str(c[2])[6:]}" for c in POISON_CASES]
+)
+def test_non_finite_adapter_weights_stay_in_their_slot(stage, value, dtype, device):
+    # a NaN/inf in one slot's lora_a13, lora_b13, lora_a2 or lora_b2 (one slot each): that slot's rows
+    # are non-finite as in the reference; rows of the clean slot and rows without adapter, which share
+    # every tile with them, are the reference's (a kernel that zeroes the other rows' operand of a
+    # shared dot gives them 0·NaN = NaN)
+    inp = _poisoned(TINY, device, dtype, float(value))
+    ref = moe_lora_reference(*inp.args(), **inp.kwargs())
+    out = fused_moe_lora(*inp.args(), **inp.kwargs(), stage=stage)
+    _assert_poison_stays_in_its_slot(out, ref, inp.lora_ids, dtype)
+
+
 # --- bad input: a clear ValueError naming the argument ------------------------------------------
 BAD = [
     ("hidden_states_1d", lambda a: a.update(hidden_states=a["hidden_states"][0]), "hidden_states"),

@@ -198,20 +198,25 @@ def _assert_poison_stays_in_its_slot(out, ref, lora_ids, dtype):
             assert_close_rel(out[rows][fin], ref[rows][fin], dtype, what=f"finite entries, {name}")
 
 
-# every stage in fp32 with NaN; the fused stage also with inf and in fp16
-POISON_CASES = [(st, "nan", torch.float32) for st in STAGES]
-POISON_CASES += [("fused", "inf", torch.float32), ("fused", "nan", torch.float16)]
+# every stage in fp32 with NaN (silu); the fused stage also with inf and in fp16; swigluoai (its clamps
+# must keep a NaN pre-activation NaN, as torch's clamp does) on the two activation paths: the gated_act
+# kernel (tuned) and the fused gate_up epilogue
+POISON_CASES = [(st, TINY, "nan", torch.float32) for st in STAGES]
+POISON_CASES += [("fused", TINY, "inf", torch.float32), ("fused", TINY, "nan", torch.float16)]
+POISON_CASES += [(st, TINY_OSS, "nan", torch.float32) for st in ("tuned", "fused")]
 
 
 @pytest.mark.parametrize(
-    "stage,value,dtype", POISON_CASES, ids=[f"{c[0]}-{c[1]}-{str(c[2])[6:]}" for c in POISON_CASES]
+    "stage,shape,value,dtype",
+    POISON_CASES,
+    ids=[f"{c[0]}-{c[1].name}-{c[2]}-{str(c[3])[6:]}" for c in POISON_CASES],
 )
-def test_non_finite_adapter_weights_stay_in_their_slot(stage, value, dtype, device):
+def test_non_finite_adapter_weights_stay_in_their_slot(stage, shape, value, dtype, device):
     # a NaN/inf in one slot's lora_a13, lora_b13, lora_a2 or lora_b2 (one slot each): that slot's rows
     # are non-finite as in the reference; rows of the clean slot and rows without adapter, which share
     # every tile with them, are the reference's (a kernel that zeroes the other rows' operand of a
     # shared dot gives them 0·NaN = NaN)
-    inp = _poisoned(TINY, device, dtype, float(value))
+    inp = _poisoned(shape, device, dtype, float(value))
     ref = moe_lora_reference(*inp.args(), **inp.kwargs())
     out = fused_moe_lora(*inp.args(), **inp.kwargs(), stage=stage)
     _assert_poison_stays_in_its_slot(out, ref, inp.lora_ids, dtype)

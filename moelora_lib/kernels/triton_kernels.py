@@ -312,6 +312,17 @@ def _lora_expand_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _swigluoai(gate, up):
+    """GPT-OSS's gated activation of fp32 gate and up: (clamp(up, -7, 7) + 1)·g·sigmoid(1.702·g) with
+    g = min(gate, 7). The clamps propagate NaN, as torch's clamp does: the GPU's plain min/max return
+    the operand that is not NaN, which would turn a NaN pre-activation into a finite value."""
+    gate = tl.minimum(gate, 7.0, propagate_nan=tl.PropagateNan.ALL)
+    up = tl.maximum(up, -7.0, propagate_nan=tl.PropagateNan.ALL)
+    up = tl.minimum(up, 7.0, propagate_nan=tl.PropagateNan.ALL)
+    return (up + 1.0) * gate / (1.0 + tl.exp(-1.702 * gate))
+
+
 def _gated_act_kernel(
     h_ptr,
     out_ptr,
@@ -332,9 +343,7 @@ def _gated_act_kernel(
     else:  # swigluoai: interleaved gate/up columns, GPT-OSS clamp 7.0 and alpha 1.702
         gate = tl.load(h_ptr + row * stride_hm + 2 * offs, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(h_ptr + row * stride_hm + 2 * offs + 1, mask=mask, other=0.0).to(tl.float32)
-        gate = tl.minimum(gate, 7.0)
-        up = tl.minimum(tl.maximum(up, -7.0), 7.0)
-        out = (up + 1.0) * gate / (1.0 + tl.exp(-1.702 * gate))
+        out = _swigluoai(gate, up)
     tl.store(out_ptr + row * stride_om + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -524,9 +533,7 @@ def _fused_moe_lora_act_kernel(
     if ACTIVATION == "silu":
         out = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     else:  # GPT-OSS clamp 7.0 and alpha 1.702, as _gated_act_kernel
-        gate = tl.minimum(acc_g, 7.0)
-        up = tl.minimum(tl.maximum(acc_u, -7.0), 7.0)
-        out = (up + 1.0) * gate / (1.0 + tl.exp(-1.702 * gate))
+        out = _swigluoai(acc_g, acc_u)
     out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_om + offs_j[None, :] * stride_on
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & j_mask[None, :])
 

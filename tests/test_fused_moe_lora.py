@@ -298,6 +298,17 @@ def test_model_shapes_bf16_gpu(model, T, stage):
     assert_close_rel(out, ref, torch.bfloat16)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("stage", ["tuned", "fused"])
+@pytest.mark.parametrize("model", ["gpt-oss-20b", "qwen3-30b-a3b"])
+def test_non_finite_adapter_weights_stay_in_their_slot_bf16_gpu(model, stage):
+    # the CPU test's poisoned slots at model shapes in bf16: tensor-core dots, the shipped configs
+    inp = _poisoned(get_shape(model), "cuda", torch.bfloat16, float("nan"), rank=32)
+    ref = moe_lora_reference(*inp.args(), **inp.kwargs())
+    out = fused_moe_lora(*inp.args(), **inp.kwargs(), stage=stage)
+    _assert_poison_stays_in_its_slot(out, ref, inp.lora_ids, torch.bfloat16)
+
+
 def test_bf16_on_cpu_is_rejected():
     # the interpreter multiplies raw bf16 bits: refuse instead of returning garbage
     if torch.cuda.is_available():

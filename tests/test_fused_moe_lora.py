@@ -164,7 +164,7 @@ def test_empty_batch_returns_empty(device):
 # --- a non-finite value in one slot's weights stays in that slot's rows -------------------------
 #: slot -> the LoRA tensor holding its non-finite value; slot 0 stays finite
 POISONED = {1: "lora_a13", 2: "lora_b13", 3: "lora_a2", 4: "lora_b2"}
-#: 10 tokens, all on experts 0 and 1: each expert's tile holds rows of every slot and rows without one
+#: 10 tokens, all on experts 0 … K-1: each expert's tile holds rows of every slot and rows without one
 POISON_IDS = [1, 0, -1, 2, 3, 4, 0, -1, 2, 4]
 
 
@@ -172,7 +172,7 @@ def _poisoned(shape, device, dtype, value, **kw):
     """Inputs with 5 slots where slot s of POISONED holds ``value`` in its tensor at [s, e, ..., 0, 0]
     for every expert e (and slice): every tile meets each poisoned slot's value in that slot's dot."""
     T = len(POISON_IDS)
-    experts = torch.tensor([[0, 1]] * T, dtype=torch.int32)
+    experts = torch.arange(shape.top_k, dtype=torch.int32).repeat(T, 1)
     inp = _inputs(shape, device, dtype, num_tokens=T, num_adapters=5, experts_override=experts, **kw)
     inp.lora_ids = torch.tensor(POISON_IDS, dtype=torch.int32, device=device)
     for slot, name in POISONED.items():

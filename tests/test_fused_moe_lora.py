@@ -161,6 +161,67 @@ def test_empty_batch_returns_empty(device):
     assert out.shape == (0, TINY.hidden)
 
 
+# --- a non-finite value in one slot's weights stays in that slot's rows -------------------------
+#: slot -> the LoRA tensor holding its non-finite value; slot 0 stays finite
+POISONED = {1: "lora_a13", 2: "lora_b13", 3: "lora_a2", 4: "lora_b2"}
+#: 10 tokens, all on experts 0 … K-1: each expert's tile holds rows of every slot and rows without one
+POISON_IDS = [1, 0, -1, 2, 3, 4, 0, -1, 2, 4]
+
+
+def _poisoned(shape, device, dtype, value, **kw):
+    """Inputs with 5 slots where slot s of POISONED holds ``value`` in its tensor at [s, e, ..., 0, 0]
+    for every expert e (and slice): every tile meets each poisoned slot's value in that slot's dot."""
+    T = len(POISON_IDS)
+    experts = torch.arange(shape.top_k, dtype=torch.int32).repeat(T, 1)
+    inp = _inputs(shape, device, dtype, num_tokens=T, num_adapters=5, experts_override=experts, **kw)
+    inp.lora_ids = torch.tensor(POISON_IDS, dtype=torch.int32, device=device)
+    for slot, name in POISONED.items():
+        t = getattr(inp, name).clone()
+        t[slot, ..., 0, 0] = value
+        setattr(inp, name, t)
+    return inp
+
+
+def _assert_poison_stays_in_its_slot(out, ref, lora_ids, dtype):
+    """Each poisoned slot's rows non-finite exactly where the reference's are (and the finite entries
+    close to it); rows of the clean slot and rows without adapter as the reference."""
+    out, ref, ids = out.cpu(), ref.cpu(), lora_ids.cpu()
+    clean = (ids == 0) | (ids == -1)
+    assert torch.isfinite(ref[clean]).all()
+    assert_close_rel(out[clean], ref[clean], dtype, what="rows of the clean slot and without adapter")
+    for slot, name in POISONED.items():
+        rows = ids == slot
+        assert not torch.isfinite(ref[rows]).all(), name  # guards the case: the value reaches the rows
+        assert torch.equal(torch.isfinite(out[rows]), torch.isfinite(ref[rows])), name
+        fin = torch.isfinite(ref[rows])
+        if fin.any():
+            assert_close_rel(out[rows][fin], ref[rows][fin], dtype, what=f"finite entries, {name}")
+
+
+# every stage in fp32 with NaN (silu); the fused stage also with inf and in fp16; swigluoai (its clamps
+# must keep a NaN pre-activation NaN, as torch's clamp does) on the two activation paths: the gated_act
+# kernel (tuned) and the fused gate_up epilogue
+POISON_CASES = [(st, TINY, "nan", torch.float32) for st in STAGES]
+POISON_CASES += [("fused", TINY, "inf", torch.float32), ("fused", TINY, "nan", torch.float16)]
+POISON_CASES += [(st, TINY_OSS, "nan", torch.float32) for st in ("tuned", "fused")]
+
+
+@pytest.mark.parametrize(
+    "stage,shape,value,dtype",
+    POISON_CASES,
+    ids=[f"{c[0]}-{c[1].name}-{c[2]}-{str(c[3])[6:]}" for c in POISON_CASES],
+)
+def test_non_finite_adapter_weights_stay_in_their_slot(stage, shape, value, dtype, device):
+    # a NaN/inf in one slot's lora_a13, lora_b13, lora_a2 or lora_b2 (one slot each): that slot's rows
+    # are non-finite as in the reference; rows of the clean slot and rows without adapter, which share
+    # every tile with them, are the reference's (a kernel that zeroes the other rows' operand of a
+    # shared dot gives them 0·NaN = NaN)
+    inp = _poisoned(shape, device, dtype, float(value))
+    ref = moe_lora_reference(*inp.args(), **inp.kwargs())
+    out = fused_moe_lora(*inp.args(), **inp.kwargs(), stage=stage)
+    _assert_poison_stays_in_its_slot(out, ref, inp.lora_ids, dtype)
+
+
 # --- bad input: a clear ValueError naming the argument ------------------------------------------
 BAD = [
     ("hidden_states_1d", lambda a: a.update(hidden_states=a["hidden_states"][0]), "hidden_states"),
@@ -235,6 +296,17 @@ def test_model_shapes_bf16_gpu(model, T, stage):
     ref = moe_lora_reference(*inp.args(), **inp.kwargs())
     out = fused_moe_lora(*inp.args(), **inp.kwargs(), stage=stage)
     assert_close_rel(out, ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stage", ["tuned", "fused"])
+@pytest.mark.parametrize("model", ["gpt-oss-20b", "qwen3-30b-a3b"])
+def test_non_finite_adapter_weights_stay_in_their_slot_bf16_gpu(model, stage):
+    # the CPU test's poisoned slots at model shapes in bf16: tensor-core dots, the shipped configs
+    inp = _poisoned(get_shape(model), "cuda", torch.bfloat16, float("nan"), rank=32)
+    ref = moe_lora_reference(*inp.args(), **inp.kwargs())
+    out = fused_moe_lora(*inp.args(), **inp.kwargs(), stage=stage)
+    _assert_poison_stays_in_its_slot(out, ref, inp.lora_ids, torch.bfloat16)
 
 
 def test_bf16_on_cpu_is_rejected():

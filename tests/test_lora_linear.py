@@ -148,6 +148,30 @@ def test_all_no_adapter_is_f_linear_bit_for_bit(stage):
     assert _same_bits(out, F.linear(x, w))
 
 
+DENSE_POISON = [(st, "nan", torch.float32) for st in STAGES] + [("tuned", "inf", torch.float16)]
+
+
+@pytest.mark.parametrize("stage, value, dtype", DENSE_POISON, ids=lambda v: str(v).removeprefix("torch."))
+def test_non_finite_adapter_weights_stay_in_their_slot(stage, value, dtype):
+    # slot 1's lora_a and slot 2's lora_b hold a NaN/inf (rank 0 of every slice), slot 0 is finite:
+    # rows of slots 1 and 2 are non-finite exactly where the fp64 reference is; rows of slot 0 are the
+    # reference's and rows without adapter F.linear's bit for bit (split K, several column tiles)
+    T, H, slices, R, _, cfg = CASES["splitk_odd_H72"]
+    x, w, b, a, bb, ids = _inputs(15, H, slices, R, dtype, "every")
+    starts = [sum(slices[:s]) for s in range(len(slices))]
+    a[1, :, 0, 0] = float(value)
+    bb[2, starts, 0] = float(value)
+    out = lora_linear(x, w, a, bb, ids, slices=slices, bias=b, stage=stage, config=cfg)
+    ref = lora_linear_reference(x, w, a, bb, ids, slices=slices, bias=b)
+    assert torch.equal(torch.isfinite(out), torch.isfinite(ref))
+    for slot in (1, 2):
+        assert not torch.isfinite(ref[ids == slot]).all()  # guards the case
+    clean = ids == 0
+    assert_close_rel(out[clean], ref[clean], dtype, what=f"{stage}: rows of the finite slot")
+    none = ids < 0
+    assert _same_bits(out[none], F.linear(x, w, b)[none])
+
+
 def test_empty_batch():
     x, w, b, a, bb, ids = _inputs(0, 64, (64, 16, 16), 16, torch.float32)
     assert lora_linear(x, w, a, bb, ids, slices=(64, 16, 16), bias=b, stage="tuned").shape == (0, 96)

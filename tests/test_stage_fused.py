@@ -10,6 +10,7 @@ the intermediate (against tuned's scalar ones), registers and spills.
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -203,12 +204,40 @@ def test_layer_bad_adapter_ids_give_nan_rows_only():
 LENGTHS = [1, 2, 3, 4, 7, 8, 15, 16, 17, 31, 32, 33, 64, 100, 128, 1000, 1024, 4096, 8192]
 
 
+def swigluoai_min_max_ops() -> dict:
+    """{launch: {"min_nan", "max_nan", "min", "max": count}} of the f32 min/max instructions in the sm_90
+    PTX of the two launches that apply GPT-OSS's clamps: ``act`` (gated_act, the seven-launch stages) and
+    ``fused_gate_up`` (its epilogue), at gpt-oss-20b, T = 64, default configs. Run in a process without
+    the interpreter (:func:`~moelora_lib.studies.compile_check.run_isolated`)."""
+    from moelora_lib.studies import compile_check as cc
+
+    d = Dims.of(get_shape("gpt-oss-20b"), 64, rank=32, adapters=8)
+    run = cc._fused_meta_run(
+        d, activation="swigluoai", has_bias=True, dtype="bfloat16", config=fused_default_config(d)
+    )
+    ptx = {"fused_gate_up": cc.ptx(cc._compile_launch(run.launch_args("fused_gate_up")))}
+    kernel, args, cx, nw, ns, _ = cc.launch("act", 64, shape="gpt-oss-20b")
+    ptx["act"] = cc.ptx(cc.compile_for_sm90(cc._jit(kernel, False), args, cx, nw, ns))
+    pats = {
+        "min_nan": r"\bmin\.NaN\.f32",
+        "max_nan": r"\bmax\.NaN\.f32",
+        "min": r"\bmin\.f32",
+        "max": r"\bmax\.f32",
+    }
+    return {op: {k: len(re.findall(p, text)) for k, p in pats.items()} for op, text in ptx.items()}
+
+
 @pytest.fixture(scope="module")
 def report():
     from moelora_lib.studies.compile_check import run_isolated
 
     t0 = time.perf_counter()
-    r = run_isolated([dict(op="fused_report", lengths=LENGTHS, shape="gpt-oss-20b")], timeout=300)[0]
+    jobs = [
+        dict(op="fused_report", lengths=LENGTHS, shape="gpt-oss-20b"),
+        dict(op="tests.test_stage_fused:swigluoai_min_max_ops"),
+    ]
+    r, min_max = run_isolated(jobs, timeout=300)
+    r["swigluoai_min_max"] = min_max
     regs = {
         op: {T: (v["REG"], v["LOCAL"], v["cfg"]) for T, v in r[op]["res"].items()} for op in FUSED_LAUNCH_OPS
     }
@@ -247,6 +276,14 @@ def test_rank_intermediate_vector_loads(report, op):
     assert with_lora.get("cp_async_16", 0) > without.get("cp_async_16", 0), (with_lora, without)
     assert not any(with_lora.get(f"cp_async_{b}", 0) for b in (4, 8)), with_lora
     assert report["expand_tuned"].get("cp_async_4", 0) > 0, report["expand_tuned"]
+
+
+def test_swigluoai_clamps_propagate_nan(report):
+    # GPT-OSS's clamps as torch's clamp: a NaN pre-activation stays NaN. The GPU's plain min.f32 /
+    # max.f32 return the operand that is not NaN (a NaN gate would become 7.0); the interpreter's numpy
+    # propagates NaN either way, so the CPU tests cannot tell, the PTX can
+    for op, n in report["swigluoai_min_max"].items():
+        assert n["min_nan"] >= 2 and n["max_nan"] >= 1 and n["min"] == 0 and n["max"] == 0, (op, n)
 
 
 # ---- the down GEMM split over K at decode ---------------------------------------------------------------

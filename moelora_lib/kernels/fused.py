@@ -6,9 +6,11 @@ layer, routing and alignment aside: gate_up_shrink, fused_gate_up, down_shrink, 
 
 * **Expand in the base GEMM.** A program computes its tile of x·W[e]ᵀ over the base (expert-only)
   alignment; after the K loop it reads each row's adapter id (``lora_ids[p // top_k]``) and, for each
-  adapter present in the tile (a ``while`` loop over the ids in ascending order), adds one
-  [BLOCK_SIZE_M, R]·[R, BLOCK_SIZE_N] dot of that adapter's rows (others masked to zero) with B[l, e]
-  into the same fp32 accumulator. ``g``/``y`` is written once: no expand launch, no read-modify-write.
+  adapter present in the tile (a ``while`` loop over the ids in ascending order), runs one
+  [BLOCK_SIZE_M, R]·[R, BLOCK_SIZE_N] dot of that adapter's intermediate rows (others masked to zero)
+  with B[l, e] into the same fp32 accumulator and keeps its result for that adapter's rows only (a
+  select: the other rows keep their accumulator). ``g``/``y`` is written once: no expand launch, no
+  read-modify-write.
   Why the base alignment and not the (adapter, expert) one: the base GEMM streams each expert's
   weights once, where an (adapter, expert) order would stream them once per group and pad every group
   to BLOCK_SIZE_M. The cost is one LoRA dot per adapter present in a tile, so the base alignment orders
@@ -27,9 +29,11 @@ layer, routing and alignment aside: gate_up_shrink, fused_gate_up, down_shrink, 
   :meth:`~.config.LayerConfig.deterministic` clears the split with the shrinks'.
 
 Rows whose adapter id is -1, outside [0, L), or whose slot does not cover the projection
-(``LayerRun(proj_lora_ids=...)``) get no LoRA term: bit-identical to this stage's base part. Adapter
-weights must be finite (:meth:`moelora_lib.MoELoRALayer.load_adapter` enforces it): a NaN in the B of an
-adapter present in a tile would reach the tile's other rows as 0·NaN. Precision: the whole output row
+(``LayerRun(proj_lora_ids=...)``) get no LoRA term: bit-identical to this stage's base part. A row
+reads no value of another adapter's weights: an inf or NaN in one slot's A or B gives non-finite rows
+of that slot only (as in every stage and in the reference), never rows of other slots or rows without
+an adapter that share its tiles, because each adapter's dot result is selected into its own rows
+rather than added to all rows with the others' operand zeroed (0·NaN = NaN). Precision: the whole output row
 is one fp32 accumulation (base, delta, bias, then the activation or the routing weight) rounded once;
 ``tuned`` rounds h after the base GEMM and after the expand's add, so the two stages differ by those
 roundings (both within the reference tolerance).

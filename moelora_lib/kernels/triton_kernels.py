@@ -29,8 +29,10 @@ Features switched by the stages:
 * ``HAS_LORA`` (stage ``fused``: ``_fused_moe_lora_act_kernel`` for gate_up, ``_fused_moe_lora_kernel``
   for down): the LoRA expand runs inside the base GEMM's program. The tile iterates over the base
   (expert-only) alignment; after the K loop it reads each row's adapter id (``lora_ids[p // top_k]``)
-  and, once per adapter present in the tile, adds ``where(row's adapter, inter[p], 0)·B[l, e]ᵀ`` into
-  the same fp32 accumulator, so ``h``/``y`` is written once (no expand launch, no read-modify-write).
+  and, once per adapter l present in the tile, runs one dot inter[p]·B[l, e]ᵀ over the tile's rows
+  and selects its result into the same fp32 accumulator for the rows of l only (the other rows keep
+  theirs, so a non-finite value in one adapter's weights stays in that adapter's rows), so ``h``/``y``
+  is written once (no expand launch, no read-modify-write).
   The gate_up kernel also applies the activation in its epilogue (two accumulators: gate and up
   columns) and writes ``g`` [P, I] directly (no ``h`` buffer, no activation launch). Its rank
   intermediate is laid out [P, S, R16] (R rounded up to 16), so no stride depends on the length.
@@ -310,6 +312,17 @@ def _lora_expand_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _swigluoai(gate, up):
+    """GPT-OSS's gated activation of fp32 gate and up: (clamp(up, -7, 7) + 1)·g·sigmoid(1.702·g) with
+    g = min(gate, 7). The clamps propagate NaN, as torch's clamp does: the GPU's plain min/max return
+    the operand that is not NaN, which would turn a NaN pre-activation into a finite value."""
+    gate = tl.minimum(gate, 7.0, propagate_nan=tl.PropagateNan.ALL)
+    up = tl.maximum(up, -7.0, propagate_nan=tl.PropagateNan.ALL)
+    up = tl.minimum(up, 7.0, propagate_nan=tl.PropagateNan.ALL)
+    return (up + 1.0) * gate / (1.0 + tl.exp(-1.702 * gate))
+
+
 def _gated_act_kernel(
     h_ptr,
     out_ptr,
@@ -330,9 +343,7 @@ def _gated_act_kernel(
     else:  # swigluoai: interleaved gate/up columns, GPT-OSS clamp 7.0 and alpha 1.702
         gate = tl.load(h_ptr + row * stride_hm + 2 * offs, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(h_ptr + row * stride_hm + 2 * offs + 1, mask=mask, other=0.0).to(tl.float32)
-        gate = tl.minimum(gate, 7.0)
-        up = tl.minimum(tl.maximum(up, -7.0), 7.0)
-        out = (up + 1.0) * gate / (1.0 + tl.exp(-1.702 * gate))
+        out = _swigluoai(gate, up)
     tl.store(out_ptr + row * stride_om + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -359,13 +370,16 @@ def _lora_cols_dot(
     stride_br,
     BLOCK_SIZE_R: tl.constexpr,
 ):
-    """acc += where(sel, inter[pair, s])·B[lora, expert, s, n]ᵀ for the columns ``cols`` of h / y.
+    """acc[sel] += inter[pair, s]·B[lora, expert, s, n]ᵀ for the columns ``cols`` of h / y; rows not in
+    ``sel`` keep ``acc`` unchanged.
 
     Column c belongs to slice s = c // NS, row n = c % NS of B (NS = rows per slice). Usually every
     column of a tile is in one slice (one dot); a tile that straddles two slices (swigluoai with S = 2)
-    takes one dot per slice, with the other slice's columns masked to zero. Rows not in ``sel`` read
-    zeros, so they add exact zeros (B is finite). Precision as in the expand kernel: inter is fp32;
-    bf16 weights: inter rounded to bf16; fp16 weights: B widened to fp32 (tf32 dot on the GPU).
+    takes one dot per slice, with the other slice's columns masked to zero. Rows not in ``sel`` never
+    load the intermediate (masked to zero) and take the dot's result only through a select, so no value
+    of this adapter's A or B (an inf or NaN included) reaches them. Precision as in the expand kernel:
+    inter is fp32; bf16 weights: inter rounded to bf16; fp16 weights: B widened to fp32 (tf32 dot on
+    the GPU). The rows of ``sel`` accumulate into ``acc`` inside the dot, as the expand kernel does.
     """
     offs_r = tl.arange(0, BLOCK_SIZE_R)
     r_mask = offs_r < R
@@ -386,9 +400,12 @@ def _lora_cols_dot(
             other=0.0,
         )
         if b_ptr.dtype.element_ty == tl.float16:
-            acc = tl.dot(ia, bb.to(tl.float32), acc)
+            d = tl.dot(ia, bb.to(tl.float32), acc)
         else:
-            acc = tl.dot(ia.to(bb.dtype), bb, acc)
+            d = tl.dot(ia.to(bb.dtype), bb, acc)
+        # the dot gives every row of the tile ia[row]·B[lora]: a row of another adapter (ia = 0) would
+        # get 0·NaN = NaN from a non-finite B, so only the rows of ``sel`` take the new value
+        acc = tl.where(sel[:, None], d, acc)
     return acc
 
 
@@ -516,9 +533,7 @@ def _fused_moe_lora_act_kernel(
     if ACTIVATION == "silu":
         out = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     else:  # GPT-OSS clamp 7.0 and alpha 1.702, as _gated_act_kernel
-        gate = tl.minimum(acc_g, 7.0)
-        up = tl.minimum(tl.maximum(acc_u, -7.0), 7.0)
-        out = (up + 1.0) * gate / (1.0 + tl.exp(-1.702 * gate))
+        out = _swigluoai(acc_g, acc_u)
     out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_om + offs_j[None, :] * stride_on
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & j_mask[None, :])
 

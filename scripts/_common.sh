@@ -15,6 +15,11 @@ export JUPYTER_RUNTIME_DIR="${JUPYTER_RUNTIME_DIR:-$CACHE/jupyter/runtime}"
 export JUPYTER_CONFIG_DIR="${JUPYTER_CONFIG_DIR:-$CACHE/jupyter/config}"
 export IPYTHONDIR="${IPYTHONDIR:-$CACHE/ipython}"
 export MPLCONFIGDIR="${MPLCONFIGDIR:-$CACHE/matplotlib}"
+# The Triton interpreter runs tl.dot as numpy's matmul (OpenBLAS). OpenBLAS's FMA kernels (Haswell and newer,
+# picked at run time on CPUs without AVX-512) round a row of a product differently depending on where the row
+# falls in the matrix, so tests asserting that a kernel's rows do not depend on which rows share a tile (true
+# of the GPU's MMA) would fail on such CPUs only. The non-FMA kernels make every row independent of the others.
+export OPENBLAS_CORETYPE="${OPENBLAS_CORETYPE:-Sandybridge}"
 # Jupyter warns about the platformdirs migration on every start otherwise.
 export JUPYTER_PLATFORM_DIRS="${JUPYTER_PLATFORM_DIRS:-1}"
 export PYTHONDONTWRITEBYTECODE="${PYTHONDONTWRITEBYTECODE:-1}"

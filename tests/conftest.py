@@ -7,8 +7,12 @@ without CUDA; on a GPU host the interpreter is not used.
 
 import os
 
-import pytest
-import torch
+# Before numpy loads OpenBLAS: its non-FMA kernels give each row of a product independently of the other rows,
+# as the GPU's MMA does (scripts/_common.sh says why; the interpreter's tl.dot is numpy's matmul).
+os.environ.setdefault("OPENBLAS_CORETYPE", "Sandybridge")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:

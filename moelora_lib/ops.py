@@ -78,6 +78,16 @@ class OpLayer(torch.nn.Module):
         self._deterministic = check_bool("deterministic", value)
         self._configs.clear()
 
+    #: None, or a callable ``guard(slot, action)`` that ``load_adapter`` / ``unload_adapter`` call after
+    #: checking the slot's range and before changing anything; it raises to refuse the change. A
+    #: :class:`~moelora_lib.model.modeling.MultiLoRAModel` sets it on each of its modules to its
+    #: ``check_slot_free`` (a slot that a running generate call reads cannot change).
+    slot_guard = None
+
+    def _guard_slot(self, slot: int, action: str) -> None:
+        if self.slot_guard is not None:
+            self.slot_guard(slot, action)
+
     def _register_op_name(self) -> None:
         self.layer_name = register_layer(self, prefix=self._op_prefix)
 

@@ -24,18 +24,18 @@ How a call runs (request i always owns cache row i):
    (``batch_prefill=False``: one request per call). With CUDA graphs (``pad_prefill``, on by default with
    them) a group's prompts are padded at the end to a static length (:func:`prefill_length`: multiples of
    64 up to 512 tokens, then eight lengths per octave, so at most 12.5 % padding above 512 tokens, capped
-   at ``max_seq``), ``max_tokens // padded length`` rows per call, and the call is a replay of a CUDA
-   graph captured per (rows, padded length) — lazily on first use or up front in
-   :meth:`Generator.warmup`, which captures every row count a length can take — so one prefill costs one launch of host time instead of one per kernel
-   (an eager layer call costs ~1 ms of host time on the lent H200's host: data/09_eager.csv). The padded
-   tail is harmless: its tokens sit after the prompt (causal attention hides them from it), their K/V
-   land at positions the decode overwrites before it reads them, and the logits are taken at each
-   row's real last token (``last_index``). Without graphs, for a prompt longer than ``max_tokens``, or
-   for a model whose forward lacks ``kv_len``/``last_index``, the prefill is eager: ``max_tokens //
-   length`` rows per call, a prompt longer than ``max_tokens`` fed in chunks (``start_pos`` says where
-   each goes), ``kv_len = chunk end`` so attention reads only the positions written so far. The first
-   token is sampled from the last prefill logits; the device is synchronized after each prefill
-   group so that TTFT (``time.perf_counter`` from the call's start) covers the work.
+   at ``max_seq``), ``max_tokens // padded length`` rows per call, and the call is a replay of a CUDA graph
+   captured per (rows, padded length) — lazily on first use or up front in :meth:`Generator.warmup`, which
+   captures every row count a length can take — so one prefill costs one launch of host time instead of one
+   per kernel (an eager layer call costs ~1 ms of host time on the lent H200's host: data/09_eager.csv).
+   The padded tail is harmless: its tokens sit after the prompt (causal attention hides them from it),
+   their K/V land at positions the decode overwrites before it reads them, and the logits are taken at each
+   row's real last token (``last_index``). Without graphs, for a prompt longer than ``max_tokens``, or for
+   a model whose forward lacks ``kv_len``/``last_index``, the prefill is eager: ``max_tokens // length``
+   rows per call, a prompt longer than ``max_tokens`` fed in chunks (``start_pos`` says where each goes),
+   ``kv_len = chunk end`` so attention reads only the positions written so far. The first token is sampled
+   from the last prefill logits; the device is synchronized after each prefill group so that TTFT
+   (``time.perf_counter`` from the call's start) covers the work.
 2. **Decode**: one step for all active requests: ``input_ids [b, 1]`` (the last token), ``start_pos``
    (its position), ``lora_ids``, ``cache_rows``. With padding (on by default with CUDA graphs) the B
    active requests are padded up to the next bucket b of ``graph_batch_sizes`` (``max_batch`` is always

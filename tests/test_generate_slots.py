@@ -20,6 +20,7 @@ load / generate / unload cycles.
 
 from __future__ import annotations
 
+import copy
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -182,6 +183,12 @@ def test_hold_slots_counts_nested_holders(files):
         with pytest.raises(RuntimeError, match="load_peft_adapter: slot 0 is in use"):
             load_peft_adapter(model, 0, files["a1"])
         model.unload_adapter(2)  # released by the inner holder
+        dup = copy.deepcopy(model)  # a copy holds nothing and guards its own modules
+        assert dup.slots_in_use == frozenset()
+        dup.layers[0].self_attn.qkv_proj.unload_adapter(0)
+        with dup.hold_slots([1]), pytest.raises(RuntimeError, match="slot 1"):
+            dup.layers[0].mlp.down_proj.unload_adapter(1)
+        assert model.slots_in_use == frozenset({0})
     assert model.slots_in_use == frozenset()
     for bad in ([3], [-1], ["0"], 0):
         with pytest.raises(ValueError, match="slot"):

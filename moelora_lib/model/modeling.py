@@ -647,9 +647,7 @@ class MultiLoRAModel(nn.Module):
         self.register_buffer(
             "_arange", torch.arange(max(max_seq, max_batch), device=device), persistent=False
         )
-        self._held: Counter[int] = Counter()  # slot -> open hold_slots contexts naming it
-        for m in self.lora_modules().values():  # a module's own load/unload checks the holds too
-            m.slot_guard = self.check_slot_free
+        self._install_slot_guards()
 
     @property
     def device(self) -> torch.device:
@@ -688,6 +686,16 @@ class MultiLoRAModel(nn.Module):
             m.unload_adapter(slot)
 
     # --- slots in use -----------------------------------------------------------------------------
+    def _install_slot_guards(self) -> None:
+        """No slot held; every LoRA module's own load/unload checks this model's holds."""
+        self._held: Counter[int] = Counter()  # slot -> open hold_slots contexts naming it
+        for m in self.lora_modules().values():
+            m.slot_guard = self.check_slot_free
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        self._install_slot_guards()  # a copy or an unpickled model: its own modules, nothing held
+
     def _check_slot(self, slot) -> int:
         if not is_int(slot) or not 0 <= slot < self.num_adapters:
             raise ValueError(f"slot must be an int in [0, num_adapters={self.num_adapters}), got {slot!r}")

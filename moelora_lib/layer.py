@@ -478,13 +478,16 @@ class MoELoRALayer(ops.OpLayer):
         Raises:
             ValueError naming the argument: slot out of range, neither projection given, not a pair,
             wrong rank (> R or < 1), shape, non-float dtype, other device, non-finite scaling, A or
-            scaling·B not finite in the layer's dtype (e.g. beyond float16's range).
+            scaling·B not finite in the layer's dtype (e.g. beyond float16's range); what
+            ``slot_guard`` raises (a MultiLoRAModel's: RuntimeError while a running generate call uses
+            the slot).
         A projection the adapter lacks is skipped for this slot's tokens (no launch work), not
         multiplied by zeros. Nothing is written unless every check passes. Not for use while a
         forward captured in a CUDA graph is replaying on another stream (plain copies on the current
         stream).
         """
         slot = self._check_slot(slot)
+        self._guard_slot(slot, "load_adapter")
         if gate_up is None and down is None:
             raise ValueError(
                 "load_adapter: pass gate_up=(A, B) and/or down=(A, B); to clear a slot use unload_adapter"
@@ -526,8 +529,10 @@ class MoELoRALayer(ops.OpLayer):
     def unload_adapter(self, slot: int) -> None:
         """Empty slot ``slot``: zero its tensors; tokens with this id then get the base MoE only.
 
-        Raises: ValueError if slot is not an int in [0, L)."""
+        Raises: ValueError if slot is not an int in [0, L); what ``slot_guard`` raises (a
+        MultiLoRAModel's: RuntimeError while a running generate call uses the slot)."""
         slot = self._check_slot(slot)
+        self._guard_slot(slot, "unload_adapter")
         with torch.no_grad():
             self._clear_slot(slot)
             self._set_covers(slot, False, False)

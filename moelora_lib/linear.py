@@ -533,11 +533,14 @@ class LoRALinear(ops.OpLayer):
         that of the rank-r adapter whatever the slot held. Float tensors on the layer's device.
         Raises:
             ValueError naming the argument: slot out of range, not S entries, A/B None mismatch, no
-            slice given, rank outside [1, R], shape, non-float dtype, device, non-finite scaling.
+            slice given, rank outside [1, R], shape, non-float dtype, device, non-finite scaling;
+            what ``slot_guard`` raises (a MultiLoRAModel's: RuntimeError while a running generate call
+            uses the slot).
         Nothing is written unless every check passes. Plain copies on the current stream: not while a
         captured forward replays on another stream.
         """
         slot = self._check_slot(slot)
+        self._guard_slot(slot, "load_adapter")
         As, Bs = self._per_slice("lora_a", lora_a), self._per_slice("lora_b", lora_b)
         scales = list(scaling) if isinstance(scaling, (list, tuple)) else [scaling] * self.S
         if len(scales) != self.S:
@@ -604,8 +607,10 @@ class LoRALinear(ops.OpLayer):
     def unload_adapter(self, slot: int) -> None:
         """Empty slot ``slot`` (zeros); its tokens then get exactly the base output.
 
-        Raises: ValueError if slot is not an int in [0, L)."""
+        Raises: ValueError if slot is not an int in [0, L); what ``slot_guard`` raises (a
+        MultiLoRAModel's: RuntimeError while a running generate call uses the slot)."""
         slot = self._check_slot(slot)
+        self._guard_slot(slot, "unload_adapter")
         with torch.no_grad():
             self.lora_a[slot].zero_()
             self.lora_b[slot].zero_()

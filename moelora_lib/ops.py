@@ -78,6 +78,17 @@ class OpLayer(torch.nn.Module):
         self._deterministic = check_bool("deterministic", value)
         self._configs.clear()
 
+    #: None, or a callable ``guard(slot, action)`` that ``load_adapter`` / ``unload_adapter`` call after
+    #: checking the slot's range and before changing anything; it raises to refuse the change. A
+    #: :class:`~moelora_lib.model.modeling.MultiLoRAModel` sets it on each of its modules to its
+    #: ``check_slot_free`` (a slot that a running generate call reads cannot change). Not copied or
+    #: pickled with the module (a copy of the model sets its own).
+    slot_guard = None
+
+    def _guard_slot(self, slot: int, action: str) -> None:
+        if self.slot_guard is not None:
+            self.slot_guard(slot, action)
+
     def _register_op_name(self) -> None:
         self.layer_name = register_layer(self, prefix=self._op_prefix)
 
@@ -85,6 +96,7 @@ class OpLayer(torch.nn.Module):
         state = dict(super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__)
         state["_scratch"] = None  # holds weak references; re-attached on the first call
         state["_buffers_key"] = None
+        state.pop("slot_guard", None)  # the owner's; a copied model installs its own
         if "_bufs" in state:
             state["_bufs"] = {}
         return state

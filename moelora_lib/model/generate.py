@@ -4,7 +4,7 @@ step replayed from a CUDA graph per batch-size bucket, every request with its ow
 Usage::
 
     gen = Generator(model)                    # model: MultiLoRAModel (or anything with its forward)
-    gen.warmup()                              # optional: capture every bucket's graph up front
+    gen.warmup(prefill_lengths=[1600])        # optional: capture the graphs up front (returns the plan)
     res = gen.generate(prompts, adapters=[0, 3, None], max_new_tokens=600)
     res.tokens[1], res.ttft_s[1], res.request_otps[1], res.aggregate_otps
 
@@ -15,7 +15,8 @@ What the model must provide (the spec of ``moelora_lib.model.modeling.MultiLoRAM
 
 writing the K/V of the S tokens into cache row ``cache_rows[b]`` at positions ``start_pos[b] ..
 start_pos[b]+S-1``; and the attributes ``config.vocab_size``, ``max_batch`` (cache rows), ``max_seq``
-(cache positions), ``max_tokens`` (B*S per call) and ``num_adapters`` (L slots).
+(cache positions), ``max_tokens`` (B*S per call, at least ``max_batch``) and ``num_adapters`` (L slots);
+optionally ``hold_slots(slots)`` (a context manager, see below).
 
 How a call runs (request i always owns cache row i):
 
@@ -23,18 +24,18 @@ How a call runs (request i always owns cache row i):
    (``batch_prefill=False``: one request per call). With CUDA graphs (``pad_prefill``, on by default with
    them) a group's prompts are padded at the end to a static length (:func:`prefill_length`: multiples of
    64 up to 512 tokens, then eight lengths per octave, so at most 12.5 % padding above 512 tokens, capped
-   at ``max_seq``), ``max_tokens // padded length`` rows per call, and the call is a replay of a CUDA
-   graph captured per (rows, padded length) — lazily on first use or up front in
-   :meth:`Generator.warmup` — so one prefill costs one launch of host time instead of one per kernel
-   (an eager layer call costs ~1 ms of host time on the lent H200's host: data/09_eager.csv). The padded
-   tail is harmless: its tokens sit after the prompt (causal attention hides them from it), their K/V
-   land at positions the decode overwrites before it reads them, and the logits are taken at each
-   row's real last token (``last_index``). Without graphs, for a prompt longer than ``max_tokens``, or
-   for a model whose forward lacks ``kv_len``/``last_index``, the prefill is eager: ``max_tokens //
-   length`` rows per call, a prompt longer than ``max_tokens`` fed in chunks (``start_pos`` says where
-   each goes), ``kv_len = chunk end`` so attention reads only the positions written so far. The first
-   token is sampled from the last prefill logits; the device is synchronized after each prefill
-   group so that TTFT (``time.perf_counter`` from the call's start) covers the work.
+   at ``max_seq``), ``max_tokens // padded length`` rows per call, and the call is a replay of a CUDA graph
+   captured per (rows, padded length) — lazily on first use or up front in :meth:`Generator.warmup`, which
+   captures every row count a length can take — so one prefill costs one launch of host time instead of one
+   per kernel (an eager layer call costs ~1 ms of host time on the lent H200's host: data/09_eager.csv).
+   The padded tail is harmless: its tokens sit after the prompt (causal attention hides them from it),
+   their K/V land at positions the decode overwrites before it reads them, and the logits are taken at each
+   row's real last token (``last_index``). Without graphs, for a prompt longer than ``max_tokens``, or for
+   a model whose forward lacks ``kv_len``/``last_index``, the prefill is eager: ``max_tokens // length``
+   rows per call, a prompt longer than ``max_tokens`` fed in chunks (``start_pos`` says where each goes),
+   ``kv_len = chunk end`` so attention reads only the positions written so far. The first token is sampled
+   from the last prefill logits; the device is synchronized after each prefill group so that TTFT
+   (``time.perf_counter`` from the call's start) covers the work.
 2. **Decode**: one step for all active requests: ``input_ids [b, 1]`` (the last token), ``start_pos``
    (its position), ``lora_ids``, ``cache_rows``. With padding (on by default with CUDA graphs) the B
    active requests are padded up to the next bucket b of ``graph_batch_sizes`` (``max_batch`` is always
@@ -59,7 +60,11 @@ How a call runs (request i always owns cache row i):
 
 Adapter slots: ``adapters[i]`` is a slot in [0, L), or None / -1 for the base model. When the model
 has ``lora_modules()`` (MultiLoRAModel), a slot that holds nothing in any module is refused (an empty
-slot would silently run the base model; pass None for that).
+slot would silently run the base model; pass None for that). A call holds the slots its requests use
+until it returns (``MultiLoRAModel.hold_slots``): loading or unloading one of them meanwhile (from the
+``stream`` callback) raises RuntimeError at that load and leaves the running requests untouched; other
+slots can change. A call is not re-entrant: ``generate`` or ``warmup`` on the same model, or this
+generator's ``reset_graphs``, from inside a running call raise RuntimeError.
 
 The graphs capture the addresses of the model's weights, adapter slots and KV cache, and the LoRA
 modules' host-side choices of which launches to make, which depend on the set of loaded slots and what
@@ -71,6 +76,7 @@ call :meth:`Generator.reset_graphs`.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import sys
@@ -93,6 +99,9 @@ __all__ = [
 ]
 
 DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+
+# id() of each model with a generate call running (for the call's duration): re-entry is refused.
+_RUNNING_MODELS: set[int] = set()
 
 
 def prefill_length(n: int, max_seq: int) -> int:
@@ -465,6 +474,13 @@ class Generator:
         per (rows, padded length); default: ``use_cuda_graphs`` (the CPU tests turn it on to run the padded
         path eagerly). Needs a model forward with ``kv_len`` and ``last_index`` (MultiLoRAModel).
       warmup_steps: eager forwards on a side stream before each capture.
+
+    Raises ValueError naming the argument, before building any state: invalid arguments, or a model
+    whose ``max_tokens`` is below its ``max_batch`` (a decode step of max_batch requests must fit one
+    forward).
+
+    ``captures``: the number of CUDA graphs captured so far (lazily in :meth:`generate` or in
+    :meth:`warmup`); a call that finds every graph it needs leaves it unchanged.
     """
 
     def __init__(
@@ -480,6 +496,12 @@ class Generator:
     ):
         self.model = model
         self.limits = _model_limits(model)
+        mt, mb = self.limits.max_tokens, self.limits.max_batch
+        if mt < mb:
+            raise ValueError(
+                f"model: max_tokens = {mt} < max_batch = {mb}; max_tokens must be >= max_batch, so that one "
+                f"decode step of max_batch requests (one token each) fits one forward"
+            )
         self.device = _model_device(model)
         if use_cuda_graphs is None:
             use_cuda_graphs = self.device.type == "cuda"
@@ -513,7 +535,11 @@ class Generator:
         self._buckets: dict[int, _DecodeBucket] = {}
         self._prefill_buckets: dict[tuple[int, int], _PrefillBucket] = {}
         self._pool = None
+        self._side_stream = None
         self._graph_adapter_state: tuple | None = None
+        self._running = False
+        #: CUDA graphs captured by this generator so far (decode and prefill, lazily or in warmup).
+        self.captures = 0
 
     # -- decode step ---------------------------------------------------------------------------------
 
@@ -529,7 +555,9 @@ class Generator:
         capture), then capture one call: (graph, its outputs). ``fn`` writes K/V at the buffers' current
         (row, position): at warm-up time the buffers hold either dummies (spare rows, position 0) or a real
         call about to run, whose writes the replay repeats identically."""
-        side = torch.cuda.Stream(self.device)
+        if self._side_stream is None:  # one side stream: its cached warm-up blocks are reused
+            self._side_stream = torch.cuda.Stream(self.device)
+        side = self._side_stream
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(self.warmup_steps):
@@ -546,6 +574,7 @@ class Generator:
                 f"capturing {what} failed (something in the model's forward is not graph-capturable, e.g. a "
                 f"host sync); Generator(use_cuda_graphs=False) runs it eagerly: {e}"
             ) from e
+        self.captures += 1
         return graph, outputs
 
     def _capture(self, bucket: _DecodeBucket) -> None:
@@ -598,8 +627,12 @@ class Generator:
             return bucket.logits, bucket.greedy
         return self._forward_decode(bucket)
 
+    def _bucket_size(self, n: int) -> int:
+        """The decode batch size that ``n`` active requests run at (their bucket, or n unpadded)."""
+        return next(b for b in self.graph_batch_sizes if b >= n) if self.pad_to_buckets else n
+
     def _bucket_for(self, n: int) -> _DecodeBucket:
-        size = next(b for b in self.graph_batch_sizes if b >= n) if self.pad_to_buckets else n
+        size = self._bucket_size(n)
         bucket = self._buckets.get(size)
         if bucket is None:
             bucket = self._buckets[size] = _DecodeBucket(size, self.device)
@@ -607,12 +640,38 @@ class Generator:
 
     def warmup(
         self, batch_sizes: Sequence[int] | None = None, *, prefill_lengths: Sequence[int] | str = ()
-    ) -> None:
-        """Capture the decode graphs of ``batch_sizes`` (default: every bucket), largest first so the
-        smaller graphs reuse the shared pool, and the single-prompt prefill graphs of ``prefill_lengths``
-        (prompt lengths, each captured at its :func:`prefill_length`; ``"all"``: every padded length up to
-        ``max_seq``, as a server does at start-up so that no request pays a capture). Writes dummy K/V
-        into cache rows 0..b-1 (prefill overwrites it). A no-op without CUDA graphs."""
+    ) -> dict:
+        """Capture, with CUDA graphs, every graph that a :meth:`generate` call can need for decode batch
+        sizes ``batch_sizes`` and prompt lengths ``prefill_lengths``, so such a call captures nothing
+        (:attr:`captures` stays put; the graphs stay valid until the loaded slots change, see the module
+        docstring).
+
+        Args:
+          batch_sizes: decode batch sizes, ints in [1, max_batch] (default: every bucket of
+            ``graph_batch_sizes``); each is captured at its bucket.
+          prefill_lengths: prompt lengths, ints in [1, max_seq], or ``"all"`` (every padded length up to
+            ``max_seq``, as a server does at start-up so that no request pays a capture). A length's
+            prompts are prefilled at its :func:`prefill_length` n, up to ``max_tokens // n`` prompts per
+            call (one with ``batch_prefill=False``), so a call with up to ``max_batch`` prompts of equal
+            length runs calls of every row count 1 .. min(max_batch, max_tokens // n); all of them are
+            captured. A length whose padded length exceeds ``max_tokens`` (or every length without
+            ``pad_prefill``) is prefilled eagerly, without a graph, and listed under ``"eager"``.
+
+        Returns the plan, also without CUDA graphs (where nothing is captured)::
+
+            {"decode": [bucket sizes, largest first],
+             "prefill": {padded length: [row counts, ascending]},
+             "eager": [prompt lengths prefilled eagerly, ascending],
+             "captured": graphs captured by this call (0 without CUDA graphs, or when all exist)}
+
+        Captures run largest first so the smaller graphs reuse the shared memory pool. Writes dummy K/V
+        into cache rows 0..b-1 (a request's prefill overwrites what its decode reads).
+
+        Raises ValueError naming the argument for invalid input; RuntimeError while a generate call on
+        the same model is running (e.g. from its ``stream`` callback: its cache rows and graphs are in
+        use).
+        """
+        self._check_model_idle("warmup")
         sizes = self.graph_batch_sizes if batch_sizes is None else batch_sizes
         if not isinstance(sizes, (list, tuple, range)):
             raise ValueError(f"batch_sizes: expected None or a list of ints, got {sizes!r}")
@@ -631,17 +690,38 @@ class Generator:
             raise ValueError(f"prefill_lengths: expected 'all' or a list of ints, got {prefill_lengths!r}")
         if not all(is_int(n) and 1 <= n <= ms for n in prefill_lengths):
             raise ValueError(f"prefill_lengths: expected ints in [1, max_seq={ms}], got {prefill_lengths}")
+        decode = sorted({self._bucket_size(int(n)) for n in sizes}, reverse=True)
+        prefill: dict[int, set[int]] = {}
+        eager: set[int] = set()
+        for length in {int(n) for n in prefill_lengths}:
+            n = self._padded(length)
+            if n is None:
+                eager.add(length)
+            else:
+                top = min(self.limits.max_batch, self._rows_per_call(length))
+                prefill.setdefault(n, set()).update(range(1, top + 1))
+        plan = {
+            "decode": decode,
+            "prefill": {n: sorted(rows) for n, rows in sorted(prefill.items())},
+            "eager": sorted(eager),
+            "captured": 0,
+        }
         if not self.use_cuda_graphs:
-            return
+            return plan
+        before = self.captures
         self._sync_graphs_with_adapters()
         with torch.no_grad():
-            if self.pad_prefill:
-                for n in sorted({self._padded(int(n)) for n in prefill_lengths} - {None}, reverse=True):
-                    pb = self._prefill_bucket(1, n)
-                    if pb.graph is None:
-                        self._run_prefill_bucket(pb)
-            for n in sorted(sizes, reverse=True):
-                bucket = self._bucket_for(int(n))
+            pairs = [(r, n) for n, rs in prefill.items() for r in rs]
+            for rows, n in sorted(pairs, key=lambda rn: (-rn[0] * rn[1], -rn[1])):
+                pb = self._prefill_bucket(rows, n)
+                if pb.graph is None:
+                    pb.input_ids.zero_()
+                    pb.lora_ids.fill_(-1)
+                    pb.cache_rows.copy_(torch.arange(rows, device=self.device))
+                    pb.last_index.fill_(n - 1)
+                    self._run_prefill_bucket(pb)
+            for size in decode:
+                bucket = self._bucket_for(size)
                 if bucket.graph is None:
                     bucket.input_ids.zero_()
                     bucket.start_pos.zero_()
@@ -649,13 +729,59 @@ class Generator:
                     bucket.cache_rows.copy_(torch.arange(bucket.size, device=self.device))
                     self._capture(bucket)
             _Clock(self.device).sync()
+        plan["captured"] = self.captures - before
+        return plan
 
     def reset_graphs(self) -> None:
-        """Drop every captured graph (after the model reallocated weights, adapters or cache)."""
+        """Drop every captured graph (after the model reallocated weights, adapters or cache) and, on a
+        GPU, release the cached memory they held (``torch.cuda.empty_cache``); the next call captures
+        again.
+
+        Raises RuntimeError while this generator's :meth:`generate` is running (e.g. from its ``stream``
+        callback: the graphs and their buffers are in use)."""
+        if self._running:
+            raise RuntimeError(
+                "reset_graphs: this generator's generate call is running (called from its stream callback?) "
+                "and replays these graphs; reset them after it returns"
+            )
+        self._drop_graphs()
+
+    def _drop_graphs(self) -> None:
+        cuda = self.device.type == "cuda"
+        if cuda and (self._buckets or self._prefill_buckets):
+            torch.cuda.synchronize(self.device)  # no replay still running on the memory released below
         self._buckets.clear()
         self._prefill_buckets.clear()
         self._pool = None
         self._graph_adapter_state = None
+        if cuda:
+            torch.cuda.empty_cache()
+
+    def _check_model_idle(self, action: str) -> None:
+        """RuntimeError if a generate call on this generator's model is running (re-entry from its
+        stream callback): its cache rows, graphs and static buffers are in use."""
+        if id(self.model) in _RUNNING_MODELS:
+            raise RuntimeError(
+                f"{action}: a generate call on this model is running (called from its stream callback?); "
+                f"its KV cache rows, CUDA graphs and static input buffers are in use: call {action} after "
+                "it returns"
+            )
+
+    @contextlib.contextmanager
+    def _running_call(self, lora: list[int]):
+        """The body of a generate call: the model (and this generator) marked running, and the
+        requests' adapter slots held (``model.hold_slots``, where the model has it), until it exits."""
+        hold = getattr(self.model, "hold_slots", None)
+        slots = sorted({a for a in lora if a >= 0})
+        key = id(self.model)
+        _RUNNING_MODELS.add(key)
+        self._running = True
+        try:
+            with hold(slots) if callable(hold) else contextlib.nullcontext():
+                yield
+        finally:
+            _RUNNING_MODELS.discard(key)
+            self._running = False
 
     def _adapter_state(self) -> tuple | None:
         """((module name, ((slot, coverage), ...)), ...): the LoRA modules' loaded slots (what a
@@ -674,7 +800,7 @@ class Generator:
         """Drop the graphs if the loaded slots changed since they were captured; returns the state."""
         state = self._adapter_state()
         if self.use_cuda_graphs and state != self._graph_adapter_state:
-            self.reset_graphs()
+            self._drop_graphs()
             self._graph_adapter_state = state
         return state
 
@@ -796,9 +922,16 @@ class Generator:
             by_len.setdefault(len(p), []).append(i)
         groups = []
         for length, members in by_len.items():
-            rows = max(1, self.limits.max_tokens // (self._padded(length) or length))
+            rows = self._rows_per_call(length)
             groups += [members[k : k + rows] for k in range(0, len(members), rows)]
         return groups
+
+    def _rows_per_call(self, length: int) -> int:
+        """At most this many prompts of ``length`` tokens share a prefill call: max(1, max_tokens //
+        (padded) length), 1 without ``batch_prefill``."""
+        if not self.batch_prefill:
+            return 1
+        return max(1, self.limits.max_tokens // (self._padded(length) or length))
 
     def _prefill(self, group: list[int], ids: list[list[int]], lora: list[int]) -> torch.Tensor:
         """Write the group's prompts into their cache rows; returns the last logits [G, V]. Columns go
@@ -867,8 +1000,17 @@ class Generator:
           progress: a text progress bar over decode steps (stdout).
           stream: called as stream(request_index, token) for every token, in order (syncs per step).
 
-        Raises ValueError naming the argument for invalid input.
+        Slots: the call holds its requests' adapter slots until it returns (``model.hold_slots`` where
+        the model has it, as MultiLoRAModel does), so loading or unloading one of them meanwhile (e.g.
+        from ``stream``) raises RuntimeError there and changes nothing: a request never mixes two
+        adapters. The other slots stay free to load and unload; the change reaches this generator's
+        graphs at its next call.
+
+        Raises ValueError naming the argument for invalid input (before any work); RuntimeError when
+        called while a generate call on the same model is running (e.g. from its ``stream`` callback:
+        the KV cache rows, graphs and static buffers are in use).
         """
+        self._check_model_idle("generate")
         t_call = time.perf_counter()
         state = self._sync_graphs_with_adapters()
         ids, lora = self._validate(
@@ -884,6 +1026,38 @@ class Generator:
             stream,
             state,
         )
+        with self._running_call(lora):
+            return self._generate(
+                t_call,
+                ids,
+                lora,
+                max_new_tokens,
+                temperature,
+                top_k,
+                top_p,
+                seed,
+                eos_token_id,
+                eos_check_interval,
+                progress,
+                stream,
+            )
+
+    def _generate(
+        self,
+        t_call: float,
+        ids: list[list[int]],
+        lora: list[int],
+        max_new_tokens: int,
+        temperature: float,
+        top_k: int | None,
+        top_p: float | None,
+        seed: int | Sequence[int] | None,
+        eos_token_id: int | Sequence[int] | None,
+        eos_check_interval: int,
+        progress: bool,
+        stream: Callable[[int, int], None] | None,
+    ) -> GenerationResult:
+        """The body of :meth:`generate` on validated input (token-id lists, slot ints)."""
         n_req, dev = len(ids), self.device
         eos_ids = _eos_ids(eos_token_id, self.limits.vocab_size)
         eos_set = set(eos_ids)

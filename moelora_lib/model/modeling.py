@@ -18,9 +18,11 @@ B (requests), S (new tokens per request), V (vocab), D (head_dim), NH / NKV (q /
 
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -465,7 +467,8 @@ class MultiLoRAModel(nn.Module):
         device: where every weight, slot, cache and scratch buffer lives (built there directly).
         num_adapters: L slots; max_rank: R, the largest rank a slot holds.
         max_batch: rows of the KV cache (and the largest B); max_seq: positions per row (the largest
-            start_pos + S); max_tokens: the largest B·S of one forward (sizes the LoRA/MoE scratch).
+            start_pos + S); max_tokens: the largest B·S of one forward (sizes the LoRA/MoE scratch),
+            at least max_batch (a decode step of max_batch requests is one forward of max_batch tokens).
         stage: a name of :data:`moelora_lib.kernels.STAGES` for every LoRA/MoE module.
         deterministic: every LoRA/MoE module in its bitwise-repeatable mode (their split-K launches —
             the shrinks, stage ``fused``'s down GEMM — run with SPLIT_K = 1; ``MoELoRALayer``'s
@@ -478,11 +481,16 @@ class MultiLoRAModel(nn.Module):
             or a callable ``(name, shape, *, kind, dtype, device) -> tensor`` (``kind`` "weight", "bias"
             or "norm"); or None = :func:`random_weights` (seed 0).
     Raises:
-        ValueError naming the argument: sizes not positive ints, a device that is neither an existing
-        CUDA device nor the CPU (the CPU needs TRITON_INTERPRET=1 and float16/float32), a
-        missing/unexpected weight name, a weight of the wrong shape or not finite in ``dtype``, and
-        what LoRALinear/MoELoRALayer refuse.
+        ValueError naming the argument: sizes not positive ints, max_tokens < max_batch, a device that
+        is neither an existing CUDA device nor the CPU (the CPU needs TRITON_INTERPRET=1 and
+        float16/float32), a missing/unexpected weight name, a weight of the wrong shape or not finite
+        in ``dtype``, and what LoRALinear/MoELoRALayer refuse.
     ``device`` and ``dtype`` are properties that follow ``.to()``.
+
+    Slots in use: :meth:`hold_slots` marks slots that a running generate call reads; while held, a
+    slot cannot be loaded or unloaded (RuntimeError from :meth:`check_slot_free`, before anything
+    changes: every LoRA module's ``slot_guard`` is this model's ``check_slot_free``). ``slots_in_use``
+    lists them.
 
     Module tree (names the adapter loader relies on): ``embed_tokens``, ``layers[l].input_layernorm``,
     ``.self_attn.{qkv_proj, o_proj, q_norm, k_norm, sinks}``, ``.post_attention_layernorm``, ``.mlp``
@@ -520,6 +528,11 @@ class MultiLoRAModel(nn.Module):
         ):
             if not is_int(v) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if max_tokens < max_batch:
+            raise ValueError(
+                f"max_tokens = {max_tokens} must be >= max_batch = {max_batch}: a decode step runs up to "
+                "max_batch requests of one token each in one forward of at most max_tokens tokens"
+            )
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise ValueError(f"dtype must be float16, bfloat16 or float32, got {dtype!r}")
         device = _check_device(device, dtype)
@@ -634,6 +647,7 @@ class MultiLoRAModel(nn.Module):
         self.register_buffer(
             "_arange", torch.arange(max(max_seq, max_batch), device=device), persistent=False
         )
+        self._install_slot_guards()
 
     @property
     def device(self) -> torch.device:
@@ -664,11 +678,71 @@ class MultiLoRAModel(nn.Module):
     def unload_adapter(self, slot: int) -> None:
         """Empty slot ``slot`` in every LoRA module (its requests then get the base model).
 
-        Raises: ValueError if slot is not an int in [0, num_adapters)."""
-        if not is_int(slot) or not 0 <= slot < self.num_adapters:
-            raise ValueError(f"slot must be an int in [0, num_adapters={self.num_adapters}), got {slot!r}")
+        Raises: ValueError if slot is not an int in [0, num_adapters); RuntimeError, before anything
+        changes, while a running generate call uses the slot (:meth:`check_slot_free`)."""
+        self._check_slot(slot)
+        self.check_slot_free(slot, "unload_adapter")
         for m in self.lora_modules().values():
             m.unload_adapter(slot)
+
+    # --- slots in use -----------------------------------------------------------------------------
+    def _install_slot_guards(self) -> None:
+        """No slot held; every LoRA module's own load/unload checks this model's holds."""
+        self._held: Counter[int] = Counter()  # slot -> open hold_slots contexts naming it
+        for m in self.lora_modules().values():
+            m.slot_guard = self.check_slot_free
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        self._install_slot_guards()  # a copy or an unpickled model: its own modules, nothing held
+
+    def _check_slot(self, slot) -> int:
+        if not is_int(slot) or not 0 <= slot < self.num_adapters:
+            raise ValueError(f"slot must be an int in [0, num_adapters={self.num_adapters}), got {slot!r}")
+        return int(slot)
+
+    @contextlib.contextmanager
+    def hold_slots(self, slots: Iterable[int]) -> Iterator[frozenset[int]]:
+        """Mark ``slots`` in use for the body of the ``with``: while held, loading or unloading one of
+        them (:meth:`unload_adapter`, :func:`~moelora_lib.model.peft_adapters.load_peft_adapter`, or a LoRA
+        module's own ``load_adapter`` / ``unload_adapter``) raises RuntimeError before changing
+        anything; the other slots stay free to change. Holds are counted per slot, so nested or
+        overlapping holders each keep their slots until they exit (an exception included).
+        :meth:`moelora_lib.model.generate.Generator.generate` holds its requests' slots for the whole
+        call.
+
+        Args:
+            slots: ints in [0, num_adapters) (repeats count once).
+        Yields: the held slots as a frozenset.
+        Raises: ValueError (nothing held) if a slot is not an int in [0, num_adapters)."""
+        try:
+            held = frozenset(self._check_slot(s) for s in slots)
+        except TypeError:
+            raise ValueError(f"slots: expected an iterable of slot ints, got {slots!r}") from None
+        self._held.update(held)
+        try:
+            yield held
+        finally:
+            self._held.subtract(held)
+            for s in held:
+                if self._held[s] <= 0:
+                    del self._held[s]
+
+    @property
+    def slots_in_use(self) -> frozenset[int]:
+        """The slots some open :meth:`hold_slots` context holds (read-only)."""
+        return frozenset(s for s, n in self._held.items() if n > 0)
+
+    def check_slot_free(self, slot: int, action: str = "load or unload") -> None:
+        """Raise RuntimeError naming ``slot`` and ``action`` if the slot is held (:meth:`hold_slots`): a
+        running generate call reads its adapter until the call returns, so it cannot change now. Every
+        per-slot mutator calls it before changing anything."""
+        if self._held.get(slot, 0) > 0:
+            raise RuntimeError(
+                f"{action}: slot {slot} is in use by a running generate call (its requests read the slot's "
+                f"adapter until the call returns; slots in use: {sorted(self.slots_in_use)}); change it "
+                "after the call, or use a free slot"
+            )
 
     # --- forward ----------------------------------------------------------------------------------
     def _check_index_device(self, name: str, t: torch.Tensor) -> None:

@@ -683,7 +683,9 @@ def load_peft_adapter(model, slot: int, path) -> PeftAdapter:
     dtype) runs before anything is written; then the slot is emptied in every module and each covered
     module's part is loaded (the scalings are folded into B here, so modules get scaling 1.0).
     Returns: the :class:`PeftAdapter` that was loaded.
-    Raises: ValueError naming the key/field (see :func:`read_peft_adapter`), or the module and its R.
+    Raises: ValueError naming the key/field (see :func:`read_peft_adapter`), or the module and its R;
+        RuntimeError, before reading the files, while a running generate call uses the slot
+        (``model.check_slot_free``).
     """
     if not isinstance(getattr(model, "config", None), ModelConfig) or not isinstance(model, torch.nn.Module):
         raise ValueError(
@@ -700,6 +702,9 @@ def load_peft_adapter(model, slot: int, path) -> PeftAdapter:
     for mod in modules:
         if not 0 <= slot < mod.L:
             raise ValueError(f"slot must be in [0, num_adapters={mod.L}), got {slot}")
+    guard = getattr(model, "check_slot_free", None)
+    if callable(guard):  # before reading anything: a slot a running generate call uses cannot change
+        guard(slot, "load_peft_adapter")
     is_moe = config.model_type != "qwen3"
     S = layers_mod[0].mlp.experts.S if is_moe else 1
     adapter = read_peft_adapter(path, config, expert_slices=S)

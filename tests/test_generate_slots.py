@@ -305,6 +305,13 @@ def test_warmup_plan_without_graphs():
     one = Generator(stub, pad_prefill=True, batch_prefill=False).warmup([3], prefill_lengths=[10, 100])
     assert one == {"decode": [3], "prefill": {64: [1], 128: [1]}, "eager": [], "captured": 0}
     assert Generator(stub).warmup(prefill_lengths=[10])["eager"] == [10]
+    # max_prompts caps the row counts: one graph per padded length for a single-request start-up
+    gen = Generator(stub, pad_prefill=True, pad_to_buckets=True)
+    assert gen.warmup([1], prefill_lengths=[10, 100], max_prompts=1)["prefill"] == {64: [1], 128: [1]}
+    assert gen.warmup([1], prefill_lengths=[10], max_prompts=3)["prefill"] == {64: [1, 2, 3]}
+    for bad in (0, 9, 2.0, "all"):
+        with pytest.raises(ValueError, match="max_prompts"):
+            gen.warmup(prefill_lengths=[10], max_prompts=bad)
 
 
 # --- GPU: real CUDA graphs in bf16 ------------------------------------------------------------------

@@ -639,7 +639,11 @@ class Generator:
         return bucket
 
     def warmup(
-        self, batch_sizes: Sequence[int] | None = None, *, prefill_lengths: Sequence[int] | str = ()
+        self,
+        batch_sizes: Sequence[int] | None = None,
+        *,
+        prefill_lengths: Sequence[int] | str = (),
+        max_prompts: int | None = None,
     ) -> dict:
         """Capture, with CUDA graphs, every graph that a :meth:`generate` call can need for decode batch
         sizes ``batch_sizes`` and prompt lengths ``prefill_lengths``, so such a call captures nothing
@@ -656,6 +660,9 @@ class Generator:
             length runs calls of every row count 1 .. min(max_batch, max_tokens // n); all of them are
             captured. A length whose padded length exceeds ``max_tokens`` (or every length without
             ``pad_prefill``) is prefilled eagerly, without a graph, and listed under ``"eager"``.
+          max_prompts: the most prompts of one length a call will carry, an int in [1, max_batch]
+            (default ``max_batch``): row counts above it are not captured (``max_prompts=1`` with
+            ``prefill_lengths="all"``: one graph per padded length, a single-request server's start-up).
 
         Returns the plan, also without CUDA graphs (where nothing is captured)::
 
@@ -690,6 +697,13 @@ class Generator:
             raise ValueError(f"prefill_lengths: expected 'all' or a list of ints, got {prefill_lengths!r}")
         if not all(is_int(n) and 1 <= n <= ms for n in prefill_lengths):
             raise ValueError(f"prefill_lengths: expected ints in [1, max_seq={ms}], got {prefill_lengths}")
+        mb = self.limits.max_batch
+        if max_prompts is None:
+            max_prompts = mb
+        if not is_int(max_prompts) or not 1 <= max_prompts <= mb:
+            raise ValueError(
+                f"max_prompts: expected None or an int in [1, max_batch={mb}], got {max_prompts!r}"
+            )
         decode = sorted({self._bucket_size(int(n)) for n in sizes}, reverse=True)
         prefill: dict[int, set[int]] = {}
         eager: set[int] = set()
@@ -698,7 +712,7 @@ class Generator:
             if n is None:
                 eager.add(length)
             else:
-                top = min(self.limits.max_batch, self._rows_per_call(length))
+                top = min(int(max_prompts), self._rows_per_call(length))
                 prefill.setdefault(n, set()).update(range(1, top + 1))
         plan = {
             "decode": decode,

@@ -322,7 +322,8 @@ def recompile_rows(
     """Per prompt length never run before on this model, concurrency 1: TTFT the first time
     (``ttft_first_ms``) against the median of ``warm_reps`` more (``ttft_warm_ms``), ``ratio`` = first /
     warm, ``new_binaries`` compiled by the first. ``prewarm``: first capture every single-prompt prefill
-    graph (``gen.warmup(prefill_lengths="all")``, as a server at start-up: ``prewarm_s``/``_binaries``)."""
+    graph (``gen.warmup(prefill_lengths="all", max_prompts=1)``, as a server at start-up:
+    ``prewarm_s``/``_binaries``)."""
     model = gen.model
     vocab, adapters = model.config.vocab_size, adapter_slots(scenario, 1, model.num_adapters)
     prewarm_s, prewarm_bin = 0.0, 0
@@ -330,7 +331,7 @@ def recompile_rows(
         before = compiled_binaries()
         _sync(model.device)
         t0 = time.perf_counter()
-        gen.warmup(batch_sizes=[1], prefill_lengths="all")
+        gen.warmup(batch_sizes=[1], prefill_lengths="all", max_prompts=1)
         _sync(model.device)
         prewarm_s, prewarm_bin = time.perf_counter() - t0, compiled_binaries() - before
     rows = []

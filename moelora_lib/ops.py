@@ -92,15 +92,16 @@ class OpLayer(torch.nn.Module):
 
         The forward makes a projection's LoRA launches (alignment, shrink, expand) only when an adapter
         loaded in one of these slots covers it (:meth:`lora_launches`); with no such slot it is exactly the
-        base path, so a batch without adapters costs nothing while others are loaded. How ids reach the
-        launches that remain follows the loaded slots alone (as without a restriction), so one launch
-        sequence (a CUDA graph) serves every set of slots with the same :meth:`lora_launches`.
+        base path, so a batch without adapters costs nothing while others are loaded.
 
-        Contract: the caller keeps the set a superset of the slots the batch's ``lora_ids`` name
-        (:meth:`~moelora_lib.model.modeling.MultiLoRAModel.restrict_slots`, which the Generator enters
-        per step with its requests' slots). A row naming a loaded slot outside the set gets the base
-        output for the projections without launches and its adapter's for the others (which is
-        unspecified); it never reads another slot's weights or another row's values.
+        A row whose id names a slot outside the set gets its adapter on the projections whose launches
+        run and the base output on the others (ids reach the launches mapped by the loaded slots, as
+        without a restriction: no row reads an empty slot or another row). So a forward restricted to
+        slots X serves a batch of slots Y exactly when every projection that an adapter of Y covers is
+        covered by one of X, e.g. when X ⊇ Y or both have the same :meth:`lora_launches`; that is how one
+        CUDA graph serves every batch of its launches (the Generator's LoRA variants). Keeping the set
+        right is the caller's part (:meth:`~moelora_lib.model.modeling.MultiLoRAModel.restrict_slots`,
+        which the Generator enters with each forward's slots); the forward reads no device data to check.
 
         Setting it takes None or an iterable of ints in [0, L) (ValueError naming ``active_slots``
         otherwise). Not copied or pickled with the module (a copy is unrestricted)."""

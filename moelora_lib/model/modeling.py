@@ -739,9 +739,11 @@ class MultiLoRAModel(nn.Module):
         :meth:`moelora_lib.model.generate.Generator.generate` enters it for each step with the slots of
         that step's requests.
 
-        The caller keeps ``slots`` a superset of the slots the forwards' ``lora_ids`` name (what a row
-        naming another slot gets: ``active_slots`` of :class:`~moelora_lib.LoRALinear`); with ``lora_ids``
-        on the CPU the forward checks it (ValueError).
+        The forwards' ``lora_ids`` must need no launch that ``slots`` skip: each slot they name is in
+        ``slots`` or covers only projections that an adapter of ``slots`` covers too (a row of another
+        slot gets the base output where its launches are skipped: ``active_slots`` of
+        :class:`~moelora_lib.LoRALinear`). With ``lora_ids`` on the CPU the forward checks it
+        (ValueError); on the device it is the caller's part.
 
         Args:
             slots: ints in [0, num_adapters) (repeats count once), or None (no restriction).
@@ -849,8 +851,8 @@ class MultiLoRAModel(nn.Module):
             B·S > max_tokens, a tensor on a device other than the CPU or the model's; and, when the
             tensors are on the CPU (checked without a device sync), input_ids outside [0, V),
             start_pos + S > kv_len or < 0, cache_rows outside [0, max_batch) or repeated, lora_ids
-            outside [-1, num_adapters), naming a slot that holds no adapter or one outside an open
-            :meth:`restrict_slots` context's slots. For CUDA-graph capture
+            outside [-1, num_adapters), naming a slot that holds no adapter or one needing LoRA
+            launches that an open :meth:`restrict_slots` context skips. For CUDA-graph capture
             pass device tensors (a list or CPU tensor is copied to the device, which a capture
             refuses).
         Query i of row b sees cache positions ≤ start_pos[b] + i (and > that − sliding_window on
@@ -913,10 +915,17 @@ class MultiLoRAModel(nn.Module):
                 )
             used = {int(i) for i in ids.tolist()} - {-1}
             if self._restriction is not None and not used <= self._restriction:
-                raise ValueError(
-                    f"lora_ids: slot(s) {sorted(used - self._restriction)} are outside the slots this "
-                    f"forward is restricted to (restrict_slots: {sorted(self._restriction)})"
-                )
+                served = self.lora_launches(self._restriction)
+                need = [
+                    s
+                    for s in sorted(used - self._restriction)
+                    if any(n and not h for m, k in zip(self.lora_launches([s]), served) for n, h in zip(m, k))
+                ]
+                if need:
+                    raise ValueError(
+                        f"lora_ids: slot(s) {need} need LoRA launches that this forward's restriction to "
+                        f"slots {sorted(self._restriction)} skips (restrict_slots)"
+                    )
             if used:
                 loaded = {s for m in self.lora_modules().values() for s in m.loaded_slots}
                 empty = sorted(used - loaded)

@@ -582,7 +582,8 @@ class MoELoRALayer(ops.OpLayer):
                 :func:`moelora_lib.kernels.route.route_triton`, for K ≤ 16 and E ≤ 1024), or None when
                 ``topk_weights`` [T, K] float32 and ``topk_ids`` [T, K] int32/int64 are given.
             lora_ids: [T] int32/int64, slot of each token in [-1, L); -1, or a slot with nothing loaded
-                for a projection, = no adapter on it.
+                for a projection, = no adapter on it. With :attr:`active_slots` set, only the LoRA
+                launches of projections one of those slots covers run (see there).
         Returns:
             [T, H] of the layer's dtype; [0, H] (empty) when T = 0.
         Raises:

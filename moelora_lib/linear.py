@@ -640,7 +640,8 @@ class LoRALinear(ops.OpLayer):
         Args:
             x: [T, H] of the layer's dtype and device, T ≤ max_tokens.
             lora_ids: [T] int32/int64 on the layer's device, slot of each token in [-1, L); -1 or an empty
-                slot = no adapter.
+                slot = no adapter. With :attr:`active_slots` set and none of them loaded, no LoRA launch
+                runs (see there).
         Returns:
             [T, N_total] of the layer's dtype (a new tensor).
         Raises:

@@ -25,6 +25,9 @@ its tokens: the layer keeps the coverage as a device tensor ``slot_covers`` [L, 
 flags; when loaded slots differ in coverage, the per-projection adapter ids are computed on the device
 (``where(covers[id] & id in [0, L), id, -1)``) and each projection gets its own alignment; a projection
 that no loaded slot covers has no LoRA launch at all. A slot never loaded (or unloaded) is "no adapter".
+``active_slots`` (host-side, set per step by ``MultiLoRAModel.restrict_slots``) narrows the slots a batch
+may use: a projection that none of them covers has no LoRA launch either, and with none the forward is
+the base path alone (:meth:`MoELoRALayer.lora_launches` says which launches a set of slots gets).
 
 Per call on a GPU: routing in one launch (:mod:`moelora_lib.kernels.route`), both alignments in one
 launch up to :data:`~moelora_lib.kernels.align_small.PAIR_PATH_MAX_PAIRS` pairs
@@ -551,6 +554,16 @@ class MoELoRALayer(ops.OpLayer):
         """{slot: (covers gate_up, covers down)} of the slots holding an adapter (host-side)."""
         return {i: c for i, c in enumerate(self._covers) if c[0] or c[1]}
 
+    def lora_launches(self, slots=None) -> tuple[bool, bool]:
+        """(gate_up, down): whether a forward whose :attr:`active_slots` are ``slots`` makes that
+        projection's LoRA launches, i.e. an adapter loaded in one of ``slots`` (None: any slot) covers it.
+        Host-side. Raises ValueError naming ``slots`` unless None or an iterable of ints in [0, L)."""
+        return self._launches(None if slots is None else self._check_slot_set("slots", slots))
+
+    def _launches(self, slots: frozenset[int] | None) -> tuple[bool, bool]:
+        covers = self._covers if slots is None else [self._covers[s] for s in slots]
+        return any(c[0] for c in covers), any(c[1] for c in covers)
+
     # --- forward ----------------------------------------------------------------------------------
     def forward(
         self,
@@ -569,7 +582,8 @@ class MoELoRALayer(ops.OpLayer):
                 :func:`moelora_lib.kernels.route.route_triton`, for K ≤ 16 and E ≤ 1024), or None when
                 ``topk_weights`` [T, K] float32 and ``topk_ids`` [T, K] int32/int64 are given.
             lora_ids: [T] int32/int64, slot of each token in [-1, L); -1, or a slot with nothing loaded
-                for a projection, = no adapter on it.
+                for a projection, = no adapter on it. With :attr:`active_slots` set, only the LoRA
+                launches of projections one of those slots covers run (see there).
         Returns:
             [T, H] of the layer's dtype; [0, H] (empty) when T = 0.
         Raises:
@@ -686,11 +700,11 @@ class MoELoRALayer(ops.OpLayer):
         cfg = self.config_for(T)
         st = self.stage
         P = T * K
-        # host-side coverage flags decide which LoRA launches exist (no device data is read)
+        # host-side coverage flags decide which LoRA launches exist (no device data is read): a projection
+        # has them when an active slot covers it; how ids reach them follows the loaded slots alone, so
+        # one launch sequence serves every active set with the same (do13, do2)
+        do13, do2 = self._launches(self._active_slots)
         covers = self._covers
-        loaded = [c for c in covers if c[0] or c[1]]
-        do13 = any(c[0] for c in loaded)
-        do2 = any(c[1] for c in loaded)
         all_both = all(c == (True, True) for c in covers)
         shared = all(c[0] == c[1] for c in covers)  # one alignment serves both projections
         bmb, bm = cfg.base_block_size_m, cfg.lora_block_size_m

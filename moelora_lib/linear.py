@@ -378,9 +378,10 @@ class LoRALinear(ops.OpLayer):
     Per forward on a GPU: ``F.linear``; when some slots are empty, three small torch ops mapping the
     ids of empty slots to -1; the alignment (one launch up to PAIR_PATH_MAX_PAIRS tokens, else three);
     shrink and expand (and, in stages without fused add, a fill and an add). With no adapter loaded at
-    all, only ``F.linear``. Alignment workspaces are allocated at construction for every BLOCK_SIZE_M
-    the configs up to max_tokens use (a few KB; stage ``tuned``: those of the tuned files found at
-    construction); a call under another config allocates its own once.
+    all, or none in :attr:`active_slots` (``MultiLoRAModel.restrict_slots``), only ``F.linear``. Alignment
+    workspaces are allocated at construction for every BLOCK_SIZE_M the configs up to max_tokens use (a
+    few KB; stage ``tuned``: those of the tuned files found at construction); a call under another config
+    allocates its own once.
     """
 
     _op_prefix = "lora_linear"
@@ -622,6 +623,16 @@ class LoRALinear(ops.OpLayer):
         """Slots holding an adapter (host-side)."""
         return [i for i, v in enumerate(self._loaded) if v]
 
+    def lora_launches(self, slots=None) -> tuple[bool]:
+        """(lora,): whether a forward whose :attr:`active_slots` are ``slots`` makes the LoRA launches
+        (alignment, shrink, expand; one of each for all slices), i.e. one of ``slots`` (None: any slot)
+        holds an adapter. Host-side. Raises ValueError naming ``slots`` unless None or an iterable of ints
+        in [0, L)."""
+        return self._launches(None if slots is None else self._check_slot_set("slots", slots))
+
+    def _launches(self, slots: frozenset[int] | None) -> tuple[bool]:
+        return (any(self._loaded) if slots is None else any(self._loaded[s] for s in slots),)
+
     # --- forward ----------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, lora_ids: torch.Tensor) -> torch.Tensor:
         """The layer on T tokens, through ``torch.ops.moelora.lora_linear_module``.
@@ -629,7 +640,8 @@ class LoRALinear(ops.OpLayer):
         Args:
             x: [T, H] of the layer's dtype and device, T ≤ max_tokens.
             lora_ids: [T] int32/int64 on the layer's device, slot of each token in [-1, L); -1 or an empty
-                slot = no adapter.
+                slot = no adapter. With :attr:`active_slots` set and none of them loaded, no LoRA launch
+                runs (see there).
         Returns:
             [T, N_total] of the layer's dtype (a new tensor).
         Raises:
@@ -680,12 +692,14 @@ class LoRALinear(ops.OpLayer):
             _check_values(lora_ids, self.L)
         out = F.linear(x, self.weight, self.bias)
         T = x.shape[0]
-        if T == 0 or not any(self._loaded):  # host-side flags: no LoRA launch at all
+        if T == 0 or not self._launches(self._active_slots)[0]:  # host-side flags: no LoRA launch at all
             return out
         if self._buffers_key != (self.weight.dtype, self.weight.device):
             self._alloc_buffers()
         ids = lora_ids
-        if not all(self._loaded):  # empty slots -> -1 on the device (no work, exactly the base)
+        # empty slots -> -1 on the device (no work, exactly the base); by the loaded slots alone, as
+        # MoELoRALayer: one launch sequence serves every active set with launches
+        if not all(self._loaded):
             L = self.L
             covered = self.slot_loaded[lora_ids.clamp(0, L - 1).long()] & (lora_ids >= 0) & (lora_ids < L)
             ids = torch.where(covered, lora_ids, torch.full_like(lora_ids, -1))

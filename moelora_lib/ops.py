@@ -85,6 +85,51 @@ class OpLayer(torch.nn.Module):
     #: pickled with the module (a copy of the model sets its own).
     slot_guard = None
 
+    @property
+    def active_slots(self) -> frozenset[int] | None:
+        """The adapter slots a forward's ``lora_ids`` may name, host-side: None (the default) = any slot;
+        else a frozenset of slot ints in [0, L).
+
+        The forward makes a projection's LoRA launches (alignment, shrink, expand) only when an adapter
+        loaded in one of these slots covers it (:meth:`lora_launches`); with no such slot it is exactly the
+        base path, so a batch without adapters costs nothing while others are loaded.
+
+        A row whose id names a slot outside the set gets its adapter on the projections whose launches
+        run and the base output on the others (ids reach the launches mapped by the loaded slots, as
+        without a restriction: no row reads an empty slot or another row). So a forward restricted to
+        slots X serves a batch of slots Y exactly when every projection that an adapter of Y covers is
+        covered by one of X, e.g. when X ⊇ Y or both have the same :meth:`lora_launches`; that is how one
+        CUDA graph serves every batch of its launches (the Generator's LoRA variants). Keeping the set
+        right is the caller's part (:meth:`~moelora_lib.model.modeling.MultiLoRAModel.restrict_slots`,
+        which the Generator enters with each forward's slots); the forward reads no device data to check.
+
+        Setting it takes None or an iterable of ints in [0, L) (ValueError naming ``active_slots``
+        otherwise). Not copied or pickled with the module (a copy is unrestricted)."""
+        return self._active_slots
+
+    @active_slots.setter
+    def active_slots(self, slots) -> None:
+        self._active_slots = None if slots is None else self._check_slot_set("active_slots", slots)
+
+    #: the restriction behind :attr:`active_slots` (class default: none)
+    _active_slots: frozenset[int] | None = None
+
+    def _check_slot_set(self, name: str, slots) -> frozenset[int]:
+        """``slots`` (an iterable of ints in [0, L)) as a frozenset; ValueError naming ``name`` otherwise."""
+        from .common import is_int
+
+        want = f"{name}: expected None or an iterable of slot ints in [0, {self.L}), got {slots!r}"
+        if isinstance(slots, (str, bytes, torch.Tensor)) or not hasattr(slots, "__iter__"):
+            raise ValueError(want)
+        try:
+            out = frozenset(slots)
+        except TypeError:  # an unhashable entry
+            raise ValueError(want) from None
+        bad = sorted((s for s in out if not (is_int(s) and 0 <= s < self.L)), key=repr)
+        if bad:
+            raise ValueError(f"{name}: slots must be ints in [0, num_adapters={self.L}), got {bad[0]!r}")
+        return frozenset(int(s) for s in out)
+
     def _guard_slot(self, slot: int, action: str) -> None:
         if self.slot_guard is not None:
             self.slot_guard(slot, action)
@@ -97,6 +142,7 @@ class OpLayer(torch.nn.Module):
         state["_scratch"] = None  # holds weak references; re-attached on the first call
         state["_buffers_key"] = None
         state.pop("slot_guard", None)  # the owner's; a copied model installs its own
+        state.pop("_active_slots", None)  # the owner's step restriction: a copy is unrestricted
         if "_bufs" in state:
             state["_bufs"] = {}
         return state

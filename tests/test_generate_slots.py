@@ -282,6 +282,7 @@ def test_warmup_captures_every_prefill_row_count():
         "decode": [8, 4, 2, 1],
         "prefill": {64: [1, 2, 3, 4], 128: [1, 2]},
         "eager": [300],
+        "variants": [None],  # the stub has one LoRA variant
         "captured": 10,
     }
     assert gen.captures == 10 and sorted(gen._prefill_buckets) == [
@@ -301,9 +302,14 @@ def test_warmup_plan_without_graphs():
     without batch_prefill; every length eager without pad_prefill."""
     stub = PadStub(max_batch=8, max_seq=320, max_tokens=256)
     plan = Generator(stub, pad_prefill=True, pad_to_buckets=True).warmup(prefill_lengths=[10, 300])
-    assert plan == {"decode": [8, 4, 2, 1], "prefill": {64: [1, 2, 3, 4]}, "eager": [300], "captured": 0}
+    assert plan == {
+        "decode": [8, 4, 2, 1], "prefill": {64: [1, 2, 3, 4]}, "eager": [300], "variants": [None],
+        "captured": 0,
+    }  # fmt: skip
     one = Generator(stub, pad_prefill=True, batch_prefill=False).warmup([3], prefill_lengths=[10, 100])
-    assert one == {"decode": [3], "prefill": {64: [1], 128: [1]}, "eager": [], "captured": 0}
+    assert one == {
+        "decode": [3], "prefill": {64: [1], 128: [1]}, "eager": [], "variants": [None], "captured": 0,
+    }  # fmt: skip
     assert Generator(stub).warmup(prefill_lengths=[10])["eager"] == [10]
     # max_prompts caps the row counts: one graph per padded length for a single-request start-up
     gen = Generator(stub, pad_prefill=True, pad_to_buckets=True)
@@ -369,13 +375,15 @@ def test_gpu_graphs_follow_slot_changes(gpu_files):
 @pytest.mark.gpu
 def test_gpu_warmup_covers_max_batch_prefill(gpu_files):
     """max_seq 32, max_tokens 96: 5-token prompts pad to 32, 3 per call, so 4 prompts run calls of 3 and
-    1 rows; warmup captures both and the call captures nothing."""
+    1 rows; warmup captures both, in two LoRA variants (slot 0's and none), and the call, whose prefill
+    groups and decode steps have one or the other, captures nothing."""
     model = _gpu_model(gpu_files)
     load_peft_adapter(model, 0, gpu_files["b0"])
     gen = Generator(model)
     plan = gen.warmup(prefill_lengths=[5])
     assert plan["prefill"] == {32: [1, 2, 3]} and plan["eager"] == [] and plan["decode"] == [4, 2, 1]
-    assert plan["captured"] == gen.captures == 6
+    assert plan["variants"] == [(), (0,)]
+    assert plan["captured"] == gen.captures == 12
     n = gen.captures
     res = gen.generate(GPU_PROMPTS, [0, None, 0, None], 4)
     assert gen.captures == n

@@ -306,7 +306,7 @@ class FakeGraphGenerator(Generator):
             logits.copy_(out)
             greedy.copy_(out.argmax(-1))
 
-        bucket.logits, bucket.greedy, bucket.graph = logits, greedy, SimpleNamespace(replay=replay)
+        bucket.graphs[bucket.variant] = (SimpleNamespace(replay=replay), logits, greedy)
         self.captured.append(bucket.size)
 
 

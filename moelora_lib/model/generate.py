@@ -16,7 +16,8 @@ What the model must provide (the spec of ``moelora_lib.model.modeling.MultiLoRAM
 writing the K/V of the S tokens into cache row ``cache_rows[b]`` at positions ``start_pos[b] ..
 start_pos[b]+S-1``; and the attributes ``config.vocab_size``, ``max_batch`` (cache rows), ``max_seq``
 (cache positions), ``max_tokens`` (B*S per call, at least ``max_batch``) and ``num_adapters`` (L slots);
-optionally ``hold_slots(slots)`` (a context manager, see below).
+optionally ``hold_slots(slots)`` (a context manager, see below), and ``restrict_slots(slots)`` (a context
+manager) with ``lora_launches(slots)`` (a hashable) for LoRA variants (see below).
 
 How a call runs (request i always owns cache row i):
 
@@ -66,12 +67,25 @@ until it returns (``MultiLoRAModel.hold_slots``): loading or unloading one of th
 slots can change. A call is not re-entrant: ``generate`` or ``warmup`` on the same model, or this
 generator's ``reset_graphs``, from inside a running call raise RuntimeError.
 
+LoRA variants: the host knows the adapter slots of every forward (those of its requests; padding rows
+have none), so each prefill call and decode step runs its forward under ``model.restrict_slots(slots)``:
+the LoRA launches (alignment, shrink, expand) of projections that none of the slots' adapters covers are
+skipped, and a batch without adapters runs the base model alone while others are loaded (its rows are
+bit for bit those of the unrestricted forward). The launches a set of slots gets,
+``model.lora_launches(slots)`` (per LoRA module and projection, whether its LoRA launches run), is the
+forward's variant: each decode bucket and prefill (rows, length) holds one CUDA graph per variant,
+captured under the restriction, and a step replays the graph of its variant, so re-packing after some
+requests finish can switch, e.g., to the base-only graph. Variants are few: all False (no adapter), that
+of every loaded slot (shared by any batch whose adapters together cover the same projections, e.g. all of
+eight full adapters or any one of them), and one per other coverage pattern. Eagerly (on the CPU) the same
+restriction applies. A model without ``restrict_slots`` / ``lora_launches`` has one variant.
+
 The graphs capture the addresses of the model's weights, adapter slots and KV cache, and the LoRA
 modules' host-side choices of which launches to make, which depend on the set of loaded slots and what
-each covers (``loaded_slots`` of every module). Loading adapters copies into the slot buffers in place,
-so addresses stay valid; the generator records the modules' ``loaded_slots`` with its graphs and drops
-the graphs when that changes (checked at each call, host-side). If the model reallocates its buffers,
-call :meth:`Generator.reset_graphs`.
+each covers (``loaded_slots`` of every module) and on the variant. Loading adapters copies into the slot
+buffers in place, so addresses stay valid; the generator records the modules' ``loaded_slots`` with its
+graphs and drops the graphs when that changes (checked at each call, host-side). If the model
+reallocates its buffers, call :meth:`Generator.reset_graphs`.
 """
 
 from __future__ import annotations
@@ -137,6 +151,8 @@ class GenerationResult:
       decode_otps        Σ (len(tokens[i]) - 1) / decode_s (nan without decode steps)
       step_s[k]          duration of decode step k (the first step's includes a lazy graph capture)
       decode_batch_sizes[k] (active B, padded bucket b) of decode step k
+      decode_slots[k]    the adapter slots (ascending) of decode step k's requests: the step ran the LoRA
+                         launches they need and no other (none for ())
     """
 
     tokens: list[list[int]]
@@ -152,6 +168,7 @@ class GenerationResult:
     decode_otps: float
     step_s: list[float] = field(default_factory=list)
     decode_batch_sizes: list[tuple[int, int]] = field(default_factory=list)
+    decode_slots: list[tuple[int, ...]] = field(default_factory=list)
 
     def summary(self) -> dict:
         """Aggregate numbers as one flat dict (a CSV row): means over requests plus the call totals."""
@@ -352,8 +369,9 @@ def sample_tokens(
 
 
 class _DecodeBucket:
-    """Static decode inputs for batch size ``size`` (active rows first, then dummy rows), the
-    request index of each active row, and, once captured, the CUDA graph with its outputs."""
+    """Static decode inputs for batch size ``size`` (active rows first, then dummy rows), the adapter
+    slots of the active rows and their LoRA variant (:meth:`Generator._variant_of`), and the CUDA graphs
+    captured so far, one per variant, all reading these inputs."""
 
     def __init__(self, size: int, device: torch.device):
         self.size = size
@@ -361,14 +379,17 @@ class _DecodeBucket:
         self.start_pos = torch.zeros(size, dtype=torch.int64, device=device)  # its cache position
         self.lora_ids = torch.full((size,), -1, dtype=torch.int32, device=device)
         self.cache_rows = torch.arange(size, dtype=torch.int64, device=device)
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.logits: torch.Tensor | None = None  # graph outputs [size, V] float32, [size] int64
-        self.greedy: torch.Tensor | None = None
+        self.slots: frozenset[int] = frozenset()  # the forward runs restricted to them
+        self.variant = None  # the key of its graph in ``graphs``
+        #: variant -> (CUDA graph, its outputs: logits [size, V] float32, greedy [size] int64)
+        self.graphs: dict = {}
 
 
 class _PrefillBucket:
-    """Static prefill inputs for ``rows`` prompts padded to ``length`` tokens (start position 0) and,
-    once captured, the CUDA graph with its output (last-token logits [rows, V] float32)."""
+    """Static prefill inputs for ``rows`` prompts padded to ``length`` tokens (start position 0), the
+    adapter slots of the call's requests and their LoRA variant (as :class:`_DecodeBucket`), and the
+    CUDA graphs captured so far, one per variant, with their output (last-token logits [rows, V]
+    float32)."""
 
     def __init__(self, rows: int, length: int, device: torch.device):
         self.rows, self.length = rows, length
@@ -377,8 +398,9 @@ class _PrefillBucket:
         self.lora_ids = torch.full((rows,), -1, dtype=torch.int32, device=device)
         self.cache_rows = torch.arange(rows, dtype=torch.int64, device=device)
         self.last_index = torch.full((rows,), length - 1, dtype=torch.int64, device=device)
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.logits: torch.Tensor | None = None
+        self.slots: frozenset[int] = frozenset()
+        self.variant = None
+        self.graphs: dict = {}  # variant -> (CUDA graph, logits [rows, V] float32)
 
 
 @dataclass(frozen=True)
@@ -480,7 +502,8 @@ class Generator:
     forward).
 
     ``captures``: the number of CUDA graphs captured so far (lazily in :meth:`generate` or in
-    :meth:`warmup`); a call that finds every graph it needs leaves it unchanged.
+    :meth:`warmup`; one per bucket and LoRA variant); a call that finds every graph it needs leaves it
+    unchanged.
     """
 
     def __init__(
@@ -532,6 +555,11 @@ class Generator:
                 "pad_prefill: the model's forward must take kv_len and last_index (MultiLoRAModel)"
             )
         self.pad_prefill = (self.use_cuda_graphs and can_pad) if pad_prefill is None else bool(pad_prefill)
+        # LoRA variants: a model that can restrict its forward to the step's adapter slots and says which
+        # launches a set of slots gets (MultiLoRAModel); others have one variant (None)
+        self._has_variants = callable(getattr(model, "restrict_slots", None)) and callable(
+            getattr(model, "lora_launches", None)
+        )
         self._buckets: dict[int, _DecodeBucket] = {}
         self._prefill_buckets: dict[tuple[int, int], _PrefillBucket] = {}
         self._pool = None
@@ -543,11 +571,34 @@ class Generator:
 
     # -- decode step ---------------------------------------------------------------------------------
 
+    def _variant_of(self, slots: frozenset[int]):
+        """The LoRA variant of a forward whose requests use adapter ``slots``: the model's
+        ``lora_launches(slots)`` (per LoRA module and projection, whether its LoRA launches run), the key
+        of the forward's CUDA graphs; None for a model without ``restrict_slots`` / ``lora_launches`` (one
+        variant). Equal variants mean the same launches, so their forwards share a graph."""
+        return self.model.lora_launches(slots) if self._has_variants else None
+
+    def _restricted(self, slots: frozenset[int]):
+        """A context in which the model's forward serves only ``slots`` (``model.restrict_slots``): the
+        LoRA launches of projections none of them covers are skipped."""
+        return self.model.restrict_slots(slots) if self._has_variants else contextlib.nullcontext()
+
+    def _set_slots(self, bucket: _DecodeBucket | _PrefillBucket, slots) -> None:
+        """Record the adapter slots (ints >= 0) of a bucket's real rows and their variant."""
+        bucket.slots = frozenset(slots)
+        bucket.variant = self._variant_of(bucket.slots)
+
     def _forward_decode(self, bucket: _DecodeBucket) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step that a graph captures: model forward on the static buffers + greedy argmax."""
-        logits = self.model(
-            bucket.input_ids, bucket.start_pos, bucket.lora_ids, cache_rows=bucket.cache_rows, last_only=True
-        )
+        """The step that a graph captures: model forward on the static buffers (restricted to the
+        bucket's adapter slots) + greedy argmax."""
+        with self._restricted(bucket.slots):
+            logits = self.model(
+                bucket.input_ids,
+                bucket.start_pos,
+                bucket.lora_ids,
+                cache_rows=bucket.cache_rows,
+                last_only=True,
+            )
         return logits, logits.argmax(dim=-1)
 
     def _capture_graph(self, fn: Callable[[], object], what: str):
@@ -578,32 +629,39 @@ class Generator:
         return graph, outputs
 
     def _capture(self, bucket: _DecodeBucket) -> None:
-        """Capture the decode step of ``bucket`` (:meth:`_capture_graph`)."""
-        bucket.graph, (bucket.logits, bucket.greedy) = self._capture_graph(
+        """Capture the decode step of ``bucket`` for its current variant (:meth:`_capture_graph`)."""
+        graph, (logits, greedy) = self._capture_graph(
             lambda: self._forward_decode(bucket), f"the decode step at batch size {bucket.size}"
         )
+        bucket.graphs[bucket.variant] = (graph, logits, greedy)
 
     def _forward_prefill(self, pb: _PrefillBucket) -> torch.Tensor:
-        """The prefill a graph captures: the padded prompts from position 0, last real token's logits."""
-        return self.model(
-            pb.input_ids,
-            pb.start_pos,
-            pb.lora_ids,
-            cache_rows=pb.cache_rows,
-            last_only=True,
-            kv_len=pb.length,
-            last_index=pb.last_index,
-        )
+        """The prefill a graph captures: the padded prompts from position 0 (restricted to the bucket's
+        adapter slots), last real token's logits."""
+        with self._restricted(pb.slots):
+            return self.model(
+                pb.input_ids,
+                pb.start_pos,
+                pb.lora_ids,
+                cache_rows=pb.cache_rows,
+                last_only=True,
+                kv_len=pb.length,
+                last_index=pb.last_index,
+            )
 
     def _run_prefill_bucket(self, pb: _PrefillBucket) -> torch.Tensor:
+        """The prefill of the bucket's buffers: a replay of its current variant's graph (captured on first
+        use), or the eager forward without CUDA graphs."""
         if not self.use_cuda_graphs:
             return self._forward_prefill(pb)
-        if pb.graph is None:
-            pb.graph, pb.logits = self._capture_graph(
+        entry = pb.graphs.get(pb.variant)
+        if entry is None:
+            entry = pb.graphs[pb.variant] = self._capture_graph(
                 lambda: self._forward_prefill(pb), f"the prefill of {pb.rows} x {pb.length} tokens"
             )
-        pb.graph.replay()
-        return pb.logits
+        graph, logits = entry
+        graph.replay()
+        return logits
 
     def _prefill_bucket(self, rows: int, length: int) -> _PrefillBucket:
         pb = self._prefill_buckets.get((rows, length))
@@ -619,12 +677,16 @@ class Generator:
         return n if n <= self.limits.max_tokens else None
 
     def _step(self, bucket: _DecodeBucket) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode step on the bucket's buffers -> (logits [b, V] float32, greedy [b] int64)."""
+        """One decode step on the bucket's buffers -> (logits [b, V] float32, greedy [b] int64): a replay
+        of the graph of the bucket's current variant (captured on first use), or the eager forward."""
         if self.use_cuda_graphs:
-            if bucket.graph is None:
+            entry = bucket.graphs.get(bucket.variant)
+            if entry is None:
                 self._capture(bucket)
-            bucket.graph.replay()
-            return bucket.logits, bucket.greedy
+                entry = bucket.graphs[bucket.variant]
+            graph, logits, greedy = entry
+            graph.replay()
+            return logits, greedy
         return self._forward_decode(bucket)
 
     def _bucket_size(self, n: int) -> int:
@@ -648,7 +710,10 @@ class Generator:
         """Capture, with CUDA graphs, every graph that a :meth:`generate` call can need for decode batch
         sizes ``batch_sizes`` and prompt lengths ``prefill_lengths``, so such a call captures nothing
         (:attr:`captures` stays put; the graphs stay valid until the loaded slots change, see the module
-        docstring).
+        docstring). Each bucket gets two LoRA variants: that of every loaded slot and that of no adapter
+        (one when nothing is loaded). A batch whose adapters cover fewer projections than all the loaded
+        ones together (e.g. only a q/v adapter while another covers every projection) has a variant of
+        its own, captured on first use.
 
         Args:
           batch_sizes: decode batch sizes, ints in [1, max_batch] (default: every bucket of
@@ -669,10 +734,14 @@ class Generator:
             {"decode": [bucket sizes, largest first],
              "prefill": {padded length: [row counts, ascending]},
              "eager": [prompt lengths prefilled eagerly, ascending],
+             "variants": [adapter-slot sets (sorted tuples) whose variants each bucket gets, ascending:
+                          (), and every loaded slot when that differs; [None] for a model without
+                          variants (no ``restrict_slots`` / ``lora_launches``)],
              "captured": graphs captured by this call (0 without CUDA graphs, or when all exist)}
 
-        Captures run largest first so the smaller graphs reuse the shared memory pool. Writes dummy K/V
-        into cache rows 0..b-1 (a request's prefill overwrites what its decode reads).
+        Captures run largest first (the LoRA variant before the base one) so the smaller graphs reuse
+        the shared memory pool. Writes dummy K/V into cache rows 0..b-1 (a request's prefill overwrites
+        what its decode reads).
 
         Raises ValueError naming the argument for invalid input; RuntimeError while a generate call on
         the same model is running (e.g. from its ``stream`` callback: its cache rows and graphs are in
@@ -714,37 +783,55 @@ class Generator:
             else:
                 top = min(int(max_prompts), self._rows_per_call(length))
                 prefill.setdefault(n, set()).update(range(1, top + 1))
+        state = self._sync_graphs_with_adapters()
+        variants = self._warmup_variants(state)
         plan = {
             "decode": decode,
             "prefill": {n: sorted(rows) for n, rows in sorted(prefill.items())},
             "eager": sorted(eager),
+            "variants": sorted(tuple(sorted(s)) for s in variants) if self._has_variants else [None],
             "captured": 0,
         }
         if not self.use_cuda_graphs:
             return plan
         before = self.captures
-        self._sync_graphs_with_adapters()
         with torch.no_grad():
             pairs = [(r, n) for n, rs in prefill.items() for r in rs]
             for rows, n in sorted(pairs, key=lambda rn: (-rn[0] * rn[1], -rn[1])):
                 pb = self._prefill_bucket(rows, n)
-                if pb.graph is None:
-                    pb.input_ids.zero_()
-                    pb.lora_ids.fill_(-1)
-                    pb.cache_rows.copy_(torch.arange(rows, device=self.device))
-                    pb.last_index.fill_(n - 1)
-                    self._run_prefill_bucket(pb)
+                for slots in variants:
+                    self._set_slots(pb, slots)
+                    if pb.variant not in pb.graphs:
+                        pb.input_ids.zero_()
+                        pb.lora_ids.fill_(-1)
+                        pb.cache_rows.copy_(torch.arange(rows, device=self.device))
+                        pb.last_index.fill_(n - 1)
+                        self._run_prefill_bucket(pb)
             for size in decode:
                 bucket = self._bucket_for(size)
-                if bucket.graph is None:
-                    bucket.input_ids.zero_()
-                    bucket.start_pos.zero_()
-                    bucket.lora_ids.fill_(-1)
-                    bucket.cache_rows.copy_(torch.arange(bucket.size, device=self.device))
-                    self._capture(bucket)
+                for slots in variants:
+                    self._set_slots(bucket, slots)
+                    if bucket.variant not in bucket.graphs:
+                        bucket.input_ids.zero_()
+                        bucket.start_pos.zero_()
+                        bucket.lora_ids.fill_(-1)
+                        bucket.cache_rows.copy_(torch.arange(bucket.size, device=self.device))
+                        self._capture(bucket)
             _Clock(self.device).sync()
         plan["captured"] = self.captures - before
         return plan
+
+    def _warmup_variants(self, state: tuple | None) -> list[frozenset[int]]:
+        """The adapter-slot sets whose variants warmup captures, the one with LoRA launches first: every
+        loaded slot (the launches of any batch's slots, when the adapters cover the same projections) and
+        none (a batch without adapters: no LoRA launch); one set when both have the same variant (nothing
+        loaded) or the model has no variants."""
+        if not self._has_variants:
+            return [frozenset()]
+        loaded = frozenset(slot for _, items in (state or ()) for slot, _ in items)
+        if self._variant_of(loaded) == self._variant_of(frozenset()):
+            return [frozenset()]
+        return [loaded, frozenset()]
 
     def reset_graphs(self) -> None:
         """Drop every captured graph (after the model reallocated weights, adapters or cache) and, on a
@@ -821,8 +908,9 @@ class Generator:
     def _load_bucket(
         self, active: list[int], col: int, out: torch.Tensor, prompt_lens: list[int], lora: list[int]
     ) -> tuple[_DecodeBucket, torch.Tensor]:
-        """Pack the active requests (their token at column ``col`` of ``out``) into a bucket's buffers
-        and pad it with dummy rows on spare cache rows. Returns (bucket, request index [B] on device)."""
+        """Pack the active requests (their token at column ``col`` of ``out``) into a bucket's buffers,
+        pad it with dummy rows on spare cache rows, and set its slots (the requests' adapters) and variant.
+        Returns (bucket, request index [B] on device)."""
         n = len(active)
         bucket = self._bucket_for(n)
         taken = set(active)
@@ -835,6 +923,7 @@ class Generator:
         bucket.start_pos.copy_(torch.tensor(pos, dtype=torch.int64))
         bucket.lora_ids.copy_(torch.tensor([lora[i] for i in active] + [-1] * len(spare), dtype=torch.int32))
         bucket.cache_rows.copy_(torch.tensor(active + spare, dtype=torch.int64))
+        self._set_slots(bucket, (lora[i] for i in active if lora[i] >= 0))
         return bucket, idx
 
     # -- validation ----------------------------------------------------------------------------------
@@ -949,12 +1038,14 @@ class Generator:
 
     def _prefill(self, group: list[int], ids: list[list[int]], lora: list[int]) -> torch.Tensor:
         """Write the group's prompts into their cache rows; returns the last logits [G, V]. Columns go
-        in chunks of max_tokens // G (a prompt longer than max_tokens is chunked)."""
+        in chunks of max_tokens // G (a prompt longer than max_tokens is chunked). The forward serves
+        only the group's adapter slots (its LoRA variant)."""
         dev = self.device
         g, length = len(group), len(ids[group[0]])
         tokens = torch.tensor([ids[i] for i in group], dtype=torch.int64, device=dev)
         rows = torch.tensor(group, dtype=torch.int64, device=dev)
         lora_ids = torch.tensor([lora[i] for i in group], dtype=torch.int32, device=dev)
+        slots = frozenset(lora[i] for i in group if lora[i] >= 0)
         n = self._padded(length)
         if n is not None and g * n <= self.limits.max_tokens:  # padded: one (captured) call
             pb = self._prefill_bucket(g, n)
@@ -963,14 +1054,16 @@ class Generator:
             pb.lora_ids.copy_(lora_ids)
             pb.cache_rows.copy_(rows)
             pb.last_index.fill_(length - 1)
+            self._set_slots(pb, slots)
             return self._run_prefill_bucket(pb)
         cols = max(1, self.limits.max_tokens // g)
         logits = None
-        for c0 in range(0, length, cols):
-            chunk = tokens[:, c0 : c0 + cols]
-            start = torch.full((g,), c0, dtype=torch.int64, device=dev)
-            kw = {"kv_len": c0 + chunk.shape[1]} if self._has_kv_len else {}
-            logits = self.model(chunk, start, lora_ids, cache_rows=rows, last_only=True, **kw)
+        with self._restricted(slots):
+            for c0 in range(0, length, cols):
+                chunk = tokens[:, c0 : c0 + cols]
+                start = torch.full((g,), c0, dtype=torch.int64, device=dev)
+                kw = {"kv_len": c0 + chunk.shape[1]} if self._has_kv_len else {}
+                logits = self.model(chunk, start, lora_ids, cache_rows=rows, last_only=True, **kw)
         return logits
 
     # -- generate ------------------------------------------------------------------------------------
@@ -1112,7 +1205,7 @@ class Generator:
         prefill_s = t_dec0 - t_call
 
         # 2. decode: `col` is the column of `out` holding every active request's last token
-        marks, batch_sizes = [], []
+        marks, batch_sizes, step_slots = [], [], []
         bar = None
         if progress and max_new_tokens > 1:
             try:  # tqdm is an extra (notebooks); without it there is no bar
@@ -1128,7 +1221,7 @@ class Generator:
         active = [i for i in range(n_req) if not done[i]]
         while active and col < max_new_tokens - 1:
             bucket, idx = self._load_bucket(active, col, out, [len(p) for p in ids], lora)
-            n = len(active)
+            n, slots = len(active), tuple(sorted(bucket.slots))
             hit = torch.zeros(n, dtype=torch.bool, device=dev) if eos_ids else None
             while col < max_new_tokens - 1:
                 logits, greedy = self._step(bucket)
@@ -1139,6 +1232,7 @@ class Generator:
                 bucket.start_pos[:n] += 1
                 marks.append(clock.mark())
                 batch_sizes.append((n, bucket.size))
+                step_slots.append(slots)
                 if bar is not None:
                     bar.update(1)
                 if stream is not None:
@@ -1188,4 +1282,5 @@ class Generator:
             decode_otps=(n_out - n_req) / decode_s if decode_s > 0 else float("nan"),
             step_s=step_s,
             decode_batch_sizes=batch_sizes,
+            decode_slots=step_slots,
         )

@@ -490,7 +490,8 @@ class MultiLoRAModel(nn.Module):
     Slots in use: :meth:`hold_slots` marks slots that a running generate call reads; while held, a
     slot cannot be loaded or unloaded (RuntimeError from :meth:`check_slot_free`, before anything
     changes: every LoRA module's ``slot_guard`` is this model's ``check_slot_free``). ``slots_in_use``
-    lists them.
+    lists them. :meth:`restrict_slots` narrows the slots a forward serves, so that the LoRA launches no
+    served adapter needs are skipped (:meth:`lora_launches`).
 
     Module tree (names the adapter loader relies on): ``embed_tokens``, ``layers[l].input_layernorm``,
     ``.self_attn.{qkv_proj, o_proj, q_norm, k_norm, sinks}``, ``.post_attention_layernorm``, ``.mlp``
@@ -695,6 +696,7 @@ class MultiLoRAModel(nn.Module):
     def __setstate__(self, state) -> None:
         super().__setstate__(state)
         self._install_slot_guards()  # a copy or an unpickled model: its own modules, nothing held
+        self._restriction = None  # and unrestricted (its modules' active_slots are not copied)
 
     def _check_slot(self, slot) -> int:
         if not is_int(slot) or not 0 <= slot < self.num_adapters:
@@ -727,6 +729,61 @@ class MultiLoRAModel(nn.Module):
             for s in held:
                 if self._held[s] <= 0:
                     del self._held[s]
+
+    @contextlib.contextmanager
+    def restrict_slots(self, slots: Iterable[int] | None) -> Iterator[frozenset[int] | None]:
+        """For the body of the ``with``, forwards serve only adapter ``slots``: every LoRA module's
+        ``active_slots`` is set to them (the previous values come back on exit, an exception included, so
+        contexts nest), so the LoRA launches of projections that none of them covers are skipped, and with
+        no slot at all the model is its base path (the launches a set gets: :meth:`lora_launches`).
+        :meth:`moelora_lib.model.generate.Generator.generate` enters it for each step with the slots of
+        that step's requests.
+
+        The forwards' ``lora_ids`` must need no launch that ``slots`` skip: each slot they name is in
+        ``slots`` or covers only projections that an adapter of ``slots`` covers too (a row of another
+        slot gets the base output where its launches are skipped: ``active_slots`` of
+        :class:`~moelora_lib.LoRALinear`). With ``lora_ids`` on the CPU the forward checks it
+        (ValueError); on the device it is the caller's part.
+
+        Args:
+            slots: ints in [0, num_adapters) (repeats count once), or None (no restriction).
+        Yields: the slots as a frozenset (None for None).
+        Raises: ValueError (nothing changed) if a slot is not an int in [0, num_adapters)."""
+        if slots is None:
+            new = None
+        else:
+            try:
+                new = frozenset(self._check_slot(s) for s in slots)
+            except TypeError:
+                raise ValueError(f"slots: expected None or an iterable of slot ints, got {slots!r}") from None
+        mods = list(self.lora_modules().values())
+        before = [m.active_slots for m in mods], self._restriction
+        for m in mods:
+            m.active_slots = new
+        self._restriction = new
+        try:
+            yield new
+        finally:
+            for m, prev in zip(mods, before[0]):
+                m.active_slots = prev
+            self._restriction = before[1]
+
+    #: the slots of the innermost open :meth:`restrict_slots` context (None: unrestricted)
+    _restriction: frozenset[int] | None = None
+
+    def lora_launches(self, slots: Iterable[int] | None = None) -> tuple[tuple[bool, ...], ...]:
+        """Per LoRA module (the order of :meth:`lora_modules`), the projections whose LoRA launches a
+        forward restricted to ``slots`` (:meth:`restrict_slots`; None: unrestricted) makes: (gate_up, down)
+        of a MoELoRALayer, (lora,) of a LoRALinear (``lora_launches`` of each). Host-side; equal tuples mean
+        the same launches, which is how the Generator keys its CUDA graphs: all False for a batch without
+        adapters, and eight adapters covering every projection share the tuple of any one of them.
+        Raises ValueError if a slot is not an int in [0, num_adapters)."""
+        if slots is not None:
+            try:
+                slots = frozenset(self._check_slot(s) for s in slots)
+            except TypeError:
+                raise ValueError(f"slots: expected None or an iterable of slot ints, got {slots!r}") from None
+        return tuple(m._launches(slots) for m in self.lora_modules().values())
 
     @property
     def slots_in_use(self) -> frozenset[int]:
@@ -794,7 +851,8 @@ class MultiLoRAModel(nn.Module):
             B·S > max_tokens, a tensor on a device other than the CPU or the model's; and, when the
             tensors are on the CPU (checked without a device sync), input_ids outside [0, V),
             start_pos + S > kv_len or < 0, cache_rows outside [0, max_batch) or repeated, lora_ids
-            outside [-1, num_adapters) or naming a slot that holds no adapter. For CUDA-graph capture
+            outside [-1, num_adapters), naming a slot that holds no adapter or one needing LoRA
+            launches that an open :meth:`restrict_slots` context skips. For CUDA-graph capture
             pass device tensors (a list or CPU tensor is copied to the device, which a capture
             refuses).
         Query i of row b sees cache positions ≤ start_pos[b] + i (and > that − sliding_window on
@@ -856,6 +914,18 @@ class MultiLoRAModel(nn.Module):
                     f"got {ids.tolist()}"
                 )
             used = {int(i) for i in ids.tolist()} - {-1}
+            if self._restriction is not None and not used <= self._restriction:
+                served = self.lora_launches(self._restriction)
+                need = [
+                    s
+                    for s in sorted(used - self._restriction)
+                    if any(n and not h for m, k in zip(self.lora_launches([s]), served) for n, h in zip(m, k))
+                ]
+                if need:
+                    raise ValueError(
+                        f"lora_ids: slot(s) {need} need LoRA launches that this forward's restriction to "
+                        f"slots {sorted(self._restriction)} skips (restrict_slots)"
+                    )
             if used:
                 loaded = {s for m in self.lora_modules().values() for s in m.loaded_slots}
                 empty = sorted(used - loaded)

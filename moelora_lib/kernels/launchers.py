@@ -510,7 +510,8 @@ def fused_moe_lora_args(
         HAS_LORA=has_lora,
     )
     if fuse:  # (absent otherwise: the launch without the fused shrink keeps its exact constexprs)
-        bks = int(shrink_block_k) if shrink_block_k is not None else cfg.BLOCK_SIZE_K
+        # a split-K down GEMM spreads the shrink over its splits in whole K tiles of the base loop
+        bks = int(shrink_block_k) if shrink_block_k is not None and cfg.SPLIT_K == 1 else cfg.BLOCK_SIZE_K
         cx.update(FUSE_SHRINK=True, BLOCK_SIZE_KS=bks, EVEN_KS=bool(use_even_k and even_k(K, bks)))
     head = (x, w, out, b)
     counts = (align.sorted_token_ids, align.block_expert_ids, align.num_tokens_post_padded)
@@ -565,7 +566,8 @@ def fused_moe_lora(
     (down); each program computes its rows' intermediate x·lora_a[l, e, s]ᵀ itself, in fp32 over K in
     steps of ``shrink_block_k`` (default cfg.BLOCK_SIZE_K), per adapter present in its tile, and
     uses it as it would the fp32 intermediate: no shrink launch, no intermediate buffer. With the
-    down GEMM split over K, split 0 computes it over all of K.
+    down GEMM split over K, each split computes the part of the intermediate over its own K tiles
+    (K tile cfg.BLOCK_SIZE_K, ``shrink_block_k`` unused) and adds that part's delta to its share.
     """
     kernel, grid, args, constexprs = fused_moe_lora_args(
         x,

@@ -429,6 +429,7 @@ def _lora_rank_rows(
     a_base,
     x_row,
     sel,
+    k0,
     K,
     R,
     stride_xm,
@@ -440,29 +441,31 @@ def _lora_rank_rows(
     BLOCK_SIZE_KS: tl.constexpr,
     EVEN_KS: tl.constexpr,
 ):
-    """The shrink inside a fused GEMM: inter[m, :R] = x[x_row[m], :K]·A_s[:R, :K]ᵀ for the rows of ``sel``
-    of the tile, [BLOCK_SIZE_M, BLOCK_SIZE_R] fp32, exactly 0 in the other rows and in columns ≥ R.
+    """The shrink inside a fused GEMM: inter[m, :R] = x[x_row[m], k0:K]·A_s[:R, k0:K]ᵀ for the rows of
+    ``sel`` of the tile, [BLOCK_SIZE_M, BLOCK_SIZE_R] fp32, exactly 0 in the other rows and in columns ≥ R
+    (k0 = 0 but for a split of a split-K GEMM, which takes its own columns k0..K).
 
-    ``a_base``: one adapter's A of one expert and slice, [R, K] (strides ar, ak). The K loop takes
-    BLOCK_SIZE_KS columns per step (EVEN_KS: K % BLOCK_SIZE_KS == 0, unmasked loads; A rows ≥ R are
-    clamped to row 0 and their columns zeroed by the select) and accumulates an fp32 dot of x's and A's
-    dtype, as the shrink kernel at SPLIT_K = 1 does with the same K tile; the result stays fp32 (the
-    shrink kernel stores it to its fp32 intermediate unrounded), so what the expand reads is the same.
+    ``a_base``: one adapter's A of one expert and slice, [R, ·] (strides ar, ak). The K loop takes
+    BLOCK_SIZE_KS columns per step (EVEN_KS: K - k0 is a multiple of BLOCK_SIZE_KS, unmasked loads; A
+    rows ≥ R are clamped to row 0 and their columns zeroed by the select) and accumulates an fp32 dot of
+    x's and A's dtype, as the shrink kernel at SPLIT_K = 1 does with the same K tile; the result stays
+    fp32 (the shrink kernel stores it to its fp32 intermediate unrounded), so what the expand reads is
+    the same.
     Rows not in ``sel`` are computed with this adapter's A and then selected away: none of its values
     reaches them."""
     offs_r = tl.arange(0, BLOCK_SIZE_R)
     r_mask = offs_r < R
     offs_r_ld = tl.where(r_mask, offs_r, 0).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_SIZE_KS)
-    x_ptrs = x_ptr + x_row[:, None] * stride_xm + offs_k[None, :] * stride_xk
-    a_ptrs = a_base + offs_r_ld[None, :] * stride_ar + offs_k[:, None] * stride_ak
+    x_ptrs = x_ptr + x_row[:, None] * stride_xm + (k0 + offs_k)[None, :] * stride_xk
+    a_ptrs = a_base + offs_r_ld[None, :] * stride_ar + (k0 + offs_k)[:, None] * stride_ak
     acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_R), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_SIZE_KS)):
+    for k in range(0, tl.cdiv(K - k0, BLOCK_SIZE_KS)):
         if EVEN_KS:
             xa = tl.load(x_ptrs)
             aa = tl.load(a_ptrs)
         else:
-            k_left = K - k * BLOCK_SIZE_KS
+            k_left = K - k0 - k * BLOCK_SIZE_KS
             xa = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
             aa = tl.load(a_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
         acc = tl.dot(xa, aa, acc)
@@ -610,7 +613,7 @@ def _fused_moe_lora_act_kernel(
                 bb = b_ptr + lora * stride_bl + expert * stride_be
                 for s in range(tl.minimum(g_lo, u_lo), tl.maximum(g_hi, u_hi) + 1):
                     ia = _lora_rank_rows(
-                        x_ptr, ab + s * stride_as, x_row, sel, K, R, stride_xm, stride_xk, stride_ar,
+                        x_ptr, ab + s * stride_as, x_row, sel, 0, K, R, stride_xm, stride_xk, stride_ar,
                         stride_ak, BLOCK_SIZE_M, BLOCK_SIZE_R, BLOCK_SIZE_KS, EVEN_KS,
                     )  # fmt: skip
                     if (s >= g_lo) & (s <= g_hi):
@@ -708,9 +711,15 @@ def _fused_moe_lora_kernel(
     its share times w[p] into a zeroed fp32 ``out`` with a relaxed atomic add; split 0 adds the LoRA
     delta and the bias (the sum is linear, so the shares add up to the unsplit row).
 
-    FUSE_SHRINK (with HAS_LORA): the rank intermediate g[p]·A2[l, e]ᵀ is computed here over all of K = I
-    (:func:`_lora_rank_rows`), per adapter present in the tile, instead of being read from ``inter``;
-    with SPLIT_K > 1 split 0 does it (it owns the LoRA term: the shrink needs the whole row of g)."""
+    FUSE_SHRINK (with HAS_LORA): the rank intermediate g[p]·A2[l, e]ᵀ is computed here
+    (:func:`_lora_rank_rows`), per adapter present in the tile, instead of being read from ``inter``.
+    With SPLIT_K > 1 every split computes the part of it over its own K blocks and adds that part's
+    delta (g[p, k-chunk]·A2[l, e, :, k-chunk]ᵀ)·B2[l, e]ᵀ to its share (the delta is linear in the
+    intermediate, so the shares add up to the whole delta): the shrink's K loop is spread over the
+    splits as the base's is, instead of making split 0 run all of it after its share of the base
+    (the launcher then sets BLOCK_SIZE_KS = BLOCK_SIZE_K, so each split's chunk is whole K tiles). With
+    bf16 weights each part is rounded to bf16 before its dot with B (one rounding per part instead of
+    one of the sum)."""
     pid = tl.program_id(0)
     if SPLIT_K > 1:
         pid_k = pid % SPLIT_K
@@ -750,27 +759,31 @@ def _fused_moe_lora_kernel(
         acc = tl.dot(xa, wa, acc)
         x_ptrs += BLOCK_SIZE_K * stride_xk
         w_ptrs += BLOCK_SIZE_K * stride_wk
-    if HAS_LORA and pid_k == 0:  # the down LoRA in this tile (split 0 only)
+    if HAS_LORA and FUSE_SHRINK:  # shrink and expand of the down LoRA, every split on its own K blocks
+        lid = _row_adapters(lora_ids_ptr, pair_ld, row_mask, top_k, num_adapters)
+        cur = tl.min(tl.where(lid >= 0, lid, num_adapters))
+        k_end = tl.minimum(k_hi * BLOCK_SIZE_K, K)
+        while cur < num_adapters:  # one pass per adapter present
+            sel = lid == cur
+            ia = _lora_rank_rows(
+                x_ptr, a_ptr + cur.to(tl.int64) * stride_al + expert * stride_ae, pair_ld, sel,
+                k_lo * BLOCK_SIZE_K, k_end, R, stride_xm, stride_xk, stride_ar, stride_ak, BLOCK_SIZE_M,
+                BLOCK_SIZE_R, BLOCK_SIZE_KS, EVEN_KS,
+            )  # fmt: skip
+            acc = _lora_slice_dot(
+                acc, ia, b_ptr + cur.to(tl.int64) * stride_bl + expert * stride_be, sel, offs_n_ld, n_mask,
+                R, stride_bn, stride_br, BLOCK_SIZE_R,
+            )  # fmt: skip
+            cur = tl.min(tl.where(lid > cur, lid, num_adapters))
+    elif HAS_LORA and pid_k == 0:  # the expand of the down LoRA, in this tile (split 0 only)
         lid = _row_adapters(lora_ids_ptr, pair_ld, row_mask, top_k, num_adapters)
         cur = tl.min(tl.where(lid >= 0, lid, num_adapters))
         while cur < num_adapters:  # one pass per adapter present
-            if FUSE_SHRINK:
-                sel = lid == cur
-                ia = _lora_rank_rows(
-                    x_ptr, a_ptr + cur.to(tl.int64) * stride_al + expert * stride_ae, pair_ld, sel, K, R,
-                    stride_xm, stride_xk, stride_ar, stride_ak, BLOCK_SIZE_M, BLOCK_SIZE_R, BLOCK_SIZE_KS,
-                    EVEN_KS,
-                )  # fmt: skip
-                acc = _lora_slice_dot(
-                    acc, ia, b_ptr + cur.to(tl.int64) * stride_bl + expert * stride_be, sel, offs_n_ld,
-                    n_mask, R, stride_bn, stride_br, BLOCK_SIZE_R,
-                )  # fmt: skip
-            else:  # the intermediate of the shrink launch
-                acc = _lora_cols_dot(
-                    acc, inter_ptr, b_ptr, pair_ld, lid == cur, cur.to(tl.int64), expert, offs_n_ld, n_mask,
-                    R, N, stride_im, stride_is, stride_ir, stride_bl, stride_be, stride_bs, stride_bn,
-                    stride_br, BLOCK_SIZE_R,
-                )  # fmt: skip
+            acc = _lora_cols_dot(
+                acc, inter_ptr, b_ptr, pair_ld, lid == cur, cur.to(tl.int64), expert, offs_n_ld, n_mask,
+                R, N, stride_im, stride_is, stride_ir, stride_bl, stride_be, stride_bs, stride_bn,
+                stride_br, BLOCK_SIZE_R,
+            )  # fmt: skip
             cur = tl.min(tl.where(lid > cur, lid, num_adapters))
     if HAS_BIAS and pid_k == 0:
         bias = tl.load(bias_ptr + expert * stride_ce + offs_n * stride_cn, mask=n_mask, other=0.0)

@@ -36,6 +36,11 @@ Features switched by the stages:
   The gate_up kernel also applies the activation in its epilogue (two accumulators: gate and up
   columns) and writes ``g`` [P, I] directly (no ``h`` buffer, no activation launch). Its rank
   intermediate is laid out [P, S, R16] (R rounded up to 16), so no stride depends on the length.
+* ``FUSE_SHRINK`` (with ``HAS_LORA``, stage ``fused`` with ``LayerConfig.fuse_shrink``): the fused GEMMs
+  compute the rank intermediate themselves instead of reading it: per adapter present in the tile (and
+  per slice its columns touch) a second K loop x·A[l, e, s]ᵀ in fp32 over the tile's rows
+  (:func:`_lora_rank_rows`), the rows of other adapters selected away, then the same expand. No shrink
+  launch; at decode A is read again by every N tile of an expert, from L2.
 
 Precision. Every dot accumulates in fp32. The rank intermediate ``inter`` (x·Aᵀ, g·A2ᵀ) is
 accumulated and stored in fp32, and the expand's dot reads it in a form chosen at compile time from

@@ -2,12 +2,13 @@
 intermediate itself (moelora_lib/kernels/triton_kernels.py, FUSE_SHRINK), so the two shrink launches are
 not made.
 
-CPU: the Triton interpreter in fp32 and fp16 at decode sizes (T = 1, 3, 16) and a few larger edges, against
+CPU: the Triton interpreter in fp32 and fp16 at decode sizes (T = 1, 3, 16), against
 stage ``fused`` without the switch (bit for bit: with the shrink's SPLIT_K = 1, the same K tile and the down
 GEMM unsplit, the two paths add the same fp32 products in the same order, and the intermediate is fp32 in
-both, unrounded before the expand; close otherwise) and against the fp32 reference; non-finite values in one slot's A or B never reach another
-slot's rows; the launch plan; the config key through the file loader; and, compiled for sm_90 (one
-subprocess), the switched-on kernels at GPT-OSS-20B and Qwen3-30B-A3B decode shapes without spills.
+both, unrounded before the expand; close otherwise) and against the fp32 reference; non-finite values in
+one slot's A or B never reach another slot's rows; the launch plan; the config key through the file loader;
+and, compiled for sm_90 (one subprocess), the switched-on kernels at GPT-OSS-20B and Qwen3-30B-A3B decode
+shapes without spills.
 """
 
 from __future__ import annotations

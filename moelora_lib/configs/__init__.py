@@ -29,6 +29,7 @@ from .defaults import (
 from .files import (
     BASE_FILE_OP,
     DENSE_FILE_OPS,
+    FUSE_SHRINK_KEY,
     FUSED_FILE_KEYS,
     FUSED_FILE_OP,
     LORA_FILE_OPS,
@@ -78,6 +79,7 @@ __all__ = [
     "BASE_FILE_OP",
     "FUSED_FILE_OP",
     "FUSED_FILE_KEYS",
+    "FUSE_SHRINK_KEY",
     "DENSE_FILE_OPS",
     "config_file_name",
     "lora_keys",

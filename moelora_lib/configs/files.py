@@ -32,7 +32,9 @@ spaces and ``-`` replaced by ``_``, e.g. ``NVIDIA_H200``; ``cpu`` without CUDA):
   GEMMs, as vLLM's base fused-MoE configs are.
 
 * ``{gpu}_FUSED_MOE_LORA_FUSED.json`` — stage ``fused``'s two GEMMs (base GEMM + LoRA expand
-  [+ activation]): the base file's nesting, leaf ``{"fused_gate_up": leaf, "fused_down": leaf}``.
+  [+ activation]): the base file's nesting, leaf ``{"fused_gate_up": leaf, "fused_down": leaf}``,
+  optionally with ``"fuse_shrink": true`` (the GEMMs compute the LoRA rank intermediate themselves,
+  no shrink launches, at that m; absent or false: the shrink launches run; any other value raises).
 
 * ``{gpu}_SHRINK.json`` and ``{gpu}_EXPAND_TRUE.json`` (``_FALSE``: an expand without the fused add) —
   vLLM's dense LoRA files (:mod:`moelora_lib.lora_linear`)::
@@ -78,6 +80,7 @@ __all__ = [
     "BASE_FILE_OP",
     "FUSED_FILE_OP",
     "FUSED_FILE_KEYS",
+    "FUSE_SHRINK_KEY",
     "DENSE_FILE_OPS",
     "config_file_name",
     "lora_keys",
@@ -106,6 +109,11 @@ FUSED_FILE_OP = "FUSED_MOE_LORA_FUSED"
 
 #: leaf keys of the fused file -> the LayerConfig field that configures that launch
 FUSED_FILE_KEYS = {"fused_gate_up": "base_gate_up", "fused_down": "base_down"}
+
+#: optional boolean key of a fused leaf -> LayerConfig.fuse_shrink (absent: false): the fused GEMMs
+#: compute the LoRA rank intermediate themselves, no shrink launches
+FUSE_SHRINK_KEY = "fuse_shrink"
+_FUSED_LEAF_KEYS = {*FUSED_FILE_KEYS, FUSE_SHRINK_KEY}
 
 LORA_DEPTH = 6  # max_loras, num_slices, m, k, n, i
 
@@ -187,16 +195,25 @@ def _walk(node: Any, depth: int, path: str, keys: tuple, out: dict, leaf_kind: s
     if depth == 0:
         where = f"{path} at {_keypath(keys)}"
         if leaf_kind == "fused":
-            if not isinstance(node, dict) or set(node) != set(FUSED_FILE_KEYS):
+            if not isinstance(node, dict) or not set(FUSED_FILE_KEYS) <= set(node) <= _FUSED_LEAF_KEYS:
                 got = sorted(node) if isinstance(node, dict) else type(node).__name__
                 raise ValueError(
-                    f"{where}: a fused leaf must have exactly the keys {list(FUSED_FILE_KEYS)}, got {got}"
+                    f"{where}: a fused leaf must have exactly the keys {list(FUSED_FILE_KEYS)} "
+                    f"(and optionally {FUSE_SHRINK_KEY!r}), got {got}"
                 )
-            cfgs = {
+            cfgs: dict = {
                 FUSED_FILE_KEYS[op]: _parse_leaf(node[op], f"{path} at {_keypath(keys + (op,))}")
-                for op in node
+                for op in FUSED_FILE_KEYS
             }
-            bms = {op: cfgs[FUSED_FILE_KEYS[op]].BLOCK_SIZE_M for op in node}
+            if FUSE_SHRINK_KEY in node:
+                v = node[FUSE_SHRINK_KEY]
+                if not isinstance(v, bool):
+                    raise ValueError(
+                        f"{path} at {_keypath(keys + (FUSE_SHRINK_KEY,))}: {FUSE_SHRINK_KEY!r} must be "
+                        f"true or false, got {v!r}"
+                    )
+                cfgs["fuse_shrink"] = v
+            bms = {op: cfgs[FUSED_FILE_KEYS[op]].BLOCK_SIZE_M for op in FUSED_FILE_KEYS}
             if len(set(bms.values())) != 1:
                 raise ValueError(f"{where}: fused_gate_up and fused_down must share BLOCK_SIZE_M, got {bms}")
             if cfgs["base_gate_up"].SPLIT_K != 1:  # its activation needs all of K; fp32 y: down only

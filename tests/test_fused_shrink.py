@@ -14,13 +14,11 @@ shapes without spills.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from sm90_helpers import run_sm90_script
 
 import moelora_lib.kernels.stages as plan
 from moelora_lib import STAGES, configs, fused_moe_lora
@@ -293,14 +291,7 @@ print(json.dumps(out))
 
 
 def test_fused_shrink_compiles_for_sm90_without_spills():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    proc = subprocess.run(
-        [sys.executable, "-c", _SM90_SCRIPT], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = run_sm90_script(_SM90_SCRIPT)
     assert len(rows) == 16
     print("\nsm_90 (shape, T, op, fuse_shrink): REG LOCAL smem cfg KS")
     for r in rows:

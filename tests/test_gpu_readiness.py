@@ -24,14 +24,11 @@
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from sm90_helpers import run_sm90_script
 
 from moelora_lib.model.generate import Generator
 from moelora_lib.studies import e2e
@@ -337,14 +334,7 @@ print(json.dumps(out))
 
 
 def test_fused_largest_tiles_fit_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    proc = subprocess.run(
-        [sys.executable, "-c", _SMEM_SCRIPT], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = run_sm90_script(_SMEM_SCRIPT)
     assert len(rows) == 12
     H200_SMEM_PER_BLOCK = 232448  # 227 KiB of dynamic shared memory per block on sm_90
     for r in rows:

@@ -10,7 +10,8 @@ Where :func:`moelora_lib.fused_moe_lora` validates everything and builds a
 * its forward runs routing (if given logits), the Triton alignment and the launches of the stage with
   no host sync and no data-dependent Python branch — only shape checks and the launch config, picked
   on the host from T alone and cached per T (one :class:`~moelora_lib.kernels.LayerConfig` per distinct
-  T, resolved once by ``stage.config_for`` as :func:`fused_moe_lora` picks it);
+  T, resolved once by ``stage.config_for`` as :func:`fused_moe_lora` picks it; with ``stage="auto"``
+  the stage too is picked per T on the host, from the config files, :meth:`MoELoRALayer.stage_for`);
 * the forward goes through the custom op ``torch.ops.moelora.moe_lora_layer`` (:mod:`moelora_lib.ops`),
   so ``torch.compile(..., fullgraph=True)`` of a model containing the layer works.
 
@@ -51,7 +52,7 @@ import torch
 
 from . import ops
 from .common import check_bool, check_kernel_dtype, is_int
-from .kernels import STAGES, LayerConfig, LayerRun
+from .kernels import AUTO_STAGE, STAGES, LayerConfig, LayerRun, Stage
 from .kernels.align import AlignWorkspace, align_tokens_triton, align_workspace
 from .kernels.align_small import (
     PAIR_PATH_MAX_PAIRS,
@@ -215,7 +216,11 @@ class MoELoRALayer(ops.OpLayer):
         b13: [E, 2I] or None; b2: [E, H] or None (expert biases).
         activation: "silu" or "swigluoai".
         renormalize: routing from logits divides the K kept probabilities by their sum.
-        stage: a name of :data:`moelora_lib.kernels.STAGES` (default "tuned").
+        stage: a name of :data:`moelora_lib.kernels.STAGES` (default "tuned"), or "auto": per T, stage
+            "fused" or "tuned" as the config files choose for that T's bucket
+            (:func:`moelora_lib.configs.load_stage_choice`: the ``"stage"`` key of the fused config
+            file's leaf, the shipped H200 ones from notebook 12's measurements; "tuned" where the file
+            records no choice). :meth:`stage_for` says which; resolved on the host once per T.
         config: a fixed :class:`~moelora_lib.kernels.LayerConfig` for every T (None = per T, as
             fused_moe_lora picks it).
         debug: check values in forward (topk_ids ∈ [0, E), lora_ids ∈ [-1, L), router_logits or the
@@ -274,8 +279,8 @@ class MoELoRALayer(ops.OpLayer):
                 raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
         if slices not in (1, 2) or not is_int(slices):
             raise ValueError(f"slices must be 1 (fused gate_up) or 2 (gate, up), got {slices!r}")
-        if stage not in STAGES:
-            raise ValueError(f"stage must be one of {list(STAGES)}, got {stage!r}")
+        if stage not in STAGES and stage != AUTO_STAGE.name:
+            raise ValueError(f"stage must be one of {[*STAGES, AUTO_STAGE.name]}, got {stage!r}")
         if config is not None and not isinstance(config, LayerConfig):
             raise ValueError(f"config must be a LayerConfig or None, got {type(config).__name__}")
         check_bool("deterministic", deterministic)
@@ -288,7 +293,8 @@ class MoELoRALayer(ops.OpLayer):
         _check_layer_dtype(dt, dev, "w13")
         if K > E:
             raise ValueError(f"top_k = {K} must be <= E = {E} (w13 dim 0)")
-        sizes = _scratch_sizes(dt, max_tokens, H, two_i // 2, K, R, S, STAGES[stage].fused_add)
+        self.stage = AUTO_STAGE if stage == AUTO_STAGE.name else STAGES[stage]  # auto: fused_add as both
+        sizes = _scratch_sizes(dt, max_tokens, H, two_i // 2, K, R, S, self.stage.fused_add)
         need = sum(n * torch.empty((), dtype=bdt).element_size() for n, bdt in sizes.values())
         total = _device_total_memory(dev)
         if total is not None and need > total:
@@ -333,10 +339,10 @@ class MoELoRALayer(ops.OpLayer):
         self.max_tokens = max_tokens
         self.activation = activation
         self.renormalize = check_bool("renormalize", renormalize)
-        self.stage = STAGES[stage]
         self.fixed_config = config
         self.debug = check_bool("debug", debug)
         self._configs: dict[int, LayerConfig] = {}
+        self._stages: dict[int, Stage] = {}
         self.deterministic = deterministic  # property: validates, clears the per-T configs
         self.share_scratch = check_bool("share_scratch", share_scratch)
         self._covers: list[tuple[bool, bool]] = [(False, False)] * L  # host copy of slot_covers
@@ -399,24 +405,31 @@ class MoELoRALayer(ops.OpLayer):
         slots = nbytes((self.lora_a13, self.lora_b13, self.lora_a2, self.lora_b2, self.slot_covers))
         return memory_report(self, weights, slots)
 
+    def _dims(self, T: int) -> Dims:
+        return Dims(
+            T=T, H=self.H, I=self.I, E=self.E, top_k=self.K, adapters=self.L, rank=self.R, slices=self.S
+        )
+
+    def stage_for(self, T: int) -> Stage:
+        """The stage the forward runs at T tokens: the layer's stage, or with ``stage="auto"`` the one
+        the config files choose for T (:meth:`AutoStage.pick <moelora_lib.kernels.auto.AutoStage.pick>`);
+        resolved on the host once per T (a pure function of T and the layer's sizes)."""
+        st = self._stages.get(T)
+        if st is None:
+            st = self.stage.pick(self._dims(T)) if self.stage is AUTO_STAGE else self.stage
+            self._stages[T] = st
+        return st
+
     def config_for(self, T: int) -> LayerConfig:
-        """The config (after the stage's adapt) the forward launches at T tokens; resolved once per T."""
+        """The config (after the adapt of :meth:`stage_for`'s stage) the forward launches at T tokens;
+        resolved once per T."""
         cfg = self._configs.get(T)
         if cfg is None:
+            st = self.stage_for(T)
             cfg = self.fixed_config
             if cfg is None:
-                dims = Dims(
-                    T=T,
-                    H=self.H,
-                    I=self.I,
-                    E=self.E,
-                    top_k=self.K,
-                    adapters=self.L,
-                    rank=self.R,
-                    slices=self.S,
-                )
-                cfg = self.stage.config_for(dims)
-            cfg = self.stage.adapt(cfg)
+                cfg = st.config_for(self._dims(T))
+            cfg = st.adapt(cfg)
             if self.deterministic:
                 cfg = cfg.deterministic()
             if cfg.base_down.SPLIT_K > 1 and T > SPLIT_DOWN_MAX_TOKENS:  # no fp32 y buffer that large
@@ -698,7 +711,7 @@ class MoELoRALayer(ops.OpLayer):
                 check_finite_weights(topk_weights)
             check_id_values(topk_ids, E, lora_ids, L)
         cfg = self.config_for(T)
-        st = self.stage
+        st = self.stage_for(T)
         P = T * K
         # host-side coverage flags decide which LoRA launches exist (no device data is read): a projection
         # has them when an active slot covers it; how ids reach them follows the loaded slots alone, so

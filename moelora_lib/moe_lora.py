@@ -6,7 +6,7 @@ import torch
 
 from .common import check_bool, check_tensor
 from .common import describe as _desc
-from .kernels import STAGES, LayerConfig, LayerRun
+from .kernels import AUTO_STAGE, STAGES, LayerConfig, LayerRun, stage_named
 from .routing import check_finite_weights, check_id_bounds, check_id_values
 from .shapes import Dims
 
@@ -202,8 +202,8 @@ def validate_moe_lora_inputs(
 
 
 def _check_stage_and_config(stage, config) -> None:
-    if stage not in STAGES:
-        raise ValueError(f"stage must be one of {list(STAGES)}, got {stage!r}")
+    if stage not in STAGES and stage != AUTO_STAGE.name:
+        raise ValueError(f"stage must be one of {[*STAGES, AUTO_STAGE.name]}, got {stage!r}")
     if config is not None and not isinstance(config, LayerConfig):
         raise ValueError(f"config must be a LayerConfig or None, got {type(config).__name__}")
 
@@ -256,16 +256,17 @@ def make_layer_run(
         b2,
         check_values,
     )
+    dims = Dims(
+        T=d["T"], H=d["H"], I=d["I"], E=d["E"], top_k=d["K"], adapters=d["L"], rank=d["R"], slices=d["S"]
+    )
+    st = stage_named(stage, dims)  # "auto": the stage the config files choose for these dims
     if config is None:
-        dims = Dims(
-            T=d["T"], H=d["H"], I=d["I"], E=d["E"], top_k=d["K"], adapters=d["L"], rank=d["R"], slices=d["S"]
-        )
-        # stage "tuned" loads tuned configs (moelora_lib.configs); the other stages use the defaults
-        config = STAGES[stage].config_for(dims)
+        # stages "tuned" and "fused" load tuned configs (moelora_lib.configs); the others the defaults
+        config = st.config_for(dims)
     if deterministic:
         config = config.deterministic()
     return LayerRun(
-        STAGES[stage],
+        st,
         hidden_states,
         w13,
         w2,
@@ -282,7 +283,7 @@ def make_layer_run(
         config=config,
         adapter_order=adapter_order,
         alignments=_device_alignments(
-            STAGES[stage], config, topk_ids, lora_ids, d["E"], d["L"], adapter_order=adapter_order
+            st, config, topk_ids, lora_ids, d["E"], d["L"], adapter_order=adapter_order
         ),
     )
 
@@ -364,7 +365,9 @@ def fused_moe_lora(
             ranks below R zero-padded.
         activation: "silu" or "swigluoai".
         b13: [E, 2I] or None; b2: [E, H] or None (expert biases).
-        stage: a name in :data:`moelora_lib.kernels.STAGES` (default "tuned").
+        stage: a name in :data:`moelora_lib.kernels.STAGES` (default "tuned"), or "auto": stage
+            "fused" or "tuned" as the config files choose for this call's dims and T bucket
+            (:func:`moelora_lib.configs.load_stage_choice`; "tuned" where they record no choice).
         config: a :class:`~moelora_lib.kernels.LayerConfig`; None = the stage's ``config_for``: for
             "tuned" :func:`moelora_lib.configs.load_layer_config` (tuned files, else the defaults), for
             "fused" :func:`moelora_lib.configs.load_fused_config`, else :func:`default_config`.

@@ -34,7 +34,10 @@ spaces and ``-`` replaced by ``_``, e.g. ``NVIDIA_H200``; ``cpu`` without CUDA):
 * ``{gpu}_FUSED_MOE_LORA_FUSED.json`` — stage ``fused``'s two GEMMs (base GEMM + LoRA expand
   [+ activation]): the base file's nesting, leaf ``{"fused_gate_up": leaf, "fused_down": leaf}``,
   optionally with ``"fuse_shrink": true`` (the GEMMs compute the LoRA rank intermediate themselves,
-  no shrink launches, at that m; absent or false: the shrink launches run; any other value raises).
+  no shrink launches, at that m; absent or false: the shrink launches run; any other value raises) and
+  ``"stage": "fused"`` or ``"tuned"`` (the stage :class:`~moelora_lib.layer.MoELoRALayer`'s
+  ``stage="auto"`` runs at that m, :func:`~moelora_lib.configs.loader.load_stage_choice`; absent:
+  ``tuned``; any other value raises).
 
 * ``{gpu}_SHRINK.json`` and ``{gpu}_EXPAND_TRUE.json`` (``_FALSE``: an expand without the fused add) —
   vLLM's dense LoRA files (:mod:`moelora_lib.lora_linear`)::
@@ -81,6 +84,8 @@ __all__ = [
     "FUSED_FILE_OP",
     "FUSED_FILE_KEYS",
     "FUSE_SHRINK_KEY",
+    "STAGE_KEY",
+    "STAGE_CHOICES",
     "DENSE_FILE_OPS",
     "config_file_name",
     "lora_keys",
@@ -113,7 +118,13 @@ FUSED_FILE_KEYS = {"fused_gate_up": "base_gate_up", "fused_down": "base_down"}
 #: optional boolean key of a fused leaf -> LayerConfig.fuse_shrink (absent: false): the fused GEMMs
 #: compute the LoRA rank intermediate themselves, no shrink launches
 FUSE_SHRINK_KEY = "fuse_shrink"
-_FUSED_LEAF_KEYS = {*FUSED_FILE_KEYS, FUSE_SHRINK_KEY}
+
+#: optional key of a fused leaf: the stage that ``stage="auto"`` runs at that leaf's (dims, m) bucket
+#: (:func:`~moelora_lib.configs.loader.load_stage_choice`; absent: ``tuned``), one of
+#: :data:`STAGE_CHOICES`; the parsed leaf carries it under this key
+STAGE_KEY = "stage"
+STAGE_CHOICES = ("tuned", "fused")
+_FUSED_LEAF_KEYS = {*FUSED_FILE_KEYS, FUSE_SHRINK_KEY, STAGE_KEY}
 
 LORA_DEPTH = 6  # max_loras, num_slices, m, k, n, i
 
@@ -199,7 +210,7 @@ def _walk(node: Any, depth: int, path: str, keys: tuple, out: dict, leaf_kind: s
                 got = sorted(node) if isinstance(node, dict) else type(node).__name__
                 raise ValueError(
                     f"{where}: a fused leaf must have exactly the keys {list(FUSED_FILE_KEYS)} "
-                    f"(and optionally {FUSE_SHRINK_KEY!r}), got {got}"
+                    f"(and optionally {FUSE_SHRINK_KEY!r}, {STAGE_KEY!r}), got {got}"
                 )
             cfgs: dict = {
                 FUSED_FILE_KEYS[op]: _parse_leaf(node[op], f"{path} at {_keypath(keys + (op,))}")
@@ -213,6 +224,14 @@ def _walk(node: Any, depth: int, path: str, keys: tuple, out: dict, leaf_kind: s
                         f"true or false, got {v!r}"
                     )
                 cfgs["fuse_shrink"] = v
+            if STAGE_KEY in node:
+                v = node[STAGE_KEY]
+                if not isinstance(v, str) or v not in STAGE_CHOICES:
+                    raise ValueError(
+                        f"{path} at {_keypath(keys + (STAGE_KEY,))}: {STAGE_KEY!r} must be one of "
+                        f"{list(STAGE_CHOICES)}, got {v!r}"
+                    )
+                cfgs[STAGE_KEY] = v
             bms = {op: cfgs[FUSED_FILE_KEYS[op]].BLOCK_SIZE_M for op in FUSED_FILE_KEYS}
             if len(set(bms.values())) != 1:
                 raise ValueError(f"{where}: fused_gate_up and fused_down must share BLOCK_SIZE_M, got {bms}")

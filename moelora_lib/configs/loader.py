@@ -21,7 +21,8 @@ looked at and how to map it. Mapping is explicit, in code: ``map_gpu_name("NVIDI
 environment variable may only point at a folder). Without CUDA the name is ``cpu``, for which nothing
 is shipped; that case stays silent unless a folder was given.
 
-:func:`load_fused_config` (stage ``fused``) and :func:`load_dense_config` (dense multi-LoRA, stage
+:func:`load_fused_config` (stage ``fused``), :func:`load_stage_choice` (stage ``auto``'s stage per
+call) and :func:`load_dense_config` (dense multi-LoRA, stage
 ``tuned``) follow the same precedence, GPU mapping and memo. A config is resolved once per
 (arguments, environment variable, device, GPU mapping); :func:`clear_cache` and
 :func:`~moelora_lib.configs.files.save_config_file` forget what was resolved.
@@ -52,6 +53,7 @@ from .files import (
     DENSE_FILE_OPS,
     LORA_DEPTH,
     LORA_FILE_OPS,
+    STAGE_KEY,
     _dense_file,
     _keypath,
     _kind,
@@ -78,6 +80,7 @@ __all__ = [
     "gpu_name",
     "load_layer_config",
     "load_fused_config",
+    "load_stage_choice",
     "load_dense_config",
     "tuned_dense_block_sizes_m",
     "clear_cache",
@@ -324,6 +327,7 @@ def load_fused_config(
         src.where, src.gpu, dims, "fused", "stage fused derives its GEMM configs from the tuned base ones"
     )
     if fused is not None:  # the fused file is used even when the LoRA/base groups fell back to defaults
+        fused = {k: v for k, v in fused.items() if k != STAGE_KEY}  # (load_stage_choice's, not a field)
         label = tuned.source if tuned.source != "default" else src.label + "; lora=default; base=default"
         cfg = tuned.replace(**fused, source=label + "; fused=file")
     elif tuned.source == "default":
@@ -331,6 +335,45 @@ def load_fused_config(
     else:
         cfg = fused_gemm_configs(tuned).replace(source=tuned.source + "; fused=derived")
     return _memo_put(key, cfg)
+
+
+def load_stage_choice(
+    dims: Dims,
+    *,
+    folder: str | os.PathLike | None = None,
+    gpu_name: str | None = None,
+) -> str:
+    """The stage (``"tuned"`` or ``"fused"``) that ``stage="auto"`` runs for a layer call of ``dims``.
+
+    The choice is the ``"stage"`` key of the ``{gpu}_FUSED_MOE_LORA_FUSED.json`` leaf that
+    :func:`load_fused_config` takes for ``dims`` (the same folder precedence, GPU mapping and
+    nearest-key lookup over ``config_data[E][N][K][m]``, so the T buckets are those of the fused
+    configs); the shipped H200 choices are the faster stage per measured (model, T) of notebook 12
+    (:func:`moelora_lib.studies.fused_tuning.stage_choices_from_csv`). ``"tuned"`` where there is no
+    choice: no fused file (or no tuned folder at all, e.g. the CPU without a folder), or a leaf
+    without the key. Silent (the fused and tuned loaders warn about missing files themselves).
+    A pure function of (dims, files, environment variable, GPU mapping), resolved once per such key
+    like the other loaders, so a layer can pick per T on the host without reading device data.
+
+    Raises: as :func:`load_layer_config` for bad arguments or folders; ValueError naming the file and
+    key path for a malformed fused file, a ``"stage"`` value other than ``"tuned"`` / ``"fused"``
+    among them.
+    """
+    dims = check_dims("load_stage_choice: dims", dims)
+    _check_source_args(folder, gpu_name)
+    key = _memo_key(("stage", dims), folder, gpu_name)
+    got = _RESOLVED.get(key)
+    if got is not None:
+        return got
+    choice = "tuned"
+    src = _config_source(folder, gpu_name)
+    path = None if src.where is None else src.where / config_file_name(src.gpu, "fused")
+    if path is not None and path.is_file():
+        st = path.stat()
+        data, parsed = _load_cached(str(path), st.st_mtime_ns, st.st_size, BASE_DEPTH, "fused")
+        taken, _ = lookup(data, base_keys(dims))
+        choice = parsed[taken].get(STAGE_KEY, "tuned")
+    return _memo_put(key, choice)
 
 
 def load_layer_config(

@@ -19,6 +19,13 @@ merged into ``{gpu}_FUSED_MOE_LORA_FUSED.json`` (:mod:`moelora_lib.configs` form
 workload; every timed candidate is a row of the CSV (``kind`` trial / bm_sum / choice / note / session).
 Timing as :mod:`.tuning` (graph replay, L2 flushed, 5 / 20 ms). ``--budget-s``: no workload or BM starts
 past it; an untuned workload is left to the loader's nearest-entry lookup.
+
+The per-T stage choice of ``stage="auto"`` (the fused leaves' ``"stage"`` key,
+:func:`moelora_lib.configs.load_stage_choice`) is not measured here: this tuner times the two fused
+GEMMs alone, never stage ``tuned`` beside them. It comes from notebook 12's layer totals of both stages
+(``data/12_fused.csv``): :func:`stage_choices_from_csv` picks the faster stage per (dims, T) and
+:func:`write_stage_choices` sets the key in the file; a tuner run that rewrites a leaf drops its key
+(the choice was measured with the old configs), so rerun the two after re-tuning.
 """
 
 from __future__ import annotations
@@ -40,7 +47,16 @@ from . import tuner
 from .tuner import RUN_COLUMNS, TRIAL_COLUMNS
 from .tuning import base_bm_candidates, graph_timer
 
-__all__ = ["CSV_COLUMNS", "FUSED_OPS", "fused_op_candidates", "tune_fused_workload", "tune_fused", "main"]
+__all__ = [
+    "CSV_COLUMNS",
+    "FUSED_OPS",
+    "fused_op_candidates",
+    "tune_fused_workload",
+    "tune_fused",
+    "stage_choices_from_csv",
+    "write_stage_choices",
+    "main",
+]
 
 #: the two launches tuned here, in call order
 FUSED_OPS = ("fused_gate_up", "fused_down")
@@ -209,6 +225,71 @@ def tune_fused(
     summary.pop("conflicts")
     tuner.finish(log, summary, t0)
     return chosen
+
+
+def stage_choices_from_csv(
+    csv_path: str | Path, *, variant: str = "as_anchor", part: str = "total"
+) -> dict[tuple[int, int, int, int], str]:
+    """The faster stage per measured (dims, T) of a layer benchmark CSV (notebook 12's
+    ``data/12_fused.csv``): ``{(E, 2I, H, T): "fused" | "tuned"}``, keyed like the fused config file
+    (:func:`moelora_lib.configs.base_keys`).
+
+    Rows: ``part`` (default ``"total"``, the whole layer) and ``variant`` (default ``"as_anchor"``, the
+    shipped configs); every (E, 2I, H, T) with a ``us_p50`` for both stage ``tuned`` and stage ``fused``
+    gets the stage with the smaller median (ties: ``tuned``); others are left out. Raises ValueError
+    naming the file when a needed column is missing or two rows give one (stage, E, 2I, H, T)."""
+    import csv
+
+    path = Path(csv_path)
+    with open(path, newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    need = {"stage", "T", "H", "I", "E", "part", "variant", "us_p50"}
+    if rows and not need <= set(rows[0]):
+        raise ValueError(f"{path}: missing columns {sorted(need - set(rows[0]))}")
+    times: dict[tuple[int, int, int, int], dict[str, float]] = {}
+    for r in rows:
+        if r["part"] != part or r["variant"] != variant or r["stage"] not in configs.STAGE_CHOICES:
+            continue
+        key = (int(r["E"]), 2 * int(r["I"]), int(r["H"]), int(r["T"]))
+        got = times.setdefault(key, {})
+        if r["stage"] in got:
+            raise ValueError(f"{path}: two rows for stage {r['stage']!r} at (E, 2I, H, T) = {key}")
+        got[r["stage"]] = float(r["us_p50"])
+    return {
+        k: ("fused" if t["fused"] < t["tuned"] else "tuned")
+        for k, t in sorted(times.items())
+        if {"tuned", "fused"} <= set(t)
+    }
+
+
+def write_stage_choices(path: str | Path, choices: dict[tuple[int, int, int, int], str]) -> Path:
+    """Set ``"stage"`` (:data:`moelora_lib.configs.STAGE_KEY`) in the leaves of the fused config file
+    ``path`` named by ``choices`` ({(E, N, K, m): "tuned" | "fused"}, as
+    :func:`stage_choices_from_csv` returns) and write it atomically
+    (:func:`moelora_lib.configs.save_config_file`); every other leaf and key is kept as it is. The file
+    is validated before and after. Raises ValueError naming the key path for a choice without an
+    exact leaf in the file or a value outside :data:`moelora_lib.configs.STAGE_CHOICES`; nothing is
+    written then."""
+    import json
+
+    path = Path(path)
+    configs.load_config_file(path, "fused")
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    for keys, stage in choices.items():
+        kp = "".join(f"[{json.dumps(str(k))}]" for k in keys)
+        if stage not in configs.STAGE_CHOICES:
+            allowed = list(configs.STAGE_CHOICES)
+            raise ValueError(f"{path} at {kp}: stage must be one of {allowed}, got {stage!r}")
+        node = data
+        for k in keys:
+            if not isinstance(node, dict) or str(k) not in node:
+                raise ValueError(f"{path}: no entry at {kp} to record stage {stage!r} in")
+            node = node[str(k)]
+        node[configs.STAGE_KEY] = stage
+    out = configs.save_config_file(path, data)
+    configs.load_config_file(out, "fused")
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:

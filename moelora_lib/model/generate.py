@@ -1291,7 +1291,7 @@ class Generator:
                 "model or its adapter), so their tokens are meaningless; GenerationResult.non_finite flags "
                 "them, the other requests are unaffected",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=3,  # the caller of generate (torch.no_grad's wrapper in between)
             )
         return res
 

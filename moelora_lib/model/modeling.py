@@ -491,7 +491,9 @@ class MultiLoRAModel(nn.Module):
     slot cannot be loaded or unloaded (RuntimeError from :meth:`check_slot_free`, before anything
     changes: every LoRA module's ``slot_guard`` is this model's ``check_slot_free``). ``slots_in_use``
     lists them. :meth:`restrict_slots` narrows the slots a forward serves, so that the LoRA launches no
-    served adapter needs are skipped (:meth:`lora_launches`).
+    served adapter needs are skipped (:meth:`lora_launches`). :meth:`exclusive_forwards` reserves the
+    forward for a running generate call: any other forward meanwhile raises RuntimeError instead of
+    overwriting the KV cache rows the call uses.
 
     Module tree (names the adapter loader relies on): ``embed_tokens``, ``layers[l].input_layernorm``,
     ``.self_attn.{qkv_proj, o_proj, q_norm, k_norm, sinks}``, ``.post_attention_layernorm``, ``.mlp``

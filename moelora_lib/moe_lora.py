@@ -102,6 +102,12 @@ def validate_moe_lora_inputs(
         raise ValueError(f"hidden_states dtype must be float16, bfloat16 or float32, got {dt}")
     if activation not in _ACTIVATIONS:
         raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
+    if dev.type not in ("cuda", "cpu"):
+        what = "meta tensors hold no data and are not supported" if dev.type == "meta" else "not supported"
+        raise ValueError(
+            f"hidden_states is on {dev}: {what}; the kernels run on CUDA (or on the CPU through the Triton "
+            "interpreter)"
+        )
     if dev.type == "cpu":
         _check_cpu_backend(dt)
     args = dict(

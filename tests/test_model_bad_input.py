@@ -423,7 +423,7 @@ def _gen_kwargs(**kw):
     [
         (dict(prompts=[], adapters=[]), "prompts: expected a non-empty list"),
         (dict(prompts=[[]]), r"prompts\[0\]: empty prompt"),
-        (dict(prompts=[1, 2, 3], adapters=[0, 0, 0]), r"prompts\[0\]: expected a list of int token ids"),
+        (dict(prompts=[1, 2, 3], adapters=[0, 0, 0]), "prompts: .*a flat list of 3 ints; wrap it"),
         (dict(prompts="hello"), "prompts: expected a non-empty list"),
         (dict(prompts=np.array([[1, 2]])), "prompts: expected a non-empty list.*ndarray"),
         (dict(prompts=[[1, V]]), r"prompts\[0\]\[1\] = 64 is out of range \[0, vocab_size=64\)"),

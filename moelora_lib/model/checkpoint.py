@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
 
+from ..common import is_int
 from .config import REAL_CONFIGS, ModelConfig
 from .modeling import MultiLoRAModel, random_weights
 
@@ -162,6 +164,30 @@ def _few(keys) -> str:
     return f"{len(keys)} key(s), e.g. {keys[:5]}"
 
 
+def _warn_long_max_seq(config: ModelConfig, max_seq) -> None:
+    """UserWarning naming ``max_seq`` when it exceeds the positions the checkpoint was made for: its
+    ``max_position_embeddings``, or with YaRN rope scaling factor × original_max_position_embeddings if
+    larger (Qwen3's long-context setup keeps max_position_embeddings at 40960 while YaRN extends it).
+    A warning, not an error: the cache and rope tables are built for any max_seq, and a model sized
+    generously (a common max_seq for several checkpoints) serves short prompts correctly; only tokens
+    beyond the trained positions are out of distribution."""
+    if not is_int(max_seq):
+        return  # MultiLoRAModel names the bad value
+    limit = config.max_position_embeddings
+    rs = config.rope_scaling
+    if rs:
+        limit = max(limit, int(rs["factor"] * rs["original_max_position_embeddings"]))
+    if max_seq > limit:
+        warnings.warn(
+            f"max_seq = {max_seq} exceeds the checkpoint's max_position_embeddings = "
+            f"{config.max_position_embeddings}"
+            + (f" (YaRN: {limit} positions)" if limit != config.max_position_embeddings else "")
+            + "; positions past it are beyond what the model was trained for",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 def load_hf_checkpoint(
     path,
     *,
@@ -185,6 +211,10 @@ def load_hf_checkpoint(
             (:meth:`ModelConfig.from_hf`), a quantized checkpoint (``quantization_config``), missing or
             unexpected keys (a few listed), a key whose shape differs (naming the key and the expected
             shape), and :class:`MultiLoRAModel`'s own errors.
+    Warns:
+        UserWarning when ``max_seq`` exceeds the checkpoint's max_position_embeddings (with YaRN, the
+        positions its rope scaling reaches): such a model builds and runs, but positions past that
+        are beyond what the model was trained for.
     """
     if not isinstance(path, (str, os.PathLike)):
         raise ValueError(f"path must be a checkpoint folder (str or os.PathLike), got {type(path).__name__}")
@@ -201,6 +231,7 @@ def load_hf_checkpoint(
             "dequantize to bf16 first (e.g. transformers' Mxfp4Config(dequantize=True) then save_pretrained)"
         )
     config = ModelConfig.from_hf(raw)
+    _warn_long_max_seq(config, max_seq)
     files = _key_files(path)
     plan = hf_key_plan(config, frozenset(files))
     needed = {k for keys, _, _ in plan.values() for k in keys}

@@ -65,7 +65,14 @@ slot would silently run the base model; pass None for that). A call holds the sl
 until it returns (``MultiLoRAModel.hold_slots``): loading or unloading one of them meanwhile (from the
 ``stream`` callback) raises RuntimeError at that load and leaves the running requests untouched; other
 slots can change. A call is not re-entrant: ``generate`` or ``warmup`` on the same model, or this
-generator's ``reset_graphs``, from inside a running call raise RuntimeError.
+generator's ``reset_graphs``, from inside a running call raise RuntimeError; so does a direct forward of
+the model (``MultiLoRAModel.exclusive_forwards``: the call's own forwards go through the callable it
+yields, any other would overwrite the KV cache rows in use).
+
+Non-finite logits: each prefill and decode step ORs "this row's logits hold a NaN or an infinity" into a
+[max_batch] bool buffer indexed by cache row (one reduction over [b, V] on the device, captured in the
+decode graphs too); the call reads it with its final sync into ``GenerationResult.non_finite`` and warns
+(RuntimeWarning) naming the flagged requests.
 
 LoRA variants: the host knows the adapter slots of every forward (those of its requests; padding rows
 have none), so each prefill call and decode step runs its forward under ``model.restrict_slots(slots)``:
@@ -95,6 +102,7 @@ import inspect
 import math
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -153,6 +161,14 @@ class GenerationResult:
       decode_batch_sizes[k] (active B, padded bucket b) of decode step k
       decode_slots[k]    the adapter slots (ascending) of decode step k's requests: the step ran the LoRA
                          launches they need and no other (none for ())
+      non_finite[i]      True when some logits of request i (its prefill's last logits or a decode step's)
+                         held a NaN or an infinity: its tokens from that point on are meaningless (the token
+                         picked from such a row: :func:`sample_tokens`).
+                         Computed on the device inside each step (inside the captured graphs too) and read
+                         with the final sync; :meth:`Generator.generate` also warns (RuntimeWarning) naming
+                         such requests. The other requests' tokens do not depend on it. With
+                         ``eos_check_interval`` > 1 it also covers the steps a request ran after its eos
+                         before the host saw it.
     """
 
     tokens: list[list[int]]
@@ -169,6 +185,7 @@ class GenerationResult:
     step_s: list[float] = field(default_factory=list)
     decode_batch_sizes: list[tuple[int, int]] = field(default_factory=list)
     decode_slots: list[tuple[int, ...]] = field(default_factory=list)
+    non_finite: list[bool] = field(default_factory=list)
 
     def summary(self) -> dict:
         """Aggregate numbers as one flat dict (a CSV row): means over requests plus the call totals."""
@@ -287,14 +304,14 @@ def _counter_gumbel(keys: torch.Tensor, position: int | torch.Tensor, vocab_size
     return u.log_().neg_().clamp_(min=torch.finfo(torch.float32).tiny).log_().neg_()
 
 
-def _scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+def _scaled_logits(logits: torch.Tensor, temperature: float, row_max: torch.Tensor) -> torch.Tensor:
     """(logits - row max) / temperature in float32: <= 0 with the row's max at 0, so no finite positive
-    temperature overflows to inf or gives NaN. A temperature below float32's smallest normal number
-    (1.2e-38; a subnormal divisor may be flushed to 0 on a GPU) gives its limit: 0 at the row's max,
-    -inf elsewhere; one above float32's largest number is clamped to it."""
+    temperature overflows to inf or gives NaN (for a row with a finite max). ``row_max``: the logits'
+    amax over the last dim, keepdim. A temperature below float32's smallest normal number (1.2e-38; a
+    subnormal divisor may be flushed to 0 on a GPU) gives its limit: 0 at the row's max, -inf elsewhere;
+    one above float32's largest number is clamped to it."""
     f32 = np.finfo(np.float32)
-    z = logits.float()
-    z = z - z.amax(dim=-1, keepdim=True)
+    z = logits.float() - row_max.float()
     if temperature < float(f32.tiny):
         return z.masked_fill_(z < 0, -math.inf)
     return z.div_(float(np.float32(min(temperature, float(f32.max)))))
@@ -327,9 +344,44 @@ def sample_tokens(
     [B, V] (int64 hashing, two logs). Without ``keys`` it comes from ``generator`` (None: torch's
     global RNG).
 
-    Raises ValueError for a temperature that is not a finite real number >= 0, a ``top_k`` that is not
-    an int >= 1, a ``top_p`` outside (0, 1], or ``keys`` of the wrong shape, dtype or device.
+    Non-finite rows: a row whose maximum is not finite — a NaN anywhere, a +inf, or every logit -inf
+    (e.g. the logits of an overflowed forward) — defines no distribution. Its token is its argmax, greedy
+    or sampled alike, whatever the keys, position, temperature, top_k and top_p: the index of its first
+    NaN, else of its first +inf, else 0. So such a row's token is deterministic but meaningless;
+    :meth:`Generator.generate` flags its request (``GenerationResult.non_finite``). A -inf logit in a row
+    with a finite max is a masked token (never drawn), not a non-finite row.
+
+    Raises ValueError for ``logits`` that are not a floating-point tensor [B, V] (B, V >= 1), a
+    temperature that is not a finite real number >= 0, a ``top_k`` that is not an int >= 1, a ``top_p``
+    outside (0, 1], ``keys`` of the wrong shape, dtype or device, or a ``position`` that is neither an
+    int nor an integer tensor [B] (or 0-d) on the logits' device.
     """
+    if not (
+        isinstance(logits, torch.Tensor)
+        and logits.dim() == 2
+        and logits.is_floating_point()
+        and logits.shape[0] >= 1
+        and logits.shape[1] >= 1
+    ):
+        got = type(logits).__name__
+        if isinstance(logits, torch.Tensor):
+            got = f"{logits.dtype} {tuple(logits.shape)}"
+        raise ValueError(f"logits: expected a floating-point tensor [B, V] (B, V >= 1), got {got}")
+    if isinstance(position, torch.Tensor):
+        if not (
+            position.dtype in (torch.int32, torch.int64)
+            and tuple(position.shape) in ((), tuple(logits.shape[:1]))
+            and position.device == logits.device
+        ):
+            raise ValueError(
+                f"position: expected an int or an int32/int64 tensor [{logits.shape[0]}] (or 0-d) on "
+                f"{logits.device}, got {position.dtype} {tuple(position.shape)} on {position.device}"
+            )
+    elif not is_int(position):
+        raise ValueError(
+            f"position: expected an int or an int32/int64 tensor [{logits.shape[0]}] (or 0-d) on "
+            f"{logits.device}, got {position!r}"
+        )
     if not (_is_number(temperature) and math.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"temperature: expected a finite real number >= 0, got {temperature!r}")
     if top_k is not None and not (is_int(top_k) and top_k >= 1):
@@ -346,7 +398,8 @@ def sample_tokens(
         raise ValueError(f"keys: expected None or int64 [{logits.shape[0]}] on {logits.device}, got {got!r}")
     if temperature == 0.0:
         return logits.argmax(dim=-1)
-    z = _scaled_logits(logits, float(temperature))
+    row_max = logits.amax(dim=-1, keepdim=True)  # NaN for a row with a NaN
+    z = _scaled_logits(logits, float(temperature), row_max)
     if top_k is not None and top_k < z.shape[-1]:
         kth = torch.topk(z, top_k, dim=-1).values[:, -1:]
         z = z.masked_fill(z < kth, -math.inf)
@@ -361,7 +414,8 @@ def sample_tokens(
     else:  # -log q with q ~ Exp(1), clamped away from 0 so the noise stays finite
         q = torch.empty_like(z).exponential_(1.0, generator=generator)
         noise = q.clamp_(min=torch.finfo(q.dtype).tiny).log_().neg_()
-    return (z + noise).argmax(dim=-1)
+    sampled = (z + noise).argmax(dim=-1)
+    return torch.where(torch.isfinite(row_max[:, 0]), sampled, logits.argmax(dim=-1))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -371,10 +425,13 @@ def sample_tokens(
 class _DecodeBucket:
     """Static decode inputs for batch size ``size`` (active rows first, then dummy rows), the adapter
     slots of the active rows and their LoRA variant (:meth:`Generator._variant_of`), and the CUDA graphs
-    captured so far, one per variant, all reading these inputs."""
+    captured so far, one per variant, all reading these inputs. ``owner`` [size, max_batch] bool: row k's
+    cache row one-hot for an active row, all False for a dummy row (where the step's non-finite flags go,
+    :meth:`Generator._flag_non_finite`)."""
 
-    def __init__(self, size: int, device: torch.device):
+    def __init__(self, size: int, max_batch: int, device: torch.device):
         self.size = size
+        self.owner = torch.zeros(size, max_batch, dtype=torch.bool, device=device)
         self.input_ids = torch.zeros(size, 1, dtype=torch.int64, device=device)  # last token per row
         self.start_pos = torch.zeros(size, dtype=torch.int64, device=device)  # its cache position
         self.lora_ids = torch.full((size,), -1, dtype=torch.int32, device=device)
@@ -477,6 +534,26 @@ class _Clock:
         return mark
 
 
+def _check_stream(stream) -> None:
+    """ValueError naming ``stream`` unless it is a callable that accepts the generator's call
+    ``stream(request_index, token)`` (two positional ints). Checked up front so a wrong signature fails
+    before the prefill rather than at the first token. A callable whose signature cannot be read (some
+    builtins and extension types) is accepted as is; ``*args`` accepts anything."""
+    if not callable(stream):
+        raise ValueError(f"stream: expected None or a callable stream(request_index, token), got {stream!r}")
+    try:
+        sig = inspect.signature(stream)
+    except (TypeError, ValueError):
+        return
+    try:
+        sig.bind(0, 0)
+    except TypeError as e:
+        raise ValueError(
+            f"stream: expected a callable taking two positional arguments, stream(request_index, token); "
+            f"{getattr(stream, '__qualname__', type(stream).__name__)}{sig} cannot be called so ({e})"
+        ) from None
+
+
 # ----------------------------------------------------------------------------------------------------
 # Generator
 
@@ -492,6 +569,8 @@ class Generator:
       pad_to_buckets: pad decode batches to the bucket sizes; default: ``use_cuda_graphs`` (on the CPU
         this runs the graph path's padding eagerly, which is what the CPU tests use).
       batch_prefill: prefill equal-length prompts together (else one request per call).
+      use_cuda_graphs, pad_to_buckets, pad_prefill: None (the default described) or a bool; batch_prefill
+        a bool (a string such as "no" is refused rather than read as True).
       pad_prefill: pad prompts to :func:`prefill_length` and, with CUDA graphs, replay a captured prefill
         per (rows, padded length); default: ``use_cuda_graphs`` (the CPU tests turn it on to run the padded
         path eagerly). Needs a model forward with ``kv_len`` and ``last_index`` (MultiLoRAModel).
@@ -525,20 +604,29 @@ class Generator:
                 f"model: max_tokens = {mt} < max_batch = {mb}; max_tokens must be >= max_batch, so that one "
                 f"decode step of max_batch requests (one token each) fits one forward"
             )
+        for name, flag in (
+            ("use_cuda_graphs", use_cuda_graphs),
+            ("pad_to_buckets", pad_to_buckets),
+            ("pad_prefill", pad_prefill),
+        ):
+            if flag is not None and not isinstance(flag, bool):
+                raise ValueError(f"{name}: expected None (the default), True or False, got {flag!r}")
+        if not isinstance(batch_prefill, bool):
+            raise ValueError(f"batch_prefill: expected True or False, got {batch_prefill!r}")
         self.device = _model_device(model)
         if use_cuda_graphs is None:
             use_cuda_graphs = self.device.type == "cuda"
         if use_cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"use_cuda_graphs: the model is on {self.device}, CUDA graphs need a CUDA model")
-        self.use_cuda_graphs = bool(use_cuda_graphs)
-        self.pad_to_buckets = self.use_cuda_graphs if pad_to_buckets is None else bool(pad_to_buckets)
+        self.use_cuda_graphs = use_cuda_graphs
+        self.pad_to_buckets = self.use_cuda_graphs if pad_to_buckets is None else pad_to_buckets
         if not isinstance(graph_batch_sizes, (list, tuple, range)) or not all(
             is_int(b) and b >= 1 for b in graph_batch_sizes
         ):
             raise ValueError(f"graph_batch_sizes: expected positive ints (a list), got {graph_batch_sizes!r}")
         mb = self.limits.max_batch
         self.graph_batch_sizes = tuple(sorted({int(b) for b in graph_batch_sizes if b <= mb} | {mb}))
-        self.batch_prefill = bool(batch_prefill)
+        self.batch_prefill = batch_prefill
         if not (is_int(warmup_steps) and warmup_steps >= 1):
             raise ValueError(f"warmup_steps: expected an int >= 1, got {warmup_steps!r}")
         self.warmup_steps = int(warmup_steps)
@@ -548,8 +636,6 @@ class Generator:
             params = {}
         self._has_kv_len = "kv_len" in params
         can_pad = self._has_kv_len and "last_index" in params
-        if pad_prefill is not None and not isinstance(pad_prefill, bool):
-            raise ValueError(f"pad_prefill: expected None, True or False, got {pad_prefill!r}")
         if pad_prefill and not can_pad:
             raise ValueError(
                 "pad_prefill: the model's forward must take kv_len and last_index (MultiLoRAModel)"
@@ -566,6 +652,13 @@ class Generator:
         self._side_stream = None
         self._graph_adapter_state: tuple | None = None
         self._running = False
+        # Per cache row: some logits of the request owning it were not finite during the running call
+        # (zeroed at each call's start; the decode graphs capture its address, so it is never replaced)
+        self._non_finite = torch.zeros(mb, dtype=torch.bool, device=self.device)
+        self._row_ids = torch.arange(mb, dtype=torch.int64, device=self.device)
+        # The model's forward while a generate call runs: the callable of ``model.exclusive_forwards()``
+        # (MultiLoRAModel; direct forwards then raise), else the model itself.
+        self._forward = model
         #: CUDA graphs captured by this generator so far (decode and prefill, lazily or in warmup).
         self.captures = 0
 
@@ -588,17 +681,28 @@ class Generator:
         bucket.slots = frozenset(slots)
         bucket.variant = self._variant_of(bucket.slots)
 
+    def _flag_non_finite(self, logits: torch.Tensor, owner: torch.Tensor) -> None:
+        """Set the non-finite flag of the cache rows whose logits hold a NaN or an infinity: ``logits``
+        [b, V], ``owner`` [b, max_batch] bool (row k's cache row one-hot; all False: not a request's row).
+        On the device, no host sync, graph-capturable: one reduction over [b, V] (aminmax, which
+        propagates NaN) and a few [b, max_batch] elementwise ops; no scatter, so it is deterministic and
+        needs no distinct-index guarantee."""
+        lo, hi = torch.aminmax(logits, dim=-1)
+        bad = torch.isfinite(lo).logical_and_(torch.isfinite(hi)).logical_not_()
+        self._non_finite.logical_or_(owner.logical_and(bad[:, None]).any(dim=0))
+
     def _forward_decode(self, bucket: _DecodeBucket) -> tuple[torch.Tensor, torch.Tensor]:
         """The step that a graph captures: model forward on the static buffers (restricted to the
-        bucket's adapter slots) + greedy argmax."""
+        bucket's adapter slots) + greedy argmax + the active rows' non-finite flags."""
         with self._restricted(bucket.slots):
-            logits = self.model(
+            logits = self._forward(
                 bucket.input_ids,
                 bucket.start_pos,
                 bucket.lora_ids,
                 cache_rows=bucket.cache_rows,
                 last_only=True,
             )
+        self._flag_non_finite(logits, bucket.owner)
         return logits, logits.argmax(dim=-1)
 
     def _capture_graph(self, fn: Callable[[], object], what: str):
@@ -639,7 +743,7 @@ class Generator:
         """The prefill a graph captures: the padded prompts from position 0 (restricted to the bucket's
         adapter slots), last real token's logits."""
         with self._restricted(pb.slots):
-            return self.model(
+            return self._forward(
                 pb.input_ids,
                 pb.start_pos,
                 pb.lora_ids,
@@ -697,7 +801,7 @@ class Generator:
         size = self._bucket_size(n)
         bucket = self._buckets.get(size)
         if bucket is None:
-            bucket = self._buckets[size] = _DecodeBucket(size, self.device)
+            bucket = self._buckets[size] = _DecodeBucket(size, self.limits.max_batch, self.device)
         return bucket
 
     def warmup(
@@ -816,6 +920,7 @@ class Generator:
                         bucket.start_pos.zero_()
                         bucket.lora_ids.fill_(-1)
                         bucket.cache_rows.copy_(torch.arange(bucket.size, device=self.device))
+                        bucket.owner.zero_()  # dummy rows: no request's flag
                         self._capture(bucket)
             _Clock(self.device).sync()
         plan["captured"] = self.captures - before
@@ -870,17 +975,28 @@ class Generator:
 
     @contextlib.contextmanager
     def _running_call(self, lora: list[int]):
-        """The body of a generate call: the model (and this generator) marked running, and the
-        requests' adapter slots held (``model.hold_slots``, where the model has it), until it exits."""
+        """The body of a generate call: the model (and this generator) marked running, the requests'
+        adapter slots held (``model.hold_slots``, where the model has it), and the model's forwards
+        reserved to this call (``model.exclusive_forwards``, where the model has it: this generator's
+        forwards go through the callable it yields, and any other forward, e.g. from the ``stream``
+        callback, raises RuntimeError instead of overwriting the call's KV cache rows), until it exits.
+        Graph replays run no Python forward, so the reservation costs one host-side check per eager
+        forward and nothing per replay."""
         hold = getattr(self.model, "hold_slots", None)
+        exclusive = getattr(self.model, "exclusive_forwards", None)
         slots = sorted({a for a in lora if a >= 0})
         key = id(self.model)
         _RUNNING_MODELS.add(key)
         self._running = True
         try:
-            with hold(slots) if callable(hold) else contextlib.nullcontext():
+            with contextlib.ExitStack() as stack:
+                if callable(hold):
+                    stack.enter_context(hold(slots))
+                if callable(exclusive):
+                    self._forward = stack.enter_context(exclusive())
                 yield
         finally:
+            self._forward = self.model
             _RUNNING_MODELS.discard(key)
             self._running = False
 
@@ -923,6 +1039,9 @@ class Generator:
         bucket.start_pos.copy_(torch.tensor(pos, dtype=torch.int64))
         bucket.lora_ids.copy_(torch.tensor([lora[i] for i in active] + [-1] * len(spare), dtype=torch.int32))
         bucket.cache_rows.copy_(torch.tensor(active + spare, dtype=torch.int64))
+        owner = torch.zeros(bucket.size, self.limits.max_batch, dtype=torch.bool)
+        owner[torch.arange(n), torch.tensor(active, dtype=torch.int64)] = True
+        bucket.owner.copy_(owner)
         self._set_slots(bucket, (lora[i] for i in active if lora[i] >= 0))
         return bucket, idx
 
@@ -933,8 +1052,16 @@ class Generator:
     ):
         lim = self.limits
         if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
+            hint = ""
+            if isinstance(prompts, (torch.Tensor, np.ndarray)) and prompts.ndim == 1:
+                hint = " (one prompt as a 1-D tensor/array: wrap it in a list, [prompt])"
             raise ValueError(
-                f"prompts: expected a non-empty list of token-id lists, got {type(prompts).__name__}"
+                f"prompts: expected a non-empty list of token-id lists, got {type(prompts).__name__}{hint}"
+            )
+        if all(is_int(p) for p in prompts):
+            raise ValueError(
+                f"prompts: expected a list of prompts (token-id lists or 1-D integer tensors), got a flat "
+                f"list of {len(prompts)} ints; wrap it in a list for one prompt: [prompt]"
             )
         if len(prompts) > lim.max_batch:
             raise ValueError(f"prompts: {len(prompts)} requests exceed the model's max_batch={lim.max_batch}")
@@ -1004,10 +1131,8 @@ class Generator:
             raise ValueError(f"top_p: expected None or a number in (0, 1], got {top_p!r}")
         if seed is not None:
             _check_seed(seed, len(prompts))
-        if stream is not None and not callable(stream):
-            raise ValueError(
-                f"stream: expected None or a callable stream(request_index, token), got {stream!r}"
-            )
+        if stream is not None:
+            _check_stream(stream)
         _eos_ids(eos, lim.vocab_size)
         if not (is_int(interval) and interval >= 1):
             raise ValueError(f"eos_check_interval: expected an int >= 1, got {interval!r}")
@@ -1063,7 +1188,7 @@ class Generator:
                 chunk = tokens[:, c0 : c0 + cols]
                 start = torch.full((g,), c0, dtype=torch.int64, device=dev)
                 kw = {"kv_len": c0 + chunk.shape[1]} if self._has_kv_len else {}
-                logits = self.model(chunk, start, lora_ids, cache_rows=rows, last_only=True, **kw)
+                logits = self._forward(chunk, start, lora_ids, cache_rows=rows, last_only=True, **kw)
         return logits
 
     # -- generate ------------------------------------------------------------------------------------
@@ -1104,8 +1229,11 @@ class Generator:
             that is any of them (GPT-OSS and Qwen3 list several in generation_config.json:
             ``transformers.GenerationConfig.from_pretrained(folder).eos_token_id``).
           eos_check_interval: decode steps between host checks for eos (see the module docstring).
-          progress: a text progress bar over decode steps (stdout).
-          stream: called as stream(request_index, token) for every token, in order (syncs per step).
+          progress: True for a text progress bar over decode steps (stdout); a bool.
+          stream: called as stream(request_index, token) for every token, in order (syncs per step); it
+            must accept those two positional arguments (checked before any work, from its signature
+            where Python can read it). It must not run a forward of the model (MultiLoRAModel raises
+            RuntimeError there): the call's requests use the KV cache rows a forward writes.
 
         Slots: the call holds its requests' adapter slots until it returns (``model.hold_slots`` where
         the model has it, as MultiLoRAModel does), so loading or unloading one of them meanwhile (e.g.
@@ -1113,11 +1241,19 @@ class Generator:
         adapters. The other slots stay free to load and unload; the change reaches this generator's
         graphs at its next call.
 
+        Non-finite logits: when some logits of a request hold a NaN or an infinity (e.g. an fp16
+        adapter whose update overflows), its ``GenerationResult.non_finite`` entry is True and a
+        RuntimeWarning names it; the call still returns every request's tokens (the flagged ones are
+        meaningless, the others unaffected). The flags are computed on the device in each step and read
+        with the final sync, so they add no host sync.
+
         Raises ValueError naming the argument for invalid input (before any work); RuntimeError when
         called while a generate call on the same model is running (e.g. from its ``stream`` callback:
         the KV cache rows, graphs and static buffers are in use).
         """
         self._check_model_idle("generate")
+        if not isinstance(progress, bool):
+            raise ValueError(f"progress: expected True or False, got {progress!r}")
         t_call = time.perf_counter()
         state = self._sync_graphs_with_adapters()
         ids, lora = self._validate(
@@ -1134,7 +1270,7 @@ class Generator:
             state,
         )
         with self._running_call(lora):
-            return self._generate(
+            res = self._generate(
                 t_call,
                 ids,
                 lora,
@@ -1148,6 +1284,16 @@ class Generator:
                 progress,
                 stream,
             )
+        bad = [i for i, f in enumerate(res.non_finite) if f]
+        if bad:
+            warnings.warn(
+                f"generate: the logits of request(s) {bad} held NaN or inf (e.g. an fp16 overflow in the "
+                "model or its adapter), so their tokens are meaningless; GenerationResult.non_finite flags "
+                "them, the other requests are unaffected",
+                RuntimeWarning,
+                stacklevel=3,  # the caller of generate (torch.no_grad's wrapper in between)
+            )
+        return res
 
     def _generate(
         self,
@@ -1184,10 +1330,13 @@ class Generator:
         ttft = [0.0] * n_req
         done = [False] * n_req  # host view: finished (eos seen by the host)
 
+        self._non_finite.zero_()
+
         # 1. prefill, one group at a time; sync after each for TTFT
         for group in self._prefill_groups(ids):
             rows = torch.tensor(group, dtype=torch.int64, device=dev)
             logits = self._prefill(group, ids, lora)
+            self._flag_non_finite(logits, rows[:, None] == self._row_ids[None, :])
             first = logits.argmax(dim=-1) if temperature == 0 else pick(logits, rows, 0)
             out[rows, 0] = first
             clock.sync()
@@ -1250,7 +1399,9 @@ class Generator:
 
         # 3. results: one sync, then host-side bookkeeping
         clock.sync()
-        out_host = out.tolist()
+        both = torch.cat([out, self._non_finite[:n_req, None].to(out.dtype)], dim=1).tolist()  # one copy
+        out_host = [row[:-1] for row in both]
+        non_finite = [bool(row[-1]) for row in both]
         t_end = time.perf_counter()
         step_end = [clock.seconds(m) for m in marks]
         tokens, finished, req_dec, req_otps = [], [], [], []
@@ -1283,4 +1434,5 @@ class Generator:
             step_s=step_s,
             decode_batch_sizes=batch_sizes,
             decode_slots=step_slots,
+            non_finite=non_finite,
         )

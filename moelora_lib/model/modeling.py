@@ -491,7 +491,9 @@ class MultiLoRAModel(nn.Module):
     slot cannot be loaded or unloaded (RuntimeError from :meth:`check_slot_free`, before anything
     changes: every LoRA module's ``slot_guard`` is this model's ``check_slot_free``). ``slots_in_use``
     lists them. :meth:`restrict_slots` narrows the slots a forward serves, so that the LoRA launches no
-    served adapter needs are skipped (:meth:`lora_launches`).
+    served adapter needs are skipped (:meth:`lora_launches`). :meth:`exclusive_forwards` reserves the
+    forward for a running generate call: any other forward meanwhile raises RuntimeError instead of
+    overwriting the KV cache rows the call uses.
 
     Module tree (names the adapter loader relies on): ``embed_tokens``, ``layers[l].input_layernorm``,
     ``.self_attn.{qkv_proj, o_proj, q_norm, k_norm, sinks}``, ``.post_attention_layernorm``, ``.mlp``
@@ -697,6 +699,7 @@ class MultiLoRAModel(nn.Module):
         super().__setstate__(state)
         self._install_slot_guards()  # a copy or an unpickled model: its own modules, nothing held
         self._restriction = None  # and unrestricted (its modules' active_slots are not copied)
+        self._exclusive = self._exclusive_call = False  # and its forwards free
 
     def _check_slot(self, slot) -> int:
         if not is_int(slot) or not 0 <= slot < self.num_adapters:
@@ -770,6 +773,40 @@ class MultiLoRAModel(nn.Module):
 
     #: the slots of the innermost open :meth:`restrict_slots` context (None: unrestricted)
     _restriction: frozenset[int] | None = None
+    #: an :meth:`exclusive_forwards` context is open / its callable is running a forward now
+    _exclusive: bool = False
+    _exclusive_call: bool = False
+
+    @contextlib.contextmanager
+    def exclusive_forwards(self) -> Iterator[Callable[..., torch.Tensor]]:
+        """Reserve this model's forward for one caller for the body of the ``with``: the callable it
+        yields runs the forward (``model(*args, **kwargs)``), and any other call of the forward raises
+        RuntimeError before touching anything. :meth:`moelora_lib.model.generate.Generator.generate`
+        holds it for the whole call, so a forward from its ``stream`` callback cannot overwrite the KV
+        cache rows its requests are using. Host-side only: one flag check per forward; a CUDA graph
+        replay runs no Python forward and is unaffected.
+
+        Yields: the callable (same arguments and result as :meth:`forward`).
+        Raises: RuntimeError if a reservation is already open (one caller at a time)."""
+        if self._exclusive:
+            raise RuntimeError(
+                "exclusive_forwards: this model's forwards are already reserved (a generate call is running "
+                "on it); reserve them after it returns"
+            )
+
+        def run(*args, **kwargs) -> torch.Tensor:
+            self._exclusive_call = True
+            try:
+                return self(*args, **kwargs)
+            finally:
+                self._exclusive_call = False
+
+        self._exclusive = True
+        try:
+            yield run
+        finally:
+            self._exclusive = False
+            self._exclusive_call = False
 
     def lora_launches(self, slots: Iterable[int] | None = None) -> tuple[tuple[bool, ...], ...]:
         """Per LoRA module (the order of :meth:`lora_modules`), the projections whose LoRA launches a
@@ -858,7 +895,17 @@ class MultiLoRAModel(nn.Module):
         Query i of row b sees cache positions ≤ start_pos[b] + i (and > that − sliding_window on
         sliding layers). Values of device-resident start_pos/cache_rows/lora_ids/input_ids are not
         checked (no host sync); out-of-range ones are undefined behaviour (a device-side index error).
+
+        RuntimeError, before anything runs, while a generate call on this model is running, unless the
+        call comes from that generator (:meth:`exclusive_forwards`): e.g. from its ``stream`` callback,
+        a forward would overwrite the KV cache rows the call's requests use.
         """
+        if self._exclusive and not self._exclusive_call:
+            raise RuntimeError(
+                "MultiLoRAModel.forward: a generate call is running on this model (called from its stream "
+                "callback?) and its requests use the KV cache rows a forward writes; call the forward after "
+                "it returns"
+            )
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             raise ValueError(f"input_ids must be an int tensor [B, S], got {describe(input_ids)}")
         if input_ids.dtype not in (torch.int32, torch.int64):

@@ -216,8 +216,26 @@ def test_cpu_tables(cpu_run, tmp_path):
     ]  # fmt: skip
 
 
+def test_no_adapter_while_loaded(cpu_run):
+    """Notebook 13's third scenario: no request on an adapter while 8 are loaded; its restricted breakdown
+    runs no LoRA launch (the base-only variant: on the interpreter a LoRA launch costs far more CPU time
+    than the whole base step), the mixed batch's restricted breakdown does."""
+    model, *_ = cpu_run
+    gen = Generator(model)
+    row = e2e.run_generation(gen, "tiny-gpt-oss", e2e.NO_ADAPTER_LOADED, concurrency=1, prompt_len=6,
+                             new_tokens=2, warm_tokens=0)  # fmt: skip
+    assert row["scenario"] == e2e.NO_ADAPTER_LOADED and row["adapters_loaded"] == 8
+    assert row["distinct_adapters"] == 0 and row["output_tokens"] == 2
+    kw = dict(batch=1, position=6, steps=1, restrict=True)
+    off = e2e.step_breakdown(model, adapters=e2e.adapter_slots(e2e.NO_ADAPTER_LOADED, 1, 8), **kw)
+    on = e2e.step_breakdown(model, adapters=e2e.adapter_slots("adapters_mixed", 1, 8), **kw)
+    assert off["lora"] == 0 and off["kernel_sum"] < 0.5 * on["kernel_sum"], (off, on)
+    assert model.lora_launches(None) == model.lora_launches(range(8))  # the restriction was undone
+
+
 def test_adapter_slots_and_prompts():
     assert e2e.adapter_slots("base", 3, 8) == [None] * 3
+    assert e2e.adapter_slots(e2e.NO_ADAPTER_LOADED, 2, 8) == [None] * 2
     assert e2e.adapter_slots("adapters_mixed", 10, 8) == [0, 1, 2, 3, 4, 5, 6, 7, 0, 1]
     with pytest.raises(ValueError):
         e2e.adapter_slots("mixed", 2, 8)

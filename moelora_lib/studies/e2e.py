@@ -6,6 +6,7 @@ tokens / the whole call. Greedy, no eos."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import math
@@ -34,6 +35,9 @@ MODELS = ("gpt-oss-20b", "qwen3-30b-a3b", "qwen3-32b")
 TINY_MODELS = {"gpt-oss-20b": "tiny-gpt-oss", "qwen3-30b-a3b": "tiny-qwen3-moe", "qwen3-32b": "tiny-qwen3"}
 #: Our scenarios: no adapter loaded at all, and 8 adapters loaded with request i on slot i mod L.
 SCENARIOS = ("base", "adapters_mixed")
+#: Notebook 13's third scenario: every request without an adapter while adapters are loaded (the Generator
+#: picks the variant without LoRA launches for such steps); run after :func:`load_adapters`.
+NO_ADAPTER_LOADED = "no_adapter_loaded"
 #: The baseline's: transformers alone, and transformers + PEFT with one adapter.
 HF_SCENARIOS = ("transformers", "transformers_peft")
 #: Categories of :func:`step_breakdown` (µs of kernel time per decode step).
@@ -243,11 +247,11 @@ def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def adapter_slots(scenario: str, n: int, num_adapters: int) -> list[int | None]:
-    """Adapter slot per request: "base" None for all, "adapters_mixed" request i on slot i mod L.
-    Raises ValueError for another scenario."""
-    if scenario not in SCENARIOS:
-        raise ValueError(f"scenario must be one of {SCENARIOS}, got {scenario!r}")
-    return [None] * n if scenario == "base" else [i % num_adapters for i in range(n)]
+    """Adapter slot per request: "base" and :data:`NO_ADAPTER_LOADED` None for all, "adapters_mixed"
+    request i on slot i mod L. Raises ValueError for another scenario."""
+    if scenario not in (*SCENARIOS, NO_ADAPTER_LOADED):
+        raise ValueError(f"scenario must be one of {(*SCENARIOS, NO_ADAPTER_LOADED)}, got {scenario!r}")
+    return [i % num_adapters for i in range(n)] if scenario == "adapters_mixed" else [None] * n
 
 
 def _mode(device) -> str:
@@ -419,12 +423,14 @@ def _attribute(events, *, cuda: bool, moe: bool) -> dict[str, float]:
 
 
 def step_breakdown(
-    model: MultiLoRAModel, *, batch: int, adapters: Sequence[int | None], position: int, steps: int = 3
-) -> dict[str, float]:
+    model: MultiLoRAModel, *, batch: int, adapters: Sequence[int | None], position: int, steps: int = 3,
+    restrict: bool = False,
+) -> dict[str, float]:  # fmt: skip
     """µs per decode step by :data:`CATEGORIES` and ``kernel_sum``: ``torch.profiler`` over ``steps`` eager
     decode steps of ``batch`` rows at cache ``position`` (after one unprofiled step), each kernel attributed
     through scopes on the attention blocks, MLP blocks and LoRALinear modules (:func:`_category`), unlinked
-    ones by name. GPU: device time; CPU: self CPU time."""
+    ones by name. GPU: device time; CPU: self CPU time. ``restrict``: the steps run inside
+    ``model.restrict_slots`` of the adapters' slots, as the Generator runs them (no slot: no LoRA launch)."""
     from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity, profile
 
@@ -456,8 +462,10 @@ def step_breakdown(
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # Kineto's start/stop lines would fill the notebook
+    slots = {a for a in adapters if a is not None and a >= 0}
+    scope = model.restrict_slots(slots) if restrict else contextlib.nullcontext()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), scope:
             step()
             _sync(dev)
             with profile(activities=acts) as prof:

@@ -29,7 +29,6 @@ from .defaults import (
 from .files import (
     BASE_FILE_OP,
     DENSE_FILE_OPS,
-    FUSE_SHRINK_KEY,
     FUSED_FILE_KEYS,
     FUSED_FILE_OP,
     LORA_FILE_OPS,
@@ -82,7 +81,6 @@ __all__ = [
     "BASE_FILE_OP",
     "FUSED_FILE_OP",
     "FUSED_FILE_KEYS",
-    "FUSE_SHRINK_KEY",
     "STAGE_KEY",
     "STAGE_CHOICES",
     "DENSE_FILE_OPS",

@@ -33,9 +33,7 @@ spaces and ``-`` replaced by ``_``, e.g. ``NVIDIA_H200``; ``cpu`` without CUDA):
 
 * ``{gpu}_FUSED_MOE_LORA_FUSED.json`` — stage ``fused``'s two GEMMs (base GEMM + LoRA expand
   [+ activation]): the base file's nesting, leaf ``{"fused_gate_up": leaf, "fused_down": leaf}``,
-  optionally with ``"fuse_shrink": true`` (the GEMMs compute the LoRA rank intermediate themselves,
-  no shrink launches, at that m; absent or false: the shrink launches run; any other value raises) and
-  ``"stage": "fused"`` or ``"tuned"`` (the stage :class:`~moelora_lib.layer.MoELoRALayer`'s
+  optionally with ``"stage": "fused"`` or ``"tuned"`` (the stage :class:`~moelora_lib.layer.MoELoRALayer`'s
   ``stage="auto"`` runs at that m, :func:`~moelora_lib.configs.loader.load_stage_choice`; absent:
   ``tuned``; any other value raises).
 
@@ -83,7 +81,6 @@ __all__ = [
     "BASE_FILE_OP",
     "FUSED_FILE_OP",
     "FUSED_FILE_KEYS",
-    "FUSE_SHRINK_KEY",
     "STAGE_KEY",
     "STAGE_CHOICES",
     "DENSE_FILE_OPS",
@@ -115,16 +112,12 @@ FUSED_FILE_OP = "FUSED_MOE_LORA_FUSED"
 #: leaf keys of the fused file -> the LayerConfig field that configures that launch
 FUSED_FILE_KEYS = {"fused_gate_up": "base_gate_up", "fused_down": "base_down"}
 
-#: optional boolean key of a fused leaf -> LayerConfig.fuse_shrink (absent: false): the fused GEMMs
-#: compute the LoRA rank intermediate themselves, no shrink launches
-FUSE_SHRINK_KEY = "fuse_shrink"
-
 #: optional key of a fused leaf: the stage that ``stage="auto"`` runs at that leaf's (dims, m) bucket
 #: (:func:`~moelora_lib.configs.loader.load_stage_choice`; absent: ``tuned``), one of
 #: :data:`STAGE_CHOICES`; the parsed leaf carries it under this key
 STAGE_KEY = "stage"
 STAGE_CHOICES = ("tuned", "fused")
-_FUSED_LEAF_KEYS = {*FUSED_FILE_KEYS, FUSE_SHRINK_KEY, STAGE_KEY}
+_FUSED_LEAF_KEYS = {*FUSED_FILE_KEYS, STAGE_KEY}
 
 LORA_DEPTH = 6  # max_loras, num_slices, m, k, n, i
 
@@ -210,20 +203,12 @@ def _walk(node: Any, depth: int, path: str, keys: tuple, out: dict, leaf_kind: s
                 got = sorted(node) if isinstance(node, dict) else type(node).__name__
                 raise ValueError(
                     f"{where}: a fused leaf must have exactly the keys {list(FUSED_FILE_KEYS)} "
-                    f"(and optionally {FUSE_SHRINK_KEY!r}, {STAGE_KEY!r}), got {got}"
+                    f"(and optionally {STAGE_KEY!r}), got {got}"
                 )
             cfgs: dict = {
                 FUSED_FILE_KEYS[op]: _parse_leaf(node[op], f"{path} at {_keypath(keys + (op,))}")
                 for op in FUSED_FILE_KEYS
             }
-            if FUSE_SHRINK_KEY in node:
-                v = node[FUSE_SHRINK_KEY]
-                if not isinstance(v, bool):
-                    raise ValueError(
-                        f"{path} at {_keypath(keys + (FUSE_SHRINK_KEY,))}: {FUSE_SHRINK_KEY!r} must be "
-                        f"true or false, got {v!r}"
-                    )
-                cfgs["fuse_shrink"] = v
             if STAGE_KEY in node:
                 v = node[STAGE_KEY]
                 if not isinstance(v, str) or v not in STAGE_CHOICES:

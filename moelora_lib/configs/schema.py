@@ -92,12 +92,6 @@ class LayerConfig:
     (adapter, expert) alignment, so each group must agree on BLOCK_SIZE_M (as upstream, where a
     mismatch corrupts memory silently; here it raises ValueError). Each op field must be an
     :class:`OpConfig` (ValueError naming the field otherwise).
-
-    ``fuse_shrink`` (stage ``fused`` only; default False): each fused GEMM computes its rows' LoRA rank
-    intermediate itself (a second K loop over x and A after the base one, K tile from the projection's
-    shrink config's BLOCK_SIZE_K) instead of reading it from the two shrink launches, which are then not
-    made. Must be a bool (ValueError naming it); other stages clear it
-    (:meth:`~moelora_lib.kernels.stages.Stage.adapt`).
     """
 
     base_gate_up: OpConfig
@@ -107,14 +101,8 @@ class LayerConfig:
     down_shrink: OpConfig
     down_expand: OpConfig
     source: str = "default"
-    fuse_shrink: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.fuse_shrink, bool):
-            raise ValueError(
-                f"LayerConfig.fuse_shrink must be a bool, got {type(self.fuse_shrink).__name__}: "
-                f"{self.fuse_shrink!r}"
-            )
         for op in BASE_OPS + LORA_OPS:
             v = getattr(self, op)
             if not isinstance(v, OpConfig):
@@ -174,13 +162,10 @@ class LayerConfig:
     def to_dict(self) -> dict:
         d = {op: getattr(self, op).to_dict() for op in BASE_OPS + LORA_OPS}
         d["source"] = self.source
-        if self.fuse_shrink:  # (absent when off: the records of every other config are unchanged)
-            d["fuse_shrink"] = True
         return d
 
     def short(self) -> str:
-        s = ";".join(f"{op}={getattr(self, op).short()}" for op in BASE_OPS + LORA_OPS)
-        return s + ";fuse_shrink" if self.fuse_shrink else s
+        return ";".join(f"{op}={getattr(self, op).short()}" for op in BASE_OPS + LORA_OPS)
 
 
 @dataclass(frozen=True)

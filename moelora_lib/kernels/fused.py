@@ -28,15 +28,6 @@ layer, routing and alignment aside: gate_up_shrink, fused_gate_up, down_shrink, 
   once. The gate_up GEMM cannot split (its activation needs all of K).
   :meth:`~.config.LayerConfig.deterministic` clears the split with the shrinks'.
 
-* **Shrink in the base GEMM too** (opt-in: ``LayerConfig.fuse_shrink``, key ``"fuse_shrink": true`` of a
-  fused file leaf; off everywhere by default): each fused GEMM computes its rows' rank intermediate
-  after its K loop (per adapter present in the tile, x·A[l, e, s]ᵀ over K in fp32, K tile from the
-  shrink config; the down GEMM split over K: each split over its own K tiles, adding that part's
-  delta), so the two shrink launches and the intermediate go: two launches and the top-k sum. Same
-  values as with the shrink launches (bit for bit on the CPU at the same K tile and an unsplit shrink);
-  the cost is A re-read by every N tile of an expert and a second, serial K loop per program
-  (docs/perf_notes.md has the prediction).
-
 Rows whose adapter id is -1, outside [0, L), or whose slot does not cover the projection
 (``LayerRun(proj_lora_ids=...)``) get no LoRA term: bit-identical to this stage's base part. A row
 reads no value of another adapter's weights: an inf or NaN in one slot's A or B gives non-finite rows

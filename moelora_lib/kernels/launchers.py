@@ -463,40 +463,28 @@ def fused_moe_lora_args(
     lora_b: torch.Tensor | None = None,
     lora_ids: torch.Tensor | None = None,
     use_even_k: bool = True,
-    lora_a: torch.Tensor | None = None,
-    shrink_block_k: int | None = None,
 ) -> tuple[str, tuple, tuple, dict]:
     """``(kernel, grid, args, constexprs)`` of one :func:`fused_moe_lora` launch; nothing allocated.
 
     ``activation`` given: the gate_up kernel (``fused_moe_lora_act``, x = hidden_states [T, H], w = w13
     [E, 2I, H], out = g [T·K, I]); None: the down kernel (``fused_moe_lora``, x = g [T·K, I], w = w2
-    [E, H, I], out = y [T·K, H], topk_weights required). ``lora_b``/``lora_ids`` and one of
-    ``inter`` (the shrink launch's intermediate) or ``lora_a`` (FUSE_SHRINK: the shrink in this launch,
-    K tile ``shrink_block_k``, default cfg.BLOCK_SIZE_K) together, or none of them (HAS_LORA off).
+    [E, H, I], out = y [T·K, H], topk_weights required). ``inter``/``lora_b``/``lora_ids`` together or
+    not at all (HAS_LORA).
     """
     assert cfg.BLOCK_SIZE_M == align.block_size_m and (cfg.SPLIT_K == 1 or activation is None)
     E, N, K = w.shape
-    fuse = lora_a is not None
-    has_lora = inter is not None or fuse
-    assert has_lora == (lora_b is not None) == (lora_ids is not None) and not (fuse and inter is not None)
-    a_strides = (0, 0, 0, 0, 0)
+    has_lora = inter is not None
+    assert has_lora == (lora_b is not None) == (lora_ids is not None)
     if has_lora:
         b5 = lora_b if lora_b.dim() == 5 else lora_b.unsqueeze(2)
         L, _, S, NS, R = b5.shape
+        i_strides = (inter.stride(0), inter.stride(1), inter.stride(2))
         b_strides = tuple(b5.stride(d) for d in range(5))
         ids = lora_ids
-        if fuse:  # no intermediate: its pointer is a dummy, A is read
-            a5 = lora_a if lora_a.dim() == 5 else lora_a.unsqueeze(2)
-            assert a5.shape[:4] == (L, E, S, R) and a5.shape[4] == K, (tuple(a5.shape), (L, E, S, R, K))
-            a_strides = tuple(a5.stride(d) for d in range(5))
-            inter, i_strides = out, (0, 0, 0)
-        else:
-            a5 = w
-            i_strides = (inter.stride(0), inter.stride(1), inter.stride(2))
     else:  # dummies (never read): HAS_LORA is False
         b5, L, S, NS, R, ids = w, 0, 1, N, 16, align.sorted_token_ids
         i_strides, b_strides = (0, 0, 0), (0, 0, 0, 0, 0)
-        inter, a5 = out, w
+        inter = out
     b = bias if bias is not None else w
     c_strides = (bias.stride(0), bias.stride(1)) if bias is not None else (0, 0)
     cx = dict(
@@ -509,27 +497,23 @@ def fused_moe_lora_args(
         HAS_BIAS=bias is not None,
         HAS_LORA=has_lora,
     )
-    if fuse:  # (absent otherwise: the launch without the fused shrink keeps its exact constexprs)
-        # a split-K down GEMM spreads the shrink over its splits in whole K tiles of the base loop
-        bks = int(shrink_block_k) if shrink_block_k is not None and cfg.SPLIT_K == 1 else cfg.BLOCK_SIZE_K
-        cx.update(FUSE_SHRINK=True, BLOCK_SIZE_KS=bks, EVEN_KS=bool(use_even_k and even_k(K, bks)))
     head = (x, w, out, b)
     counts = (align.sorted_token_ids, align.block_expert_ids, align.num_tokens_post_padded)
     counts += (align.num_pairs, align.num_blocks)
     strides = (x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1))
-    strides += c_strides + i_strides + b_strides + a_strides
+    strides += c_strides + i_strides + b_strides
     if activation is not None:
         assert N % 2 == 0 and (not has_lora or NS * S == N)
         inter_size = N // 2
         grid = (align.num_blocks * triton.cdiv(inter_size, cfg.BLOCK_SIZE_N),)
-        args = head + (inter, b5, a5, ids) + counts + (inter_size, K, top_k, R, L, NS) + strides
+        args = head + (inter, b5, ids) + counts + (inter_size, K, top_k, R, L, NS) + strides
         return "fused_moe_lora_act", grid, args, dict(cx, ACTIVATION=activation)
     assert topk_weights is not None
     if cfg.SPLIT_K > 1:  # split-K partial sums are added into a zeroed fp32 y
         assert out.dtype == torch.float32
         cx["SPLIT_K"] = cfg.SPLIT_K
     grid = (align.num_blocks * triton.cdiv(N, cfg.BLOCK_SIZE_N) * cfg.SPLIT_K,)
-    args = head + (topk_weights, inter, b5, a5, ids) + counts + (N, K, top_k, R, L) + strides
+    args = head + (topk_weights, inter, b5, ids) + counts + (N, K, top_k, R, L) + strides
     return "fused_moe_lora", grid, args, cx
 
 
@@ -548,8 +532,6 @@ def fused_moe_lora(
     lora_b: torch.Tensor | None = None,
     lora_ids: torch.Tensor | None = None,
     use_even_k: bool = True,
-    lora_a: torch.Tensor | None = None,
-    shrink_block_k: int | None = None,
 ) -> torch.Tensor:
     """The base grouped GEMM of stage ``fused`` with the LoRA expand (and, for gate_up, the activation)
     in the same program, over the expert-only alignment ``align``.
@@ -561,13 +543,6 @@ def fused_moe_lora(
     [T·K, S, R16] float32 from :func:`lora_shrink_rows`, its rows written for exactly those pairs;
     ``lora_b``: [L, E, S, N/S, R] (gate_up) or [L, E, H, R] (down). The whole row is accumulated in fp32
     and rounded once (the base, the delta, the bias, the activation, the routing weight).
-
-    ``lora_a`` instead of ``inter`` (FUSE_SHRINK): [L, E, S, R, K] (gate_up, K = H) or [L, E, R, I]
-    (down); each program computes its rows' intermediate x·lora_a[l, e, s]ᵀ itself, in fp32 over K in
-    steps of ``shrink_block_k`` (default cfg.BLOCK_SIZE_K), per adapter present in its tile, and
-    uses it as it would the fp32 intermediate: no shrink launch, no intermediate buffer. With the
-    down GEMM split over K, each split computes the part of the intermediate over its own K tiles
-    (K tile cfg.BLOCK_SIZE_K, ``shrink_block_k`` unused) and adds that part's delta to its share.
     """
     kernel, grid, args, constexprs = fused_moe_lora_args(
         x,
@@ -583,8 +558,6 @@ def fused_moe_lora(
         lora_b=lora_b,
         lora_ids=lora_ids,
         use_even_k=use_even_k,
-        lora_a=lora_a,
-        shrink_block_k=shrink_block_k,
     )
     _kernel(kernel, False)[grid](*args, **constexprs, num_warps=cfg.NUM_WARPS, num_stages=cfg.NUM_STAGES)
     return out

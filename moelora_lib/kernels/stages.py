@@ -136,8 +136,6 @@ class Stage:
                 changes[op] = replace(c, **new)
         if not self.fused_gemm and cfg.base_down.SPLIT_K != 1:  # only stage fused's down GEMM splits K
             changes["base_down"] = replace(cfg.base_down, SPLIT_K=1)
-        if not self.fused_gemm and cfg.fuse_shrink:  # only stage fused's GEMMs can hold the shrink
-            changes["fuse_shrink"] = False
         return replace(cfg, **changes) if changes else cfg
 
 
@@ -204,11 +202,6 @@ class LayerRun:
     ``down_shrink``, the down GEMM with its expand (writes ``y``), the top-k sum. Their configs are
     the :class:`LayerConfig` fields of :data:`FUSED_CONFIG_FIELD`. The single-launch methods of the
     seven-launch plan (:meth:`base_gate_up`, :meth:`act`, ...) and :meth:`lora_part` do not apply there.
-    With ``config.fuse_shrink`` the two shrink launches are not made (nor their intermediates used):
-    each fused GEMM computes its rows' intermediate itself from ``lora_a13`` / ``lora_a2``, with the K
-    tile of the ``gate_up_shrink`` / ``down_shrink`` config (:func:`~.launchers.fused_moe_lora`'s
-    ``lora_a``); two launches and the top-k sum. :meth:`op_fn` and :meth:`launch_args` of a fused GEMM
-    follow the switch; those of a shrink still describe the shrink launch.
     """
 
     def __init__(
@@ -487,16 +480,13 @@ class LayerRun:
             inter=inter,
         )
 
-    def _fused_io(
-        self, op: str, inter: torch.Tensor | None, split: bool, fuse: bool = False
-    ) -> dict[str, Any]:
+    def _fused_io(self, op: str, inter: torch.Tensor | None, split: bool) -> dict[str, Any]:
         """The keyword arguments of :func:`~.launchers.fused_moe_lora` for ``op`` (no LoRA when
-        ``inter`` is None and ``fuse`` is False); ``split``: the launch's config splits the down GEMM
-        over K, so it adds into the fp32 y; ``fuse``: the GEMM computes the rank intermediate itself
-        (``lora_a``, K tile of the projection's shrink config) and ``inter`` is not used."""
-        has = inter is not None or fuse
+        ``inter`` is None); ``split``: the launch's config splits the down GEMM over K, so it adds into
+        the fp32 y."""
+        has = inter is not None
         if op == "fused_gate_up":
-            io = dict(
+            return dict(
                 x=self.x,
                 w=self.w13,
                 out=self._g_buf,
@@ -506,9 +496,8 @@ class LayerRun:
                 lora_b=self.lora[1] if has else None,
                 lora_ids=self._proj_ids(0) if has else None,
             )
-            a, shrink = self.lora[0], self.cfg.gate_up_shrink
-        elif op == "fused_down":
-            io = dict(
+        if op == "fused_down":
+            return dict(
                 x=self._g_buf,
                 w=self.w2,
                 out=self._y32_buf() if split else self.y,
@@ -518,12 +507,7 @@ class LayerRun:
                 lora_b=self.lora[3] if has else None,
                 lora_ids=self._proj_ids(1) if has else None,
             )
-            a, shrink = self.lora[2], self.cfg.down_shrink
-        else:
-            raise ValueError(f"op must be one of {FUSED_LAUNCH_OPS}, got {op!r}")
-        if fuse:
-            io.update(inter=None, lora_a=a, shrink_block_k=shrink.BLOCK_SIZE_K)
-        return io
+        raise ValueError(f"op must be one of {FUSED_LAUNCH_OPS}, got {op!r}")
 
     def _y32_buf(self) -> torch.Tensor:
         """The fp32 [T·K, H] y of a split-K down GEMM (``buffers["y32"]`` or a new one, kept for the
@@ -535,14 +519,12 @@ class LayerRun:
             self._y32 = buf
         return self._y32
 
-    def _fused_gemm(
-        self, op: str, inter: torch.Tensor | None, cfg: OpConfig | None = None, fuse: bool = False
-    ):
+    def _fused_gemm(self, op: str, inter: torch.Tensor | None, cfg: OpConfig | None = None):
         c = self._op_cfg(op, cfg)
         split = op == "fused_down" and c.SPLIT_K > 1  # (a replacement config may differ from the layer's)
         if split:  # the split-K programs add into the fp32 y
             self._y32_buf().zero_()
-        io = self._fused_io(op, inter, split, fuse)
+        io = self._fused_io(op, inter, split)
         fused_moe_lora(
             io.pop("x"),
             io.pop("w"),
@@ -553,25 +535,15 @@ class LayerRun:
             **io,
         )
 
-    def _fused_lora(self, proj: str, with_lora: bool = True) -> tuple[bool, bool]:
-        """(has, fuse) of ``proj``'s fused GEMM: whether it has a LoRA term (an adapter covers the
-        projection: its LoRA alignment exists) and whether it computes the intermediate itself
-        (``cfg.fuse_shrink``: no shrink launch)."""
-        align = self.lora_align if proj == "gate_up" else self.lora_align_down
-        has = bool(with_lora) and align is not None
-        return has, has and self.cfg.fuse_shrink
-
     def _fused_call(self, with_lora: bool) -> torch.Tensor:
         inter13 = inter2 = None
-        has13, fuse13 = self._fused_lora("gate_up", with_lora)
-        if has13 and not fuse13:
+        if with_lora and self.lora_align is not None:
             inter13 = self._rows_shrink("gate_up", inter=self.buffers.get("inter_gate_up"))
-        self._fused_gemm("fused_gate_up", inter13, fuse=fuse13)
+        self._fused_gemm("fused_gate_up", inter13)
         self.g = self._g_buf
-        has2, fuse2 = self._fused_lora("down", with_lora)
-        if has2 and not fuse2:
+        if with_lora and self.lora_align_down is not None:
             inter2 = self._rows_shrink("down", inter=self.buffers.get("inter_down"))
-        self._fused_gemm("fused_down", inter2, fuse=fuse2)
+        self._fused_gemm("fused_down", inter2)
         return self.reduce()
 
     # --- groupings used by callers and benchmarks ---------------------------------------------
@@ -712,9 +684,9 @@ class LayerRun:
         if op.endswith("shrink"):
             return lambda: self._rows_shrink(op.removesuffix("_shrink"), cfg)
         proj = "gate_up" if op == "fused_gate_up" else "down"
-        has, fuse = self._fused_lora(proj)
-        inter = self._rows_shrink(proj) if has and not fuse else None
-        return lambda: self._fused_gemm(op, inter, cfg, fuse=fuse)
+        align = self.lora_align if proj == "gate_up" else self.lora_align_down
+        inter = self._rows_shrink(proj) if align is not None else None
+        return lambda: self._fused_gemm(op, inter, cfg)
 
     def _fused_launch_args(self, op: str, cfg: OpConfig | None) -> Launch:
         kernel = FUSED_LAUNCH_KERNELS.get(op)
@@ -737,8 +709,8 @@ class LayerRun:
             )
             return Launch(kernel, grid, args, cx, c.NUM_WARPS, c.NUM_STAGES, c)
         proj = "gate_up" if op == "fused_gate_up" else "down"
-        has, fuse = self._fused_lora(proj)
-        io = self._fused_io(op, self._inter_rows(proj) if has and not fuse else None, c.SPLIT_K > 1, fuse)
+        align = self.lora_align if proj == "gate_up" else self.lora_align_down
+        io = self._fused_io(op, self._inter_rows(proj) if align is not None else None, c.SPLIT_K > 1)
         name, grid, args, cx = fused_moe_lora_args(
             io.pop("x"), io.pop("w"), io.pop("out"), self.base_align, c, top_k=self.K, **io
         )

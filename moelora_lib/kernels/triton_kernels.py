@@ -36,11 +36,6 @@ Features switched by the stages:
   The gate_up kernel also applies the activation in its epilogue (two accumulators: gate and up
   columns) and writes ``g`` [P, I] directly (no ``h`` buffer, no activation launch). Its rank
   intermediate is laid out [P, S, R16] (R rounded up to 16), so no stride depends on the length.
-* ``FUSE_SHRINK`` (with ``HAS_LORA``, stage ``fused`` with ``LayerConfig.fuse_shrink``): the fused GEMMs
-  compute the rank intermediate themselves instead of reading it: per adapter present in the tile (and
-  per slice its columns touch) a second K loop x·A[l, e, s]ᵀ in fp32 over the tile's rows
-  (:func:`_lora_rank_rows`), the rows of other adapters selected away, then the same expand. No shrink
-  launch; at decode A is read again by every N tile of an expert, from L2.
 
 Precision. Every dot accumulates in fp32. The rank intermediate ``inter`` (x·Aᵀ, g·A2ᵀ) is
 accumulated and stored in fp32, and the expand's dot reads it in a form chosen at compile time from
@@ -399,91 +394,19 @@ def _lora_cols_dot(
             mask=sel[:, None] & r_mask[None, :],
             other=0.0,
         )
-        acc = _lora_slice_dot(
-            acc, ia, b_base + s * stride_bs, sel, col_n, col_mask & (col_s == s), R, stride_bn, stride_br,
-            BLOCK_SIZE_R,
-        )  # fmt: skip
-    return acc
-
-
-@triton.jit
-def _lora_slice_dot(acc, ia, b_base, sel, col_n, cmask, R, stride_bn, stride_br, BLOCK_SIZE_R: tl.constexpr):
-    """acc[sel] += ia[sel]·B_s[col_n]ᵀ, the columns of one slice: ``ia`` [BLOCK_SIZE_M, BLOCK_SIZE_R] fp32
-    (zero outside ``sel`` and beyond R), ``b_base`` the slice's B [N_s, R] (strides bn, br), ``cmask``
-    the columns of this slice (others read B as zero). Rows not in ``sel`` keep ``acc`` (a select: the
-    dot gives every row ia[row]·B, and a row of another adapter, ia = 0, would get 0·NaN = NaN from a
-    non-finite B). Precision: bf16 B: ia rounded to bf16, bf16 dot; fp16 B: B widened to fp32 (tf32 on
-    the GPU); fp32: fp32 operands."""
-    offs_r = tl.arange(0, BLOCK_SIZE_R)
-    r_mask = offs_r < R
-    bb = tl.load(
-        b_base + col_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
-        mask=r_mask[:, None] & cmask[None, :],
-        other=0.0,
-    )
-    if b_base.dtype.element_ty == tl.float16:
-        d = tl.dot(ia, bb.to(tl.float32), acc)
-    else:
-        d = tl.dot(ia.to(bb.dtype), bb, acc)
-    return tl.where(sel[:, None], d, acc)
-
-
-@triton.jit
-def _lora_rank_rows(
-    x_ptr,
-    a_base,
-    x_row,
-    sel,
-    k0,
-    K,
-    R,
-    stride_xm,
-    stride_xk,
-    stride_ar,
-    stride_ak,
-    BLOCK_SIZE_M: tl.constexpr,
-    BLOCK_SIZE_R: tl.constexpr,
-    BLOCK_SIZE_KS: tl.constexpr,
-    EVEN_KS: tl.constexpr,
-):
-    """The shrink inside a fused GEMM: inter[m, :R] = x[x_row[m], k0:K]·A_s[:R, k0:K]ᵀ for the rows of
-    ``sel`` of the tile, [BLOCK_SIZE_M, BLOCK_SIZE_R] fp32, exactly 0 in the other rows and in columns ≥ R
-    (k0 = 0 but for a split of a split-K GEMM, which takes its own columns k0..K).
-
-    ``a_base``: one adapter's A of one expert and slice, [R, ·] (strides ar, ak). The K loop takes
-    BLOCK_SIZE_KS columns per step (EVEN_KS: K - k0 is a multiple of BLOCK_SIZE_KS, unmasked loads; A
-    rows ≥ R are clamped to row 0 and their columns zeroed by the select) and accumulates an fp32 dot of
-    x's and A's dtype, as the shrink kernel at SPLIT_K = 1 does with the same K tile; the result stays
-    fp32 (the shrink kernel stores it to its fp32 intermediate unrounded), so what the expand reads is
-    the same.
-    Rows not in ``sel`` are computed with this adapter's A and then selected away: none of its values
-    reaches them."""
-    offs_r = tl.arange(0, BLOCK_SIZE_R)
-    r_mask = offs_r < R
-    offs_r_ld = tl.where(r_mask, offs_r, 0).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_SIZE_KS)
-    x_ptrs = x_ptr + x_row[:, None] * stride_xm + (k0 + offs_k)[None, :] * stride_xk
-    a_ptrs = a_base + offs_r_ld[None, :] * stride_ar + (k0 + offs_k)[:, None] * stride_ak
-    acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_R), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K - k0, BLOCK_SIZE_KS)):
-        if EVEN_KS:
-            xa = tl.load(x_ptrs)
-            aa = tl.load(a_ptrs)
+        bb = tl.load(
+            b_base + s * stride_bs + col_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
+            mask=r_mask[:, None] & (col_mask & (col_s == s))[None, :],
+            other=0.0,
+        )
+        if b_ptr.dtype.element_ty == tl.float16:
+            d = tl.dot(ia, bb.to(tl.float32), acc)
         else:
-            k_left = K - k0 - k * BLOCK_SIZE_KS
-            xa = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-            aa = tl.load(a_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        acc = tl.dot(xa, aa, acc)
-        x_ptrs += BLOCK_SIZE_KS * stride_xk
-        a_ptrs += BLOCK_SIZE_KS * stride_ak
-    return tl.where(sel[:, None] & r_mask[None, :], acc, 0.0)
-
-
-@triton.jit
-def _slice_range(cols, col_mask, NS):
-    """(lowest, highest) slice of the columns ``cols`` in ``col_mask`` (slice = column // NS)."""
-    col_s = cols // NS
-    return tl.min(tl.where(col_mask, col_s, 1 << 30)), tl.max(tl.where(col_mask, col_s, -1))
+            d = tl.dot(ia.to(bb.dtype), bb, acc)
+        # the dot gives every row of the tile ia[row]·B[lora]: a row of another adapter (ia = 0) would
+        # get 0·NaN = NaN from a non-finite B, so only the rows of ``sel`` take the new value
+        acc = tl.where(sel[:, None], d, acc)
+    return acc
 
 
 @triton.jit
@@ -501,7 +424,6 @@ def _fused_moe_lora_act_kernel(
     bias_ptr,
     inter_ptr,
     b_ptr,
-    a_ptr,
     lora_ids_ptr,
     sorted_ids_ptr,
     block_expert_ptr,
@@ -531,11 +453,6 @@ def _fused_moe_lora_act_kernel(
     stride_bs,
     stride_bn,
     stride_br,
-    stride_al,
-    stride_ae,
-    stride_as,
-    stride_ar,
-    stride_ak,
     BLOCK_SIZE_M: tl.constexpr,
     BLOCK_SIZE_N: tl.constexpr,
     BLOCK_SIZE_K: tl.constexpr,
@@ -545,17 +462,9 @@ def _fused_moe_lora_act_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_LORA: tl.constexpr,
     ACTIVATION: tl.constexpr,
-    FUSE_SHRINK: tl.constexpr = False,
-    BLOCK_SIZE_KS: tl.constexpr = 16,
-    EVEN_KS: tl.constexpr = False,
 ):
     """g[p, j] = act(h[p, gate(j)], h[p, up(j)]) with h = x·W13[e]ᵀ + LoRA delta (+ b13[e]), one tile of
-    BLOCK_SIZE_N columns j of g; gate(j), up(j) = j, I + j (silu) or 2j, 2j + 1 (swigluoai).
-
-    FUSE_SHRINK (with HAS_LORA): the rank intermediate is computed here, per adapter present in the
-    tile and per slice its columns touch (:func:`_lora_rank_rows`, x·A13[l, e, s]ᵀ over K = H in
-    BLOCK_SIZE_KS steps; one shrink per slice feeds both the gate and the up columns of that slice),
-    instead of being read from ``inter`` (not read; no shrink launch)."""
+    BLOCK_SIZE_N columns j of g; gate(j), up(j) = j, I + j (silu) or 2j, 2j + 1 (swigluoai)."""
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(I, BLOCK_SIZE_N)
     pid_m, pid_n = _pid_to_mn(pid, num_blocks, num_pid_n, GROUP_SIZE_M)
@@ -600,48 +509,22 @@ def _fused_moe_lora_act_kernel(
         x_ptrs += BLOCK_SIZE_K * stride_xk
         wg_ptrs += BLOCK_SIZE_K * stride_wk
         wu_ptrs += BLOCK_SIZE_K * stride_wk
-    if HAS_LORA:  # the gate_up LoRA in this tile: one pass per adapter present
+    if HAS_LORA:  # the expand of the gate_up LoRA, in this tile: one pass per adapter present
         lid = _row_adapters(lora_ids_ptr, pair_ld, row_mask, top_k, num_adapters)
         cur = tl.min(tl.where(lid >= 0, lid, num_adapters))
-        if FUSE_SHRINK:  # the slices the tile's gate and up columns touch, and their rows in B
-            g_lo, g_hi = _slice_range(gate_col, j_mask, NS)
-            u_lo, u_hi = _slice_range(up_col, j_mask, NS)
-            gate_s = gate_col // NS
-            up_s = up_col // NS
-            gate_n = gate_col - gate_s * NS
-            up_n = up_col - up_s * NS
         while cur < num_adapters:
             sel = lid == cur
             lora = cur.to(tl.int64)
-            if FUSE_SHRINK:  # one shrink per slice, feeding the gate and the up columns of that slice
-                ab = a_ptr + lora * stride_al + expert * stride_ae
-                bb = b_ptr + lora * stride_bl + expert * stride_be
-                for s in range(tl.minimum(g_lo, u_lo), tl.maximum(g_hi, u_hi) + 1):
-                    ia = _lora_rank_rows(
-                        x_ptr, ab + s * stride_as, x_row, sel, 0, K, R, stride_xm, stride_xk, stride_ar,
-                        stride_ak, BLOCK_SIZE_M, BLOCK_SIZE_R, BLOCK_SIZE_KS, EVEN_KS,
-                    )  # fmt: skip
-                    if (s >= g_lo) & (s <= g_hi):
-                        acc_g = _lora_slice_dot(
-                            acc_g, ia, bb + s * stride_bs, sel, gate_n, j_mask & (gate_s == s), R,
-                            stride_bn, stride_br, BLOCK_SIZE_R,
-                        )  # fmt: skip
-                    if (s >= u_lo) & (s <= u_hi):
-                        acc_u = _lora_slice_dot(
-                            acc_u, ia, bb + s * stride_bs, sel, up_n, j_mask & (up_s == s), R,
-                            stride_bn, stride_br, BLOCK_SIZE_R,
-                        )  # fmt: skip
-            else:  # the intermediate of the shrink launch
-                acc_g = _lora_cols_dot(
-                    acc_g, inter_ptr, b_ptr, pair_ld, sel, lora, expert, gate_col, j_mask, R, NS,
-                    stride_im, stride_is, stride_ir, stride_bl, stride_be, stride_bs, stride_bn, stride_br,
-                    BLOCK_SIZE_R,
-                )  # fmt: skip
-                acc_u = _lora_cols_dot(
-                    acc_u, inter_ptr, b_ptr, pair_ld, sel, lora, expert, up_col, j_mask, R, NS,
-                    stride_im, stride_is, stride_ir, stride_bl, stride_be, stride_bs, stride_bn, stride_br,
-                    BLOCK_SIZE_R,
-                )  # fmt: skip
+            acc_g = _lora_cols_dot(
+                acc_g, inter_ptr, b_ptr, pair_ld, sel, lora, expert, gate_col, j_mask, R, NS,
+                stride_im, stride_is, stride_ir, stride_bl, stride_be, stride_bs, stride_bn, stride_br,
+                BLOCK_SIZE_R,
+            )  # fmt: skip
+            acc_u = _lora_cols_dot(
+                acc_u, inter_ptr, b_ptr, pair_ld, sel, lora, expert, up_col, j_mask, R, NS,
+                stride_im, stride_is, stride_ir, stride_bl, stride_be, stride_bs, stride_bn, stride_br,
+                BLOCK_SIZE_R,
+            )  # fmt: skip
             cur = tl.min(tl.where(lid > cur, lid, num_adapters))
     if HAS_BIAS:
         c_base = bias_ptr + expert * stride_ce
@@ -663,7 +546,6 @@ def _fused_moe_lora_kernel(
     topk_w_ptr,
     inter_ptr,
     b_ptr,
-    a_ptr,
     lora_ids_ptr,
     sorted_ids_ptr,
     block_expert_ptr,
@@ -692,11 +574,6 @@ def _fused_moe_lora_kernel(
     stride_bs,
     stride_bn,
     stride_br,
-    stride_al,
-    stride_ae,
-    stride_as,
-    stride_ar,
-    stride_ak,
     BLOCK_SIZE_M: tl.constexpr,
     BLOCK_SIZE_N: tl.constexpr,
     BLOCK_SIZE_K: tl.constexpr,
@@ -706,25 +583,12 @@ def _fused_moe_lora_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_LORA: tl.constexpr,
     SPLIT_K: tl.constexpr = 1,
-    FUSE_SHRINK: tl.constexpr = False,
-    BLOCK_SIZE_KS: tl.constexpr = 16,
-    EVEN_KS: tl.constexpr = False,
 ):
     """y[p] = (g[p]·W2[e]ᵀ + LoRA delta (+ b2[e]))·w[p] over the base alignment (rows are pairs).
 
     SPLIT_K > 1 (decode): program (pid, s) covers the K blocks s·KB/SPLIT_K … (s+1)·KB/SPLIT_K and adds
     its share times w[p] into a zeroed fp32 ``out`` with a relaxed atomic add; split 0 adds the LoRA
-    delta and the bias (the sum is linear, so the shares add up to the unsplit row).
-
-    FUSE_SHRINK (with HAS_LORA): the rank intermediate g[p]·A2[l, e]ᵀ is computed here
-    (:func:`_lora_rank_rows`), per adapter present in the tile, instead of being read from ``inter``.
-    With SPLIT_K > 1 every split computes the part of it over its own K blocks and adds that part's
-    delta (g[p, k-chunk]·A2[l, e, :, k-chunk]ᵀ)·B2[l, e]ᵀ to its share (the delta is linear in the
-    intermediate, so the shares add up to the whole delta): the shrink's K loop is spread over the
-    splits as the base's is, instead of making split 0 run all of it after its share of the base
-    (the launcher then sets BLOCK_SIZE_KS = BLOCK_SIZE_K, so each split's chunk is whole K tiles). With
-    bf16 weights each part is rounded to bf16 before its dot with B (one rounding per part instead of
-    one of the sum)."""
+    delta and the bias (the sum is linear, so the shares add up to the unsplit row)."""
     pid = tl.program_id(0)
     if SPLIT_K > 1:
         pid_k = pid % SPLIT_K
@@ -764,23 +628,7 @@ def _fused_moe_lora_kernel(
         acc = tl.dot(xa, wa, acc)
         x_ptrs += BLOCK_SIZE_K * stride_xk
         w_ptrs += BLOCK_SIZE_K * stride_wk
-    if HAS_LORA and FUSE_SHRINK:  # shrink and expand of the down LoRA, every split on its own K blocks
-        lid = _row_adapters(lora_ids_ptr, pair_ld, row_mask, top_k, num_adapters)
-        cur = tl.min(tl.where(lid >= 0, lid, num_adapters))
-        k_end = tl.minimum(k_hi * BLOCK_SIZE_K, K)
-        while cur < num_adapters:  # one pass per adapter present
-            sel = lid == cur
-            ia = _lora_rank_rows(
-                x_ptr, a_ptr + cur.to(tl.int64) * stride_al + expert * stride_ae, pair_ld, sel,
-                k_lo * BLOCK_SIZE_K, k_end, R, stride_xm, stride_xk, stride_ar, stride_ak, BLOCK_SIZE_M,
-                BLOCK_SIZE_R, BLOCK_SIZE_KS, EVEN_KS,
-            )  # fmt: skip
-            acc = _lora_slice_dot(
-                acc, ia, b_ptr + cur.to(tl.int64) * stride_bl + expert * stride_be, sel, offs_n_ld, n_mask,
-                R, stride_bn, stride_br, BLOCK_SIZE_R,
-            )  # fmt: skip
-            cur = tl.min(tl.where(lid > cur, lid, num_adapters))
-    elif HAS_LORA and pid_k == 0:  # the expand of the down LoRA, in this tile (split 0 only)
+    if HAS_LORA and pid_k == 0:  # the expand of the down LoRA, in this tile (split 0 only)
         lid = _row_adapters(lora_ids_ptr, pair_ld, row_mask, top_k, num_adapters)
         cur = tl.min(tl.where(lid >= 0, lid, num_adapters))
         while cur < num_adapters:  # one pass per adapter present

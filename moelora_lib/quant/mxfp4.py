@@ -95,7 +95,7 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scaled = wb / torch.ldexp(torch.ones_like(exp), exp).unsqueeze(-1)
     grid = torch.tensor(E2M1_VALUES[:8], dtype=torch.float32, device=w.device)
     mag = scaled.abs().clamp(max=_E2M1_MAX)
-        dist = (mag.unsqueeze(-1) - grid).abs()
+    dist = (mag.unsqueeze(-1) - grid).abs()
     nearest = dist == dist.amin(dim=-1, keepdim=True)  # one grid point, or two on a tie
     even = torch.arange(8, device=w.device) % 2 == 0
     code = (nearest.to(torch.int8) * (1 + even.to(torch.int8))).argmax(dim=-1)  # a tie takes the even code

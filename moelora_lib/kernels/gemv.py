@@ -1,0 +1,420 @@
+"""Stage ``gemv``: the MoE+LoRA layer at decode as split-K GEMVs, one program per (pair, N tile, K split).
+
+At decode a layer call holds a few (token, k) pairs (T·K ≤ :data:`GEMV_MAX_PAIRS`) and most experts see
+one row, so the base GEMMs are matrix-vector products that stream the experts' weights once. Tensor-core
+tiles pad each expert's single row to 16 and pipeline few bytes per program; here each program loads a
+whole ``[BLOCK_SIZE_N, BLOCK_SIZE_K]`` weight tile into registers per step (rows of ``2·BLOCK_SIZE_K``
+contiguous bytes) and multiplies it with its pair's activation row on the CUDA cores, and the grid
+(pairs × N tiles × ``SPLIT_K``) holds several programs per SM. Pairs are visited in expert order
+(``argsort`` of the flat top-k ids), so two pairs of one expert run side by side and the second read of
+a weight tile is an L2 hit. No alignment and no padding: a program knows its pair, hence its expert and
+its token's adapter.
+
+The launches of one call (:func:`gemv_moe_lora`), all on fp32 buffers zeroed by one memset:
+
+1. ``gate_up_shrink`` (when an adapter covers gate_up): ``inter13[p, s] += x[t]·A13[l, e, s]ᵀ`` over a
+   K split (relaxed fp32 atomics), one program per (pair, slice, split); pairs without an adapter exit.
+2. ``gate_up``: ``h[p, n] += x[t]·W13[e, n]`` over a K split; the split-0 program adds the expand
+   ``inter13[p, s(n)]·B13[l, e, s(n), n']``. ``h`` is the fp32 pre-activation (no bias, no activation).
+3. ``down_shrink`` (when an adapter covers down): ``inter2[p] += g·A2[l, e]ᵀ`` with
+   ``g = act(h[p] + b13[e])`` computed while loading, rounded to the activation dtype as the unfused
+   path stores it.
+4. ``down``: ``y[p, n] += w_p·(g·W2[e, n] + [split 0] (b2[e, n] + inter2[p]·B2[l, e, n]))``, ``g`` as in 3.
+5. the top-k sum :func:`~moelora_lib.kernels.topk_reduce.topk_reduce` over ``y`` [T·K, H] fp32, rounded
+   once to the output dtype, with NaN rows for tokens whose ids leave [0, E) / [-1, L) (the kernels
+   skip such pairs, never reading out of bounds).
+
+So a call is 3 launches without adapters (memset, 2 GEMVs, the sum; plus the ``argsort``) against stage
+``tuned``'s alignment + 5, and 5 with adapters. The shrinks are separate launches because each needs the
+complete K reduction of its input before any expand program reads it.
+
+Weights are bf16/fp16/fp32 ``[E, N, K]`` (nn.Linear layout, K contiguous) or packed MXFP4
+(:class:`~moelora_lib.quant.MXFP4Weight`: e2m1 codes two per byte, one e8m0 scale per 32 K values),
+unpacked in registers: sign, exponent and mantissa bits of each nibble build the fp32 value and the
+scale byte becomes the fp32 exponent of its power of two (scale bytes 1–254 are exact; byte 0 reads as
+0 and byte 255, NaN in e8m0, as +inf times the value).
+
+Accumulation is fp32; with ``SPLIT_K`` > 1 the order of the atomic adds varies from run to run (the
+same bound as the other split-K ops, :mod:`moelora_lib.testing`). Source of the method: split-K GEMV
+for decode as in gpt-fast's int8/int4 weight-only kernels and FlashDecoding++'s flat GEMM; the expert
+ordering and fused epilogues are this project's.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["GEMV_MAX_PAIRS", "gemv_moe_lora", "gemv_scratch_numel"]
+
+#: Most (token, k) pairs a gemv call takes: beyond this the weights are read by many pairs and the
+#: tensor-core stages win (the config files pick stage ``gemv`` only at decode buckets).
+GEMV_MAX_PAIRS = 256
+
+_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@triton.jit
+def _e2m1_to_f32(code):
+    """fp32 value of e2m1 codes (int32 0..15): sign bit 3, exponent bits 1–2, mantissa bit 0."""
+    s = (code >> 3) & 1
+    e = (code >> 1) & 3
+    m = code & 1
+    normal = (s << 31) | ((e + 126) << 23) | (m << 22)  # (1 + m/2)·2^(e-1)
+    sub = (s << 31) | (m * (126 << 23))  # e = 0: 0 or 0.5
+    return tl.where(e > 0, normal, sub).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mx_tile(w_ptr, s_ptr, expert, offs_n, n_mask, t, K, stride_we, stride_wn, stride_se, stride_sn,
+             BLOCK_SIZE_K: tl.constexpr):  # fmt: skip
+    """(lo, hi) fp32 [BN, BK/32, 16]: W[e, n, k] at k = t·BK + 32b + 2i (lo) and k + 1 (hi)."""
+    offs_b = tl.arange(0, BLOCK_SIZE_K // 32)
+    offs_i = tl.arange(0, 16)
+    blk = t * (BLOCK_SIZE_K // 32) + offs_b
+    b_mask = n_mask[:, None] & (blk < K // 32)[None, :]
+    sc = tl.load(s_ptr + expert * stride_se + offs_n[:, None] * stride_sn + blk[None, :], mask=b_mask, other=0)
+    scale = (sc.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    byte_ptrs = w_ptr + expert * stride_we + offs_n[:, None, None] * stride_wn + (blk * 16)[None, :, None]
+    b = tl.load(byte_ptrs + offs_i[None, None, :], mask=b_mask[:, :, None], other=0).to(tl.int32)
+    lo = _e2m1_to_f32(b & 15) * scale[:, :, None]
+    hi = _e2m1_to_f32(b >> 4) * scale[:, :, None]
+    return lo, hi
+
+
+@triton.jit
+def _act(h_ptr, b_ptr, pair, expert, offs_j, I, stride_hm, stride_be, HAS_BIAS: tl.constexpr,
+         ACTIVATION: tl.constexpr, G_DTYPE: tl.constexpr):  # fmt: skip
+    """g = act(h[pair] + b13[expert]) at columns offs_j (0 past I), rounded to G_DTYPE, as fp32."""
+    m = offs_j < I
+    if ACTIVATION == "silu":  # [gate | up] halves
+        gc = offs_j
+        uc = offs_j + I
+    else:  # swigluoai: interleaved rows 2j (gate), 2j + 1 (up)
+        gc = 2 * offs_j
+        uc = gc + 1
+    g = tl.load(h_ptr + pair * stride_hm + gc, mask=m, other=0.0)
+    u = tl.load(h_ptr + pair * stride_hm + uc, mask=m, other=0.0)
+    if HAS_BIAS:
+        g += tl.load(b_ptr + expert * stride_be + gc, mask=m, other=0.0).to(tl.float32)
+        u += tl.load(b_ptr + expert * stride_be + uc, mask=m, other=0.0).to(tl.float32)
+    if ACTIVATION == "silu":
+        out = g / (1.0 + tl.exp(-g)) * u
+    else:  # GPT-OSS: gate clamped to ≤ 7, up to [-7, 7], alpha 1.702; NaN propagates through the clamps
+        g = tl.where(g > 7.0, 7.0, g)
+        u = tl.where(u > 7.0, 7.0, tl.where(u < -7.0, -7.0, u))
+        out = (u + 1.0) * (g / (1.0 + tl.exp(-1.702 * g)))
+    return tl.where(m, out.to(G_DTYPE).to(tl.float32), 0.0)
+
+
+@triton.jit
+def _pair_of(order_ptr, ids_ptr, idx, E, top_k):
+    """(pair, expert, token, ok) of the idx-th pair in expert order; ok False for an expert id outside
+    [0, E) (the program then does nothing; the top-k sum gives the token a NaN row)."""
+    pair = tl.load(order_ptr + idx).to(tl.int64)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    return pair, expert, pair // top_k, (expert >= 0) & (expert < E)
+
+
+@triton.jit
+def _gemv_gate_up_kernel(
+    x_ptr, w_ptr, s_ptr, h_ptr, order_ptr, ids_ptr, lid_ptr, inter_ptr, b_ptr,
+    N, K, E, top_k, num_adapters, NS,
+    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_hm,
+    stride_im, stride_is, stride_bl, stride_be, stride_bs, stride_bn,
+    BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr, SPLIT_K: tl.constexpr, MXFP4: tl.constexpr,
+    HAS_LORA: tl.constexpr, R: tl.constexpr,
+):  # fmt: skip
+    """h[p, n-tile] (+)= x[t]·W13[e, n-tile] over this program's K split (+ the expand on split 0)."""
+    ks = tl.program_id(0) % SPLIT_K
+    pair, expert, row, ok = _pair_of(order_ptr, ids_ptr, tl.program_id(0) // SPLIT_K, E, top_k)
+    if ok:
+        offs_n = tl.program_id(1) * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
+        n_mask = offs_n < N
+        n_tiles = tl.cdiv(K, BLOCK_SIZE_K)
+        per = tl.cdiv(n_tiles, SPLIT_K)
+        acc = tl.zeros((BLOCK_SIZE_N,), dtype=tl.float32)
+        x_row = x_ptr + row * stride_xm
+        if MXFP4:
+            offs_b = tl.arange(0, BLOCK_SIZE_K // 32)
+            offs_i = tl.arange(0, 16)
+            for t in range(ks * per, tl.minimum(ks * per + per, n_tiles)):
+                lo, hi = _mx_tile(w_ptr, s_ptr, expert, offs_n, n_mask, t, K, stride_we, stride_wn,
+                                  stride_se, stride_sn, BLOCK_SIZE_K)  # fmt: skip
+                kx = t * BLOCK_SIZE_K + (offs_b * 32)[:, None] + (2 * offs_i)[None, :]
+                xe = tl.load(x_row + kx, mask=kx < K, other=0.0).to(tl.float32)
+                xo = tl.load(x_row + kx + 1, mask=kx < K, other=0.0).to(tl.float32)
+                acc += tl.sum(tl.sum(lo * xe[None, :, :] + hi * xo[None, :, :], axis=2), axis=1)
+        else:
+            offs_k = tl.arange(0, BLOCK_SIZE_K)
+            w_rows = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn
+            for t in range(ks * per, tl.minimum(ks * per + per, n_tiles)):
+                k_idx = t * BLOCK_SIZE_K + offs_k
+                w = tl.load(w_rows + k_idx[None, :], mask=n_mask[:, None] & (k_idx < K)[None, :], other=0.0)
+                xv = tl.load(x_row + k_idx, mask=k_idx < K, other=0.0).to(tl.float32)
+                acc += tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
+        if HAS_LORA:
+            lid = tl.load(lid_ptr + row)
+            if (ks == 0) & (lid >= 0) & (lid < num_adapters):
+                offs_r = tl.arange(0, R)
+                sl = offs_n // NS
+                nn = offs_n - sl * NS
+                inter = tl.load(inter_ptr + pair * stride_im + sl[:, None] * stride_is + offs_r[None, :],
+                                mask=n_mask[:, None], other=0.0)  # fmt: skip
+                b_rows = b_ptr + lid.to(tl.int64) * stride_bl + expert * stride_be + sl * stride_bs + nn * stride_bn
+                bt = tl.load(b_rows[:, None] + offs_r[None, :], mask=n_mask[:, None], other=0.0)
+                acc += tl.sum(inter * bt.to(tl.float32), axis=1)
+        out = h_ptr + pair * stride_hm + offs_n
+        if SPLIT_K == 1:
+            tl.store(out, acc, mask=n_mask)
+        else:
+            tl.atomic_add(out, acc, mask=n_mask, sem="relaxed")
+
+
+@triton.jit
+def _gemv_down_kernel(
+    h_ptr, b13_ptr, w_ptr, s_ptr, b2_ptr, tw_ptr, y_ptr, order_ptr, ids_ptr, lid_ptr, inter_ptr, bl_ptr,
+    N, I, E, top_k, num_adapters,
+    stride_hm, stride_b13e, stride_we, stride_wn, stride_se, stride_sn, stride_b2e, stride_ym,
+    stride_im, stride_bl, stride_be, stride_bn,
+    BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr, SPLIT_K: tl.constexpr, MXFP4: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, G_DTYPE: tl.constexpr, HAS_LORA: tl.constexpr,
+    R: tl.constexpr,
+):  # fmt: skip
+    """y[p, n-tile] (+)= w_p·(g·W2[e, n-tile] over this K split + on split 0: b2 + the expand)."""
+    ks = tl.program_id(0) % SPLIT_K
+    pair, expert, tok, ok = _pair_of(order_ptr, ids_ptr, tl.program_id(0) // SPLIT_K, E, top_k)
+    if ok:
+        offs_n = tl.program_id(1) * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
+        n_mask = offs_n < N
+        n_tiles = tl.cdiv(I, BLOCK_SIZE_K)
+        per = tl.cdiv(n_tiles, SPLIT_K)
+        acc = tl.zeros((BLOCK_SIZE_N,), dtype=tl.float32)
+        if MXFP4:
+            offs_b = tl.arange(0, BLOCK_SIZE_K // 32)
+            offs_i = tl.arange(0, 16)
+            for t in range(ks * per, tl.minimum(ks * per + per, n_tiles)):
+                lo, hi = _mx_tile(w_ptr, s_ptr, expert, offs_n, n_mask, t, I, stride_we, stride_wn,
+                                  stride_se, stride_sn, BLOCK_SIZE_K)  # fmt: skip
+                kx = t * BLOCK_SIZE_K + (offs_b * 32)[:, None] + (2 * offs_i)[None, :]
+                ge = _act(h_ptr, b13_ptr, pair, expert, kx, I, stride_hm, stride_b13e, HAS_BIAS, ACTIVATION,
+                          G_DTYPE)  # fmt: skip
+                go = _act(h_ptr, b13_ptr, pair, expert, kx + 1, I, stride_hm, stride_b13e, HAS_BIAS,
+                          ACTIVATION, G_DTYPE)  # fmt: skip
+                acc += tl.sum(tl.sum(lo * ge[None, :, :] + hi * go[None, :, :], axis=2), axis=1)
+        else:
+            offs_k = tl.arange(0, BLOCK_SIZE_K)
+            w_rows = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn
+            for t in range(ks * per, tl.minimum(ks * per + per, n_tiles)):
+                k_idx = t * BLOCK_SIZE_K + offs_k
+                w = tl.load(w_rows + k_idx[None, :], mask=n_mask[:, None] & (k_idx < I)[None, :], other=0.0)
+                g = _act(h_ptr, b13_ptr, pair, expert, k_idx, I, stride_hm, stride_b13e, HAS_BIAS, ACTIVATION,
+                         G_DTYPE)  # fmt: skip
+                acc += tl.sum(w.to(tl.float32) * g[None, :], axis=1)
+        if ks == 0:
+            if HAS_BIAS:
+                acc += tl.load(b2_ptr + expert * stride_b2e + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            if HAS_LORA:
+                lid = tl.load(lid_ptr + tok)
+                if (lid >= 0) & (lid < num_adapters):
+                    offs_r = tl.arange(0, R)
+                    inter = tl.load(inter_ptr + pair * stride_im + offs_r)
+                    b_rows = bl_ptr + lid.to(tl.int64) * stride_bl + expert * stride_be + offs_n * stride_bn
+                    bt = tl.load(b_rows[:, None] + offs_r[None, :], mask=n_mask[:, None], other=0.0)
+                    acc += tl.sum(inter[None, :] * bt.to(tl.float32), axis=1)
+        acc = acc * tl.load(tw_ptr + pair)
+        out = y_ptr + pair * stride_ym + offs_n
+        if SPLIT_K == 1:
+            tl.store(out, acc, mask=n_mask)
+        else:
+            tl.atomic_add(out, acc, mask=n_mask, sem="relaxed")
+
+
+@triton.jit
+def _gemv_shrink_kernel(
+    x_ptr, b13_ptr, a_ptr, inter_ptr, ids_ptr, lid_ptr,
+    K, E, top_k, num_adapters,
+    stride_xm, stride_b13e, stride_al, stride_ae, stride_as, stride_ar, stride_im, stride_is,
+    R: tl.constexpr, BLOCK_SIZE_K: tl.constexpr, SPLIT_K: tl.constexpr, ACT_INPUT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, G_DTYPE: tl.constexpr,
+):  # fmt: skip
+    """inter[p, s] += v·A[l, e, s]ᵀ over this K split, v = x[t] (gate_up) or, with ACT_INPUT, the
+    activation of h[p] (down: x_ptr is h, K is I). Programs (pair, slice, split)."""
+    pair = tl.program_id(0).to(tl.int64)
+    sl = tl.program_id(1)
+    ks = tl.program_id(2)
+    row = pair // top_k
+    lid = tl.load(lid_ptr + row)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    if (lid >= 0) & (lid < num_adapters) & (expert >= 0) & (expert < E):
+        offs_r = tl.arange(0, R)
+        offs_k = tl.arange(0, BLOCK_SIZE_K)
+        n_tiles = tl.cdiv(K, BLOCK_SIZE_K)
+        per = tl.cdiv(n_tiles, SPLIT_K)
+        acc = tl.zeros((R,), dtype=tl.float32)
+        a_rows = a_ptr + lid.to(tl.int64) * stride_al + expert * stride_ae + sl * stride_as + offs_r[:, None] * stride_ar
+        for t in range(ks * per, tl.minimum(ks * per + per, n_tiles)):
+            k_idx = t * BLOCK_SIZE_K + offs_k
+            a = tl.load(a_rows + k_idx[None, :], mask=(k_idx < K)[None, :], other=0.0).to(tl.float32)
+            if ACT_INPUT:
+                v = _act(x_ptr, b13_ptr, pair, expert, k_idx, K, stride_xm, stride_b13e, HAS_BIAS, ACTIVATION,
+                         G_DTYPE)  # fmt: skip
+            else:
+                v = tl.load(x_ptr + row * stride_xm + k_idx, mask=k_idx < K, other=0.0).to(tl.float32)
+            acc += tl.sum(a * v[None, :], axis=1)
+        out = inter_ptr + pair * stride_im + sl * stride_is + offs_r
+        if SPLIT_K == 1:
+            tl.store(out, acc)
+        else:
+            tl.atomic_add(out, acc, sem="relaxed")
+
+
+def gemv_scratch_numel(T: int, top_k: int, H: int, I: int, S: int, R: int) -> int:
+    """fp32 elements of the buffers one call takes: h [P, 2I], y [P, H], inter13 [P, S, R], inter2 [P, R]
+    (P = T·top_k)."""
+    P = T * top_k
+    return P * (2 * I + H + S * R + R)
+
+
+def _weight_args(w) -> tuple:
+    """(weight pointer, scales pointer, stride_we, stride_wn, stride_se, stride_sn, is_mxfp4)."""
+    blocks = getattr(w, "blocks", None)
+    if blocks is not None:  # MXFP4Weight: blocks [E, N, K/32, 16] viewed as [E, N, K/2] bytes
+        b, s = blocks, w.scales
+        return b, s, b.stride(0), b.stride(1), s.stride(0), s.stride(1), True
+    return w, w, w.stride(0), w.stride(1), 0, 0, False
+
+
+def gemv_moe_lora(
+    hidden_states: torch.Tensor,
+    w13,
+    w2,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    activation: str,
+    config,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    lora_ids: torch.Tensor | None = None,
+    lora: tuple | None = None,
+    scratch: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The MoE+LoRA layer on T tokens as split-K GEMVs (module docstring), for validated inputs.
+
+    Args:
+        hidden_states: [T, H] float16/bfloat16/float32, rows contiguous.
+        w13: [E, 2I, H] of hidden_states' dtype (K contiguous) or an :class:`~moelora_lib.quant.MXFP4Weight`
+            of that shape; w2: [E, H, I] likewise.
+        topk_weights: [T, K] float32 (contiguous); topk_ids: [T, K] int32/int64 (contiguous), any values
+            (pairs with ids outside [0, E) are skipped and their token's row is NaN).
+        activation: "silu" ([gate | up] halves) or "swigluoai" (interleaved gate/up, GPT-OSS clamp).
+        config: a :class:`~moelora_lib.configs.LayerConfig`: ``base_gate_up`` / ``base_down`` give
+            BLOCK_SIZE_N, BLOCK_SIZE_K, SPLIT_K and NUM_WARPS of the two GEMVs, ``gate_up_shrink`` /
+            ``down_shrink`` BLOCK_SIZE_K, SPLIT_K and NUM_WARPS of the shrinks (the other fields are
+            unused). MXFP4 weights need BLOCK_SIZE_K ≥ 32 (always true: ≥ 16 and a power of two… and
+            a multiple of 32 is checked here).
+        b13: [E, 2I] or None; b2: [E, H] or None (both or neither).
+        lora_ids: [T] int32/int64, the adapter id of each token as given (ids outside [-1, L) give NaN
+            rows); None = no adapters.
+        lora: None (no LoRA launch) or ``(ids13, ids2, a13, bl13, a2, bl2)``: per-projection adapter ids
+            [T] (-1 where the token's slot does not cover that projection; None = no launch for it), the
+            slots a13 [L, E, S, R, H], bl13 [L, E, S, 2I/S, R], a2 [L, E, R, I], bl2 [L, E, H, R]
+            (scaling folded into B; R a power of two ≥ 16).
+        scratch: flat float32 of at least :func:`gemv_scratch_numel` elements, or None (allocated).
+        out: [T, H] of hidden_states' dtype or None.
+    Returns:
+        [T, H] of hidden_states' dtype.
+    Raises:
+        ValueError: T·K above :data:`GEMV_MAX_PAIRS`, a scratch too small, an MXFP4 weight with a
+            BLOCK_SIZE_K not a multiple of 32.
+    """
+    from .topk_reduce import topk_reduce
+
+    x = hidden_states
+    T, H = x.shape
+    K = topk_ids.shape[1]
+    P = T * K
+    if P > GEMV_MAX_PAIRS:
+        raise ValueError(f"stage gemv takes at most {GEMV_MAX_PAIRS} (token, k) pairs, got T·K = {P}")
+    E = w13.shape[0]
+    I = w2.shape[2]
+    w13a, w2a = _weight_args(w13), _weight_args(w2)
+    for name, wa, op in (("w13", w13a, config.base_gate_up), ("w2", w2a, config.base_down)):
+        if wa[6] and op.BLOCK_SIZE_K % 32:
+            raise ValueError(f"{name} is MXFP4: its GEMV's BLOCK_SIZE_K must be a multiple of 32, got {op.BLOCK_SIZE_K}")
+    if lora is not None:
+        ids13, ids2, a13, bl13, a2, bl2 = lora
+        L, S, R = a13.shape[0], a13.shape[2], a13.shape[3]
+        if ids13 is None and ids2 is None:
+            lora = None
+    if lora is None:
+        ids13 = ids2 = None
+        L, S, R = 0, 0, 0
+    need = gemv_scratch_numel(T, K, H, I, S, R)
+    if scratch is None:
+        scratch = torch.empty(need, dtype=torch.float32, device=x.device)
+    elif scratch.numel() < need:
+        raise ValueError(f"scratch must hold at least {need} float32 elements, got {scratch.numel()}")
+    gu, dn, sh13, sh2 = config.base_gate_up, config.base_down, config.gate_up_shrink, config.down_shrink
+    splits = (gu.SPLIT_K, dn.SPLIT_K) + ((sh13.SPLIT_K,) if ids13 is not None else ()) + (
+        (sh2.SPLIT_K,) if ids2 is not None else ()
+    )
+    buf = scratch[:need]
+    if any(s > 1 for s in splits):  # atomics add into zeros; single-split launches store every element
+        buf.zero_()
+    h = buf[: P * 2 * I].view(P, 2 * I)
+    o = P * 2 * I
+    y = buf[o : o + P * H].view(P, H)
+    o += P * H
+    inter13 = buf[o : o + P * S * R].view(P, S, R)
+    o += P * S * R
+    inter2 = buf[o : o + P * R].view(P, R)
+    ids = topk_ids.reshape(-1)
+    order = torch.argsort(ids, stable=True)
+    tw = topk_weights.reshape(-1)
+    g_dt = _TL[x.dtype]
+    has_bias = b13 is not None
+    dummy = h
+    if ids13 is not None:
+        _gemv_shrink_kernel[(P, S, sh13.SPLIT_K)](
+            x, dummy, a13, inter13, ids, ids13, H, E, K, L,
+            x.stride(0), 0, a13.stride(0), a13.stride(1), a13.stride(2), a13.stride(3),
+            inter13.stride(0), inter13.stride(1),
+            R=R, BLOCK_SIZE_K=sh13.BLOCK_SIZE_K, SPLIT_K=sh13.SPLIT_K, ACT_INPUT=False, HAS_BIAS=False,
+            ACTIVATION=activation, G_DTYPE=g_dt, num_warps=sh13.NUM_WARPS,
+        )  # fmt: skip
+        l13 = (ids13, inter13, bl13, L, (2 * I) // S, inter13.stride(0), inter13.stride(1), bl13.stride(0),
+               bl13.stride(1), bl13.stride(2), bl13.stride(3))  # fmt: skip
+    else:
+        l13 = (ids, dummy, dummy, 0, 1, 0, 0, 0, 0, 0, 0)
+    _gemv_gate_up_kernel[(P * gu.SPLIT_K, triton.cdiv(2 * I, gu.BLOCK_SIZE_N))](
+        x, w13a[0], w13a[1], h, order, ids, l13[0], l13[1], l13[2],
+        2 * I, H, E, K, l13[3], l13[4],
+        x.stride(0), w13a[2], w13a[3], w13a[4], w13a[5], h.stride(0), *l13[5:],
+        BLOCK_SIZE_N=gu.BLOCK_SIZE_N, BLOCK_SIZE_K=gu.BLOCK_SIZE_K, SPLIT_K=gu.SPLIT_K, MXFP4=w13a[6],
+        HAS_LORA=ids13 is not None, R=max(R, 16), num_warps=gu.NUM_WARPS,
+    )  # fmt: skip
+    if ids2 is not None:
+        _gemv_shrink_kernel[(P, 1, sh2.SPLIT_K)](
+            h, b13 if has_bias else dummy, a2, inter2, ids, ids2, I, E, K, L,
+            h.stride(0), b13.stride(0) if has_bias else 0, a2.stride(0), a2.stride(1), 0, a2.stride(2),
+            inter2.stride(0), 0,
+            R=R, BLOCK_SIZE_K=sh2.BLOCK_SIZE_K, SPLIT_K=sh2.SPLIT_K, ACT_INPUT=True, HAS_BIAS=has_bias,
+            ACTIVATION=activation, G_DTYPE=g_dt, num_warps=sh2.NUM_WARPS,
+        )  # fmt: skip
+        l2 = (ids2, inter2, bl2, L, inter2.stride(0), bl2.stride(0), bl2.stride(1), bl2.stride(2))
+    else:
+        l2 = (ids, dummy, dummy, 0, 0, 0, 0, 0)
+    _gemv_down_kernel[(P * dn.SPLIT_K, triton.cdiv(H, dn.BLOCK_SIZE_N))](
+        h, b13 if has_bias else dummy, w2a[0], w2a[1], b2 if has_bias else dummy, tw, y, order, ids,
+        l2[0], l2[1], l2[2], H, I, E, K, l2[3],
+        h.stride(0), b13.stride(0) if has_bias else 0, w2a[2], w2a[3], w2a[4], w2a[5],
+        b2.stride(0) if has_bias else 0, y.stride(0), *l2[4:],
+        BLOCK_SIZE_N=dn.BLOCK_SIZE_N, BLOCK_SIZE_K=dn.BLOCK_SIZE_K, SPLIT_K=dn.SPLIT_K, MXFP4=w2a[6],
+        HAS_BIAS=has_bias, ACTIVATION=activation, G_DTYPE=g_dt, HAS_LORA=ids2 is not None,
+        R=max(R, 16), num_warps=dn.NUM_WARPS,
+    )  # fmt: skip
+    return topk_reduce(y, topk_ids, E, lora_ids, L, check_ids=True, out=out, out_dtype=x.dtype)

@@ -18,6 +18,19 @@ Checkpoint keys (transformers 5.24's ``save_pretrained``, checked on tiny models
   what transformers 5.24 *writes* (it converts back to the transformers 4 names on save) and what
   transformers 4 wrote: ``{p}mlp.experts.{e}.{gate,up,down}_proj.weight`` [I, H], [I, H], [H, I];
 * Qwen3: ``{p}mlp.{gate,up,down}_proj.weight`` -> ``gate_up_proj`` (rows gate | up) and ``down_proj``.
+
+GPT-OSS as published (openai/gpt-oss-20b, -120b): config.json carries ``"quantization_config":
+{"quant_method": "mxfp4", "modules_to_not_convert": [...]}`` and the experts are packed MXFP4 (layout:
+:mod:`moelora_lib.quant.mxfp4`), rows = output features, so no transpose:
+
+* ``{p}mlp.experts.gate_up_proj_blocks`` uint8 [E, 2I, H/32, 16] + ``gate_up_proj_scales`` uint8
+  [E, 2I, H/32] -> ``w13`` [E, 2I, H] (gate/up rows interleaved);
+* ``{p}mlp.experts.down_proj_blocks`` uint8 [E, H, I/32, 16] + ``down_proj_scales`` uint8 [E, H, I/32]
+  -> ``w2`` [E, H, I];
+* ``gate_up_proj_bias``, ``down_proj_bias`` and every other tensor dense (bf16 in the files).
+
+Only the experts are packed in these files (``modules_to_not_convert`` names the dense rest; the list is
+accepted as given). Block-FP8 (``quant_method: fp8``) is refused.
 """
 
 from __future__ import annotations
@@ -30,14 +43,19 @@ from pathlib import Path
 
 import torch
 
-from ..common import is_int
+from ..common import check_bool, is_int
+from ..quant import MXFP4_BLOCK, MXFP4Weight
 from .config import REAL_CONFIGS, ModelConfig
-from .modeling import MultiLoRAModel, random_weights
+from .modeling import MultiLoRAModel, packed_expert_formats, random_weights
 
-__all__ = ["load_hf_checkpoint", "random_model", "hf_key_plan"]
+__all__ = ["load_hf_checkpoint", "random_model", "hf_key_plan", "QUANT_METHODS"]
 
-# one entry per tensor of the model: our name -> (HF keys, their expected shapes, combine function)
-Plan = dict[str, tuple[list[str], list[tuple[int, ...]], Callable[..., torch.Tensor]]]
+#: The ``quantization_config.quant_method`` values :func:`load_hf_checkpoint` reads.
+QUANT_METHODS = ("mxfp4",)
+
+# one entry per tensor of the model: our name -> (HF keys, their expected shapes, combine function); the
+# combine gives a tensor, or an MXFP4Weight for packed experts
+Plan = dict[str, tuple[list[str], list[tuple[int, ...]], Callable[..., torch.Tensor | MXFP4Weight]]]
 
 
 def _one(t: torch.Tensor) -> torch.Tensor:
@@ -52,11 +70,19 @@ def _t12(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2)
 
 
-def hf_key_plan(config: ModelConfig, keys: set[str] | frozenset[str]) -> Plan:
+def _mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> MXFP4Weight:
+    return MXFP4Weight(blocks, scales)
+
+
+def hf_key_plan(
+    config: ModelConfig, keys: set[str] | frozenset[str], quant_method: str | None = None
+) -> Plan:
     """Map every tensor of the model to the checkpoint keys it is built from.
 
     ``keys`` (the checkpoint's key set) only decides between the fused and the per-expert Qwen3-MoE
-    expert layouts of each layer. Returns {our name: (HF keys, expected HF shapes, combine)}."""
+    expert layouts of each layer. ``quant_method`` "mxfp4" (GPT-OSS only): the experts' ``w13`` / ``w2``
+    come from ``*_blocks`` + ``*_scales`` keys, combined into an :class:`~moelora_lib.quant.MXFP4Weight`
+    (H and I must be multiples of 32). Returns {our name: (HF keys, expected HF shapes, combine)}."""
     c = config
     H, V, hd = c.hidden_size, c.vocab_size, c.head_dim
     plan: Plan = {
@@ -88,9 +114,18 @@ def hf_key_plan(config: ModelConfig, keys: set[str] | frozenset[str]) -> Plan:
             plan[f"{om}router.weight"] = ([f"{m}router.weight"], [(E, H)], _one)
             plan[f"{om}router.bias"] = ([f"{m}router.bias"], [(E,)], _one)
             x = f"{m}experts."
-            plan[f"{om}experts.w13"] = ([f"{x}gate_up_proj"], [(E, H, 2 * I)], _t12)
+            if quant_method == "mxfp4":  # rows = output features already: [E, N, K/32, 16]
+                for ours, hf, (n, k) in (("w13", "gate_up_proj", (2 * I, H)), ("w2", "down_proj", (H, I))):
+                    g = k // MXFP4_BLOCK
+                    plan[f"{om}experts.{ours}"] = (
+                        [f"{x}{hf}_blocks", f"{x}{hf}_scales"],
+                        [(E, n, g, MXFP4_BLOCK // 2), (E, n, g)],
+                        _mxfp4,
+                    )
+            else:
+                plan[f"{om}experts.w13"] = ([f"{x}gate_up_proj"], [(E, H, 2 * I)], _t12)
+                plan[f"{om}experts.w2"] = ([f"{x}down_proj"], [(E, I, H)], _t12)
             plan[f"{om}experts.b13"] = ([f"{x}gate_up_proj_bias"], [(E, 2 * I)], _one)
-            plan[f"{om}experts.w2"] = ([f"{x}down_proj"], [(E, I, H)], _t12)
             plan[f"{om}experts.b2"] = ([f"{x}down_proj_bias"], [(E, H)], _one)
         elif c.model_type == "qwen3_moe":
             E, I = c.num_experts, c.moe_intermediate_size
@@ -159,6 +194,85 @@ def _key_files(path: Path) -> dict[str, Path]:
     raise ValueError(f"{path}: neither model.safetensors nor model.safetensors.index.json found")
 
 
+def _quant_method(raw: dict) -> str | None:
+    """The checkpoint's ``quantization_config.quant_method`` if it is one the loader reads (None when the
+    config has no quantization_config); ValueError naming the field otherwise."""
+    q = raw.get("quantization_config")
+    if q is None:
+        return None
+    if not isinstance(q, dict):
+        raise ValueError(f"quantization_config: expected a JSON object, got {type(q).__name__}")
+    method = q.get("quant_method")
+    if method == "fp8":
+        raise ValueError(
+            "quantization_config.quant_method 'fp8': block-FP8 checkpoints are not supported yet "
+            f"(supported: {list(QUANT_METHODS)}); dequantize to bf16 first (e.g. transformers' "
+            "FineGrainedFP8Config(dequantize=True) then save_pretrained)"
+        )
+    if method not in QUANT_METHODS:
+        raise ValueError(
+            f"quantization_config.quant_method: {method!r} is not supported; supported: {list(QUANT_METHODS)}"
+        )
+    if raw.get("model_type") != "gpt_oss":
+        raise ValueError(
+            f"quantization_config.quant_method {method!r}: packed MXFP4 experts are read for model_type "
+            f"'gpt_oss' only, got model_type {raw.get('model_type')!r}"
+        )
+    skip = q.get("modules_to_not_convert")
+    if skip is not None and not (isinstance(skip, list) and all(isinstance(m, str) for m in skip)):
+        raise ValueError(
+            f"quantization_config.modules_to_not_convert: expected a list of strings, got {skip!r}"
+        )
+    return method
+
+
+def _check_mxfp4_files(config: ModelConfig, files: Mapping[str, Path], path: Path) -> None:
+    """The MXFP4-specific refusals, each naming a key: a reduction dim (H for gate_up, I for down) that is
+    not a multiple of 32, a ``*_blocks`` key without its ``*_scales``, dense expert weights in a file that
+    declares MXFP4."""
+    H, I = config.hidden_size, config.moe_intermediate_size
+    x = "model.layers.0.mlp.experts."
+    for hf, k, what in (("gate_up_proj", H, "hidden_size"), ("down_proj", I, "intermediate_size")):
+        if k % MXFP4_BLOCK:
+            raise ValueError(
+                f"checkpoint key {x}{hf}_blocks: MXFP4 packs the reduction dim K = {what} = {k} in blocks "
+                f"of {MXFP4_BLOCK}; {k} is not a multiple of {MXFP4_BLOCK}"
+            )
+    for key in sorted(files):
+        if key.endswith("_blocks") and key.removesuffix("_blocks") + "_scales" not in files:
+            raise ValueError(
+                f"checkpoint {path}: key {key.removesuffix('_blocks') + '_scales'!r} is missing: the MXFP4 "
+                f"blocks {key!r} need their e8m0 scales"
+            )
+    dense = sorted(k for k in files if k.endswith(("experts.gate_up_proj", "experts.down_proj")))
+    if dense:
+        raise ValueError(
+            f"checkpoint {path}: config.json declares quantization_config.quant_method 'mxfp4' but "
+            f"{_few(dense)} hold dense expert weights; a dequantized checkpoint has no quantization_config"
+        )
+
+
+def _check_header(handle, key: str, want: tuple[int, ...], plan_keys: list[str]) -> None:
+    """The shape (and, for MXFP4 blocks/scales, the uint8 dtype) of ``key`` from its file header;
+    ValueError naming the key otherwise (a scales key names its blocks' shape)."""
+    sl = handle.get_slice(key)
+    got = tuple(sl.get_shape())
+    packed = key.endswith(("_blocks", "_scales"))
+    if packed and sl.get_dtype() != "U8":
+        raise ValueError(
+            f"checkpoint key {key!r}: MXFP4 {key.rsplit('_', 1)[1]} must be uint8, got {sl.get_dtype()}"
+        )
+    if got == tuple(want):
+        return
+    if key.endswith("_scales") and key.removesuffix("_scales") + "_blocks" in plan_keys:
+        blocks = key.removesuffix("_scales") + "_blocks"
+        raise ValueError(
+            f"checkpoint key {key!r}: shape {list(got)} does not match its blocks {blocks!r}: expected "
+            f"{list(want)} (blocks.shape[:-1], one e8m0 scale per 32 values)"
+        )
+    raise ValueError(f"checkpoint key {key!r}: expected shape {list(want)}, got {list(got)}")
+
+
 def _few(keys) -> str:
     keys = sorted(keys)
     return f"{len(keys)} key(s), e.g. {keys[:5]}"
@@ -200,17 +314,39 @@ def load_hf_checkpoint(
     max_tokens: int,
     stage: str = "tuned",
     deterministic: bool = False,
+    dequantize: bool | None = None,
 ) -> MultiLoRAModel:
     """A :class:`MultiLoRAModel` from a Hugging Face folder (config.json + model.safetensors or a
     sharded model.safetensors.index.json), weights cast to ``dtype`` on ``device``.
 
-    The other arguments are :class:`MultiLoRAModel`'s. Every key and shape is checked from the files'
-    headers before any tensor is read; tensors are then read one model tensor at a time.
+    Quantized checkpoints: GPT-OSS as published (``quantization_config`` with ``quant_method: mxfp4``,
+    experts as MXFP4 ``*_blocks`` / ``*_scales``; the module docstring lists the keys) loads as is.
+    ``dequantize`` says what becomes of its packed experts:
+
+    * True: dequantized exactly (:func:`~moelora_lib.quant.dequantize_mxfp4`, on ``device``) to
+      ``dtype`` — the dense weights transformers' ``Mxfp4Config(dequantize=True)`` builds — and the
+      dense MoE path runs;
+    * False: kept packed (:class:`~moelora_lib.quant.MXFP4Weight`, 4.25 bits per weight) and handed to
+      the MoE layer through :func:`~moelora_lib.model.modeling.packed_expert_weight`, which raises
+      NotImplementedError while the layer has no MXFP4 kernels (checked here before any tensor is read);
+    * None (default): packed when the MoE layer runs MXFP4
+      (:func:`~moelora_lib.model.modeling.packed_expert_formats`), else dequantized — which is the case
+      until the MXFP4 MoE kernels exist.
+
+    ``dequantize`` has no effect on a checkpoint without quantization_config. The other arguments are
+    :class:`MultiLoRAModel`'s. Every key, shape (and packed dtype) is checked from the files' headers
+    before any tensor is read; tensors are then read one model tensor at a time.
     Raises:
         ValueError: no config.json / safetensors, an unsupported model_type or field
-            (:meth:`ModelConfig.from_hf`), a quantized checkpoint (``quantization_config``), missing or
-            unexpected keys (a few listed), a key whose shape differs (naming the key and the expected
-            shape), and :class:`MultiLoRAModel`'s own errors.
+            (:meth:`ModelConfig.from_hf`), a quantization_config other than mxfp4 on gpt_oss (the message
+            lists the supported methods; ``fp8`` is refused as not supported yet), missing or unexpected
+            keys (a few listed), a key whose shape differs (naming the key and the expected shape), and
+            for MXFP4: a ``*_blocks`` key without its ``*_scales`` (naming the scales key), H or I not a
+            multiple of 32, scales whose shape is not the blocks' shape[:-1], blocks/scales not uint8,
+            dense expert weights under an mxfp4 config; ``dequantize`` not a bool or None; and
+            :class:`MultiLoRAModel`'s own errors.
+        NotImplementedError: ``dequantize=False`` on an MXFP4 checkpoint while the MoE layer has no
+            MXFP4 kernels.
     Warns:
         UserWarning when ``max_seq`` exceeds the checkpoint's max_position_embeddings (with YaRN, the
         positions its rope scaling reaches): such a model builds and runs, but positions past that
@@ -222,18 +358,16 @@ def load_hf_checkpoint(
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise ValueError(f"{path}: no config.json")
+    if dequantize is not None:
+        check_bool("dequantize", dequantize)
     raw = _read_json(cfg_file)
-    if raw.get("quantization_config"):
-        q = raw["quantization_config"]
-        method = q.get("quant_method") if isinstance(q, dict) else q
-        raise ValueError(
-            f"quantization_config: quantized checkpoints ({method!r}) are not supported; "
-            "dequantize to bf16 first (e.g. transformers' Mxfp4Config(dequantize=True) then save_pretrained)"
-        )
+    quant = _quant_method(raw)
     config = ModelConfig.from_hf(raw)
     _warn_long_max_seq(config, max_seq)
     files = _key_files(path)
-    plan = hf_key_plan(config, frozenset(files))
+    if quant == "mxfp4":
+        _check_mxfp4_files(config, files, path)
+    plan = hf_key_plan(config, frozenset(files), quant)
     needed = {k for keys, _, _ in plan.values() for k in keys}
     missing = needed - set(files)
     if missing:
@@ -253,15 +387,27 @@ def load_hf_checkpoint(
 
     for keys, shapes, _ in plan.values():
         for k, want in zip(keys, shapes):
-            got = tuple(handle(files[k]).get_slice(k).get_shape())
-            if got != tuple(want):
-                raise ValueError(f"checkpoint key {k!r}: expected shape {list(want)}, got {list(got)}")
+            _check_header(handle(files[k]), k, tuple(want), keys)
+    if quant is not None:
+        packed = (quant in packed_expert_formats()) if dequantize is None else not dequantize
+        if packed and quant not in packed_expert_formats():
+            raise NotImplementedError(
+                f"dequantize=False: the checkpoint's experts are packed {quant.upper()}, and MoELoRALayer "
+                f"has no {quant.upper()} kernels; pass dequantize=True (or leave it None) to dequantize "
+                "them exactly to the model dtype at load"
+            )
+    else:
+        packed = False
 
     def source(name, shape, *, kind, dtype, device):
         if name not in plan:
             raise ValueError(f"internal: no checkpoint plan for {name!r}")
         keys, _, combine = plan[name]
-        return combine(*(handle(files[k]).get_tensor(k) for k in keys))
+        t = combine(*(handle(files[k]).get_tensor(k) for k in keys))
+        if isinstance(t, MXFP4Weight):  # unpacked on the target device, straight into the model dtype
+            t = t.to(device)
+            return t if packed else t.dequantize(dtype)
+        return t
 
     return MultiLoRAModel(
         config,

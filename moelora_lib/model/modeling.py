@@ -29,9 +29,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..common import check_bool, describe, is_int
+from ..quant import MXFP4Weight
 from .config import ModelConfig
 
-__all__ = ["MultiLoRAModel", "RMSNorm", "Attention", "MoEBlock", "DenseMLP", "DecoderLayer", "rope_tables"]
+__all__ = [
+    "MultiLoRAModel",
+    "RMSNorm",
+    "Attention",
+    "MoEBlock",
+    "DenseMLP",
+    "DecoderLayer",
+    "rope_tables",
+    "packed_expert_formats",
+    "packed_expert_weight",
+]
 
 #: A weight source: our state-dict name and the expected shape -> a tensor of that shape (any float dtype,
 #: any device; cast and moved by the model).
@@ -404,6 +415,49 @@ class DecoderLayer(nn.Module):
 # --------------------------------------------------------------------------------------------------
 # weights
 # --------------------------------------------------------------------------------------------------
+def packed_expert_formats() -> frozenset[str]:
+    """The packed expert-weight formats :class:`moelora_lib.MoELoRALayer` takes as they are ("mxfp4":
+    :class:`~moelora_lib.quant.MXFP4Weight` for ``w13`` / ``w2``): the class attribute
+    ``MoELoRALayer.PACKED_FORMATS`` (a tuple of names), empty where the layer does not define it, i.e.
+    while it runs dense weights only. :func:`~moelora_lib.model.load_hf_checkpoint` keeps a checkpoint's
+    packed experts packed by default exactly when its format is listed here."""
+    from .. import MoELoRALayer
+
+    return frozenset(getattr(MoELoRALayer, "PACKED_FORMATS", ()))
+
+
+def packed_expert_weight(w: MXFP4Weight, *, name: str, shape: tuple[int, ...], device) -> MXFP4Weight:
+    """What :class:`moelora_lib.MoELoRALayer` receives for a packed expert weight ``w`` (``name`` the
+    model's state-dict name ``layers.{l}.mlp.experts.w13`` or ``.w2``; ``shape`` the dense shape the
+    layer expects, w13 [E, 2I, H] or w2 [E, H, I], rows = output features as in the dense layout, gate
+    and up interleaved along 2I for GPT-OSS): ``w`` on ``device`` (uint8 blocks [..., K/32, 16] and
+    scales [..., K/32], as published).
+
+    The one place where packed expert weights enter the model. A packed MoE kernel path plugs in by
+    listing its format in ``MoELoRALayer.PACKED_FORMATS`` (see :func:`packed_expert_formats`) and
+    accepting the :class:`~moelora_lib.quant.MXFP4Weight` as ``w13`` / ``w2`` (the layer then takes its
+    activation dtype from the model, since a packed weight carries none). Until then a packed weight
+    raises NotImplementedError here, and the dense path runs by dequantizing at load
+    (``load_hf_checkpoint(..., dequantize=True)``, :func:`~moelora_lib.quant.dequantize_mxfp4`).
+
+    Raises:
+        ValueError: ``w``'s dense shape is not ``shape`` (naming ``name``).
+        NotImplementedError: the layer has no kernels for MXFP4 weights.
+    """
+    shape = tuple(shape)
+    if tuple(w.shape) != shape:
+        raise ValueError(
+            f"weights[{name!r}]: expected shape {list(shape)}, got MXFP4 of shape {list(w.shape)}"
+        )
+    if "mxfp4" not in packed_expert_formats():
+        raise NotImplementedError(
+            f"weights[{name!r}]: packed MXFP4 expert weights need MXFP4 MoE kernels, which MoELoRALayer does "
+            "not have; load the checkpoint with load_hf_checkpoint(..., dequantize=True) (exact "
+            "dequantization to the model dtype), or pass dense weights"
+        )
+    return w.to(device)
+
+
 def _check_device(device, dtype: torch.dtype) -> torch.device:
     """``device`` as a torch.device the kernels can run ``dtype`` on, else ValueError naming it: a CUDA
     device that exists, or the CPU with the Triton interpreter on and no bfloat16."""
@@ -479,12 +533,16 @@ class MultiLoRAModel(nn.Module):
         weights: our state-dict names (``model.state_dict()`` keys, e.g.
             ``layers.0.self_attn.qkv_proj.weight``) -> tensors, any float dtype/device (cast and moved);
             or a callable ``(name, shape, *, kind, dtype, device) -> tensor`` (``kind`` "weight", "bias"
-            or "norm"); or None = :func:`random_weights` (seed 0).
+            or "norm"); or None = :func:`random_weights` (seed 0). The expert weights
+            ``layers.{l}.mlp.experts.w13`` / ``.w2`` may also be packed
+            (:class:`~moelora_lib.quant.MXFP4Weight` of the same dense shape); they go through
+            :func:`packed_expert_weight` (NotImplementedError while the MoE layer has no MXFP4 kernels).
     Raises:
         ValueError naming the argument: sizes not positive ints, max_tokens < max_batch, a device that
         is neither an existing CUDA device nor the CPU (the CPU needs TRITON_INTERPRET=1 and
         float16/float32), a missing/unexpected weight name, a weight of the wrong shape or not finite
         in ``dtype``, and what LoRALinear/MoELoRALayer refuse.
+        NotImplementedError: packed expert weights the MoE layer cannot run (:func:`packed_expert_weight`).
     ``device`` and ``dtype`` are properties that follow ``.to()``.
 
     Slots in use: :meth:`hold_slots` marks slots that a running generate call reads; while held, a
@@ -548,8 +606,12 @@ class MultiLoRAModel(nn.Module):
         check_finite = not getattr(weights, "is_random", False)  # random_weights are finite by construction
 
         def take(
-            name: str, shape: tuple[int, ...], kind: str = "weight", dt: torch.dtype = dtype
-        ) -> torch.Tensor:
+            name: str,
+            shape: tuple[int, ...],
+            kind: str = "weight",
+            dt: torch.dtype = dtype,
+            packed: bool = False,
+        ) -> torch.Tensor | MXFP4Weight:
             shape = tuple(int(s) for s in shape)
             if callable(weights) and not isinstance(weights, Mapping):
                 t = weights(name, shape, kind=kind, dtype=dt, device=device)
@@ -558,6 +620,8 @@ class MultiLoRAModel(nn.Module):
                     raise ValueError(f"weights: missing {name!r} (expected shape {list(shape)})")
                 t = weights[name]
             used.add(name)
+            if packed and isinstance(t, MXFP4Weight):
+                return packed_expert_weight(t, name=name, shape=shape, device=device)
             if not isinstance(t, torch.Tensor) or not t.is_floating_point():
                 raise ValueError(f"weights[{name!r}] must be a float tensor, got {describe(t)}")
             if tuple(t.shape) != shape:
@@ -604,8 +668,8 @@ class MultiLoRAModel(nn.Module):
                     take(f"{p}mlp.router.bias", (E,), "bias") if c.router_bias else None,
                 )
                 experts = MoELoRALayer(
-                    take(f"{p}mlp.experts.w13", (E, 2 * I, H)),
-                    take(f"{p}mlp.experts.w2", (E, H, I)),
+                    take(f"{p}mlp.experts.w13", (E, 2 * I, H), packed=True),
+                    take(f"{p}mlp.experts.w2", (E, H, I), packed=True),
                     top_k=c.num_experts_per_tok,
                     slices=1 if gpt else 2,
                     b13=take(f"{p}mlp.experts.b13", (E, 2 * I), "bias") if c.expert_bias else None,

@@ -5,7 +5,15 @@ from .mxfp4 import (
     MXFP4_BLOCK,
     MXFP4Weight,
     dequantize_mxfp4,
+    e8m0_to_float32,
     quantize_mxfp4,
 )
 
-__all__ = ["E2M1_VALUES", "MXFP4_BLOCK", "MXFP4Weight", "dequantize_mxfp4", "quantize_mxfp4"]
+__all__ = [
+    "E2M1_VALUES",
+    "MXFP4_BLOCK",
+    "MXFP4Weight",
+    "dequantize_mxfp4",
+    "e8m0_to_float32",
+    "quantize_mxfp4",
+]

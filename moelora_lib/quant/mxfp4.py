@@ -5,7 +5,8 @@ A weight ``W [..., N, K]`` (rows = output features N, K the reduction axis) is s
 
 * ``blocks`` uint8 ``[..., N, K // 32, 16]``: 32 e2m1 codes per block, two per byte, the **low nibble
   first** (element 2i in bits 0–3 of byte i, element 2i + 1 in bits 4–7);
-* ``scales`` uint8 ``[..., N, K // 32]``: the e8m0 exponent of each block, value ``2 ** (byte - 127)``.
+* ``scales`` uint8 ``[..., N, K // 32]``: the e8m0 exponent of each block, value ``2 ** (byte - 127)``
+  (byte 255 is NaN, as the OCP spec defines it).
 
 Code c in 0–7 is +{0, 0.5, 1, 1.5, 2, 3, 4, 6}[c]; 8–15 the same values negated. So
 ``W[..., n, 32 b + j] = e2m1(code) * 2 ** (scales[..., n, b] - 127)``. The oracle the tests use is
@@ -22,7 +23,14 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["E2M1_VALUES", "MXFP4_BLOCK", "MXFP4Weight", "dequantize_mxfp4", "quantize_mxfp4"]
+__all__ = [
+    "E2M1_VALUES",
+    "MXFP4_BLOCK",
+    "MXFP4Weight",
+    "dequantize_mxfp4",
+    "e8m0_to_float32",
+    "quantize_mxfp4",
+]
 
 #: Elements sharing one scale.
 MXFP4_BLOCK = 32
@@ -31,13 +39,18 @@ E2M1_VALUES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                                   -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # fmt: skip
 _E2M1_MAX = 6.0
 _E2M1_EMAX = 2  # 6 = 1.5 * 2**2
+_OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# blocks dequantized per step: bounds the int32 codes and fp32 values held at once (~64 MiB each)
+_ROWS_PER_CHUNK = 1 << 19
 
 
 def _check_packed(blocks: torch.Tensor, scales: torch.Tensor) -> None:
     if not isinstance(blocks, torch.Tensor) or blocks.dtype != torch.uint8 or blocks.dim() < 3:
         raise ValueError(f"blocks must be a uint8 tensor [..., N, K/32, 16], got {_desc(blocks)}")
     if blocks.shape[-1] != MXFP4_BLOCK // 2:
-        raise ValueError(f"blocks must have a last dim of 16 bytes (32 e2m1 codes), got {tuple(blocks.shape)}")
+        raise ValueError(
+            f"blocks must have a last dim of 16 bytes (32 e2m1 codes), got {tuple(blocks.shape)}"
+        )
     if not isinstance(scales, torch.Tensor) or scales.dtype != torch.uint8:
         raise ValueError(f"scales must be a uint8 tensor [..., N, K/32], got {_desc(scales)}")
     if tuple(scales.shape) != tuple(blocks.shape[:-1]):
@@ -45,6 +58,8 @@ def _check_packed(blocks: torch.Tensor, scales: torch.Tensor) -> None:
             f"scales must have shape blocks.shape[:-1] = {tuple(blocks.shape[:-1])} (one e8m0 byte per "
             f"32 values), got {tuple(scales.shape)}"
         )
+    if blocks.device != scales.device:
+        raise ValueError(f"blocks and scales must be on one device, got {blocks.device} and {scales.device}")
 
 
 def _desc(t) -> str:
@@ -53,46 +68,82 @@ def _desc(t) -> str:
     return type(t).__name__
 
 
+def e8m0_to_float32(scales: torch.Tensor) -> torch.Tensor:
+    """The float32 value of e8m0 bytes: ``2 ** (byte - 127)``, built from its bits (exact, including
+    byte 0 = 2^-127, a float32 subnormal); byte 255 is NaN (OCP MX v1.0)."""
+    b = scales.to(torch.int32)
+    bits = b << 23  # the float32 exponent field; mantissa 0
+    bits = torch.where(b == 0, torch.full_like(bits, 1 << 22), bits)  # 2^-127: subnormal, mantissa MSB
+    bits = torch.where(b == 255, torch.full_like(bits, 0x7FC00000), bits)  # quiet NaN
+    return bits.view(torch.float32)
+
+
 def dequantize_mxfp4(
     blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16
 ) -> torch.Tensor:
     """The dense weight ``[..., N, K]`` (``K = 32 * blocks.shape[-2]``) of packed MXFP4 ``blocks``
-    uint8 ``[..., N, K/32, 16]`` and ``scales`` uint8 ``[..., N, K/32]``, in ``dtype``.
+    uint8 ``[..., N, K/32, 16]`` and ``scales`` uint8 ``[..., N, K/32]``, in ``dtype`` (float16,
+    bfloat16, float32 or float64), on the inputs' device.
 
-    Exact: every value is a power of two times an e2m1 value, computed in fp32 and cast once (exact in
-    bf16 for scales in bf16's exponent range; float32 for any). Raises ValueError naming the tensor on a
-    wrong dtype or shape.
+    Exact to the format: each value e2m1(code) · 2^(byte − 127) is formed in float32 (exact: e2m1 has
+    two significant bits and the smallest nonzero value, 0.5 · 2^-127, is a float32 subnormal) and cast
+    once. The cast is exact for bfloat16 and float32 wherever the value is finite there (scale bytes up
+    to 252 for |code value| 6); values past float32's range are ±inf and byte 255 gives NaN. Equal bit
+    for bit to transformers' ``convert_moe_packed_tensors`` transposed (tests/test_mxfp4_format.py).
+    Works block-row chunk by chunk, so the temporaries stay small next to the output.
+
+    Raises ValueError naming ``blocks``, ``scales`` or ``dtype`` on a wrong dtype, shape or device.
     """
     _check_packed(blocks, scales)
+    if dtype not in _OUT_DTYPES:
+        raise ValueError(f"dtype must be one of {list(_OUT_DTYPES)}, got {dtype!r}")
+    lead = tuple(blocks.shape[:-1])  # (..., N, K/32)
+    rows = blocks.reshape(-1, MXFP4_BLOCK // 2)
+    row_scales = scales.reshape(-1)
+    out = torch.empty((rows.shape[0], MXFP4_BLOCK), dtype=dtype, device=blocks.device)
     lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=blocks.device)
-    lo = (blocks & 0x0F).long()
-    hi = (blocks >> 4).long()
-    vals = torch.stack((lut[lo], lut[hi]), dim=-1).flatten(-2)  # [..., N, K/32, 32], low nibble first
-    exp = scales.to(torch.int32) - 127
-    vals = torch.ldexp(vals, exp.unsqueeze(-1).to(torch.float32))
-    return vals.flatten(-2).to(dtype)
+    for r0 in range(0, rows.shape[0], _ROWS_PER_CHUNK):
+        b = rows[r0 : r0 + _ROWS_PER_CHUNK]
+        codes = torch.stack((b & 0x0F, b >> 4), dim=-1).flatten(-2).to(torch.int32)  # low nibble first
+        scale = e8m0_to_float32(row_scales[r0 : r0 + _ROWS_PER_CHUNK])
+        out[r0 : r0 + _ROWS_PER_CHUNK] = (lut[codes] * scale[:, None]).to(dtype)
+    return out.view(*lead[:-1], lead[-1] * MXFP4_BLOCK)
 
 
 def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pack ``w [..., N, K]`` (float, K a multiple of 32) into MXFP4 ``(blocks, scales)``.
+    """Pack ``w [..., N, K]`` (float16/bfloat16/float32/float64, finite, K a multiple of 32) into MXFP4
+    ``(blocks uint8 [..., N, K/32, 16], scales uint8 [..., N, K/32])`` on ``w``'s device.
 
-    Per block of 32: the scale is ``2 ** (floor(log2(amax)) - 2)`` (the OCP rule: the block's largest
-    magnitude lands in e2m1's top binade), each value divided by it is rounded to the nearest e2m1 value
-    (ties to the even code), and magnitudes above 6 saturate to 6. An all-zero block gets scale byte 0
-    and codes 0. ``dequantize_mxfp4`` of the result is the quantized weight.
+    Per block of 32 (the OCP MX v1.0 conversion): the scale is ``2 ** (floor(log2(amax)) - 2)`` (the
+    block's largest magnitude lands in e2m1's top binade [4, 8)), with the exponent taken exactly from
+    the float's bits and clamped to e8m0's [-127, 127]; each value divided by the scale is rounded to
+    the nearest e2m1 value, ties to the even code (round half to even, as IEEE), and magnitudes above 6
+    saturate to 6. A value that rounds to zero gets code 0 (+0). An all-zero block gets scale byte 0 and
+    codes 0. ``dequantize_mxfp4`` of the result is the quantized weight; a ``w`` already on the grid
+    (e2m1 values times one power of two per block, its largest magnitude in [4, 6] · 2^e) comes back
+    exactly.
 
-    Raises ValueError when ``w`` is not a float tensor with a last dim divisible by 32.
+    Raises ValueError naming ``w`` when it is not such a tensor (dtype, dims, last dim, inf/NaN or
+    beyond float32's range).
     """
-    if not isinstance(w, torch.Tensor) or not w.is_floating_point() or w.dim() < 2:
-        raise ValueError(f"w must be a float tensor [..., N, K], got {_desc(w)}")
+    if not isinstance(w, torch.Tensor) or w.dtype not in _OUT_DTYPES or w.dim() < 2:
+        raise ValueError(
+            f"w must be a float tensor [..., N, K] (float16/bfloat16/float32/float64), got {_desc(w)}"
+        )
     K = w.shape[-1]
     if K % MXFP4_BLOCK:
-        raise ValueError(f"w's last dim K must be a multiple of {MXFP4_BLOCK} (one scale per 32), got K = {K}")
+        raise ValueError(
+            f"w's last dim K must be a multiple of {MXFP4_BLOCK} (one scale per 32), got K = {K}"
+        )
     wb = w.float().reshape(*w.shape[:-1], K // MXFP4_BLOCK, MXFP4_BLOCK)
+    if not bool(torch.isfinite(wb).all()):
+        raise ValueError("w must be finite in float32 (inf/NaN have no MXFP4 code)")
     amax = wb.abs().amax(dim=-1)
-    exp = torch.floor(torch.log2(amax.clamp_min(torch.finfo(torch.float32).tiny))) - _E2M1_EMAX
-    exp = torch.where(amax > 0, exp, torch.full_like(exp, -127.0)).clamp(-127, 127)
-    scaled = wb / torch.ldexp(torch.ones_like(exp), exp).unsqueeze(-1)
+    # floor(log2(amax)) exactly: amax = m · 2^e with m in [0.5, 1), so floor(log2(amax)) = e - 1
+    exp = torch.frexp(amax).exponent.to(torch.int32) - 1 - _E2M1_EMAX
+    exp = torch.where(amax > 0, exp, torch.full_like(exp, -127)).clamp(-127, 127)
+    scale_byte = (exp + 127).to(torch.uint8)
+    scaled = wb / e8m0_to_float32(scale_byte).unsqueeze(-1)  # division by a power of two: exact
     grid = torch.tensor(E2M1_VALUES[:8], dtype=torch.float32, device=w.device)
     mag = scaled.abs().clamp(max=_E2M1_MAX)
     dist = (mag.unsqueeze(-1) - grid).abs()
@@ -103,24 +154,22 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     code = (code + 8 * sign.long()).to(torch.uint8)
     code = code.reshape(*code.shape[:-1], MXFP4_BLOCK // 2, 2)
     blocks = code[..., 0] | (code[..., 1] << 4)
-    scales = (exp + 127).to(torch.uint8)
-    return blocks.contiguous(), scales.contiguous()
+    return blocks.contiguous(), scale_byte.contiguous()
 
 
 @dataclass(frozen=True)
 class MXFP4Weight:
     """A packed MXFP4 weight ``[..., N, K]``: ``blocks`` uint8 ``[..., N, K/32, 16]`` and ``scales``
-    uint8 ``[..., N, K/32]`` on one device (see the module docstring for the layout)."""
+    uint8 ``[..., N, K/32]`` on one device (see the module docstring for the layout).
+
+    Raises ValueError (from the constructor) naming ``blocks`` or ``scales`` on a wrong dtype, shape or
+    device."""
 
     blocks: torch.Tensor
     scales: torch.Tensor
 
     def __post_init__(self) -> None:
         _check_packed(self.blocks, self.scales)
-        if self.blocks.device != self.scales.device:
-            raise ValueError(
-                f"blocks and scales must be on one device, got {self.blocks.device} and {self.scales.device}"
-            )
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -131,11 +180,20 @@ class MXFP4Weight:
     def device(self) -> torch.device:
         return self.blocks.device
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of ``blocks`` and ``scales`` together (4.25 bits per weight)."""
+        return self.blocks.numel() + self.scales.numel()
+
+    def to(self, device) -> MXFP4Weight:
+        """The same weight with ``blocks`` and ``scales`` on ``device`` (contiguous)."""
+        return MXFP4Weight(self.blocks.to(device).contiguous(), self.scales.to(device).contiguous())
+
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        """The dense weight ``[..., N, K]`` in ``dtype`` (exact)."""
+        """The dense weight ``[..., N, K]`` in ``dtype`` (:func:`dequantize_mxfp4`; exact)."""
         return dequantize_mxfp4(self.blocks, self.scales, dtype)
 
     @classmethod
-    def quantize(cls, w: torch.Tensor) -> "MXFP4Weight":
+    def quantize(cls, w: torch.Tensor) -> MXFP4Weight:
         """:func:`quantize_mxfp4` of ``w [..., N, K]``."""
         return cls(*quantize_mxfp4(w))

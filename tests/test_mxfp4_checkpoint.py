@@ -1,0 +1,414 @@
+"""GPT-OSS checkpoints as published (MXFP4 experts) through load_hf_checkpoint, CPU (Triton interpreter).
+
+The test writes a tiny GPT-OSS folder in the published layout: a random transformers GptOssForCausalLM,
+its experts quantized with the project's quantizer into ``*_blocks`` / ``*_scales`` (rows = output
+features), every other tensor in bf16 (what ``modules_to_not_convert`` lists), config.json with
+``quantization_config {"quant_method": "mxfp4", ...}``; once as one model.safetensors and once sharded
+with model.safetensors.index.json (a layer's blocks and scales in different shards).
+
+Oracles: transformers' ``convert_moe_packed_tensors`` for the dequantized experts (bit for bit), and
+transformers' GptOssForCausalLM loaded from the same folder with ``Mxfp4Config(dequantize=True)`` (which
+runs on the CPU) for the logits, within tests/test_model_base.py's tolerance; with PEFT adapters
+(attention + experts, trained on that dequantized model as real GPT-OSS adapters are) against
+transformers + PEFT, a mixed batch row by row within tests/test_model_adapters.py's E2E tolerance. Bad
+files are refused with a ValueError naming the key or field.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from test_model_adapters import E2E_ATOL
+from test_model_base import _close, _ref_logits
+
+from moelora_lib.model import MultiLoRAModel, load_hf_checkpoint, load_peft_adapter
+from moelora_lib.model.modeling import packed_expert_formats, packed_expert_weight
+from moelora_lib.quant import MXFP4Weight, quantize_mxfp4
+from moelora_lib.testing import assert_close_rel
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+convert_moe_packed_tensors = pytest.importorskip("transformers.integrations.mxfp4").convert_moe_packed_tensors
+
+V, H, I, E, TOPK, HEADS, KV, HD, WINDOW, NL = 96, 64, 32, 4, 2, 4, 2, 16, 4, 2
+SIZES = dict(num_adapters=2, max_rank=4, max_batch=3, max_seq=16, max_tokens=30)
+QUANT = {
+    "quant_method": "mxfp4",
+    "modules_to_not_convert": [
+        "model.layers.*.self_attn",
+        "model.layers.*.mlp.router",
+        "model.embed_tokens",
+        "lm_head",
+    ],
+}
+PACKED = "mxfp4" in packed_expert_formats()
+
+
+def _hf_config():
+    return transformers.GptOssConfig(
+        vocab_size=V,
+        hidden_size=H,
+        num_hidden_layers=NL,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV,
+        head_dim=HD,
+        hidden_act="silu",
+        tie_word_embeddings=False,
+        intermediate_size=I,
+        num_local_experts=E,
+        num_experts_per_tok=TOPK,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        attention_bias=True,
+        swiglu_limit=7.0,
+        swiglu_alpha=1.702,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=150000.0,
+            factor=32.0,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            original_max_position_embeddings=4096,
+            truncate=False,
+        ),
+    )
+
+
+def _published_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    """The tensors of a published GPT-OSS file: a random transformers model (weights N(0, 0.15²), norms
+    1 ± 0.1), experts packed MXFP4 [E, N, K/32, 16] + [E, N, K/32], the rest bf16."""
+    torch.manual_seed(seed)
+    model = transformers.GptOssForCausalLM(_hf_config())
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, p in model.state_dict().items():
+        p = (
+            1 + 0.1 * torch.randn(p.shape, generator=g)
+            if "norm" in name
+            else 0.15 * torch.randn(p.shape, generator=g)
+        )
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # transformers' x @ W: [E, K, N]
+            out[f"{name}_blocks"], out[f"{name}_scales"] = quantize_mxfp4(p.transpose(1, 2))
+        else:
+            out[name] = p.to(torch.bfloat16).contiguous()
+    return out
+
+
+def _write_config(folder: Path, **edits) -> None:
+    d = _hf_config().to_dict()
+    d["quantization_config"] = QUANT
+    d.update(edits)
+    (folder / "config.json").write_text(json.dumps(d))
+
+
+def _write_published(folder: Path, tensors: dict[str, torch.Tensor], sharded: bool = False) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    _write_config(folder)
+    if not sharded:
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        return folder
+    names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    keys = sorted(tensors)  # alternate: blocks and scales of one projection land in different shards
+    weight_map = {k: names[i % 2] for i, k in enumerate(keys)}
+    assert any(
+        weight_map[k] != weight_map[k.replace("_blocks", "_scales")] for k in keys if k.endswith("_blocks")
+    )
+    for n in names:
+        save_file(
+            {k: tensors[k] for k in keys if weight_map[k] == n}, str(folder / n), metadata={"format": "pt"}
+        )
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return folder
+
+
+def _hf_dequantized(folder: Path):
+    """transformers' model from the published folder, experts dequantized by transformers, fp32."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return transformers.GptOssForCausalLM.from_pretrained(
+            str(folder), quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32
+        ).eval()
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gpt_oss_mxfp4")
+    tensors = _published_tensors()
+    single = _write_published(root / "single", tensors)
+    sharded = _write_published(root / "sharded", tensors, sharded=True)
+    return {"tensors": tensors, "single": single, "sharded": sharded, "ref": _hf_dequantized(single)}
+
+
+def _load(folder, **kw) -> MultiLoRAModel:
+    kw = {"dtype": torch.float32, "device": "cpu", **SIZES, **kw}
+    return load_hf_checkpoint(folder, **kw)
+
+
+_IDS = torch.randint(0, V, (2, 10), generator=torch.Generator().manual_seed(1))  # 10 > WINDOW
+
+
+# --------------------------------------------------------------------------------------------------
+# dequantized loading
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["single", "sharded"])
+def test_dequantized_experts_bit_for_bit(published, layout):
+    """w13 / w2 are convert_moe_packed_tensors' output transposed to rows = output features, bit for bit,
+    and equal to the parameters transformers' Mxfp4Config(dequantize=True) builds; biases are the file's."""
+    model = _load(published[layout], dequantize=True)
+    ref = published["ref"]
+    t = published["tensors"]
+    for li in range(NL):
+        exp, x = model.layers[li].mlp.experts, f"model.layers.{li}.mlp.experts."
+        for ours, hf in ((exp.w13, "gate_up_proj"), (exp.w2, "down_proj")):
+            oracle = convert_moe_packed_tensors(
+                t[f"{x}{hf}_blocks"], t[f"{x}{hf}_scales"], dtype=torch.float32
+            )
+            assert ours.dtype == torch.float32
+            assert torch.equal(ours.view(torch.int32), oracle.transpose(1, 2).contiguous().view(torch.int32))
+            assert torch.equal(ours, getattr(ref.model.layers[li].mlp.experts, hf).transpose(1, 2))
+        assert torch.equal(exp.b13, t[f"{x}gate_up_proj_bias"].float())
+        assert torch.equal(exp.b2, t[f"{x}down_proj_bias"].float())
+
+
+@pytest.mark.parametrize("layout", ["single", "sharded"])
+def test_logits_match_transformers_dequantized(published, layout):
+    ref = published["ref"]
+    model = _load(published[layout], dequantize=True)
+    r = _ref_logits(ref, _IDS)
+    out = model(_IDS, [0, 0], [-1, -1])
+    _close(out, r, f"mxfp4 {layout} full prompt")
+    # one decode step after a prefill of 9 tokens reads the cache the prefill wrote
+    model(_IDS[:, :9], [0, 0], [-1, -1])
+    step = model(_IDS[:, 9:], [9, 9], [-1, -1])
+    _close(step[:, 0], r[:, 9], f"mxfp4 {layout} decode step")
+
+
+def test_float16_model_dequantizes_to_its_dtype(published):
+    """dtype float16: the experts are dequantized straight to float16 (values of this file are exact
+    there), equal to convert_moe_packed_tensors(dtype=float16); logits within the float16 table entry."""
+    model = _load(published["single"], dtype=torch.float16, dequantize=True)
+    t = published["tensors"]
+    x = "model.layers.1.mlp.experts."
+    oracle = convert_moe_packed_tensors(
+        t[f"{x}down_proj_blocks"], t[f"{x}down_proj_scales"], dtype=torch.float16
+    )
+    w2 = model.layers[1].mlp.experts.w2
+    assert w2.dtype == torch.float16 and torch.equal(
+        w2.view(torch.int16), oracle.transpose(1, 2).contiguous().view(torch.int16)
+    )
+    out = model(_IDS, [0, 0], [-1, -1])
+    assert_close_rel(out, _ref_logits(published["ref"], _IDS), torch.float16, what="mxfp4 float16 logits")
+
+
+def test_default_dequantizes_while_no_packed_kernels(published):
+    """dequantize=None keeps the experts packed exactly when MoELoRALayer lists "mxfp4" in PACKED_FORMATS;
+    without MXFP4 kernels it dequantizes, giving the dequantize=True model."""
+    model = _load(published["single"])
+    w13 = model.layers[0].mlp.experts.w13
+    if PACKED:
+        assert isinstance(w13, MXFP4Weight)
+    else:
+        assert isinstance(w13, torch.Tensor) and torch.equal(
+            w13, _load(published["single"], dequantize=True).layers[0].mlp.experts.w13
+        )
+
+
+@pytest.mark.skipif(PACKED, reason="MoELoRALayer runs MXFP4: dequantize=False is the packed path")
+def test_packed_without_kernels_is_not_implemented(published):
+    with pytest.raises(NotImplementedError, match=r"dequantize=True"):
+        _load(published["single"], dequantize=False)
+    w = MXFP4Weight(*quantize_mxfp4(torch.randn(E, 2 * I, H)))
+    with pytest.raises(NotImplementedError, match=r"layers\.0\.mlp\.experts\.w13.*dequantize=True"):
+        packed_expert_weight(w, name="layers.0.mlp.experts.w13", shape=(E, 2 * I, H), device="cpu")
+    # the model's weights argument goes through the same function
+    model = _load(published["single"], dequantize=True)
+    weights = dict(model.state_dict())
+    weights["layers.1.mlp.experts.w2"] = MXFP4Weight(*quantize_mxfp4(weights["layers.1.mlp.experts.w2"]))
+    with pytest.raises(NotImplementedError, match=r"layers\.1\.mlp\.experts\.w2"):
+        MultiLoRAModel(model.config, dtype=torch.float32, device="cpu", weights=weights, **SIZES)
+
+
+def test_packed_expert_weight_checks_the_shape():
+    w = MXFP4Weight(*quantize_mxfp4(torch.randn(E, H, I)))
+    with pytest.raises(ValueError, match=r"layers\.1\.mlp\.experts\.w13.*expected shape \[4, 64, 64\]"):
+        packed_expert_weight(w, name="layers.1.mlp.experts.w13", shape=(E, 2 * I, H), device="cpu")
+
+
+# --------------------------------------------------------------------------------------------------
+# PEFT adapters on the dequantized model
+# --------------------------------------------------------------------------------------------------
+ADAPTERS = {
+    "attn_experts": dict(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    ),
+    "v_down_rslora": dict(
+        r=2,
+        lora_alpha=3,
+        use_rslora=True,
+        target_modules=["v_proj", "o_proj"],
+        target_parameters=["down_proj"],
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def adapters(published, tmp_path_factory):
+    """PEFT adapters made on transformers' dequantized model (as GPT-OSS adapters are trained)."""
+    root = tmp_path_factory.mktemp("mxfp4_peft")
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i, (name, kw) in enumerate(ADAPTERS.items()):
+            torch.manual_seed(200 + i)
+            pm = peft.get_peft_model(
+                _hf_dequantized(published["single"]), peft.LoraConfig(init_lora_weights=False, **kw)
+            )
+            pm.save_pretrained(str(root / name))
+            out[name] = root / name
+    return out
+
+
+def test_peft_adapters_mixed_batch_match_transformers_peft(published, adapters):
+    B = 3
+    model = _load(published["sharded"], dequantize=True)
+    names = list(ADAPTERS)
+    for slot, name in enumerate(names):
+        load_peft_adapter(model, slot, adapters[name])
+    ids = torch.randint(0, V, (B, 6), generator=torch.Generator().manual_seed(3))
+    lora_ids = [0, -1, 1]  # adapter, none, other adapter
+    ours = model(ids, [0] * B, lora_ids)
+    refs = []
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for row, slot in enumerate(lora_ids):
+            ref = _hf_dequantized(published["single"])
+            if slot >= 0:
+                ref = peft.PeftModel.from_pretrained(ref, str(adapters[names[slot]])).eval()
+            refs.append(ref(input_ids=ids[row : row + 1]).logits[0].float())
+    base = published["ref"](input_ids=ids[[0, 2]]).logits.float().detach()
+    assert not torch.allclose(refs[0], base[0], atol=1e-2) and not torch.allclose(refs[2], base[1], atol=1e-2)
+    for row, slot in enumerate(lora_ids):
+        err = (ours[row] - refs[row]).abs().max().item()
+        assert err <= E2E_ATOL, f"row {row} (slot {slot}): max |logits − transformers+PEFT| = {err:.3g}"
+
+
+# --------------------------------------------------------------------------------------------------
+# refusals
+# --------------------------------------------------------------------------------------------------
+_X0 = "model.layers.0.mlp.experts."
+_X1 = "model.layers.1.mlp.experts."
+
+
+def _drop(key):
+    def edit(t):
+        del t[key]
+
+    return edit
+
+
+def _replace(key, fn):
+    def edit(t):
+        t[key] = fn(t[key])
+
+    return edit
+
+
+BAD_FILES = {
+    "missing_scales": (None, _drop(f"{_X1}down_proj_scales"), rf"'{_X1}down_proj_scales' is missing"),
+    "scales_shape": (
+        None,
+        _replace(f"{_X0}gate_up_proj_scales", lambda s: s[:, :, :1].contiguous()),
+        rf"'{_X0}gate_up_proj_scales': shape \[4, 64, 1\] does not match its blocks .*expected \[4, 64, 2\]",
+    ),
+    "blocks_shape": (
+        None,
+        _replace(f"{_X1}gate_up_proj_blocks", lambda b: b.reshape(E, 2 * I, 4, 8).contiguous()),
+        rf"'{_X1}gate_up_proj_blocks': expected shape \[4, 64, 2, 16\], got \[4, 64, 4, 8\]",
+    ),
+    "blocks_dtype": (
+        None,
+        _replace(f"{_X0}down_proj_blocks", lambda b: b.to(torch.int16)),
+        rf"'{_X0}down_proj_blocks': MXFP4 blocks must be uint8, got I16",
+    ),
+    "k_not_multiple_of_32": (
+        dict(intermediate_size=48),
+        None,
+        rf"{_X0}down_proj_blocks: .*K = intermediate_size = 48.*not a multiple of 32",
+    ),
+    "unknown_method": (
+        dict(quantization_config={"quant_method": "awq"}),
+        None,
+        r"quantization_config.quant_method: 'awq' is not supported; supported: \['mxfp4'\]",
+    ),
+    "fp8": (
+        dict(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}),
+        None,
+        r"quant_method 'fp8': block-FP8 checkpoints are not supported yet \(supported: \['mxfp4'\]\)",
+    ),
+    "not_a_dict": (dict(quantization_config="mxfp4"), None, r"quantization_config: expected a JSON object"),
+    "bad_not_convert": (
+        dict(quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": "lm_head"}),
+        None,
+        r"quantization_config.modules_to_not_convert: expected a list of strings",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FILES))
+def test_bad_files_refused_naming_the_key(published, case, tmp_path):
+    cfg_edits, tensor_edit, match = BAD_FILES[case]
+    folder = tmp_path / case
+    folder.mkdir()
+    tensors = dict(published["tensors"])
+    if tensor_edit is not None:
+        tensor_edit(tensors)
+    save_file(tensors, str(folder / "model.safetensors"))
+    _write_config(folder, **(cfg_edits or {}))
+    with pytest.raises(ValueError, match=match):
+        _load(folder)
+
+
+def test_dense_experts_under_mxfp4_config_refused(published, tmp_path):
+    """A folder saved after transformers' dequantization (dense experts) that still declares mxfp4."""
+    published["ref"].save_pretrained(tmp_path / "dense")
+    cfg = json.loads((tmp_path / "dense" / "config.json").read_text())
+    assert "quantization_config" not in cfg  # transformers drops it when it saves dequantized weights
+    cfg["quantization_config"] = QUANT
+    (tmp_path / "dense" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(
+        ValueError, match=r"declares quantization_config.quant_method 'mxfp4' but .*experts\.down_proj"
+    ):
+        _load(tmp_path / "dense")
+
+
+def test_mxfp4_on_other_model_types_and_bad_flag_refused(published, tmp_path):
+    cfg = transformers.Qwen3Config(
+        vocab_size=V, hidden_size=H, num_hidden_layers=1, num_attention_heads=HEADS, num_key_value_heads=KV
+    ).to_dict()
+    cfg["quantization_config"] = QUANT
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"model_type 'gpt_oss' only, got model_type 'qwen3'"):
+        _load(tmp_path)
+    with pytest.raises(ValueError, match=r"dequantize must be a Python bool"):
+        _load(published["single"], dequantize="yes")
+
+
+def test_sharded_index_naming_a_missing_shard(published, tmp_path):
+    folder = tmp_path / "sharded"
+    shutil.copytree(published["sharded"], folder)
+    (folder / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ValueError, match=r"names shard model-00002-of-00002.safetensors"):
+        _load(folder)

@@ -118,11 +118,11 @@ class LayerConfig:
         bms = {op: getattr(self, op).BLOCK_SIZE_M for op in LORA_OPS}
         if len(set(bms.values())) != 1:
             raise ValueError(f"the four LoRA ops must share BLOCK_SIZE_M, got {bms}")
-        for op in ("gate_up_expand", "down_expand", "base_gate_up"):
+        for op in ("gate_up_expand", "down_expand"):
             if getattr(self, op).SPLIT_K != 1:
                 raise ValueError(
-                    f"{op}: SPLIT_K must be 1 (split-K is for the shrink ops and stage fused's down GEMM "
-                    "only)"
+                    f"{op}: SPLIT_K must be 1 (split-K is for the shrink ops, stage fused's down GEMM and "
+                    "stage gemv's GEMVs)"
                 )
 
     @property

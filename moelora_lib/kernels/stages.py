@@ -136,6 +136,8 @@ class Stage:
                 changes[op] = replace(c, **new)
         if not self.fused_gemm and cfg.base_down.SPLIT_K != 1:  # only stage fused's down GEMM splits K
             changes["base_down"] = replace(cfg.base_down, SPLIT_K=1)
+        if cfg.base_gate_up.SPLIT_K != 1:  # only stage gemv's gate_up GEMV splits K
+            changes["base_gate_up"] = replace(cfg.base_gate_up, SPLIT_K=1)
         return replace(cfg, **changes) if changes else cfg
 
 

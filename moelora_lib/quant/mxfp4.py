@@ -37,7 +37,9 @@ def _check_packed(blocks: torch.Tensor, scales: torch.Tensor) -> None:
     if not isinstance(blocks, torch.Tensor) or blocks.dtype != torch.uint8 or blocks.dim() < 3:
         raise ValueError(f"blocks must be a uint8 tensor [..., N, K/32, 16], got {_desc(blocks)}")
     if blocks.shape[-1] != MXFP4_BLOCK // 2:
-        raise ValueError(f"blocks must have a last dim of 16 bytes (32 e2m1 codes), got {tuple(blocks.shape)}")
+        raise ValueError(
+            f"blocks must have a last dim of 16 bytes (32 e2m1 codes), got {tuple(blocks.shape)}"
+        )
     if not isinstance(scales, torch.Tensor) or scales.dtype != torch.uint8:
         raise ValueError(f"scales must be a uint8 tensor [..., N, K/32], got {_desc(scales)}")
     if tuple(scales.shape) != tuple(blocks.shape[:-1]):
@@ -87,7 +89,9 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"w must be a float tensor [..., N, K], got {_desc(w)}")
     K = w.shape[-1]
     if K % MXFP4_BLOCK:
-        raise ValueError(f"w's last dim K must be a multiple of {MXFP4_BLOCK} (one scale per 32), got K = {K}")
+        raise ValueError(
+            f"w's last dim K must be a multiple of {MXFP4_BLOCK} (one scale per 32), got K = {K}"
+        )
     wb = w.float().reshape(*w.shape[:-1], K // MXFP4_BLOCK, MXFP4_BLOCK)
     amax = wb.abs().amax(dim=-1)
     exp = torch.floor(torch.log2(amax.clamp_min(torch.finfo(torch.float32).tiny))) - _E2M1_EMAX
@@ -95,7 +99,7 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scaled = wb / torch.ldexp(torch.ones_like(exp), exp).unsqueeze(-1)
     grid = torch.tensor(E2M1_VALUES[:8], dtype=torch.float32, device=w.device)
     mag = scaled.abs().clamp(max=_E2M1_MAX)
-        dist = (mag.unsqueeze(-1) - grid).abs()
+    dist = (mag.unsqueeze(-1) - grid).abs()
     nearest = dist == dist.amin(dim=-1, keepdim=True)  # one grid point, or two on a tie
     even = torch.arange(8, device=w.device) % 2 == 0
     code = (nearest.to(torch.int8) * (1 + even.to(torch.int8))).argmax(dim=-1)  # a tie takes the even code
@@ -136,6 +140,6 @@ class MXFP4Weight:
         return dequantize_mxfp4(self.blocks, self.scales, dtype)
 
     @classmethod
-    def quantize(cls, w: torch.Tensor) -> "MXFP4Weight":
+    def quantize(cls, w: torch.Tensor) -> MXFP4Weight:
         """:func:`quantize_mxfp4` of ``w [..., N, K]``."""
         return cls(*quantize_mxfp4(w))

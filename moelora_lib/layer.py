@@ -63,7 +63,9 @@ from .kernels.align_small import (
 )
 from .kernels.launchers import rank_stride
 from .kernels.route import route_triton
+from .kernels.stages import mxfp4_config
 from .moe_lora import _check_cpu_backend, _desc, validate_moe_lora_inputs
+from .quant.mxfp4 import MXFP4_BLOCK, MXFP4Weight
 from .routing import check_finite_weights, check_id_values, route
 from .scratch import Scratch, attach_scratch, memory_report, nbytes
 from .shapes import Dims
@@ -196,6 +198,52 @@ def _check_expert_weights(w13, w2, b13, b2) -> None:
     raise ValueError(msg("w2", "[E, H, I]", want2, w2.shape, "w13", w13.shape))
 
 
+def _dense_views(w13, w2, dtype) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """``(w13, w2, mxfp4)``: the dense weights as given, or for :class:`MXFP4Weight` s zero-byte
+    stand-ins of their dense shapes ([E, 2I, H], [E, H, I]) in the layer's dtype ``dtype`` (default
+    bfloat16) on their device, so that the dense checks (:func:`_check_expert_weights`,
+    :func:`validate_moe_lora_inputs`) apply to them unchanged.
+
+    Raises ValueError naming the argument: one weight MXFP4 and the other not; an MXFP4 weight whose
+    blocks are not [E, N, K/32, 16] or not contiguous in the last two dims; ``dtype`` given with dense
+    weights and different from w13's, or not a torch.dtype.
+    """
+    mx13, mx2 = isinstance(w13, MXFP4Weight), isinstance(w2, MXFP4Weight)
+    if mx13 != mx2:
+        name, other = ("w2", "w13") if mx13 else ("w13", "w2")
+        raise ValueError(
+            f"{name} must be an MXFP4Weight like {other} (both expert weights packed, or neither), "
+            f"got {_desc(w2 if mx13 else w13)}"
+        )
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype must be a torch.dtype or None, got {dtype!r}")
+    if not mx13:
+        if dtype is not None and isinstance(w13, torch.Tensor) and dtype != w13.dtype:
+            raise ValueError(
+                f"dtype = {dtype} differs from w13's {w13.dtype}: with dense weights the layer's dtype is "
+                "w13's (dtype is for MXFP4 weights)"
+            )
+        return w13, w2, False
+    for name, w, layout in (("w13", w13, "[E, 2I, H]"), ("w2", w2, "[E, H, I]")):
+        q = w.blocks
+        if q.dim() != 4:
+            raise ValueError(
+                f"{name} must be an MXFP4Weight of dense shape {layout}: blocks [E, N, K/32, 16], scales "
+                f"[E, N, K/32], got blocks {tuple(q.shape)}"
+            )
+        if q.stride(3) != 1 or q.stride(2) != MXFP4_BLOCK // 2:
+            raise ValueError(
+                f"{name}.blocks must be contiguous in its last two dims (the K/2 packed bytes of a row), "
+                f"got strides {tuple(q.stride())}"
+            )
+    dt = torch.bfloat16 if dtype is None else dtype
+
+    def standin(w):  # a zero-stride view: no memory
+        return torch.empty((), dtype=dt, device=w.device).expand(w.shape)
+
+    return standin(w13), standin(w2), True
+
+
 class MoELoRALayer(ops.OpLayer):
     """MoE layer (gate_up, activation, down, weighted sum over top-k) with L LoRA adapter slots.
 
@@ -207,6 +255,13 @@ class MoELoRALayer(ops.OpLayer):
             float16/bfloat16/float32 — the layer's dtype and device (CUDA, or CPU under the Triton
             interpreter, not bfloat16 there).
         w2: [E, H, I] down weights, same dtype/device.
+            Or both :class:`~moelora_lib.quant.mxfp4.MXFP4Weight` s of those dense shapes (GPT-OSS's
+            published layout: blocks uint8 [E, 2I, H/32, 16] / [E, H, I/32, 16], scales uint8
+            [E, 2I, H/32] / [E, H, I/32]; H and I multiples of 32), kept packed: every stage's base
+            GEMMs decode them in registers (:mod:`moelora_lib.kernels.triton_kernels`, ``W_MXFP4``) and
+            compute as the dense layer with the dequantized weights in the layer's dtype does; the
+            base GEMMs' BLOCK_SIZE_K is raised to 32 where a config has 16. The adapters, biases
+            and activations are of the layer's dtype (``dtype``).
         top_k: K, experts per token (1 ≤ K ≤ E).
         num_adapters: L ≥ 1 adapter slots.
         max_rank: R ≥ 1, the largest rank a slot holds.
@@ -214,6 +269,8 @@ class MoELoRALayer(ops.OpLayer):
             device's total memory (ValueError naming max_tokens otherwise).
         slices: S, 2 (gate and up adapters) or 1 (one fused gate_up adapter, GPT-OSS style).
         b13: [E, 2I] or None; b2: [E, H] or None (expert biases).
+        dtype: the layer's dtype with MXFP4 weights (default bfloat16); with dense weights None or
+            w13's dtype.
         activation: "silu" or "swigluoai".
         renormalize: routing from logits divides the K kept probabilities by their sum.
         stage: a name of :data:`moelora_lib.kernels.STAGES` (default "tuned"), or "auto": per T, stage
@@ -239,7 +296,9 @@ class MoELoRALayer(ops.OpLayer):
         and w2 disagree, the message names the one that is wrong (a transposed weight is recognised;
         else w13 is the reference) with its expected shape, the received one and the other's shape.
 
-    Parameters (frozen, in the state dict): ``w13``, ``w2``, ``b13``, ``b2``. Buffers (not in the
+    Parameters (frozen, in the state dict): ``w13``, ``w2``, ``b13``, ``b2``; with MXFP4 weights
+    ``w13_blocks``, ``w13_scales``, ``w2_blocks``, ``w2_scales`` (uint8) instead of ``w13``/``w2``
+    (which are None; :meth:`expert_weights` gives the pair to launch with). Buffers (not in the
     state dict; runtime state): ``lora_a13`` [L, E, S, R, H], ``lora_b13`` [L, E, S, 2I/S, R],
     ``lora_a2`` [L, E, R, I], ``lora_b2`` [L, E, H, R] (zeros; scaling folded into B, ranks above the
     loaded one zero), ``slot_covers`` [L, 2] bool (gate_up, down). Build the layer on its final
@@ -260,6 +319,7 @@ class MoELoRALayer(ops.OpLayer):
         slices: int = 2,
         b13: torch.Tensor | None = None,
         b2: torch.Tensor | None = None,
+        dtype: torch.dtype | None = None,
         activation: str = "silu",
         renormalize: bool = True,
         stage: str = "tuned",
@@ -284,13 +344,15 @@ class MoELoRALayer(ops.OpLayer):
         if config is not None and not isinstance(config, LayerConfig):
             raise ValueError(f"config must be a LayerConfig or None, got {type(config).__name__}")
         check_bool("deterministic", deterministic)
+        packed = (w13, w2)
+        w13, w2, mxfp4 = _dense_views(w13, w2, dtype)  # MXFP4: dense-shaped stand-ins for the checks
         _check_expert_weights(w13, w2, b13, b2)
         if w13.shape[1] % (2 * slices):
             raise ValueError(f"w13: 2I (dim 1) = {w13.shape[1]} must be divisible by 2·slices = {2 * slices}")
         E, two_i, H = w13.shape
         L, R, S, K = num_adapters, max_rank, slices, top_k
         dt, dev = w13.dtype, w13.device
-        _check_layer_dtype(dt, dev, "w13")
+        _check_layer_dtype(dt, dev, "dtype (the layer's, with MXFP4 weights)" if mxfp4 else "w13")
         if K > E:
             raise ValueError(f"top_k = {K} must be <= E = {E} (w13 dim 0)")
         self.stage = AUTO_STAGE if stage == AUTO_STAGE.name else STAGES[stage]  # auto: fused_add as both
@@ -324,8 +386,16 @@ class MoELoRALayer(ops.OpLayer):
             b2,
             check_values=False,
         )
-        self.w13 = torch.nn.Parameter(w13, requires_grad=False)
-        self.w2 = torch.nn.Parameter(w2, requires_grad=False)
+        if mxfp4:  # packed: w13/w2 are None, the uint8 tensors are the parameters
+            self.register_parameter("w13", None)
+            self.register_parameter("w2", None)
+            for name, w in zip(("w13", "w2"), packed):
+                setattr(self, f"{name}_blocks", torch.nn.Parameter(w.blocks, requires_grad=False))
+                setattr(self, f"{name}_scales", torch.nn.Parameter(w.scales, requires_grad=False))
+        else:
+            self.w13 = torch.nn.Parameter(w13, requires_grad=False)
+            self.w2 = torch.nn.Parameter(w2, requires_grad=False)
+        self.weight_format = "mxfp4" if mxfp4 else "dense"
         self.b13 = None if b13 is None else torch.nn.Parameter(b13, requires_grad=False)
         self.b2 = None if b2 is None else torch.nn.Parameter(b2, requires_grad=False)
         self.register_buffer("lora_a13", lora_a13, persistent=False)
@@ -356,15 +426,33 @@ class MoELoRALayer(ops.OpLayer):
         return (
             f"E={self.E}, H={self.H}, I={self.I}, top_k={self.K}, adapters={self.L}, max_rank={self.R}, "
             f"slices={self.S}, max_tokens={self.max_tokens}, activation={self.activation!r}, "
-            f"stage={self.stage.name!r}, dtype={self.w13.dtype}"
+            f"stage={self.stage.name!r}, dtype={self._ref.dtype}"
+            + (", weights=mxfp4" if self.weight_format == "mxfp4" else "")
             + (", deterministic=True" if self.deterministic else "")
+        )
+
+    # --- weights ----------------------------------------------------------------------------------
+    @property
+    def _ref(self) -> torch.Tensor:
+        """The tensor whose dtype and device are the layer's: w13, or with MXFP4 weights the adapter
+        slot lora_a13 (of the layer's dtype; ``.to()`` moves and casts it with the biases)."""
+        return self.w13 if self.w13 is not None else self.lora_a13
+
+    def expert_weights(self) -> tuple:
+        """``(w13, w2)`` as the kernels take them: the dense Parameters, or
+        :class:`~moelora_lib.quant.mxfp4.MXFP4Weight` s over the packed Parameters."""
+        if self.weight_format != "mxfp4":
+            return self.w13, self.w2
+        return (
+            MXFP4Weight(self.w13_blocks, self.w13_scales),
+            MXFP4Weight(self.w2_blocks, self.w2_scales),
         )
 
     # --- buffers ----------------------------------------------------------------------------------
     def _scratch_key(self) -> tuple:
         return (
-            self.w13.dtype,
-            self.w13.device,
+            self._ref.dtype,
+            self._ref.device,
             self.max_tokens,
             self.E,
             self.H,
@@ -384,7 +472,7 @@ class MoELoRALayer(ops.OpLayer):
         unless built with ``share_scratch=False``. A call uses contiguous prefixes (offset 0)."""
         scratch = attach_scratch(self, _SCRATCH, self._scratch_key(), _Scratch)
         self._bufs = scratch.bufs
-        self._buffers_key = (self.w13.dtype, self.w13.device)
+        self._buffers_key = (self._ref.dtype, self._ref.device)
 
     def _view(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         return self._bufs[name][: math.prod(shape)].view(shape)
@@ -395,13 +483,15 @@ class MoELoRALayer(ops.OpLayer):
     def memory_report(self) -> dict[str, int]:
         """Bytes the layer holds on its device, by kind.
 
-        Returns {"weights": w13 + w2 + biases, "adapter_slots": the four LoRA slot tensors +
-        slot_covers, "scratch": the flat buffers + alignment workspaces allocated so far (shared with
-        every layer of the same sizes, see ``share_scratch``), "scratch_shared_by": layers using that
-        scratch, "per_layer": weights + adapter_slots (+ scratch when not shared)}. Temporaries of a
-        forward (routing, the reduced output) are not held and not counted.
+        Returns {"weights": w13 + w2 (with MXFP4 weights: their blocks + scales) + biases,
+        "adapter_slots": the four LoRA slot tensors + slot_covers, "scratch": the flat buffers +
+        alignment workspaces allocated so far (shared with every layer of the same sizes, see
+        ``share_scratch``), "scratch_shared_by": layers using that scratch, "per_layer": weights +
+        adapter_slots (+ scratch when not shared)}. Temporaries of a forward (routing, the reduced
+        output) are not held and not counted.
         """
-        weights = nbytes((self.w13, self.w2, self.b13, self.b2))
+        packed = [getattr(self, f"{n}_{p}", None) for n in ("w13", "w2") for p in ("blocks", "scales")]
+        weights = nbytes((self.w13, self.w2, self.b13, self.b2, *packed))
         slots = nbytes((self.lora_a13, self.lora_b13, self.lora_a2, self.lora_b2, self.slot_covers))
         return memory_report(self, weights, slots)
 
@@ -430,6 +520,8 @@ class MoELoRALayer(ops.OpLayer):
             if cfg is None:
                 cfg = st.config_for(self._dims(T))
             cfg = st.adapt(cfg)
+            if self.weight_format == "mxfp4":  # a K step decodes whole 32-value scale blocks
+                cfg = mxfp4_config(cfg)
             if self.deterministic:
                 cfg = cfg.deterministic()
             if cfg.base_down.SPLIT_K > 1 and T > SPLIT_DOWN_MAX_TOKENS:  # no fp32 y buffer that large
@@ -456,9 +548,9 @@ class MoELoRALayer(ops.OpLayer):
                 raise ValueError(f"{proj} {what} must be a {len(want)}-D tensor {desc}, got {_desc(t)}")
             if not t.is_floating_point():
                 raise ValueError(f"{proj} {what} must be a float tensor, got dtype {t.dtype}")
-            if t.device != self.w13.device:
+            if t.device != self._ref.device:
                 raise ValueError(
-                    f"{proj} {what} must be on {self.w13.device} (the layer's device), got {t.device}"
+                    f"{proj} {what} must be on {self._ref.device} (the layer's device), got {t.device}"
                 )
         for what, t, want, desc in (("A", a, a_shape, letters[0]), ("B", b, b_shape, letters[1])):
             # the dims other than the rank first: a transposed or swapped tensor is a layout error
@@ -516,7 +608,7 @@ class MoELoRALayer(ops.OpLayer):
             gu = self._check_pair("gate_up", gate_up, [E, S, None, H], [E, S, 2 * I // S, None])
         if down is not None:
             dn = self._check_pair("down", down, [E, None, I], [E, H, None])
-        dt = self.w13.dtype
+        dt = self._ref.dtype
         with torch.no_grad():
             cast = {}
             for proj, pair in (("gate_up", gu), ("down", dn)):
@@ -611,14 +703,14 @@ class MoELoRALayer(ops.OpLayer):
         """
         # the argument checks before the op too: a meta or otherwise foreign tensor would otherwise make
         # the dispatcher pick the op's fake (shape-only) implementation
-        self._check_runs_here(self.w13.device)
+        self._check_runs_here(self._ref.device)
         self._check_call(hidden_states, router_logits, topk_weights, topk_ids, lora_ids)
         return ops.moe_lora_layer(
             hidden_states, router_logits, topk_weights, topk_ids, lora_ids, self.layer_name
         )
 
     def _check_call(self, x, router_logits, topk_weights, topk_ids, lora_ids) -> None:
-        dt, dev = self.w13.dtype, self.w13.device
+        dt, dev = self._ref.dtype, self._ref.device
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.H:
             raise ValueError(f"hidden_states must be a tensor [T, H={self.H}], got {_desc(x)}")
         if x.dtype != dt or x.device != dev:
@@ -694,8 +786,8 @@ class MoELoRALayer(ops.OpLayer):
         )
         if T == 0:
             return hidden_states.new_empty((0, H))
-        if self._buffers_key != (self.w13.dtype, self.w13.device):  # built, moved (.to()) or unpickled
-            _check_layer_dtype(self.w13.dtype, self.w13.device, "the layer's weights (w13, after .to())")
+        if self._buffers_key != (self._ref.dtype, self._ref.device):  # built, moved (.to()) or unpickled
+            _check_layer_dtype(self._ref.dtype, self._ref.device, "the layer's weights (w13, after .to())")
             self._alloc_buffers()
         routed = router_logits is not None and K <= 16 and E <= 1024
         if routed:  # one launch, into the scratch (kernels/route.py)
@@ -766,7 +858,7 @@ class MoELoRALayer(ops.OpLayer):
             del bufs["h"]
             if cfg.base_down.SPLIT_K > 1:  # the split-K down GEMM's fp32 y (config_for: T ≤ the cap)
                 n = min(self.max_tokens, SPLIT_DOWN_MAX_TOKENS) * K * H
-                dev = self.w13.device
+                dev = self._ref.device
                 y32 = self._scratch.cached(("y32",), torch.zeros, n, dtype=torch.float32, device=dev)
                 bufs["y32"] = y32[: P * H].view(P, H)
         if not routed:  # the layer's own aligned fp32 copy of caller-given routing weights
@@ -777,8 +869,7 @@ class MoELoRALayer(ops.OpLayer):
         run = LayerRun(
             st,
             hidden_states,
-            self.w13,
-            self.w2,
+            *self.expert_weights(),
             topk_weights,
             topk_ids,
             lora_ids,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from ..quant.mxfp4 import MXFP4_BLOCK, MXFP4Weight
 from ..routing import Alignment
 from .config import OpConfig
 from .triton_kernels import KERNELS
@@ -29,6 +30,7 @@ __all__ = [
     "lora_shrink_rows",
     "fused_moe_lora_args",
     "fused_moe_lora",
+    "weight_operand",
 ]
 
 
@@ -39,6 +41,51 @@ def even_k(K: int, block_size_k: int, split_k: int = 1) -> bool:
 
 def _kernel(name: str, specialize_lengths: bool):
     return KERNELS[name][bool(specialize_lengths)]
+
+
+def weight_operand(w, x: torch.Tensor, cfg: OpConfig, name: str = "w") -> tuple[tuple, tuple, bool]:
+    """The kernel arguments of a base GEMM's expert weight ``w``: ``((w_ptr, stride_we, stride_wn,
+    stride_wk), (ws_ptr, stride_se, stride_sn, stride_sk), W_MXFP4)``.
+
+    ``w``: a dense [E, N, K] tensor (nn.Linear layout; the scale arguments are dummies: w and zeros),
+    or an :class:`~moelora_lib.quant.mxfp4.MXFP4Weight` of dense shape [E, N, K] — ``blocks`` uint8
+    [E, N, K/32, 16] whose last two dims are contiguous (byte b of a row's K/2 packed bytes at
+    b·stride_wk) and ``scales`` uint8 [E, N, K/32] (the published GPT-OSS layout,
+    :mod:`moelora_lib.quant.mxfp4`); ``x`` [rows, K] the activations it multiplies.
+    Raises ValueError naming the argument (``name``, ``x``, ``cfg.BLOCK_SIZE_K``) for an MXFP4 weight
+    that is not [E, N, K/32, 16] / [E, N, K/32], whose last two dims are not contiguous, that is on
+    another device than x, whose K differs from x's (K must be a multiple of 32: one e8m0 scale per 32
+    values), or a BLOCK_SIZE_K that is not a multiple of 32 (a K step must hold whole scale blocks).
+    Dense weights are not checked here (:func:`moelora_lib.fused_moe_lora` validates them).
+    """
+    if not isinstance(w, MXFP4Weight):
+        return (w, w.stride(0), w.stride(1), w.stride(2)), (w, 0, 0, 0), False
+    q, sc = w.blocks, w.scales
+    if q.dim() != 4 or sc.dim() != 3 or tuple(sc.shape) != tuple(q.shape[:3]):
+        raise ValueError(
+            f"{name}: an MXFP4 weight must hold blocks uint8 [E, N, K/32, 16] and scales uint8 [E, N, K/32], "
+            f"got blocks {tuple(q.shape)} and scales {tuple(sc.shape)}"
+        )
+    if q.stride(3) != 1 or q.stride(2) != MXFP4_BLOCK // 2:
+        raise ValueError(
+            f"{name}.blocks must be contiguous in its last two dims (the K/2 packed bytes of a row), got "
+            f"strides {tuple(q.stride())}"
+        )
+    if q.device != x.device:
+        raise ValueError(f"{name} must be on {x.device} (x's device), got {q.device}")
+    K = w.shape[2]
+    if x.dim() != 2 or x.shape[1] != K:
+        raise ValueError(
+            f"x must have K = {K} columns, the K of the MXFP4 weight {name} (blocks {tuple(q.shape)}: "
+            f"K/32 = {q.shape[2]} scale blocks; K must be a multiple of {MXFP4_BLOCK}), "
+            f"got x {tuple(x.shape)}"
+        )
+    if cfg.BLOCK_SIZE_K % MXFP4_BLOCK:
+        raise ValueError(
+            f"cfg.BLOCK_SIZE_K = {cfg.BLOCK_SIZE_K} must be a multiple of {MXFP4_BLOCK} for the MXFP4 weight "
+            f"{name} (a K step decodes whole blocks of 32 values sharing one e8m0 scale)"
+        )
+    return (q, q.stride(0), q.stride(1), q.stride(3)), (sc, sc.stride(0), sc.stride(1), sc.stride(2)), True
 
 
 def fused_moe_gemm_args(
@@ -59,13 +106,14 @@ def fused_moe_gemm_args(
     (:mod:`moelora_lib.studies.compile_check`). num_warps/num_stages come from ``cfg``.
     """
     assert cfg.BLOCK_SIZE_M == align.block_size_m and cfg.SPLIT_K == 1
+    (wt, *w_strides), s_args, mxfp4 = weight_operand(w, x, cfg)
     E, N, K = w.shape
     grid = (align.num_blocks * triton.cdiv(N, cfg.BLOCK_SIZE_N),)
-    b = bias if bias is not None else w  # dummy pointer when HAS_BIAS is False
+    b = bias if bias is not None else wt  # dummy pointer when HAS_BIAS is False
     tw = topk_weights if topk_weights is not None else out
     args = (
         x,
-        w,
+        wt,
         out,
         b,
         tw,
@@ -79,13 +127,12 @@ def fused_moe_gemm_args(
         rows_div,
         x.stride(0),
         x.stride(1),
-        w.stride(0),
-        w.stride(1),
-        w.stride(2),
+        *w_strides,
         out.stride(0),
         out.stride(1),
         bias.stride(0) if bias is not None else 0,
         bias.stride(1) if bias is not None else 0,
+        *s_args,
     )
     constexprs = dict(
         BLOCK_SIZE_M=cfg.BLOCK_SIZE_M,
@@ -95,6 +142,7 @@ def fused_moe_gemm_args(
         EVEN_K=bool(use_even_k and even_k(K, cfg.BLOCK_SIZE_K)),
         HAS_BIAS=bias is not None,
         MUL_ROUTED_WEIGHT=topk_weights is not None,
+        W_MXFP4=mxfp4,
     )
     return grid, args, constexprs
 
@@ -117,7 +165,10 @@ def fused_moe_gemm(
     Args:
         x: [rows, K] activations (hidden_states [T, H] with rows_div = top_k, or the activation
             output [T·K, I] with rows_div = 1).
-        w: [E, N, K] expert weights (nn.Linear layout).
+        w: [E, N, K] expert weights (nn.Linear layout), or an
+            :class:`~moelora_lib.quant.mxfp4.MXFP4Weight` of that dense shape (packed e2m1 codes and
+            e8m0 scales, decoded in registers and rounded to x's dtype for the dot; BLOCK_SIZE_K a
+            multiple of 32; ValueError naming the argument otherwise, :func:`weight_operand`).
         out: [T·K, N] written for every real pair (padding rows never).
         align: expert-only alignment with BLOCK_SIZE_M = cfg.BLOCK_SIZE_M.
         cfg: launch config (SPLIT_K must be 1).
@@ -468,10 +519,12 @@ def fused_moe_lora_args(
 
     ``activation`` given: the gate_up kernel (``fused_moe_lora_act``, x = hidden_states [T, H], w = w13
     [E, 2I, H], out = g [T·K, I]); None: the down kernel (``fused_moe_lora``, x = g [T·K, I], w = w2
-    [E, H, I], out = y [T·K, H], topk_weights required). ``inter``/``lora_b``/``lora_ids`` together or
-    not at all (HAS_LORA).
+    [E, H, I], out = y [T·K, H], topk_weights required). ``w`` dense or an
+    :class:`~moelora_lib.quant.mxfp4.MXFP4Weight` of that dense shape (:func:`weight_operand`).
+    ``inter``/``lora_b``/``lora_ids`` together or not at all (HAS_LORA).
     """
     assert cfg.BLOCK_SIZE_M == align.block_size_m and (cfg.SPLIT_K == 1 or activation is None)
+    (wt, *w_strides), s_args, mxfp4 = weight_operand(w, x, cfg)
     E, N, K = w.shape
     has_lora = inter is not None
     assert has_lora == (lora_b is not None) == (lora_ids is not None)
@@ -482,10 +535,10 @@ def fused_moe_lora_args(
         b_strides = tuple(b5.stride(d) for d in range(5))
         ids = lora_ids
     else:  # dummies (never read): HAS_LORA is False
-        b5, L, S, NS, R, ids = w, 0, 1, N, 16, align.sorted_token_ids
+        b5, L, S, NS, R, ids = wt, 0, 1, N, 16, align.sorted_token_ids
         i_strides, b_strides = (0, 0, 0), (0, 0, 0, 0, 0)
         inter = out
-    b = bias if bias is not None else w
+    b = bias if bias is not None else wt
     c_strides = (bias.stride(0), bias.stride(1)) if bias is not None else (0, 0)
     cx = dict(
         BLOCK_SIZE_M=cfg.BLOCK_SIZE_M,
@@ -496,12 +549,13 @@ def fused_moe_lora_args(
         EVEN_K=bool(use_even_k and even_k(K, cfg.BLOCK_SIZE_K)),
         HAS_BIAS=bias is not None,
         HAS_LORA=has_lora,
+        W_MXFP4=mxfp4,
     )
-    head = (x, w, out, b)
+    head = (x, wt, out, b)
     counts = (align.sorted_token_ids, align.block_expert_ids, align.num_tokens_post_padded)
     counts += (align.num_pairs, align.num_blocks)
-    strides = (x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1))
-    strides += c_strides + i_strides + b_strides
+    strides = (x.stride(0), x.stride(1), *w_strides, out.stride(0), out.stride(1))
+    strides += c_strides + i_strides + b_strides + tuple(s_args)
     if activation is not None:
         assert N % 2 == 0 and (not has_lora or NS * S == N)
         inter_size = N // 2
@@ -542,7 +596,9 @@ def fused_moe_lora(
     lora_ids[p // top_k] is in [0, L) (others: no delta, bit-identical to the base). ``inter``:
     [T·K, S, R16] float32 from :func:`lora_shrink_rows`, its rows written for exactly those pairs;
     ``lora_b``: [L, E, S, N/S, R] (gate_up) or [L, E, H, R] (down). The whole row is accumulated in fp32
-    and rounded once (the base, the delta, the bias, the activation, the routing weight).
+    and rounded once (the base, the delta, the bias, the activation, the routing weight). ``w`` may be an
+    :class:`~moelora_lib.quant.mxfp4.MXFP4Weight` (decoded in registers; :func:`weight_operand` says
+    what is checked).
     """
     kernel, grid, args, constexprs = fused_moe_lora_args(
         x,

@@ -16,6 +16,7 @@ import torch
 
 from ..common import aligned16
 from ..configs.defaults import default_config
+from ..quant.mxfp4 import MXFP4_BLOCK, MXFP4Weight
 from ..routing import Alignment, align_tokens
 from ..shapes import Dims
 from .config import BASE_OPS, LORA_OPS, LayerConfig, OpConfig
@@ -46,6 +47,8 @@ __all__ = [
     "FUSED_LAUNCH_OPS",
     "FUSED_CONFIG_FIELD",
     "default_config",
+    "aligned_weight",
+    "mxfp4_config",
 ]
 
 #: The launches of one layer, in call order, and the kernel each one runs.
@@ -141,6 +144,27 @@ class Stage:
         return replace(cfg, **changes) if changes else cfg
 
 
+def aligned_weight(w, name: str):
+    """:func:`~moelora_lib.common.aligned16` of an expert weight: a tensor, or an
+    :class:`~moelora_lib.quant.mxfp4.MXFP4Weight` whose blocks and scales are each aligned (the same
+    object when both already are)."""
+    if not isinstance(w, MXFP4Weight):
+        return aligned16(w, name)
+    q, sc = aligned16(w.blocks, f"{name}.blocks"), aligned16(w.scales, f"{name}.scales")
+    return w if (q is w.blocks and sc is w.scales) else MXFP4Weight(q, sc)
+
+
+def mxfp4_config(cfg: LayerConfig) -> LayerConfig:
+    """``cfg`` with the base GEMMs' BLOCK_SIZE_K raised to 32 where it is smaller (16): a K step of an
+    MXFP4 weight decodes whole 32-value scale blocks. The other fields and ops are unchanged."""
+    changes = {
+        op: replace(getattr(cfg, op), BLOCK_SIZE_K=MXFP4_BLOCK)
+        for op in BASE_OPS
+        if getattr(cfg, op).BLOCK_SIZE_K < MXFP4_BLOCK
+    }
+    return replace(cfg, **changes) if changes else cfg
+
+
 class Launch(NamedTuple):
     """One kernel launch of a layer, as compile-only checks need it (nothing allocated, nothing run).
 
@@ -189,6 +213,12 @@ class LayerRun:
       built from, when they differ from ``lora_ids`` (a slot covering one projection only: -1 where
       the slot does not cover it). Only stages with ``fused_gemm`` read them (their GEMMs find each
       row's adapter from these ids, not from the LoRA alignment); default: ``lora_ids`` for both.
+    * ``w13`` / ``w2`` may be :class:`~moelora_lib.quant.mxfp4.MXFP4Weight` s (dense shapes [E, 2I, H]
+      / [E, H, I]; blocks and scales uint8): every base GEMM (the seven-launch stages' ``base_gate_up``
+      and ``base_down``, stage ``fused``'s two GEMMs) then decodes the packed weight in registers
+      (``W_MXFP4``, :mod:`.triton_kernels`); the LoRA launches are unchanged. The base GEMMs'
+      BLOCK_SIZE_K must be a multiple of 32: :func:`mxfp4_config` raises a config's 16 to 32 (the
+      serving layer applies it); given 16, the launchers raise ValueError.
     * ``adapter_order``: build the base alignment (when ``alignments`` is None or its first entry is
       None) with each expert's pairs ordered by adapter (:func:`~moelora_lib.routing.align_tokens`'s
       ``sort_lora_ids``), so that a base tile holds the rows of one or two adapters; None (default) =
@@ -241,7 +271,7 @@ class LayerRun:
         # Triton specializes pointers on alignment, so an offset view would compile a second binary.
         # Caller-given ``buffers`` are prefixes of aligned allocations and are used as they are.
         self.x = aligned16(hidden_states, "hidden_states")
-        self.w13, self.w2 = aligned16(w13, "w13"), aligned16(w2, "w2")
+        self.w13, self.w2 = aligned_weight(w13, "w13"), aligned_weight(w2, "w2")
         self.b13 = None if b13 is None else aligned16(b13, "b13")
         self.b2 = None if b2 is None else aligned16(b2, "b2")
         self.lora = tuple(

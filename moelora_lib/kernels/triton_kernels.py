@@ -26,6 +26,16 @@ Features switched by the stages:
 * ``EVEN_K``: K % (BLOCK_SIZE_K·SPLIT_K) == 0, the K loop loads without masks (rows and columns are
   clamped into range instead, their results are never stored); else masked loads;
 * ``ADD_INPUTS`` (expand): add the delta into the tile already in ``out`` (no delta buffer).
+* ``W_MXFP4`` (the three base GEMM kernels): the expert weight is packed MXFP4 instead of a dense
+  [E, N, K] tensor — ``w_ptr`` the e2m1 codes ``blocks`` uint8 [E, N, K/32, 16] (two per byte, low
+  nibble first; the last two dims contiguous, so byte K/2-index b of a row is at b·stride_wk) and
+  ``ws_ptr`` the e8m0 ``scales`` uint8 [E, N, K/32] (:mod:`moelora_lib.quant.mxfp4`; OCP Microscaling
+  Formats v1.0, the layout of the published GPT-OSS checkpoints). Each K step loads [BLOCK_SIZE_N,
+  BLOCK_SIZE_K/2] bytes and [BLOCK_SIZE_N, BLOCK_SIZE_K/32] scales and decodes them in registers
+  (:func:`_mxfp4_dequant`: no lookup table) into the fp32 weights, rounded once to the activations'
+  dtype for the same tl.dot as the dense path (fp32 accumulation). BLOCK_SIZE_K must be a multiple of
+  32 (the launchers check it); K is one by construction, so with EVEN_K False a byte or a scale is in
+  range exactly when its first element is.
 * ``HAS_LORA`` (stage ``fused``: ``_fused_moe_lora_act_kernel`` for gate_up, ``_fused_moe_lora_kernel``
   for down): the LoRA expand runs inside the base GEMM's program. The tile iterates over the base
   (expert-only) alignment; after the K loop it reads each row's adapter id (``lora_ids[p // top_k]``)
@@ -74,6 +84,50 @@ def _pid_to_mn(pid, num_pid_m, num_pid_n, GROUP_SIZE_M: tl.constexpr):
     return pid_m, pid_n
 
 
+@triton.jit
+def _mxfp4_dequant(q, s, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr):
+    """fp32 W tile [BLOCK_SIZE_N, BLOCK_SIZE_K] of packed MXFP4: ``q`` uint8 [BLOCK_SIZE_N,
+    BLOCK_SIZE_K/2] (two e2m1 codes per byte, element 2i in the low nibble of byte i, 2i + 1 in the
+    high one) and ``s`` uint8 [BLOCK_SIZE_N, BLOCK_SIZE_K/32] (e8m0: 2^(s − 127) for 32 consecutive
+    elements). w = e2m1(code)·2^(s − 127), exactly :func:`moelora_lib.quant.mxfp4.dequantize_mxfp4` in
+    fp32 for every code and every scale byte (IEEE arithmetic, no flush to zero).
+
+    Decoding with bit operations (OCP Microscaling Formats v1.0, FP4 e2m1: sign bit 3, exponent bits
+    1–2 with bias 1, mantissa bit 0). The code's bits are placed in an fp16 pattern — sign at bit 15,
+    exponent and mantissa at bits 9–11 — which reads as e2m1(code)·2^−14 exactly (exponent 0 becomes
+    an fp16 subnormal: 0 or 0.5·2^−14); widened to fp32 (exact) and multiplied by 2^14 it is the e2m1
+    value. The scale's power of two is built as fp32 bits: byte s in the exponent field (s << 23) is
+    2^(s − 127) for s = 1–254 and +inf for 255 (the OCP NaN byte; like the reference, codes ±0 then
+    give NaN and the others ±inf); byte 0 is the subnormal 2^−127 (bit 22). The product is exact (an
+    e2m1 value has two significant bits) unless it leaves fp32's range (scale bytes ≥ 253 with large
+    codes: ±inf, as in the reference).
+    """
+    q = q.to(tl.uint16)
+    c = tl.interleave(q & 15, q >> 4)  # [BLOCK_SIZE_N, BLOCK_SIZE_K] codes, low nibble first
+    h = ((c & 8) << 12) | ((c & 7) << 9)
+    v = h.to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+    s = s.to(tl.int32)
+    sf = tl.where(s == 0, 0x00400000, s << 23).to(tl.float32, bitcast=True)
+    w = tl.reshape(v, (BLOCK_SIZE_N, BLOCK_SIZE_K // 32, 32)) * sf[:, :, None]
+    return tl.reshape(w, (BLOCK_SIZE_N, BLOCK_SIZE_K))
+
+
+@triton.jit
+def _mxfp4_tile(wq_ptrs, ws_ptrs, offs_kb, offs_ks, k_left, EVEN_K: tl.constexpr,
+                BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr):  # fmt: skip
+    """W[e]ᵀ tile [BLOCK_SIZE_K, BLOCK_SIZE_N] (fp32) of one K step: ``wq_ptrs`` [BLOCK_SIZE_N,
+    BLOCK_SIZE_K/2] pointers to the packed bytes (columns ``offs_kb``), ``ws_ptrs`` [BLOCK_SIZE_N,
+    BLOCK_SIZE_K/32] to the scales (columns ``offs_ks``); without EVEN_K the bytes and scales at or
+    beyond ``k_left`` elements read 0 (weights 0, never NaN)."""
+    if EVEN_K:
+        q = tl.load(wq_ptrs)
+        s = tl.load(ws_ptrs)
+    else:  # K is a multiple of 32: a byte (a scale) is in range iff its first element is
+        q = tl.load(wq_ptrs, mask=(2 * offs_kb)[None, :] < k_left, other=0)
+        s = tl.load(ws_ptrs, mask=(32 * offs_ks)[None, :] < k_left, other=0)
+    return tl.trans(_mxfp4_dequant(q, s, BLOCK_SIZE_N, BLOCK_SIZE_K))
+
+
 def _fused_moe_kernel(
     x_ptr,
     w_ptr,
@@ -97,6 +151,10 @@ def _fused_moe_kernel(
     stride_on,
     stride_be,
     stride_bn,
+    ws_ptr,
+    stride_se,
+    stride_sn,
+    stride_sk,
     BLOCK_SIZE_M: tl.constexpr,
     BLOCK_SIZE_N: tl.constexpr,
     BLOCK_SIZE_K: tl.constexpr,
@@ -104,6 +162,7 @@ def _fused_moe_kernel(
     EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
+    W_MXFP4: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_SIZE_N)
@@ -122,19 +181,36 @@ def _fused_moe_kernel(
     offs_n_ld = tl.where(n_mask, offs_n, 0).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_SIZE_K)
     x_ptrs = x_ptr + x_row[:, None] * stride_xm + offs_k[None, :] * stride_xk
-    w_ptrs = w_ptr + expert * stride_we + offs_n_ld[None, :] * stride_wn + offs_k[:, None] * stride_wk
     acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_SIZE_K)):
-        if EVEN_K:
-            xa = tl.load(x_ptrs)
-            wa = tl.load(w_ptrs)
-        else:
+    if W_MXFP4:  # packed bytes [N, K/2] and scales [N, K/32] of expert e, decoded per K step
+        offs_kb = tl.arange(0, BLOCK_SIZE_K // 2)
+        offs_ks = tl.arange(0, BLOCK_SIZE_K // 32)
+        wq_ptrs = w_ptr + expert * stride_we + offs_n_ld[:, None] * stride_wn + offs_kb[None, :] * stride_wk
+        ws_ptrs = ws_ptr + expert * stride_se + offs_n_ld[:, None] * stride_sn + offs_ks[None, :] * stride_sk
+        for k in range(0, tl.cdiv(K, BLOCK_SIZE_K)):
             k_left = K - k * BLOCK_SIZE_K
-            xa = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-            wa = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        acc = tl.dot(xa, wa, acc)
-        x_ptrs += BLOCK_SIZE_K * stride_xk
-        w_ptrs += BLOCK_SIZE_K * stride_wk
+            if EVEN_K:
+                xa = tl.load(x_ptrs)
+            else:
+                xa = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            wa = _mxfp4_tile(wq_ptrs, ws_ptrs, offs_kb, offs_ks, k_left, EVEN_K, BLOCK_SIZE_N, BLOCK_SIZE_K)
+            acc = tl.dot(xa, wa.to(xa.dtype), acc)
+            x_ptrs += BLOCK_SIZE_K * stride_xk
+            wq_ptrs += (BLOCK_SIZE_K // 2) * stride_wk
+            ws_ptrs += (BLOCK_SIZE_K // 32) * stride_sk
+    else:
+        w_ptrs = w_ptr + expert * stride_we + offs_n_ld[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        for k in range(0, tl.cdiv(K, BLOCK_SIZE_K)):
+            if EVEN_K:
+                xa = tl.load(x_ptrs)
+                wa = tl.load(w_ptrs)
+            else:
+                k_left = K - k * BLOCK_SIZE_K
+                xa = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+                wa = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            acc = tl.dot(xa, wa, acc)
+            x_ptrs += BLOCK_SIZE_K * stride_xk
+            w_ptrs += BLOCK_SIZE_K * stride_wk
     if HAS_BIAS:
         bias = tl.load(bias_ptr + expert * stride_be + offs_n * stride_bn, mask=n_mask, other=0.0)
         acc = acc + bias.to(tl.float32)[None, :]
@@ -453,6 +529,10 @@ def _fused_moe_lora_act_kernel(
     stride_bs,
     stride_bn,
     stride_br,
+    ws_ptr,
+    stride_se,
+    stride_sn,
+    stride_sk,
     BLOCK_SIZE_M: tl.constexpr,
     BLOCK_SIZE_N: tl.constexpr,
     BLOCK_SIZE_K: tl.constexpr,
@@ -462,6 +542,7 @@ def _fused_moe_lora_act_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_LORA: tl.constexpr,
     ACTIVATION: tl.constexpr,
+    W_MXFP4: tl.constexpr = False,
 ):
     """g[p, j] = act(h[p, gate(j)], h[p, up(j)]) with h = x·W13[e]ᵀ + LoRA delta (+ b13[e]), one tile of
     BLOCK_SIZE_N columns j of g; gate(j), up(j) = j, I + j (silu) or 2j, 2j + 1 (swigluoai)."""
@@ -489,26 +570,51 @@ def _fused_moe_lora_act_kernel(
         up_col = gate_col + 1
     offs_k = tl.arange(0, BLOCK_SIZE_K)
     x_ptrs = x_ptr + x_row[:, None] * stride_xm + offs_k[None, :] * stride_xk
-    w_base = w_ptr + expert * stride_we + offs_k[:, None] * stride_wk
-    wg_ptrs = w_base + gate_col[None, :] * stride_wn
-    wu_ptrs = w_base + up_col[None, :] * stride_wn
     acc_g = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_SIZE_K)):
-        if EVEN_K:
-            xa = tl.load(x_ptrs)
-            wg = tl.load(wg_ptrs)
-            wu = tl.load(wu_ptrs)
-        else:
+    if W_MXFP4:  # the gate and up rows of the packed W13[e], decoded per K step
+        offs_kb = tl.arange(0, BLOCK_SIZE_K // 2)
+        offs_ks = tl.arange(0, BLOCK_SIZE_K // 32)
+        wq_base = w_ptr + expert * stride_we + offs_kb[None, :] * stride_wk
+        ws_base = ws_ptr + expert * stride_se + offs_ks[None, :] * stride_sk
+        wgq_ptrs = wq_base + gate_col[:, None] * stride_wn
+        wuq_ptrs = wq_base + up_col[:, None] * stride_wn
+        wgs_ptrs = ws_base + gate_col[:, None] * stride_sn
+        wus_ptrs = ws_base + up_col[:, None] * stride_sn
+        for k in range(0, tl.cdiv(K, BLOCK_SIZE_K)):
             k_left = K - k * BLOCK_SIZE_K
-            xa = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-            wg = tl.load(wg_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-            wu = tl.load(wu_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        acc_g = tl.dot(xa, wg, acc_g)
-        acc_u = tl.dot(xa, wu, acc_u)
-        x_ptrs += BLOCK_SIZE_K * stride_xk
-        wg_ptrs += BLOCK_SIZE_K * stride_wk
-        wu_ptrs += BLOCK_SIZE_K * stride_wk
+            if EVEN_K:
+                xa = tl.load(x_ptrs)
+            else:
+                xa = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            wg = _mxfp4_tile(wgq_ptrs, wgs_ptrs, offs_kb, offs_ks, k_left, EVEN_K, BLOCK_SIZE_N, BLOCK_SIZE_K)
+            wu = _mxfp4_tile(wuq_ptrs, wus_ptrs, offs_kb, offs_ks, k_left, EVEN_K, BLOCK_SIZE_N, BLOCK_SIZE_K)
+            acc_g = tl.dot(xa, wg.to(xa.dtype), acc_g)
+            acc_u = tl.dot(xa, wu.to(xa.dtype), acc_u)
+            x_ptrs += BLOCK_SIZE_K * stride_xk
+            wgq_ptrs += (BLOCK_SIZE_K // 2) * stride_wk
+            wuq_ptrs += (BLOCK_SIZE_K // 2) * stride_wk
+            wgs_ptrs += (BLOCK_SIZE_K // 32) * stride_sk
+            wus_ptrs += (BLOCK_SIZE_K // 32) * stride_sk
+    else:
+        w_base = w_ptr + expert * stride_we + offs_k[:, None] * stride_wk
+        wg_ptrs = w_base + gate_col[None, :] * stride_wn
+        wu_ptrs = w_base + up_col[None, :] * stride_wn
+        for k in range(0, tl.cdiv(K, BLOCK_SIZE_K)):
+            if EVEN_K:
+                xa = tl.load(x_ptrs)
+                wg = tl.load(wg_ptrs)
+                wu = tl.load(wu_ptrs)
+            else:
+                k_left = K - k * BLOCK_SIZE_K
+                xa = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+                wg = tl.load(wg_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+                wu = tl.load(wu_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            acc_g = tl.dot(xa, wg, acc_g)
+            acc_u = tl.dot(xa, wu, acc_u)
+            x_ptrs += BLOCK_SIZE_K * stride_xk
+            wg_ptrs += BLOCK_SIZE_K * stride_wk
+            wu_ptrs += BLOCK_SIZE_K * stride_wk
     if HAS_LORA:  # the expand of the gate_up LoRA, in this tile: one pass per adapter present
         lid = _row_adapters(lora_ids_ptr, pair_ld, row_mask, top_k, num_adapters)
         cur = tl.min(tl.where(lid >= 0, lid, num_adapters))
@@ -574,6 +680,10 @@ def _fused_moe_lora_kernel(
     stride_bs,
     stride_bn,
     stride_br,
+    ws_ptr,
+    stride_se,
+    stride_sn,
+    stride_sk,
     BLOCK_SIZE_M: tl.constexpr,
     BLOCK_SIZE_N: tl.constexpr,
     BLOCK_SIZE_K: tl.constexpr,
@@ -583,6 +693,7 @@ def _fused_moe_lora_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_LORA: tl.constexpr,
     SPLIT_K: tl.constexpr = 1,
+    W_MXFP4: tl.constexpr = False,
 ):
     """y[p] = (g[p]·W2[e]ᵀ + LoRA delta (+ b2[e]))·w[p] over the base alignment (rows are pairs).
 
@@ -614,20 +725,39 @@ def _fused_moe_lora_kernel(
     k_lo = (pid_k * num_k) // SPLIT_K
     k_hi = ((pid_k + 1) * num_k) // SPLIT_K
     x_ptrs = x_ptr + pair_ld[:, None] * stride_xm + (k_lo * BLOCK_SIZE_K + offs_k)[None, :] * stride_xk
-    w_ptrs = w_ptr + expert * stride_we + offs_n_ld[None, :] * stride_wn
-    w_ptrs += (k_lo * BLOCK_SIZE_K + offs_k)[:, None] * stride_wk
     acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
-    for k in range(k_lo, k_hi):
-        if EVEN_K:
-            xa = tl.load(x_ptrs)
-            wa = tl.load(w_ptrs)
-        else:
+    if W_MXFP4:  # packed W2[e] from K block k_lo on, decoded per K step
+        offs_kb = tl.arange(0, BLOCK_SIZE_K // 2)
+        offs_ks = tl.arange(0, BLOCK_SIZE_K // 32)
+        wq_ptrs = w_ptr + expert * stride_we + offs_n_ld[:, None] * stride_wn
+        wq_ptrs += (k_lo * (BLOCK_SIZE_K // 2) + offs_kb)[None, :] * stride_wk
+        ws_ptrs = ws_ptr + expert * stride_se + offs_n_ld[:, None] * stride_sn
+        ws_ptrs += (k_lo * (BLOCK_SIZE_K // 32) + offs_ks)[None, :] * stride_sk
+        for k in range(k_lo, k_hi):
             k_left = K - k * BLOCK_SIZE_K
-            xa = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-            wa = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        acc = tl.dot(xa, wa, acc)
-        x_ptrs += BLOCK_SIZE_K * stride_xk
-        w_ptrs += BLOCK_SIZE_K * stride_wk
+            if EVEN_K:
+                xa = tl.load(x_ptrs)
+            else:
+                xa = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            wa = _mxfp4_tile(wq_ptrs, ws_ptrs, offs_kb, offs_ks, k_left, EVEN_K, BLOCK_SIZE_N, BLOCK_SIZE_K)
+            acc = tl.dot(xa, wa.to(xa.dtype), acc)
+            x_ptrs += BLOCK_SIZE_K * stride_xk
+            wq_ptrs += (BLOCK_SIZE_K // 2) * stride_wk
+            ws_ptrs += (BLOCK_SIZE_K // 32) * stride_sk
+    else:
+        w_ptrs = w_ptr + expert * stride_we + offs_n_ld[None, :] * stride_wn
+        w_ptrs += (k_lo * BLOCK_SIZE_K + offs_k)[:, None] * stride_wk
+        for k in range(k_lo, k_hi):
+            if EVEN_K:
+                xa = tl.load(x_ptrs)
+                wa = tl.load(w_ptrs)
+            else:
+                k_left = K - k * BLOCK_SIZE_K
+                xa = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+                wa = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            acc = tl.dot(xa, wa, acc)
+            x_ptrs += BLOCK_SIZE_K * stride_xk
+            w_ptrs += BLOCK_SIZE_K * stride_wk
     if HAS_LORA and pid_k == 0:  # the expand of the down LoRA, in this tile (split 0 only)
         lid = _row_adapters(lora_ids_ptr, pair_ld, row_mask, top_k, num_adapters)
         cur = tl.min(tl.where(lid >= 0, lid, num_adapters))

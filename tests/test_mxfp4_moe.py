@@ -1,0 +1,353 @@
+"""The MXFP4 weight path of the MoE base GEMMs (``W_MXFP4`` in moelora_lib.kernels.triton_kernels): packed
+e2m1 blocks and e8m0 scales (GPT-OSS's published layout, moelora_lib.quant.mxfp4) decoded in registers.
+
+CPU: the Triton interpreter in fp32 and fp16 (bf16 arithmetic is wrong there, environment.md §2). The decode
+must equal ``dequantize_mxfp4`` bit for bit (every code, every scale byte); a GEMM or a layer on packed
+weights must equal the same GEMM or layer on the dequantized dense weights in the activations' dtype — bit
+for bit under the interpreter, since both dot the same operand values — and the fp32 reference within the
+tolerance table. sm_90: the MXFP4 variants of the four base GEMM launches compile (no GPU needed).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from moelora_lib.kernels.config import LayerConfig, OpConfig
+from moelora_lib.kernels.launchers import fused_moe_gemm
+from moelora_lib.kernels.stages import mxfp4_config
+from moelora_lib.kernels.triton_kernels import _mxfp4_tile
+from moelora_lib.layer import MoELoRALayer
+from moelora_lib.quant.mxfp4 import MXFP4Weight, dequantize_mxfp4
+from moelora_lib.reference import moe_lora_reference, route_reference
+from moelora_lib.routing import align_tokens
+from moelora_lib.testing import assert_close_rel
+
+F32, F16 = torch.float32, torch.float16
+DT_IDS = {F32: "fp32", F16: "fp16"}
+
+
+def _mx(shape, seed, scale=0.1) -> MXFP4Weight:
+    g = torch.Generator().manual_seed(seed)
+    return MXFP4Weight.quantize(torch.randn(*shape, generator=g) * scale)
+
+
+def _dense(w: MXFP4Weight, dt) -> torch.Tensor:
+    """The exact weights in the activations' dtype: dequantized in fp32, rounded once (as the kernel)."""
+    return w.dequantize(torch.float32).to(dt)
+
+
+def _same(out: torch.Tensor, ref: torch.Tensor) -> bool:
+    """Bit-identical floats, NaN positions included (any NaN payload)."""
+    nan = torch.isnan(ref)
+    if not torch.equal(torch.isnan(out), nan):
+        return False
+    return torch.equal(out[~nan].view(torch.int32), ref[~nan].view(torch.int32))
+
+
+# --------------------------------------------------------------------------------------------------
+# the decode: every code in both nibbles, every scale byte
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def _decode_probe(q_ptr, s_ptr, out_ptr, k_left, EVEN_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    offs_n = tl.arange(0, BN)
+    offs_kb = tl.arange(0, BK // 2)
+    offs_ks = tl.arange(0, BK // 32)
+    offs_k = tl.arange(0, BK)
+    wq_ptrs = q_ptr + offs_n[:, None] * (BK // 2) + offs_kb[None, :]
+    ws_ptrs = s_ptr + offs_n[:, None] * (BK // 32) + offs_ks[None, :]
+    w = _mxfp4_tile(wq_ptrs, ws_ptrs, offs_kb, offs_ks, k_left, EVEN_K, BN, BK)  # [BK, BN]
+    tl.store(out_ptr + offs_k[:, None] * BN + offs_n[None, :], w)
+
+
+# the interpreter's numpy reports the overflow to inf and the 0·inf = NaN that the test asks for
+@pytest.mark.filterwarnings(
+    "ignore:overflow encountered:RuntimeWarning", "ignore:invalid value:RuntimeWarning"
+)
+def test_decode_every_code_and_scale_byte_is_exact():
+    # row n has scale byte n in all 16 blocks and the 256 bytes 0..255 (every (low, high) code pair):
+    # the decoded fp32 tile equals dequantize_mxfp4 bit for bit — subnormal results (byte 0 and 1),
+    # overflow to ±inf (bytes >= 253), byte 255 (2^128: ±inf, NaN for ±0 codes, as the reference) included
+    N, K = 256, 512
+    blocks = torch.arange(256, dtype=torch.uint8).repeat(N, 1).view(N, K // 32, 16).contiguous()
+    scales = torch.arange(256, dtype=torch.uint8)[:, None].repeat(1, K // 32).contiguous()
+    ref = dequantize_mxfp4(blocks, scales, torch.float32)  # [N, K]
+    out = torch.full((K, N), 1234.5)
+    _decode_probe[(1,)](blocks, scales, out, K, EVEN_K=True, BN=N, BK=K)
+    assert _same(out.T, ref)
+    # the masked K step (EVEN_K False): bytes and scales at or beyond k_left elements read as weight 0
+    out.fill_(1234.5)
+    _decode_probe[(1,)](blocks, scales, out, 96, EVEN_K=False, BN=N, BK=K)
+    assert _same(out.T[:, :96], ref[:, :96]) and torch.equal(out[96:], torch.zeros(K - 96, N))
+
+
+# --------------------------------------------------------------------------------------------------
+# the base GEMM launcher
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dt", [F32, F16], ids=DT_IDS.get)
+@pytest.mark.parametrize(
+    "K,bk,down",
+    [
+        (64, 32, False),  # EVEN_K, two K steps, rows_div = top_k (gate_up), no bias
+        (96, 64, True),  # K % BLOCK_SIZE_K = 32: the masked last step; bias and routing weights (down)
+        (32, 64, False),  # K < BLOCK_SIZE_K: one masked step of one scale block
+    ],
+)
+def test_gemm_equals_dequantized_dense(dt, K, bk, down):
+    E, N, T, top_k = 4, 48, 9, 2  # N = 48: a ragged last N tile of 32
+    w = _mx((E, N, K), seed=K)
+    g = torch.Generator().manual_seed(1)
+    topk = torch.stack([torch.randperm(E, generator=g)[:top_k] for _ in range(T)]).to(torch.int32)
+    align = align_tokens(topk, E, 16)
+    rows = T * top_k if down else T
+    x = torch.randn(rows, K, generator=g).to(dt)
+    kw = dict(rows_div=1 if down else top_k)
+    if down:
+        kw |= dict(
+            bias=(torch.randn(E, N, generator=g) * 0.1).to(dt),
+            topk_weights=torch.rand(T * top_k, generator=g),
+        )
+    cfg = OpConfig(16, 32, bk)
+    out = torch.full((T * top_k, N), 1234.5, dtype=dt)
+    dense_out = out.clone()
+    fused_moe_gemm(x, w, out, align, cfg, **kw)
+    fused_moe_gemm(x, _dense(w, dt), dense_out, align, cfg, **kw)
+    assert torch.equal(out, dense_out)
+    ref = x.double()[torch.arange(T * top_k) // kw["rows_div"]]
+    ref = torch.einsum("pk,pnk->pn", ref, w.dequantize(torch.float32).double()[topk.reshape(-1).long()])
+    if down:
+        ref = (ref + kw["bias"].double()[topk.reshape(-1).long()]) * kw["topk_weights"].double()[:, None]
+    assert_close_rel(out, ref, dt)
+
+
+def test_gemm_bad_inputs_name_the_argument():
+    E, N, K, T = 2, 32, 64, 3
+    w = _mx((E, N, K), seed=0)
+    topk = torch.zeros(T, 1, dtype=torch.int32)
+    align = align_tokens(topk, E, 16)
+    x, out = torch.randn(T, K), torch.empty(T, N)
+    # BLOCK_SIZE_K 16: a K step would split a 32-value scale block
+    with pytest.raises(ValueError, match=r"cfg\.BLOCK_SIZE_K = 16 must be a multiple of 32"):
+        fused_moe_gemm(x, w, out, align, OpConfig(16, 32, 16), rows_div=1)
+    # activations whose K (48) is not the weight's 64 (nor a multiple of 32)
+    with pytest.raises(ValueError, match=r"x must have K = 64 columns.*multiple of 32"):
+        fused_moe_gemm(torch.randn(T, 48), w, out, align, OpConfig(16, 32, 32), rows_div=1)
+    # a row's 16-byte blocks not contiguous (every other 16 bytes of a wider buffer)
+    wide = torch.zeros(E, N, K // 32, 32, dtype=torch.uint8)
+    strided = MXFP4Weight(wide[..., :16], w.scales)
+    with pytest.raises(ValueError, match=r"w\.blocks must be contiguous in its last two dims"):
+        fused_moe_gemm(x, strided, out, align, OpConfig(16, 32, 32), rows_div=1)
+    # blocks without the expert dim
+    with pytest.raises(ValueError, match=r"w: an MXFP4 weight must hold blocks uint8 \[E, N, K/32, 16\]"):
+        fused_moe_gemm(x, MXFP4Weight(w.blocks[0], w.scales[0]), out, align, OpConfig(16, 32, 32), rows_div=1)
+    # scales of the wrong shape: refused by MXFP4Weight itself, naming scales
+    with pytest.raises(ValueError, match=r"scales must have shape blocks\.shape\[:-1\]"):
+        MXFP4Weight(w.blocks, w.scales[..., :1])
+    # and a K that is not a multiple of 32 cannot be packed at all (the quantizer names w)
+    with pytest.raises(ValueError, match=r"w's last dim K must be a multiple of 32"):
+        MXFP4Weight.quantize(torch.randn(E, N, 48))
+
+
+# --------------------------------------------------------------------------------------------------
+# the layer
+# --------------------------------------------------------------------------------------------------
+E, K_TOP, L, R = 4, 2, 3, 16
+
+
+def _layers(dt, stage, act, S, bias, H, I, config=None):
+    """(MXFP4 layer, the same layer on the dequantized dense weights), the same adapters in slots 0, 1."""
+    w13, w2 = _mx((E, 2 * I, H), seed=H + I), _mx((E, H, I), seed=H * I)
+    g = torch.Generator().manual_seed(7)
+    b13 = (torch.randn(E, 2 * I, generator=g) * 0.1).to(dt) if bias else None
+    b2 = (torch.randn(E, H, generator=g) * 0.1).to(dt) if bias else None
+    kw = dict(top_k=K_TOP, num_adapters=L, max_rank=R, max_tokens=40, slices=S, b13=b13, b2=b2)
+    kw |= dict(activation=act, stage=stage, config=config)
+    mx = MoELoRALayer(w13, w2, dtype=dt, **kw)
+    dense = MoELoRALayer(_dense(w13, dt), _dense(w2, dt), **kw)
+    for slot, r in ((0, R), (1, 8)):  # slot 2 stays empty: its tokens get the base only
+        gu = (
+            (torch.randn(E, S, r, H, generator=g) * 0.1).to(dt),
+            (torch.randn(E, S, 2 * I // S, r, generator=g) * 0.1).to(dt),
+        )
+        dn = (
+            (torch.randn(E, r, I, generator=g) * 0.1).to(dt),
+            (torch.randn(E, H, r, generator=g) * 0.1).to(dt),
+        )
+        for layer in (mx, dense):
+            layer.load_adapter(slot, gate_up=gu, down=dn, scaling=0.5 + slot)
+    return mx, dense, (w13, w2)
+
+
+# (dtype, stage, activation, S, bias, H, I): H and I multiples of 32
+LAYER_CASES = [
+    (F32, "tuned", "silu", 2, False, 64, 64),  # EVEN_K in both GEMMs
+    (F16, "tuned", "swigluoai", 1, True, 64, 64),  # GPT-OSS: interleaved gate/up, clamp, biases, S = 1
+    (F32, "tuned", "swigluoai", 2, True, 96, 32),  # masked K: H = 96 (gate_up), I = 32 < BLOCK_SIZE_K (down)
+    (F16, "fused", "silu", 2, True, 64, 64),  # stage fused: the expand and the activation inside the GEMMs
+    (F32, "fused", "swigluoai", 1, True, 96, 32),  # stage fused, masked K in both GEMMs
+]
+
+
+@pytest.mark.parametrize(
+    "dt,stage,act,S,bias,H,I",
+    LAYER_CASES,
+    ids=[f"{c[1]}-{c[2]}-S{c[3]}-H{c[5]}-I{c[6]}-{DT_IDS[c[0]]}" for c in LAYER_CASES],
+)
+def test_layer_equals_dequantized_dense_layer(device, dt, stage, act, S, bias, H, I):
+    if device != "cpu":
+        pytest.skip("CPU interpreter test (fp16/fp32)")
+    mx, dense, (w13, w2) = _layers(dt, stage, act, S, bias, H, I)
+    for T in (1, 33):  # a decode token; 66 pairs with ragged last blocks
+        g = torch.Generator().manual_seed(T)
+        x = torch.randn(T, H, generator=g).to(dt)
+        tw, ti = route_reference(torch.randn(T, E, generator=g), K_TOP)
+        ids = (torch.arange(T, dtype=torch.int32) % (L + 1)) - 1  # -1, 0, 1, 2 (empty slot), -1, ...
+        out = mx(x, topk_weights=tw.float(), topk_ids=ti.to(torch.int32), lora_ids=ids)
+        want = dense(x, topk_weights=tw.float(), topk_ids=ti.to(torch.int32), lora_ids=ids)
+        assert out.dtype == dt and out.shape == (T, H)
+        # the same kernels with the same operand values: bit for bit
+        assert torch.equal(out, want), f"T={T}: max diff {(out.float() - want.float()).abs().max()}"
+        ref = moe_lora_reference(
+            x, w13.dequantize(torch.float32), w2.dequantize(torch.float32), tw, ti, ids,
+            mx.lora_a13, mx.lora_b13, mx.lora_a2, mx.lora_b2, activation=act, b13=mx.b13, b2=mx.b2,
+        )  # fmt: skip
+        assert_close_rel(out, ref, dt)
+
+
+def test_layer_block_size_k_16_is_raised_and_packed_parameters():
+    # a fixed config whose base GEMMs step 16 along K: the MXFP4 layer launches them with 32 (whole scale
+    # blocks), the LoRA ops as given; the result is the dense layer's within the tolerance
+    base16 = OpConfig(16, 32, 16)
+    lora = OpConfig(16, 32, 32)
+    cfg = LayerConfig(base16, base16, lora, lora, lora, lora)
+    assert mxfp4_config(cfg).base_gate_up.BLOCK_SIZE_K == 32 and mxfp4_config(cfg).gate_up_shrink == lora
+    mx, dense, _ = _layers(F32, "tuned", "silu", 2, False, 64, 32, config=cfg)
+    assert mx.config_for(5).base_down.BLOCK_SIZE_K == 32 and dense.config_for(5).base_down.BLOCK_SIZE_K == 16
+    g = torch.Generator().manual_seed(3)
+    x, logits = torch.randn(5, 64, generator=g), torch.randn(5, E, generator=g)
+    ids = torch.tensor([0, -1, 1, 1, -1], dtype=torch.int32)
+    assert_close_rel(mx(x, logits, lora_ids=ids), dense(x, logits, lora_ids=ids).double(), F32, tol=1e-5)
+    # the packed tensors are the layer's parameters (w13/w2 None), counted by memory_report
+    names = {n for n, _ in mx.named_parameters()}
+    assert names == {"w13_blocks", "w13_scales", "w2_blocks", "w2_scales"} and mx.w13 is None
+    assert mx.weight_format == "mxfp4" and "weights=mxfp4" in repr(mx)
+    packed = sum(p.numel() for p in mx.parameters())  # uint8: one byte each
+    assert mx.memory_report()["weights"] == packed == E * (2 * 32 * 64 + 64 * 32) * 17 // 32
+
+
+@pytest.mark.parametrize("dt", [F16], ids=DT_IDS.get)
+def test_layer_fused_split_down(dt):
+    # stage fused's down GEMM split over K (decode): I = 64 in two K steps of 32, one per program, each
+    # decoding its own scale block (the split's byte and scale offsets); equal to the dense layer
+    op = OpConfig(16, 32, 32)
+    cfg = LayerConfig(op, OpConfig(16, 32, 32, 1, 2), op, op, op, op)
+    mx, dense, (w13, w2) = _layers(dt, "fused", "swigluoai", 1, True, 64, 64, config=cfg)
+    assert mx.config_for(5).base_down.SPLIT_K == 2
+    g = torch.Generator().manual_seed(5)
+    x, logits = torch.randn(5, 64, generator=g).to(dt), torch.randn(5, E, generator=g)
+    ids = torch.tensor([0, -1, 1, 2, 0], dtype=torch.int32)
+    out, want = mx(x, logits, lora_ids=ids), dense(x, logits, lora_ids=ids)
+    assert torch.equal(out, want), (out.float() - want.float()).abs().max()
+    tw, ti = route_reference(logits, K_TOP)
+    ref = moe_lora_reference(
+        x, w13.dequantize(torch.float32), w2.dequantize(torch.float32), tw, ti, ids,
+        mx.lora_a13, mx.lora_b13, mx.lora_a2, mx.lora_b2, activation="swigluoai", b13=mx.b13, b2=mx.b2,
+    )  # fmt: skip
+    assert_close_rel(out, ref, dt)
+
+
+def test_layer_bad_weights_name_the_argument():
+    H, I = 64, 32
+    w13, w2 = _mx((E, 2 * I, H), seed=1), _mx((E, H, I), seed=2)
+    kw = dict(top_k=K_TOP, num_adapters=L, max_rank=R, max_tokens=8, dtype=F32)
+    # one packed weight, one dense: both or neither
+    with pytest.raises(ValueError, match=r"^w2 must be an MXFP4Weight like w13"):
+        MoELoRALayer(w13, _dense(w2, F32), **kw)
+    # dense shapes that disagree (w2's I = 64 where w13 says 32): named as for dense weights
+    with pytest.raises(ValueError, match=r"^w2 must have shape \[E, H, I\] = \(4, 64, 32\)"):
+        MoELoRALayer(w13, _mx((E, H, 64), seed=3), **kw)
+    # packed blocks without the expert dim
+    with pytest.raises(ValueError, match=r"^w13 must be an MXFP4Weight of dense shape \[E, 2I, H\]"):
+        MoELoRALayer(MXFP4Weight(w13.blocks[0], w13.scales[0]), w2, **kw)
+    # blocks whose rows are not contiguous 16-byte blocks
+    wide = torch.zeros(E, H, I // 32, 32, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"^w2\.blocks must be contiguous in its last two dims"):
+        MoELoRALayer(w13, MXFP4Weight(wide[..., :16], w2.scales), **kw)
+    # biases of another dtype than the layer's
+    with pytest.raises(ValueError, match=r"b13"):
+        MoELoRALayer(w13, w2, b13=torch.zeros(E, 2 * I, dtype=F16), **kw)
+    # a dtype that contradicts dense weights
+    with pytest.raises(ValueError, match=r"^dtype = torch.float16 differs from w13's torch.float32"):
+        MoELoRALayer(_dense(w13, F32), _dense(w2, F32), **{**kw, "dtype": F16})
+    # bfloat16 (the default dtype with packed weights) is refused on the CPU, naming dtype
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"dtype \(the layer's, with MXFP4 weights\)"):
+            MoELoRALayer(w13, w2, **{**kw, "dtype": None})
+
+
+# --------------------------------------------------------------------------------------------------
+# sm_90: the MXFP4 variants compile (no GPU)
+# --------------------------------------------------------------------------------------------------
+def mxfp4_sm90_report(T: int = 64) -> dict:
+    """{launch: {"W_MXFP4", "mma", "ftz", "REG", "LOCAL"}} of the four base GEMM launches (stage tuned's
+    base_gate_up / base_down, stage fused's fused_gate_up / fused_down) on MXFP4 weights at gpt-oss-20b
+    (swigluoai, biases, bf16 activations, default configs), compiled for sm_90. Meta tensors; run in a
+    process without the interpreter (:func:`~moelora_lib.studies.compile_check.run_isolated`)."""
+    import re
+
+    from moelora_lib.kernels import STAGES
+    from moelora_lib.kernels.fused import fused_default_config
+    from moelora_lib.kernels.stages import LayerRun, default_config
+    from moelora_lib.shapes import Dims, get_shape
+    from moelora_lib.studies import compile_check as cc
+
+    d = Dims.of(get_shape("gpt-oss-20b"), T, rank=32, adapters=8)
+
+    def meta(*shape, dtype=torch.bfloat16):
+        return torch.empty(*shape, dtype=dtype, device="meta")
+
+    def packed(N, Kd):
+        return MXFP4Weight(
+            meta(d.E, N, Kd // 32, 16, dtype=torch.uint8), meta(d.E, N, Kd // 32, dtype=torch.uint8)
+        )
+
+    topk_ids, lora_ids = cc._routing(T, d.E, d.top_k, d.adapters)
+    t = cc._layer_tensors(d, meta, has_bias=True)
+    t |= dict(w13=packed(2 * d.I, d.H), w2=packed(d.H, d.I))
+    out = {}
+    for stage, ops, cfg in (
+        ("tuned", ("base_gate_up", "base_down"), default_config(d)),
+        ("fused", ("fused_gate_up", "fused_down"), fused_default_config(d)),
+    ):
+        run = LayerRun(
+            STAGES[stage], **t, topk_weights=meta(T, d.top_k, dtype=torch.float32), topk_ids=topk_ids,
+            lora_ids=lora_ids, activation="swigluoai", config=mxfp4_config(cfg),
+        )  # fmt: skip
+        for op in ops:
+            la = run.launch_args(op)
+            k = cc._compile_launch(la)
+            ptx = cc.ptx(k)
+            ru = cc.resource_usage(k)
+            tc = cc.tensor_core_ops(ptx)
+            out[op] = dict(
+                W_MXFP4=la.constexprs["W_MXFP4"],
+                mma=tc["mma_sync"] + tc["wgmma"],
+                ftz=len(re.findall(r"\b(?:mul|fma|cvt)[\w.]*\.ftz\b", ptx)),
+                REG=ru["REG"],
+                LOCAL=ru["LOCAL"],
+            )
+    return out
+
+
+def test_mxfp4_variants_compile_for_sm90():
+    from moelora_lib.studies.compile_check import run_isolated
+
+    (r,) = run_isolated([dict(op="tests.test_mxfp4_moe:mxfp4_sm90_report")], timeout=300)
+    print(f"\nMXFP4 base GEMMs, sm_90, gpt-oss-20b T=64: {r}")
+    assert set(r) == {"base_gate_up", "base_down", "fused_gate_up", "fused_down"}
+    for op, v in r.items():
+        # the packed variant, with its dot on the tensor cores; no flush-to-zero arithmetic (a scale byte
+        # of 0 or 1 gives subnormal weights, kept as the reference keeps them)
+        assert v["W_MXFP4"] is True and v["mma"] > 0 and v["ftz"] == 0, (op, v)

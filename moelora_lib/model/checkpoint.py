@@ -198,7 +198,7 @@ def load_hf_checkpoint(
     max_batch: int,
     max_seq: int,
     max_tokens: int,
-    stage: str = "tuned",
+    stage: str = "auto",
     deterministic: bool = False,
 ) -> MultiLoRAModel:
     """A :class:`MultiLoRAModel` from a Hugging Face folder (config.json + model.safetensors or a
@@ -289,7 +289,7 @@ def random_model(
     max_batch: int,
     max_seq: int,
     max_tokens: int,
-    stage: str = "tuned",
+    stage: str = "auto",
     std: float = 0.02,
     deterministic: bool = False,
 ) -> MultiLoRAModel:

@@ -10,8 +10,9 @@ Where :func:`moelora_lib.fused_moe_lora` validates everything and builds a
 * its forward runs routing (if given logits), the Triton alignment and the launches of the stage with
   no host sync and no data-dependent Python branch — only shape checks and the launch config, picked
   on the host from T alone and cached per T (one :class:`~moelora_lib.kernels.LayerConfig` per distinct
-  T, resolved once by ``stage.config_for`` as :func:`fused_moe_lora` picks it; with ``stage="auto"``
-  the stage too is picked per T on the host, from the config files, :meth:`MoELoRALayer.stage_for`);
+  T, resolved once by ``stage.config_for`` as :func:`fused_moe_lora` picks it; with ``stage="auto"``,
+  the default, the stage too is picked per T on the host, from the config files,
+  :meth:`MoELoRALayer.stage_for`);
 * the forward goes through the custom op ``torch.ops.moelora.moe_lora_layer`` (:mod:`moelora_lib.ops`),
   so ``torch.compile(..., fullgraph=True)`` of a model containing the layer works.
 
@@ -52,7 +53,7 @@ import torch
 
 from . import ops
 from .common import check_bool, check_kernel_dtype, is_int
-from .kernels import AUTO_STAGE, STAGES, LayerConfig, LayerRun, Stage
+from .kernels import AUTO_STAGE, STAGES, LayerConfig, LayerRun, Stage, check_stage_name
 from .kernels.align import AlignWorkspace, align_tokens_triton, align_workspace
 from .kernels.align_small import (
     PAIR_PATH_MAX_PAIRS,
@@ -273,11 +274,12 @@ class MoELoRALayer(ops.OpLayer):
             w13's dtype.
         activation: "silu" or "swigluoai".
         renormalize: routing from logits divides the K kept probabilities by their sum.
-        stage: a name of :data:`moelora_lib.kernels.STAGES` (default "tuned"), or "auto": per T, stage
-            "fused" or "tuned" as the config files choose for that T's bucket
-            (:func:`moelora_lib.configs.load_stage_choice`: the ``"stage"`` key of the fused config
-            file's leaf, the shipped H200 ones from notebook 12's measurements; "tuned" where the file
-            records no choice). :meth:`stage_for` says which; resolved on the host once per T.
+        stage: "auto" (default): per T, stage "fused" or "tuned" as the config files choose for that T's
+            bucket (:func:`moelora_lib.configs.load_stage_choice`: the ``"stage"`` key of the fused
+            config file's leaf, the shipped H200 ones from notebook 12's measurements; "tuned" where no
+            file or leaf records a choice, e.g. on the CPU or a GPU without shipped files); or a name of
+            :data:`moelora_lib.kernels.STAGES` for every T. :meth:`stage_for` says which stage a T runs;
+            resolved on the host once per T, so a CUDA graph captured at one T stays valid.
         config: a fixed :class:`~moelora_lib.kernels.LayerConfig` for every T (None = per T, as
             fused_moe_lora picks it).
         debug: check values in forward (topk_ids ∈ [0, E), lora_ids ∈ [-1, L), router_logits or the
@@ -322,7 +324,7 @@ class MoELoRALayer(ops.OpLayer):
         dtype: torch.dtype | None = None,
         activation: str = "silu",
         renormalize: bool = True,
-        stage: str = "tuned",
+        stage: str = "auto",
         config: LayerConfig | None = None,
         debug: bool = False,
         deterministic: bool = False,
@@ -339,8 +341,7 @@ class MoELoRALayer(ops.OpLayer):
                 raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
         if slices not in (1, 2) or not is_int(slices):
             raise ValueError(f"slices must be 1 (fused gate_up) or 2 (gate, up), got {slices!r}")
-        if stage not in STAGES and stage != AUTO_STAGE.name:
-            raise ValueError(f"stage must be one of {[*STAGES, AUTO_STAGE.name]}, got {stage!r}")
+        check_stage_name(stage)
         if config is not None and not isinstance(config, LayerConfig):
             raise ValueError(f"config must be a LayerConfig or None, got {type(config).__name__}")
         check_bool("deterministic", deterministic)

@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from . import ops
 from .common import check_bool, check_kernel_dtype, check_tensor, is_int
 from .common import describe as _desc
-from .kernels import STAGES
+from .kernels import AUTO_STAGE, STAGES, check_stage_name
 from .kernels.align import AlignWorkspace, align_tokens_triton, align_workspace
 from .kernels.align_small import PAIR_PATH_MAX_PAIRS, align_tokens_pair, pair_workspace, use_pair_path
 from .kernels.dense_lora import (
@@ -190,8 +190,13 @@ def validate_lora_linear_inputs(
 
 
 def _check_stage_and_config(stage, config) -> None:
-    if stage not in STAGES:
-        raise ValueError(f"stage must be one of {list(STAGES)}, got {stage!r}")
+    if stage == AUTO_STAGE.name:  # a clear word on the MoE path's name
+        raise ValueError(
+            f"stage must be one of {list(STAGES)}, got 'auto': the dense LoRA op has no per-T stage choice "
+            "(the config files record one for the MoE layer only; MultiLoRAModel(stage='auto') runs its "
+            "dense projections in stage 'tuned')"
+        )
+    check_stage_name(stage, auto=False)
     if config is not None and not isinstance(config, DenseLoRAConfig):
         raise ValueError(f"config must be a DenseLoRAConfig or None, got {type(config).__name__}")
 
@@ -240,7 +245,8 @@ def lora_linear(
         slices: output widths (N_0, ..., N_{S-1}), Σ = N_total, e.g. (q, k, v) = (4096, 512, 512).
         bias: [N_total] or None.
         stage: a name in :data:`moelora_lib.kernels.STAGES` (its switches: length specialization,
-            split-K shrink, grouped order, EVEN_K, fused add).
+            split-K shrink, grouped order, EVEN_K, fused add). Not "auto" (the MoE layer's per-T
+            choice; the config files record none for the dense op): ValueError.
         config: a :class:`~moelora_lib.kernels.dense_lora.DenseLoRAConfig`; None = stage ``tuned``:
             :func:`moelora_lib.configs.load_dense_config` (tuned files, else the defaults); the other
             stages: :func:`~moelora_lib.kernels.dense_lora.default_dense_config`.
@@ -360,6 +366,8 @@ class LoRALinear(ops.OpLayer):
         max_tokens: largest T a forward accepts; the buffers are sized for it.
         stage: a name in :data:`moelora_lib.kernels.STAGES` (default "tuned" = the fastest switches,
             configs from :func:`moelora_lib.configs.load_dense_config`, resolved when a T is first seen).
+            Not "auto" (the MoE layer's per-T choice; the config files record none for the dense op):
+            ValueError saying so.
         config: a fixed :class:`~moelora_lib.kernels.dense_lora.DenseLoRAConfig` for every T (None =
             per T, as :func:`lora_linear` picks it).
         debug: check lora_ids ∈ [-1, L) in forward (a host sync).

@@ -6,7 +6,7 @@ import torch
 
 from .common import check_bool, check_tensor
 from .common import describe as _desc
-from .kernels import AUTO_STAGE, STAGES, LayerConfig, LayerRun, stage_named
+from .kernels import LayerConfig, LayerRun, check_stage_name, stage_named
 from .routing import check_finite_weights, check_id_bounds, check_id_values
 from .shapes import Dims
 
@@ -208,8 +208,7 @@ def validate_moe_lora_inputs(
 
 
 def _check_stage_and_config(stage, config) -> None:
-    if stage not in STAGES and stage != AUTO_STAGE.name:
-        raise ValueError(f"stage must be one of {[*STAGES, AUTO_STAGE.name]}, got {stage!r}")
+    check_stage_name(stage)
     if config is not None and not isinstance(config, LayerConfig):
         raise ValueError(f"config must be a LayerConfig or None, got {type(config).__name__}")
 
@@ -229,13 +228,14 @@ def make_layer_run(
     activation="silu",
     b13=None,
     b2=None,
-    stage="tuned",
+    stage="auto",
     config: LayerConfig | None = None,
     check_values: bool = True,
     deterministic: bool = False,
     adapter_order: bool | None = None,
 ) -> LayerRun:
-    """Validate and build the :class:`~moelora_lib.kernels.LayerRun` that :func:`fused_moe_lora` runs.
+    """Validate and build the :class:`~moelora_lib.kernels.LayerRun` that :func:`fused_moe_lora` runs
+    (same arguments; ``stage="auto"``, the default, resolved to the concrete stage of these dims).
 
     Benchmarks use it to time parts of the layer or to capture it in a CUDA graph. ``deterministic``:
     as in :func:`fused_moe_lora`. ``adapter_order``: as in :class:`~moelora_lib.kernels.LayerRun`
@@ -337,7 +337,7 @@ def fused_moe_lora(
     activation="silu",
     b13=None,
     b2=None,
-    stage="tuned",
+    stage="auto",
     config: LayerConfig | None = None,
     deterministic: bool = False,
 ) -> torch.Tensor:
@@ -371,9 +371,10 @@ def fused_moe_lora(
             ranks below R zero-padded.
         activation: "silu" or "swigluoai".
         b13: [E, 2I] or None; b2: [E, H] or None (expert biases).
-        stage: a name in :data:`moelora_lib.kernels.STAGES` (default "tuned"), or "auto": stage
-            "fused" or "tuned" as the config files choose for this call's dims and T bucket
-            (:func:`moelora_lib.configs.load_stage_choice`; "tuned" where they record no choice).
+        stage: "auto" (default, as :class:`~moelora_lib.MoELoRALayer`): stage "fused" or "tuned" as the
+            config files choose for this call's dims and T bucket
+            (:func:`moelora_lib.configs.load_stage_choice`; "tuned" where no file records a choice,
+            e.g. on the CPU); or a name in :data:`moelora_lib.kernels.STAGES`.
         config: a :class:`~moelora_lib.kernels.LayerConfig`; None = the stage's ``config_for``: for
             "tuned" :func:`moelora_lib.configs.load_layer_config` (tuned files, else the defaults), for
             "fused" :func:`moelora_lib.configs.load_fused_config`, else :func:`default_config`.

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from moelora_lib import STAGES, fused_moe_lora
+from moelora_lib.kernels import stage_named
 from moelora_lib.moe_lora import make_layer_run
 from moelora_lib.reference import moe_lora_loop_reference, moe_lora_reference
 from moelora_lib.shapes import MoEShape, get_shape
@@ -146,11 +147,17 @@ def test_reference_matches_independent_loop():
         assert_close_rel(ref, loop, tol=1e-5, what=shape.name)
 
 
-def test_default_stage_is_tuned(device):
+def test_default_stage_is_auto(device):
+    # "auto": the stage the config files choose for these dims (tests/test_stage_auto.py); stage tuned on
+    # the CPU, which has no config files
     inp = _inputs(TINY, device, torch.float32, num_tokens=9)
-    assert make_layer_run(*inp.args(), **inp.kwargs()).stage is STAGES["tuned"]
-    out = fused_moe_lora(*inp.args(), **inp.kwargs())
-    assert torch.equal(out, fused_moe_lora(*inp.args(), **inp.kwargs(), stage="tuned"))
+    run = make_layer_run(*inp.args(), **inp.kwargs())
+    assert run.stage is stage_named("auto", run.dims)
+    if device == "cpu":
+        assert run.stage is STAGES["tuned"]
+    out = fused_moe_lora(*inp.args(), **inp.kwargs(), deterministic=True)
+    ref = fused_moe_lora(*inp.args(), **inp.kwargs(), stage=run.stage.name, deterministic=True)
+    assert torch.equal(out, ref)
     assert_close_rel(out, moe_lora_reference(*inp.args(), **inp.kwargs()), torch.float32)
 
 

@@ -44,9 +44,13 @@ def _inputs(T, seed):
     return x, logits, ids
 
 
+@pytest.mark.parametrize("stage", ["tuned", "auto"])
 @pytest.mark.parametrize("T", [1, 5, 64])
-def test_graph_capture_replays_new_inputs(T):
-    layer = _layer()
+def test_graph_capture_replays_new_inputs(T, stage):
+    # "auto" (the default): the stage the shipped configs choose for T, resolved on the host at the warm-up
+    # call, so the captured graph runs it; deterministic (no split-K atomics) for a bitwise comparison
+    det = stage == "auto"
+    layer = _layer(stage=stage, deterministic=det)
     x, logits, ids = _inputs(T, 1)
     static = [t.clone() for t in (x, logits, ids)]
     side = torch.cuda.Stream()
@@ -69,9 +73,10 @@ def test_graph_capture_replays_new_inputs(T):
         tw, ti = route(nl, K)
         pub = fused_moe_lora(
             nx, layer.w13, layer.w2, tw, ti, ni, layer.lora_a13, layer.lora_b13, layer.lora_a2,
-            layer.lora_b2, stage="tuned",
+            layer.lora_b2, stage=layer.stage_for(T).name, deterministic=det,
         )  # fmt: skip
         assert torch.equal(out, pub)
+    assert set(layer._stages) == {T}  # resolved once, at the warm-up
 
 
 def test_torch_compile_fullgraph_on_gpu():

@@ -6,12 +6,20 @@ buckets, the fallback to ``tuned`` (no file, no key, no folder), the bad-value e
 path; ``MoELoRALayer(stage="auto")`` and ``fused_moe_lora(stage="auto")`` equal bit for bit to the
 explicitly named stage at each T; the shipped H200 file's choices equal
 :func:`~moelora_lib.studies.fused_tuning.stage_choices_from_csv` of ``data/12_fused.csv``.
+
+"auto" is the default of the MoE path (``MoELoRALayer``, ``fused_moe_lora``, ``make_layer_run``,
+``MultiLoRAModel`` and its builders); a tiny GPT-OSS ``MultiLoRAModel`` built with the default gives the
+tokens of stage ``tuned`` when the file chooses ``tuned`` and the logits of stage ``fused`` (tolerance
+table) when it chooses ``fused``; under generation with padded buckets each MoE layer resolves its stage
+once per T, as the file says for that T. The notebook-09 helpers (:mod:`moelora_lib.studies.serving`)
+accept "auto"; a bad stage name is a ValueError naming the argument and the allowed names everywhere.
 """
 
 from __future__ import annotations
 
 import inspect
 import json
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -19,11 +27,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from moelora_lib import configs, fused_moe_lora
-from moelora_lib.kernels import AUTO_STAGE, STAGES, OpConfig, stage_named
+from moelora_lib import LoRALinear, configs, fused_moe_lora
+from moelora_lib.kernels import AUTO_STAGE, MOE_STAGE_NAMES, STAGES, OpConfig, stage_named
 from moelora_lib.layer import MoELoRALayer
+from moelora_lib.linear import lora_linear
 from moelora_lib.shapes import Dims, get_shape
+from moelora_lib.studies import serving
 from moelora_lib.studies.fused_tuning import stage_choices_from_csv, write_stage_choices
+from moelora_lib.testing import assert_close_rel
 from moelora_lib.workloads import make_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,11 +57,15 @@ def _leaf(stage: str | None) -> dict:
     return leaf if stage is None else {**leaf, "stage": stage}
 
 
-def _write_folder(folder: Path, choices: dict[int, str | None]) -> Path:
+def _write_folder(folder: Path, choices: dict[int, str | None], dims=None) -> Path:
+    """The fused file of this machine's GPU name (``cpu`` without CUDA) in ``folder``: one leaf per
+    T bucket m of ``choices`` (its ``"stage"`` key, none for None) at ``dims(m)`` (default: the tiny
+    preset's)."""
+    dims = dims or _dims
     data: dict = {}
     for m, stage in choices.items():
-        configs.set_entry(data, configs.base_keys(_dims(m)), _leaf(stage))
-    return configs.save_config_file(folder / configs.config_file_name("cpu", "fused"), data)
+        configs.set_entry(data, configs.base_keys(dims(m)), _leaf(stage))
+    return configs.save_config_file(folder / configs.config_file_name(configs.gpu_name(), "fused"), data)
 
 
 @pytest.fixture
@@ -142,11 +157,9 @@ def test_fallback_to_tuned_without_a_choice(tmp_path, monkeypatch):
     assert configs.load_stage_choice(_dims(1), folder=tmp_path / "none") == "tuned"
     _write_folder(tmp_path, {1: None, 16: None})
     assert configs.load_stage_choice(_dims(1), folder=tmp_path) == "tuned"
-    # the defaults stay stage tuned
-    for fn in (MoELoRALayer.__init__, fused_moe_lora):
-        assert inspect.signature(fn).parameters["stage"].default == "tuned"
-    with pytest.raises(ValueError, match=r"stage must be one of \[.*'fused', 'auto'\], got 'fastest'"):
-        MoELoRALayer(w["w13"], w["w2"], top_k=K, num_adapters=L, max_rank=R, max_tokens=4, stage="fastest")
+    # the default layer is stage auto: tuned here too
+    dflt = MoELoRALayer(w["w13"], w["w2"], top_k=K, num_adapters=L, max_rank=R, max_tokens=4)
+    assert dflt.stage is AUTO_STAGE and dflt.stage_for(3) is STAGES["tuned"]
     configs.clear_cache()
 
 
@@ -207,3 +220,216 @@ def test_write_stage_choices_keeps_the_rest(tmp_path):
     with pytest.raises(ValueError, match=r"stage must be one of \['tuned', 'fused'\], got 'auto'"):
         write_stage_choices(p, {key: "auto"})
     assert p.read_bytes() == before
+
+
+# --- "auto" is the MoE path's default; bad names ---------------------------------------------------
+def test_auto_is_the_default_of_the_moe_path():
+    from moelora_lib.model import checkpoint
+    from moelora_lib.model.modeling import MultiLoRAModel
+    from moelora_lib.moe_lora import make_layer_run
+    from moelora_lib.studies import e2e
+
+    fns = (MoELoRALayer.__init__, fused_moe_lora, make_layer_run, MultiLoRAModel.__init__)
+    fns += (checkpoint.random_model, checkpoint.load_hf_checkpoint, e2e.build_model)
+    for fn in fns:
+        assert inspect.signature(fn).parameters["stage"].default == "auto", fn.__qualname__
+    # the dense op has no per-T choice: its module keeps stage tuned and refuses "auto"
+    assert inspect.signature(LoRALinear.__init__).parameters["stage"].default == "tuned"
+
+
+ALLOWED = r"\['naive', 'no_recompile', 'split_k', 'swizzle', 'even_k_fused_add', 'tuned', 'fused', 'auto'\]"
+DENSE_ALLOWED = r"\['naive', 'no_recompile', 'split_k', 'swizzle', 'even_k_fused_add', 'tuned', 'fused'\]"
+
+
+@pytest.mark.parametrize("bad", ["fastest", "Auto", "", None, 1, ["tuned"]])
+def test_bad_stage_names(bad):
+    from moelora_lib.moe_lora import make_layer_run
+
+    assert list(MOE_STAGE_NAMES) == [*STAGES, "auto"]
+    w, _, _ = _layer_inputs(torch.float32)
+    inp = make_inputs(get_shape("tiny"), num_tokens=2, rank=R, num_adapters=L, dtype=torch.float32)
+    msg = rf"stage must be one of {ALLOWED}, got {re.escape(repr(bad))}$"
+    calls = [
+        lambda: MoELoRALayer(w["w13"], w["w2"], top_k=K, num_adapters=L, max_rank=R, max_tokens=4, stage=bad),
+        lambda: fused_moe_lora(*inp.args(), **inp.kwargs(), stage=bad),
+        lambda: make_layer_run(*inp.args(), **inp.kwargs(), stage=bad),
+        lambda: stage_named(bad, _dims(1)),
+        lambda: _tiny_oss_model(stage=bad),
+        lambda: serving.build_layer(inp, "tiny", max_tokens=4, stage=bad),
+        lambda: serving.eager_rows("tiny", 2, inp, None, device="cpu", stage=bad),
+        lambda: serving.host_breakdown_rows("tiny", 2, inp, device="cpu", stage=bad),
+        lambda: serving.graph_rows("tiny", 2, inp, None, device="cpu", stage=bad),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match=msg):
+            call()
+    x = torch.zeros(2, 8)
+    weight, a, b = torch.zeros(6, 8), torch.zeros(L, 1, 4, 8), torch.zeros(L, 6, 4)
+    ids = torch.zeros(2, dtype=torch.int32)
+    dense_msg = rf"stage must be one of {DENSE_ALLOWED}, got {re.escape(repr(bad))}$"
+    for call in (
+        lambda: LoRALinear(weight, num_adapters=L, max_rank=4, max_tokens=4, stage=bad),
+        lambda: lora_linear(x, weight, a, b, ids, slices=(6,), stage=bad),
+    ):
+        with pytest.raises(ValueError, match=dense_msg):
+            call()
+
+
+def test_dense_op_refuses_auto_saying_why():
+    weight = torch.zeros(6, 8)
+    why = r"stage must be one of \[.*'fused'\], got 'auto': the dense LoRA op has no per-T stage choice"
+    with pytest.raises(ValueError, match=why):
+        LoRALinear(weight, num_adapters=L, max_rank=4, max_tokens=4, stage="auto")
+    with pytest.raises(ValueError, match=why):
+        lora_linear(
+            torch.zeros(2, 8), weight, torch.zeros(L, 1, 4, 8), torch.zeros(L, 6, 4),
+            torch.zeros(2, dtype=torch.int32), slices=(6,), stage="auto",
+        )  # fmt: skip
+
+
+# --- the model: a tiny GPT-OSS (one layer, E = 4, 2I = 32, H = 32), default stage -------------------
+OSS_E, OSS_I, OSS_H = 4, 16, 32
+
+
+def _oss_dims(T: int) -> Dims:
+    return Dims(T=T, H=OSS_H, I=OSS_I, E=OSS_E, top_k=2, adapters=2, rank=4, slices=1)
+
+
+def _tiny_oss_model(device="cpu", **kw):
+    """A one-layer GPT-OSS MultiLoRAModel (random weights, seed 0, fp32) with an adapter in slot 1 on
+    every projection; ``kw``: the model's ``stage`` (default: the model's own)."""
+    from moelora_lib.model.checkpoint import random_model
+    from moelora_lib.model.config import REAL_CONFIGS
+
+    cfg = dict(REAL_CONFIGS["gpt-oss-20b"])
+    cfg.update(
+        hidden_size=OSS_H, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        intermediate_size=OSS_I, num_local_experts=OSS_E, num_experts_per_tok=2, experts_per_token=2,
+        vocab_size=64, sliding_window=4, layer_types=["sliding_attention"], max_position_embeddings=64,
+    )  # fmt: skip
+    model = random_model(
+        cfg, seed=0, dtype=torch.float32, device=device, num_adapters=2, max_rank=4, max_batch=2, max_seq=16,
+        max_tokens=16, std=0.3, **kw,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+
+    def rnd(*shape):
+        return (torch.randn(*shape, generator=g) * 0.3).to(device)
+
+    for m in model.lora_modules().values():
+        if isinstance(m, LoRALinear):
+            m.load_adapter(1, [rnd(3, m.in_features) for _ in m.slices], [rnd(n, 3) for n in m.slices], 1.0)
+        else:
+            E, H, I, S = m.E, m.H, m.I, m.S
+            m.load_adapter(
+                1, gate_up=(rnd(E, S, 3, H), rnd(E, S, 2 * I // S, 3)), down=(rnd(E, 3, I), rnd(E, H, 3))
+            )
+    return model
+
+
+@pytest.fixture
+def model_folder(tmp_path, monkeypatch):
+    """``write(choices)``: a fused file for the tiny GPT-OSS dims in a fresh folder, named by the
+    environment variable; the memos cleared around the test, the missing-file warnings off."""
+    n = iter(range(100))
+
+    def write(choices):
+        folder = tmp_path / f"f{next(n)}"
+        folder.mkdir()
+        _write_folder(folder, choices, _oss_dims)
+        monkeypatch.setenv(configs.ENV_VAR, str(folder))
+        configs.clear_cache()
+        return folder
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", configs.TunedConfigWarning)
+        yield write
+    configs.clear_cache()
+
+
+def _experts(model) -> list[MoELoRALayer]:
+    return [m for m in model.lora_modules().values() if isinstance(m, MoELoRALayer)]
+
+
+def test_model_default_runs_auto_and_equals_tuned_when_the_file_says_tuned(model_folder, device):
+    from moelora_lib.model.generate import Generator
+
+    model_folder({1: "tuned", 16: "tuned"})
+    auto, tuned = _tiny_oss_model(device), _tiny_oss_model(device, stage="tuned")
+    assert auto.stage == "auto" and tuned.stage == "tuned"
+    for m in auto.lora_modules().values():  # MoE: auto; dense projections: tuned
+        assert m.stage is (AUTO_STAGE if isinstance(m, MoELoRALayer) else STAGES["tuned"])
+    prompts, adapters = [[3, 7, 1, 9, 4], [5, 2, 8, 6, 11]], [1, None]
+    got = Generator(auto).generate(prompts, adapters, 3).tokens
+    assert got == Generator(tuned).generate(prompts, adapters, 3).tokens
+    for layer in _experts(auto):
+        assert layer._stages and all(st is STAGES["tuned"] for st in layer._stages.values())
+
+
+def test_model_default_equals_fused_when_the_file_says_fused(model_folder, device):
+    model_folder({1: "fused", 16: "fused"})
+    auto, fused = _tiny_oss_model(device), _tiny_oss_model(device, stage="fused")
+    ids = torch.tensor([[3, 7, 1, 9, 4], [5, 2, 8, 6, 11]], device=device)
+    lora = torch.tensor([1, -1], device=device)
+    zero = torch.zeros(2, dtype=torch.int64, device=device)
+    for T, (x, pos) in {10: (ids, zero), 2: (ids[:, :1] + 1, zero + 5)}.items():  # prefill, then decode
+        a, f = auto(x, pos, lora), fused(x, pos, lora)
+        assert_close_rel(a, f, what=f"logits at T = {T}")
+        for layer in _experts(auto):
+            assert layer.stage_for(T) is STAGES["fused"]
+            assert layer.config_for(T) == _experts(fused)[0].config_for(T)
+
+
+def test_generation_resolves_the_stage_once_per_bucket(model_folder, device, monkeypatch):
+    """Padded decode buckets and padded prefill (the CUDA-graph path's shapes, run eagerly on the CPU):
+    each T a forward runs at is resolved once, on the host, to the file's stage for its bucket — decode
+    T = 2 lands on m = 1 (fused), the padded prefill T = 16 on m = 16 (tuned)."""
+    from moelora_lib.model.generate import Generator
+
+    model_folder({1: "fused", 16: "tuned"})
+    model = _tiny_oss_model(device)
+    picks = []
+    real = configs.load_stage_choice
+
+    def counting(dims, **kw):
+        picks.append(dims.T)
+        return real(dims, **kw)
+
+    monkeypatch.setattr(configs, "load_stage_choice", counting)
+    gen = Generator(model, graph_batch_sizes=(1, 2), pad_to_buckets=True, pad_prefill=True)
+    res = gen.generate([[3, 7, 1, 9, 4], [5, 2, 8, 6, 11]], [1, None], 3)
+    assert {b for _, b in res.decode_batch_sizes} == {2}
+    (layer,) = _experts(model)
+    assert {T: st.name for T, st in layer._stages.items()} == {16: "tuned", 2: "fused"}
+    assert sorted(picks) == [2, 16]  # once per T, not per call
+    res2 = gen.generate([[3, 7, 1, 9, 4], [5, 2, 8, 6, 11]], [1, None], 3)
+    assert res2.tokens == res.tokens and sorted(picks) == [2, 16]
+
+
+# --- the serving study (notebook 09's helpers) ----------------------------------------------------
+#: host_breakdown_rows' one-by-one launches per stage: the LayerRun methods, or stage fused's launch ops
+LAUNCHES = {
+    "tuned": {"base_gate_up", "lora_gate_up", "act", "base_down", "lora_down", "reduce"},
+    "fused": {"gate_up_shrink", "fused_gate_up", "down_shrink", "fused_down", "reduce"},
+}
+
+
+def test_serving_helpers_accept_auto(folder):
+    """On the temporary folder of the tiny preset (T = 1 fused, T = 3 tuned), each helper runs the stage the
+    file chooses for its T; variant_rows pins an auto layer to its T = 64 stage and restores it."""
+    kw = dict(rank=R, num_adapters=L, dtype=torch.float32, device="cpu")
+    w = serving.layer_inputs("tiny", 1, **kw)
+    layer = serving.build_layer(w, "tiny", max_tokens=8, stage="auto")
+    assert layer.stage is AUTO_STAGE
+    for T in (1, 3):
+        inp = serving.layer_inputs("tiny", T, weights=w, **kw)
+        rows = serving.host_breakdown_rows("tiny", T, inp, device="cpu", stage="auto")
+        launches = {r["step"].removeprefix("launch.") for r in rows if r["step"].startswith("launch.")}
+        assert launches == LAUNCHES[EXPECTED[T]], (T, launches)
+        rows = serving.graph_rows("tiny", T, inp, layer, device="cpu", stage="auto")
+        assert [r["what"] for r in rows] == ["layer_kernels", "module_topk", "module_logits"]
+        assert all(r["max_abs_diff"] == 0.0 for r in rows), rows  # the layer and the public call: same stage
+        assert layer.stage_for(T) is STAGES[EXPECTED[T]]
+    rows = serving.variant_rows("tiny", layer, w, n_lengths=2, device="cpu")
+    assert rows and layer.stage is AUTO_STAGE and layer.fixed_config is None
+    assert layer.stage_for(1) is STAGES["fused"]  # per T again after the study

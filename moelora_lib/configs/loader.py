@@ -350,8 +350,9 @@ def load_stage_choice(
     nearest-key lookup over ``config_data[E][N][K][m]``, so the T buckets are those of the fused
     configs); the shipped H200 choices are the faster stage per measured (model, T) of notebook 12
     (:func:`moelora_lib.studies.fused_tuning.stage_choices_from_csv`). ``"tuned"`` where there is no
-    choice: no fused file (or no tuned folder at all, e.g. the CPU without a folder), or a leaf
-    without the key. Silent (the fused and tuned loaders warn about missing files themselves).
+    choice, always: no fused file (or no tuned folder at all: the CPU without a folder, a GPU with no
+    shipped files and none given), or a leaf without the key. Silent (the fused and tuned loaders
+    warn about missing files themselves).
     A pure function of (dims, files, environment variable, GPU mapping), resolved once per such key
     like the other loaders, so a layer can pick per T on the host without reading device data.
 

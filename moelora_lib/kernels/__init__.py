@@ -19,16 +19,35 @@ STAGES: dict[str, Stage] = {
 AUTO_STAGE = auto.STAGE
 
 
+#: the stage names the MoE path accepts: every concrete stage, then ``"auto"``
+MOE_STAGE_NAMES: tuple[str, ...] = (*STAGES, AUTO_STAGE.name)
+
+
+def check_stage_name(value, arg: str = "stage", *, auto: bool = True) -> str:
+    """``value`` if it is a stage name: a key of :data:`STAGES`, or ``"auto"`` when ``auto`` (the MoE
+    path: :data:`MOE_STAGE_NAMES`). Raises ValueError naming ``arg`` and the allowed names otherwise
+    (any non-str included)."""
+    allowed = list(MOE_STAGE_NAMES) if auto else list(STAGES)
+    if not isinstance(value, str) or value not in allowed:
+        raise ValueError(f"{arg} must be one of {allowed}, got {value!r}")
+    return value
+
+
 def stage_named(name: str, dims) -> Stage:
     """The concrete stage a call of ``dims`` (a :class:`~moelora_lib.shapes.Dims`) runs under stage
     ``name``: ``STAGES[name]``, or for ``"auto"`` the stage :meth:`AUTO_STAGE.pick
-    <moelora_lib.kernels.auto.AutoStage.pick>` returns. KeyError for an unknown name."""
+    <moelora_lib.kernels.auto.AutoStage.pick>` returns (host-side, from the config files; ``tuned``
+    where they record no choice). ValueError naming ``stage`` and the allowed names for any other
+    value."""
+    check_stage_name(name)
     return AUTO_STAGE.pick(dims) if name == AUTO_STAGE.name else STAGES[name]
 
 
 __all__ = [
     "STAGES",
     "AUTO_STAGE",
+    "MOE_STAGE_NAMES",
+    "check_stage_name",
     "stage_named",
     "Stage",
     "LayerRun",

@@ -8,11 +8,11 @@ buckets as the fused configs; ``tuned`` where the file records no choice, or whe
 The shipped H200 choices are the faster stage per measured (model, T) of notebook 12
 (``data/12_fused.csv``, :func:`moelora_lib.studies.fused_tuning.stage_choices_from_csv`).
 
-The choice is a pure function of the call's dims and the files: :class:`~moelora_lib.layer.MoELoRALayer`
-(``stage="auto"``) resolves it on the host once per T, with no device data read, so a CUDA graph
-captured at one T stays valid; :func:`moelora_lib.fused_moe_lora` (``stage="auto"``) resolves it per
-call. Both candidate stages add the LoRA expand into the output (``fused_add``), so the layer's scratch
-buffers serve either.
+The stage the MoE path runs by default. The choice is a pure function of the call's dims and the
+files: :class:`~moelora_lib.layer.MoELoRALayer` (``stage="auto"``) resolves it on the host once per T,
+with no device data read, so a CUDA graph captured at one T stays valid;
+:func:`moelora_lib.fused_moe_lora` (``stage="auto"``) resolves it per call. Both candidate stages add
+the LoRA expand into the output (``fused_add``), so the layer's scratch buffers serve either.
 """
 
 from __future__ import annotations

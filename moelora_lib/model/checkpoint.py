@@ -312,7 +312,7 @@ def load_hf_checkpoint(
     max_batch: int,
     max_seq: int,
     max_tokens: int,
-    stage: str = "tuned",
+    stage: str = "auto",
     deterministic: bool = False,
     dequantize: bool | None = None,
 ) -> MultiLoRAModel:
@@ -435,7 +435,7 @@ def random_model(
     max_batch: int,
     max_seq: int,
     max_tokens: int,
-    stage: str = "tuned",
+    stage: str = "auto",
     std: float = 0.02,
     deterministic: bool = False,
 ) -> MultiLoRAModel:

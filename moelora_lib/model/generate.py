@@ -47,7 +47,10 @@ How a call runs (request i always owns cache row i):
    plus a few small launches and no host→device copy. On CUDA the bucket's model forward and the
    greedy argmax are captured once in a CUDA graph (warm-up on a side stream first, as torch's CUDA
    graph docs ask; graphs share one memory pool) — lazily on first use, or all at once in
-   :meth:`Generator.warmup`. Sampling with temperature runs after the replay on the graph's logits.
+   :meth:`Generator.warmup`. The warm-up resolves, on the host, what each module launches at the
+   bucket's T (the launch configs, and with the MoE layers' ``stage="auto"`` their stage for that T,
+   :meth:`MoELoRALayer.stage_for <moelora_lib.MoELoRALayer.stage_for>`), so each graph captures the
+   stage of its own T. Sampling with temperature runs after the replay on the graph's logits.
    On the CPU the identical code runs the forward eagerly instead of replaying.
 3. **Host syncs**: without ``eos_token_id`` or ``stream`` the decode loop never waits for the device
    until the end (per-step completion times come from CUDA events read after the loop). With

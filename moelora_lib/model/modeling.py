@@ -523,7 +523,13 @@ class MultiLoRAModel(nn.Module):
         max_batch: rows of the KV cache (and the largest B); max_seq: positions per row (the largest
             start_pos + S); max_tokens: the largest B·S of one forward (sizes the LoRA/MoE scratch),
             at least max_batch (a decode step of max_batch requests is one forward of max_batch tokens).
-        stage: a name of :data:`moelora_lib.kernels.STAGES` for every LoRA/MoE module.
+        stage: "auto" (default): every MoE layer (:class:`moelora_lib.MoELoRALayer`) picks stage "fused"
+            or "tuned" per T from the config files (:func:`moelora_lib.configs.load_stage_choice`;
+            "tuned" where no file records a choice, e.g. on the CPU), resolved on the host once per T
+            (a decode bucket's or padded prefill's CUDA graph is captured after a warm-up at its T);
+            the dense projections (:class:`moelora_lib.LoRALinear`; no per-T choice is recorded for
+            them) run stage "tuned". Or a name of :data:`moelora_lib.kernels.STAGES` for every LoRA and
+            MoE module. The read-only property ``stage`` returns the name given.
         deterministic: every LoRA/MoE module in its bitwise-repeatable mode (their split-K launches —
             the shrinks, stage ``fused``'s down GEMM — run with SPLIT_K = 1; ``MoELoRALayer``'s
             ``deterministic``). The rest of a forward (cuBLAS
@@ -538,10 +544,11 @@ class MultiLoRAModel(nn.Module):
             (:class:`~moelora_lib.quant.MXFP4Weight` of the same dense shape); they go through
             :func:`packed_expert_weight` (NotImplementedError while the MoE layer has no MXFP4 kernels).
     Raises:
-        ValueError naming the argument: sizes not positive ints, max_tokens < max_batch, a device that
-        is neither an existing CUDA device nor the CPU (the CPU needs TRITON_INTERPRET=1 and
-        float16/float32), a missing/unexpected weight name, a weight of the wrong shape or not finite
-        in ``dtype``, and what LoRALinear/MoELoRALayer refuse.
+        ValueError naming the argument: a stage that is neither "auto" nor a name of
+        :data:`~moelora_lib.kernels.STAGES` (the message lists them), sizes not positive ints,
+        max_tokens < max_batch, a device that is neither an existing CUDA device nor the CPU (the CPU
+        needs TRITON_INTERPRET=1 and float16/float32), a missing/unexpected weight name, a weight of the
+        wrong shape or not finite in ``dtype``, and what LoRALinear/MoELoRALayer refuse.
         NotImplementedError: packed expert weights the MoE layer cannot run (:func:`packed_expert_weight`).
     ``device`` and ``dtype`` are properties that follow ``.to()``.
 
@@ -570,13 +577,16 @@ class MultiLoRAModel(nn.Module):
         max_batch: int,
         max_seq: int,
         max_tokens: int,
-        stage: str = "tuned",
+        stage: str = "auto",
         weights: Mapping[str, torch.Tensor] | Callable | None = None,
         deterministic: bool = False,
     ):
         super().__init__()
         check_bool("deterministic", deterministic)
         from .. import LoRALinear, MoELoRALayer
+        from ..kernels import AUTO_STAGE, check_stage_name
+
+        check_stage_name(stage)
 
         if not isinstance(config, ModelConfig):
             raise ValueError(f"config must be a ModelConfig, got {type(config).__name__}")
@@ -643,7 +653,10 @@ class MultiLoRAModel(nn.Module):
             stage=stage,
             deterministic=deterministic,
         )
+        # the dense projections have no per-T stage choice: under "auto" they run stage "tuned"
+        dense = dict(mods, stage="tuned" if stage == AUTO_STAGE.name else stage)
         self._deterministic = deterministic
+        self._stage = stage
         gpt = c.model_type == "gpt_oss"
         norm_dt = torch.float32 if gpt else dtype
 
@@ -655,7 +668,7 @@ class MultiLoRAModel(nn.Module):
             def lin(name, n_out, n_in, bias, slices, _p=p, _sub="self_attn."):
                 w = take(f"{_p}{_sub}{name}.weight", (n_out, n_in))
                 b = take(f"{_p}{_sub}{name}.bias", (n_out,), "bias") if bias else None
-                return LoRALinear(w, b, slices=slices, **mods)
+                return LoRALinear(w, b, slices=slices, **dense)
 
             def take_l(name, shape, kind="weight", _p=p):
                 return take(f"{_p}self_attn.{name}", shape, kind)
@@ -725,6 +738,13 @@ class MultiLoRAModel(nn.Module):
     def dtype(self) -> torch.dtype:
         """The model's dtype (of the embeddings and projections; follows ``.to()``)."""
         return self.embed_tokens.weight.dtype
+
+    @property
+    def stage(self) -> str:
+        """The stage name the model was built with ("auto" or a name of
+        :data:`moelora_lib.kernels.STAGES`; read-only). Under "auto" each MoE layer's
+        ``stage_for(T)`` says which stage a T runs."""
+        return self._stage
 
     # --- adapters ---------------------------------------------------------------------------------
     @property

@@ -73,9 +73,10 @@ def model_config(name: str) -> ModelConfig:
     return ModelConfig.from_hf(config_dict(name))
 
 
-def build_model(name: str, *, stage: str = "tuned", seed: int = 0, **sizes) -> MultiLoRAModel:
-    """A random-weight MultiLoRAModel of ``name``, no adapter loaded. ``sizes``: ``random_model``'s dtype,
-    device, max_batch, max_seq, max_tokens, num_adapters (default 8), max_rank (default 32)."""
+def build_model(name: str, *, stage: str = "auto", seed: int = 0, **sizes) -> MultiLoRAModel:
+    """A random-weight MultiLoRAModel of ``name``, no adapter loaded. ``stage``: the model's ("auto", the
+    default, or a name of ``STAGES``). ``sizes``: ``random_model``'s dtype, device, max_batch, max_seq,
+    max_tokens, num_adapters (default 8), max_rank (default 32)."""
     sizes = {"num_adapters": 8, "max_rank": 32, **sizes}
     return random_model(model_config(name), seed=seed, stage=stage, **sizes)
 
@@ -300,7 +301,8 @@ def run_generation(
 
 
 def _stage_of(model) -> str:
-    return next(iter(model.lora_modules().values())).stage.name
+    """The stage name ``model`` was built with ("auto" or a name of ``STAGES``): the rows' ``stage``."""
+    return model.stage
 
 
 def compiled_binaries() -> int:

@@ -1,6 +1,10 @@
 """Notebook 09's measurements of the serving layer (rows for ``data/09_*.csv``): alignment, eager host
 overhead, the whole layer in one CUDA graph, compiled variants, memory.
 
+The helpers' ``stage`` is a name of :data:`~moelora_lib.kernels.STAGES` or ``"auto"`` (the stage the config
+files choose per T, :func:`~moelora_lib.kernels.stage_named`); their default is stage ``tuned``, notebook
+09's. A bad name is a ValueError naming ``stage`` and the allowed names.
+
 GPU times: medians of CUDA-graph replays (:func:`.bench.time_fn`, L2 flushed unless said otherwise); eager
 wall times: ``perf_counter`` around one call + synchronize, median after warm-up. On the CPU the Triton
 interpreter runs the same code (rows say ``mode = "cpu-interpreter"``).
@@ -17,7 +21,7 @@ from typing import Any
 import torch
 
 from ..common import MisalignedCopyWarning
-from ..kernels import STAGES
+from ..kernels import STAGES, check_stage_name, stage_named
 from ..kernels.align import align_tokens_triton, align_workspace
 from ..kernels.align_small import MAX_GROUPS, SMALL_MAX_PAIRS, align_tokens_pair, pair_workspace
 from ..kernels.id_bounds import id_bounds_triton
@@ -98,7 +102,8 @@ def align_rows(
 def build_layer(
     inp: MoELoRAInputs, shape: MoEShape | str, *, max_tokens: int, stage: str = "tuned", **kw
 ) -> MoELoRALayer:
-    """A MoELoRALayer over ``inp``'s weights (no copy), its L adapters in slots 0..L-1 (scaling 1.0)."""
+    """A MoELoRALayer over ``inp``'s weights (no copy), its L adapters in slots 0..L-1 (scaling 1.0), in
+    ``stage`` (a name of ``STAGES`` or "auto")."""
     L, S, R = inp.lora_a13.shape[0], inp.lora_a13.shape[2], inp.lora_a13.shape[3]
     layer = MoELoRALayer(
         inp.w13, inp.w2, top_k=inp.topk_ids.shape[1], num_adapters=L, max_rank=R, max_tokens=max_tokens,
@@ -136,6 +141,7 @@ def eager_rows(
     ``public`` (:func:`fused_moe_lora`, all checks), ``module_topk``/``module_logits`` (given top-k ids or
     logits); with gpu_us (the launches in a CUDA graph, no L2 flush, as consecutive eager calls see L2):
     ``public_kernels``, ``module_kernels``, ``layer_kernels`` (the layer's launches alone)."""
+    check_stage_name(stage)
     sh = _shape(shape)
     x, tw, ti, li, lg = inp.hidden_states, inp.topk_weights, inp.topk_ids, inp.lora_ids, inp.router_logits
     calls = {
@@ -165,15 +171,17 @@ def eager_rows(
 def host_breakdown_rows(
     shape: MoEShape | str, T: int, inp: MoELoRAInputs, *, device="cuda", stage: str = "tuned", reps: int = 100
 ) -> list[dict[str, Any]]:
-    """Host µs (median, GPU idle before each) of each step of one public call: validate, config, id_bounds
-    (+ pinned copy), alignments, layer_run, launches (also one by one, ``launch.*``), and this host's floors
+    """Host µs (median, GPU idle before each) of each step of one public call: validate, config (for "auto"
+    the stage's pick included), id_bounds (+ pinned copy), alignments, layer_run, launches (also one by
+    one, ``launch.*``: the stage's launch ops and the top-k sum), and this host's floors
     ``floor.triton_launch`` (one tiny Triton launch) and ``floor.torch_op`` (one tiny torch op)."""
     from ..kernels import LayerRun
 
+    check_stage_name(stage)
     sh = _shape(shape)
     L, S, R = inp.lora_a13.shape[0], inp.lora_a13.shape[2], inp.lora_a13.shape[3]
     dims = Dims.of(sh, T, rank=R, adapters=L, slices=S)
-    st, cuda = STAGES[stage], torch.device(device).type == "cuda"
+    st, cuda = stage_named(stage, dims), torch.device(device).type == "cuda"
     cfg = st.adapt(raw_cfg := st.config_for(dims))
     bounds = id_bounds_triton if cuda else id_value_bounds
     pinned = torch.empty(4, dtype=torch.int64, pin_memory=cuda)
@@ -181,14 +189,18 @@ def host_breakdown_rows(
     al = (run.base_align, run.lora_align, run.lora_align_down)
     steps = {
         "validate": lambda: validate_moe_lora_inputs(*inp.args(), inp.activation, inp.b13, inp.b2, False),
-        "config": lambda: st.config_for(dims),
+        "config": lambda: stage_named(stage, dims).config_for(dims),
         "id_bounds": lambda: pinned.copy_(bounds(inp.topk_ids, inp.lora_ids), non_blocking=True),
         "alignments": lambda: _device_alignments(st, raw_cfg, inp.topk_ids, inp.lora_ids, sh.experts, L),
         "layer_run": lambda: LayerRun(st, *inp.args(), **inp.kwargs(), config=cfg, alignments=al),
         "launches": run,
     }
-    ops = ("base_gate_up", "lora_gate_up", "act", "base_down", "lora_down", "reduce")
-    steps |= {f"launch.{op}": getattr(run, op) for op in ops}
+    if st.fused_gemm:  # stage fused: its four launches one by one (op_fn), then the top-k sum
+        steps |= {f"launch.{op}": run.op_fn(op) for op in st.launch_ops}
+        steps["launch.reduce"] = run.reduce
+    else:
+        ops = ("base_gate_up", "lora_gate_up", "act", "base_down", "lora_down", "reduce")
+        steps |= {f"launch.{op}": getattr(run, op) for op in ops}
     steps["floor.triton_launch"] = lambda: id_bounds_triton(inp.topk_ids, None)
     steps["floor.torch_op"] = lambda: inp.topk_weights.sum()
     host = {what: wall_us(fn, device, reps=reps if cuda else 1, warmup=1)[1] for what, fn in steps.items()}
@@ -238,6 +250,7 @@ def graph_rows(
     """The whole layer in one CUDA graph at T tokens (L2 flushed), rows (``what``): ``layer_kernels`` (the
     launches with a precomputed alignment, as vLLM's anchors time), ``module_topk`` (+ Triton alignment),
     ``module_logits`` (+ routing); ``max_abs_diff`` against the public call given the same routing."""
+    check_stage_name(stage)
     sh = _shape(shape)
     x, tw, ti, li, lg = inp.hidden_states, inp.topk_weights, inp.topk_ids, inp.lora_ids, inp.router_logits
     ref = fused_moe_lora(*inp.args(), **inp.kwargs(), stage=stage)
@@ -291,7 +304,11 @@ def variant_rows(
 ) -> list[dict[str, Any]]:
     """New compiled binaries per kernel over ``n_lengths`` log-spaced T (1..max_tokens) with one fixed config,
     then again with misaligned (offset-view) inputs, beside ``settings``: the distinct compile-time settings
-    those lengths call for (one per launch site; the alignment's tile sizes follow T by design)."""
+    those lengths call for (one per launch site; the alignment's tile sizes follow T by design).
+
+    One stage and one config for every length: the layer's stage at T = 64 (``layer.stage_for(64)``; for a
+    layer of stage "auto" the stage the config files choose there) with its config at T = 64. The layer's
+    stage, fixed config and per-T memos are restored afterwards."""
     from ..kernels.align import align_launch_args
     from ..kernels.align_small import pair_launch_args, use_pair_path
 
@@ -299,14 +316,16 @@ def variant_rows(
     lengths = list(log_spaced_lengths(n_lengths, 1, layer.max_tokens))
     ly = layer
     d = Dims(T=64, H=ly.H, I=ly.I, E=ly.E, top_k=ly.K, adapters=ly.L, rank=ly.R, slices=ly.S)
-    fixed = STAGES[layer.stage.name].config_for(d)
-    saved, layer.fixed_config, layer._configs = layer.fixed_config, fixed, {}
+    st = layer.stage_for(64)  # a concrete stage ("auto": the config files' choice at T = 64)
+    fixed = st.config_for(d)
+    saved = layer.stage, layer.fixed_config
+    layer.stage, layer.fixed_config, layer._configs, layer._stages = st, fixed, {}, {}
     seen: dict[str, set] = {}  # each alignment kernel's constexpr settings (launch args from CPU ids)
 
     def add(kernel, constexprs):
         seen.setdefault(kernel, set()).add(tuple(sorted(constexprs.items())))
 
-    c = layer.stage.adapt(fixed)
+    c = st.adapt(fixed)
     for T in lengths:
         ti, li = torch.zeros((T, layer.K), dtype=torch.int32), torch.zeros((T,), dtype=torch.int32)
         if use_pair_path(T * layer.K, layer.E, layer.L):  # what the layer launches at this T
@@ -333,7 +352,7 @@ def variant_rows(
         _sync(device)
         after_offsets = jit_cache_sizes()
     finally:
-        layer.fixed_config, layer._configs = saved, {}
+        (layer.stage, layer.fixed_config), layer._configs, layer._stages = saved, {}, {}
     return [
         bench.result_row(model=sh.name, kernel=k, n_lengths=len(lengths),
                          new_binaries_lengths=after_lengths[k] - before[k],

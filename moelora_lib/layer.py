@@ -53,7 +53,7 @@ import torch
 
 from . import ops
 from .common import check_bool, check_kernel_dtype, is_int
-from .kernels import AUTO_STAGE, STAGES, LayerConfig, LayerRun, Stage, check_stage_name
+from .kernels import AUTO_STAGE, GEMV_STAGE, STAGES, LayerConfig, LayerRun, Stage, check_stage_name
 from .kernels.align import AlignWorkspace, align_tokens_triton, align_workspace
 from .kernels.align_small import (
     PAIR_PATH_MAX_PAIRS,
@@ -62,6 +62,7 @@ from .kernels.align_small import (
     pair_workspace,
     use_pair_path,
 )
+from .kernels.gemv import GEMV_MAX_PAIRS, gemv_moe_lora, gemv_scratch_numel
 from .kernels.launchers import rank_stride
 from .kernels.route import route_triton
 from .kernels.stages import mxfp4_config
@@ -99,7 +100,7 @@ class _Scratch(Scratch):
         )
 
     def workspace_tensors(self, ws) -> list[torch.Tensor]:
-        if isinstance(ws, torch.Tensor):  # the split-K down GEMM's fp32 y
+        if isinstance(ws, torch.Tensor):  # the split-K down GEMM's fp32 y; stage gemv's buffers
             return [ws]
         if isinstance(ws, PairWorkspace):
             return [ws.buffer]
@@ -356,7 +357,7 @@ class MoELoRALayer(ops.OpLayer):
         _check_layer_dtype(dt, dev, "dtype (the layer's, with MXFP4 weights)" if mxfp4 else "w13")
         if K > E:
             raise ValueError(f"top_k = {K} must be <= E = {E} (w13 dim 0)")
-        self.stage = AUTO_STAGE if stage == AUTO_STAGE.name else STAGES[stage]  # auto: fused_add as both
+        self.stage = {AUTO_STAGE.name: AUTO_STAGE, GEMV_STAGE.name: GEMV_STAGE}.get(stage) or STAGES[stage]  # auto: fused_add as both
         sizes = _scratch_sizes(dt, max_tokens, H, two_i // 2, K, R, S, self.stage.fused_add)
         need = sum(n * torch.empty((), dtype=bdt).element_size() for n, bdt in sizes.values())
         total = _device_total_memory(dev)
@@ -525,7 +526,7 @@ class MoELoRALayer(ops.OpLayer):
                 cfg = mxfp4_config(cfg)
             if self.deterministic:
                 cfg = cfg.deterministic()
-            if cfg.base_down.SPLIT_K > 1 and T > SPLIT_DOWN_MAX_TOKENS:  # no fp32 y buffer that large
+            if st is not GEMV_STAGE and cfg.base_down.SPLIT_K > 1 and T > SPLIT_DOWN_MAX_TOKENS:  # no fp32 y that large
                 cfg = cfg.replace(base_down=dataclasses.replace(cfg.base_down, SPLIT_K=1))
             self._configs[T] = cfg
         return cfg
@@ -710,6 +711,27 @@ class MoELoRALayer(ops.OpLayer):
             hidden_states, router_logits, topk_weights, topk_ids, lora_ids, self.layer_name
         )
 
+    def _gemv_forward(self, x, topk_weights, topk_ids, lora_ids, cfg, ids13, ids2) -> torch.Tensor:
+        """Stage gemv's forward (:func:`~moelora_lib.kernels.gemv.gemv_moe_lora`) on the layer's fp32
+        scratch (one buffer for every call of at most :data:`GEMV_MAX_PAIRS` pairs)."""
+        T, K = topk_ids.shape
+        if T * K > GEMV_MAX_PAIRS:
+            raise ValueError(
+                f"stage 'gemv' takes at most {GEMV_MAX_PAIRS} (token, k) pairs per call, got T·top_k = "
+                f"{T}·{K}; use stage 'auto' (gemv at decode sizes, the tensor-core stages above)"
+            )
+        t_max = min(self.max_tokens, GEMV_MAX_PAIRS // K)
+        n = gemv_scratch_numel(t_max, K, self.H, self.I, self.S, self.R)
+        scratch = self._scratch.cached(("gemv",), torch.empty, n, dtype=torch.float32, device=x.device)
+        w13, w2 = self.expert_weights()
+        lora = None
+        if ids13 is not None or ids2 is not None:
+            lora = (ids13, ids2, self.lora_a13, self.lora_b13, self.lora_a2, self.lora_b2)
+        return gemv_moe_lora(
+            x, w13, w2, topk_weights.contiguous(), topk_ids.contiguous(), activation=self.activation,
+            config=cfg, b13=self.b13, b2=self.b2, lora_ids=lora_ids, lora=lora, scratch=scratch,
+        )  # fmt: skip
+
     def _check_call(self, x, router_logits, topk_weights, topk_ids, lora_ids) -> None:
         dt, dev = self._ref.dtype, self._ref.device
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.H:
@@ -823,6 +845,11 @@ class MoELoRALayer(ops.OpLayer):
             else:
                 ids13 = self._lora_ids_for(lora_ids, 0) if do13 else None
                 ids2 = self._lora_ids_for(lora_ids, 1) if do2 else None
+        if st is GEMV_STAGE:  # no alignment: one program per pair (kernels/gemv.py)
+            return self._gemv_forward(
+                hidden_states, topk_weights, topk_ids, lora_ids, cfg, ids13 if do13 else None,
+                ids2 if do2 else None,
+            )  # fmt: skip
         first = ids13 if do13 else ids2  # the LoRA alignment computed with the base one
         if first is not None and use_pair_path(P, E, L):
             # small T: base + first LoRA alignment in one launch (kernels/align_small.py)

@@ -95,6 +95,25 @@ def fused_default_config(dims: Dims) -> LayerConfig:
     return replace(fused_gemm_configs(default_config(d)), source="default:fused")
 
 
+def gemv_default_config(dims: Dims) -> LayerConfig:
+    """Default configs of stage ``gemv`` (:mod:`moelora_lib.kernels.gemv`): GEMVs of 32-row N tiles over
+    256-wide K steps (16 KB of bf16 weights per step and program), gate_up unsplit, down split over K
+    in 2 when I ≥ 1024; shrinks over 128-wide K steps split in 4. :func:`default_config`'s other
+    fields; ``source`` ``"default:gemv"``. Raises TypeError when ``dims`` is not a Dims."""
+    d = check_dims("gemv_default_config: dims", dims)
+    base = default_config(d)
+    gemv = OpConfig(BLOCK_SIZE_N=32, BLOCK_SIZE_K=256, NUM_WARPS=4)
+    shrink = OpConfig(BLOCK_SIZE_K=128, SPLIT_K=4, NUM_WARPS=4)
+    return replace(
+        base,
+        base_gate_up=gemv,
+        base_down=replace(gemv, SPLIT_K=2 if d.I >= 1024 else 1),
+        gate_up_shrink=shrink,
+        down_shrink=shrink,
+        source="default:gemv",
+    )
+
+
 def _block_m(T: int, adapters: int) -> int:
     """BLOCK_SIZE_M by tokens per adapter (T / L, assuming every token has one, spread evenly)."""
     g_avg = max(1, T) / max(1, adapters)

@@ -83,6 +83,8 @@ __all__ = [
     "FUSED_FILE_KEYS",
     "STAGE_KEY",
     "STAGE_CHOICES",
+    "GEMV_KEY",
+    "GEMV_LEAF_KEYS",
     "DENSE_FILE_OPS",
     "config_file_name",
     "lora_keys",
@@ -116,8 +118,14 @@ FUSED_FILE_KEYS = {"fused_gate_up": "base_gate_up", "fused_down": "base_down"}
 #: (:func:`~moelora_lib.configs.loader.load_stage_choice`; absent: ``tuned``), one of
 #: :data:`STAGE_CHOICES`; the parsed leaf carries it under this key
 STAGE_KEY = "stage"
-STAGE_CHOICES = ("tuned", "fused")
-_FUSED_LEAF_KEYS = {*FUSED_FILE_KEYS, STAGE_KEY}
+STAGE_CHOICES = ("tuned", "fused", "gemv")
+#: optional key of a fused leaf: stage ``gemv``'s launches at that bucket, ``{"gate_up": {...}, "down":
+#: {...}, "shrink": {...}}`` (BLOCK_SIZE_N, BLOCK_SIZE_K, SPLIT_K, NUM_WARPS of the two GEMVs; the shrink's
+#: BLOCK_SIZE_K, SPLIT_K, NUM_WARPS serve both shrinks); the parsed leaf carries it under this key as
+#: ``{"base_gate_up": OpConfig, "base_down": OpConfig, "shrink": OpConfig}``
+GEMV_KEY = "gemv"
+GEMV_LEAF_KEYS = {"gate_up": "base_gate_up", "down": "base_down", "shrink": "shrink"}
+_FUSED_LEAF_KEYS = {*FUSED_FILE_KEYS, STAGE_KEY, GEMV_KEY}
 
 LORA_DEPTH = 6  # max_loras, num_slices, m, k, n, i
 
@@ -217,6 +225,23 @@ def _walk(node: Any, depth: int, path: str, keys: tuple, out: dict, leaf_kind: s
                         f"{list(STAGE_CHOICES)}, got {v!r}"
                     )
                 cfgs[STAGE_KEY] = v
+            if GEMV_KEY in node:
+                g = node[GEMV_KEY]
+                if not isinstance(g, dict) or set(g) != set(GEMV_LEAF_KEYS):
+                    got = sorted(g) if isinstance(g, dict) else type(g).__name__
+                    raise ValueError(
+                        f"{path} at {_keypath(keys + (GEMV_KEY,))}: must have exactly the keys "
+                        f"{list(GEMV_LEAF_KEYS)}, got {got}"
+                    )
+                cfgs[GEMV_KEY] = {
+                    GEMV_LEAF_KEYS[k]: _parse_leaf(g[k], f"{path} at {_keypath(keys + (GEMV_KEY, k))}")
+                    for k in GEMV_LEAF_KEYS
+                }
+            if cfgs.get(STAGE_KEY) == "gemv" and GEMV_KEY not in cfgs:
+                raise ValueError(
+                    f"{path} at {_keypath(keys + (STAGE_KEY,))}: stage 'gemv' needs the leaf's {GEMV_KEY!r} "
+                    "configs"
+                )
             bms = {op: cfgs[FUSED_FILE_KEYS[op]].BLOCK_SIZE_M for op in FUSED_FILE_KEYS}
             if len(set(bms.values())) != 1:
                 raise ValueError(f"{where}: fused_gate_up and fused_down must share BLOCK_SIZE_M, got {bms}")

@@ -45,6 +45,7 @@ from .defaults import (
     dense_block_sizes_m,
     fused_default_config,
     fused_gemm_configs,
+    gemv_default_config,
 )
 from .files import (
     _RESOLVED,
@@ -53,6 +54,7 @@ from .files import (
     DENSE_FILE_OPS,
     LORA_DEPTH,
     LORA_FILE_OPS,
+    GEMV_KEY,
     STAGE_KEY,
     _dense_file,
     _keypath,
@@ -67,7 +69,7 @@ from .files import (
     lookup,
     lora_keys,
 )
-from .schema import LORA_OPS, DenseLoRAConfig, LayerConfig, OpConfig
+from .schema import GEMV_MAX_PAIRS, LORA_OPS, DenseLoRAConfig, LayerConfig, OpConfig
 
 __all__ = [
     "ENV_VAR",
@@ -81,6 +83,7 @@ __all__ = [
     "load_layer_config",
     "load_fused_config",
     "load_stage_choice",
+    "load_gemv_config",
     "load_dense_config",
     "tuned_dense_block_sizes_m",
     "clear_cache",
@@ -327,7 +330,7 @@ def load_fused_config(
         src.where, src.gpu, dims, "fused", "stage fused derives its GEMM configs from the tuned base ones"
     )
     if fused is not None:  # the fused file is used even when the LoRA/base groups fell back to defaults
-        fused = {k: v for k, v in fused.items() if k != STAGE_KEY}  # (load_stage_choice's, not a field)
+        fused = {k: v for k, v in fused.items() if k not in (STAGE_KEY, GEMV_KEY)}  # not fields
         label = tuned.source if tuned.source != "default" else src.label + "; lora=default; base=default"
         cfg = tuned.replace(**fused, source=label + "; fused=file")
     elif tuned.source == "default":
@@ -337,13 +340,55 @@ def load_fused_config(
     return _memo_put(key, cfg)
 
 
+def load_gemv_config(
+    dims: Dims,
+    *,
+    folder: str | os.PathLike | None = None,
+    gpu_name: str | None = None,
+) -> LayerConfig:
+    """The :class:`~moelora_lib.configs.schema.LayerConfig` of stage ``gemv`` for one layer call.
+
+    Its ``base_gate_up`` / ``base_down`` fields configure the two GEMVs (BLOCK_SIZE_N, BLOCK_SIZE_K,
+    SPLIT_K, NUM_WARPS) and ``gate_up_shrink`` / ``down_shrink`` the two shrinks (BLOCK_SIZE_K, SPLIT_K,
+    NUM_WARPS); the expand fields are unused. From the ``"gemv"`` key of the fused file's leaf for
+    ``dims`` (:data:`~moelora_lib.configs.files.GEMV_KEY`; the same folder precedence, GPU mapping and
+    nearest-key lookup as :func:`load_fused_config`), else
+    :func:`~moelora_lib.configs.defaults.gemv_default_config`. ``source`` ends in ``; gemv=file`` or is
+    ``default:gemv``. Same errors as :func:`load_layer_config`.
+    """
+    dims = check_dims("load_gemv_config: dims", dims)
+    _check_source_args(folder, gpu_name)
+    key = _memo_key(("gemv", dims), folder, gpu_name)
+    cfg = _RESOLVED.get(key)
+    if cfg is not None:
+        return cfg
+    cfg = gemv_default_config(dims)
+    src = _config_source(folder, gpu_name)
+    path = None if src.where is None else src.where / config_file_name(src.gpu, "fused")
+    if path is not None and path.is_file():
+        st = path.stat()
+        data, parsed = _load_cached(str(path), st.st_mtime_ns, st.st_size, BASE_DEPTH, "fused")
+        taken, _ = lookup(data, base_keys(dims))
+        g = parsed[taken].get(GEMV_KEY)
+        if g is not None:
+            cfg = cfg.replace(
+                base_gate_up=g["base_gate_up"],
+                base_down=g["base_down"],
+                gate_up_shrink=g["shrink"],
+                down_shrink=g["shrink"],
+                source=src.label + "; gemv=file",
+            )
+    return _memo_put(key, cfg)
+
+
 def load_stage_choice(
     dims: Dims,
     *,
     folder: str | os.PathLike | None = None,
     gpu_name: str | None = None,
 ) -> str:
-    """The stage (``"tuned"`` or ``"fused"``) that ``stage="auto"`` runs for a layer call of ``dims``.
+    """The stage (``"tuned"``, ``"fused"`` or ``"gemv"``) that ``stage="auto"`` runs for a layer call of
+    ``dims``.
 
     The choice is the ``"stage"`` key of the ``{gpu}_FUSED_MOE_LORA_FUSED.json`` leaf that
     :func:`load_fused_config` takes for ``dims`` (the same folder precedence, GPU mapping and
@@ -374,6 +419,8 @@ def load_stage_choice(
         data, parsed = _load_cached(str(path), st.st_mtime_ns, st.st_size, BASE_DEPTH, "fused")
         taken, _ = lookup(data, base_keys(dims))
         choice = parsed[taken].get(STAGE_KEY, "tuned")
+    if choice == "gemv" and dims.T * dims.top_k > GEMV_MAX_PAIRS:  # a bucket key nearest to a large T
+        choice = "tuned"
     return _memo_put(key, choice)
 
 

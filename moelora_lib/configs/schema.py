@@ -21,6 +21,11 @@ def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
+#: Most (token, k) pairs a stage ``gemv`` call takes (:mod:`moelora_lib.kernels.gemv`): beyond this the
+#: expert weights are read by many pairs and the tensor-core stages win.
+GEMV_MAX_PAIRS = 256
+
+
 def _is_pow2(v: int) -> bool:
     return isinstance(v, int) and v > 0 and v & (v - 1) == 0
 
@@ -138,13 +143,13 @@ class LayerConfig:
 
     @property
     def is_deterministic(self) -> bool:
-        """True when no launch splits K (SPLIT_K = 1 on both shrinks and on ``base_down``): every launch
+        """True when no launch splits K (SPLIT_K = 1 on both shrinks and both base GEMMs): every launch
         of the layer then writes each output element from one program in a fixed order, so repeated
         calls on the same inputs and config give the same bits on the same GPU and software."""
-        return all(getattr(self, op).SPLIT_K == 1 for op in LORA_OPS + ("base_down",))
+        return all(getattr(self, op).SPLIT_K == 1 for op in LORA_OPS + BASE_OPS)
 
     def deterministic(self) -> LayerConfig:
-        """This config with SPLIT_K = 1 on the two shrinks and on ``base_down`` (the only launches that
+        """This config with SPLIT_K = 1 on the two shrinks and the two base GEMMs (the only launches that
         split K: their relaxed fp32 atomic adds, vLLM PRs #27291/#27818, reach each output element in an
         order the hardware picks, so split-K results can differ in the last bits from call to call).
         Every other field is kept; ``source`` gets ``+deterministic`` appended. Returns ``self`` when
@@ -155,6 +160,7 @@ class LayerConfig:
             self,
             gate_up_shrink=replace(self.gate_up_shrink, SPLIT_K=1),
             down_shrink=replace(self.down_shrink, SPLIT_K=1),
+            base_gate_up=replace(self.base_gate_up, SPLIT_K=1),
             base_down=replace(self.base_down, SPLIT_K=1),
             source=self.source + "+deterministic",
         )

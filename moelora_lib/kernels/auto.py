@@ -1,4 +1,4 @@
-"""Stage ``auto``: per call, stage ``tuned`` or stage ``fused``, as the config files choose for its T.
+"""Stage ``auto``: per call, stage ``tuned``, ``fused`` or ``gemv``, as the config files choose for its T.
 
 Not a set of kernel switches of its own and not in :data:`~moelora_lib.kernels.STAGES` (so the studies
 that sweep every stage skip it): :meth:`AutoStage.pick` returns the concrete stage a call of ``dims``
@@ -28,7 +28,7 @@ __all__ = ["STAGE", "AutoStage"]
 
 @dataclass(frozen=True)
 class AutoStage(Stage):
-    """Stage ``auto``: picks stage ``tuned`` or ``fused`` per call (:meth:`pick`); it launches nothing
+    """Stage ``auto``: picks stage ``tuned``, ``fused`` or ``gemv`` per call (:meth:`pick`); it launches nothing
     itself, so :meth:`adapt` raises (adapt with the picked stage)."""
 
     def pick(self, dims: Dims, folder=None, gpu_name: str | None = None) -> Stage:
@@ -36,10 +36,10 @@ class AutoStage(Stage):
         ``gpu_name``: as in :meth:`TunedStage.config_for <moelora_lib.kernels.tuned.TunedStage.config_for>`.
         """
         from ..configs import load_stage_choice  # lazy: loaded on the first config lookup
-        from . import fused, tuned
+        from . import fused, gemv, tuned
 
         choice = load_stage_choice(dims, folder=folder, gpu_name=gpu_name)
-        return fused.STAGE if choice == "fused" else tuned.STAGE
+        return {"fused": fused.STAGE, "gemv": gemv.STAGE}.get(choice, tuned.STAGE)
 
     def config_for(self, dims: Dims, folder=None, gpu_name: str | None = None) -> LayerConfig:
         """The picked stage's config for ``dims`` (before that stage's ``adapt``)."""
@@ -52,7 +52,7 @@ class AutoStage(Stage):
 
 STAGE = AutoStage(
     name="auto",
-    title="tuned or fused per T, as the config files choose",
+    title="tuned, fused or gemv per T, as the config files choose",
     specialize_lengths=False,
     split_k=True,
     swizzle=True,

@@ -46,11 +46,13 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["GEMV_MAX_PAIRS", "gemv_moe_lora", "gemv_scratch_numel"]
+from dataclasses import dataclass
 
-#: Most (token, k) pairs a gemv call takes: beyond this the weights are read by many pairs and the
-#: tensor-core stages win (the config files pick stage ``gemv`` only at decode buckets).
-GEMV_MAX_PAIRS = 256
+from ..configs.schema import GEMV_MAX_PAIRS, LayerConfig
+from ..shapes import Dims
+from .stages import Stage
+
+__all__ = ["GEMV_MAX_PAIRS", "STAGE", "GemvStage", "gemv_moe_lora", "gemv_scratch_numel"]
 
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -120,11 +122,11 @@ def _pair_of(order_ptr, ids_ptr, idx, E, top_k):
 @triton.jit
 def _gemv_gate_up_kernel(
     x_ptr, w_ptr, s_ptr, h_ptr, order_ptr, ids_ptr, lid_ptr, inter_ptr, b_ptr,
-    N, K, E, top_k, num_adapters, NS,
+    N, K, E, top_k, num_adapters, NS, R,
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_hm,
     stride_im, stride_is, stride_bl, stride_be, stride_bs, stride_bn,
     BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr, SPLIT_K: tl.constexpr, MXFP4: tl.constexpr,
-    HAS_LORA: tl.constexpr, R: tl.constexpr,
+    HAS_LORA: tl.constexpr, BLOCK_SIZE_R: tl.constexpr,
 ):  # fmt: skip
     """h[p, n-tile] (+)= x[t]·W13[e, n-tile] over this program's K split (+ the expand on split 0)."""
     ks = tl.program_id(0) % SPLIT_K
@@ -157,13 +159,14 @@ def _gemv_gate_up_kernel(
         if HAS_LORA:
             lid = tl.load(lid_ptr + row)
             if (ks == 0) & (lid >= 0) & (lid < num_adapters):
-                offs_r = tl.arange(0, R)
+                offs_r = tl.arange(0, BLOCK_SIZE_R)
+                nr_mask = n_mask[:, None] & (offs_r < R)[None, :]
                 sl = offs_n // NS
                 nn = offs_n - sl * NS
                 inter = tl.load(inter_ptr + pair * stride_im + sl[:, None] * stride_is + offs_r[None, :],
-                                mask=n_mask[:, None], other=0.0)  # fmt: skip
+                                mask=nr_mask, other=0.0)  # fmt: skip
                 b_rows = b_ptr + lid.to(tl.int64) * stride_bl + expert * stride_be + sl * stride_bs + nn * stride_bn
-                bt = tl.load(b_rows[:, None] + offs_r[None, :], mask=n_mask[:, None], other=0.0)
+                bt = tl.load(b_rows[:, None] + offs_r[None, :], mask=nr_mask, other=0.0)
                 acc += tl.sum(inter * bt.to(tl.float32), axis=1)
         out = h_ptr + pair * stride_hm + offs_n
         if SPLIT_K == 1:
@@ -175,12 +178,12 @@ def _gemv_gate_up_kernel(
 @triton.jit
 def _gemv_down_kernel(
     h_ptr, b13_ptr, w_ptr, s_ptr, b2_ptr, tw_ptr, y_ptr, order_ptr, ids_ptr, lid_ptr, inter_ptr, bl_ptr,
-    N, I, E, top_k, num_adapters,
+    N, I, E, top_k, num_adapters, R,
     stride_hm, stride_b13e, stride_we, stride_wn, stride_se, stride_sn, stride_b2e, stride_ym,
     stride_im, stride_bl, stride_be, stride_bn,
     BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr, SPLIT_K: tl.constexpr, MXFP4: tl.constexpr,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, G_DTYPE: tl.constexpr, HAS_LORA: tl.constexpr,
-    R: tl.constexpr,
+    BLOCK_SIZE_R: tl.constexpr,
 ):  # fmt: skip
     """y[p, n-tile] (+)= w_p·(g·W2[e, n-tile] over this K split + on split 0: b2 + the expand)."""
     ks = tl.program_id(0) % SPLIT_K
@@ -218,10 +221,11 @@ def _gemv_down_kernel(
             if HAS_LORA:
                 lid = tl.load(lid_ptr + tok)
                 if (lid >= 0) & (lid < num_adapters):
-                    offs_r = tl.arange(0, R)
-                    inter = tl.load(inter_ptr + pair * stride_im + offs_r)
+                    offs_r = tl.arange(0, BLOCK_SIZE_R)
+                    inter = tl.load(inter_ptr + pair * stride_im + offs_r, mask=offs_r < R, other=0.0)
                     b_rows = bl_ptr + lid.to(tl.int64) * stride_bl + expert * stride_be + offs_n * stride_bn
-                    bt = tl.load(b_rows[:, None] + offs_r[None, :], mask=n_mask[:, None], other=0.0)
+                    bt = tl.load(b_rows[:, None] + offs_r[None, :], mask=n_mask[:, None] & (offs_r < R)[None, :],
+                                 other=0.0)  # fmt: skip
                     acc += tl.sum(inter[None, :] * bt.to(tl.float32), axis=1)
         acc = acc * tl.load(tw_ptr + pair)
         out = y_ptr + pair * stride_ym + offs_n
@@ -234,9 +238,9 @@ def _gemv_down_kernel(
 @triton.jit
 def _gemv_shrink_kernel(
     x_ptr, b13_ptr, a_ptr, inter_ptr, ids_ptr, lid_ptr,
-    K, E, top_k, num_adapters,
+    K, E, top_k, num_adapters, R,
     stride_xm, stride_b13e, stride_al, stride_ae, stride_as, stride_ar, stride_im, stride_is,
-    R: tl.constexpr, BLOCK_SIZE_K: tl.constexpr, SPLIT_K: tl.constexpr, ACT_INPUT: tl.constexpr,
+    BLOCK_SIZE_R: tl.constexpr, BLOCK_SIZE_K: tl.constexpr, SPLIT_K: tl.constexpr, ACT_INPUT: tl.constexpr,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, G_DTYPE: tl.constexpr,
 ):  # fmt: skip
     """inter[p, s] += v·A[l, e, s]ᵀ over this K split, v = x[t] (gate_up) or, with ACT_INPUT, the
@@ -248,15 +252,17 @@ def _gemv_shrink_kernel(
     lid = tl.load(lid_ptr + row)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     if (lid >= 0) & (lid < num_adapters) & (expert >= 0) & (expert < E):
-        offs_r = tl.arange(0, R)
+        offs_r = tl.arange(0, BLOCK_SIZE_R)
+        r_mask = offs_r < R
         offs_k = tl.arange(0, BLOCK_SIZE_K)
         n_tiles = tl.cdiv(K, BLOCK_SIZE_K)
         per = tl.cdiv(n_tiles, SPLIT_K)
-        acc = tl.zeros((R,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_SIZE_R,), dtype=tl.float32)
         a_rows = a_ptr + lid.to(tl.int64) * stride_al + expert * stride_ae + sl * stride_as + offs_r[:, None] * stride_ar
         for t in range(ks * per, tl.minimum(ks * per + per, n_tiles)):
             k_idx = t * BLOCK_SIZE_K + offs_k
-            a = tl.load(a_rows + k_idx[None, :], mask=(k_idx < K)[None, :], other=0.0).to(tl.float32)
+            a = tl.load(a_rows + k_idx[None, :], mask=r_mask[:, None] & (k_idx < K)[None, :], other=0.0)
+            a = a.to(tl.float32)
             if ACT_INPUT:
                 v = _act(x_ptr, b13_ptr, pair, expert, k_idx, K, stride_xm, stride_b13e, HAS_BIAS, ACTIVATION,
                          G_DTYPE)  # fmt: skip
@@ -265,9 +271,9 @@ def _gemv_shrink_kernel(
             acc += tl.sum(a * v[None, :], axis=1)
         out = inter_ptr + pair * stride_im + sl * stride_is + offs_r
         if SPLIT_K == 1:
-            tl.store(out, acc)
+            tl.store(out, acc, mask=r_mask)
         else:
-            tl.atomic_add(out, acc, sem="relaxed")
+            tl.atomic_add(out, acc, mask=r_mask, sem="relaxed")
 
 
 def gemv_scratch_numel(T: int, top_k: int, H: int, I: int, S: int, R: int) -> int:
@@ -322,7 +328,7 @@ def gemv_moe_lora(
         lora: None (no LoRA launch) or ``(ids13, ids2, a13, bl13, a2, bl2)``: per-projection adapter ids
             [T] (-1 where the token's slot does not cover that projection; None = no launch for it), the
             slots a13 [L, E, S, R, H], bl13 [L, E, S, 2I/S, R], a2 [L, E, R, I], bl2 [L, E, H, R]
-            (scaling folded into B; R a power of two ≥ 16).
+            (scaling folded into B; any R ≥ 1).
         scratch: flat float32 of at least :func:`gemv_scratch_numel` elements, or None (allocated).
         out: [T, H] of hidden_states' dtype or None.
     Returns:
@@ -353,6 +359,7 @@ def gemv_moe_lora(
     if lora is None:
         ids13 = ids2 = None
         L, S, R = 0, 0, 0
+    r_p = max(16, triton.next_power_of_2(max(R, 1)))
     need = gemv_scratch_numel(T, K, H, I, S, R)
     if scratch is None:
         scratch = torch.empty(need, dtype=torch.float32, device=x.device)
@@ -380,10 +387,10 @@ def gemv_moe_lora(
     dummy = h
     if ids13 is not None:
         _gemv_shrink_kernel[(P, S, sh13.SPLIT_K)](
-            x, dummy, a13, inter13, ids, ids13, H, E, K, L,
+            x, dummy, a13, inter13, ids, ids13, H, E, K, L, R,
             x.stride(0), 0, a13.stride(0), a13.stride(1), a13.stride(2), a13.stride(3),
             inter13.stride(0), inter13.stride(1),
-            R=R, BLOCK_SIZE_K=sh13.BLOCK_SIZE_K, SPLIT_K=sh13.SPLIT_K, ACT_INPUT=False, HAS_BIAS=False,
+            BLOCK_SIZE_R=r_p, BLOCK_SIZE_K=sh13.BLOCK_SIZE_K, SPLIT_K=sh13.SPLIT_K, ACT_INPUT=False, HAS_BIAS=False,
             ACTIVATION=activation, G_DTYPE=g_dt, num_warps=sh13.NUM_WARPS,
         )  # fmt: skip
         l13 = (ids13, inter13, bl13, L, (2 * I) // S, inter13.stride(0), inter13.stride(1), bl13.stride(0),
@@ -392,17 +399,17 @@ def gemv_moe_lora(
         l13 = (ids, dummy, dummy, 0, 1, 0, 0, 0, 0, 0, 0)
     _gemv_gate_up_kernel[(P * gu.SPLIT_K, triton.cdiv(2 * I, gu.BLOCK_SIZE_N))](
         x, w13a[0], w13a[1], h, order, ids, l13[0], l13[1], l13[2],
-        2 * I, H, E, K, l13[3], l13[4],
+        2 * I, H, E, K, l13[3], l13[4], R,
         x.stride(0), w13a[2], w13a[3], w13a[4], w13a[5], h.stride(0), *l13[5:],
         BLOCK_SIZE_N=gu.BLOCK_SIZE_N, BLOCK_SIZE_K=gu.BLOCK_SIZE_K, SPLIT_K=gu.SPLIT_K, MXFP4=w13a[6],
-        HAS_LORA=ids13 is not None, R=max(R, 16), num_warps=gu.NUM_WARPS,
+        HAS_LORA=ids13 is not None, BLOCK_SIZE_R=r_p, num_warps=gu.NUM_WARPS,
     )  # fmt: skip
     if ids2 is not None:
         _gemv_shrink_kernel[(P, 1, sh2.SPLIT_K)](
-            h, b13 if has_bias else dummy, a2, inter2, ids, ids2, I, E, K, L,
+            h, b13 if has_bias else dummy, a2, inter2, ids, ids2, I, E, K, L, R,
             h.stride(0), b13.stride(0) if has_bias else 0, a2.stride(0), a2.stride(1), 0, a2.stride(2),
             inter2.stride(0), 0,
-            R=R, BLOCK_SIZE_K=sh2.BLOCK_SIZE_K, SPLIT_K=sh2.SPLIT_K, ACT_INPUT=True, HAS_BIAS=has_bias,
+            BLOCK_SIZE_R=r_p, BLOCK_SIZE_K=sh2.BLOCK_SIZE_K, SPLIT_K=sh2.SPLIT_K, ACT_INPUT=True, HAS_BIAS=has_bias,
             ACTIVATION=activation, G_DTYPE=g_dt, num_warps=sh2.NUM_WARPS,
         )  # fmt: skip
         l2 = (ids2, inter2, bl2, L, inter2.stride(0), bl2.stride(0), bl2.stride(1), bl2.stride(2))
@@ -410,11 +417,40 @@ def gemv_moe_lora(
         l2 = (ids, dummy, dummy, 0, 0, 0, 0, 0)
     _gemv_down_kernel[(P * dn.SPLIT_K, triton.cdiv(H, dn.BLOCK_SIZE_N))](
         h, b13 if has_bias else dummy, w2a[0], w2a[1], b2 if has_bias else dummy, tw, y, order, ids,
-        l2[0], l2[1], l2[2], H, I, E, K, l2[3],
+        l2[0], l2[1], l2[2], H, I, E, K, l2[3], R,
         h.stride(0), b13.stride(0) if has_bias else 0, w2a[2], w2a[3], w2a[4], w2a[5],
         b2.stride(0) if has_bias else 0, y.stride(0), *l2[4:],
         BLOCK_SIZE_N=dn.BLOCK_SIZE_N, BLOCK_SIZE_K=dn.BLOCK_SIZE_K, SPLIT_K=dn.SPLIT_K, MXFP4=w2a[6],
         HAS_BIAS=has_bias, ACTIVATION=activation, G_DTYPE=g_dt, HAS_LORA=ids2 is not None,
-        R=max(R, 16), num_warps=dn.NUM_WARPS,
+        BLOCK_SIZE_R=r_p, num_warps=dn.NUM_WARPS,
     )  # fmt: skip
     return topk_reduce(y, topk_ids, E, lora_ids, L, check_ids=True, out=out, out_dtype=x.dtype)
+
+
+@dataclass(frozen=True)
+class GemvStage(Stage):
+    """Stage ``gemv``: :func:`gemv_moe_lora` for calls of at most :data:`GEMV_MAX_PAIRS` (token, k) pairs.
+
+    Not a set of switches over :class:`~moelora_lib.kernels.stages.LayerRun`'s launches (it has its own,
+    module docstring), so it is not in :data:`~moelora_lib.kernels.STAGES` (the studies that sweep every
+    stage skip it); ``stage="auto"`` picks it where the config files say so, and ``stage="gemv"`` runs it
+    explicitly (ValueError above the pair limit)."""
+
+    def config_for(self, dims: Dims, folder=None, gpu_name: str | None = None) -> LayerConfig:
+        """:func:`moelora_lib.configs.load_gemv_config` for ``dims``."""
+        from ..configs import load_gemv_config  # lazy: loaded on the first config lookup
+
+        return load_gemv_config(dims, folder=folder, gpu_name=gpu_name)
+
+    def adapt(self, cfg: LayerConfig) -> LayerConfig:
+        """The config as given: every field the GEMVs read is honoured (SPLIT_K included)."""
+        return cfg
+
+
+STAGE = GemvStage(
+    name="gemv",
+    title="split-K GEMVs per (token, k) pair, LoRA in the epilogues (decode)",
+    specialize_lengths=False,
+    split_k=True,
+    fused_add=True,
+)

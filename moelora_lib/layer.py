@@ -275,10 +275,11 @@ class MoELoRALayer(ops.OpLayer):
             w13's dtype.
         activation: "silu" or "swigluoai".
         renormalize: routing from logits divides the K kept probabilities by their sum.
-        stage: "auto" (default): per T, stage "fused" or "tuned" as the config files choose for that T's
-            bucket (:func:`moelora_lib.configs.load_stage_choice`: the ``"stage"`` key of the fused
-            config file's leaf, the shipped H200 ones from notebook 12's measurements; "tuned" where no
-            file or leaf records a choice, e.g. on the CPU or a GPU without shipped files); or a name of
+        stage: "auto" (default): per T, stage "gemv", "fused" or "tuned" as the config files choose for
+            that T's bucket (:func:`moelora_lib.configs.load_stage_choice`: the ``"stage"`` key of the
+            fused config file's leaf, the shipped H200 ones from measurements; "tuned" where no file or
+            leaf records a choice, e.g. on the CPU or a GPU without shipped files); "gemv" for every T
+            (:mod:`moelora_lib.kernels.gemv`; ValueError at a call above its pair limit); or a name of
             :data:`moelora_lib.kernels.STAGES` for every T. :meth:`stage_for` says which stage a T runs;
             resolved on the host once per T, so a CUDA graph captured at one T stays valid.
         config: a fixed :class:`~moelora_lib.kernels.LayerConfig` for every T (None = per T, as

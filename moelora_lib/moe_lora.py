@@ -6,7 +6,8 @@ import torch
 
 from .common import check_bool, check_tensor
 from .common import describe as _desc
-from .kernels import LayerConfig, LayerRun, check_stage_name, stage_named
+from .kernels import GEMV_STAGE, LayerConfig, LayerRun, check_stage_name, stage_named
+from .kernels.gemv import GemvRun
 from .routing import check_finite_weights, check_id_bounds, check_id_values
 from .shapes import Dims
 
@@ -233,9 +234,10 @@ def make_layer_run(
     check_values: bool = True,
     deterministic: bool = False,
     adapter_order: bool | None = None,
-) -> LayerRun:
+) -> LayerRun | GemvRun:
     """Validate and build the :class:`~moelora_lib.kernels.LayerRun` that :func:`fused_moe_lora` runs
-    (same arguments; ``stage="auto"``, the default, resolved to the concrete stage of these dims).
+    (same arguments; ``stage="auto"``, the default, resolved to the concrete stage of these dims; for
+    stage ``gemv`` a :class:`~moelora_lib.kernels.gemv.GemvRun`).
 
     Benchmarks use it to time parts of the layer or to capture it in a CUDA graph. ``deterministic``:
     as in :func:`fused_moe_lora`. ``adapter_order``: as in :class:`~moelora_lib.kernels.LayerRun`
@@ -271,6 +273,11 @@ def make_layer_run(
         config = st.config_for(dims)
     if deterministic:
         config = config.deterministic()
+    if st is GEMV_STAGE:  # its own launches, no alignment (kernels/gemv.py)
+        return GemvRun(
+            hidden_states, w13, w2, topk_weights, topk_ids, lora_ids, lora_a13, lora_b13, lora_a2, lora_b2,
+            activation=activation, config=config, b13=b13, b2=b2,
+        )  # fmt: skip
     return LayerRun(
         st,
         hidden_states,
@@ -374,7 +381,9 @@ def fused_moe_lora(
         stage: "auto" (default, as :class:`~moelora_lib.MoELoRALayer`): stage "fused" or "tuned" as the
             config files choose for this call's dims and T bucket
             (:func:`moelora_lib.configs.load_stage_choice`; "tuned" where no file records a choice,
-            e.g. on the CPU); or a name in :data:`moelora_lib.kernels.STAGES`.
+            e.g. on the CPU); ``"gemv"`` (:mod:`moelora_lib.kernels.gemv`: split-K GEMVs per (token, k)
+            pair, at most :data:`~moelora_lib.kernels.gemv.GEMV_MAX_PAIRS` pairs); or a name in
+            :data:`moelora_lib.kernels.STAGES`.
         config: a :class:`~moelora_lib.kernels.LayerConfig`; None = the stage's ``config_for``: for
             "tuned" :func:`moelora_lib.configs.load_layer_config` (tuned files, else the defaults), for
             "fused" :func:`moelora_lib.configs.load_fused_config`, else :func:`default_config`.

@@ -103,7 +103,8 @@ def gemv_default_config(dims: Dims) -> LayerConfig:
     d = check_dims("gemv_default_config: dims", dims)
     base = default_config(d)
     gemv = OpConfig(BLOCK_SIZE_N=32, BLOCK_SIZE_K=256, NUM_WARPS=4)
-    shrink = OpConfig(BLOCK_SIZE_K=128, SPLIT_K=4, NUM_WARPS=4)
+    # (BLOCK_SIZE_M is unused by the GEMVs; the shrinks keep the LoRA ops' shared one)
+    shrink = replace(base.gate_up_shrink, BLOCK_SIZE_K=128, SPLIT_K=4, NUM_WARPS=4)
     return replace(
         base,
         base_gate_up=gemv,

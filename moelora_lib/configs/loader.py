@@ -31,6 +31,7 @@ call) and :func:`load_dense_config` (dense multi-LoRA, stage
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -370,12 +371,14 @@ def load_gemv_config(
         data, parsed = _load_cached(str(path), st.st_mtime_ns, st.st_size, BASE_DEPTH, "fused")
         taken, _ = lookup(data, base_keys(dims))
         g = parsed[taken].get(GEMV_KEY)
-        if g is not None:
+        if g is not None:  # BLOCK_SIZE_M is unused by stage gemv: the defaults' shared ones are kept
+            bm = cfg.base_gate_up.BLOCK_SIZE_M
+            lm = cfg.gate_up_shrink.BLOCK_SIZE_M
             cfg = cfg.replace(
-                base_gate_up=g["base_gate_up"],
-                base_down=g["base_down"],
-                gate_up_shrink=g["shrink"],
-                down_shrink=g["shrink"],
+                base_gate_up=replace(g["base_gate_up"], BLOCK_SIZE_M=bm),
+                base_down=replace(g["base_down"], BLOCK_SIZE_M=bm),
+                gate_up_shrink=replace(g["shrink"], BLOCK_SIZE_M=lm),
+                down_shrink=replace(g["shrink"], BLOCK_SIZE_M=lm),
                 source=src.label + "; gemv=file",
             )
     return _memo_put(key, cfg)

@@ -52,7 +52,7 @@ from ..configs.schema import GEMV_MAX_PAIRS, LayerConfig
 from ..shapes import Dims
 from .stages import Stage
 
-__all__ = ["GEMV_MAX_PAIRS", "STAGE", "GemvStage", "gemv_moe_lora", "gemv_scratch_numel"]
+__all__ = ["GEMV_MAX_PAIRS", "STAGE", "GemvStage", "GemvRun", "gemv_moe_lora", "gemv_scratch_numel"]
 
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -454,3 +454,46 @@ STAGE = GemvStage(
     split_k=True,
     fused_add=True,
 )
+
+
+class GemvRun:
+    """One validated stage-``gemv`` layer call, built once and run by ``run()`` (what
+    :func:`moelora_lib.moe_lora.make_layer_run` returns for stage ``gemv``, beside the
+    :class:`~moelora_lib.kernels.LayerRun` of the other stages).
+
+    ``run()`` computes the layer (every slot covers both projections: a slot's zero B adds nothing);
+    :meth:`base_part` the base MoE alone (no LoRA launch). Arguments as :func:`moelora_lib.fused_moe_lora`
+    (already validated), ``config`` the stage's LayerConfig. Raises ValueError for more than
+    :data:`GEMV_MAX_PAIRS` (token, k) pairs.
+    """
+
+    stage = STAGE
+
+    def __init__(self, hidden_states, w13, w2, topk_weights, topk_ids, lora_ids, lora_a13, lora_b13, lora_a2,
+                 lora_b2, *, activation: str, config: LayerConfig, b13=None, b2=None):  # fmt: skip
+        T, K = topk_ids.shape
+        if T * K > GEMV_MAX_PAIRS:
+            raise ValueError(
+                f"stage 'gemv' takes at most {GEMV_MAX_PAIRS} (token, k) pairs per call, got T·top_k = {T}·{K}"
+            )
+        self.x, self.w13, self.w2 = hidden_states, w13, w2
+        self.topk_w = topk_weights.float().contiguous()
+        self.topk_ids, self.lora_ids = topk_ids.contiguous(), lora_ids
+        self.lora = (lora_a13, lora_b13, lora_a2, lora_b2)
+        self.activation, self.cfg, self.b13, self.b2 = activation, config, b13, b2
+
+    def _run(self, with_lora: bool) -> torch.Tensor:
+        lora = None
+        if with_lora and self.lora[0].shape[0] > 0:
+            lora = (self.lora_ids, self.lora_ids, *self.lora)
+        return gemv_moe_lora(
+            self.x, self.w13, self.w2, self.topk_w, self.topk_ids, activation=self.activation, config=self.cfg,
+            b13=self.b13, b2=self.b2, lora_ids=self.lora_ids if with_lora else None, lora=lora,
+        )  # fmt: skip
+
+    def __call__(self) -> torch.Tensor:
+        return self._run(True)
+
+    def base_part(self) -> torch.Tensor:
+        """The base MoE alone (the LoRA launches left out), [T, H]."""
+        return self._run(False)

@@ -66,8 +66,8 @@ from .kernels.gemv import GEMV_MAX_PAIRS, gemv_moe_lora, gemv_scratch_numel
 from .kernels.launchers import rank_stride
 from .kernels.route import route_triton
 from .kernels.stages import mxfp4_config
-from .moe_lora import _check_cpu_backend, _desc, validate_moe_lora_inputs
-from .quant.mxfp4 import MXFP4_BLOCK, MXFP4Weight
+from .moe_lora import _check_cpu_backend, _dense_views, _desc, validate_moe_lora_inputs
+from .quant.mxfp4 import MXFP4Weight
 from .routing import check_finite_weights, check_id_values, route
 from .scratch import Scratch, attach_scratch, memory_report, nbytes
 from .shapes import Dims
@@ -200,52 +200,6 @@ def _check_expert_weights(w13, w2, b13, b2) -> None:
     raise ValueError(msg("w2", "[E, H, I]", want2, w2.shape, "w13", w13.shape))
 
 
-def _dense_views(w13, w2, dtype) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """``(w13, w2, mxfp4)``: the dense weights as given, or for :class:`MXFP4Weight` s zero-byte
-    stand-ins of their dense shapes ([E, 2I, H], [E, H, I]) in the layer's dtype ``dtype`` (default
-    bfloat16) on their device, so that the dense checks (:func:`_check_expert_weights`,
-    :func:`validate_moe_lora_inputs`) apply to them unchanged.
-
-    Raises ValueError naming the argument: one weight MXFP4 and the other not; an MXFP4 weight whose
-    blocks are not [E, N, K/32, 16] or not contiguous in the last two dims; ``dtype`` given with dense
-    weights and different from w13's, or not a torch.dtype.
-    """
-    mx13, mx2 = isinstance(w13, MXFP4Weight), isinstance(w2, MXFP4Weight)
-    if mx13 != mx2:
-        name, other = ("w2", "w13") if mx13 else ("w13", "w2")
-        raise ValueError(
-            f"{name} must be an MXFP4Weight like {other} (both expert weights packed, or neither), "
-            f"got {_desc(w2 if mx13 else w13)}"
-        )
-    if dtype is not None and not isinstance(dtype, torch.dtype):
-        raise ValueError(f"dtype must be a torch.dtype or None, got {dtype!r}")
-    if not mx13:
-        if dtype is not None and isinstance(w13, torch.Tensor) and dtype != w13.dtype:
-            raise ValueError(
-                f"dtype = {dtype} differs from w13's {w13.dtype}: with dense weights the layer's dtype is "
-                "w13's (dtype is for MXFP4 weights)"
-            )
-        return w13, w2, False
-    for name, w, layout in (("w13", w13, "[E, 2I, H]"), ("w2", w2, "[E, H, I]")):
-        q = w.blocks
-        if q.dim() != 4:
-            raise ValueError(
-                f"{name} must be an MXFP4Weight of dense shape {layout}: blocks [E, N, K/32, 16], scales "
-                f"[E, N, K/32], got blocks {tuple(q.shape)}"
-            )
-        if q.stride(3) != 1 or q.stride(2) != MXFP4_BLOCK // 2:
-            raise ValueError(
-                f"{name}.blocks must be contiguous in its last two dims (the K/2 packed bytes of a row), "
-                f"got strides {tuple(q.stride())}"
-            )
-    dt = torch.bfloat16 if dtype is None else dtype
-
-    def standin(w):  # a zero-stride view: no memory
-        return torch.empty((), dtype=dt, device=w.device).expand(w.shape)
-
-    return standin(w13), standin(w2), True
-
-
 class MoELoRALayer(ops.OpLayer):
     """MoE layer (gate_up, activation, down, weighted sum over top-k) with L LoRA adapter slots.
 
@@ -310,6 +264,11 @@ class MoELoRALayer(ops.OpLayer):
     """
 
     _op_prefix = "moe_lora_layer"
+
+    #: Packed expert-weight formats the layer takes as ``w13`` / ``w2`` as they are ("mxfp4":
+    #: :class:`~moelora_lib.quant.mxfp4.MXFP4Weight`); read by
+    #: :func:`moelora_lib.model.modeling.packed_expert_formats`.
+    PACKED_FORMATS = ("mxfp4",)
 
     def __init__(
         self,

@@ -8,6 +8,8 @@ from .common import check_bool, check_tensor
 from .common import describe as _desc
 from .kernels import GEMV_STAGE, LayerConfig, LayerRun, check_stage_name, stage_named
 from .kernels.gemv import GemvRun
+from .kernels.stages import mxfp4_config
+from .quant.mxfp4 import MXFP4_BLOCK, MXFP4Weight
 from .routing import check_finite_weights, check_id_bounds, check_id_values
 from .shapes import Dims
 
@@ -69,6 +71,53 @@ def _check_cpu_backend(dtype: torch.dtype, name: str = "hidden_states") -> None:
         )
 
 
+def _dense_views(w13, w2, dtype) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """``(w13, w2, mxfp4)``: the dense weights as given, or for :class:`MXFP4Weight` s zero-byte
+    stand-ins of their dense shapes ([E, 2I, H], [E, H, I]) in ``dtype`` (the activations' dtype:
+    :class:`~moelora_lib.MoELoRALayer`'s ``dtype``, hidden_states' in :func:`validate_moe_lora_inputs`;
+    None = bfloat16) on their device, so that the dense shape, dtype and device checks
+    (:func:`validate_moe_lora_inputs`, the layer's ``_check_expert_weights``) apply to them unchanged.
+
+    Raises ValueError naming the argument: one weight MXFP4 and the other not; an MXFP4 weight whose
+    blocks are not [E, N, K/32, 16] or not contiguous in the last two dims; ``dtype`` given with dense
+    weights and different from w13's, or not a torch.dtype.
+    """
+    mx13, mx2 = isinstance(w13, MXFP4Weight), isinstance(w2, MXFP4Weight)
+    if mx13 != mx2:
+        name, other = ("w2", "w13") if mx13 else ("w13", "w2")
+        raise ValueError(
+            f"{name} must be an MXFP4Weight like {other} (both expert weights packed, or neither), "
+            f"got {_desc(w2 if mx13 else w13)}"
+        )
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype must be a torch.dtype or None, got {dtype!r}")
+    if not mx13:
+        if dtype is not None and isinstance(w13, torch.Tensor) and dtype != w13.dtype:
+            raise ValueError(
+                f"dtype = {dtype} differs from w13's {w13.dtype}: with dense weights the layer's dtype is "
+                "w13's (dtype is for MXFP4 weights)"
+            )
+        return w13, w2, False
+    for name, w, layout in (("w13", w13, "[E, 2I, H]"), ("w2", w2, "[E, H, I]")):
+        q = w.blocks
+        if q.dim() != 4:
+            raise ValueError(
+                f"{name} must be an MXFP4Weight of dense shape {layout}: blocks [E, N, K/32, 16], scales "
+                f"[E, N, K/32], got blocks {tuple(q.shape)}"
+            )
+        if q.stride(3) != 1 or q.stride(2) != MXFP4_BLOCK // 2:
+            raise ValueError(
+                f"{name}.blocks must be contiguous in its last two dims (the K/2 packed bytes of a row), "
+                f"got strides {tuple(q.stride())}"
+            )
+    dt = torch.bfloat16 if dtype is None else dtype
+
+    def standin(w):  # a zero-stride view: no memory
+        return torch.empty((), dtype=dt, device=w.device).expand(w.shape)
+
+    return standin(w13), standin(w2), True
+
+
 def validate_moe_lora_inputs(
     hidden_states,
     w13,
@@ -88,7 +137,8 @@ def validate_moe_lora_inputs(
     """Check every argument of :func:`fused_moe_lora`; return the dims T, H, I, E, K, L, S, R.
 
     ``check_values`` also checks topk_ids ∈ [0, E), lora_ids ∈ [-1, L) and that topk_weights is finite
-    (a host sync).
+    (a host sync). w13 / w2 may both be :class:`~moelora_lib.quant.mxfp4.MXFP4Weight` s: they are
+    checked as dense weights of their dense shapes, of hidden_states' dtype, on their blocks' device.
     Each shape letter (T, H, I, E, K, L, R) takes the size most arguments agree on, so a wrong size is
     reported on the argument that disagrees (a wrong H in hidden_states names hidden_states, not w13).
     Raises:
@@ -111,6 +161,8 @@ def validate_moe_lora_inputs(
         )
     if dev.type == "cpu":
         _check_cpu_backend(dt)
+    if isinstance(w13, MXFP4Weight) or isinstance(w2, MXFP4Weight):  # checked as dense weights of dtype dt
+        w13, w2, _ = _dense_views(w13, w2, dt)
     args = dict(
         w13=w13,
         w2=w2,
@@ -239,10 +291,11 @@ def make_layer_run(
     (same arguments; ``stage="auto"``, the default, resolved to the concrete stage of these dims; for
     stage ``gemv`` a :class:`~moelora_lib.kernels.gemv.GemvRun`).
 
-    Benchmarks use it to time parts of the layer or to capture it in a CUDA graph. ``deterministic``:
-    as in :func:`fused_moe_lora`. ``adapter_order``: as in :class:`~moelora_lib.kernels.LayerRun`
-    (None = the stage's choice: on for stage ``fused``); a performance knob, the result does not
-    depend on it beyond fp32 rounding order (bit-identical in practice, see the test).
+    Benchmarks use it to time parts of the layer or to capture it in a CUDA graph. ``deterministic``
+    and MXFP4 ``w13`` / ``w2``: as in :func:`fused_moe_lora`. ``adapter_order``: as in
+    :class:`~moelora_lib.kernels.LayerRun` (None = the stage's choice: on for stage ``fused``); a
+    performance knob, the result does not depend on it beyond fp32 rounding order (bit-identical in
+    practice, see the test).
     """
     _check_stage_and_config(stage, config)
     check_bool("deterministic", deterministic)
@@ -271,6 +324,8 @@ def make_layer_run(
     if config is None:
         # stages "tuned" and "fused" load tuned configs (moelora_lib.configs); the others the defaults
         config = st.config_for(dims)
+    if isinstance(w13, MXFP4Weight):  # a base K step decodes whole 32-value scale blocks
+        config = mxfp4_config(config)
     if deterministic:
         config = config.deterministic()
     if st is GEMV_STAGE:  # its own launches, no alignment (kernels/gemv.py)
@@ -369,6 +424,11 @@ def fused_moe_lora(
         w13: [E, 2I, H] gate_up weights (nn.Linear layout out × in); rows [gate | up] for "silu",
             interleaved gate/up rows for "swigluoai" (GPT-OSS).
         w2: [E, H, I] down weights.
+            Or both :class:`~moelora_lib.quant.mxfp4.MXFP4Weight` s of those dense shapes (blocks uint8
+            [E, N, K/32, 16], scales uint8 [E, N, K/32]; H and I multiples of 32): the base GEMMs decode
+            them in registers and compute as with the dequantized weights in hidden_states' dtype; the
+            config's base BLOCK_SIZE_K is raised to 32 where it is 16
+            (:func:`~moelora_lib.kernels.stages.mxfp4_config`).
         topk_weights: [T, K] float32 routing weights (applied once, on the down output), finite.
         topk_ids: [T, K] int32/int64 in [0, E).
         lora_ids: [T] int32/int64 adapter slot of each token in [-1, L); -1 = no adapter.
@@ -398,8 +458,9 @@ def fused_moe_lora(
         [T, H] in hidden_states' dtype ([0, H] when T = 0).
     Raises:
         ValueError: an argument's shape, dtype, device or value range is wrong (the message names
-            it; NaN or inf in topk_weights included), unknown activation or stage, a non-bool
-            deterministic; bfloat16 on the CPU (the interpreter's bf16 is wrong).
+            it; NaN or inf in topk_weights included; one expert weight MXFP4 and the other not),
+            unknown activation or stage, a non-bool deterministic; bfloat16 on the CPU (the
+            interpreter's bf16 is wrong).
 
     The value check of topk_ids, lora_ids and topk_weights synchronizes with the host once, so this
     function is not meant for CUDA-graph capture: use :class:`moelora_lib.MoELoRALayer` (no host sync),

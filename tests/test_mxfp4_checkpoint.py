@@ -10,8 +10,10 @@ Oracles: transformers' ``convert_moe_packed_tensors`` for the dequantized expert
 transformers' GptOssForCausalLM loaded from the same folder with ``Mxfp4Config(dequantize=True)`` (which
 runs on the CPU) for the logits, within tests/test_model_base.py's tolerance; with PEFT adapters
 (attention + experts, trained on that dequantized model as real GPT-OSS adapters are) against
-transformers + PEFT, a mixed batch row by row within tests/test_model_adapters.py's E2E tolerance. Bad
-files are refused with a ValueError naming the key or field.
+transformers + PEFT, a mixed batch row by row within tests/test_model_adapters.py's E2E tolerance. The
+default load keeps the experts packed (the MoE kernels decode them in registers): its logits, greedy
+tokens and adapter rows equal the ``dequantize=True`` model's bit for bit, and its expert weights take
+4.25 bits each. Bad files are refused with a ValueError naming the key or field.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from safetensors.torch import save_file
 from test_model_adapters import E2E_ATOL
 from test_model_base import _close, _ref_logits
 
-from moelora_lib.model import MultiLoRAModel, load_hf_checkpoint, load_peft_adapter
+from moelora_lib.model import Generator, MultiLoRAModel, load_hf_checkpoint, load_peft_adapter
 from moelora_lib.model.modeling import packed_expert_formats, packed_expert_weight
 from moelora_lib.quant import MXFP4Weight, quantize_mxfp4
 from moelora_lib.testing import assert_close_rel
@@ -47,7 +49,6 @@ QUANT = {
         "lm_head",
     ],
 }
-PACKED = "mxfp4" in packed_expert_formats()
 
 
 def _hf_config():
@@ -210,34 +211,6 @@ def test_float16_model_dequantizes_to_its_dtype(published):
     assert_close_rel(out, _ref_logits(published["ref"], _IDS), torch.float16, what="mxfp4 float16 logits")
 
 
-def test_default_dequantizes_while_no_packed_kernels(published):
-    """dequantize=None keeps the experts packed exactly when MoELoRALayer lists "mxfp4" in PACKED_FORMATS;
-    without MXFP4 kernels it dequantizes, giving the dequantize=True model."""
-    model = _load(published["single"])
-    w13 = model.layers[0].mlp.experts.w13
-    if PACKED:
-        assert isinstance(w13, MXFP4Weight)
-    else:
-        assert isinstance(w13, torch.Tensor) and torch.equal(
-            w13, _load(published["single"], dequantize=True).layers[0].mlp.experts.w13
-        )
-
-
-@pytest.mark.skipif(PACKED, reason="MoELoRALayer runs MXFP4: dequantize=False is the packed path")
-def test_packed_without_kernels_is_not_implemented(published):
-    with pytest.raises(NotImplementedError, match=r"dequantize=True"):
-        _load(published["single"], dequantize=False)
-    w = MXFP4Weight(*quantize_mxfp4(torch.randn(E, 2 * I, H)))
-    with pytest.raises(NotImplementedError, match=r"layers\.0\.mlp\.experts\.w13.*dequantize=True"):
-        packed_expert_weight(w, name="layers.0.mlp.experts.w13", shape=(E, 2 * I, H), device="cpu")
-    # the model's weights argument goes through the same function
-    model = _load(published["single"], dequantize=True)
-    weights = dict(model.state_dict())
-    weights["layers.1.mlp.experts.w2"] = MXFP4Weight(*quantize_mxfp4(weights["layers.1.mlp.experts.w2"]))
-    with pytest.raises(NotImplementedError, match=r"layers\.1\.mlp\.experts\.w2"):
-        MultiLoRAModel(model.config, dtype=torch.float32, device="cpu", weights=weights, **SIZES)
-
-
 def test_packed_expert_weight_checks_the_shape():
     w = MXFP4Weight(*quantize_mxfp4(torch.randn(E, H, I)))
     with pytest.raises(ValueError, match=r"layers\.1\.mlp\.experts\.w13.*expected shape \[4, 64, 64\]"):
@@ -303,6 +276,87 @@ def test_peft_adapters_mixed_batch_match_transformers_peft(published, adapters):
     for row, slot in enumerate(lora_ids):
         err = (ours[row] - refs[row]).abs().max().item()
         assert err <= E2E_ATOL, f"row {row} (slot {slot}): max |logits − transformers+PEFT| = {err:.3g}"
+
+
+# --------------------------------------------------------------------------------------------------
+# packed loading (the default): the MoE kernels decode the experts in registers
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dequantize", [None, False])
+def test_default_keeps_experts_packed(published, dequantize):
+    """dequantize=None (MoELoRALayer lists "mxfp4" in PACKED_FORMATS) and False: the experts are the
+    file's blocks and scales as they are, w13 / w2 None; the biases are the file's."""
+    assert "mxfp4" in packed_expert_formats()
+    model = _load(published["single"], dequantize=dequantize)
+    t = published["tensors"]
+    for li in range(NL):
+        exp, x = model.layers[li].mlp.experts, f"model.layers.{li}.mlp.experts."
+        assert exp.weight_format == "mxfp4" and exp.w13 is None and exp.w2 is None
+        assert exp._ref.dtype == torch.float32 and "weights=mxfp4" in repr(exp)
+        for ours, hf in (("w13", "gate_up_proj"), ("w2", "down_proj")):
+            for part in ("blocks", "scales"):
+                assert torch.equal(getattr(exp, f"{ours}_{part}"), t[f"{x}{hf}_{part}"])
+        assert torch.equal(exp.b13, t[f"{x}gate_up_proj_bias"].float())
+
+
+def test_packed_model_logits_equal_dequantized(published):
+    """The packed model's logits are the dequantize=True model's bit for bit (the kernels dot the same
+    operand values), full prompt and a decode step after a prefill; and transformers' within the table."""
+    packed, dense = _load(published["single"]), _load(published["single"], dequantize=True)
+    out = packed(_IDS, [0, 0], [-1, -1])
+    assert torch.equal(out, dense(_IDS, [0, 0], [-1, -1]))
+    _close(out, _ref_logits(published["ref"], _IDS), "mxfp4 packed full prompt")
+    steps = []
+    for m in (packed, dense):
+        m(_IDS[:, :9], [0, 0], [-1, -1])
+        steps.append(m(_IDS[:, 9:], [9, 9], [-1, -1]))
+    assert torch.equal(*steps)
+
+
+def test_packed_model_with_peft_adapters_equals_dequantized(published, adapters):
+    """PEFT adapters loaded into the packed model (the layer's dtype, not its weights', sets theirs): a
+    mixed batch (adapter, none, other adapter) and greedy generation equal the dequantized model's."""
+    models = [_load(published["sharded"]), _load(published["sharded"], dequantize=True)]
+    for m in models:
+        for slot, name in enumerate(ADAPTERS):
+            load_peft_adapter(m, slot, adapters[name])
+    packed, dense = models
+    exp = packed.layers[0].mlp.experts
+    assert exp.lora_a2.dtype == torch.float32 and exp.loaded_slots == {0: (True, True), 1: (False, True)}
+    ids = torch.randint(0, V, (3, 6), generator=torch.Generator().manual_seed(3))
+    lora_ids = [0, -1, 1]
+    assert torch.equal(packed(ids, [0] * 3, lora_ids), dense(ids, [0] * 3, lora_ids))
+    prompts = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(4)).tolist()
+    got = Generator(packed).generate(prompts, [0, None], 3).tokens
+    assert got == Generator(dense).generate(prompts, [0, None], 3).tokens and all(len(t) == 3 for t in got)
+
+
+def test_packed_memory_report_counts_packed_bytes(published):
+    """Each MoE layer's memory_report counts the packed experts (blocks + scales: 4.25 bits per expert
+    weight) and the fp32 biases, against 32 bits per weight dequantized."""
+    packed, dense = _load(published["single"]), _load(published["single"], dequantize=True)
+    n_w, bias = E * 3 * I * H, E * (2 * I + H) * 4
+    for li in range(NL):
+        rep = packed.layers[li].mlp.experts.memory_report()
+        assert rep["weights"] == n_w * 17 // 32 + bias  # K/2 bytes of codes + K/32 scale bytes per row
+        assert (rep["weights"] - bias) * 8 / n_w == 4.25
+        assert dense.layers[li].mlp.experts.memory_report()["weights"] == n_w * 4 + bias
+        assert rep["adapter_slots"] == dense.layers[li].mlp.experts.memory_report()["adapter_slots"]
+    params = {n: p for n, p in packed.named_parameters() if ".experts." in n}
+    assert sum(p.numel() for n, p in params.items() if p.dtype == torch.uint8) == NL * n_w * 17 // 32
+
+
+def test_packed_state_dict_round_trips(published):
+    """A packed model's state_dict (``*.w13_blocks`` / ``*_scales`` in place of ``w13``) builds the same
+    packed model; blocks without their scales are refused naming both keys."""
+    model = _load(published["single"])
+    sd = model.state_dict()
+    same = MultiLoRAModel(model.config, dtype=torch.float32, device="cpu", weights=sd, **SIZES)
+    assert same.layers[1].mlp.experts.weight_format == "mxfp4"
+    for k, v in same.state_dict().items():
+        assert torch.equal(v, sd[k]), k
+    bad = {k: v for k, v in sd.items() if k != "layers.1.mlp.experts.w2_scales"}
+    with pytest.raises(ValueError, match=r"'layers\.1\.mlp\.experts\.w2_blocks' without .*w2_scales"):
+        MultiLoRAModel(model.config, dtype=torch.float32, device="cpu", weights=bad, **SIZES)
 
 
 # --------------------------------------------------------------------------------------------------

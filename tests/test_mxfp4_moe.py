@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moelora_lib import fused_moe_lora
+from moelora_lib.kernels import STAGES
 from moelora_lib.kernels.config import LayerConfig, OpConfig
 from moelora_lib.kernels.launchers import fused_moe_gemm
 from moelora_lib.kernels.stages import mxfp4_config
@@ -285,6 +287,38 @@ def test_layer_bad_weights_name_the_argument():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match=r"dtype \(the layer's, with MXFP4 weights\)"):
             MoELoRALayer(w13, w2, **{**kw, "dtype": None})
+
+
+@pytest.mark.parametrize("stage", ["tuned", "fused"])
+def test_fused_moe_lora_takes_mxfp4_weights(device, stage):
+    # the functional API on packed weights: the serving layer's result bit for bit, and the dense call on
+    # the dequantized weights with the same (32-step) config; its checks see the dense shapes
+    if device != "cpu":
+        pytest.skip("CPU interpreter test (fp16/fp32)")
+    dt, H, I = F16, 64, 32
+    mx, dense, (w13, w2) = _layers(dt, stage, "swigluoai", 1, True, H, I)
+    g = torch.Generator().manual_seed(11)
+    T = 6
+    x = torch.randn(T, H, generator=g).to(dt)
+    tw, ti = route_reference(torch.randn(T, E, generator=g), K_TOP)
+    tw, ti = tw.float(), ti.to(torch.int32)
+    ids = torch.tensor([0, -1, 1, 2, 0, 1], dtype=torch.int32)
+    slots = (mx.lora_a13, mx.lora_b13, mx.lora_a2, mx.lora_b2)
+    kw = dict(activation="swigluoai", b13=mx.b13, b2=mx.b2, stage=stage)
+    out = fused_moe_lora(x, w13, w2, tw, ti, ids, *slots, **kw)
+    assert out.dtype == dt and out.shape == (T, H)
+    assert torch.equal(out, mx(x, topk_weights=tw, topk_ids=ti, lora_ids=ids))
+    cfg = mxfp4_config(STAGES[stage].config_for(mx._dims(T)))
+    want = fused_moe_lora(x, _dense(w13, dt), _dense(w2, dt), tw, ti, ids, *slots, **kw, config=cfg)
+    assert torch.equal(out, want), (out.float() - want.float()).abs().max()
+    # refusals name the argument, as for dense weights
+    with pytest.raises(ValueError, match=r"^w2 must be an MXFP4Weight like w13"):
+        fused_moe_lora(x, w13, _dense(w2, dt), tw, ti, ids, *slots, **kw)
+    with pytest.raises(ValueError, match=r"^w2 .*I=32"):  # packed w2 of I = 64 where the rest says 32
+        fused_moe_lora(x, w13, _mx((E, H, 64), seed=5), tw, ti, ids, *slots, **kw)
+    # packed weights take hidden_states' dtype: fp32 activations with fp16 adapters name the adapters
+    with pytest.raises(ValueError, match=r"^lora_a13 must have dtype torch.float32 \(like hidden_states\)"):
+        fused_moe_lora(x.float(), w13, w2, tw, ti, ids, *slots, **kw)
 
 
 # --------------------------------------------------------------------------------------------------

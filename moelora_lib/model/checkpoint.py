@@ -327,11 +327,10 @@ def load_hf_checkpoint(
       ``dtype`` — the dense weights transformers' ``Mxfp4Config(dequantize=True)`` builds — and the
       dense MoE path runs;
     * False: kept packed (:class:`~moelora_lib.quant.MXFP4Weight`, 4.25 bits per weight) and handed to
-      the MoE layer through :func:`~moelora_lib.model.modeling.packed_expert_weight`, which raises
-      NotImplementedError while the layer has no MXFP4 kernels (checked here before any tensor is read);
-    * None (default): packed when the MoE layer runs MXFP4
-      (:func:`~moelora_lib.model.modeling.packed_expert_formats`), else dequantized — which is the case
-      until the MXFP4 MoE kernels exist.
+      the MoE layer through :func:`~moelora_lib.model.modeling.packed_expert_weight`: its base GEMMs
+      decode them in registers and compute as the dense path on the dequantized weights does;
+    * None (default): packed when the MoE layer runs the format
+      (:func:`~moelora_lib.model.modeling.packed_expert_formats`, which lists "mxfp4"), else dequantized.
 
     ``dequantize`` has no effect on a checkpoint without quantization_config. The other arguments are
     :class:`MultiLoRAModel`'s. Every key, shape (and packed dtype) is checked from the files' headers
@@ -344,9 +343,8 @@ def load_hf_checkpoint(
             for MXFP4: a ``*_blocks`` key without its ``*_scales`` (naming the scales key), H or I not a
             multiple of 32, scales whose shape is not the blocks' shape[:-1], blocks/scales not uint8,
             dense expert weights under an mxfp4 config; ``dequantize`` not a bool or None; and
-            :class:`MultiLoRAModel`'s own errors.
-        NotImplementedError: ``dequantize=False`` on an MXFP4 checkpoint while the MoE layer has no
-            MXFP4 kernels.
+            :class:`MultiLoRAModel`'s own errors; ``dequantize=False`` on a checkpoint whose packed
+            format the MoE layer does not run (not in ``packed_expert_formats()``).
     Warns:
         UserWarning when ``max_seq`` exceeds the checkpoint's max_position_embeddings (with YaRN, the
         positions its rope scaling reaches): such a model builds and runs, but positions past that
@@ -391,10 +389,10 @@ def load_hf_checkpoint(
     if quant is not None:
         packed = (quant in packed_expert_formats()) if dequantize is None else not dequantize
         if packed and quant not in packed_expert_formats():
-            raise NotImplementedError(
-                f"dequantize=False: the checkpoint's experts are packed {quant.upper()}, and MoELoRALayer "
-                f"has no {quant.upper()} kernels; pass dequantize=True (or leave it None) to dequantize "
-                "them exactly to the model dtype at load"
+            raise ValueError(
+                f"dequantize=False: the checkpoint's experts are packed {quant.upper()}, which MoELoRALayer "
+                f"does not run (it runs {sorted(packed_expert_formats())}); pass dequantize=True (or leave "
+                "it None) to dequantize them exactly to the model dtype at load"
             )
     else:
         packed = False

@@ -431,29 +431,16 @@ def packed_expert_weight(w: MXFP4Weight, *, name: str, shape: tuple[int, ...], d
     model's state-dict name ``layers.{l}.mlp.experts.w13`` or ``.w2``; ``shape`` the dense shape the
     layer expects, w13 [E, 2I, H] or w2 [E, H, I], rows = output features as in the dense layout, gate
     and up interleaved along 2I for GPT-OSS): ``w`` on ``device`` (uint8 blocks [..., K/32, 16] and
-    scales [..., K/32], as published).
-
-    The one place where packed expert weights enter the model. A packed MoE kernel path plugs in by
-    listing its format in ``MoELoRALayer.PACKED_FORMATS`` (see :func:`packed_expert_formats`) and
-    accepting the :class:`~moelora_lib.quant.MXFP4Weight` as ``w13`` / ``w2`` (the layer then takes its
-    activation dtype from the model, since a packed weight carries none). Until then a packed weight
-    raises NotImplementedError here, and the dense path runs by dequantizing at load
-    (``load_hf_checkpoint(..., dequantize=True)``, :func:`~moelora_lib.quant.dequantize_mxfp4`).
+    scales [..., K/32], as published), kept packed. The one place where packed expert weights enter the
+    model; the layer takes its activation dtype from the model (a packed weight carries none).
 
     Raises:
         ValueError: ``w``'s dense shape is not ``shape`` (naming ``name``).
-        NotImplementedError: the layer has no kernels for MXFP4 weights.
     """
     shape = tuple(shape)
     if tuple(w.shape) != shape:
         raise ValueError(
             f"weights[{name!r}]: expected shape {list(shape)}, got MXFP4 of shape {list(w.shape)}"
-        )
-    if "mxfp4" not in packed_expert_formats():
-        raise NotImplementedError(
-            f"weights[{name!r}]: packed MXFP4 expert weights need MXFP4 MoE kernels, which MoELoRALayer does "
-            "not have; load the checkpoint with load_hf_checkpoint(..., dequantize=True) (exact "
-            "dequantization to the model dtype), or pass dense weights"
         )
     return w.to(device)
 
@@ -540,16 +527,17 @@ class MultiLoRAModel(nn.Module):
             ``layers.0.self_attn.qkv_proj.weight``) -> tensors, any float dtype/device (cast and moved);
             or a callable ``(name, shape, *, kind, dtype, device) -> tensor`` (``kind`` "weight", "bias"
             or "norm"); or None = :func:`random_weights` (seed 0). The expert weights
-            ``layers.{l}.mlp.experts.w13`` / ``.w2`` may also be packed
-            (:class:`~moelora_lib.quant.MXFP4Weight` of the same dense shape); they go through
-            :func:`packed_expert_weight` (NotImplementedError while the MoE layer has no MXFP4 kernels).
+            ``layers.{l}.mlp.experts.w13`` / ``.w2`` may also be packed, both or neither:
+            :class:`~moelora_lib.quant.MXFP4Weight` s of the same dense shape, or (a mapping such as a
+            packed model's ``state_dict()``) ``{name}_blocks`` + ``{name}_scales`` uint8 tensors in
+            place of ``{name}``; they go through :func:`packed_expert_weight` and stay packed in the
+            MoE layer, which runs them in ``dtype``.
     Raises:
         ValueError naming the argument: a stage that is neither "auto" nor a name of
         :data:`~moelora_lib.kernels.STAGES` (the message lists them), sizes not positive ints,
         max_tokens < max_batch, a device that is neither an existing CUDA device nor the CPU (the CPU
         needs TRITON_INTERPRET=1 and float16/float32), a missing/unexpected weight name, a weight of the
         wrong shape or not finite in ``dtype``, and what LoRALinear/MoELoRALayer refuse.
-        NotImplementedError: packed expert weights the MoE layer cannot run (:func:`packed_expert_weight`).
     ``device`` and ``dtype`` are properties that follow ``.to()``.
 
     Slots in use: :meth:`hold_slots` marks slots that a running generate call reads; while held, a
@@ -625,6 +613,15 @@ class MultiLoRAModel(nn.Module):
             shape = tuple(int(s) for s in shape)
             if callable(weights) and not isinstance(weights, Mapping):
                 t = weights(name, shape, kind=kind, dtype=dt, device=device)
+            elif packed and name not in weights and f"{name}_blocks" in weights:  # a packed state dict
+                parts = (f"{name}_blocks", f"{name}_scales")
+                if parts[1] not in weights:
+                    raise ValueError(f"weights: {parts[0]!r} without {parts[1]!r}")
+                try:
+                    t = MXFP4Weight(*(weights[k] for k in parts))
+                except ValueError as exc:
+                    raise ValueError(f"weights[{parts[0]!r}] / [{parts[1]!r}]: {exc}") from None
+                used.update(parts)
             else:
                 if name not in weights:
                     raise ValueError(f"weights: missing {name!r} (expected shape {list(shape)})")
@@ -687,6 +684,7 @@ class MultiLoRAModel(nn.Module):
                     slices=1 if gpt else 2,
                     b13=take(f"{p}mlp.experts.b13", (E, 2 * I), "bias") if c.expert_bias else None,
                     b2=take(f"{p}mlp.experts.b2", (E, H), "bias") if c.expert_bias else None,
+                    dtype=dtype,  # the activations' dtype (packed experts carry none)
                     activation=c.activation,
                     renormalize=c.norm_topk_prob,
                     **mods,

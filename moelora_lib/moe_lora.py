@@ -79,7 +79,8 @@ def _dense_views(w13, w2, dtype) -> tuple[torch.Tensor, torch.Tensor, bool]:
     (:func:`validate_moe_lora_inputs`, the layer's ``_check_expert_weights``) apply to them unchanged.
 
     Raises ValueError naming the argument: one weight MXFP4 and the other not; an MXFP4 weight whose
-    blocks are not [E, N, K/32, 16] or not contiguous in the last two dims; ``dtype`` given with dense
+    blocks are not [E, N, K/32, 16] or not contiguous in the last two dims, or whose scales hold the
+    e8m0 byte 255 (NaN: the kernels would decode it as inf); ``dtype`` given with dense
     weights and different from w13's, or not a torch.dtype.
     """
     mx13, mx2 = isinstance(w13, MXFP4Weight), isinstance(w2, MXFP4Weight)
@@ -109,6 +110,10 @@ def _dense_views(w13, w2, dtype) -> tuple[torch.Tensor, torch.Tensor, bool]:
             raise ValueError(
                 f"{name}.blocks must be contiguous in its last two dims (the K/2 packed bytes of a row), "
                 f"got strides {tuple(q.stride())}"
+            )
+        if w.scales.device.type != "meta" and bool((w.scales == 255).any()):  # one host read
+            raise ValueError(
+                f"{name}.scales holds the e8m0 byte 255 (NaN in MXFP4): the weights would not be finite"
             )
     dt = torch.bfloat16 if dtype is None else dtype
 

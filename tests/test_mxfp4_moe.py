@@ -69,12 +69,13 @@ def _decode_probe(q_ptr, s_ptr, out_ptr, k_left, EVEN_K: tl.constexpr, BN: tl.co
     "ignore:overflow encountered:RuntimeWarning", "ignore:invalid value:RuntimeWarning"
 )
 def test_decode_every_code_and_scale_byte_is_exact():
-    # row n has scale byte n in all 16 blocks and the 256 bytes 0..255 (every (low, high) code pair):
+    # row n has scale byte min(n, 254) in all 16 blocks and the 256 bytes 0..255 (every (low, high) code pair):
     # the decoded fp32 tile equals dequantize_mxfp4 bit for bit — subnormal results (byte 0 and 1),
-    # overflow to ±inf (bytes >= 253), byte 255 (2^128: ±inf, NaN for ±0 codes, as the reference) included
+    # overflow to ±inf (bytes 253, 254) included; byte 255 (NaN in e8m0) is refused by the layer and the
+    # public call (test_scale_byte_255_refused), so the kernels need not decode it
     N, K = 256, 512
     blocks = torch.arange(256, dtype=torch.uint8).repeat(N, 1).view(N, K // 32, 16).contiguous()
-    scales = torch.arange(256, dtype=torch.uint8)[:, None].repeat(1, K // 32).contiguous()
+    scales = torch.arange(N).clamp(max=254).to(torch.uint8)[:, None].repeat(1, K // 32).contiguous()
     ref = dequantize_mxfp4(blocks, scales, torch.float32)  # [N, K]
     out = torch.full((K, N), 1234.5)
     _decode_probe[(1,)](blocks, scales, out, K, EVEN_K=True, BN=N, BK=K)
@@ -385,3 +386,14 @@ def test_mxfp4_variants_compile_for_sm90():
         # the packed variant, with its dot on the tensor cores; no flush-to-zero arithmetic (a scale byte
         # of 0 or 1 gives subnormal weights, kept as the reference keeps them)
         assert v["W_MXFP4"] is True and v["mma"] > 0 and v["ftz"] == 0, (op, v)
+
+
+def test_scale_byte_255_refused():
+    # e8m0 byte 255 is NaN: the layer and the public call refuse it naming the tensor
+    E, H, I = 2, 64, 32
+    w13 = MXFP4Weight.quantize(torch.randn(E, 2 * I, H))
+    w2 = MXFP4Weight.quantize(torch.randn(E, H, I))
+    bad = MXFP4Weight(w2.blocks, w2.scales.clone())
+    bad.scales[1, 3, 0] = 255
+    with pytest.raises(ValueError, match="w2.scales holds the e8m0 byte 255"):
+        MoELoRALayer(w13, bad, top_k=1, num_adapters=1, max_rank=4, max_tokens=4, dtype=torch.float32)

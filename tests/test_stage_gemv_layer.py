@@ -177,3 +177,33 @@ def test_public_call_gemv():
     assert isinstance(run, GemvRun) and run.stage is GEMV_STAGE
     base = make_layer_run(*inp.args(), **inp.kwargs(), stage="tuned")
     assert_close_rel(run.base_part(), base.base_part(), dtype=torch.float32)
+
+
+def test_write_gemv_configs_and_choices_from_csv(tmp_path):
+    from moelora_lib.studies.fused_tuning import stage_choices_from_csv, write_gemv_configs, write_stage_choices
+
+    leaf = {"fused_gate_up": OpConfig(16, 16, 32).to_dict(), "fused_down": OpConfig(16, 32, 32).to_dict()}
+    data: dict = {}
+    for m in (1, 16):
+        configs.set_entry(data, configs.base_keys(_dims(m)), dict(leaf))
+    path = configs.save_config_file(tmp_path / configs.config_file_name("gpu", "fused"), data)
+    csv = tmp_path / "rows.csv"
+    lines = ["stage,T,H,I,E,part,variant,us_p50"]
+    for T, times in ((1, dict(tuned=90, fused=85, gemv=60)), (16, dict(tuned=100, fused=101, gemv=100))):
+        lines += [f"{st},{T},{H},{I},{E},total,as_anchor,{us}" for st, us in times.items()]
+    csv.write_text("\n".join(lines) + "\n")
+    choices = stage_choices_from_csv(csv)
+    k1, k16 = configs.base_keys(_dims(1)), configs.base_keys(_dims(16))
+    assert choices == {k1: "gemv", k16: "tuned"}  # a tie goes to the earlier stage
+    with pytest.raises(ValueError, match="needs the leaf's 'gemv'"):  # a gemv choice needs its configs
+        write_stage_choices(path, choices)
+    g = {"gate_up": OpConfig(BLOCK_SIZE_N=32, BLOCK_SIZE_K=64, SPLIT_K=2), "down": OpConfig(BLOCK_SIZE_N=16),
+         "shrink": OpConfig(BLOCK_SIZE_K=32, SPLIT_K=4)}  # fmt: skip
+    with pytest.raises(ValueError, match="gemv configs must be"):
+        write_gemv_configs(path, {k1: {"gate_up": g["gate_up"]}})
+    write_gemv_configs(path, {k1: g})
+    write_stage_choices(path, choices)
+    cfg = configs.load_gemv_config(_dims(1), folder=tmp_path, gpu_name="gpu")
+    assert cfg.base_gate_up.SPLIT_K == 2 and cfg.gate_up_shrink.SPLIT_K == 4
+    assert configs.load_stage_choice(_dims(1), folder=tmp_path, gpu_name="gpu") == "gemv"
+    configs.clear_cache()

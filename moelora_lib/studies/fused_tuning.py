@@ -230,13 +230,14 @@ def tune_fused(
 def stage_choices_from_csv(
     csv_path: str | Path, *, variant: str = "as_anchor", part: str = "total"
 ) -> dict[tuple[int, int, int, int], str]:
-    """The faster stage per measured (dims, T) of a layer benchmark CSV (notebook 12's
-    ``data/12_fused.csv``): ``{(E, 2I, H, T): "fused" | "tuned"}``, keyed like the fused config file
-    (:func:`moelora_lib.configs.base_keys`).
+    """The fastest stage per measured (dims, T) of a layer benchmark CSV (notebook 12's
+    ``data/12_fused.csv``, notebook 13's ``data/13_gemv.csv``): ``{(E, 2I, H, T): "tuned" | "fused" |
+    "gemv"}``, keyed like the fused config file (:func:`moelora_lib.configs.base_keys`).
 
     Rows: ``part`` (default ``"total"``, the whole layer) and ``variant`` (default ``"as_anchor"``, the
     shipped configs); every (E, 2I, H, T) with a ``us_p50`` for both stage ``tuned`` and stage ``fused``
-    gets the stage with the smaller median (ties: ``tuned``); others are left out. Raises ValueError
+    gets the stage with the smallest median among those measured there (:data:`~moelora_lib.configs.STAGE_CHOICES`;
+    ties: the earlier in that tuple); others are left out. Raises ValueError
     naming the file when a needed column is missing or two rows give one (stage, E, 2I, H, T)."""
     import csv
 
@@ -255,8 +256,9 @@ def stage_choices_from_csv(
         if r["stage"] in got:
             raise ValueError(f"{path}: two rows for stage {r['stage']!r} at (E, 2I, H, T) = {key}")
         got[r["stage"]] = float(r["us_p50"])
+    order = {st: i for i, st in enumerate(configs.STAGE_CHOICES)}  # ties: the earlier (tuned first)
     return {
-        k: ("fused" if t["fused"] < t["tuned"] else "tuned")
+        k: min(t, key=lambda st: (t[st], order[st]))
         for k, t in sorted(times.items())
         if {"tuned", "fused"} <= set(t)
     }
@@ -264,12 +266,12 @@ def stage_choices_from_csv(
 
 def write_stage_choices(path: str | Path, choices: dict[tuple[int, int, int, int], str]) -> Path:
     """Set ``"stage"`` (:data:`moelora_lib.configs.STAGE_KEY`) in the leaves of the fused config file
-    ``path`` named by ``choices`` ({(E, N, K, m): "tuned" | "fused"}, as
+    ``path`` named by ``choices`` ({(E, N, K, m): "tuned" | "fused" | "gemv"}, as
     :func:`stage_choices_from_csv` returns) and write it atomically
     (:func:`moelora_lib.configs.save_config_file`); every other leaf and key is kept as it is. The file
     is validated before and after. Raises ValueError naming the key path for a choice without an
-    exact leaf in the file or a value outside :data:`moelora_lib.configs.STAGE_CHOICES`; nothing is
-    written then."""
+    exact leaf in the file, a value outside :data:`moelora_lib.configs.STAGE_CHOICES`, or ``"gemv"`` for
+    a leaf without gemv configs (:func:`write_gemv_configs`); nothing is written then."""
     import json
 
     path = Path(path)
@@ -286,7 +288,40 @@ def write_stage_choices(path: str | Path, choices: dict[tuple[int, int, int, int
             if not isinstance(node, dict) or str(k) not in node:
                 raise ValueError(f"{path}: no entry at {kp} to record stage {stage!r} in")
             node = node[str(k)]
+        if stage == "gemv" and configs.GEMV_KEY not in node:
+            raise ValueError(
+                f"{path} at {kp}: stage 'gemv' needs the leaf's {configs.GEMV_KEY!r} configs "
+                "(write_gemv_configs first)"
+            )
         node[configs.STAGE_KEY] = stage
+    out = configs.save_config_file(path, data)
+    configs.load_config_file(out, "fused")
+    return out
+
+
+def write_gemv_configs(path: str | Path, entries: dict[tuple[int, int, int, int], dict]) -> Path:
+    """Set the ``"gemv"`` key (:data:`moelora_lib.configs.GEMV_KEY`) of the fused config file's leaves
+    named by ``entries`` ({(E, N, K, m): {"gate_up": OpConfig, "down": OpConfig, "shrink": OpConfig}}:
+    stage ``gemv``'s launches at that bucket, as :func:`moelora_lib.configs.load_gemv_config` reads them)
+    and write the file atomically; every other key is kept. Validated before and after. Raises
+    ValueError naming the key path for an entry without an exact leaf or without the three configs;
+    nothing is written then. Record the stage choice itself with :func:`write_stage_choices`."""
+    import json
+
+    path = Path(path)
+    configs.load_config_file(path, "fused")
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    for keys, cfgs in entries.items():
+        kp = "".join(f"[{json.dumps(str(k))}]" for k in keys)
+        if not isinstance(cfgs, dict) or set(cfgs) != set(configs.GEMV_LEAF_KEYS):
+            raise ValueError(f"{path} at {kp}: gemv configs must be {list(configs.GEMV_LEAF_KEYS)}")
+        node = data
+        for k in keys:
+            if not isinstance(node, dict) or str(k) not in node:
+                raise ValueError(f"{path}: no entry at {kp} to record the gemv configs in")
+            node = node[str(k)]
+        node[configs.GEMV_KEY] = {k: c.to_dict() for k, c in cfgs.items()}
     out = configs.save_config_file(path, data)
     configs.load_config_file(out, "fused")
     return out

@@ -169,7 +169,7 @@ def test_bad_stage_value_names_the_key_path(tmp_path, bad):
     data = configs.set_entry({}, configs.base_keys(_dims(1)), {**_leaf(None), "stage": bad})
     p = tmp_path / configs.config_file_name("cpu", "fused")
     p.write_text(json.dumps(data))
-    match = r'at \["4"\]\["64"\]\["64"\]\["1"\]\["stage"\]: \'stage\' must be one of \[\'tuned\', \'fused\'\]'
+    match = r'at \["4"\]\["64"\]\["64"\]\["1"\]\["stage"\]: \'stage\' must be one of \[\'tuned\', \'fused\', \'gemv\'\]'
     with pytest.raises(ValueError, match=match):
         configs.load_config_file(p, "fused")
     configs.clear_cache()
@@ -217,7 +217,7 @@ def test_write_stage_choices_keeps_the_rest(tmp_path):
     before = p.read_bytes()
     with pytest.raises(ValueError, match=r'no entry at \["32"\]\["5760"\]\["2880"\]\["2"\]'):
         write_stage_choices(p, {(32, 5760, 2880, 2): "fused"})
-    with pytest.raises(ValueError, match=r"stage must be one of \['tuned', 'fused'\], got 'auto'"):
+    with pytest.raises(ValueError, match=r"stage must be one of \['tuned', 'fused', 'gemv'\], got 'auto'"):
         write_stage_choices(p, {key: "auto"})
     assert p.read_bytes() == before
 
@@ -237,7 +237,7 @@ def test_auto_is_the_default_of_the_moe_path():
     assert inspect.signature(LoRALinear.__init__).parameters["stage"].default == "tuned"
 
 
-ALLOWED = r"\['naive', 'no_recompile', 'split_k', 'swizzle', 'even_k_fused_add', 'tuned', 'fused', 'auto'\]"
+ALLOWED = r"\['naive', 'no_recompile', 'split_k', 'swizzle', 'even_k_fused_add', 'tuned', 'fused', 'gemv', 'auto'\]"
 DENSE_ALLOWED = r"\['naive', 'no_recompile', 'split_k', 'swizzle', 'even_k_fused_add', 'tuned', 'fused'\]"
 
 
@@ -245,7 +245,7 @@ DENSE_ALLOWED = r"\['naive', 'no_recompile', 'split_k', 'swizzle', 'even_k_fused
 def test_bad_stage_names(bad):
     from moelora_lib.moe_lora import make_layer_run
 
-    assert list(MOE_STAGE_NAMES) == [*STAGES, "auto"]
+    assert list(MOE_STAGE_NAMES) == [*STAGES, "gemv", "auto"]
     w, _, _ = _layer_inputs(torch.float32)
     inp = make_inputs(get_shape("tiny"), num_tokens=2, rank=R, num_adapters=L, dtype=torch.float32)
     msg = rf"stage must be one of {ALLOWED}, got {re.escape(repr(bad))}$"

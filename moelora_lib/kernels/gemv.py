@@ -497,3 +497,15 @@ class GemvRun:
     def base_part(self) -> torch.Tensor:
         """The base MoE alone (the LoRA launches left out), [T, H]."""
         return self._run(False)
+
+    def lora_part(self) -> None:
+        """Not a set of launches here (the expands run inside the GEMVs): ValueError."""
+        raise ValueError("stage gemv: the LoRA part is not a set of launches (time the layer and base_part)")
+
+    @property
+    def dims(self) -> Dims:
+        """The sizes of this call."""
+        a13 = self.lora[0]
+        T, H = self.x.shape
+        return Dims(T=T, H=H, I=self.w2.shape[2], E=self.w13.shape[0], top_k=self.topk_ids.shape[1],
+                    adapters=a13.shape[0], rank=a13.shape[3], slices=a13.shape[2])  # fmt: skip

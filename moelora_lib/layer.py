@@ -317,7 +317,9 @@ class MoELoRALayer(ops.OpLayer):
         _check_layer_dtype(dt, dev, "dtype (the layer's, with MXFP4 weights)" if mxfp4 else "w13")
         if K > E:
             raise ValueError(f"top_k = {K} must be <= E = {E} (w13 dim 0)")
-        self.stage = {AUTO_STAGE.name: AUTO_STAGE, GEMV_STAGE.name: GEMV_STAGE}.get(stage) or STAGES[stage]  # auto: fused_add as both
+        self.stage = {AUTO_STAGE.name: AUTO_STAGE, GEMV_STAGE.name: GEMV_STAGE}.get(stage) or STAGES[
+            stage
+        ]  # auto: fused_add as both
         sizes = _scratch_sizes(dt, max_tokens, H, two_i // 2, K, R, S, self.stage.fused_add)
         need = sum(n * torch.empty((), dtype=bdt).element_size() for n, bdt in sizes.values())
         total = _device_total_memory(dev)
@@ -486,7 +488,9 @@ class MoELoRALayer(ops.OpLayer):
                 cfg = mxfp4_config(cfg)
             if self.deterministic:
                 cfg = cfg.deterministic()
-            if st is not GEMV_STAGE and cfg.base_down.SPLIT_K > 1 and T > SPLIT_DOWN_MAX_TOKENS:  # no fp32 y that large
+            if (
+                st is not GEMV_STAGE and cfg.base_down.SPLIT_K > 1 and T > SPLIT_DOWN_MAX_TOKENS
+            ):  # no fp32 y that large
                 cfg = cfg.replace(base_down=dataclasses.replace(cfg.base_down, SPLIT_K=1))
             self._configs[T] = cfg
         return cfg

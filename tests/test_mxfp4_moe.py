@@ -69,7 +69,8 @@ def _decode_probe(q_ptr, s_ptr, out_ptr, k_left, EVEN_K: tl.constexpr, BN: tl.co
     "ignore:overflow encountered:RuntimeWarning", "ignore:invalid value:RuntimeWarning"
 )
 def test_decode_every_code_and_scale_byte_is_exact():
-    # row n has scale byte min(n, 254) in all 16 blocks and the 256 bytes 0..255 (every (low, high) code pair):
+    # row n has scale byte min(n, 254) in all 16 blocks and the 256 bytes 0..255 (every (low, high) code
+    # pair):
     # the decoded fp32 tile equals dequantize_mxfp4 bit for bit — subnormal results (byte 0 and 1),
     # overflow to ±inf (bytes 253, 254) included; byte 255 (NaN in e8m0) is refused by the layer and the
     # public call (test_scale_byte_255_refused), so the kernels need not decode it

@@ -27,7 +27,7 @@ def _weights(seed=0):
     b13 = (torch.randn(E, 2 * I, generator=g) * 0.05).to("cuda", DT)
     b2 = (torch.randn(E, H, generator=g) * 0.05).to("cuda", DT)
     ad = []
-    for slot in range(L - 1):
+    for _ in range(L - 1):
         ad.append(dict(
             gate_up=((torch.randn(E, 1, R, H, generator=g) * 0.05).to("cuda", DT),
                      (torch.randn(E, 1, 2 * I, R, generator=g) * 0.05).to("cuda", DT)),
@@ -38,8 +38,8 @@ def _weights(seed=0):
 
 
 def _layer(w13, w2, b13, b2, ad, stage, **kw):
-    layer = MoELoRALayer(w13, w2, top_k=K, num_adapters=L, max_rank=R, max_tokens=64, slices=1, b13=b13, b2=b2,
-                         activation="swigluoai", stage=stage, **kw)  # fmt: skip
+    layer = MoELoRALayer(w13, w2, top_k=K, num_adapters=L, max_rank=R, max_tokens=64, slices=1,
+                         b13=b13, b2=b2, activation="swigluoai", stage=stage, **kw)  # fmt: skip
     for slot, a in enumerate(ad):
         layer.load_adapter(slot, **a)
     return layer

@@ -169,7 +169,8 @@ def test_bad_stage_value_names_the_key_path(tmp_path, bad):
     data = configs.set_entry({}, configs.base_keys(_dims(1)), {**_leaf(None), "stage": bad})
     p = tmp_path / configs.config_file_name("cpu", "fused")
     p.write_text(json.dumps(data))
-    match = r'at \["4"\]\["64"\]\["64"\]\["1"\]\["stage"\]: \'stage\' must be one of \[\'tuned\', \'fused\', \'gemv\'\]'
+    match = r'at \["4"\]\["64"\]\["64"\]\["1"\]\["stage"\]: \'stage\' must be one of '
+    match += r"\['tuned', 'fused', 'gemv'\]"
     with pytest.raises(ValueError, match=match):
         configs.load_config_file(p, "fused")
     configs.clear_cache()
@@ -237,7 +238,9 @@ def test_auto_is_the_default_of_the_moe_path():
     assert inspect.signature(LoRALinear.__init__).parameters["stage"].default == "tuned"
 
 
-ALLOWED = r"\['naive', 'no_recompile', 'split_k', 'swizzle', 'even_k_fused_add', 'tuned', 'fused', 'gemv', 'auto'\]"
+ALLOWED = (
+    r"\['naive', 'no_recompile', 'split_k', 'swizzle', 'even_k_fused_add', 'tuned', 'fused', 'gemv', 'auto'\]"
+)
 DENSE_ALLOWED = r"\['naive', 'no_recompile', 'split_k', 'swizzle', 'even_k_fused_add', 'tuned', 'fused'\]"
 
 

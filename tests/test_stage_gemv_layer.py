@@ -45,7 +45,8 @@ def _layers(w, adapters, S, activation, stages, **kw):
     out = {}
     for st in stages:
         layer = MoELoRALayer(w["w13"], w["w2"], top_k=K, num_adapters=L, max_rank=R, max_tokens=64, slices=S,
-                             b13=w.get("b13"), b2=w.get("b2"), activation=activation, stage=st, **kw)  # fmt: skip
+                             b13=w.get("b13"), b2=w.get("b2"), activation=activation, stage=st,
+                             **kw)  # fmt: skip
         for slot, ad in adapters.items():
             layer.load_adapter(slot, **ad)
         out[st] = layer
@@ -79,7 +80,9 @@ def test_layer_gemv_mxfp4_equals_dense():
     m13, m2 = MXFP4Weight.quantize(w["w13"]), MXFP4Weight.quantize(w["w2"])
     wd = dict(w, w13=m13.dequantize(torch.float32), w2=m2.dequantize(torch.float32))
     dense = _layers(wd, adapters, 1, "swigluoai", ("gemv",))["gemv"]
-    packed = _layers(dict(w, w13=m13, w2=m2), adapters, 1, "swigluoai", ("gemv",), dtype=torch.float32)["gemv"]
+    packed = _layers(dict(w, w13=m13, w2=m2), adapters, 1, "swigluoai", ("gemv",), dtype=torch.float32)[
+        "gemv"
+    ]
     x = torch.randn(6, H, generator=g)
     logits = torch.randn(6, E, generator=g)
     ids = torch.tensor([0, -1, 2, 1, 0, 2], dtype=torch.int32)
@@ -102,7 +105,9 @@ def test_layer_gemv_bad_ids_nan_rows_and_pair_limit():
     layer_big = MoELoRALayer(w["w13"], w["w2"], top_k=K, num_adapters=L, max_rank=R, max_tokens=big, slices=2,
                              stage="gemv")  # fmt: skip
     with pytest.raises(ValueError, match="stage 'gemv' takes at most"):
-        layer_big(torch.zeros(big, H), torch.zeros(big, E), lora_ids=torch.full((big,), -1, dtype=torch.int32))
+        layer_big(
+            torch.zeros(big, H), torch.zeros(big, E), lora_ids=torch.full((big,), -1, dtype=torch.int32)
+        )
 
 
 def _dims(T: int) -> Dims:
@@ -142,7 +147,11 @@ def test_auto_picks_gemv_from_the_file(gemv_folder):
     big = Dims(T=GEMV_MAX_PAIRS, H=H, I=I, E=E, top_k=K, adapters=L, rank=R, slices=2)
     assert configs.load_stage_choice(big) == "tuned"
     cfg = configs.load_gemv_config(_dims(1))
-    assert cfg.base_gate_up.SPLIT_K == 2 and cfg.base_down.BLOCK_SIZE_N == 16 and cfg.source.endswith("gemv=file")
+    assert (
+        cfg.base_gate_up.SPLIT_K == 2
+        and cfg.base_down.BLOCK_SIZE_N == 16
+        and cfg.source.endswith("gemv=file")
+    )
     assert configs.load_fused_config(_dims(1)).source.endswith("fused=file")  # the gemv key is no field
     w, adapters, g = _weights(torch.float32, 2, "silu")
     layers = _layers(w, adapters, 2, "silu", ("auto", "gemv"))
@@ -180,7 +189,11 @@ def test_public_call_gemv():
 
 
 def test_write_gemv_configs_and_choices_from_csv(tmp_path):
-    from moelora_lib.studies.fused_tuning import stage_choices_from_csv, write_gemv_configs, write_stage_choices
+    from moelora_lib.studies.fused_tuning import (
+        stage_choices_from_csv,
+        write_gemv_configs,
+        write_stage_choices,
+    )
 
     leaf = {"fused_gate_up": OpConfig(16, 16, 32).to_dict(), "fused_down": OpConfig(16, 32, 32).to_dict()}
     data: dict = {}

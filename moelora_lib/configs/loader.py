@@ -31,8 +31,8 @@ call) and :func:`load_dense_config` (dense multi-LoRA, stage
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -53,9 +53,9 @@ from .files import (
     BASE_DEPTH,
     BASE_FILE_OP,
     DENSE_FILE_OPS,
+    GEMV_KEY,
     LORA_DEPTH,
     LORA_FILE_OPS,
-    GEMV_KEY,
     STAGE_KEY,
     _dense_file,
     _keypath,

@@ -28,7 +28,8 @@ __all__ = ["STAGE", "AutoStage"]
 
 @dataclass(frozen=True)
 class AutoStage(Stage):
-    """Stage ``auto``: picks stage ``tuned``, ``fused`` or ``gemv`` per call (:meth:`pick`); it launches nothing
+    """Stage ``auto``: picks stage ``tuned``, ``fused`` or ``gemv`` per call (:meth:`pick`); it launches
+    nothing
     itself, so :meth:`adapt` raises (adapt with the picked stage)."""
 
     def pick(self, dims: Dims, folder=None, gpu_name: str | None = None) -> Stage:

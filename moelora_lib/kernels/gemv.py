@@ -42,11 +42,11 @@ ordering and fused epilogues are this project's.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
-
-from dataclasses import dataclass
 
 from ..configs.schema import GEMV_MAX_PAIRS, LayerConfig
 from ..shapes import Dims
@@ -76,7 +76,9 @@ def _mx_tile(w_ptr, s_ptr, expert, offs_n, n_mask, t, K, stride_we, stride_wn, s
     offs_i = tl.arange(0, 16)
     blk = t * (BLOCK_SIZE_K // 32) + offs_b
     b_mask = n_mask[:, None] & (blk < K // 32)[None, :]
-    sc = tl.load(s_ptr + expert * stride_se + offs_n[:, None] * stride_sn + blk[None, :], mask=b_mask, other=0)
+    sc = tl.load(
+        s_ptr + expert * stride_se + offs_n[:, None] * stride_sn + blk[None, :], mask=b_mask, other=0
+    )
     scale = (sc.to(tl.int32) << 23).to(tl.float32, bitcast=True)
     byte_ptrs = w_ptr + expert * stride_we + offs_n[:, None, None] * stride_wn + (blk * 16)[None, :, None]
     b = tl.load(byte_ptrs + offs_i[None, None, :], mask=b_mask[:, :, None], other=0).to(tl.int32)
@@ -165,7 +167,13 @@ def _gemv_gate_up_kernel(
                 nn = offs_n - sl * NS
                 inter = tl.load(inter_ptr + pair * stride_im + sl[:, None] * stride_is + offs_r[None, :],
                                 mask=nr_mask, other=0.0)  # fmt: skip
-                b_rows = b_ptr + lid.to(tl.int64) * stride_bl + expert * stride_be + sl * stride_bs + nn * stride_bn
+                b_rows = (
+                    b_ptr
+                    + lid.to(tl.int64) * stride_bl
+                    + expert * stride_be
+                    + sl * stride_bs
+                    + nn * stride_bn
+                )
                 bt = tl.load(b_rows[:, None] + offs_r[None, :], mask=nr_mask, other=0.0)
                 acc += tl.sum(inter * bt.to(tl.float32), axis=1)
         out = h_ptr + pair * stride_hm + offs_n
@@ -224,7 +232,8 @@ def _gemv_down_kernel(
                     offs_r = tl.arange(0, BLOCK_SIZE_R)
                     inter = tl.load(inter_ptr + pair * stride_im + offs_r, mask=offs_r < R, other=0.0)
                     b_rows = bl_ptr + lid.to(tl.int64) * stride_bl + expert * stride_be + offs_n * stride_bn
-                    bt = tl.load(b_rows[:, None] + offs_r[None, :], mask=n_mask[:, None] & (offs_r < R)[None, :],
+                    nr_mask = n_mask[:, None] & (offs_r < R)[None, :]
+                    bt = tl.load(b_rows[:, None] + offs_r[None, :], mask=nr_mask,
                                  other=0.0)  # fmt: skip
                     acc += tl.sum(inter[None, :] * bt.to(tl.float32), axis=1)
         acc = acc * tl.load(tw_ptr + pair)
@@ -258,7 +267,13 @@ def _gemv_shrink_kernel(
         n_tiles = tl.cdiv(K, BLOCK_SIZE_K)
         per = tl.cdiv(n_tiles, SPLIT_K)
         acc = tl.zeros((BLOCK_SIZE_R,), dtype=tl.float32)
-        a_rows = a_ptr + lid.to(tl.int64) * stride_al + expert * stride_ae + sl * stride_as + offs_r[:, None] * stride_ar
+        a_rows = (
+            a_ptr
+            + lid.to(tl.int64) * stride_al
+            + expert * stride_ae
+            + sl * stride_as
+            + offs_r[:, None] * stride_ar
+        )
         for t in range(ks * per, tl.minimum(ks * per + per, n_tiles)):
             k_idx = t * BLOCK_SIZE_K + offs_k
             a = tl.load(a_rows + k_idx[None, :], mask=r_mask[:, None] & (k_idx < K)[None, :], other=0.0)
@@ -350,7 +365,9 @@ def gemv_moe_lora(
     w13a, w2a = _weight_args(w13), _weight_args(w2)
     for name, wa, op in (("w13", w13a, config.base_gate_up), ("w2", w2a, config.base_down)):
         if wa[6] and op.BLOCK_SIZE_K % 32:
-            raise ValueError(f"{name} is MXFP4: its GEMV's BLOCK_SIZE_K must be a multiple of 32, got {op.BLOCK_SIZE_K}")
+            raise ValueError(
+                f"{name} is MXFP4: its GEMV's BLOCK_SIZE_K must be a multiple of 32, got {op.BLOCK_SIZE_K}"
+            )
     if lora is not None:
         ids13, ids2, a13, bl13, a2, bl2 = lora
         L, S, R = a13.shape[0], a13.shape[2], a13.shape[3]
@@ -366,8 +383,10 @@ def gemv_moe_lora(
     elif scratch.numel() < need:
         raise ValueError(f"scratch must hold at least {need} float32 elements, got {scratch.numel()}")
     gu, dn, sh13, sh2 = config.base_gate_up, config.base_down, config.gate_up_shrink, config.down_shrink
-    splits = (gu.SPLIT_K, dn.SPLIT_K) + ((sh13.SPLIT_K,) if ids13 is not None else ()) + (
-        (sh2.SPLIT_K,) if ids2 is not None else ()
+    splits = (
+        (gu.SPLIT_K, dn.SPLIT_K)
+        + ((sh13.SPLIT_K,) if ids13 is not None else ())
+        + ((sh2.SPLIT_K,) if ids2 is not None else ())
     )
     buf = scratch[:need]
     if any(s > 1 for s in splits):  # atomics add into zeros; single-split launches store every element
@@ -390,7 +409,8 @@ def gemv_moe_lora(
             x, dummy, a13, inter13, ids, ids13, H, E, K, L, R,
             x.stride(0), 0, a13.stride(0), a13.stride(1), a13.stride(2), a13.stride(3),
             inter13.stride(0), inter13.stride(1),
-            BLOCK_SIZE_R=r_p, BLOCK_SIZE_K=sh13.BLOCK_SIZE_K, SPLIT_K=sh13.SPLIT_K, ACT_INPUT=False, HAS_BIAS=False,
+            BLOCK_SIZE_R=r_p, BLOCK_SIZE_K=sh13.BLOCK_SIZE_K, SPLIT_K=sh13.SPLIT_K, ACT_INPUT=False,
+            HAS_BIAS=False,
             ACTIVATION=activation, G_DTYPE=g_dt, num_warps=sh13.NUM_WARPS,
         )  # fmt: skip
         l13 = (ids13, inter13, bl13, L, (2 * I) // S, inter13.stride(0), inter13.stride(1), bl13.stride(0),
@@ -409,7 +429,8 @@ def gemv_moe_lora(
             h, b13 if has_bias else dummy, a2, inter2, ids, ids2, I, E, K, L, R,
             h.stride(0), b13.stride(0) if has_bias else 0, a2.stride(0), a2.stride(1), 0, a2.stride(2),
             inter2.stride(0), 0,
-            BLOCK_SIZE_R=r_p, BLOCK_SIZE_K=sh2.BLOCK_SIZE_K, SPLIT_K=sh2.SPLIT_K, ACT_INPUT=True, HAS_BIAS=has_bias,
+            BLOCK_SIZE_R=r_p, BLOCK_SIZE_K=sh2.BLOCK_SIZE_K, SPLIT_K=sh2.SPLIT_K, ACT_INPUT=True,
+            HAS_BIAS=has_bias,
             ACTIVATION=activation, G_DTYPE=g_dt, num_warps=sh2.NUM_WARPS,
         )  # fmt: skip
         l2 = (ids2, inter2, bl2, L, inter2.stride(0), bl2.stride(0), bl2.stride(1), bl2.stride(2))
@@ -474,7 +495,8 @@ class GemvRun:
         T, K = topk_ids.shape
         if T * K > GEMV_MAX_PAIRS:
             raise ValueError(
-                f"stage 'gemv' takes at most {GEMV_MAX_PAIRS} (token, k) pairs per call, got T·top_k = {T}·{K}"
+                f"stage 'gemv' takes at most {GEMV_MAX_PAIRS} (token, k) pairs per call, "
+                f"got T·top_k = {T}·{K}"
             )
         self.x, self.w13, self.w2 = hidden_states, w13, w2
         self.topk_w = topk_weights.float().contiguous()
@@ -487,7 +509,8 @@ class GemvRun:
         if with_lora and self.lora[0].shape[0] > 0:
             lora = (self.lora_ids, self.lora_ids, *self.lora)
         return gemv_moe_lora(
-            self.x, self.w13, self.w2, self.topk_w, self.topk_ids, activation=self.activation, config=self.cfg,
+            self.x, self.w13, self.w2, self.topk_w, self.topk_ids, activation=self.activation,
+            config=self.cfg,
             b13=self.b13, b2=self.b2, lora_ids=self.lora_ids if with_lora else None, lora=lora,
         )  # fmt: skip
 

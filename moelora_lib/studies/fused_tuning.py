@@ -236,7 +236,8 @@ def stage_choices_from_csv(
 
     Rows: ``part`` (default ``"total"``, the whole layer) and ``variant`` (default ``"as_anchor"``, the
     shipped configs); every (E, 2I, H, T) with a ``us_p50`` for both stage ``tuned`` and stage ``fused``
-    gets the stage with the smallest median among those measured there (:data:`~moelora_lib.configs.STAGE_CHOICES`;
+    gets the stage with the smallest median among those measured there
+    (:data:`~moelora_lib.configs.STAGE_CHOICES`;
     ties: the earlier in that tuple); others are left out. Raises ValueError
     naming the file when a needed column is missing or two rows give one (stage, E, 2I, H, T)."""
     import csv

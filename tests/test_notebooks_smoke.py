@@ -1,5 +1,5 @@
-"""Papermill smoke test: notebooks 01, 12 and 13 execute end to end on the cpu profile (Triton interpreter);
-notebook 00 runs in tests/test_explorer.py.
+"""Papermill smoke test: notebooks 01, 12, 13 and 14 execute end to end on the cpu profile (Triton
+interpreter); notebook 00 runs in tests/test_explorer.py.
 
 Each notebook's asserts (reference checks, naive kernel vs the fp32 reference) run inside it, so a
 pass here means the notebooks' own checks passed. Executed copies go to a temp folder; the CSVs go to
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 
 
-@pytest.mark.parametrize("stage", ["01", "12", "13"])
+@pytest.mark.parametrize("stage", ["01", "12", "13", "14"])
 def test_notebook_runs_on_cpu_profile(stage, tmp_path):
     results = run_notebooks(ROOT / "notebooks", tmp_path, "cpu", only=[stage], progress_bar=False)
     assert [r.status for r in results] == ["ok"]

@@ -1,8 +1,9 @@
 """Notebook 11's measurements (rows for ``data/11_*.csv``): generation of whole models with random weights
 at the real dimensions and multiple adapters, adapter loading, recompilation, a decode step by category,
-transformers + PEFT, the bytes/FLOPs floors and the targets. TTFT = call start -> the request's first token
-on the host; OTPS per request = (tokens − 1) / (last token − first token); aggregate OTPS = all output
-tokens / the whole call. Greedy, no eos."""
+transformers + PEFT, the bytes/FLOPs floors and the targets; for notebook 14 also models with MXFP4 experts
+(:func:`build_model`'s ``experts``) and their memory (:func:`model_memory`, :func:`memory_estimate_gb`).
+TTFT = call start -> the request's first token on the host; OTPS per request = (tokens − 1) / (last token −
+first token); aggregate OTPS = all output tokens / the whole call. Greedy, no eos."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import torch
 from ..common import dtype_name
 from ..hardware import H200_BF16_TFLOPS, H200_READ_TB_PER_S
 from ..model import REAL_CONFIGS, ModelConfig, MultiLoRAModel, random_model
+from ..model.modeling import WeightSource, random_weights
 from . import bench
 
 #: The three models of the study (names of :data:`moelora_lib.model.REAL_CONFIGS`).
@@ -55,17 +57,30 @@ _TINY_SIZES = {
 _TINY_OF = {"tiny-gpt-oss": "gpt-oss-20b", "tiny-qwen3-moe": "qwen3-30b-a3b", "tiny-qwen3": "qwen3-32b"}
 
 
+#: Published models whose config.json differs from one of :data:`moelora_lib.model.REAL_CONFIGS` in sizes
+#: only: name -> (that model, the fields that differ). openai/gpt-oss-120b: 36 layers (sliding and full
+#: attention alternating), 128 experts, the rest as gpt-oss-20b (MXFP4 experts as published).
+DERIVED_MODELS = {
+    "gpt-oss-120b": ("gpt-oss-20b", dict(num_hidden_layers=36, num_local_experts=128,
+                                         layer_types=["sliding_attention", "full_attention"] * 18)),
+}  # fmt: skip
+
+
 def config_dict(name: str) -> dict:
-    """A fresh config.json dict of a :data:`MODELS` name or a :data:`TINY_MODELS` value (the real file with
-    small sizes). Raises ValueError for an unknown name."""
+    """A fresh config.json dict of a :data:`MODELS` name, a :data:`DERIVED_MODELS` name or a
+    :data:`TINY_MODELS` value (the real file with small sizes). Raises ValueError for an unknown name."""
     if name in REAL_CONFIGS:
         return REAL_CONFIGS[name]
+    if name in DERIVED_MODELS:
+        base, fields = DERIVED_MODELS[name]
+        return REAL_CONFIGS[base] | json.loads(json.dumps(fields))  # a fresh copy of the lists too
     if name in _TINY_OF:
         d = REAL_CONFIGS[_TINY_OF[name]]
         d.pop("quantization_config", None)
         d.update(_TINY_SIZES[d["model_type"]])
         return d
-    raise ValueError(f"unknown model {name!r}; known: {list(REAL_CONFIGS)} and {list(_TINY_OF)}")
+    known = [*REAL_CONFIGS, *DERIVED_MODELS]
+    raise ValueError(f"unknown model {name!r}; known: {known} and {list(_TINY_OF)}")
 
 
 def model_config(name: str) -> ModelConfig:
@@ -73,12 +88,109 @@ def model_config(name: str) -> ModelConfig:
     return ModelConfig.from_hf(config_dict(name))
 
 
-def build_model(name: str, *, stage: str = "auto", seed: int = 0, **sizes) -> MultiLoRAModel:
+#: Formats of a built model's expert weights: "dense" (the model's dtype) or "mxfp4" (packed, as published).
+EXPERT_FORMATS = ("dense", "mxfp4")
+_EXPERT_WEIGHT = re.compile(r"^layers\.\d+\.mlp\.experts\.(w13|w2)$")
+
+
+def mxfp4_experts(source: WeightSource) -> WeightSource:
+    """A :data:`~moelora_lib.model.modeling.WeightSource` giving ``source``'s weights, except the MoE experts
+    (``layers.{l}.mlp.experts.w13`` / ``.w2``): those drawn by ``source`` and quantized to MXFP4
+    (:func:`~moelora_lib.studies.moe_bench.quantize_experts`, a few experts at a time), so a model keeps
+    them packed (4.25 bits per weight) as a published GPT-OSS checkpoint loads. One layer's dense expert
+    weight exists at a time, while it is quantized."""
+    from .moe_bench import quantize_experts
+
+    def wrapped(name: str, shape: tuple[int, ...], *, kind: str, dtype: torch.dtype, device):
+        w = source(name, shape, kind=kind, dtype=dtype, device=device)
+        return quantize_experts(w) if _EXPERT_WEIGHT.match(name) else w
+
+    wrapped.is_random = getattr(source, "is_random", False)  # type: ignore[attr-defined]
+    return wrapped
+
+
+def build_model(name: str, *, stage: str = "auto", seed: int = 0, experts: str = "dense", **sizes
+                ) -> MultiLoRAModel:  # fmt: skip
     """A random-weight MultiLoRAModel of ``name``, no adapter loaded. ``stage``: the model's ("auto", the
-    default, or a name of ``STAGES``). ``sizes``: ``random_model``'s dtype, device, max_batch, max_seq,
-    max_tokens, num_adapters (default 8), max_rank (default 32)."""
+    default, or a name of ``STAGES``). ``experts`` (:data:`EXPERT_FORMATS`): "dense" (default), or "mxfp4"
+    (MoE models: the same random expert weights quantized to MXFP4 and kept packed, :func:`mxfp4_experts`;
+    the rest in the model's dtype). ``sizes``: ``random_model``'s dtype, device, max_batch, max_seq,
+    max_tokens, num_adapters (default 8), max_rank (default 32). Raises ValueError for an unknown
+    ``experts`` or "mxfp4" on a dense model."""
     sizes = {"num_adapters": 8, "max_rank": 32, **sizes}
-    return random_model(model_config(name), seed=seed, stage=stage, **sizes)
+    if experts not in EXPERT_FORMATS:
+        raise ValueError(f"experts must be one of {EXPERT_FORMATS}, got {experts!r}")
+    config = model_config(name)
+    if experts == "dense":
+        return random_model(config, seed=seed, stage=stage, **sizes)
+    if not config.is_moe:
+        raise ValueError(f"experts='mxfp4': {name!r} has no MoE experts")
+    return MultiLoRAModel(config, stage=stage, weights=mxfp4_experts(random_weights(seed)), **sizes)
+
+
+def model_memory(model: MultiLoRAModel) -> dict[str, float]:
+    """GB (1e9 bytes) a built model holds: expert_weight_gb (the MoE experts' weights, packed or dense, and
+    biases), other_weight_gb (every other parameter), buffer_gb (adapter slots, KV cache, tables) and, on a
+    GPU, allocated_gb (``torch.cuda.memory_allocated``: those plus the scratch allocated so far; NaN on
+    the CPU)."""
+    seen: set[int] = set()
+    experts = other = buffers = 0
+    for n, p in model.named_parameters():
+        if id(p) in seen:  # a tied lm_head counts once
+            continue
+        seen.add(id(p))
+        nbytes = p.numel() * p.element_size()
+        if ".mlp.experts." in n:
+            experts += nbytes
+        else:
+            other += nbytes
+    for b in model.buffers():
+        if id(b) not in seen:
+            seen.add(id(b))
+            buffers += b.numel() * b.element_size()
+    dev = model.device
+    alloc = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else float("nan")
+    return dict(expert_weight_gb=experts / 1e9, other_weight_gb=other / 1e9, buffer_gb=buffers / 1e9,
+                allocated_gb=alloc / 1e9)  # fmt: skip
+
+
+def memory_estimate_gb(name: str, *, experts: str = "dense", num_adapters: int = 8, max_rank: int = 32,
+                       max_batch: int = 1, max_seq: int = 2048, max_tokens: int = 8192, dtype_bytes: int = 2
+                       ) -> dict[str, float]:  # fmt: skip
+    """What :func:`build_model` of ``name`` will hold, in GB, before building it: expert_weight_gb (MoE
+    experts at 4.25 bits per weight for "mxfp4", else ``dtype_bytes``; expert biases), other_weight_gb
+    (embeddings, lm_head, attention, router), adapter_slot_gb (the L rank-R slots of every LoRA module:
+    the MoE layers hold one A and B per expert), kv_gb (max_batch × max_seq positions per layer), scratch_gb
+    (the MoE layer's shared buffers at max_tokens·top_k pairs), total_gb. Sizes as :func:`build_model`'s."""
+    from .moe_bench import MXFP4_BYTES_PER_WEIGHT
+
+    if experts not in EXPERT_FORMATS:
+        raise ValueError(f"experts must be one of {EXPERT_FORMATS}, got {experts!r}")
+    c = model_config(name)
+    b, H, Lyr, L, R = dtype_bytes, c.hidden_size, c.num_hidden_layers, num_adapters, max_rank
+    qkv_o = H * (c.q_width + 2 * c.kv_width) + c.q_width * H
+    attn_slots = L * R * ((3 * H + c.q_width + 2 * c.kv_width) + (c.q_width + H))  # qkv (3 slices), o
+    other = Lyr * qkv_o + c.vocab_size * H * (1 if c.tie_word_embeddings else 2) + (2 * Lyr + 1) * H  # norms
+    other += Lyr * ((c.q_width + 2 * c.kv_width + H) if c.attention_bias else 0)
+    expert_w = slots = scratch = 0.0
+    if c.is_moe:
+        E, I, K = c.num_experts, c.moe_intermediate_size, c.num_experts_per_tok
+        S = 1 if c.model_type == "gpt_oss" else 2
+        wb = MXFP4_BYTES_PER_WEIGHT if experts == "mxfp4" else b
+        expert_w = Lyr * (E * 3 * H * I * wb + (E * (2 * I + H) * b if c.expert_bias else 0))
+        other += Lyr * E * (H + (1 if c.router_bias else 0))
+        slots = Lyr * L * E * R * (S * H + 2 * I + I + H) * b
+        scratch = max_tokens * K * (2 * I + I + H) * b
+    else:
+        I = c.intermediate_size
+        other += Lyr * 3 * H * I
+        attn_slots += L * R * ((H + 2 * I) + (I + H))
+    slots += Lyr * attn_slots * b
+    kv = max_batch * max_seq * Lyr * 2 * c.kv_width * b
+    out = dict(expert_weight_gb=expert_w, other_weight_gb=other * b, adapter_slot_gb=slots, kv_gb=kv,
+               scratch_gb=scratch)  # fmt: skip
+    out = {k: v / 1e9 for k, v in out.items()}
+    return out | dict(total_gb=sum(out.values()))
 
 
 #: The CSVs of notebook 11 (``data/11_<name>.csv``) and the function whose rows each holds.

@@ -2,9 +2,15 @@
 
 :func:`op_costs` (FLOPs, bytes, floor of the six launches of a layer), :func:`layer_inputs` and
 :class:`LayerWeights` (seeded inputs; weights made once per sweep), :func:`bench_layer` /
-:func:`bench_lora_op` (time a layer's parts or one LoRA op), :func:`check_layer` (against the fp32
-reference), :func:`anchor_table` (vLLM on the same H200), and fresh-process helpers (recompilation
-counts, parallel compile pass, ncu L2 hit rate) behind ``python -m moelora_lib.studies.moe_bench``.
+:func:`bench_lora_op` (time a layer's parts or one LoRA op), :func:`bench_module` (a
+:class:`~moelora_lib.MoELoRALayer` forward from router logits), :func:`check_layer` (against the fp32
+reference), :func:`anchor_table` (vLLM on the same H200), :func:`mxfp4_anchor_table` (OpenAI's
+``triton_kernels`` MXFP4 MoE on the same H200), and fresh-process helpers (recompilation counts, parallel
+compile pass, ncu L2 hit rate) behind ``python -m moelora_lib.studies.moe_bench``.
+
+Expert weight formats (:data:`WEIGHT_FORMATS`): "dense" (the activations' dtype) or "mxfp4" (packed
+:class:`~moelora_lib.quant.MXFP4Weight`, 4.25 bits per weight; :func:`quantize_experts`,
+:func:`with_weight_format`). The base GEMMs' bytes and floors count each format's bytes per weight.
 
 Units: ms (``ms_p50/p20/p80``), µs (``us_p50``, ``floor_us``); 2 FLOPs per multiply-add; bytes read +
 written; P = T·K. Timing: :func:`.bench.time_fn` (do_bench median, L2 flushed, CUDA-graph replay or
@@ -30,6 +36,7 @@ import torch
 from ..common import DTYPES, dtype_name
 from ..kernels import STAGES, LayerConfig, default_config
 from ..kernels.config import LORA_OPS
+from ..quant.mxfp4 import MXFP4_BLOCK, MXFP4Weight, quantize_mxfp4
 from ..reference import moe_lora_reference
 from ..routing import max_padded_pairs, route
 from ..shapes import Dims, MoEShape, get_shape
@@ -39,6 +46,11 @@ from . import bench
 
 PARTS = ("base", "lora", "total")
 BASE_OPS = ("base_gate_up", "base_down")
+#: Formats of the expert weights w13 / w2: "dense" tensors of the activations' dtype, or "mxfp4"
+#: (:class:`~moelora_lib.quant.MXFP4Weight`, decoded in the base GEMMs' registers).
+WEIGHT_FORMATS = ("dense", "mxfp4")
+#: Bytes per MXFP4 weight: 16 bytes of e2m1 codes and one e8m0 scale byte per 32 weights (4.25 bits).
+MXFP4_BYTES_PER_WEIGHT = (MXFP4_BLOCK // 2 + 1) / MXFP4_BLOCK
 
 # --- vLLM anchors ----------------------------------------------------------------------------------------
 
@@ -71,6 +83,35 @@ def anchor_table(path: str | os.PathLike | None = None):
     return t[cols + ["total_two_kernel_us", "lora_best_us", "total_best_us"]]
 
 
+#: GPT-OSS-20B's MoE layer with MXFP4 experts through OpenAI's ``triton_kernels`` ``matmul_ogs`` as vLLM
+#: composes it on Hopper (routing, gate_up with SwiGLU, down with scatter and top-k sum; no LoRA), one
+#: CUDA graph per T on one H200 (provenance: data/anchors/README.md), and its split by launch group.
+_ANCHORS = bench.REPO_ROOT / "data" / "anchors"
+MXFP4_ANCHOR_FILE = _ANCHORS / "triton_kernels_mxfp4_moe_h200.csv"
+MXFP4_ANCHOR_BREAKDOWN_FILE = _ANCHORS / "triton_kernels_mxfp4_moe_breakdown_h200.csv"
+#: The model of the MXFP4 anchor rows (their CSV has no model column).
+MXFP4_ANCHOR_MODEL = "gpt-oss-20b"
+
+
+def mxfp4_anchor_table(path: str | os.PathLike | None = None, breakdown: str | os.PathLike | None = None):
+    """``matmul_ogs``'s MXFP4 MoE layer on the H200 (µs; bf16 activations, no LoRA) from
+    :data:`MXFP4_ANCHOR_FILE` (or ``path``) and its breakdown file (or ``breakdown``), one row per (model,
+    T): experts_touched, tk_us / tk_p20_us / tk_p80_us (CUDA-graph median, p20, p80), weight_bytes (the
+    touched experts' MXFP4 bytes), tk_floor_us (those bytes at the copy bandwidth the anchor measured),
+    routing_us / gate_up_us / down_us (each launch group alone; NaN where the breakdown has no row)."""
+    import pandas as pd
+
+    a = pd.read_csv(path or MXFP4_ANCHOR_FILE)
+    t = pd.DataFrame(
+        dict(model=MXFP4_ANCHOR_MODEL, T=a["T"].astype(int), experts_touched=a.experts_touched.astype(int))
+    )
+    t = t.assign(tk_us=a.tk_graph_us_med, tk_p20_us=a.tk_graph_us_p20, tk_p80_us=a.tk_graph_us_p80)
+    t = t.assign(weight_bytes=a.weight_bytes.astype(int), tk_floor_us=a.floor_us_copybw)
+    b = pd.read_csv(breakdown or MXFP4_ANCHOR_BREAKDOWN_FILE)
+    b = b[["T", "routing_us", "gate_up_us", "down_us"]].assign(T=b["T"].astype(int))
+    return t.merge(b, on="T", how="left").sort_values("T", ignore_index=True)
+
+
 # --- FLOPs and bytes -------------------------------------------------------------------------------------
 
 
@@ -97,22 +138,28 @@ def _touched(T: int, E: int, K: int, num_adapters: int | None, topk_ids, lora_id
 
 
 def op_costs(shape: MoEShape | str, dims: Dims, *, dtype_bytes: int = 2, topk_ids: torch.Tensor | None = None,
-             lora_ids: torch.Tensor | None = None) -> list[dict[str, Any]]:  # fmt: skip
+             lora_ids: torch.Tensor | None = None,
+             weight_bytes: float | None = None) -> list[dict[str, Any]]:  # fmt: skip
     """FLOPs, minimal bytes (each tensor once: weights of the touched experts / (adapter, expert) pairs,
     activations read and written; the rank intermediate fp32), intensity and H200 floor of the six
     launches. Touched experts/pairs are counted from ``topk_ids`` [T, K] / ``lora_ids`` [T] when given,
-    else min(E, T·K) / min(L·E, T·K). One dict per op: model, op, T, H, I, E, K, R, S, experts_touched,
+    else min(E, T·K) / min(L·E, T·K). ``weight_bytes``: bytes per expert weight of the two base GEMMs
+    (None = ``dtype_bytes``; :data:`MXFP4_BYTES_PER_WEIGHT` for MXFP4 experts); activations and adapters
+    stay ``dtype_bytes``. One dict per op: model, op, T, H, I, E, K, R, S, experts_touched,
     lora_pairs_touched, flops, bytes, weight_bytes, intensity, floor_us, bound ("memory"/"compute")."""
     shape = get_shape(shape) if isinstance(shape, str) else shape
     if not isinstance(dims, Dims):
         raise TypeError(f"op_costs: dims must be a Dims, got {type(dims).__name__}")
+    if weight_bytes is not None and not (isinstance(weight_bytes, (int, float)) and weight_bytes > 0):
+        raise ValueError(f"op_costs: weight_bytes must be None or a number > 0, got {weight_bytes!r}")
     d = dims
     T, H, I, E, K, R, S = d.T, d.H, d.I, d.E, d.top_k, d.rank, d.slices
     b, P, f32 = dtype_bytes, d.pairs, 4
+    wb = b if weight_bytes is None else weight_bytes
     n_e, n_pair = _touched(T, E, K, d.adapters, topk_ids, lora_ids)
     ops = [  # name, flops, weight bytes, activation bytes
-        ("base_gate_up", 2 * P * 2 * I * H, n_e * 2 * I * H * b, T * H * b + P * 2 * I * b),
-        ("base_down", 2 * P * H * I, n_e * H * I * b, P * I * b + P * H * b),
+        ("base_gate_up", 2 * P * 2 * I * H, n_e * 2 * I * H * wb, T * H * b + P * 2 * I * b),
+        ("base_down", 2 * P * H * I, n_e * H * I * wb, P * I * b + P * H * b),
         ("gate_up_shrink", 2 * P * H * R * S, n_pair * S * R * H * b, T * H * b + S * P * R * f32),
         ("gate_up_expand", 2 * P * R * 2 * I, n_pair * 2 * I * R * b, S * P * R * f32 + 2 * P * 2 * I * b),
         ("down_shrink", 2 * P * I * R, n_pair * R * I * b, P * I * b + P * R * f32),
@@ -165,13 +212,67 @@ def _workload(shape, T, inputs: dict, pattern: str = "uniform") -> Workload:
 
 
 def layer_inputs(
-    shape: MoEShape | str | Workload, T: int | None = None, *, weights: MoELoRAInputs | None = None, **inputs
-) -> MoELoRAInputs:
+    shape: MoEShape | str | Workload, T: int | None = None, *, weights: MoELoRAInputs | None = None,
+    weight_format: str | None = None, **inputs,
+) -> MoELoRAInputs:  # fmt: skip
     """Seeded inputs of one layer call (a Workload or its keyword form, :data:`_WORKLOAD_KW`):
     :func:`moelora_lib.workloads.make_inputs`, or with ``weights`` (an earlier result of the same shape,
-    R, L, dtype, device) its weights reused and only tokens, routing and adapter ids new, seeded by
-    (seed, T). ``bias`` True with reused weights that have none: ValueError."""
-    return _inputs(_workload(shape, T, inputs), weights)
+    R, L, dtype, device, dense or MXFP4 experts) its weights reused and only tokens, routing and adapter ids
+    new, seeded by (seed, T). ``weight_format``: None keeps the experts as made or given, else
+    :func:`with_weight_format` (quantizing every call: for a sweep, pass weights converted once).
+    ``bias`` True with reused weights that have none: ValueError."""
+    inp = _inputs(_workload(shape, T, inputs), weights)
+    return inp if weight_format is None else with_weight_format(inp, weight_format)
+
+
+def quantize_experts(w: torch.Tensor, *, max_elements: int = 1 << 24) -> MXFP4Weight:
+    """The :class:`~moelora_lib.quant.MXFP4Weight` of expert weights ``w`` [E, N, K] (K a multiple of 32),
+    on ``w``'s device: :func:`~moelora_lib.quant.quantize_mxfp4` applied to a few experts at a time, at
+    most ``max_elements`` weights per step (at least one expert), so that the quantizer's float32
+    temporaries (~50 bytes per weight) stay bounded whatever E. Equal to quantizing ``w`` at once."""
+    if not isinstance(w, torch.Tensor) or w.dim() != 3:
+        raise ValueError(f"quantize_experts: w must be a tensor [E, N, K], got {_desc(w)}")
+    E, N, K = w.shape
+    if K % MXFP4_BLOCK:
+        raise ValueError(f"quantize_experts: K = {K} (w's last dim) must be a multiple of {MXFP4_BLOCK}")
+    blocks = torch.empty((E, N, K // MXFP4_BLOCK, MXFP4_BLOCK // 2), dtype=torch.uint8, device=w.device)
+    scales = torch.empty((E, N, K // MXFP4_BLOCK), dtype=torch.uint8, device=w.device)
+    step = max(1, int(max_elements) // max(1, N * K))
+    for e in range(0, E, step):
+        blocks[e : e + step], scales[e : e + step] = quantize_mxfp4(w[e : e + step])
+    return MXFP4Weight(blocks, scales)
+
+
+def weight_format(w) -> str:
+    """The :data:`WEIGHT_FORMATS` name of an expert weight: "mxfp4" for an MXFP4Weight, else "dense"."""
+    return "mxfp4" if isinstance(w, MXFP4Weight) else "dense"
+
+
+def weight_format_of(inp: MoELoRAInputs) -> str:
+    """:func:`weight_format` of ``inp``'s experts (w13 and w2 are of one format)."""
+    return weight_format(inp.w13)
+
+
+def with_weight_format(inp: MoELoRAInputs, fmt: str) -> MoELoRAInputs:
+    """``inp`` with both expert weights in format ``fmt`` (:data:`WEIGHT_FORMATS`): "mxfp4" quantizes dense
+    experts (:func:`quantize_experts`), "dense" dequantizes packed ones exactly into the adapters' dtype
+    (the values the MXFP4 kernels compute with); weights already in ``fmt`` are kept (``inp`` itself when
+    both are). Raises ValueError for another ``fmt``."""
+    if fmt not in WEIGHT_FORMATS:
+        raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {fmt!r}")
+    dt = inp.lora_a13.dtype
+
+    def conv(w):
+        if weight_format(w) == fmt:
+            return w
+        return quantize_experts(w) if fmt == "mxfp4" else w.dequantize(dt)  # exact, cast once
+
+    w13, w2 = conv(inp.w13), conv(inp.w2)
+    return inp if (w13 is inp.w13 and w2 is inp.w2) else dataclasses.replace(inp, w13=w13, w2=w2)
+
+
+def _desc(t) -> str:
+    return f"{t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
 
 
 #: Where :class:`LayerWeights` keeps generated weight sets on the GPU profile (git-ignored).
@@ -279,11 +380,12 @@ def _inputs(wl: Workload, weights: MoELoRAInputs | None) -> MoELoRAInputs:
     if use_bias and weights.b13 is None:
         raise ValueError("bias=True but the reused weights have no biases; build them with bias=True")
     g = torch.Generator().manual_seed(seed * 1_000_003 + T)
-    x = torch.randn(T, shape.hidden, generator=g).to(weights.w13.dtype)
+    # the adapters carry the layer's dtype and device whatever the experts' format
+    x = torch.randn(T, shape.hidden, generator=g).to(weights.lora_a13.dtype)
     logits = torch.randn(T, shape.experts, generator=g)
     topk_w, topk_ids = route(logits, shape.top_k, shape.renormalize)
     ids = adapter_ids(T, weights.lora_a13.shape[0], wl.pattern, g)
-    dev = weights.w13.device
+    dev = weights.lora_a13.device
     new = dict(hidden_states=x, topk_weights=topk_w, topk_ids=topk_ids, lora_ids=ids, router_logits=logits)
     new = {k: v.to(dev) for k, v in new.items()}
     return dataclasses.replace(weights, **new, activation=act, b13=weights.b13 if use_bias else None,
@@ -310,7 +412,12 @@ def _run_fields(shape: MoEShape, run, pattern: str) -> dict[str, Any]:
     d = run.dims
     f = dict(stage=run.stage.name, model=shape.name, T=d.T, H=d.H, I=d.I, E=d.E, K=d.top_k, L=d.adapters)
     f |= dict(R=d.rank, S=d.slices, dtype=dtype_name(run.x.dtype), activation=run.activation)
-    return f | dict(bias=run.b13 is not None, pattern=pattern)
+    return f | dict(bias=run.b13 is not None, pattern=pattern, weight_format=weight_format(run.w13))
+
+
+def _weight_bytes(w) -> float | None:
+    """:func:`op_costs`' ``weight_bytes`` for expert weight ``w``: MXFP4's 4.25 bits, else None (dtype's)."""
+    return MXFP4_BYTES_PER_WEIGHT if weight_format(w) == "mxfp4" else None
 
 
 # --- Benchmarks ------------------------------------------------------------------------------------------
@@ -329,13 +436,14 @@ def bench_layer(stage: str, shape: MoEShape | str | Workload, T: int | None = No
                 modes: Sequence[str] = ("graph",), config: LayerConfig | None = None,
                 weights: MoELoRAInputs | None = None, parts: Sequence[str] = PARTS, warmup_ms: float = 25,
                 rep_ms: float = 100, min_reps: int | None = None, adapter_order: bool | None = None,
-                **inputs) -> list[dict[str, Any]]:  # fmt: skip
+                weight_format: str | None = None, **inputs) -> list[dict[str, Any]]:  # fmt: skip
     """Time the parts of one layer of ``stage`` at T tokens, one row per (part, mode): "base"
     (``LayerRun.base_part``), "lora" (``lora_part``: the four LoRA ops and their adds), "total". Built
-    and called once untimed first. config None = ``default_config`` for T. Rows
+    and called once untimed first. config None = ``default_config`` for T. ``weights`` / ``weight_format``:
+    as in :func:`layer_inputs` (MXFP4 experts: the base bytes and floor count 4.25 bits per weight). Rows
     (:func:`.bench.result_row`): stage, part, model, T, H, I, E, K, L, R, S, dtype, activation, bias,
-    pattern, config, config_source, mode, ms_p50/p20/p80, us_p50, flops, bytes, floor_us, warmup_ms,
-    rep_ms, min_reps and the environment columns. ValueError for T < 1."""
+    pattern, weight_format, config, config_source, mode, ms_p50/p20/p80, us_p50, flops, bytes, floor_us,
+    warmup_ms, rep_ms, min_reps and the environment columns. ValueError for T < 1."""
     wl = _workload(shape, T, inputs)
     if wl.T < 1:
         raise ValueError(
@@ -343,11 +451,14 @@ def bench_layer(stage: str, shape: MoEShape | str | Workload, T: int | None = No
         )
     shape, device = wl.shape, wl.device
     inp = _inputs(wl, weights)
+    if weight_format is not None:
+        inp = with_weight_format(inp, weight_format)
     run = make_run(stage, inp, config, adapter_order=adapter_order)
     run()  # compile outside the timed region
     _sync(device)
     b = inp.hidden_states.element_size()
-    costs = op_costs(shape, run.dims, dtype_bytes=b, topk_ids=inp.topk_ids, lora_ids=inp.lora_ids)
+    costs = op_costs(shape, run.dims, dtype_bytes=b, topk_ids=inp.topk_ids, lora_ids=inp.lora_ids,
+                     weight_bytes=_weight_bytes(inp.w13))  # fmt: skip
     fns = {"base": run.base_part, "lora": run.lora_part, "total": run}
     is_cpu = torch.device(device).type == "cpu"
     fields, rows = _run_fields(shape, run, wl.pattern), []
@@ -357,6 +468,57 @@ def bench_layer(stage: str, shape: MoEShape | str | Workload, T: int | None = No
             tm = bench.time_fn(fns[part], mode, device, warmup_ms, rep_ms, min_reps=min_reps)
             cost, budget = (flops, nbytes, floor_us(flops, nbytes)), (warmup_ms, rep_ms, min_reps)
             rows.append(_timed_row(fields, part, run.cfg.short(), run, mode, tm, cost, budget))
+    return rows
+
+
+#: :func:`bench_module`'s parts: the forward with no LoRA launch, and with the adapters of ``lora_ids``.
+MODULE_PARTS = ("base", "total")
+
+
+def bench_module(layer, inp: MoELoRAInputs, shape: MoEShape | str, *, parts: Sequence[str] = MODULE_PARTS,
+                 warmup_ms: float = 25, rep_ms: float = 100, min_reps: int | None = None,
+                 pattern: str = "uniform") -> list[dict[str, Any]]:  # fmt: skip
+    """Time a :class:`~moelora_lib.MoELoRALayer` forward from router logits at ``inp``'s T (routing,
+    alignment and the stage's launches: what a model runs), one row per part: "base" (``active_slots``
+    empty: no LoRA launch, the adapters stay loaded) and "total" (the adapters of ``inp.lora_ids``).
+    CUDA-graph replay with L2 flushed on a GPU; on the CPU one interpreted call (``mode``
+    "cpu-interpreter"). ``inp``: inputs of the layer's sizes, dtype and device (its router_logits and
+    lora_ids are used; the floor counts the experts its topk_ids touch, 4.25 bits per weight for MXFP4
+    experts). Rows: :func:`bench_layer`'s columns with ``stage`` the layer's ("auto" or a stage name) and
+    ``resolved_stage`` the one it runs at T (:meth:`~moelora_lib.MoELoRALayer.stage_for`)."""
+    shape = get_shape(shape) if isinstance(shape, str) else shape
+    unknown = sorted(set(parts) - set(MODULE_PARTS))
+    if unknown:
+        raise ValueError(f"bench_module: parts must be among {MODULE_PARTS}, got {unknown}")
+    x, logits, ids = inp.hidden_states, inp.router_logits, inp.lora_ids
+    T, device = x.shape[0], x.device
+    w13 = layer.expert_weights()[0]
+    ly = layer
+    d = Dims(T=T, H=ly.H, I=ly.I, E=ly.E, top_k=ly.K, adapters=ly.L, rank=ly.R, slices=ly.S)
+    costs = op_costs(shape, d, dtype_bytes=x.element_size(), topk_ids=inp.topk_ids, lora_ids=ids,
+                     weight_bytes=_weight_bytes(w13))  # fmt: skip
+    saved, rows = layer.active_slots, []
+    mode = "cpu-interpreter" if device.type == "cpu" else "graph"
+    fields = dict(stage=layer.stage.name, resolved_stage=layer.stage_for(T).name, model=shape.name, T=T)
+    fields |= dict(H=d.H, I=d.I, E=d.E, K=d.top_k, L=d.adapters, R=d.rank, S=d.slices)
+    fields |= dict(dtype=dtype_name(x.dtype), activation=ly.activation, bias=ly.b13 is not None)
+    fields |= dict(pattern=pattern, weight_format=weight_format(w13))
+    try:
+        for part in parts:
+            layer.active_slots = frozenset() if part == "base" else saved
+            fn = functools.partial(layer, x, logits, lora_ids=ids)
+            fn()  # compiled (and the scratch allocated) outside the timed region
+            _sync(device)
+            tm = bench.time_fn(fn, mode, device, warmup_ms, rep_ms, min_reps=min_reps)
+            flops, nbytes = _part_cost(costs, part)
+            cfg = layer.config_for(T)
+            row = dict(part=part, config=cfg.short(), config_source=cfg.source)
+            row |= dict(mode=mode, ms_p50=tm.ms_p50, ms_p20=tm.ms_p20, ms_p80=tm.ms_p80)
+            row |= dict(us_p50=tm.ms_p50 * 1e3, flops=flops, bytes=nbytes, floor_us=floor_us(flops, nbytes))
+            row |= dict(warmup_ms=warmup_ms, rep_ms=rep_ms, min_reps=min_reps)
+            rows.append(bench.result_row(**fields, **row))
+    finally:
+        layer.active_slots = saved
     return rows
 
 
@@ -392,7 +554,8 @@ def bench_lora_op(stage: str, shape: MoEShape | str, T: int, op: str, *, mode: s
         out = out.clone()
     _sync(device)
     # touched (adapter, expert) pairs estimated as min(L·E, T·K) (the run keeps no topk_ids)
-    c = {c["op"]: c for c in op_costs(shape, run.dims, dtype_bytes=run.x.element_size())}[op]
+    c = {c["op"]: c for c in op_costs(shape, run.dims, dtype_bytes=run.x.element_size(),
+                                      weight_bytes=_weight_bytes(run.w13))}[op]  # fmt: skip
     m = "cpu-interpreter" if torch.device(device).type == "cpu" else mode
     tm = bench.time_fn(fn, m, device, warmup_ms, rep_ms, min_reps=min_reps)
     fields = _run_fields(shape, run, pattern)
@@ -406,30 +569,48 @@ def bench_lora_op(stage: str, shape: MoEShape | str, T: int, op: str, *, mode: s
 
 def check_layer(stage: str, shape: MoEShape | str | Workload, T: int | None = None, *,
                 weights: MoELoRAInputs | None = None, config: LayerConfig | None = None,
-                **inputs) -> dict[str, Any]:  # fmt: skip
+                weight_format: str | None = None, **inputs) -> dict[str, Any]:  # fmt: skip
     """One layer call against ``moe_lora_reference`` (fp32; default pattern "mixed"). Returns stage,
-    model, T, dtype, activation, bias, pattern, rel_err, no_adapter_rows, no_adapter_bitwise (those rows
-    equal ``base_part()``'s exactly), delta_rel (max|ref − ref without LoRA| / max|ref|: a pass is not a
-    LoRA never added), config. The reference holds [P, 2I, H] fp32: keep P = T·K modest."""
+    model, T, dtype, activation, bias, pattern, weight_format, rel_err, no_adapter_rows,
+    no_adapter_bitwise (those rows equal ``base_part()``'s exactly), delta_rel (max|ref − ref without
+    LoRA| / max|ref|: a pass is not a LoRA never added), rel_err_vs_dense, bitwise_vs_dense, config.
+    ``weights`` / ``weight_format``: as in :func:`layer_inputs`. With MXFP4 experts the reference runs on
+    the dequantized weights (exact), and the same stage with the same config also runs on the dequantized
+    weights in the activations' dtype: ``rel_err_vs_dense`` and ``bitwise_vs_dense`` compare the two
+    outputs (NaN and None for dense experts). The reference holds [P, 2I, H] fp32: keep P = T·K modest."""
     wl = _workload(shape, T, inputs, pattern="mixed")
     inp = _inputs(wl, weights)
+    if weight_format is not None:
+        inp = with_weight_format(inp, weight_format)
     run = make_run(stage, inp, config)
     out = run().clone()
     base = run.base_part().clone()
-    ref = moe_lora_reference(*inp.args(), **inp.kwargs())
+    packed = weight_format_of(inp) == "mxfp4"
+    dense = with_weight_format(inp, "dense") if packed else inp
+    args = dense.args()
+    if packed:  # the reference on the exact weights in fp32
+        args = (args[0], inp.w13.dequantize(torch.float32), inp.w2.dequantize(torch.float32), *args[3:])
+    ref = moe_lora_reference(*args, **inp.kwargs())
     none = inp.lora_ids == -1
     bitwise = bool(torch.equal(out[none], base[none])) if bool(none.any()) else True
     no_lora = (torch.full_like(inp.lora_ids, -1), None, None, None, None)
-    ref_base = moe_lora_reference(*inp.args()[:5], *no_lora, **inp.kwargs())
+    ref_base = moe_lora_reference(*args[:5], *no_lora, **inp.kwargs())
     delta_rel = float((ref - ref_base).abs().max() / ref.abs().max().clamp_min(1e-30))
-    r = dict(stage=stage, model=wl.model_name, T=wl.T, dtype=dtype_name(wl.dtype), activation=inp.activation)
+    vs_dense, same_as_dense = float("nan"), None
+    if packed:
+        out_dense = make_run(run.stage.name, dense, run.cfg)()
+        vs_dense, same_as_dense = rel_err(out, out_dense), bool(torch.equal(out, out_dense))
+    dt = dtype_name(inp.hidden_states.dtype)
+    r = dict(stage=stage, model=wl.model_name, T=wl.T, dtype=dt, activation=inp.activation)
     r |= dict(
         bias=inp.b13 is not None,
         pattern=wl.pattern,
+        weight_format=weight_format_of(inp),
         rel_err=rel_err(out, ref),
         no_adapter_rows=int(none.sum()),
     )
-    return r | dict(no_adapter_bitwise=bitwise, delta_rel=delta_rel, config=run.cfg.short())
+    r |= dict(no_adapter_bitwise=bitwise, delta_rel=delta_rel, rel_err_vs_dense=vs_dense)
+    return r | dict(bitwise_vs_dense=same_as_dense, config=run.cfg.short())
 
 
 # --- Recompilation (notebook 03) -------------------------------------------------------------------------

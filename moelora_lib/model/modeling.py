@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..common import check_bool, describe, is_int
-from ..quant import MXFP4Weight
+from ..quant import FP8BlockWeight, MXFP4Weight
 from .config import ModelConfig
 
 __all__ = [
@@ -42,6 +42,8 @@ __all__ = [
     "rope_tables",
     "packed_expert_formats",
     "packed_expert_weight",
+    "packed_linear_formats",
+    "packed_linear_weight",
 ]
 
 #: A weight source: our state-dict name and the expected shape -> a tensor of that shape (any float dtype,
@@ -417,30 +419,98 @@ class DecoderLayer(nn.Module):
 # --------------------------------------------------------------------------------------------------
 def packed_expert_formats() -> frozenset[str]:
     """The packed expert-weight formats :class:`moelora_lib.MoELoRALayer` takes as they are ("mxfp4":
-    :class:`~moelora_lib.quant.MXFP4Weight` for ``w13`` / ``w2``): the class attribute
-    ``MoELoRALayer.PACKED_FORMATS`` (a tuple of names), empty where the layer does not define it, i.e.
-    while it runs dense weights only. :func:`~moelora_lib.model.load_hf_checkpoint` keeps a checkpoint's
-    packed experts packed by default exactly when its format is listed here."""
+    :class:`~moelora_lib.quant.MXFP4Weight` for ``w13`` / ``w2``; "fp8":
+    :class:`~moelora_lib.quant.FP8BlockWeight`): the class attribute ``MoELoRALayer.PACKED_FORMATS`` (a
+    tuple of names), empty where the layer does not define it, i.e. while it runs dense weights only.
+    :func:`~moelora_lib.model.load_hf_checkpoint` keeps a checkpoint's packed experts packed by default
+    exactly when its format is listed here."""
     from .. import MoELoRALayer
 
     return frozenset(getattr(MoELoRALayer, "PACKED_FORMATS", ()))
 
 
-def packed_expert_weight(w: MXFP4Weight, *, name: str, shape: tuple[int, ...], device) -> MXFP4Weight:
+def packed_linear_formats() -> frozenset[str]:
+    """The packed weight formats :class:`moelora_lib.LoRALinear` (attention q/k/v/o, the dense MLP) takes
+    as they are ("fp8": :class:`~moelora_lib.quant.FP8BlockWeight` as ``weight``): the class attribute
+    ``LoRALinear.PACKED_FORMATS``, empty where the layer does not define it (today: it runs dense
+    weights only). :func:`~moelora_lib.model.load_hf_checkpoint` keeps a checkpoint's FP8 projections in
+    FP8 by default exactly when "fp8" is listed here."""
+    from .. import LoRALinear
+
+    return frozenset(getattr(LoRALinear, "PACKED_FORMATS", ()))
+
+
+def _format_of(w) -> str:
+    return "mxfp4" if isinstance(w, MXFP4Weight) else "fp8"
+
+
+def packed_expert_weight(
+    w: MXFP4Weight | FP8BlockWeight, *, name: str, shape: tuple[int, ...], device
+) -> MXFP4Weight | FP8BlockWeight:
     """What :class:`moelora_lib.MoELoRALayer` receives for a packed expert weight ``w`` (``name`` the
     model's state-dict name ``layers.{l}.mlp.experts.w13`` or ``.w2``; ``shape`` the dense shape the
     layer expects, w13 [E, 2I, H] or w2 [E, H, I], rows = output features as in the dense layout, gate
-    and up interleaved along 2I for GPT-OSS): ``w`` on ``device`` (uint8 blocks [..., K/32, 16] and
-    scales [..., K/32], as published), kept packed. The one place where packed expert weights enter the
+    and up interleaved along 2I for GPT-OSS, [gate | up] rows for Qwen3-MoE): ``w`` on ``device``, kept
+    packed — MXFP4 (uint8 blocks [..., K/32, 16] and scales [..., K/32], as published) or block FP8
+    (float8_e4m3fn [..., N, K] and its scale grid). The one place where packed expert weights enter the
     model; the layer takes its activation dtype from the model (a packed weight carries none).
+
+    A packed MoE kernel path plugs in by listing its format in ``MoELoRALayer.PACKED_FORMATS`` (see
+    :func:`packed_expert_formats`) and accepting the weight as ``w13`` / ``w2``; until then such a weight
+    raises NotImplementedError here and the dense path runs by dequantizing at load
+    (``load_hf_checkpoint(..., dequantize=True)``).
 
     Raises:
         ValueError: ``w``'s dense shape is not ``shape`` (naming ``name``).
+        NotImplementedError: the MoE layer has no kernels for ``w``'s format (today: FP8).
     """
     shape = tuple(shape)
+    fmt = _format_of(w)
     if tuple(w.shape) != shape:
         raise ValueError(
-            f"weights[{name!r}]: expected shape {list(shape)}, got MXFP4 of shape {list(w.shape)}"
+            f"weights[{name!r}]: expected shape {list(shape)}, got {fmt.upper()} of shape {list(w.shape)}"
+        )
+    if fmt not in packed_expert_formats():
+        raise NotImplementedError(
+            f"weights[{name!r}]: {fmt.upper()} expert weights need {fmt.upper()} MoE kernels, which "
+            "MoELoRALayer does not have (its PACKED_FORMATS: "
+            f"{sorted(packed_expert_formats())}); load the checkpoint with load_hf_checkpoint(..., "
+            "dequantize=True) (exact dequantization to the model dtype), or pass dense weights"
+        )
+    return w.to(device)
+
+
+def packed_linear_weight(w: FP8BlockWeight, *, name: str, shape: tuple[int, ...], device) -> FP8BlockWeight:
+    """What :class:`moelora_lib.LoRALinear` receives for a packed projection weight ``w`` (``name`` the
+    model's state-dict name, e.g. ``layers.{l}.self_attn.qkv_proj.weight`` or
+    ``layers.{l}.mlp.down_proj.weight``; ``shape`` the dense [N_total, H] the layer expects, fused slices
+    stacked along the rows): a block-FP8 :class:`~moelora_lib.quant.FP8BlockWeight` (float8_e4m3fn
+    [N_total, H] and its scale grid) on ``device``, kept in FP8. The one place where packed dense
+    projection weights enter the model.
+
+    An FP8 GEMM path plugs in by listing "fp8" in ``LoRALinear.PACKED_FORMATS`` (see
+    :func:`packed_linear_formats`) and accepting the weight as ``weight`` with a ``dtype`` keyword (the
+    activations' dtype: the model passes its own, since a packed weight carries none, as it does for
+    :class:`moelora_lib.MoELoRALayer`); until then it raises NotImplementedError here and the dense path
+    runs by dequantizing at load (``load_hf_checkpoint(..., dequantize=True)``).
+
+    Raises:
+        ValueError: ``w`` is not an FP8BlockWeight (MXFP4 is read for experts only) or its shape is not
+            ``shape`` (naming ``name``).
+        NotImplementedError: LoRALinear has no FP8 kernels.
+    """
+    shape = tuple(shape)
+    if not isinstance(w, FP8BlockWeight):
+        raise ValueError(
+            f"weights[{name!r}]: a packed dense projection must be an FP8BlockWeight, got {type(w).__name__}"
+        )
+    if tuple(w.shape) != shape:
+        raise ValueError(f"weights[{name!r}]: expected shape {list(shape)}, got FP8 of shape {list(w.shape)}")
+    if "fp8" not in packed_linear_formats():
+        raise NotImplementedError(
+            f"weights[{name!r}]: FP8 projection weights need block-FP8 GEMMs, which LoRALinear does not have "
+            "yet; load the checkpoint with load_hf_checkpoint(..., dequantize=True) (exact dequantization "
+            "to the model dtype), or pass dense weights"
         )
     return w.to(device)
 
@@ -532,12 +602,19 @@ class MultiLoRAModel(nn.Module):
             packed model's ``state_dict()``) ``{name}_blocks`` + ``{name}_scales`` uint8 tensors in
             place of ``{name}``; they go through :func:`packed_expert_weight` and stay packed in the
             MoE layer, which runs them in ``dtype``.
+            Block-FP8 weights (:class:`~moelora_lib.quant.FP8BlockWeight` of the same dense shape) may
+            stand for the experts' ``w13`` / ``w2`` and for the dense projections' ``*.weight``
+            (``qkv_proj``, ``o_proj``, ``gate_up_proj``, ``down_proj``); they go through
+            :func:`packed_expert_weight` / :func:`packed_linear_weight`, which raise
+            NotImplementedError while the layers have no FP8 kernels.
     Raises:
         ValueError naming the argument: a stage that is neither "auto" nor a name of
         :data:`~moelora_lib.kernels.STAGES` (the message lists them), sizes not positive ints,
         max_tokens < max_batch, a device that is neither an existing CUDA device nor the CPU (the CPU
         needs TRITON_INTERPRET=1 and float16/float32), a missing/unexpected weight name, a weight of the
         wrong shape or not finite in ``dtype``, and what LoRALinear/MoELoRALayer refuse.
+        NotImplementedError: packed weights in a format the layer they go to does not run
+        (:func:`packed_expert_weight`, :func:`packed_linear_weight`; today: FP8).
     ``device`` and ``dtype`` are properties that follow ``.to()``.
 
     Slots in use: :meth:`hold_slots` marks slots that a running generate call reads; while held, a
@@ -608,12 +685,13 @@ class MultiLoRAModel(nn.Module):
             shape: tuple[int, ...],
             kind: str = "weight",
             dt: torch.dtype = dtype,
-            packed: bool = False,
-        ) -> torch.Tensor | MXFP4Weight:
+            packed: Callable | None = None,
+        ) -> torch.Tensor | MXFP4Weight | FP8BlockWeight:
             shape = tuple(int(s) for s in shape)
             if callable(weights) and not isinstance(weights, Mapping):
                 t = weights(name, shape, kind=kind, dtype=dt, device=device)
-            elif packed and name not in weights and f"{name}_blocks" in weights:  # a packed state dict
+            elif packed is packed_expert_weight and name not in weights and f"{name}_blocks" in weights:
+                # a packed state dict
                 parts = (f"{name}_blocks", f"{name}_scales")
                 if parts[1] not in weights:
                     raise ValueError(f"weights: {parts[0]!r} without {parts[1]!r}")
@@ -627,8 +705,8 @@ class MultiLoRAModel(nn.Module):
                     raise ValueError(f"weights: missing {name!r} (expected shape {list(shape)})")
                 t = weights[name]
             used.add(name)
-            if packed and isinstance(t, MXFP4Weight):
-                return packed_expert_weight(t, name=name, shape=shape, device=device)
+            if packed is not None and isinstance(t, (MXFP4Weight, FP8BlockWeight)):
+                return packed(t, name=name, shape=shape, device=device)
             if not isinstance(t, torch.Tensor) or not t.is_floating_point():
                 raise ValueError(f"weights[{name!r}] must be a float tensor, got {describe(t)}")
             if tuple(t.shape) != shape:
@@ -663,9 +741,11 @@ class MultiLoRAModel(nn.Module):
             p = f"layers.{li}."
 
             def lin(name, n_out, n_in, bias, slices, _p=p, _sub="self_attn."):
-                w = take(f"{_p}{_sub}{name}.weight", (n_out, n_in))
+                w = take(f"{_p}{_sub}{name}.weight", (n_out, n_in), packed=packed_linear_weight)
                 b = take(f"{_p}{_sub}{name}.bias", (n_out,), "bias") if bias else None
-                return LoRALinear(w, b, slices=slices, **dense)
+                # a packed (FP8) weight carries no activation dtype: the layer takes the model's
+                packed_dt = {"dtype": dtype} if isinstance(w, FP8BlockWeight) else {}
+                return LoRALinear(w, b, slices=slices, **dense, **packed_dt)
 
             def take_l(name, shape, kind="weight", _p=p):
                 return take(f"{_p}self_attn.{name}", shape, kind)
@@ -678,8 +758,8 @@ class MultiLoRAModel(nn.Module):
                     take(f"{p}mlp.router.bias", (E,), "bias") if c.router_bias else None,
                 )
                 experts = MoELoRALayer(
-                    take(f"{p}mlp.experts.w13", (E, 2 * I, H), packed=True),
-                    take(f"{p}mlp.experts.w2", (E, H, I), packed=True),
+                    take(f"{p}mlp.experts.w13", (E, 2 * I, H), packed=packed_expert_weight),
+                    take(f"{p}mlp.experts.w2", (E, H, I), packed=packed_expert_weight),
                     top_k=c.num_experts_per_tok,
                     slices=1 if gpt else 2,
                     b13=take(f"{p}mlp.experts.b13", (E, 2 * I), "bias") if c.expert_bias else None,

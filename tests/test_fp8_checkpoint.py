@@ -1,0 +1,598 @@
+"""Qwen3 / Qwen3-MoE block-FP8 checkpoints as published through load_hf_checkpoint, CPU (Triton
+interpreter), float32.
+
+The test writes tiny Qwen3-MoE and dense Qwen3 folders in the published layout (Qwen/Qwen3-30B-A3B-FP8,
+Qwen/Qwen3-32B-FP8): a random transformers model saved by ``save_pretrained`` (so the keys are the ones
+transformers writes: per-expert ``mlp.experts.{e}.{gate,up,down}_proj.weight`` for the MoE), every
+attention / MLP / expert projection quantized with the project's quantizer into ``X_proj.weight``
+float8_e4m3fn + ``X_proj.weight_scale_inv`` float32, the embeddings, norms, router and lm_head in bf16,
+config.json with ``quantization_config {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme":
+"dynamic", "weight_block_size": [32, 16]}`` — a non-square block that divides every dimension of these
+models (transformers' loader infers the block from the grid and refuses ragged grids); the MoE once as
+one model.safetensors and once sharded (a weight and its scales in different shards). A third folder
+keeps the published [128, 128] (weight_block_size left out: the default), so every block is ragged.
+
+Oracles: transformers' Qwen3MoeForCausalLM / Qwen3ForCausalLM loaded from the same folder with
+``FineGrainedFP8Config(dequantize=True)`` (which runs on the CPU): its dequantized parameters equal ours
+bit for bit, its fp32 logits equal ours within tests/test_model_base.py's tolerance (1e-4·max|ref| +
+1e-5); for the ragged folder, transformers' ``_dequantize_fp8_weight`` per key. PEFT adapters (attention
++ experts for the MoE, attention + MLP for the dense model) made on that dequantized model, as FP8
+models' adapters are trained: a mixed batch (adapter, none, other adapter) row by row against
+transformers + PEFT within tests/test_model_adapters.py's E2E tolerance. The loader's FP8 seam: FP8
+kernels do not exist yet, so ``dequantize=False`` raises NotImplementedError naming ``dequantize=True``,
+and with the layers' PACKED_FORMATS flipped (monkeypatched) the loader hands FP8BlockWeights equal to
+the file's to the layers. Bad files are refused with a ValueError naming the key or field.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_model_adapters import E2E_ATOL
+from test_model_base import _close, _ref_logits
+
+import moelora_lib
+from moelora_lib.model import MultiLoRAModel, load_hf_checkpoint, load_peft_adapter, modeling
+from moelora_lib.model.modeling import packed_expert_weight, packed_linear_weight
+from moelora_lib.quant import FP8BlockWeight, MXFP4Weight, dequantize_fp8_block, quantize_fp8_block
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+fp8_integration = pytest.importorskip("transformers.integrations.finegrained_fp8")
+
+V, H, HEADS, KV, HD, NL, E, TOPK, MOE_I, DENSE_I = 96, 64, 4, 2, 16, 2, 4, 2, 32, 96
+BLOCK = [32, 16]
+SIZES = dict(num_adapters=2, max_rank=4, max_batch=3, max_seq=16, max_tokens=30)
+QUANT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": BLOCK}
+_CLASSES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def _hf_config(kind: str):
+    common = dict(
+        vocab_size=V,
+        hidden_size=H,
+        num_hidden_layers=NL,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV,
+        head_dim=HD,
+        hidden_act="silu",
+        tie_word_embeddings=False,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        attention_bias=False,
+        use_sliding_window=False,
+        sliding_window=None,
+        rope_parameters=dict(rope_type="default", rope_theta=1e6),
+    )
+    if kind == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(
+            **common,
+            intermediate_size=64,
+            moe_intermediate_size=MOE_I,
+            num_experts=E,
+            num_experts_per_tok=TOPK,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+    return transformers.Qwen3Config(**common, intermediate_size=DENSE_I, max_window_layers=NL)
+
+
+def _is_quantized(key: str) -> bool:
+    """The projections the published files quantize: attention q/k/v/o, MLP and expert gate/up/down
+    (not the router ``mlp.gate``, embeddings, norms, lm_head)."""
+    return key.endswith("_proj.weight")
+
+
+def _published_tensors(kind: str, folder: Path, block=BLOCK, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The tensors of a published FP8 file: a random transformers model (weights N(0, 0.15²), norms
+    1 ± 0.1) saved by transformers (its key names), projections block-FP8, the rest bf16."""
+    torch.manual_seed(seed)
+    model = getattr(transformers, _CLASSES[kind])(_hf_config(kind))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(
+                1 + 0.1 * torch.randn(p.shape, generator=g)
+                if "norm" in name
+                else 0.15 * torch.randn(p.shape, generator=g)
+            )
+    model.save_pretrained(str(folder))
+    out = {}
+    for key, t in load_file(str(folder / "model.safetensors")).items():
+        if _is_quantized(key):
+            out[key], out[key.removesuffix("weight") + "weight_scale_inv"] = quantize_fp8_block(t, block)
+        else:
+            out[key] = t.to(torch.bfloat16).contiguous()
+    return out
+
+
+def _write_config(folder: Path, kind: str, **edits) -> None:
+    d = _hf_config(kind).to_dict()
+    d["quantization_config"] = dict(QUANT)
+    d.update(edits)
+    (folder / "config.json").write_text(json.dumps(d))
+
+
+def _write_published(folder: Path, kind: str, tensors, sharded: bool = False, **cfg) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in folder.glob("model*.safetensors*"):
+        f.unlink()
+    _write_config(folder, kind, **cfg)
+    if not sharded:
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        return folder
+    names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    keys = sorted(tensors)  # alternate: a weight and its scales land in different shards
+    weight_map = {k: names[i % 2] for i, k in enumerate(keys)}
+    assert any(weight_map[k] != weight_map[k + "_scale_inv"] for k in keys if k + "_scale_inv" in tensors)
+    for n in names:
+        save_file(
+            {k: tensors[k] for k in keys if weight_map[k] == n}, str(folder / n), metadata={"format": "pt"}
+        )
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
+    return folder
+
+
+def _hf_dequantized(kind: str, folder: Path):
+    """transformers' model from the published folder, FP8 dequantized by transformers, fp32."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return (
+            getattr(transformers, _CLASSES[kind])
+            .from_pretrained(
+                str(folder),
+                quantization_config=transformers.FineGrainedFP8Config(dequantize=True),
+                dtype=torch.float32,
+            )
+            .eval()
+        )
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory):
+    """kind -> {"tensors", "single", "sharded" (MoE only), "ragged" (dense only), "ref"}."""
+    out = {}
+    for kind in _CLASSES:
+        root = tmp_path_factory.mktemp(f"{kind}_fp8")
+        tensors = _published_tensors(kind, root / "single")
+        entry = {"tensors": tensors, "single": _write_published(root / "single", kind, tensors)}
+        if kind == "qwen3_moe":
+            entry["sharded"] = _write_published(root / "sharded", kind, tensors, sharded=True)
+        else:  # the published [128, 128] block, left to the default: every block ragged here
+            ragged = _published_tensors(kind, root / "ragged", block=[128, 128])
+            cfg = {k: v for k, v in QUANT.items() if k != "weight_block_size"}
+            entry["ragged_tensors"] = ragged
+            entry["ragged"] = _write_published(root / "ragged", kind, ragged, quantization_config=cfg)
+        entry["ref"] = _hf_dequantized(kind, entry["single"])
+        out[kind] = entry
+    return out
+
+
+def _load(folder, **kw) -> MultiLoRAModel:
+    kw = {"dtype": torch.float32, "device": "cpu", **SIZES, **kw}
+    return load_hf_checkpoint(folder, **kw)
+
+
+_IDS = torch.randint(0, V, (2, 10), generator=torch.Generator().manual_seed(1))
+
+
+def _ours_vs_hf(model: MultiLoRAModel, ref, kind: str):
+    """(name, ours, transformers') for every weight the FP8 path builds, in transformers' terms."""
+    for li in range(NL):
+        ours, theirs = model.layers[li], ref.model.layers[li]
+        a = theirs.self_attn
+        qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+        yield f"{li}.qkv", ours.self_attn.qkv_proj.weight, qkv
+        yield f"{li}.o", ours.self_attn.o_proj.weight, a.o_proj.weight
+        if kind == "qwen3_moe":
+            yield f"{li}.w13", ours.mlp.experts.w13, theirs.mlp.experts.gate_up_proj  # [E, 2I, H] gate | up
+            yield f"{li}.w2", ours.mlp.experts.w2, theirs.mlp.experts.down_proj
+            yield f"{li}.router", ours.mlp.router.weight, theirs.mlp.gate.weight
+        else:
+            m = theirs.mlp
+            yield (
+                f"{li}.gate_up",
+                ours.mlp.gate_up_proj.weight,
+                torch.cat([m.gate_proj.weight, m.up_proj.weight]),
+            )
+            yield f"{li}.down", ours.mlp.down_proj.weight, m.down_proj.weight
+    yield "embed", model.embed_tokens.weight, ref.model.embed_tokens.weight
+    yield "lm_head", model.lm_head.weight, ref.lm_head.weight
+
+
+# --------------------------------------------------------------------------------------------------
+# dequantized loading
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", ["qwen3_moe/single", "qwen3_moe/sharded", "qwen3/single"])
+def test_dequantized_weights_equal_transformers_bit_for_bit(published, case):
+    """dequantize=True: every projection equals transformers' FineGrainedFP8Config(dequantize=True)
+    parameter bit for bit (and our dequantize_fp8_block of the file's tensors); the dense rest is the
+    file's bf16; dequantize=None (the default, no FP8 kernels yet) builds the same model."""
+    kind, layout = case.split("/")
+    entry = published[kind]
+    model = _load(entry[layout], dequantize=True)
+    for name, ours, theirs in _ours_vs_hf(model, entry["ref"], kind):
+        assert ours.dtype == torch.float32 and torch.equal(
+            ours.view(torch.int32), theirs.view(torch.int32)
+        ), name
+    t = entry["tensors"]
+    k = "model.layers.1.self_attn.o_proj."
+    direct = dequantize_fp8_block(t[k + "weight"], t[k + "weight_scale_inv"], torch.float32, BLOCK)
+    assert torch.equal(model.layers[1].self_attn.o_proj.weight, direct)
+    default = _load(entry[layout])
+    sd = default.state_dict()
+    assert all(torch.equal(v, sd[n]) for n, v in model.state_dict().items())
+
+
+def test_ragged_default_block(published):
+    """weight_block_size left out: [128, 128], larger than every dimension here (ceil grids of 1 x 1):
+    the loaded weights are transformers' _dequantize_fp8_weight of each key (bit for bit, fp32)."""
+    entry = published["qwen3"]
+    t = entry["ragged_tensors"]
+    assert t["model.layers.0.mlp.down_proj.weight_scale_inv"].shape == (1, 1)
+    model = _load(entry["ragged"], dequantize=True)
+
+    def hf(key):
+        w, s = t[key + ".weight"], t[key + ".weight_scale_inv"]
+        return fp8_integration._dequantize_fp8_weight(w, s, [128, 128], torch.float32)
+
+    for li in range(NL):
+        p = f"model.layers.{li}."
+        qkv = torch.cat([hf(f"{p}self_attn.{n}_proj") for n in "qkv"])
+        assert torch.equal(model.layers[li].self_attn.qkv_proj.weight, qkv)
+        gate_up = torch.cat([hf(f"{p}mlp.gate_proj"), hf(f"{p}mlp.up_proj")])
+        assert torch.equal(model.layers[li].mlp.gate_up_proj.weight, gate_up)
+        assert torch.equal(model.layers[li].mlp.down_proj.weight, hf(f"{p}mlp.down_proj"))
+
+
+def test_bf16_and_fp16_scales_accepted(published, tmp_path):
+    """Some files publish weight_scale_inv in bf16 / fp16: read as they are (a mix here)."""
+    t = dict(published["qwen3"]["tensors"])
+    scales = sorted(k for k in t if k.endswith("weight_scale_inv"))
+    for i, k in enumerate(scales):
+        t[k] = t[k].to((torch.bfloat16, torch.float16)[i % 2])
+    model = _load(_write_published(tmp_path / "half", "qwen3", t), dequantize=True)
+    k = "model.layers.1.mlp.down_proj."
+    assert t[k + "weight_scale_inv"].dtype != torch.float32
+    expect = fp8_integration.Fp8Dequantize(None)._dequantize_one(
+        t[k + "weight"], t[k + "weight_scale_inv"], output_dtype=torch.float32
+    )
+    assert torch.equal(model.layers[1].mlp.down_proj.weight, expect)
+
+
+@pytest.mark.parametrize("case", ["qwen3_moe/single", "qwen3_moe/sharded", "qwen3/single"])
+def test_logits_match_transformers_dequantized(published, case):
+    kind, layout = case.split("/")
+    ref = published[kind]["ref"]
+    model = _load(published[kind][layout], dequantize=True)
+    r = _ref_logits(ref, _IDS)
+    out = model(_IDS, [0, 0], [-1, -1])
+    _close(out, r, f"fp8 {case} full prompt")
+    if layout == "single":  # one decode step after a prefill of 9 tokens reads the cache the prefill wrote
+        model(_IDS[:, :9], [0, 0], [-1, -1])
+        step = model(_IDS[:, 9:], [9, 9], [-1, -1])
+        _close(step[:, 0], r[:, 9], f"fp8 {case} decode step")
+
+
+# --------------------------------------------------------------------------------------------------
+# PEFT adapters on the dequantized model
+# --------------------------------------------------------------------------------------------------
+ADAPTERS = {
+    "qwen3_moe": {
+        "attn_experts": dict(
+            r=4,
+            lora_alpha=8,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        ),
+        "v_down_rslora": dict(
+            r=2, lora_alpha=3, use_rslora=True, target_modules=["v_proj"], target_parameters=["down_proj"]
+        ),
+    },
+    "qwen3": {
+        "attn_mlp": dict(
+            r=4,
+            lora_alpha=8,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        ),
+        "q_up_rslora": dict(r=2, lora_alpha=3, use_rslora=True, target_modules=["q_proj", "up_proj"]),
+    },
+}
+
+
+@pytest.mark.parametrize("kind", list(ADAPTERS))
+def test_peft_adapters_mixed_batch_match_transformers_peft(published, kind, tmp_path):
+    """Adapters made by PEFT on transformers' dequantized model; ours loaded from the (sharded for the
+    MoE) FP8 folder with dequantize=True; a mixed batch against transformers + PEFT row by row."""
+    entry = published[kind]
+    folders = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i, (name, kw) in enumerate(ADAPTERS[kind].items()):
+            torch.manual_seed(200 + i)
+            pm = peft.get_peft_model(
+                _hf_dequantized(kind, entry["single"]), peft.LoraConfig(init_lora_weights=False, **kw)
+            )
+            pm.save_pretrained(str(tmp_path / name))
+            folders[name] = tmp_path / name
+    model = _load(entry.get("sharded", entry["single"]), dequantize=True)
+    names = list(folders)
+    for slot, name in enumerate(names):
+        load_peft_adapter(model, slot, folders[name])
+    ids = torch.randint(0, V, (3, 6), generator=torch.Generator().manual_seed(3))
+    lora_ids = [0, -1, 1]  # adapter, none, other adapter
+    ours = model(ids, [0] * 3, lora_ids)
+    refs = []
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for row, slot in enumerate(lora_ids):
+            ref = _hf_dequantized(kind, entry["single"])
+            if slot >= 0:
+                ref = peft.PeftModel.from_pretrained(ref, str(folders[names[slot]])).eval()
+            refs.append(ref(input_ids=ids[row : row + 1]).logits[0].float())
+        base = entry["ref"](input_ids=ids[[0, 2]]).logits.float()
+    assert not torch.allclose(refs[0], base[0], atol=1e-2) and not torch.allclose(refs[2], base[1], atol=1e-2)
+    for row, slot in enumerate(lora_ids):
+        err = (ours[row] - refs[row]).abs().max().item()
+        assert err <= E2E_ATOL, (
+            f"{kind} row {row} (slot {slot}): max |logits − transformers+PEFT| = {err:.3g}"
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# the FP8 seam: no FP8 kernels yet
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kind, layers",
+    [("qwen3_moe", r"MoELoRALayer \(experts\).* and LoRALinear"), ("qwen3", r"LoRALinear \(attention")],
+    ids=["qwen3_moe", "qwen3"],
+)
+def test_dequantize_false_not_implemented(published, kind, layers):
+    assert "fp8" not in modeling.packed_expert_formats() and "fp8" not in modeling.packed_linear_formats()
+    with pytest.raises(
+        NotImplementedError, match=rf"dequantize=False: .*FP8 kernels in {layers}.*dequantize=True"
+    ):
+        _load(published[kind]["single"], dequantize=False)
+
+
+def test_packed_weight_handoffs_refuse_fp8():
+    """The handoff functions the model calls for packed weights: FP8 raises NotImplementedError naming
+    dequantize=True until the layers list "fp8"; wrong shapes and types are ValueErrors naming the weight."""
+    w = FP8BlockWeight.quantize(torch.randn(E, 2 * MOE_I, H), BLOCK)
+    with pytest.raises(NotImplementedError, match=r"experts\.w13.*FP8 MoE kernels.*dequantize=True"):
+        packed_expert_weight(w, name="layers.0.mlp.experts.w13", shape=(E, 2 * MOE_I, H), device="cpu")
+    with pytest.raises(ValueError, match=r"experts\.w2.*expected shape \[4, 64, 32\], got FP8 of shape"):
+        packed_expert_weight(w, name="layers.0.mlp.experts.w2", shape=(E, H, MOE_I), device="cpu")
+    d = FP8BlockWeight.quantize(torch.randn(128, H), BLOCK)
+    with pytest.raises(NotImplementedError, match=r"qkv_proj\.weight.*LoRALinear.*dequantize=True"):
+        packed_linear_weight(d, name="layers.0.self_attn.qkv_proj.weight", shape=(128, H), device="cpu")
+    with pytest.raises(
+        ValueError, match=r"o_proj\.weight.*expected shape \[64, 64\], got FP8 of shape \[128, 64\]"
+    ):
+        packed_linear_weight(d, name="layers.0.self_attn.o_proj.weight", shape=(H, H), device="cpu")
+    m = MXFP4Weight(torch.zeros(H, 2, 16, dtype=torch.uint8), torch.zeros(H, 2, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"must be an FP8BlockWeight, got MXFP4Weight"):
+        packed_linear_weight(m, name="layers.0.self_attn.o_proj.weight", shape=(H, H), device="cpu")
+
+
+@pytest.mark.parametrize("dequantize", [None, False])
+def test_flipped_formats_hand_fp8_to_the_layers(published, monkeypatch, dequantize):
+    """With "fp8" in both layers' PACKED_FORMATS (what FP8 kernels will set), the loader keeps FP8: the
+    handoffs receive FP8BlockWeights of the layers' dense shapes, equal to the file's weights and scales
+    (q | k | v and gate | up fused, experts stacked). Here the recording handoffs return them dequantized,
+    so the model builds and equals the dequantize=True one."""
+    monkeypatch.setattr(moelora_lib.LoRALinear, "PACKED_FORMATS", ("fp8",), raising=False)
+    monkeypatch.setattr(moelora_lib.MoELoRALayer, "PACKED_FORMATS", ("mxfp4", "fp8"))
+    seen = {}
+
+    def record(w, *, name, shape, device):
+        assert isinstance(w, FP8BlockWeight) and tuple(w.shape) == tuple(shape), name
+        seen[name] = w
+        return w.to(device).dequantize(torch.float32)
+
+    monkeypatch.setattr(modeling, "packed_linear_weight", record)
+    monkeypatch.setattr(modeling, "packed_expert_weight", record)
+    entry = published["qwen3_moe"]
+    model = _load(entry["sharded"], dequantize=dequantize)
+    expect = {f"layers.{li}.self_attn.{n}.weight" for li in range(NL) for n in ("qkv_proj", "o_proj")}
+    expect |= {f"layers.{li}.mlp.experts.{w}" for li in range(NL) for w in ("w13", "w2")}
+    assert set(seen) == expect
+    t, p = entry["tensors"], "model.layers.1."
+    qkv = seen["layers.1.self_attn.qkv_proj.weight"]
+    assert qkv.block == tuple(BLOCK)
+    codes = torch.cat([t[f"{p}self_attn.{n}_proj.weight"] for n in "qkv"])
+    scales = torch.cat([t[f"{p}self_attn.{n}_proj.weight_scale_inv"] for n in "qkv"])
+    assert torch.equal(qkv.weight.view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(qkv.scale_inv, scales)
+    w13 = seen["layers.1.mlp.experts.w13"]
+    e = 2
+    gate_up = torch.cat([t[f"{p}mlp.experts.{e}.{n}_proj.weight_scale_inv"] for n in ("gate", "up")])
+    assert w13.weight.shape == (E, 2 * MOE_I, H) and torch.equal(w13.scale_inv[e], gate_up)
+    assert torch.equal(
+        w13.weight[e, MOE_I:].view(torch.uint8), t[f"{p}mlp.experts.{e}.up_proj.weight"].view(torch.uint8)
+    )
+    dense = _load(entry["sharded"], dequantize=True).state_dict()
+    assert all(torch.equal(v, dense[n]) for n, v in model.state_dict().items())
+
+
+def test_flipped_formats_dequantize_what_cannot_fuse(published, monkeypatch):
+    """Block [128, 128] on q (64 rows) | k | v: a fused part ends in a ragged block row, so q | k | v and
+    gate | up are dequantized at load while o_proj and down_proj (one part each) stay FP8."""
+    monkeypatch.setattr(moelora_lib.LoRALinear, "PACKED_FORMATS", ("fp8",), raising=False)
+    seen = []
+
+    def record(w, *, name, shape, device):
+        seen.append(name)
+        return w.dequantize(torch.float32)
+
+    monkeypatch.setattr(modeling, "packed_linear_weight", record)
+    _load(published["qwen3"]["ragged"])
+    assert sorted(seen) == sorted(
+        f"layers.{li}.{n}.weight" for li in range(NL) for n in ("self_attn.o_proj", "mlp.down_proj")
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# refusals
+# --------------------------------------------------------------------------------------------------
+_A0 = "model.layers.0.self_attn."
+_X1 = "model.layers.1.mlp.experts."
+
+
+def _drop(*keys):
+    def edit(t):
+        for k in keys:
+            del t[k]
+
+    return edit
+
+
+def _replace(key, fn):
+    def edit(t):
+        t[key] = fn(t[key])
+
+    return edit
+
+
+def _add(key, value):
+    def edit(t):
+        t[key] = value
+
+    return edit
+
+
+BAD_FILES = {
+    "missing_scale": (
+        None,
+        _drop(f"{_A0}k_proj.weight_scale_inv"),
+        rf"'{_A0}k_proj\.weight': a float8 \(F8_E4M3\) weight needs its block scales "
+        rf"'{_A0}k_proj\.weight_scale_inv'",
+    ),
+    "missing_expert_scale": (
+        None,
+        _drop(f"{_X1}3.down_proj.weight_scale_inv"),
+        rf"'{_X1}3\.down_proj\.weight': a float8 .* needs its block scales",
+    ),
+    "scale_grid": (
+        None,
+        _replace(f"{_A0}q_proj.weight_scale_inv", lambda s: s[:1].contiguous()),
+        rf"'{_A0}q_proj\.weight_scale_inv': shape \[1, 4\] does not match its weight '{_A0}q_proj\.weight': "
+        r"expected \[2, 4\] \(ceil\(N/32\) x ceil\(K/16\)",
+    ),
+    "block_size_mismatch": (  # grids written for [32, 16], config says [48, 48]: ceil(64/48) = 2
+        dict(weight_block_size=[48, 48]),
+        None,
+        rf"'{_A0}q_proj\.weight_scale_inv': shape \[2, 4\] .*expected \[2, 2\]",
+    ),
+    "scale_dtype": (
+        None,
+        _replace(f"{_X1}0.up_proj.weight_scale_inv", lambda s: s.double()),
+        rf"'{_X1}0\.up_proj\.weight_scale_inv': FP8 block scales must be float32, bfloat16 or float16 "
+        r".* got F64",
+    ),
+    "weight_e5m2": (
+        None,
+        _replace(f"{_A0}v_proj.weight", lambda w: w.float().to(torch.float8_e5m2)),
+        rf"'{_A0}v_proj\.weight': FP8 weights must be float8_e4m3fn \(F8_E4M3, fmt 'e4m3'\), got F8_E5M2",
+    ),
+    "weight_not_fp8": (
+        None,
+        _replace(f"{_A0}o_proj.weight", lambda w: w.to(torch.bfloat16)),
+        rf"'{_A0}o_proj\.weight': has block scales .* but is BF16, not float8_e4m3fn",
+    ),
+    "router_scale": (
+        None,
+        _add("model.layers.0.mlp.gate.weight_scale_inv", torch.ones(1, 4)),
+        r"unexpected 1 key\(s\), e\.g\. \['model\.layers\.0\.mlp\.gate\.weight_scale_inv'\]",
+    ),
+    "fmt_e5m2": (dict(fmt="e5m2"), None, r"quantization_config\.fmt: 'e5m2' is not supported; only 'e4m3'"),
+    "static_activations": (
+        dict(activation_scheme="static"),
+        None,
+        r"quantization_config\.activation_scheme: 'static' is not supported; only 'dynamic'",
+    ),
+    "ue8m0_scales": (
+        dict(scale_fmt="ue8m0"),
+        None,
+        r"quantization_config\.scale_fmt: 'ue8m0' is not supported",
+    ),
+    "block_size_bad": (
+        dict(weight_block_size=[128]),
+        None,
+        r"quantization_config\.weight_block_size: expected two positive ints",
+    ),
+    "bad_not_convert": (
+        dict(modules_to_not_convert="lm_head"),
+        None,
+        r"quantization_config\.modules_to_not_convert: expected a list of strings",
+    ),
+    "unknown_method": (
+        dict(quant_method="awq"),
+        None,
+        r"quantization_config\.quant_method: 'awq' is not supported; supported: \['mxfp4', 'fp8'\]",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FILES))
+def test_bad_files_refused_naming_the_key(published, case, tmp_path):
+    quant_edits, tensor_edit, match = BAD_FILES[case]
+    tensors = dict(published["qwen3_moe"]["tensors"])
+    if tensor_edit is not None:
+        tensor_edit(tensors)
+    folder = _write_published(
+        tmp_path / case, "qwen3_moe", tensors, quantization_config={**QUANT, **(quant_edits or {})}
+    )
+    with pytest.raises(ValueError, match=match):
+        _load(folder)
+
+
+def test_fp8_weights_without_quantization_config_refused(published, tmp_path):
+    """A folder whose config.json lost its quantization_config: its scales are unexpected keys, and with
+    the scales gone too, a float8 weight is refused by name rather than read as unscaled numbers."""
+    tensors = dict(published["qwen3"]["tensors"])
+    folder = _write_published(tmp_path / "no_cfg", "qwen3", tensors, quantization_config=None)
+    with pytest.raises(
+        ValueError,
+        match=r"unexpected \d+ key\(s\), e\.g\. \['model\.layers\.0\.mlp\.down_proj\.weight_scale_inv'",
+    ):
+        _load(folder)
+    tensors = {k: v for k, v in tensors.items() if not k.endswith("_scale_inv")}
+    folder = _write_published(tmp_path / "no_scales", "qwen3", tensors, quantization_config=None)
+    with pytest.raises(
+        ValueError, match=r"'model\.layers\.0\.self_attn\.q_proj\.weight': a float8 \(F8_E4M3\) weight needs"
+    ):
+        _load(folder)
+
+
+def test_fp8_config_over_dense_checkpoint_refused(published, tmp_path):
+    """A folder of transformers' dequantized model (save_pretrained drops quantization_config) given the
+    fp8 config back: no key holds scales, so it is refused rather than read as an FP8 file."""
+    published["qwen3"]["ref"].save_pretrained(tmp_path / "dense")
+    cfg = json.loads((tmp_path / "dense" / "config.json").read_text())
+    assert "quantization_config" not in cfg
+    cfg["quantization_config"] = QUANT
+    (tmp_path / "dense" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"declares quantization_config.quant_method 'fp8' but no key"):
+        _load(tmp_path / "dense")
+
+
+def test_fp8_on_gpt_oss_refused(tmp_path):
+    cfg = transformers.GptOssConfig(
+        vocab_size=V, hidden_size=H, num_hidden_layers=1, num_attention_heads=HEADS, num_key_value_heads=KV
+    ).to_dict()
+    cfg["quantization_config"] = QUANT
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(
+        ValueError, match=r"'fp8': block-FP8 weights are read for model_type 'qwen3' / 'qwen3_moe' only"
+    ):
+        _load(tmp_path)

@@ -239,7 +239,7 @@ def test_corrupt_safetensors(files, tmp_path):
         (dict(max_rank=-1), "max_rank must be an int >= 1"),
         (dict(max_batch=2.0), "max_batch must be an int >= 1"),
         (dict(max_tokens=True), "max_tokens must be an int >= 1"),
-        (dict(stage="bogus"), r"stage must be one of \[.*'fused', 'auto'\], got 'bogus'"),
+        (dict(stage="bogus"), r"stage must be one of \[.*'fused', 'gemv', 'auto'\], got 'bogus'"),
     ],
     ids=lambda v: str(v) if not isinstance(v, dict) else "-".join(f"{k}={v[k]}" for k in v),
 )

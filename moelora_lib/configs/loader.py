@@ -341,6 +341,18 @@ def load_fused_config(
     return _memo_put(key, cfg)
 
 
+def _fused_leaf(src, dims: Dims) -> dict | None:
+    """The parsed fused-file leaf (nearest-key lookup) for ``dims`` from the config source ``src``, or
+    None without a folder or a fused file there."""
+    path = None if src.where is None else src.where / config_file_name(src.gpu, "fused")
+    if path is None or not path.is_file():
+        return None
+    st = path.stat()
+    data, parsed = _load_cached(str(path), st.st_mtime_ns, st.st_size, BASE_DEPTH, "fused")
+    taken, _ = lookup(data, base_keys(dims))
+    return parsed[taken]
+
+
 def load_gemv_config(
     dims: Dims,
     *,
@@ -365,22 +377,18 @@ def load_gemv_config(
         return cfg
     cfg = gemv_default_config(dims)
     src = _config_source(folder, gpu_name)
-    path = None if src.where is None else src.where / config_file_name(src.gpu, "fused")
-    if path is not None and path.is_file():
-        st = path.stat()
-        data, parsed = _load_cached(str(path), st.st_mtime_ns, st.st_size, BASE_DEPTH, "fused")
-        taken, _ = lookup(data, base_keys(dims))
-        g = parsed[taken].get(GEMV_KEY)
-        if g is not None:  # BLOCK_SIZE_M is unused by stage gemv: the defaults' shared ones are kept
-            bm = cfg.base_gate_up.BLOCK_SIZE_M
-            lm = cfg.gate_up_shrink.BLOCK_SIZE_M
-            cfg = cfg.replace(
-                base_gate_up=replace(g["base_gate_up"], BLOCK_SIZE_M=bm),
-                base_down=replace(g["base_down"], BLOCK_SIZE_M=bm),
-                gate_up_shrink=replace(g["shrink"], BLOCK_SIZE_M=lm),
-                down_shrink=replace(g["shrink"], BLOCK_SIZE_M=lm),
-                source=src.label + "; gemv=file",
-            )
+    leaf = _fused_leaf(src, dims)
+    g = None if leaf is None else leaf.get(GEMV_KEY)
+    if g is not None:  # BLOCK_SIZE_M is unused by stage gemv: the defaults' shared ones are kept
+        bm = cfg.base_gate_up.BLOCK_SIZE_M
+        lm = cfg.gate_up_shrink.BLOCK_SIZE_M
+        cfg = cfg.replace(
+            base_gate_up=replace(g["base_gate_up"], BLOCK_SIZE_M=bm),
+            base_down=replace(g["base_down"], BLOCK_SIZE_M=bm),
+            gate_up_shrink=replace(g["shrink"], BLOCK_SIZE_M=lm),
+            down_shrink=replace(g["shrink"], BLOCK_SIZE_M=lm),
+            source=src.label + "; gemv=file",
+        )
     return _memo_put(key, cfg)
 
 
@@ -414,14 +422,8 @@ def load_stage_choice(
     got = _RESOLVED.get(key)
     if got is not None:
         return got
-    choice = "tuned"
-    src = _config_source(folder, gpu_name)
-    path = None if src.where is None else src.where / config_file_name(src.gpu, "fused")
-    if path is not None and path.is_file():
-        st = path.stat()
-        data, parsed = _load_cached(str(path), st.st_mtime_ns, st.st_size, BASE_DEPTH, "fused")
-        taken, _ = lookup(data, base_keys(dims))
-        choice = parsed[taken].get(STAGE_KEY, "tuned")
+    leaf = _fused_leaf(_config_source(folder, gpu_name), dims)
+    choice = "tuned" if leaf is None else leaf.get(STAGE_KEY, "tuned")
     if choice == "gemv" and dims.T * dims.top_k > GEMV_MAX_PAIRS:  # a bucket key nearest to a large T
         choice = "tuned"
     return _memo_put(key, choice)

@@ -122,6 +122,128 @@ def _pair_of(order_ptr, ids_ptr, idx, E, top_k):
 
 
 @triton.jit
+def _input(
+    in_ptr,
+    b13_ptr,
+    pair,
+    row,
+    expert,
+    k_idx,
+    K,
+    stride_in,
+    stride_b13e,
+    ACT_INPUT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    G_DTYPE: tl.constexpr,
+):
+    """A program's input vector at columns k_idx (0 past K), fp32: x[row] (gate_up), or with ACT_INPUT
+    the activation of h[pair] (down; in_ptr is h and K is I)."""
+    if ACT_INPUT:
+        return _act(
+            in_ptr, b13_ptr, pair, expert, k_idx, K, stride_in, stride_b13e, HAS_BIAS, ACTIVATION, G_DTYPE
+        )
+    else:
+        return tl.load(in_ptr + row * stride_in + k_idx, mask=k_idx < K, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _gemv_k_loop(
+    in_ptr,
+    b13_ptr,
+    w_ptr,
+    s_ptr,
+    pair,
+    row,
+    expert,
+    offs_n,
+    n_mask,
+    ks,
+    K,
+    stride_in,
+    stride_b13e,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    BLOCK_SIZE_N: tl.constexpr,
+    BLOCK_SIZE_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    MXFP4: tl.constexpr,
+    ACT_INPUT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    G_DTYPE: tl.constexpr,
+):
+    """Σ_k W[e, n-tile, k]·v[k] (fp32 [BLOCK_SIZE_N]) over the K tiles of split ``ks`` (v: :func:`_input`):
+    one [BLOCK_SIZE_N, BLOCK_SIZE_K] weight tile per step, loaded whole, multiplied on the CUDA cores."""
+    n_tiles = tl.cdiv(K, BLOCK_SIZE_K)
+    per = tl.cdiv(n_tiles, SPLIT_K)
+    acc = tl.zeros((BLOCK_SIZE_N,), dtype=tl.float32)
+    if MXFP4:  # even and odd K apart: the low and high nibbles of each byte
+        offs_b = tl.arange(0, BLOCK_SIZE_K // 32)
+        offs_i = tl.arange(0, 16)
+        for t in range(ks * per, tl.minimum(ks * per + per, n_tiles)):
+            lo, hi = _mx_tile(w_ptr, s_ptr, expert, offs_n, n_mask, t, K, stride_we, stride_wn, stride_se,
+                              stride_sn, BLOCK_SIZE_K)  # fmt: skip
+            kx = t * BLOCK_SIZE_K + (offs_b * 32)[:, None] + (2 * offs_i)[None, :]
+            ve = _input(
+                in_ptr,
+                b13_ptr,
+                pair,
+                row,
+                expert,
+                kx,
+                K,
+                stride_in,
+                stride_b13e,
+                ACT_INPUT,
+                HAS_BIAS,
+                ACTIVATION,
+                G_DTYPE,
+            )
+            vo = _input(
+                in_ptr,
+                b13_ptr,
+                pair,
+                row,
+                expert,
+                kx + 1,
+                K,
+                stride_in,
+                stride_b13e,
+                ACT_INPUT,
+                HAS_BIAS,
+                ACTIVATION,
+                G_DTYPE,
+            )
+            acc += tl.sum(tl.sum(lo * ve[None, :, :] + hi * vo[None, :, :], axis=2), axis=1)
+    else:
+        offs_k = tl.arange(0, BLOCK_SIZE_K)
+        w_rows = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn
+        for t in range(ks * per, tl.minimum(ks * per + per, n_tiles)):
+            k_idx = t * BLOCK_SIZE_K + offs_k
+            w = tl.load(w_rows + k_idx[None, :], mask=n_mask[:, None] & (k_idx < K)[None, :], other=0.0)
+            v = _input(
+                in_ptr,
+                b13_ptr,
+                pair,
+                row,
+                expert,
+                k_idx,
+                K,
+                stride_in,
+                stride_b13e,
+                ACT_INPUT,
+                HAS_BIAS,
+                ACTIVATION,
+                G_DTYPE,
+            )
+            acc += tl.sum(w.to(tl.float32) * v[None, :], axis=1)
+    return acc
+
+
+@triton.jit
 def _gemv_gate_up_kernel(
     x_ptr, w_ptr, s_ptr, h_ptr, order_ptr, ids_ptr, lid_ptr, inter_ptr, b_ptr,
     N, K, E, top_k, num_adapters, NS, R,
@@ -136,28 +258,33 @@ def _gemv_gate_up_kernel(
     if ok:
         offs_n = tl.program_id(1) * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
         n_mask = offs_n < N
-        n_tiles = tl.cdiv(K, BLOCK_SIZE_K)
-        per = tl.cdiv(n_tiles, SPLIT_K)
-        acc = tl.zeros((BLOCK_SIZE_N,), dtype=tl.float32)
-        x_row = x_ptr + row * stride_xm
-        if MXFP4:
-            offs_b = tl.arange(0, BLOCK_SIZE_K // 32)
-            offs_i = tl.arange(0, 16)
-            for t in range(ks * per, tl.minimum(ks * per + per, n_tiles)):
-                lo, hi = _mx_tile(w_ptr, s_ptr, expert, offs_n, n_mask, t, K, stride_we, stride_wn,
-                                  stride_se, stride_sn, BLOCK_SIZE_K)  # fmt: skip
-                kx = t * BLOCK_SIZE_K + (offs_b * 32)[:, None] + (2 * offs_i)[None, :]
-                xe = tl.load(x_row + kx, mask=kx < K, other=0.0).to(tl.float32)
-                xo = tl.load(x_row + kx + 1, mask=kx < K, other=0.0).to(tl.float32)
-                acc += tl.sum(tl.sum(lo * xe[None, :, :] + hi * xo[None, :, :], axis=2), axis=1)
-        else:
-            offs_k = tl.arange(0, BLOCK_SIZE_K)
-            w_rows = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn
-            for t in range(ks * per, tl.minimum(ks * per + per, n_tiles)):
-                k_idx = t * BLOCK_SIZE_K + offs_k
-                w = tl.load(w_rows + k_idx[None, :], mask=n_mask[:, None] & (k_idx < K)[None, :], other=0.0)
-                xv = tl.load(x_row + k_idx, mask=k_idx < K, other=0.0).to(tl.float32)
-                acc += tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
+        acc = _gemv_k_loop(
+            x_ptr,
+            x_ptr,
+            w_ptr,
+            s_ptr,
+            pair,
+            row,
+            expert,
+            offs_n,
+            n_mask,
+            ks,
+            K,
+            stride_xm,
+            0,
+            stride_we,
+            stride_wn,
+            stride_se,
+            stride_sn,
+            BLOCK_SIZE_N,
+            BLOCK_SIZE_K,
+            SPLIT_K,
+            MXFP4,
+            False,
+            False,
+            "silu",
+            tl.float32,
+        )
         if HAS_LORA:
             lid = tl.load(lid_ptr + row)
             if (ks == 0) & (lid >= 0) & (lid < num_adapters):
@@ -199,30 +326,33 @@ def _gemv_down_kernel(
     if ok:
         offs_n = tl.program_id(1) * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
         n_mask = offs_n < N
-        n_tiles = tl.cdiv(I, BLOCK_SIZE_K)
-        per = tl.cdiv(n_tiles, SPLIT_K)
-        acc = tl.zeros((BLOCK_SIZE_N,), dtype=tl.float32)
-        if MXFP4:
-            offs_b = tl.arange(0, BLOCK_SIZE_K // 32)
-            offs_i = tl.arange(0, 16)
-            for t in range(ks * per, tl.minimum(ks * per + per, n_tiles)):
-                lo, hi = _mx_tile(w_ptr, s_ptr, expert, offs_n, n_mask, t, I, stride_we, stride_wn,
-                                  stride_se, stride_sn, BLOCK_SIZE_K)  # fmt: skip
-                kx = t * BLOCK_SIZE_K + (offs_b * 32)[:, None] + (2 * offs_i)[None, :]
-                ge = _act(h_ptr, b13_ptr, pair, expert, kx, I, stride_hm, stride_b13e, HAS_BIAS, ACTIVATION,
-                          G_DTYPE)  # fmt: skip
-                go = _act(h_ptr, b13_ptr, pair, expert, kx + 1, I, stride_hm, stride_b13e, HAS_BIAS,
-                          ACTIVATION, G_DTYPE)  # fmt: skip
-                acc += tl.sum(tl.sum(lo * ge[None, :, :] + hi * go[None, :, :], axis=2), axis=1)
-        else:
-            offs_k = tl.arange(0, BLOCK_SIZE_K)
-            w_rows = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn
-            for t in range(ks * per, tl.minimum(ks * per + per, n_tiles)):
-                k_idx = t * BLOCK_SIZE_K + offs_k
-                w = tl.load(w_rows + k_idx[None, :], mask=n_mask[:, None] & (k_idx < I)[None, :], other=0.0)
-                g = _act(h_ptr, b13_ptr, pair, expert, k_idx, I, stride_hm, stride_b13e, HAS_BIAS, ACTIVATION,
-                         G_DTYPE)  # fmt: skip
-                acc += tl.sum(w.to(tl.float32) * g[None, :], axis=1)
+        acc = _gemv_k_loop(
+            h_ptr,
+            b13_ptr,
+            w_ptr,
+            s_ptr,
+            pair,
+            tok,
+            expert,
+            offs_n,
+            n_mask,
+            ks,
+            I,
+            stride_hm,
+            stride_b13e,
+            stride_we,
+            stride_wn,
+            stride_se,
+            stride_sn,
+            BLOCK_SIZE_N,
+            BLOCK_SIZE_K,
+            SPLIT_K,
+            MXFP4,
+            True,
+            HAS_BIAS,
+            ACTIVATION,
+            G_DTYPE,
+        )
         if ks == 0:
             if HAS_BIAS:
                 acc += tl.load(b2_ptr + expert * stride_b2e + offs_n, mask=n_mask, other=0.0).to(tl.float32)
@@ -278,11 +408,21 @@ def _gemv_shrink_kernel(
             k_idx = t * BLOCK_SIZE_K + offs_k
             a = tl.load(a_rows + k_idx[None, :], mask=r_mask[:, None] & (k_idx < K)[None, :], other=0.0)
             a = a.to(tl.float32)
-            if ACT_INPUT:
-                v = _act(x_ptr, b13_ptr, pair, expert, k_idx, K, stride_xm, stride_b13e, HAS_BIAS, ACTIVATION,
-                         G_DTYPE)  # fmt: skip
-            else:
-                v = tl.load(x_ptr + row * stride_xm + k_idx, mask=k_idx < K, other=0.0).to(tl.float32)
+            v = _input(
+                x_ptr,
+                b13_ptr,
+                pair,
+                row,
+                expert,
+                k_idx,
+                K,
+                stride_xm,
+                stride_b13e,
+                ACT_INPUT,
+                HAS_BIAS,
+                ACTIVATION,
+                G_DTYPE,
+            )
             acc += tl.sum(a * v[None, :], axis=1)
         out = inter_ptr + pair * stride_im + sl * stride_is + offs_r
         if SPLIT_K == 1:

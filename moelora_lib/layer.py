@@ -65,8 +65,9 @@ from .kernels.align_small import (
 from .kernels.gemv import GEMV_MAX_PAIRS, gemv_moe_lora, gemv_scratch_numel
 from .kernels.launchers import rank_stride
 from .kernels.route import route_triton
-from .kernels.stages import mxfp4_config
+from .kernels.stages import packed_config
 from .moe_lora import _check_cpu_backend, _dense_views, _desc, validate_moe_lora_inputs
+from .quant.fp8 import FP8BlockWeight
 from .quant.mxfp4 import MXFP4Weight
 from .routing import check_finite_weights, check_id_values, route
 from .scratch import Scratch, attach_scratch, memory_report, nbytes
@@ -200,6 +201,14 @@ def _check_expert_weights(w13, w2, b13, b2) -> None:
     raise ValueError(msg("w2", "[E, H, I]", want2, w2.shape, "w13", w13.shape))
 
 
+def _packed_parts(w) -> dict[str, torch.Tensor]:
+    """The tensors of a packed expert weight by Parameter suffix: MXFP4 ``blocks`` / ``scales``, FP8
+    ``fp8`` (the float8_e4m3fn weight) / ``scale_inv``."""
+    if isinstance(w, FP8BlockWeight):
+        return {"fp8": w.weight, "scale_inv": w.scale_inv}
+    return {"blocks": w.blocks, "scales": w.scales}
+
+
 class MoELoRALayer(ops.OpLayer):
     """MoE layer (gate_up, activation, down, weighted sum over top-k) with L LoRA adapter slots.
 
@@ -216,8 +225,13 @@ class MoELoRALayer(ops.OpLayer):
             [E, 2I, H/32] / [E, H, I/32]; H and I multiples of 32), kept packed: every stage's base
             GEMMs decode them in registers (:mod:`moelora_lib.kernels.triton_kernels`, ``W_MXFP4``) and
             compute as the dense layer with the dequantized weights in the layer's dtype does; the
-            base GEMMs' BLOCK_SIZE_K is raised to 32 where a config has 16. The adapters, biases
-            and activations are of the layer's dtype (``dtype``).
+            base GEMMs' BLOCK_SIZE_K is raised to 32 where a config has 16. Or both
+            :class:`~moelora_lib.quant.FP8BlockWeight` s (float8_e4m3fn [E, N, K] and block scales
+            ``scale_inv``, as Qwen3 FP8 checkpoints publish them; the scale block's columns a multiple
+            of 16), kept in FP8: the base GEMMs scale each e4m3 tile in registers (``W_FP8``) and compute
+            as the dense layer with :func:`~moelora_lib.quant.dequantize_fp8_block`'d weights in the
+            layer's dtype; their BLOCK_SIZE_K is lowered to divide the scale block's columns where it
+            does not. The adapters, biases and activations are of the layer's dtype (``dtype``).
         top_k: K, experts per token (1 ≤ K ≤ E).
         num_adapters: L ≥ 1 adapter slots.
         max_rank: R ≥ 1, the largest rank a slot holds.
@@ -225,7 +239,7 @@ class MoELoRALayer(ops.OpLayer):
             device's total memory (ValueError naming max_tokens otherwise).
         slices: S, 2 (gate and up adapters) or 1 (one fused gate_up adapter, GPT-OSS style).
         b13: [E, 2I] or None; b2: [E, H] or None (expert biases).
-        dtype: the layer's dtype with MXFP4 weights (default bfloat16); with dense weights None or
+        dtype: the layer's dtype with MXFP4 or FP8 weights (default bfloat16); with dense weights None or
             w13's dtype.
         activation: "silu" or "swigluoai".
         renormalize: routing from logits divides the K kept probabilities by their sum.
@@ -255,8 +269,10 @@ class MoELoRALayer(ops.OpLayer):
         else w13 is the reference) with its expected shape, the received one and the other's shape.
 
     Parameters (frozen, in the state dict): ``w13``, ``w2``, ``b13``, ``b2``; with MXFP4 weights
-    ``w13_blocks``, ``w13_scales``, ``w2_blocks``, ``w2_scales`` (uint8) instead of ``w13``/``w2``
-    (which are None; :meth:`expert_weights` gives the pair to launch with). Buffers (not in the
+    ``w13_blocks``, ``w13_scales``, ``w2_blocks``, ``w2_scales`` (uint8), with FP8 weights ``w13_fp8``,
+    ``w2_fp8`` (float8_e4m3fn) and ``w13_scale_inv``, ``w2_scale_inv`` (their scale grids; the blocks
+    in ``fp8_block``) instead of ``w13``/``w2`` (which are None; :meth:`expert_weights` gives the pair
+    to launch with). Buffers (not in the
     state dict; runtime state): ``lora_a13`` [L, E, S, R, H], ``lora_b13`` [L, E, S, 2I/S, R],
     ``lora_a2`` [L, E, R, I], ``lora_b2`` [L, E, H, R] (zeros; scaling folded into B, ranks above the
     loaded one zero), ``slot_covers`` [L, 2] bool (gate_up, down). Build the layer on its final
@@ -266,9 +282,10 @@ class MoELoRALayer(ops.OpLayer):
     _op_prefix = "moe_lora_layer"
 
     #: Packed expert-weight formats the layer takes as ``w13`` / ``w2`` as they are ("mxfp4":
-    #: :class:`~moelora_lib.quant.mxfp4.MXFP4Weight`); read by
+    #: :class:`~moelora_lib.quant.mxfp4.MXFP4Weight`, "fp8": :class:`~moelora_lib.quant.FP8BlockWeight`);
+    #: read by
     #: :func:`moelora_lib.model.modeling.packed_expert_formats`.
-    PACKED_FORMATS = ("mxfp4",)
+    PACKED_FORMATS = ("mxfp4", "fp8")
 
     def __init__(
         self,
@@ -307,14 +324,14 @@ class MoELoRALayer(ops.OpLayer):
             raise ValueError(f"config must be a LayerConfig or None, got {type(config).__name__}")
         check_bool("deterministic", deterministic)
         packed = (w13, w2)
-        w13, w2, mxfp4 = _dense_views(w13, w2, dtype)  # MXFP4: dense-shaped stand-ins for the checks
+        w13, w2, fmt = _dense_views(w13, w2, dtype)  # packed: dense-shaped stand-ins for the checks
         _check_expert_weights(w13, w2, b13, b2)
         if w13.shape[1] % (2 * slices):
             raise ValueError(f"w13: 2I (dim 1) = {w13.shape[1]} must be divisible by 2·slices = {2 * slices}")
         E, two_i, H = w13.shape
         L, R, S, K = num_adapters, max_rank, slices, top_k
         dt, dev = w13.dtype, w13.device
-        _check_layer_dtype(dt, dev, "dtype (the layer's, with MXFP4 weights)" if mxfp4 else "w13")
+        _check_layer_dtype(dt, dev, "w13" if fmt == "dense" else f"dtype (the layer's, with {fmt} weights)")
         if K > E:
             raise ValueError(f"top_k = {K} must be <= E = {E} (w13 dim 0)")
         self.stage = {AUTO_STAGE.name: AUTO_STAGE, GEMV_STAGE.name: GEMV_STAGE}.get(stage) or STAGES[
@@ -350,16 +367,19 @@ class MoELoRALayer(ops.OpLayer):
             b2,
             check_values=False,
         )
-        if mxfp4:  # packed: w13/w2 are None, the uint8 tensors are the parameters
+        self.fp8_block = None  # FP8: the (bn, bk) of the scale blocks of w13 and w2
+        if fmt != "dense":  # packed: w13/w2 are None, the packed tensors are the parameters
             self.register_parameter("w13", None)
             self.register_parameter("w2", None)
             for name, w in zip(("w13", "w2"), packed):
-                setattr(self, f"{name}_blocks", torch.nn.Parameter(w.blocks, requires_grad=False))
-                setattr(self, f"{name}_scales", torch.nn.Parameter(w.scales, requires_grad=False))
+                for part, t in _packed_parts(w).items():
+                    setattr(self, f"{name}_{part}", torch.nn.Parameter(t, requires_grad=False))
+            if fmt == "fp8":
+                self.fp8_block = (packed[0].block, packed[1].block)
         else:
             self.w13 = torch.nn.Parameter(w13, requires_grad=False)
             self.w2 = torch.nn.Parameter(w2, requires_grad=False)
-        self.weight_format = "mxfp4" if mxfp4 else "dense"
+        self.weight_format = fmt
         self.b13 = None if b13 is None else torch.nn.Parameter(b13, requires_grad=False)
         self.b2 = None if b2 is None else torch.nn.Parameter(b2, requires_grad=False)
         self.register_buffer("lora_a13", lora_a13, persistent=False)
@@ -391,7 +411,7 @@ class MoELoRALayer(ops.OpLayer):
             f"E={self.E}, H={self.H}, I={self.I}, top_k={self.K}, adapters={self.L}, max_rank={self.R}, "
             f"slices={self.S}, max_tokens={self.max_tokens}, activation={self.activation!r}, "
             f"stage={self.stage.name!r}, dtype={self._ref.dtype}"
-            + (", weights=mxfp4" if self.weight_format == "mxfp4" else "")
+            + (f", weights={self.weight_format}" if self.weight_format != "dense" else "")
             + (", deterministic=True" if self.deterministic else "")
         )
 
@@ -404,7 +424,13 @@ class MoELoRALayer(ops.OpLayer):
 
     def expert_weights(self) -> tuple:
         """``(w13, w2)`` as the kernels take them: the dense Parameters, or
-        :class:`~moelora_lib.quant.mxfp4.MXFP4Weight` s over the packed Parameters."""
+        :class:`~moelora_lib.quant.mxfp4.MXFP4Weight` s or :class:`~moelora_lib.quant.FP8BlockWeight` s
+        over the packed Parameters."""
+        if self.weight_format == "fp8":
+            return (
+                FP8BlockWeight(self.w13_fp8, self.w13_scale_inv, self.fp8_block[0]),
+                FP8BlockWeight(self.w2_fp8, self.w2_scale_inv, self.fp8_block[1]),
+            )
         if self.weight_format != "mxfp4":
             return self.w13, self.w2
         return (
@@ -447,14 +473,16 @@ class MoELoRALayer(ops.OpLayer):
     def memory_report(self) -> dict[str, int]:
         """Bytes the layer holds on its device, by kind.
 
-        Returns {"weights": w13 + w2 (with MXFP4 weights: their blocks + scales) + biases,
+        Returns {"weights": w13 + w2 (with MXFP4 weights: their blocks + scales; FP8: their e4m3
+        weights + scale_inv) + biases,
         "adapter_slots": the four LoRA slot tensors + slot_covers, "scratch": the flat buffers +
         alignment workspaces allocated so far (shared with every layer of the same sizes, see
         ``share_scratch``), "scratch_shared_by": layers using that scratch, "per_layer": weights +
         adapter_slots (+ scratch when not shared)}. Temporaries of a forward (routing, the reduced
         output) are not held and not counted.
         """
-        packed = [getattr(self, f"{n}_{p}", None) for n in ("w13", "w2") for p in ("blocks", "scales")]
+        parts = ("blocks", "scales", "fp8", "scale_inv")
+        packed = [getattr(self, f"{n}_{p}", None) for n in ("w13", "w2") for p in parts]
         weights = nbytes((self.w13, self.w2, self.b13, self.b2, *packed))
         slots = nbytes((self.lora_a13, self.lora_b13, self.lora_a2, self.lora_b2, self.slot_covers))
         return memory_report(self, weights, slots)
@@ -484,8 +512,7 @@ class MoELoRALayer(ops.OpLayer):
             if cfg is None:
                 cfg = st.config_for(self._dims(T))
             cfg = st.adapt(cfg)
-            if self.weight_format == "mxfp4":  # a K step decodes whole 32-value scale blocks
-                cfg = mxfp4_config(cfg)
+            cfg = packed_config(cfg, self.expert_weights()[0])  # MXFP4 / FP8: K steps of whole scale blocks
             if self.deterministic:
                 cfg = cfg.deterministic()
             if (

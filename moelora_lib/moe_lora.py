@@ -8,7 +8,8 @@ from .common import check_bool, check_tensor
 from .common import describe as _desc
 from .kernels import GEMV_STAGE, LayerConfig, LayerRun, check_stage_name, stage_named
 from .kernels.gemv import GemvRun
-from .kernels.stages import mxfp4_config
+from .kernels.stages import packed_config
+from .quant.fp8 import FP8BlockWeight
 from .quant.mxfp4 import MXFP4_BLOCK, MXFP4Weight
 from .routing import check_finite_weights, check_id_bounds, check_id_values
 from .shapes import Dims
@@ -71,34 +72,69 @@ def _check_cpu_backend(dtype: torch.dtype, name: str = "hidden_states") -> None:
         )
 
 
-def _dense_views(w13, w2, dtype) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """``(w13, w2, mxfp4)``: the dense weights as given, or for :class:`MXFP4Weight` s zero-byte
-    stand-ins of their dense shapes ([E, 2I, H], [E, H, I]) in ``dtype`` (the activations' dtype:
-    :class:`~moelora_lib.MoELoRALayer`'s ``dtype``, hidden_states' in :func:`validate_moe_lora_inputs`;
-    None = bfloat16) on their device, so that the dense shape, dtype and device checks
-    (:func:`validate_moe_lora_inputs`, the layer's ``_check_expert_weights``) apply to them unchanged.
+def _weight_format(w) -> str:
+    """The format of an expert weight as the kernels take it: "mxfp4", "fp8" or "dense"."""
+    if isinstance(w, MXFP4Weight):
+        return "mxfp4"
+    return "fp8" if isinstance(w, FP8BlockWeight) else "dense"
 
-    Raises ValueError naming the argument: one weight MXFP4 and the other not; an MXFP4 weight whose
+
+def _dense_views(w13, w2, dtype) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """``(w13, w2, format)``: the dense weights as given (format "dense"), or for packed weights —
+    :class:`MXFP4Weight` s ("mxfp4") or :class:`~moelora_lib.quant.FP8BlockWeight` s ("fp8") —
+    zero-byte stand-ins of their dense shapes ([E, 2I, H], [E, H, I]) in ``dtype`` (the activations'
+    dtype: :class:`~moelora_lib.MoELoRALayer`'s ``dtype``, hidden_states' in
+    :func:`validate_moe_lora_inputs`; None = bfloat16) on their device, so that the dense shape, dtype
+    and device checks (:func:`validate_moe_lora_inputs`, the layer's ``_check_expert_weights``) apply to
+    them unchanged.
+
+    Raises ValueError naming the argument: w13 and w2 of different formats; an MXFP4 weight whose
     blocks are not [E, N, K/32, 16] or not contiguous in the last two dims, or whose scales hold the
-    e8m0 byte 255 (NaN: the kernels would decode it as inf); ``dtype`` given with dense
-    weights and different from w13's, or not a torch.dtype.
+    e8m0 byte 255 (NaN: the kernels would decode it as inf); an FP8 weight that is not 3-D, not
+    contiguous along K, or whose scale block's columns have no power-of-two divisor of at least 16
+    (no K step fits one scale column); ``dtype`` given with dense weights and different from w13's, or
+    not a torch.dtype.
     """
-    mx13, mx2 = isinstance(w13, MXFP4Weight), isinstance(w2, MXFP4Weight)
-    if mx13 != mx2:
-        name, other = ("w2", "w13") if mx13 else ("w13", "w2")
+    f13, f2 = _weight_format(w13), _weight_format(w2)
+    if f13 != f2:
+        name, other, fmt = ("w2", "w13", f13) if f13 != "dense" else ("w13", "w2", f2)
+        kind = {"mxfp4": "an MXFP4Weight", "fp8": "an FP8BlockWeight"}[fmt]
         raise ValueError(
-            f"{name} must be an MXFP4Weight like {other} (both expert weights packed, or neither), "
-            f"got {_desc(w2 if mx13 else w13)}"
+            f"{name} must be {kind} like {other} (both expert weights in one format, or both dense), "
+            f"got {_desc(w2 if name == 'w2' else w13)}"
         )
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise ValueError(f"dtype must be a torch.dtype or None, got {dtype!r}")
-    if not mx13:
+    if f13 == "dense":
         if dtype is not None and isinstance(w13, torch.Tensor) and dtype != w13.dtype:
             raise ValueError(
                 f"dtype = {dtype} differs from w13's {w13.dtype}: with dense weights the layer's dtype is "
-                "w13's (dtype is for MXFP4 weights)"
+                "w13's (dtype is for MXFP4 and FP8 weights)"
             )
-        return w13, w2, False
+        return w13, w2, "dense"
+    dt = torch.bfloat16 if dtype is None else dtype
+
+    def standin(w):  # a zero-stride view: no memory
+        return torch.empty((), dtype=dt, device=w.device).expand(w.shape)
+
+    if f13 == "fp8":
+        for name, w, layout in (("w13", w13, "[E, 2I, H]"), ("w2", w2, "[E, H, I]")):
+            if w.weight.dim() != 3:
+                raise ValueError(
+                    f"{name} must be an FP8BlockWeight of dense shape {layout}, got {list(w.shape)}"
+                )
+            if w.weight.stride(2) != 1:
+                raise ValueError(
+                    f"{name}.weight must be contiguous along K (stride 1 in its last dim), got strides "
+                    f"{tuple(w.weight.stride())}"
+                )
+            bk = w.block[1]
+            if (bk & -bk) < 16:
+                raise ValueError(
+                    f"{name}.block = {w.block}: the scale block's {bk} columns must be a multiple of 16 "
+                    "(a base GEMM's K step, at least 16, reads one scale column)"
+                )
+        return standin(w13), standin(w2), "fp8"
     for name, w, layout in (("w13", w13, "[E, 2I, H]"), ("w2", w2, "[E, H, I]")):
         q = w.blocks
         if q.dim() != 4:
@@ -115,12 +151,7 @@ def _dense_views(w13, w2, dtype) -> tuple[torch.Tensor, torch.Tensor, bool]:
             raise ValueError(
                 f"{name}.scales holds the e8m0 byte 255 (NaN in MXFP4): the weights would not be finite"
             )
-    dt = torch.bfloat16 if dtype is None else dtype
-
-    def standin(w):  # a zero-stride view: no memory
-        return torch.empty((), dtype=dt, device=w.device).expand(w.shape)
-
-    return standin(w13), standin(w2), True
+    return standin(w13), standin(w2), "mxfp4"
 
 
 def validate_moe_lora_inputs(
@@ -142,8 +173,9 @@ def validate_moe_lora_inputs(
     """Check every argument of :func:`fused_moe_lora`; return the dims T, H, I, E, K, L, S, R.
 
     ``check_values`` also checks topk_ids ∈ [0, E), lora_ids ∈ [-1, L) and that topk_weights is finite
-    (a host sync). w13 / w2 may both be :class:`~moelora_lib.quant.mxfp4.MXFP4Weight` s: they are
-    checked as dense weights of their dense shapes, of hidden_states' dtype, on their blocks' device.
+    (a host sync). w13 / w2 may both be :class:`~moelora_lib.quant.mxfp4.MXFP4Weight` s or both
+    :class:`~moelora_lib.quant.FP8BlockWeight` s: they are checked as dense weights of their dense
+    shapes, of hidden_states' dtype, on their packed tensors' device.
     Each shape letter (T, H, I, E, K, L, R) takes the size most arguments agree on, so a wrong size is
     reported on the argument that disagrees (a wrong H in hidden_states names hidden_states, not w13).
     Raises:
@@ -166,7 +198,7 @@ def validate_moe_lora_inputs(
         )
     if dev.type == "cpu":
         _check_cpu_backend(dt)
-    if isinstance(w13, MXFP4Weight) or isinstance(w2, MXFP4Weight):  # checked as dense weights of dtype dt
+    if {_weight_format(w13), _weight_format(w2)} != {"dense"}:  # checked as dense weights of dtype dt
         w13, w2, _ = _dense_views(w13, w2, dt)
     args = dict(
         w13=w13,
@@ -329,8 +361,7 @@ def make_layer_run(
     if config is None:
         # stages "tuned" and "fused" load tuned configs (moelora_lib.configs); the others the defaults
         config = st.config_for(dims)
-    if isinstance(w13, MXFP4Weight):  # a base K step decodes whole 32-value scale blocks
-        config = mxfp4_config(config)
+    config = packed_config(config, w13)  # MXFP4: whole 32-value scale blocks; FP8: one scale column
     if deterministic:
         config = config.deterministic()
     if st is GEMV_STAGE:  # its own launches, no alignment (kernels/gemv.py)
@@ -433,7 +464,12 @@ def fused_moe_lora(
             [E, N, K/32, 16], scales uint8 [E, N, K/32]; H and I multiples of 32): the base GEMMs decode
             them in registers and compute as with the dequantized weights in hidden_states' dtype; the
             config's base BLOCK_SIZE_K is raised to 32 where it is 16
-            (:func:`~moelora_lib.kernels.stages.mxfp4_config`).
+            (:func:`~moelora_lib.kernels.stages.mxfp4_config`). Or both
+            :class:`~moelora_lib.quant.FP8BlockWeight` s (float8_e4m3fn [E, N, K] and scale_inv
+            [E, ceil(N/bn), ceil(K/bk)]): each weight tile is fp32(code)·fp32(scale) rounded once to
+            hidden_states' dtype, as :func:`~moelora_lib.quant.dequantize_fp8_block`; the config's base
+            BLOCK_SIZE_K is lowered to divide bk where it does not
+            (:func:`~moelora_lib.kernels.stages.fp8_config`; bk a multiple of 16).
         topk_weights: [T, K] float32 routing weights (applied once, on the down output), finite.
         topk_ids: [T, K] int32/int64 in [0, E).
         lora_ids: [T] int32/int64 adapter slot of each token in [-1, L); -1 = no adapter.

@@ -32,7 +32,10 @@ Weights are bf16/fp16/fp32 ``[E, N, K]`` (nn.Linear layout, K contiguous) or pac
 (:class:`~moelora_lib.quant.MXFP4Weight`: e2m1 codes two per byte, one e8m0 scale per 32 K values),
 unpacked in registers: sign, exponent and mantissa bits of each nibble build the fp32 value and the
 scale byte becomes the fp32 exponent of its power of two (scale bytes 1–254 are exact; byte 0 reads as
-0 and byte 255, NaN in e8m0, as +inf times the value).
+0 and byte 255, NaN in e8m0, as +inf times the value); or block-scaled FP8
+(:class:`~moelora_lib.quant.FP8BlockWeight`: e4m3 codes [E, N, K], one scale per bn x bk block, any
+block and BLOCK_SIZE_K), each element's code times its block's scale in fp32, rounded once to the
+activations' dtype.
 
 Accumulation is fp32; with ``SPLIT_K`` > 1 the order of the atomic adds varies from run to run (the
 same bound as the other split-K ops, :mod:`moelora_lib.testing`). Source of the method: split-K GEMV
@@ -49,6 +52,7 @@ import triton
 import triton.language as tl
 
 from ..configs.schema import GEMV_MAX_PAIRS, LayerConfig
+from ..quant.fp8 import FP8BlockWeight
 from ..shapes import Dims
 from .stages import Stage
 
@@ -174,9 +178,17 @@ def _gemv_k_loop(
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,
     G_DTYPE: tl.constexpr,
+    W_FP8: tl.constexpr,
+    FP8_BN: tl.constexpr,
+    FP8_BK: tl.constexpr,
 ):
     """Σ_k W[e, n-tile, k]·v[k] (fp32 [BLOCK_SIZE_N]) over the K tiles of split ``ks`` (v: :func:`_input`):
-    one [BLOCK_SIZE_N, BLOCK_SIZE_K] weight tile per step, loaded whole, multiplied on the CUDA cores."""
+    one [BLOCK_SIZE_N, BLOCK_SIZE_K] weight tile per step, loaded whole, multiplied on the CUDA cores.
+
+    W_FP8: ``w_ptr`` holds float8_e4m3fn codes [E, N, K] and ``s_ptr`` their scale grid [E, ceil(N/FP8_BN),
+    ceil(K/FP8_BK)] (last dim contiguous); each element is fp32(code)·fp32(scale of its block) rounded once
+    to the activations' dtype (``G_DTYPE`` with ACT_INPUT, else the input's), the dense weight
+    :func:`~moelora_lib.quant.dequantize_fp8_block` gives in that dtype."""
     n_tiles = tl.cdiv(K, BLOCK_SIZE_K)
     per = tl.cdiv(n_tiles, SPLIT_K)
     acc = tl.zeros((BLOCK_SIZE_N,), dtype=tl.float32)
@@ -224,6 +236,15 @@ def _gemv_k_loop(
         for t in range(ks * per, tl.minimum(ks * per + per, n_tiles)):
             k_idx = t * BLOCK_SIZE_K + offs_k
             w = tl.load(w_rows + k_idx[None, :], mask=n_mask[:, None] & (k_idx < K)[None, :], other=0.0)
+            if W_FP8:
+                s_blk = (offs_n // FP8_BN)[:, None] * stride_sn + (k_idx // FP8_BK)[None, :]
+                sc = tl.load(s_ptr + expert * stride_se + s_blk, mask=n_mask[:, None] & (k_idx < K)[None, :],
+                             other=0.0)  # fmt: skip
+                w = w.to(tl.float32) * sc.to(tl.float32)
+                if ACT_INPUT:
+                    w = w.to(G_DTYPE)
+                else:
+                    w = w.to(in_ptr.dtype.element_ty)
             v = _input(
                 in_ptr,
                 b13_ptr,
@@ -250,7 +271,8 @@ def _gemv_gate_up_kernel(
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_hm,
     stride_im, stride_is, stride_bl, stride_be, stride_bs, stride_bn,
     BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr, SPLIT_K: tl.constexpr, MXFP4: tl.constexpr,
-    HAS_LORA: tl.constexpr, BLOCK_SIZE_R: tl.constexpr,
+    HAS_LORA: tl.constexpr, BLOCK_SIZE_R: tl.constexpr, W_FP8: tl.constexpr = False, FP8_BN: tl.constexpr = 1,
+    FP8_BK: tl.constexpr = 1,
 ):  # fmt: skip
     """h[p, n-tile] (+)= x[t]·W13[e, n-tile] over this program's K split (+ the expand on split 0)."""
     ks = tl.program_id(0) % SPLIT_K
@@ -284,6 +306,9 @@ def _gemv_gate_up_kernel(
             False,
             "silu",
             tl.float32,
+            W_FP8,
+            FP8_BN,
+            FP8_BK,
         )
         if HAS_LORA:
             lid = tl.load(lid_ptr + row)
@@ -318,7 +343,8 @@ def _gemv_down_kernel(
     stride_im, stride_bl, stride_be, stride_bn,
     BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr, SPLIT_K: tl.constexpr, MXFP4: tl.constexpr,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, G_DTYPE: tl.constexpr, HAS_LORA: tl.constexpr,
-    BLOCK_SIZE_R: tl.constexpr,
+    BLOCK_SIZE_R: tl.constexpr, W_FP8: tl.constexpr = False, FP8_BN: tl.constexpr = 1,
+    FP8_BK: tl.constexpr = 1,
 ):  # fmt: skip
     """y[p, n-tile] (+)= w_p·(g·W2[e, n-tile] over this K split + on split 0: b2 + the expand)."""
     ks = tl.program_id(0) % SPLIT_K
@@ -352,6 +378,9 @@ def _gemv_down_kernel(
             HAS_BIAS,
             ACTIVATION,
             G_DTYPE,
+            W_FP8,
+            FP8_BN,
+            FP8_BK,
         )
         if ks == 0:
             if HAS_BIAS:
@@ -439,12 +468,18 @@ def gemv_scratch_numel(T: int, top_k: int, H: int, I: int, S: int, R: int) -> in
 
 
 def _weight_args(w) -> tuple:
-    """(weight pointer, scales pointer, stride_we, stride_wn, stride_se, stride_sn, is_mxfp4)."""
+    """(weight pointer, scales pointer, stride_we, stride_wn, stride_se, stride_sn, is_mxfp4,
+    {W_FP8, FP8_BN, FP8_BK})."""
+    no_fp8 = dict(W_FP8=False, FP8_BN=1, FP8_BK=1)
+    if isinstance(w, FP8BlockWeight):  # e4m3 [E, N, K] (K contiguous) and its scale grid, made contiguous
+        q, sc = w.weight, w.scale_inv.contiguous()
+        fp8 = dict(W_FP8=True, FP8_BN=w.block[0], FP8_BK=w.block[1])
+        return q, sc, q.stride(0), q.stride(1), sc.stride(0), sc.stride(1), False, fp8
     blocks = getattr(w, "blocks", None)
     if blocks is not None:  # MXFP4Weight: blocks [E, N, K/32, 16] viewed as [E, N, K/2] bytes
         b, s = blocks, w.scales
-        return b, s, b.stride(0), b.stride(1), s.stride(0), s.stride(1), True
-    return w, w, w.stride(0), w.stride(1), 0, 0, False
+        return b, s, b.stride(0), b.stride(1), s.stride(0), s.stride(1), True, no_fp8
+    return w, w, w.stride(0), w.stride(1), 0, 0, False, no_fp8
 
 
 def gemv_moe_lora(
@@ -468,7 +503,8 @@ def gemv_moe_lora(
     Args:
         hidden_states: [T, H] float16/bfloat16/float32, rows contiguous.
         w13: [E, 2I, H] of hidden_states' dtype (K contiguous) or an :class:`~moelora_lib.quant.MXFP4Weight`
-            of that shape; w2: [E, H, I] likewise.
+            or :class:`~moelora_lib.quant.FP8BlockWeight` (K contiguous) of that shape; w2: [E, H, I]
+            likewise.
         topk_weights: [T, K] float32 (contiguous); topk_ids: [T, K] int32/int64 (contiguous), any values
             (pairs with ids outside [0, E) are skipped and their token's row is NaN).
         activation: "silu" ([gate | up] halves) or "swigluoai" (interleaved gate/up, GPT-OSS clamp).
@@ -562,7 +598,7 @@ def gemv_moe_lora(
         2 * I, H, E, K, l13[3], l13[4], R,
         x.stride(0), w13a[2], w13a[3], w13a[4], w13a[5], h.stride(0), *l13[5:],
         BLOCK_SIZE_N=gu.BLOCK_SIZE_N, BLOCK_SIZE_K=gu.BLOCK_SIZE_K, SPLIT_K=gu.SPLIT_K, MXFP4=w13a[6],
-        HAS_LORA=ids13 is not None, BLOCK_SIZE_R=r_p, num_warps=gu.NUM_WARPS,
+        HAS_LORA=ids13 is not None, BLOCK_SIZE_R=r_p, **w13a[7], num_warps=gu.NUM_WARPS,
     )  # fmt: skip
     if ids2 is not None:
         _gemv_shrink_kernel[(P, 1, sh2.SPLIT_K)](
@@ -583,7 +619,7 @@ def gemv_moe_lora(
         b2.stride(0) if has_bias else 0, y.stride(0), *l2[4:],
         BLOCK_SIZE_N=dn.BLOCK_SIZE_N, BLOCK_SIZE_K=dn.BLOCK_SIZE_K, SPLIT_K=dn.SPLIT_K, MXFP4=w2a[6],
         HAS_BIAS=has_bias, ACTIVATION=activation, G_DTYPE=g_dt, HAS_LORA=ids2 is not None,
-        BLOCK_SIZE_R=r_p, num_warps=dn.NUM_WARPS,
+        BLOCK_SIZE_R=r_p, **w2a[7], num_warps=dn.NUM_WARPS,
     )  # fmt: skip
     return topk_reduce(y, topk_ids, E, lora_ids, L, check_ids=True, out=out, out_dtype=x.dtype)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from ..quant.fp8 import FP8BlockWeight
 from ..quant.mxfp4 import MXFP4_BLOCK, MXFP4Weight
 from ..routing import Alignment
 from .config import OpConfig
@@ -31,6 +32,7 @@ __all__ = [
     "fused_moe_lora_args",
     "fused_moe_lora",
     "weight_operand",
+    "fp8_block_k_error",
 ]
 
 
@@ -43,23 +45,64 @@ def _kernel(name: str, specialize_lengths: bool):
     return KERNELS[name][bool(specialize_lengths)]
 
 
-def weight_operand(w, x: torch.Tensor, cfg: OpConfig, name: str = "w") -> tuple[tuple, tuple, bool]:
-    """The kernel arguments of a base GEMM's expert weight ``w``: ``((w_ptr, stride_we, stride_wn,
-    stride_wk), (ws_ptr, stride_se, stride_sn, stride_sk), W_MXFP4)``.
+def fp8_block_k_error(block_size_k: int, bk: int, name: str) -> str | None:
+    """Why a K step of ``block_size_k`` cannot run on a block-FP8 weight ``name`` with scale blocks of
+    ``bk`` columns (None when it can): a K step must stay inside one scale column, so BLOCK_SIZE_K must
+    divide bk."""
+    if bk % block_size_k == 0:
+        return None
+    return (
+        f"BLOCK_SIZE_K = {block_size_k} must divide the FP8 scale block's {bk} columns of {name} "
+        f"(block {name}.block[1]): a K step reads one scale column"
+    )
 
-    ``w``: a dense [E, N, K] tensor (nn.Linear layout; the scale arguments are dummies: w and zeros),
-    or an :class:`~moelora_lib.quant.mxfp4.MXFP4Weight` of dense shape [E, N, K] — ``blocks`` uint8
+
+def weight_operand(w, x: torch.Tensor, cfg: OpConfig, name: str = "w") -> tuple[tuple, tuple, dict]:
+    """The kernel arguments of a base GEMM's expert weight ``w``: ``((w_ptr, stride_we, stride_wn,
+    stride_wk), (ws_ptr, stride_se, stride_sn, stride_sk, fp8_bn, fp8_bk), {"W_MXFP4": …, "W_FP8": …})``.
+
+    ``w``: a dense [E, N, K] tensor (nn.Linear layout; the scale arguments are dummies: w, zeros, 1),
+    an :class:`~moelora_lib.quant.mxfp4.MXFP4Weight` of dense shape [E, N, K] — ``blocks`` uint8
     [E, N, K/32, 16] whose last two dims are contiguous (byte b of a row's K/2 packed bytes at
     b·stride_wk) and ``scales`` uint8 [E, N, K/32] (the published GPT-OSS layout,
-    :mod:`moelora_lib.quant.mxfp4`); ``x`` [rows, K] the activations it multiplies.
+    :mod:`moelora_lib.quant.mxfp4`), or an :class:`~moelora_lib.quant.FP8BlockWeight` [E, N, K]
+    (float8_e4m3fn ``weight`` read with its own strides, ``scale_inv`` [E, ceil(N/bn), ceil(K/bk)]);
+    ``x`` [rows, K] the activations it multiplies.
     Raises ValueError naming the argument (``name``, ``x``, ``cfg.BLOCK_SIZE_K``) for an MXFP4 weight
     that is not [E, N, K/32, 16] / [E, N, K/32], whose last two dims are not contiguous, that is on
     another device than x, whose K differs from x's (K must be a multiple of 32: one e8m0 scale per 32
-    values), or a BLOCK_SIZE_K that is not a multiple of 32 (a K step must hold whole scale blocks).
+    values), or a BLOCK_SIZE_K that is not a multiple of 32 (a K step must hold whole scale blocks);
+    for an FP8 weight that is not 3-D, on another device than x, whose K differs from x's, or whose
+    scale block's columns bk are not a multiple of BLOCK_SIZE_K (a K step reads one scale column).
     Dense weights are not checked here (:func:`moelora_lib.fused_moe_lora` validates them).
     """
+    if isinstance(w, FP8BlockWeight):
+        q, sc = w.weight, w.scale_inv
+        bn, bk = w.block
+        if q.dim() != 3:
+            raise ValueError(f"{name}: an FP8 expert weight must be [E, N, K], got {tuple(q.shape)}")
+        if q.device != x.device:
+            raise ValueError(f"{name} must be on {x.device} (x's device), got {q.device}")
+        if x.dim() != 2 or x.shape[1] != q.shape[2]:
+            raise ValueError(
+                f"x must have K = {q.shape[2]} columns, the K of the FP8 weight {name} {tuple(q.shape)}, "
+                f"got x {tuple(x.shape)}"
+            )
+        err = fp8_block_k_error(cfg.BLOCK_SIZE_K, bk, name)
+        if err:
+            raise ValueError(f"cfg.{err}")
+        w_args = (q, q.stride(0), q.stride(1), q.stride(2))
+        return (
+            w_args,
+            (sc, sc.stride(0), sc.stride(1), sc.stride(2), bn, bk),
+            {"W_MXFP4": False, "W_FP8": True},
+        )
     if not isinstance(w, MXFP4Weight):
-        return (w, w.stride(0), w.stride(1), w.stride(2)), (w, 0, 0, 0), False
+        return (
+            (w, w.stride(0), w.stride(1), w.stride(2)),
+            (w, 0, 0, 0, 1, 1),
+            {"W_MXFP4": False, "W_FP8": False},
+        )
     q, sc = w.blocks, w.scales
     if q.dim() != 4 or sc.dim() != 3 or tuple(sc.shape) != tuple(q.shape[:3]):
         raise ValueError(
@@ -85,7 +128,8 @@ def weight_operand(w, x: torch.Tensor, cfg: OpConfig, name: str = "w") -> tuple[
             f"cfg.BLOCK_SIZE_K = {cfg.BLOCK_SIZE_K} must be a multiple of {MXFP4_BLOCK} for the MXFP4 weight "
             f"{name} (a K step decodes whole blocks of 32 values sharing one e8m0 scale)"
         )
-    return (q, q.stride(0), q.stride(1), q.stride(3)), (sc, sc.stride(0), sc.stride(1), sc.stride(2)), True
+    q_args = (q, q.stride(0), q.stride(1), q.stride(3))
+    return q_args, (sc, sc.stride(0), sc.stride(1), sc.stride(2), 1, 1), {"W_MXFP4": True, "W_FP8": False}
 
 
 def fused_moe_gemm_args(
@@ -106,7 +150,7 @@ def fused_moe_gemm_args(
     (:mod:`moelora_lib.studies.compile_check`). num_warps/num_stages come from ``cfg``.
     """
     assert cfg.BLOCK_SIZE_M == align.block_size_m and cfg.SPLIT_K == 1
-    (wt, *w_strides), s_args, mxfp4 = weight_operand(w, x, cfg)
+    (wt, *w_strides), s_args, wfmt = weight_operand(w, x, cfg)
     E, N, K = w.shape
     grid = (align.num_blocks * triton.cdiv(N, cfg.BLOCK_SIZE_N),)
     b = bias if bias is not None else wt  # dummy pointer when HAS_BIAS is False
@@ -142,7 +186,7 @@ def fused_moe_gemm_args(
         EVEN_K=bool(use_even_k and even_k(K, cfg.BLOCK_SIZE_K)),
         HAS_BIAS=bias is not None,
         MUL_ROUTED_WEIGHT=topk_weights is not None,
-        W_MXFP4=mxfp4,
+        **wfmt,
     )
     return grid, args, constexprs
 
@@ -168,7 +212,9 @@ def fused_moe_gemm(
         w: [E, N, K] expert weights (nn.Linear layout), or an
             :class:`~moelora_lib.quant.mxfp4.MXFP4Weight` of that dense shape (packed e2m1 codes and
             e8m0 scales, decoded in registers and rounded to x's dtype for the dot; BLOCK_SIZE_K a
-            multiple of 32; ValueError naming the argument otherwise, :func:`weight_operand`).
+            multiple of 32; ValueError naming the argument otherwise, :func:`weight_operand`), or an
+            :class:`~moelora_lib.quant.FP8BlockWeight` (e4m3 times its block scale, rounded to x's
+            dtype; BLOCK_SIZE_K dividing the scale block's columns).
         out: [T·K, N] written for every real pair (padding rows never).
         align: expert-only alignment with BLOCK_SIZE_M = cfg.BLOCK_SIZE_M.
         cfg: launch config (SPLIT_K must be 1).
@@ -520,11 +566,12 @@ def fused_moe_lora_args(
     ``activation`` given: the gate_up kernel (``fused_moe_lora_act``, x = hidden_states [T, H], w = w13
     [E, 2I, H], out = g [T·K, I]); None: the down kernel (``fused_moe_lora``, x = g [T·K, I], w = w2
     [E, H, I], out = y [T·K, H], topk_weights required). ``w`` dense or an
-    :class:`~moelora_lib.quant.mxfp4.MXFP4Weight` of that dense shape (:func:`weight_operand`).
+    :class:`~moelora_lib.quant.mxfp4.MXFP4Weight` or :class:`~moelora_lib.quant.FP8BlockWeight` of that
+    dense shape (:func:`weight_operand`).
     ``inter``/``lora_b``/``lora_ids`` together or not at all (HAS_LORA).
     """
     assert cfg.BLOCK_SIZE_M == align.block_size_m and (cfg.SPLIT_K == 1 or activation is None)
-    (wt, *w_strides), s_args, mxfp4 = weight_operand(w, x, cfg)
+    (wt, *w_strides), s_args, wfmt = weight_operand(w, x, cfg)
     E, N, K = w.shape
     has_lora = inter is not None
     assert has_lora == (lora_b is not None) == (lora_ids is not None)
@@ -549,7 +596,7 @@ def fused_moe_lora_args(
         EVEN_K=bool(use_even_k and even_k(K, cfg.BLOCK_SIZE_K)),
         HAS_BIAS=bias is not None,
         HAS_LORA=has_lora,
-        W_MXFP4=mxfp4,
+        **wfmt,
     )
     head = (x, wt, out, b)
     counts = (align.sorted_token_ids, align.block_expert_ids, align.num_tokens_post_padded)
@@ -597,7 +644,8 @@ def fused_moe_lora(
     [T·K, S, R16] float32 from :func:`lora_shrink_rows`, its rows written for exactly those pairs;
     ``lora_b``: [L, E, S, N/S, R] (gate_up) or [L, E, H, R] (down). The whole row is accumulated in fp32
     and rounded once (the base, the delta, the bias, the activation, the routing weight). ``w`` may be an
-    :class:`~moelora_lib.quant.mxfp4.MXFP4Weight` (decoded in registers; :func:`weight_operand` says
+    :class:`~moelora_lib.quant.mxfp4.MXFP4Weight` or :class:`~moelora_lib.quant.FP8BlockWeight`
+    (decoded in registers; :func:`weight_operand` says
     what is checked).
     """
     kernel, grid, args, constexprs = fused_moe_lora_args(

@@ -16,6 +16,7 @@ import torch
 
 from ..common import aligned16
 from ..configs.defaults import default_config
+from ..quant.fp8 import FP8BlockWeight
 from ..quant.mxfp4 import MXFP4_BLOCK, MXFP4Weight
 from ..routing import Alignment, align_tokens
 from ..shapes import Dims
@@ -49,6 +50,8 @@ __all__ = [
     "default_config",
     "aligned_weight",
     "mxfp4_config",
+    "fp8_config",
+    "packed_config",
 ]
 
 #: The launches of one layer, in call order, and the kernel each one runs.
@@ -147,7 +150,11 @@ class Stage:
 def aligned_weight(w, name: str):
     """:func:`~moelora_lib.common.aligned16` of an expert weight: a tensor, or an
     :class:`~moelora_lib.quant.mxfp4.MXFP4Weight` whose blocks and scales are each aligned (the same
-    object when both already are)."""
+    object when both already are), or an :class:`~moelora_lib.quant.FP8BlockWeight` whose weight and
+    scale_inv are."""
+    if isinstance(w, FP8BlockWeight):
+        q, sc = aligned16(w.weight, f"{name}.weight"), aligned16(w.scale_inv, f"{name}.scale_inv")
+        return w if (q is w.weight and sc is w.scale_inv) else FP8BlockWeight(q, sc, w.block)
     if not isinstance(w, MXFP4Weight):
         return aligned16(w, name)
     q, sc = aligned16(w.blocks, f"{name}.blocks"), aligned16(w.scales, f"{name}.scales")
@@ -163,6 +170,31 @@ def mxfp4_config(cfg: LayerConfig) -> LayerConfig:
         if getattr(cfg, op).BLOCK_SIZE_K < MXFP4_BLOCK
     }
     return replace(cfg, **changes) if changes else cfg
+
+
+def fp8_config(cfg: LayerConfig, bk: int) -> LayerConfig:
+    """``cfg`` with the base GEMMs' BLOCK_SIZE_K lowered to the largest power of two dividing ``bk``
+    (the columns of an FP8 scale block) where it does not divide ``bk``: a K step of a block-FP8
+    weight reads one scale column. Left unchanged where that power of two is below 16 (the smallest
+    dot K; the launchers then refuse the weight). The other fields and ops are unchanged."""
+    p2 = bk & -bk  # the largest power of two dividing bk
+    changes = {
+        op: replace(getattr(cfg, op), BLOCK_SIZE_K=p2)
+        for op in BASE_OPS
+        if bk % getattr(cfg, op).BLOCK_SIZE_K and p2 >= 16
+    }
+    return replace(cfg, **changes) if changes else cfg
+
+
+def packed_config(cfg: LayerConfig, w) -> LayerConfig:
+    """``cfg`` adapted to the expert weight ``w``'s format: :func:`mxfp4_config` for an
+    :class:`~moelora_lib.quant.mxfp4.MXFP4Weight`, :func:`fp8_config` for an
+    :class:`~moelora_lib.quant.FP8BlockWeight`, ``cfg`` itself for a dense weight."""
+    if isinstance(w, MXFP4Weight):
+        return mxfp4_config(cfg)
+    if isinstance(w, FP8BlockWeight):
+        return fp8_config(cfg, w.block[1])
+    return cfg
 
 
 class Launch(NamedTuple):
@@ -218,7 +250,9 @@ class LayerRun:
       and ``base_down``, stage ``fused``'s two GEMMs) then decodes the packed weight in registers
       (``W_MXFP4``, :mod:`.triton_kernels`); the LoRA launches are unchanged. The base GEMMs'
       BLOCK_SIZE_K must be a multiple of 32: :func:`mxfp4_config` raises a config's 16 to 32 (the
-      serving layer applies it); given 16, the launchers raise ValueError.
+      serving layer applies it); given 16, the launchers raise ValueError. Or both
+      :class:`~moelora_lib.quant.FP8BlockWeight` s (e4m3 [E, N, K] and block scales, ``W_FP8``): the
+      base GEMMs' BLOCK_SIZE_K must divide the scale block's columns (:func:`fp8_config` lowers it).
     * ``adapter_order``: build the base alignment (when ``alignments`` is None or its first entry is
       None) with each expert's pairs ordered by adapter (:func:`~moelora_lib.routing.align_tokens`'s
       ``sort_lora_ids``), so that a base tile holds the rows of one or two adapters; None (default) =

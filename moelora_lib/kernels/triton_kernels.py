@@ -36,6 +36,14 @@ Features switched by the stages:
   dtype for the same tl.dot as the dense path (fp32 accumulation). BLOCK_SIZE_K must be a multiple of
   32 (the launchers check it); K is one by construction, so with EVEN_K False a byte or a scale is in
   range exactly when its first element is.
+* ``W_FP8`` (the three base GEMM kernels): the expert weight is block-scaled FP8
+  (:class:`~moelora_lib.quant.FP8BlockWeight`) — ``w_ptr`` float8_e4m3fn [E, N, K] with the dense
+  weight's strides and ``ws_ptr`` its ``scale_inv`` (fp32/bf16/fp16) [E, ceil(N/fp8_bn), ceil(K/fp8_bk)],
+  one scale per fp8_bn x fp8_bk block. Each K step loads the e4m3 tile as the dense path loads its
+  weight tile, and per tile column n the scale of block (n // fp8_bn, k0 // fp8_bk) (a [BLOCK_SIZE_N]
+  gather, so any BLOCK_SIZE_N works); fp32(code)·fp32(scale) rounded once to the activations' dtype,
+  exactly :func:`~moelora_lib.quant.dequantize_fp8_block` in that dtype, then the same tl.dot.
+  BLOCK_SIZE_K must divide fp8_bk (one scale column per K step; the launchers check it).
 * ``HAS_LORA`` (stage ``fused``: ``_fused_moe_lora_act_kernel`` for gate_up, ``_fused_moe_lora_kernel``
   for down): the LoRA expand runs inside the base GEMM's program. The tile iterates over the base
   (expert-only) alignment; after the K loop it reads each row's adapter id (``lora_ids[p // top_k]``)
@@ -128,6 +136,15 @@ def _mxfp4_tile(wq_ptrs, ws_ptrs, offs_kb, offs_ks, k_left, EVEN_K: tl.constexpr
     return tl.trans(_mxfp4_dequant(q, s, BLOCK_SIZE_N, BLOCK_SIZE_K))
 
 
+@triton.jit
+def _fp8_scale(wa, s_ptrs, k, stride_sk, fp8_bk, BLOCK_SIZE_K: tl.constexpr, dtype: tl.constexpr):
+    """The e4m3 tile ``wa`` [BLOCK_SIZE_K, BLOCK_SIZE_N] of K step ``k`` dequantized in ``dtype``:
+    fp32(wa)·fp32(scale) rounded once, the scale of each column read at ``s_ptrs`` [BLOCK_SIZE_N] (its
+    block row) plus the block column (k·BLOCK_SIZE_K) // fp8_bk (BLOCK_SIZE_K divides fp8_bk)."""
+    s = tl.load(s_ptrs + ((k * BLOCK_SIZE_K) // fp8_bk) * stride_sk)
+    return (wa.to(tl.float32) * s.to(tl.float32)[None, :]).to(dtype)
+
+
 def _fused_moe_kernel(
     x_ptr,
     w_ptr,
@@ -155,6 +172,8 @@ def _fused_moe_kernel(
     stride_se,
     stride_sn,
     stride_sk,
+    fp8_bn,
+    fp8_bk,
     BLOCK_SIZE_M: tl.constexpr,
     BLOCK_SIZE_N: tl.constexpr,
     BLOCK_SIZE_K: tl.constexpr,
@@ -163,6 +182,7 @@ def _fused_moe_kernel(
     HAS_BIAS: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
     W_MXFP4: tl.constexpr = False,
+    W_FP8: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_SIZE_N)
@@ -200,6 +220,7 @@ def _fused_moe_kernel(
             ws_ptrs += (BLOCK_SIZE_K // 32) * stride_sk
     else:
         w_ptrs = w_ptr + expert * stride_we + offs_n_ld[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        s_ptrs = ws_ptr + expert * stride_se + (offs_n_ld // fp8_bn) * stride_sn  # W_FP8: scale rows
         for k in range(0, tl.cdiv(K, BLOCK_SIZE_K)):
             if EVEN_K:
                 xa = tl.load(x_ptrs)
@@ -208,6 +229,8 @@ def _fused_moe_kernel(
                 k_left = K - k * BLOCK_SIZE_K
                 xa = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
                 wa = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            if W_FP8:
+                wa = _fp8_scale(wa, s_ptrs, k, stride_sk, fp8_bk, BLOCK_SIZE_K, xa.dtype)
             acc = tl.dot(xa, wa, acc)
             x_ptrs += BLOCK_SIZE_K * stride_xk
             w_ptrs += BLOCK_SIZE_K * stride_wk
@@ -533,6 +556,8 @@ def _fused_moe_lora_act_kernel(
     stride_se,
     stride_sn,
     stride_sk,
+    fp8_bn,
+    fp8_bk,
     BLOCK_SIZE_M: tl.constexpr,
     BLOCK_SIZE_N: tl.constexpr,
     BLOCK_SIZE_K: tl.constexpr,
@@ -543,6 +568,7 @@ def _fused_moe_lora_act_kernel(
     HAS_LORA: tl.constexpr,
     ACTIVATION: tl.constexpr,
     W_MXFP4: tl.constexpr = False,
+    W_FP8: tl.constexpr = False,
 ):
     """g[p, j] = act(h[p, gate(j)], h[p, up(j)]) with h = x·W13[e]ᵀ + LoRA delta (+ b13[e]), one tile of
     BLOCK_SIZE_N columns j of g; gate(j), up(j) = j, I + j (silu) or 2j, 2j + 1 (swigluoai)."""
@@ -600,6 +626,9 @@ def _fused_moe_lora_act_kernel(
         w_base = w_ptr + expert * stride_we + offs_k[:, None] * stride_wk
         wg_ptrs = w_base + gate_col[None, :] * stride_wn
         wu_ptrs = w_base + up_col[None, :] * stride_wn
+        s_base = ws_ptr + expert * stride_se  # W_FP8: the scale rows of the gate and up columns
+        sg_ptrs = s_base + (gate_col // fp8_bn) * stride_sn
+        su_ptrs = s_base + (up_col // fp8_bn) * stride_sn
         for k in range(0, tl.cdiv(K, BLOCK_SIZE_K)):
             if EVEN_K:
                 xa = tl.load(x_ptrs)
@@ -610,6 +639,9 @@ def _fused_moe_lora_act_kernel(
                 xa = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
                 wg = tl.load(wg_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
                 wu = tl.load(wu_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            if W_FP8:
+                wg = _fp8_scale(wg, sg_ptrs, k, stride_sk, fp8_bk, BLOCK_SIZE_K, xa.dtype)
+                wu = _fp8_scale(wu, su_ptrs, k, stride_sk, fp8_bk, BLOCK_SIZE_K, xa.dtype)
             acc_g = tl.dot(xa, wg, acc_g)
             acc_u = tl.dot(xa, wu, acc_u)
             x_ptrs += BLOCK_SIZE_K * stride_xk
@@ -684,6 +716,8 @@ def _fused_moe_lora_kernel(
     stride_se,
     stride_sn,
     stride_sk,
+    fp8_bn,
+    fp8_bk,
     BLOCK_SIZE_M: tl.constexpr,
     BLOCK_SIZE_N: tl.constexpr,
     BLOCK_SIZE_K: tl.constexpr,
@@ -694,6 +728,7 @@ def _fused_moe_lora_kernel(
     HAS_LORA: tl.constexpr,
     SPLIT_K: tl.constexpr = 1,
     W_MXFP4: tl.constexpr = False,
+    W_FP8: tl.constexpr = False,
 ):
     """y[p] = (g[p]·W2[e]ᵀ + LoRA delta (+ b2[e]))·w[p] over the base alignment (rows are pairs).
 
@@ -747,6 +782,7 @@ def _fused_moe_lora_kernel(
     else:
         w_ptrs = w_ptr + expert * stride_we + offs_n_ld[None, :] * stride_wn
         w_ptrs += (k_lo * BLOCK_SIZE_K + offs_k)[:, None] * stride_wk
+        s_ptrs = ws_ptr + expert * stride_se + (offs_n_ld // fp8_bn) * stride_sn  # W_FP8: scale rows
         for k in range(k_lo, k_hi):
             if EVEN_K:
                 xa = tl.load(x_ptrs)
@@ -755,6 +791,8 @@ def _fused_moe_lora_kernel(
                 k_left = K - k * BLOCK_SIZE_K
                 xa = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
                 wa = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            if W_FP8:
+                wa = _fp8_scale(wa, s_ptrs, k, stride_sk, fp8_bk, BLOCK_SIZE_K, xa.dtype)
             acc = tl.dot(xa, wa, acc)
             x_ptrs += BLOCK_SIZE_K * stride_xk
             w_ptrs += BLOCK_SIZE_K * stride_wk

@@ -1,0 +1,340 @@
+"""The block-FP8 weight path of the MoE base GEMMs (``W_FP8`` in moelora_lib.kernels.triton_kernels, the FP8
+branch of the stage-gemv K loop): float8_e4m3fn experts with one scale per (bn, bk) block (Qwen3 FP8
+checkpoints, moelora_lib.quant.fp8) scaled in registers.
+
+CPU: the Triton interpreter in fp32 and fp16. A GEMM or a layer on FP8 weights must equal the same GEMM or
+layer on ``dequantize_fp8_block``'d dense weights in the activations' dtype — bit for bit for the
+tensor-core stages (same operand values, same sums), within 1e-5 for stage gemv — and the fp32 reference
+within the tolerance table. sm_90: the FP8 variants of the four base GEMM launches compile (no GPU).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moelora_lib import fused_moe_lora
+from moelora_lib.kernels import STAGES
+from moelora_lib.kernels.config import LayerConfig, OpConfig
+from moelora_lib.kernels.launchers import fused_moe_gemm
+from moelora_lib.kernels.stages import fp8_config
+from moelora_lib.layer import MoELoRALayer
+from moelora_lib.quant import FP8BlockWeight
+from moelora_lib.reference import moe_lora_reference, route_reference
+from moelora_lib.routing import align_tokens
+from moelora_lib.testing import assert_close_rel
+
+F32, F16 = torch.float32, torch.float16
+DT_IDS = {F32: "fp32", F16: "fp16"}
+
+
+def _fp8(shape, seed, block, scale=0.1, scale_dtype=torch.float32) -> FP8BlockWeight:
+    g = torch.Generator().manual_seed(seed)
+    w = FP8BlockWeight.quantize(torch.randn(*shape, generator=g) * scale, block)
+    return FP8BlockWeight(w.weight, w.scale_inv.to(scale_dtype), w.block)
+
+
+def _dense(w: FP8BlockWeight, dt) -> torch.Tensor:
+    """The exact weights in the activations' dtype (fp32 product rounded once, as the kernels)."""
+    return w.dequantize(dt)
+
+
+# --------------------------------------------------------------------------------------------------
+# the base GEMM launcher
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dt", [F32, F16], ids=DT_IDS.get)
+@pytest.mark.parametrize(
+    "K,bk,block,down,scale_dtype",
+    [
+        (64, 32, (16, 64), False, F32),  # EVEN_K, two K steps in one scale column, rows_div = top_k
+        (96, 32, (40, 32), True, F16),  # masked last step, ragged N blocks (48 = 40 + 8), fp16 scales
+        (96, 16, (24, 64), False, F32),  # ragged last K block (96 = 64 + 32), four K steps per column
+        (32, 64, (32, 64), True, F32),  # K < BLOCK_SIZE_K: one masked step
+    ],
+)
+def test_gemm_equals_dequantized_dense(dt, K, bk, block, down, scale_dtype):
+    E, N, T, top_k = 4, 48, 9, 2  # N = 48: a ragged last N tile of 32
+    w = _fp8((E, N, K), seed=K + bk, block=block, scale_dtype=scale_dtype)
+    g = torch.Generator().manual_seed(1)
+    topk = torch.stack([torch.randperm(E, generator=g)[:top_k] for _ in range(T)]).to(torch.int32)
+    align = align_tokens(topk, E, 16)
+    rows = T * top_k if down else T
+    x = torch.randn(rows, K, generator=g).to(dt)
+    kw = dict(rows_div=1 if down else top_k)
+    if down:
+        kw |= dict(
+            bias=(torch.randn(E, N, generator=g) * 0.1).to(dt),
+            topk_weights=torch.rand(T * top_k, generator=g),
+        )
+    cfg = OpConfig(16, 32, bk)
+    out = torch.full((T * top_k, N), 1234.5, dtype=dt)
+    dense_out = out.clone()
+    fused_moe_gemm(x, w, out, align, cfg, **kw)
+    fused_moe_gemm(x, _dense(w, dt), dense_out, align, cfg, **kw)
+    assert torch.equal(out, dense_out)
+    ref = x.double()[torch.arange(T * top_k) // kw["rows_div"]]
+    ref = torch.einsum("pk,pnk->pn", ref, w.dequantize(torch.float32).double()[topk.reshape(-1).long()])
+    if down:
+        ref = (ref + kw["bias"].double()[topk.reshape(-1).long()]) * kw["topk_weights"].double()[:, None]
+    assert_close_rel(out, ref, dt)
+
+
+def test_gemm_bad_block_sizes_name_the_argument():
+    E, N, K, T = 2, 32, 64, 3
+    w = _fp8((E, N, K), seed=0, block=(16, 32))
+    align = align_tokens(torch.zeros(T, 1, dtype=torch.int32), E, 16)
+    x, out = torch.randn(T, K), torch.empty(T, N)
+    # BLOCK_SIZE_K 64 spans two 32-column scale blocks
+    with pytest.raises(ValueError, match=r"cfg\.BLOCK_SIZE_K = 64 must divide the FP8 scale block's 32 col"):
+        fused_moe_gemm(x, w, out, align, OpConfig(16, 32, 64), rows_div=1)
+    # activations whose K (48) is not the weight's 64
+    with pytest.raises(ValueError, match=r"x must have K = 64 columns, the K of the FP8 weight w"):
+        fused_moe_gemm(torch.randn(T, 48), w, out, align, OpConfig(16, 32, 32), rows_div=1)
+    # without the expert dim
+    w2d = FP8BlockWeight(w.weight[0], w.scale_inv[0], w.block)
+    with pytest.raises(ValueError, match=r"w: an FP8 expert weight must be \[E, N, K\]"):
+        fused_moe_gemm(x, w2d, out, align, OpConfig(16, 32, 32), rows_div=1)
+
+
+def test_fp8_config_lowers_block_size_k():
+    big, lora = OpConfig(16, 32, 128), OpConfig(16, 32, 64)
+    cfg = LayerConfig(big, OpConfig(16, 32, 32), lora, lora, lora, lora)
+    low = fp8_config(cfg, 48)  # 48 = 16·3: K steps of 16
+    assert low.base_gate_up.BLOCK_SIZE_K == 16 and low.base_down.BLOCK_SIZE_K == 16
+    assert low.gate_up_shrink == lora  # the LoRA ops keep theirs
+    assert fp8_config(cfg, 128) is cfg  # 128 and 32 divide 128
+    assert fp8_config(cfg, 24) is cfg  # no K step ≥ 16 fits 24 columns: left to the refusal
+
+
+# --------------------------------------------------------------------------------------------------
+# the layer
+# --------------------------------------------------------------------------------------------------
+E, K_TOP, L, R = 4, 2, 3, 16
+
+
+def _layers(dt, stage, act, S, bias, H, I, block, config=None):
+    """(FP8 layer, the same layer on the dequantized dense weights), the same adapters in slots 0, 1."""
+    w13, w2 = _fp8((E, 2 * I, H), seed=H + I, block=block), _fp8((E, H, I), seed=H * I, block=block)
+    g = torch.Generator().manual_seed(7)
+    b13 = (torch.randn(E, 2 * I, generator=g) * 0.1).to(dt) if bias else None
+    b2 = (torch.randn(E, H, generator=g) * 0.1).to(dt) if bias else None
+    kw = dict(top_k=K_TOP, num_adapters=L, max_rank=R, max_tokens=40, slices=S, b13=b13, b2=b2)
+    kw |= dict(activation=act, stage=stage, config=config)
+    f8 = MoELoRALayer(w13, w2, dtype=dt, **kw)
+    dense = MoELoRALayer(_dense(w13, dt), _dense(w2, dt), **kw)
+    for slot, r in ((0, R), (1, 8)):  # slot 2 stays empty: its tokens get the base only
+        gu = (
+            (torch.randn(E, S, r, H, generator=g) * 0.1).to(dt),
+            (torch.randn(E, S, 2 * I // S, r, generator=g) * 0.1).to(dt),
+        )
+        dn = (
+            (torch.randn(E, r, I, generator=g) * 0.1).to(dt),
+            (torch.randn(E, H, r, generator=g) * 0.1).to(dt),
+        )
+        for layer in (f8, dense):
+            layer.load_adapter(slot, gate_up=gu, down=dn, scaling=0.5 + slot)
+    return f8, dense, (w13, w2)
+
+
+_OP = OpConfig(16, 32, 32)
+_FIXED = LayerConfig(_OP, _OP, _OP, _OP, _OP, _OP)
+# (dtype, stage, activation, S, bias, H, I, block, config): bit for bit needs the dense layer to sum in
+# the same K steps, so a block's columns are at least the config's BLOCK_SIZE_K (or the config is fixed)
+LAYER_CASES = [
+    (F32, "tuned", "silu", 2, False, 64, 64, (32, 128), None),  # EVEN_K, the CPU tuned configs
+    (F16, "tuned", "swigluoai", 1, True, 64, 64, (24, 64), _FIXED),  # interleaved gate/up, biases, S = 1
+    (F32, "tuned", "swigluoai", 2, True, 96, 48, (40, 64), _FIXED),  # ragged K and N blocks, masked K
+    (F16, "fused", "silu", 2, True, 64, 64, (32, 128), None),  # the expand and the activation inside
+    (F32, "fused", "swigluoai", 1, True, 96, 48, (40, 64), _FIXED),  # stage fused, ragged blocks
+]
+
+
+@pytest.mark.parametrize(
+    "dt,stage,act,S,bias,H,I,block,config",
+    LAYER_CASES,
+    ids=[f"{c[1]}-{c[2]}-S{c[3]}-H{c[5]}-I{c[6]}-b{c[7][0]}x{c[7][1]}-{DT_IDS[c[0]]}" for c in LAYER_CASES],
+)
+def test_layer_equals_dequantized_dense_layer(device, dt, stage, act, S, bias, H, I, block, config):
+    if device != "cpu":
+        pytest.skip("CPU interpreter test (fp16/fp32)")
+    f8, dense, (w13, w2) = _layers(dt, stage, act, S, bias, H, I, block, config)
+    for T in (1, 33):  # a decode token; 66 pairs with ragged last blocks
+        assert f8.config_for(T) == dense.config_for(T)
+        g = torch.Generator().manual_seed(T)
+        x = torch.randn(T, H, generator=g).to(dt)
+        tw, ti = route_reference(torch.randn(T, E, generator=g), K_TOP)
+        ids = (torch.arange(T, dtype=torch.int32) % (L + 1)) - 1  # -1, 0, 1, 2 (empty slot), -1, ...
+        out = f8(x, topk_weights=tw.float(), topk_ids=ti.to(torch.int32), lora_ids=ids)
+        want = dense(x, topk_weights=tw.float(), topk_ids=ti.to(torch.int32), lora_ids=ids)
+        assert out.dtype == dt and out.shape == (T, H)
+        assert torch.equal(out, want), f"T={T}: max diff {(out.float() - want.float()).abs().max()}"
+        ref = moe_lora_reference(
+            x, w13.dequantize(torch.float32), w2.dequantize(torch.float32), tw, ti, ids,
+            f8.lora_a13, f8.lora_b13, f8.lora_a2, f8.lora_b2, activation=act, b13=f8.b13, b2=f8.b2,
+        )  # fmt: skip
+        assert_close_rel(out, ref, dt)
+
+
+@pytest.mark.parametrize("act,bias", [("silu", False), ("swigluoai", True)])
+def test_layer_gemv_close_to_dequantized_dense_layer(device, act, bias):
+    # stage gemv: a per-element scale gather (any block, any BLOCK_SIZE_K); ragged K and N blocks
+    if device != "cpu":
+        pytest.skip("CPU interpreter test (fp16/fp32)")
+    f8, dense, (w13, w2) = _layers(F32, "gemv", act, 2, bias, 96, 48, (40, 48))
+    for T in (1, 5):
+        g = torch.Generator().manual_seed(T)
+        x = torch.randn(T, 96, generator=g)
+        tw, ti = route_reference(torch.randn(T, E, generator=g), K_TOP)
+        ids = torch.tensor([0, -1, 1, 2, 0][:T], dtype=torch.int32)
+        out = f8(x, topk_weights=tw.float(), topk_ids=ti.to(torch.int32), lora_ids=ids)
+        want = dense(x, topk_weights=tw.float(), topk_ids=ti.to(torch.int32), lora_ids=ids)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+        ref = moe_lora_reference(
+            x, w13.dequantize(torch.float32), w2.dequantize(torch.float32), tw, ti, ids,
+            f8.lora_a13, f8.lora_b13, f8.lora_a2, f8.lora_b2, activation=act, b13=f8.b13, b2=f8.b2,
+        )  # fmt: skip
+        assert_close_rel(out, ref, F32)
+
+
+def test_layer_block_size_k_lowered_and_fp8_parameters():
+    # a scale block of 48 columns: the tuned base GEMMs step 16 along K (one scale column per step)
+    f8, dense, _ = _layers(F32, "tuned", "silu", 2, False, 96, 48, (32, 48))
+    cfg = f8.config_for(5)
+    assert cfg.base_gate_up.BLOCK_SIZE_K == 16 and cfg.base_down.BLOCK_SIZE_K == 16
+    g = torch.Generator().manual_seed(3)
+    x, logits = torch.randn(5, 96, generator=g), torch.randn(5, E, generator=g)
+    ids = torch.tensor([0, -1, 1, 1, -1], dtype=torch.int32)
+    assert_close_rel(f8(x, logits, lora_ids=ids), dense(x, logits, lora_ids=ids).double(), F32, tol=1e-5)
+    # the FP8 tensors are the layer's parameters (w13/w2 None), counted by memory_report
+    params = dict(f8.named_parameters())
+    assert set(params) == {"w13_fp8", "w13_scale_inv", "w2_fp8", "w2_scale_inv"} and f8.w13 is None
+    assert params["w13_fp8"].dtype == torch.float8_e4m3fn and params["w2_scale_inv"].shape == (E, 3, 1)
+    assert f8.weight_format == "fp8" and "weights=fp8" in repr(f8)
+    w13, w2 = f8.expert_weights()
+    assert isinstance(w13, FP8BlockWeight) and w13.block == (32, 48) and w2.shape == (E, 96, 48)
+    nbytes = sum(p.numel() * p.element_size() for p in f8.parameters())
+    assert f8.memory_report()["weights"] == nbytes == E * (2 * 48 * 96 + 96 * 48) + 4 * E * (3 * 2 + 3 * 1)
+    assert set(f8.state_dict()) == set(params)
+
+
+@pytest.mark.parametrize("dt", [F16], ids=DT_IDS.get)
+def test_layer_fused_split_down(dt):
+    # stage fused's down GEMM split over K: I = 64 in two K steps of 32, one per program, each reading its
+    # own scale column (k counts from the split's first block)
+    op = OpConfig(16, 32, 32)
+    cfg = LayerConfig(op, OpConfig(16, 32, 32, 1, 2), op, op, op, op)
+    f8, dense, _ = _layers(dt, "fused", "swigluoai", 1, True, 64, 64, (16, 32), config=cfg)
+    assert f8.config_for(5).base_down.SPLIT_K == 2
+    g = torch.Generator().manual_seed(5)
+    x, logits = torch.randn(5, 64, generator=g).to(dt), torch.randn(5, E, generator=g)
+    ids = torch.tensor([0, -1, 1, 2, 0], dtype=torch.int32)
+    out, want = f8(x, logits, lora_ids=ids), dense(x, logits, lora_ids=ids)
+    assert torch.equal(out, want), (out.float() - want.float()).abs().max()
+
+
+def test_layer_bad_weights_name_the_argument():
+    H, I = 64, 32
+    w13, w2 = _fp8((E, 2 * I, H), seed=1, block=(32, 32)), _fp8((E, H, I), seed=2, block=(32, 32))
+    kw = dict(top_k=K_TOP, num_adapters=L, max_rank=R, max_tokens=8, dtype=F32)
+    with pytest.raises(ValueError, match=r"^w2 must be an FP8BlockWeight like w13"):
+        MoELoRALayer(w13, _dense(w2, F32), **kw)
+    with pytest.raises(ValueError, match=r"^w13 must be an FP8BlockWeight like w2"):
+        MoELoRALayer(_dense(w13, F32), w2, **kw)
+    # dense shapes that disagree: named as for dense weights
+    with pytest.raises(ValueError, match=r"^w2 must have shape \[E, H, I\] = \(4, 64, 32\)"):
+        MoELoRALayer(w13, _fp8((E, H, 64), seed=3, block=(32, 32)), **kw)
+    # a scale block of 24 columns: no K step of 16 or more reads a single scale column
+    with pytest.raises(ValueError, match=r"^w2\.block = \(32, 24\): the scale block's 24 columns"):
+        MoELoRALayer(w13, _fp8((E, H, I), seed=2, block=(32, 24)), **kw)
+    # e4m3 codes strided along K
+    wide = torch.zeros(E, H, 2 * I, dtype=torch.float8_e4m3fn)[..., ::2]
+    strided = FP8BlockWeight(wide, w2.scale_inv, w2.block)
+    with pytest.raises(ValueError, match=r"^w2\.weight must be contiguous along K"):
+        MoELoRALayer(w13, strided, **kw)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"dtype \(the layer's, with fp8 weights\)"):
+            MoELoRALayer(w13, w2, **{**kw, "dtype": None})
+
+
+@pytest.mark.parametrize("stage", ["tuned", "fused", "gemv"])
+def test_fused_moe_lora_takes_fp8_weights(device, stage):
+    # the functional API on FP8 weights: the serving layer's result bit for bit, and the dense call on the
+    # dequantized weights with the same (lowered) config
+    if device != "cpu":
+        pytest.skip("CPU interpreter test (fp16/fp32)")
+    dt, H, I = F16, 64, 32
+    f8, dense, (w13, w2) = _layers(dt, stage, "swigluoai", 1, True, H, I, (16, 16))
+    g = torch.Generator().manual_seed(11)
+    T = 6
+    x = torch.randn(T, H, generator=g).to(dt)
+    tw, ti = route_reference(torch.randn(T, E, generator=g), K_TOP)
+    tw, ti = tw.float(), ti.to(torch.int32)
+    ids = torch.tensor([0, -1, 1, 2, 0, 1], dtype=torch.int32)
+    slots = (f8.lora_a13, f8.lora_b13, f8.lora_a2, f8.lora_b2)
+    kw = dict(activation="swigluoai", b13=f8.b13, b2=f8.b2, stage=stage)
+    out = fused_moe_lora(x, w13, w2, tw, ti, ids, *slots, **kw)
+    assert out.dtype == dt and out.shape == (T, H)
+    assert torch.equal(out, f8(x, topk_weights=tw, topk_ids=ti, lora_ids=ids))
+    if stage != "gemv":
+        cfg = fp8_config(STAGES[stage].config_for(f8._dims(T)), 16)
+        want = fused_moe_lora(x, _dense(w13, dt), _dense(w2, dt), tw, ti, ids, *slots, **kw, config=cfg)
+        assert torch.equal(out, want), (out.float() - want.float()).abs().max()
+    with pytest.raises(ValueError, match=r"^w2 must be an FP8BlockWeight like w13"):
+        fused_moe_lora(x, w13, _dense(w2, dt), tw, ti, ids, *slots, **kw)
+    with pytest.raises(ValueError, match=r"^w2 .*I=32"):  # w2 of I = 64 where the rest says 32
+        fused_moe_lora(x, w13, _fp8((E, H, 64), seed=5, block=(16, 16)), tw, ti, ids, *slots, **kw)
+
+
+# --------------------------------------------------------------------------------------------------
+# sm_90: the FP8 variants compile (no GPU)
+# --------------------------------------------------------------------------------------------------
+def fp8_sm90_report(T: int = 64) -> dict:
+    """{launch: {"W_FP8", "mma", "REG", "LOCAL"}} of the four base GEMM launches (stage tuned's
+    base_gate_up / base_down, stage fused's fused_gate_up / fused_down) on block-FP8 weights (block
+    (128, 128), fp32 scales) at qwen3-30b-a3b sizes (silu, bf16 activations, default configs lowered by
+    fp8_config), compiled for sm_90. Meta tensors; run in a process without the interpreter
+    (:func:`~moelora_lib.studies.compile_check.run_isolated`)."""
+    from moelora_lib.kernels.fused import fused_default_config
+    from moelora_lib.kernels.stages import LayerRun, default_config
+    from moelora_lib.shapes import Dims, get_shape
+    from moelora_lib.studies import compile_check as cc
+
+    d = Dims.of(get_shape("qwen3-30b-a3b"), T, rank=32, adapters=8)
+
+    def meta(*shape, dtype=torch.bfloat16):
+        return torch.empty(*shape, dtype=dtype, device="meta")
+
+    def packed(N, Kd):
+        grid = (d.E, -(-N // 128), -(-Kd // 128))
+        return FP8BlockWeight(meta(d.E, N, Kd, dtype=torch.float8_e4m3fn), meta(*grid, dtype=torch.float32))
+
+    topk_ids, lora_ids = cc._routing(T, d.E, d.top_k, d.adapters)
+    t = cc._layer_tensors(d, meta, has_bias=False)
+    t |= dict(w13=packed(2 * d.I, d.H), w2=packed(d.H, d.I))
+    out = {}
+    for stage, ops, cfg in (
+        ("tuned", ("base_gate_up", "base_down"), default_config(d)),
+        ("fused", ("fused_gate_up", "fused_down"), fused_default_config(d)),
+    ):
+        run = LayerRun(
+            STAGES[stage], **t, topk_weights=meta(T, d.top_k, dtype=torch.float32), topk_ids=topk_ids,
+            lora_ids=lora_ids, activation="silu", config=fp8_config(cfg, 128),
+        )  # fmt: skip
+        for op in ops:
+            la = run.launch_args(op)
+            k = cc._compile_launch(la)
+            ru = cc.resource_usage(k)
+            tc = cc.tensor_core_ops(cc.ptx(k))
+            mma = tc["mma_sync"] + tc["wgmma"]
+            out[op] = dict(W_FP8=la.constexprs["W_FP8"], mma=mma, REG=ru["REG"], LOCAL=ru["LOCAL"])
+    return out
+
+
+def test_fp8_variants_compile_for_sm90():
+    from moelora_lib.studies.compile_check import run_isolated
+
+    (r,) = run_isolated([dict(op="tests.test_fp8_moe:fp8_sm90_report")], timeout=300)
+    print(f"\nFP8 base GEMMs, sm_90, qwen3-30b-a3b T=64: {r}")
+    assert set(r) == {"base_gate_up", "base_down", "fused_gate_up", "fused_down"}
+    for op, v in r.items():
+        assert v["W_FP8"] is True and v["mma"] > 0, (op, v)

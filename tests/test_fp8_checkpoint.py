@@ -216,7 +216,8 @@ def _ours_vs_hf(model: MultiLoRAModel, ref, kind: str):
 def test_dequantized_weights_equal_transformers_bit_for_bit(published, case):
     """dequantize=True: every projection equals transformers' FineGrainedFP8Config(dequantize=True)
     parameter bit for bit (and our dequantize_fp8_block of the file's tensors); the dense rest is the
-    file's bf16; dequantize=None (the default, no FP8 kernels yet) builds the same model."""
+    file's bf16; dequantize=None (the default) builds the same model with FP8 experts (the MoE layer's
+    FP8 kernels) whose dequantization is the same."""
     kind, layout = case.split("/")
     entry = published[kind]
     model = _load(entry[layout], dequantize=True)
@@ -228,9 +229,15 @@ def test_dequantized_weights_equal_transformers_bit_for_bit(published, case):
     k = "model.layers.1.self_attn.o_proj."
     direct = dequantize_fp8_block(t[k + "weight"], t[k + "weight_scale_inv"], torch.float32, BLOCK)
     assert torch.equal(model.layers[1].self_attn.o_proj.weight, direct)
-    default = _load(entry[layout])
+    default = _load(entry[layout])  # dequantize=None: the experts stay FP8 (the MoE layer runs it)
     sd = default.state_dict()
-    assert all(torch.equal(v, sd[n]) for n, v in model.state_dict().items())
+    for n, v in model.state_dict().items():
+        if ".mlp.experts.w" in n:
+            li, w = int(n.split(".")[1]), n.rsplit(".", 1)[1]
+            packed = dict(zip(("w13", "w2"), default.layers[li].mlp.experts.expert_weights()))[w]
+            assert isinstance(packed, FP8BlockWeight) and torch.equal(packed.dequantize(torch.float32), v), n
+        else:
+            assert torch.equal(v, sd[n]), n
 
 
 def test_ragged_default_block(published):
@@ -281,6 +288,22 @@ def test_logits_match_transformers_dequantized(published, case):
         model(_IDS[:, :9], [0, 0], [-1, -1])
         step = model(_IDS[:, 9:], [9, 9], [-1, -1])
         _close(step[:, 0], r[:, 9], f"fp8 {case} decode step")
+
+
+@pytest.mark.parametrize("layout", ["single", "sharded"])
+def test_fp8_experts_logits_match_dequantized_model(published, layout):
+    """dequantize=None keeps the experts FP8 (MoELoRALayer's W_FP8 GEMMs; attention dequantized): its
+    logits equal the dequantize=True model's up to fp32 summation order (the FP8 layer's base GEMMs step
+    16 along K, one scale column of the [32, 16] blocks per step), prefill and one decode step."""
+    entry = published["qwen3_moe"]
+    f8, dense = _load(entry[layout]), _load(entry[layout], dequantize=True)
+    assert all(layer.mlp.experts.weight_format == "fp8" for layer in f8.layers)
+    out, want = f8(_IDS, [0, 0], [-1, -1]), dense(_IDS, [0, 0], [-1, -1])
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    for m in (f8, dense):
+        m(_IDS[:, :9], [0, 0], [-1, -1])
+    step = f8(_IDS[:, 9:], [9, 9], [-1, -1])
+    torch.testing.assert_close(step, dense(_IDS[:, 9:], [9, 9], [-1, -1]), rtol=1e-5, atol=1e-5)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -349,27 +372,31 @@ def test_peft_adapters_mixed_batch_match_transformers_peft(published, kind, tmp_
 
 
 # --------------------------------------------------------------------------------------------------
-# the FP8 seam: no FP8 kernels yet
+# the FP8 seam: FP8 MoE kernels, no FP8 LoRALinear kernels yet
 # --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "kind, layers",
-    [("qwen3_moe", r"MoELoRALayer \(experts\).* and LoRALinear"), ("qwen3", r"LoRALinear \(attention")],
+    [("qwen3_moe", r"LoRALinear \(attention"), ("qwen3", r"LoRALinear \(attention")],
     ids=["qwen3_moe", "qwen3"],
 )
 def test_dequantize_false_not_implemented(published, kind, layers):
-    assert "fp8" not in modeling.packed_expert_formats() and "fp8" not in modeling.packed_linear_formats()
+    assert "fp8" in modeling.packed_expert_formats() and "fp8" not in modeling.packed_linear_formats()
     with pytest.raises(
         NotImplementedError, match=rf"dequantize=False: .*FP8 kernels in {layers}.*dequantize=True"
-    ):
+    ) as e:
         _load(published[kind]["single"], dequantize=False)
+    assert "MoELoRALayer" not in str(e.value)  # the experts run FP8
 
 
 def test_packed_weight_handoffs_refuse_fp8():
-    """The handoff functions the model calls for packed weights: FP8 raises NotImplementedError naming
-    dequantize=True until the layers list "fp8"; wrong shapes and types are ValueErrors naming the weight."""
+    """The handoff functions the model calls for packed weights: FP8 experts are kept (the MoE layer lists
+    "fp8"), FP8 projections raise NotImplementedError naming dequantize=True until LoRALinear lists it;
+    wrong shapes and types are ValueErrors naming the weight."""
     w = FP8BlockWeight.quantize(torch.randn(E, 2 * MOE_I, H), BLOCK)
-    with pytest.raises(NotImplementedError, match=r"experts\.w13.*FP8 MoE kernels.*dequantize=True"):
-        packed_expert_weight(w, name="layers.0.mlp.experts.w13", shape=(E, 2 * MOE_I, H), device="cpu")
+    kept = packed_expert_weight(w, name="layers.0.mlp.experts.w13", shape=(E, 2 * MOE_I, H), device="cpu")
+    assert isinstance(kept, FP8BlockWeight) and torch.equal(
+        kept.scale_inv, w.scale_inv
+    )  # the MoE layer runs FP8
     with pytest.raises(ValueError, match=r"experts\.w2.*expected shape \[4, 64, 32\], got FP8 of shape"):
         packed_expert_weight(w, name="layers.0.mlp.experts.w2", shape=(E, H, MOE_I), device="cpu")
     d = FP8BlockWeight.quantize(torch.randn(128, H), BLOCK)

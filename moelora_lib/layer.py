@@ -331,7 +331,8 @@ class MoELoRALayer(ops.OpLayer):
         E, two_i, H = w13.shape
         L, R, S, K = num_adapters, max_rank, slices, top_k
         dt, dev = w13.dtype, w13.device
-        _check_layer_dtype(dt, dev, "w13" if fmt == "dense" else f"dtype (the layer's, with {fmt} weights)")
+        what = "w13" if fmt == "dense" else f"dtype (the layer's, with {fmt.upper()} weights)"
+        _check_layer_dtype(dt, dev, what)
         if K > E:
             raise ValueError(f"top_k = {K} must be <= E = {E} (w13 dim 0)")
         self.stage = {AUTO_STAGE.name: AUTO_STAGE, GEMV_STAGE.name: GEMV_STAGE}.get(stage) or STAGES[

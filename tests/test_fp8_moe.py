@@ -252,7 +252,7 @@ def test_layer_bad_weights_name_the_argument():
     with pytest.raises(ValueError, match=r"^w2\.weight must be contiguous along K"):
         MoELoRALayer(w13, strided, **kw)
     if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match=r"dtype \(the layer's, with fp8 weights\)"):
+        with pytest.raises(ValueError, match=r"dtype \(the layer's, with FP8 weights\)"):
             MoELoRALayer(w13, w2, **{**kw, "dtype": None})
 
 

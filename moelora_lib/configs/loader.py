@@ -286,13 +286,15 @@ def _lora_group(folder: Path, gpu: str, dims: Dims) -> dict[str, OpConfig] | Non
 
 
 def _base_group(
-    folder: Path, gpu: str, dims: Dims, op: str = "base", then: str | None = None
+    folder: Path, gpu: str, dims: Dims, op: str = "base", then: str | None = None, *, warn: bool = True
 ) -> dict[str, OpConfig] | None:
     """The entry for ``dims`` of a file keyed like the base file (``op`` "base", or "fused": stage
-    ``fused``'s GEMMs), None with one warning (``then``: what happens instead) when it is missing."""
+    ``fused``'s GEMMs), None when it is missing: with one warning (``then``: what happens instead), or
+    silently with ``warn=False``."""
     path = folder / config_file_name(gpu, op)
     if not path.is_file():
-        _warn_once(str(folder), op, f"no file {path}", then)
+        if warn:
+            _warn_once(str(folder), op, f"no file {path}", then)
         return None
     st = path.stat()
     data, parsed = _load_cached(str(path), st.st_mtime_ns, st.st_size, BASE_DEPTH, op)
@@ -342,15 +344,9 @@ def load_fused_config(
 
 
 def _fused_leaf(src, dims: Dims) -> dict | None:
-    """The parsed fused-file leaf (nearest-key lookup) for ``dims`` from the config source ``src``, or
-    None without a folder or a fused file there."""
-    path = None if src.where is None else src.where / config_file_name(src.gpu, "fused")
-    if path is None or not path.is_file():
-        return None
-    st = path.stat()
-    data, parsed = _load_cached(str(path), st.st_mtime_ns, st.st_size, BASE_DEPTH, "fused")
-    taken, _ = lookup(data, base_keys(dims))
-    return parsed[taken]
+    """The parsed fused-file leaf for ``dims`` from the config source ``src``, or None (silently)
+    without a folder or a fused file there."""
+    return None if src.where is None else _base_group(src.where, src.gpu, dims, "fused", warn=False)
 
 
 def load_gemv_config(

@@ -368,3 +368,44 @@ def test_bad_quantize_inputs(case):
         quantize_fp8_block(w, block)
     with pytest.raises(ValueError, match=match):
         FP8BlockWeight.quantize(w, block)
+
+
+def test_act_reference_per_token_group():
+    """Per row and 128-column group (the last one ragged): scale = amax / 448, the group's largest
+    magnitude maps to ±448, an all-zero group gets scale 1 and zero codes; a per-element loop agrees."""
+    from moelora_lib.quant import quantize_fp8_act_reference
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 300, generator=g, dtype=torch.float32) * torch.tensor([[1.0], [1e-3], [40.0]])
+    x[1, 128:256] = 0.0
+    q, s = quantize_fp8_act_reference(x)
+    assert q.dtype == _FP8 and q.shape == (3, 300) and s.dtype == torch.float32 and s.shape == (3, 3)
+    for t in range(3):
+        for j in range(3):
+            grp = x[t, j * 128 : (j + 1) * 128]
+            amax = grp.abs().max()
+            want = amax / 448.0 if amax > 0 else torch.tensor(1.0)
+            assert s[t, j] == want
+            codes = (grp / want).clamp(-448, 448).to(_FP8)
+            assert torch.equal(q[t, j * 128 : (j + 1) * 128].view(torch.uint8), codes.view(torch.uint8))
+    assert torch.all(q[1, 128:256].float() == 0) and s[1, 1] == 1.0
+    back = q.float() * s.repeat_interleave(128, dim=1)[:, :300]
+    assert torch.allclose(back, x, rtol=2**-4, atol=0)
+    e, se = quantize_fp8_act_reference(torch.zeros(0, 300))
+    assert e.shape == (0, 300) and se.shape == (0, 3)
+
+
+@pytest.mark.parametrize(
+    "x, group, match",
+    [
+        (torch.zeros(2, 3, 4), 128, r"x must be a 2-D float tensor \[T, K\]"),
+        (torch.zeros(2, 4, dtype=torch.int32), 128, r"x must be a 2-D float tensor"),
+        (torch.tensor([[1.0, float("nan")]]), 128, r"x must be finite"),
+        (torch.zeros(2, 4), 0, r"group_size must be a positive int"),
+    ],
+)
+def test_act_reference_bad_input(x, group, match):
+    from moelora_lib.quant import quantize_fp8_act_reference
+
+    with pytest.raises(ValueError, match=match):
+        quantize_fp8_act_reference(x, group)

@@ -7,6 +7,7 @@ from .fp8 import (
     FP8BlockWeight,
     dequantize_fp8_block,
     fp8_scale_grid,
+    quantize_fp8_act_reference,
     quantize_fp8_block,
 )
 from .mxfp4 import (
@@ -29,6 +30,7 @@ __all__ = [
     "dequantize_mxfp4",
     "e8m0_to_float32",
     "fp8_scale_grid",
+    "quantize_fp8_act_reference",
     "quantize_fp8_block",
     "quantize_mxfp4",
 ]

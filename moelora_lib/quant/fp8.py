@@ -38,6 +38,7 @@ __all__ = [
     "dequantize_fp8_block",
     "fp8_scale_grid",
     "quantize_fp8_block",
+    "quantize_fp8_act_reference",
 ]
 
 #: The default block (rows, columns) sharing one scale: ``weight_block_size`` [128, 128].
@@ -173,6 +174,37 @@ def quantize_fp8_block(
     q = (blocks / scale_inv[..., :, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(_FP8)
     q = q.view(*lead, gn * bn, gk * bk)[..., :N, :K]
     return q.contiguous(), scale_inv.contiguous()
+
+
+def quantize_fp8_act_reference(
+    x: torch.Tensor, group_size: int = FP8_BLOCK[1]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token, per-group activation quantization (the ``activation_scheme: "dynamic"`` of the
+    published block-FP8 checkpoints), written for clarity: the oracle the W8A8 kernels, which quantize
+    their activation tiles in registers, are tested against.
+
+    ``x [T, K]`` (float16/bfloat16/float32) → ``(q float8_e4m3fn [T, K], scale float32 [T, ceil(K/g)])``
+    with ``g = group_size``: per row and group of ``g`` columns (the last one ragged), the same rule as
+    :func:`quantize_fp8_block` — ``scale = amax / 448`` in float32 (an all-zero group gets 1, an amax
+    below 448 · 2^-126 gets 2^-126), ``q = round_e4m3(clamp(x / scale, ±448))`` (float32 division, ties to
+    even). ``x ≈ float(q) * scale`` within 2^-4 relative per element in e4m3's normal range.
+
+    Raises ValueError naming ``x`` (not a finite 2-D float tensor) or ``group_size`` (not a positive int).
+    Source: DeepSeek-V3 report (1 × 128 activation tiles); vLLM's ``per_token_group_quant_fp8`` follows
+    the same rule with an epsilon in place of the zero-group case.
+    """
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
+        raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in _IN_DTYPES:
+        raise ValueError(f"x must be a 2-D float tensor [T, K], got {_desc(x)}")
+    if not bool(torch.isfinite(x.float()).all()):
+        raise ValueError("x must be finite in float32 (inf/NaN have no e4m3 value)")
+    if x.shape[0]:
+        q, s = quantize_fp8_block(x, (1, group_size))
+    else:
+        q = torch.empty(x.shape, dtype=_FP8, device=x.device)
+        s = torch.empty((0, -(-x.shape[1] // group_size)), dtype=torch.float32, device=x.device)
+    return q, s
 
 
 @dataclass(frozen=True)

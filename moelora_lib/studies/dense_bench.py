@@ -1,6 +1,10 @@
 """Dense multi-LoRA measurements (notebook 10): the attention (qkv, o) and dense-MLP (gate_up, down)
 projections of :data:`MODELS`: seeded inputs, floors, timed parts, torch baselines, checks, vLLM's
-anchor figures and the targets table.
+anchor figures and the targets table. For notebook 15 also block-FP8 base weights (:data:`WEIGHT_FORMATS`,
+:func:`fp8_weight`, :func:`build_module`'s ``weight`` and ``fp8_mode``): the :class:`LoRALinear` forward
+timed base-only and with adapters (:func:`bench_module`), checked against the reference on the dequantized
+weight (:func:`check_fp8_projection`), with 1-byte weights in the bytes floor and the FP8 rate in the FLOP
+floor (:func:`part_costs`' ``weight_bytes`` / ``base_tflops``).
 
 Timing: :func:`.bench.time_fn` (CUDA-graph replay, do_bench median, L2 flushed; docs/anchors-h200.md).
 The LoRA part's alignment and the baselines' index lists are built before timing ("total" includes the
@@ -21,9 +25,11 @@ import torch
 import torch.nn.functional as F
 
 from ..common import dtype_name, parse_dtype
+from ..hardware import H200_BF16_TFLOPS, H200_FP8_TFLOPS
 from ..kernels import STAGES
 from ..kernels import dense_lora as dl
 from ..linear import LoRALinear, _align_oneshot, lora_linear_reference
+from ..quant.fp8 import FP8_BLOCK, FP8BlockWeight
 from ..shapes import DENSE_CPU_MODELS, DENSE_GPU_MODELS, DENSE_PRESETS, DenseModel, DenseProjection
 from ..testing import TOLERANCES
 from ..workloads import adapter_ids
@@ -37,6 +43,56 @@ BASELINES = ("torch_loop", "torch_gbmm")
 MODELS: dict[str, DenseModel] = {m: DENSE_PRESETS[m] for m in DENSE_GPU_MODELS}
 #: Tiny shapes for the CPU profile: GQA qkv 48 → 64 + 16 + 16, o 64 → 48, gate_up / down of width 96.
 TINY_MODELS: dict[str, DenseModel] = {m: DENSE_PRESETS[m] for m in DENSE_CPU_MODELS}
+#: Formats of a projection's base weight: "dense" (the activations' dtype) or "fp8" (block FP8,
+#: :class:`~moelora_lib.quant.FP8BlockWeight`, as the Qwen3 FP8 checkpoints publish it).
+WEIGHT_FORMATS = ("dense", "fp8")
+#: :class:`LoRALinear`'s ``fp8_mode`` values with an FP8 weight: "auto" (its choice per T), "weight_only"
+#: (e4m3 tiles scaled to the activations' dtype), "dynamic" (W8A8: per-token, per-group FP8 activations).
+FP8_MODES = ("auto", "weight_only", "dynamic")
+#: The relative error W8A8 may add against the weight-only result: each activation element rounded to e4m3
+#: (within 2^-4 relative) before the GEMM; as for the MoE layer (moe_bench.W8A8_REL_TOL) the checks allow
+#: 2^-3 of the output's scale (random rounding errors make it ~2^-4/√3 in practice).
+W8A8_REL_TOL = 2.0**-3
+
+
+def linear_takes_fp8() -> bool:
+    """Whether this build's :class:`LoRALinear` takes a block-FP8 weight (``"fp8"`` in its
+    ``PACKED_FORMATS``); without it the FP8 helpers here raise NotImplementedError."""
+    return "fp8" in getattr(LoRALinear, "PACKED_FORMATS", ())
+
+
+def _need_fp8() -> None:
+    if not linear_takes_fp8():
+        raise NotImplementedError("this build's LoRALinear takes no block-FP8 weight (PACKED_FORMATS)")
+
+
+def fp8_weight(inp: ProjectionInputs, block: tuple[int, int] = FP8_BLOCK) -> FP8BlockWeight:
+    """``inp.weight`` [N, H] quantized to block FP8 with ``block`` scale blocks (the published scheme,
+    :func:`~moelora_lib.studies.moe_bench.quantize_fp8_weight`), on ``inp``'s device."""
+    from .moe_bench import quantize_fp8_weight
+
+    return quantize_fp8_weight(inp.weight, block=block)
+
+
+def dequantized(inp: ProjectionInputs, weight: FP8BlockWeight) -> ProjectionInputs:
+    """``inp`` with its base weight replaced by ``weight`` dequantized exactly to ``inp``'s dtype: the
+    dense projection computing with the FP8 weight's values (x and the adapters shared)."""
+    import dataclasses
+
+    return dataclasses.replace(inp, weight=weight.dequantize(inp.dtype))
+
+
+def weight_format(module: LoRALinear) -> str:
+    """The :data:`WEIGHT_FORMATS` name of a LoRALinear's base weight."""
+    return getattr(module, "weight_format", "dense")
+
+
+def fp8_form(module: LoRALinear, T: int) -> str:
+    """The form of a LoRALinear's base GEMM at T tokens: "dynamic" (W8A8) or "weight_only" for an FP8
+    weight (``fp8_launch_for(T)``), "dense" for a dense one."""
+    if weight_format(module) != "fp8":
+        return "dense"
+    return module.fp8_launch_for(T)[0]
 
 
 def projections(model: str | DenseModel) -> list[DenseProjection]:
@@ -118,13 +174,18 @@ def make_inputs(proj: str | DenseProjection, max_tokens: int, *, rank: int = 32,
 
 
 def part_costs(proj: str | DenseProjection, T: int, *, rank: int = 32, adapters: int = 8,
-               dtype_bytes: int = 2, lora_ids: torch.Tensor | None = None,
-               ) -> dict[str, dict[str, float]]:  # fmt: skip
-    """{part: {flops, bytes, floor_us, bound}} of "base", "shrink", "expand", "lora", "total" at T: each
-    tensor once (T_a tokens with an adapter and n_a adapters from ``lora_ids``, else T and min(T, L);
-    the rank intermediate fp32); floor = max(bytes at the H200 copy rate, FLOPs at its bf16 peak)."""
+               dtype_bytes: int = 2, lora_ids: torch.Tensor | None = None, weight_bytes: float | None = None,
+               base_tflops: float = H200_BF16_TFLOPS) -> dict[str, dict[str, float]]:  # fmt: skip
+    """{part: {flops, bytes, floor_us, bytes_floor_us, flops_floor_us, bound}} of "base", "shrink",
+    "expand", "lora", "total" at T: each tensor once (T_a tokens with an adapter and n_a adapters from
+    ``lora_ids``, else T and min(T, L); the rank intermediate fp32); floor = max(bytes at the H200 copy
+    rate, FLOPs at its measured bf16 rate). ``weight_bytes``: bytes per base weight (None =
+    ``dtype_bytes``; FP8: 1 + the scales' share, :func:`~moelora_lib.studies.moe_bench.fp8_bytes_per_weight`);
+    ``base_tflops``: the base GEMM's rate (FP8: :data:`~moelora_lib.hardware.H200_FP8_TFLOPS`); the
+    LoRA ops stay at the bf16 rate, and a part's FLOP floor is the sum of its ops' own."""
     p = get_projection(proj)
     H, N, S, R, b, f32 = p.hidden, p.n_total, len(p.slices), rank, dtype_bytes, 4
+    wb = b if weight_bytes is None else weight_bytes
     if lora_ids is None:
         Ta, na = T, min(T, adapters)
     else:
@@ -132,17 +193,21 @@ def part_costs(proj: str | DenseProjection, T: int, *, rank: int = 32, adapters:
         keep = keep[keep >= 0]
         Ta, na = int(keep.numel()), int(torch.unique(keep).numel())
     raw = {
-        "base": (2 * T * H * N, N * H * b + T * H * b + T * N * b),
+        "base": (2 * T * H * N, N * H * wb + T * H * b + T * N * b),
         "shrink": (2 * Ta * H * S * R, na * S * R * H * b + Ta * H * b + Ta * S * R * f32),
         "expand": (2 * Ta * R * N, na * N * R * b + Ta * S * R * f32 + 2 * Ta * N * b),
     }
     raw["lora"] = tuple(x + y for x, y in zip(raw["shrink"], raw["expand"]))
     raw["total"] = tuple(x + y for x, y in zip(raw["base"], raw["lora"]))
+    cmp = {k: bench.compute_floor_us(raw[k][0]) for k in ("shrink", "expand", "lora")}
+    cmp["base"] = bench.compute_floor_us(raw["base"][0], base_tflops)
+    cmp["total"] = cmp["base"] + cmp["lora"]
     out = {}
     for part, (fl, by) in raw.items():
-        t_mem, t_cmp = bench.copy_bandwidth_floor_us(by), bench.compute_floor_us(fl)
+        t_mem, t_cmp = bench.copy_bandwidth_floor_us(by), cmp[part]
         bound = "memory" if t_mem >= t_cmp else "compute"
-        out[part] = dict(flops=int(fl), bytes=int(by), floor_us=max(t_mem, t_cmp), bound=bound)
+        out[part] = dict(flops=int(fl), bytes=int(round(by)))
+        out[part] |= dict(floor_us=max(t_mem, t_cmp), bytes_floor_us=t_mem, flops_floor_us=t_cmp, bound=bound)
     return out
 
 
@@ -269,12 +334,26 @@ class TorchGatherBmm(_TorchBaseline):
 _BASELINE_CLASSES = {"torch_loop": TorchLoop, "torch_gbmm": TorchGatherBmm}
 
 
-def build_module(inp: ProjectionInputs, stage: str = "tuned", *, max_tokens: int | None = None) -> LoRALinear:
+def build_module(inp: ProjectionInputs, stage: str = "tuned", *, max_tokens: int | None = None,
+                 weight: FP8BlockWeight | None = None, fp8_mode: str = "auto") -> LoRALinear:  # fmt: skip
     """A :class:`LoRALinear` of ``stage`` on ``inp``'s weight (shared) with its L adapters loaded
-    (scaling 1: already folded in B); ``max_tokens`` defaults to inp.max_tokens."""
+    (scaling 1: already folded in B); ``max_tokens`` defaults to inp.max_tokens. ``weight``: a block-FP8
+    weight of the same shape in place of ``inp.weight`` (:func:`fp8_weight`), run in ``fp8_mode``
+    (:data:`FP8_MODES`; NotImplementedError where LoRALinear takes no FP8 weight, ValueError for another
+    mode or a mode other than "auto" with the dense weight)."""
     p, S = inp.proj, len(inp.proj.slices)
+    if fp8_mode not in FP8_MODES:
+        raise ValueError(f"fp8_mode must be one of {FP8_MODES}, got {fp8_mode!r}")
     kw = dict(num_adapters=inp.L, max_rank=inp.R, max_tokens=max_tokens or inp.max_tokens, stage=stage)
-    m = LoRALinear(inp.weight, slices=p.slices, **kw)
+    if weight is None:
+        if fp8_mode != "auto":
+            raise ValueError(f"fp8_mode={fp8_mode!r} needs an FP8 weight")
+        m = LoRALinear(inp.weight, slices=p.slices, **kw)
+    else:
+        _need_fp8()
+        if not isinstance(weight, FP8BlockWeight) or weight.shape != tuple(inp.weight.shape):
+            raise ValueError(f"weight must be an FP8BlockWeight of shape {list(inp.weight.shape)}")
+        m = LoRALinear(weight, slices=p.slices, dtype=inp.dtype, fp8_mode=fp8_mode, **kw)
     o = [sum(p.slices[:s]) for s in range(S + 1)]
     for a in range(inp.L):
         bs = [inp.lora_b[a, o[s] : o[s + 1]] for s in range(S)]
@@ -308,7 +387,7 @@ def _timing(fn, device, mode: str, warmup_ms: float, rep_ms: float, min_reps=Non
 def _time_row(fn, inp, T, pattern, cost, kw, timing) -> dict[str, Any]:
     """A timing row: the point's fields, ``kw`` (impl, stage, part, config, ...), the timing, the part's
     cost and the timing parameters."""
-    cost = {k: cost[k] for k in ("flops", "bytes", "floor_us", "bound")}
+    cost = {k: cost[k] for k in ("flops", "bytes", "floor_us", "bytes_floor_us", "flops_floor_us", "bound")}
     budget = {k: timing[k] for k in ("warmup_ms", "rep_ms", "min_reps")}
     return bench.result_row(
         **_fields(inp, T, pattern), **kw, **_timing(fn, inp.device, **timing), **cost, **budget
@@ -374,6 +453,93 @@ def bench_projection(stage: str, inp: ProjectionInputs, T: int, *, parts: Sequen
         rows.append(_time_row(fn, inp, T, pattern, cost, kw, timing))
         del fn
     return rows
+
+
+def _module_costs(module: LoRALinear, inp: ProjectionInputs, T: int, ids: torch.Tensor) -> dict:
+    """:func:`part_costs` of a :class:`LoRALinear` forward: an FP8 base weight counts its bytes per weight
+    (codes and scales) and the FP8 FLOP rate."""
+    kw = {}
+    if weight_format(module) == "fp8":
+        w = module.base_weight()
+        kw = dict(weight_bytes=w.nbytes / (w.shape[0] * w.shape[1]), base_tflops=H200_FP8_TFLOPS)
+    elem = inp.x.element_size()
+    return part_costs(inp.proj, T, rank=inp.R, adapters=inp.L, dtype_bytes=elem, lora_ids=ids, **kw)
+
+
+#: :func:`bench_module`'s parts: the forward with no LoRA launch (the base GEMM alone), and with adapters.
+MODULE_PARTS = ("base", "total")
+
+
+def bench_module(module: LoRALinear, inp: ProjectionInputs, T: int, *, parts: Sequence[str] = MODULE_PARTS,
+                 pattern: str = "uniform", mode: str = "graph", warmup_ms: float = 25, rep_ms: float = 100,
+                 min_reps: int | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    """Time a :class:`LoRALinear` forward at T tokens of ``inp`` (its x[:T] and the adapter ids of
+    ``pattern``), one row per part: "base" (``active_slots`` empty: the base GEMM alone — ``F.linear``
+    for a dense weight, the FP8 GEMM (and, W8A8, the activation quantization) for an FP8 one) and "total"
+    (with the adapters). Rows: the point's fields, impl "module", stage, part, weight_format, fp8_form
+    (:func:`fp8_form` at T), config, mode, ms_p50/p20/p80, us_p50, flops, bytes, floor_us,
+    bytes_floor_us, flops_floor_us, bound (:func:`part_costs`; FP8: its bytes per weight and the FP8
+    FLOP rate), warmup_ms, rep_ms, min_reps and the environment columns. ValueError for another part."""
+    bad = sorted(set(parts) - set(MODULE_PARTS))
+    if bad:
+        raise ValueError(f"bench_module: parts must be among {MODULE_PARTS}, got {bad}")
+    ids = inp.lora_ids(T, pattern)
+    x = inp.x_for(T)
+    costs = _module_costs(module, inp, T, ids)
+    timing = dict(mode=mode, warmup_ms=warmup_ms, rep_ms=rep_ms, min_reps=min_reps)
+    saved, rows = module.active_slots, []
+    fields = dict(weight_format=weight_format(module), fp8_form=fp8_form(module, T))
+    try:
+        for part in parts:
+            module.active_slots = frozenset() if part == "base" else saved
+            kw = _kw("module", module.stage.name, part, module.config_for(T)) | fields
+            rows.append(_time_row(lambda: module(x, ids), inp, T, pattern, costs[part], kw, timing))
+    finally:
+        module.active_slots = saved
+    return rows
+
+
+def check_fp8_projection(inp: ProjectionInputs, T: int, weight: FP8BlockWeight, *, fp8_mode: str = "auto",
+                         stage: str = "tuned", pattern: str = "mixed", module: LoRALinear | None = None,
+                         dense_module: LoRALinear | None = None,
+                         ref_dtype: torch.dtype | None = None) -> dict[str, Any]:  # fmt: skip
+    """The :class:`LoRALinear` forward on the FP8 ``weight`` (``module``, or built in ``fp8_mode``) at T
+    tokens against ``lora_linear_reference`` on the exactly dequantized weight (``ref_dtype``: float64 on
+    the CPU, float32 on a GPU; unquantized activations) and against the same stage's LoRALinear on the
+    dequantized weight in the activations' dtype (``dense_module``, or built). One row: the point's fields,
+    impl "module", stage, part "total", weight_format "fp8", fp8_form (the form that ran), rel_err,
+    rel_err_vs_dense, tol (the dtype's, or W8A8's :data:`W8A8_REL_TOL` for a W8A8 run), delta_rel (the
+    LoRA was added), no_adapter_rows, no_adapter_bitwise (those rows equal the module's base-only output
+    bit for bit)."""
+    ids, x = inp.lora_ids(T, pattern), inp.x_for(T)
+    if ref_dtype is None:
+        ref_dtype = torch.float64 if inp.device.type == "cpu" else torch.float32
+    deq = dequantized(inp, weight)
+    if module is None:
+        module = build_module(inp, stage, max_tokens=T, weight=weight, fp8_mode=fp8_mode)
+    mod = module
+    dmod = dense_module if dense_module is not None else build_module(deq, stage, max_tokens=T)
+    w = weight.dequantize(torch.float32).to(ref_dtype)  # exact
+    ref = lora_linear_reference(x, w, inp.lora_a, inp.lora_b, ids, slices=inp.proj.slices, dtype=ref_dtype)
+    ref_base = x.to(ref_dtype) @ w.T
+    delta_rel = float((ref - ref_base).abs().max() / ref.abs().max().clamp_min(1e-30))
+    del ref_base, w
+    out = mod(x, ids)
+    saved = mod.active_slots
+    try:
+        mod.active_slots = frozenset()
+        base = mod(x, ids)
+    finally:
+        mod.active_slots = saved
+    none = ids < 0
+    n_none = int(none.sum())
+    form = fp8_form(mod, T)
+    tol = TOLERANCES[inp.dtype]
+    r = dict(impl="module", stage=mod.stage.name, part="total", weight_format="fp8", fp8_form=form)
+    r |= dict(check="vs_reference", rel_err=_rel_err(out, ref), rel_err_vs_dense=_rel_err(out, dmod(x, ids)))
+    r |= dict(tol=max(tol, W8A8_REL_TOL) if form == "dynamic" else tol, delta_rel=delta_rel)
+    r |= dict(no_adapter_rows=n_none, no_adapter_bitwise=bool(torch.equal(out[none], base[none])))
+    return bench.result_row(**_fields(inp, T, pattern), **r)
 
 
 def bench_alignment(T: int, *, block_size_m: int, adapters: int = 8, pattern: str = "uniform", device="cuda",

@@ -8,9 +8,14 @@ reference), :func:`anchor_table` (vLLM on the same H200), :func:`mxfp4_anchor_ta
 ``triton_kernels`` MXFP4 MoE on the same H200), and fresh-process helpers (recompilation counts, parallel
 compile pass, ncu L2 hit rate) behind ``python -m moelora_lib.studies.moe_bench``.
 
-Expert weight formats (:data:`WEIGHT_FORMATS`): "dense" (the activations' dtype) or "mxfp4" (packed
-:class:`~moelora_lib.quant.MXFP4Weight`, 4.25 bits per weight; :func:`quantize_experts`,
-:func:`with_weight_format`). The base GEMMs' bytes and floors count each format's bytes per weight.
+Expert weight formats (:data:`WEIGHT_FORMATS`): "dense" (the activations' dtype), "mxfp4" (packed
+:class:`~moelora_lib.quant.MXFP4Weight`, 4.25 bits per weight; :func:`quantize_experts`) or "fp8" (block-FP8
+:class:`~moelora_lib.quant.FP8BlockWeight`, 1 byte per weight plus one float32 scale per block;
+:func:`quantize_fp8_weight`); :func:`with_weight_format` converts. The base GEMMs' bytes and floors count each
+format's bytes per weight, and FP8 experts' FLOP floor the FP8 tensor-core rate. With FP8 experts the
+layer's ``activation_scheme`` (:data:`ACTIVATION_SCHEMES`: "weight_only", "dynamic" = W8A8, "auto") is a
+parameter of :func:`make_run`, :func:`bench_layer`, :func:`check_layer` and :func:`bench_lora_op`; rows
+carry the scheme that ran.
 
 Units: ms (``ms_p50/p20/p80``), µs (``us_p50``, ``floor_us``); 2 FLOPs per multiply-add; bytes read +
 written; P = T·K. Timing: :func:`.bench.time_fn` (do_bench median, L2 flushed, CUDA-graph replay or
@@ -24,7 +29,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import inspect
 import json
+import math
 import os
 import sys
 import time
@@ -34,8 +41,10 @@ from typing import Any
 import torch
 
 from ..common import DTYPES, dtype_name
+from ..hardware import H200_BF16_TFLOPS, H200_FP8_TFLOPS
 from ..kernels import STAGES, LayerConfig, default_config
 from ..kernels.config import LORA_OPS
+from ..quant.fp8 import FP8_BLOCK, FP8BlockWeight, quantize_fp8_block
 from ..quant.mxfp4 import MXFP4_BLOCK, MXFP4Weight, quantize_mxfp4
 from ..reference import moe_lora_reference
 from ..routing import max_padded_pairs, route
@@ -46,11 +55,50 @@ from . import bench
 
 PARTS = ("base", "lora", "total")
 BASE_OPS = ("base_gate_up", "base_down")
-#: Formats of the expert weights w13 / w2: "dense" tensors of the activations' dtype, or "mxfp4"
-#: (:class:`~moelora_lib.quant.MXFP4Weight`, decoded in the base GEMMs' registers).
-WEIGHT_FORMATS = ("dense", "mxfp4")
+#: Formats of the expert weights w13 / w2: "dense" tensors of the activations' dtype, "mxfp4"
+#: (:class:`~moelora_lib.quant.MXFP4Weight`, decoded in the base GEMMs' registers) or "fp8"
+#: (:class:`~moelora_lib.quant.FP8BlockWeight`, e4m3 codes scaled in registers, or W8A8).
+WEIGHT_FORMATS = ("dense", "mxfp4", "fp8")
 #: Bytes per MXFP4 weight: 16 bytes of e2m1 codes and one e8m0 scale byte per 32 weights (4.25 bits).
 MXFP4_BYTES_PER_WEIGHT = (MXFP4_BLOCK // 2 + 1) / MXFP4_BLOCK
+#: The MoE layer's ``activation_scheme`` values with FP8 experts: "auto" (the layer's choice per T),
+#: "weight_only" (activations in the layer's dtype), "dynamic" (W8A8: per-token, per-group FP8 activations).
+ACTIVATION_SCHEMES = ("auto", "weight_only", "dynamic")
+
+
+def fp8_bytes_per_weight(block: tuple[int, int] = FP8_BLOCK, scale_bytes: int = 4) -> float:
+    """Bytes per block-FP8 weight: one e4m3 byte plus a ``scale_bytes`` scale shared by a ``block`` (bn, bk)
+    of weights (whole blocks; a ragged edge block costs a little more: :attr:`FP8BlockWeight.nbytes`)."""
+    return 1.0 + scale_bytes / (block[0] * block[1])
+
+
+#: Bytes per FP8 weight in the published layout: 1 byte + a float32 scale per 128 x 128 block.
+FP8_BYTES_PER_WEIGHT = fp8_bytes_per_weight()
+
+
+def layer_takes_activation_scheme() -> bool:
+    """Whether the MoE layer of this build takes ``activation_scheme`` (W8A8 with FP8 experts):
+    :class:`~moelora_lib.MoELoRALayer`'s constructor has the argument. Without it FP8 experts run
+    weight-only, and a "dynamic" request raises NotImplementedError in :func:`make_run`."""
+    from ..layer import MoELoRALayer
+
+    return "activation_scheme" in inspect.signature(MoELoRALayer.__init__).parameters
+
+
+def _check_scheme(activation_scheme: str) -> dict[str, str]:
+    """The keyword to pass the layer for ``activation_scheme`` ({} where this build has no such argument
+    and the scheme is what it runs anyway); ValueError for an unknown value, NotImplementedError for
+    "dynamic" without W8A8 in this build."""
+    if activation_scheme not in ACTIVATION_SCHEMES:
+        raise ValueError(f"activation_scheme must be one of {ACTIVATION_SCHEMES}, got {activation_scheme!r}")
+    if layer_takes_activation_scheme():
+        return dict(activation_scheme=activation_scheme)
+    if activation_scheme == "dynamic":
+        raise NotImplementedError(
+            "activation_scheme='dynamic' (W8A8): this build's MoE layer has no activation_scheme argument"
+        )
+    return {}
+
 
 # --- vLLM anchors ----------------------------------------------------------------------------------------
 
@@ -115,9 +163,10 @@ def mxfp4_anchor_table(path: str | os.PathLike | None = None, breakdown: str | o
 # --- FLOPs and bytes -------------------------------------------------------------------------------------
 
 
-def floor_us(flops: float, nbytes: float) -> float:
-    """Roofline floor in µs: the larger of ``nbytes`` at 4.3 TB/s and ``flops`` at 675 TFLOP/s (H200)."""
-    return max(bench.copy_bandwidth_floor_us(nbytes), bench.compute_floor_us(flops))
+def floor_us(flops: float, nbytes: float, tflops: float = H200_BF16_TFLOPS) -> float:
+    """Roofline floor in µs: the larger of ``nbytes`` at 4.3 TB/s and ``flops`` at ``tflops`` (default the
+    H200's measured bf16 675 TFLOP/s; :data:`~moelora_lib.hardware.H200_FP8_TFLOPS` for FP8 GEMMs)."""
+    return max(bench.copy_bandwidth_floor_us(nbytes), bench.compute_floor_us(flops, tflops))
 
 
 def _touched(T: int, E: int, K: int, num_adapters: int | None, topk_ids, lora_ids) -> tuple[int, int]:
@@ -138,20 +187,25 @@ def _touched(T: int, E: int, K: int, num_adapters: int | None, topk_ids, lora_id
 
 
 def op_costs(shape: MoEShape | str, dims: Dims, *, dtype_bytes: int = 2, topk_ids: torch.Tensor | None = None,
-             lora_ids: torch.Tensor | None = None,
-             weight_bytes: float | None = None) -> list[dict[str, Any]]:  # fmt: skip
+             lora_ids: torch.Tensor | None = None, weight_bytes: float | None = None,
+             base_tflops: float | None = None) -> list[dict[str, Any]]:  # fmt: skip
     """FLOPs, minimal bytes (each tensor once: weights of the touched experts / (adapter, expert) pairs,
     activations read and written; the rank intermediate fp32), intensity and H200 floor of the six
     launches. Touched experts/pairs are counted from ``topk_ids`` [T, K] / ``lora_ids`` [T] when given,
     else min(E, T·K) / min(L·E, T·K). ``weight_bytes``: bytes per expert weight of the two base GEMMs
-    (None = ``dtype_bytes``; :data:`MXFP4_BYTES_PER_WEIGHT` for MXFP4 experts); activations and adapters
-    stay ``dtype_bytes``. One dict per op: model, op, T, H, I, E, K, R, S, experts_touched,
-    lora_pairs_touched, flops, bytes, weight_bytes, intensity, floor_us, bound ("memory"/"compute")."""
+    (None = ``dtype_bytes``; :data:`MXFP4_BYTES_PER_WEIGHT` for MXFP4 experts,
+    :data:`FP8_BYTES_PER_WEIGHT` for FP8); activations and adapters stay ``dtype_bytes``.
+    ``base_tflops``: the rate of the two base GEMMs' compute floor (None = the bf16 rate;
+    :data:`~moelora_lib.hardware.H200_FP8_TFLOPS` for FP8 experts); the LoRA ops' is the bf16 rate. One
+    dict per op: model, op, T, H, I, E, K, R, S, experts_touched, lora_pairs_touched, flops, bytes,
+    weight_bytes, intensity, tflops, flops_floor_us, floor_us, bound ("memory"/"compute")."""
     shape = get_shape(shape) if isinstance(shape, str) else shape
     if not isinstance(dims, Dims):
         raise TypeError(f"op_costs: dims must be a Dims, got {type(dims).__name__}")
     if weight_bytes is not None and not (isinstance(weight_bytes, (int, float)) and weight_bytes > 0):
         raise ValueError(f"op_costs: weight_bytes must be None or a number > 0, got {weight_bytes!r}")
+    if base_tflops is not None and not (isinstance(base_tflops, (int, float)) and base_tflops > 0):
+        raise ValueError(f"op_costs: base_tflops must be None or a number > 0, got {base_tflops!r}")
     d = dims
     T, H, I, E, K, R, S = d.T, d.H, d.I, d.E, d.top_k, d.rank, d.slices
     b, P, f32 = dtype_bytes, d.pairs, 4
@@ -168,12 +222,13 @@ def op_costs(shape: MoEShape | str, dims: Dims, *, dtype_bytes: int = 2, topk_id
     rows = []
     for op, flops, wbytes, abytes in ops:
         nbytes = wbytes + abytes
-        t_mem, t_cmp = bench.copy_bandwidth_floor_us(nbytes), bench.compute_floor_us(flops)
+        rate = base_tflops if (op in BASE_OPS and base_tflops is not None) else H200_BF16_TFLOPS
+        t_mem, t_cmp = bench.copy_bandwidth_floor_us(nbytes), bench.compute_floor_us(flops, rate)
         rows.append(
             dict(model=shape.name, op=op, T=T, H=H, I=I, E=E, K=K, R=R, S=S, experts_touched=n_e)
             | dict(lora_pairs_touched=n_pair, flops=int(flops), bytes=int(nbytes), weight_bytes=int(wbytes))
-            | dict(intensity=flops / nbytes, floor_us=max(t_mem, t_cmp))
-            | dict(bound="memory" if t_mem >= t_cmp else "compute")
+            | dict(intensity=flops / nbytes, tflops=float(rate), flops_floor_us=t_cmp)
+            | dict(floor_us=max(t_mem, t_cmp), bound="memory" if t_mem >= t_cmp else "compute")
         )
     return rows
 
@@ -182,6 +237,16 @@ def _part_cost(costs: list[dict], part: str) -> tuple[int, int]:
     ops = {"base": BASE_OPS, "lora": LORA_OPS, "total": BASE_OPS + LORA_OPS}.get(part, (part,))
     sel = [c for c in costs if c["op"] in ops]
     return sum(c["flops"] for c in sel), sum(c["bytes"] for c in sel)
+
+
+def _part_floors(costs: list[dict], part: str) -> dict[str, float]:
+    """floor_us, bytes_floor_us, flops_floor_us of a part: its bytes at the copy rate, its ops' FLOPs each
+    at its own rate (:func:`op_costs`' ``tflops``: FP8 base GEMMs at the FP8 rate, the rest at bf16's)."""
+    ops = {"base": BASE_OPS, "lora": LORA_OPS, "total": BASE_OPS + LORA_OPS}.get(part, (part,))
+    sel = [c for c in costs if c["op"] in ops]
+    b = bench.copy_bandwidth_floor_us(sum(c["bytes"] for c in sel))
+    f = sum(c.get("flops_floor_us", bench.compute_floor_us(c["flops"])) for c in sel)
+    return dict(floor_us=max(b, f), bytes_floor_us=b, flops_floor_us=f)
 
 
 # --- Inputs ----------------------------------------------------------------------------------------------
@@ -217,8 +282,8 @@ def layer_inputs(
 ) -> MoELoRAInputs:  # fmt: skip
     """Seeded inputs of one layer call (a Workload or its keyword form, :data:`_WORKLOAD_KW`):
     :func:`moelora_lib.workloads.make_inputs`, or with ``weights`` (an earlier result of the same shape,
-    R, L, dtype, device, dense or MXFP4 experts) its weights reused and only tokens, routing and adapter ids
-    new, seeded by (seed, T). ``weight_format``: None keeps the experts as made or given, else
+    R, L, dtype, device, dense, MXFP4 or FP8 experts) its weights reused and only tokens, routing and
+    adapter ids new, seeded by (seed, T). ``weight_format``: None keeps the experts as made or given, else
     :func:`with_weight_format` (quantizing every call: for a sweep, pass weights converted once).
     ``bias`` True with reused weights that have none: ValueError."""
     inp = _inputs(_workload(shape, T, inputs), weights)
@@ -243,9 +308,43 @@ def quantize_experts(w: torch.Tensor, *, max_elements: int = 1 << 24) -> MXFP4We
     return MXFP4Weight(blocks, scales)
 
 
+def quantize_fp8_weight(
+    w: torch.Tensor, *, block: tuple[int, int] = FP8_BLOCK, max_elements: int = 1 << 24
+) -> FP8BlockWeight:
+    """The :class:`~moelora_lib.quant.FP8BlockWeight` of a weight ``w`` [..., N, K] (experts [E, N, K] or a
+    projection [N, K]) on ``w``'s device: :func:`~moelora_lib.quant.quantize_fp8_block` applied to a few
+    experts, or a few whole block rows of one, at a time (at most ``max_elements`` weights per step, at
+    least one block row), so that the quantizer's float32 temporaries stay bounded. Equal to quantizing
+    ``w`` at once (each block's scale depends on that block alone)."""
+    if not isinstance(w, torch.Tensor) or w.dim() < 2 or not w.is_floating_point():
+        raise ValueError(f"quantize_fp8_weight: w must be a float tensor [..., N, K], got {_desc(w)}")
+    *lead, N, K = w.shape
+    bn, bk = block
+    w3 = w.reshape(-1, N, K)
+    E = w3.shape[0]
+    q = torch.empty((E, N, K), dtype=torch.float8_e4m3fn, device=w.device)
+    sc = torch.empty((E, -(-N // bn), -(-K // bk)), dtype=torch.float32, device=w.device)
+    max_elements = int(max_elements)
+    if N * K <= max_elements:  # whole experts per step
+        step = max(1, max_elements // max(1, N * K))
+        for e in range(0, E, step):
+            q[e : e + step], sc[e : e + step] = quantize_fp8_block(w3[e : e + step], block)
+    else:  # whole block rows of one expert per step
+        rows = max(bn, max_elements // max(1, K) // bn * bn)
+        for e in range(E):
+            for r in range(0, N, rows):
+                q[e, r : r + rows], sc[e, r // bn : -(-(r + rows) // bn)] = quantize_fp8_block(
+                    w3[e, r : r + rows], block
+                )
+    return FP8BlockWeight(q.view(*lead, N, K), sc.view(*lead, *sc.shape[1:]), tuple(block))
+
+
 def weight_format(w) -> str:
-    """The :data:`WEIGHT_FORMATS` name of an expert weight: "mxfp4" for an MXFP4Weight, else "dense"."""
-    return "mxfp4" if isinstance(w, MXFP4Weight) else "dense"
+    """The :data:`WEIGHT_FORMATS` name of an expert weight: "mxfp4" for an MXFP4Weight, "fp8" for an
+    FP8BlockWeight, else "dense"."""
+    if isinstance(w, MXFP4Weight):
+        return "mxfp4"
+    return "fp8" if isinstance(w, FP8BlockWeight) else "dense"
 
 
 def weight_format_of(inp: MoELoRAInputs) -> str:
@@ -253,11 +352,15 @@ def weight_format_of(inp: MoELoRAInputs) -> str:
     return weight_format(inp.w13)
 
 
-def with_weight_format(inp: MoELoRAInputs, fmt: str) -> MoELoRAInputs:
+def with_weight_format(
+    inp: MoELoRAInputs, fmt: str, *, fp8_block: tuple[int, int] = FP8_BLOCK
+) -> MoELoRAInputs:
     """``inp`` with both expert weights in format ``fmt`` (:data:`WEIGHT_FORMATS`): "mxfp4" quantizes dense
-    experts (:func:`quantize_experts`), "dense" dequantizes packed ones exactly into the adapters' dtype
-    (the values the MXFP4 kernels compute with); weights already in ``fmt`` are kept (``inp`` itself when
-    both are). Raises ValueError for another ``fmt``."""
+    experts (:func:`quantize_experts`), "fp8" quantizes them to block FP8 with ``fp8_block`` scale blocks
+    (:func:`quantize_fp8_weight`), "dense" dequantizes packed ones exactly into the adapters' dtype (the
+    values the packed kernels compute with); weights already in ``fmt`` are kept (``inp`` itself when both
+    are; a packed weight of the other packed format is dequantized first). Raises ValueError for another
+    ``fmt``."""
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {fmt!r}")
     dt = inp.lora_a13.dtype
@@ -265,7 +368,11 @@ def with_weight_format(inp: MoELoRAInputs, fmt: str) -> MoELoRAInputs:
     def conv(w):
         if weight_format(w) == fmt:
             return w
-        return quantize_experts(w) if fmt == "mxfp4" else w.dequantize(dt)  # exact, cast once
+        if weight_format(w) != "dense":
+            w = w.dequantize(dt)  # exact, cast once
+        if fmt == "mxfp4":
+            return quantize_experts(w)
+        return quantize_fp8_weight(w, block=fp8_block) if fmt == "fp8" else w
 
     w13, w2 = conv(inp.w13), conv(inp.w2)
     return inp if (w13 is inp.w13 and w2 is inp.w2) else dataclasses.replace(inp, w13=w13, w2=w2)
@@ -392,14 +499,23 @@ def _inputs(wl: Workload, weights: MoELoRAInputs | None) -> MoELoRAInputs:
                                b2=weights.b2 if use_bias else None)  # fmt: skip
 
 
-def make_run(stage: str, inp: MoELoRAInputs, config: LayerConfig | None = None, *, adapter_order=None):
+def make_run(stage: str, inp: MoELoRAInputs, config: LayerConfig | None = None, *, adapter_order=None,
+             activation_scheme: str = "auto"):  # fmt: skip
     """The :class:`~moelora_lib.kernels.LayerRun` of ``stage`` on ``inp`` (shapes validated, no value
     check, no host sync); ``config`` None = the stage's config for T; ``adapter_order``: as in
-    :func:`moelora_lib.moe_lora.make_layer_run` (None = the stage's choice)."""
+    :func:`moelora_lib.moe_lora.make_layer_run` (None = the stage's choice); ``activation_scheme``
+    (:data:`ACTIVATION_SCHEMES`): with FP8 experts, "weight_only", "dynamic" (W8A8) or "auto" (the
+    library's choice at T); ValueError for an unknown one, NotImplementedError for "dynamic" where the
+    layer has no W8A8 (:func:`layer_takes_activation_scheme`)."""
     from ..moe_lora import make_layer_run
 
     kw = dict(stage=stage, config=config, check_values=False, adapter_order=adapter_order)
-    return make_layer_run(*inp.args(), **inp.kwargs(), **kw)
+    return make_layer_run(*inp.args(), **inp.kwargs(), **kw, **_check_scheme(activation_scheme))
+
+
+def run_scheme(run) -> str:
+    """The activation scheme a LayerRun (or GemvRun) runs: "dynamic" (W8A8) or "weight_only"."""
+    return "dynamic" if getattr(run, "w8a8", False) else "weight_only"
 
 
 def _sync(device) -> None:
@@ -412,12 +528,28 @@ def _run_fields(shape: MoEShape, run, pattern: str) -> dict[str, Any]:
     d = run.dims
     f = dict(stage=run.stage.name, model=shape.name, T=d.T, H=d.H, I=d.I, E=d.E, K=d.top_k, L=d.adapters)
     f |= dict(R=d.rank, S=d.slices, dtype=dtype_name(run.x.dtype), activation=run.activation)
-    return f | dict(bias=run.b13 is not None, pattern=pattern, weight_format=weight_format(run.w13))
+    f |= dict(bias=run.b13 is not None, pattern=pattern, weight_format=weight_format(run.w13))
+    return f | dict(activation_scheme=run_scheme(run))
 
 
 def _weight_bytes(w) -> float | None:
-    """:func:`op_costs`' ``weight_bytes`` for expert weight ``w``: MXFP4's 4.25 bits, else None (dtype's)."""
+    """:func:`op_costs`' ``weight_bytes`` for expert weight ``w``: MXFP4's 4.25 bits, FP8's bytes (codes
+    and scales) per weight, else None (dtype's)."""
+    if isinstance(w, FP8BlockWeight):
+        return w.nbytes / math.prod(w.shape)
     return MXFP4_BYTES_PER_WEIGHT if weight_format(w) == "mxfp4" else None
+
+
+def _base_tflops(w) -> float | None:
+    """:func:`op_costs`' ``base_tflops`` for expert weight ``w``: the FP8 rate for FP8 experts (the floor of
+    an FP8 layer on this GPU, whichever scheme runs), else None (bf16's)."""
+    return H200_FP8_TFLOPS if isinstance(w, FP8BlockWeight) else None
+
+
+def _costs(shape, dims, inp_or_x, w13, topk_ids=None, lora_ids=None) -> list[dict[str, Any]]:
+    """:func:`op_costs` of a run on expert weight ``w13`` (its bytes per weight and FLOP rate)."""
+    return op_costs(shape, dims, dtype_bytes=inp_or_x.element_size(), topk_ids=topk_ids, lora_ids=lora_ids,
+                    weight_bytes=_weight_bytes(w13), base_tflops=_base_tflops(w13))  # fmt: skip
 
 
 # --- Benchmarks ------------------------------------------------------------------------------------------
@@ -425,10 +557,11 @@ def _weight_bytes(w) -> float | None:
 
 def _timed_row(fields, part, config, run, mode, tm, cost, budget, **extra) -> dict[str, Any]:
     """A result row: the run's ``fields``, then part, config, its source, the timing ``tm``, ``cost``
-    (flops, bytes, floor_us), ``budget`` (warmup_ms, rep_ms, min_reps) and ``extra`` columns."""
+    (flops, bytes, floor_us, bytes_floor_us, flops_floor_us), ``budget`` (warmup_ms, rep_ms, min_reps) and
+    ``extra`` columns."""
     row = dict(part=part, config=config, config_source=run.cfg.source, mode=mode)
     row |= dict(ms_p50=tm.ms_p50, ms_p20=tm.ms_p20, ms_p80=tm.ms_p80, us_p50=tm.ms_p50 * 1e3)
-    row |= dict(zip(("flops", "bytes", "floor_us", "warmup_ms", "rep_ms", "min_reps"), (*cost, *budget)))
+    row |= cost | dict(zip(("warmup_ms", "rep_ms", "min_reps"), budget))
     return bench.result_row(**fields, **row, **extra)
 
 
@@ -436,13 +569,16 @@ def bench_layer(stage: str, shape: MoEShape | str | Workload, T: int | None = No
                 modes: Sequence[str] = ("graph",), config: LayerConfig | None = None,
                 weights: MoELoRAInputs | None = None, parts: Sequence[str] = PARTS, warmup_ms: float = 25,
                 rep_ms: float = 100, min_reps: int | None = None, adapter_order: bool | None = None,
-                weight_format: str | None = None, **inputs) -> list[dict[str, Any]]:  # fmt: skip
+                weight_format: str | None = None, activation_scheme: str = "auto",
+                **inputs) -> list[dict[str, Any]]:  # fmt: skip
     """Time the parts of one layer of ``stage`` at T tokens, one row per (part, mode): "base"
     (``LayerRun.base_part``), "lora" (``lora_part``: the four LoRA ops and their adds), "total". Built
     and called once untimed first. config None = ``default_config`` for T. ``weights`` / ``weight_format``:
-    as in :func:`layer_inputs` (MXFP4 experts: the base bytes and floor count 4.25 bits per weight). Rows
-    (:func:`.bench.result_row`): stage, part, model, T, H, I, E, K, L, R, S, dtype, activation, bias,
-    pattern, weight_format, config, config_source, mode, ms_p50/p20/p80, us_p50, flops, bytes, floor_us,
+    as in :func:`layer_inputs` (MXFP4 experts: the base bytes and floor count 4.25 bits per weight; FP8
+    experts 1 byte plus scales, and their FLOPs at the FP8 rate). ``activation_scheme``: as in
+    :func:`make_run`. Rows (:func:`.bench.result_row`): stage, part, model, T, H, I, E, K, L, R, S, dtype,
+    activation, bias, pattern, weight_format, activation_scheme (the one that ran), config,
+    config_source, mode, ms_p50/p20/p80, us_p50, flops, bytes, floor_us, bytes_floor_us, flops_floor_us,
     warmup_ms, rep_ms, min_reps and the environment columns. ValueError for T < 1."""
     wl = _workload(shape, T, inputs)
     if wl.T < 1:
@@ -453,12 +589,10 @@ def bench_layer(stage: str, shape: MoEShape | str | Workload, T: int | None = No
     inp = _inputs(wl, weights)
     if weight_format is not None:
         inp = with_weight_format(inp, weight_format)
-    run = make_run(stage, inp, config, adapter_order=adapter_order)
+    run = make_run(stage, inp, config, adapter_order=adapter_order, activation_scheme=activation_scheme)
     run()  # compile outside the timed region
     _sync(device)
-    b = inp.hidden_states.element_size()
-    costs = op_costs(shape, run.dims, dtype_bytes=b, topk_ids=inp.topk_ids, lora_ids=inp.lora_ids,
-                     weight_bytes=_weight_bytes(inp.w13))  # fmt: skip
+    costs = _costs(shape, run.dims, inp.hidden_states, inp.w13, inp.topk_ids, inp.lora_ids)
     fns = {"base": run.base_part, "lora": run.lora_part, "total": run}
     is_cpu = torch.device(device).type == "cpu"
     fields, rows = _run_fields(shape, run, wl.pattern), []
@@ -466,7 +600,8 @@ def bench_layer(stage: str, shape: MoEShape | str | Workload, T: int | None = No
         flops, nbytes = _part_cost(costs, part)
         for mode in ("cpu-interpreter",) if is_cpu else tuple(modes):
             tm = bench.time_fn(fns[part], mode, device, warmup_ms, rep_ms, min_reps=min_reps)
-            cost, budget = (flops, nbytes, floor_us(flops, nbytes)), (warmup_ms, rep_ms, min_reps)
+            cost = dict(flops=flops, bytes=nbytes, **_part_floors(costs, part))
+            budget = (warmup_ms, rep_ms, min_reps)
             rows.append(_timed_row(fields, part, run.cfg.short(), run, mode, tm, cost, budget))
     return rows
 
@@ -484,8 +619,10 @@ def bench_module(layer, inp: MoELoRAInputs, shape: MoEShape | str, *, parts: Seq
     CUDA-graph replay with L2 flushed on a GPU; on the CPU one interpreted call (``mode``
     "cpu-interpreter"). ``inp``: inputs of the layer's sizes, dtype and device (its router_logits and
     lora_ids are used; the floor counts the experts its topk_ids touch, 4.25 bits per weight for MXFP4
-    experts). Rows: :func:`bench_layer`'s columns with ``stage`` the layer's ("auto" or a stage name) and
-    ``resolved_stage`` the one it runs at T (:meth:`~moelora_lib.MoELoRALayer.stage_for`)."""
+    experts, 1 byte plus scales for FP8 ones). Rows: :func:`bench_layer`'s columns with ``stage`` the
+    layer's ("auto" or a stage name), ``resolved_stage`` the one it runs at T
+    (:meth:`~moelora_lib.MoELoRALayer.stage_for`) and ``activation_scheme`` the one it runs at T
+    (:func:`module_scheme`)."""
     shape = get_shape(shape) if isinstance(shape, str) else shape
     unknown = sorted(set(parts) - set(MODULE_PARTS))
     if unknown:
@@ -495,14 +632,13 @@ def bench_module(layer, inp: MoELoRAInputs, shape: MoEShape | str, *, parts: Seq
     w13 = layer.expert_weights()[0]
     ly = layer
     d = Dims(T=T, H=ly.H, I=ly.I, E=ly.E, top_k=ly.K, adapters=ly.L, rank=ly.R, slices=ly.S)
-    costs = op_costs(shape, d, dtype_bytes=x.element_size(), topk_ids=inp.topk_ids, lora_ids=ids,
-                     weight_bytes=_weight_bytes(w13))  # fmt: skip
+    costs = _costs(shape, d, x, w13, inp.topk_ids, ids)
     saved, rows = layer.active_slots, []
     mode = "cpu-interpreter" if device.type == "cpu" else "graph"
     fields = dict(stage=layer.stage.name, resolved_stage=layer.stage_for(T).name, model=shape.name, T=T)
     fields |= dict(H=d.H, I=d.I, E=d.E, K=d.top_k, L=d.adapters, R=d.rank, S=d.slices)
     fields |= dict(dtype=dtype_name(x.dtype), activation=ly.activation, bias=ly.b13 is not None)
-    fields |= dict(pattern=pattern, weight_format=weight_format(w13))
+    fields |= dict(pattern=pattern, weight_format=weight_format(w13), activation_scheme=module_scheme(ly, T))
     try:
         for part in parts:
             layer.active_slots = frozenset() if part == "base" else saved
@@ -514,12 +650,30 @@ def bench_module(layer, inp: MoELoRAInputs, shape: MoEShape | str, *, parts: Seq
             cfg = layer.config_for(T)
             row = dict(part=part, config=cfg.short(), config_source=cfg.source)
             row |= dict(mode=mode, ms_p50=tm.ms_p50, ms_p20=tm.ms_p20, ms_p80=tm.ms_p80)
-            row |= dict(us_p50=tm.ms_p50 * 1e3, flops=flops, bytes=nbytes, floor_us=floor_us(flops, nbytes))
+            row |= dict(us_p50=tm.ms_p50 * 1e3, flops=flops, bytes=nbytes, **_part_floors(costs, part))
             row |= dict(warmup_ms=warmup_ms, rep_ms=rep_ms, min_reps=min_reps)
             rows.append(bench.result_row(**fields, **row))
     finally:
         layer.active_slots = saved
     return rows
+
+
+def module_scheme(layer, T: int) -> str:
+    """The activation scheme a :class:`~moelora_lib.MoELoRALayer` runs at T tokens: its
+    ``activation_scheme_for(T)`` ("dynamic" or "weight_only"), "weight_only" where it has none."""
+    fn = getattr(layer, "activation_scheme_for", None)
+    return fn(T) if fn is not None else "weight_only"
+
+
+def build_module(inp: MoELoRAInputs, shape: MoEShape | str, *, max_tokens: int, stage: str = "auto",
+                 activation_scheme: str = "auto", **kw):  # fmt: skip
+    """:func:`.serving.build_layer` on ``inp``'s weights (dense, MXFP4 or FP8) with the layer's
+    ``activation_scheme`` (:data:`ACTIVATION_SCHEMES`; as :func:`make_run` checks it), the adapters of
+    ``inp`` in slots 0..L-1, in ``stage``, dtype the adapters'."""
+    from .serving import build_layer
+
+    kw = dict(dtype=inp.lora_a13.dtype) | kw | _check_scheme(activation_scheme)
+    return build_layer(inp, shape, max_tokens=max_tokens, stage=stage, **kw)
 
 
 def lora_op_fn(run, op: str, op_config=None) -> Callable[[], torch.Tensor]:
@@ -534,15 +688,18 @@ def lora_op_fn(run, op: str, op_config=None) -> Callable[[], torch.Tensor]:
 def bench_lora_op(stage: str, shape: MoEShape | str, T: int, op: str, *, mode: str = "graph",
                   config: LayerConfig | None = None, op_changes: dict | None = None,
                   weights: MoELoRAInputs | None = None, warmup_ms: float = 10, rep_ms: float = 40, run=None,
-                  return_output: bool = False, min_reps: int | None = None, **inputs):  # fmt: skip
+                  return_output: bool = False, min_reps: int | None = None, activation_scheme: str = "auto",
+                  **inputs):  # fmt: skip
     """Time one LoRA op alone (:func:`lora_op_fn`); one row like :func:`bench_layer`'s with part = op
     and the ``op_changes`` (e.g. ``{"SPLIT_K": 4}``, applied to the op's config) as columns. Inputs: the
     keyword form of :func:`layer_inputs`, or ``run``, a LayerRun to reuse (then only ``pattern`` is read,
-    for the row). ``return_output``: (row, output)."""
+    for the row). ``return_output``: (row, output). ``activation_scheme``: as in :func:`make_run` (the
+    LoRA ops read the unquantized activations whatever it is; it changes the run's config)."""
     shape = get_shape(shape) if isinstance(shape, str) else shape
     pattern = inputs.get("pattern", "uniform")
     if run is None:
-        run = make_run(stage, layer_inputs(shape, T, weights=weights, **inputs), config)
+        inp = layer_inputs(shape, T, weights=weights, **inputs)
+        run = make_run(stage, inp, config, activation_scheme=activation_scheme)
         run()
     device = run.x.device
     op_cfg = getattr(run.cfg, op)
@@ -554,12 +711,13 @@ def bench_lora_op(stage: str, shape: MoEShape | str, T: int, op: str, *, mode: s
         out = out.clone()
     _sync(device)
     # touched (adapter, expert) pairs estimated as min(L·E, T·K) (the run keeps no topk_ids)
-    c = {c["op"]: c for c in op_costs(shape, run.dims, dtype_bytes=run.x.element_size(),
-                                      weight_bytes=_weight_bytes(run.w13))}[op]  # fmt: skip
+    costs = _costs(shape, run.dims, run.x, run.w13)
+    c = {c["op"]: c for c in costs}[op]
     m = "cpu-interpreter" if torch.device(device).type == "cpu" else mode
     tm = bench.time_fn(fn, m, device, warmup_ms, rep_ms, min_reps=min_reps)
     fields = _run_fields(shape, run, pattern)
-    cost, budget = (c["flops"], c["bytes"], c["floor_us"]), (warmup_ms, rep_ms, min_reps)
+    cost = dict(flops=c["flops"], bytes=c["bytes"], **_part_floors(costs, op))
+    budget = (warmup_ms, rep_ms, min_reps)
     row = _timed_row(fields, op, op_cfg.short(), run, m, tm, cost, budget, **(op_changes or {}))
     return (row, out) if return_output else row
 
@@ -567,25 +725,46 @@ def bench_lora_op(stage: str, shape: MoEShape | str, T: int, op: str, *, mode: s
 # --- Correctness -----------------------------------------------------------------------------------------
 
 
+#: The relative error W8A8 may add to a layer's output against the unquantized-activation result: each
+#: activation element is rounded to e4m3 (3 mantissa bits: within 2^-4 relative) at two points, x before
+#: gate_up and the activation output before down, so the output moves by at most about 2·2^-4 of its scale
+#: (tests/test_fp8_w8a8_moe.py states the same bound; random errors make it ~2^-4/√3 per sum in practice).
+W8A8_REL_TOL = 2.0**-3
+
+
+def check_tolerance(dtype: torch.dtype, activation_scheme: str = "weight_only") -> float:
+    """The tolerance of a layer check (:func:`check_layer`'s ``rel_err`` and ``rel_err_vs_dense``): the
+    dtype's (:data:`~moelora_lib.testing.TOLERANCES`) for a run on unquantized activations, the larger of
+    it and :data:`W8A8_REL_TOL` for a W8A8 run ("dynamic")."""
+    from ..testing import TOLERANCES
+
+    tol = TOLERANCES[dtype]
+    return max(tol, W8A8_REL_TOL) if activation_scheme == "dynamic" else tol
+
+
 def check_layer(stage: str, shape: MoEShape | str | Workload, T: int | None = None, *,
                 weights: MoELoRAInputs | None = None, config: LayerConfig | None = None,
-                weight_format: str | None = None, **inputs) -> dict[str, Any]:  # fmt: skip
+                weight_format: str | None = None, activation_scheme: str = "auto",
+                **inputs) -> dict[str, Any]:  # fmt: skip
     """One layer call against ``moe_lora_reference`` (fp32; default pattern "mixed"). Returns stage,
-    model, T, dtype, activation, bias, pattern, weight_format, rel_err, no_adapter_rows,
-    no_adapter_bitwise (those rows equal ``base_part()``'s exactly), delta_rel (max|ref − ref without
-    LoRA| / max|ref|: a pass is not a LoRA never added), rel_err_vs_dense, bitwise_vs_dense, config.
-    ``weights`` / ``weight_format``: as in :func:`layer_inputs`. With MXFP4 experts the reference runs on
-    the dequantized weights (exact), and the same stage with the same config also runs on the dequantized
-    weights in the activations' dtype: ``rel_err_vs_dense`` and ``bitwise_vs_dense`` compare the two
-    outputs (NaN and None for dense experts). The reference holds [P, 2I, H] fp32: keep P = T·K modest."""
+    model, T, dtype, activation, bias, pattern, weight_format, activation_scheme (the one that ran),
+    rel_err, tol (:func:`check_tolerance`), no_adapter_rows, no_adapter_bitwise (those rows equal
+    ``base_part()``'s exactly), delta_rel (max|ref − ref without LoRA| / max|ref|: a pass is not a LoRA
+    never added), rel_err_vs_dense, bitwise_vs_dense, config. ``weights`` / ``weight_format``: as in
+    :func:`layer_inputs`; ``activation_scheme``: as in :func:`make_run`. With MXFP4 or FP8 experts the
+    reference runs on the dequantized weights (exact) with unquantized activations, and the same stage with
+    the same config also runs on the dequantized weights in the activations' dtype: ``rel_err_vs_dense``
+    and ``bitwise_vs_dense`` compare the two outputs (NaN and None for dense experts). W8A8 ("dynamic")
+    differs from both by its activation rounding (:data:`W8A8_REL_TOL`). The reference holds [P, 2I, H]
+    fp32: keep P = T·K modest."""
     wl = _workload(shape, T, inputs, pattern="mixed")
     inp = _inputs(wl, weights)
     if weight_format is not None:
         inp = with_weight_format(inp, weight_format)
-    run = make_run(stage, inp, config)
+    run = make_run(stage, inp, config, activation_scheme=activation_scheme)
     out = run().clone()
     base = run.base_part().clone()
-    packed = weight_format_of(inp) == "mxfp4"
+    packed = weight_format_of(inp) != "dense"
     dense = with_weight_format(inp, "dense") if packed else inp
     args = dense.args()
     if packed:  # the reference on the exact weights in fp32
@@ -602,11 +781,14 @@ def check_layer(stage: str, shape: MoEShape | str | Workload, T: int | None = No
         vs_dense, same_as_dense = rel_err(out, out_dense), bool(torch.equal(out, out_dense))
     dt = dtype_name(inp.hidden_states.dtype)
     r = dict(stage=stage, model=wl.model_name, T=wl.T, dtype=dt, activation=inp.activation)
+    scheme = run_scheme(run)
     r |= dict(
         bias=inp.b13 is not None,
         pattern=wl.pattern,
         weight_format=weight_format_of(inp),
+        activation_scheme=scheme,
         rel_err=rel_err(out, ref),
+        tol=check_tolerance(inp.hidden_states.dtype, scheme),
         no_adapter_rows=int(none.sum()),
     )
     r |= dict(no_adapter_bitwise=bitwise, delta_rel=delta_rel, rel_err_vs_dense=vs_dense)

@@ -1,7 +1,10 @@
 """Notebook 11's measurements (rows for ``data/11_*.csv``): generation of whole models with random weights
 at the real dimensions and multiple adapters, adapter loading, recompilation, a decode step by category,
 transformers + PEFT, the bytes/FLOPs floors and the targets; for notebook 14 also models with MXFP4 experts
-(:func:`build_model`'s ``experts``) and their memory (:func:`model_memory`, :func:`memory_estimate_gb`).
+(:func:`build_model`'s ``experts``) and their memory (:func:`model_memory`, :func:`memory_estimate_gb`); for
+notebook 15 models with block-FP8 experts and dense projections (``experts`` / ``projections`` "fp8",
+:func:`fp8_formats`), their exactly dequantized twins (``dequantize``) and the logit error between the two
+(:func:`model_logits`, :func:`logit_error`).
 TTFT = call start -> the request's first token on the host; OTPS per request = (tokens − 1) / (last token −
 first token); aggregate OTPS = all output tokens / the whole call. Greedy, no eos."""
 
@@ -29,6 +32,7 @@ from ..common import dtype_name
 from ..hardware import H200_BF16_TFLOPS, H200_READ_TB_PER_S
 from ..model import REAL_CONFIGS, ModelConfig, MultiLoRAModel, random_model
 from ..model.modeling import WeightSource, random_weights
+from ..quant.fp8 import FP8_BLOCK
 from . import bench
 
 #: The three models of the study (names of :data:`moelora_lib.model.REAL_CONFIGS`).
@@ -88,53 +92,117 @@ def model_config(name: str) -> ModelConfig:
     return ModelConfig.from_hf(config_dict(name))
 
 
-#: Formats of a built model's expert weights: "dense" (the model's dtype) or "mxfp4" (packed, as published).
-EXPERT_FORMATS = ("dense", "mxfp4")
+#: Formats of a built model's expert weights: "dense" (the model's dtype), "mxfp4" (packed, as GPT-OSS is
+#: published) or "fp8" (block FP8, as the Qwen3 FP8 checkpoints are published).
+EXPERT_FORMATS = ("dense", "mxfp4", "fp8")
+#: Formats of a built model's attention and dense-MLP projections (qkv, o, gate_up, down): "dense" or "fp8".
+PROJECTION_FORMATS = ("dense", "fp8")
 _EXPERT_WEIGHT = re.compile(r"^layers\.\d+\.mlp\.experts\.(w13|w2)$")
+#: The projections a published block-FP8 checkpoint stores in FP8 (the embeddings, norms, router and
+#: lm_head stay dense): attention q|k|v and o, the dense MLP's gate|up and down.
+_PROJECTION_WEIGHT = re.compile(
+    r"^layers\.\d+\.(self_attn\.(qkv_proj|o_proj)|mlp\.(gate_up_proj|down_proj))\.weight$"
+)
+#: A built model's parameters of those projections' base weights (dense, or FP8 codes and scales).
+_PROJECTION_PARAM = re.compile(
+    r"^layers\.\d+\.(self_attn\.(qkv_proj|o_proj)|mlp\.(gate_up_proj|down_proj))\.weight(_fp8|_scale_inv)?$"
+)
 
 
-def mxfp4_experts(source: WeightSource) -> WeightSource:
+def packed_weights(
+    source: WeightSource, *, experts: str = "dense", projections: str = "dense",
+    fp8_block: tuple[int, int] = FP8_BLOCK, dequantize: bool = False,
+) -> WeightSource:  # fmt: skip
     """A :data:`~moelora_lib.model.modeling.WeightSource` giving ``source``'s weights, except the MoE experts
-    (``layers.{l}.mlp.experts.w13`` / ``.w2``): those drawn by ``source`` and quantized to MXFP4
-    (:func:`~moelora_lib.studies.moe_bench.quantize_experts`, a few experts at a time), so a model keeps
-    them packed (4.25 bits per weight) as a published GPT-OSS checkpoint loads. One layer's dense expert
-    weight exists at a time, while it is quantized."""
-    from .moe_bench import quantize_experts
+    (``layers.{l}.mlp.experts.w13`` / ``.w2``) in format ``experts`` and the projections
+    (``layers.{l}.self_attn.{qkv,o}_proj.weight``, ``layers.{l}.mlp.{gate_up,down}_proj.weight``) in format
+    ``projections``: those drawn by ``source`` and quantized — MXFP4
+    (:func:`~moelora_lib.studies.moe_bench.quantize_experts`) or block FP8 with ``fp8_block`` scale blocks
+    (:func:`~moelora_lib.studies.moe_bench.quantize_fp8_weight`), a few experts or block rows at a time, so
+    a model keeps them packed as a published checkpoint loads. ``dequantize``: each quantized weight
+    dequantized exactly back to the requested dtype instead (the dense model computing with the packed
+    model's values). One dense weight exists at a time, while it is quantized. ValueError for an unknown
+    format."""
+    from .moe_bench import quantize_experts, quantize_fp8_weight
+
+    if experts not in EXPERT_FORMATS:
+        raise ValueError(f"experts must be one of {EXPERT_FORMATS}, got {experts!r}")
+    if projections not in PROJECTION_FORMATS:
+        raise ValueError(f"projections must be one of {PROJECTION_FORMATS}, got {projections!r}")
+
+    def quantize(w: torch.Tensor, fmt: str):
+        if fmt == "mxfp4":
+            return quantize_experts(w)
+        return quantize_fp8_weight(w, block=fp8_block) if fmt == "fp8" else w
 
     def wrapped(name: str, shape: tuple[int, ...], *, kind: str, dtype: torch.dtype, device):
         w = source(name, shape, kind=kind, dtype=dtype, device=device)
-        return quantize_experts(w) if _EXPERT_WEIGHT.match(name) else w
+        fmt = "dense"
+        if _EXPERT_WEIGHT.match(name):
+            fmt = experts
+        elif _PROJECTION_WEIGHT.match(name):
+            fmt = projections
+        if fmt == "dense":
+            return w
+        q = quantize(w, fmt)
+        return q.dequantize(dtype) if dequantize else q
 
     wrapped.is_random = getattr(source, "is_random", False)  # type: ignore[attr-defined]
     return wrapped
 
 
-def build_model(name: str, *, stage: str = "auto", seed: int = 0, experts: str = "dense", **sizes
-                ) -> MultiLoRAModel:  # fmt: skip
+def mxfp4_experts(source: WeightSource) -> WeightSource:
+    """:func:`packed_weights` with MXFP4 experts (4.25 bits per weight, as a published GPT-OSS checkpoint
+    loads), every other weight ``source``'s."""
+    return packed_weights(source, experts="mxfp4")
+
+
+def fp8_formats(name: str) -> dict[str, str]:
+    """The :func:`build_model` formats of ``name``'s published block-FP8 checkpoint (Qwen3-30B-A3B-FP8,
+    Qwen3-32B-FP8): the experts of an MoE model and every attention / dense-MLP projection in FP8."""
+    return dict(experts="fp8" if model_config(name).is_moe else "dense", projections="fp8")
+
+
+def build_model(name: str, *, stage: str = "auto", seed: int = 0, experts: str = "dense",
+                projections: str = "dense", fp8_block: tuple[int, int] = FP8_BLOCK, dequantize: bool = False,
+                fp8_mode: str | None = None, **sizes) -> MultiLoRAModel:  # fmt: skip
     """A random-weight MultiLoRAModel of ``name``, no adapter loaded. ``stage``: the model's ("auto", the
-    default, or a name of ``STAGES``). ``experts`` (:data:`EXPERT_FORMATS`): "dense" (default), or "mxfp4"
-    (MoE models: the same random expert weights quantized to MXFP4 and kept packed, :func:`mxfp4_experts`;
-    the rest in the model's dtype). ``sizes``: ``random_model``'s dtype, device, max_batch, max_seq,
-    max_tokens, num_adapters (default 8), max_rank (default 32). Raises ValueError for an unknown
-    ``experts`` or "mxfp4" on a dense model."""
+    default, or a name of ``STAGES``). ``experts`` (:data:`EXPERT_FORMATS`): "dense" (default), "mxfp4" or
+    "fp8" (MoE models: the same random expert weights quantized and kept packed); ``projections``
+    (:data:`PROJECTION_FORMATS`): "dense" (default) or "fp8" (the attention and dense-MLP projections'
+    random weights quantized to block FP8 and kept in FP8); ``fp8_block``: the FP8 scale blocks (the
+    published (128, 128) by default); :func:`packed_weights`. The rest (embeddings, norms, router,
+    lm_head) in the model's dtype. ``dequantize``: the packed weights' exact values in the model's dtype
+    instead (the dense twin of the packed model, for its error). ``fp8_mode``: the model's (its FP8
+    projections' base GEMM form; None = the model's default). ``sizes``: ``random_model``'s dtype,
+    device, max_batch, max_seq, max_tokens, num_adapters (default 8), max_rank (default 32). Raises
+    ValueError for an unknown format or packed experts on a dense model; the model raises
+    NotImplementedError for FP8 projections where its LoRALinear has no FP8 GEMM."""
     sizes = {"num_adapters": 8, "max_rank": 32, **sizes}
     if experts not in EXPERT_FORMATS:
         raise ValueError(f"experts must be one of {EXPERT_FORMATS}, got {experts!r}")
+    if projections not in PROJECTION_FORMATS:
+        raise ValueError(f"projections must be one of {PROJECTION_FORMATS}, got {projections!r}")
     config = model_config(name)
-    if experts == "dense":
+    if experts != "dense" and not config.is_moe:
+        raise ValueError(f"experts={experts!r}: {name!r} has no MoE experts")
+    if experts == "dense" and projections == "dense":
         return random_model(config, seed=seed, stage=stage, **sizes)
-    if not config.is_moe:
-        raise ValueError(f"experts='mxfp4': {name!r} has no MoE experts")
-    return MultiLoRAModel(config, stage=stage, weights=mxfp4_experts(random_weights(seed)), **sizes)
+    if fp8_mode is not None:
+        sizes["fp8_mode"] = fp8_mode
+    src = packed_weights(random_weights(seed), experts=experts, projections=projections, fp8_block=fp8_block,
+                         dequantize=dequantize)  # fmt: skip
+    return MultiLoRAModel(config, stage=stage, weights=src, **sizes)
 
 
 def model_memory(model: MultiLoRAModel) -> dict[str, float]:
     """GB (1e9 bytes) a built model holds: expert_weight_gb (the MoE experts' weights, packed or dense, and
-    biases), other_weight_gb (every other parameter), buffer_gb (adapter slots, KV cache, tables) and, on a
-    GPU, allocated_gb (``torch.cuda.memory_allocated``: those plus the scratch allocated so far; NaN on
-    the CPU)."""
+    biases), other_weight_gb (every other parameter), of which projection_weight_gb (the attention and
+    dense-MLP projections' base weights, dense or FP8 codes and scales), buffer_gb (adapter slots, KV
+    cache, tables) and, on a GPU, allocated_gb (``torch.cuda.memory_allocated``: those plus the scratch
+    allocated so far; NaN on the CPU)."""
     seen: set[int] = set()
-    experts = other = buffers = 0
+    experts = other = proj = buffers = 0
     for n, p in model.named_parameters():
         if id(p) in seen:  # a tied lm_head counts once
             continue
@@ -144,53 +212,104 @@ def model_memory(model: MultiLoRAModel) -> dict[str, float]:
             experts += nbytes
         else:
             other += nbytes
+            proj += nbytes if _PROJECTION_PARAM.match(n) else 0
     for b in model.buffers():
         if id(b) not in seen:
             seen.add(id(b))
             buffers += b.numel() * b.element_size()
     dev = model.device
     alloc = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else float("nan")
-    return dict(expert_weight_gb=experts / 1e9, other_weight_gb=other / 1e9, buffer_gb=buffers / 1e9,
-                allocated_gb=alloc / 1e9)  # fmt: skip
+    return dict(expert_weight_gb=experts / 1e9, other_weight_gb=other / 1e9, projection_weight_gb=proj / 1e9,
+                buffer_gb=buffers / 1e9, allocated_gb=alloc / 1e9)  # fmt: skip
 
 
-def memory_estimate_gb(name: str, *, experts: str = "dense", num_adapters: int = 8, max_rank: int = 32,
-                       max_batch: int = 1, max_seq: int = 2048, max_tokens: int = 8192, dtype_bytes: int = 2
-                       ) -> dict[str, float]:  # fmt: skip
+def memory_estimate_gb(name: str, *, experts: str = "dense", projections: str = "dense",
+                       num_adapters: int = 8, max_rank: int = 32, max_batch: int = 1, max_seq: int = 2048,
+                       max_tokens: int = 8192, dtype_bytes: int = 2,
+                       fp8_block: tuple[int, int] = FP8_BLOCK) -> dict[str, float]:  # fmt: skip
     """What :func:`build_model` of ``name`` will hold, in GB, before building it: expert_weight_gb (MoE
-    experts at 4.25 bits per weight for "mxfp4", else ``dtype_bytes``; expert biases), other_weight_gb
-    (embeddings, lm_head, attention, router), adapter_slot_gb (the L rank-R slots of every LoRA module:
-    the MoE layers hold one A and B per expert), kv_gb (max_batch × max_seq positions per layer), scratch_gb
-    (the MoE layer's shared buffers at max_tokens·top_k pairs), total_gb. Sizes as :func:`build_model`'s."""
-    from .moe_bench import MXFP4_BYTES_PER_WEIGHT
+    experts at 4.25 bits per weight for "mxfp4", 1 byte plus a float32 scale per ``fp8_block`` for "fp8",
+    else ``dtype_bytes``; expert biases), other_weight_gb (embeddings, lm_head, attention and dense-MLP
+    projections, router), of which projection_weight_gb (the projections, FP8 for ``projections`` "fp8"),
+    adapter_slot_gb (the L rank-R slots of every LoRA module: the MoE layers hold one A and B per
+    expert), kv_gb (max_batch × max_seq positions per layer), scratch_gb (the MoE layer's shared buffers at
+    max_tokens·top_k pairs), total_gb. Sizes as :func:`build_model`'s; whole scale blocks (a ragged edge
+    block's scale is not counted)."""
+    from .moe_bench import MXFP4_BYTES_PER_WEIGHT, fp8_bytes_per_weight
 
     if experts not in EXPERT_FORMATS:
         raise ValueError(f"experts must be one of {EXPERT_FORMATS}, got {experts!r}")
+    if projections not in PROJECTION_FORMATS:
+        raise ValueError(f"projections must be one of {PROJECTION_FORMATS}, got {projections!r}")
     c = model_config(name)
     b, H, Lyr, L, R = dtype_bytes, c.hidden_size, c.num_hidden_layers, num_adapters, max_rank
+    fp8_b = fp8_bytes_per_weight(fp8_block)
+    pb = fp8_b if projections == "fp8" else b
     qkv_o = H * (c.q_width + 2 * c.kv_width) + c.q_width * H
     attn_slots = L * R * ((3 * H + c.q_width + 2 * c.kv_width) + (c.q_width + H))  # qkv (3 slices), o
-    other = Lyr * qkv_o + c.vocab_size * H * (1 if c.tie_word_embeddings else 2) + (2 * Lyr + 1) * H  # norms
+    proj = Lyr * qkv_o
+    other = c.vocab_size * H * (1 if c.tie_word_embeddings else 2) + (2 * Lyr + 1) * H  # norms
     other += Lyr * ((c.q_width + 2 * c.kv_width + H) if c.attention_bias else 0)
     expert_w = slots = scratch = 0.0
     if c.is_moe:
         E, I, K = c.num_experts, c.moe_intermediate_size, c.num_experts_per_tok
         S = 1 if c.model_type == "gpt_oss" else 2
-        wb = MXFP4_BYTES_PER_WEIGHT if experts == "mxfp4" else b
+        wb = {"mxfp4": MXFP4_BYTES_PER_WEIGHT, "fp8": fp8_b}.get(experts, b)
         expert_w = Lyr * (E * 3 * H * I * wb + (E * (2 * I + H) * b if c.expert_bias else 0))
         other += Lyr * E * (H + (1 if c.router_bias else 0))
         slots = Lyr * L * E * R * (S * H + 2 * I + I + H) * b
         scratch = max_tokens * K * (2 * I + I + H) * b
     else:
         I = c.intermediate_size
-        other += Lyr * 3 * H * I
+        proj += Lyr * 3 * H * I
         attn_slots += L * R * ((H + 2 * I) + (I + H))
     slots += Lyr * attn_slots * b
     kv = max_batch * max_seq * Lyr * 2 * c.kv_width * b
-    out = dict(expert_weight_gb=expert_w, other_weight_gb=other * b, adapter_slot_gb=slots, kv_gb=kv,
-               scratch_gb=scratch)  # fmt: skip
+    out = dict(expert_weight_gb=expert_w, other_weight_gb=other * b + proj * pb, adapter_slot_gb=slots,
+               kv_gb=kv, scratch_gb=scratch)  # fmt: skip
     out = {k: v / 1e9 for k, v in out.items()}
-    return out | dict(total_gb=sum(out.values()))
+    return out | dict(projection_weight_gb=proj * pb / 1e9, total_gb=sum(out.values()))
+
+
+def model_logits(model: MultiLoRAModel, *, prompt_len: int, seed: int = 0, adapter: int | None = None
+                 ) -> torch.Tensor:  # fmt: skip
+    """float32 logits [prompt_len, V] of one forward (a prefill of every position, cache row 0 from
+    position 0) of the random prompt ``make_prompts(1, prompt_len, vocab, seed)`` on adapter slot
+    ``adapter`` (None: no adapter), moved to the host."""
+    dev = model.device
+    ids = torch.tensor(make_prompts(1, prompt_len, model.config.vocab_size, seed), device=dev)
+    slot = -1 if adapter is None else int(adapter)
+    with torch.no_grad():
+        out = model(ids, torch.zeros(1, dtype=torch.int64, device=dev), torch.tensor([slot], device=dev))
+    return out[0].float().cpu()
+
+
+def logit_error(logits: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
+    """How far ``logits`` [S, V] are from ``ref`` [S, V] (float32; e.g. the FP8 model's against its
+    dequantized twin's): rel_err = max|Δ| / max|ref|, rms_rel = ‖Δ‖ / ‖ref‖, max_abs = max|Δ|, top1_agree
+    = the share of positions whose argmax agrees, kl_mean / kl_max = KL(softmax(ref) ‖ softmax(logits)) per
+    position (nats), positions."""
+    d = (logits.double() - ref.double()).abs()
+    r = ref.double()
+    lp, lq = torch.log_softmax(r, dim=-1), torch.log_softmax(logits.double(), dim=-1)
+    kl = (lp.exp() * (lp - lq)).sum(dim=-1)
+    return dict(rel_err=float(d.max() / r.abs().max().clamp_min(1e-30)),
+                rms_rel=float(d.norm() / r.norm().clamp_min(1e-30)), max_abs=float(d.max()),
+                top1_agree=float((logits.argmax(-1) == ref.argmax(-1)).double().mean()),
+                kl_mean=float(kl.mean()), kl_max=float(kl.max()), positions=int(ref.shape[0]))  # fmt: skip
+
+
+def forms_at(model: MultiLoRAModel, T: int) -> dict[str, str]:
+    """The forms a forward of T tokens runs in ``model``'s first layer: expert_scheme (the MoE layer's
+    activation scheme, "dynamic" = W8A8 or "weight_only"; "none" on a dense model) and projection_form
+    (the q|k|v projection's base GEMM: "dense", "weight_only" or "dynamic")."""
+    from .dense_bench import fp8_form
+    from .moe_bench import module_scheme
+
+    layer = model.layers[0]
+    experts = getattr(layer.mlp, "experts", None)
+    scheme = "none" if experts is None else module_scheme(experts, T)
+    return dict(expert_scheme=scheme, projection_form=fp8_form(layer.self_attn.qkv_proj, T))
 
 
 #: The CSVs of notebook 11 (``data/11_<name>.csv``) and the function whose rows each holds.

@@ -6,9 +6,9 @@ tiles pad each expert's single row to 16 and pipeline few bytes per program; her
 whole ``[BLOCK_SIZE_N, BLOCK_SIZE_K]`` weight tile into registers per step (rows of ``2·BLOCK_SIZE_K``
 contiguous bytes) and multiplies it with its pair's activation row on the CUDA cores, and the grid
 (pairs × N tiles × ``SPLIT_K``) holds several programs per SM. Pairs are visited in expert order
-(``argsort`` of the flat top-k ids, when T > 1), so two pairs of one expert run side by side and the second read of
-a weight tile is an L2 hit. No alignment and no padding: a program knows its pair, hence its expert and
-its token's adapter.
+(``argsort`` of the flat top-k ids, when T > 1), so two pairs of one expert run side by side and the
+second read of a weight tile is an L2 hit. No alignment and no padding: a program knows its pair, hence
+its expert and its token's adapter.
 
 The launches of one call (:func:`gemv_moe_lora`), all on fp32 buffers zeroed by one memset:
 
@@ -24,9 +24,9 @@ The launches of one call (:func:`gemv_moe_lora`), all on fp32 buffers zeroed by 
    once to the output dtype, with NaN rows for tokens whose ids leave [0, E) / [-1, L) (the kernels
    skip such pairs, never reading out of bounds).
 
-So a call is 3 launches without adapters (memset, 2 GEMVs, the sum; plus the ``argsort`` when T > 1) against stage
-``tuned``'s alignment + 5, and 5 with adapters. The shrinks are separate launches because each needs the
-complete K reduction of its input before any expand program reads it.
+So a call is 3 launches without adapters (memset, 2 GEMVs, the sum; plus the ``argsort`` when T > 1)
+against stage ``tuned``'s alignment + 5, and 5 with adapters. The shrinks are separate launches because
+each needs the complete K reduction of its input before any expand program reads it.
 
 Weights are bf16/fp16/fp32 ``[E, N, K]`` (nn.Linear layout, K contiguous) or packed MXFP4
 (:class:`~moelora_lib.quant.MXFP4Weight`: e2m1 codes two per byte, one e8m0 scale per 32 K values),

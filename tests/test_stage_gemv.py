@@ -146,6 +146,26 @@ def test_gemv_bad_ids_give_nan_rows_only_there():
     assert torch.equal(out[keep], good[keep])
 
 
+def test_gemv_one_token():
+    # T = 1 reads its pairs in place (no expert order): the reference with an adapter and without one,
+    # both configs; a bad expert id gives that single row NaN
+    E, H, I, K, _, act, bias, S, L, R = CASES[0]
+    c = _case(E, H, I, K, 1, act, bias, S, L, R, torch.float32, False)
+    for lid in (1, -1):
+        c["lids"] = torch.tensor([lid], dtype=torch.int32)
+        ref = _ref(c, act)
+        lora = (c["lids"], c["lids"], c["a13"], c["bl13"], c["a2"], c["bl2"])
+        for cfg in CONFIGS:
+            out = gemv_moe_lora(c["x"], c["w13"], c["w2"], c["tw"], c["ids"], activation=act, config=cfg,
+                                b13=c["b13"], b2=c["b2"], lora_ids=c["lids"], lora=lora)  # fmt: skip
+            assert_close_rel(out, ref, dtype=torch.float32, what=f"gemv T=1 adapter {lid}")
+    ids = c["ids"].clone()
+    ids[0, 1] = E
+    out = gemv_moe_lora(c["x"], c["w13"], c["w2"], c["tw"], ids, activation=act, config=CONFIGS[0],
+                        b13=c["b13"], b2=c["b2"])  # fmt: skip
+    assert torch.isnan(out).all()
+
+
 def test_gemv_refuses():
     E, H, I, K, T, act, bias, S, L, R = CASES[0]
     c = _case(E, H, I, K, T, act, bias, S, L, R, torch.float32, True)

@@ -6,9 +6,9 @@ tiles pad each expert's single row to 16 and pipeline few bytes per program; her
 whole ``[BLOCK_SIZE_N, BLOCK_SIZE_K]`` weight tile into registers per step (rows of ``2·BLOCK_SIZE_K``
 contiguous bytes) and multiplies it with its pair's activation row on the CUDA cores, and the grid
 (pairs × N tiles × ``SPLIT_K``) holds several programs per SM. Pairs are visited in expert order
-(``argsort`` of the flat top-k ids), so two pairs of one expert run side by side and the second read of
-a weight tile is an L2 hit. No alignment and no padding: a program knows its pair, hence its expert and
-its token's adapter.
+(``argsort`` of the flat top-k ids, when T > 1), so two pairs of one expert run side by side and the
+second read of a weight tile is an L2 hit. No alignment and no padding: a program knows its pair, hence
+its expert and its token's adapter.
 
 The launches of one call (:func:`gemv_moe_lora`), all on fp32 buffers zeroed by one memset:
 
@@ -24,9 +24,9 @@ The launches of one call (:func:`gemv_moe_lora`), all on fp32 buffers zeroed by 
    once to the output dtype, with NaN rows for tokens whose ids leave [0, E) / [-1, L) (the kernels
    skip such pairs, never reading out of bounds).
 
-So a call is 3 launches without adapters (memset, 2 GEMVs, the sum; plus the ``argsort``) against stage
-``tuned``'s alignment + 5, and 5 with adapters. The shrinks are separate launches because each needs the
-complete K reduction of its input before any expand program reads it.
+So a call is 3 launches without adapters (memset, 2 GEMVs, the sum; plus the ``argsort`` when T > 1)
+against stage ``tuned``'s alignment + 5, and 5 with adapters. The shrinks are separate launches because
+each needs the complete K reduction of its input before any expand program reads it.
 
 Weights are bf16/fp16/fp32 ``[E, N, K]`` (nn.Linear layout, K contiguous) or packed MXFP4
 (:class:`~moelora_lib.quant.MXFP4Weight`: e2m1 codes two per byte, one e8m0 scale per 32 K values),
@@ -117,10 +117,14 @@ def _act(h_ptr, b_ptr, pair, expert, offs_j, I, stride_hm, stride_be, HAS_BIAS: 
 
 
 @triton.jit
-def _pair_of(order_ptr, ids_ptr, idx, E, top_k):
-    """(pair, expert, token, ok) of the idx-th pair in expert order; ok False for an expert id outside
-    [0, E) (the program then does nothing; the top-k sum gives the token a NaN row)."""
-    pair = tl.load(order_ptr + idx).to(tl.int64)
+def _pair_of(order_ptr, ids_ptr, idx, E, top_k, ORDERED: tl.constexpr):
+    """(pair, expert, token, ok) of the idx-th pair in expert order (ORDERED; else pair idx itself); ok
+    False for an expert id outside [0, E) (the program then does nothing; the top-k sum gives the token a
+    NaN row)."""
+    if ORDERED:
+        pair = tl.load(order_ptr + idx).to(tl.int64)
+    else:
+        pair = idx.to(tl.int64)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     return pair, expert, pair // top_k, (expert >= 0) & (expert < E)
 
@@ -272,11 +276,11 @@ def _gemv_gate_up_kernel(
     stride_im, stride_is, stride_bl, stride_be, stride_bs, stride_bn,
     BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr, SPLIT_K: tl.constexpr, MXFP4: tl.constexpr,
     HAS_LORA: tl.constexpr, BLOCK_SIZE_R: tl.constexpr, W_FP8: tl.constexpr = False, FP8_BN: tl.constexpr = 1,
-    FP8_BK: tl.constexpr = 1,
+    FP8_BK: tl.constexpr = 1, ORDERED: tl.constexpr = True,
 ):  # fmt: skip
     """h[p, n-tile] (+)= x[t]·W13[e, n-tile] over this program's K split (+ the expand on split 0)."""
     ks = tl.program_id(0) % SPLIT_K
-    pair, expert, row, ok = _pair_of(order_ptr, ids_ptr, tl.program_id(0) // SPLIT_K, E, top_k)
+    pair, expert, row, ok = _pair_of(order_ptr, ids_ptr, tl.program_id(0) // SPLIT_K, E, top_k, ORDERED)
     if ok:
         offs_n = tl.program_id(1) * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
         n_mask = offs_n < N
@@ -344,11 +348,11 @@ def _gemv_down_kernel(
     BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr, SPLIT_K: tl.constexpr, MXFP4: tl.constexpr,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, G_DTYPE: tl.constexpr, HAS_LORA: tl.constexpr,
     BLOCK_SIZE_R: tl.constexpr, W_FP8: tl.constexpr = False, FP8_BN: tl.constexpr = 1,
-    FP8_BK: tl.constexpr = 1,
+    FP8_BK: tl.constexpr = 1, ORDERED: tl.constexpr = True,
 ):  # fmt: skip
     """y[p, n-tile] (+)= w_p·(g·W2[e, n-tile] over this K split + on split 0: b2 + the expand)."""
     ks = tl.program_id(0) % SPLIT_K
-    pair, expert, tok, ok = _pair_of(order_ptr, ids_ptr, tl.program_id(0) // SPLIT_K, E, top_k)
+    pair, expert, tok, ok = _pair_of(order_ptr, ids_ptr, tl.program_id(0) // SPLIT_K, E, top_k, ORDERED)
     if ok:
         offs_n = tl.program_id(1) * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
         n_mask = offs_n < N
@@ -575,7 +579,10 @@ def gemv_moe_lora(
     o += P * S * R
     inter2 = buf[o : o + P * R].view(P, R)
     ids = topk_ids.reshape(-1)
-    order = torch.argsort(ids, stable=True)
+    # Expert order only matters when pairs of several tokens can share an expert (the second read of its
+    # weights then hits L2); one token's pairs are read in place, saving the sort's launches.
+    ordered = T > 1
+    order = torch.argsort(ids, stable=True) if ordered else ids
     tw = topk_weights.reshape(-1)
     g_dt = _TL[x.dtype]
     has_bias = b13 is not None
@@ -598,7 +605,7 @@ def gemv_moe_lora(
         2 * I, H, E, K, l13[3], l13[4], R,
         x.stride(0), w13a[2], w13a[3], w13a[4], w13a[5], h.stride(0), *l13[5:],
         BLOCK_SIZE_N=gu.BLOCK_SIZE_N, BLOCK_SIZE_K=gu.BLOCK_SIZE_K, SPLIT_K=gu.SPLIT_K, MXFP4=w13a[6],
-        HAS_LORA=ids13 is not None, BLOCK_SIZE_R=r_p, **w13a[7], num_warps=gu.NUM_WARPS,
+        HAS_LORA=ids13 is not None, BLOCK_SIZE_R=r_p, **w13a[7], ORDERED=ordered, num_warps=gu.NUM_WARPS,
     )  # fmt: skip
     if ids2 is not None:
         _gemv_shrink_kernel[(P, 1, sh2.SPLIT_K)](
@@ -619,7 +626,7 @@ def gemv_moe_lora(
         b2.stride(0) if has_bias else 0, y.stride(0), *l2[4:],
         BLOCK_SIZE_N=dn.BLOCK_SIZE_N, BLOCK_SIZE_K=dn.BLOCK_SIZE_K, SPLIT_K=dn.SPLIT_K, MXFP4=w2a[6],
         HAS_BIAS=has_bias, ACTIVATION=activation, G_DTYPE=g_dt, HAS_LORA=ids2 is not None,
-        BLOCK_SIZE_R=r_p, **w2a[7], num_warps=dn.NUM_WARPS,
+        BLOCK_SIZE_R=r_p, **w2a[7], ORDERED=ordered, num_warps=dn.NUM_WARPS,
     )  # fmt: skip
     return topk_reduce(y, topk_ids, E, lora_ids, L, check_ids=True, out=out, out_dtype=x.dtype)
 

@@ -1,10 +1,10 @@
 """Dense multi-LoRA measurements (notebook 10): the attention (qkv, o) and dense-MLP (gate_up, down)
 projections of :data:`MODELS`: seeded inputs, floors, timed parts, torch baselines, checks, vLLM's
 anchor figures and the targets table. For notebook 15 also block-FP8 base weights (:data:`WEIGHT_FORMATS`,
-:func:`fp8_weight`, :func:`build_module`'s ``weight`` and ``fp8_mode``): the :class:`LoRALinear` forward
-timed base-only and with adapters (:func:`bench_module`), checked against the reference on the dequantized
-weight (:func:`check_fp8_projection`), with 1-byte weights in the bytes floor and the FP8 rate in the FLOP
-floor (:func:`part_costs`' ``weight_bytes`` / ``base_tflops``).
+:func:`fp8_weight`, :func:`build_module`'s ``weight`` and ``activation_scheme``): the :class:`LoRALinear`
+forward timed base-only and with adapters (:func:`bench_module`), checked against the reference on the
+dequantized weight (:func:`check_fp8_projection`), with 1-byte weights in the bytes floor and the FP8 rate
+in the FLOP floor (:func:`part_costs`' ``weight_bytes`` / ``base_tflops``).
 
 Timing: :func:`.bench.time_fn` (CUDA-graph replay, do_bench median, L2 flushed; docs/anchors-h200.md).
 The LoRA part's alignment and the baselines' index lists are built before timing ("total" includes the
@@ -46,9 +46,10 @@ TINY_MODELS: dict[str, DenseModel] = {m: DENSE_PRESETS[m] for m in DENSE_CPU_MOD
 #: Formats of a projection's base weight: "dense" (the activations' dtype) or "fp8" (block FP8,
 #: :class:`~moelora_lib.quant.FP8BlockWeight`, as the Qwen3 FP8 checkpoints publish it).
 WEIGHT_FORMATS = ("dense", "fp8")
-#: :class:`LoRALinear`'s ``fp8_mode`` values with an FP8 weight: "auto" (its choice per T), "weight_only"
-#: (e4m3 tiles scaled to the activations' dtype), "dynamic" (W8A8: per-token, per-group FP8 activations).
-FP8_MODES = ("auto", "weight_only", "dynamic")
+#: :class:`LoRALinear`'s ``activation_scheme`` values with an FP8 weight: "auto" (its choice per T),
+#: "weight_only" (e4m3 tiles scaled to the activations' dtype), "dynamic" (W8A8: per-token, per-group FP8
+#: activations).
+ACTIVATION_SCHEMES = ("auto", "weight_only", "dynamic")
 #: The relative error W8A8 may add against the weight-only result: each activation element rounded to e4m3
 #: (within 2^-4 relative) before the GEMM; as for the MoE layer (moe_bench.W8A8_REL_TOL) the checks allow
 #: 2^-3 of the output's scale (random rounding errors make it ~2^-4/√3 in practice).
@@ -87,12 +88,12 @@ def weight_format(module: LoRALinear) -> str:
     return getattr(module, "weight_format", "dense")
 
 
-def fp8_form(module: LoRALinear, T: int) -> str:
-    """The form of a LoRALinear's base GEMM at T tokens: "dynamic" (W8A8) or "weight_only" for an FP8
-    weight (``fp8_launch_for(T)``), "dense" for a dense one."""
-    if weight_format(module) != "fp8":
-        return "dense"
-    return module.fp8_launch_for(T)[0]
+def module_scheme(module: LoRALinear, T: int) -> str:
+    """The activation scheme of a LoRALinear's base GEMM at T tokens: its ``activation_scheme_for(T)``
+    ("dynamic" = W8A8, or "weight_only"; a dense weight runs "weight_only"), "weight_only" where it has
+    none."""
+    fn = getattr(module, "activation_scheme_for", None)
+    return fn(T) if fn is not None else "weight_only"
 
 
 def projections(model: str | DenseModel) -> list[DenseProjection]:
@@ -335,25 +336,27 @@ _BASELINE_CLASSES = {"torch_loop": TorchLoop, "torch_gbmm": TorchGatherBmm}
 
 
 def build_module(inp: ProjectionInputs, stage: str = "tuned", *, max_tokens: int | None = None,
-                 weight: FP8BlockWeight | None = None, fp8_mode: str = "auto") -> LoRALinear:  # fmt: skip
+                 weight: FP8BlockWeight | None = None,
+                 activation_scheme: str = "auto") -> LoRALinear:  # fmt: skip
     """A :class:`LoRALinear` of ``stage`` on ``inp``'s weight (shared) with its L adapters loaded
     (scaling 1: already folded in B); ``max_tokens`` defaults to inp.max_tokens. ``weight``: a block-FP8
-    weight of the same shape in place of ``inp.weight`` (:func:`fp8_weight`), run in ``fp8_mode``
-    (:data:`FP8_MODES`; NotImplementedError where LoRALinear takes no FP8 weight, ValueError for another
-    mode or a mode other than "auto" with the dense weight)."""
+    weight of the same shape in place of ``inp.weight`` (:func:`fp8_weight`), run with
+    ``activation_scheme`` (:data:`ACTIVATION_SCHEMES`; NotImplementedError where LoRALinear takes no FP8
+    weight, ValueError for another value or a scheme other than "auto" with the dense weight)."""
     p, S = inp.proj, len(inp.proj.slices)
-    if fp8_mode not in FP8_MODES:
-        raise ValueError(f"fp8_mode must be one of {FP8_MODES}, got {fp8_mode!r}")
+    if activation_scheme not in ACTIVATION_SCHEMES:
+        raise ValueError(f"activation_scheme must be one of {ACTIVATION_SCHEMES}, got {activation_scheme!r}")
     kw = dict(num_adapters=inp.L, max_rank=inp.R, max_tokens=max_tokens or inp.max_tokens, stage=stage)
     if weight is None:
-        if fp8_mode != "auto":
-            raise ValueError(f"fp8_mode={fp8_mode!r} needs an FP8 weight")
+        if activation_scheme != "auto":
+            raise ValueError(f"activation_scheme={activation_scheme!r} needs an FP8 weight")
         m = LoRALinear(inp.weight, slices=p.slices, **kw)
     else:
         _need_fp8()
         if not isinstance(weight, FP8BlockWeight) or weight.shape != tuple(inp.weight.shape):
             raise ValueError(f"weight must be an FP8BlockWeight of shape {list(inp.weight.shape)}")
-        m = LoRALinear(weight, slices=p.slices, dtype=inp.dtype, fp8_mode=fp8_mode, **kw)
+        kw |= dict(dtype=inp.dtype, activation_scheme=activation_scheme)
+        m = LoRALinear(weight, slices=p.slices, **kw)
     o = [sum(p.slices[:s]) for s in range(S + 1)]
     for a in range(inp.L):
         bs = [inp.lora_b[a, o[s] : o[s + 1]] for s in range(S)]
@@ -374,10 +377,10 @@ def _fields(inp: ProjectionInputs, T: int, pattern: str) -> dict[str, Any]:
 
 
 def _timing(fn, device, mode: str, warmup_ms: float, rep_ms: float, min_reps=None) -> dict[str, Any]:
-    """Run ``fn`` once untimed (compilation), then time it: mode, ms_p50/p20/p80, us_p50 (on the CPU
-    mode "cpu-interpreter")."""
-    fn()
+    """Run ``fn`` once untimed (compilation), then time it: mode, ms_p50/p20/p80, us_p50 (on the CPU mode
+    "cpu-interpreter", one timed call: the interpreter compiles nothing)."""
     if torch.device(device).type == "cuda":
+        fn()
         torch.cuda.synchronize()
     m = "cpu-interpreter" if torch.device(device).type == "cpu" else mode
     tm = bench.time_fn(fn, m, device, warmup_ms, rep_ms, min_reps=min_reps)
@@ -476,9 +479,9 @@ def bench_module(module: LoRALinear, inp: ProjectionInputs, T: int, *, parts: Se
     """Time a :class:`LoRALinear` forward at T tokens of ``inp`` (its x[:T] and the adapter ids of
     ``pattern``), one row per part: "base" (``active_slots`` empty: the base GEMM alone — ``F.linear``
     for a dense weight, the FP8 GEMM (and, W8A8, the activation quantization) for an FP8 one) and "total"
-    (with the adapters). Rows: the point's fields, impl "module", stage, part, weight_format, fp8_form
-    (:func:`fp8_form` at T), config, mode, ms_p50/p20/p80, us_p50, flops, bytes, floor_us,
-    bytes_floor_us, flops_floor_us, bound (:func:`part_costs`; FP8: its bytes per weight and the FP8
+    (with the adapters). Rows: the point's fields, impl "module", stage, part, weight_format,
+    activation_scheme (:func:`module_scheme` at T), config, mode, ms_p50/p20/p80, us_p50, flops, bytes,
+    floor_us, bytes_floor_us, flops_floor_us, bound (:func:`part_costs`; FP8: its bytes per weight and the FP8
     FLOP rate), warmup_ms, rep_ms, min_reps and the environment columns. ValueError for another part."""
     bad = sorted(set(parts) - set(MODULE_PARTS))
     if bad:
@@ -488,7 +491,7 @@ def bench_module(module: LoRALinear, inp: ProjectionInputs, T: int, *, parts: Se
     costs = _module_costs(module, inp, T, ids)
     timing = dict(mode=mode, warmup_ms=warmup_ms, rep_ms=rep_ms, min_reps=min_reps)
     saved, rows = module.active_slots, []
-    fields = dict(weight_format=weight_format(module), fp8_form=fp8_form(module, T))
+    fields = dict(weight_format=weight_format(module), activation_scheme=module_scheme(module, T))
     try:
         for part in parts:
             module.active_slots = frozenset() if part == "base" else saved
@@ -499,24 +502,24 @@ def bench_module(module: LoRALinear, inp: ProjectionInputs, T: int, *, parts: Se
     return rows
 
 
-def check_fp8_projection(inp: ProjectionInputs, T: int, weight: FP8BlockWeight, *, fp8_mode: str = "auto",
-                         stage: str = "tuned", pattern: str = "mixed", module: LoRALinear | None = None,
-                         dense_module: LoRALinear | None = None,
+def check_fp8_projection(inp: ProjectionInputs, T: int, weight: FP8BlockWeight, *,
+                         activation_scheme: str = "auto", stage: str = "tuned", pattern: str = "mixed",
+                         module: LoRALinear | None = None, dense_module: LoRALinear | None = None,
                          ref_dtype: torch.dtype | None = None) -> dict[str, Any]:  # fmt: skip
-    """The :class:`LoRALinear` forward on the FP8 ``weight`` (``module``, or built in ``fp8_mode``) at T
-    tokens against ``lora_linear_reference`` on the exactly dequantized weight (``ref_dtype``: float64 on
-    the CPU, float32 on a GPU; unquantized activations) and against the same stage's LoRALinear on the
-    dequantized weight in the activations' dtype (``dense_module``, or built). One row: the point's fields,
-    impl "module", stage, part "total", weight_format "fp8", fp8_form (the form that ran), rel_err,
-    rel_err_vs_dense, tol (the dtype's, or W8A8's :data:`W8A8_REL_TOL` for a W8A8 run), delta_rel (the
-    LoRA was added), no_adapter_rows, no_adapter_bitwise (those rows equal the module's base-only output
-    bit for bit)."""
+    """The :class:`LoRALinear` forward on the FP8 ``weight`` (``module``, or built with
+    ``activation_scheme``) at T tokens against ``lora_linear_reference`` on the exactly dequantized weight
+    (``ref_dtype``: float64 on the CPU, float32 on a GPU; unquantized activations) and against the same
+    stage's LoRALinear on the dequantized weight in the activations' dtype (``dense_module``, or built).
+    One row: the point's fields, impl "module", stage, part "total", weight_format "fp8",
+    activation_scheme (the one that ran), rel_err, rel_err_vs_dense, tol (the dtype's, or W8A8's
+    :data:`W8A8_REL_TOL` for a W8A8 run), delta_rel (the LoRA was added), no_adapter_rows,
+    no_adapter_bitwise (those rows equal the module's base-only output bit for bit)."""
     ids, x = inp.lora_ids(T, pattern), inp.x_for(T)
     if ref_dtype is None:
         ref_dtype = torch.float64 if inp.device.type == "cpu" else torch.float32
     deq = dequantized(inp, weight)
     if module is None:
-        module = build_module(inp, stage, max_tokens=T, weight=weight, fp8_mode=fp8_mode)
+        module = build_module(inp, stage, max_tokens=T, weight=weight, activation_scheme=activation_scheme)
     mod = module
     dmod = dense_module if dense_module is not None else build_module(deq, stage, max_tokens=T)
     w = weight.dequantize(torch.float32).to(ref_dtype)  # exact
@@ -533,9 +536,9 @@ def check_fp8_projection(inp: ProjectionInputs, T: int, weight: FP8BlockWeight, 
         mod.active_slots = saved
     none = ids < 0
     n_none = int(none.sum())
-    form = fp8_form(mod, T)
+    form = module_scheme(mod, T)
     tol = TOLERANCES[inp.dtype]
-    r = dict(impl="module", stage=mod.stage.name, part="total", weight_format="fp8", fp8_form=form)
+    r = dict(impl="module", stage=mod.stage.name, part="total", weight_format="fp8", activation_scheme=form)
     r |= dict(check="vs_reference", rel_err=_rel_err(out, ref), rel_err_vs_dense=_rel_err(out, dmod(x, ids)))
     r |= dict(tol=max(tol, W8A8_REL_TOL) if form == "dynamic" else tol, delta_rel=delta_rel)
     r |= dict(no_adapter_rows=n_none, no_adapter_bitwise=bool(torch.equal(out[none], base[none])))

@@ -4,7 +4,7 @@ transformers + PEFT, the bytes/FLOPs floors and the targets; for notebook 14 als
 (:func:`build_model`'s ``experts``) and their memory (:func:`model_memory`, :func:`memory_estimate_gb`); for
 notebook 15 models with block-FP8 experts and dense projections (``experts`` / ``projections`` "fp8",
 :func:`fp8_formats`), their exactly dequantized twins (``dequantize``) and the logit error between the two
-(:func:`model_logits`, :func:`logit_error`).
+(:func:`model_logits`, :func:`logit_error`, :func:`schemes_at`).
 TTFT = call start -> the request's first token on the host; OTPS per request = (tokens − 1) / (last token −
 first token); aggregate OTPS = all output tokens / the whole call. Greedy, no eos."""
 
@@ -87,9 +87,19 @@ def config_dict(name: str) -> dict:
     raise ValueError(f"unknown model {name!r}; known: {known} and {list(_TINY_OF)}")
 
 
-def model_config(name: str) -> ModelConfig:
-    """:class:`~moelora_lib.model.ModelConfig` of :func:`config_dict`."""
-    return ModelConfig.from_hf(config_dict(name))
+def model_config(name: str, *, num_layers: int | None = None) -> ModelConfig:
+    """:class:`~moelora_lib.model.ModelConfig` of :func:`config_dict`; ``num_layers``: only the first that
+    many decoder layers (a shallower stand-in, e.g. for the CPU profile; None = all). ValueError unless
+    1 ≤ num_layers ≤ the model's."""
+    d = config_dict(name)
+    if num_layers is not None:
+        n = d["num_hidden_layers"]
+        if not (isinstance(num_layers, int) and 1 <= num_layers <= n):
+            raise ValueError(f"num_layers must be an int in [1, {n}] for {name!r}, got {num_layers!r}")
+        d["num_hidden_layers"] = num_layers
+        if "layer_types" in d:
+            d["layer_types"] = d["layer_types"][:num_layers]
+    return ModelConfig.from_hf(d)
 
 
 #: Formats of a built model's expert weights: "dense" (the model's dtype), "mxfp4" (packed, as GPT-OSS is
@@ -165,7 +175,8 @@ def fp8_formats(name: str) -> dict[str, str]:
 
 def build_model(name: str, *, stage: str = "auto", seed: int = 0, experts: str = "dense",
                 projections: str = "dense", fp8_block: tuple[int, int] = FP8_BLOCK, dequantize: bool = False,
-                fp8_mode: str | None = None, **sizes) -> MultiLoRAModel:  # fmt: skip
+                activation_scheme: str | None = None, num_layers: int | None = None,
+                **sizes) -> MultiLoRAModel:  # fmt: skip
     """A random-weight MultiLoRAModel of ``name``, no adapter loaded. ``stage``: the model's ("auto", the
     default, or a name of ``STAGES``). ``experts`` (:data:`EXPERT_FORMATS`): "dense" (default), "mxfp4" or
     "fp8" (MoE models: the same random expert weights quantized and kept packed); ``projections``
@@ -173,8 +184,9 @@ def build_model(name: str, *, stage: str = "auto", seed: int = 0, experts: str =
     random weights quantized to block FP8 and kept in FP8); ``fp8_block``: the FP8 scale blocks (the
     published (128, 128) by default); :func:`packed_weights`. The rest (embeddings, norms, router,
     lm_head) in the model's dtype. ``dequantize``: the packed weights' exact values in the model's dtype
-    instead (the dense twin of the packed model, for its error). ``fp8_mode``: the model's (its FP8
-    projections' base GEMM form; None = the model's default). ``sizes``: ``random_model``'s dtype,
+    instead (the dense twin of the packed model, for its error). ``activation_scheme``: the model's (its
+    FP8 projections' W8A8 choice; None = the model's default). ``num_layers``: :func:`model_config`'s (the
+    first that many decoder layers; None = all). ``sizes``: ``random_model``'s dtype,
     device, max_batch, max_seq, max_tokens, num_adapters (default 8), max_rank (default 32). Raises
     ValueError for an unknown format or packed experts on a dense model; the model raises
     NotImplementedError for FP8 projections where its LoRALinear has no FP8 GEMM."""
@@ -183,13 +195,13 @@ def build_model(name: str, *, stage: str = "auto", seed: int = 0, experts: str =
         raise ValueError(f"experts must be one of {EXPERT_FORMATS}, got {experts!r}")
     if projections not in PROJECTION_FORMATS:
         raise ValueError(f"projections must be one of {PROJECTION_FORMATS}, got {projections!r}")
-    config = model_config(name)
+    config = model_config(name, num_layers=num_layers)
     if experts != "dense" and not config.is_moe:
         raise ValueError(f"experts={experts!r}: {name!r} has no MoE experts")
     if experts == "dense" and projections == "dense":
         return random_model(config, seed=seed, stage=stage, **sizes)
-    if fp8_mode is not None:
-        sizes["fp8_mode"] = fp8_mode
+    if activation_scheme is not None:
+        sizes["activation_scheme"] = activation_scheme
     src = packed_weights(random_weights(seed), experts=experts, projections=projections, fp8_block=fp8_block,
                          dequantize=dequantize)  # fmt: skip
     return MultiLoRAModel(config, stage=stage, weights=src, **sizes)
@@ -225,23 +237,23 @@ def model_memory(model: MultiLoRAModel) -> dict[str, float]:
 
 def memory_estimate_gb(name: str, *, experts: str = "dense", projections: str = "dense",
                        num_adapters: int = 8, max_rank: int = 32, max_batch: int = 1, max_seq: int = 2048,
-                       max_tokens: int = 8192, dtype_bytes: int = 2,
-                       fp8_block: tuple[int, int] = FP8_BLOCK) -> dict[str, float]:  # fmt: skip
+                       max_tokens: int = 8192, dtype_bytes: int = 2, fp8_block: tuple[int, int] = FP8_BLOCK,
+                       num_layers: int | None = None) -> dict[str, float]:  # fmt: skip
     """What :func:`build_model` of ``name`` will hold, in GB, before building it: expert_weight_gb (MoE
     experts at 4.25 bits per weight for "mxfp4", 1 byte plus a float32 scale per ``fp8_block`` for "fp8",
     else ``dtype_bytes``; expert biases), other_weight_gb (embeddings, lm_head, attention and dense-MLP
     projections, router), of which projection_weight_gb (the projections, FP8 for ``projections`` "fp8"),
     adapter_slot_gb (the L rank-R slots of every LoRA module: the MoE layers hold one A and B per
     expert), kv_gb (max_batch × max_seq positions per layer), scratch_gb (the MoE layer's shared buffers at
-    max_tokens·top_k pairs), total_gb. Sizes as :func:`build_model`'s; whole scale blocks (a ragged edge
-    block's scale is not counted)."""
+    max_tokens·top_k pairs), total_gb. Sizes and ``num_layers`` as :func:`build_model`'s; whole scale blocks
+    (a ragged edge block's scale is not counted)."""
     from .moe_bench import MXFP4_BYTES_PER_WEIGHT, fp8_bytes_per_weight
 
     if experts not in EXPERT_FORMATS:
         raise ValueError(f"experts must be one of {EXPERT_FORMATS}, got {experts!r}")
     if projections not in PROJECTION_FORMATS:
         raise ValueError(f"projections must be one of {PROJECTION_FORMATS}, got {projections!r}")
-    c = model_config(name)
+    c = model_config(name, num_layers=num_layers)
     b, H, Lyr, L, R = dtype_bytes, c.hidden_size, c.num_hidden_layers, num_adapters, max_rank
     fp8_b = fp8_bytes_per_weight(fp8_block)
     pb = fp8_b if projections == "fp8" else b
@@ -299,17 +311,17 @@ def logit_error(logits: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
                 kl_mean=float(kl.mean()), kl_max=float(kl.max()), positions=int(ref.shape[0]))  # fmt: skip
 
 
-def forms_at(model: MultiLoRAModel, T: int) -> dict[str, str]:
-    """The forms a forward of T tokens runs in ``model``'s first layer: expert_scheme (the MoE layer's
-    activation scheme, "dynamic" = W8A8 or "weight_only"; "none" on a dense model) and projection_form
-    (the q|k|v projection's base GEMM: "dense", "weight_only" or "dynamic")."""
-    from .dense_bench import fp8_form
+def schemes_at(model: MultiLoRAModel, T: int) -> dict[str, str]:
+    """The activation schemes a forward of T tokens runs in ``model``'s first layer ("dynamic" = W8A8, or
+    "weight_only"; dense weights run "weight_only"): expert_scheme (the MoE layer's; "none" on a dense
+    model) and projection_scheme (the q|k|v projection's base GEMM)."""
+    from .dense_bench import module_scheme as linear_scheme
     from .moe_bench import module_scheme
 
     layer = model.layers[0]
     experts = getattr(layer.mlp, "experts", None)
     scheme = "none" if experts is None else module_scheme(experts, T)
-    return dict(expert_scheme=scheme, projection_form=fp8_form(layer.self_attn.qkv_proj, T))
+    return dict(expert_scheme=scheme, projection_scheme=linear_scheme(layer.self_attn.qkv_proj, T))
 
 
 #: The CSVs of notebook 11 (``data/11_<name>.csv``) and the function whose rows each holds.

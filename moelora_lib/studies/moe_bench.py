@@ -643,8 +643,9 @@ def bench_module(layer, inp: MoELoRAInputs, shape: MoEShape | str, *, parts: Seq
         for part in parts:
             layer.active_slots = frozenset() if part == "base" else saved
             fn = functools.partial(layer, x, logits, lora_ids=ids)
-            fn()  # compiled (and the scratch allocated) outside the timed region
-            _sync(device)
+            if device.type != "cpu":  # the interpreter compiles nothing: one call, timed, on the CPU
+                fn()  # compiled (and the scratch allocated) outside the timed region
+                _sync(device)
             tm = bench.time_fn(fn, mode, device, warmup_ms, rep_ms, min_reps=min_reps)
             flops, nbytes = _part_cost(costs, part)
             cfg = layer.config_for(T)

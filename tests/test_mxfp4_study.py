@@ -53,7 +53,7 @@ def test_weight_formats_convert_both_ways(weights):
     assert back.w13.dtype == torch.float32 and torch.equal(back.w13, mx.w13.dequantize(torch.float32))
     assert torch.equal(back.w2, mx.w2.dequantize(torch.float32))
     with pytest.raises(ValueError, match="weight_format must be one of"):
-        mb.with_weight_format(dense, "fp8")
+        mb.with_weight_format(dense, "int4")
     # layer_inputs with reused MXFP4 weights: the activations take the adapters' dtype and device
     inp = mb.layer_inputs("tiny-oss", 5, weights=mx, **KW)
     assert (
@@ -162,7 +162,7 @@ def test_build_model_with_mxfp4_experts_and_its_memory():
         assert est["other_weight_gb"] == pytest.approx(mem[f]["other_weight_gb"], rel=1e-3)
         assert est["adapter_slot_gb"] + est["kv_gb"] == pytest.approx(mem[f]["buffer_gb"], rel=1e-2)
     with pytest.raises(ValueError, match="experts must be one of"):
-        e2e.build_model("tiny-gpt-oss", experts="fp8", **kw)
+        e2e.build_model("tiny-gpt-oss", experts="int4", **kw)
     with pytest.raises(ValueError, match="has no MoE experts"):
         e2e.build_model("tiny-qwen3", experts="mxfp4", **kw)
 

@@ -1,4 +1,4 @@
-"""Papermill smoke test: notebooks 01, 12, 13 and 14 execute end to end on the cpu profile (Triton
+"""Papermill smoke test: notebooks 01, 12, 13, 14 and 15 execute end to end on the cpu profile (Triton
 interpreter); notebook 00 runs in tests/test_explorer.py.
 
 Each notebook's asserts (reference checks, naive kernel vs the fp32 reference) run inside it, so a
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 
 
-@pytest.mark.parametrize("stage", ["01", "12", "13", "14"])
+@pytest.mark.parametrize("stage", ["01", "12", "13", "14", "15"])
 def test_notebook_runs_on_cpu_profile(stage, tmp_path):
     results = run_notebooks(ROOT / "notebooks", tmp_path, "cpu", only=[stage], progress_bar=False)
     assert [r.status for r in results] == ["ok"]

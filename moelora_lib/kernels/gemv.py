@@ -30,9 +30,10 @@ each needs the complete K reduction of its input before any expand program reads
 
 Weights are bf16/fp16/fp32 ``[E, N, K]`` (nn.Linear layout, K contiguous) or packed MXFP4
 (:class:`~moelora_lib.quant.MXFP4Weight`: e2m1 codes two per byte, one e8m0 scale per 32 K values),
-unpacked in registers: sign, exponent and mantissa bits of each nibble build the fp32 value and the
-scale byte becomes the fp32 exponent of its power of two (scale bytes 1–254 are exact; byte 0 reads as
-0 and byte 255, NaN in e8m0, as +inf times the value); or block-scaled FP8
+unpacked in registers: each nibble's bits placed in an fp16 pattern give its value times 2^-14, and
+each group of 32 products is summed before one multiply by 2^14 and the group's e8m0 scale (exact:
+powers of two; every scale byte 0–254, byte 0 being the subnormal 2^-127; byte 255, NaN in e8m0, makes
+the group's sum ±inf or NaN); or block-scaled FP8
 (:class:`~moelora_lib.quant.FP8BlockWeight`: e4m3 codes [E, N, K], one scale per bn x bk block, any
 block and BLOCK_SIZE_K), each element's code times its block's scale in fp32, rounded once to the
 activations' dtype.
@@ -62,33 +63,29 @@ _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl
 
 
 @triton.jit
-def _e2m1_to_f32(code):
-    """fp32 value of e2m1 codes (int32 0..15): sign bit 3, exponent bits 1–2, mantissa bit 0."""
-    s = (code >> 3) & 1
-    e = (code >> 1) & 3
-    m = code & 1
-    normal = (s << 31) | ((e + 126) << 23) | (m << 22)  # (1 + m/2)·2^(e-1)
-    sub = (s << 31) | (m * (126 << 23))  # e = 0: 0 or 0.5
-    return tl.where(e > 0, normal, sub).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _mx_tile(w_ptr, s_ptr, expert, offs_n, n_mask, t, K, stride_we, stride_wn, stride_se, stride_sn,
              BLOCK_SIZE_K: tl.constexpr):  # fmt: skip
-    """(lo, hi) fp32 [BN, BK/32, 16]: W[e, n, k] at k = t·BK + 32b + 2i (lo) and k + 1 (hi)."""
+    """(lo, hi, sf) of K tile t of packed MXFP4 W[e]: lo/hi fp32 [BN, BK/32, 16] = e2m1(code)·2^-14 at
+    k = t·BK + 32b + 2i (low nibble) and k + 1 (high nibble); sf fp32 [BN, BK/32] = 2^(byte − 127), the
+    e8m0 scale of each 32 values (byte 0: the subnormal 2^-127; byte 255: +inf).
+
+    A code's bits placed in an fp16 pattern (sign at bit 15, exponent and mantissa at bits 9–11) read as
+    e2m1(code)·2^-14 exactly (exponent 0 becomes an fp16 subnormal: 0 or 0.5·2^-14): a few integer ops
+    and one conversion per value. The caller multiplies each group's partial sum by 2^14 and sf, which
+    is exact (powers of two) and saves the per-value multiplies."""
     offs_b = tl.arange(0, BLOCK_SIZE_K // 32)
     offs_i = tl.arange(0, 16)
     blk = t * (BLOCK_SIZE_K // 32) + offs_b
     b_mask = n_mask[:, None] & (blk < K // 32)[None, :]
     sc = tl.load(
         s_ptr + expert * stride_se + offs_n[:, None] * stride_sn + blk[None, :], mask=b_mask, other=0
-    )
-    scale = (sc.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    ).to(tl.int32)
+    sf = tl.where(sc == 0, 0x00400000, sc << 23).to(tl.float32, bitcast=True)
     byte_ptrs = w_ptr + expert * stride_we + offs_n[:, None, None] * stride_wn + (blk * 16)[None, :, None]
-    b = tl.load(byte_ptrs + offs_i[None, None, :], mask=b_mask[:, :, None], other=0).to(tl.int32)
-    lo = _e2m1_to_f32(b & 15) * scale[:, :, None]
-    hi = _e2m1_to_f32(b >> 4) * scale[:, :, None]
-    return lo, hi
+    b = tl.load(byte_ptrs + offs_i[None, None, :], mask=b_mask[:, :, None], other=0).to(tl.uint16)
+    lo = (((b & 8) << 12) | ((b & 7) << 9)).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (((b & 128) << 8) | ((b & 112) << 5)).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi, sf
 
 
 @triton.jit
@@ -200,8 +197,8 @@ def _gemv_k_loop(
         offs_b = tl.arange(0, BLOCK_SIZE_K // 32)
         offs_i = tl.arange(0, 16)
         for t in range(ks * per, tl.minimum(ks * per + per, n_tiles)):
-            lo, hi = _mx_tile(w_ptr, s_ptr, expert, offs_n, n_mask, t, K, stride_we, stride_wn, stride_se,
-                              stride_sn, BLOCK_SIZE_K)  # fmt: skip
+            lo, hi, sf = _mx_tile(w_ptr, s_ptr, expert, offs_n, n_mask, t, K, stride_we, stride_wn, stride_se,
+                                  stride_sn, BLOCK_SIZE_K)  # fmt: skip
             kx = t * BLOCK_SIZE_K + (offs_b * 32)[:, None] + (2 * offs_i)[None, :]
             ve = _input(
                 in_ptr,
@@ -233,7 +230,8 @@ def _gemv_k_loop(
                 ACTIVATION,
                 G_DTYPE,
             )
-            acc += tl.sum(tl.sum(lo * ve[None, :, :] + hi * vo[None, :, :], axis=2), axis=1)
+            part = tl.sum(lo * ve[None, :, :] + hi * vo[None, :, :], axis=2)  # [BN, BK/32], ·2^-14
+            acc += tl.sum((part * 16384.0) * sf, axis=1)
     else:
         offs_k = tl.arange(0, BLOCK_SIZE_K)
         w_rows = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn

@@ -29,6 +29,8 @@ largest 448, subnormals m · 2^-9). vLLM's ``per_token_group_quant_fp8`` compute
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -36,7 +38,7 @@ import triton.language as tl
 from ..common import describe as _desc
 from ..common import is_int
 
-__all__ = ["quantize_fp8_act", "fp8_act_scale_shape", "FP8_ACT_GROUP"]
+__all__ = ["quantize_fp8_act", "fp8_act_scale_shape", "FP8Activations", "FP8_ACT_GROUP"]
 
 #: The default group: 128 columns share one scale (the published checkpoints' weight_block_size[1]).
 FP8_ACT_GROUP = 128
@@ -199,3 +201,43 @@ def quantize_fp8_act(
         num_warps=4,
     )
     return q, scale
+
+
+@dataclass(frozen=True)
+class FP8Activations:
+    """Activations quantized by :func:`quantize_fp8_act`, as the W8A8 base GEMMs take their A operand:
+    ``q`` float8_e4m3fn [rows, K], ``scale`` float32 [rows, ceil(K/group_size)] (row r, columns
+    j·g … j·g + g − 1 of q times scale[r, j]), ``group_size`` g. No checks here: the launchers check
+    what the kernels need (:func:`moelora_lib.kernels.launchers.act_operand`)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    group_size: int = FP8_ACT_GROUP
+
+    @classmethod
+    def quantize(
+        cls,
+        x: torch.Tensor,
+        group_size: int = FP8_ACT_GROUP,
+        *,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> FP8Activations:
+        """:func:`quantize_fp8_act` of ``x`` [rows, K] (one launch), as an :class:`FP8Activations`."""
+        return cls(*quantize_fp8_act(x, group_size, out=out), group_size)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """(rows, K), the shape of ``q``."""
+        return tuple(self.q.shape)
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    def dequantize(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """[rows, K]: float(q)·scale per element, computed in float64 (exact: an e4m3 value has 4
+        significant bits, a float32 scale 24) and cast once to ``dtype`` — the values the W8A8 GEMMs
+        multiply."""
+        K = self.q.shape[1]
+        s = self.scale.double().repeat_interleave(self.group_size, dim=1)[:, :K]
+        return (self.q.double() * s).to(dtype)

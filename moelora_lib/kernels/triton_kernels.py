@@ -53,8 +53,9 @@ Features switched by the stages:
   the fp32 accumulator (:func:`_fp8_dot_scaled`): the partial sums BLOCK_SIZE_K products (at most the
   128 columns of the published checkpoints' scale blocks) before it is promoted to the fp32
   accumulator, the promotion interval DeepSeek-V3 gives for Hopper's limited-precision FP8
-  accumulation (Triton lets an sm_90 FP8 dot accumulate imprecisely over its whole K). BLOCK_SIZE_K must be at least 32 (an FP8 dot's K) and divide act_group and fp8_bk (one scale
-  column of each per K step; the launchers check it). On sm_90 the FP8 dot is a wgmma on e4m3 operands
+  accumulation (Triton lets an sm_90 FP8 dot accumulate imprecisely over its whole K). BLOCK_SIZE_K
+  must be at least 32 (an FP8 dot's K) and divide act_group and fp8_bk (one scale column of each per K
+  step; the launchers check it). On sm_90 the FP8 dot is a wgmma on e4m3 operands
   when BLOCK_SIZE_M ≥ 64 (a warpgroup's rows); a smaller tile makes Triton widen both operands to fp16
   (exact) for mma.sync — the same numbers at the 16-bit rate, one reason W8A8 is for prefill sizes.
   vLLM's ``fused_moe_kernel`` with ``use_fp8_w8a8`` and a block shape does the same per-step scaling. The

@@ -65,7 +65,12 @@ from .kernels.align_small import (
 from .kernels.gemv import GEMV_MAX_PAIRS, gemv_moe_lora, gemv_scratch_numel
 from .kernels.launchers import rank_stride
 from .kernels.route import route_triton
-from .kernels.stages import packed_config
+from .kernels.stages import (
+    W8A8_MIN_TOKENS,
+    check_activation_scheme,
+    packed_config,
+    resolve_activation_scheme,
+)
 from .moe_lora import _check_cpu_backend, _dense_views, _desc, validate_moe_lora_inputs
 from .quant.fp8 import FP8BlockWeight
 from .quant.mxfp4 import MXFP4Weight
@@ -80,13 +85,11 @@ class _Scratch(Scratch):
     """The per-call buffers of layers of one set of sizes: flat tensors for max_tokens·top_k pairs and
     the alignment workspaces (one per role and BLOCK_SIZE_M, allocated by the first call needing it)."""
 
-    def __init__(self, dt, dev, max_tokens, E, H, I, K, L, R, S, fused_add):
+    def __init__(self, dt, dev, max_tokens, E, H, I, K, L, R, S, fused_add, fp8_groups=None):
         super().__init__()
         P = max_tokens * K
-        self.bufs = {
-            name: torch.zeros(n, dtype=bdt, device=dev)
-            for name, (n, bdt) in _scratch_sizes(dt, max_tokens, H, I, K, R, S, fused_add).items()
-        }
+        sizes = _scratch_sizes(dt, max_tokens, H, I, K, R, S, fused_add, fp8_groups)
+        self.bufs = {name: torch.zeros(n, dtype=bdt, device=dev) for name, (n, bdt) in sizes.items()}
         self.max_num_pairs, self.E, self.device = P, E, dev
 
     def workspace(self, role: str, block_size_m: int, num_adapters: int) -> AlignWorkspace:
@@ -116,8 +119,13 @@ class _Scratch(Scratch):
 SPLIT_DOWN_MAX_TOKENS = 64
 
 
-def _scratch_sizes(dt, max_tokens, H, I, K, R, S, fused_add) -> dict[str, tuple[int, torch.dtype]]:
-    """name -> (elements, dtype) of the flat scratch buffers of :class:`_Scratch` (P = max_tokens·K pairs)."""
+def _scratch_sizes(
+    dt, max_tokens, H, I, K, R, S, fused_add, fp8_groups=None
+) -> dict[str, tuple[int, torch.dtype]]:
+    """name -> (elements, dtype) of the flat scratch buffers of :class:`_Scratch` (P = max_tokens·K pairs).
+    ``fp8_groups = (g13, g2)``: a layer that may run W8A8 also holds the quantized activations (``xq``,
+    ``xs`` of hidden_states in groups of g13 columns; ``gq``, ``gs`` of the activation output in groups
+    of g2)."""
     P = max_tokens * K
     f32 = torch.float32
     sizes = dict(
@@ -134,6 +142,15 @@ def _scratch_sizes(dt, max_tokens, H, I, K, R, S, fused_add) -> dict[str, tuple[
     if not fused_add:  # stages that store the delta (fp32 for fp16: no overflow), then add it
         ddt = f32 if dt == torch.float16 else dt
         sizes.update(delta13=(P * 2 * I, ddt), delta2=(P * H, ddt))
+    if fp8_groups is not None:
+        g13, g2 = fp8_groups
+        fp8 = torch.float8_e4m3fn
+        sizes.update(
+            xq=(max_tokens * H, fp8),
+            xs=(max_tokens * -(-H // g13), f32),
+            gq=(P * I, fp8),
+            gs=(P * -(-I // g2), f32),
+        )
     return sizes
 
 
@@ -258,6 +275,19 @@ class MoELoRALayer(ops.OpLayer):
             GEMM, as
             :func:`moelora_lib.fused_moe_lora`'s ``deterministic``); the routing and the alignment
             kernels are deterministic already. Default False.
+        activation_scheme: with FP8 weights, how the base GEMMs treat the activations: "dynamic" (W8A8,
+            the published checkpoints' ``activation_scheme: "dynamic"``: hidden_states and the activation
+            output quantized per token and per group of the scale block's columns at run time, one
+            :func:`~moelora_lib.kernels.fp8_act.quantize_fp8_act` launch each, and FP8 × FP8 base GEMMs,
+            ``A_FP8`` in :mod:`moelora_lib.kernels.triton_kernels`; the LoRA ops keep reading the
+            unquantized activations; where stage "auto" would pick "gemv", "tuned" runs),
+            "weight_only" (the e4m3 weight tiles scaled to the layer's dtype in registers, the activations
+            unquantized) or "auto" (default: per T, "dynamic" from :attr:`W8A8_MIN_TOKENS` tokens on,
+            "weight_only" below; :meth:`activation_scheme_for`). W8A8 differs from weight-only by the
+            activations' rounding, at most 2^-4 relative per activation element. Dense and MXFP4
+            weights run unquantized under "auto" and "weight_only"; "dynamic" with them, with stage
+            "gemv", or with scale blocks whose columns are not a multiple of 32 raises ValueError naming
+            activation_scheme.
         share_scratch: share the scratch buffers (``h`` [P, 2I], ``g`` [P, I], ``y`` [P, H] in the
             layer's dtype, the fp32 rank intermediates and routing weights, the alignment workspaces;
             P = max_tokens·top_k) with every other layer of the same sizes, dtype and device (default):
@@ -287,6 +317,12 @@ class MoELoRALayer(ops.OpLayer):
     #: :func:`moelora_lib.model.modeling.packed_expert_formats`.
     PACKED_FORMATS = ("mxfp4", "fp8")
 
+    #: ``activation_scheme="auto"`` runs W8A8 from this many tokens on (FP8 weights; see
+    #: :data:`moelora_lib.kernels.stages.W8A8_MIN_TOKENS`, the same value, for why), weight-only below.
+    #: A class constant until the tuned config files record a per-shape threshold; set it on a
+    #: subclass or an instance before the first forward (the choice is cached per T).
+    W8A8_MIN_TOKENS: int = W8A8_MIN_TOKENS
+
     def __init__(
         self,
         w13: torch.Tensor,
@@ -307,6 +343,7 @@ class MoELoRALayer(ops.OpLayer):
         debug: bool = False,
         deterministic: bool = False,
         share_scratch: bool = True,
+        activation_scheme: str = "auto",
     ):
         super().__init__()
         for name, v, lo in (
@@ -325,6 +362,11 @@ class MoELoRALayer(ops.OpLayer):
         check_bool("deterministic", deterministic)
         packed = (w13, w2)
         w13, w2, fmt = _dense_views(w13, w2, dtype)  # packed: dense-shaped stand-ins for the checks
+        check_activation_scheme(activation_scheme, packed[0], stage)
+        # FP8 weights that may run W8A8: the scratch holds the quantized activations too
+        fp8_groups = None
+        if fmt == "fp8" and activation_scheme != "weight_only":
+            fp8_groups = (packed[0].block[1], packed[1].block[1])
         _check_expert_weights(w13, w2, b13, b2)
         if w13.shape[1] % (2 * slices):
             raise ValueError(f"w13: 2I (dim 1) = {w13.shape[1]} must be divisible by 2·slices = {2 * slices}")
@@ -338,7 +380,7 @@ class MoELoRALayer(ops.OpLayer):
         self.stage = {AUTO_STAGE.name: AUTO_STAGE, GEMV_STAGE.name: GEMV_STAGE}.get(stage) or STAGES[
             stage
         ]  # auto: fused_add as both
-        sizes = _scratch_sizes(dt, max_tokens, H, two_i // 2, K, R, S, self.stage.fused_add)
+        sizes = _scratch_sizes(dt, max_tokens, H, two_i // 2, K, R, S, self.stage.fused_add, fp8_groups)
         need = sum(n * torch.empty((), dtype=bdt).element_size() for n, bdt in sizes.values())
         total = _device_total_memory(dev)
         if total is not None and need > total:
@@ -381,6 +423,9 @@ class MoELoRALayer(ops.OpLayer):
             self.w13 = torch.nn.Parameter(w13, requires_grad=False)
             self.w2 = torch.nn.Parameter(w2, requires_grad=False)
         self.weight_format = fmt
+        self.activation_scheme = activation_scheme
+        self._fp8_groups = fp8_groups
+        self._schemes: dict[int, str] = {}
         self.b13 = None if b13 is None else torch.nn.Parameter(b13, requires_grad=False)
         self.b2 = None if b2 is None else torch.nn.Parameter(b2, requires_grad=False)
         self.register_buffer("lora_a13", lora_a13, persistent=False)
@@ -413,6 +458,7 @@ class MoELoRALayer(ops.OpLayer):
             f"slices={self.S}, max_tokens={self.max_tokens}, activation={self.activation!r}, "
             f"stage={self.stage.name!r}, dtype={self._ref.dtype}"
             + (f", weights={self.weight_format}" if self.weight_format != "dense" else "")
+            + (f", activation_scheme={self.activation_scheme!r}" if self.weight_format == "fp8" else "")
             + (", deterministic=True" if self.deterministic else "")
         )
 
@@ -453,6 +499,7 @@ class MoELoRALayer(ops.OpLayer):
             self.R,
             self.S,
             self.stage.fused_add,
+            self._fp8_groups,
         )
 
     def _alloc_buffers(self) -> None:
@@ -493,13 +540,27 @@ class MoELoRALayer(ops.OpLayer):
             T=T, H=self.H, I=self.I, E=self.E, top_k=self.K, adapters=self.L, rank=self.R, slices=self.S
         )
 
+    def activation_scheme_for(self, T: int) -> str:
+        """The concrete activation scheme of a forward of T tokens, "dynamic" (W8A8) or "weight_only":
+        the layer's ``activation_scheme``, with "auto" resolved by :attr:`W8A8_MIN_TOKENS`; "weight_only"
+        for dense and MXFP4 weights. Host-side, once per T."""
+        sc = self._schemes.get(T)
+        if sc is None:
+            w13 = self.expert_weights()[0]
+            sc = resolve_activation_scheme(self.activation_scheme, w13, T, self.W8A8_MIN_TOKENS)
+            self._schemes[T] = sc
+        return sc
+
     def stage_for(self, T: int) -> Stage:
         """The stage the forward runs at T tokens: the layer's stage, or with ``stage="auto"`` the one
-        the config files choose for T (:meth:`AutoStage.pick <moelora_lib.kernels.auto.AutoStage.pick>`);
-        resolved on the host once per T (a pure function of T and the layer's sizes)."""
+        the config files choose for T (:meth:`AutoStage.pick <moelora_lib.kernels.auto.AutoStage.pick>`;
+        "tuned" where that is "gemv" and T runs W8A8, :meth:`activation_scheme_for`: the GEMVs are
+        weight-only); resolved on the host once per T (a pure function of T and the layer's sizes)."""
         st = self._stages.get(T)
         if st is None:
             st = self.stage.pick(self._dims(T)) if self.stage is AUTO_STAGE else self.stage
+            if st is GEMV_STAGE and self.activation_scheme_for(T) == "dynamic":
+                st = STAGES["tuned"]
             self._stages[T] = st
         return st
 
@@ -513,7 +574,8 @@ class MoELoRALayer(ops.OpLayer):
             if cfg is None:
                 cfg = st.config_for(self._dims(T))
             cfg = st.adapt(cfg)
-            cfg = packed_config(cfg, self.expert_weights()[0])  # MXFP4 / FP8: K steps of whole scale blocks
+            # MXFP4 / FP8: K steps of whole scale blocks (W8A8: of at least 32 columns)
+            cfg = packed_config(cfg, self.expert_weights()[0], self.activation_scheme_for(T))
             if self.deterministic:
                 cfg = cfg.deterministic()
             if (
@@ -886,6 +948,13 @@ class MoELoRALayer(ops.OpLayer):
         if not st.fused_add:
             bufs["delta_gate_up"] = self._view("delta13", (P, 2 * I))
             bufs["delta_down"] = self._view("delta2", (P, H))
+        scheme = self.activation_scheme_for(T)
+        if scheme == "dynamic":  # W8A8: the quantized activations (kernels/fp8_act.py)
+            g13, g2 = self._fp8_groups
+            bufs["xq"] = self._view("xq", (T, H))
+            bufs["xs"] = self._view("xs", (T, -(-H // g13)))
+            bufs["gq"] = self._view("gq", (P, I))
+            bufs["gs"] = self._view("gs", (P, -(-I // g2)))
         run = LayerRun(
             st,
             hidden_states,
@@ -905,5 +974,6 @@ class MoELoRALayer(ops.OpLayer):
             buffers=bufs,
             nan_on_bad_ids=True,  # ids unchecked: NaN rows, never another call's pair rows
             proj_lora_ids=(ids13, ids2),  # the ids each LoRA alignment was built from (stage fused)
+            activation_scheme=scheme,
         )
         return run()

@@ -58,14 +58,15 @@ from .kernels import AUTO_STAGE, STAGES, check_stage_name
 from .kernels.align import AlignWorkspace, align_tokens_triton, align_workspace
 from .kernels.align_small import PAIR_PATH_MAX_PAIRS, align_tokens_pair, pair_workspace, use_pair_path
 from .kernels.dense_fp8 import (
+    W8A8_MIN_BLOCK_K,
     DenseFP8Config,
-    check_fp8_mode,
+    check_dense_scheme,
     default_dense_fp8_config,
     dense_fp8_linear,
     dense_fp8_w8a8,
     dense_fp8_weight_only,
-    fp8_mode_for,
     quantize_act,
+    resolve_dense_scheme,
 )
 from .kernels.dense_lora import (
     DENSE_KERNELS,
@@ -165,25 +166,29 @@ def _check_fp8_weight(weight: FP8BlockWeight, H: int, device) -> int:
     return N
 
 
-def _check_fp8_args(weight, fp8_mode, fp8_config) -> None:
-    """``fp8_mode`` one of FP8_MODES and ``fp8_config`` a DenseFP8Config or None; both other than their
-    defaults only with an FP8BlockWeight ``weight``; a fixed config's BLOCK_SIZE_K must divide the
-    weight's scale block columns. ValueError naming the argument."""
-    check_fp8_mode(fp8_mode)
-    if fp8_config is not None and not isinstance(fp8_config, DenseFP8Config):
+def _check_fp8_args(weight, activation_scheme, fp8_config) -> None:
+    """``activation_scheme`` one of ACTIVATION_SCHEMES that ``weight`` runs
+    (:func:`~moelora_lib.kernels.dense_fp8.check_dense_scheme`: "dynamic" needs an FP8BlockWeight whose
+    scale block admits a W8A8 K step) and ``fp8_config`` a DenseFP8Config or None, given only with an
+    FP8BlockWeight, its BLOCK_SIZE_K dividing the weight's scale block columns (and ≥ 32 where the
+    scheme can run W8A8). ValueError naming the argument."""
+    check_dense_scheme(activation_scheme, weight)
+    if fp8_config is None:
+        return
+    if not isinstance(fp8_config, DenseFP8Config):
         raise ValueError(f"fp8_config must be a DenseFP8Config or None, got {type(fp8_config).__name__}")
     if not isinstance(weight, FP8BlockWeight):
-        if fp8_mode != "auto":
-            raise ValueError(
-                f"fp8_mode={fp8_mode!r} needs a block-FP8 weight (an FP8BlockWeight); weight is dense"
-                + (f" ({weight.dtype})" if isinstance(weight, torch.Tensor) else "")
-            )
-        if fp8_config is not None:
-            raise ValueError("fp8_config is for a block-FP8 weight (an FP8BlockWeight); weight is dense")
-    elif fp8_config is not None and weight.block[1] % fp8_config.BLOCK_SIZE_K:
+        raise ValueError("fp8_config is for a block-FP8 weight (an FP8BlockWeight); weight is dense")
+    bk = fp8_config.BLOCK_SIZE_K
+    if weight.block[1] % bk:
         raise ValueError(
-            f"fp8_config.BLOCK_SIZE_K = {fp8_config.BLOCK_SIZE_K} must divide the weight's scale block "
-            f"columns weight.block[1] = {weight.block[1]}: a K step reads one scale column"
+            f"fp8_config.BLOCK_SIZE_K = {bk} must divide the weight's scale block columns weight.block[1] = "
+            f"{weight.block[1]}: a K step reads one scale column"
+        )
+    if bk < W8A8_MIN_BLOCK_K and resolve_dense_scheme(activation_scheme, weight, 1 << 30) == "dynamic":
+        raise ValueError(
+            f"fp8_config.BLOCK_SIZE_K = {bk}: activation_scheme {activation_scheme!r} runs the W8A8 form "
+            f"(at large T for 'auto'), whose FP8 tl.dot needs a K step of at least {W8A8_MIN_BLOCK_K}"
         )
 
 
@@ -309,7 +314,7 @@ def lora_linear(
     config: DenseLoRAConfig | None = None,
     check_values: bool = True,
     deterministic: bool = False,
-    fp8_mode: str = "auto",
+    activation_scheme: str = "auto",
     fp8_config: DenseFP8Config | None = None,
 ) -> torch.Tensor:
     """Dense linear layer with one LoRA adapter per token over S output slices.
@@ -322,7 +327,8 @@ def lora_linear(
         weight: [N_total, H] (nn.Linear layout: the slices' weights concatenated along dim 0), x's dtype;
             or a block-FP8 :class:`~moelora_lib.quant.FP8BlockWeight` [N_total, H] (float8_e4m3fn +
             scale_inv, scale block columns a multiple of 16; fused slices via ``FP8BlockWeight.cat``),
-            kept in FP8: the base GEMM is :func:`~moelora_lib.kernels.dense_fp8.dense_fp8_linear`.
+            kept in FP8: the base GEMM is :func:`~moelora_lib.kernels.dense_fp8.dense_fp8_linear`
+            (``activation_scheme``).
         lora_a: [L, S, R, H], x's dtype; slice s = projection s's A (rank r_s ≤ R, zero-padded).
         lora_b: [L, N_total, R], x's dtype; rows of slice s = projection s's B, scaling folded in,
             zero-padded to R columns.
@@ -343,11 +349,13 @@ def lora_linear(
             hardware picks). The base GEMM is cuBLAS's: repeatable on one GPU and stream (see
             PyTorch's reproducibility notes, ``CUBLAS_WORKSPACE_CONFIG``); the FP8 GEMM uses no
             atomics. Default False.
-        fp8_mode: with an FP8 weight, the base GEMM's form: "weight_only" (e4m3 tiles scaled to x's
-            dtype in registers), "dynamic" (W8A8: x quantized per token and group of
-            ``weight.block[1]`` columns, FP8 tensor cores), or "auto" (default): weight-only below
-            :data:`~moelora_lib.kernels.dense_fp8.FP8_DYNAMIC_MIN_TOKENS` tokens, W8A8 from there.
-            Anything but "auto" with a dense weight: ValueError.
+        activation_scheme: with an FP8 weight, the base GEMM's form: "weight_only" (e4m3 tiles
+            scaled to x's dtype in registers), "dynamic" (W8A8: x quantized per token and group of
+            ``weight.block[1]`` columns, FP8 tensor cores; the scale block's columns a multiple of 32),
+            or "auto" (default): weight-only below
+            :data:`~moelora_lib.kernels.dense_fp8.DENSE_W8A8_MIN_TOKENS` tokens, W8A8 from there (where
+            the block allows it). Dense weights run "auto" / "weight_only" as F.linear; "dynamic" with a
+            dense weight: ValueError.
         fp8_config: a :class:`~moelora_lib.kernels.dense_fp8.DenseFP8Config` for the FP8 GEMM (None:
             :func:`~moelora_lib.kernels.dense_fp8.default_dense_fp8_config` by T); FP8 weights only.
     Returns:
@@ -355,7 +363,7 @@ def lora_linear(
         GEMM's) with the LoRA deltas added; rows of tokens with id -1 are bit for bit the base output.
     Raises:
         ValueError: naming the argument (:func:`validate_lora_linear_inputs`), an unknown stage, a
-            config that is not a DenseLoRAConfig, a bad ``fp8_mode`` / ``fp8_config``.
+            config that is not a DenseLoRAConfig, a bad ``activation_scheme`` / ``fp8_config``.
 
     Precision: the base is cuBLAS's (or torch's CPU) GEMM; the LoRA path accumulates in fp32, keeps the
     rank intermediate in fp32, and rounds once: the sum (fused-add stages) or, in the other stages, the
@@ -363,11 +371,11 @@ def lora_linear(
     """
     _check_stage_and_config(stage, config)
     check_bool("deterministic", deterministic)
-    _check_fp8_args(weight, fp8_mode, fp8_config)
+    _check_fp8_args(weight, activation_scheme, fp8_config)
     d = validate_lora_linear_inputs(x, weight, lora_a, lora_b, lora_ids, slices, bias, check_values)
     st = STAGES[stage]
     if isinstance(weight, FP8BlockWeight):
-        out = dense_fp8_linear(x, weight, bias, fp8_mode=fp8_mode, config=fp8_config)
+        out = dense_fp8_linear(x, weight, bias, activation_scheme=activation_scheme, config=fp8_config)
     else:
         out = F.linear(x, weight, bias)
     if d["T"] == 0:
@@ -463,7 +471,7 @@ class LoRALinear(ops.OpLayer):
             :class:`~moelora_lib.quant.FP8BlockWeight` [N_total, H] (float8_e4m3fn codes + ``scale_inv``
             [ceil(N_total/bn), ceil(H/bk)], as Qwen3 FP8 checkpoints publish them; bk a multiple of 16;
             fused slices stacked with ``FP8BlockWeight.cat``), kept in FP8: the base GEMM is
-            :mod:`moelora_lib.kernels.dense_fp8`'s instead of ``F.linear`` (``fp8_mode``).
+            :mod:`moelora_lib.kernels.dense_fp8`'s instead of ``F.linear`` (``activation_scheme``).
         bias: [N_total] of the layer's dtype, or None.
         slices: output widths, Σ = N_total (default: one slice of N_total), e.g. (q, k, v) widths.
         num_adapters: L ≥ 1 slots. max_rank: R ≥ 1, the largest rank a slot holds.
@@ -482,14 +490,15 @@ class LoRALinear(ops.OpLayer):
             one after another, and nothing in them outlives a forward.
         dtype: the layer's dtype (activations, bias, adapters) with an FP8 weight, which carries none
             (default bfloat16); with a dense weight None or weight's dtype.
-        fp8_mode: with an FP8 weight, the base GEMM's form per call of T tokens: "weight_only" (e4m3
-            tiles scaled to the layer's dtype in registers; the result equals ``F.linear`` on the
-            dequantized weight up to summation order), "dynamic" (W8A8: the activations quantized per
-            token and group of ``weight.block[1]`` columns, the checkpoints' ``activation_scheme``, then
-            FP8 tensor cores; each activation within 2^-4 relative of its value), or "auto" (default):
-            weight-only below :data:`~moelora_lib.kernels.dense_fp8.FP8_DYNAMIC_MIN_TOKENS` tokens,
-            W8A8 from there on. Settable later (the property ``fp8_mode``). Only "auto" with a dense
-            weight.
+        activation_scheme: with an FP8 weight, the base GEMM's form per call of T tokens (the
+            checkpoints' field of that name): "weight_only" (e4m3 tiles scaled to the layer's dtype in
+            registers; the result equals ``F.linear`` on the dequantized weight up to summation order),
+            "dynamic" (W8A8: the activations quantized per token and group of ``weight.block[1]``
+            columns, then FP8 tensor cores; each activation within 2^-4 relative of its value; needs
+            scale blocks of a multiple of 32 columns), or "auto" (default): weight-only below
+            :data:`~moelora_lib.kernels.dense_fp8.DENSE_W8A8_MIN_TOKENS` tokens, W8A8 from there on where
+            the block allows it (:meth:`activation_scheme_for`). Settable later (the property). A dense
+            weight runs "auto" and "weight_only" as ``F.linear``; "dynamic" needs an FP8 weight.
         fp8_config: a fixed :class:`~moelora_lib.kernels.dense_fp8.DenseFP8Config` for the FP8 GEMM at
             every T (None: :func:`~moelora_lib.kernels.dense_fp8.default_dense_fp8_config` per T); its
             BLOCK_SIZE_K must divide ``weight.block[1]``. FP8 weights only.
@@ -536,7 +545,7 @@ class LoRALinear(ops.OpLayer):
         deterministic: bool = False,
         share_scratch: bool = True,
         dtype: torch.dtype | None = None,
-        fp8_mode: str = "auto",
+        activation_scheme: str = "auto",
         fp8_config: DenseFP8Config | None = None,
     ):
         super().__init__()
@@ -545,7 +554,7 @@ class LoRALinear(ops.OpLayer):
             if not is_int(v) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         _check_stage_and_config(stage, config)
-        _check_fp8_args(weight, fp8_mode, fp8_config)
+        _check_fp8_args(weight, activation_scheme, fp8_config)
         fp8 = isinstance(weight, FP8BlockWeight)
         if fp8:
             if weight.weight.dim() != 2:
@@ -609,8 +618,9 @@ class LoRALinear(ops.OpLayer):
         self.fixed_fp8_config = fp8_config
         self.debug = check_bool("debug", debug)
         self._configs: dict[int, DenseLoRAConfig] = {}
-        self._fp8_launches: dict[int, tuple[str, DenseFP8Config]] = {}
-        self.fp8_mode = fp8_mode  # property: validates, clears the per-T FP8 launches
+        self._schemes: dict[int, str] = {}
+        self._fp8_configs: dict[int, DenseFP8Config] = {}
+        self.activation_scheme = activation_scheme  # property: validates, clears the per-T choices
         self.deterministic = deterministic  # property: validates, clears the per-T configs
         self.share_scratch = check_bool("share_scratch", share_scratch)
         self._loaded = [False] * L  # host copy of slot_loaded
@@ -622,7 +632,9 @@ class LoRALinear(ops.OpLayer):
     def extra_repr(self) -> str:
         fp8 = ""
         if self.weight_format == "fp8":
-            fp8 = f", weights=fp8 (block {list(self.fp8_block)}), fp8_mode={self.fp8_mode!r}"
+            fp8 = (
+                f", weights=fp8 (block {list(self.fp8_block)}), activation_scheme={self.activation_scheme!r}"
+            )
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, slices={self.slices}, "
             f"adapters={self.L}, max_rank={self.R}, max_tokens={self.max_tokens}, "
@@ -656,45 +668,55 @@ class LoRALinear(ops.OpLayer):
         return self.weight
 
     @property
-    def fp8_mode(self) -> str:
-        """The FP8 base GEMM's form ("auto", "dynamic", "weight_only"; see the constructor). Setting it
-        validates the value (ValueError naming ``fp8_mode``; only "auto" on a dense layer) and drops the
-        per-T choices made so far, so the next forward at every T follows it (a CUDA graph captured
+    def activation_scheme(self) -> str:
+        """The FP8 base GEMM's activation scheme ("auto", "weight_only", "dynamic"; see the
+        constructor). Setting it validates the value (ValueError naming ``activation_scheme``) and drops
+        the per-T choices made so far, so the next forward at every T follows it (a CUDA graph captured
         before keeps the form it captured)."""
-        return self._fp8_mode
+        return self._activation_scheme
 
-    @fp8_mode.setter
-    def fp8_mode(self, value: str) -> None:
-        _check_fp8_args(self.base_weight(), value, None)
-        self._fp8_mode = value
-        self._fp8_launches.clear()
+    @activation_scheme.setter
+    def activation_scheme(self, value: str) -> None:
+        _check_fp8_args(self.base_weight(), value, self.fixed_fp8_config)
+        self._activation_scheme = value
+        self._schemes.clear()
+        self._fp8_configs.clear()
 
-    def fp8_launch_for(self, T: int) -> tuple[str, DenseFP8Config] | None:
-        """(form, config) of the FP8 base GEMM at T tokens — form "dynamic" (W8A8) or "weight_only"
-        (:func:`~moelora_lib.kernels.dense_fp8.fp8_mode_for` of :attr:`fp8_mode`), config the fixed
-        ``fp8_config`` or :func:`~moelora_lib.kernels.dense_fp8.default_dense_fp8_config` — resolved on
-        the host once per T; None for a dense weight."""
+    def activation_scheme_for(self, T: int) -> str:
+        """The form the base GEMM runs at T tokens: "dynamic" (W8A8) or "weight_only"
+        (:func:`~moelora_lib.kernels.dense_fp8.resolve_dense_scheme` of :attr:`activation_scheme`;
+        "weight_only" for a dense weight, which runs ``F.linear``); resolved on the host once per T."""
+        got = self._schemes.get(T)
+        if got is None:
+            got = self._schemes[T] = resolve_dense_scheme(self._activation_scheme, self.base_weight(), T)
+        return got
+
+    def fp8_config_for(self, T: int) -> DenseFP8Config | None:
+        """The :class:`~moelora_lib.kernels.dense_fp8.DenseFP8Config` the FP8 base GEMM launches at T
+        tokens (the fixed ``fp8_config``, else
+        :func:`~moelora_lib.kernels.dense_fp8.default_dense_fp8_config` for the form of
+        :meth:`activation_scheme_for`); resolved once per T. None for a dense weight."""
         if self.weight_format != "fp8":
             return None
-        got = self._fp8_launches.get(T)
-        if got is None:
-            form = fp8_mode_for(self._fp8_mode, T)
+        cfg = self._fp8_configs.get(T)
+        if cfg is None:
             cfg = self.fixed_fp8_config
             if cfg is None:
-                cfg = default_dense_fp8_config(
-                    T, self.out_features, self.in_features, w8a8=form == "dynamic", block_k=self.fp8_block[1]
-                )
-            got = self._fp8_launches[T] = (form, cfg)
-        return got
+                w8a8 = self.activation_scheme_for(T) == "dynamic"
+                N, H, bk = self.out_features, self.in_features, self.fp8_block[1]
+                cfg = default_dense_fp8_config(T, N, H, w8a8=w8a8, block_k=bk)
+            self._fp8_configs[T] = cfg
+        return cfg
 
     def _base(self, x: torch.Tensor) -> torch.Tensor:
         """The base output [T, N_total] (a new tensor): ``F.linear``, or the FP8 GEMM in the form of
-        :meth:`fp8_launch_for`."""
+        :meth:`activation_scheme_for` with the config of :meth:`fp8_config_for`."""
         if self.weight_format != "fp8":
             return F.linear(x, self.weight, self.bias)
-        form, cfg = self.fp8_launch_for(x.shape[0])
+        T = x.shape[0]
+        cfg = self.fp8_config_for(T)
         w = self.base_weight()
-        if form == "weight_only":
+        if self.activation_scheme_for(T) == "weight_only":
             return dense_fp8_weight_only(x, w, self.bias, config=cfg)
         bk = self.fp8_block[1]
         x_q, x_scale = quantize_act(x, bk)

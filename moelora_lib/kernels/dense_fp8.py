@@ -24,7 +24,11 @@ One Triton kernel, ``_dense_fp8_kernel``, in two forms (the constexpr ``W8A8``):
   promotion interval of 128 the DeepSeek-V3 report uses for the same reason.
 
 Both: BLOCK_SIZE_K must divide the weight's bk (and, W8A8, the activation group size), so a K step
-reads one scale column (checked in the launchers: ValueError naming ``config.BLOCK_SIZE_K``). N and K
+reads one scale column; W8A8 also needs BLOCK_SIZE_K ≥ :data:`W8A8_MIN_BLOCK_K` = 32, the K of one FP8
+tensor-core instruction (Triton refuses an FP8 ``tl.dot`` with K < 32 for sm_90). Checked in the
+launchers: ValueError naming ``config.BLOCK_SIZE_K``. On sm_90, Triton emits FP8 ``wgmma`` for W8A8 tiles
+of BLOCK_SIZE_M ≥ 64 (smaller tiles run ``mma.sync`` on the e4m3 values widened to fp16: same numbers,
+no FP8 rate), so the W8A8 default configs use M tiles of at least 64 rows. N and K
 need not be multiples of anything: the last tile rows/columns are clamped into range for the loads and
 masked at the store; without EVEN_K (K % BLOCK_SIZE_K ≠ 0) the K loop masks its loads with zeros.
 Tiles are visited in grouped order (GROUP_SIZE_M M-tiles per column of N-tiles before moving on, the
@@ -32,12 +36,14 @@ Triton matmul tutorial's L2 swizzle, :func:`~moelora_lib.kernels.triton_kernels.
 number of tokens is not specialized (``do_not_specialize``): one binary serves every T of a config.
 The bias is added in fp32; the result is rounded once to the output dtype.
 
-Which form a call of T tokens runs (:func:`fp8_mode_for`): weight-only below
-:data:`FP8_DYNAMIC_MIN_TOKENS` tokens, W8A8 from there on. The estimate behind the threshold (not yet
-measured): with 1-byte weights a GEMM of T tokens does 2·T FLOP per weight byte, and the H200's bf16
-ridge is ~675 TFLOP/s / 4.4 TB/s ≈ 150 FLOP/byte, so below ~75 tokens both forms are bound by the
-weight stream and the weight-only form saves the activation quantization pass and its error; from
-~2× that, the bf16 dot of the weight-only form is the bound and the FP8 dot (twice the bf16 rate) wins.
+Which form a call of T tokens runs under ``activation_scheme`` "auto" (:func:`resolve_dense_scheme`):
+weight-only below :data:`DENSE_W8A8_MIN_TOKENS` tokens, W8A8 from there on (where the scale block admits
+a W8A8 K step, :data:`W8A8_MIN_BLOCK_K`). The estimate behind the threshold (not yet measured): with
+1-byte weights a GEMM of T tokens does 2·T FLOP per weight byte, and the H200's bf16 ridge is
+~675 TFLOP/s / 4.4 TB/s ≈ 150 FLOP/byte, so below ~75 tokens both forms are bound by the weight stream
+and the weight-only form saves the activation quantization pass and its error; from ~2× that, the bf16
+dot of the weight-only form (plus its per-tile e4m3 scaling) is the bound and the FP8 dot (twice the
+bf16 rate) wins.
 
 Precision: weight-only equals the dense GEMM on the exactly dequantized weights up to fp32 summation
 order (tf32 for float32 x on the GPU, Triton's default input precision). W8A8 adds the activation
@@ -67,12 +73,13 @@ from ..quant.fp8 import FP8BlockWeight, quantize_fp8_act_reference
 from .triton_kernels import _pid_to_mn
 
 __all__ = [
-    "FP8_DYNAMIC_MIN_TOKENS",
-    "FP8_MODES",
+    "DENSE_W8A8_MIN_TOKENS",
+    "ACTIVATION_SCHEMES",
+    "W8A8_MIN_BLOCK_K",
     "DenseFP8Config",
     "default_dense_fp8_config",
-    "fp8_mode_for",
-    "check_fp8_mode",
+    "check_dense_scheme",
+    "resolve_dense_scheme",
     "quantize_act",
     "DENSE_FP8_KERNEL",
     "dense_fp8_args",
@@ -81,14 +88,19 @@ __all__ = [
     "dense_fp8_linear",
 ]
 
-#: The fewest tokens at which ``fp8_mode="auto"`` runs the W8A8 form (FP8 tensor cores, activations
-#: quantized per call); below it the weight-only form. An estimate from the H200's roofline (module
-#: docstring), to be replaced by a measured crossover.
-FP8_DYNAMIC_MIN_TOKENS = 128
+#: The fewest tokens at which ``activation_scheme="auto"`` runs the dense W8A8 form (FP8 tensor cores,
+#: activations quantized per call); below it the weight-only form. An estimate from the H200's roofline
+#: (module docstring), to be replaced by a measured crossover.
+DENSE_W8A8_MIN_TOKENS = 128
 
-#: The values of ``fp8_mode``: "auto" (per T, :func:`fp8_mode_for`), "dynamic" (W8A8, activations
-#: quantized per token and group at run time, the checkpoints' ``activation_scheme``), "weight_only".
-FP8_MODES = ("auto", "dynamic", "weight_only")
+#: The values of ``activation_scheme`` with a block-FP8 weight (the checkpoints' field of that name):
+#: "auto" (per T, :func:`resolve_dense_scheme`), "weight_only" (activations stay in their dtype, each
+#: e4m3 weight tile is scaled in registers), "dynamic" (W8A8: activations quantized per token and group
+#: at run time, :func:`quantize_act`). Dense weights run as "weight_only" ("auto" included).
+ACTIVATION_SCHEMES = ("auto", "weight_only", "dynamic")
+
+#: The smallest BLOCK_SIZE_K of the W8A8 form: K of one FP8 tensor-core instruction (32 on Hopper).
+W8A8_MIN_BLOCK_K = 32
 
 _X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _FP8 = torch.float8_e4m3fn
@@ -237,26 +249,30 @@ def default_dense_fp8_config(T: int, N: int, K: int, *, w8a8: bool, block_k: int
     weight (and, W8A8, activation) scale blocks span ``block_k`` columns. Hand-picked H200 starting
     points by T bucket, not tuned:
 
-    * BLOCK_SIZE_M: 16 up to 16 tokens, 32 up to 32, 64 up to 64, else 128;
+    * BLOCK_SIZE_M: 16 up to 16 tokens, 32 up to 32, 64 up to 64, else 128; W8A8 at least 64 (the
+      smallest M tile Triton runs on FP8 wgmma on sm_90);
     * BLOCK_SIZE_K: the largest power of two ≤ 128 dividing ``block_k``, and no wider than K rounded
-      up to a power of two (≥ 16);
+      up to a power of two (≥ 16; W8A8 ≥ 32);
     * BLOCK_SIZE_N: 128, halved (down to 32) while the grid has fewer than two programs per SM of the
       H200 (decode: a weight-streaming GEMM needs every SM reading);
     * GROUP_SIZE_M 8; NUM_WARPS 8 for 128 x 128 tiles, else 4; NUM_STAGES 4 for M tiles of ≤ 32 rows
       (deeper prefetch of the weight stream), else 3.
 
-    ``w8a8`` is accepted for a per-form choice (today both forms get the same tiles). Raises ValueError
-    naming ``block_k`` when it has no power-of-two divisor ≥ 16 (no tl.dot K step fits one scale column).
+    Raises ValueError naming ``block_k`` when it has no power-of-two divisor ≥ 16 (W8A8: ≥ 32): no K
+    step fits one scale column.
     """
-    del w8a8  # same tiles for both forms until measured otherwise
-    if not isinstance(block_k, int) or block_k < 1 or _pow2_divisor(block_k) < 16:
+    min_k = W8A8_MIN_BLOCK_K if w8a8 else 16
+    if not isinstance(block_k, int) or block_k < 1 or _pow2_divisor(block_k) < min_k:
         raise ValueError(
-            f"block_k = {block_k!r}: the scale block's columns must be a multiple of 16 (a K step of at "
-            "least 16, tl.dot's minimum, must stay inside one scale column)"
+            f"block_k = {block_k!r}: the scale block's columns must be a multiple of {min_k} (a K step of "
+            f"at least {min_k}, {'an FP8' if w8a8 else 'a'} tl.dot's minimum, must stay inside one scale "
+            "column)"
         )
     T = max(1, int(T))
     bm = 16 if T <= 16 else 32 if T <= 32 else 64 if T <= 64 else 128
-    bk = min(_pow2_divisor(block_k), max(16, triton.next_power_of_2(int(K))))
+    if w8a8:
+        bm = max(bm, 64)
+    bk = min(_pow2_divisor(block_k), max(min_k, triton.next_power_of_2(int(K))))
     bn = 128
     while bn > 32 and triton.cdiv(T, bm) * triton.cdiv(N, bn) < 2 * H200_NUM_SMS:
         bn //= 2
@@ -264,20 +280,43 @@ def default_dense_fp8_config(T: int, N: int, K: int, *, w8a8: bool, block_k: int
     return DenseFP8Config(bm, bn, bk, 8, warps, 4 if bm <= 32 else 3)
 
 
-def check_fp8_mode(fp8_mode, name: str = "fp8_mode") -> str:
-    """``fp8_mode`` if it is one of :data:`FP8_MODES`; ValueError naming ``name`` otherwise."""
-    if not isinstance(fp8_mode, str) or fp8_mode not in FP8_MODES:
-        raise ValueError(f"{name} must be one of {list(FP8_MODES)}, got {fp8_mode!r}")
-    return fp8_mode
+def _w8a8_ok(weight) -> bool:
+    """Whether ``weight`` can run the W8A8 form: block-FP8 with scale blocks whose columns hold a K step
+    of :data:`W8A8_MIN_BLOCK_K`."""
+    return isinstance(weight, FP8BlockWeight) and _pow2_divisor(weight.block[1]) >= W8A8_MIN_BLOCK_K
 
 
-def fp8_mode_for(fp8_mode: str, T: int) -> str:
-    """The form a call of T tokens runs: "dynamic" (W8A8) or "weight_only". ``fp8_mode`` "auto":
-    "dynamic" from :data:`FP8_DYNAMIC_MIN_TOKENS` tokens on, else "weight_only"; otherwise itself."""
-    check_fp8_mode(fp8_mode)
-    if fp8_mode != "auto":
-        return fp8_mode
-    return "dynamic" if T >= FP8_DYNAMIC_MIN_TOKENS else "weight_only"
+def check_dense_scheme(scheme, weight, name: str = "activation_scheme") -> str:
+    """``scheme`` when it is one of :data:`ACTIVATION_SCHEMES` that ``weight`` (a dense tensor or an
+    :class:`~moelora_lib.quant.FP8BlockWeight`) can run; ValueError naming ``name`` otherwise: an unknown
+    value, or "dynamic" with a dense weight or with a scale block whose columns hold no power of two
+    ≥ :data:`W8A8_MIN_BLOCK_K`."""
+    if not isinstance(scheme, str) or scheme not in ACTIVATION_SCHEMES:
+        raise ValueError(f"{name} must be one of {list(ACTIVATION_SCHEMES)}, got {scheme!r}")
+    if scheme == "dynamic" and not _w8a8_ok(weight):
+        if not isinstance(weight, FP8BlockWeight):
+            got = f"a dense {weight.dtype} weight" if isinstance(weight, torch.Tensor) else describe(weight)
+            raise ValueError(
+                f"{name} 'dynamic' (W8A8) needs a block-FP8 weight (an FP8BlockWeight), got {got}"
+            )
+        raise ValueError(
+            f"{name} 'dynamic' (W8A8): the scale block's {weight.block[1]} columns (weight.block = "
+            f"{weight.block}) hold no K step of {W8A8_MIN_BLOCK_K} (an FP8 tl.dot's minimum K) or more; "
+            "use 'weight_only'"
+        )
+    return scheme
+
+
+def resolve_dense_scheme(scheme: str, weight, T: int, min_tokens: int = DENSE_W8A8_MIN_TOKENS) -> str:
+    """The form, "weight_only" or "dynamic", a call of ``T`` tokens runs under a checked ``scheme``
+    (:func:`check_dense_scheme`): "weight_only" for a dense weight, and for "auto" below ``min_tokens``
+    tokens or where the scale block admits no W8A8 K step; "dynamic" for "dynamic", and for "auto" from
+    ``min_tokens`` tokens on."""
+    if scheme == "weight_only" or not isinstance(weight, FP8BlockWeight):
+        return "weight_only"
+    if scheme == "dynamic":
+        return "dynamic"
+    return "dynamic" if T >= min_tokens and _w8a8_ok(weight) else "weight_only"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -316,8 +355,15 @@ def _check_weight(weight, K: int | None, device, name: str = "weight") -> FP8Blo
 
 
 def _check_block_k(cfg: DenseFP8Config, bk: int, group_size: int | None = None) -> None:
+    """BLOCK_SIZE_K divides the weight's bk and (W8A8, ``group_size`` given) the activation group, and
+    W8A8 steps at least W8A8_MIN_BLOCK_K; ValueError naming ``config`` otherwise."""
     if not isinstance(cfg, DenseFP8Config):
         raise ValueError(f"config must be a DenseFP8Config or None, got {type(cfg).__name__}")
+    if group_size is not None and cfg.BLOCK_SIZE_K < W8A8_MIN_BLOCK_K:
+        raise ValueError(
+            f"config.BLOCK_SIZE_K = {cfg.BLOCK_SIZE_K}: the W8A8 form's FP8 tl.dot needs a K step of at "
+            f"least {W8A8_MIN_BLOCK_K}"
+        )
     if bk % cfg.BLOCK_SIZE_K:
         raise ValueError(
             f"config.BLOCK_SIZE_K = {cfg.BLOCK_SIZE_K} must divide the weight's scale block columns "
@@ -485,7 +531,7 @@ def dense_fp8_w8a8(
         group_size: the activation group's columns (None: ``weight.block[1]``, the checkpoints' 128).
         out_dtype: float16/bfloat16/float32 (not bfloat16 on the CPU).
         config: a :class:`DenseFP8Config` (None: :func:`default_dense_fp8_config`); BLOCK_SIZE_K must
-            divide ``weight.block[1]`` and ``group_size``.
+            divide ``weight.block[1]`` and ``group_size`` and be ≥ :data:`W8A8_MIN_BLOCK_K`.
         out: optional preallocated [T, N] of ``out_dtype``.
     Returns:
         ``out`` (or a new [T, N] tensor of ``out_dtype``): ``Σ_k dequant(x)·dequant(W)`` in fp32 (exact
@@ -494,13 +540,11 @@ def dense_fp8_w8a8(
         ValueError naming the argument: ``weight`` not an FP8BlockWeight (e.g. a dense tensor: the W8A8
         form needs FP8 weights) or not 2-D or K ≠ x_q's; x_q not float8_e4m3fn [T, K]; x_scale not
         float32 of the scale grid's shape; group_size not a positive int; bias / out / out_dtype wrong;
-        ``config.BLOCK_SIZE_K`` not dividing ``weight.block[1]`` or ``group_size``.
+        ``config.BLOCK_SIZE_K`` below 32 or not dividing ``weight.block[1]`` or ``group_size`` (with the
+        default config: ``block_k`` when no such K step exists).
     """
     if not isinstance(x_q, torch.Tensor) or x_q.dim() != 2 or x_q.dtype != _FP8:
         raise ValueError(f"x_q must be a 2-D float8_e4m3fn tensor [T, K] (quantize_act), got {describe(x_q)}")
-    if out_dtype not in _X_DTYPES:
-        raise ValueError(f"out_dtype must be float16, bfloat16 or float32, got {out_dtype!r}")
-    _check_cpu(out_dtype, x_q.device, "out_dtype")
     T, K = x_q.shape
     weight = _check_weight(weight, K, x_q.device)
     N = weight.shape[0]
@@ -511,8 +555,16 @@ def dense_fp8_w8a8(
         "x_scale", x_scale, (("T", T), ("ceil(K/group_size)", -(-K // g))), (torch.float32,), x_q.device,
         like="x_q",
     )  # fmt: skip
+    if out_dtype not in _X_DTYPES:
+        raise ValueError(f"out_dtype must be float16, bfloat16 or float32, got {out_dtype!r}")
+    _check_cpu(out_dtype, x_q.device, "out_dtype")
     if bias is not None:
         check_tensor("bias", bias, (("N", N),), (out_dtype,), x_q.device, " (out_dtype)", like="x_q")
+    if config is None and _pow2_divisor(math.gcd(weight.block[1], g)) < W8A8_MIN_BLOCK_K:
+        raise ValueError(
+            f"weight.block = {weight.block}, group_size = {g}: no K step of {W8A8_MIN_BLOCK_K} or more (an "
+            "FP8 tl.dot's minimum K) divides both the weight's scale block columns and the activation group"
+        )
     cfg = (
         config
         if config is not None
@@ -529,20 +581,20 @@ def dense_fp8_linear(
     weight: FP8BlockWeight,
     bias: torch.Tensor | None = None,
     *,
-    fp8_mode: str = "auto",
+    activation_scheme: str = "auto",
     config: DenseFP8Config | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``y = x·Wᵀ (+ bias)`` for x [T, K] float16/bfloat16/float32 and a block-FP8 ``weight`` [N, K], in
-    the form ``fp8_mode`` picks for T (:func:`fp8_mode_for`): "weight_only" →
+    the form ``activation_scheme`` picks for T (:func:`resolve_dense_scheme`): "weight_only" →
     :func:`dense_fp8_weight_only`; "dynamic" → :func:`quantize_act` (groups of ``weight.block[1]``
     columns) then :func:`dense_fp8_w8a8` with x's dtype as output dtype; "auto" → by T
-    (:data:`FP8_DYNAMIC_MIN_TOKENS`). Returns [T, N] of x's dtype (``out`` when given). Raises what those
-    raise, and ValueError naming ``fp8_mode``."""
-    check_fp8_mode(fp8_mode)
+    (:data:`DENSE_W8A8_MIN_TOKENS`). Returns [T, N] of x's dtype (``out`` when given). Raises what those
+    raise, and ValueError naming ``activation_scheme`` (:func:`check_dense_scheme`)."""
+    check_dense_scheme(activation_scheme, weight)
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in _X_DTYPES:
         raise ValueError(f"x must be a 2-D float16/bfloat16/float32 tensor [T, K], got {describe(x)}")
-    if fp8_mode_for(fp8_mode, x.shape[0]) == "weight_only":
+    if resolve_dense_scheme(activation_scheme, weight, x.shape[0]) == "weight_only":
         return dense_fp8_weight_only(x, weight, bias, config=config, out=out)
     weight = _check_weight(weight, x.shape[1], x.device)
     _check_cpu(x.dtype, x.device, "x")

@@ -506,7 +506,7 @@ def load_hf_checkpoint(
     stage: str = "auto",
     deterministic: bool = False,
     dequantize: bool | None = None,
-    fp8_mode: str = "auto",
+    activation_scheme: str = "auto",
 ) -> MultiLoRAModel:
     """A :class:`MultiLoRAModel` from a Hugging Face folder (config.json + model.safetensors or a
     sharded model.safetensors.index.json), weights cast to ``dtype`` on ``device``.
@@ -533,7 +533,7 @@ def load_hf_checkpoint(
       ``FineGrainedFP8Config(dequantize=True)`` builds — and the dense path runs;
     * False: FP8 kept (:class:`~moelora_lib.quant.FP8BlockWeight`) for the layers to run:
       :class:`moelora_lib.MoELoRALayer`'s FP8 expert GEMMs and :class:`moelora_lib.LoRALinear`'s block-FP8
-      dense GEMM (:mod:`moelora_lib.kernels.dense_fp8`, in the form ``fp8_mode`` picks);
+      dense GEMM (:mod:`moelora_lib.kernels.dense_fp8`, in the form ``activation_scheme`` picks);
       NotImplementedError naming ``dequantize=True`` where a layer class does not list "fp8" in its
       PACKED_FORMATS;
     * None (default): FP8 kept where the layer it goes to runs it ("fp8" in
@@ -541,8 +541,8 @@ def load_hf_checkpoint(
       :func:`~moelora_lib.model.modeling.packed_expert_formats` for the experts — both list it), else
       dequantized as with True.
 
-    ``fp8_mode`` (FP8 dense projections only; :class:`MultiLoRAModel`'s): "auto" (default: weight-only
-    GEMM below :data:`~moelora_lib.kernels.dense_fp8.FP8_DYNAMIC_MIN_TOKENS` tokens per forward, W8A8
+    ``activation_scheme`` (the FP8 dense projections'; :class:`MultiLoRAModel`'s): "auto" (default:
+    weight-only GEMM below :data:`~moelora_lib.kernels.dense_fp8.DENSE_W8A8_MIN_TOKENS` tokens, W8A8
     with the checkpoints' dynamic per-token, per-128-column activation quantization from there),
     "weight_only" (equal to the dequantized model up to summation order) or "dynamic" (each activation
     element within 2^-4 relative of its value before the GEMM).
@@ -657,7 +657,7 @@ def load_hf_checkpoint(
         stage=stage,
         deterministic=deterministic,
         weights=source,
-        fp8_mode=fp8_mode,
+        activation_scheme=activation_scheme,
     )
 
 

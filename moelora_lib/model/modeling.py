@@ -492,8 +492,8 @@ def packed_linear_weight(w: FP8BlockWeight, *, name: str, shape: tuple[int, ...]
     LoRALinear lists "fp8" in its ``PACKED_FORMATS`` (see :func:`packed_linear_formats`) and takes the
     weight as ``weight`` with a ``dtype`` keyword (the activations' dtype: the model passes its own,
     since a packed weight carries none, as it does for :class:`moelora_lib.MoELoRALayer`) and the
-    model's ``fp8_mode``; where a layer class does not list it, this raises NotImplementedError and the
-    dense path runs by dequantizing at load (``load_hf_checkpoint(..., dequantize=True)``).
+    model's ``activation_scheme``; where a layer class does not list it, this raises NotImplementedError
+    and the dense path runs by dequantizing at load (``load_hf_checkpoint(..., dequantize=True)``).
 
     Raises:
         ValueError: ``w`` is not an FP8BlockWeight (MXFP4 is read for experts only) or its shape is not
@@ -608,11 +608,12 @@ class MultiLoRAModel(nn.Module):
             (``qkv_proj``, ``o_proj``, ``gate_up_proj``, ``down_proj``); they go through
             :func:`packed_expert_weight` / :func:`packed_linear_weight` and stay FP8 in the layers
             (MoELoRALayer's ``W_FP8`` GEMMs; LoRALinear's :mod:`~moelora_lib.kernels.dense_fp8` GEMM).
-        fp8_mode: the form of the FP8 dense projections' base GEMM (:class:`moelora_lib.LoRALinear`'s
-            ``fp8_mode``): "auto" (default: weight-only below
-            :data:`~moelora_lib.kernels.dense_fp8.FP8_DYNAMIC_MIN_TOKENS` tokens per forward, W8A8 with
-            dynamic per-token activation quantization from there), "weight_only" or "dynamic". No effect
-            on dense projections or on the MoE experts (whose FP8 GEMMs are weight-only).
+        activation_scheme: the form of the FP8 dense projections' base GEMM
+            (:class:`moelora_lib.LoRALinear`'s ``activation_scheme``): "auto" (default: weight-only below
+            :data:`~moelora_lib.kernels.dense_fp8.DENSE_W8A8_MIN_TOKENS` tokens per forward, W8A8 with
+            dynamic per-token activation quantization from there), "weight_only" or "dynamic" (FP8
+            scale blocks of a multiple of 32 columns). Applies to the FP8 attention / dense MLP
+            projections; dense projections and the MoE experts run as they do without it.
     Raises:
         ValueError naming the argument: a stage that is neither "auto" nor a name of
         :data:`~moelora_lib.kernels.STAGES` (the message lists them), sizes not positive ints,
@@ -651,16 +652,19 @@ class MultiLoRAModel(nn.Module):
         stage: str = "auto",
         weights: Mapping[str, torch.Tensor] | Callable | None = None,
         deterministic: bool = False,
-        fp8_mode: str = "auto",
+        activation_scheme: str = "auto",
     ):
         super().__init__()
         check_bool("deterministic", deterministic)
         from .. import LoRALinear, MoELoRALayer
         from ..kernels import AUTO_STAGE, check_stage_name
-        from ..kernels.dense_fp8 import check_fp8_mode
+        from ..kernels.dense_fp8 import ACTIVATION_SCHEMES
 
         check_stage_name(stage)
-        check_fp8_mode(fp8_mode)
+        if not isinstance(activation_scheme, str) or activation_scheme not in ACTIVATION_SCHEMES:
+            raise ValueError(
+                f"activation_scheme must be one of {list(ACTIVATION_SCHEMES)}, got {activation_scheme!r}"
+            )
 
         if not isinstance(config, ModelConfig):
             raise ValueError(f"config must be a ModelConfig, got {type(config).__name__}")
@@ -753,7 +757,11 @@ class MultiLoRAModel(nn.Module):
                 w = take(f"{_p}{_sub}{name}.weight", (n_out, n_in), packed=packed_linear_weight)
                 b = take(f"{_p}{_sub}{name}.bias", (n_out,), "bias") if bias else None
                 # a packed (FP8) weight carries no activation dtype: the layer takes the model's
-                fp8 = {"dtype": dtype, "fp8_mode": fp8_mode} if isinstance(w, FP8BlockWeight) else {}
+                fp8 = (
+                    {"dtype": dtype, "activation_scheme": activation_scheme}
+                    if isinstance(w, FP8BlockWeight)
+                    else {}
+                )
                 return LoRALinear(w, b, slices=slices, **dense, **fp8)
 
             def take_l(name, shape, kind="weight", _p=p):

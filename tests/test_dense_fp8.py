@@ -65,6 +65,7 @@ GEMMS = {
     "T0": (0, 64, 64, (32, 32), True, None),
     "T1_ragged_NK": (1, 200, 100, (32, 32), True, None),  # 200 % 32, 100 % 32: ragged block row / column
     "T7_one_ragged_block": (7, 96, 128, (128, 128), False, None),  # N < bn: a single ragged block row
+    "T130_prefill": (130, 64, 64, (32, 32), True, None),  # the default config's 128-row M tiles, 2 of them
     # 3 M tiles x 5 N tiles in grouped order (GROUP_SIZE_M 2, the last group partial), masked K loop
     "T33_swizzle": (33, 80, 100, (32, 32), True, DenseFP8Config(16, 16, 32, 2, 4, 2)),
 }
@@ -221,7 +222,8 @@ def test_layer_weight_only_matches_dequantized_layer():
 def test_layer_dynamic_matches_oracle():
     """W8A8 FP8 LoRALinear: the base on the quantized activations, the LoRA shrink / expand on the
     unquantized ones (as the module docstring says), against the float64 oracle; "auto" resolves
-    per T (weight-only at 1 token, W8A8 at DENSE_W8A8_MIN_TOKENS) and runs what it resolves to."""
+    per T (weight-only at 1 token, W8A8 with a W8A8 config at DENSE_W8A8_MIN_TOKENS); the setter
+    validates and drops the per-T choices."""
     dt = torch.float32
     w, bias, ads = _parts(seed=20)
     f8 = _layer(w, bias, ads, dt, activation_scheme="dynamic")
@@ -237,11 +239,11 @@ def test_layer_dynamic_matches_oracle():
     assert auto.activation_scheme == "auto" and auto.activation_scheme_for(1) == "weight_only"
     T = DENSE_W8A8_MIN_TOKENS
     assert auto.activation_scheme_for(T) == "dynamic" and auto.fp8_config_for(T).BLOCK_SIZE_K == 32
-    xt, idt = _batch(T, dt, seed=9)
-    with torch.no_grad():
-        assert torch.equal(auto(xt, idt), f8(xt, idt))
-        auto.activation_scheme = "weight_only"  # setter: validated, the per-T choice dropped
-        assert auto.activation_scheme_for(T) == "weight_only"
+    assert auto.fp8_config_for(T).BLOCK_SIZE_M == 128
+    auto.activation_scheme = "weight_only"
+    assert auto.activation_scheme_for(T) == "weight_only"
+    with pytest.raises(ValueError, match=r"activation_scheme must be one of"):
+        auto.activation_scheme = "static"
 
 
 def test_layer_state_dict_to_copy_compile():
@@ -257,17 +259,18 @@ def test_layer_state_dict_to_copy_compile():
     b.load_state_dict(sd)
     x, ids = _batch(9, torch.float32, seed=11)
     with torch.no_grad():
-        assert torch.equal(a(x, ids), b(x, ids))
+        ya = a(x, ids)
+        assert torch.equal(b(x, ids), ya)
         half = copy.deepcopy(a).to(torch.float16)
         assert half.weight_fp8.dtype == torch.float8_e4m3fn and half.weight_scale_inv.dtype == torch.float32
         assert torch.equal(half.weight_fp8.view(torch.uint8), a.weight_fp8.view(torch.uint8))
         assert half.dtype == torch.float16 and half.bias.dtype == torch.float16
         yh = half(x.half(), ids)
-        assert_close_rel(yh, a(x, ids).double(), tol=TOLERANCES[torch.float16], what="FP8 layer in fp16")
+        assert_close_rel(yh, ya.double(), tol=TOLERANCES[torch.float16], what="FP8 layer in fp16")
         plain = ids == -1
         assert torch.equal(yh[plain], dense_fp8_weight_only(x.half(), w, half.bias)[plain])
         compiled = torch.compile(a, fullgraph=True, backend="aot_eager")
-        assert torch.equal(compiled(x, ids), a(x, ids))
+        assert torch.equal(compiled(x, ids), ya)
     rep = a.memory_report()
     assert rep["weights"] == w.weight.numel() + w.scale_inv.numel() * 4 + bias.numel() * 4
     assert "weights=fp8 (block [32, 32]), activation_scheme='auto'" in repr(a)

@@ -309,21 +309,20 @@ def test_logits_match_transformers_dequantized(published, case):
         _close(step[:, 0], r[:, 9], f"fp8 {case} decode step")
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen3"])
-def test_fp8_model_logits_match_dequantized_model(published, kind):
+def test_fp8_model_logits_match_dequantized_model(published):
     """dequantize=None keeps every projection FP8 — the experts (MoELoRALayer's W_FP8 GEMMs) and the
     attention / dense MLP projections (LoRALinear's block-FP8 GEMM, weight-only at these sizes under
     activation_scheme "auto"): its logits equal the dequantize=True model's up to fp32 summation order
     (the FP8 GEMMs step 16 along K, one scale column of the [32, 16] blocks per step), prefill and one
-    decode step."""
-    entry = published[kind]
+    decode step. (The dense Qwen3's FP8 gate_up / down projections:
+    test_peft_adapters_mixed_batch_match_transformers_peft.)"""
+    entry = published["qwen3_moe"]
     f8, dense = _load(entry["single"]), _load(entry["single"], dequantize=True)
     lins = [m for m in f8.modules() if isinstance(m, moelora_lib.LoRALinear)]
-    assert len(lins) == (2 if kind == "qwen3_moe" else 4) * NL  # qkv, o (+ gate_up, down)
+    assert len(lins) == 2 * NL  # qkv, o
     assert all(m.weight_format == "fp8" and m.weight is None for m in lins)
     assert all(m.activation_scheme_for(20) == "weight_only" for m in lins)
-    if kind == "qwen3_moe":
-        assert all(layer.mlp.experts.weight_format == "fp8" for layer in f8.layers)
+    assert all(layer.mlp.experts.weight_format == "fp8" for layer in f8.layers)
     out, want = f8(_IDS, [0, 0], [-1, -1]), dense(_IDS, [0, 0], [-1, -1])
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     for m in (f8, dense):
@@ -373,11 +372,12 @@ W8A8_LOGIT_REL = 0.15
 @pytest.mark.parametrize("kind", list(ADAPTERS))
 def test_peft_adapters_mixed_batch_match_transformers_peft(published, kind, tmp_path):
     """Adapters made by PEFT on transformers' dequantized model of the [32, 32]-block folder (sharded for
-    the MoE); ours loaded from it three ways — dequantize=True, FP8 kept with the weight-only GEMM
-    (activation_scheme "weight_only"), FP8 kept with W8A8 ("dynamic") — each with both adapters; a mixed batch
-    (adapter, none, other adapter) against transformers + PEFT row by row: the dequantized and the
-    weight-only model within tests/test_model_adapters.py's E2E tolerance, W8A8 within
-    :data:`W8A8_LOGIT_REL` (activation quantization error) and measurably off the weight-only result."""
+    the MoE), as FP8 models' adapters are trained; ours loaded from the FP8 folder as it loads by default
+    (every projection kept FP8; activation_scheme "auto", weight-only at these 18 tokens), both adapters
+    in slots; a mixed batch (adapter, none, other adapter) against transformers + PEFT row by row within
+    tests/test_model_adapters.py's E2E tolerance; then the same model with its dense projections switched
+    to W8A8 ("dynamic"): within :data:`W8A8_LOGIT_REL` (activation quantization error) and measurably
+    off the weight-only result. (The dequantize=True model: test_logits_match_transformers_dequantized.)"""
     entry = published[kind]
     folders = {}
     with warnings.catch_warnings():
@@ -402,22 +402,17 @@ def test_peft_adapters_mixed_batch_match_transformers_peft(published, kind, tmp_
             refs.append(ref(input_ids=ids[row : row + 1]).logits[0].float())
         base = entry["b32_ref"](input_ids=ids[[0, 2]]).logits.float()
     assert not torch.allclose(refs[0], base[0], atol=1e-2) and not torch.allclose(refs[2], base[1], atol=1e-2)
-    folder = entry["b32"]
-    outs = {}
-    for how, kw in (
-        ("dequantized", dict(dequantize=True)),
-        ("weight_only", dict(activation_scheme="weight_only")),
-        ("dynamic", dict(activation_scheme="dynamic")),
-    ):
-        model = _load(folder, **kw)
-        fp8 = [
-            m.weight_format == "fp8"
-            for m in (model.layers[0].self_attn.qkv_proj, model.layers[1].self_attn.o_proj)
-        ]
-        assert fp8 == [how != "dequantized"] * 2, how
-        for slot, name in enumerate(names):
-            load_peft_adapter(model, slot, folders[name])
-        outs[how] = model(ids, [0] * 3, lora_ids)
+    model = _load(entry["b32"])
+    lins = [m for m in model.modules() if isinstance(m, moelora_lib.LoRALinear)]
+    assert lins and all(
+        m.weight_format == "fp8" and m.activation_scheme_for(ids.numel()) == "weight_only" for m in lins
+    )
+    for slot, name in enumerate(names):
+        load_peft_adapter(model, slot, folders[name])
+    outs = {"weight_only": model(ids, [0] * 3, lora_ids)}
+    for m in lins:
+        m.activation_scheme = "dynamic"
+    outs["dynamic"] = model(ids, [0] * 3, lora_ids)
     for how, ours in outs.items():
         for row, slot in enumerate(lora_ids):
             err = (ours[row] - refs[row]).abs().max().item()

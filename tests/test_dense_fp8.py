@@ -141,6 +141,24 @@ def test_out_buffer_and_forms():
     assert resolve_dense_scheme("auto", torch.zeros(4, 4), 10**6) == "weight_only"  # dense: F.linear
 
 
+@pytest.mark.parametrize("dt", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_quantize_act_is_the_reference(dt):
+    """quantize_act (no host sync) gives quantize_fp8_act_reference's codes and scales bit for bit:
+    a ragged last group, an all-zero group, -0.0, values that land in e4m3's subnormals, huge and tiny
+    groups, T = 0. (Torch ops only: bf16 is exact here.)"""
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(6, 70, generator=g) * torch.logspace(-30, 30, 6)[:, None]
+    x[1, :32] = 0.0
+    x[2, 5] = -0.0
+    x[3, :32] *= torch.logspace(0, -5, 32)  # a group's small entries fall below 2^-6 · scale
+    x = x.to(dt) if dt != torch.float16 else x.clamp(-6e4, 6e4).to(dt)
+    for T in (6, 0):
+        q, s = quantize_act(x[:T], 32)
+        rq, rs = quantize_fp8_act_reference(x[:T], 32)
+        assert q.shape == rq.shape and torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+        assert s.dtype == torch.float32 and torch.equal(s, rs)
+
+
 def test_default_configs():
     """Per T bucket: BLOCK_SIZE_M 16/32/64/128 (W8A8 ≥ 64: FP8 wgmma), BLOCK_SIZE_K the scale block's
     power-of-two part up to 128 and no wider than K, enough N tiles at decode for two programs per SM."""

@@ -5,8 +5,7 @@ The CPU tests (tests/test_dense_fp8.py) check the math under the interpreter in 
 wrong there); here: the bf16 weight-only form against ``F.linear`` on the weight dequantized to bf16, the
 W8A8 form (FP8 wgmma for M tiles of 64+ rows, mma.sync below) against the float32 GEMM of the
 reference-quantized activations, the layer against the layer on dequantized weights, and a CUDA graph
-capture of the weight-only layer (the W8A8 layer quantizes its activations with the torch oracle, which
-syncs with the host, until the Triton quantizer replaces it in ``dense_fp8.quantize_act``).
+capture of the layer in both forms (the activation quantization included: no host sync).
 """
 
 from __future__ import annotations
@@ -101,8 +100,9 @@ def test_layer_dynamic_bf16():
     assert_close_rel(y, ref, dtype=DT, what="FP8 W8A8 layer")
 
 
-def test_layer_weight_only_graph_capture():
-    w, f8, dense = _layers("weight_only")
+@pytest.mark.parametrize("scheme", ["weight_only", "dynamic"])
+def test_layer_graph_capture(scheme):
+    w, f8, dense = _layers(scheme)
     T = 8
     x, ids = _x(T, 8).clone(), _ids(T)
     with torch.no_grad():

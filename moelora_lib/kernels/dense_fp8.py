@@ -64,12 +64,13 @@ import math
 from dataclasses import asdict, dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from ..common import aligned16, check_tensor, describe
 from ..hardware import H200_NUM_SMS
-from ..quant.fp8 import FP8BlockWeight, quantize_fp8_act_reference
+from ..quant.fp8 import E4M3_MAX, FP8BlockWeight
 from .triton_kernels import _pid_to_mn
 
 __all__ = [
@@ -324,16 +325,26 @@ def resolve_dense_scheme(scheme: str, weight, T: int, min_tokens: int = DENSE_W8
 # --------------------------------------------------------------------------------------------------
 def quantize_act(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The dynamic per-token, per-group activation quantization the W8A8 form consumes: ``x [T, K]``
-    (float16/bfloat16/float32) → ``(x_q float8_e4m3fn [T, K], x_scale float32 [T, ceil(K/group_size)])``,
-    per row and group ``scale = amax / 448``, ``x_q = round_e4m3(x / scale)``
-    (:func:`~moelora_lib.quant.quantize_fp8_act_reference`'s rule and numbers).
+    (float16/bfloat16/float32, finite) → ``(x_q float8_e4m3fn [T, K], x_scale float32 [T, ceil(K/g)])``
+    with ``g = group_size`` ≥ 1: per row and group (the last one ragged) ``scale = amax / 448`` in
+    float32 (1 for an all-zero group, at least 2^-126), ``x_q = round_e4m3(clamp(x / scale, ±448))`` —
+    :func:`~moelora_lib.quant.quantize_fp8_act_reference`'s rule and torch ops, hence its numbers bit for
+    bit on the same device (tests/test_dense_fp8.py), without its checks: no host sync, so a CUDA graph
+    captures it (inf/NaN in x give unspecified codes and scales).
 
-    The one call site of the activation quantizer for every W8A8 path in this package. It runs the torch
-    oracle :func:`~moelora_lib.quant.quantize_fp8_act_reference` (a few torch ops and one host sync for
-    its finiteness check, so a CUDA graph cannot capture it); the fused Triton quantizer replaces it
-    here. Raises ValueError naming ``x`` / ``group_size`` (the oracle's checks).
+    The one call site of the activation quantizer for every W8A8 path in this package, a few torch ops
+    (a padded copy, amax, a division, a cast); the fused one-launch Triton quantizer takes its place here.
     """
-    return quantize_fp8_act_reference(x, group_size)
+    T, K = x.shape
+    G = -(-K // group_size)
+    xf = x.float()
+    if G * group_size != K:
+        xf = F.pad(xf, (0, G * group_size - K))
+    groups = xf.view(T, G, group_size)
+    amax = groups.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, (amax / E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny), 1.0)
+    q = (groups / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(_FP8)
+    return q.view(T, G * group_size)[:, :K], scale
 
 
 # --------------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@
 Math (per token t with adapter slot a = lora_ids[t], -1 = none; output slices s of widths N_s at
 column offsets o_s, Σ_s N_s = N_total)::
 
-    y[t]                 = x[t]·Wᵀ (+ b)                                  # base: torch F.linear (cuBLAS)
+    y[t]                 = x[t]·Wᵀ (+ b)              # base: torch F.linear (cuBLAS); block-FP8 W: dense_fp8
     y[t, o_s : o_s+N_s] += [a ≥ 0]·B_s[a]·(A_s[a]·x[t])    for every slice s
 
 Several projections of one input share a launch as slices of one fused weight: q, k, v of a fused
@@ -24,7 +24,9 @@ Layouts (the argument for them is in :mod:`moelora_lib.kernels.dense_lora`):
   per-slice lists ([L, 1, N_s, R] each) and passes the kernels a device table of their data pointers;
   one tensor needs no table, no padding of narrow slices, and B row n is output column n.
 
-How a call runs: ``F.linear`` for the base; the tokens grouped by adapter with the package's
+How a call runs: ``F.linear`` for the base (a block-FP8 weight, :class:`~moelora_lib.quant.FP8BlockWeight`:
+the GEMM of :mod:`moelora_lib.kernels.dense_fp8`, weight-only or W8A8 by ``activation_scheme``; the LoRA
+part below is the same); the tokens grouped by adapter with the package's
 (adapter, expert) alignment at E = 1, top_k = 1 (CPU: the torch oracle
 :func:`moelora_lib.routing.align_tokens`; CUDA: one launch of
 :func:`~moelora_lib.kernels.align_small.align_tokens_pair` up to

@@ -30,6 +30,7 @@ from moelora_lib.kernels.dense_fp8 import (
     DenseFP8Config,
     default_dense_fp8_config,
     dense_fp8_linear,
+    dense_fp8_reference,
     dense_fp8_w8a8,
     dense_fp8_weight_only,
     quantize_act,
@@ -82,6 +83,7 @@ def test_weight_only_matches_dequantized_linear(case, dt):
     y = dense_fp8_weight_only(x, w, b, config=cfg)
     assert y.shape == (T, N) and y.dtype == dt
     ref = F.linear(x.double(), w.dequantize(dt).double(), None if b is None else b.double())
+    assert torch.equal(ref, dense_fp8_reference(x, w, b))  # the module's reference is this oracle
     if T:
         assert_close_rel(y, ref, tol=_tol(dt), what=f"weight-only {case} {dt}")
 
@@ -98,6 +100,7 @@ def test_w8a8_matches_quantized_oracle(case, dt):
     y = dense_fp8_w8a8(x_q, x_s, w, b, out_dtype=dt, config=cfg)
     assert y.shape == (T, N) and y.dtype == dt
     ref = F.linear(_qdq(x, block[1]), w.dequantize(torch.float64), None if b is None else b.double())
+    assert torch.equal(ref, dense_fp8_reference(x, w, b, activation_scheme="dynamic"))
     if T:
         assert_close_rel(y, ref, tol=_tol(dt), what=f"w8a8 {case} {dt}")
         # and within the activation quantization's error of the unquantized GEMM: |Δy| ≤ 2^-4 Σ|x·W|

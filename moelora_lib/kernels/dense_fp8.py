@@ -26,10 +26,10 @@ One Triton kernel, ``_dense_fp8_kernel``, in two forms (the constexpr ``W8A8``):
 Both: BLOCK_SIZE_K must divide the weight's bk (and, W8A8, the activation group size), so a K step
 reads one scale column; W8A8 also needs BLOCK_SIZE_K ≥ :data:`W8A8_MIN_BLOCK_K` = 32, the K of one FP8
 tensor-core instruction (Triton refuses an FP8 ``tl.dot`` with K < 32 for sm_90). Checked in the
-launchers: ValueError naming ``config.BLOCK_SIZE_K``. On sm_90, Triton emits FP8 ``wgmma`` for W8A8 tiles
-of BLOCK_SIZE_M ≥ 64 (smaller tiles run ``mma.sync`` on the e4m3 values widened to fp16: same numbers,
-no FP8 rate), so the W8A8 default configs use M tiles of at least 64 rows. N and K
-need not be multiples of anything: the last tile rows/columns are clamped into range for the loads and
+launchers: ValueError naming ``config.BLOCK_SIZE_K``. On sm_90, Triton emits FP8 ``wgmma`` (e4m3 x e4m3)
+for W8A8 tiles of BLOCK_SIZE_M ≥ 64; smaller tiles compile to ``mma.sync`` on widened values (same
+numbers, no FP8 rate), so the W8A8 default configs use M tiles of at least 64 rows. N and K need not be
+multiples of anything: the last tile rows/columns are clamped into range for the loads and
 masked at the store; without EVEN_K (K % BLOCK_SIZE_K ≠ 0) the K loop masks its loads with zeros.
 Tiles are visited in grouped order (GROUP_SIZE_M M-tiles per column of N-tiles before moving on, the
 Triton matmul tutorial's L2 swizzle, :func:`~moelora_lib.kernels.triton_kernels._pid_to_mn`). The
@@ -49,7 +49,8 @@ Precision: weight-only equals the dense GEMM on the exactly dequantized weights 
 order (tf32 for float32 x on the GPU, Triton's default input precision). W8A8 adds the activation
 quantization: each x element is replaced by ``q·scale`` within 2^-4 relative (e4m3 has 3 mantissa bits;
 2^-10·scale absolute below e4m3's normal range), so each output is off by at most 2^-4·Σ_k |x_k·W_nk|
-from the weight-only result, and typically by ~2^-4/√3 · ‖x‖·‖W_n‖-sized random errors.
+from the weight-only result; the rounding errors have random signs, so the typical error is far below
+that bound.
 
 Sources: DeepSeek-V3 technical report (arXiv:2412.19437, §3.3: fine-grained 1 x 128 activation / 128 x
 128 weight scaling, FP8 GEMM with fp32 promotion per 128 K elements); the block-FP8 GEMM design of
@@ -87,6 +88,7 @@ __all__ = [
     "dense_fp8_weight_only",
     "dense_fp8_w8a8",
     "dense_fp8_linear",
+    "dense_fp8_reference",
 ]
 
 #: The fewest tokens at which ``activation_scheme="auto"`` runs the dense W8A8 form (FP8 tensor cores,
@@ -472,6 +474,8 @@ def _launch(x, weight, out, cfg, bias, x_scale=None, group_size=None) -> torch.T
     if x.shape[0] == 0 or out.shape[1] == 0:
         return out
     x = aligned16(x, "x")
+    if bias is not None:
+        bias = aligned16(bias.contiguous(), "bias")  # the kernel reads bias[n] at n
     grid, args, cx = dense_fp8_args(x, weight, out, cfg, bias=bias, x_scale=x_scale, group_size=group_size)
     DENSE_FP8_KERNEL[grid](*args, **cx, num_warps=cfg.NUM_WARPS, num_stages=cfg.NUM_STAGES)
     return out
@@ -613,3 +617,27 @@ def dense_fp8_linear(
     return dense_fp8_w8a8(
         x_q, x_scale, weight, bias, group_size=weight.block[1], out_dtype=x.dtype, config=config, out=out
     )
+
+
+def dense_fp8_reference(
+    x: torch.Tensor,
+    weight: FP8BlockWeight,
+    bias: torch.Tensor | None = None,
+    *,
+    activation_scheme: str = "weight_only",
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """What the FP8 GEMM computes, in plain torch and ``dtype`` (float64 by default), for tests:
+    "weight_only": ``F.linear(x, W, bias)`` with W dequantized exactly to x's dtype (the kernel's
+    rounding of each weight tile), then widened; "dynamic": the activations as :func:`quantize_act`
+    gives them (``x_q · x_scale``, groups of ``weight.block[1]`` columns) times W dequantized in
+    float32 (its scale products rounded once). ``x`` [T, K] float, ``weight`` [N, K], ``bias`` [N] or
+    None; returns [T, N] in ``dtype``. Not validated beyond what torch checks."""
+    wd = weight.dequantize(x.dtype if activation_scheme == "weight_only" else torch.float32).to(dtype)
+    if activation_scheme == "weight_only":
+        xd = x.to(dtype)
+    else:
+        g = weight.block[1]
+        q, s = quantize_act(x, g)
+        xd = q.to(dtype) * s.to(dtype).repeat_interleave(g, dim=1)[:, : x.shape[1]]
+    return F.linear(xd, wd, None if bias is None else bias.to(dtype))

@@ -230,10 +230,10 @@ class Attention(nn.Module):
             self.sinks = nn.Parameter(take("sinks", (self.nh,), "weight"), requires_grad=False)
         self.sliding = c.layer_types[layer] == "sliding_attention"
         self.sliding_window = c.sliding_window if self.sliding else None
-        w = self.qkv_proj.weight
+        z = dict(dtype=self.qkv_proj.dtype, device=self.qkv_proj.device)
         shape = (max_batch, self.nkv, max_seq, self.hd)
-        self.register_buffer("k_cache", torch.zeros(shape, dtype=w.dtype, device=w.device), persistent=False)
-        self.register_buffer("v_cache", torch.zeros(shape, dtype=w.dtype, device=w.device), persistent=False)
+        self.register_buffer("k_cache", torch.zeros(shape, **z), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, **z), persistent=False)
 
     def forward(self, x: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
         """x [T = B·S, H] -> [T, H]; writes this call's K/V into the cache first."""
@@ -432,9 +432,9 @@ def packed_expert_formats() -> frozenset[str]:
 def packed_linear_formats() -> frozenset[str]:
     """The packed weight formats :class:`moelora_lib.LoRALinear` (attention q/k/v/o, the dense MLP) takes
     as they are ("fp8": :class:`~moelora_lib.quant.FP8BlockWeight` as ``weight``): the class attribute
-    ``LoRALinear.PACKED_FORMATS``, empty where the layer does not define it (today: it runs dense
-    weights only). :func:`~moelora_lib.model.load_hf_checkpoint` keeps a checkpoint's FP8 projections in
-    FP8 by default exactly when "fp8" is listed here."""
+    ``LoRALinear.PACKED_FORMATS`` (a tuple of names), empty where the layer does not define it.
+    :func:`~moelora_lib.model.load_hf_checkpoint` keeps a checkpoint's FP8 projections in FP8 by default
+    exactly when "fp8" is listed here."""
     from .. import LoRALinear
 
     return frozenset(getattr(LoRALinear, "PACKED_FORMATS", ()))
@@ -462,7 +462,8 @@ def packed_expert_weight(
 
     Raises:
         ValueError: ``w``'s dense shape is not ``shape`` (naming ``name``).
-        NotImplementedError: the MoE layer has no kernels for ``w``'s format (today: FP8).
+        NotImplementedError: the MoE layer has no kernels for ``w``'s format (not in its
+            PACKED_FORMATS).
     """
     shape = tuple(shape)
     fmt = _format_of(w)
@@ -488,16 +489,16 @@ def packed_linear_weight(w: FP8BlockWeight, *, name: str, shape: tuple[int, ...]
     [N_total, H] and its scale grid) on ``device``, kept in FP8. The one place where packed dense
     projection weights enter the model.
 
-    An FP8 GEMM path plugs in by listing "fp8" in ``LoRALinear.PACKED_FORMATS`` (see
-    :func:`packed_linear_formats`) and accepting the weight as ``weight`` with a ``dtype`` keyword (the
-    activations' dtype: the model passes its own, since a packed weight carries none, as it does for
-    :class:`moelora_lib.MoELoRALayer`); until then it raises NotImplementedError here and the dense path
-    runs by dequantizing at load (``load_hf_checkpoint(..., dequantize=True)``).
+    LoRALinear lists "fp8" in its ``PACKED_FORMATS`` (see :func:`packed_linear_formats`) and takes the
+    weight as ``weight`` with a ``dtype`` keyword (the activations' dtype: the model passes its own,
+    since a packed weight carries none, as it does for :class:`moelora_lib.MoELoRALayer`) and the
+    model's ``activation_scheme``; where a layer class does not list it, this raises NotImplementedError
+    and the dense path runs by dequantizing at load (``load_hf_checkpoint(..., dequantize=True)``).
 
     Raises:
         ValueError: ``w`` is not an FP8BlockWeight (MXFP4 is read for experts only) or its shape is not
             ``shape`` (naming ``name``).
-        NotImplementedError: LoRALinear has no FP8 kernels.
+        NotImplementedError: LoRALinear does not list "fp8" in its PACKED_FORMATS.
     """
     shape = tuple(shape)
     if not isinstance(w, FP8BlockWeight):
@@ -509,8 +510,8 @@ def packed_linear_weight(w: FP8BlockWeight, *, name: str, shape: tuple[int, ...]
     if "fp8" not in packed_linear_formats():
         raise NotImplementedError(
             f"weights[{name!r}]: FP8 projection weights need block-FP8 GEMMs, which LoRALinear does not have "
-            "yet; load the checkpoint with load_hf_checkpoint(..., dequantize=True) (exact dequantization "
-            "to the model dtype), or pass dense weights"
+            "(its PACKED_FORMATS list no 'fp8'); load the checkpoint with load_hf_checkpoint(..., "
+            "dequantize=True) (exact dequantization to the model dtype), or pass dense weights"
         )
     return w.to(device)
 
@@ -605,8 +606,14 @@ class MultiLoRAModel(nn.Module):
             Block-FP8 weights (:class:`~moelora_lib.quant.FP8BlockWeight` of the same dense shape) may
             stand for the experts' ``w13`` / ``w2`` and for the dense projections' ``*.weight``
             (``qkv_proj``, ``o_proj``, ``gate_up_proj``, ``down_proj``); they go through
-            :func:`packed_expert_weight` / :func:`packed_linear_weight`, which raise
-            NotImplementedError while the layers have no FP8 kernels.
+            :func:`packed_expert_weight` / :func:`packed_linear_weight` and stay FP8 in the layers
+            (MoELoRALayer's ``W_FP8`` GEMMs; LoRALinear's :mod:`~moelora_lib.kernels.dense_fp8` GEMM).
+        activation_scheme: the form of the FP8 dense projections' base GEMM
+            (:class:`moelora_lib.LoRALinear`'s ``activation_scheme``): "auto" (default: weight-only below
+            :data:`~moelora_lib.kernels.dense_fp8.DENSE_W8A8_MIN_TOKENS` tokens per forward, W8A8 with
+            dynamic per-token activation quantization from there), "weight_only" or "dynamic" (FP8
+            scale blocks of a multiple of 32 columns). Applies to the FP8 attention / dense MLP
+            projections; dense projections and the MoE experts run as they do without it.
     Raises:
         ValueError naming the argument: a stage that is neither "auto" nor a name of
         :data:`~moelora_lib.kernels.STAGES` (the message lists them), sizes not positive ints,
@@ -614,7 +621,7 @@ class MultiLoRAModel(nn.Module):
         needs TRITON_INTERPRET=1 and float16/float32), a missing/unexpected weight name, a weight of the
         wrong shape or not finite in ``dtype``, and what LoRALinear/MoELoRALayer refuse.
         NotImplementedError: packed weights in a format the layer they go to does not run
-        (:func:`packed_expert_weight`, :func:`packed_linear_weight`; today: FP8).
+        (:func:`packed_expert_weight`, :func:`packed_linear_weight`).
     ``device`` and ``dtype`` are properties that follow ``.to()``.
 
     Slots in use: :meth:`hold_slots` marks slots that a running generate call reads; while held, a
@@ -645,13 +652,19 @@ class MultiLoRAModel(nn.Module):
         stage: str = "auto",
         weights: Mapping[str, torch.Tensor] | Callable | None = None,
         deterministic: bool = False,
+        activation_scheme: str = "auto",
     ):
         super().__init__()
         check_bool("deterministic", deterministic)
         from .. import LoRALinear, MoELoRALayer
         from ..kernels import AUTO_STAGE, check_stage_name
+        from ..kernels.dense_fp8 import ACTIVATION_SCHEMES
 
         check_stage_name(stage)
+        if not isinstance(activation_scheme, str) or activation_scheme not in ACTIVATION_SCHEMES:
+            raise ValueError(
+                f"activation_scheme must be one of {list(ACTIVATION_SCHEMES)}, got {activation_scheme!r}"
+            )
 
         if not isinstance(config, ModelConfig):
             raise ValueError(f"config must be a ModelConfig, got {type(config).__name__}")
@@ -744,8 +757,12 @@ class MultiLoRAModel(nn.Module):
                 w = take(f"{_p}{_sub}{name}.weight", (n_out, n_in), packed=packed_linear_weight)
                 b = take(f"{_p}{_sub}{name}.bias", (n_out,), "bias") if bias else None
                 # a packed (FP8) weight carries no activation dtype: the layer takes the model's
-                packed_dt = {"dtype": dtype} if isinstance(w, FP8BlockWeight) else {}
-                return LoRALinear(w, b, slices=slices, **dense, **packed_dt)
+                fp8 = (
+                    {"dtype": dtype, "activation_scheme": activation_scheme}
+                    if isinstance(w, FP8BlockWeight)
+                    else {}
+                )
+                return LoRALinear(w, b, slices=slices, **dense, **fp8)
 
             def take_l(name, shape, kind="weight", _p=p):
                 return take(f"{_p}self_attn.{name}", shape, kind)

@@ -662,7 +662,7 @@ def _lora_modules(model):
 
 def _prep(t: torch.Tensor, scale: float, module, what: str) -> torch.Tensor:
     """t·scale in fp32, cast to the module's dtype/device; refused if not finite there."""
-    ref = module.weight if hasattr(module, "weight") else module._ref  # MoELoRALayer: dense or packed
+    ref = module._ref  # a tensor of the module's dtype and device (its weight may be packed)
     out = (t.float() * float(scale)).to(device=ref.device, dtype=ref.dtype)
     if not bool(torch.isfinite(out).all()):
         raise ValueError(f"{what}: not finite in the model's dtype {ref.dtype} (inf/NaN or out of range)")

@@ -231,8 +231,11 @@ def test_tensor_parallel_errors():
     with pytest.raises(ValueError, match=r"lora_b\[1\] must have shape \[N_s, r\] = \(4, r\)"):
         col.load_adapter(0, [torch.zeros(2, 8)] * 2, [torch.zeros(4, 2), torch.zeros(3, 2)])
     row = RowParallelLoRALinear(torch.zeros(8, 8), **kw)
+    assert row.global_slices == (8,) and tuple(row.lora_b.shape) == (1, 8, 2)
     with pytest.raises(ValueError, match=r"lora_a\[0\] must have shape \[r, H\] = \(r, 8\)"):
         row.load_adapter(0, torch.zeros(2, 6), torch.zeros(8, 2))
+    with pytest.raises(ValueError, match=r"lora_b\[0\] must have shape \[N, r\] = \(8, r\)"):
+        row.load_adapter(0, torch.zeros(2, 8), torch.zeros(4, 2))
 
 
 def test_model_group_errors():

@@ -1,26 +1,23 @@
 """Tensor parallelism for the dense multi-LoRA projections (:class:`moelora_lib.LoRALinear`), in the
-column/row-parallel form of Megatron-LM with the LoRA factors split as S-LoRA does (Sheng et al.,
-"S-LoRA: Serving Thousands of Concurrent LoRA Adapters", arXiv:2311.03285, §5.3).
+column/row-parallel form of Megatron-LM, the LoRA factors split along with their base weight.
 
 * :class:`ColumnParallelLoRALinear` (attention qkv, the dense MLP's gate_up): the base weight's output
   rows are split over the ranks, each slice on its own (rank r holds rows [r·N_s/w, (r+1)·N_s/w) of every
   slice s: its q heads, its KV heads, its part of gate and of up). The shrink needs the whole input,
-  which every rank has (x replicated), so A is held whole; B is split like the base rows. The output is
-  this rank's columns [T, Σ N_s/w], with no communication: the next op (the rank's attention heads, the
-  activation) works on them.
-* :class:`RowParallelLoRALinear` (attention o, the dense MLP's down): the base weight's input columns are
-  split (rank r holds columns [r·H/w, (r+1)·H/w), matching the column-parallel output before it), and so
-  is A. Each rank computes its partial base output x_r·W_rᵀ and its partial rank intermediate x_r·A_rᵀ;
-  the intermediate ([T, S·R] fp32, small) is all-reduced, so every rank holds the whole x·Aᵀ; each rank
-  then expands it with its rows of B (output columns [r·N/w, (r+1)·N/w)) into the same columns of its
-  partial output, and one all-reduce of the [T, N] output adds the partial base outputs and places each
-  rank's delta columns: the delta's communication rides on the base all-reduce. The bias is added once,
-  after it.
-
-Compared with expanding the partial intermediate with the whole B on every rank (no intermediate
-all-reduce; the expand done world times), the split expand costs one more small all-reduce per
-row-parallel projection. B is held whole in the slots (L·N·R values) and the expand reads this rank's
-rows of it.
+  which every rank has (x replicated), so A is held whole and the shrink needs no communication; B is
+  split like the base rows. The output is this rank's columns [T, Σ N_s/w]: the next op (the rank's
+  attention heads, the activation) works on them. (vLLM's ``ColumnParallelLinearWithLoRA`` splits the same
+  way; S-LoRA splits A too and all-reduces the rank intermediate, holding no factor whole.)
+* :class:`RowParallelLoRALinear` (attention o, the dense MLP's down), the split of S-LoRA (Sheng et al.,
+  "S-LoRA: Serving Thousands of Concurrent LoRA Adapters", arXiv:2311.03285): the base weight's input
+  columns are split (rank r holds columns [r·H/w, (r+1)·H/w), matching the column-parallel output before
+  it), and so is A. Each rank computes its partial base output x_r·W_rᵀ and its partial rank intermediate
+  x_r·A_rᵀ; the intermediate ([T, S·R] fp32, small) is all-reduced, so every rank holds the whole x·Aᵀ;
+  each rank expands it with its rows of B (output columns [r·N/w, (r+1)·N/w)) into the same columns of
+  its partial output, and one all-reduce of the [T, N] output adds the partial base outputs and places
+  each rank's delta columns: the delta's communication rides on the base all-reduce. The bias is added
+  once, after it. (vLLM's ``RowParallelLinearWithLoRA`` instead holds B whole and expands the partial
+  intermediate on every rank: no intermediate all-reduce, world times the expand work and B's memory.)
 
 Every rank holds its shard from construction on: the constructors take the shard (the static
 ``shard_weight`` cuts it from a whole weight); :meth:`~ColumnParallelLoRALinear.load_adapter` takes the
@@ -146,8 +143,9 @@ class RowParallelLoRALinear(LoRALinear):
     Raises: ValueError naming the argument (N not divisible by the world size, group not a process group)
     and what LoRALinear raises.
 
-    Attributes beyond LoRALinear's (whose ``in_features`` is this rank's H/w): ``global_slices`` = (N,),
-    ``global_in_features`` = H, ``rank``, ``world_size``, ``group``.
+    Attributes beyond LoRALinear's (whose ``in_features`` is this rank's H/w, ``slices`` this rank's
+    (N/w,) of the expand and ``lora_b`` [L, N/w, R] its rows of B; ``out_features`` stays N):
+    ``global_slices`` = (N,), ``global_in_features`` = H, ``rank``, ``world_size``, ``group``.
     """
 
     def __init__(self, weight, bias=None, *, group=None, **kw):
@@ -163,6 +161,10 @@ class RowParallelLoRALinear(LoRALinear):
         super().__init__(weight, bias, **kw)
         self.global_slices, self.global_in_features = (N,), self.in_features * world
         self.group, self.rank, self.world_size = group, rank, world
+        c0, c1 = self._cols  # the slots keep this rank's rows of B; the expand writes those output columns
+        self.lora_b = self.lora_b[:, c0:c1].clone()
+        self.slices, self.offsets = (c1 - c0,), (0,)
+        self._configs.clear()
 
     @staticmethod
     def shard_weight(t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
@@ -181,20 +183,22 @@ class RowParallelLoRALinear(LoRALinear):
 
     def load_adapter(self, slot: int, lora_a, lora_b, scaling=1.0) -> None:
         """Load the whole adapter (lora_a [r, H], lora_b [N, r], as LoRALinear's with the whole layer's
-        shapes; a one-entry list is accepted too): this rank keeps its columns of A and B whole.
+        shapes; one-entry lists are accepted too): this rank keeps its columns of A and its rows of B.
         Raises ValueError naming the argument."""
-        As = self._per_slice("lora_a", lora_a)
-        local = []
-        for s, a in enumerate(As):
-            if isinstance(a, torch.Tensor) and a.dim() == 2:
-                if a.shape[1] != self.global_in_features:
-                    raise ValueError(
-                        f"lora_a[{s}] must have shape [r, H] = (r, {self.global_in_features}), "
-                        f"got {tuple(a.shape)}"
-                    )
-                a = self.shard_weight(a, self.rank, self.world_size)
-            local.append(a)
-        super().load_adapter(slot, local, lora_b, scaling)
+        As, Bs = self._per_slice("lora_a", lora_a), self._per_slice("lora_b", lora_b)
+        a, b = As[0], Bs[0]
+        if isinstance(a, torch.Tensor) and a.dim() == 2:
+            if a.shape[1] != self.global_in_features:
+                raise ValueError(
+                    f"lora_a[0] must have shape [r, H] = (r, {self.global_in_features}), got {tuple(a.shape)}"
+                )
+            a = self.shard_weight(a, self.rank, self.world_size)
+        if isinstance(b, torch.Tensor) and b.dim() == 2:
+            N = self.global_slices[0]
+            if b.shape[0] != N:
+                raise ValueError(f"lora_b[0] must have shape [N, r] = ({N}, r), got {tuple(b.shape)}")
+            b = b[self._cols[0] : self._cols[1]]
+        super().load_adapter(slot, [a], [b], scaling)
 
     def _forward_impl(self, x: torch.Tensor, lora_ids: torch.Tensor) -> torch.Tensor:
         """The eager body of the custom op: partial base, shrink of this rank's columns, all-reduce of
@@ -228,7 +232,7 @@ class RowParallelLoRALinear(LoRALinear):
             )  # fmt: skip
             all_reduce(inter, self.group)  # x·Aᵀ of the whole input on every rank
             c0, c1 = self._cols
-            cols, b = out[:, c0:c1], self.lora_b[:, c0:c1]
+            cols, b = out[:, c0:c1], self.lora_b  # this rank's output columns, its rows of B
             common = dict(slices=(c1 - c0,), use_even_k=st.even_k, specialize_lengths=st.specialize_lengths)
             if st.fused_add:
                 dense_expand(inter, b, cols, align, cfg.expand, add_inputs=True, **common)

@@ -218,6 +218,50 @@ def _check_expert_weights(w13, w2, b13, b2) -> None:
     raise ValueError(msg("w2", "[E, H, I]", want2, w2.shape, "w13", w13.shape))
 
 
+def _check_expert_map(expert_map, E: int, dev: torch.device) -> tuple[torch.Tensor | None, list[int] | None]:
+    """``(map, local_to_global)``: the expert_map as an int32 tensor on ``dev`` and the global id of each of
+    the E local experts, or (None, None) for None. One host read of the map (at construction).
+
+    Raises ValueError naming expert_map: not a 1-D int32/int64 tensor of at least E entries, a value
+    outside [-1, E), a local id in [0, E) missing or given to two global experts."""
+    if expert_map is None:
+        return None, None
+    if (
+        not isinstance(expert_map, torch.Tensor)
+        or expert_map.dim() != 1
+        or expert_map.dtype not in (torch.int32, torch.int64)
+    ):
+        raise ValueError(
+            f"expert_map must be a 1-D int32/int64 tensor [E_global] (global expert id -> local id, -1 = "
+            f"held elsewhere), got {_desc(expert_map)}"
+        )
+    m = expert_map.detach().to("cpu", torch.int64)
+    if m.numel() < E:
+        raise ValueError(
+            f"expert_map: E_global = {m.numel()} entries, fewer than the layer's E = {E} experts"
+        )
+    lo, hi = int(m.min()), int(m.max())
+    if lo < -1 or hi >= E:
+        raise ValueError(
+            f"expert_map values must be in [-1, E={E}) (local ids of w13's {E} experts, -1 = held "
+            f"elsewhere), got min {lo}, max {hi}"
+        )
+    local = m[m >= 0]
+    counts = torch.bincount(local, minlength=E)
+    if not bool((counts == 1).all()):
+        missing = (counts == 0).nonzero().flatten().tolist()
+        repeated = (counts > 1).nonzero().flatten().tolist()
+        raise ValueError(
+            f"expert_map must give each local expert 0..{E - 1} exactly one global id, got local id(s) "
+            f"{missing} missing and {repeated} repeated"
+        )
+    to_global = [0] * E
+    for g, l in enumerate(m.tolist()):
+        if l >= 0:
+            to_global[l] = g
+    return m.to(device=dev, dtype=torch.int32), to_global
+
+
 def _packed_parts(w) -> dict[str, torch.Tensor]:
     """The tensors of a packed expert weight by Parameter suffix: MXFP4 ``blocks`` / ``scales``, FP8
     ``fp8`` (the float8_e4m3fn weight) / ``scale_inv``."""
@@ -293,6 +337,23 @@ class MoELoRALayer(ops.OpLayer):
             P = max_tokens·top_k) with every other layer of the same sizes, dtype and device (default):
             a model's layers run one after another, so one copy serves them all. ``memory_report()``
             gives the bytes.
+        expert_map: None (the layer holds every expert), or for expert parallelism a [E_global] int
+            tensor (int32/int64, any device; kept as an int32 buffer on the layer's device) mapping each
+            global expert id to its local id in [0, E) — E = w13.shape[0], the experts this layer holds —
+            or to -1 for an expert held elsewhere; every local id appears exactly once
+            (:func:`moelora_lib.parallel.contiguous_expert_map` builds the usual contiguous one). Routing
+            then uses global ids (``router_logits`` [T, E_global], ``topk_ids`` in [0, E_global)), and a
+            pair routed to an expert held elsewhere costs no work (the alignment drops it) and adds
+            exactly zero to its token's row (:mod:`moelora_lib.kernels.topk_reduce`, ``skip_remote``): the
+            output is this layer's share of the MoE sum, and the shares of the layers holding the other
+            experts add up to the whole (:class:`moelora_lib.parallel.ExpertParallelMoELoRALayer` sums
+            them over a process group). Global ids outside [0, E_global) still give NaN rows. Adapters
+            are loaded with the global expert count (``load_adapter``: A/B of [E_global, ...]), the slots
+            keep the local experts' rows. top_k may exceed E (not E_global). Stage ``gemv`` has no such
+            path (its top-k sum is internal): ``stage="gemv"`` is refused, and ``stage="auto"`` runs
+            ``tuned`` where the config files choose ``gemv``. Reference designs: vLLM's expert-parallel
+            fused MoE (``expert_map`` global → local, -1 = not here) and its MoE LoRA with per-token
+            adapter ids carried through the dispatch (vllm-project/vllm#40867).
     Raises:
         ValueError naming the argument: shapes, dtypes, devices, sizes, stage, activation. When w13
         and w2 disagree, the message names the one that is wrong (a transposed weight is recognised;
@@ -344,6 +405,7 @@ class MoELoRALayer(ops.OpLayer):
         deterministic: bool = False,
         share_scratch: bool = True,
         activation_scheme: str = "auto",
+        expert_map: torch.Tensor | None = None,
     ):
         super().__init__()
         for name, v, lo in (
@@ -375,8 +437,18 @@ class MoELoRALayer(ops.OpLayer):
         dt, dev = w13.dtype, w13.device
         what = "w13" if fmt == "dense" else f"dtype (the layer's, with {fmt.upper()} weights)"
         _check_layer_dtype(dt, dev, what)
-        if K > E:
-            raise ValueError(f"top_k = {K} must be <= E = {E} (w13 dim 0)")
+        emap, local_to_global = _check_expert_map(expert_map, E, dev)
+        E_global = E if emap is None else emap.shape[0]
+        if emap is not None and stage == GEMV_STAGE.name:
+            raise ValueError(
+                "stage 'gemv' has no expert-parallel path (its top-k sum is internal, so pairs of experts "
+                "held elsewhere would give NaN rows): with expert_map use 'auto', 'tuned' or 'fused'"
+            )
+        if K > E_global:
+            what_e = (
+                f"E = {E} (w13 dim 0)" if emap is None else f"E_global = {E_global} (expert_map's length)"
+            )
+            raise ValueError(f"top_k = {K} must be <= {what_e}")
         self.stage = {AUTO_STAGE.name: AUTO_STAGE, GEMV_STAGE.name: GEMV_STAGE}.get(stage) or STAGES[
             stage
         ]  # auto: fused_add as both
@@ -398,8 +470,8 @@ class MoELoRALayer(ops.OpLayer):
             torch.empty((0, H), **z),
             w13,
             w2,
-            torch.empty((0, K), dtype=torch.float32, device=dev),
-            torch.empty((0, K), dtype=torch.int32, device=dev),
+            torch.empty((0, min(K, E)), dtype=torch.float32, device=dev),  # K > E: expert parallelism
+            torch.empty((0, min(K, E)), dtype=torch.int32, device=dev),
             torch.empty((0,), dtype=torch.int32, device=dev),
             lora_a13,
             lora_b13,
@@ -436,6 +508,11 @@ class MoELoRALayer(ops.OpLayer):
             "slot_covers", torch.zeros((L, 2), dtype=torch.bool, device=dev), persistent=False
         )
         self.E, self.H, self.I, self.K, self.L, self.R, self.S = E, H, two_i // 2, K, L, R, S
+        #: E_global: the experts routing chooses among (E without an expert_map)
+        self.num_global_experts = E_global
+        self.register_buffer("expert_map", emap, persistent=False)
+        #: with an expert_map: the global id of each local expert (host-side, [E] ints), else None
+        self.local_to_global = local_to_global
         self.max_tokens = max_tokens
         self.activation = activation
         self.renormalize = check_bool("renormalize", renormalize)
@@ -460,6 +537,7 @@ class MoELoRALayer(ops.OpLayer):
             + (f", weights={self.weight_format}" if self.weight_format != "dense" else "")
             + (f", activation_scheme={self.activation_scheme!r}" if self.weight_format == "fp8" else "")
             + (", deterministic=True" if self.deterministic else "")
+            + (f", experts_global={self.num_global_experts}" if self.expert_map is not None else "")
         )
 
     # --- weights ----------------------------------------------------------------------------------
@@ -536,9 +614,11 @@ class MoELoRALayer(ops.OpLayer):
         return memory_report(self, weights, slots)
 
     def _dims(self, T: int) -> Dims:
+        # (expert parallelism: top_k may exceed the local E; the config lookup takes at most E)
         return Dims(
-            T=T, H=self.H, I=self.I, E=self.E, top_k=self.K, adapters=self.L, rank=self.R, slices=self.S
-        )
+            T=T, H=self.H, I=self.I, E=self.E, top_k=min(self.K, self.E), adapters=self.L, rank=self.R,
+            slices=self.S,
+        )  # fmt: skip
 
     def activation_scheme_for(self, T: int) -> str:
         """The concrete activation scheme of a forward of T tokens, "dynamic" (W8A8) or "weight_only":
@@ -559,7 +639,8 @@ class MoELoRALayer(ops.OpLayer):
         st = self._stages.get(T)
         if st is None:
             st = self.stage.pick(self._dims(T)) if self.stage is AUTO_STAGE else self.stage
-            if st is GEMV_STAGE and self.activation_scheme_for(T) == "dynamic":
+            # no expert-parallel gemv path; the GEMVs are weight-only
+            if st is GEMV_STAGE and (self.expert_map is not None or self.activation_scheme_for(T) == "dynamic"):
                 st = STAGES["tuned"]
             self._stages[T] = st
         return st
@@ -635,6 +716,8 @@ class MoELoRALayer(ops.OpLayer):
             slot: int in [0, L).
             gate_up: (A [E, S, r, H], B [E, S, 2I/S, r]) or None (the adapter has no gate_up LoRA).
             down: (A [E, r, I], B [E, H, r]) or None (no down LoRA). At least one of the two.
+                With an ``expert_map``, E is E_global (the whole adapter, as every rank reads it from its
+                folder): the slot keeps the rows of the layer's own experts.
                 Any rank 1 ≤ r ≤ R per projection; the slot's ranks r..R-1 are zeroed, so the result
                 is exactly that of the rank-r adapter whatever the slot held before. Float tensors on
                 the layer's device; cast to the layer's dtype after the scaling is applied in fp32.
@@ -658,7 +741,7 @@ class MoELoRALayer(ops.OpLayer):
             )
         if isinstance(scaling, bool) or not isinstance(scaling, numbers.Real) or not math.isfinite(scaling):
             raise ValueError(f"scaling must be a finite real number, got {scaling!r}")
-        E, H, I, S = self.E, self.H, self.I, self.S
+        E, H, I, S = self.num_global_experts, self.H, self.I, self.S
         gu = dn = None
         if gate_up is not None:
             gu = self._check_pair("gate_up", gate_up, [E, S, None, H], [E, S, 2 * I // S, None])
@@ -671,6 +754,9 @@ class MoELoRALayer(ops.OpLayer):
                 if pair is None:
                     continue
                 a, b, r = pair
+                if self.local_to_global is not None:  # expert parallelism: keep the local experts' rows
+                    idx = torch.tensor(self.local_to_global, dtype=torch.long, device=a.device)
+                    a, b = a.index_select(0, idx), b.index_select(0, idx)
                 a_c, b_c = a.to(dt), (b.float() * float(scaling)).to(dt)
                 for what, t in (("A", a_c), (f"B·scaling (scaling {float(scaling):g})", b_c)):
                     if not bool(torch.isfinite(t).all()):  # one host sync per load, not per call
@@ -745,6 +831,8 @@ class MoELoRALayer(ops.OpLayer):
             lora_ids: [T] int32/int64, slot of each token in [-1, L); -1, or a slot with nothing loaded
                 for a projection, = no adapter on it. With :attr:`active_slots` set, only the LoRA
                 launches of projections one of those slots covers run (see there).
+            With an ``expert_map`` the expert ids are global: router_logits [T, E_global], topk_ids in
+            [0, E_global); pairs of experts held elsewhere add zero (the layer's ``expert_map``).
         Returns:
             [T, H] of the layer's dtype; [0, H] (empty) when T = 0.
         Raises:
@@ -811,12 +899,12 @@ class MoELoRALayer(ops.OpLayer):
                 raise ValueError("pass either router_logits or topk_weights and topk_ids, not both")
             if (
                 not isinstance(router_logits, torch.Tensor)
-                or tuple(router_logits.shape) != (T, self.E)
+                or tuple(router_logits.shape) != (T, self.num_global_experts)
                 or router_logits.device != dev
                 or not router_logits.is_floating_point()
             ):
                 raise ValueError(
-                    f"router_logits must be a float tensor [T={T}, E={self.E}] on {dev}, "
+                    f"router_logits must be a float tensor [T={T}, E={self.num_global_experts}] on {dev}, "
                     f"got {_desc(router_logits)}"
                 )
             return
@@ -842,6 +930,14 @@ class MoELoRALayer(ops.OpLayer):
                 f"topk_ids must be an int32/int64 tensor [T={T}, K={self.K}] on {dev}, got {_desc(topk_ids)}"
             )
 
+    def _local_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """Global top-k ids [T, K] -> local int32 ids by ``expert_map``: -1 for an expert held elsewhere,
+        E (out of range: the token's row is NaN) for a global id outside [0, E_global). Device ops only."""
+        Eg = self.num_global_experts
+        ok = (topk_ids >= 0) & (topk_ids < Eg)
+        local = self.expert_map[topk_ids.clamp(0, Eg - 1).long()]
+        return torch.where(ok, local, torch.full_like(local, self.E))
+
     def _lora_ids_for(self, lora_ids: torch.Tensor, proj: int) -> torch.Tensor:
         """lora_ids with -1 where the slot does not cover projection ``proj`` (0 gate_up, 1 down)."""
         valid = (lora_ids >= 0) & (lora_ids < self.L)
@@ -866,7 +962,8 @@ class MoELoRALayer(ops.OpLayer):
         if self._buffers_key != (self._ref.dtype, self._ref.device):  # built, moved (.to()) or unpickled
             _check_layer_dtype(self._ref.dtype, self._ref.device, "the layer's weights (w13, after .to())")
             self._alloc_buffers()
-        routed = router_logits is not None and K <= 16 and E <= 1024
+        Eg = self.num_global_experts
+        routed = router_logits is not None and K <= 16 and Eg <= 1024
         if routed:  # one launch, into the scratch (kernels/route.py)
             topk_weights, topk_ids = route_triton(
                 router_logits, K, self.renormalize, out=(self._bufs["route_w"], self._bufs["route_ids"])
@@ -878,7 +975,10 @@ class MoELoRALayer(ops.OpLayer):
                 raise ValueError("router_logits contain NaN or inf (debug check): such tokens route nowhere")
             if router_logits is None:
                 check_finite_weights(topk_weights)
-            check_id_values(topk_ids, E, lora_ids, L)
+            check_id_values(topk_ids, Eg, lora_ids, L)
+        remote = self.expert_map is not None
+        if remote:  # global -> local ids: -1 = held elsewhere (no work, adds zero), E = a bad id (NaN row)
+            topk_ids = self._local_ids(topk_ids)
         cfg = self.config_for(T)
         st = self.stage_for(T)
         P = T * K
@@ -973,6 +1073,7 @@ class MoELoRALayer(ops.OpLayer):
             alignments=(base_align, al13, al2),
             buffers=bufs,
             nan_on_bad_ids=True,  # ids unchecked: NaN rows, never another call's pair rows
+            skip_remote=remote,  # expert parallelism: id -1 = held elsewhere, adds zero
             proj_lora_ids=(ids13, ids2),  # the ids each LoRA alignment was built from (stage fused)
             activation_scheme=scheme,
         )

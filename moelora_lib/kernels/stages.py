@@ -335,6 +335,9 @@ class LayerRun:
       whose lora_ids leave [-1, L) (:func:`~moelora_lib.kernels.topk_reduce.topk_reduce`, one launch
       like torch's sum) instead of summing pair rows the alignment dropped — for callers that do not
       check id values (the serving layer); default False (the ids were checked).
+    * ``skip_remote``: a top-k id of -1 marks a pair whose expert is on another rank (expert parallelism,
+      :class:`moelora_lib.MoELoRALayer`'s ``expert_map``): the alignment drops it (no work) and the top-k
+      sum leaves it out instead of giving a NaN row (``topk_reduce``'s ``skip_remote``); default False.
     * ``proj_lora_ids = (gate_up, down)``: the adapter ids [T] each projection's LoRA alignment was
       built from, when they differ from ``lora_ids`` (a slot covering one projection only: -1 where
       the slot does not cover it). Only stages with ``fused_gemm`` read them (their GEMMs find each
@@ -400,6 +403,7 @@ class LayerRun:
         proj_lora_ids: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
         adapter_order: bool | None = None,
         activation_scheme: str = "weight_only",
+        skip_remote: bool = False,
     ):
         if activation_scheme not in ("weight_only", "dynamic"):
             raise ValueError(
@@ -416,6 +420,7 @@ class LayerRun:
         self.w8a8 = activation_scheme == "dynamic"
         self._fp8_acts: dict[str, FP8Activations] = {}  # W8A8: the quantized x / g (buffers or own)
         self.stage = stage
+        self.skip_remote = bool(skip_remote)
         self.adapter_order = stage.uses_adapter_order(adapter_order)
         self.proj_lora_ids = proj_lora_ids
         self.buffers = buffers or {}
@@ -658,6 +663,7 @@ class LayerRun:
             self.L,
             check_ids=self.nan_on_bad_ids,
             out_dtype=self.x.dtype,
+            skip_remote=self.skip_remote,
         )
 
     # --- stages with fused_gemm (stage ``fused``) -----------------------------------------------

@@ -507,6 +507,8 @@ def load_hf_checkpoint(
     deterministic: bool = False,
     dequantize: bool | None = None,
     activation_scheme: str = "auto",
+    tp_group=None,
+    ep_group=None,
 ) -> MultiLoRAModel:
     """A :class:`MultiLoRAModel` from a Hugging Face folder (config.json + model.safetensors or a
     sharded model.safetensors.index.json), weights cast to ``dtype`` on ``device``.
@@ -552,7 +554,9 @@ def load_hf_checkpoint(
     row) is dequantized. ``dequantize`` has no effect on a checkpoint without quantization_config.
 
     The other arguments are :class:`MultiLoRAModel`'s. Every key, shape (and packed dtype) is checked
-    from the files' headers before any tensor is read; tensors are then read one model tensor at a time.
+    from the files' headers before any tensor is read; tensors are then read one model tensor at a time
+    (with ``tp_group`` / ``ep_group``, each rank reads whole tensors on the CPU and copies its shard to
+    ``device``).
     Raises:
         ValueError: no config.json / safetensors, an unsupported model_type or field
             (:meth:`ModelConfig.from_hf`), a quantization_config other than mxfp4 on gpt_oss or fp8 on
@@ -658,6 +662,8 @@ def load_hf_checkpoint(
         deterministic=deterministic,
         weights=source,
         activation_scheme=activation_scheme,
+        tp_group=tp_group,
+        ep_group=ep_group,
     )
 
 
@@ -675,13 +681,16 @@ def random_model(
     stage: str = "auto",
     std: float = 0.02,
     deterministic: bool = False,
+    tp_group=None,
+    ep_group=None,
 ) -> MultiLoRAModel:
     """A :class:`MultiLoRAModel` with random weights (:func:`~moelora_lib.model.modeling.random_weights`:
     N(0, std²) drawn on ``device`` directly, norms ones), for timing at real dimensions.
 
     ``config``: a :class:`ModelConfig`, a config.json dict, or a :data:`REAL_CONFIGS` name
     ("gpt-oss-20b", "qwen3-30b-a3b", "qwen3-32b").
-    The other arguments (sizes, ``stage``, ``deterministic``) are :class:`MultiLoRAModel`'s.
+    The other arguments (sizes, ``stage``, ``deterministic``, ``tp_group``, ``ep_group``) are
+    :class:`MultiLoRAModel`'s.
     Raises: ValueError for an unknown name and :class:`MultiLoRAModel`'s errors."""
     if isinstance(config, str):
         if config not in REAL_CONFIGS:
@@ -701,4 +710,6 @@ def random_model(
         stage=stage,
         deterministic=deterministic,
         weights=random_weights(seed, std),
+        tp_group=tp_group,
+        ep_group=ep_group,
     )

@@ -640,7 +640,8 @@ class MoELoRALayer(ops.OpLayer):
         if st is None:
             st = self.stage.pick(self._dims(T)) if self.stage is AUTO_STAGE else self.stage
             # no expert-parallel gemv path; the GEMVs are weight-only
-            if st is GEMV_STAGE and (self.expert_map is not None or self.activation_scheme_for(T) == "dynamic"):
+            remote = self.expert_map is not None
+            if st is GEMV_STAGE and (remote or self.activation_scheme_for(T) == "dynamic"):
                 st = STAGES["tuned"]
             self._stages[T] = st
         return st

@@ -65,7 +65,12 @@ from .kernels.align_small import (
 from .kernels.gemv import GEMV_MAX_PAIRS, gemv_moe_lora, gemv_scratch_numel
 from .kernels.launchers import rank_stride
 from .kernels.route import route_triton
-from .kernels.stages import packed_config
+from .kernels.stages import (
+    W8A8_MIN_TOKENS,
+    check_activation_scheme,
+    packed_config,
+    resolve_activation_scheme,
+)
 from .moe_lora import _check_cpu_backend, _dense_views, _desc, validate_moe_lora_inputs
 from .quant.fp8 import FP8BlockWeight
 from .quant.mxfp4 import MXFP4Weight
@@ -80,13 +85,11 @@ class _Scratch(Scratch):
     """The per-call buffers of layers of one set of sizes: flat tensors for max_tokens·top_k pairs and
     the alignment workspaces (one per role and BLOCK_SIZE_M, allocated by the first call needing it)."""
 
-    def __init__(self, dt, dev, max_tokens, E, H, I, K, L, R, S, fused_add):
+    def __init__(self, dt, dev, max_tokens, E, H, I, K, L, R, S, fused_add, fp8_groups=None):
         super().__init__()
         P = max_tokens * K
-        self.bufs = {
-            name: torch.zeros(n, dtype=bdt, device=dev)
-            for name, (n, bdt) in _scratch_sizes(dt, max_tokens, H, I, K, R, S, fused_add).items()
-        }
+        sizes = _scratch_sizes(dt, max_tokens, H, I, K, R, S, fused_add, fp8_groups)
+        self.bufs = {name: torch.zeros(n, dtype=bdt, device=dev) for name, (n, bdt) in sizes.items()}
         self.max_num_pairs, self.E, self.device = P, E, dev
 
     def workspace(self, role: str, block_size_m: int, num_adapters: int) -> AlignWorkspace:
@@ -116,8 +119,13 @@ class _Scratch(Scratch):
 SPLIT_DOWN_MAX_TOKENS = 64
 
 
-def _scratch_sizes(dt, max_tokens, H, I, K, R, S, fused_add) -> dict[str, tuple[int, torch.dtype]]:
-    """name -> (elements, dtype) of the flat scratch buffers of :class:`_Scratch` (P = max_tokens·K pairs)."""
+def _scratch_sizes(
+    dt, max_tokens, H, I, K, R, S, fused_add, fp8_groups=None
+) -> dict[str, tuple[int, torch.dtype]]:
+    """name -> (elements, dtype) of the flat scratch buffers of :class:`_Scratch` (P = max_tokens·K pairs).
+    ``fp8_groups = (g13, g2)``: a layer that may run W8A8 also holds the quantized activations (``xq``,
+    ``xs`` of hidden_states in groups of g13 columns; ``gq``, ``gs`` of the activation output in groups
+    of g2)."""
     P = max_tokens * K
     f32 = torch.float32
     sizes = dict(
@@ -134,6 +142,15 @@ def _scratch_sizes(dt, max_tokens, H, I, K, R, S, fused_add) -> dict[str, tuple[
     if not fused_add:  # stages that store the delta (fp32 for fp16: no overflow), then add it
         ddt = f32 if dt == torch.float16 else dt
         sizes.update(delta13=(P * 2 * I, ddt), delta2=(P * H, ddt))
+    if fp8_groups is not None:
+        g13, g2 = fp8_groups
+        fp8 = torch.float8_e4m3fn
+        sizes.update(
+            xq=(max_tokens * H, fp8),
+            xs=(max_tokens * -(-H // g13), f32),
+            gq=(P * I, fp8),
+            gs=(P * -(-I // g2), f32),
+        )
     return sizes
 
 
@@ -201,6 +218,50 @@ def _check_expert_weights(w13, w2, b13, b2) -> None:
     raise ValueError(msg("w2", "[E, H, I]", want2, w2.shape, "w13", w13.shape))
 
 
+def _check_expert_map(expert_map, E: int, dev: torch.device) -> tuple[torch.Tensor | None, list[int] | None]:
+    """``(map, local_to_global)``: the expert_map as an int32 tensor on ``dev`` and the global id of each of
+    the E local experts, or (None, None) for None. One host read of the map (at construction).
+
+    Raises ValueError naming expert_map: not a 1-D int32/int64 tensor of at least E entries, a value
+    outside [-1, E), a local id in [0, E) missing or given to two global experts."""
+    if expert_map is None:
+        return None, None
+    if (
+        not isinstance(expert_map, torch.Tensor)
+        or expert_map.dim() != 1
+        or expert_map.dtype not in (torch.int32, torch.int64)
+    ):
+        raise ValueError(
+            f"expert_map must be a 1-D int32/int64 tensor [E_global] (global expert id -> local id, -1 = "
+            f"held elsewhere), got {_desc(expert_map)}"
+        )
+    m = expert_map.detach().to("cpu", torch.int64)
+    if m.numel() < E:
+        raise ValueError(
+            f"expert_map: E_global = {m.numel()} entries, fewer than the layer's E = {E} experts"
+        )
+    lo, hi = int(m.min()), int(m.max())
+    if lo < -1 or hi >= E:
+        raise ValueError(
+            f"expert_map values must be in [-1, E={E}) (local ids of w13's {E} experts, -1 = held "
+            f"elsewhere), got min {lo}, max {hi}"
+        )
+    local = m[m >= 0]
+    counts = torch.bincount(local, minlength=E)
+    if not bool((counts == 1).all()):
+        missing = (counts == 0).nonzero().flatten().tolist()
+        repeated = (counts > 1).nonzero().flatten().tolist()
+        raise ValueError(
+            f"expert_map must give each local expert 0..{E - 1} exactly one global id, got local id(s) "
+            f"{missing} missing and {repeated} repeated"
+        )
+    to_global = [0] * E
+    for g, l in enumerate(m.tolist()):
+        if l >= 0:
+            to_global[l] = g
+    return m.to(device=dev, dtype=torch.int32), to_global
+
+
 def _packed_parts(w) -> dict[str, torch.Tensor]:
     """The tensors of a packed expert weight by Parameter suffix: MXFP4 ``blocks`` / ``scales``, FP8
     ``fp8`` (the float8_e4m3fn weight) / ``scale_inv``."""
@@ -258,11 +319,41 @@ class MoELoRALayer(ops.OpLayer):
             GEMM, as
             :func:`moelora_lib.fused_moe_lora`'s ``deterministic``); the routing and the alignment
             kernels are deterministic already. Default False.
+        activation_scheme: with FP8 weights, how the base GEMMs treat the activations: "dynamic" (W8A8,
+            the published checkpoints' ``activation_scheme: "dynamic"``: hidden_states and the activation
+            output quantized per token and per group of the scale block's columns at run time, one
+            :func:`~moelora_lib.kernels.fp8_act.quantize_fp8_act` launch each, and FP8 × FP8 base GEMMs,
+            ``A_FP8`` in :mod:`moelora_lib.kernels.triton_kernels`; the LoRA ops keep reading the
+            unquantized activations; where stage "auto" would pick "gemv", "tuned" runs),
+            "weight_only" (the e4m3 weight tiles scaled to the layer's dtype in registers, the activations
+            unquantized) or "auto" (default: per T, "dynamic" from :attr:`W8A8_MIN_TOKENS` tokens on,
+            "weight_only" below; :meth:`activation_scheme_for`). W8A8 differs from weight-only by the
+            activations' rounding, at most 2^-4 relative per activation element. Dense and MXFP4
+            weights run unquantized under "auto" and "weight_only"; "dynamic" with them, with stage
+            "gemv", or with scale blocks whose columns are not a multiple of 32 raises ValueError naming
+            activation_scheme.
         share_scratch: share the scratch buffers (``h`` [P, 2I], ``g`` [P, I], ``y`` [P, H] in the
             layer's dtype, the fp32 rank intermediates and routing weights, the alignment workspaces;
             P = max_tokens·top_k) with every other layer of the same sizes, dtype and device (default):
             a model's layers run one after another, so one copy serves them all. ``memory_report()``
             gives the bytes.
+        expert_map: None (the layer holds every expert), or for expert parallelism a [E_global] int
+            tensor (int32/int64, any device; kept as an int32 buffer on the layer's device) mapping each
+            global expert id to its local id in [0, E) — E = w13.shape[0], the experts this layer holds —
+            or to -1 for an expert held elsewhere; every local id appears exactly once
+            (:func:`moelora_lib.parallel.contiguous_expert_map` builds the usual contiguous one). Routing
+            then uses global ids (``router_logits`` [T, E_global], ``topk_ids`` in [0, E_global)), and a
+            pair routed to an expert held elsewhere costs no work (the alignment drops it) and adds
+            exactly zero to its token's row (:mod:`moelora_lib.kernels.topk_reduce`, ``skip_remote``): the
+            output is this layer's share of the MoE sum, and the shares of the layers holding the other
+            experts add up to the whole (:class:`moelora_lib.parallel.ExpertParallelMoELoRALayer` sums
+            them over a process group). Global ids outside [0, E_global) still give NaN rows. Adapters
+            are loaded with the global expert count (``load_adapter``: A/B of [E_global, ...]), the slots
+            keep the local experts' rows. top_k may exceed E (not E_global). Stage ``gemv`` has no such
+            path (its top-k sum is internal): ``stage="gemv"`` is refused, and ``stage="auto"`` runs
+            ``tuned`` where the config files choose ``gemv``. Reference designs: vLLM's expert-parallel
+            fused MoE (``expert_map`` global → local, -1 = not here) and its MoE LoRA with per-token
+            adapter ids carried through the dispatch (vllm-project/vllm#40867).
     Raises:
         ValueError naming the argument: shapes, dtypes, devices, sizes, stage, activation. When w13
         and w2 disagree, the message names the one that is wrong (a transposed weight is recognised;
@@ -287,6 +378,12 @@ class MoELoRALayer(ops.OpLayer):
     #: :func:`moelora_lib.model.modeling.packed_expert_formats`.
     PACKED_FORMATS = ("mxfp4", "fp8")
 
+    #: ``activation_scheme="auto"`` runs W8A8 from this many tokens on (FP8 weights; see
+    #: :data:`moelora_lib.kernels.stages.W8A8_MIN_TOKENS`, the same value, for why), weight-only below.
+    #: A class constant until the tuned config files record a per-shape threshold; set it on a
+    #: subclass or an instance before the first forward (the choice is cached per T).
+    W8A8_MIN_TOKENS: int = W8A8_MIN_TOKENS
+
     def __init__(
         self,
         w13: torch.Tensor,
@@ -307,6 +404,8 @@ class MoELoRALayer(ops.OpLayer):
         debug: bool = False,
         deterministic: bool = False,
         share_scratch: bool = True,
+        activation_scheme: str = "auto",
+        expert_map: torch.Tensor | None = None,
     ):
         super().__init__()
         for name, v, lo in (
@@ -325,6 +424,11 @@ class MoELoRALayer(ops.OpLayer):
         check_bool("deterministic", deterministic)
         packed = (w13, w2)
         w13, w2, fmt = _dense_views(w13, w2, dtype)  # packed: dense-shaped stand-ins for the checks
+        check_activation_scheme(activation_scheme, packed[0], stage)
+        # FP8 weights that may run W8A8: the scratch holds the quantized activations too
+        fp8_groups = None
+        if fmt == "fp8" and activation_scheme != "weight_only":
+            fp8_groups = (packed[0].block[1], packed[1].block[1])
         _check_expert_weights(w13, w2, b13, b2)
         if w13.shape[1] % (2 * slices):
             raise ValueError(f"w13: 2I (dim 1) = {w13.shape[1]} must be divisible by 2·slices = {2 * slices}")
@@ -333,12 +437,22 @@ class MoELoRALayer(ops.OpLayer):
         dt, dev = w13.dtype, w13.device
         what = "w13" if fmt == "dense" else f"dtype (the layer's, with {fmt.upper()} weights)"
         _check_layer_dtype(dt, dev, what)
-        if K > E:
-            raise ValueError(f"top_k = {K} must be <= E = {E} (w13 dim 0)")
+        emap, local_to_global = _check_expert_map(expert_map, E, dev)
+        E_global = E if emap is None else emap.shape[0]
+        if emap is not None and stage == GEMV_STAGE.name:
+            raise ValueError(
+                "stage 'gemv' has no expert-parallel path (its top-k sum is internal, so pairs of experts "
+                "held elsewhere would give NaN rows): with expert_map use 'auto', 'tuned' or 'fused'"
+            )
+        if K > E_global:
+            what_e = (
+                f"E = {E} (w13 dim 0)" if emap is None else f"E_global = {E_global} (expert_map's length)"
+            )
+            raise ValueError(f"top_k = {K} must be <= {what_e}")
         self.stage = {AUTO_STAGE.name: AUTO_STAGE, GEMV_STAGE.name: GEMV_STAGE}.get(stage) or STAGES[
             stage
         ]  # auto: fused_add as both
-        sizes = _scratch_sizes(dt, max_tokens, H, two_i // 2, K, R, S, self.stage.fused_add)
+        sizes = _scratch_sizes(dt, max_tokens, H, two_i // 2, K, R, S, self.stage.fused_add, fp8_groups)
         need = sum(n * torch.empty((), dtype=bdt).element_size() for n, bdt in sizes.values())
         total = _device_total_memory(dev)
         if total is not None and need > total:
@@ -356,8 +470,8 @@ class MoELoRALayer(ops.OpLayer):
             torch.empty((0, H), **z),
             w13,
             w2,
-            torch.empty((0, K), dtype=torch.float32, device=dev),
-            torch.empty((0, K), dtype=torch.int32, device=dev),
+            torch.empty((0, min(K, E)), dtype=torch.float32, device=dev),  # K > E: expert parallelism
+            torch.empty((0, min(K, E)), dtype=torch.int32, device=dev),
             torch.empty((0,), dtype=torch.int32, device=dev),
             lora_a13,
             lora_b13,
@@ -381,6 +495,9 @@ class MoELoRALayer(ops.OpLayer):
             self.w13 = torch.nn.Parameter(w13, requires_grad=False)
             self.w2 = torch.nn.Parameter(w2, requires_grad=False)
         self.weight_format = fmt
+        self.activation_scheme = activation_scheme
+        self._fp8_groups = fp8_groups
+        self._schemes: dict[int, str] = {}
         self.b13 = None if b13 is None else torch.nn.Parameter(b13, requires_grad=False)
         self.b2 = None if b2 is None else torch.nn.Parameter(b2, requires_grad=False)
         self.register_buffer("lora_a13", lora_a13, persistent=False)
@@ -391,6 +508,11 @@ class MoELoRALayer(ops.OpLayer):
             "slot_covers", torch.zeros((L, 2), dtype=torch.bool, device=dev), persistent=False
         )
         self.E, self.H, self.I, self.K, self.L, self.R, self.S = E, H, two_i // 2, K, L, R, S
+        #: E_global: the experts routing chooses among (E without an expert_map)
+        self.num_global_experts = E_global
+        self.register_buffer("expert_map", emap, persistent=False)
+        #: with an expert_map: the global id of each local expert (host-side, [E] ints), else None
+        self.local_to_global = local_to_global
         self.max_tokens = max_tokens
         self.activation = activation
         self.renormalize = check_bool("renormalize", renormalize)
@@ -413,7 +535,9 @@ class MoELoRALayer(ops.OpLayer):
             f"slices={self.S}, max_tokens={self.max_tokens}, activation={self.activation!r}, "
             f"stage={self.stage.name!r}, dtype={self._ref.dtype}"
             + (f", weights={self.weight_format}" if self.weight_format != "dense" else "")
+            + (f", activation_scheme={self.activation_scheme!r}" if self.weight_format == "fp8" else "")
             + (", deterministic=True" if self.deterministic else "")
+            + (f", experts_global={self.num_global_experts}" if self.expert_map is not None else "")
         )
 
     # --- weights ----------------------------------------------------------------------------------
@@ -453,6 +577,7 @@ class MoELoRALayer(ops.OpLayer):
             self.R,
             self.S,
             self.stage.fused_add,
+            self._fp8_groups,
         )
 
     def _alloc_buffers(self) -> None:
@@ -489,17 +614,35 @@ class MoELoRALayer(ops.OpLayer):
         return memory_report(self, weights, slots)
 
     def _dims(self, T: int) -> Dims:
+        # (expert parallelism: top_k may exceed the local E; the config lookup takes at most E)
         return Dims(
-            T=T, H=self.H, I=self.I, E=self.E, top_k=self.K, adapters=self.L, rank=self.R, slices=self.S
-        )
+            T=T, H=self.H, I=self.I, E=self.E, top_k=min(self.K, self.E), adapters=self.L, rank=self.R,
+            slices=self.S,
+        )  # fmt: skip
+
+    def activation_scheme_for(self, T: int) -> str:
+        """The concrete activation scheme of a forward of T tokens, "dynamic" (W8A8) or "weight_only":
+        the layer's ``activation_scheme``, with "auto" resolved by :attr:`W8A8_MIN_TOKENS`; "weight_only"
+        for dense and MXFP4 weights. Host-side, once per T."""
+        sc = self._schemes.get(T)
+        if sc is None:
+            w13 = self.expert_weights()[0]
+            sc = resolve_activation_scheme(self.activation_scheme, w13, T, self.W8A8_MIN_TOKENS)
+            self._schemes[T] = sc
+        return sc
 
     def stage_for(self, T: int) -> Stage:
         """The stage the forward runs at T tokens: the layer's stage, or with ``stage="auto"`` the one
-        the config files choose for T (:meth:`AutoStage.pick <moelora_lib.kernels.auto.AutoStage.pick>`);
-        resolved on the host once per T (a pure function of T and the layer's sizes)."""
+        the config files choose for T (:meth:`AutoStage.pick <moelora_lib.kernels.auto.AutoStage.pick>`;
+        "tuned" where that is "gemv" and T runs W8A8, :meth:`activation_scheme_for`: the GEMVs are
+        weight-only); resolved on the host once per T (a pure function of T and the layer's sizes)."""
         st = self._stages.get(T)
         if st is None:
             st = self.stage.pick(self._dims(T)) if self.stage is AUTO_STAGE else self.stage
+            # no expert-parallel gemv path; the GEMVs are weight-only
+            remote = self.expert_map is not None
+            if st is GEMV_STAGE and (remote or self.activation_scheme_for(T) == "dynamic"):
+                st = STAGES["tuned"]
             self._stages[T] = st
         return st
 
@@ -513,7 +656,8 @@ class MoELoRALayer(ops.OpLayer):
             if cfg is None:
                 cfg = st.config_for(self._dims(T))
             cfg = st.adapt(cfg)
-            cfg = packed_config(cfg, self.expert_weights()[0])  # MXFP4 / FP8: K steps of whole scale blocks
+            # MXFP4 / FP8: K steps of whole scale blocks (W8A8: of at least 32 columns)
+            cfg = packed_config(cfg, self.expert_weights()[0], self.activation_scheme_for(T))
             if self.deterministic:
                 cfg = cfg.deterministic()
             if (
@@ -573,6 +717,8 @@ class MoELoRALayer(ops.OpLayer):
             slot: int in [0, L).
             gate_up: (A [E, S, r, H], B [E, S, 2I/S, r]) or None (the adapter has no gate_up LoRA).
             down: (A [E, r, I], B [E, H, r]) or None (no down LoRA). At least one of the two.
+                With an ``expert_map``, E is E_global (the whole adapter, as every rank reads it from its
+                folder): the slot keeps the rows of the layer's own experts.
                 Any rank 1 ≤ r ≤ R per projection; the slot's ranks r..R-1 are zeroed, so the result
                 is exactly that of the rank-r adapter whatever the slot held before. Float tensors on
                 the layer's device; cast to the layer's dtype after the scaling is applied in fp32.
@@ -596,7 +742,7 @@ class MoELoRALayer(ops.OpLayer):
             )
         if isinstance(scaling, bool) or not isinstance(scaling, numbers.Real) or not math.isfinite(scaling):
             raise ValueError(f"scaling must be a finite real number, got {scaling!r}")
-        E, H, I, S = self.E, self.H, self.I, self.S
+        E, H, I, S = self.num_global_experts, self.H, self.I, self.S
         gu = dn = None
         if gate_up is not None:
             gu = self._check_pair("gate_up", gate_up, [E, S, None, H], [E, S, 2 * I // S, None])
@@ -609,6 +755,9 @@ class MoELoRALayer(ops.OpLayer):
                 if pair is None:
                     continue
                 a, b, r = pair
+                if self.local_to_global is not None:  # expert parallelism: keep the local experts' rows
+                    idx = torch.tensor(self.local_to_global, dtype=torch.long, device=a.device)
+                    a, b = a.index_select(0, idx), b.index_select(0, idx)
                 a_c, b_c = a.to(dt), (b.float() * float(scaling)).to(dt)
                 for what, t in (("A", a_c), (f"B·scaling (scaling {float(scaling):g})", b_c)):
                     if not bool(torch.isfinite(t).all()):  # one host sync per load, not per call
@@ -683,6 +832,8 @@ class MoELoRALayer(ops.OpLayer):
             lora_ids: [T] int32/int64, slot of each token in [-1, L); -1, or a slot with nothing loaded
                 for a projection, = no adapter on it. With :attr:`active_slots` set, only the LoRA
                 launches of projections one of those slots covers run (see there).
+            With an ``expert_map`` the expert ids are global: router_logits [T, E_global], topk_ids in
+            [0, E_global); pairs of experts held elsewhere add zero (the layer's ``expert_map``).
         Returns:
             [T, H] of the layer's dtype; [0, H] (empty) when T = 0.
         Raises:
@@ -749,12 +900,12 @@ class MoELoRALayer(ops.OpLayer):
                 raise ValueError("pass either router_logits or topk_weights and topk_ids, not both")
             if (
                 not isinstance(router_logits, torch.Tensor)
-                or tuple(router_logits.shape) != (T, self.E)
+                or tuple(router_logits.shape) != (T, self.num_global_experts)
                 or router_logits.device != dev
                 or not router_logits.is_floating_point()
             ):
                 raise ValueError(
-                    f"router_logits must be a float tensor [T={T}, E={self.E}] on {dev}, "
+                    f"router_logits must be a float tensor [T={T}, E={self.num_global_experts}] on {dev}, "
                     f"got {_desc(router_logits)}"
                 )
             return
@@ -780,6 +931,14 @@ class MoELoRALayer(ops.OpLayer):
                 f"topk_ids must be an int32/int64 tensor [T={T}, K={self.K}] on {dev}, got {_desc(topk_ids)}"
             )
 
+    def _local_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """Global top-k ids [T, K] -> local int32 ids by ``expert_map``: -1 for an expert held elsewhere,
+        E (out of range: the token's row is NaN) for a global id outside [0, E_global). Device ops only."""
+        Eg = self.num_global_experts
+        ok = (topk_ids >= 0) & (topk_ids < Eg)
+        local = self.expert_map[topk_ids.clamp(0, Eg - 1).long()]
+        return torch.where(ok, local, torch.full_like(local, self.E))
+
     def _lora_ids_for(self, lora_ids: torch.Tensor, proj: int) -> torch.Tensor:
         """lora_ids with -1 where the slot does not cover projection ``proj`` (0 gate_up, 1 down)."""
         valid = (lora_ids >= 0) & (lora_ids < self.L)
@@ -804,7 +963,8 @@ class MoELoRALayer(ops.OpLayer):
         if self._buffers_key != (self._ref.dtype, self._ref.device):  # built, moved (.to()) or unpickled
             _check_layer_dtype(self._ref.dtype, self._ref.device, "the layer's weights (w13, after .to())")
             self._alloc_buffers()
-        routed = router_logits is not None and K <= 16 and E <= 1024
+        Eg = self.num_global_experts
+        routed = router_logits is not None and K <= 16 and Eg <= 1024
         if routed:  # one launch, into the scratch (kernels/route.py)
             topk_weights, topk_ids = route_triton(
                 router_logits, K, self.renormalize, out=(self._bufs["route_w"], self._bufs["route_ids"])
@@ -816,7 +976,10 @@ class MoELoRALayer(ops.OpLayer):
                 raise ValueError("router_logits contain NaN or inf (debug check): such tokens route nowhere")
             if router_logits is None:
                 check_finite_weights(topk_weights)
-            check_id_values(topk_ids, E, lora_ids, L)
+            check_id_values(topk_ids, Eg, lora_ids, L)
+        remote = self.expert_map is not None
+        if remote:  # global -> local ids: -1 = held elsewhere (no work, adds zero), E = a bad id (NaN row)
+            topk_ids = self._local_ids(topk_ids)
         cfg = self.config_for(T)
         st = self.stage_for(T)
         P = T * K
@@ -886,6 +1049,13 @@ class MoELoRALayer(ops.OpLayer):
         if not st.fused_add:
             bufs["delta_gate_up"] = self._view("delta13", (P, 2 * I))
             bufs["delta_down"] = self._view("delta2", (P, H))
+        scheme = self.activation_scheme_for(T)
+        if scheme == "dynamic":  # W8A8: the quantized activations (kernels/fp8_act.py)
+            g13, g2 = self._fp8_groups
+            bufs["xq"] = self._view("xq", (T, H))
+            bufs["xs"] = self._view("xs", (T, -(-H // g13)))
+            bufs["gq"] = self._view("gq", (P, I))
+            bufs["gs"] = self._view("gs", (P, -(-I // g2)))
         run = LayerRun(
             st,
             hidden_states,
@@ -904,6 +1074,8 @@ class MoELoRALayer(ops.OpLayer):
             alignments=(base_align, al13, al2),
             buffers=bufs,
             nan_on_bad_ids=True,  # ids unchecked: NaN rows, never another call's pair rows
+            skip_remote=remote,  # expert parallelism: id -1 = held elsewhere, adds zero
             proj_lora_ids=(ids13, ids2),  # the ids each LoRA alignment was built from (stage fused)
+            activation_scheme=scheme,
         )
         return run()

@@ -4,7 +4,7 @@
 Math (per token t with adapter slot a = lora_ids[t], -1 = none; output slices s of widths N_s at
 column offsets o_s, Σ_s N_s = N_total)::
 
-    y[t]                 = x[t]·Wᵀ (+ b)                                  # base: torch F.linear (cuBLAS)
+    y[t]                 = x[t]·Wᵀ (+ b)              # base: torch F.linear (cuBLAS); block-FP8 W: dense_fp8
     y[t, o_s : o_s+N_s] += [a ≥ 0]·B_s[a]·(A_s[a]·x[t])    for every slice s
 
 Several projections of one input share a launch as slices of one fused weight: q, k, v of a fused
@@ -24,7 +24,9 @@ Layouts (the argument for them is in :mod:`moelora_lib.kernels.dense_lora`):
   per-slice lists ([L, 1, N_s, R] each) and passes the kernels a device table of their data pointers;
   one tensor needs no table, no padding of narrow slices, and B row n is output column n.
 
-How a call runs: ``F.linear`` for the base; the tokens grouped by adapter with the package's
+How a call runs: ``F.linear`` for the base (a block-FP8 weight, :class:`~moelora_lib.quant.FP8BlockWeight`:
+the GEMM of :mod:`moelora_lib.kernels.dense_fp8`, weight-only or W8A8 by ``activation_scheme``; the LoRA
+part below is the same); the tokens grouped by adapter with the package's
 (adapter, expert) alignment at E = 1, top_k = 1 (CPU: the torch oracle
 :func:`moelora_lib.routing.align_tokens`; CUDA: one launch of
 :func:`~moelora_lib.kernels.align_small.align_tokens_pair` up to
@@ -57,6 +59,17 @@ from .common import describe as _desc
 from .kernels import AUTO_STAGE, STAGES, check_stage_name
 from .kernels.align import AlignWorkspace, align_tokens_triton, align_workspace
 from .kernels.align_small import PAIR_PATH_MAX_PAIRS, align_tokens_pair, pair_workspace, use_pair_path
+from .kernels.dense_fp8 import (
+    W8A8_MIN_BLOCK_K,
+    DenseFP8Config,
+    check_dense_scheme,
+    default_dense_fp8_config,
+    dense_fp8_linear,
+    dense_fp8_w8a8,
+    dense_fp8_weight_only,
+    quantize_act,
+    resolve_dense_scheme,
+)
 from .kernels.dense_lora import (
     DENSE_KERNELS,
     DenseLoRAConfig,
@@ -65,6 +78,7 @@ from .kernels.dense_lora import (
     dense_config_for,
     dense_lora_add,
 )
+from .quant.fp8 import FP8BlockWeight
 from .routing import Alignment, align_tokens
 from .scratch import Scratch, attach_scratch, memory_report, nbytes
 
@@ -124,6 +138,62 @@ def _check_values(lora_ids: torch.Tensor, L: int) -> None:
         raise ValueError(f"lora_ids values must be in [-1, L={L}) (-1 = no adapter), got min {lo}, max {hi}")
 
 
+def _check_dense_weight_dtype(weight: torch.Tensor) -> None:
+    """A float8 tensor as ``weight`` is refused by name: without its block scales it is not the weight."""
+    if weight.dtype not in _FLOAT_DTYPES:
+        hint = (
+            " (FP8 codes need their block scales: pass FP8BlockWeight(weight, scale_inv, block))"
+            if weight.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+            else ""
+        )
+        raise ValueError(f"weight dtype must be float16, bfloat16 or float32{hint}, got {weight.dtype}")
+
+
+def _check_fp8_weight(weight: FP8BlockWeight, H: int, device) -> int:
+    """N_total of a block-FP8 ``weight`` [N_total, H] on ``device`` whose scale block's columns hold a
+    K step of the FP8 GEMM (a multiple of 16); ValueError naming ``weight`` otherwise."""
+    if weight.weight.dim() != 2:
+        raise ValueError(f"weight must be a 2-D FP8BlockWeight [N_total, H], got shape {list(weight.shape)}")
+    N, K = weight.shape
+    if K != H:
+        raise ValueError(f"weight must have shape [N_total, H={H}], got FP8 of shape {list(weight.shape)}")
+    if weight.device != device:
+        raise ValueError(f"weight must be on {device} (like x), got {weight.device}")
+    bk = weight.block[1]
+    if bk & -bk < 16:
+        raise ValueError(
+            f"weight.block = {weight.block}: the FP8 GEMM needs scale blocks of a multiple of 16 columns "
+            "(a K step of at least 16, tl.dot's minimum, reads one scale column)"
+        )
+    return N
+
+
+def _check_fp8_args(weight, activation_scheme, fp8_config) -> None:
+    """``activation_scheme`` one of ACTIVATION_SCHEMES that ``weight`` runs
+    (:func:`~moelora_lib.kernels.dense_fp8.check_dense_scheme`: "dynamic" needs an FP8BlockWeight whose
+    scale block admits a W8A8 K step) and ``fp8_config`` a DenseFP8Config or None, given only with an
+    FP8BlockWeight, its BLOCK_SIZE_K dividing the weight's scale block columns (and ≥ 32 where the
+    scheme can run W8A8). ValueError naming the argument."""
+    check_dense_scheme(activation_scheme, weight)
+    if fp8_config is None:
+        return
+    if not isinstance(fp8_config, DenseFP8Config):
+        raise ValueError(f"fp8_config must be a DenseFP8Config or None, got {type(fp8_config).__name__}")
+    if not isinstance(weight, FP8BlockWeight):
+        raise ValueError("fp8_config is for a block-FP8 weight (an FP8BlockWeight); weight is dense")
+    bk = fp8_config.BLOCK_SIZE_K
+    if weight.block[1] % bk:
+        raise ValueError(
+            f"fp8_config.BLOCK_SIZE_K = {bk} must divide the weight's scale block columns weight.block[1] = "
+            f"{weight.block[1]}: a K step reads one scale column"
+        )
+    if bk < W8A8_MIN_BLOCK_K and resolve_dense_scheme(activation_scheme, weight, 1 << 30) == "dynamic":
+        raise ValueError(
+            f"fp8_config.BLOCK_SIZE_K = {bk}: activation_scheme {activation_scheme!r} runs the W8A8 form "
+            f"(at large T for 'auto'), whose FP8 tl.dot needs a K step of at least {W8A8_MIN_BLOCK_K}"
+        )
+
+
 def validate_lora_linear_inputs(
     x, weight, lora_a, lora_b, lora_ids, slices, bias=None, check_values: bool = True
 ) -> dict:
@@ -133,7 +203,9 @@ def validate_lora_linear_inputs(
     Raises:
         ValueError naming the argument: not a tensor, wrong rank/shape (the message gives the expected
         shape in the shape letters), dtype (x: float16/bfloat16/float32; the others like x, lora_ids
-        int32 or int64), device (like x), ``slices`` not positive ints or not summing to weight.shape[0], S of
+        int32 or int64; a float8 tensor as weight: pass an FP8BlockWeight), device (like x), an
+        FP8BlockWeight weight that is not [N_total, H] or whose scale block's columns are not a
+        multiple of 16, ``slices`` not positive ints or not summing to weight.shape[0], S of
         lora_a ≠ len(slices), rank R of lora_b ≠ lora_a's, L or R < 1, bfloat16 on the CPU, a device other
         than CPU/CUDA (meta), an input that requires grad while grad mode is on (inference only), and
         with ``check_values`` lora_ids values outside [-1, L) (one host sync).
@@ -150,12 +222,20 @@ def validate_lora_linear_inputs(
     if dev.type == "cpu":
         _check_cpu_backend(dt)
     T, H = x.shape
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        raise ValueError(f"weight must be a 2-D tensor [N_total, H] (nn.Linear layout), got {_desc(weight)}")
-    N = weight.shape[0]
+    if isinstance(weight, FP8BlockWeight):
+        N = _check_fp8_weight(weight, H, dev)
+    elif not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(
+            "weight must be a 2-D tensor [N_total, H] (nn.Linear layout) or an FP8BlockWeight, got "
+            f"{_desc(weight)}"
+        )
+    else:
+        N = weight.shape[0]
     slices = _check_slices(slices, N)
     S = len(slices)
-    _check("weight", weight, (("N_total", N), ("H", H)), (dt,), dev)
+    if not isinstance(weight, FP8BlockWeight):
+        _check_dense_weight_dtype(weight)
+        _check("weight", weight, (("N_total", N), ("H", H)), (dt,), dev)
     if not isinstance(lora_a, torch.Tensor) or lora_a.dim() != 4:
         raise ValueError(f"lora_a must be a 4-D tensor [L, S, R, H], got {_desc(lora_a)}")
     L, R = lora_a.shape[0], lora_a.shape[2]
@@ -178,7 +258,14 @@ def validate_lora_linear_inputs(
     if bias is not None:
         _check("bias", bias, (("N_total", N),), (dt,), dev)
     if torch.is_grad_enabled():  # the LoRA part is Triton launches with no autograd formula
-        for name, t in (("x", x), ("weight", weight), ("lora_a", lora_a), ("lora_b", lora_b), ("bias", bias)):
+        dense_w = weight if isinstance(weight, torch.Tensor) else None
+        for name, t in (
+            ("x", x),
+            ("weight", dense_w),
+            ("lora_a", lora_a),
+            ("lora_b", lora_b),
+            ("bias", bias),
+        ):
             if t is not None and t.requires_grad:
                 raise ValueError(
                     f"{name} requires grad: lora_linear is inference only (its LoRA part has no gradient); "
@@ -229,6 +316,8 @@ def lora_linear(
     config: DenseLoRAConfig | None = None,
     check_values: bool = True,
     deterministic: bool = False,
+    activation_scheme: str = "auto",
+    fp8_config: DenseFP8Config | None = None,
 ) -> torch.Tensor:
     """Dense linear layer with one LoRA adapter per token over S output slices.
 
@@ -237,7 +326,11 @@ def lora_linear(
 
     Args:
         x: [T, H] float16/bfloat16/float32 (CUDA, or CPU under TRITON_INTERPRET=1, not bfloat16 there).
-        weight: [N_total, H] (nn.Linear layout: the slices' weights concatenated along dim 0), x's dtype.
+        weight: [N_total, H] (nn.Linear layout: the slices' weights concatenated along dim 0), x's dtype;
+            or a block-FP8 :class:`~moelora_lib.quant.FP8BlockWeight` [N_total, H] (float8_e4m3fn +
+            scale_inv, scale block columns a multiple of 16; fused slices via ``FP8BlockWeight.cat``),
+            kept in FP8: the base GEMM is :func:`~moelora_lib.kernels.dense_fp8.dense_fp8_linear`
+            (``activation_scheme``).
         lora_a: [L, S, R, H], x's dtype; slice s = projection s's A (rank r_s ≤ R, zero-padded).
         lora_b: [L, N_total, R], x's dtype; rows of slice s = projection s's B, scaling folded in,
             zero-padded to R columns.
@@ -256,13 +349,23 @@ def lora_linear(
         deterministic: bitwise-repeatable LoRA path: the shrink runs with SPLIT_K = 1
             (``DenseLoRAConfig.deterministic()``; split-K's fp32 atomics add in an order the
             hardware picks). The base GEMM is cuBLAS's: repeatable on one GPU and stream (see
-            PyTorch's reproducibility notes, ``CUBLAS_WORKSPACE_CONFIG``). Default False.
+            PyTorch's reproducibility notes, ``CUBLAS_WORKSPACE_CONFIG``); the FP8 GEMM uses no
+            atomics. Default False.
+        activation_scheme: with an FP8 weight, the base GEMM's form: "weight_only" (e4m3 tiles
+            scaled to x's dtype in registers), "dynamic" (W8A8: x quantized per token and group of
+            ``weight.block[1]`` columns, FP8 tensor cores; the scale block's columns a multiple of 32),
+            or "auto" (default): weight-only below
+            :data:`~moelora_lib.kernels.dense_fp8.DENSE_W8A8_MIN_TOKENS` tokens, W8A8 from there (where
+            the block allows it). Dense weights run "auto" / "weight_only" as F.linear; "dynamic" with a
+            dense weight: ValueError.
+        fp8_config: a :class:`~moelora_lib.kernels.dense_fp8.DenseFP8Config` for the FP8 GEMM (None:
+            :func:`~moelora_lib.kernels.dense_fp8.default_dense_fp8_config` by T); FP8 weights only.
     Returns:
-        [T, N_total] in x's dtype: the base output ``F.linear(x, weight, bias)`` with the LoRA deltas
-        added; rows of tokens with id -1 are bit for bit ``F.linear``'s.
+        [T, N_total] in x's dtype: the base output ``F.linear(x, weight, bias)`` (FP8 weights: the FP8
+        GEMM's) with the LoRA deltas added; rows of tokens with id -1 are bit for bit the base output.
     Raises:
         ValueError: naming the argument (:func:`validate_lora_linear_inputs`), an unknown stage, a
-            config that is not a DenseLoRAConfig.
+            config that is not a DenseLoRAConfig, a bad ``activation_scheme`` / ``fp8_config``.
 
     Precision: the base is cuBLAS's (or torch's CPU) GEMM; the LoRA path accumulates in fp32, keeps the
     rank intermediate in fp32, and rounds once: the sum (fused-add stages) or, in the other stages, the
@@ -270,9 +373,13 @@ def lora_linear(
     """
     _check_stage_and_config(stage, config)
     check_bool("deterministic", deterministic)
+    _check_fp8_args(weight, activation_scheme, fp8_config)
     d = validate_lora_linear_inputs(x, weight, lora_a, lora_b, lora_ids, slices, bias, check_values)
     st = STAGES[stage]
-    out = F.linear(x, weight, bias)
+    if isinstance(weight, FP8BlockWeight):
+        out = dense_fp8_linear(x, weight, bias, activation_scheme=activation_scheme, config=fp8_config)
+    else:
+        out = F.linear(x, weight, bias)
     if d["T"] == 0:
         return out
     if config is None:
@@ -288,10 +395,13 @@ def lora_linear_reference(
 ) -> torch.Tensor:
     """The dense multi-LoRA linear in ``dtype`` (float64 by default), one adapter group at a time.
 
-    Same arguments as :func:`lora_linear` (any float dtypes; never indexes the adapters with -1).
+    Same arguments as :func:`lora_linear` (any float dtypes; never indexes the adapters with -1; an
+    FP8BlockWeight is dequantized exactly, float32 products widened to ``dtype``).
     Returns [T, N_total] in ``dtype``, on x's device.
     """
     xd = x.to(dtype)
+    if isinstance(weight, FP8BlockWeight):
+        weight = weight.dequantize(torch.float32)
     out = xd @ weight.to(dtype).T
     if bias is not None:
         out = out + bias.to(dtype)
@@ -359,8 +469,12 @@ class LoRALinear(ops.OpLayer):
 
     Args:
         weight: [N_total, H] float16/bfloat16/float32 (CUDA, or CPU under the Triton interpreter, not
-            bfloat16 there): the layer's dtype and device.
-        bias: [N_total] or None.
+            bfloat16 there): the layer's dtype and device. Or a block-FP8
+            :class:`~moelora_lib.quant.FP8BlockWeight` [N_total, H] (float8_e4m3fn codes + ``scale_inv``
+            [ceil(N_total/bn), ceil(H/bk)], as Qwen3 FP8 checkpoints publish them; bk a multiple of 16;
+            fused slices stacked with ``FP8BlockWeight.cat``), kept in FP8: the base GEMM is
+            :mod:`moelora_lib.kernels.dense_fp8`'s instead of ``F.linear`` (``activation_scheme``).
+        bias: [N_total] of the layer's dtype, or None.
         slices: output widths, Σ = N_total (default: one slice of N_total), e.g. (q, k, v) widths.
         num_adapters: L ≥ 1 slots. max_rank: R ≥ 1, the largest rank a slot holds.
         max_tokens: largest T a forward accepts; the buffers are sized for it.
@@ -376,27 +490,51 @@ class LoRALinear(ops.OpLayer):
         share_scratch: share the per-call buffers (rank intermediate, delta buffer, alignment
             workspaces) with every LoRALinear of the same sizes, dtype and device (default): layers run
             one after another, and nothing in them outlives a forward.
+        dtype: the layer's dtype (activations, bias, adapters) with an FP8 weight, which carries none
+            (default bfloat16); with a dense weight None or weight's dtype.
+        activation_scheme: with an FP8 weight, the base GEMM's form per call of T tokens (the
+            checkpoints' field of that name): "weight_only" (e4m3 tiles scaled to the layer's dtype in
+            registers; the result equals ``F.linear`` on the dequantized weight up to summation order),
+            "dynamic" (W8A8: the activations quantized per token and group of ``weight.block[1]``
+            columns, then FP8 tensor cores; each activation within 2^-4 relative of its value; needs
+            scale blocks of a multiple of 32 columns), or "auto" (default): weight-only below
+            :data:`~moelora_lib.kernels.dense_fp8.DENSE_W8A8_MIN_TOKENS` tokens, W8A8 from there on where
+            the block allows it (:meth:`activation_scheme_for`). Settable later (the property). A dense
+            weight runs "auto" and "weight_only" as ``F.linear``; "dynamic" needs an FP8 weight.
+        fp8_config: a fixed :class:`~moelora_lib.kernels.dense_fp8.DenseFP8Config` for the FP8 GEMM at
+            every T (None: :func:`~moelora_lib.kernels.dense_fp8.default_dense_fp8_config` per T); its
+            BLOCK_SIZE_K must divide ``weight.block[1]``. FP8 weights only.
     Raises:
         ValueError naming the argument.
 
-    Parameters (frozen, in the state dict): ``weight``, ``bias``. Buffers (runtime state, not in the
-    state dict): ``lora_a`` [L, S, R, H], ``lora_b`` [L, N_total, R] (layouts: module docstring) and
-    ``slot_loaded`` [L] bool. Tokens whose slot holds no adapter get exactly the base output.
+    Parameters (frozen, in the state dict): ``weight``, ``bias``; with an FP8 weight ``weight_fp8``
+    (float8_e4m3fn [N_total, H]) and ``weight_scale_inv`` (its scale grid; the block in ``fp8_block``)
+    instead of ``weight`` (which is None; :meth:`base_weight` gives what the base GEMM takes). A dtype
+    cast of the module (``.to(dtype)``, ``.half()``) casts the bias and slots and leaves the FP8 codes
+    and scales as they are. Buffers (runtime state, not in the state dict): ``lora_a`` [L, S, R, H],
+    ``lora_b`` [L, N_total, R] (layouts: module docstring) and ``slot_loaded`` [L] bool. Tokens whose
+    slot holds no adapter get exactly the base output.
 
-    Per forward on a GPU: ``F.linear``; when some slots are empty, three small torch ops mapping the
-    ids of empty slots to -1; the alignment (one launch up to PAIR_PATH_MAX_PAIRS tokens, else three);
-    shrink and expand (and, in stages without fused add, a fill and an add). With no adapter loaded at
-    all, or none in :attr:`active_slots` (``MultiLoRAModel.restrict_slots``), only ``F.linear``. Alignment
-    workspaces are allocated at construction for every BLOCK_SIZE_M the configs up to max_tokens use (a
-    few KB; stage ``tuned``: those of the tuned files found at construction); a call under another config
-    allocates its own once.
+    Per forward on a GPU: the base GEMM (``F.linear``; FP8: one Triton GEMM, W8A8 after the activation
+    quantization); when some slots are empty, three small torch ops mapping the ids of empty slots to
+    -1; the alignment (one launch up to PAIR_PATH_MAX_PAIRS tokens, else three); shrink and expand (and,
+    in stages without fused add, a fill and an add) on the activations in the layer's dtype, whatever
+    the base weight's format. With no adapter loaded at all, or none in :attr:`active_slots`
+    (``MultiLoRAModel.restrict_slots``), only the base GEMM. Alignment workspaces are allocated at
+    construction for every BLOCK_SIZE_M the configs up to max_tokens use (a few KB; stage ``tuned``:
+    those of the tuned files found at construction); a call under another config allocates its own once.
     """
 
     _op_prefix = "lora_linear"
 
+    #: Packed weight formats the layer takes as ``weight`` as they are ("fp8":
+    #: :class:`~moelora_lib.quant.FP8BlockWeight`); read by
+    #: :func:`moelora_lib.model.modeling.packed_linear_formats`.
+    PACKED_FORMATS = ("fp8",)
+
     def __init__(
         self,
-        weight: torch.Tensor,
+        weight: torch.Tensor | FP8BlockWeight,
         bias: torch.Tensor | None = None,
         *,
         slices: Sequence[int] | None = None,
@@ -408,6 +546,9 @@ class LoRALinear(ops.OpLayer):
         debug: bool = False,
         deterministic: bool = False,
         share_scratch: bool = True,
+        dtype: torch.dtype | None = None,
+        activation_scheme: str = "auto",
+        fp8_config: DenseFP8Config | None = None,
     ):
         super().__init__()
         check_bool("deterministic", deterministic)
@@ -415,12 +556,35 @@ class LoRALinear(ops.OpLayer):
             if not is_int(v) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         _check_stage_and_config(stage, config)
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not weight.is_floating_point():
-            raise ValueError(f"weight must be a 2-D float tensor [N_total, H], got {_desc(weight)}")
+        _check_fp8_args(weight, activation_scheme, fp8_config)
+        fp8 = isinstance(weight, FP8BlockWeight)
+        if fp8:
+            if weight.weight.dim() != 2:
+                raise ValueError(
+                    f"weight must be a 2-D FP8BlockWeight [N_total, H], got shape {list(weight.shape)}"
+                )
+            dt = torch.bfloat16 if dtype is None else dtype
+            if not isinstance(dt, torch.dtype):
+                raise ValueError(f"dtype must be a torch dtype, got {dt!r}")
+            check_kernel_dtype(
+                dt, weight.device, "dtype (the layer's, with an FP8 weight)", _check_cpu_backend
+            )
+        else:
+            if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not weight.is_floating_point():
+                raise ValueError(
+                    "weight must be a 2-D float tensor [N_total, H] or an FP8BlockWeight, got "
+                    f"{_desc(weight)}"
+                )
+            _check_dense_weight_dtype(weight)
+            if dtype is not None and dtype != weight.dtype:
+                raise ValueError(
+                    f"dtype must be None or weight's dtype {weight.dtype} with a dense weight, got {dtype!r}"
+                )
+            dt = weight.dtype
         N, H = weight.shape
         slices = _check_slices((N,) if slices is None else slices, N)
         L, R, S = num_adapters, max_rank, len(slices)
-        dt, dev = weight.dtype, weight.device
+        dev = weight.device
         z = dict(dtype=dt, device=dev)
         lora_a = torch.zeros((L, S, R, H), **z)
         lora_b = torch.zeros((L, N, R), **z)
@@ -434,7 +598,15 @@ class LoRALinear(ops.OpLayer):
             bias,
             check_values=False,
         )
-        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.fp8_block = None  # FP8: the (bn, bk) of the weight's scale blocks
+        if fp8:
+            self.register_parameter("weight", None)
+            self.weight_fp8 = torch.nn.Parameter(weight.weight, requires_grad=False)
+            self.weight_scale_inv = torch.nn.Parameter(weight.scale_inv, requires_grad=False)
+            self.fp8_block = weight.block
+        else:
+            self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.weight_format = "fp8" if fp8 else "dense"
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
         self.register_buffer("lora_a", lora_a, persistent=False)
         self.register_buffer("lora_b", lora_b, persistent=False)
@@ -445,8 +617,12 @@ class LoRALinear(ops.OpLayer):
         self.max_tokens = max_tokens
         self.stage = STAGES[stage]
         self.fixed_config = config
+        self.fixed_fp8_config = fp8_config
         self.debug = check_bool("debug", debug)
         self._configs: dict[int, DenseLoRAConfig] = {}
+        self._schemes: dict[int, str] = {}
+        self._fp8_configs: dict[int, DenseFP8Config] = {}
+        self.activation_scheme = activation_scheme  # property: validates, clears the per-T choices
         self.deterministic = deterministic  # property: validates, clears the per-T configs
         self.share_scratch = check_bool("share_scratch", share_scratch)
         self._loaded = [False] * L  # host copy of slot_loaded
@@ -456,16 +632,114 @@ class LoRALinear(ops.OpLayer):
         self._register_op_name()
 
     def extra_repr(self) -> str:
+        fp8 = ""
+        if self.weight_format == "fp8":
+            fp8 = (
+                f", weights=fp8 (block {list(self.fp8_block)}), activation_scheme={self.activation_scheme!r}"
+            )
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, slices={self.slices}, "
             f"adapters={self.L}, max_rank={self.R}, max_tokens={self.max_tokens}, "
-            f"stage={self.stage.name!r}, dtype={self.weight.dtype}"
+            f"stage={self.stage.name!r}, dtype={self.dtype}"
+            + fp8
             + (", deterministic=True" if self.deterministic else "")
         )
 
+    # --- weights ----------------------------------------------------------------------------------
+    @property
+    def _ref(self) -> torch.Tensor:
+        """The tensor whose dtype and device are the layer's: the adapter slot ``lora_a`` (``.to()``
+        moves and casts it; an FP8 weight carries no activation dtype)."""
+        return self.lora_a
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The layer's dtype: activations, output, bias and adapter slots (follows ``.to()``)."""
+        return self.lora_a.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """The layer's device (follows ``.to()``)."""
+        return self.lora_a.device
+
+    def base_weight(self) -> torch.Tensor | FP8BlockWeight:
+        """The base GEMM's weight [N_total, H]: the dense Parameter, or an
+        :class:`~moelora_lib.quant.FP8BlockWeight` over ``weight_fp8`` / ``weight_scale_inv``."""
+        if self.weight_format == "fp8":
+            return FP8BlockWeight(self.weight_fp8, self.weight_scale_inv, self.fp8_block)
+        return self.weight
+
+    @property
+    def activation_scheme(self) -> str:
+        """The FP8 base GEMM's activation scheme ("auto", "weight_only", "dynamic"; see the
+        constructor). Setting it validates the value (ValueError naming ``activation_scheme``) and drops
+        the per-T choices made so far, so the next forward at every T follows it (a CUDA graph captured
+        before keeps the form it captured)."""
+        return self._activation_scheme
+
+    @activation_scheme.setter
+    def activation_scheme(self, value: str) -> None:
+        _check_fp8_args(self.base_weight(), value, self.fixed_fp8_config)
+        self._activation_scheme = value
+        self._schemes.clear()
+        self._fp8_configs.clear()
+
+    def activation_scheme_for(self, T: int) -> str:
+        """The form the base GEMM runs at T tokens: "dynamic" (W8A8) or "weight_only"
+        (:func:`~moelora_lib.kernels.dense_fp8.resolve_dense_scheme` of :attr:`activation_scheme`;
+        "weight_only" for a dense weight, which runs ``F.linear``); resolved on the host once per T."""
+        got = self._schemes.get(T)
+        if got is None:
+            got = self._schemes[T] = resolve_dense_scheme(self._activation_scheme, self.base_weight(), T)
+        return got
+
+    def fp8_config_for(self, T: int) -> DenseFP8Config | None:
+        """The :class:`~moelora_lib.kernels.dense_fp8.DenseFP8Config` the FP8 base GEMM launches at T
+        tokens (the fixed ``fp8_config``, else
+        :func:`~moelora_lib.kernels.dense_fp8.default_dense_fp8_config` for the form of
+        :meth:`activation_scheme_for`); resolved once per T. None for a dense weight."""
+        if self.weight_format != "fp8":
+            return None
+        cfg = self._fp8_configs.get(T)
+        if cfg is None:
+            cfg = self.fixed_fp8_config
+            if cfg is None:
+                w8a8 = self.activation_scheme_for(T) == "dynamic"
+                N, H, bk = self.out_features, self.in_features, self.fp8_block[1]
+                cfg = default_dense_fp8_config(T, N, H, w8a8=w8a8, block_k=bk)
+            self._fp8_configs[T] = cfg
+        return cfg
+
+    def _base(self, x: torch.Tensor) -> torch.Tensor:
+        """The base output [T, N_total] (a new tensor): ``F.linear``, or the FP8 GEMM in the form of
+        :meth:`activation_scheme_for` with the config of :meth:`fp8_config_for`."""
+        if self.weight_format != "fp8":
+            return F.linear(x, self.weight, self.bias)
+        T = x.shape[0]
+        cfg = self.fp8_config_for(T)
+        w = self.base_weight()
+        if self.activation_scheme_for(T) == "weight_only":
+            return dense_fp8_weight_only(x, w, self.bias, config=cfg)
+        bk = self.fp8_block[1]
+        x_q, x_scale = quantize_act(x, bk)
+        return dense_fp8_w8a8(x_q, x_scale, w, self.bias, group_size=bk, out_dtype=x.dtype, config=cfg)
+
+    def _apply(self, fn, recurse=True):
+        # FP8 codes and scales keep their dtypes through a dtype cast of the module (.to(dtype),
+        # .half(), ...); a device move moves them
+        keep = {}
+        if self.weight_format == "fp8":
+            keep = {n: getattr(self, n).data for n in ("weight_fp8", "weight_scale_inv")}
+        out = super()._apply(fn, recurse)
+        for n, old in keep.items():
+            p = getattr(self, n)
+            if p.dtype != old.dtype:
+                p.data = old.to(p.device)
+        return out
+
     # --- buffers ----------------------------------------------------------------------------------
     def _alloc_buffers(self) -> None:
-        dt, dev = self.weight.dtype, self.weight.device
+        dt, dev = self.dtype, self.device
         key = (dt, dev, self.max_tokens, self.S * self.R, self.out_features, self.L, self.stage.fused_add)
         scratch = attach_scratch(self, _SCRATCH, key, _Scratch)
         self._buffers_key = (dt, dev)
@@ -493,7 +767,10 @@ class LoRALinear(ops.OpLayer):
     def memory_report(self) -> dict[str, int]:
         """Bytes held on the device: {"weights", "adapter_slots", "scratch" (shared, see share_scratch),
         "scratch_shared_by", "per_layer" (weights + slots (+ scratch when not shared))}."""
-        weights = nbytes((self.weight, self.bias))
+        weights = nbytes(
+            (self.weight, getattr(self, "weight_fp8", None), getattr(self, "weight_scale_inv", None))
+        )
+        weights += nbytes((self.bias,))
         return memory_report(self, weights, nbytes((self.lora_a, self.lora_b, self.slot_loaded)))
 
     def config_for(self, T: int) -> DenseLoRAConfig:
@@ -567,8 +844,8 @@ class LoRALinear(ops.OpLayer):
             for what, t in (("lora_a", a), ("lora_b", b)):
                 if not isinstance(t, torch.Tensor) or t.dim() != 2 or not t.is_floating_point():
                     raise ValueError(f"{what}[{s}] must be a 2-D float tensor, got {_desc(t)}")
-                if t.device != self.weight.device:
-                    raise ValueError(f"{what}[{s}] must be on {self.weight.device}, got {t.device}")
+                if t.device != self.device:
+                    raise ValueError(f"{what}[{s}] must be on {self.device}, got {t.device}")
             # the layout before the rank range: a transposed factor is a shape error, not a rank error
             if a.shape[1] != self.in_features:
                 raise ValueError(
@@ -585,7 +862,7 @@ class LoRALinear(ops.OpLayer):
             pairs.append((a, b, r))
         if all(p is None for p in pairs):
             raise ValueError("load_adapter: every slice is None; to clear a slot use unload_adapter")
-        dt = self.weight.dtype
+        dt = self.dtype
         with torch.no_grad():
             cast = []
             for s, p in enumerate(pairs):
@@ -658,12 +935,12 @@ class LoRALinear(ops.OpLayer):
             ids are dropped by the alignment, their rows' LoRA part unspecified).
         """
         # checked before the op too: a meta or foreign tensor would otherwise reach its fake impl
-        self._check_runs_here(self.weight.device)
+        self._check_runs_here(self.device)
         self._check_call(x, lora_ids)
         return lora_linear_module(x, lora_ids, self.layer_name)
 
     def _check_call(self, x, lora_ids) -> None:
-        dt, dev = self.weight.dtype, self.weight.device
+        dt, dev = self.dtype, self.device
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.in_features:
             raise ValueError(f"x must be a tensor [T, H={self.in_features}], got {_desc(x)}")
         if x.dtype != dt or x.device != dev:
@@ -692,17 +969,17 @@ class LoRALinear(ops.OpLayer):
     def _forward_impl(self, x: torch.Tensor, lora_ids: torch.Tensor) -> torch.Tensor:
         """The eager body of the custom op (see :meth:`forward`)."""
         self._check_call(x, lora_ids)
-        if self._buffers_key != (self.weight.dtype, self.weight.device):  # built, moved (.to()) or unpickled
-            dt, dev = self.weight.dtype, self.weight.device
-            check_kernel_dtype(dt, dev, "the layer's weight (after .to())", _check_cpu_backend)
+        if self._buffers_key != (self.dtype, self.device):  # built, moved (.to()) or unpickled
+            dt, dev = self.dtype, self.device
+            check_kernel_dtype(dt, dev, "the layer's dtype (after .to())", _check_cpu_backend)
             self._check_runs_here(dev)
         if self.debug:
             _check_values(lora_ids, self.L)
-        out = F.linear(x, self.weight, self.bias)
+        out = self._base(x)
         T = x.shape[0]
         if T == 0 or not self._launches(self._active_slots)[0]:  # host-side flags: no LoRA launch at all
             return out
-        if self._buffers_key != (self.weight.dtype, self.weight.device):
+        if self._buffers_key != (self.dtype, self.device):
             self._alloc_buffers()
         ids = lora_ids
         # empty slots -> -1 on the device (no work, exactly the base); by the loaded slots alone, as

@@ -6,9 +6,9 @@ import torch
 
 from .common import check_bool, check_tensor
 from .common import describe as _desc
-from .kernels import GEMV_STAGE, LayerConfig, LayerRun, check_stage_name, stage_named
+from .kernels import GEMV_STAGE, STAGES, LayerConfig, LayerRun, check_stage_name, stage_named
 from .kernels.gemv import GemvRun
-from .kernels.stages import packed_config
+from .kernels.stages import check_activation_scheme, packed_config, resolve_activation_scheme
 from .quant.fp8 import FP8BlockWeight
 from .quant.mxfp4 import MXFP4_BLOCK, MXFP4Weight
 from .routing import check_finite_weights, check_id_bounds, check_id_values
@@ -323,6 +323,7 @@ def make_layer_run(
     check_values: bool = True,
     deterministic: bool = False,
     adapter_order: bool | None = None,
+    activation_scheme: str = "auto",
 ) -> LayerRun | GemvRun:
     """Validate and build the :class:`~moelora_lib.kernels.LayerRun` that :func:`fused_moe_lora` runs
     (same arguments; ``stage="auto"``, the default, resolved to the concrete stage of these dims; for
@@ -332,9 +333,10 @@ def make_layer_run(
     and MXFP4 ``w13`` / ``w2``: as in :func:`fused_moe_lora`. ``adapter_order``: as in
     :class:`~moelora_lib.kernels.LayerRun` (None = the stage's choice: on for stage ``fused``); a
     performance knob, the result does not depend on it beyond fp32 rounding order (bit-identical in
-    practice, see the test).
+    practice, see the test). ``activation_scheme``: as in :func:`fused_moe_lora`.
     """
     _check_stage_and_config(stage, config)
+    check_activation_scheme(activation_scheme, w13, stage)
     check_bool("deterministic", deterministic)
     if adapter_order is not None:
         check_bool("adapter_order", adapter_order)
@@ -358,10 +360,14 @@ def make_layer_run(
         T=d["T"], H=d["H"], I=d["I"], E=d["E"], top_k=d["K"], adapters=d["L"], rank=d["R"], slices=d["S"]
     )
     st = stage_named(stage, dims)  # "auto": the stage the config files choose for these dims
+    scheme = resolve_activation_scheme(activation_scheme, w13, dims.T)
+    if scheme == "dynamic" and st is GEMV_STAGE:  # stage auto picked gemv (weight-only): W8A8 runs tuned
+        st = STAGES["tuned"]
     if config is None:
         # stages "tuned" and "fused" load tuned configs (moelora_lib.configs); the others the defaults
         config = st.config_for(dims)
-    config = packed_config(config, w13)  # MXFP4: whole 32-value scale blocks; FP8: one scale column
+    # MXFP4: whole 32-value scale blocks; FP8: one scale column per K step (W8A8: K steps of ≥ 32)
+    config = packed_config(config, w13, scheme)
     if deterministic:
         config = config.deterministic()
     if st is GEMV_STAGE:  # its own launches, no alignment (kernels/gemv.py)
@@ -386,6 +392,7 @@ def make_layer_run(
         b2=b2,
         config=config,
         adapter_order=adapter_order,
+        activation_scheme=scheme,
         alignments=_device_alignments(
             st, config, topk_ids, lora_ids, d["E"], d["L"], adapter_order=adapter_order
         ),
@@ -438,6 +445,7 @@ def fused_moe_lora(
     stage="auto",
     config: LayerConfig | None = None,
     deterministic: bool = False,
+    activation_scheme: str = "auto",
 ) -> torch.Tensor:
     """MoE layer with one LoRA adapter per token on both expert projections (four LoRA ops).
 
@@ -495,13 +503,30 @@ def fused_moe_lora(
             from one program in a fixed order. Same inputs, config, GPU and software give the same bits.
             Its cost is the split-K speed-up of those launches (notebook 04 for the shrinks, notebook 12's
             ``fused_deterministic`` lever for stage ``fused``). Default False.
+        activation_scheme: with FP8 ``w13``/``w2``, how the base GEMMs treat the activations
+            (:data:`~moelora_lib.kernels.stages.ACTIVATION_SCHEMES`): "dynamic" — W8A8, the
+            ``activation_scheme: "dynamic"`` of the published FP8 checkpoints: hidden_states and the
+            activation output are quantized per token and per group of the weight's scale-block columns
+            (:func:`~moelora_lib.kernels.fp8_act.quantize_fp8_act`, one launch each; scale = amax/448) and
+            the base GEMMs run FP8 × FP8 on tensor cores, each K step's fp32 partial times the two scales
+            (DeepSeek-V3's block-FP8 scheme). The result differs from the weight-only one by the
+            activation rounding: about 2^-4 relative per activation element at most, far less on sums
+            (tests/test_fp8_w8a8_moe.py). The LoRA ops still read the unquantized activations. The base
+            GEMMs' BLOCK_SIZE_K becomes min(2·BLOCK_SIZE_K, the scale block's largest power-of-two
+            divisor) ≥ 32 (:func:`~moelora_lib.kernels.stages.w8a8_config`); where stage "auto" would pick
+            "gemv" (weight-only GEMVs), "tuned" runs. "weight_only" — each e4m3 weight tile is scaled
+            to hidden_states' dtype in registers, the activations are not quantized. "auto" (default) —
+            "dynamic" from :data:`~moelora_lib.kernels.stages.W8A8_MIN_TOKENS` tokens on, "weight_only"
+            below (decode sizes). Dense and MXFP4 weights run as before under "auto" and "weight_only".
     Returns:
         [T, H] in hidden_states' dtype ([0, H] when T = 0).
     Raises:
         ValueError: an argument's shape, dtype, device or value range is wrong (the message names
             it; NaN or inf in topk_weights included; one expert weight MXFP4 and the other not),
             unknown activation or stage, a non-bool deterministic; bfloat16 on the CPU (the
-            interpreter's bf16 is wrong).
+            interpreter's bf16 is wrong); ``activation_scheme`` not one of its values, or "dynamic" with
+            weights that are not FP8 (or whose scale blocks' columns are not a multiple of 32) or with
+            stage "gemv".
 
     The value check of topk_ids, lora_ids and topk_weights synchronizes with the host once, so this
     function is not meant for CUDA-graph capture: use :class:`moelora_lib.MoELoRALayer` (no host sync),
@@ -538,6 +563,7 @@ def fused_moe_lora(
         )
         _check_stage_and_config(stage, config)
         check_bool("deterministic", deterministic)
+        check_activation_scheme(activation_scheme, w13, stage)
         return hidden_states.new_empty((0, hidden_states.shape[1]))
     on_gpu = isinstance(hidden_states, torch.Tensor) and hidden_states.device.type == "cuda"
     run = make_layer_run(
@@ -558,6 +584,7 @@ def fused_moe_lora(
         config=config,
         check_values=not on_gpu,  # on the GPU: deferred, below
         deterministic=deterministic,
+        activation_scheme=activation_scheme,
     )
     if not on_gpu:
         return run()

@@ -18,10 +18,14 @@ bit for bit, its fp32 logits equal ours within tests/test_model_base.py's tolera
 1e-5); for the ragged folder, transformers' ``_dequantize_fp8_weight`` per key. PEFT adapters (attention
 + experts for the MoE, attention + MLP for the dense model) made on that dequantized model, as FP8
 models' adapters are trained: a mixed batch (adapter, none, other adapter) row by row against
-transformers + PEFT within tests/test_model_adapters.py's E2E tolerance. The loader's FP8 seam: FP8
-kernels do not exist yet, so ``dequantize=False`` raises NotImplementedError naming ``dequantize=True``,
-and with the layers' PACKED_FORMATS flipped (monkeypatched) the loader hands FP8BlockWeights equal to
-the file's to the layers. Bad files are refused with a ValueError naming the key or field.
+transformers + PEFT within tests/test_model_adapters.py's E2E tolerance, for the model dequantized at
+load and for the default load (dense projections and experts kept FP8) with the weight-only FP8 GEMM;
+with the W8A8 GEMM (``activation_scheme="dynamic"``, on folders of [32, 32] blocks: an FP8 tensor-core K
+step is 32 columns) within the activation quantization's error
+(:data:`W8A8_LOGIT_REL`). The loader's FP8 seam: ``dequantize=None`` and ``False`` keep every FP8
+projection FP8 (both layers list "fp8"); with a layer's PACKED_FORMATS emptied (monkeypatched),
+``dequantize=False`` raises NotImplementedError naming ``dequantize=True``; the handoffs receive
+FP8BlockWeights equal to the file's. Bad files are refused with a ValueError naming the key or field.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ fp8_integration = pytest.importorskip("transformers.integrations.finegrained_fp8
 
 V, H, HEADS, KV, HD, NL, E, TOPK, MOE_I, DENSE_I = 96, 64, 4, 2, 16, 2, 4, 2, 32, 96
 BLOCK = [32, 16]
+BLOCK_W8A8 = [32, 32]  # the PEFT / W8A8 folders: a W8A8 K step (FP8 tl.dot) needs 32 columns per scale
 SIZES = dict(num_adapters=2, max_rank=4, max_batch=3, max_seq=16, max_tokens=30)
 QUANT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": BLOCK}
 _CLASSES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -159,7 +164,8 @@ def _hf_dequantized(kind: str, folder: Path):
 
 @pytest.fixture(scope="module")
 def published(tmp_path_factory):
-    """kind -> {"tensors", "single", "sharded" (MoE only), "ragged" (dense only), "ref"}."""
+    """kind -> {"tensors", "single", "sharded" (MoE only), "ragged" (dense only), "ref", "b32" (a folder of
+    BLOCK_W8A8 blocks; sharded for the MoE), "b32_ref"}."""
     out = {}
     for kind in _CLASSES:
         root = tmp_path_factory.mktemp(f"{kind}_fp8")
@@ -173,6 +179,15 @@ def published(tmp_path_factory):
             entry["ragged_tensors"] = ragged
             entry["ragged"] = _write_published(root / "ragged", kind, ragged, quantization_config=cfg)
         entry["ref"] = _hf_dequantized(kind, entry["single"])
+        b32 = _published_tensors(kind, root / "b32", block=BLOCK_W8A8)
+        entry["b32"] = _write_published(
+            root / "b32",
+            kind,
+            b32,
+            sharded=kind == "qwen3_moe",
+            quantization_config={**QUANT, "weight_block_size": BLOCK_W8A8},
+        )
+        entry["b32_ref"] = _hf_dequantized(kind, entry["b32"])
         out[kind] = entry
     return out
 
@@ -216,8 +231,8 @@ def _ours_vs_hf(model: MultiLoRAModel, ref, kind: str):
 def test_dequantized_weights_equal_transformers_bit_for_bit(published, case):
     """dequantize=True: every projection equals transformers' FineGrainedFP8Config(dequantize=True)
     parameter bit for bit (and our dequantize_fp8_block of the file's tensors); the dense rest is the
-    file's bf16; dequantize=None (the default) builds the same model with FP8 experts (the MoE layer's
-    FP8 kernels) whose dequantization is the same."""
+    file's bf16; dequantize=None (the default) builds the same model with FP8 experts and FP8 attention /
+    dense MLP projections (the layers' FP8 kernels) whose dequantization is the same."""
     kind, layout = case.split("/")
     entry = published[kind]
     model = _load(entry[layout], dequantize=True)
@@ -229,15 +244,19 @@ def test_dequantized_weights_equal_transformers_bit_for_bit(published, case):
     k = "model.layers.1.self_attn.o_proj."
     direct = dequantize_fp8_block(t[k + "weight"], t[k + "weight_scale_inv"], torch.float32, BLOCK)
     assert torch.equal(model.layers[1].self_attn.o_proj.weight, direct)
-    default = _load(entry[layout])  # dequantize=None: the experts stay FP8 (the MoE layer runs it)
+    default = _load(entry[layout])  # dequantize=None: experts and dense projections stay FP8
     sd = default.state_dict()
     for n, v in model.state_dict().items():
         if ".mlp.experts.w" in n:
             li, w = int(n.split(".")[1]), n.rsplit(".", 1)[1]
             packed = dict(zip(("w13", "w2"), default.layers[li].mlp.experts.expert_weights()))[w]
-            assert isinstance(packed, FP8BlockWeight) and torch.equal(packed.dequantize(torch.float32), v), n
+        elif n.endswith("_proj.weight"):
+            packed = default.get_submodule(n.removesuffix(".weight")).base_weight()
+            assert n + "_fp8" in sd and n + "_scale_inv" in sd and n not in sd, n
         else:
             assert torch.equal(v, sd[n]), n
+            continue
+        assert isinstance(packed, FP8BlockWeight) and torch.equal(packed.dequantize(torch.float32), v), n
 
 
 def test_ragged_default_block(published):
@@ -290,13 +309,19 @@ def test_logits_match_transformers_dequantized(published, case):
         _close(step[:, 0], r[:, 9], f"fp8 {case} decode step")
 
 
-@pytest.mark.parametrize("layout", ["single", "sharded"])
-def test_fp8_experts_logits_match_dequantized_model(published, layout):
-    """dequantize=None keeps the experts FP8 (MoELoRALayer's W_FP8 GEMMs; attention dequantized): its
-    logits equal the dequantize=True model's up to fp32 summation order (the FP8 layer's base GEMMs step
-    16 along K, one scale column of the [32, 16] blocks per step), prefill and one decode step."""
+def test_fp8_model_logits_match_dequantized_model(published):
+    """dequantize=None keeps every projection FP8 — the experts (MoELoRALayer's W_FP8 GEMMs) and the
+    attention / dense MLP projections (LoRALinear's block-FP8 GEMM, weight-only at these sizes under
+    activation_scheme "auto"): its logits equal the dequantize=True model's up to fp32 summation order
+    (the FP8 GEMMs step 16 along K, one scale column of the [32, 16] blocks per step), prefill and one
+    decode step. (The dense Qwen3's FP8 gate_up / down projections:
+    test_peft_adapters_mixed_batch_match_transformers_peft.)"""
     entry = published["qwen3_moe"]
-    f8, dense = _load(entry[layout]), _load(entry[layout], dequantize=True)
+    f8, dense = _load(entry["single"]), _load(entry["single"], dequantize=True)
+    lins = [m for m in f8.modules() if isinstance(m, moelora_lib.LoRALinear)]
+    assert len(lins) == 2 * NL  # qkv, o
+    assert all(m.weight_format == "fp8" and m.weight is None for m in lins)
+    assert all(m.activation_scheme_for(20) == "weight_only" for m in lins)
     assert all(layer.mlp.experts.weight_format == "fp8" for layer in f8.layers)
     out, want = f8(_IDS, [0, 0], [-1, -1]), dense(_IDS, [0, 0], [-1, -1])
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
@@ -307,7 +332,7 @@ def test_fp8_experts_logits_match_dequantized_model(published, layout):
 
 
 # --------------------------------------------------------------------------------------------------
-# PEFT adapters on the dequantized model
+# PEFT adapters made on the dequantized model: ours dequantized, FP8 weight-only, FP8 W8A8
 # --------------------------------------------------------------------------------------------------
 ADAPTERS = {
     "qwen3_moe": {
@@ -332,10 +357,27 @@ ADAPTERS = {
 }
 
 
+#: W8A8 (activation_scheme "dynamic") against transformers + PEFT on the dequantized weights: every
+#: activation entering an FP8 projection is replaced by its e4m3 code times its (token, 32-column group)
+#: scale, within 2^-4 relative per element (3 mantissa bits; 2^-10·scale absolute below e4m3's normal
+#: range), and these tiny random models (weights N(0, 0.15²), H = 64, two layers of four projections)
+#: carry that to the logits. The kernel itself matches torch's F.linear on the quantize-dequantized
+#: activations to fp32 rounding (tests/test_dense_fp8.py); the model-level error is the quantization's.
+#: Bound per row: relative L2 error ‖ours − ref‖ / ‖ref‖ ≤ W8A8_LOGIT_REL. Measured over the three rows:
+#: 0.072–0.088 qwen3, 0.038–0.044 qwen3_moe (max |Δlogit| 0.44 on logits of max |·| ≈ 4); the bound
+#: keeps 1.7x margin over the largest.
+W8A8_LOGIT_REL = 0.15
+
+
 @pytest.mark.parametrize("kind", list(ADAPTERS))
 def test_peft_adapters_mixed_batch_match_transformers_peft(published, kind, tmp_path):
-    """Adapters made by PEFT on transformers' dequantized model; ours loaded from the (sharded for the
-    MoE) FP8 folder with dequantize=True; a mixed batch against transformers + PEFT row by row."""
+    """Adapters made by PEFT on transformers' dequantized model of the [32, 32]-block folder (sharded for
+    the MoE), as FP8 models' adapters are trained; ours loaded from the FP8 folder as it loads by default
+    (every projection kept FP8; activation_scheme "auto", weight-only at these 18 tokens), both adapters
+    in slots; a mixed batch (adapter, none, other adapter) against transformers + PEFT row by row within
+    tests/test_model_adapters.py's E2E tolerance; then the same model with its dense projections switched
+    to W8A8 ("dynamic"): within :data:`W8A8_LOGIT_REL` (activation quantization error) and measurably
+    off the weight-only result. (The dequantize=True model: test_logits_match_transformers_dequantized.)"""
     entry = published[kind]
     folders = {}
     with warnings.catch_warnings():
@@ -343,55 +385,81 @@ def test_peft_adapters_mixed_batch_match_transformers_peft(published, kind, tmp_
         for i, (name, kw) in enumerate(ADAPTERS[kind].items()):
             torch.manual_seed(200 + i)
             pm = peft.get_peft_model(
-                _hf_dequantized(kind, entry["single"]), peft.LoraConfig(init_lora_weights=False, **kw)
+                _hf_dequantized(kind, entry["b32"]), peft.LoraConfig(init_lora_weights=False, **kw)
             )
             pm.save_pretrained(str(tmp_path / name))
             folders[name] = tmp_path / name
-    model = _load(entry.get("sharded", entry["single"]), dequantize=True)
     names = list(folders)
-    for slot, name in enumerate(names):
-        load_peft_adapter(model, slot, folders[name])
     ids = torch.randint(0, V, (3, 6), generator=torch.Generator().manual_seed(3))
     lora_ids = [0, -1, 1]  # adapter, none, other adapter
-    ours = model(ids, [0] * 3, lora_ids)
     refs = []
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for row, slot in enumerate(lora_ids):
-            ref = _hf_dequantized(kind, entry["single"])
+            ref = _hf_dequantized(kind, entry["b32"])
             if slot >= 0:
                 ref = peft.PeftModel.from_pretrained(ref, str(folders[names[slot]])).eval()
             refs.append(ref(input_ids=ids[row : row + 1]).logits[0].float())
-        base = entry["ref"](input_ids=ids[[0, 2]]).logits.float()
+        base = entry["b32_ref"](input_ids=ids[[0, 2]]).logits.float()
     assert not torch.allclose(refs[0], base[0], atol=1e-2) and not torch.allclose(refs[2], base[1], atol=1e-2)
-    for row, slot in enumerate(lora_ids):
-        err = (ours[row] - refs[row]).abs().max().item()
-        assert err <= E2E_ATOL, (
-            f"{kind} row {row} (slot {slot}): max |logits − transformers+PEFT| = {err:.3g}"
-        )
+    model = _load(entry["b32"])
+    lins = [m for m in model.modules() if isinstance(m, moelora_lib.LoRALinear)]
+    assert lins and all(
+        m.weight_format == "fp8" and m.activation_scheme_for(ids.numel()) == "weight_only" for m in lins
+    )
+    for slot, name in enumerate(names):
+        load_peft_adapter(model, slot, folders[name])
+    outs = {"weight_only": model(ids, [0] * 3, lora_ids)}
+    for m in lins:
+        m.activation_scheme = "dynamic"
+    outs["dynamic"] = model(ids, [0] * 3, lora_ids)
+    for how, ours in outs.items():
+        for row, slot in enumerate(lora_ids):
+            err = (ours[row] - refs[row]).abs().max().item()
+            rel = ((ours[row] - refs[row]).norm() / refs[row].norm()).item()
+            if how == "dynamic":
+                assert rel <= W8A8_LOGIT_REL, (
+                    f"{kind} W8A8 row {row} (slot {slot}): ‖logits − transformers+PEFT‖ / ‖ref‖ = {rel:.3g} "
+                    f"> {W8A8_LOGIT_REL:.3g}"
+                )
+            else:
+                assert err <= E2E_ATOL, (
+                    f"{kind} {how} row {row} (slot {slot}): max |logits − transformers+PEFT| = {err:.3g}"
+                )
+    # W8A8 quantized something: its logits are not the weight-only ones
+    assert (outs["dynamic"] - outs["weight_only"]).abs().max().item() > 1e-3
 
 
 # --------------------------------------------------------------------------------------------------
-# the FP8 seam: FP8 MoE kernels, no FP8 LoRALinear kernels yet
+# the FP8 seam: which layers keep FP8, the handoffs
 # --------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    "kind, layers",
-    [("qwen3_moe", r"LoRALinear \(attention"), ("qwen3", r"LoRALinear \(attention")],
-    ids=["qwen3_moe", "qwen3"],
-)
-def test_dequantize_false_not_implemented(published, kind, layers):
-    assert "fp8" in modeling.packed_expert_formats() and "fp8" not in modeling.packed_linear_formats()
+def test_dequantize_false_keeps_fp8(published, monkeypatch):
+    """Both layers run FP8, so dequantize=False keeps every projection FP8 (no forward here); with
+    LoRALinear's PACKED_FORMATS emptied (a layer class without FP8 kernels) it raises
+    NotImplementedError naming that layer and dequantize=True, while dequantize=None then dequantizes
+    the dense projections and keeps the experts FP8."""
+    assert {"fp8"} <= modeling.packed_expert_formats() and modeling.packed_linear_formats() == {"fp8"}
+    for kind in ADAPTERS:
+        model = _load(published[kind]["single"], dequantize=False)
+        lins = [m for m in model.modules() if isinstance(m, moelora_lib.LoRALinear)]
+        assert lins and all(m.weight_format == "fp8" for m in lins), kind
+    monkeypatch.setattr(moelora_lib.LoRALinear, "PACKED_FORMATS", ())
     with pytest.raises(
-        NotImplementedError, match=rf"dequantize=False: .*FP8 kernels in {layers}.*dequantize=True"
+        NotImplementedError,
+        match=r"dequantize=False: .*FP8 kernels in LoRALinear \(attention.*dequantize=True",
     ) as e:
-        _load(published[kind]["single"], dequantize=False)
+        _load(published["qwen3_moe"]["single"], dequantize=False)
     assert "MoELoRALayer" not in str(e.value)  # the experts run FP8
+    model = _load(published["qwen3_moe"]["single"])
+    assert model.layers[0].self_attn.qkv_proj.weight_format == "dense"
+    assert model.layers[0].mlp.experts.weight_format == "fp8"
 
 
-def test_packed_weight_handoffs_refuse_fp8():
-    """The handoff functions the model calls for packed weights: FP8 experts are kept (the MoE layer lists
-    "fp8"), FP8 projections raise NotImplementedError naming dequantize=True until LoRALinear lists it;
-    wrong shapes and types are ValueErrors naming the weight."""
+def test_packed_weight_handoffs(monkeypatch):
+    """The handoff functions the model calls for packed weights: FP8 experts and FP8 projections are kept
+    (both layers list "fp8"); with LoRALinear's PACKED_FORMATS emptied, FP8 projections raise
+    NotImplementedError naming dequantize=True; wrong shapes and types are ValueErrors naming the
+    weight."""
     w = FP8BlockWeight.quantize(torch.randn(E, 2 * MOE_I, H), BLOCK)
     kept = packed_expert_weight(w, name="layers.0.mlp.experts.w13", shape=(E, 2 * MOE_I, H), device="cpu")
     assert isinstance(kept, FP8BlockWeight) and torch.equal(
@@ -400,8 +468,14 @@ def test_packed_weight_handoffs_refuse_fp8():
     with pytest.raises(ValueError, match=r"experts\.w2.*expected shape \[4, 64, 32\], got FP8 of shape"):
         packed_expert_weight(w, name="layers.0.mlp.experts.w2", shape=(E, H, MOE_I), device="cpu")
     d = FP8BlockWeight.quantize(torch.randn(128, H), BLOCK)
-    with pytest.raises(NotImplementedError, match=r"qkv_proj\.weight.*LoRALinear.*dequantize=True"):
-        packed_linear_weight(d, name="layers.0.self_attn.qkv_proj.weight", shape=(128, H), device="cpu")
+    kept = packed_linear_weight(d, name="layers.0.self_attn.qkv_proj.weight", shape=(128, H), device="cpu")
+    assert isinstance(kept, FP8BlockWeight) and torch.equal(
+        kept.weight.view(torch.uint8), d.weight.view(torch.uint8)
+    )
+    with monkeypatch.context() as mp:
+        mp.setattr(moelora_lib.LoRALinear, "PACKED_FORMATS", ())
+        with pytest.raises(NotImplementedError, match=r"qkv_proj\.weight.*LoRALinear.*dequantize=True"):
+            packed_linear_weight(d, name="layers.0.self_attn.qkv_proj.weight", shape=(128, H), device="cpu")
     with pytest.raises(
         ValueError, match=r"o_proj\.weight.*expected shape \[64, 64\], got FP8 of shape \[128, 64\]"
     ):
@@ -413,12 +487,10 @@ def test_packed_weight_handoffs_refuse_fp8():
 
 @pytest.mark.parametrize("dequantize", [None, False])
 def test_flipped_formats_hand_fp8_to_the_layers(published, monkeypatch, dequantize):
-    """With "fp8" in both layers' PACKED_FORMATS (what FP8 kernels will set), the loader keeps FP8: the
-    handoffs receive FP8BlockWeights of the layers' dense shapes, equal to the file's weights and scales
-    (q | k | v and gate | up fused, experts stacked). Here the recording handoffs return them dequantized,
-    so the model builds and equals the dequantize=True one."""
-    monkeypatch.setattr(moelora_lib.LoRALinear, "PACKED_FORMATS", ("fp8",), raising=False)
-    monkeypatch.setattr(moelora_lib.MoELoRALayer, "PACKED_FORMATS", ("mxfp4", "fp8"))
+    """With "fp8" in both layers' PACKED_FORMATS, the loader keeps FP8: the handoffs receive
+    FP8BlockWeights of the layers' dense shapes, equal to the file's weights and scales (q | k | v and
+    gate | up fused, experts stacked). Here the recording handoffs return them dequantized, so the model
+    builds and equals the dequantize=True one."""
     seen = {}
 
     def record(w, *, name, shape, device):
@@ -454,7 +526,6 @@ def test_flipped_formats_hand_fp8_to_the_layers(published, monkeypatch, dequanti
 def test_flipped_formats_dequantize_what_cannot_fuse(published, monkeypatch):
     """Block [128, 128] on q (64 rows) | k | v: a fused part ends in a ragged block row, so q | k | v and
     gate | up are dequantized at load while o_proj and down_proj (one part each) stay FP8."""
-    monkeypatch.setattr(moelora_lib.LoRALinear, "PACKED_FORMATS", ("fp8",), raising=False)
     seen = []
 
     def record(w, *, name, shape, device):

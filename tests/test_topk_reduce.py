@@ -41,3 +41,24 @@ def test_check_ids_off_is_the_plain_sum():
     y = torch.ones(2 * 2, 8)
     ids = torch.tensor([[0, 9], [1, 2]], dtype=torch.int32)
     assert (topk_reduce(y, ids, 4, check_ids=False) == 2).all()
+
+
+@pytest.mark.parametrize("check_ids", [True, False])
+def test_skip_remote_leaves_minus_one_pairs_out(check_ids):
+    # expert parallelism: id -1 = expert on another rank (its y row is stale scratch: never read)
+    y = torch.randn(5 * 3, 16, generator=torch.Generator().manual_seed(1))
+    y[1] = float("nan")  # the remote pair's stale row
+    ids = torch.tensor([[0, -1, 2], [-1, -1, -1], [1, 2, 3], [-2, 0, 1], [0, 4, 1]], dtype=torch.int32)
+    lora = torch.tensor([0, -1, 1, 0, 0], dtype=torch.int32)
+    out = topk_reduce(y, ids, 4, lora, 2, check_ids=check_ids, skip_remote=True)
+    yv = y.view(5, 3, 16)
+    assert torch.equal(out[0], yv[0, 0] + yv[0, 2])  # the local pairs only, in k order
+    assert torch.equal(out[1], torch.zeros(16))  # every pair remote: zero row
+    assert torch.equal(out[2], yv[2].sum(0))  # all local: the plain sum
+    if check_ids:  # -2 and 4 (= E) are still bad ids
+        assert torch.isnan(out[3]).all() and torch.isnan(out[4]).all()
+    # without skip_remote, -1 is an out-of-range id as before
+    out = topk_reduce(y, ids, 4, lora, 2)
+    assert torch.isnan(out[0]).all() and torch.isnan(out[1]).all() and not torch.isnan(out[2]).any()
+    with pytest.raises(ValueError, match="skip_remote"):
+        topk_reduce(y, ids, 4, skip_remote=1)

@@ -10,10 +10,13 @@ from __future__ import annotations
 import torch
 import triton
 
+from ..common import describe as _desc
+from ..common import is_int
 from ..quant.fp8 import FP8BlockWeight
 from ..quant.mxfp4 import MXFP4_BLOCK, MXFP4Weight
 from ..routing import Alignment
 from .config import OpConfig
+from .fp8_act import FP8Activations
 from .triton_kernels import KERNELS
 
 __all__ = [
@@ -32,6 +35,7 @@ __all__ = [
     "fused_moe_lora_args",
     "fused_moe_lora",
     "weight_operand",
+    "act_operand",
     "fp8_block_k_error",
 ]
 
@@ -132,6 +136,52 @@ def weight_operand(w, x: torch.Tensor, cfg: OpConfig, name: str = "w") -> tuple[
     return q_args, (sc, sc.stride(0), sc.stride(1), sc.stride(2), 1, 1), {"W_MXFP4": True, "W_FP8": False}
 
 
+def act_operand(x, w, cfg: OpConfig, name: str = "x") -> tuple[torch.Tensor, tuple, dict]:
+    """The kernel arguments of a base GEMM's activations ``x``: ``(x tensor, (xs_ptr, stride_xsm,
+    stride_xsk, act_group), {"A_FP8": …})``.
+
+    ``x``: a dense [rows, K] tensor (weight-only or dense GEMM; the scale arguments are dummies), or
+    :class:`~moelora_lib.kernels.fp8_act.FP8Activations` (W8A8, ``A_FP8``): ``q`` float8_e4m3fn
+    [rows, K] and ``scale`` float32 [rows, ceil(K/g)] of
+    :func:`~moelora_lib.kernels.fp8_act.quantize_fp8_act`,
+    whose x tensor is ``q``. Raises ValueError naming ``name`` for FP8 activations with a weight ``w``
+    that is not an :class:`~moelora_lib.quant.FP8BlockWeight` (W8A8 needs FP8 on both operands), a ``q``
+    that is not a 2-D float8_e4m3fn tensor, a ``scale`` that is not float32 [rows, ceil(K/g)] on q's
+    device, a group size that is not a positive int; naming ``cfg.BLOCK_SIZE_K`` when it does not divide
+    the group (a K step reads one activation scale column) or is below 32 (the smallest K of an FP8
+    tensor-core dot).
+    """
+    if not isinstance(x, FP8Activations):
+        return x, (x, 0, 0, 1), {"A_FP8": False}
+    if not isinstance(w, FP8BlockWeight):
+        raise ValueError(
+            f"{name}: FP8 activations (W8A8) need a block-FP8 weight (FP8BlockWeight), got {_desc(w)}"
+        )
+    q, sc, g = x.q, x.scale, x.group_size
+    if not isinstance(q, torch.Tensor) or q.dim() != 2 or q.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"{name}.q must be a float8_e4m3fn tensor [rows, K], got {_desc(q)}")
+    if not is_int(g) or g < 1:
+        raise ValueError(f"{name}.group_size must be a positive int, got {g!r}")
+    want = (q.shape[0], -(-q.shape[1] // g))
+    if (
+        not isinstance(sc, torch.Tensor)
+        or tuple(sc.shape) != want
+        or sc.dtype != torch.float32
+        or sc.device != q.device
+    ):
+        raise ValueError(
+            f"{name}.scale must be a float32 tensor {list(want)} (one scale per row and {g} columns of "
+            f"{name}.q) on {q.device}, got {_desc(sc)}"
+        )
+    if g % cfg.BLOCK_SIZE_K or cfg.BLOCK_SIZE_K < 32:
+        raise ValueError(
+            f"cfg.BLOCK_SIZE_K = {cfg.BLOCK_SIZE_K} must be at least 32 (an FP8 dot's K) and divide the "
+            f"activation group of {g} columns of {name} ({name}.group_size): a K step reads one "
+            "activation scale column"
+        )
+    return q, (sc, sc.stride(0), sc.stride(1), int(g)), {"A_FP8": True}
+
+
 def fused_moe_gemm_args(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -150,6 +200,7 @@ def fused_moe_gemm_args(
     (:mod:`moelora_lib.studies.compile_check`). num_warps/num_stages come from ``cfg``.
     """
     assert cfg.BLOCK_SIZE_M == align.block_size_m and cfg.SPLIT_K == 1
+    x, xs_args, afmt = act_operand(x, w, cfg)
     (wt, *w_strides), s_args, wfmt = weight_operand(w, x, cfg)
     E, N, K = w.shape
     grid = (align.num_blocks * triton.cdiv(N, cfg.BLOCK_SIZE_N),)
@@ -177,6 +228,7 @@ def fused_moe_gemm_args(
         bias.stride(0) if bias is not None else 0,
         bias.stride(1) if bias is not None else 0,
         *s_args,
+        *xs_args,
     )
     constexprs = dict(
         BLOCK_SIZE_M=cfg.BLOCK_SIZE_M,
@@ -187,6 +239,7 @@ def fused_moe_gemm_args(
         HAS_BIAS=bias is not None,
         MUL_ROUTED_WEIGHT=topk_weights is not None,
         **wfmt,
+        **afmt,
     )
     return grid, args, constexprs
 
@@ -208,7 +261,11 @@ def fused_moe_gemm(
 
     Args:
         x: [rows, K] activations (hidden_states [T, H] with rows_div = top_k, or the activation
-            output [T·K, I] with rows_div = 1).
+            output [T·K, I] with rows_div = 1); or, with an FP8 ``w``, their
+            :class:`~moelora_lib.kernels.fp8_act.FP8Activations` (W8A8: FP8 × FP8 dots, each K step's
+            fp32 partial times the row's activation scale and the weight block's scale; BLOCK_SIZE_K ≥ 32
+            dividing the activation group and the scale block's columns; :func:`act_operand`). The
+            output dtype is ``out``'s.
         w: [E, N, K] expert weights (nn.Linear layout), or an
             :class:`~moelora_lib.quant.mxfp4.MXFP4Weight` of that dense shape (packed e2m1 codes and
             e8m0 scales, decoded in registers and rounded to x's dtype for the dot; BLOCK_SIZE_K a
@@ -563,6 +620,8 @@ def fused_moe_lora_args(
 ) -> tuple[str, tuple, tuple, dict]:
     """``(kernel, grid, args, constexprs)`` of one :func:`fused_moe_lora` launch; nothing allocated.
 
+    ``x`` may be :class:`~moelora_lib.kernels.fp8_act.FP8Activations` with an FP8 ``w`` (W8A8,
+    :func:`act_operand`).
     ``activation`` given: the gate_up kernel (``fused_moe_lora_act``, x = hidden_states [T, H], w = w13
     [E, 2I, H], out = g [T·K, I]); None: the down kernel (``fused_moe_lora``, x = g [T·K, I], w = w2
     [E, H, I], out = y [T·K, H], topk_weights required). ``w`` dense or an
@@ -571,6 +630,7 @@ def fused_moe_lora_args(
     ``inter``/``lora_b``/``lora_ids`` together or not at all (HAS_LORA).
     """
     assert cfg.BLOCK_SIZE_M == align.block_size_m and (cfg.SPLIT_K == 1 or activation is None)
+    x, xs_args, afmt = act_operand(x, w, cfg)
     (wt, *w_strides), s_args, wfmt = weight_operand(w, x, cfg)
     E, N, K = w.shape
     has_lora = inter is not None
@@ -597,12 +657,13 @@ def fused_moe_lora_args(
         HAS_BIAS=bias is not None,
         HAS_LORA=has_lora,
         **wfmt,
+        **afmt,
     )
     head = (x, wt, out, b)
     counts = (align.sorted_token_ids, align.block_expert_ids, align.num_tokens_post_padded)
     counts += (align.num_pairs, align.num_blocks)
     strides = (x.stride(0), x.stride(1), *w_strides, out.stride(0), out.stride(1))
-    strides += c_strides + i_strides + b_strides + tuple(s_args)
+    strides += c_strides + i_strides + b_strides + tuple(s_args) + tuple(xs_args)
     if activation is not None:
         assert N % 2 == 0 and (not has_lora or NS * S == N)
         inter_size = N // 2

@@ -21,6 +21,7 @@ from ..quant.mxfp4 import MXFP4_BLOCK, MXFP4Weight
 from ..routing import Alignment, align_tokens
 from ..shapes import Dims
 from .config import BASE_OPS, LORA_OPS, LayerConfig, OpConfig
+from .fp8_act import FP8Activations, fp8_act_scale_shape, quantize_fp8_act
 from .launchers import (
     fused_moe_gemm,
     fused_moe_gemm_args,
@@ -51,8 +52,75 @@ __all__ = [
     "aligned_weight",
     "mxfp4_config",
     "fp8_config",
+    "w8a8_config",
     "packed_config",
+    "ACTIVATION_SCHEMES",
+    "W8A8_MIN_TOKENS",
+    "W8A8_MIN_BLOCK_K",
+    "check_activation_scheme",
+    "resolve_activation_scheme",
 ]
+
+#: The ``activation_scheme`` values of :class:`~moelora_lib.MoELoRALayer` and
+#: :func:`~moelora_lib.fused_moe_lora`: with block-FP8 expert weights, "dynamic" (W8A8: the base GEMMs'
+#: activations quantized per token and per group of the weight's scale-block columns at run time,
+#: :func:`~moelora_lib.kernels.fp8_act.quantize_fp8_act`, and multiplied on FP8 tensor cores),
+#: "weight_only" (the activations stay in the layer's dtype; each e4m3 weight tile is scaled in
+#: registers) or "auto" (per call: "dynamic" from :data:`W8A8_MIN_TOKENS` tokens on, else
+#: "weight_only"). Dense and MXFP4 weights run as "weight_only" ("auto" included); "dynamic" needs FP8.
+ACTIVATION_SCHEMES: tuple[str, ...] = ("auto", "weight_only", "dynamic")
+
+#: The token count from which ``activation_scheme="auto"`` runs W8A8. Below it the base GEMMs read the
+#: FP8 weights once per few rows and are bound by that read, which both schemes pay alike, and W8A8 adds
+#: two quantization launches; from prefill sizes on the GEMMs are compute-bound and the FP8 tensor
+#: cores' twice-the-bf16 rate pays. A fixed value until the tuned config files record a per-shape one.
+W8A8_MIN_TOKENS = 1024
+
+#: The smallest BLOCK_SIZE_K of a W8A8 base GEMM: K of one FP8 tensor-core instruction (32 on Hopper).
+W8A8_MIN_BLOCK_K = 32
+
+
+def check_activation_scheme(value, w13, stage_name: str | None = None) -> str:
+    """``value`` when it is one of :data:`ACTIVATION_SCHEMES` that the expert weight ``w13`` (and stage
+    ``stage_name``, when given) can run; ValueError naming ``activation_scheme`` otherwise: an unknown
+    value, "dynamic" with weights that are not :class:`~moelora_lib.quant.FP8BlockWeight` s, with a
+    scale block whose columns hold no power of two ≥ :data:`W8A8_MIN_BLOCK_K` (no FP8 K step fits one
+    scale column), or with stage "gemv" (its GEMVs are weight-only)."""
+    if not isinstance(value, str) or value not in ACTIVATION_SCHEMES:
+        raise ValueError(f"activation_scheme must be one of {list(ACTIVATION_SCHEMES)}, got {value!r}")
+    if value != "dynamic":
+        return value
+    if not isinstance(w13, FP8BlockWeight):
+        kind = "MXFP4" if isinstance(w13, MXFP4Weight) else "dense"
+        raise ValueError(
+            "activation_scheme 'dynamic' (W8A8) needs block-FP8 expert weights (FP8BlockWeight w13 and w2), "
+            f"got {kind} weights"
+        )
+    bk = w13.block[1]
+    if (bk & -bk) < W8A8_MIN_BLOCK_K:
+        raise ValueError(
+            f"activation_scheme 'dynamic' (W8A8): the scale block's {bk} columns (w13.block = {w13.block}) "
+            f"must be a multiple of {W8A8_MIN_BLOCK_K} (an FP8 dot's K step reads one scale column)"
+        )
+    if stage_name == "gemv":
+        raise ValueError(
+            "activation_scheme 'dynamic' (W8A8) does not run in stage 'gemv' (weight-only GEMVs): use "
+            "'auto' or 'weight_only', or another stage"
+        )
+    return value
+
+
+def resolve_activation_scheme(scheme: str, w13, T: int, min_tokens: int = W8A8_MIN_TOKENS) -> str:
+    """The concrete scheme, "weight_only" or "dynamic", of a call of ``T`` tokens under a checked
+    ``scheme`` (:func:`check_activation_scheme`): "weight_only" for weights that are not FP8, and for
+    "auto" below ``min_tokens`` tokens or where the scale block admits no W8A8 K step."""
+    if not isinstance(w13, FP8BlockWeight) or scheme == "weight_only":
+        return "weight_only"
+    if scheme == "dynamic":
+        return "dynamic"
+    bk = w13.block[1]
+    return "dynamic" if T >= min_tokens and (bk & -bk) >= W8A8_MIN_BLOCK_K else "weight_only"
+
 
 #: The launches of one layer, in call order, and the kernel each one runs.
 LAUNCH_KERNELS: dict[str, str] = {
@@ -186,13 +254,39 @@ def fp8_config(cfg: LayerConfig, bk: int) -> LayerConfig:
     return replace(cfg, **changes) if changes else cfg
 
 
-def packed_config(cfg: LayerConfig, w) -> LayerConfig:
+def w8a8_config(cfg: LayerConfig, bk: int) -> LayerConfig:
+    """``cfg`` for W8A8 base GEMMs on block-FP8 weights whose scale blocks (and activation groups) span
+    ``bk`` columns: each base GEMM's BLOCK_SIZE_K becomes min(2·BLOCK_SIZE_K, the largest power of two
+    dividing bk), at least :data:`W8A8_MIN_BLOCK_K`. Twice the K of a tile tuned for 16-bit operands
+    moves the same bytes per K step into shared memory (so the tuned pipelining depth still fits) and
+    halves the per-step scaling work (each K step ends with the fp32 partial times the two scales);
+    a K step never leaves one scale column. The other fields and ops are unchanged.
+
+    Raises ValueError naming ``bk`` when its largest power-of-two divisor is below W8A8_MIN_BLOCK_K."""
+    p2 = bk & -bk
+    if p2 < W8A8_MIN_BLOCK_K:
+        raise ValueError(
+            f"bk = {bk}: W8A8 needs scale blocks of a multiple of {W8A8_MIN_BLOCK_K} columns (an FP8 dot's K)"
+        )
+    changes = {}
+    for op in BASE_OPS:
+        c = getattr(cfg, op)
+        want = max(W8A8_MIN_BLOCK_K, min(2 * c.BLOCK_SIZE_K, p2))
+        if want != c.BLOCK_SIZE_K:
+            changes[op] = replace(c, BLOCK_SIZE_K=want)
+    return replace(cfg, **changes) if changes else cfg
+
+
+def packed_config(cfg: LayerConfig, w, activation_scheme: str = "weight_only") -> LayerConfig:
     """``cfg`` adapted to the expert weight ``w``'s format: :func:`mxfp4_config` for an
     :class:`~moelora_lib.quant.mxfp4.MXFP4Weight`, :func:`fp8_config` for an
-    :class:`~moelora_lib.quant.FP8BlockWeight`, ``cfg`` itself for a dense weight."""
+    :class:`~moelora_lib.quant.FP8BlockWeight` (:func:`w8a8_config` when ``activation_scheme`` is
+    "dynamic"), ``cfg`` itself for a dense weight."""
     if isinstance(w, MXFP4Weight):
         return mxfp4_config(cfg)
     if isinstance(w, FP8BlockWeight):
+        if activation_scheme == "dynamic":
+            return w8a8_config(cfg, w.block[1])
         return fp8_config(cfg, w.block[1])
     return cfg
 
@@ -241,6 +335,9 @@ class LayerRun:
       whose lora_ids leave [-1, L) (:func:`~moelora_lib.kernels.topk_reduce.topk_reduce`, one launch
       like torch's sum) instead of summing pair rows the alignment dropped — for callers that do not
       check id values (the serving layer); default False (the ids were checked).
+    * ``skip_remote``: a top-k id of -1 marks a pair whose expert is on another rank (expert parallelism,
+      :class:`moelora_lib.MoELoRALayer`'s ``expert_map``): the alignment drops it (no work) and the top-k
+      sum leaves it out instead of giving a NaN row (``topk_reduce``'s ``skip_remote``); default False.
     * ``proj_lora_ids = (gate_up, down)``: the adapter ids [T] each projection's LoRA alignment was
       built from, when they differ from ``lora_ids`` (a slot covering one projection only: -1 where
       the slot does not cover it). Only stages with ``fused_gemm`` read them (their GEMMs find each
@@ -253,6 +350,18 @@ class LayerRun:
       serving layer applies it); given 16, the launchers raise ValueError. Or both
       :class:`~moelora_lib.quant.FP8BlockWeight` s (e4m3 [E, N, K] and block scales, ``W_FP8``): the
       base GEMMs' BLOCK_SIZE_K must divide the scale block's columns (:func:`fp8_config` lowers it).
+    * ``activation_scheme``: "weight_only" (default; the base GEMMs read the activations in their dtype)
+      or, with FP8 weights, "dynamic" (W8A8, ``A_FP8`` in :mod:`.triton_kernels`): every base GEMM (the
+      seven-launch stages' ``base_gate_up`` / ``base_down``, stage ``fused``'s two GEMMs) first quantizes
+      its input with :func:`~moelora_lib.kernels.fp8_act.quantize_fp8_act` — hidden_states in groups of
+      w13's scale-block columns, the activation output g in groups of w2's — and multiplies on FP8
+      tensor cores; the quantization launch belongs to that base op (:meth:`op_fn` times both, and
+      :meth:`launch_args` describes the GEMM). The LoRA launches read the unquantized x and g, as
+      before. Buffers ``xq`` [T, H] float8_e4m3fn, ``xs`` [T, ceil(H/bk13)] float32, ``gq`` [T·K, I]
+      float8_e4m3fn, ``gs`` [T·K, ceil(I/bk2)] float32 (contiguous) receive the quantized activations;
+      missing ones are allocated once per LayerRun. BLOCK_SIZE_K of the base GEMMs must be ≥ 32 and
+      divide the scale blocks' columns (:func:`w8a8_config`). ValueError naming ``activation_scheme``
+      for another value, or "dynamic" with weights that are not both FP8BlockWeight s.
     * ``adapter_order``: build the base alignment (when ``alignments`` is None or its first entry is
       None) with each expert's pairs ordered by adapter (:func:`~moelora_lib.routing.align_tokens`'s
       ``sort_lora_ids``), so that a base tile holds the rows of one or two adapters; None (default) =
@@ -293,8 +402,25 @@ class LayerRun:
         nan_on_bad_ids: bool = False,
         proj_lora_ids: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
         adapter_order: bool | None = None,
+        activation_scheme: str = "weight_only",
+        skip_remote: bool = False,
     ):
+        if activation_scheme not in ("weight_only", "dynamic"):
+            raise ValueError(
+                "activation_scheme must be 'weight_only' or 'dynamic' (resolved per call), got "
+                f"{activation_scheme!r}"
+            )
+        if activation_scheme == "dynamic" and not (
+            isinstance(w13, FP8BlockWeight) and isinstance(w2, FP8BlockWeight)
+        ):
+            raise ValueError(
+                "activation_scheme 'dynamic' (W8A8) needs FP8BlockWeight w13 and w2, got "
+                f"{type(w13).__name__} and {type(w2).__name__}"
+            )
+        self.w8a8 = activation_scheme == "dynamic"
+        self._fp8_acts: dict[str, FP8Activations] = {}  # W8A8: the quantized x / g (buffers or own)
         self.stage = stage
+        self.skip_remote = bool(skip_remote)
         self.adapter_order = stage.uses_adapter_order(adapter_order)
         self.proj_lora_ids = proj_lora_ids
         self.buffers = buffers or {}
@@ -414,13 +540,35 @@ class LayerRun:
             )
         raise ValueError(f"op must be one of {LORA_OPS}, got {op!r}")
 
+    def _a_operand(self, op: str, x: torch.Tensor, run: bool):
+        """The A operand of base op ``op`` (``base_gate_up`` / ``fused_gate_up`` read x,
+        ``base_down`` / ``fused_down`` read g): ``x`` itself, or with W8A8 its
+        :class:`~moelora_lib.kernels.fp8_act.FP8Activations` in the ``xq``/``xs`` (``gq``/``gs``) buffers,
+        quantized now when ``run`` (one launch), placeholders of the right shape otherwise."""
+        if not self.w8a8:
+            return x
+        which, w = ("x", self.w13) if op in ("base_gate_up", "fused_gate_up") else ("g", self.w2)
+        group = w.block[1]
+        fa = self._fp8_acts.get(which)
+        if fa is None:
+            q, sc = self.buffers.get(f"{which}q"), self.buffers.get(f"{which}s")
+            dev = self.x.device
+            if q is None:
+                q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=dev)
+            if sc is None:
+                sc = torch.empty(fp8_act_scale_shape(*x.shape, group), dtype=torch.float32, device=dev)
+            fa = self._fp8_acts[which] = FP8Activations(q, sc, group)
+        if run:
+            quantize_fp8_act(x, group, out=(fa.q, fa.scale))
+        return fa
+
     def _op_cfg(self, op: str, cfg: OpConfig | None) -> OpConfig:
         return cfg if cfg is not None else getattr(self.cfg, FUSED_CONFIG_FIELD.get(op, op))
 
     def _base(self, op: str, cfg: OpConfig | None = None):
         io = self._base_io(op)
         return fused_moe_gemm(
-            io["x"],
+            self._a_operand(op, io["x"], run=True),
             io["w"],
             io["out"],
             self.base_align,
@@ -515,6 +663,7 @@ class LayerRun:
             self.L,
             check_ids=self.nan_on_bad_ids,
             out_dtype=self.x.dtype,
+            skip_remote=self.skip_remote,
         )
 
     # --- stages with fused_gemm (stage ``fused``) -----------------------------------------------
@@ -592,7 +741,7 @@ class LayerRun:
             self._y32_buf().zero_()
         io = self._fused_io(op, inter, split)
         fused_moe_lora(
-            io.pop("x"),
+            self._a_operand(op, io.pop("x"), run=True),
             io.pop("w"),
             io.pop("out"),
             self.base_align,
@@ -705,7 +854,7 @@ class LayerRun:
         if op in BASE_OPS:
             io = self._base_io(op)
             grid, args, cx = fused_moe_gemm_args(
-                io["x"],
+                self._a_operand(op, io["x"], run=False),
                 io["w"],
                 io["out"],
                 self.base_align,
@@ -778,7 +927,13 @@ class LayerRun:
         align = self.lora_align if proj == "gate_up" else self.lora_align_down
         io = self._fused_io(op, self._inter_rows(proj) if align is not None else None, c.SPLIT_K > 1)
         name, grid, args, cx = fused_moe_lora_args(
-            io.pop("x"), io.pop("w"), io.pop("out"), self.base_align, c, top_k=self.K, **io
+            self._a_operand(op, io.pop("x"), run=False),
+            io.pop("w"),
+            io.pop("out"),
+            self.base_align,
+            c,
+            top_k=self.K,
+            **io,
         )
         assert name == kernel
         return Launch(kernel, grid, args, cx, c.NUM_WARPS, c.NUM_STAGES, c)

@@ -12,6 +12,12 @@ scratch; summing them would hand one request another request's activations. The 
 reduction: bad ids show up as NaN rows instead of silently wrong or leaked values. NaN router logits
 give out-of-range ids too (:func:`moelora_lib.kernels.route.route_triton`), hence NaN rows, as in the
 fp32 reference.
+
+Expert parallelism (:class:`moelora_lib.MoELoRALayer`'s ``expert_map``) adds one id value with a meaning of
+its own: with ``skip_remote``, a top-k id of exactly -1 marks a pair whose expert lives on another rank. The
+alignment drops it like any out-of-range id (no GEMM work), and this sum leaves its row out (the pair adds
+zero here; the rank that holds the expert adds its part), so it is never read; every other id outside
+[0, E) still gives a NaN row.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ def _topk_reduce_kernel(
     K: tl.constexpr,
     K_P: tl.constexpr,
     CHECK_IDS: tl.constexpr,
+    SKIP_REMOTE: tl.constexpr,
     HAS_LORA: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
@@ -47,11 +54,19 @@ def _topk_reduce_kernel(
     hmask = offs < H
     acc = tl.zeros((BLOCK_H,), tl.float32)
     for k in tl.static_range(K):
-        acc += tl.load(y_ptr + (t * K + k) * stride_ym + offs, mask=hmask, other=0.0).to(tl.float32)
+        if SKIP_REMOTE:  # id -1: the expert is on another rank; its row is neither read nor added
+            here = tl.load(ids_ptr + t * stride_it + k * stride_ik) != -1
+            v = tl.load(y_ptr + (t * K + k) * stride_ym + offs, mask=hmask & here, other=0.0)
+            acc = tl.where(here, acc + v.to(tl.float32), acc)
+        else:
+            acc += tl.load(y_ptr + (t * K + k) * stride_ym + offs, mask=hmask, other=0.0).to(tl.float32)
     if CHECK_IDS:
         ks = tl.arange(0, K_P)
         e = tl.load(ids_ptr + t * stride_it + ks * stride_ik, mask=ks < K, other=0)
-        bad = tl.sum(((ks < K) & ((e < 0) | (e >= E))).to(tl.int32), axis=0)
+        if SKIP_REMOTE:  # -1 is "on another rank", not a bad id
+            bad = tl.sum(((ks < K) & ((e < -1) | (e >= E))).to(tl.int32), axis=0)
+        else:
+            bad = tl.sum(((ks < K) & ((e < 0) | (e >= E))).to(tl.int32), axis=0)
         if HAS_LORA:
             lo = tl.load(lora_ptr + t * stride_lt)
             bad += ((lo < -1) | (lo >= L)).to(tl.int32)
@@ -77,6 +92,7 @@ def topk_reduce(
     check_ids: bool = True,
     out: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    skip_remote: bool = False,
 ) -> torch.Tensor:
     """``y.view(T, K, H).sum(dim=1)`` with NaN rows for tokens with out-of-range ids (module docstring).
 
@@ -88,6 +104,9 @@ def topk_reduce(
         out: optional [T, H] of ``out_dtype`` (rows contiguous); None allocates.
         out_dtype: the output's dtype (float16/bfloat16/float32; default: out's, else y's): stage
             ``fused``'s split-K down GEMM leaves an fp32 y that is rounded here once.
+        skip_remote: pairs whose top-k id is exactly -1 (an expert on another rank, expert parallelism)
+            are left out of the sum (their y rows are not read) and do not make the row NaN; a token whose
+            every pair is remote gets a zero row. Default False (-1 is an out-of-range id like any other).
     Returns:
         [T, H] of ``out_dtype``.
     Raises:
@@ -116,14 +135,18 @@ def topk_reduce(
         raise ValueError(f"out must be a {out_dtype} tensor [T={T}, H={H}] with contiguous rows")
     if T == 0:
         return out
+    if not isinstance(skip_remote, bool):
+        raise ValueError(f"skip_remote must be a bool, got {skip_remote!r}")
     grid, args, constexprs = reduce_launch_args(
-        y, topk_ids, num_experts, lora_ids, num_adapters, check_ids, out
+        y, topk_ids, num_experts, lora_ids, num_adapters, check_ids, out, skip_remote=skip_remote
     )
     _topk_reduce[grid](*args, **constexprs)
     return out
 
 
-def reduce_launch_args(y, topk_ids, num_experts, lora_ids, num_adapters, check_ids, out):
+def reduce_launch_args(
+    y, topk_ids, num_experts, lora_ids, num_adapters, check_ids, out, *, skip_remote=False
+):
     """(grid, positional args, constexprs) of the one launch :func:`topk_reduce` makes for checked
     arguments (also used by :mod:`moelora_lib.studies.compile_check` to compute specialization keys
     without launching)."""
@@ -136,6 +159,8 @@ def reduce_launch_args(y, topk_ids, num_experts, lora_ids, num_adapters, check_i
         y.stride(0), topk_ids.stride(0), topk_ids.stride(1),
         lora_ids.stride(0) if lora_ids is not None else 0, out.stride(0),
     )  # fmt: skip
-    constexprs = dict(K=K, K_P=triton.next_power_of_2(K), CHECK_IDS=bool(check_ids))
+    constexprs = dict(
+        K=K, K_P=triton.next_power_of_2(K), CHECK_IDS=bool(check_ids), SKIP_REMOTE=bool(skip_remote)
+    )
     constexprs.update(HAS_LORA=lora_ids is not None, BLOCK_H=block_h)
     return (T, triton.cdiv(H, block_h)), args, constexprs

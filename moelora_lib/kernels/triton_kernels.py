@@ -44,6 +44,23 @@ Features switched by the stages:
   gather, so any BLOCK_SIZE_N works); fp32(code)·fp32(scale) rounded once to the activations' dtype,
   exactly :func:`~moelora_lib.quant.dequantize_fp8_block` in that dtype, then the same tl.dot.
   BLOCK_SIZE_K must divide fp8_bk (one scale column per K step; the launchers check it).
+* ``A_FP8`` (with ``W_FP8``, the three base GEMM kernels): W8A8, the block-FP8 scheme of the DeepSeek-V3
+  report (§3.3) — the activations are FP8 too, quantized per row and group of ``act_group`` columns by
+  :func:`~moelora_lib.kernels.fp8_act.quantize_fp8_act`: ``x_ptr`` float8_e4m3fn [rows, K] and ``xs_ptr``
+  its float32 scales [rows, ceil(K/act_group)] (row r of x, group j at r·stride_xsm + j·stride_xsk). Each
+  K step is one FP8 × FP8 tl.dot into a fresh fp32 partial (tensor cores at twice the bf16 rate on
+  Hopper), multiplied by the row's activation scale and the column's weight block scale and added to
+  the fp32 accumulator (:func:`_fp8_dot_scaled`): the partial sums BLOCK_SIZE_K products (at most the
+  128 columns of the published checkpoints' scale blocks) before it is promoted to the fp32
+  accumulator, the promotion interval DeepSeek-V3 gives for Hopper's limited-precision FP8
+  accumulation (Triton lets an sm_90 FP8 dot accumulate imprecisely over its whole K). BLOCK_SIZE_K
+  must be at least 32 (an FP8 dot's K) and divide act_group and fp8_bk (one scale column of each per K
+  step; the launchers check it). On sm_90 the FP8 dot is a wgmma on e4m3 operands
+  when BLOCK_SIZE_M ≥ 64 (a warpgroup's rows); a smaller tile makes Triton widen both operands to fp16
+  (exact) for mma.sync — the same numbers at the 16-bit rate, one reason W8A8 is for prefill sizes.
+  vLLM's ``fused_moe_kernel`` with ``use_fp8_w8a8`` and a block shape does the same per-step scaling. The
+  epilogue (bias, LoRA delta, activation, routing weight) and the output dtype are those of the other
+  paths.
 * ``HAS_LORA`` (stage ``fused``: ``_fused_moe_lora_act_kernel`` for gate_up, ``_fused_moe_lora_kernel``
   for down): the LoRA expand runs inside the base GEMM's program. The tile iterates over the base
   (expert-only) alignment; after the K loop it reads each row's adapter id (``lora_ids[p // top_k]``)
@@ -145,6 +162,20 @@ def _fp8_scale(wa, s_ptrs, k, stride_sk, fp8_bk, BLOCK_SIZE_K: tl.constexpr, dty
     return (wa.to(tl.float32) * s.to(tl.float32)[None, :]).to(dtype)
 
 
+@triton.jit
+def _fp8_dot_scaled(acc, xa, wa, xs_ptrs, s_ptrs, k, stride_xsk, stride_sk, act_group, fp8_bk,
+                    BLOCK_SIZE_K: tl.constexpr):  # fmt: skip
+    """``acc`` + (xa·wa)·a_s·w_s for K step ``k`` of a W8A8 GEMM: ``xa`` e4m3 [BLOCK_SIZE_M, BLOCK_SIZE_K],
+    ``wa`` e4m3 [BLOCK_SIZE_K, BLOCK_SIZE_N], their FP8 dot into a fresh fp32 partial, multiplied by each
+    row's activation scale (``xs_ptrs`` [BLOCK_SIZE_M] plus group column (k·BLOCK_SIZE_K) // act_group)
+    and each column's weight block scale (``s_ptrs`` [BLOCK_SIZE_N] plus block column
+    (k·BLOCK_SIZE_K) // fp8_bk), added to the fp32 ``acc`` (BLOCK_SIZE_K divides both)."""
+    k0 = k * BLOCK_SIZE_K
+    a_s = tl.load(xs_ptrs + (k0 // act_group) * stride_xsk)
+    w_s = tl.load(s_ptrs + (k0 // fp8_bk) * stride_sk).to(tl.float32)
+    return acc + tl.dot(xa, wa) * a_s[:, None] * w_s[None, :]
+
+
 def _fused_moe_kernel(
     x_ptr,
     w_ptr,
@@ -174,6 +205,10 @@ def _fused_moe_kernel(
     stride_sk,
     fp8_bn,
     fp8_bk,
+    xs_ptr,
+    stride_xsm,
+    stride_xsk,
+    act_group,
     BLOCK_SIZE_M: tl.constexpr,
     BLOCK_SIZE_N: tl.constexpr,
     BLOCK_SIZE_K: tl.constexpr,
@@ -183,6 +218,7 @@ def _fused_moe_kernel(
     MUL_ROUTED_WEIGHT: tl.constexpr,
     W_MXFP4: tl.constexpr = False,
     W_FP8: tl.constexpr = False,
+    A_FP8: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_SIZE_N)
@@ -221,6 +257,7 @@ def _fused_moe_kernel(
     else:
         w_ptrs = w_ptr + expert * stride_we + offs_n_ld[None, :] * stride_wn + offs_k[:, None] * stride_wk
         s_ptrs = ws_ptr + expert * stride_se + (offs_n_ld // fp8_bn) * stride_sn  # W_FP8: scale rows
+        xs_ptrs = xs_ptr + x_row * stride_xsm  # A_FP8: the rows' activation scales
         for k in range(0, tl.cdiv(K, BLOCK_SIZE_K)):
             if EVEN_K:
                 xa = tl.load(x_ptrs)
@@ -229,9 +266,14 @@ def _fused_moe_kernel(
                 k_left = K - k * BLOCK_SIZE_K
                 xa = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
                 wa = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-            if W_FP8:
-                wa = _fp8_scale(wa, s_ptrs, k, stride_sk, fp8_bk, BLOCK_SIZE_K, xa.dtype)
-            acc = tl.dot(xa, wa, acc)
+            if A_FP8:
+                acc = _fp8_dot_scaled(
+                    acc, xa, wa, xs_ptrs, s_ptrs, k, stride_xsk, stride_sk, act_group, fp8_bk, BLOCK_SIZE_K
+                )
+            else:
+                if W_FP8:
+                    wa = _fp8_scale(wa, s_ptrs, k, stride_sk, fp8_bk, BLOCK_SIZE_K, xa.dtype)
+                acc = tl.dot(xa, wa, acc)
             x_ptrs += BLOCK_SIZE_K * stride_xk
             w_ptrs += BLOCK_SIZE_K * stride_wk
     if HAS_BIAS:
@@ -558,6 +600,10 @@ def _fused_moe_lora_act_kernel(
     stride_sk,
     fp8_bn,
     fp8_bk,
+    xs_ptr,
+    stride_xsm,
+    stride_xsk,
+    act_group,
     BLOCK_SIZE_M: tl.constexpr,
     BLOCK_SIZE_N: tl.constexpr,
     BLOCK_SIZE_K: tl.constexpr,
@@ -569,6 +615,7 @@ def _fused_moe_lora_act_kernel(
     ACTIVATION: tl.constexpr,
     W_MXFP4: tl.constexpr = False,
     W_FP8: tl.constexpr = False,
+    A_FP8: tl.constexpr = False,
 ):
     """g[p, j] = act(h[p, gate(j)], h[p, up(j)]) with h = x·W13[e]ᵀ + LoRA delta (+ b13[e]), one tile of
     BLOCK_SIZE_N columns j of g; gate(j), up(j) = j, I + j (silu) or 2j, 2j + 1 (swigluoai)."""
@@ -629,6 +676,7 @@ def _fused_moe_lora_act_kernel(
         s_base = ws_ptr + expert * stride_se  # W_FP8: the scale rows of the gate and up columns
         sg_ptrs = s_base + (gate_col // fp8_bn) * stride_sn
         su_ptrs = s_base + (up_col // fp8_bn) * stride_sn
+        xs_ptrs = xs_ptr + x_row * stride_xsm  # A_FP8: the rows' activation scales
         for k in range(0, tl.cdiv(K, BLOCK_SIZE_K)):
             if EVEN_K:
                 xa = tl.load(x_ptrs)
@@ -639,11 +687,19 @@ def _fused_moe_lora_act_kernel(
                 xa = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
                 wg = tl.load(wg_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
                 wu = tl.load(wu_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-            if W_FP8:
-                wg = _fp8_scale(wg, sg_ptrs, k, stride_sk, fp8_bk, BLOCK_SIZE_K, xa.dtype)
-                wu = _fp8_scale(wu, su_ptrs, k, stride_sk, fp8_bk, BLOCK_SIZE_K, xa.dtype)
-            acc_g = tl.dot(xa, wg, acc_g)
-            acc_u = tl.dot(xa, wu, acc_u)
+            if A_FP8:
+                acc_g = _fp8_dot_scaled(
+                    acc_g, xa, wg, xs_ptrs, sg_ptrs, k, stride_xsk, stride_sk, act_group, fp8_bk, BLOCK_SIZE_K
+                )
+                acc_u = _fp8_dot_scaled(
+                    acc_u, xa, wu, xs_ptrs, su_ptrs, k, stride_xsk, stride_sk, act_group, fp8_bk, BLOCK_SIZE_K
+                )
+            else:
+                if W_FP8:
+                    wg = _fp8_scale(wg, sg_ptrs, k, stride_sk, fp8_bk, BLOCK_SIZE_K, xa.dtype)
+                    wu = _fp8_scale(wu, su_ptrs, k, stride_sk, fp8_bk, BLOCK_SIZE_K, xa.dtype)
+                acc_g = tl.dot(xa, wg, acc_g)
+                acc_u = tl.dot(xa, wu, acc_u)
             x_ptrs += BLOCK_SIZE_K * stride_xk
             wg_ptrs += BLOCK_SIZE_K * stride_wk
             wu_ptrs += BLOCK_SIZE_K * stride_wk
@@ -718,6 +774,10 @@ def _fused_moe_lora_kernel(
     stride_sk,
     fp8_bn,
     fp8_bk,
+    xs_ptr,
+    stride_xsm,
+    stride_xsk,
+    act_group,
     BLOCK_SIZE_M: tl.constexpr,
     BLOCK_SIZE_N: tl.constexpr,
     BLOCK_SIZE_K: tl.constexpr,
@@ -729,6 +789,7 @@ def _fused_moe_lora_kernel(
     SPLIT_K: tl.constexpr = 1,
     W_MXFP4: tl.constexpr = False,
     W_FP8: tl.constexpr = False,
+    A_FP8: tl.constexpr = False,
 ):
     """y[p] = (g[p]·W2[e]ᵀ + LoRA delta (+ b2[e]))·w[p] over the base alignment (rows are pairs).
 
@@ -783,6 +844,7 @@ def _fused_moe_lora_kernel(
         w_ptrs = w_ptr + expert * stride_we + offs_n_ld[None, :] * stride_wn
         w_ptrs += (k_lo * BLOCK_SIZE_K + offs_k)[:, None] * stride_wk
         s_ptrs = ws_ptr + expert * stride_se + (offs_n_ld // fp8_bn) * stride_sn  # W_FP8: scale rows
+        xs_ptrs = xs_ptr + pair_ld * stride_xsm  # A_FP8: the rows' activation scales
         for k in range(k_lo, k_hi):
             if EVEN_K:
                 xa = tl.load(x_ptrs)
@@ -791,9 +853,14 @@ def _fused_moe_lora_kernel(
                 k_left = K - k * BLOCK_SIZE_K
                 xa = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
                 wa = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-            if W_FP8:
-                wa = _fp8_scale(wa, s_ptrs, k, stride_sk, fp8_bk, BLOCK_SIZE_K, xa.dtype)
-            acc = tl.dot(xa, wa, acc)
+            if A_FP8:  # k counts from K block 0, so the split's scale columns are its own
+                acc = _fp8_dot_scaled(
+                    acc, xa, wa, xs_ptrs, s_ptrs, k, stride_xsk, stride_sk, act_group, fp8_bk, BLOCK_SIZE_K
+                )
+            else:
+                if W_FP8:
+                    wa = _fp8_scale(wa, s_ptrs, k, stride_sk, fp8_bk, BLOCK_SIZE_K, xa.dtype)
+                acc = tl.dot(xa, wa, acc)
             x_ptrs += BLOCK_SIZE_K * stride_xk
             w_ptrs += BLOCK_SIZE_K * stride_wk
     if HAS_LORA and pid_k == 0:  # the expand of the down LoRA, in this tile (split 0 only)

@@ -506,6 +506,9 @@ def load_hf_checkpoint(
     stage: str = "auto",
     deterministic: bool = False,
     dequantize: bool | None = None,
+    activation_scheme: str = "auto",
+    tp_group=None,
+    ep_group=None,
 ) -> MultiLoRAModel:
     """A :class:`MultiLoRAModel` from a Hugging Face folder (config.json + model.safetensors or a
     sharded model.safetensors.index.json), weights cast to ``dtype`` on ``device``.
@@ -530,20 +533,30 @@ def load_hf_checkpoint(
     * True: every FP8 projection dequantized exactly (:func:`~moelora_lib.quant.dequantize_fp8_block`,
       on ``device``: float32 product, one cast) to ``dtype`` — the weights transformers'
       ``FineGrainedFP8Config(dequantize=True)`` builds — and the dense path runs;
-    * False: FP8 kept (:class:`~moelora_lib.quant.FP8BlockWeight`) for the layers to run. Neither
-      :class:`moelora_lib.LoRALinear` nor :class:`moelora_lib.MoELoRALayer` has FP8 kernels yet, so this
-      raises NotImplementedError naming ``dequantize=True``;
+    * False: FP8 kept (:class:`~moelora_lib.quant.FP8BlockWeight`) for the layers to run:
+      :class:`moelora_lib.MoELoRALayer`'s FP8 expert GEMMs and :class:`moelora_lib.LoRALinear`'s block-FP8
+      dense GEMM (:mod:`moelora_lib.kernels.dense_fp8`, in the form ``activation_scheme`` picks);
+      NotImplementedError naming ``dequantize=True`` where a layer class does not list "fp8" in its
+      PACKED_FORMATS;
     * None (default): FP8 kept where the layer it goes to runs it ("fp8" in
       :func:`~moelora_lib.model.modeling.packed_linear_formats` for the attention / dense MLP, in
-      :func:`~moelora_lib.model.modeling.packed_expert_formats` for the experts), else dequantized as
-      with True — today: dequantized.
+      :func:`~moelora_lib.model.modeling.packed_expert_formats` for the experts — both list it), else
+      dequantized as with True.
+
+    ``activation_scheme`` (the FP8 dense projections'; :class:`MultiLoRAModel`'s): "auto" (default:
+    weight-only GEMM below :data:`~moelora_lib.kernels.dense_fp8.DENSE_W8A8_MIN_TOKENS` tokens, W8A8
+    with the checkpoints' dynamic per-token, per-128-column activation quantization from there),
+    "weight_only" (equal to the dequantized model up to summation order) or "dynamic" (each activation
+    element within 2^-4 relative of its value before the GEMM).
 
     Where FP8 is kept, a fused tensor (q | k | v, gate | up, the stacked experts) whose parts cannot form
     one FP8 weight (a part dense in the file, or a part other than the last ending in a ragged block
     row) is dequantized. ``dequantize`` has no effect on a checkpoint without quantization_config.
 
     The other arguments are :class:`MultiLoRAModel`'s. Every key, shape (and packed dtype) is checked
-    from the files' headers before any tensor is read; tensors are then read one model tensor at a time.
+    from the files' headers before any tensor is read; tensors are then read one model tensor at a time
+    (with ``tp_group`` / ``ep_group``, each rank reads whole tensors on the CPU and copies its shard to
+    ``device``).
     Raises:
         ValueError: no config.json / safetensors, an unsupported model_type or field
             (:meth:`ModelConfig.from_hf`), a quantization_config other than mxfp4 on gpt_oss or fp8 on
@@ -560,8 +573,8 @@ def load_hf_checkpoint(
             ``dequantize`` not a bool or None; and :class:`MultiLoRAModel`'s own errors (e.g. weights
             not finite after dequantization); ``dequantize=False`` on an MXFP4 checkpoint whose packed
             format the MoE layer does not run (not in ``packed_expert_formats()``).
-        NotImplementedError: ``dequantize=False`` on an FP8 checkpoint while the layers its FP8 weights
-            go to have no FP8 kernels (the message names ``dequantize=True``).
+        NotImplementedError: ``dequantize=False`` on an FP8 checkpoint while a layer class its FP8 weights
+            go to has no FP8 kernels (the message names ``dequantize=True``).
     Warns:
         UserWarning when ``max_seq`` exceeds the checkpoint's max_position_embeddings (with YaRN, the
         positions its rope scaling reaches): such a model builds and runs, but positions past that
@@ -648,6 +661,9 @@ def load_hf_checkpoint(
         stage=stage,
         deterministic=deterministic,
         weights=source,
+        activation_scheme=activation_scheme,
+        tp_group=tp_group,
+        ep_group=ep_group,
     )
 
 
@@ -665,13 +681,16 @@ def random_model(
     stage: str = "auto",
     std: float = 0.02,
     deterministic: bool = False,
+    tp_group=None,
+    ep_group=None,
 ) -> MultiLoRAModel:
     """A :class:`MultiLoRAModel` with random weights (:func:`~moelora_lib.model.modeling.random_weights`:
     N(0, std²) drawn on ``device`` directly, norms ones), for timing at real dimensions.
 
     ``config``: a :class:`ModelConfig`, a config.json dict, or a :data:`REAL_CONFIGS` name
     ("gpt-oss-20b", "qwen3-30b-a3b", "qwen3-32b").
-    The other arguments (sizes, ``stage``, ``deterministic``) are :class:`MultiLoRAModel`'s.
+    The other arguments (sizes, ``stage``, ``deterministic``, ``tp_group``, ``ep_group``) are
+    :class:`MultiLoRAModel`'s.
     Raises: ValueError for an unknown name and :class:`MultiLoRAModel`'s errors."""
     if isinstance(config, str):
         if config not in REAL_CONFIGS:
@@ -691,4 +710,6 @@ def random_model(
         stage=stage,
         deterministic=deterministic,
         weights=random_weights(seed, std),
+        tp_group=tp_group,
+        ep_group=ep_group,
     )

@@ -193,7 +193,12 @@ class Attention(nn.Module):
 
     Children: ``qkv_proj`` (LoRALinear, slices (NH·D, NKV·D, NKV·D)), ``o_proj`` (LoRALinear, one slice
     H), ``q_norm``/``k_norm`` (qk_norm models), ``sinks`` [NH] (gpt_oss). Buffers ``k_cache``/``v_cache``
-    [max_batch, NKV, max_seq, D] (not in the state dict).
+    [max_batch, NKV, max_seq, D] (not in the state dict). Under tensor parallelism (``tp`` = (rank, world))
+    the layer holds NH/world query heads and NKV/world KV heads (head h on rank h // (NH/world)): qkv_proj
+    is a :class:`~moelora_lib.parallel.ColumnParallelLoRALinear` (its q, k, v rows of those heads), o_proj a
+    :class:`~moelora_lib.parallel.RowParallelLoRALinear` (its input columns of those heads, all-reduced),
+    the KV cache and ``sinks`` hold those heads only; the attention itself is per head, so it needs no
+    communication.
 
     Attention at decode (S = 1), every family (sinks or not, sliding or full layers): the Triton split-KV
     kernel :func:`moelora_lib.kernels.decode_attention.decode_attention` (flash decoding) reads the cache
@@ -212,28 +217,42 @@ class Attention(nn.Module):
     """
 
     def __init__(
-        self, config: ModelConfig, layer: int, lin: Callable, take: Callable, max_batch: int, max_seq: int
+        self,
+        config: ModelConfig,
+        layer: int,
+        lin: Callable,
+        take: Callable,
+        max_batch: int,
+        max_seq: int,
+        tp: tuple[int, int] = (0, 1),
     ):
         super().__init__()
         c = config
-        self.nh, self.nkv, self.hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        rank, world = tp  # tensor parallelism: this rank's NH/world query and NKV/world KV heads
+        self.nh, self.nkv, self.hd = (
+            c.num_attention_heads // world,
+            c.num_key_value_heads // world,
+            c.head_dim,
+        )
         self.scale = self.hd**-0.5
         sl = (c.q_width, c.kv_width, c.kv_width)
-        self.qkv_proj = lin("qkv_proj", sum(sl), c.hidden_size, c.attention_bias, sl)
-        self.o_proj = lin("o_proj", c.hidden_size, c.q_width, c.attention_bias, None)
+        self.qkv_proj = lin("qkv_proj", sum(sl), c.hidden_size, c.attention_bias, sl, tp="column")
+        self.o_proj = lin("o_proj", c.hidden_size, c.q_width, c.attention_bias, None, tp="row")
         self.q_norm = self.k_norm = None
         if c.qk_norm:
             self.q_norm = RMSNorm(take("q_norm.weight", (self.hd,), "norm"), c.rms_norm_eps, False)
             self.k_norm = RMSNorm(take("k_norm.weight", (self.hd,), "norm"), c.rms_norm_eps, False)
         self.sinks = None
         if c.sinks:
-            self.sinks = nn.Parameter(take("sinks", (self.nh,), "weight"), requires_grad=False)
+            heads = slice(rank * self.nh, (rank + 1) * self.nh)
+            sinks = take("sinks", (c.num_attention_heads,), "weight", shard=lambda t: t[heads])
+            self.sinks = nn.Parameter(sinks, requires_grad=False)
         self.sliding = c.layer_types[layer] == "sliding_attention"
         self.sliding_window = c.sliding_window if self.sliding else None
-        w = self.qkv_proj.weight
+        z = dict(dtype=self.qkv_proj.dtype, device=self.qkv_proj.device)
         shape = (max_batch, self.nkv, max_seq, self.hd)
-        self.register_buffer("k_cache", torch.zeros(shape, dtype=w.dtype, device=w.device), persistent=False)
-        self.register_buffer("v_cache", torch.zeros(shape, dtype=w.dtype, device=w.device), persistent=False)
+        self.register_buffer("k_cache", torch.zeros(shape, **z), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, **z), persistent=False)
 
     def forward(self, x: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
         """x [T = B·S, H] -> [T, H]; writes this call's K/V into the cache first."""
@@ -432,9 +451,9 @@ def packed_expert_formats() -> frozenset[str]:
 def packed_linear_formats() -> frozenset[str]:
     """The packed weight formats :class:`moelora_lib.LoRALinear` (attention q/k/v/o, the dense MLP) takes
     as they are ("fp8": :class:`~moelora_lib.quant.FP8BlockWeight` as ``weight``): the class attribute
-    ``LoRALinear.PACKED_FORMATS``, empty where the layer does not define it (today: it runs dense
-    weights only). :func:`~moelora_lib.model.load_hf_checkpoint` keeps a checkpoint's FP8 projections in
-    FP8 by default exactly when "fp8" is listed here."""
+    ``LoRALinear.PACKED_FORMATS`` (a tuple of names), empty where the layer does not define it.
+    :func:`~moelora_lib.model.load_hf_checkpoint` keeps a checkpoint's FP8 projections in FP8 by default
+    exactly when "fp8" is listed here."""
     from .. import LoRALinear
 
     return frozenset(getattr(LoRALinear, "PACKED_FORMATS", ()))
@@ -462,7 +481,8 @@ def packed_expert_weight(
 
     Raises:
         ValueError: ``w``'s dense shape is not ``shape`` (naming ``name``).
-        NotImplementedError: the MoE layer has no kernels for ``w``'s format (today: FP8).
+        NotImplementedError: the MoE layer has no kernels for ``w``'s format (not in its
+            PACKED_FORMATS).
     """
     shape = tuple(shape)
     fmt = _format_of(w)
@@ -488,16 +508,16 @@ def packed_linear_weight(w: FP8BlockWeight, *, name: str, shape: tuple[int, ...]
     [N_total, H] and its scale grid) on ``device``, kept in FP8. The one place where packed dense
     projection weights enter the model.
 
-    An FP8 GEMM path plugs in by listing "fp8" in ``LoRALinear.PACKED_FORMATS`` (see
-    :func:`packed_linear_formats`) and accepting the weight as ``weight`` with a ``dtype`` keyword (the
-    activations' dtype: the model passes its own, since a packed weight carries none, as it does for
-    :class:`moelora_lib.MoELoRALayer`); until then it raises NotImplementedError here and the dense path
-    runs by dequantizing at load (``load_hf_checkpoint(..., dequantize=True)``).
+    LoRALinear lists "fp8" in its ``PACKED_FORMATS`` (see :func:`packed_linear_formats`) and takes the
+    weight as ``weight`` with a ``dtype`` keyword (the activations' dtype: the model passes its own,
+    since a packed weight carries none, as it does for :class:`moelora_lib.MoELoRALayer`) and the
+    model's ``activation_scheme``; where a layer class does not list it, this raises NotImplementedError
+    and the dense path runs by dequantizing at load (``load_hf_checkpoint(..., dequantize=True)``).
 
     Raises:
         ValueError: ``w`` is not an FP8BlockWeight (MXFP4 is read for experts only) or its shape is not
             ``shape`` (naming ``name``).
-        NotImplementedError: LoRALinear has no FP8 kernels.
+        NotImplementedError: LoRALinear does not list "fp8" in its PACKED_FORMATS.
     """
     shape = tuple(shape)
     if not isinstance(w, FP8BlockWeight):
@@ -509,8 +529,8 @@ def packed_linear_weight(w: FP8BlockWeight, *, name: str, shape: tuple[int, ...]
     if "fp8" not in packed_linear_formats():
         raise NotImplementedError(
             f"weights[{name!r}]: FP8 projection weights need block-FP8 GEMMs, which LoRALinear does not have "
-            "yet; load the checkpoint with load_hf_checkpoint(..., dequantize=True) (exact dequantization "
-            "to the model dtype), or pass dense weights"
+            "(its PACKED_FORMATS list no 'fp8'); load the checkpoint with load_hf_checkpoint(..., "
+            "dequantize=True) (exact dequantization to the model dtype), or pass dense weights"
         )
     return w.to(device)
 
@@ -551,6 +571,78 @@ def _check_device(device, dtype: torch.dtype) -> torch.device:
             "already built), or use a CUDA device"
         ) from None
     return dev
+
+
+def _parallel_groups(config: ModelConfig, tp_group, ep_group) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((tp rank, tp world), (ep rank, ep world)) of the model's process groups ((0, 1) for None), after
+    the checks: ValueError naming ``tp_group`` when its size does not divide the attention heads, the KV
+    heads (the cache is sharded by heads) or the dense MLP's intermediate size, naming ``ep_group`` when it
+    is given for a dense model or its size does not divide num_experts; either not a process group."""
+    tp = ep = (0, 1)
+    if tp_group is None and ep_group is None:
+        return tp, ep
+    from ..parallel.comm import check_group, group_rank_world
+
+    if tp_group is not None:
+        tp = group_rank_world(check_group(tp_group, "tp_group"))
+        w = tp[1]
+        sizes = [
+            ("num_attention_heads", config.num_attention_heads),
+            ("num_key_value_heads", config.num_key_value_heads),
+        ]
+        if not config.is_moe:
+            sizes.append(("intermediate_size", config.intermediate_size))
+        for name, n in sizes:
+            if n % w:
+                why = "; the KV cache is sharded by heads" if name == "num_key_value_heads" else ""
+                raise ValueError(
+                    f"tp_group: its size {w} must divide the config's {name} = {n} (each rank holds "
+                    f"{name}/world{why})"
+                )
+    if ep_group is not None:
+        if not config.is_moe:
+            raise ValueError(
+                f"ep_group: a {config.model_type} model has no experts (expert parallelism is for MoE)"
+            )
+        ep = group_rank_world(check_group(ep_group, "ep_group"))
+        if config.num_experts % ep[1]:
+            raise ValueError(
+                f"ep_group: its size {ep[1]} must divide num_experts = {config.num_experts} (each rank holds "
+                "E/world experts)"
+            )
+    return tp, ep
+
+
+def _tp_linear(take: Callable, name: str, n_out: int, n_in: int, bias: bool, slices, kind: str, group, kw):
+    """The tensor-parallel projection ``name`` (``{name}.weight`` / ``.bias`` through ``take``, each rank
+    cutting its shard before the copy to the device): "column" (qkv, gate_up) or "row" (o, down)."""
+    from ..parallel import ColumnParallelLoRALinear, RowParallelLoRALinear
+    from ..parallel.comm import group_rank_world
+
+    rank, world = group_rank_world(group)
+
+    def packed(w, *, name, shape, device):  # the shard of an FP8 projection is not implemented
+        raise NotImplementedError(
+            f"weights[{name!r}]: tensor parallelism of packed (FP8) projections is not implemented; load "
+            "the checkpoint with dequantize=True"
+        )
+
+    if kind == "column":
+        sl = (n_out,) if slices is None else tuple(slices)
+
+        def shard(t):
+            return ColumnParallelLoRALinear.shard_weight(t, sl, rank, world)
+
+        w = take(f"{name}.weight", (n_out, n_in), packed=packed, shard=shard)
+        b = take(f"{name}.bias", (n_out,), "bias", shard=shard) if bias else None
+        return ColumnParallelLoRALinear(w, b, slices=sl, group=group, **kw)
+
+    def shard_cols(t):
+        return RowParallelLoRALinear.shard_weight(t, rank, world)
+
+    w = take(f"{name}.weight", (n_out, n_in), packed=packed, shard=shard_cols)
+    b = take(f"{name}.bias", (n_out,), "bias") if bias else None
+    return RowParallelLoRALinear(w, b, group=group, **kw)
 
 
 def random_weights(seed: int = 0, std: float = 0.02) -> WeightSource:
@@ -605,16 +697,34 @@ class MultiLoRAModel(nn.Module):
             Block-FP8 weights (:class:`~moelora_lib.quant.FP8BlockWeight` of the same dense shape) may
             stand for the experts' ``w13`` / ``w2`` and for the dense projections' ``*.weight``
             (``qkv_proj``, ``o_proj``, ``gate_up_proj``, ``down_proj``); they go through
-            :func:`packed_expert_weight` / :func:`packed_linear_weight`, which raise
-            NotImplementedError while the layers have no FP8 kernels.
+            :func:`packed_expert_weight` / :func:`packed_linear_weight` and stay FP8 in the layers
+            (MoELoRALayer's ``W_FP8`` GEMMs; LoRALinear's :mod:`~moelora_lib.kernels.dense_fp8` GEMM).
+        activation_scheme: the form of the FP8 dense projections' base GEMM
+            (:class:`moelora_lib.LoRALinear`'s ``activation_scheme``): "auto" (default: weight-only below
+            :data:`~moelora_lib.kernels.dense_fp8.DENSE_W8A8_MIN_TOKENS` tokens per forward, W8A8 with
+            dynamic per-token activation quantization from there), "weight_only" or "dynamic" (FP8
+            scale blocks of a multiple of 32 columns). Applies to the FP8 attention / dense MLP
+            projections; dense projections and the MoE experts run as they do without it.
+        tp_group: a ``torch.distributed`` process group for tensor parallelism, or None (default): each rank
+            holds NH/world query and NKV/world KV heads (qkv_proj column-parallel, o_proj row-parallel, the
+            KV cache and sinks of those heads; :class:`Attention`) and, in a dense model, I/world of the MLP
+            (gate_up column-, down row-parallel), with the S-LoRA split of the adapters
+            (:mod:`moelora_lib.parallel.tensor`); embeddings, norms, routers and lm_head are replicated.
+        ep_group: a process group for expert parallelism (MoE models), or None: each rank holds E/world
+            experts (the contiguous split) and their adapter slots, and the MoE output is all-reduced
+            (:class:`~moelora_lib.parallel.ExpertParallelMoELoRALayer`, tokens replicated: every rank runs
+            the same batch). Usually the same group as ``tp_group``. With either group, every rank builds
+            the model from the same ``weights`` (each cuts its shard before the copy to ``device``), loads
+            the same adapters and makes the same calls; the logits are the same on every rank.
     Raises:
         ValueError naming the argument: a stage that is neither "auto" nor a name of
         :data:`~moelora_lib.kernels.STAGES` (the message lists them), sizes not positive ints,
         max_tokens < max_batch, a device that is neither an existing CUDA device nor the CPU (the CPU
         needs TRITON_INTERPRET=1 and float16/float32), a missing/unexpected weight name, a weight of the
-        wrong shape or not finite in ``dtype``, and what LoRALinear/MoELoRALayer refuse.
+        wrong shape or not finite in ``dtype``, a group size that does not divide the heads (tp_group) or
+        the experts (ep_group), and what LoRALinear/MoELoRALayer refuse.
         NotImplementedError: packed weights in a format the layer they go to does not run
-        (:func:`packed_expert_weight`, :func:`packed_linear_weight`; today: FP8).
+        (:func:`packed_expert_weight`, :func:`packed_linear_weight`).
     ``device`` and ``dtype`` are properties that follow ``.to()``.
 
     Slots in use: :meth:`hold_slots` marks slots that a running generate call reads; while held, a
@@ -645,13 +755,22 @@ class MultiLoRAModel(nn.Module):
         stage: str = "auto",
         weights: Mapping[str, torch.Tensor] | Callable | None = None,
         deterministic: bool = False,
+        activation_scheme: str = "auto",
+        tp_group=None,
+        ep_group=None,
     ):
         super().__init__()
         check_bool("deterministic", deterministic)
         from .. import LoRALinear, MoELoRALayer
         from ..kernels import AUTO_STAGE, check_stage_name
+        from ..kernels.dense_fp8 import ACTIVATION_SCHEMES
 
         check_stage_name(stage)
+        if not isinstance(activation_scheme, str) or activation_scheme not in ACTIVATION_SCHEMES:
+            raise ValueError(
+                f"activation_scheme must be one of {list(ACTIVATION_SCHEMES)}, got {activation_scheme!r}"
+            )
+        tp, ep = _parallel_groups(config, tp_group, ep_group)
 
         if not isinstance(config, ModelConfig):
             raise ValueError(f"config must be a ModelConfig, got {type(config).__name__}")
@@ -686,6 +805,7 @@ class MultiLoRAModel(nn.Module):
             kind: str = "weight",
             dt: torch.dtype = dtype,
             packed: Callable | None = None,
+            shard: Callable | None = None,
         ) -> torch.Tensor | MXFP4Weight | FP8BlockWeight:
             shape = tuple(int(s) for s in shape)
             if callable(weights) and not isinstance(weights, Mapping):
@@ -706,11 +826,14 @@ class MultiLoRAModel(nn.Module):
                 t = weights[name]
             used.add(name)
             if packed is not None and isinstance(t, (MXFP4Weight, FP8BlockWeight)):
-                return packed(t, name=name, shape=shape, device=device)
+                t = packed(t, name=name, shape=shape, device=device)
+                return t if shard is None else shard(t)  # experts: shard_experts takes packed weights
             if not isinstance(t, torch.Tensor) or not t.is_floating_point():
                 raise ValueError(f"weights[{name!r}] must be a float tensor, got {describe(t)}")
             if tuple(t.shape) != shape:
                 raise ValueError(f"weights[{name!r}]: expected shape {list(shape)}, got {list(t.shape)}")
+            if shard is not None:  # this rank's part, cut before the copy to the device
+                t = shard(t)
             t = t.detach().to(device=device, dtype=dt).contiguous()
             if check_finite and not bool(torch.isfinite(t).all()):
                 raise ValueError(
@@ -740,41 +863,62 @@ class MultiLoRAModel(nn.Module):
         for li in range(c.num_hidden_layers):
             p = f"layers.{li}."
 
-            def lin(name, n_out, n_in, bias, slices, _p=p, _sub="self_attn."):
+            def lin(name, n_out, n_in, bias, slices, _p=p, _sub="self_attn.", tp=None):
+                if tp_group is not None and tp is not None:  # "column" / "row": this rank's shard
+                    return _tp_linear(
+                        take, f"{_p}{_sub}{name}", n_out, n_in, bias, slices, tp, tp_group, dense
+                    )
                 w = take(f"{_p}{_sub}{name}.weight", (n_out, n_in), packed=packed_linear_weight)
                 b = take(f"{_p}{_sub}{name}.bias", (n_out,), "bias") if bias else None
                 # a packed (FP8) weight carries no activation dtype: the layer takes the model's
-                packed_dt = {"dtype": dtype} if isinstance(w, FP8BlockWeight) else {}
-                return LoRALinear(w, b, slices=slices, **dense, **packed_dt)
+                fp8 = (
+                    {"dtype": dtype, "activation_scheme": activation_scheme}
+                    if isinstance(w, FP8BlockWeight)
+                    else {}
+                )
+                return LoRALinear(w, b, slices=slices, **dense, **fp8)
 
-            def take_l(name, shape, kind="weight", _p=p):
-                return take(f"{_p}self_attn.{name}", shape, kind)
+            def take_l(name, shape, kind="weight", _p=p, shard=None):
+                return take(f"{_p}self_attn.{name}", shape, kind, shard=shard)
 
-            attn = Attention(c, li, lin, take_l, max_batch, max_seq)
+            attn = Attention(c, li, lin, take_l, max_batch, max_seq, tp=tp)
             if c.is_moe:
                 E, I = c.num_experts, c.moe_intermediate_size
                 router = Router(
                     take(f"{p}mlp.router.weight", (E, H)),
                     take(f"{p}mlp.router.bias", (E,), "bias") if c.router_bias else None,
                 )
-                experts = MoELoRALayer(
-                    take(f"{p}mlp.experts.w13", (E, 2 * I, H), packed=packed_expert_weight),
-                    take(f"{p}mlp.experts.w2", (E, H, I), packed=packed_expert_weight),
+                cls, ep_kw, shard = MoELoRALayer, {}, None
+                if ep_group is not None:  # expert parallelism: this rank's experts, the sum all-reduced
+                    from ..parallel import ExpertParallelMoELoRALayer, contiguous_expert_map, shard_experts
+
+                    emap = contiguous_expert_map(E, *ep)
+
+                    def shard(t, _m=emap):
+                        return shard_experts(t, _m)
+
+                    cls, ep_kw = ExpertParallelMoELoRALayer, dict(group=ep_group, expert_map=emap)
+                experts = cls(
+                    take(f"{p}mlp.experts.w13", (E, 2 * I, H), packed=packed_expert_weight, shard=shard),
+                    take(f"{p}mlp.experts.w2", (E, H, I), packed=packed_expert_weight, shard=shard),
                     top_k=c.num_experts_per_tok,
                     slices=1 if gpt else 2,
-                    b13=take(f"{p}mlp.experts.b13", (E, 2 * I), "bias") if c.expert_bias else None,
-                    b2=take(f"{p}mlp.experts.b2", (E, H), "bias") if c.expert_bias else None,
+                    b13=take(f"{p}mlp.experts.b13", (E, 2 * I), "bias", shard=shard)
+                    if c.expert_bias
+                    else None,
+                    b2=take(f"{p}mlp.experts.b2", (E, H), "bias", shard=shard) if c.expert_bias else None,
                     dtype=dtype,  # the activations' dtype (packed experts carry none)
                     activation=c.activation,
                     renormalize=c.norm_topk_prob,
                     **mods,
+                    **ep_kw,
                 )
                 mlp = MoEBlock(router, experts)
             else:
                 I = c.intermediate_size
                 mlp = DenseMLP(
-                    lin("gate_up_proj", 2 * I, H, False, (I, I), _sub="mlp."),
-                    lin("down_proj", H, I, False, None, _sub="mlp."),
+                    lin("gate_up_proj", 2 * I, H, False, (I, I), _sub="mlp.", tp="column"),
+                    lin("down_proj", H, I, False, None, _sub="mlp.", tp="row"),
                 )
             layers.append(
                 DecoderLayer(
@@ -799,6 +943,8 @@ class MultiLoRAModel(nn.Module):
             extra = sorted(set(weights) - used)
             if extra:
                 raise ValueError(f"weights: {len(extra)} unexpected name(s), e.g. {extra[:5]}")
+        #: the process groups of tensor and expert parallelism (None: not parallel), read-only
+        self.tp_group, self.ep_group = tp_group, ep_group
         cos, sin = rope_tables(c, max_seq, dtype, device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)

@@ -662,7 +662,7 @@ def _lora_modules(model):
 
 def _prep(t: torch.Tensor, scale: float, module, what: str) -> torch.Tensor:
     """t·scale in fp32, cast to the module's dtype/device; refused if not finite there."""
-    ref = module.weight if hasattr(module, "weight") else module._ref  # MoELoRALayer: dense or packed
+    ref = module._ref  # a tensor of the module's dtype and device (its weight may be packed)
     out = (t.float() * float(scale)).to(device=ref.device, dtype=ref.dtype)
     if not bool(torch.isfinite(out).all()):
         raise ValueError(f"{what}: not finite in the model's dtype {ref.dtype} (inf/NaN or out of range)")
@@ -744,12 +744,14 @@ def load_peft_adapter(model, slot: int, path) -> PeftAdapter:
                     continue
                 a, b, s = entries[n]
                 rank_ok(mod, a.shape[0], n, layer, mod_name)
-                if tuple(b.shape) != (mod.slices[si], a.shape[0]) or a.shape[1] != mod.in_features:
+                # a tensor-parallel module takes the whole adapter (its global_*) and keeps its shard
+                n_s = getattr(mod, "global_slices", mod.slices)[si]
+                d_in = getattr(mod, "global_in_features", mod.in_features)
+                if tuple(b.shape) != (n_s, a.shape[0]) or a.shape[1] != d_in:
                     raise ValueError(
                         f"{adapter.sources[(layer, n)]}: shapes {tuple(a.shape)} / {tuple(b.shape)} "
                         "don't fit "
-                        f"layers[{layer}].{mod_name} slice {si} ([r, {mod.in_features}] / "
-                        f"[{mod.slices[si]}, r])"
+                        f"layers[{layer}].{mod_name} slice {si} ([r, {d_in}] / [{n_s}, r])"
                     )
                 As.append(_prep(a, 1.0, mod, adapter.sources[(layer, n)] + ".lora_A"))
                 Bs.append(_prep(b, s, mod, adapter.sources[(layer, n)] + ".lora_B·scaling"))
@@ -764,9 +766,10 @@ def load_peft_adapter(model, slot: int, path) -> PeftAdapter:
                 rank_ok(mod, a.shape[-2], name, layer, "mlp.experts")
                 src = adapter.sources[(layer, name)]
                 kw[arg] = (_prep(a, 1.0, mod, src + " A"), _prep(b, s, mod, src + " B·scaling"))
+            E = mod.num_global_experts  # expert parallelism: the whole adapter, each rank keeps its experts
             want = {
-                "gate_up": ((mod.E, mod.S, None, mod.H), (mod.E, mod.S, 2 * mod.I // mod.S, None)),
-                "down": ((mod.E, None, mod.I), (mod.E, mod.H, None)),
+                "gate_up": ((E, mod.S, None, mod.H), (E, mod.S, 2 * mod.I // mod.S, None)),
+                "down": ((E, None, mod.I), (E, mod.H, None)),
             }
             for arg, (a, b) in kw.items():
                 for which, t, w in zip(("A", "B"), (a, b), want[arg]):

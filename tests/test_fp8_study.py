@@ -3,9 +3,8 @@
 * ``moe_bench``: expert weights quantized a few experts (or block rows) at a time equal the quantizer on the
   whole tensor; the formats convert both ways; the base GEMMs' bytes count 1 byte plus the block scales per
   FP8 weight and their FLOP floor the FP8 rate; ``check_layer`` / ``bench_layer`` / ``bench_module`` take FP8
-  experts and an activation scheme (W8A8 where the layer has it, else a NotImplementedError naming it).
-* ``dense_bench``: the FP8 costs by hand; an FP8 ``LoRALinear`` checked and timed (where the layer takes FP8
-  weights, else a NotImplementedError).
+  experts and an activation scheme (weight-only bit for bit as the dequantized layer, W8A8 within its bound).
+* ``dense_bench``: the FP8 costs by hand; an FP8 ``LoRALinear`` checked and timed in both schemes.
 * ``e2e``: FP8 experts and projections hold the dense model's random weights quantized, the dequantized twin
   their exact values; memory against the estimate; logits and their error; a shallower stand-in.
 * ``fp8_study``: the tables and the targets on hand-made rows.
@@ -30,8 +29,6 @@ from moelora_lib.testing import TOLERANCES
 CPU = dict(dtype=torch.float32, device="cpu")
 KW = dict(rank=4, num_adapters=3, seed=0, **CPU)
 BLOCK = (16, 32)  # several scale blocks per tiny weight, W8A8-capable (32 columns)
-W8A8 = mb.layer_takes_activation_scheme()
-FP8_LINEAR = db.linear_takes_fp8()
 
 
 def _same(a: FP8BlockWeight, b: FP8BlockWeight) -> bool:
@@ -110,12 +107,6 @@ def test_check_and_bench_fp8_experts_per_activation_scheme(weights):
         rows["fp8", "total"]["bytes"] > f["bytes"]
         and rows["fp8", "total"]["activation_scheme"] == "weight_only"
     )
-    if not W8A8:
-        with pytest.raises(NotImplementedError, match="activation_scheme='dynamic'"):
-            mb.make_run(
-                "tuned", mb.layer_inputs("tiny", 2, weights=weights["fp8"], **KW), activation_scheme="dynamic"
-            )
-        return
     c = mb.check_layer("tuned", "tiny", 5, weights=weights["fp8"], activation_scheme="dynamic", **KW)
     assert c["activation_scheme"] == "dynamic" and c["tol"] == mb.W8A8_REL_TOL and not c["bitwise_vs_dense"]
     assert 1e-4 < c["rel_err"] <= c["tol"] and c["rel_err_vs_dense"] <= c["tol"] and c["no_adapter_bitwise"]
@@ -159,10 +150,6 @@ def test_dense_fp8_projection_checked_and_timed():
     assert w8.shape == tuple(inp.weight.shape) and torch.equal(
         db.dequantized(inp, w8).weight, w8.dequantize(torch.float32)
     )
-    if not FP8_LINEAR:
-        with pytest.raises(NotImplementedError, match="takes no block-FP8 weight"):
-            db.build_module(inp, weight=w8)
-        return
     r = db.check_fp8_projection(inp, 3, w8, activation_scheme="weight_only")
     assert r["activation_scheme"] == "weight_only" and r["rel_err"] <= r["tol"] == TOLERANCES[torch.float32]
     assert r["rel_err_vs_dense"] <= 1e-5 and r["no_adapter_bitwise"] and r["delta_rel"] > 0
@@ -183,8 +170,8 @@ def test_dense_fp8_projection_checked_and_timed():
         and rows["dense", "base"]["weight_format"] == "dense"
     )
     assert rows["fp8", "total"]["mode"] == "cpu-interpreter" and mod.active_slots is None
-    with pytest.raises(ValueError, match="activation_scheme='dynamic' needs an FP8 weight"):
-        db.build_module(inp, activation_scheme="dynamic")
+    with pytest.raises(ValueError, match="activation_scheme"):
+        db.build_module(inp, activation_scheme="dynamic")  # W8A8 needs an FP8 weight
 
 
 def test_build_model_fp8_its_twin_and_memory():
@@ -192,8 +179,8 @@ def test_build_model_fp8_its_twin_and_memory():
         max_batch=2, max_seq=8, max_tokens=16, num_adapters=2, max_rank=4, seed=3, fp8_block=BLOCK, **CPU
     )
     name = "tiny-qwen3-moe"
-    fmts = e2e.fp8_formats(name) | ({} if FP8_LINEAR else dict(projections="dense"))
-    assert e2e.fp8_formats(name) == dict(experts="fp8", projections="fp8")
+    fmts = e2e.fp8_formats(name)
+    assert fmts == dict(experts="fp8", projections="fp8")
     assert e2e.fp8_formats("tiny-qwen3") == dict(experts="dense", projections="fp8")
     dense = e2e.build_model(name, **kw)
     f8 = e2e.build_model(name, **fmts, **kw)
@@ -205,9 +192,8 @@ def test_build_model_fp8_its_twin_and_memory():
             assert _same(w_f, mb.quantize_fp8_weight(w_d, block=BLOCK)) and w_f.block == BLOCK
             assert torch.equal(w_t, w_f.dequantize(torch.float32))
         qkv_d, qkv_f, qkv_t = ld.self_attn.qkv_proj, lf.self_attn.qkv_proj, lt.self_attn.qkv_proj
-        if FP8_LINEAR:
-            assert _same(qkv_f.base_weight(), mb.quantize_fp8_weight(qkv_d.weight, block=BLOCK))
-            assert torch.equal(qkv_t.weight, qkv_f.base_weight().dequantize(torch.float32))
+        assert _same(qkv_f.base_weight(), mb.quantize_fp8_weight(qkv_d.weight, block=BLOCK))
+        assert torch.equal(qkv_t.weight, qkv_f.base_weight().dequantize(torch.float32))
         assert torch.equal(ld.mlp.router.weight, lf.mlp.router.weight)  # the router stays dense
     sizes = dict(
         num_adapters=2, max_rank=4, max_batch=2, max_seq=8, max_tokens=16, dtype_bytes=4, fp8_block=BLOCK
@@ -254,7 +240,7 @@ def test_logits_and_their_error():
         and e["kl_max"] > 0
     )
     kw = dict(max_batch=1, max_seq=4, max_tokens=4, num_adapters=1, max_rank=4, seed=1, num_layers=1, **CPU)
-    name, fmts = "tiny-qwen3-moe", dict(experts="fp8", projections="fp8" if FP8_LINEAR else "dense")
+    name, fmts = "tiny-qwen3-moe", e2e.fp8_formats("tiny-qwen3-moe")
     f8 = e2e.build_model(name, **fmts, fp8_block=BLOCK, **kw)
     twin = e2e.build_model(name, **fmts, fp8_block=BLOCK, dequantize=True, **kw)
     for m in (f8, twin):
@@ -311,4 +297,3 @@ def test_fp8_study_tables_and_targets():
     assert got[("otps_dense_fp8_x_dense", "dense", "1 request")] == (1.9, True) and len(t) == 7
     lines = fs.target_lines(t)
     assert len(lines) == len(fs.TARGETS) and any("**missed** at 1 of 1" in x for x in lines)
-    assert isinstance(fs.missing_features(), list)

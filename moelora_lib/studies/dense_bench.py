@@ -46,25 +46,10 @@ TINY_MODELS: dict[str, DenseModel] = {m: DENSE_PRESETS[m] for m in DENSE_CPU_MOD
 #: Formats of a projection's base weight: "dense" (the activations' dtype) or "fp8" (block FP8,
 #: :class:`~moelora_lib.quant.FP8BlockWeight`, as the Qwen3 FP8 checkpoints publish it).
 WEIGHT_FORMATS = ("dense", "fp8")
-#: :class:`LoRALinear`'s ``activation_scheme`` values with an FP8 weight: "auto" (its choice per T),
-#: "weight_only" (e4m3 tiles scaled to the activations' dtype), "dynamic" (W8A8: per-token, per-group FP8
-#: activations).
-ACTIVATION_SCHEMES = ("auto", "weight_only", "dynamic")
 #: The relative error W8A8 may add against the weight-only result: each activation element rounded to e4m3
 #: (within 2^-4 relative) before the GEMM; as for the MoE layer (moe_bench.W8A8_REL_TOL) the checks allow
 #: 2^-3 of the output's scale (random rounding errors make it ~2^-4/√3 in practice).
 W8A8_REL_TOL = 2.0**-3
-
-
-def linear_takes_fp8() -> bool:
-    """Whether this build's :class:`LoRALinear` takes a block-FP8 weight (``"fp8"`` in its
-    ``PACKED_FORMATS``); without it the FP8 helpers here raise NotImplementedError."""
-    return "fp8" in getattr(LoRALinear, "PACKED_FORMATS", ())
-
-
-def _need_fp8() -> None:
-    if not linear_takes_fp8():
-        raise NotImplementedError("this build's LoRALinear takes no block-FP8 weight (PACKED_FORMATS)")
 
 
 def fp8_weight(inp: ProjectionInputs, block: tuple[int, int] = FP8_BLOCK) -> FP8BlockWeight:
@@ -83,17 +68,10 @@ def dequantized(inp: ProjectionInputs, weight: FP8BlockWeight) -> ProjectionInpu
     return dataclasses.replace(inp, weight=weight.dequantize(inp.dtype))
 
 
-def weight_format(module: LoRALinear) -> str:
-    """The :data:`WEIGHT_FORMATS` name of a LoRALinear's base weight."""
-    return getattr(module, "weight_format", "dense")
-
-
 def module_scheme(module: LoRALinear, T: int) -> str:
     """The activation scheme of a LoRALinear's base GEMM at T tokens: its ``activation_scheme_for(T)``
-    ("dynamic" = W8A8, or "weight_only"; a dense weight runs "weight_only"), "weight_only" where it has
-    none."""
-    fn = getattr(module, "activation_scheme_for", None)
-    return fn(T) if fn is not None else "weight_only"
+    ("dynamic" = W8A8, or "weight_only"; a dense weight runs "weight_only")."""
+    return module.activation_scheme_for(T)
 
 
 def projections(model: str | DenseModel) -> list[DenseProjection]:
@@ -340,23 +318,17 @@ def build_module(inp: ProjectionInputs, stage: str = "tuned", *, max_tokens: int
                  activation_scheme: str = "auto") -> LoRALinear:  # fmt: skip
     """A :class:`LoRALinear` of ``stage`` on ``inp``'s weight (shared) with its L adapters loaded
     (scaling 1: already folded in B); ``max_tokens`` defaults to inp.max_tokens. ``weight``: a block-FP8
-    weight of the same shape in place of ``inp.weight`` (:func:`fp8_weight`), run with
-    ``activation_scheme`` (:data:`ACTIVATION_SCHEMES`; NotImplementedError where LoRALinear takes no FP8
-    weight, ValueError for another value or a scheme other than "auto" with the dense weight)."""
+    weight of the same shape in place of ``inp.weight`` (:func:`fp8_weight`); ``activation_scheme``:
+    LoRALinear's (ValueError there for an unknown one, or "dynamic" with the dense weight)."""
     p, S = inp.proj, len(inp.proj.slices)
-    if activation_scheme not in ACTIVATION_SCHEMES:
-        raise ValueError(f"activation_scheme must be one of {ACTIVATION_SCHEMES}, got {activation_scheme!r}")
     kw = dict(num_adapters=inp.L, max_rank=inp.R, max_tokens=max_tokens or inp.max_tokens, stage=stage)
+    kw |= dict(activation_scheme=activation_scheme)
     if weight is None:
-        if activation_scheme != "auto":
-            raise ValueError(f"activation_scheme={activation_scheme!r} needs an FP8 weight")
         m = LoRALinear(inp.weight, slices=p.slices, **kw)
     else:
-        _need_fp8()
         if not isinstance(weight, FP8BlockWeight) or weight.shape != tuple(inp.weight.shape):
             raise ValueError(f"weight must be an FP8BlockWeight of shape {list(inp.weight.shape)}")
-        kw |= dict(dtype=inp.dtype, activation_scheme=activation_scheme)
-        m = LoRALinear(weight, slices=p.slices, **kw)
+        m = LoRALinear(weight, slices=p.slices, dtype=inp.dtype, **kw)
     o = [sum(p.slices[:s]) for s in range(S + 1)]
     for a in range(inp.L):
         bs = [inp.lora_b[a, o[s] : o[s + 1]] for s in range(S)]
@@ -462,7 +434,7 @@ def _module_costs(module: LoRALinear, inp: ProjectionInputs, T: int, ids: torch.
     """:func:`part_costs` of a :class:`LoRALinear` forward: an FP8 base weight counts its bytes per weight
     (codes and scales) and the FP8 FLOP rate."""
     kw = {}
-    if weight_format(module) == "fp8":
+    if module.weight_format == "fp8":
         w = module.base_weight()
         kw = dict(weight_bytes=w.nbytes / (w.shape[0] * w.shape[1]), base_tflops=H200_FP8_TFLOPS)
     elem = inp.x.element_size()
@@ -491,7 +463,7 @@ def bench_module(module: LoRALinear, inp: ProjectionInputs, T: int, *, parts: Se
     costs = _module_costs(module, inp, T, ids)
     timing = dict(mode=mode, warmup_ms=warmup_ms, rep_ms=rep_ms, min_reps=min_reps)
     saved, rows = module.active_slots, []
-    fields = dict(weight_format=weight_format(module), activation_scheme=module_scheme(module, T))
+    fields = dict(weight_format=module.weight_format, activation_scheme=module_scheme(module, T))
     try:
         for part in parts:
             module.active_slots = frozenset() if part == "base" else saved

@@ -185,11 +185,10 @@ def build_model(name: str, *, stage: str = "auto", seed: int = 0, experts: str =
     published (128, 128) by default); :func:`packed_weights`. The rest (embeddings, norms, router,
     lm_head) in the model's dtype. ``dequantize``: the packed weights' exact values in the model's dtype
     instead (the dense twin of the packed model, for its error). ``activation_scheme``: the model's (its
-    FP8 projections' W8A8 choice; None = the model's default). ``num_layers``: :func:`model_config`'s (the
-    first that many decoder layers; None = all). ``sizes``: ``random_model``'s dtype,
-    device, max_batch, max_seq, max_tokens, num_adapters (default 8), max_rank (default 32). Raises
-    ValueError for an unknown format or packed experts on a dense model; the model raises
-    NotImplementedError for FP8 projections where its LoRALinear has no FP8 GEMM."""
+    FP8 projections' W8A8 choice, :class:`~moelora_lib.model.MultiLoRAModel`'s; None = its default).
+    ``num_layers``: :func:`model_config`'s (the first that many decoder layers; None = all). ``sizes``:
+    ``random_model``'s dtype, device, max_batch, max_seq, max_tokens, num_adapters (default 8), max_rank
+    (default 32). Raises ValueError for an unknown format or packed experts on a dense model."""
     sizes = {"num_adapters": 8, "max_rank": 32, **sizes}
     if experts not in EXPERT_FORMATS:
         raise ValueError(f"experts must be one of {EXPERT_FORMATS}, got {experts!r}")

@@ -181,23 +181,3 @@ def target_lines(targets) -> list[str]:
         verdict = "met" if miss.empty else f"**missed** at {len(miss)} of {len(g)}"
         lines.append(f"- {what} {'≥' if ge else '≤'} {threshold:g}: {verdict} ({vals}).")
     return lines
-
-
-def missing_features() -> list[str]:
-    """What this build's layers lack of the FP8 path (each a sentence; empty when complete): W8A8 in the MoE
-    layer (:func:`~.moe_bench.layer_takes_activation_scheme`), FP8 weights in LoRALinear
-    (:func:`~.dense_bench.linear_takes_fp8`). The notebook leaves out what needs them and says so."""
-    from .dense_bench import linear_takes_fp8
-    from .moe_bench import layer_takes_activation_scheme
-
-    out = []
-    if not layer_takes_activation_scheme():
-        out.append(
-            "MoELoRALayer has no activation_scheme: the FP8 MoE layer runs weight-only only (no W8A8 rows)"
-        )
-    if not linear_takes_fp8():
-        out.append(
-            "LoRALinear takes no FP8 weight: no FP8 projection rows, the FP8 models keep dense projections "
-            "(Qwen3-32B has no FP8 run)"
-        )
-    return out

@@ -13,9 +13,9 @@ Expert weight formats (:data:`WEIGHT_FORMATS`): "dense" (the activations' dtype)
 :class:`~moelora_lib.quant.FP8BlockWeight`, 1 byte per weight plus one float32 scale per block;
 :func:`quantize_fp8_weight`); :func:`with_weight_format` converts. The base GEMMs' bytes and floors count each
 format's bytes per weight, and FP8 experts' FLOP floor the FP8 tensor-core rate. With FP8 experts the
-layer's ``activation_scheme`` (:data:`ACTIVATION_SCHEMES`: "weight_only", "dynamic" = W8A8, "auto") is a
-parameter of :func:`make_run`, :func:`bench_layer`, :func:`check_layer` and :func:`bench_lora_op`; rows
-carry the scheme that ran.
+layer's ``activation_scheme`` (:data:`~moelora_lib.kernels.stages.ACTIVATION_SCHEMES`: "weight_only",
+"dynamic" = W8A8, "auto") is a parameter of :func:`make_run`, :func:`bench_layer`, :func:`check_layer`
+and :func:`bench_lora_op`; rows carry the scheme that ran.
 
 Units: ms (``ms_p50/p20/p80``), µs (``us_p50``, ``floor_us``); 2 FLOPs per multiply-add; bytes read +
 written; P = T·K. Timing: :func:`.bench.time_fn` (do_bench median, L2 flushed, CUDA-graph replay or
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import inspect
 import json
 import math
 import os
@@ -61,9 +60,6 @@ BASE_OPS = ("base_gate_up", "base_down")
 WEIGHT_FORMATS = ("dense", "mxfp4", "fp8")
 #: Bytes per MXFP4 weight: 16 bytes of e2m1 codes and one e8m0 scale byte per 32 weights (4.25 bits).
 MXFP4_BYTES_PER_WEIGHT = (MXFP4_BLOCK // 2 + 1) / MXFP4_BLOCK
-#: The MoE layer's ``activation_scheme`` values with FP8 experts: "auto" (the layer's choice per T),
-#: "weight_only" (activations in the layer's dtype), "dynamic" (W8A8: per-token, per-group FP8 activations).
-ACTIVATION_SCHEMES = ("auto", "weight_only", "dynamic")
 
 
 def fp8_bytes_per_weight(block: tuple[int, int] = FP8_BLOCK, scale_bytes: int = 4) -> float:
@@ -74,30 +70,6 @@ def fp8_bytes_per_weight(block: tuple[int, int] = FP8_BLOCK, scale_bytes: int = 
 
 #: Bytes per FP8 weight in the published layout: 1 byte + a float32 scale per 128 x 128 block.
 FP8_BYTES_PER_WEIGHT = fp8_bytes_per_weight()
-
-
-def layer_takes_activation_scheme() -> bool:
-    """Whether the MoE layer of this build takes ``activation_scheme`` (W8A8 with FP8 experts):
-    :class:`~moelora_lib.MoELoRALayer`'s constructor has the argument. Without it FP8 experts run
-    weight-only, and a "dynamic" request raises NotImplementedError in :func:`make_run`."""
-    from ..layer import MoELoRALayer
-
-    return "activation_scheme" in inspect.signature(MoELoRALayer.__init__).parameters
-
-
-def _check_scheme(activation_scheme: str) -> dict[str, str]:
-    """The keyword to pass the layer for ``activation_scheme`` ({} where this build has no such argument
-    and the scheme is what it runs anyway); ValueError for an unknown value, NotImplementedError for
-    "dynamic" without W8A8 in this build."""
-    if activation_scheme not in ACTIVATION_SCHEMES:
-        raise ValueError(f"activation_scheme must be one of {ACTIVATION_SCHEMES}, got {activation_scheme!r}")
-    if layer_takes_activation_scheme():
-        return dict(activation_scheme=activation_scheme)
-    if activation_scheme == "dynamic":
-        raise NotImplementedError(
-            "activation_scheme='dynamic' (W8A8): this build's MoE layer has no activation_scheme argument"
-        )
-    return {}
 
 
 # --- vLLM anchors ----------------------------------------------------------------------------------------
@@ -503,14 +475,13 @@ def make_run(stage: str, inp: MoELoRAInputs, config: LayerConfig | None = None, 
              activation_scheme: str = "auto"):  # fmt: skip
     """The :class:`~moelora_lib.kernels.LayerRun` of ``stage`` on ``inp`` (shapes validated, no value
     check, no host sync); ``config`` None = the stage's config for T; ``adapter_order``: as in
-    :func:`moelora_lib.moe_lora.make_layer_run` (None = the stage's choice); ``activation_scheme``
-    (:data:`ACTIVATION_SCHEMES`): with FP8 experts, "weight_only", "dynamic" (W8A8) or "auto" (the
-    library's choice at T); ValueError for an unknown one, NotImplementedError for "dynamic" where the
-    layer has no W8A8 (:func:`layer_takes_activation_scheme`)."""
+    :func:`moelora_lib.moe_lora.make_layer_run` (None = the stage's choice); ``activation_scheme``: with
+    FP8 experts, "weight_only", "dynamic" (W8A8) or "auto" (the library's choice at T), as
+    :func:`~moelora_lib.fused_moe_lora` takes it (ValueError naming it otherwise)."""
     from ..moe_lora import make_layer_run
 
     kw = dict(stage=stage, config=config, check_values=False, adapter_order=adapter_order)
-    return make_layer_run(*inp.args(), **inp.kwargs(), **kw, **_check_scheme(activation_scheme))
+    return make_layer_run(*inp.args(), **inp.kwargs(), **kw, activation_scheme=activation_scheme)
 
 
 def run_scheme(run) -> str:
@@ -660,20 +631,18 @@ def bench_module(layer, inp: MoELoRAInputs, shape: MoEShape | str, *, parts: Seq
 
 
 def module_scheme(layer, T: int) -> str:
-    """The activation scheme a :class:`~moelora_lib.MoELoRALayer` runs at T tokens: its
-    ``activation_scheme_for(T)`` ("dynamic" or "weight_only"), "weight_only" where it has none."""
-    fn = getattr(layer, "activation_scheme_for", None)
-    return fn(T) if fn is not None else "weight_only"
+    """The activation scheme a :class:`~moelora_lib.MoELoRALayer` runs at T tokens ("dynamic" = W8A8 or
+    "weight_only"): its ``activation_scheme_for(T)``."""
+    return layer.activation_scheme_for(T)
 
 
 def build_module(inp: MoELoRAInputs, shape: MoEShape | str, *, max_tokens: int, stage: str = "auto",
                  activation_scheme: str = "auto", **kw):  # fmt: skip
     """:func:`.serving.build_layer` on ``inp``'s weights (dense, MXFP4 or FP8) with the layer's
-    ``activation_scheme`` (:data:`ACTIVATION_SCHEMES`; as :func:`make_run` checks it), the adapters of
-    ``inp`` in slots 0..L-1, in ``stage``, dtype the adapters'."""
+    ``activation_scheme``, the adapters of ``inp`` in slots 0..L-1, in ``stage``, dtype the adapters'."""
     from .serving import build_layer
 
-    kw = dict(dtype=inp.lora_a13.dtype) | kw | _check_scheme(activation_scheme)
+    kw = dict(dtype=inp.lora_a13.dtype, activation_scheme=activation_scheme) | kw
     return build_layer(inp, shape, max_tokens=max_tokens, stage=stage, **kw)
 
 

@@ -608,12 +608,13 @@ class MultiLoRAModel(nn.Module):
             (``qkv_proj``, ``o_proj``, ``gate_up_proj``, ``down_proj``); they go through
             :func:`packed_expert_weight` / :func:`packed_linear_weight` and stay FP8 in the layers
             (MoELoRALayer's ``W_FP8`` GEMMs; LoRALinear's :mod:`~moelora_lib.kernels.dense_fp8` GEMM).
-        activation_scheme: the form of the FP8 dense projections' base GEMM
-            (:class:`moelora_lib.LoRALinear`'s ``activation_scheme``): "auto" (default: weight-only below
-            :data:`~moelora_lib.kernels.dense_fp8.DENSE_W8A8_MIN_TOKENS` tokens per forward, W8A8 with
-            dynamic per-token activation quantization from there), "weight_only" or "dynamic" (FP8
-            scale blocks of a multiple of 32 columns). Applies to the FP8 attention / dense MLP
-            projections; dense projections and the MoE experts run as they do without it.
+        activation_scheme: how the FP8 GEMMs treat their activations, for the FP8 attention / dense MLP
+            projections (:class:`moelora_lib.LoRALinear`'s ``activation_scheme``) and the FP8 experts
+            (:class:`moelora_lib.MoELoRALayer`'s): "auto" (default: per forward, weight-only below a
+            token count and W8A8 with dynamic per-token activation quantization from there —
+            :data:`~moelora_lib.kernels.dense_fp8.DENSE_W8A8_MIN_TOKENS` for the projections,
+            ``MoELoRALayer.W8A8_MIN_TOKENS`` for the experts), "weight_only" or "dynamic" (FP8 scale
+            blocks of a multiple of 32 columns). Dense and MXFP4 weights run as they do without it.
     Raises:
         ValueError naming the argument: a stage that is neither "auto" nor a name of
         :data:`~moelora_lib.kernels.STAGES` (the message lists them), sizes not positive ints,
@@ -774,9 +775,12 @@ class MultiLoRAModel(nn.Module):
                     take(f"{p}mlp.router.weight", (E, H)),
                     take(f"{p}mlp.router.bias", (E,), "bias") if c.router_bias else None,
                 )
+                w13 = take(f"{p}mlp.experts.w13", (E, 2 * I, H), packed=packed_expert_weight)
+                w2 = take(f"{p}mlp.experts.w2", (E, H, I), packed=packed_expert_weight)
+                fp8 = {"activation_scheme": activation_scheme} if isinstance(w13, FP8BlockWeight) else {}
                 experts = MoELoRALayer(
-                    take(f"{p}mlp.experts.w13", (E, 2 * I, H), packed=packed_expert_weight),
-                    take(f"{p}mlp.experts.w2", (E, H, I), packed=packed_expert_weight),
+                    w13,
+                    w2,
                     top_k=c.num_experts_per_tok,
                     slices=1 if gpt else 2,
                     b13=take(f"{p}mlp.experts.b13", (E, 2 * I), "bias") if c.expert_bias else None,
@@ -785,6 +789,7 @@ class MultiLoRAModel(nn.Module):
                     activation=c.activation,
                     renormalize=c.norm_topk_prob,
                     **mods,
+                    **fp8,
                 )
                 mlp = MoEBlock(router, experts)
             else:

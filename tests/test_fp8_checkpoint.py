@@ -455,6 +455,22 @@ def test_dequantize_false_keeps_fp8(published, monkeypatch):
     assert model.layers[0].mlp.experts.weight_format == "fp8"
 
 
+def test_activation_scheme_reaches_every_fp8_layer(published):
+    """load_hf_checkpoint(activation_scheme=...) sets the scheme of every FP8 layer, the experts'
+    included (no forward here); "dynamic" over scale blocks of 16 columns (no 32-column FP8 K step) is
+    refused naming activation_scheme."""
+    model = _load(published["qwen3_moe"]["b32"], activation_scheme="dynamic")
+    lins = [m for m in model.modules() if isinstance(m, moelora_lib.LoRALinear)]
+    assert lins and all(m.activation_scheme == "dynamic" for m in lins)
+    assert all(layer.mlp.experts.activation_scheme == "dynamic" for layer in model.layers)
+    with pytest.raises(
+        ValueError, match=r"activation_scheme 'dynamic' \(W8A8\): the scale block's 16 columns"
+    ):
+        _load(published["qwen3"]["single"], activation_scheme="dynamic")
+    with pytest.raises(ValueError, match=r"activation_scheme must be one of"):
+        _load(published["qwen3"]["single"], activation_scheme="static")
+
+
 def test_packed_weight_handoffs(monkeypatch):
     """The handoff functions the model calls for packed weights: FP8 experts and FP8 projections are kept
     (both layers list "fp8"); with LoRALinear's PACKED_FORMATS emptied, FP8 projections raise

@@ -71,7 +71,9 @@ import triton.language as tl
 
 from ..common import aligned16, check_tensor, describe
 from ..hardware import H200_NUM_SMS
-from ..quant.fp8 import E4M3_MAX, FP8BlockWeight
+from ..quant.fp8 import FP8BlockWeight
+from .fp8_act import quantize_fp8_act
+from .stages import ACTIVATION_SCHEMES, W8A8_MIN_BLOCK_K
 from .triton_kernels import _pid_to_mn
 
 __all__ = [
@@ -96,14 +98,12 @@ __all__ = [
 #: (module docstring), to be replaced by a measured crossover.
 DENSE_W8A8_MIN_TOKENS = 128
 
-#: The values of ``activation_scheme`` with a block-FP8 weight (the checkpoints' field of that name):
-#: "auto" (per T, :func:`resolve_dense_scheme`), "weight_only" (activations stay in their dtype, each
-#: e4m3 weight tile is scaled in registers), "dynamic" (W8A8: activations quantized per token and group
-#: at run time, :func:`quantize_act`). Dense weights run as "weight_only" ("auto" included).
-ACTIVATION_SCHEMES = ("auto", "weight_only", "dynamic")
-
-#: The smallest BLOCK_SIZE_K of the W8A8 form: K of one FP8 tensor-core instruction (32 on Hopper).
-W8A8_MIN_BLOCK_K = 32
+# ACTIVATION_SCHEMES ("auto", "weight_only", "dynamic": the checkpoints' field of that name) and
+# W8A8_MIN_BLOCK_K (32, the K of one FP8 tensor-core instruction on Hopper) are the MoE layer's
+# (:mod:`moelora_lib.kernels.stages`), re-exported here: one set of values for every FP8 GEMM. For a dense
+# projection: "auto" per T (:func:`resolve_dense_scheme`), "weight_only" (activations stay in their
+# dtype, each e4m3 weight tile is scaled in registers), "dynamic" (W8A8, :func:`quantize_act`); dense
+# weights run as "weight_only" ("auto" included).
 
 _X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _FP8 = torch.float8_e4m3fn
@@ -325,28 +325,17 @@ def resolve_dense_scheme(scheme: str, weight, T: int, min_tokens: int = DENSE_W8
 # --------------------------------------------------------------------------------------------------
 # activation quantization
 # --------------------------------------------------------------------------------------------------
-def quantize_act(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_act(
+    x: torch.Tensor, group_size: int, *, out: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The dynamic per-token, per-group activation quantization the W8A8 form consumes: ``x [T, K]``
     (float16/bfloat16/float32, finite) → ``(x_q float8_e4m3fn [T, K], x_scale float32 [T, ceil(K/g)])``
-    with ``g = group_size`` ≥ 1: per row and group (the last one ragged) ``scale = amax / 448`` in
-    float32 (1 for an all-zero group, at least 2^-126), ``x_q = round_e4m3(clamp(x / scale, ±448))`` —
-    :func:`~moelora_lib.quant.quantize_fp8_act_reference`'s rule and torch ops, hence its numbers bit for
-    bit on the same device (tests/test_dense_fp8.py), without its checks: no host sync, so a CUDA graph
-    captures it (inf/NaN in x give unspecified codes and scales).
-
-    The one call site of the activation quantizer for every W8A8 path in this package, a few torch ops
-    (a padded copy, amax, a division, a cast); the fused one-launch Triton quantizer takes its place here.
-    """
-    T, K = x.shape
-    G = -(-K // group_size)
-    xf = x.float()
-    if G * group_size != K:
-        xf = F.pad(xf, (0, G * group_size - K))
-    groups = xf.view(T, G, group_size)
-    amax = groups.abs().amax(dim=-1)
-    scale = torch.where(amax > 0, (amax / E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny), 1.0)
-    q = (groups / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(_FP8)
-    return q.view(T, G * group_size)[:, :K], scale
+    with ``g = group_size``: per row and group (the last one ragged) ``scale = amax / 448`` in float32
+    (1 for an all-zero group, at least 2^-126), ``x_q = round_e4m3(clamp(x / scale, ±448))`` —
+    :func:`~moelora_lib.quant.quantize_fp8_act_reference`'s codes and scales bit for bit. One launch of
+    :func:`moelora_lib.kernels.fp8_act.quantize_fp8_act` (no host sync: a CUDA graph captures it;
+    ``out`` = its preallocated ``(q, scale)``). Raises its ValueErrors, naming the argument."""
+    return quantize_fp8_act(x, group_size, out=out)
 
 
 # --------------------------------------------------------------------------------------------------

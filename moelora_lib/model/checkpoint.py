@@ -543,11 +543,11 @@ def load_hf_checkpoint(
       :func:`~moelora_lib.model.modeling.packed_expert_formats` for the experts — both list it), else
       dequantized as with True.
 
-    ``activation_scheme`` (the FP8 dense projections'; :class:`MultiLoRAModel`'s): "auto" (default:
-    weight-only GEMM below :data:`~moelora_lib.kernels.dense_fp8.DENSE_W8A8_MIN_TOKENS` tokens, W8A8
-    with the checkpoints' dynamic per-token, per-128-column activation quantization from there),
-    "weight_only" (equal to the dequantized model up to summation order) or "dynamic" (each activation
-    element within 2^-4 relative of its value before the GEMM).
+    ``activation_scheme`` (:class:`MultiLoRAModel`'s; for every projection kept FP8, dense and expert):
+    "auto" (default: weight-only GEMMs below a token count per forward, W8A8 with the checkpoints'
+    dynamic per-token, per-128-column activation quantization from there), "weight_only" (equal to the
+    dequantized model up to summation order) or "dynamic" (each activation element within 2^-4
+    relative of its value before an FP8 GEMM).
 
     Where FP8 is kept, a fused tensor (q | k | v, gate | up, the stacked experts) whose parts cannot form
     one FP8 weight (a part dense in the file, or a part other than the last ending in a ragged block

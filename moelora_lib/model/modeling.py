@@ -699,12 +699,13 @@ class MultiLoRAModel(nn.Module):
             (``qkv_proj``, ``o_proj``, ``gate_up_proj``, ``down_proj``); they go through
             :func:`packed_expert_weight` / :func:`packed_linear_weight` and stay FP8 in the layers
             (MoELoRALayer's ``W_FP8`` GEMMs; LoRALinear's :mod:`~moelora_lib.kernels.dense_fp8` GEMM).
-        activation_scheme: the form of the FP8 dense projections' base GEMM
-            (:class:`moelora_lib.LoRALinear`'s ``activation_scheme``): "auto" (default: weight-only below
-            :data:`~moelora_lib.kernels.dense_fp8.DENSE_W8A8_MIN_TOKENS` tokens per forward, W8A8 with
-            dynamic per-token activation quantization from there), "weight_only" or "dynamic" (FP8
-            scale blocks of a multiple of 32 columns). Applies to the FP8 attention / dense MLP
-            projections; dense projections and the MoE experts run as they do without it.
+        activation_scheme: how the FP8 GEMMs treat their activations, for the FP8 attention / dense MLP
+            projections (:class:`moelora_lib.LoRALinear`'s ``activation_scheme``) and the FP8 experts
+            (:class:`moelora_lib.MoELoRALayer`'s): "auto" (default: per forward, weight-only below a
+            token count and W8A8 with dynamic per-token activation quantization from there —
+            :data:`~moelora_lib.kernels.dense_fp8.DENSE_W8A8_MIN_TOKENS` for the projections,
+            ``MoELoRALayer.W8A8_MIN_TOKENS`` for the experts), "weight_only" or "dynamic" (FP8 scale
+            blocks of a multiple of 32 columns). Dense and MXFP4 weights run as they do without it.
         tp_group: a ``torch.distributed`` process group for tensor parallelism, or None (default): each rank
             holds NH/world query and NKV/world KV heads (qkv_proj column-parallel, o_proj row-parallel, the
             KV cache and sinks of those heads; :class:`Attention`) and, in a dense model, I/world of the MLP
@@ -898,9 +899,12 @@ class MultiLoRAModel(nn.Module):
                         return shard_experts(t, _m)
 
                     cls, ep_kw = ExpertParallelMoELoRALayer, dict(group=ep_group, expert_map=emap)
+                w13 = take(f"{p}mlp.experts.w13", (E, 2 * I, H), packed=packed_expert_weight, shard=shard)
+                w2 = take(f"{p}mlp.experts.w2", (E, H, I), packed=packed_expert_weight, shard=shard)
+                fp8 = {"activation_scheme": activation_scheme} if isinstance(w13, FP8BlockWeight) else {}
                 experts = cls(
-                    take(f"{p}mlp.experts.w13", (E, 2 * I, H), packed=packed_expert_weight, shard=shard),
-                    take(f"{p}mlp.experts.w2", (E, H, I), packed=packed_expert_weight, shard=shard),
+                    w13,
+                    w2,
                     top_k=c.num_experts_per_tok,
                     slices=1 if gpt else 2,
                     b13=take(f"{p}mlp.experts.b13", (E, 2 * I), "bias", shard=shard)
@@ -912,6 +916,7 @@ class MultiLoRAModel(nn.Module):
                     renormalize=c.norm_topk_prob,
                     **mods,
                     **ep_kw,
+                    **fp8,
                 )
                 mlp = MoEBlock(router, experts)
             else:

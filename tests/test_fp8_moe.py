@@ -217,6 +217,24 @@ def test_layer_block_size_k_lowered_and_fp8_parameters():
     assert set(f8.state_dict()) == set(params)
 
 
+def test_layer_dtype_cast_keeps_fp8_weights():
+    # .to(dtype) casts the adapter slots (the layer's activation dtype) but not the e4m3 codes and scales
+    f8, dense, _ = _layers(F32, "tuned", "silu", 2, False, 64, 64, (32, 128))
+    codes = f8.w13_fp8.detach().clone()
+    g = torch.Generator().manual_seed(4)
+    x, logits = torch.randn(3, 64, generator=g), torch.randn(3, E, generator=g)
+    ids = torch.tensor([0, -1, 1], dtype=torch.int32)
+    f8.to(F16)
+    dense.to(F16)
+    assert f8.w13_fp8.dtype == torch.float8_e4m3fn and torch.equal(
+        f8.w13_fp8.view(torch.uint8), codes.view(torch.uint8)
+    )
+    assert f8.w2_scale_inv.dtype == torch.float32 and f8.lora_a13.dtype == F16
+    out = f8(x.half(), logits, lora_ids=ids)
+    assert out.dtype == F16
+    assert_close_rel(out, dense(x.half(), logits, lora_ids=ids).double(), F16)
+
+
 @pytest.mark.parametrize("dt", [F16], ids=DT_IDS.get)
 def test_layer_fused_split_down(dt):
     # stage fused's down GEMM split over K: I = 64 in two K steps of 32, one per program, each reading its

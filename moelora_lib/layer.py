@@ -349,11 +349,10 @@ class MoELoRALayer(ops.OpLayer):
             experts add up to the whole (:class:`moelora_lib.parallel.ExpertParallelMoELoRALayer` sums
             them over a process group). Global ids outside [0, E_global) still give NaN rows. Adapters
             are loaded with the global expert count (``load_adapter``: A/B of [E_global, ...]), the slots
-            keep the local experts' rows. top_k may exceed E (not E_global). Stage ``gemv`` has no such
-            path (its top-k sum is internal): ``stage="gemv"`` is refused, and ``stage="auto"`` runs
-            ``tuned`` where the config files choose ``gemv``. Reference designs: vLLM's expert-parallel
-            fused MoE (``expert_map`` global → local, -1 = not here) and its MoE LoRA with per-token
-            adapter ids carried through the dispatch (vllm-project/vllm#40867).
+            keep the local experts' rows. top_k may exceed E (not E_global). Every stage runs it (stage
+            ``gemv``: such pairs do no work, its top-k sum leaves them out). Reference designs: vLLM's
+            expert-parallel fused MoE (``expert_map`` global → local, -1 = not here) and its MoE LoRA with
+            per-token adapter ids carried through the dispatch (vllm-project/vllm#40867).
     Raises:
         ValueError naming the argument: shapes, dtypes, devices, sizes, stage, activation. When w13
         and w2 disagree, the message names the one that is wrong (a transposed weight is recognised;
@@ -439,11 +438,6 @@ class MoELoRALayer(ops.OpLayer):
         _check_layer_dtype(dt, dev, what)
         emap, local_to_global = _check_expert_map(expert_map, E, dev)
         E_global = E if emap is None else emap.shape[0]
-        if emap is not None and stage == GEMV_STAGE.name:
-            raise ValueError(
-                "stage 'gemv' has no expert-parallel path (its top-k sum is internal, so pairs of experts "
-                "held elsewhere would give NaN rows): with expert_map use 'auto', 'tuned' or 'fused'"
-            )
         if K > E_global:
             what_e = (
                 f"E = {E} (w13 dim 0)" if emap is None else f"E_global = {E_global} (expert_map's length)"
@@ -652,9 +646,7 @@ class MoELoRALayer(ops.OpLayer):
         st = self._stages.get(T)
         if st is None:
             st = self.stage.pick(self._dims(T)) if self.stage is AUTO_STAGE else self.stage
-            # no expert-parallel gemv path; the GEMVs are weight-only
-            remote = self.expert_map is not None
-            if st is GEMV_STAGE and (remote or self.activation_scheme_for(T) == "dynamic"):
+            if st is GEMV_STAGE and self.activation_scheme_for(T) == "dynamic":  # the GEMVs are weight-only
                 st = STAGES["tuned"]
             self._stages[T] = st
         return st
@@ -886,6 +878,7 @@ class MoELoRALayer(ops.OpLayer):
         return gemv_moe_lora(
             x, w13, w2, topk_weights.contiguous(), topk_ids.contiguous(), activation=self.activation,
             config=cfg, b13=self.b13, b2=self.b2, lora_ids=lora_ids, lora=lora, scratch=scratch,
+            skip_remote=self.expert_map is not None,  # expert parallelism: id -1 = held elsewhere, adds zero
         )  # fmt: skip
 
     def _check_call(self, x, router_logits, topk_weights, topk_ids, lora_ids) -> None:

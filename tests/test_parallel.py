@@ -167,6 +167,39 @@ def _expert_weights(E=4, H=32, I=16):
 KW = dict(top_k=2, num_adapters=1, max_rank=2, max_tokens=4)
 
 
+def test_gemv_expert_shards_sum_to_the_whole_layer():
+    # stage gemv under an expert_map: each shard's pairs of experts held elsewhere do no work and add zero,
+    # so the two shards' outputs sum to the one-layer output (fp32; only the order of the sums differs),
+    # with an adapter on both projections; a token routed only to the other shard gets exact zeros
+    from moelora_lib import MoELoRALayer
+    from moelora_lib.parallel import contiguous_expert_map
+    from moelora_lib.testing import assert_close_rel
+
+    g = torch.Generator().manual_seed(7)
+    E, H, I, R = 4, 32, 16, 2
+    w13, w2 = torch.randn(E, 2 * I, H, generator=g) * 0.2, torch.randn(E, H, I, generator=g) * 0.2
+    gu = (torch.randn(E, 2, R, H, generator=g) * 0.2, torch.randn(E, 2, I, R, generator=g) * 0.2)
+    dn = (torch.randn(E, R, I, generator=g) * 0.2, torch.randn(E, H, R, generator=g) * 0.2)
+    kw = dict(top_k=2, num_adapters=1, max_rank=R, max_tokens=4, stage="gemv")
+    whole = MoELoRALayer(w13, w2, **kw)
+    whole.load_adapter(0, gate_up=gu, down=dn)
+    shards = []
+    for rank in range(2):
+        m = contiguous_expert_map(E, rank, 2)
+        lay = MoELoRALayer(w13[2 * rank : 2 * rank + 2], w2[2 * rank : 2 * rank + 2], expert_map=m, **kw)
+        lay.load_adapter(0, gate_up=gu, down=dn)
+        assert lay.stage_for(3).name == "gemv"
+        shards.append(lay)
+    x = torch.randn(3, H, generator=g)
+    tw = torch.tensor([[0.6, 0.4], [0.5, 0.5], [0.7, 0.3]])
+    ti = torch.tensor([[0, 3], [2, 1], [1, 0]], dtype=torch.int32)  # token 2: experts of rank 0 only
+    ids = torch.tensor([0, -1, 0], dtype=torch.int32)
+    want = whole(x, topk_weights=tw, topk_ids=ti, lora_ids=ids)
+    parts = [lay(x, topk_weights=tw, topk_ids=ti, lora_ids=ids) for lay in shards]
+    assert torch.isfinite(parts[1]).all() and torch.equal(parts[1][2], torch.zeros(H))
+    assert_close_rel(parts[0] + parts[1], want.double(), torch.float32)
+
+
 def test_expert_map_errors():
     from moelora_lib import MoELoRALayer
     from moelora_lib.parallel import ExpertParallelMoELoRALayer, contiguous_expert_map
@@ -185,8 +218,6 @@ def test_expert_map_errors():
         with pytest.raises(ValueError, match=msg):
             MoELoRALayer(w13, w2, expert_map=bad, **KW)
     m = contiguous_expert_map(4, 1, 2)
-    with pytest.raises(ValueError, match="stage 'gemv' has no expert-parallel path"):
-        MoELoRALayer(w13, w2, expert_map=m, stage="gemv", **KW)
     with pytest.raises(ValueError, match=r"top_k = 5 must be <= E_global = 4"):
         MoELoRALayer(w13, w2, expert_map=m, **dict(KW, top_k=5))
     lay = MoELoRALayer(w13, w2, expert_map=m, **dict(KW, top_k=3))  # top_k may exceed the local E

@@ -499,6 +499,7 @@ def gemv_moe_lora(
     lora: tuple | None = None,
     scratch: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    skip_remote: bool = False,
 ) -> torch.Tensor:
     """The MoE+LoRA layer on T tokens as split-K GEMVs (module docstring), for validated inputs.
 
@@ -524,6 +525,9 @@ def gemv_moe_lora(
             (scaling folded into B; any R ≥ 1).
         scratch: flat float32 of at least :func:`gemv_scratch_numel` elements, or None (allocated).
         out: [T, H] of hidden_states' dtype or None.
+        skip_remote: expert parallelism: a top-k id of exactly -1 is an expert held on another rank; its
+            pair does no work (as every id outside [0, E)) and adds zero instead of making the row NaN
+            (:func:`~moelora_lib.kernels.topk_reduce.topk_reduce`'s ``skip_remote``).
     Returns:
         [T, H] of hidden_states' dtype.
     Raises:
@@ -626,7 +630,9 @@ def gemv_moe_lora(
         HAS_BIAS=has_bias, ACTIVATION=activation, G_DTYPE=g_dt, HAS_LORA=ids2 is not None,
         BLOCK_SIZE_R=r_p, **w2a[7], ORDERED=ordered, num_warps=dn.NUM_WARPS,
     )  # fmt: skip
-    return topk_reduce(y, topk_ids, E, lora_ids, L, check_ids=True, out=out, out_dtype=x.dtype)
+    return topk_reduce(
+        y, topk_ids, E, lora_ids, L, check_ids=True, out=out, out_dtype=x.dtype, skip_remote=skip_remote
+    )
 
 
 @dataclass(frozen=True)

@@ -541,18 +541,9 @@ class MoELoRALayer(ops.OpLayer):
         slot lora_a13 (of the layer's dtype; ``.to()`` moves and casts it with the biases)."""
         return self.w13 if self.w13 is not None else self.lora_a13
 
-    def _apply(self, fn, recurse=True):
-        # FP8 codes and their scales keep their dtypes through a dtype cast of the layer (.to(dtype),
-        # .half(), ...), as MXFP4's uint8 tensors do by being integers; a device move moves them
-        keep = {}
-        if self.weight_format == "fp8":
-            keep = {n: getattr(self, n).data for n in ("w13_fp8", "w2_fp8", "w13_scale_inv", "w2_scale_inv")}
-        out = super()._apply(fn, recurse)
-        for n, old in keep.items():
-            p = getattr(self, n)
-            if p.dtype != old.dtype:
-                p.data = old.to(p.device)
-        return out
+    def _cast_exempt(self) -> tuple[str, ...]:
+        """FP8 expert codes and scales keep their dtypes through a dtype cast (``OpLayer._apply``)."""
+        return ("w13_fp8", "w2_fp8", "w13_scale_inv", "w2_scale_inv") if self.weight_format == "fp8" else ()
 
     def expert_weights(self) -> tuple:
         """``(w13, w2)`` as the kernels take them: the dense Parameters, or

@@ -724,18 +724,9 @@ class LoRALinear(ops.OpLayer):
         x_q, x_scale = quantize_act(x, bk)
         return dense_fp8_w8a8(x_q, x_scale, w, self.bias, group_size=bk, out_dtype=x.dtype, config=cfg)
 
-    def _apply(self, fn, recurse=True):
-        # FP8 codes and scales keep their dtypes through a dtype cast of the module (.to(dtype),
-        # .half(), ...); a device move moves them
-        keep = {}
-        if self.weight_format == "fp8":
-            keep = {n: getattr(self, n).data for n in ("weight_fp8", "weight_scale_inv")}
-        out = super()._apply(fn, recurse)
-        for n, old in keep.items():
-            p = getattr(self, n)
-            if p.dtype != old.dtype:
-                p.data = old.to(p.device)
-        return out
+    def _cast_exempt(self) -> tuple[str, ...]:
+        """FP8 codes and scales keep their dtypes through a dtype cast (:class:`~moelora_lib.ops.OpLayer`)."""
+        return ("weight_fp8", "weight_scale_inv") if self.weight_format == "fp8" else ()
 
     # --- buffers ----------------------------------------------------------------------------------
     def _alloc_buffers(self) -> None:

@@ -63,6 +63,22 @@ class OpLayer(torch.nn.Module):
 
     _op_prefix = "layer"
 
+    def _cast_exempt(self) -> tuple[str, ...]:
+        """Names of the parameters a dtype cast of the module keeps in their dtypes (the FP8 codes and
+        their scales); none by default."""
+        return ()
+
+    def _apply(self, fn, recurse=True):
+        # the parameters of _cast_exempt keep their dtypes through a dtype cast (.to(dtype), .half(), ...),
+        # as packed MXFP4's uint8 tensors do by being integers; a device move moves them
+        keep = {n: getattr(self, n).data for n in self._cast_exempt()}
+        out = super()._apply(fn, recurse)
+        for n, old in keep.items():
+            p = getattr(self, n)
+            if p.dtype != old.dtype:
+                p.data = old.to(p.device)
+        return out
+
     @property
     def deterministic(self) -> bool:
         """Bitwise-repeatable mode (SPLIT_K = 1 on the split-K launches: the shrinks, stage ``fused``'s down

@@ -9,30 +9,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from moelora_lib.configs.schema import LayerConfig, OpConfig  # noqa: E402
-from moelora_lib.kernels.gemv import _gemv_gate_up_kernel, gemv_moe_lora  # noqa: E402
 from moelora_lib.quant import MXFP4Weight  # noqa: E402
 from moelora_lib.layer import MoELoRALayer  # noqa: E402
 
 
-def _cfg(gu, dn, sh):
-    return LayerConfig(
-        base_gate_up=OpConfig(BLOCK_SIZE_N=gu[0], BLOCK_SIZE_K=gu[1], SPLIT_K=gu[2], NUM_WARPS=gu[3]),
-        base_down=OpConfig(BLOCK_SIZE_N=dn[0], BLOCK_SIZE_K=dn[1], SPLIT_K=dn[2], NUM_WARPS=dn[3]),
-        gate_up_shrink=OpConfig(BLOCK_SIZE_K=sh[0], SPLIT_K=sh[1], NUM_WARPS=sh[2]),
-        down_shrink=OpConfig(BLOCK_SIZE_K=sh[0], SPLIT_K=sh[1], NUM_WARPS=sh[2]),
-        gate_up_expand=OpConfig(), down_expand=OpConfig())
-
-
-def decode_moe(x, w13, w2, b13, b2, tw, ids, act, cg, cd, *, scratch=None, out=None, mx13=None, mx2=None,
-               lora=None, shrink_cfg=(128, 4, 4)):
-    lk = {}
-    if lora is not None:
-        lids, a13, bl13, a2, bl2 = lora
-        lk = dict(lora_ids=lids, lora=(lids, lids, a13, bl13, a2, bl2))
-    return gemv_moe_lora(x, mx13 if mx13 is not None else w13, mx2 if mx2 is not None else w2, tw, ids,
-                         activation=act, config=_cfg(cg, cd, shrink_cfg), b13=b13, b2=b2, scratch=scratch,
-                         out=out, **lk)
+from moelora_lib.kernels.gemv import _gemv_gate_up_kernel  # noqa: E402
+from probe_decode_lib import _cfg, decode_moe  # noqa: E402
 
 from moelora_lib.configs import map_gpu_name  # noqa: E402
 from moelora_lib.studies import bench, moe_bench  # noqa: E402
@@ -63,7 +45,7 @@ def emit(**r):
 a = torch.empty(1 << 30, dtype=torch.int16, device="cuda")
 b = torch.empty_like(a)
 tm = bench.time_cuda(lambda: b.copy_(a), flush_l2=False)
-emit(what="copy", us=tm.p50 * 1e3, tb_s=2 * a.numel() * 2 / (tm.p50 * 1e-3) / 1e12)
+emit(what="copy", us=tm.ms_p50 * 1e3, tb_s=2 * a.numel() * 2 / (tm.ms_p50 * 1e-3) / 1e12)
 del a, b
 
 MODELS = {
@@ -125,7 +107,7 @@ for T_OUTER, (model, d) in [(t, md) for t in (1, 8) for md in MODELS.items()]:
                     except Exception as e:  # noqa
                         emit(what="err", model=model, T=T, fmt=fmt, sweep=which, cfg=c, err=str(e)[:200])
                         continue
-                    us = tm.p50 * 1e3
+                    us = tm.ms_p50 * 1e3
                     res.append((us, c))
                     emit(what="gemv_path", model=model, T=T, fmt=fmt, sweep=which, gu=cg, dn=cd, us=us,
                          floor_us=nb / 4.27e6, experts=nexp)
@@ -152,8 +134,8 @@ for T_OUTER, (model, d) in [(t, md) for t in (1, 8) for md in MODELS.items()]:
                     w13.stride(1), 0, 0, h.stride(0), 0, 0, 0, 0, 0, 0,
                     BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, SPLIT_K=sk, MXFP4=False, HAS_LORA=False, BLOCK_SIZE_R=16, num_warps=nw)
             tm = bench.time_cuda(gu_only, flush_l2=True)
-            emit(what="gate_up_alone", model=model, T=T, cfg=bestb["gate_up"], us=tm.p50 * 1e3,
-                 tb_s=nexp * 2 * I * H * 2 / (tm.p50 * 1e-3) / 1e12)
+            emit(what="gate_up_alone", model=model, T=T, cfg=bestb["gate_up"], us=tm.ms_p50 * 1e3,
+                 tb_s=nexp * 2 * I * H * 2 / (tm.ms_p50 * 1e-3) / 1e12)
         # with 8 adapters, rank 32, one random adapter per token
         S = 1 if d["act"] == "swigluoai" else 2
         L, R = 8, 32
@@ -170,7 +152,7 @@ for T_OUTER, (model, d) in [(t, md) for t in (1, 8) for md in MODELS.items()]:
                                     scratch=lscratch, out=yout, lora=(lids, a13, bl13, a2, bl2), shrink_cfg=scfg)
             tm = bench.time_cuda(fn, flush_l2=True)
             emit(what="gemv_path_lora", model=model, T=T, gu=bestb["gate_up"], dn=bestb["down"], shrink=scfg,
-                 us=tm.p50 * 1e3)
+                 us=tm.ms_p50 * 1e3)
         # the serving layer as the model calls it (graph, 8 rank-32 adapters loaded, one per token)
         if left() > 60 and "gate_up" in bestb:
             best_cfg = _cfg(bestb["gate_up"], bestb["down"], (128, 4, 4))
@@ -185,7 +167,7 @@ for T_OUTER, (model, d) in [(t, md) for t in (1, 8) for md in MODELS.items()]:
                 none = torch.full_like(lids, -1)
                 tb = bench.time_cuda(lambda: lay(x, topk_weights=tw, topk_ids=ids, lora_ids=none), flush_l2=True)
                 lay.active_slots = None
-                emit(what="layer", model=model, T=T, stage=st, us_lora=tm.p50 * 1e3, us_base=tb.p50 * 1e3,
+                emit(what="layer", model=model, T=T, stage=st, us_lora=tm.ms_p50 * 1e3, us_base=tb.ms_p50 * 1e3,
                      maxabs=yl.float().abs().max().item(), cfg=lay.config_for(T).short())
                 if st == "gemv":
                     ygemv = yl
@@ -232,6 +214,6 @@ if left() > 60:
             diff = ((ymx.float() - yd.float()).abs().max() / yd.float().abs().max()).item()
             tmx = bench.time_cuda(lambda: lay_mx(x, logits, lora_ids=lids), flush_l2=True)
             td = bench.time_cuda(lambda: lay_d(x, logits, lora_ids=lids), flush_l2=True)
-            emit(what="tc_mxfp4_layer", stage=stage, T=T, us_mxfp4=tmx.p50 * 1e3, us_dense=td.p50 * 1e3,
+            emit(what="tc_mxfp4_layer", stage=stage, T=T, us_mxfp4=tmx.ms_p50 * 1e3, us_dense=td.ms_p50 * 1e3,
                  rel_diff=diff)
 print("probe done", time.time() - T0, flush=True)

@@ -247,6 +247,21 @@ def test_adapter_slots_and_prompts():
         e2e.config_dict("llama-3")
 
 
+def test_fits_device():
+    """The notebooks' memory gate (13, 14, 15): the estimate plus the margin against the device; the H100
+    run's cases (data/dev/h100_20261207): Qwen3-30B-A3B bf16 at notebook 13's sizes does not fit 85 GB,
+    GPT-OSS-20B does; no device (the CPU profile) always fits."""
+    assert e2e.fits_device(77.0, margin_gb=8, device_gb=85.0) == (True, "")  # the bound itself fits
+    fits, why = e2e.fits_device({"total_gb": 94.4, "kv_gb": 5.0}, margin_gb=8, device_gb=85.02)
+    assert not fits and why == "needs ≈ 94 GB (+ 8 GB margin), the device has 85 GB"
+    assert e2e.fits_device(1e6, margin_gb=8, device_gb=float("nan")) == (True, "")
+    assert e2e.fits_device(1e6, margin_gb=8, device_gb=None) == (True, "")
+    sizes = dict(num_adapters=8, max_rank=32, max_batch=32, max_seq=1600 + 128, max_tokens=8192)
+    assert not e2e.fits_device(e2e.memory_estimate_gb("qwen3-30b-a3b", **sizes), margin_gb=8, device_gb=85)[0]
+    sizes["max_seq"] = 1600 + 600
+    assert e2e.fits_device(e2e.memory_estimate_gb("gpt-oss-20b", **sizes), margin_gb=8, device_gb=85)[0]
+
+
 def test_real_configs_and_adapter_keys():
     c = e2e.model_config("gpt-oss-20b")
     ts = e2e.adapter_tensors(

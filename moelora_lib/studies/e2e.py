@@ -282,6 +282,20 @@ def memory_estimate_gb(name: str, *, experts: str = "dense", projections: str = 
     return out | dict(projection_weight_gb=proj * pb / 1e9, total_gb=sum(out.values()))
 
 
+def fits_device(
+    est: dict[str, float] | float, *, margin_gb: float, device_gb: float | None
+) -> tuple[bool, str]:
+    """Whether a model whose :func:`memory_estimate_gb` is ``est`` (that dict, or its total_gb) fits a device
+    of ``device_gb`` GB with ``margin_gb`` GB to spare (what the estimate leaves out: the activations of a
+    step, CUDA graphs, the allocator's slack): ``(fits, reason)``, ``reason`` "" when it fits, else the
+    notebooks' skip message "needs ≈ N GB (+ M GB margin), the device has D GB". ``device_gb`` None or NaN
+    (no GPU: the CPU profile, whose tiny models always fit) fits."""
+    total = float(est["total_gb"] if isinstance(est, dict) else est)
+    if device_gb is None or math.isnan(device_gb) or total + margin_gb <= device_gb:
+        return True, ""
+    return False, f"needs ≈ {total:.0f} GB (+ {margin_gb:g} GB margin), the device has {device_gb:.0f} GB"
+
+
 def model_logits(model: MultiLoRAModel, *, prompt_len: int, seed: int = 0, adapter: int | None = None
                  ) -> torch.Tensor:  # fmt: skip
     """float32 logits [prompt_len, V] of one forward (a prefill of every position, cache row 0 from

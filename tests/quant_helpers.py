@@ -53,6 +53,11 @@ def fp8_weight(shape, seed, block, scale=0.1, scale_dtype=torch.float32) -> FP8B
     return FP8BlockWeight(w.weight, w.scale_inv.to(scale_dtype), w.block)
 
 
+def fp8_experts(H: int, I: int, block) -> tuple[FP8BlockWeight, FP8BlockWeight]:
+    """(w13 [E, 2I, H], w2 [E, H, I]) of the layer tests, block-FP8 (seeds H + I and H·I)."""
+    return fp8_weight((E, 2 * I, H), seed=H + I, block=block), fp8_weight((E, H, I), seed=H * I, block=block)
+
+
 def gemm_inputs(w, dt, down: bool, T: int = 9, top_k: int = 2):
     """(topk, align, x, kw, out) of a base GEMM launch on the expert weight ``w`` [E, N, K] (seed 1):
     random top-k experts for T tokens, aligned in blocks of 16; x [T, K] (gate_up: rows_div = top_k) or

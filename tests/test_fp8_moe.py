@@ -25,6 +25,7 @@ from quant_helpers import (
     adapted_layers,
     assert_gemm_equals_dense,
     assert_layer_equals_dense,
+    fp8_experts,
     fp8_weight,
     functional_args,
     layer_reference,
@@ -100,10 +101,7 @@ def test_fp8_config_lowers_block_size_k():
 # --------------------------------------------------------------------------------------------------
 def _layers(dt, stage, act, S, bias, H, I, block, config=None):
     """(FP8 layer, the same layer on the dequantized dense weights), the same adapters in slots 0, 1."""
-    w13, w2 = (
-        fp8_weight((E, 2 * I, H), seed=H + I, block=block),
-        fp8_weight((E, H, I), seed=H * I, block=block),
-    )
+    w13, w2 = fp8_experts(H, I, block)
     return *adapted_layers(w13, w2, dt, stage, act, S, bias, config, dense=_dense), (w13, w2)
 
 

@@ -37,6 +37,7 @@ from quant_helpers import (
     L,
     R,
     adapted_layers,
+    fp8_experts,
     fp8_weight,
     gemm_inputs,
     gemm_reference,
@@ -244,10 +245,7 @@ def test_w8a8_config_block_size_k():
 # --------------------------------------------------------------------------------------------------
 def _layer(dt, stage, act, S, bias, H, I, block, scheme, config=None, **kw):
     """An FP8 layer with adapters in slots 0 (rank R) and 1 (rank 8); slot 2 stays empty."""
-    w13, w2 = (
-        fp8_weight((E, 2 * I, H), seed=H + I, block=block),
-        fp8_weight((E, H, I), seed=H * I, block=block),
-    )
+    w13, w2 = fp8_experts(H, I, block)
     (layer,) = adapted_layers(w13, w2, dt, stage, act, S, bias, config, activation_scheme=scheme, **kw)
     return layer, (w13, w2)
 

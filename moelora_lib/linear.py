@@ -31,10 +31,12 @@ part below is the same); the tokens grouped by adapter with the package's
 :func:`moelora_lib.routing.align_tokens`; CUDA: one launch of
 :func:`~moelora_lib.kernels.align_small.align_tokens_pair` up to
 :data:`~moelora_lib.kernels.align_small.PAIR_PATH_MAX_PAIRS` tokens, else the three of
-:func:`~moelora_lib.kernels.align.align_tokens_triton`); then the stage's two LoRA launches
-(:func:`~moelora_lib.kernels.dense_lora.dense_lora_add`): one shrink for all slices, one expand for
-all slices that adds into the base output (stages with fused add) or into a delta buffer added by
-torch (the others). Stages are the MoE ones (:data:`moelora_lib.kernels.STAGES`, same switches).
+:func:`~moelora_lib.kernels.align.align_tokens_triton`; inside a :class:`StepAlignments` scope, which
+a model forward opens, made once per key and read by every :class:`LoRALinear` of that key); then
+the stage's two LoRA launches (:func:`~moelora_lib.kernels.dense_lora.dense_lora_add`): one shrink for
+all slices, one expand for all slices that adds into the base output (stages with fused add) or into a
+delta buffer added by torch (the others). Stages are the MoE ones (:data:`moelora_lib.kernels.STAGES`,
+same switches).
 
 Configs: stage ``tuned`` reads tuned configs through :func:`moelora_lib.configs.load_dense_config`
 (vLLM's dense ``{gpu}_SHRINK.json`` / ``{gpu}_EXPAND_TRUE.json`` files; the ``folder`` > env >
@@ -46,9 +48,12 @@ notebook 10 (docs/anchors-h200.md, last section).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import weakref
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -88,6 +93,7 @@ __all__ = [
     "validate_lora_linear_inputs",
     "LoRALinear",
     "lora_linear_module",
+    "StepAlignments",
 ]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -422,11 +428,20 @@ def lora_linear_reference(
 # --------------------------------------------------------------------------------------------------
 # the module
 # --------------------------------------------------------------------------------------------------
+def _align_workspace(kind: str, max_tokens: int, bm: int, L: int, device):
+    """An alignment workspace for up to ``max_tokens`` tokens at E = 1 and BLOCK_SIZE_M ``bm``: kind
+    "pair" (:func:`~moelora_lib.kernels.align_small.align_tokens_pair`, up to PAIR_PATH_MAX_PAIRS tokens)
+    or "multi" (:func:`~moelora_lib.kernels.align.align_tokens_triton`)."""
+    if kind == "pair":
+        return pair_workspace(min(max_tokens, PAIR_PATH_MAX_PAIRS), 1, bm, L, bm, device=device)
+    return align_workspace(max_tokens, 1, bm, L, device=device)
+
+
 class _Scratch(Scratch):
     """Per-call buffers of LoRALinear modules of one set of sizes: the fp32 rank intermediate
     [max_tokens, S·R], the delta buffer [max_tokens, N_total] (stages without fused add), a zero
-    "expert id" column [max_tokens, 1] int32 for the alignment, the remapped ids [max_tokens] int32,
-    and the alignment workspaces by (kind, BLOCK_SIZE_M)."""
+    "expert id" column [max_tokens, 1] int32 for the alignment (read only), and the alignment
+    workspaces by (kind, BLOCK_SIZE_M)."""
 
     def __init__(self, dt, dev, max_tokens, SR, N, L, fused_add):
         super().__init__()
@@ -443,10 +458,7 @@ class _Scratch(Scratch):
         return self.cached((kind, bm), self._make_workspace, kind, bm)
 
     def _make_workspace(self, kind: str, bm: int):
-        if kind == "pair":
-            n = min(self.max_tokens, PAIR_PATH_MAX_PAIRS)
-            return pair_workspace(n, 1, bm, self.L, bm, device=self.device)
-        return align_workspace(self.max_tokens, 1, bm, self.L, device=self.device)
+        return _align_workspace(kind, self.max_tokens, bm, self.L, self.device)
 
     def workspace_tensors(self, ws) -> list[torch.Tensor]:
         if isinstance(ws, AlignWorkspace):  # num_tokens_post_padded not counted (MoELoRALayer counts it)
@@ -455,6 +467,95 @@ class _Scratch(Scratch):
 
 
 _SCRATCH: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+#: The open step of a :class:`StepAlignments` in this thread (context), or None: LoRALinear then aligns
+#: per call.
+_OPEN_STEP: contextvars.ContextVar = contextvars.ContextVar("moelora_lora_alignment_step", default=None)
+
+
+class _Step:
+    """The state of one open :meth:`StepAlignments.scope`: ``entries`` key -> (the lora_ids tensor of
+    the key, held so that its ``id`` stays unique for the step; its Alignment), ``used`` the workspaces
+    of each pool key handed out so far in the step."""
+
+    __slots__ = ("owner", "entries", "used")
+
+    def __init__(self, owner: StepAlignments):
+        self.owner = owner
+        self.entries: dict[tuple, tuple[torch.Tensor, Alignment]] = {}
+        self.used: Counter[tuple] = Counter()
+
+    def alignment(self, layer: LoRALinear, lora_ids: torch.Tensor, T: int, bm: int) -> Alignment:
+        key = (id(lora_ids), T, bm, layer.L, tuple(layer._loaded))
+        hit = self.entries.get(key)
+        if hit is not None:
+            return hit[1]
+        align = layer._align(layer._map_empty_slots(lora_ids), T, bm, workspace=self._workspace_for(layer))
+        self.entries[key] = (lora_ids, align)
+        return align
+
+    def _workspace_for(self, layer: LoRALinear) -> Callable[[str, int], object]:
+        def take(kind: str, bm: int):
+            pool_key = (kind, bm, layer.L, layer.max_tokens, layer.device)
+            j = self.used[pool_key]
+            self.used[pool_key] = j + 1
+            pool = self.owner._pool.setdefault(pool_key, [])
+            if j == len(pool):
+                pool.append(_align_workspace(kind, layer.max_tokens, bm, layer.L, layer.device))
+            return pool[j]
+
+        return take
+
+
+class StepAlignments:
+    """The adapter alignments of one model step, made once and read by every :class:`LoRALinear` of it.
+
+    A LoRALinear's forward groups its T tokens by adapter: ids of empty slots mapped to -1 (three small
+    torch ops, when some slot is empty), then the alignment at the config's BLOCK_SIZE_M (one launch up
+    to PAIR_PATH_MAX_PAIRS tokens, else three). The result depends only on the ``lora_ids`` tensor, T,
+    BLOCK_SIZE_M, L and which slots the module holds, and in a model step every projection of every layer
+    gets the same ``lora_ids`` tensor; so within :meth:`scope` the first LoRALinear of each key
+    ``(lora_ids (the tensor object), T, BLOCK_SIZE_M, L, the module's loaded-slot flags)`` maps and aligns
+    (the same torch ops and kernels as outside a scope, on the same ids: the same Alignment bit for bit),
+    and every later one of that key reuses it. Modules holding different slots (an adapter covering some
+    projections only) differ in their flags and get their own mapping and alignment. Outside every scope
+    a LoRALinear aligns per call, in its scratch's workspaces. :class:`~moelora_lib.model.MultiLoRAModel`
+    opens one around its layers in each forward, so a decode step of a model whose projections hold the
+    same slots and pick the same BLOCK_SIZE_M at T aligns once instead of once per projection.
+
+    Workspaces: owned by this object and kept for its life (freed with it), never the modules' shared
+    scratch, whose workspaces the next module of the step would overwrite. Per pool key (path "pair" /
+    "multi", BLOCK_SIZE_M, L, max_tokens, device) the j-th key of a step that needs one takes the j-th
+    workspace (built on first need: a few KB), so no two keys of a step share storage and every
+    alignment of a step stays intact until the step ends. A CUDA graph captured over a step records the
+    launch of each key once and these persistent addresses, which its later kernels read; graphs sharing
+    them replay one at a time, each writing before it reads, as with the modules' shared scratch.
+
+    Not thread-safe for concurrent steps of one object (a model's forwards are not either); the open
+    step is a context variable, so other threads see none.
+    """
+
+    def __init__(self) -> None:
+        #: pool key (kind, BLOCK_SIZE_M, L, max_tokens, device) -> workspaces, handed out in order per step
+        self._pool: dict[tuple, list] = {}
+
+    def __getstate__(self) -> dict:
+        return {"_pool": {}}  # workspaces are rebuilt on first need (a copy gets its own)
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        """Share alignments among the LoRALinear forwards run in the body of the ``with`` (one model
+        step). Host-side only. Re-entering while this object's scope is open joins the open step (its
+        alignments and workspaces); the cached alignments are dropped on exit, an exception included."""
+        open_step = _OPEN_STEP.get()
+        if open_step is not None and open_step.owner is self:
+            yield
+            return
+        token = _OPEN_STEP.set(_Step(self))
+        try:
+            yield
+        finally:
+            _OPEN_STEP.reset(token)
 
 
 class LoRALinear(ops.OpLayer):
@@ -516,10 +617,14 @@ class LoRALinear(ops.OpLayer):
     slot holds no adapter get exactly the base output.
 
     Per forward on a GPU: the base GEMM (``F.linear``; FP8: one Triton GEMM, W8A8 after the activation
-    quantization); when some slots are empty, three small torch ops mapping the ids of empty slots to
-    -1; the alignment (one launch up to PAIR_PATH_MAX_PAIRS tokens, else three); shrink and expand (and,
-    in stages without fused add, a fill and an add) on the activations in the layer's dtype, whatever
-    the base weight's format. With no adapter loaded at all, or none in :attr:`active_slots`
+    quantization); the token alignment: when some slots are empty, three small torch ops mapping the ids
+    of empty slots to -1, then the alignment (one launch up to PAIR_PATH_MAX_PAIRS tokens, else three);
+    shrink and expand (and, in stages without fused add, a fill and an add) on the activations in the
+    layer's dtype, whatever the base weight's format. Inside a :class:`StepAlignments` scope (a
+    :class:`~moelora_lib.model.MultiLoRAModel` forward opens one around its layers) the alignment is made
+    only by the step's first module of its key (the lora_ids tensor, T, BLOCK_SIZE_M, L, the loaded
+    slots) into the scope's own workspaces; the other modules of that key read it and launch only the
+    base GEMM, shrink and expand. With no adapter loaded at all, or none in :attr:`active_slots`
     (``MultiLoRAModel.restrict_slots``), only the base GEMM. Alignment workspaces are allocated at
     construction for every BLOCK_SIZE_M the configs up to max_tokens use (a few KB; stage ``tuned``:
     those of the tuned files found at construction); a call under another config allocates its own once.
@@ -949,13 +1054,35 @@ class LoRALinear(ops.OpLayer):
                 f"lora_ids must be an int32/int64 tensor [T={T}] on {dev}, got {_desc(lora_ids)}"
             )
 
-    def _align(self, ids: torch.Tensor, T: int, bm: int) -> Alignment:
+    def _map_empty_slots(self, lora_ids: torch.Tensor) -> torch.Tensor:
+        """lora_ids [T] with the ids of slots this module holds no adapter in set to -1 (no work, exactly
+        the base): three torch ops on the device, none when every slot holds one. By the loaded slots
+        alone, as MoELoRALayer: one launch sequence serves every active set with launches."""
+        if all(self._loaded):
+            return lora_ids
+        L = self.L
+        covered = self.slot_loaded[lora_ids.clamp(0, L - 1).long()] & (lora_ids >= 0) & (lora_ids < L)
+        return torch.where(covered, lora_ids, torch.full_like(lora_ids, -1))
+
+    def _align(
+        self, ids: torch.Tensor, T: int, bm: int, workspace: Callable[[str, int], object] | None = None
+    ) -> Alignment:
+        """The alignment of ids [T] (empty slots already -1) at BLOCK_SIZE_M ``bm``, E = 1: one launch up to
+        PAIR_PATH_MAX_PAIRS tokens, else three; into ``workspace(kind, bm)`` ("pair" / "multi"; default:
+        the scratch's, which the next module sharing it overwrites)."""
+        ws = self._scratch.workspace if workspace is None else workspace
         zeros = self._scratch.bufs["zeros"][:T]
         if use_pair_path(T, 1, self.L):
-            ws = self._scratch.workspace("pair", bm)
-            return align_tokens_pair(zeros, 1, bm, ids, self.L, bm, out=ws)[1]
-        ws = self._scratch.workspace("multi", bm)
-        return align_tokens_triton(zeros, 1, bm, lora_ids=ids, num_adapters=self.L, out=ws)
+            return align_tokens_pair(zeros, 1, bm, ids, self.L, bm, out=ws("pair", bm))[1]
+        return align_tokens_triton(zeros, 1, bm, lora_ids=ids, num_adapters=self.L, out=ws("multi", bm))
+
+    def _lora_alignment(self, lora_ids: torch.Tensor, T: int, bm: int) -> Alignment:
+        """The alignment the LoRA launches of a forward read: the open :class:`StepAlignments` step's for
+        this key (made by the step's first module of the key), else this call's own."""
+        step = _OPEN_STEP.get()
+        if step is None:
+            return self._align(self._map_empty_slots(lora_ids), T, bm)
+        return step.alignment(self, lora_ids, T, bm)
 
     def _forward_impl(self, x: torch.Tensor, lora_ids: torch.Tensor) -> torch.Tensor:
         """The eager body of the custom op (see :meth:`forward`)."""
@@ -972,15 +1099,8 @@ class LoRALinear(ops.OpLayer):
             return out
         if self._buffers_key != (self.dtype, self.device):
             self._alloc_buffers()
-        ids = lora_ids
-        # empty slots -> -1 on the device (no work, exactly the base); by the loaded slots alone, as
-        # MoELoRALayer: one launch sequence serves every active set with launches
-        if not all(self._loaded):
-            L = self.L
-            covered = self.slot_loaded[lora_ids.clamp(0, L - 1).long()] & (lora_ids >= 0) & (lora_ids < L)
-            ids = torch.where(covered, lora_ids, torch.full_like(lora_ids, -1))
         cfg = self.config_for(T)
-        align = self._align(ids, T, cfg.block_size_m)
+        align = self._lora_alignment(lora_ids, T, cfg.block_size_m)
         inter = self._view("inter", (T, self.S * self.R))
         delta = None if self.stage.fused_add else self._view("delta", (T, self.out_features))
         return dense_lora_add(

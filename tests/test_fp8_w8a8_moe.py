@@ -316,7 +316,7 @@ def test_layer_auto_scheme_per_T(device, monkeypatch):
     if device != "cpu":
         pytest.skip("CPU interpreter test (fp16/fp32)")
     dt, H, I = F32, 64, 32
-    assert MoELoRALayer.W8A8_MIN_TOKENS == 1024
+    assert MoELoRALayer.W8A8_MIN_TOKENS == 64
     auto, _ = _layer(dt, "tuned", "silu", 2, False, H, I, (32, 32), "auto")
     auto.W8A8_MIN_TOKENS = 6
     assert [auto.activation_scheme_for(T) for T in (1, 5, 6, 40)] == ["weight_only"] * 2 + ["dynamic"] * 2

@@ -11,9 +11,10 @@ transformers' GptOssForCausalLM loaded from the same folder with ``Mxfp4Config(d
 runs on the CPU) for the logits, within tests/test_model_base.py's tolerance; with PEFT adapters
 (attention + experts, trained on that dequantized model as real GPT-OSS adapters are) against
 transformers + PEFT, a mixed batch row by row within tests/test_model_adapters.py's E2E tolerance. The
-default load keeps the experts packed (the MoE kernels decode them in registers): its logits, greedy
-tokens and adapter rows equal the ``dequantize=True`` model's bit for bit, and its expert weights take
-4.25 bits each. Bad files are refused with a ValueError naming the key or field.
+default load keeps the experts packed (the MoE kernels decode them in registers): its logits and adapter
+rows equal the ``dequantize=True`` model's within 1e-5 (the same operand values; the packed GEMMs sum the
+even and the odd K in two dots, so the rounding differs), its greedy tokens are the same, and its expert
+weights take 4.25 bits each. Bad files are refused with a ValueError naming the key or field.
 """
 
 from __future__ import annotations
@@ -259,23 +260,25 @@ def test_default_keeps_experts_packed(published, dequantize):
         assert torch.equal(exp.b13, t[f"{x}gate_up_proj_bias"].float())
 
 
-def test_packed_model_logits_equal_dequantized(published):
-    """The packed model's logits are the dequantize=True model's bit for bit (the kernels dot the same
-    operand values), full prompt and a decode step after a prefill; and transformers' within the table."""
+def test_packed_model_logits_close_to_dequantized(published):
+    """The packed model's logits are the dequantize=True model's within 1e-5 (the kernels dot the same
+    operand values, the packed ones summing the even and the odd K apart), full prompt and a decode step
+    after a prefill; and transformers' within the table."""
     packed, dense = load_model(published["single"]), load_model(published["single"], dequantize=True)
     out = packed(_IDS, [0, 0], [-1, -1])
-    assert torch.equal(out, dense(_IDS, [0, 0], [-1, -1]))
+    assert_close_rel(out, dense(_IDS, [0, 0], [-1, -1]), tol=1e-5, what="packed vs dequantized full prompt")
     _close(out, _ref_logits(published["ref"], _IDS), "mxfp4 packed full prompt")
     steps = []
     for m in (packed, dense):
         m(_IDS[:, :9], [0, 0], [-1, -1])
         steps.append(m(_IDS[:, 9:], [9, 9], [-1, -1]))
-    assert torch.equal(*steps)
+    assert_close_rel(*steps, tol=1e-5, what="packed vs dequantized decode step")
 
 
-def test_packed_model_with_peft_adapters_equals_dequantized(published, adapters):
+def test_packed_model_with_peft_adapters_close_to_dequantized(published, adapters):
     """PEFT adapters loaded into the packed model (the layer's dtype, not its weights', sets theirs): a
-    mixed batch (adapter, none, other adapter) and greedy generation equal the dequantized model's."""
+    mixed batch (adapter, none, other adapter) within 1e-5 of the dequantized model's, and the same greedy
+    generation."""
     models = [load_model(published["sharded"]), load_model(published["sharded"], dequantize=True)]
     for m in models:
         for slot, name in enumerate(ADAPTERS):
@@ -285,7 +288,7 @@ def test_packed_model_with_peft_adapters_equals_dequantized(published, adapters)
     assert exp.lora_a2.dtype == torch.float32 and exp.loaded_slots == {0: (True, True), 1: (False, True)}
     ids = torch.randint(0, V, (3, 6), generator=torch.Generator().manual_seed(3))
     lora_ids = [0, -1, 1]
-    assert torch.equal(packed(ids, [0] * 3, lora_ids), dense(ids, [0] * 3, lora_ids))
+    assert_close_rel(packed(ids, [0] * 3, lora_ids), dense(ids, [0] * 3, lora_ids), tol=1e-5)
     prompts = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(4)).tolist()
     got = Generator(packed).generate(prompts, [0, None], 3).tokens
     assert got == Generator(dense).generate(prompts, [0, None], 3).tokens and all(len(t) == 3 for t in got)

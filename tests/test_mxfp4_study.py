@@ -107,8 +107,9 @@ def test_bench_layer_and_check_layer_take_mxfp4_experts(weights):
             c["rel_err"] <= TOLERANCES[torch.float32] and c["rel_err_vs_dense"] <= TOLERANCES[torch.float32]
         )
         assert c["no_adapter_bitwise"] and c["delta_rel"] > 0
-        if stage != "gemv":  # the tensor-core stages dot the same operand values in the same order
-            assert c["bitwise_vs_dense"] and c["rel_err_vs_dense"] == 0.0
+        # every stage dots the operand values of the dequantized weights; the packed kernels sum the even and
+        # the odd K apart, so the rounding differs (fp32: within 1e-5, as tests/test_stage_gemv_layer.py)
+        assert c["rel_err_vs_dense"] <= 1e-5 and isinstance(c["bitwise_vs_dense"], bool)
     c = mb.check_layer("tuned", "tiny-oss", 5, weights=weights["dense"], **KW)
     assert (
         c["weight_format"] == "dense" and math.isnan(c["rel_err_vs_dense"]) and c["bitwise_vs_dense"] is None

@@ -2,7 +2,8 @@
 
 fp32 and fp16 activations (bf16 is wrong under the interpreter), dense and MXFP4 weights, silu and
 swigluoai (biases, interleaved gate/up), 1 and 2 slices, K tails (H, I not multiples of BLOCK_SIZE_K),
-SPLIT_K 1 and > 1, mixed adapter ids with -1 and absent slots, a projection without LoRA, bad ids.
+SPLIT_K 1 and > 1 (the down shrink inside an unsplit gate_up GEMV, or a launch of its own), mixed adapter
+ids with -1 and absent slots, a projection without LoRA, bad ids.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from moelora_lib.configs.schema import LayerConfig, OpConfig
-from moelora_lib.kernels.gemv import GEMV_MAX_PAIRS, gemv_moe_lora, gemv_scratch_numel
+from moelora_lib.kernels.gemv import GEMV_MAX_PAIRS, GEMV_MAX_SHRINK_SPLIT, gemv_moe_lora, gemv_scratch_numel
 from moelora_lib.quant import MXFP4Weight
 from moelora_lib.reference import moe_lora_reference
 from moelora_lib.testing import assert_close_rel
@@ -111,6 +112,12 @@ def test_gemv_base_only_and_one_projection():
     )  # fmt: skip
     ref_d = _ref(dict(c, bl13=torch.zeros_like(c["bl13"])), act)
     assert_close_rel(down_only, ref_d, what="down LoRA only")
+    gate_up_only = gemv_moe_lora(
+        c["x"], c["w13"], c["w2"], c["tw"], c["ids"], activation=act, config=CONFIGS[0], b13=c["b13"],
+        b2=c["b2"], lora_ids=c["lids"], lora=(c["lids"], None, c["a13"], c["bl13"], c["a2"], c["bl2"]),
+    )  # fmt: skip
+    ref_g = _ref(dict(c, bl2=torch.zeros_like(c["bl2"])), act)
+    assert_close_rel(gate_up_only, ref_g, what="gate_up LoRA only")
 
 
 def test_gemv_split_k_is_close_to_unsplit_and_single_split_is_deterministic():
@@ -180,4 +187,10 @@ def test_gemv_refuses():
     ids = torch.zeros(big, K, dtype=torch.int32)
     with pytest.raises(ValueError, match="at most"):
         gemv_moe_lora(x, c["w13"], c["w2"], torch.ones(big, K), ids, activation=act, config=_cfg())
-    assert gemv_scratch_numel(T, K, H, I, S, R) == T * K * (2 * I + H + S * R + R)
+    with pytest.raises(ValueError, match="gate_up_shrink.SPLIT_K must be at most"):
+        too_split = _cfg(sh=(32, 2 * GEMV_MAX_SHRINK_SPLIT, 4))
+        gemv_moe_lora(c["x"], c["w13"], c["w2"], c["tw"], c["ids"], activation=act, config=too_split,
+                      b13=c["b13"], b2=c["b2"], lora_ids=c["lids"],
+                      lora=(c["lids"], c["lids"], c["a13"], c["bl13"], c["a2"], c["bl2"]))  # fmt: skip
+    assert gemv_scratch_numel(T, K, H, I, S, R, 1) == T * K * (2 * I + H + S * R + R)
+    assert gemv_scratch_numel(T, K, H, I, S, R) == T * K * (2 * I + H + S * GEMV_MAX_SHRINK_SPLIT * R + R)

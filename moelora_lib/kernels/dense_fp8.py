@@ -94,9 +94,10 @@ __all__ = [
 ]
 
 #: The fewest tokens at which ``activation_scheme="auto"`` runs the dense W8A8 form (FP8 tensor cores,
-#: activations quantized per call); below it the weight-only form. An estimate from the H200's roofline
-#: (module docstring), to be replaced by a measured crossover.
-DENSE_W8A8_MIN_TOKENS = 128
+#: activations quantized per call); below it the weight-only form. Measured crossover (an H100 with the
+#: default configs, data/dev/h100_20261207/nb15/15_dense.csv, Qwen3-32B and Qwen3-30B-A3B projections):
+#: W8A8 is within 5 % of weight-only or faster from 64 tokens on and 1.2–2.9× slower at 1–8 tokens.
+DENSE_W8A8_MIN_TOKENS = 64
 
 # ACTIVATION_SCHEMES ("auto", "weight_only", "dynamic": the checkpoints' field of that name) and
 # W8A8_MIN_BLOCK_K (32, the K of one FP8 tensor-core instruction on Hopper) are the MoE layer's

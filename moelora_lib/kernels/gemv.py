@@ -10,23 +10,28 @@ contiguous bytes) and multiplies it with its pair's activation row on the CUDA c
 second read of a weight tile is an L2 hit. No alignment and no padding: a program knows its pair, hence
 its expert and its token's adapter.
 
-The launches of one call (:func:`gemv_moe_lora`), all on fp32 buffers zeroed by one memset:
+The launches of one call (:func:`gemv_moe_lora`), on fp32 buffers (one memset when a launch adds
+into them with atomics, none otherwise):
 
-1. ``gate_up_shrink`` (when an adapter covers gate_up): ``inter13[p, s] += x[t]·A13[l, e, s]ᵀ`` over a
-   K split (relaxed fp32 atomics), one program per (pair, slice, split); pairs without an adapter exit.
-2. ``gate_up``: ``h[p, n] += x[t]·W13[e, n]`` over a K split; the split-0 program adds the expand
-   ``inter13[p, s(n)]·B13[l, e, s(n), n']``. ``h`` is the fp32 pre-activation (no bias, no activation).
-3. ``down_shrink`` (when an adapter covers down): ``inter2[p] += g·A2[l, e]ᵀ`` with
-   ``g = act(h[p] + b13[e])`` computed while loading, rounded to the activation dtype as the unfused
-   path stores it.
-4. ``down``: ``y[p, n] += w_p·(g·W2[e, n] + [split 0] (b2[e, n] + inter2[p]·B2[l, e, n]))``, ``g`` as in 3.
+1. ``gate_up_shrink`` (when an adapter covers gate_up): ``inter13[p, s, q] = x[t]·A13[l, e, s]ᵀ`` over
+   K split q, one program per (pair, slice, split), each storing its own partial sum (no atomics, so no
+   zeroed buffer); pairs without an adapter exit. It also zeroes ``inter2`` for step 2's atomics.
+2. ``gate_up``: ``h[p, n] (+)= x[t]·W13[e, n]`` over a K split; the split-0 program adds the expand
+   ``(Σ_q inter13[p, s(n), q])·B13[l, e, s(n), n']``. ``h`` is the fp32 pre-activation (no bias, no
+   activation). Unsplit (``SPLIT_K`` = 1), a program holds the gate and up rows of the same intermediate
+   columns j and so their final pre-activations: it also adds its part of the down shrink,
+   ``inter2[p] += act(h[p, j] + b13[e, j])·A2[l, e, :, j]ᵀ`` (relaxed fp32 atomics), the activation
+   rounded to the activation dtype as the unfused path stores it.
+3. ``down_shrink``, only when step 2 is split over K: the same sum over all of I in a launch of its own.
+4. ``down``: ``y[p, n] (+)= w_p·(g·W2[e, n] + [split 0] (b2[e, n] + inter2[p]·B2[l, e, n]))``, with
+   ``g = act(h[p] + b13[e])`` computed while loading.
 5. the top-k sum :func:`~moelora_lib.kernels.topk_reduce.topk_reduce` over ``y`` [T·K, H] fp32, rounded
    once to the output dtype, with NaN rows for tokens whose ids leave [0, E) / [-1, L) (the kernels
    skip such pairs, never reading out of bounds).
 
-So a call is 3 launches without adapters (memset, 2 GEMVs, the sum; plus the ``argsort`` when T > 1)
-against stage ``tuned``'s alignment + 5, and 5 with adapters. The shrinks are separate launches because
-each needs the complete K reduction of its input before any expand program reads it.
+So with both GEMVs unsplit a call is 3 launches without adapters (2 GEMVs, the sum; plus the
+``argsort`` when T > 1) against stage ``tuned``'s alignment + 5, and 4 with adapters: the gate_up shrink
+stays a launch of its own because every gate_up program's expand needs its complete K reduction.
 
 Weights are bf16/fp16/fp32 ``[E, N, K]`` (nn.Linear layout, K contiguous) or packed MXFP4
 (:class:`~moelora_lib.quant.MXFP4Weight`: e2m1 codes two per byte, one e8m0 scale per 32 K values),
@@ -57,7 +62,18 @@ from ..quant.fp8 import FP8BlockWeight
 from ..shapes import Dims
 from .stages import Stage
 
-__all__ = ["GEMV_MAX_PAIRS", "STAGE", "GemvStage", "GemvRun", "gemv_moe_lora", "gemv_scratch_numel"]
+__all__ = [
+    "GEMV_MAX_PAIRS",
+    "GEMV_MAX_SHRINK_SPLIT",
+    "STAGE",
+    "GemvStage",
+    "GemvRun",
+    "gemv_moe_lora",
+    "gemv_scratch_numel",
+]
+
+#: Largest SPLIT_K of the gate_up shrink (its partial sums are kept apart and added by the expand).
+GEMV_MAX_SHRINK_SPLIT = 32
 
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -89,6 +105,18 @@ def _mx_tile(w_ptr, s_ptr, expert, offs_n, n_mask, t, K, stride_we, stride_wn, s
 
 
 @triton.jit
+def _act_math(g, u, ACTIVATION: tl.constexpr, G_DTYPE: tl.constexpr):
+    """act(gate g, up u) (fp32, biases added), rounded to G_DTYPE as the unfused path stores it, as fp32."""
+    if ACTIVATION == "silu":
+        out = g / (1.0 + tl.exp(-g)) * u
+    else:  # GPT-OSS: gate clamped to ≤ 7, up to [-7, 7], alpha 1.702; NaN propagates through the clamps
+        g = tl.where(g > 7.0, 7.0, g)
+        u = tl.where(u > 7.0, 7.0, tl.where(u < -7.0, -7.0, u))
+        out = (u + 1.0) * (g / (1.0 + tl.exp(-1.702 * g)))
+    return out.to(G_DTYPE).to(tl.float32)
+
+
+@triton.jit
 def _act(h_ptr, b_ptr, pair, expert, offs_j, I, stride_hm, stride_be, HAS_BIAS: tl.constexpr,
          ACTIVATION: tl.constexpr, G_DTYPE: tl.constexpr):  # fmt: skip
     """g = act(h[pair] + b13[expert]) at columns offs_j (0 past I), rounded to G_DTYPE, as fp32."""
@@ -104,13 +132,7 @@ def _act(h_ptr, b_ptr, pair, expert, offs_j, I, stride_hm, stride_be, HAS_BIAS: 
     if HAS_BIAS:
         g += tl.load(b_ptr + expert * stride_be + gc, mask=m, other=0.0).to(tl.float32)
         u += tl.load(b_ptr + expert * stride_be + uc, mask=m, other=0.0).to(tl.float32)
-    if ACTIVATION == "silu":
-        out = g / (1.0 + tl.exp(-g)) * u
-    else:  # GPT-OSS: gate clamped to ≤ 7, up to [-7, 7], alpha 1.702; NaN propagates through the clamps
-        g = tl.where(g > 7.0, 7.0, g)
-        u = tl.where(u > 7.0, 7.0, tl.where(u < -7.0, -7.0, u))
-        out = (u + 1.0) * (g / (1.0 + tl.exp(-1.702 * g)))
-    return tl.where(m, out.to(G_DTYPE).to(tl.float32), 0.0)
+    return tl.where(m, _act_math(g, u, ACTIVATION, G_DTYPE), 0.0)
 
 
 @triton.jit
@@ -269,19 +291,36 @@ def _gemv_k_loop(
 @triton.jit
 def _gemv_gate_up_kernel(
     x_ptr, w_ptr, s_ptr, h_ptr, order_ptr, ids_ptr, lid_ptr, inter_ptr, b_ptr,
-    N, K, E, top_k, num_adapters, NS, R,
+    b13_ptr, lid2_ptr, a2_ptr, inter2_ptr,
+    N, K, E, top_k, num_adapters, NS, R, I,
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_hm,
-    stride_im, stride_is, stride_bl, stride_be, stride_bs, stride_bn,
+    stride_im, stride_is, stride_ik, stride_bl, stride_be, stride_bs, stride_bn,
+    stride_b13e, stride_a2l, stride_a2e, stride_a2r, stride_i2m,
     BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr, SPLIT_K: tl.constexpr, MXFP4: tl.constexpr,
-    HAS_LORA: tl.constexpr, BLOCK_SIZE_R: tl.constexpr, W_FP8: tl.constexpr = False, FP8_BN: tl.constexpr = 1,
-    FP8_BK: tl.constexpr = 1, ORDERED: tl.constexpr = True,
+    HAS_LORA: tl.constexpr, BLOCK_SIZE_R: tl.constexpr, SHRINK_SPLITS: tl.constexpr,
+    FUSE_SHRINK2: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, G_DTYPE: tl.constexpr,
+    W_FP8: tl.constexpr = False, FP8_BN: tl.constexpr = 1, FP8_BK: tl.constexpr = 1,
+    ORDERED: tl.constexpr = True,
 ):  # fmt: skip
-    """h[p, n-tile] (+)= x[t]·W13[e, n-tile] over this program's K split (+ the expand on split 0)."""
+    """h[p, n-tile] (+)= x[t]·W13[e, n-tile] over this program's K split (+ the expand on split 0).
+
+    FUSE_SHRINK2 (SPLIT_K = 1): the tile holds the gate and up rows of BLOCK_SIZE_N / 2 intermediate
+    columns j, interleaved, so the program has the final pre-activation of those columns and adds its
+    part of the down shrink, act(h[p, j] + b13[e, j])·A2[l2, e, :, j]ᵀ, into inter2[p] (relaxed atomics)."""
     ks = tl.program_id(0) % SPLIT_K
     pair, expert, row, ok = _pair_of(order_ptr, ids_ptr, tl.program_id(0) // SPLIT_K, E, top_k, ORDERED)
     if ok:
-        offs_n = tl.program_id(1) * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
-        n_mask = offs_n < N
+        if FUSE_SHRINK2:  # element 2i: gate row of column j0 + i, element 2i + 1: its up row
+            half = tl.arange(0, BLOCK_SIZE_N) // 2
+            offs_jn = tl.program_id(1) * (BLOCK_SIZE_N // 2) + half
+            if ACTIVATION == "silu":  # [gate | up] halves
+                offs_n = offs_jn + (tl.arange(0, BLOCK_SIZE_N) % 2) * I
+            else:  # swigluoai: rows 2j, 2j + 1
+                offs_n = tl.program_id(1) * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
+            n_mask = offs_jn < I
+        else:
+            offs_n = tl.program_id(1) * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
+            n_mask = offs_n < N
         acc = _gemv_k_loop(
             x_ptr,
             x_ptr,
@@ -312,15 +351,18 @@ def _gemv_gate_up_kernel(
             FP8_BN,
             FP8_BK,
         )
+        offs_r = tl.arange(0, BLOCK_SIZE_R)
+        r_mask = offs_r < R
         if HAS_LORA:
             lid = tl.load(lid_ptr + row)
             if (ks == 0) & (lid >= 0) & (lid < num_adapters):
-                offs_r = tl.arange(0, BLOCK_SIZE_R)
-                nr_mask = n_mask[:, None] & (offs_r < R)[None, :]
+                nr_mask = n_mask[:, None] & r_mask[None, :]
                 sl = offs_n // NS
                 nn = offs_n - sl * NS
-                inter = tl.load(inter_ptr + pair * stride_im + sl[:, None] * stride_is + offs_r[None, :],
-                                mask=nr_mask, other=0.0)  # fmt: skip
+                i_rows = inter_ptr + pair * stride_im + sl[:, None] * stride_is + offs_r[None, :]
+                inter = tl.zeros((BLOCK_SIZE_N, BLOCK_SIZE_R), dtype=tl.float32)
+                for q in tl.static_range(SHRINK_SPLITS):  # the shrink's per-split partial sums
+                    inter += tl.load(i_rows + q * stride_ik, mask=nr_mask, other=0.0)
                 b_rows = (
                     b_ptr
                     + lid.to(tl.int64) * stride_bl
@@ -335,6 +377,23 @@ def _gemv_gate_up_kernel(
             tl.store(out, acc, mask=n_mask)
         else:
             tl.atomic_add(out, acc, mask=n_mask, sem="relaxed")
+        if FUSE_SHRINK2:
+            lid2 = tl.load(lid2_ptr + row)
+            if (lid2 >= 0) & (lid2 < num_adapters):
+                hb = acc
+                if HAS_BIAS:
+                    hb += tl.load(b13_ptr + expert * stride_b13e + offs_n, mask=n_mask, other=0.0).to(
+                        tl.float32
+                    )
+                g, u = tl.split(tl.reshape(hb, (BLOCK_SIZE_N // 2, 2)))
+                offs_j = tl.program_id(1) * (BLOCK_SIZE_N // 2) + tl.arange(0, BLOCK_SIZE_N // 2)
+                j_mask = offs_j < I
+                v = tl.where(j_mask, _act_math(g, u, ACTIVATION, G_DTYPE), 0.0)
+                a_rows = a2_ptr + lid2.to(tl.int64) * stride_a2l + expert * stride_a2e + offs_j[:, None]
+                a = tl.load(a_rows + offs_r[None, :] * stride_a2r, mask=j_mask[:, None] & r_mask[None, :],
+                            other=0.0)  # fmt: skip
+                part = tl.sum(v[:, None] * a.to(tl.float32), axis=0)
+                tl.atomic_add(inter2_ptr + pair * stride_i2m + offs_r, part, mask=r_mask, sem="relaxed")
 
 
 @triton.jit
@@ -407,23 +466,33 @@ def _gemv_down_kernel(
 
 @triton.jit
 def _gemv_shrink_kernel(
-    x_ptr, b13_ptr, a_ptr, inter_ptr, ids_ptr, lid_ptr,
+    x_ptr, b13_ptr, a_ptr, inter_ptr, ids_ptr, lid_ptr, zero_ptr,
     K, E, top_k, num_adapters, R,
-    stride_xm, stride_b13e, stride_al, stride_ae, stride_as, stride_ar, stride_im, stride_is,
+    stride_xm, stride_b13e, stride_al, stride_ae, stride_as, stride_ar, stride_im, stride_is, stride_ik,
+    stride_zm,
     BLOCK_SIZE_R: tl.constexpr, BLOCK_SIZE_K: tl.constexpr, SPLIT_K: tl.constexpr, ACT_INPUT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, G_DTYPE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, G_DTYPE: tl.constexpr, PARTIALS: tl.constexpr,
+    ZERO: tl.constexpr,
 ):  # fmt: skip
     """inter[p, s] += v·A[l, e, s]ᵀ over this K split, v = x[t] (gate_up) or, with ACT_INPUT, the
-    activation of h[p] (down: x_ptr is h, K is I). Programs (pair, slice, split)."""
+    activation of h[p] (down: x_ptr is h, K is I). Programs (pair, slice, split). PARTIALS: each split
+    stores its own partial sum at inter[p, s, split] (no atomics, no zeroed buffer; the reader adds the
+    SPLIT_K partials). ZERO: program (p, 0, 0) also zeroes zero_ptr[p, :R] (the fused down shrink's
+    accumulator), whatever the pair's adapter."""
     pair = tl.program_id(0).to(tl.int64)
     sl = tl.program_id(1)
     ks = tl.program_id(2)
+    offs_r = tl.arange(0, BLOCK_SIZE_R)
+    r_mask = offs_r < R
+    if ZERO:
+        if (sl == 0) & (ks == 0):
+            tl.store(
+                zero_ptr + pair * stride_zm + offs_r, tl.zeros((BLOCK_SIZE_R,), dtype=tl.float32), mask=r_mask
+            )
     row = pair // top_k
     lid = tl.load(lid_ptr + row)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     if (lid >= 0) & (lid < num_adapters) & (expert >= 0) & (expert < E):
-        offs_r = tl.arange(0, BLOCK_SIZE_R)
-        r_mask = offs_r < R
         offs_k = tl.arange(0, BLOCK_SIZE_K)
         n_tiles = tl.cdiv(K, BLOCK_SIZE_K)
         per = tl.cdiv(n_tiles, SPLIT_K)
@@ -456,17 +525,21 @@ def _gemv_shrink_kernel(
             )
             acc += tl.sum(a * v[None, :], axis=1)
         out = inter_ptr + pair * stride_im + sl * stride_is + offs_r
-        if SPLIT_K == 1:
+        if PARTIALS:
+            tl.store(out + ks * stride_ik, acc, mask=r_mask)
+        elif SPLIT_K == 1:
             tl.store(out, acc, mask=r_mask)
         else:
             tl.atomic_add(out, acc, mask=r_mask, sem="relaxed")
 
 
-def gemv_scratch_numel(T: int, top_k: int, H: int, I: int, S: int, R: int) -> int:
-    """fp32 elements of the buffers one call takes: h [P, 2I], y [P, H], inter13 [P, S, R], inter2 [P, R]
-    (P = T·top_k)."""
+def gemv_scratch_numel(T: int, top_k: int, H: int, I: int, S: int, R: int,
+                       shrink_split: int = GEMV_MAX_SHRINK_SPLIT) -> int:  # fmt: skip
+    """fp32 elements of the buffers one call takes: h [P, 2I], y [P, H], inter13 [P, S, shrink_split, R]
+    (the gate_up shrink's per-split partial sums), inter2 [P, R] (P = T·top_k). The default holds any
+    gate_up shrink SPLIT_K the GEMVs accept."""
     P = T * top_k
-    return P * (2 * I + H + S * R + R)
+    return P * (2 * I + H + S * shrink_split * R + R)
 
 
 def _weight_args(w) -> tuple:
@@ -559,26 +632,31 @@ def gemv_moe_lora(
         ids13 = ids2 = None
         L, S, R = 0, 0, 0
     r_p = max(16, triton.next_power_of_2(max(R, 1)))
-    need = gemv_scratch_numel(T, K, H, I, S, R)
+    gu, dn, sh13, sh2 = config.base_gate_up, config.base_down, config.gate_up_shrink, config.down_shrink
+    split13 = sh13.SPLIT_K if ids13 is not None else 1
+    if split13 > GEMV_MAX_SHRINK_SPLIT:
+        raise ValueError(
+            f"gate_up_shrink.SPLIT_K must be at most {GEMV_MAX_SHRINK_SPLIT} in stage gemv, got {split13}"
+        )
+    # The down shrink runs in the gate_up GEMV's epilogue when that GEMV is unsplit (it then holds the
+    # final pre-activations): one launch less.
+    fuse2 = ids2 is not None and gu.SPLIT_K == 1
+    need = gemv_scratch_numel(T, K, H, I, S, R, split13)
     if scratch is None:
         scratch = torch.empty(need, dtype=torch.float32, device=x.device)
     elif scratch.numel() < need:
         raise ValueError(f"scratch must hold at least {need} float32 elements, got {scratch.numel()}")
-    gu, dn, sh13, sh2 = config.base_gate_up, config.base_down, config.gate_up_shrink, config.down_shrink
-    splits = (
-        (gu.SPLIT_K, dn.SPLIT_K)
-        + ((sh13.SPLIT_K,) if ids13 is not None else ())
-        + ((sh2.SPLIT_K,) if ids2 is not None else ())
-    )
+    splits = (gu.SPLIT_K, dn.SPLIT_K) + ((sh2.SPLIT_K,) if ids2 is not None and not fuse2 else ())
     buf = scratch[:need]
-    if any(s > 1 for s in splits):  # atomics add into zeros; single-split launches store every element
+    zeroed = any(s > 1 for s in splits)
+    if zeroed:  # atomics add into zeros; single-split launches store every element
         buf.zero_()
     h = buf[: P * 2 * I].view(P, 2 * I)
     o = P * 2 * I
     y = buf[o : o + P * H].view(P, H)
     o += P * H
-    inter13 = buf[o : o + P * S * R].view(P, S, R)
-    o += P * S * R
+    inter13 = buf[o : o + P * S * split13 * R].view(P, S, split13, R)
+    o += P * S * split13 * R
     inter2 = buf[o : o + P * R].view(P, R)
     ids = topk_ids.reshape(-1)
     # Expert order only matters when pairs of several tokens can share an expert (the second read of its
@@ -590,34 +668,47 @@ def gemv_moe_lora(
     has_bias = b13 is not None
     dummy = h
     if ids13 is not None:
-        _gemv_shrink_kernel[(P, S, sh13.SPLIT_K)](
-            x, dummy, a13, inter13, ids, ids13, H, E, K, L, R,
+        _gemv_shrink_kernel[(P, S, split13)](
+            x, dummy, a13, inter13, ids, ids13, inter2, H, E, K, L, R,
             x.stride(0), 0, a13.stride(0), a13.stride(1), a13.stride(2), a13.stride(3),
-            inter13.stride(0), inter13.stride(1),
-            BLOCK_SIZE_R=r_p, BLOCK_SIZE_K=sh13.BLOCK_SIZE_K, SPLIT_K=sh13.SPLIT_K, ACT_INPUT=False,
-            HAS_BIAS=False,
-            ACTIVATION=activation, G_DTYPE=g_dt, num_warps=sh13.NUM_WARPS,
+            inter13.stride(0), inter13.stride(1), inter13.stride(2), inter2.stride(0),
+            BLOCK_SIZE_R=r_p, BLOCK_SIZE_K=sh13.BLOCK_SIZE_K, SPLIT_K=split13, ACT_INPUT=False,
+            HAS_BIAS=False, ACTIVATION=activation, G_DTYPE=g_dt, PARTIALS=True, ZERO=fuse2 and not zeroed,
+            num_warps=sh13.NUM_WARPS,
         )  # fmt: skip
-        l13 = (ids13, inter13, bl13, L, (2 * I) // S, inter13.stride(0), inter13.stride(1), bl13.stride(0),
-               bl13.stride(1), bl13.stride(2), bl13.stride(3))  # fmt: skip
+        l13 = (ids13, inter13, bl13, L, (2 * I) // S, inter13.stride(0), inter13.stride(1), inter13.stride(2),
+               bl13.stride(0), bl13.stride(1), bl13.stride(2), bl13.stride(3))  # fmt: skip
     else:
-        l13 = (ids, dummy, dummy, 0, 1, 0, 0, 0, 0, 0, 0)
-    _gemv_gate_up_kernel[(P * gu.SPLIT_K, triton.cdiv(2 * I, gu.BLOCK_SIZE_N))](
+        if fuse2 and not zeroed:
+            inter2.zero_()
+        l13 = (ids, dummy, dummy, L, 1, 0, 0, 0, 0, 0, 0, 0)
+    if fuse2:
+        f2 = (ids2, a2, inter2, b13.stride(0) if has_bias else 0, a2.stride(0), a2.stride(1), a2.stride(2),
+              inter2.stride(0))  # fmt: skip
+        gu_cols = triton.cdiv(I, gu.BLOCK_SIZE_N // 2)
+    else:
+        f2 = (ids, dummy, dummy, 0, 0, 0, 0, 0)
+        gu_cols = triton.cdiv(2 * I, gu.BLOCK_SIZE_N)
+    _gemv_gate_up_kernel[(P * gu.SPLIT_K, gu_cols)](
         x, w13a[0], w13a[1], h, order, ids, l13[0], l13[1], l13[2],
-        2 * I, H, E, K, l13[3], l13[4], R,
-        x.stride(0), w13a[2], w13a[3], w13a[4], w13a[5], h.stride(0), *l13[5:],
+        b13 if has_bias else dummy, f2[0], f2[1], f2[2],
+        2 * I, H, E, K, l13[3], l13[4], R, I,
+        x.stride(0), w13a[2], w13a[3], w13a[4], w13a[5], h.stride(0), *l13[5:], *f2[3:],
         BLOCK_SIZE_N=gu.BLOCK_SIZE_N, BLOCK_SIZE_K=gu.BLOCK_SIZE_K, SPLIT_K=gu.SPLIT_K, MXFP4=w13a[6],
-        HAS_LORA=ids13 is not None, BLOCK_SIZE_R=r_p, **w13a[7], ORDERED=ordered, num_warps=gu.NUM_WARPS,
+        HAS_LORA=ids13 is not None, BLOCK_SIZE_R=r_p, SHRINK_SPLITS=split13, FUSE_SHRINK2=fuse2,
+        HAS_BIAS=has_bias, ACTIVATION=activation, G_DTYPE=g_dt, **w13a[7], ORDERED=ordered,
+        num_warps=gu.NUM_WARPS,
     )  # fmt: skip
-    if ids2 is not None:
+    if ids2 is not None and not fuse2:
         _gemv_shrink_kernel[(P, 1, sh2.SPLIT_K)](
-            h, b13 if has_bias else dummy, a2, inter2, ids, ids2, I, E, K, L, R,
+            h, b13 if has_bias else dummy, a2, inter2, ids, ids2, dummy, I, E, K, L, R,
             h.stride(0), b13.stride(0) if has_bias else 0, a2.stride(0), a2.stride(1), 0, a2.stride(2),
-            inter2.stride(0), 0,
+            inter2.stride(0), 0, 0, 0,
             BLOCK_SIZE_R=r_p, BLOCK_SIZE_K=sh2.BLOCK_SIZE_K, SPLIT_K=sh2.SPLIT_K, ACT_INPUT=True,
-            HAS_BIAS=has_bias,
-            ACTIVATION=activation, G_DTYPE=g_dt, num_warps=sh2.NUM_WARPS,
+            HAS_BIAS=has_bias, ACTIVATION=activation, G_DTYPE=g_dt, PARTIALS=False, ZERO=False,
+            num_warps=sh2.NUM_WARPS,
         )  # fmt: skip
+    if ids2 is not None:
         l2 = (ids2, inter2, bl2, L, inter2.stride(0), bl2.stride(0), bl2.stride(1), bl2.stride(2))
     else:
         l2 = (ids, dummy, dummy, 0, 0, 0, 0, 0)

@@ -70,11 +70,13 @@ __all__ = [
 #: "weight_only"). Dense and MXFP4 weights run as "weight_only" ("auto" included); "dynamic" needs FP8.
 ACTIVATION_SCHEMES: tuple[str, ...] = ("auto", "weight_only", "dynamic")
 
-#: The token count from which ``activation_scheme="auto"`` runs W8A8. Below it the base GEMMs read the
-#: FP8 weights once per few rows and are bound by that read, which both schemes pay alike, and W8A8 adds
-#: two quantization launches; from prefill sizes on the GEMMs are compute-bound and the FP8 tensor
-#: cores' twice-the-bf16 rate pays. A fixed value until the tuned config files record a per-shape one.
-W8A8_MIN_TOKENS = 1024
+#: The token count from which ``activation_scheme="auto"`` runs W8A8. Measured crossover (an H100 with
+#: the default configs, data/dev/h100_20261207/w8a8_bench.csv and nb15/15_layer.csv): W8A8 beats the
+#: weight-only base by 1.2–1.4× from 64 tokens on for GPT-OSS-20B and Qwen3-30B-A3B; below, the tiles are
+#: too thin for the FP8 tensor cores (BLOCK_SIZE_M < 64 widens e4m3 to 16 bits) and the two
+#: quantization launches do not pay, and at T = 1 stage gemv reads the FP8 weights weight-only. A fixed
+#: value until the tuned config files record a per-shape one.
+W8A8_MIN_TOKENS = 64
 
 #: The smallest BLOCK_SIZE_K of a W8A8 base GEMM: K of one FP8 tensor-core instruction (32 on Hopper).
 W8A8_MIN_BLOCK_K = 32

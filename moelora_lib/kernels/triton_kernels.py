@@ -30,12 +30,14 @@ Features switched by the stages:
   [E, N, K] tensor — ``w_ptr`` the e2m1 codes ``blocks`` uint8 [E, N, K/32, 16] (two per byte, low
   nibble first; the last two dims contiguous, so byte K/2-index b of a row is at b·stride_wk) and
   ``ws_ptr`` the e8m0 ``scales`` uint8 [E, N, K/32] (:mod:`moelora_lib.quant.mxfp4`; OCP Microscaling
-  Formats v1.0, the layout of the published GPT-OSS checkpoints). Each K step loads [BLOCK_SIZE_N,
-  BLOCK_SIZE_K/2] bytes and [BLOCK_SIZE_N, BLOCK_SIZE_K/32] scales and decodes them in registers
-  (:func:`_mxfp4_dequant`: no lookup table) into the fp32 weights, rounded once to the activations'
-  dtype for the same tl.dot as the dense path (fp32 accumulation). BLOCK_SIZE_K must be a multiple of
-  32 (the launchers check it); K is one by construction, so with EVEN_K False a byte or a scale is in
-  range exactly when its first element is.
+  Formats v1.0, the layout of the published GPT-OSS checkpoints). Each K step loads [BLOCK_SIZE_K/2,
+  BLOCK_SIZE_N] bytes (K down the rows, the order the dot takes) and [BLOCK_SIZE_K/32, BLOCK_SIZE_N]
+  scales, decodes them elementwise in registers (:func:`_mxfp4_w`: bit operations, no lookup table)
+  into the fp32 weights of the even and of the odd K (low and high nibbles), rounds them once to the
+  activations' dtype and adds two dots, x_even·W_lo + x_odd·W_hi (:func:`_mxfp4_dot`, fp32
+  accumulation): the dense path's products, summed in another order. BLOCK_SIZE_K must be a multiple
+  of 32 (the launchers check it); K is one by construction, so with EVEN_K False a byte or a scale is
+  in range exactly when its first element is.
 * ``W_FP8`` (the three base GEMM kernels): the expert weight is block-scaled FP8
   (:class:`~moelora_lib.quant.FP8BlockWeight`) — ``w_ptr`` float8_e4m3fn [E, N, K] with the dense
   weight's strides and ``ws_ptr`` its ``scale_inv`` (fp32/bf16/fp16) [E, ceil(N/fp8_bn), ceil(K/fp8_bk)],
@@ -110,47 +112,57 @@ def _pid_to_mn(pid, num_pid_m, num_pid_n, GROUP_SIZE_M: tl.constexpr):
 
 
 @triton.jit
-def _mxfp4_dequant(q, s, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr):
-    """fp32 W tile [BLOCK_SIZE_N, BLOCK_SIZE_K] of packed MXFP4: ``q`` uint8 [BLOCK_SIZE_N,
-    BLOCK_SIZE_K/2] (two e2m1 codes per byte, element 2i in the low nibble of byte i, 2i + 1 in the
-    high one) and ``s`` uint8 [BLOCK_SIZE_N, BLOCK_SIZE_K/32] (e8m0: 2^(s − 127) for 32 consecutive
-    elements). w = e2m1(code)·2^(s − 127), exactly :func:`moelora_lib.quant.mxfp4.dequantize_mxfp4` in
-    fp32 for every code and every scale byte (IEEE arithmetic, no flush to zero).
+def _mxfp4_w(wq_ptrs, ws_ptrs, offs_kb, offs_ks, k_left, EVEN_K: tl.constexpr):
+    """(W_lo, W_hi), fp32 [BLOCK_SIZE_K/2, BLOCK_SIZE_N]: the weights of one K step of a packed MXFP4
+    weight at elements k0 + 2j (low nibbles) and k0 + 2j + 1 (high nibbles), decoded elementwise from
+    the bytes in the orientation they are loaded in. ``wq_ptrs`` [BLOCK_SIZE_K/2, BLOCK_SIZE_N] point
+    to the packed bytes (rows ``offs_kb``: byte j of a weight row holds element 2j in its low nibble and
+    2j + 1 in its high nibble; a row's bytes are contiguous, so the tile loads along memory in [K, N]
+    order), ``ws_ptrs`` [BLOCK_SIZE_K/32, BLOCK_SIZE_N] to the e8m0 scales (rows ``offs_ks``), each
+    repeated over its 16 bytes. Without EVEN_K the bytes and scales at or beyond ``k_left`` elements
+    read 0 (weights 0, never NaN; K is a multiple of 32, so a byte or a scale is in range exactly when
+    its first element is).
 
-    Decoding with bit operations (OCP Microscaling Formats v1.0, FP4 e2m1: sign bit 3, exponent bits
-    1–2 with bias 1, mantissa bit 0). The code's bits are placed in an fp16 pattern — sign at bit 15,
-    exponent and mantissa at bits 9–11 — which reads as e2m1(code)·2^−14 exactly (exponent 0 becomes
-    an fp16 subnormal: 0 or 0.5·2^−14); widened to fp32 (exact) and multiplied by 2^14 it is the e2m1
-    value. The scale's power of two is built as fp32 bits: byte s in the exponent field (s << 23) is
-    2^(s − 127) for s = 1–254 and +inf for 255 (the OCP NaN byte; like the reference, codes ±0 then
-    give NaN and the others ±inf); byte 0 is the subnormal 2^−127 (bit 22). The product is exact (an
-    e2m1 value has two significant bits) unless it leaves fp32's range (scale bytes ≥ 253 with large
-    codes: ±inf, as in the reference).
-    """
-    q = q.to(tl.uint16)
-    c = tl.interleave(q & 15, q >> 4)  # [BLOCK_SIZE_N, BLOCK_SIZE_K] codes, low nibble first
-    h = ((c & 8) << 12) | ((c & 7) << 9)
-    v = h.to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
-    s = s.to(tl.int32)
-    sf = tl.where(s == 0, 0x00400000, s << 23).to(tl.float32, bitcast=True)
-    w = tl.reshape(v, (BLOCK_SIZE_N, BLOCK_SIZE_K // 32, 32)) * sf[:, :, None]
-    return tl.reshape(w, (BLOCK_SIZE_N, BLOCK_SIZE_K))
-
-
-@triton.jit
-def _mxfp4_tile(wq_ptrs, ws_ptrs, offs_kb, offs_ks, k_left, EVEN_K: tl.constexpr,
-                BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr):  # fmt: skip
-    """W[e]ᵀ tile [BLOCK_SIZE_K, BLOCK_SIZE_N] (fp32) of one K step: ``wq_ptrs`` [BLOCK_SIZE_N,
-    BLOCK_SIZE_K/2] pointers to the packed bytes (columns ``offs_kb``), ``ws_ptrs`` [BLOCK_SIZE_N,
-    BLOCK_SIZE_K/32] to the scales (columns ``offs_ks``); without EVEN_K the bytes and scales at or
-    beyond ``k_left`` elements read 0 (weights 0, never NaN)."""
+    W = e2m1(code)·2^(s − 127), exactly :func:`moelora_lib.quant.mxfp4.dequantize_mxfp4` in fp32 for
+    every code and every scale byte (IEEE arithmetic, no flush to zero). Decoding with bit operations
+    (OCP Microscaling Formats v1.0, FP4 e2m1: sign bit 3, exponent bits 1–2 with bias 1, mantissa bit
+    0): a code's bits placed in an fp32 pattern — sign at bit 31, exponent and mantissa at bits 22–24 —
+    read as e2m1(code)·2^−126 exactly (exponent 0 becomes an fp32 subnormal: 0 or 0.5·2^−126); times
+    2^126 it is the e2m1 value. The scale's power of two is built as fp32 bits: byte s in the exponent
+    field (s << 23) is 2^(s − 127) for s = 1–254 and +inf for 255 (the OCP NaN byte; like the
+    reference, codes ±0 then give NaN and the others ±inf); byte 0 is the subnormal 2^−127 (bit 22).
+    The product is exact (an e2m1 value has two significant bits) unless it leaves fp32's range (scale
+    bytes ≥ 253 with large codes: ±inf, as in the reference). The two factors are two multiplies: their
+    product 2^(s − 1) is beyond fp32's range for s > 128."""
     if EVEN_K:
         q = tl.load(wq_ptrs)
         s = tl.load(ws_ptrs)
-    else:  # K is a multiple of 32: a byte (a scale) is in range iff its first element is
-        q = tl.load(wq_ptrs, mask=(2 * offs_kb)[None, :] < k_left, other=0)
-        s = tl.load(ws_ptrs, mask=(32 * offs_ks)[None, :] < k_left, other=0)
-    return tl.trans(_mxfp4_dequant(q, s, BLOCK_SIZE_N, BLOCK_SIZE_K))
+    else:
+        q = tl.load(wq_ptrs, mask=(2 * offs_kb)[:, None] < k_left, other=0)
+        s = tl.load(ws_ptrs, mask=(32 * offs_ks)[:, None] < k_left, other=0)
+    q = q.to(tl.uint32)
+    s = s.to(tl.int32)
+    sf = tl.where(s == 0, 0x00400000, s << 23).to(tl.float32, bitcast=True)
+    sf = tl.reshape(tl.broadcast_to(sf[:, None, :], (sf.shape[0], 16, sf.shape[1])), q.shape)  # per byte
+    lo = (((q & 8) << 28) | ((q & 7) << 22)).to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2^126
+    hi = (((q & 128) << 24) | ((q & 112) << 18)).to(tl.float32, bitcast=True) * 8.507059173023462e37
+    return lo * sf, hi * sf
+
+
+@triton.jit
+def _mxfp4_dot(acc, xa, wq_ptrs, ws_ptrs, offs_kb, offs_ks, k_left, EVEN_K: tl.constexpr):
+    """``acc`` + xa·W[e]ᵀ over one K step of a packed MXFP4 weight, as two dots in the weight's own
+    order: x_even·W_lo + x_odd·W_hi (W_lo, W_hi of :func:`_mxfp4_w`, rounded once to the activations'
+    dtype: exact wherever finite there, e2m1·2^k). ``xa`` [BLOCK_SIZE_M, BLOCK_SIZE_K] is the step's
+    activations, loaded as on the dense path (out-of-range columns 0); x_even / x_odd are its columns
+    k0 + 2j / k0 + 2j + 1. The weight tile is never interleaved, reshaped or transposed; the
+    activations (BLOCK_SIZE_M rows against the weight's BLOCK_SIZE_N) are split instead, in registers,
+    so their load stays one contiguous, pipelined copy (loads of x_even / x_odd through strided
+    pointers would be 2-byte gathers). The sum runs in another order than the dense dot over the
+    interleaved columns, so it equals the dense layer's result within rounding, not bit for bit."""
+    lo, hi = _mxfp4_w(wq_ptrs, ws_ptrs, offs_kb, offs_ks, k_left, EVEN_K)
+    xe, xo = tl.split(tl.reshape(xa, (xa.shape[0], xa.shape[1] // 2, 2)))
+    return tl.dot(xo, hi.to(xa.dtype), tl.dot(xe, lo.to(xa.dtype), acc))
 
 
 @triton.jit
@@ -241,16 +253,15 @@ def _fused_moe_kernel(
     if W_MXFP4:  # packed bytes [N, K/2] and scales [N, K/32] of expert e, decoded per K step
         offs_kb = tl.arange(0, BLOCK_SIZE_K // 2)
         offs_ks = tl.arange(0, BLOCK_SIZE_K // 32)
-        wq_ptrs = w_ptr + expert * stride_we + offs_n_ld[:, None] * stride_wn + offs_kb[None, :] * stride_wk
-        ws_ptrs = ws_ptr + expert * stride_se + offs_n_ld[:, None] * stride_sn + offs_ks[None, :] * stride_sk
+        wq_ptrs = w_ptr + expert * stride_we + offs_kb[:, None] * stride_wk + offs_n_ld[None, :] * stride_wn
+        ws_ptrs = ws_ptr + expert * stride_se + offs_ks[:, None] * stride_sk + offs_n_ld[None, :] * stride_sn
         for k in range(0, tl.cdiv(K, BLOCK_SIZE_K)):
             k_left = K - k * BLOCK_SIZE_K
             if EVEN_K:
                 xa = tl.load(x_ptrs)
             else:
                 xa = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-            wa = _mxfp4_tile(wq_ptrs, ws_ptrs, offs_kb, offs_ks, k_left, EVEN_K, BLOCK_SIZE_N, BLOCK_SIZE_K)
-            acc = tl.dot(xa, wa.to(xa.dtype), acc)
+            acc = _mxfp4_dot(acc, xa, wq_ptrs, ws_ptrs, offs_kb, offs_ks, k_left, EVEN_K)
             x_ptrs += BLOCK_SIZE_K * stride_xk
             wq_ptrs += (BLOCK_SIZE_K // 2) * stride_wk
             ws_ptrs += (BLOCK_SIZE_K // 32) * stride_sk
@@ -648,22 +659,20 @@ def _fused_moe_lora_act_kernel(
     if W_MXFP4:  # the gate and up rows of the packed W13[e], decoded per K step
         offs_kb = tl.arange(0, BLOCK_SIZE_K // 2)
         offs_ks = tl.arange(0, BLOCK_SIZE_K // 32)
-        wq_base = w_ptr + expert * stride_we + offs_kb[None, :] * stride_wk
-        ws_base = ws_ptr + expert * stride_se + offs_ks[None, :] * stride_sk
-        wgq_ptrs = wq_base + gate_col[:, None] * stride_wn
-        wuq_ptrs = wq_base + up_col[:, None] * stride_wn
-        wgs_ptrs = ws_base + gate_col[:, None] * stride_sn
-        wus_ptrs = ws_base + up_col[:, None] * stride_sn
+        wq_base = w_ptr + expert * stride_we + offs_kb[:, None] * stride_wk
+        ws_base = ws_ptr + expert * stride_se + offs_ks[:, None] * stride_sk
+        wgq_ptrs = wq_base + gate_col[None, :] * stride_wn
+        wuq_ptrs = wq_base + up_col[None, :] * stride_wn
+        wgs_ptrs = ws_base + gate_col[None, :] * stride_sn
+        wus_ptrs = ws_base + up_col[None, :] * stride_sn
         for k in range(0, tl.cdiv(K, BLOCK_SIZE_K)):
             k_left = K - k * BLOCK_SIZE_K
             if EVEN_K:
                 xa = tl.load(x_ptrs)
             else:
                 xa = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-            wg = _mxfp4_tile(wgq_ptrs, wgs_ptrs, offs_kb, offs_ks, k_left, EVEN_K, BLOCK_SIZE_N, BLOCK_SIZE_K)
-            wu = _mxfp4_tile(wuq_ptrs, wus_ptrs, offs_kb, offs_ks, k_left, EVEN_K, BLOCK_SIZE_N, BLOCK_SIZE_K)
-            acc_g = tl.dot(xa, wg.to(xa.dtype), acc_g)
-            acc_u = tl.dot(xa, wu.to(xa.dtype), acc_u)
+            acc_g = _mxfp4_dot(acc_g, xa, wgq_ptrs, wgs_ptrs, offs_kb, offs_ks, k_left, EVEN_K)
+            acc_u = _mxfp4_dot(acc_u, xa, wuq_ptrs, wus_ptrs, offs_kb, offs_ks, k_left, EVEN_K)
             x_ptrs += BLOCK_SIZE_K * stride_xk
             wgq_ptrs += (BLOCK_SIZE_K // 2) * stride_wk
             wuq_ptrs += (BLOCK_SIZE_K // 2) * stride_wk
@@ -825,18 +834,17 @@ def _fused_moe_lora_kernel(
     if W_MXFP4:  # packed W2[e] from K block k_lo on, decoded per K step
         offs_kb = tl.arange(0, BLOCK_SIZE_K // 2)
         offs_ks = tl.arange(0, BLOCK_SIZE_K // 32)
-        wq_ptrs = w_ptr + expert * stride_we + offs_n_ld[:, None] * stride_wn
-        wq_ptrs += (k_lo * (BLOCK_SIZE_K // 2) + offs_kb)[None, :] * stride_wk
-        ws_ptrs = ws_ptr + expert * stride_se + offs_n_ld[:, None] * stride_sn
-        ws_ptrs += (k_lo * (BLOCK_SIZE_K // 32) + offs_ks)[None, :] * stride_sk
+        wq_ptrs = w_ptr + expert * stride_we + offs_n_ld[None, :] * stride_wn
+        wq_ptrs += (k_lo * (BLOCK_SIZE_K // 2) + offs_kb)[:, None] * stride_wk
+        ws_ptrs = ws_ptr + expert * stride_se + offs_n_ld[None, :] * stride_sn
+        ws_ptrs += (k_lo * (BLOCK_SIZE_K // 32) + offs_ks)[:, None] * stride_sk
         for k in range(k_lo, k_hi):
             k_left = K - k * BLOCK_SIZE_K
             if EVEN_K:
                 xa = tl.load(x_ptrs)
             else:
                 xa = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-            wa = _mxfp4_tile(wq_ptrs, ws_ptrs, offs_kb, offs_ks, k_left, EVEN_K, BLOCK_SIZE_N, BLOCK_SIZE_K)
-            acc = tl.dot(xa, wa.to(xa.dtype), acc)
+            acc = _mxfp4_dot(acc, xa, wq_ptrs, ws_ptrs, offs_kb, offs_ks, k_left, EVEN_K)
             x_ptrs += BLOCK_SIZE_K * stride_xk
             wq_ptrs += (BLOCK_SIZE_K // 2) * stride_wk
             ws_ptrs += (BLOCK_SIZE_K // 32) * stride_sk

@@ -736,6 +736,14 @@ class MultiLoRAModel(nn.Module):
     forward for a running generate call: any other forward meanwhile raises RuntimeError instead of
     overwriting the KV cache rows the call uses.
 
+    Shared alignments: the dense projections' token alignment (empty slots mapped to -1, tokens grouped
+    by adapter) depends only on the forward's ``lora_ids``, T, BLOCK_SIZE_M, L and the projection's loaded
+    slots, so each forward runs its layers inside ``step_alignments.scope()``
+    (:class:`~moelora_lib.linear.StepAlignments`): the first projection of each such key aligns and the
+    others read it, into workspaces ``step_alignments`` keeps for the model's life (a captured decode
+    step records one alignment launch per key instead of one per projection). ``share_alignments =
+    False`` aligns per projection; the logits are the same bit for bit.
+
     Module tree (names the adapter loader relies on): ``embed_tokens``, ``layers[l].input_layernorm``,
     ``.self_attn.{qkv_proj, o_proj, q_norm, k_norm, sinks}``, ``.post_attention_layernorm``, ``.mlp``
     (:class:`MoEBlock` with ``.router``, ``.experts`` or :class:`DenseMLP` with ``.gate_up_proj``,
@@ -956,6 +964,10 @@ class MultiLoRAModel(nn.Module):
         self.register_buffer(
             "_arange", torch.arange(max(max_seq, max_batch), device=device), persistent=False
         )
+        from ..linear import StepAlignments
+
+        #: the dense projections' adapter alignments of a forward, made once per key (StepAlignments)
+        self.step_alignments = StepAlignments()
         self._install_slot_guards()
 
     @property
@@ -1084,6 +1096,10 @@ class MultiLoRAModel(nn.Module):
                 m.active_slots = prev
             self._restriction = before[1]
 
+    #: Whether a forward shares the dense projections' adapter alignments among its LoRALinear modules
+    #: (:attr:`step_alignments`; the same result bit for bit, fewer launches). Default True; False makes
+    #: each projection align on its own, as a LoRALinear outside a model does.
+    share_alignments: bool = True
     #: the slots of the innermost open :meth:`restrict_slots` context (None: unrestricted)
     _restriction: frozenset[int] | None = None
     #: an :meth:`exclusive_forwards` context is open / its callable is running a forward now
@@ -1329,9 +1345,12 @@ class MultiLoRAModel(nn.Module):
                 )[:, None]
         x = self.embed_tokens(input_ids.to(dev).reshape(B * S))
         h = self.layers[0].input_layernorm.fused(x) if self.layers else self.norm.fused(x)
-        for i, layer in enumerate(self.layers):  # residual adds fused into the next norm
-            nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            x, h = layer(x, ctx, normed=h, next_norm=nxt)
+        # every LoRALinear gets ctx.ids: each (T, BLOCK_SIZE_M, L, loaded slots) key aligns once
+        shared = self.step_alignments.scope() if self.share_alignments else contextlib.nullcontext()
+        with shared:
+            for i, layer in enumerate(self.layers):  # residual adds fused into the next norm
+                nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+                x, h = layer(x, ctx, normed=h, next_norm=nxt)
         x = h.view(B, S, -1)  # self.norm(x)
         if last_only:
             if last_index is None:

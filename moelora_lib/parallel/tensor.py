@@ -216,13 +216,9 @@ class RowParallelLoRALinear(LoRALinear):
         if T and self._launches(self._active_slots)[0]:  # host-side: the same on every rank
             if self._buffers_key != (dt, dev):
                 self._alloc_buffers()
-            ids = lora_ids
-            if not all(self._loaded):  # empty slots -> -1 (no work), as LoRALinear
-                L = self.L
-                ok = self.slot_loaded[lora_ids.clamp(0, L - 1).long()] & (lora_ids >= 0) & (lora_ids < L)
-                ids = torch.where(ok, lora_ids, torch.full_like(lora_ids, -1))
             cfg, st = self.config_for(T), self.stage
-            align = self._align(ids, T, cfg.block_size_m)
+            # empty slots -> -1, aligned (shared within a StepAlignments scope), as LoRALinear
+            align = self._lora_alignment(lora_ids, T, cfg.block_size_m)
             inter = self._view("inter", (T, self.S * self.R))
             if cfg.shrink.SPLIT_K == 1:  # rows without an adapter are not written: no stale values summed
                 inter.zero_()

@@ -30,18 +30,29 @@ FP8BlockWeights equal to the file's. Bad files are refused with a ValueError nam
 
 from __future__ import annotations
 
-import json
-import warnings
+import functools
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from quant_helpers import (
+    add_key,
+    drop_keys,
+    hf_from_pretrained,
+    load_model,
+    peft_reference_rows,
+    replace_key,
+    save_dequantized_declaring,
+    save_peft_adapters,
+    write_config,
+    write_published,
+)
+from safetensors.torch import load_file
 from test_model_adapters import E2E_ATOL
 from test_model_base import _close, _ref_logits
 
 import moelora_lib
-from moelora_lib.model import MultiLoRAModel, load_hf_checkpoint, load_peft_adapter, modeling
+from moelora_lib.model import MultiLoRAModel, load_peft_adapter, modeling
 from moelora_lib.model.modeling import packed_expert_weight, packed_linear_weight
 from moelora_lib.quant import FP8BlockWeight, MXFP4Weight, dequantize_fp8_block, quantize_fp8_block
 
@@ -52,7 +63,6 @@ fp8_integration = pytest.importorskip("transformers.integrations.finegrained_fp8
 V, H, HEADS, KV, HD, NL, E, TOPK, MOE_I, DENSE_I = 96, 64, 4, 2, 16, 2, 4, 2, 32, 96
 BLOCK = [32, 16]
 BLOCK_W8A8 = [32, 32]  # the PEFT / W8A8 folders: a W8A8 K step (FP8 tl.dot) needs 32 columns per scale
-SIZES = dict(num_adapters=2, max_rank=4, max_batch=3, max_seq=16, max_tokens=30)
 QUANT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": BLOCK}
 _CLASSES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
@@ -117,49 +127,17 @@ def _published_tensors(kind: str, folder: Path, block=BLOCK, seed: int = 0) -> d
     return out
 
 
-def _write_config(folder: Path, kind: str, **edits) -> None:
-    d = _hf_config(kind).to_dict()
-    d["quantization_config"] = dict(QUANT)
-    d.update(edits)
-    (folder / "config.json").write_text(json.dumps(d))
-
-
 def _write_published(folder: Path, kind: str, tensors, sharded: bool = False, **cfg) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    for f in folder.glob("model*.safetensors*"):
-        f.unlink()
-    _write_config(folder, kind, **cfg)
-    if not sharded:
-        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-        return folder
-    names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
-    keys = sorted(tensors)  # alternate: a weight and its scales land in different shards
-    weight_map = {k: names[i % 2] for i, k in enumerate(keys)}
-    assert any(weight_map[k] != weight_map[k + "_scale_inv"] for k in keys if k + "_scale_inv" in tensors)
-    for n in names:
-        save_file(
-            {k: tensors[k] for k in keys if weight_map[k] == n}, str(folder / n), metadata={"format": "pt"}
-        )
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    (folder / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
-    )
-    return folder
+    """A published folder of ``kind`` (sharded: a weight and its scales in different shards); cfg edits
+    config.json."""
+    pair = (".weight", ".weight_scale_inv")
+    return write_published(folder, tensors, _hf_config(kind), QUANT, pair, sharded, **cfg)
 
 
 def _hf_dequantized(kind: str, folder: Path):
     """transformers' model from the published folder, FP8 dequantized by transformers, fp32."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return (
-            getattr(transformers, _CLASSES[kind])
-            .from_pretrained(
-                str(folder),
-                quantization_config=transformers.FineGrainedFP8Config(dequantize=True),
-                dtype=torch.float32,
-            )
-            .eval()
-        )
+    cls = getattr(transformers, _CLASSES[kind])
+    return hf_from_pretrained(cls, folder, transformers.FineGrainedFP8Config(dequantize=True))
 
 
 @pytest.fixture(scope="module")
@@ -190,11 +168,6 @@ def published(tmp_path_factory):
         entry["b32_ref"] = _hf_dequantized(kind, entry["b32"])
         out[kind] = entry
     return out
-
-
-def _load(folder, **kw) -> MultiLoRAModel:
-    kw = {"dtype": torch.float32, "device": "cpu", **SIZES, **kw}
-    return load_hf_checkpoint(folder, **kw)
 
 
 _IDS = torch.randint(0, V, (2, 10), generator=torch.Generator().manual_seed(1))
@@ -235,7 +208,7 @@ def test_dequantized_weights_equal_transformers_bit_for_bit(published, case):
     dense MLP projections (the layers' FP8 kernels) whose dequantization is the same."""
     kind, layout = case.split("/")
     entry = published[kind]
-    model = _load(entry[layout], dequantize=True)
+    model = load_model(entry[layout], dequantize=True)
     for name, ours, theirs in _ours_vs_hf(model, entry["ref"], kind):
         assert ours.dtype == torch.float32 and torch.equal(
             ours.view(torch.int32), theirs.view(torch.int32)
@@ -244,7 +217,7 @@ def test_dequantized_weights_equal_transformers_bit_for_bit(published, case):
     k = "model.layers.1.self_attn.o_proj."
     direct = dequantize_fp8_block(t[k + "weight"], t[k + "weight_scale_inv"], torch.float32, BLOCK)
     assert torch.equal(model.layers[1].self_attn.o_proj.weight, direct)
-    default = _load(entry[layout])  # dequantize=None: experts and dense projections stay FP8
+    default = load_model(entry[layout])  # dequantize=None: experts and dense projections stay FP8
     sd = default.state_dict()
     for n, v in model.state_dict().items():
         if ".mlp.experts.w" in n:
@@ -265,7 +238,7 @@ def test_ragged_default_block(published):
     entry = published["qwen3"]
     t = entry["ragged_tensors"]
     assert t["model.layers.0.mlp.down_proj.weight_scale_inv"].shape == (1, 1)
-    model = _load(entry["ragged"], dequantize=True)
+    model = load_model(entry["ragged"], dequantize=True)
 
     def hf(key):
         w, s = t[key + ".weight"], t[key + ".weight_scale_inv"]
@@ -286,7 +259,7 @@ def test_bf16_and_fp16_scales_accepted(published, tmp_path):
     scales = sorted(k for k in t if k.endswith("weight_scale_inv"))
     for i, k in enumerate(scales):
         t[k] = t[k].to((torch.bfloat16, torch.float16)[i % 2])
-    model = _load(_write_published(tmp_path / "half", "qwen3", t), dequantize=True)
+    model = load_model(_write_published(tmp_path / "half", "qwen3", t), dequantize=True)
     k = "model.layers.1.mlp.down_proj."
     assert t[k + "weight_scale_inv"].dtype != torch.float32
     expect = fp8_integration.Fp8Dequantize(None)._dequantize_one(
@@ -299,7 +272,7 @@ def test_bf16_and_fp16_scales_accepted(published, tmp_path):
 def test_logits_match_transformers_dequantized(published, case):
     kind, layout = case.split("/")
     ref = published[kind]["ref"]
-    model = _load(published[kind][layout], dequantize=True)
+    model = load_model(published[kind][layout], dequantize=True)
     r = _ref_logits(ref, _IDS)
     out = model(_IDS, [0, 0], [-1, -1])
     _close(out, r, f"fp8 {case} full prompt")
@@ -317,7 +290,7 @@ def test_fp8_model_logits_match_dequantized_model(published):
     decode step. (The dense Qwen3's FP8 gate_up / down projections:
     test_peft_adapters_mixed_batch_match_transformers_peft.)"""
     entry = published["qwen3_moe"]
-    f8, dense = _load(entry["single"]), _load(entry["single"], dequantize=True)
+    f8, dense = load_model(entry["single"]), load_model(entry["single"], dequantize=True)
     lins = [m for m in f8.modules() if isinstance(m, moelora_lib.LoRALinear)]
     assert len(lins) == 2 * NL  # qkv, o
     assert all(m.weight_format == "fp8" and m.weight is None for m in lins)
@@ -379,30 +352,13 @@ def test_peft_adapters_mixed_batch_match_transformers_peft(published, kind, tmp_
     to W8A8 ("dynamic"): within :data:`W8A8_LOGIT_REL` (activation quantization error) and measurably
     off the weight-only result. (The dequantize=True model: test_logits_match_transformers_dequantized.)"""
     entry = published[kind]
-    folders = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for i, (name, kw) in enumerate(ADAPTERS[kind].items()):
-            torch.manual_seed(200 + i)
-            pm = peft.get_peft_model(
-                _hf_dequantized(kind, entry["b32"]), peft.LoraConfig(init_lora_weights=False, **kw)
-            )
-            pm.save_pretrained(str(tmp_path / name))
-            folders[name] = tmp_path / name
+    base = functools.partial(_hf_dequantized, kind, entry["b32"])
+    folders = save_peft_adapters(base, ADAPTERS[kind], tmp_path)
     names = list(folders)
     ids = torch.randint(0, V, (3, 6), generator=torch.Generator().manual_seed(3))
     lora_ids = [0, -1, 1]  # adapter, none, other adapter
-    refs = []
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for row, slot in enumerate(lora_ids):
-            ref = _hf_dequantized(kind, entry["b32"])
-            if slot >= 0:
-                ref = peft.PeftModel.from_pretrained(ref, str(folders[names[slot]])).eval()
-            refs.append(ref(input_ids=ids[row : row + 1]).logits[0].float())
-        base = entry["b32_ref"](input_ids=ids[[0, 2]]).logits.float()
-    assert not torch.allclose(refs[0], base[0], atol=1e-2) and not torch.allclose(refs[2], base[1], atol=1e-2)
-    model = _load(entry["b32"])
+    refs = peft_reference_rows(base, entry["b32_ref"], [folders[n] for n in names], ids, lora_ids)
+    model = load_model(entry["b32"])
     lins = [m for m in model.modules() if isinstance(m, moelora_lib.LoRALinear)]
     assert lins and all(
         m.weight_format == "fp8" and m.activation_scheme_for(ids.numel()) == "weight_only" for m in lins
@@ -440,7 +396,7 @@ def test_dequantize_false_keeps_fp8(published, monkeypatch):
     the dense projections and keeps the experts FP8."""
     assert {"fp8"} <= modeling.packed_expert_formats() and modeling.packed_linear_formats() == {"fp8"}
     for kind in ADAPTERS:
-        model = _load(published[kind]["single"], dequantize=False)
+        model = load_model(published[kind]["single"], dequantize=False)
         lins = [m for m in model.modules() if isinstance(m, moelora_lib.LoRALinear)]
         assert lins and all(m.weight_format == "fp8" for m in lins), kind
     monkeypatch.setattr(moelora_lib.LoRALinear, "PACKED_FORMATS", ())
@@ -448,9 +404,9 @@ def test_dequantize_false_keeps_fp8(published, monkeypatch):
         NotImplementedError,
         match=r"dequantize=False: .*FP8 kernels in LoRALinear \(attention.*dequantize=True",
     ) as e:
-        _load(published["qwen3_moe"]["single"], dequantize=False)
+        load_model(published["qwen3_moe"]["single"], dequantize=False)
     assert "MoELoRALayer" not in str(e.value)  # the experts run FP8
-    model = _load(published["qwen3_moe"]["single"])
+    model = load_model(published["qwen3_moe"]["single"])
     assert model.layers[0].self_attn.qkv_proj.weight_format == "dense"
     assert model.layers[0].mlp.experts.weight_format == "fp8"
 
@@ -459,16 +415,16 @@ def test_activation_scheme_reaches_every_fp8_layer(published):
     """load_hf_checkpoint(activation_scheme=...) sets the scheme of every FP8 layer, the experts'
     included (no forward here); "dynamic" over scale blocks of 16 columns (no 32-column FP8 K step) is
     refused naming activation_scheme."""
-    model = _load(published["qwen3_moe"]["b32"], activation_scheme="dynamic")
+    model = load_model(published["qwen3_moe"]["b32"], activation_scheme="dynamic")
     lins = [m for m in model.modules() if isinstance(m, moelora_lib.LoRALinear)]
     assert lins and all(m.activation_scheme == "dynamic" for m in lins)
     assert all(layer.mlp.experts.activation_scheme == "dynamic" for layer in model.layers)
     with pytest.raises(
         ValueError, match=r"activation_scheme 'dynamic' \(W8A8\): the scale block's 16 columns"
     ):
-        _load(published["qwen3"]["single"], activation_scheme="dynamic")
+        load_model(published["qwen3"]["single"], activation_scheme="dynamic")
     with pytest.raises(ValueError, match=r"activation_scheme must be one of"):
-        _load(published["qwen3"]["single"], activation_scheme="static")
+        load_model(published["qwen3"]["single"], activation_scheme="static")
 
 
 def test_packed_weight_handoffs(monkeypatch):
@@ -517,7 +473,7 @@ def test_flipped_formats_hand_fp8_to_the_layers(published, monkeypatch, dequanti
     monkeypatch.setattr(modeling, "packed_linear_weight", record)
     monkeypatch.setattr(modeling, "packed_expert_weight", record)
     entry = published["qwen3_moe"]
-    model = _load(entry["sharded"], dequantize=dequantize)
+    model = load_model(entry["sharded"], dequantize=dequantize)
     expect = {f"layers.{li}.self_attn.{n}.weight" for li in range(NL) for n in ("qkv_proj", "o_proj")}
     expect |= {f"layers.{li}.mlp.experts.{w}" for li in range(NL) for w in ("w13", "w2")}
     assert set(seen) == expect
@@ -535,7 +491,7 @@ def test_flipped_formats_hand_fp8_to_the_layers(published, monkeypatch, dequanti
     assert torch.equal(
         w13.weight[e, MOE_I:].view(torch.uint8), t[f"{p}mlp.experts.{e}.up_proj.weight"].view(torch.uint8)
     )
-    dense = _load(entry["sharded"], dequantize=True).state_dict()
+    dense = load_model(entry["sharded"], dequantize=True).state_dict()
     assert all(torch.equal(v, dense[n]) for n, v in model.state_dict().items())
 
 
@@ -549,7 +505,7 @@ def test_flipped_formats_dequantize_what_cannot_fuse(published, monkeypatch):
         return w.dequantize(torch.float32)
 
     monkeypatch.setattr(modeling, "packed_linear_weight", record)
-    _load(published["qwen3"]["ragged"])
+    load_model(published["qwen3"]["ragged"])
     assert sorted(seen) == sorted(
         f"layers.{li}.{n}.weight" for li in range(NL) for n in ("self_attn.o_proj", "mlp.down_proj")
     )
@@ -562,43 +518,21 @@ _A0 = "model.layers.0.self_attn."
 _X1 = "model.layers.1.mlp.experts."
 
 
-def _drop(*keys):
-    def edit(t):
-        for k in keys:
-            del t[k]
-
-    return edit
-
-
-def _replace(key, fn):
-    def edit(t):
-        t[key] = fn(t[key])
-
-    return edit
-
-
-def _add(key, value):
-    def edit(t):
-        t[key] = value
-
-    return edit
-
-
 BAD_FILES = {
     "missing_scale": (
         None,
-        _drop(f"{_A0}k_proj.weight_scale_inv"),
+        drop_keys(f"{_A0}k_proj.weight_scale_inv"),
         rf"'{_A0}k_proj\.weight': a float8 \(F8_E4M3\) weight needs its block scales "
         rf"'{_A0}k_proj\.weight_scale_inv'",
     ),
     "missing_expert_scale": (
         None,
-        _drop(f"{_X1}3.down_proj.weight_scale_inv"),
+        drop_keys(f"{_X1}3.down_proj.weight_scale_inv"),
         rf"'{_X1}3\.down_proj\.weight': a float8 .* needs its block scales",
     ),
     "scale_grid": (
         None,
-        _replace(f"{_A0}q_proj.weight_scale_inv", lambda s: s[:1].contiguous()),
+        replace_key(f"{_A0}q_proj.weight_scale_inv", lambda s: s[:1].contiguous()),
         rf"'{_A0}q_proj\.weight_scale_inv': shape \[1, 4\] does not match its weight '{_A0}q_proj\.weight': "
         r"expected \[2, 4\] \(ceil\(N/32\) x ceil\(K/16\)",
     ),
@@ -609,23 +543,23 @@ BAD_FILES = {
     ),
     "scale_dtype": (
         None,
-        _replace(f"{_X1}0.up_proj.weight_scale_inv", lambda s: s.double()),
+        replace_key(f"{_X1}0.up_proj.weight_scale_inv", lambda s: s.double()),
         rf"'{_X1}0\.up_proj\.weight_scale_inv': FP8 block scales must be float32, bfloat16 or float16 "
         r".* got F64",
     ),
     "weight_e5m2": (
         None,
-        _replace(f"{_A0}v_proj.weight", lambda w: w.float().to(torch.float8_e5m2)),
+        replace_key(f"{_A0}v_proj.weight", lambda w: w.float().to(torch.float8_e5m2)),
         rf"'{_A0}v_proj\.weight': FP8 weights must be float8_e4m3fn \(F8_E4M3, fmt 'e4m3'\), got F8_E5M2",
     ),
     "weight_not_fp8": (
         None,
-        _replace(f"{_A0}o_proj.weight", lambda w: w.to(torch.bfloat16)),
+        replace_key(f"{_A0}o_proj.weight", lambda w: w.to(torch.bfloat16)),
         rf"'{_A0}o_proj\.weight': has block scales .* but is BF16, not float8_e4m3fn",
     ),
     "router_scale": (
         None,
-        _add("model.layers.0.mlp.gate.weight_scale_inv", torch.ones(1, 4)),
+        add_key("model.layers.0.mlp.gate.weight_scale_inv", torch.ones(1, 4)),
         r"unexpected 1 key\(s\), e\.g\. \['model\.layers\.0\.mlp\.gate\.weight_scale_inv'\]",
     ),
     "fmt_e5m2": (dict(fmt="e5m2"), None, r"quantization_config\.fmt: 'e5m2' is not supported; only 'e4m3'"),
@@ -667,7 +601,7 @@ def test_bad_files_refused_naming_the_key(published, case, tmp_path):
         tmp_path / case, "qwen3_moe", tensors, quantization_config={**QUANT, **(quant_edits or {})}
     )
     with pytest.raises(ValueError, match=match):
-        _load(folder)
+        load_model(folder)
 
 
 def test_fp8_weights_without_quantization_config_refused(published, tmp_path):
@@ -679,34 +613,29 @@ def test_fp8_weights_without_quantization_config_refused(published, tmp_path):
         ValueError,
         match=r"unexpected \d+ key\(s\), e\.g\. \['model\.layers\.0\.mlp\.down_proj\.weight_scale_inv'",
     ):
-        _load(folder)
+        load_model(folder)
     tensors = {k: v for k, v in tensors.items() if not k.endswith("_scale_inv")}
     folder = _write_published(tmp_path / "no_scales", "qwen3", tensors, quantization_config=None)
     with pytest.raises(
         ValueError, match=r"'model\.layers\.0\.self_attn\.q_proj\.weight': a float8 \(F8_E4M3\) weight needs"
     ):
-        _load(folder)
+        load_model(folder)
 
 
 def test_fp8_config_over_dense_checkpoint_refused(published, tmp_path):
     """A folder of transformers' dequantized model (save_pretrained drops quantization_config) given the
     fp8 config back: no key holds scales, so it is refused rather than read as an FP8 file."""
-    published["qwen3"]["ref"].save_pretrained(tmp_path / "dense")
-    cfg = json.loads((tmp_path / "dense" / "config.json").read_text())
-    assert "quantization_config" not in cfg
-    cfg["quantization_config"] = QUANT
-    (tmp_path / "dense" / "config.json").write_text(json.dumps(cfg))
+    folder = save_dequantized_declaring(published["qwen3"]["ref"], tmp_path / "dense", QUANT)
     with pytest.raises(ValueError, match=r"declares quantization_config.quant_method 'fp8' but no key"):
-        _load(tmp_path / "dense")
+        load_model(folder)
 
 
 def test_fp8_on_gpt_oss_refused(tmp_path):
     cfg = transformers.GptOssConfig(
         vocab_size=V, hidden_size=H, num_hidden_layers=1, num_attention_heads=HEADS, num_key_value_heads=KV
-    ).to_dict()
-    cfg["quantization_config"] = QUANT
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    )
+    write_config(tmp_path, cfg, QUANT)
     with pytest.raises(
         ValueError, match=r"'fp8': block-FP8 weights are read for model_type 'qwen3' / 'qwen3_moe' only"
     ):
-        _load(tmp_path)
+        load_model(tmp_path)

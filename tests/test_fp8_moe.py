@@ -12,6 +12,26 @@ from __future__ import annotations
 
 import pytest
 import torch
+from quant_helpers import (
+    DT_IDS,
+    F16,
+    F32,
+    FP8_SM90,
+    K_TOP,
+    SPLIT_DOWN,
+    E,
+    L,
+    R,
+    adapted_layers,
+    assert_gemm_equals_dense,
+    assert_layer_equals_dense,
+    fp8_experts,
+    fp8_weight,
+    functional_args,
+    layer_reference,
+    sm90_report,
+    split_down_outputs,
+)
 
 from moelora_lib import fused_moe_lora
 from moelora_lib.kernels import STAGES
@@ -20,18 +40,9 @@ from moelora_lib.kernels.launchers import fused_moe_gemm
 from moelora_lib.kernels.stages import fp8_config
 from moelora_lib.layer import MoELoRALayer
 from moelora_lib.quant import FP8BlockWeight
-from moelora_lib.reference import moe_lora_reference, route_reference
+from moelora_lib.reference import route_reference
 from moelora_lib.routing import align_tokens
 from moelora_lib.testing import assert_close_rel
-
-F32, F16 = torch.float32, torch.float16
-DT_IDS = {F32: "fp32", F16: "fp16"}
-
-
-def _fp8(shape, seed, block, scale=0.1, scale_dtype=torch.float32) -> FP8BlockWeight:
-    g = torch.Generator().manual_seed(seed)
-    w = FP8BlockWeight.quantize(torch.randn(*shape, generator=g) * scale, block)
-    return FP8BlockWeight(w.weight, w.scale_inv.to(scale_dtype), w.block)
 
 
 def _dense(w: FP8BlockWeight, dt) -> torch.Tensor:
@@ -53,35 +64,14 @@ def _dense(w: FP8BlockWeight, dt) -> torch.Tensor:
     ],
 )
 def test_gemm_equals_dequantized_dense(dt, K, bk, block, down, scale_dtype):
-    E, N, T, top_k = 4, 48, 9, 2  # N = 48: a ragged last N tile of 32
-    w = _fp8((E, N, K), seed=K + bk, block=block, scale_dtype=scale_dtype)
-    g = torch.Generator().manual_seed(1)
-    topk = torch.stack([torch.randperm(E, generator=g)[:top_k] for _ in range(T)]).to(torch.int32)
-    align = align_tokens(topk, E, 16)
-    rows = T * top_k if down else T
-    x = torch.randn(rows, K, generator=g).to(dt)
-    kw = dict(rows_div=1 if down else top_k)
-    if down:
-        kw |= dict(
-            bias=(torch.randn(E, N, generator=g) * 0.1).to(dt),
-            topk_weights=torch.rand(T * top_k, generator=g),
-        )
-    cfg = OpConfig(16, 32, bk)
-    out = torch.full((T * top_k, N), 1234.5, dtype=dt)
-    dense_out = out.clone()
-    fused_moe_gemm(x, w, out, align, cfg, **kw)
-    fused_moe_gemm(x, _dense(w, dt), dense_out, align, cfg, **kw)
-    assert torch.equal(out, dense_out)
-    ref = x.double()[torch.arange(T * top_k) // kw["rows_div"]]
-    ref = torch.einsum("pk,pnk->pn", ref, w.dequantize(torch.float32).double()[topk.reshape(-1).long()])
-    if down:
-        ref = (ref + kw["bias"].double()[topk.reshape(-1).long()]) * kw["topk_weights"].double()[:, None]
-    assert_close_rel(out, ref, dt)
+    # N = 48: a ragged last N tile of 32
+    w = fp8_weight((E, 48, K), seed=K + bk, block=block, scale_dtype=scale_dtype)
+    assert_gemm_equals_dense(w, _dense(w, dt), dt, OpConfig(16, 32, bk), down)
 
 
 def test_gemm_bad_block_sizes_name_the_argument():
     E, N, K, T = 2, 32, 64, 3
-    w = _fp8((E, N, K), seed=0, block=(16, 32))
+    w = fp8_weight((E, N, K), seed=0, block=(16, 32))
     align = align_tokens(torch.zeros(T, 1, dtype=torch.int32), E, 16)
     x, out = torch.randn(T, K), torch.empty(T, N)
     # BLOCK_SIZE_K 64 spans two 32-column scale blocks
@@ -109,31 +99,10 @@ def test_fp8_config_lowers_block_size_k():
 # --------------------------------------------------------------------------------------------------
 # the layer
 # --------------------------------------------------------------------------------------------------
-E, K_TOP, L, R = 4, 2, 3, 16
-
-
 def _layers(dt, stage, act, S, bias, H, I, block, config=None):
     """(FP8 layer, the same layer on the dequantized dense weights), the same adapters in slots 0, 1."""
-    w13, w2 = _fp8((E, 2 * I, H), seed=H + I, block=block), _fp8((E, H, I), seed=H * I, block=block)
-    g = torch.Generator().manual_seed(7)
-    b13 = (torch.randn(E, 2 * I, generator=g) * 0.1).to(dt) if bias else None
-    b2 = (torch.randn(E, H, generator=g) * 0.1).to(dt) if bias else None
-    kw = dict(top_k=K_TOP, num_adapters=L, max_rank=R, max_tokens=40, slices=S, b13=b13, b2=b2)
-    kw |= dict(activation=act, stage=stage, config=config)
-    f8 = MoELoRALayer(w13, w2, dtype=dt, **kw)
-    dense = MoELoRALayer(_dense(w13, dt), _dense(w2, dt), **kw)
-    for slot, r in ((0, R), (1, 8)):  # slot 2 stays empty: its tokens get the base only
-        gu = (
-            (torch.randn(E, S, r, H, generator=g) * 0.1).to(dt),
-            (torch.randn(E, S, 2 * I // S, r, generator=g) * 0.1).to(dt),
-        )
-        dn = (
-            (torch.randn(E, r, I, generator=g) * 0.1).to(dt),
-            (torch.randn(E, H, r, generator=g) * 0.1).to(dt),
-        )
-        for layer in (f8, dense):
-            layer.load_adapter(slot, gate_up=gu, down=dn, scaling=0.5 + slot)
-    return f8, dense, (w13, w2)
+    w13, w2 = fp8_experts(H, I, block)
+    return *adapted_layers(w13, w2, dt, stage, act, S, bias, config, dense=_dense), (w13, w2)
 
 
 _OP = OpConfig(16, 32, 32)
@@ -160,19 +129,7 @@ def test_layer_equals_dequantized_dense_layer(device, dt, stage, act, S, bias, H
     f8, dense, (w13, w2) = _layers(dt, stage, act, S, bias, H, I, block, config)
     for T in (1, 33):  # a decode token; 66 pairs with ragged last blocks
         assert f8.config_for(T) == dense.config_for(T)
-        g = torch.Generator().manual_seed(T)
-        x = torch.randn(T, H, generator=g).to(dt)
-        tw, ti = route_reference(torch.randn(T, E, generator=g), K_TOP)
-        ids = (torch.arange(T, dtype=torch.int32) % (L + 1)) - 1  # -1, 0, 1, 2 (empty slot), -1, ...
-        out = f8(x, topk_weights=tw.float(), topk_ids=ti.to(torch.int32), lora_ids=ids)
-        want = dense(x, topk_weights=tw.float(), topk_ids=ti.to(torch.int32), lora_ids=ids)
-        assert out.dtype == dt and out.shape == (T, H)
-        assert torch.equal(out, want), f"T={T}: max diff {(out.float() - want.float()).abs().max()}"
-        ref = moe_lora_reference(
-            x, w13.dequantize(torch.float32), w2.dequantize(torch.float32), tw, ti, ids,
-            f8.lora_a13, f8.lora_b13, f8.lora_a2, f8.lora_b2, activation=act, b13=f8.b13, b2=f8.b2,
-        )  # fmt: skip
-        assert_close_rel(out, ref, dt)
+        assert_layer_equals_dense(f8, dense, w13, w2, act, T, H, dt)
 
 
 @pytest.mark.parametrize("act,bias", [("silu", False), ("swigluoai", True)])
@@ -189,11 +146,7 @@ def test_layer_gemv_close_to_dequantized_dense_layer(device, act, bias):
         out = f8(x, topk_weights=tw.float(), topk_ids=ti.to(torch.int32), lora_ids=ids)
         want = dense(x, topk_weights=tw.float(), topk_ids=ti.to(torch.int32), lora_ids=ids)
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
-        ref = moe_lora_reference(
-            x, w13.dequantize(torch.float32), w2.dequantize(torch.float32), tw, ti, ids,
-            f8.lora_a13, f8.lora_b13, f8.lora_a2, f8.lora_b2, activation=act, b13=f8.b13, b2=f8.b2,
-        )  # fmt: skip
-        assert_close_rel(out, ref, F32)
+        assert_close_rel(out, layer_reference(f8, x, w13, w2, tw, ti, ids, act), F32)
 
 
 def test_layer_block_size_k_lowered_and_fp8_parameters():
@@ -239,20 +192,14 @@ def test_layer_dtype_cast_keeps_fp8_weights():
 def test_layer_fused_split_down(dt):
     # stage fused's down GEMM split over K: I = 64 in two K steps of 32, one per program, each reading its
     # own scale column (k counts from the split's first block)
-    op = OpConfig(16, 32, 32)
-    cfg = LayerConfig(op, OpConfig(16, 32, 32, 1, 2), op, op, op, op)
-    f8, dense, _ = _layers(dt, "fused", "swigluoai", 1, True, 64, 64, (16, 32), config=cfg)
-    assert f8.config_for(5).base_down.SPLIT_K == 2
-    g = torch.Generator().manual_seed(5)
-    x, logits = torch.randn(5, 64, generator=g).to(dt), torch.randn(5, E, generator=g)
-    ids = torch.tensor([0, -1, 1, 2, 0], dtype=torch.int32)
-    out, want = f8(x, logits, lora_ids=ids), dense(x, logits, lora_ids=ids)
+    f8, dense, _ = _layers(dt, "fused", "swigluoai", 1, True, 64, 64, (16, 32), config=SPLIT_DOWN)
+    *_, out, want = split_down_outputs(f8, dense, dt)
     assert torch.equal(out, want), (out.float() - want.float()).abs().max()
 
 
 def test_layer_bad_weights_name_the_argument():
     H, I = 64, 32
-    w13, w2 = _fp8((E, 2 * I, H), seed=1, block=(32, 32)), _fp8((E, H, I), seed=2, block=(32, 32))
+    w13, w2 = fp8_weight((E, 2 * I, H), seed=1, block=(32, 32)), fp8_weight((E, H, I), seed=2, block=(32, 32))
     kw = dict(top_k=K_TOP, num_adapters=L, max_rank=R, max_tokens=8, dtype=F32)
     with pytest.raises(ValueError, match=r"^w2 must be an FP8BlockWeight like w13"):
         MoELoRALayer(w13, _dense(w2, F32), **kw)
@@ -260,10 +207,10 @@ def test_layer_bad_weights_name_the_argument():
         MoELoRALayer(_dense(w13, F32), w2, **kw)
     # dense shapes that disagree: named as for dense weights
     with pytest.raises(ValueError, match=r"^w2 must have shape \[E, H, I\] = \(4, 64, 32\)"):
-        MoELoRALayer(w13, _fp8((E, H, 64), seed=3, block=(32, 32)), **kw)
+        MoELoRALayer(w13, fp8_weight((E, H, 64), seed=3, block=(32, 32)), **kw)
     # a scale block of 24 columns: no K step of 16 or more reads a single scale column
     with pytest.raises(ValueError, match=r"^w2\.block = \(32, 24\): the scale block's 24 columns"):
-        MoELoRALayer(w13, _fp8((E, H, I), seed=2, block=(32, 24)), **kw)
+        MoELoRALayer(w13, fp8_weight((E, H, I), seed=2, block=(32, 24)), **kw)
     # e4m3 codes strided along K
     wide = torch.zeros(E, H, 2 * I, dtype=torch.float8_e4m3fn)[..., ::2]
     strided = FP8BlockWeight(wide, w2.scale_inv, w2.block)
@@ -282,14 +229,8 @@ def test_fused_moe_lora_takes_fp8_weights(device, stage):
         pytest.skip("CPU interpreter test (fp16/fp32)")
     dt, H, I = F16, 64, 32
     f8, dense, (w13, w2) = _layers(dt, stage, "swigluoai", 1, True, H, I, (16, 16))
-    g = torch.Generator().manual_seed(11)
     T = 6
-    x = torch.randn(T, H, generator=g).to(dt)
-    tw, ti = route_reference(torch.randn(T, E, generator=g), K_TOP)
-    tw, ti = tw.float(), ti.to(torch.int32)
-    ids = torch.tensor([0, -1, 1, 2, 0, 1], dtype=torch.int32)
-    slots = (f8.lora_a13, f8.lora_b13, f8.lora_a2, f8.lora_b2)
-    kw = dict(activation="swigluoai", b13=f8.b13, b2=f8.b2, stage=stage)
+    x, tw, ti, ids, slots, kw = functional_args(f8, "swigluoai", stage, T, H, dt)
     out = fused_moe_lora(x, w13, w2, tw, ti, ids, *slots, **kw)
     assert out.dtype == dt and out.shape == (T, H)
     assert torch.equal(out, f8(x, topk_weights=tw, topk_ids=ti, lora_ids=ids))
@@ -300,58 +241,15 @@ def test_fused_moe_lora_takes_fp8_weights(device, stage):
     with pytest.raises(ValueError, match=r"^w2 must be an FP8BlockWeight like w13"):
         fused_moe_lora(x, w13, _dense(w2, dt), tw, ti, ids, *slots, **kw)
     with pytest.raises(ValueError, match=r"^w2 .*I=32"):  # w2 of I = 64 where the rest says 32
-        fused_moe_lora(x, w13, _fp8((E, H, 64), seed=5, block=(16, 16)), tw, ti, ids, *slots, **kw)
+        fused_moe_lora(x, w13, fp8_weight((E, H, 64), seed=5, block=(16, 16)), tw, ti, ids, *slots, **kw)
 
 
 # --------------------------------------------------------------------------------------------------
 # sm_90: the FP8 variants compile (no GPU)
 # --------------------------------------------------------------------------------------------------
-def fp8_sm90_report(T: int = 64) -> dict:
-    """{launch: {"W_FP8", "mma", "REG", "LOCAL"}} of the four base GEMM launches (stage tuned's
-    base_gate_up / base_down, stage fused's fused_gate_up / fused_down) on block-FP8 weights (block
-    (128, 128), fp32 scales) at qwen3-30b-a3b sizes (silu, bf16 activations, default configs lowered by
-    fp8_config), compiled for sm_90. Meta tensors; run in a process without the interpreter
-    (:func:`~moelora_lib.studies.compile_check.run_isolated`)."""
-    from moelora_lib.kernels.fused import fused_default_config
-    from moelora_lib.kernels.stages import LayerRun, default_config
-    from moelora_lib.shapes import Dims, get_shape
-    from moelora_lib.studies import compile_check as cc
-
-    d = Dims.of(get_shape("qwen3-30b-a3b"), T, rank=32, adapters=8)
-
-    def meta(*shape, dtype=torch.bfloat16):
-        return torch.empty(*shape, dtype=dtype, device="meta")
-
-    def packed(N, Kd):
-        grid = (d.E, -(-N // 128), -(-Kd // 128))
-        return FP8BlockWeight(meta(d.E, N, Kd, dtype=torch.float8_e4m3fn), meta(*grid, dtype=torch.float32))
-
-    topk_ids, lora_ids = cc._routing(T, d.E, d.top_k, d.adapters)
-    t = cc._layer_tensors(d, meta, has_bias=False)
-    t |= dict(w13=packed(2 * d.I, d.H), w2=packed(d.H, d.I))
-    out = {}
-    for stage, ops, cfg in (
-        ("tuned", ("base_gate_up", "base_down"), default_config(d)),
-        ("fused", ("fused_gate_up", "fused_down"), fused_default_config(d)),
-    ):
-        run = LayerRun(
-            STAGES[stage], **t, topk_weights=meta(T, d.top_k, dtype=torch.float32), topk_ids=topk_ids,
-            lora_ids=lora_ids, activation="silu", config=fp8_config(cfg, 128),
-        )  # fmt: skip
-        for op in ops:
-            la = run.launch_args(op)
-            k = cc._compile_launch(la)
-            ru = cc.resource_usage(k)
-            tc = cc.tensor_core_ops(cc.ptx(k))
-            mma = tc["mma_sync"] + tc["wgmma"]
-            out[op] = dict(W_FP8=la.constexprs["W_FP8"], mma=mma, REG=ru["REG"], LOCAL=ru["LOCAL"])
-    return out
-
-
 def test_fp8_variants_compile_for_sm90():
-    from moelora_lib.studies.compile_check import run_isolated
-
-    (r,) = run_isolated([dict(op="tests.test_fp8_moe:fp8_sm90_report")], timeout=300)
+    # the base GEMM launches on block-FP8 weights at qwen3-30b-a3b T = 64 (quant_helpers.fp8_sm90_report)
+    r = sm90_report(FP8_SM90)
     print(f"\nFP8 base GEMMs, sm_90, qwen3-30b-a3b T=64: {r}")
     assert set(r) == {"base_gate_up", "base_down", "fused_gate_up", "fused_down"}
     for op, v in r.items():

@@ -26,6 +26,25 @@ from __future__ import annotations
 
 import pytest
 import torch
+from quant_helpers import (
+    DT_IDS,
+    F16,
+    F32,
+    K_TOP,
+    SPLIT_DOWN,
+    W8A8_SM90,
+    E,
+    L,
+    R,
+    adapted_layers,
+    fp8_experts,
+    fp8_weight,
+    gemm_inputs,
+    gemm_reference,
+    layer_inputs,
+    layer_reference,
+    sm90_report,
+)
 
 from moelora_lib import fused_moe_lora
 from moelora_lib.kernels import STAGES
@@ -35,12 +54,9 @@ from moelora_lib.kernels.launchers import fused_moe_gemm
 from moelora_lib.kernels.stages import LayerRun, w8a8_config
 from moelora_lib.layer import MoELoRALayer
 from moelora_lib.quant import FP8BlockWeight, MXFP4Weight, quantize_fp8_act_reference
-from moelora_lib.reference import activation_reference, moe_lora_reference, route_reference
+from moelora_lib.reference import activation_reference
 from moelora_lib.routing import align_tokens
 from moelora_lib.testing import assert_close_rel
-
-F32, F16 = torch.float32, torch.float16
-DT_IDS = {F32: "fp32", F16: "fp16"}
 
 
 def _bits_equal(got: tuple, want: tuple) -> None:
@@ -132,11 +148,6 @@ def test_quant_kernel_bad_input_names_the_argument():
 # --------------------------------------------------------------------------------------------------
 # oracles
 # --------------------------------------------------------------------------------------------------
-def _fp8(shape, seed, block, scale=0.1) -> FP8BlockWeight:
-    g = torch.Generator().manual_seed(seed)
-    return FP8BlockWeight.quantize(torch.randn(*shape, generator=g) * scale, block)
-
-
 def _exact(w: FP8BlockWeight) -> torch.Tensor:
     """The weights in float64, each e4m3 value times its block scale exactly (4 + 24 significant bits)."""
     bn, bk = w.block
@@ -189,33 +200,17 @@ def _w8a8_layer_oracle(x, w13, w2, tw, ti, ids, layer, act) -> torch.Tensor:
     ],
 )
 def test_w8a8_gemm_vs_oracle(dt, K, bk, block, group, down):
-    E, N, T, top_k = 4, 48, 9, 2  # N = 48: a ragged last N tile of 32
-    w = _fp8((E, N, K), seed=K + bk, block=block)
-    g = torch.Generator().manual_seed(1)
-    topk = torch.stack([torch.randperm(E, generator=g)[:top_k] for _ in range(T)]).to(torch.int32)
-    align = align_tokens(topk, E, 16)
-    rows = T * top_k if down else T
-    x = torch.randn(rows, K, generator=g).to(dt)
+    w = fp8_weight((E, 48, K), seed=K + bk, block=block)  # N = 48: a ragged last N tile of 32
+    topk, align, x, kw, out = gemm_inputs(w, dt, down)
     x[0, :group] = 0.0  # an all-zero group (scale 1)
-    xa = FP8Activations.quantize(x, group)
-    kw = dict(rows_div=1 if down else top_k)
-    if down:
-        kw |= dict(
-            bias=(torch.randn(E, N, generator=g) * 0.1).to(dt),
-            topk_weights=torch.rand(T * top_k, generator=g),
-        )
-    out = torch.full((T * top_k, N), 1234.5, dtype=dt)
-    fused_moe_gemm(xa, w, out, align, OpConfig(16, 32, bk), **kw)
-    ref = _act64(x, group)[torch.arange(T * top_k) // kw["rows_div"]]
-    ref = torch.einsum("pk,pnk->pn", ref, _exact(w)[topk.reshape(-1).long()])
-    if down:
-        ref = (ref + kw["bias"].double()[topk.reshape(-1).long()]) * kw["topk_weights"].double()[:, None]
+    fused_moe_gemm(FP8Activations.quantize(x, group), w, out, align, OpConfig(16, 32, bk), **kw)
+    ref = gemm_reference(_act64(x, group), _exact(w), topk, kw)
     assert_close_rel(out, ref, tol=1e-5 if dt == F32 else 2.0**-10)
 
 
 def test_w8a8_gemm_refusals_name_the_argument():
     E, N, K, T = 2, 32, 64, 3
-    w = _fp8((E, N, K), seed=0, block=(16, 64))
+    w = fp8_weight((E, N, K), seed=0, block=(16, 64))
     align = align_tokens(torch.zeros(T, 1, dtype=torch.int32), E, 16)
     out = torch.empty(T, N)
     xa = FP8Activations.quantize(torch.randn(T, K), 32)
@@ -248,46 +243,18 @@ def test_w8a8_config_block_size_k():
 # --------------------------------------------------------------------------------------------------
 # the layer and the functional API
 # --------------------------------------------------------------------------------------------------
-E, K_TOP, L, R = 4, 2, 3, 16
-
-
 def _layer(dt, stage, act, S, bias, H, I, block, scheme, config=None, **kw):
     """An FP8 layer with adapters in slots 0 (rank R) and 1 (rank 8); slot 2 stays empty."""
-    w13, w2 = _fp8((E, 2 * I, H), seed=H + I, block=block), _fp8((E, H, I), seed=H * I, block=block)
-    g = torch.Generator().manual_seed(7)
-    b13 = (torch.randn(E, 2 * I, generator=g) * 0.1).to(dt) if bias else None
-    b2 = (torch.randn(E, H, generator=g) * 0.1).to(dt) if bias else None
-    layer = MoELoRALayer(
-        w13, w2, dtype=dt, top_k=K_TOP, num_adapters=L, max_rank=R, max_tokens=40, slices=S, b13=b13,
-        b2=b2, activation=act, stage=stage, config=config, activation_scheme=scheme, **kw,
-    )  # fmt: skip
-    for slot, r in ((0, R), (1, 8)):
-        gu = (
-            (torch.randn(E, S, r, H, generator=g) * 0.1).to(dt),
-            (torch.randn(E, S, 2 * I // S, r, generator=g) * 0.1).to(dt),
-        )
-        dn = (
-            (torch.randn(E, r, I, generator=g) * 0.1).to(dt),
-            (torch.randn(E, H, r, generator=g) * 0.1).to(dt),
-        )
-        layer.load_adapter(slot, gate_up=gu, down=dn, scaling=0.5 + slot)
+    w13, w2 = fp8_experts(H, I, block)
+    (layer,) = adapted_layers(w13, w2, dt, stage, act, S, bias, config, activation_scheme=scheme, **kw)
     return layer, (w13, w2)
 
 
-def _inputs(T, H, dt, seed):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, H, generator=g).to(dt)
-    tw, ti = route_reference(torch.randn(T, E, generator=g), K_TOP)
-    ids = (torch.arange(T, dtype=torch.int32) % (L + 1)) - 1  # -1, 0, 1, 2 (empty slot), -1, ...
-    return x, tw.float(), ti.to(torch.int32), ids
-
-
-_SPLIT = LayerConfig(OpConfig(16, 32, 32), OpConfig(16, 32, 32, 1, 2), *[OpConfig(16, 32, 32)] * 4)
 # (dtype, stage, activation, S, bias, H, I, block, config)
 LAYER_CASES = [
     (F32, "naive", "silu", 2, False, 64, 64, (32, 64), None),  # EVEN_K, K steps of 64, a delta buffer
     (F16, "fused", "swigluoai", 1, True, 96, 80, (40, 64), None),  # ragged groups (96 = 64 + 32), masked
-    (F16, "fused", "swigluoai", 1, True, 64, 64, (16, 32), _SPLIT),  # split-K down GEMM (two K programs)
+    (F16, "fused", "swigluoai", 1, True, 64, 64, (16, 32), SPLIT_DOWN),  # split-K down GEMM (two K programs)
 ]
 
 
@@ -304,16 +271,13 @@ def test_layer_w8a8_vs_oracles(device, dt, stage, act, S, bias, H, I, block, con
     assert layer.activation_scheme_for(T) == "dynamic"
     cfg = layer.config_for(T)
     assert cfg.base_gate_up.BLOCK_SIZE_K >= 32 and block[1] % cfg.base_down.BLOCK_SIZE_K == 0
-    x, tw, ti, ids = _inputs(T, H, dt, seed=T)
+    x, tw, ti, ids = layer_inputs(T, H, dt, seed=T)
     out = layer(x, topk_weights=tw, topk_ids=ti, lora_ids=ids)
     assert out.dtype == dt and out.shape == (T, H)
     assert_close_rel(out, _w8a8_layer_oracle(x, w13, w2, tw, ti, ids, layer, act), dt)
-    ref = moe_lora_reference(
-        x, w13.dequantize(F32), w2.dequantize(F32), tw, ti, ids, layer.lora_a13, layer.lora_b13,
-        layer.lora_a2, layer.lora_b2, activation=act, b13=layer.b13, b2=layer.b2,
-    )  # fmt: skip
+    ref = layer_reference(layer, x, w13, w2, tw, ti, ids, act)
     assert_close_rel(out, ref, tol=2.0**-3, what="W8A8 vs the unquantized reference")
-    assert cfg.base_down.SPLIT_K == (2 if config is _SPLIT else 1)
+    assert cfg.base_down.SPLIT_K == (2 if config is SPLIT_DOWN else 1)
 
 
 def test_layer_w8a8_rows_without_adapters_and_functional(device):
@@ -323,7 +287,7 @@ def test_layer_w8a8_rows_without_adapters_and_functional(device):
         pytest.skip("CPU interpreter test (fp16/fp32)")
     dt, H, I = F16, 64, 32
     layer, (w13, w2) = _layer(dt, "tuned", "silu", 2, True, H, I, (32, 32), "dynamic")
-    x, tw, ti, ids = _inputs(9, H, dt, seed=3)
+    x, tw, ti, ids = layer_inputs(9, H, dt, seed=3)
     out = layer(x, topk_weights=tw, topk_ids=ti, lora_ids=ids)
     base = layer(x, topk_weights=tw, topk_ids=ti, lora_ids=torch.full_like(ids, -1))
     none = (ids == -1) | (ids == 2)
@@ -357,7 +321,7 @@ def test_layer_auto_scheme_per_T(device, monkeypatch):
     auto.W8A8_MIN_TOKENS = 6
     assert [auto.activation_scheme_for(T) for T in (1, 5, 6, 40)] == ["weight_only"] * 2 + ["dynamic"] * 2
     fixed, _ = _layer(dt, "tuned", "silu", 2, False, H, I, (32, 32), "dynamic")
-    x, tw, ti, ids = _inputs(6, H, dt, seed=6)
+    x, tw, ti, ids = layer_inputs(6, H, dt, seed=6)
     out = auto(x, topk_weights=tw, topk_ids=ti, lora_ids=ids)
     assert torch.equal(out, fixed(x, topk_weights=tw, topk_ids=ti, lora_ids=ids))
     assert "activation_scheme='auto'" in repr(auto)
@@ -376,7 +340,7 @@ def test_layer_auto_scheme_per_T(device, monkeypatch):
 
 def test_activation_scheme_refusals_name_the_argument():
     H, I = 64, 32
-    w13, w2 = _fp8((E, 2 * I, H), seed=1, block=(32, 32)), _fp8((E, H, I), seed=2, block=(32, 32))
+    w13, w2 = fp8_weight((E, 2 * I, H), seed=1, block=(32, 32)), fp8_weight((E, H, I), seed=2, block=(32, 32))
     kw = dict(top_k=K_TOP, num_adapters=L, max_rank=R, max_tokens=8)
     with pytest.raises(ValueError, match=r"^activation_scheme must be one of \['auto', 'weight_only', 'dyn"):
         MoELoRALayer(w13, w2, dtype=F32, activation_scheme="static", **kw)
@@ -389,7 +353,7 @@ def test_activation_scheme_refusals_name_the_argument():
         ValueError, match=r"^activation_scheme 'dynamic' \(W8A8\) does not run in stage 'gemv'"
     ):
         MoELoRALayer(w13, w2, dtype=F32, activation_scheme="dynamic", stage="gemv", **kw)
-    n13, n2 = _fp8((E, 2 * I, H), seed=1, block=(32, 16)), _fp8((E, H, I), seed=2, block=(32, 16))
+    n13, n2 = fp8_weight((E, 2 * I, H), seed=1, block=(32, 16)), fp8_weight((E, H, I), seed=2, block=(32, 16))
     with pytest.raises(ValueError, match=r"^activation_scheme 'dynamic' \(W8A8\): the scale block's 16 col"):
         MoELoRALayer(n13, n2, dtype=F32, activation_scheme="dynamic", **kw)
     # the functional API: the same checks, before anything runs (T = 0 included)
@@ -416,101 +380,16 @@ def test_activation_scheme_refusals_name_the_argument():
         fused_moe_lora(x, w13, w2, tw, ti, ids, *slots, stage="gemv", activation_scheme="dynamic")
     # LayerRun takes the resolved scheme only
     with pytest.raises(ValueError, match=r"^activation_scheme must be 'weight_only' or 'dynamic'"):
-        LayerRun(STAGES["tuned"], x, w13, w2, tw, ti, ids, *slots, activation="silu", config=_SPLIT,
+        LayerRun(STAGES["tuned"], x, w13, w2, tw, ti, ids, *slots, activation="silu", config=SPLIT_DOWN,
                  activation_scheme="auto")  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------
 # sm_90: every W8A8 variant compiles to FP8 tensor-core code (no GPU)
 # --------------------------------------------------------------------------------------------------
-def w8a8_sm90_report() -> dict:
-    """{variant: {"A_FP8", "fp8_mma", "REG", "LOCAL", "BLOCK_SIZE_K"}} of the W8A8 base GEMM launches at
-    qwen3-30b-a3b sizes (block (128, 128) FP8 weights, bf16 activations, silu, default configs through
-    w8a8_config): stage tuned's base_gate_up / base_down and stage fused's fused_gate_up / fused_down at
-    T = 2048, stage fused's split-K down GEMM at T = 8; and the quantization kernel ("quant", K = 2048).
-    ``fp8_mma``: PTX tensor-core instructions on e4m3 operands; ``mma``: all tensor-core instructions.
-    Meta tensors; run without the interpreter
-    (:func:`~moelora_lib.studies.compile_check.run_isolated`)."""
-    import re
-
-    from moelora_lib.kernels.fp8_act import _quantize_fp8_act_kernel
-    from moelora_lib.kernels.fused import fused_default_config
-    from moelora_lib.kernels.stages import default_config
-    from moelora_lib.shapes import Dims, get_shape
-    from moelora_lib.studies import compile_check as cc
-
-    def meta(*shape, dtype=torch.bfloat16):
-        return torch.empty(*shape, dtype=dtype, device="meta")
-
-    def fp8_mma(ptx: str) -> int:
-        return len(re.findall(r"\b(?:wgmma\.mma_async|mma\.sync)\S*e4m3\.e4m3", ptx))
-
-    def mma(ptx: str) -> int:
-        return len(re.findall(r"\b(?:wgmma\.mma_async|mma\.sync)\b", ptx))
-
-    out = {}
-    prefill = (
-        ("tuned", "base_gate_up"),
-        ("tuned", "base_down"),
-        ("fused", "fused_gate_up"),
-        ("fused", "fused_down"),
-    )
-    for T, variants in ((2048, prefill), (8, (("fused", "fused_down"),))):
-        d = Dims.of(get_shape("qwen3-30b-a3b"), T, rank=32, adapters=8)
-
-        def packed(N, Kd, d=d):
-            grid = (d.E, -(-N // 128), -(-Kd // 128))
-            return FP8BlockWeight(meta(d.E, N, Kd, dtype=torch.float8_e4m3fn), meta(*grid, dtype=F32))
-
-        topk_ids, lora_ids = cc._routing(T, d.E, d.top_k, d.adapters)
-        t = cc._layer_tensors(d, meta, has_bias=False) | dict(w13=packed(2 * d.I, d.H), w2=packed(d.H, d.I))
-        for stage, op in variants:
-            cfg = default_config(d) if stage == "tuned" else fused_default_config(d)
-            if T == 8:  # the decode split of stage fused's down GEMM
-                cfg = cfg.replace(base_down=OpConfig(16, 64, 128, 1, 4, 4, 3))
-            run = LayerRun(
-                STAGES[stage], **t, topk_weights=meta(T, d.top_k, dtype=F32), topk_ids=topk_ids,
-                lora_ids=lora_ids, activation="silu", config=w8a8_config(cfg, 128),
-                activation_scheme="dynamic",
-            )  # fmt: skip
-            la = run.launch_args(op)
-            k = cc._compile_launch(la)
-            ru = cc.resource_usage(k)
-            name = op if T != 8 else f"{op}_split{la.constexprs['SPLIT_K']}"
-            out[name] = dict(
-                A_FP8=la.constexprs["A_FP8"], fp8_mma=fp8_mma(cc.ptx(k)), mma=mma(cc.ptx(k)), REG=ru["REG"],
-                LOCAL=ru["LOCAL"], BLOCK_SIZE_K=la.constexprs["BLOCK_SIZE_K"],
-                BLOCK_SIZE_M=la.constexprs["BLOCK_SIZE_M"],
-            )  # fmt: skip
-    T, Kd = 64, 2048
-    args = (
-        meta(T, Kd),
-        meta(T, Kd, dtype=torch.uint8),
-        meta(T, Kd // 128, dtype=F32),
-        T,
-        Kd,
-        Kd,
-        1,
-        Kd,
-        1,
-        16,
-        1,
-    )
-    k = cc.compile_for_sm90(_quantize_fp8_act_kernel, args, dict(GROUP=128, BLOCK_G=128, BLOCK_M=32), 4, None)
-    ptx = cc.ptx(k)
-    ru = cc.resource_usage(k)
-    out["quant"] = dict(
-        div_rn=len(re.findall(r"\bdiv\.rn\.f32\b", ptx)),
-        ftz=len(re.findall(r"\.ftz\b", ptx)),
-        LOCAL=ru["LOCAL"],
-    )
-    return out
-
-
 def test_w8a8_variants_compile_for_sm90():
-    from moelora_lib.studies.compile_check import run_isolated
-
-    (r,) = run_isolated([dict(op="tests.test_fp8_w8a8_moe:w8a8_sm90_report")], timeout=300)
+    # the W8A8 GEMM variants and the quantization kernel at qwen3-30b-a3b (quant_helpers.w8a8_sm90_report)
+    r = sm90_report(W8A8_SM90)
     print(f"\nW8A8 on sm_90, qwen3-30b-a3b: {r}")
     gemms = {"base_gate_up", "base_down", "fused_gate_up", "fused_down", "fused_down_split4"}
     assert set(r) == gemms | {"quant"}

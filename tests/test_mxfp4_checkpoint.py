@@ -19,18 +19,29 @@ weights take 4.25 bits each. Bad files are refused with a ValueError naming the 
 
 from __future__ import annotations
 
-import json
+import functools
 import shutil
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from quant_helpers import (
+    SIZES,
+    drop_keys,
+    hf_from_pretrained,
+    load_model,
+    peft_reference_rows,
+    replace_key,
+    save_dequantized_declaring,
+    save_peft_adapters,
+    write_config,
+    write_published,
+)
 from safetensors.torch import save_file
 from test_model_adapters import E2E_ATOL
 from test_model_base import _close, _ref_logits
 
-from moelora_lib.model import Generator, MultiLoRAModel, load_hf_checkpoint, load_peft_adapter
+from moelora_lib.model import Generator, MultiLoRAModel, load_peft_adapter
 from moelora_lib.model.modeling import packed_expert_formats, packed_expert_weight
 from moelora_lib.quant import MXFP4Weight, quantize_mxfp4
 from moelora_lib.testing import assert_close_rel
@@ -40,7 +51,6 @@ peft = pytest.importorskip("peft")
 convert_moe_packed_tensors = pytest.importorskip("transformers.integrations.mxfp4").convert_moe_packed_tensors
 
 V, H, I, E, TOPK, HEADS, KV, HD, WINDOW, NL = 96, 64, 32, 4, 2, 4, 2, 16, 4, 2
-SIZES = dict(num_adapters=2, max_rank=4, max_batch=3, max_seq=16, max_tokens=30)
 QUANT = {
     "quant_method": "mxfp4",
     "modules_to_not_convert": [
@@ -104,42 +114,16 @@ def _published_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
     return out
 
 
-def _write_config(folder: Path, **edits) -> None:
-    d = _hf_config().to_dict()
-    d["quantization_config"] = QUANT
-    d.update(edits)
-    (folder / "config.json").write_text(json.dumps(d))
-
-
 def _write_published(folder: Path, tensors: dict[str, torch.Tensor], sharded: bool = False) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    _write_config(folder)
-    if not sharded:
-        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-        return folder
-    names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
-    keys = sorted(tensors)  # alternate: blocks and scales of one projection land in different shards
-    weight_map = {k: names[i % 2] for i, k in enumerate(keys)}
-    assert any(
-        weight_map[k] != weight_map[k.replace("_blocks", "_scales")] for k in keys if k.endswith("_blocks")
-    )
-    for n in names:
-        save_file(
-            {k: tensors[k] for k in keys if weight_map[k] == n}, str(folder / n), metadata={"format": "pt"}
-        )
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
-    return folder
+    """A published folder (sharded: a projection's blocks and scales in different shards)."""
+    return write_published(folder, tensors, _hf_config(), QUANT, ("_blocks", "_scales"), sharded)
 
 
 def _hf_dequantized(folder: Path):
     """transformers' model from the published folder, experts dequantized by transformers, fp32."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return transformers.GptOssForCausalLM.from_pretrained(
-            str(folder), quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32
-        ).eval()
+    return hf_from_pretrained(
+        transformers.GptOssForCausalLM, folder, transformers.Mxfp4Config(dequantize=True)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -149,11 +133,6 @@ def published(tmp_path_factory):
     single = _write_published(root / "single", tensors)
     sharded = _write_published(root / "sharded", tensors, sharded=True)
     return {"tensors": tensors, "single": single, "sharded": sharded, "ref": _hf_dequantized(single)}
-
-
-def _load(folder, **kw) -> MultiLoRAModel:
-    kw = {"dtype": torch.float32, "device": "cpu", **SIZES, **kw}
-    return load_hf_checkpoint(folder, **kw)
 
 
 _IDS = torch.randint(0, V, (2, 10), generator=torch.Generator().manual_seed(1))  # 10 > WINDOW
@@ -166,7 +145,7 @@ _IDS = torch.randint(0, V, (2, 10), generator=torch.Generator().manual_seed(1)) 
 def test_dequantized_experts_bit_for_bit(published, layout):
     """w13 / w2 are convert_moe_packed_tensors' output transposed to rows = output features, bit for bit,
     and equal to the parameters transformers' Mxfp4Config(dequantize=True) builds; biases are the file's."""
-    model = _load(published[layout], dequantize=True)
+    model = load_model(published[layout], dequantize=True)
     ref = published["ref"]
     t = published["tensors"]
     for li in range(NL):
@@ -185,7 +164,7 @@ def test_dequantized_experts_bit_for_bit(published, layout):
 @pytest.mark.parametrize("layout", ["single", "sharded"])
 def test_logits_match_transformers_dequantized(published, layout):
     ref = published["ref"]
-    model = _load(published[layout], dequantize=True)
+    model = load_model(published[layout], dequantize=True)
     r = _ref_logits(ref, _IDS)
     out = model(_IDS, [0, 0], [-1, -1])
     _close(out, r, f"mxfp4 {layout} full prompt")
@@ -198,7 +177,7 @@ def test_logits_match_transformers_dequantized(published, layout):
 def test_float16_model_dequantizes_to_its_dtype(published):
     """dtype float16: the experts are dequantized straight to float16 (values of this file are exact
     there), equal to convert_moe_packed_tensors(dtype=float16); logits within the float16 table entry."""
-    model = _load(published["single"], dtype=torch.float16, dequantize=True)
+    model = load_model(published["single"], dtype=torch.float16, dequantize=True)
     t = published["tensors"]
     x = "model.layers.1.mlp.experts."
     oracle = convert_moe_packed_tensors(
@@ -241,39 +220,21 @@ ADAPTERS = {
 @pytest.fixture(scope="module")
 def adapters(published, tmp_path_factory):
     """PEFT adapters made on transformers' dequantized model (as GPT-OSS adapters are trained)."""
-    root = tmp_path_factory.mktemp("mxfp4_peft")
-    out = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for i, (name, kw) in enumerate(ADAPTERS.items()):
-            torch.manual_seed(200 + i)
-            pm = peft.get_peft_model(
-                _hf_dequantized(published["single"]), peft.LoraConfig(init_lora_weights=False, **kw)
-            )
-            pm.save_pretrained(str(root / name))
-            out[name] = root / name
-    return out
+    base = functools.partial(_hf_dequantized, published["single"])
+    return save_peft_adapters(base, ADAPTERS, tmp_path_factory.mktemp("mxfp4_peft"))
 
 
 def test_peft_adapters_mixed_batch_match_transformers_peft(published, adapters):
     B = 3
-    model = _load(published["sharded"], dequantize=True)
+    model = load_model(published["sharded"], dequantize=True)
     names = list(ADAPTERS)
     for slot, name in enumerate(names):
         load_peft_adapter(model, slot, adapters[name])
     ids = torch.randint(0, V, (B, 6), generator=torch.Generator().manual_seed(3))
     lora_ids = [0, -1, 1]  # adapter, none, other adapter
     ours = model(ids, [0] * B, lora_ids)
-    refs = []
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for row, slot in enumerate(lora_ids):
-            ref = _hf_dequantized(published["single"])
-            if slot >= 0:
-                ref = peft.PeftModel.from_pretrained(ref, str(adapters[names[slot]])).eval()
-            refs.append(ref(input_ids=ids[row : row + 1]).logits[0].float())
-    base = published["ref"](input_ids=ids[[0, 2]]).logits.float().detach()
-    assert not torch.allclose(refs[0], base[0], atol=1e-2) and not torch.allclose(refs[2], base[1], atol=1e-2)
+    base = functools.partial(_hf_dequantized, published["single"])
+    refs = peft_reference_rows(base, published["ref"], [adapters[n] for n in names], ids, lora_ids)
     for row, slot in enumerate(lora_ids):
         err = (ours[row] - refs[row]).abs().max().item()
         assert err <= E2E_ATOL, f"row {row} (slot {slot}): max |logits − transformers+PEFT| = {err:.3g}"
@@ -287,7 +248,7 @@ def test_default_keeps_experts_packed(published, dequantize):
     """dequantize=None (MoELoRALayer lists "mxfp4" in PACKED_FORMATS) and False: the experts are the
     file's blocks and scales as they are, w13 / w2 None; the biases are the file's."""
     assert "mxfp4" in packed_expert_formats()
-    model = _load(published["single"], dequantize=dequantize)
+    model = load_model(published["single"], dequantize=dequantize)
     t = published["tensors"]
     for li in range(NL):
         exp, x = model.layers[li].mlp.experts, f"model.layers.{li}.mlp.experts."
@@ -303,7 +264,7 @@ def test_packed_model_logits_close_to_dequantized(published):
     """The packed model's logits are the dequantize=True model's within 1e-5 (the kernels dot the same
     operand values, the packed ones summing the even and the odd K apart), full prompt and a decode step
     after a prefill; and transformers' within the table."""
-    packed, dense = _load(published["single"]), _load(published["single"], dequantize=True)
+    packed, dense = load_model(published["single"]), load_model(published["single"], dequantize=True)
     out = packed(_IDS, [0, 0], [-1, -1])
     assert_close_rel(out, dense(_IDS, [0, 0], [-1, -1]), tol=1e-5, what="packed vs dequantized full prompt")
     _close(out, _ref_logits(published["ref"], _IDS), "mxfp4 packed full prompt")
@@ -318,7 +279,7 @@ def test_packed_model_with_peft_adapters_close_to_dequantized(published, adapter
     """PEFT adapters loaded into the packed model (the layer's dtype, not its weights', sets theirs): a
     mixed batch (adapter, none, other adapter) within 1e-5 of the dequantized model's, and the same greedy
     generation."""
-    models = [_load(published["sharded"]), _load(published["sharded"], dequantize=True)]
+    models = [load_model(published["sharded"]), load_model(published["sharded"], dequantize=True)]
     for m in models:
         for slot, name in enumerate(ADAPTERS):
             load_peft_adapter(m, slot, adapters[name])
@@ -336,7 +297,7 @@ def test_packed_model_with_peft_adapters_close_to_dequantized(published, adapter
 def test_packed_memory_report_counts_packed_bytes(published):
     """Each MoE layer's memory_report counts the packed experts (blocks + scales: 4.25 bits per expert
     weight) and the fp32 biases, against 32 bits per weight dequantized."""
-    packed, dense = _load(published["single"]), _load(published["single"], dequantize=True)
+    packed, dense = load_model(published["single"]), load_model(published["single"], dequantize=True)
     n_w, bias = E * 3 * I * H, E * (2 * I + H) * 4
     for li in range(NL):
         rep = packed.layers[li].mlp.experts.memory_report()
@@ -351,7 +312,7 @@ def test_packed_memory_report_counts_packed_bytes(published):
 def test_packed_state_dict_round_trips(published):
     """A packed model's state_dict (``*.w13_blocks`` / ``*_scales`` in place of ``w13``) builds the same
     packed model; blocks without their scales are refused naming both keys."""
-    model = _load(published["single"])
+    model = load_model(published["single"])
     sd = model.state_dict()
     same = MultiLoRAModel(model.config, dtype=torch.float32, device="cpu", weights=sd, **SIZES)
     assert same.layers[1].mlp.experts.weight_format == "mxfp4"
@@ -369,35 +330,21 @@ _X0 = "model.layers.0.mlp.experts."
 _X1 = "model.layers.1.mlp.experts."
 
 
-def _drop(key):
-    def edit(t):
-        del t[key]
-
-    return edit
-
-
-def _replace(key, fn):
-    def edit(t):
-        t[key] = fn(t[key])
-
-    return edit
-
-
 BAD_FILES = {
-    "missing_scales": (None, _drop(f"{_X1}down_proj_scales"), rf"'{_X1}down_proj_scales' is missing"),
+    "missing_scales": (None, drop_keys(f"{_X1}down_proj_scales"), rf"'{_X1}down_proj_scales' is missing"),
     "scales_shape": (
         None,
-        _replace(f"{_X0}gate_up_proj_scales", lambda s: s[:, :, :1].contiguous()),
+        replace_key(f"{_X0}gate_up_proj_scales", lambda s: s[:, :, :1].contiguous()),
         rf"'{_X0}gate_up_proj_scales': shape \[4, 64, 1\] does not match its blocks .*expected \[4, 64, 2\]",
     ),
     "blocks_shape": (
         None,
-        _replace(f"{_X1}gate_up_proj_blocks", lambda b: b.reshape(E, 2 * I, 4, 8).contiguous()),
+        replace_key(f"{_X1}gate_up_proj_blocks", lambda b: b.reshape(E, 2 * I, 4, 8).contiguous()),
         rf"'{_X1}gate_up_proj_blocks': expected shape \[4, 64, 2, 16\], got \[4, 64, 4, 8\]",
     ),
     "blocks_dtype": (
         None,
-        _replace(f"{_X0}down_proj_blocks", lambda b: b.to(torch.int16)),
+        replace_key(f"{_X0}down_proj_blocks", lambda b: b.to(torch.int16)),
         rf"'{_X0}down_proj_blocks': MXFP4 blocks must be uint8, got I16",
     ),
     "k_not_multiple_of_32": (
@@ -433,34 +380,29 @@ def test_bad_files_refused_naming_the_key(published, case, tmp_path):
     if tensor_edit is not None:
         tensor_edit(tensors)
     save_file(tensors, str(folder / "model.safetensors"))
-    _write_config(folder, **(cfg_edits or {}))
+    write_config(folder, _hf_config(), QUANT, **(cfg_edits or {}))
     with pytest.raises(ValueError, match=match):
-        _load(folder)
+        load_model(folder)
 
 
 def test_dense_experts_under_mxfp4_config_refused(published, tmp_path):
     """A folder saved after transformers' dequantization (dense experts) that still declares mxfp4."""
-    published["ref"].save_pretrained(tmp_path / "dense")
-    cfg = json.loads((tmp_path / "dense" / "config.json").read_text())
-    assert "quantization_config" not in cfg  # transformers drops it when it saves dequantized weights
-    cfg["quantization_config"] = QUANT
-    (tmp_path / "dense" / "config.json").write_text(json.dumps(cfg))
+    folder = save_dequantized_declaring(published["ref"], tmp_path / "dense", QUANT)
     with pytest.raises(
         ValueError, match=r"declares quantization_config.quant_method 'mxfp4' but .*experts\.down_proj"
     ):
-        _load(tmp_path / "dense")
+        load_model(folder)
 
 
 def test_mxfp4_on_other_model_types_and_bad_flag_refused(published, tmp_path):
     cfg = transformers.Qwen3Config(
         vocab_size=V, hidden_size=H, num_hidden_layers=1, num_attention_heads=HEADS, num_key_value_heads=KV
-    ).to_dict()
-    cfg["quantization_config"] = QUANT
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    )
+    write_config(tmp_path, cfg, QUANT)
     with pytest.raises(ValueError, match=r"model_type 'gpt_oss' only, got model_type 'qwen3'"):
-        _load(tmp_path)
+        load_model(tmp_path)
     with pytest.raises(ValueError, match=r"dequantize must be a Python bool"):
-        _load(published["single"], dequantize="yes")
+        load_model(published["single"], dequantize="yes")
 
 
 def test_sharded_index_naming_a_missing_shard(published, tmp_path):
@@ -468,4 +410,4 @@ def test_sharded_index_naming_a_missing_shard(published, tmp_path):
     shutil.copytree(published["sharded"], folder)
     (folder / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(ValueError, match=r"names shard model-00002-of-00002.safetensors"):
-        _load(folder)
+        load_model(folder)

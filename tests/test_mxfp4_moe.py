@@ -17,6 +17,24 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from quant_helpers import (
+    DT_IDS,
+    F16,
+    F32,
+    K_TOP,
+    MXFP4_SM90,
+    SPLIT_DOWN,
+    E,
+    L,
+    R,
+    adapted_layers,
+    assert_gemm_equals_dense,
+    assert_layer_equals_dense,
+    functional_args,
+    layer_reference,
+    sm90_report,
+    split_down_outputs,
+)
 
 from moelora_lib import fused_moe_lora
 from moelora_lib.kernels import STAGES
@@ -26,12 +44,10 @@ from moelora_lib.kernels.stages import mxfp4_config
 from moelora_lib.kernels.triton_kernels import _mxfp4_w
 from moelora_lib.layer import MoELoRALayer
 from moelora_lib.quant.mxfp4 import MXFP4Weight, dequantize_mxfp4
-from moelora_lib.reference import moe_lora_reference, route_reference
+from moelora_lib.reference import route_reference
 from moelora_lib.routing import align_tokens
 from moelora_lib.testing import assert_close_rel
 
-F32, F16 = torch.float32, torch.float16
-DT_IDS = {F32: "fp32", F16: "fp16"}
 # packed vs the dequantized dense weights: the same products summed in another order (fp32: as the gemv MXFP4
 # tests; fp16: the outputs, rounded to fp16, may differ by a rounding)
 DENSE_TOL = {F32: 1e-5, F16: 2.0**-10}
@@ -109,30 +125,8 @@ def test_decode_every_code_and_scale_byte_is_exact():
     ],
 )
 def test_gemm_close_to_dequantized_dense(dt, K, bk, down):
-    E, N, T, top_k = 4, 48, 9, 2  # N = 48: a ragged last N tile of 32
-    w = _mx((E, N, K), seed=K)
-    g = torch.Generator().manual_seed(1)
-    topk = torch.stack([torch.randperm(E, generator=g)[:top_k] for _ in range(T)]).to(torch.int32)
-    align = align_tokens(topk, E, 16)
-    rows = T * top_k if down else T
-    x = torch.randn(rows, K, generator=g).to(dt)
-    kw = dict(rows_div=1 if down else top_k)
-    if down:
-        kw |= dict(
-            bias=(torch.randn(E, N, generator=g) * 0.1).to(dt),
-            topk_weights=torch.rand(T * top_k, generator=g),
-        )
-    cfg = OpConfig(16, 32, bk)
-    out = torch.full((T * top_k, N), 1234.5, dtype=dt)
-    dense_out = out.clone()
-    fused_moe_gemm(x, w, out, align, cfg, **kw)
-    fused_moe_gemm(x, _dense(w, dt), dense_out, align, cfg, **kw)
-    assert_close_rel(out, dense_out, tol=DENSE_TOL[dt], what="packed vs dequantized dense")
-    ref = x.double()[torch.arange(T * top_k) // kw["rows_div"]]
-    ref = torch.einsum("pk,pnk->pn", ref, w.dequantize(torch.float32).double()[topk.reshape(-1).long()])
-    if down:
-        ref = (ref + kw["bias"].double()[topk.reshape(-1).long()]) * kw["topk_weights"].double()[:, None]
-    assert_close_rel(out, ref, dt)
+    w = _mx((E, 48, K), seed=K)  # N = 48: a ragged last N tile of 32
+    assert_gemm_equals_dense(w, _dense(w, dt), dt, OpConfig(16, 32, bk), down, tol=DENSE_TOL[dt])
 
 
 @pytest.mark.parametrize("dt", [F32, F16], ids=DT_IDS.get)
@@ -184,31 +178,10 @@ def test_gemm_bad_inputs_name_the_argument():
 # --------------------------------------------------------------------------------------------------
 # the layer
 # --------------------------------------------------------------------------------------------------
-E, K_TOP, L, R = 4, 2, 3, 16
-
-
 def _layers(dt, stage, act, S, bias, H, I, config=None):
     """(MXFP4 layer, the same layer on the dequantized dense weights), the same adapters in slots 0, 1."""
     w13, w2 = _mx((E, 2 * I, H), seed=H + I), _mx((E, H, I), seed=H * I)
-    g = torch.Generator().manual_seed(7)
-    b13 = (torch.randn(E, 2 * I, generator=g) * 0.1).to(dt) if bias else None
-    b2 = (torch.randn(E, H, generator=g) * 0.1).to(dt) if bias else None
-    kw = dict(top_k=K_TOP, num_adapters=L, max_rank=R, max_tokens=40, slices=S, b13=b13, b2=b2)
-    kw |= dict(activation=act, stage=stage, config=config)
-    mx = MoELoRALayer(w13, w2, dtype=dt, **kw)
-    dense = MoELoRALayer(_dense(w13, dt), _dense(w2, dt), **kw)
-    for slot, r in ((0, R), (1, 8)):  # slot 2 stays empty: its tokens get the base only
-        gu = (
-            (torch.randn(E, S, r, H, generator=g) * 0.1).to(dt),
-            (torch.randn(E, S, 2 * I // S, r, generator=g) * 0.1).to(dt),
-        )
-        dn = (
-            (torch.randn(E, r, I, generator=g) * 0.1).to(dt),
-            (torch.randn(E, H, r, generator=g) * 0.1).to(dt),
-        )
-        for layer in (mx, dense):
-            layer.load_adapter(slot, gate_up=gu, down=dn, scaling=0.5 + slot)
-    return mx, dense, (w13, w2)
+    return *adapted_layers(w13, w2, dt, stage, act, S, bias, config, dense=_dense), (w13, w2)
 
 
 # (dtype, stage, activation, S, bias, H, I): H and I multiples of 32
@@ -231,20 +204,8 @@ def test_layer_close_to_dequantized_dense_layer(device, dt, stage, act, S, bias,
         pytest.skip("CPU interpreter test (fp16/fp32)")
     mx, dense, (w13, w2) = _layers(dt, stage, act, S, bias, H, I)
     for T in (1, 33):  # a decode token; 66 pairs with ragged last blocks
-        g = torch.Generator().manual_seed(T)
-        x = torch.randn(T, H, generator=g).to(dt)
-        tw, ti = route_reference(torch.randn(T, E, generator=g), K_TOP)
-        ids = (torch.arange(T, dtype=torch.int32) % (L + 1)) - 1  # -1, 0, 1, 2 (empty slot), -1, ...
-        out = mx(x, topk_weights=tw.float(), topk_ids=ti.to(torch.int32), lora_ids=ids)
-        want = dense(x, topk_weights=tw.float(), topk_ids=ti.to(torch.int32), lora_ids=ids)
-        assert out.dtype == dt and out.shape == (T, H)
         # the same operand values; the packed base GEMMs sum the even and the odd K apart
-        assert_close_rel(out, want, tol=DENSE_TOL[dt], what=f"T={T}: packed vs dequantized dense layer")
-        ref = moe_lora_reference(
-            x, w13.dequantize(torch.float32), w2.dequantize(torch.float32), tw, ti, ids,
-            mx.lora_a13, mx.lora_b13, mx.lora_a2, mx.lora_b2, activation=act, b13=mx.b13, b2=mx.b2,
-        )  # fmt: skip
-        assert_close_rel(out, ref, dt)
+        assert_layer_equals_dense(mx, dense, w13, w2, act, T, H, dt, tol=DENSE_TOL[dt])
 
 
 def test_layer_block_size_k_16_is_raised_and_packed_parameters():
@@ -272,21 +233,11 @@ def test_layer_block_size_k_16_is_raised_and_packed_parameters():
 def test_layer_fused_split_down(dt):
     # stage fused's down GEMM split over K (decode): I = 64 in two K steps of 32, one per program, each
     # decoding its own scale block (the split's byte and scale offsets); the dense layer's result
-    op = OpConfig(16, 32, 32)
-    cfg = LayerConfig(op, OpConfig(16, 32, 32, 1, 2), op, op, op, op)
-    mx, dense, (w13, w2) = _layers(dt, "fused", "swigluoai", 1, True, 64, 64, config=cfg)
-    assert mx.config_for(5).base_down.SPLIT_K == 2
-    g = torch.Generator().manual_seed(5)
-    x, logits = torch.randn(5, 64, generator=g).to(dt), torch.randn(5, E, generator=g)
-    ids = torch.tensor([0, -1, 1, 2, 0], dtype=torch.int32)
-    out, want = mx(x, logits, lora_ids=ids), dense(x, logits, lora_ids=ids)
+    mx, dense, (w13, w2) = _layers(dt, "fused", "swigluoai", 1, True, 64, 64, config=SPLIT_DOWN)
+    x, logits, ids, out, want = split_down_outputs(mx, dense, dt)
     assert_close_rel(out, want, tol=DENSE_TOL[dt], what="packed vs dequantized dense layer")
     tw, ti = route_reference(logits, K_TOP)
-    ref = moe_lora_reference(
-        x, w13.dequantize(torch.float32), w2.dequantize(torch.float32), tw, ti, ids,
-        mx.lora_a13, mx.lora_b13, mx.lora_a2, mx.lora_b2, activation="swigluoai", b13=mx.b13, b2=mx.b2,
-    )  # fmt: skip
-    assert_close_rel(out, ref, dt)
+    assert_close_rel(out, layer_reference(mx, x, w13, w2, tw, ti, ids, "swigluoai"), dt)
 
 
 def test_layer_bad_weights_name_the_argument():
@@ -327,14 +278,8 @@ def test_fused_moe_lora_takes_mxfp4_weights(device, stage):
         pytest.skip("CPU interpreter test (fp16/fp32)")
     dt, H, I = F16, 64, 32
     mx, dense, (w13, w2) = _layers(dt, stage, "swigluoai", 1, True, H, I)
-    g = torch.Generator().manual_seed(11)
     T = 6
-    x = torch.randn(T, H, generator=g).to(dt)
-    tw, ti = route_reference(torch.randn(T, E, generator=g), K_TOP)
-    tw, ti = tw.float(), ti.to(torch.int32)
-    ids = torch.tensor([0, -1, 1, 2, 0, 1], dtype=torch.int32)
-    slots = (mx.lora_a13, mx.lora_b13, mx.lora_a2, mx.lora_b2)
-    kw = dict(activation="swigluoai", b13=mx.b13, b2=mx.b2, stage=stage)
+    x, tw, ti, ids, slots, kw = functional_args(mx, "swigluoai", stage, T, H, dt)
     out = fused_moe_lora(x, w13, w2, tw, ti, ids, *slots, **kw)
     assert out.dtype == dt and out.shape == (T, H)
     assert torch.equal(out, mx(x, topk_weights=tw, topk_ids=ti, lora_ids=ids))
@@ -354,61 +299,9 @@ def test_fused_moe_lora_takes_mxfp4_weights(device, stage):
 # --------------------------------------------------------------------------------------------------
 # sm_90: the MXFP4 variants compile (no GPU)
 # --------------------------------------------------------------------------------------------------
-def mxfp4_sm90_report(T: int = 64) -> dict:
-    """{launch: {"W_MXFP4", "mma", "ftz", "REG", "LOCAL"}} of the four base GEMM launches (stage tuned's
-    base_gate_up / base_down, stage fused's fused_gate_up / fused_down) on MXFP4 weights at gpt-oss-20b
-    (swigluoai, biases, bf16 activations, default configs), compiled for sm_90. Meta tensors; run in a
-    process without the interpreter (:func:`~moelora_lib.studies.compile_check.run_isolated`)."""
-    import re
-
-    from moelora_lib.kernels import STAGES
-    from moelora_lib.kernels.fused import fused_default_config
-    from moelora_lib.kernels.stages import LayerRun, default_config
-    from moelora_lib.shapes import Dims, get_shape
-    from moelora_lib.studies import compile_check as cc
-
-    d = Dims.of(get_shape("gpt-oss-20b"), T, rank=32, adapters=8)
-
-    def meta(*shape, dtype=torch.bfloat16):
-        return torch.empty(*shape, dtype=dtype, device="meta")
-
-    def packed(N, Kd):
-        return MXFP4Weight(
-            meta(d.E, N, Kd // 32, 16, dtype=torch.uint8), meta(d.E, N, Kd // 32, dtype=torch.uint8)
-        )
-
-    topk_ids, lora_ids = cc._routing(T, d.E, d.top_k, d.adapters)
-    t = cc._layer_tensors(d, meta, has_bias=True)
-    t |= dict(w13=packed(2 * d.I, d.H), w2=packed(d.H, d.I))
-    out = {}
-    for stage, ops, cfg in (
-        ("tuned", ("base_gate_up", "base_down"), default_config(d)),
-        ("fused", ("fused_gate_up", "fused_down"), fused_default_config(d)),
-    ):
-        run = LayerRun(
-            STAGES[stage], **t, topk_weights=meta(T, d.top_k, dtype=torch.float32), topk_ids=topk_ids,
-            lora_ids=lora_ids, activation="swigluoai", config=mxfp4_config(cfg),
-        )  # fmt: skip
-        for op in ops:
-            la = run.launch_args(op)
-            k = cc._compile_launch(la)
-            ptx = cc.ptx(k)
-            ru = cc.resource_usage(k)
-            tc = cc.tensor_core_ops(ptx)
-            out[op] = dict(
-                W_MXFP4=la.constexprs["W_MXFP4"],
-                mma=tc["mma_sync"] + tc["wgmma"],
-                ftz=len(re.findall(r"\b(?:mul|fma|cvt)[\w.]*\.ftz\b", ptx)),
-                REG=ru["REG"],
-                LOCAL=ru["LOCAL"],
-            )
-    return out
-
-
 def test_mxfp4_variants_compile_for_sm90():
-    from moelora_lib.studies.compile_check import run_isolated
-
-    (r,) = run_isolated([dict(op="tests.test_mxfp4_moe:mxfp4_sm90_report")], timeout=300)
+    # the base GEMM launches on MXFP4 weights at gpt-oss-20b T = 64 (quant_helpers.mxfp4_sm90_report)
+    r = sm90_report(MXFP4_SM90)
     print(f"\nMXFP4 base GEMMs, sm_90, gpt-oss-20b T=64: {r}")
     assert set(r) == {"base_gate_up", "base_down", "fused_gate_up", "fused_down"}
     for op, v in r.items():

@@ -1259,34 +1259,11 @@ class Generator:
             raise ValueError(f"progress: expected True or False, got {progress!r}")
         t_call = time.perf_counter()
         state = self._sync_graphs_with_adapters()
-        ids, lora = self._validate(
-            prompts,
-            adapters,
-            max_new_tokens,
-            temperature,
-            top_k,
-            top_p,
-            seed,
-            eos_token_id,
-            eos_check_interval,
-            stream,
-            state,
-        )
+        # the options both _validate and _generate take, in their order
+        opts = (max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, eos_check_interval)
+        ids, lora = self._validate(prompts, adapters, *opts, stream, state)
         with self._running_call(lora):
-            res = self._generate(
-                t_call,
-                ids,
-                lora,
-                max_new_tokens,
-                temperature,
-                top_k,
-                top_p,
-                seed,
-                eos_token_id,
-                eos_check_interval,
-                progress,
-                stream,
-            )
+            res = self._generate(t_call, ids, lora, *opts, progress, stream)
         bad = [i for i, f in enumerate(res.non_finite) if f]
         if bad:
             warnings.warn(

@@ -95,7 +95,7 @@ def test_layer_w8a8_bf16_vs_oracles(stage, T):
         setattr(lay_cpu, n, getattr(layer, n).cpu())
     lay_cpu.b13 = lay_cpu.b2 = None
     lay_cpu.L = L
-    oracle = _w8a8_layer_oracle(*cpu[:1], w13.to("cpu"), w2.to("cpu"), *cpu[1:], lay_cpu, "silu")
+    oracle = _w8a8_layer_oracle(*cpu[:1], w13.to("cpu"), w2.to("cpu"), *cpu[1:], lay_cpu, "silu", stage)
     assert_close_rel(out, oracle, DT)
     ref = moe_lora_reference(
         x, w13.dequantize(torch.float32), w2.dequantize(torch.float32), tw, ti, ids, layer.lora_a13,

@@ -98,6 +98,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+#: 2^126: an e2m1 code placed in fp32 bits (exponent field 0 or 1–3) reads as its value times 2^-126.
+_TWO_POW_126 = tl.constexpr(2.0**126)
+
 
 @triton.jit
 def _pid_to_mn(pid, num_pid_m, num_pid_n, GROUP_SIZE_M: tl.constexpr):
@@ -144,8 +147,8 @@ def _mxfp4_w(wq_ptrs, ws_ptrs, offs_kb, offs_ks, k_left, EVEN_K: tl.constexpr):
     s = s.to(tl.int32)
     sf = tl.where(s == 0, 0x00400000, s << 23).to(tl.float32, bitcast=True)
     sf = tl.reshape(tl.broadcast_to(sf[:, None, :], (sf.shape[0], 16, sf.shape[1])), q.shape)  # per byte
-    lo = (((q & 8) << 28) | ((q & 7) << 22)).to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2^126
-    hi = (((q & 128) << 24) | ((q & 112) << 18)).to(tl.float32, bitcast=True) * 8.507059173023462e37
+    lo = (((q & 8) << 28) | ((q & 7) << 22)).to(tl.float32, bitcast=True) * _TWO_POW_126
+    hi = (((q & 128) << 24) | ((q & 112) << 18)).to(tl.float32, bitcast=True) * _TWO_POW_126
     return lo * sf, hi * sf
 
 

@@ -318,7 +318,7 @@ def lora_linear(
     *,
     slices,
     bias=None,
-    stage: str = "naive",
+    stage: str = "tuned",
     config: DenseLoRAConfig | None = None,
     check_values: bool = True,
     deterministic: bool = False,
@@ -343,9 +343,9 @@ def lora_linear(
         lora_ids: [T] int32/int64, slot of each token in [-1, L); -1 = no adapter (exactly the base).
         slices: output widths (N_0, ..., N_{S-1}), Σ = N_total, e.g. (q, k, v) = (4096, 512, 512).
         bias: [N_total] or None.
-        stage: a name in :data:`moelora_lib.kernels.STAGES` (its switches: length specialization,
-            split-K shrink, grouped order, EVEN_K, fused add). Not "auto" (the MoE layer's per-T
-            choice; the config files record none for the dense op): ValueError.
+        stage: a name in :data:`moelora_lib.kernels.STAGES`, default "tuned" (its switches: length
+            specialization, split-K shrink, grouped order, EVEN_K, fused add). Not "auto" (the MoE
+            layer's per-T choice; the config files record none for the dense op): ValueError.
         config: a :class:`~moelora_lib.kernels.dense_lora.DenseLoRAConfig`; None = stage ``tuned``:
             :func:`moelora_lib.configs.load_dense_config` (tuned files, else the defaults); the other
             stages: :func:`~moelora_lib.kernels.dense_lora.default_dense_config`.

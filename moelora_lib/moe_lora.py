@@ -255,7 +255,13 @@ def validate_moe_lora_inputs(
         ]
     )
     inter = two_i // 2
-    K = _agree([("topk_ids", size("topk_ids", 1)), ("topk_weights", size("topk_weights", 1))])
+    k_ids, k_weights = size("topk_ids", 1), size("topk_weights", 1)
+    if k_ids is not None and k_weights is not None and k_ids != k_weights:  # a tie: name both
+        raise ValueError(
+            f"topk_ids and topk_weights must have the same shape [T, K]: topk_ids has K={k_ids}, "
+            f"topk_weights has K={k_weights}"
+        )
+    K = _agree([("topk_ids", k_ids), ("topk_weights", k_weights)])
     L = _agree([(n, size(n, 0)) for n in ("lora_a13", "lora_b13", "lora_a2", "lora_b2")])
     R = _agree(
         [

@@ -93,10 +93,13 @@ def _copy_folder(src: Path, dst: Path) -> Path:
 def test_checkpoint_path_errors(files, tmp_path):
     with pytest.raises(ValueError, match="path must be a checkpoint folder.*NoneType"):
         _load(None)
-    with pytest.raises(ValueError, match="nowhere: no config.json"):
+    with pytest.raises(ValueError, match="checkpoint folder .*nowhere does not exist"):
         _load(tmp_path / "nowhere")
-    with pytest.raises(ValueError, match="no config.json"):
+    with pytest.raises(ValueError, match="checkpoint folder .*config.json is a file"):
         _load(files["ckpt"] / "config.json")  # a file, not the folder
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="empty: no config.json"):
+        _load(tmp_path / "empty")
 
 
 def _edit_config(files, tmp_path, text: str) -> Path:

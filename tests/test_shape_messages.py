@@ -147,3 +147,19 @@ def test_functional_shapes(name):
     msg = str(exc.value)
     assert msg.startswith(f"{name} must have shape {FUNC[name][1]}"), msg
     _shapes_in(msg, args[name].shape)
+
+
+def test_topk_k_mismatch_names_both_arguments():
+    """topk_ids and topk_weights with different K: a tie of two votes, so the message names both."""
+    import moelora_lib
+
+    g = torch.Generator().manual_seed(0)
+    T, H, I, E, L, R = 3, 16, 8, 4, 2, 4
+    x = torch.randn(T, H, generator=g)
+    w13, w2 = torch.randn(E, 2 * I, H, generator=g), torch.randn(E, H, I, generator=g)
+    tw, ti = torch.full((T, 2), 0.5), torch.zeros(T, 2, dtype=torch.int32)
+    ids = torch.zeros(T, dtype=torch.int32)
+    a13, b13 = torch.zeros(L, E, 2, R, H), torch.zeros(L, E, 2, I, R)
+    a2, b2 = torch.zeros(L, E, R, I), torch.zeros(L, E, H, R)
+    with pytest.raises(ValueError, match=r"topk_ids has K=1, topk_weights has K=2"):
+        moelora_lib.fused_moe_lora(x, w13, w2, tw, ti[:, :1], ids, a13, b13, a2, b2)

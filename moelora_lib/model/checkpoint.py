@@ -583,6 +583,9 @@ def load_hf_checkpoint(
     if not isinstance(path, (str, os.PathLike)):
         raise ValueError(f"path must be a checkpoint folder (str or os.PathLike), got {type(path).__name__}")
     path = Path(path)
+    if not path.is_dir():
+        why = "is a file" if path.exists() else "does not exist"
+        raise ValueError(f"path must be a checkpoint folder (config.json + *.safetensors): {path} {why}")
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise ValueError(f"{path}: no config.json")

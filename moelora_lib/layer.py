@@ -863,9 +863,8 @@ class MoELoRALayer(ops.OpLayer):
         n = gemv_scratch_numel(t_max, K, self.H, self.I, self.S, self.R)
         scratch = self._scratch.cached(("gemv",), torch.empty, n, dtype=torch.float32, device=x.device)
         w13, w2 = self.expert_weights()
-        lora = None
-        if ids13 is not None or ids2 is not None:
-            lora = (ids13, ids2, self.lora_a13, self.lora_b13, self.lora_a2, self.lora_b2)
+        # the slots go along even when no projection has a launch: lora_ids are checked against L
+        lora = (ids13, ids2, self.lora_a13, self.lora_b13, self.lora_a2, self.lora_b2)
         return gemv_moe_lora(
             x, w13, w2, topk_weights.contiguous(), topk_ids.contiguous(), activation=self.activation,
             config=cfg, b13=self.b13, b2=self.b2, lora_ids=lora_ids, lora=lora, scratch=scratch,

@@ -593,7 +593,8 @@ def gemv_moe_lora(
         lora_ids: [T] int32/int64, the adapter id of each token as given (ids outside [-1, L) give NaN
             rows); None = no adapters.
         lora: None (no LoRA launch) or ``(ids13, ids2, a13, bl13, a2, bl2)``: per-projection adapter ids
-            [T] (-1 where the token's slot does not cover that projection; None = no launch for it), the
+            [T] (-1 where the token's slot does not cover that projection; None = no launch for it; both
+            None: no LoRA launch, lora_ids still checked against L = a13.shape[0]), the
             slots a13 [L, E, S, R, H], bl13 [L, E, S, 2I/S, R], a2 [L, E, R, I], bl2 [L, E, H, R]
             (scaling folded into B; any R ≥ 1).
         scratch: flat float32 of at least :func:`gemv_scratch_numel` elements, or None (allocated).
@@ -623,10 +624,12 @@ def gemv_moe_lora(
             raise ValueError(
                 f"{name} is MXFP4: its GEMV's BLOCK_SIZE_K must be a multiple of 32, got {op.BLOCK_SIZE_K}"
             )
+    L_ids = 0  # the slot count lora_ids are checked against (NaN rows outside [-1, L_ids))
     if lora is not None:
         ids13, ids2, a13, bl13, a2, bl2 = lora
         L, S, R = a13.shape[0], a13.shape[2], a13.shape[3]
-        if ids13 is None and ids2 is None:
+        L_ids = L
+        if ids13 is None and ids2 is None:  # slots but no launch: ids are still checked against L
             lora = None
     if lora is None:
         ids13 = ids2 = None
@@ -722,7 +725,7 @@ def gemv_moe_lora(
         BLOCK_SIZE_R=r_p, **w2a[7], ORDERED=ordered, num_warps=dn.NUM_WARPS,
     )  # fmt: skip
     return topk_reduce(
-        y, topk_ids, E, lora_ids, L, check_ids=True, out=out, out_dtype=x.dtype, skip_remote=skip_remote
+        y, topk_ids, E, lora_ids, L_ids, check_ids=True, out=out, out_dtype=x.dtype, skip_remote=skip_remote
     )
 
 

@@ -155,6 +155,17 @@ FUSED_CONFIG_FIELD: dict[str, str] = {
 }
 
 
+def _stage_from_state(cls: type, state: dict) -> Stage:
+    """The registered stage equal to (cls, state), else a new one (a stage defined outside the
+    registry)."""
+    from . import AUTO_STAGE, GEMV_STAGE, STAGES
+
+    st = object.__new__(cls)
+    for k, v in state.items():
+        object.__setattr__(st, k, v)
+    return next((r for r in (*STAGES.values(), AUTO_STAGE, GEMV_STAGE) if r == st), st)
+
+
 @dataclass(frozen=True)
 class Stage:
     """Switches of one optimization stage.
@@ -182,6 +193,11 @@ class Stage:
     even_k: bool = False
     fused_add: bool = False
     fused_gemm: bool = False
+
+    def __reduce__(self):
+        # copy, deepcopy and pickle give back the registered stage object itself: the layer and the
+        # public call compare stages by identity (``stage is GEMV_STAGE``)
+        return (_stage_from_state, (type(self), dict(self.__dict__)))
 
     def uses_adapter_order(self, adapter_order: bool | None = None) -> bool:
         """Whether a layer of this stage builds its base alignment in adapter order

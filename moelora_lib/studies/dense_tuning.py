@@ -95,9 +95,7 @@ def projections(spec: str | Sequence[str]) -> list[Projection]:
     return out
 
 
-# ------------------------------------------------------------------------------------------------
-# Candidates
-# ------------------------------------------------------------------------------------------------
+# --- Candidates ---------------------------------------------------------------------------------------------
 def bm_candidates(T: int, L: int, max_bms: int = 2) -> list[int]:
     """BLOCK_SIZE_M candidates by tokens per adapter g = T/L: 16 (g ≤ 16), 16/32 (g ≤ 48), 32/64 (g ≤ 128),
     else 64/128; the largest ``max_bms`` of them plus the default's BM."""
@@ -173,9 +171,7 @@ def expand_candidates(
     return tuner.dedupe([c for c in raw if c is d or _smem_expand(c, elem) <= SMEM_LIMIT_BYTES], limit)
 
 
-# ------------------------------------------------------------------------------------------------
-# The plan: workloads, which ops they tune, the compiles
-# ------------------------------------------------------------------------------------------------
+# --- The plan: workloads, which ops they tune, the compiles -------------------------------------------------
 @dataclass
 class Workload:
     proj: Projection
@@ -339,9 +335,7 @@ def precompile(jobs: list[dict], n_proc: int, timeout_s: float, arch: int) -> di
     return dict(stats, wall_s=time.perf_counter() - t0)
 
 
-# ------------------------------------------------------------------------------------------------
-# One workload
-# ------------------------------------------------------------------------------------------------
+# --- One workload -------------------------------------------------------------------------------------------
 class _Inputs:
     """The tensors of one projection (up to the largest T), made once per (projection, R)."""
 
@@ -458,9 +452,7 @@ def _tune_workload(
     )
 
 
-# ------------------------------------------------------------------------------------------------
-# Arguments, the whole run, the command line
-# ------------------------------------------------------------------------------------------------
+# --- Arguments, the whole run, the command line -------------------------------------------------------------
 def _defaults(device, max_bms, max_cands, jobs) -> tuple[int, int, int]:
     """max_bms, max_cands, jobs with the device's defaults where None (CPU: 1, 2, 0; GPU: 2, 8, min(14,
     usable cpus − 2))."""

@@ -50,9 +50,7 @@ BUDGET_BM_NOTE = "budget spent: BM skipped"
 WARMUP_MS, REP_MS = 5.0, 20.0
 
 
-# ------------------------------------------------------------------------------------------------
-# Argument checks: ValueError naming the argument (``name`` None: no prefix, argparse adds the flag)
-# ------------------------------------------------------------------------------------------------
+# --- Argument checks: ValueError naming the argument (``name`` None: no prefix, argparse adds the flag) -----
 def _pfx(name: str | None) -> str:
     return f"{name}: " if name else ""
 
@@ -155,9 +153,7 @@ def check_models(models, name: str = "models") -> list:
         raise ValueError(f"{name}: {e}") from None
 
 
-# ------------------------------------------------------------------------------------------------
-# argparse types: a ValueError becomes argparse's error for the flag (exit code 2)
-# ------------------------------------------------------------------------------------------------
+# --- argparse types: a ValueError becomes argparse's error for the flag (exit code 2) -----------------------
 def arg_type(fn: Callable[[str], Any], name: str) -> Callable[[str], Any]:
     def parse(text: str):
         try:
@@ -252,7 +248,9 @@ def check_run(names, *, tokens, budget_s, device, dtype, out, csv_path, key_colu
         dt = (
             parse_dtype(dtype)
             if dtype is not None
-            else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+            else torch.bfloat16
+            if dev.type == "cuda"
+            else torch.float32
         )
     except ValueError as e:
         raise ValueError(f"{n_dt}: {e}") from None
@@ -263,9 +261,7 @@ def check_run(names, *, tokens, budget_s, device, dtype, out, csv_path, key_colu
     return dev, dt
 
 
-# ------------------------------------------------------------------------------------------------
-# Candidates, the trials CSV, timing
-# ------------------------------------------------------------------------------------------------
+# --- Candidates, the trials CSV, timing ---------------------------------------------------------------------
 def dedupe(cands: list[OpConfig], limit: int) -> list[OpConfig]:
     """``cands`` without repeats (first kept), at most ``limit``."""
     out: list[OpConfig] = []
@@ -456,9 +452,7 @@ def choose_bm(ranked, ops: Sequence[str], log: TrialLog, ids: dict, *, t0: float
     return {op: c for op, (_, c) in chosen.items()}
 
 
-# ------------------------------------------------------------------------------------------------
-# The JSON files and the loop over workloads
-# ------------------------------------------------------------------------------------------------
+# --- The JSON files and the loop over workloads -------------------------------------------------------------
 class ConfigFiles:
     """The JSON config files of ``ops`` in ``folder``, named ``name(gpu, op)`` (:mod:`moelora_lib.configs`
     format), read once, updated in memory (``data[op]``, :meth:`put`), saved atomically."""

@@ -48,9 +48,7 @@ BASE_BMS = (16, 32, 64, 128)
 GROUP_OPS = {"lora": LORA_OPS, "base": BASE_OPS}
 
 
-# ------------------------------------------------------------------------------------------------
-# Candidate lists (pruned by hand: the whole cartesian product is ~10^4 configs per op)
-# ------------------------------------------------------------------------------------------------
+# --- Candidate lists (pruned by hand: the whole cartesian product is ~10^4 configs per op) ------------------
 def _bms(choices: Sequence[int], rows: float, max_bms: int, dflt: int) -> list[int]:
     cap = max(16, 2 * next_pow2(math.ceil(rows)))  # more than 2x the rows per group is padding
     bms = [bm for bm in choices if bm <= cap][-max_bms:]
@@ -101,9 +99,7 @@ def base_op_candidates(bm: int, dflt: OpConfig, limit: int = 5) -> list[OpConfig
     return tuner.dedupe([d] + [OpConfig(bm, bn, bk, g, 1, w, st) for bn, bk, g, w, st in grid], limit)
 
 
-# ------------------------------------------------------------------------------------------------
-# One workload
-# ------------------------------------------------------------------------------------------------
+# --- One workload -------------------------------------------------------------------------------------------
 def tune_workload(shape: MoEShape, T: int, R: int, L: int, weights, device, log: tuner.TrialLog, *,
                   deadline: float = math.inf, max_bms: int = 2, max_cands: int = 6, t0: float | None = None,
                   groups: Sequence[str] = ("lora", "base")) -> dict[str, dict[str, OpConfig]]:  # fmt: skip
@@ -137,9 +133,7 @@ def tune_workload(shape: MoEShape, T: int, R: int, L: int, weights, device, log:
     return out
 
 
-# ------------------------------------------------------------------------------------------------
-# The whole run
-# ------------------------------------------------------------------------------------------------
+# --- The whole run ------------------------------------------------------------------------------------------
 def _put(files: tuner.ConfigFiles, s: MoEShape, T: int, R: int, L: int, group: str, cfgs) -> None:
     """The choices of one group into the files (the base keys do not depend on R, L or S)."""
     if group == "base":

@@ -34,7 +34,7 @@ from ..testing import TOLERANCES
 from ..workloads import adapter_ids
 from . import bench
 from .bench import free_memory
-from .moe_bench import W8A8_REL_TOL, check_tolerance  # noqa: F401 - W8A8_REL_TOL: one bound, MoE and dense
+from .moe_bench import W8A8_REL_TOL, check_tolerance, module_scheme  # noqa: F401 (db.W8A8_REL_TOL)
 
 #: What :func:`bench_projection` times: parts of one call, the LoRA part's launches, torch baselines.
 PARTS = ("base", "lora", "total")
@@ -63,12 +63,6 @@ def dequantized(inp: ProjectionInputs, weight: FP8BlockWeight) -> ProjectionInpu
     import dataclasses
 
     return dataclasses.replace(inp, weight=weight.dequantize(inp.dtype))
-
-
-def module_scheme(module: LoRALinear, T: int) -> str:
-    """The activation scheme of a LoRALinear's base GEMM at T tokens: its ``activation_scheme_for(T)``
-    ("dynamic" = W8A8, or "weight_only"; a dense weight runs "weight_only")."""
-    return module.activation_scheme_for(T)
 
 
 def projections(model: str | DenseModel) -> list[DenseProjection]:

@@ -372,15 +372,13 @@ class _Inputs:
         on the device (the fp64 tensors are GBs at T = 8192); inf for a non-finite output."""
         from ..kernels import STAGES
         from ..kernels.dense_lora import DenseLoRAConfig, dense_lora_add
+        from .dense_bench import _rel_err
 
         out = torch.zeros(T, sum(self.proj.slices), dtype=self.x.dtype, device=self.device)
         cfg = DenseLoRAConfig(shrink, expand, source="tuner")
         args = (STAGES[TUNE_STAGE], out, self.x[:T], self.a, self.b, align, cfg)
         dense_lora_add(*args, slices=self.proj.slices)
-        o = out.to(torch.float64)
-        if not bool(torch.isfinite(o).all()):
-            return math.inf
-        return float((o - ref).abs().max() / ref.abs().max().clamp_min(1e-30)) if ref.numel() else 0.0
+        return _rel_err(out, ref)
 
 
 def _tune_workload(

@@ -322,13 +322,12 @@ def schemes_at(model: MultiLoRAModel, T: int) -> dict[str, str]:
     """The activation schemes a forward of T tokens runs in ``model``'s first layer ("dynamic" = W8A8, or
     "weight_only"; dense weights run "weight_only"): expert_scheme (the MoE layer's; "none" on a dense
     model) and projection_scheme (the q|k|v projection's base GEMM)."""
-    from .dense_bench import module_scheme as linear_scheme
     from .moe_bench import module_scheme
 
     layer = model.layers[0]
     experts = getattr(layer.mlp, "experts", None)
     scheme = "none" if experts is None else module_scheme(experts, T)
-    return dict(expert_scheme=scheme, projection_scheme=linear_scheme(layer.self_attn.qkv_proj, T))
+    return dict(expert_scheme=scheme, projection_scheme=module_scheme(layer.self_attn.qkv_proj, T))
 
 
 #: The CSVs of notebook 11 (``data/11_<name>.csv``) and the function whose rows each holds.

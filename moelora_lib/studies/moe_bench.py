@@ -615,8 +615,9 @@ def bench_module(layer, inp: MoELoRAInputs, shape: MoEShape | str, *, parts: Seq
 
 
 def module_scheme(layer, T: int) -> str:
-    """The activation scheme a :class:`~moelora_lib.MoELoRALayer` runs at T tokens ("dynamic" = W8A8 or
-    "weight_only"): its ``activation_scheme_for(T)``."""
+    """The activation scheme a :class:`~moelora_lib.MoELoRALayer` or :class:`~moelora_lib.LoRALinear` runs
+    at T tokens ("dynamic" = W8A8 or "weight_only"; dense weights run "weight_only"): its
+    ``activation_scheme_for(T)``."""
     return layer.activation_scheme_for(T)
 
 

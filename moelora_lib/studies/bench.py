@@ -216,6 +216,26 @@ def time_fn(fn: Callable[[], Any], mode: str = "graph", device: Any = "cuda", wa
     return time_cuda(fn, mode=mode, flush_l2=flush_l2, warmup_ms=warmup_ms, rep_ms=rep_ms, min_reps=min_reps)
 
 
+def sync(device) -> None:
+    """``torch.cuda.synchronize()`` when ``device`` is a CUDA device; nothing on the CPU."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def free_memory(device) -> None:
+    """gc and, on a GPU, a synchronize and ``torch.cuda.empty_cache()`` (between models or projections)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    sync(device)
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def copy_bandwidth_floor_us(nbytes: float, tb_per_s: float = H200_COPY_TB_PER_S) -> float:
     """Lower bound in µs to move ``nbytes`` (read + written) at ``tb_per_s`` TB/s (default: the measured
     H200 device-to-device copy rate, :mod:`moelora_lib.hardware`). ValueError unless ``tb_per_s`` > 0."""

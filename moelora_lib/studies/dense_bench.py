@@ -14,7 +14,6 @@ us_p50 and floor_us µs. Letters: T tokens, H input width, N = Σ slices, S slic
 
 from __future__ import annotations
 
-import gc
 import math
 import os
 from collections.abc import Sequence
@@ -34,6 +33,8 @@ from ..shapes import DENSE_CPU_MODELS, DENSE_GPU_MODELS, DENSE_PRESETS, DenseMod
 from ..testing import TOLERANCES
 from ..workloads import adapter_ids
 from . import bench
+from .bench import free_memory
+from .moe_bench import W8A8_REL_TOL, check_tolerance, module_scheme  # noqa: F401 (db.W8A8_REL_TOL)
 
 #: What :func:`bench_projection` times: parts of one call, the LoRA part's launches, torch baselines.
 PARTS = ("base", "lora", "total")
@@ -46,10 +47,6 @@ TINY_MODELS: dict[str, DenseModel] = {m: DENSE_PRESETS[m] for m in DENSE_CPU_MOD
 #: Formats of a projection's base weight: "dense" (the activations' dtype) or "fp8" (block FP8,
 #: :class:`~moelora_lib.quant.FP8BlockWeight`, as the Qwen3 FP8 checkpoints publish it).
 WEIGHT_FORMATS = ("dense", "fp8")
-#: The relative error W8A8 may add against the weight-only result: each activation element rounded to e4m3
-#: (within 2^-4 relative) before the GEMM; as for the MoE layer (moe_bench.W8A8_REL_TOL) the checks allow
-#: 2^-3 of the output's scale (random rounding errors make it ~2^-4/√3 in practice).
-W8A8_REL_TOL = 2.0**-3
 
 
 def fp8_weight(inp: ProjectionInputs, block: tuple[int, int] = FP8_BLOCK) -> FP8BlockWeight:
@@ -66,12 +63,6 @@ def dequantized(inp: ProjectionInputs, weight: FP8BlockWeight) -> ProjectionInpu
     import dataclasses
 
     return dataclasses.replace(inp, weight=weight.dequantize(inp.dtype))
-
-
-def module_scheme(module: LoRALinear, T: int) -> str:
-    """The activation scheme of a LoRALinear's base GEMM at T tokens: its ``activation_scheme_for(T)``
-    ("dynamic" = W8A8, or "weight_only"; a dense weight runs "weight_only")."""
-    return module.activation_scheme_for(T)
 
 
 def projections(model: str | DenseModel) -> list[DenseProjection]:
@@ -190,9 +181,7 @@ def part_costs(proj: str | DenseProjection, T: int, *, rank: int = 32, adapters:
     return out
 
 
-# ------------------------------------------------------------------------------------------------
-# The timed callables
-# ------------------------------------------------------------------------------------------------
+# --- The timed callables ------------------------------------------------------------------------------------
 
 
 class LoRAPart:
@@ -336,9 +325,7 @@ def build_module(inp: ProjectionInputs, stage: str = "tuned", *, max_tokens: int
     return m
 
 
-# ------------------------------------------------------------------------------------------------
-# Benchmarks
-# ------------------------------------------------------------------------------------------------
+# --- Benchmarks ---------------------------------------------------------------------------------------------
 
 
 def _fields(inp: ProjectionInputs, T: int, pattern: str) -> dict[str, Any]:
@@ -509,10 +496,9 @@ def check_fp8_projection(inp: ProjectionInputs, T: int, weight: FP8BlockWeight, 
     none = ids < 0
     n_none = int(none.sum())
     form = module_scheme(mod, T)
-    tol = TOLERANCES[inp.dtype]
     r = dict(impl="module", stage=mod.stage.name, part="total", weight_format="fp8", activation_scheme=form)
     r |= dict(check="vs_reference", rel_err=_rel_err(out, ref), rel_err_vs_dense=_rel_err(out, dmod(x, ids)))
-    r |= dict(tol=max(tol, W8A8_REL_TOL) if form == "dynamic" else tol, delta_rel=delta_rel)
+    r |= dict(tol=check_tolerance(inp.dtype, form), delta_rel=delta_rel)
     r |= dict(no_adapter_rows=n_none, no_adapter_bitwise=bool(torch.equal(out[none], base[none])))
     return bench.result_row(**_fields(inp, T, pattern), **r)
 
@@ -530,9 +516,7 @@ def bench_alignment(T: int, *, block_size_m: int, adapters: int = 8, pattern: st
     return bench.result_row(**row, **tm, **{k: timing[k] for k in ("warmup_ms", "rep_ms", "min_reps")})
 
 
-# ------------------------------------------------------------------------------------------------
-# Correctness
-# ------------------------------------------------------------------------------------------------
+# --- Correctness --------------------------------------------------------------------------------------------
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -644,16 +628,7 @@ def check_in_subprocesses(projs: Sequence[str | DenseProjection], tokens: Sequen
     return [r for n in names for r in by_proj.get(n, [])]
 
 
-def free_memory(device) -> None:
-    """gc + ``torch.cuda.empty_cache()`` on a GPU (between projections: GBs of weights and graph pools)."""
-    gc.collect()
-    if torch.device(device).type == "cuda":
-        torch.cuda.empty_cache()
-
-
-# ------------------------------------------------------------------------------------------------
-# vLLM anchors, the summary and the targets
-# ------------------------------------------------------------------------------------------------
+# --- vLLM anchors, the summary and the targets --------------------------------------------------------------
 
 #: vLLM's dense multi-LoRA ops (``lora_shrink`` / ``lora_expand``) measured on the same H200.
 ANCHOR_FILE = bench.REPO_ROOT / "data" / "anchors" / "vllm_dense_lora_h200.csv"

@@ -95,9 +95,7 @@ def projections(spec: str | Sequence[str]) -> list[Projection]:
     return out
 
 
-# ------------------------------------------------------------------------------------------------
-# Candidates
-# ------------------------------------------------------------------------------------------------
+# --- Candidates ---------------------------------------------------------------------------------------------
 def bm_candidates(T: int, L: int, max_bms: int = 2) -> list[int]:
     """BLOCK_SIZE_M candidates by tokens per adapter g = T/L: 16 (g ≤ 16), 16/32 (g ≤ 48), 32/64 (g ≤ 128),
     else 64/128; the largest ``max_bms`` of them plus the default's BM."""
@@ -173,9 +171,7 @@ def expand_candidates(
     return tuner.dedupe([c for c in raw if c is d or _smem_expand(c, elem) <= SMEM_LIMIT_BYTES], limit)
 
 
-# ------------------------------------------------------------------------------------------------
-# The plan: workloads, which ops they tune, the compiles
-# ------------------------------------------------------------------------------------------------
+# --- The plan: workloads, which ops they tune, the compiles -------------------------------------------------
 @dataclass
 class Workload:
     proj: Projection
@@ -339,9 +335,7 @@ def precompile(jobs: list[dict], n_proc: int, timeout_s: float, arch: int) -> di
     return dict(stats, wall_s=time.perf_counter() - t0)
 
 
-# ------------------------------------------------------------------------------------------------
-# One workload
-# ------------------------------------------------------------------------------------------------
+# --- One workload -------------------------------------------------------------------------------------------
 class _Inputs:
     """The tensors of one projection (up to the largest T), made once per (projection, R)."""
 
@@ -378,15 +372,13 @@ class _Inputs:
         on the device (the fp64 tensors are GBs at T = 8192); inf for a non-finite output."""
         from ..kernels import STAGES
         from ..kernels.dense_lora import DenseLoRAConfig, dense_lora_add
+        from .dense_bench import _rel_err
 
         out = torch.zeros(T, sum(self.proj.slices), dtype=self.x.dtype, device=self.device)
         cfg = DenseLoRAConfig(shrink, expand, source="tuner")
         args = (STAGES[TUNE_STAGE], out, self.x[:T], self.a, self.b, align, cfg)
         dense_lora_add(*args, slices=self.proj.slices)
-        o = out.to(torch.float64)
-        if not bool(torch.isfinite(o).all()):
-            return math.inf
-        return float((o - ref).abs().max() / ref.abs().max().clamp_min(1e-30)) if ref.numel() else 0.0
+        return _rel_err(out, ref)
 
 
 def _tune_workload(
@@ -458,9 +450,7 @@ def _tune_workload(
     )
 
 
-# ------------------------------------------------------------------------------------------------
-# Arguments, the whole run, the command line
-# ------------------------------------------------------------------------------------------------
+# --- Arguments, the whole run, the command line -------------------------------------------------------------
 def _defaults(device, max_bms, max_cands, jobs) -> tuple[int, int, int]:
     """max_bms, max_cands, jobs with the device's defaults where None (CPU: 1, 2, 0; GPU: 2, 8, min(14,
     usable cpus − 2))."""
@@ -478,9 +468,11 @@ def _defaults(device, max_bms, max_cands, jobs) -> tuple[int, int, int]:
 
 def _check_args(projs, ranks, adapters, tokens, out, csv_path, budget_s, device, dtype, max_bms, max_cands,
                 jobs, seed, warmup_ms, rep_ms, l2, *, names=None):  # fmt: skip
-    """Every argument of :func:`tune`, before any work: ValueError naming it (``names``: argument -> name,
-    e.g. :data:`.tuner.FLAGS`). Returns (projections, device, dtype)."""
+    """Every argument of :func:`tune` (max_bms, max_cands, jobs None: :func:`_defaults`), before any work:
+    ValueError naming it (``names``: argument -> name, e.g. :data:`.tuner.FLAGS`). Returns (projections,
+    device, dtype, max_bms, max_cands, jobs)."""
     n = {a: a for a in tuner.FLAGS} | (names or {})
+    max_bms, max_cands, jobs = _defaults(device, max_bms, max_cands, jobs)
     try:
         ps = projections(projs) if isinstance(projs, (str, list, tuple)) else None
     except ValueError as e:
@@ -513,7 +505,7 @@ def _check_args(projs, ranks, adapters, tokens, out, csv_path, budget_s, device,
             raise ValueError(
                 f"{n['dtype']}: bfloat16 does not run on the CPU interpreter; use float32 or float16"
             )
-    return ps, dev, dt
+    return ps, dev, dt, max_bms, max_cands, jobs
 
 
 def tune(
@@ -542,9 +534,8 @@ def tune(
     into ``out`` (module docstring); returns a summary dict (tuned, skipped, not_tuned, conflicts: lists of
     (label, R, T); precompile, elapsed_s, out, gpu). Defaults by device: max_bms 2 (CPU 1), max_cands 8
     (CPU 2), jobs min(14, cpus − 2) (CPU 0). Raises ValueError naming the argument before any work."""
-    max_bms, max_cands, jobs = _defaults(device, max_bms, max_cands, jobs)
     args = (projs, ranks, adapters, tokens, out, csv_path, budget_s, device, dtype, max_bms, max_cands, jobs)
-    ps, dev, dt = _check_args(*args, seed, warmup_ms, rep_ms, l2, names=names)
+    ps, dev, dt, max_bms, max_cands, jobs = _check_args(*args, seed, warmup_ms, rep_ms, l2, names=names)
     jobs = 0 if dev.type == "cpu" else jobs
     t0 = time.perf_counter()
     gpu = "cpu" if dev.type == "cpu" else configs.gpu_name() if torch.cuda.is_available() else "NVIDIA_H200"
@@ -626,19 +617,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     kw = dict(budget_s=a.budget_s, device=a.device, dtype=a.dtype, max_bms=a.max_bms, max_cands=a.max_cands)
     kw.update(jobs=a.jobs, seed=a.seed, warmup_ms=a.warmup_ms, rep_ms=a.rep_ms, l2=a.l2)
     try:  # every flag checked before any work
-        resolved = dict(
-            zip(("max_bms", "max_cands", "jobs"), _defaults(a.device, a.max_bms, a.max_cands, a.jobs))
-        )
-        _check_args(*pos, **{**kw, **resolved}, names=tuner.FLAGS)
+        _check_args(*pos, **kw, names=tuner.FLAGS)
     except ValueError as e:
         p.error(str(e))
     s = tune(*pos, progress=not a.no_progress, names=tuner.FLAGS, **kw)
-    print(
-        f"dense_tuning: {len(s['tuned'])} workloads tuned, {len(s['skipped'])} already done, "
-        f"{len(s['not_tuned'])} not tuned (budget): {s['not_tuned']}, {len(s['conflicts'])} conflicts: "
-        f"{s['conflicts']}; wrote {s['out']} ({s['gpu']}); elapsed {s['elapsed_s']:.1f} s"
-        + ("; CPU smoke run: interpreter wall clock, NOT performance" if s["gpu"] == "cpu" else "")
-    )
+    cpu = "; CPU smoke run: interpreter wall clock, NOT performance" if s["gpu"] == "cpu" else ""
+    print(tuner.summary_line("dense_tuning", s, f", {len(s['conflicts'])} conflicts: {s['conflicts']}") + cpu)
     return 0
 
 

@@ -11,7 +11,6 @@ first token); aggregate OTPS = all output tokens / the whole call. Greedy, no eo
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import math
 import os
@@ -34,6 +33,7 @@ from ..model import REAL_CONFIGS, ModelConfig, MultiLoRAModel, random_model
 from ..model.modeling import WeightSource, random_weights
 from ..quant.fp8 import FP8_BLOCK
 from . import bench
+from .bench import free_memory
 
 #: The three models of the study (names of :data:`moelora_lib.model.REAL_CONFIGS`).
 MODELS = ("gpt-oss-20b", "qwen3-30b-a3b", "qwen3-32b")
@@ -119,6 +119,15 @@ _PROJECTION_PARAM = re.compile(
 )
 
 
+def _check_formats(experts: str, projections: str) -> None:
+    """ValueError unless ``experts`` is of :data:`EXPERT_FORMATS` and ``projections`` of
+    :data:`PROJECTION_FORMATS`."""
+    if experts not in EXPERT_FORMATS:
+        raise ValueError(f"experts must be one of {EXPERT_FORMATS}, got {experts!r}")
+    if projections not in PROJECTION_FORMATS:
+        raise ValueError(f"projections must be one of {PROJECTION_FORMATS}, got {projections!r}")
+
+
 def packed_weights(
     source: WeightSource, *, experts: str = "dense", projections: str = "dense",
     fp8_block: tuple[int, int] = FP8_BLOCK, dequantize: bool = False,
@@ -135,10 +144,7 @@ def packed_weights(
     format."""
     from .moe_bench import quantize_experts, quantize_fp8_weight
 
-    if experts not in EXPERT_FORMATS:
-        raise ValueError(f"experts must be one of {EXPERT_FORMATS}, got {experts!r}")
-    if projections not in PROJECTION_FORMATS:
-        raise ValueError(f"projections must be one of {PROJECTION_FORMATS}, got {projections!r}")
+    _check_formats(experts, projections)
 
     def quantize(w: torch.Tensor, fmt: str):
         if fmt == "mxfp4":
@@ -159,12 +165,6 @@ def packed_weights(
 
     wrapped.is_random = getattr(source, "is_random", False)  # type: ignore[attr-defined]
     return wrapped
-
-
-def mxfp4_experts(source: WeightSource) -> WeightSource:
-    """:func:`packed_weights` with MXFP4 experts (4.25 bits per weight, as a published GPT-OSS checkpoint
-    loads), every other weight ``source``'s."""
-    return packed_weights(source, experts="mxfp4")
 
 
 def fp8_formats(name: str) -> dict[str, str]:
@@ -190,10 +190,7 @@ def build_model(name: str, *, stage: str = "auto", seed: int = 0, experts: str =
     ``random_model``'s dtype, device, max_batch, max_seq, max_tokens, num_adapters (default 8), max_rank
     (default 32). Raises ValueError for an unknown format or packed experts on a dense model."""
     sizes = {"num_adapters": 8, "max_rank": 32, **sizes}
-    if experts not in EXPERT_FORMATS:
-        raise ValueError(f"experts must be one of {EXPERT_FORMATS}, got {experts!r}")
-    if projections not in PROJECTION_FORMATS:
-        raise ValueError(f"projections must be one of {PROJECTION_FORMATS}, got {projections!r}")
+    _check_formats(experts, projections)
     config = model_config(name, num_layers=num_layers)
     if experts != "dense" and not config.is_moe:
         raise ValueError(f"experts={experts!r}: {name!r} has no MoE experts")
@@ -248,10 +245,7 @@ def memory_estimate_gb(name: str, *, experts: str = "dense", projections: str = 
     (a ragged edge block's scale is not counted)."""
     from .moe_bench import MXFP4_BYTES_PER_WEIGHT, fp8_bytes_per_weight
 
-    if experts not in EXPERT_FORMATS:
-        raise ValueError(f"experts must be one of {EXPERT_FORMATS}, got {experts!r}")
-    if projections not in PROJECTION_FORMATS:
-        raise ValueError(f"projections must be one of {PROJECTION_FORMATS}, got {projections!r}")
+    _check_formats(experts, projections)
     c = model_config(name, num_layers=num_layers)
     b, H, Lyr, L, R = dtype_bytes, c.hidden_size, c.num_hidden_layers, num_adapters, max_rank
     fp8_b = fp8_bytes_per_weight(fp8_block)
@@ -328,13 +322,12 @@ def schemes_at(model: MultiLoRAModel, T: int) -> dict[str, str]:
     """The activation schemes a forward of T tokens runs in ``model``'s first layer ("dynamic" = W8A8, or
     "weight_only"; dense weights run "weight_only"): expert_scheme (the MoE layer's; "none" on a dense
     model) and projection_scheme (the q|k|v projection's base GEMM)."""
-    from .dense_bench import module_scheme as linear_scheme
     from .moe_bench import module_scheme
 
     layer = model.layers[0]
     experts = getattr(layer.mlp, "experts", None)
     scheme = "none" if experts is None else module_scheme(experts, T)
-    return dict(expert_scheme=scheme, projection_scheme=linear_scheme(layer.self_attn.qkv_proj, T))
+    return dict(expert_scheme=scheme, projection_scheme=module_scheme(layer.self_attn.qkv_proj, T))
 
 
 #: The CSVs of notebook 11 (``data/11_<name>.csv``) and the function whose rows each holds.
@@ -351,19 +344,6 @@ def write_tables(folder, **rows) -> dict[str, Path]:
         out[name] = Path(folder) / f"11_{name}.csv"
         bench.write_rows(out[name], r)
     return out
-
-
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
-def free_memory(device) -> None:
-    """gc and, on a GPU, ``torch.cuda.empty_cache()`` (between models)."""
-    gc.collect()
-    _sync(device)
-    if torch.device(device).type == "cuda":
-        torch.cuda.empty_cache()
 
 
 _CLASS = {"gpt_oss": "GptOssForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -473,9 +453,9 @@ def load_adapters(
     try:
         for slot in range(model.num_adapters):
             s_seed = seed * 1000 + slot
-            row = dict(model=name, stage=_stage_of(model), slot=slot, rank=rank, alpha=alpha)
+            row = dict(model=name, stage=model.stage, slot=slot, rank=rank, alpha=alpha)
             row.update(write_s=float("nan"), file_mb=float("nan"))
-            _sync(dev)
+            bench.sync(dev)
             t0 = time.perf_counter()
             if slot in file_slots:
                 dt = torch.bfloat16 if model.dtype == torch.bfloat16 else torch.float32
@@ -489,7 +469,7 @@ def load_adapters(
             else:
                 load_random_adapter(model, slot, rank=rank, alpha=alpha, seed=s_seed)
                 row["source"] = "direct"
-            _sync(dev)
+            bench.sync(dev)
             row["load_s"] = time.perf_counter() - t0
             rows.append(bench.result_row(**row))
     finally:
@@ -550,15 +530,10 @@ def run_generation(
     assert all(len(t) == new_tokens for t in res.tokens), [len(t) for t in res.tokens]
     loaded = set().union(*(m.loaded_slots for m in model.lora_modules().values()))  # slots of any module
     return generation_row(
-        res, model=name, scenario=scenario, stage=_stage_of(model), impl="moelora", adapters=adapters,
+        res, model=name, scenario=scenario, stage=model.stage, impl="moelora", adapters=adapters,
         prompt_len=prompt_len, new_tokens=new_tokens, rank=int(model.max_rank), adapters_loaded=len(loaded),
         cuda_graphs=bool(gen.use_cuda_graphs), mode=_mode(model.device), dtype=dtype_name(model.dtype),
     )  # fmt: skip
-
-
-def _stage_of(model) -> str:
-    """The stage name ``model`` was built with ("auto" or a name of ``STAGES``): the rows' ``stage``."""
-    return model.stage
 
 
 def compiled_binaries() -> int:
@@ -591,10 +566,10 @@ def recompile_rows(
     prewarm_s, prewarm_bin = 0.0, 0
     if prewarm:
         before = compiled_binaries()
-        _sync(model.device)
+        bench.sync(model.device)
         t0 = time.perf_counter()
         gen.warmup(batch_sizes=[1], prefill_lengths="all", max_prompts=1)
-        _sync(model.device)
+        bench.sync(model.device)
         prewarm_s, prewarm_bin = time.perf_counter() - t0, compiled_binaries() - before
     rows = []
     for i, length in enumerate(lengths):
@@ -605,7 +580,7 @@ def recompile_rows(
         warm = [gen.generate(p, adapters, new_tokens).ttft_s[0] for p in prompts]
         f_ms, w_ms = first.ttft_s[0] * 1e3, statistics.median(warm) * 1e3
         rows.append(bench.result_row(
-            model=name, stage=_stage_of(model), scenario=scenario, prompt_len=length, new_tokens=new_tokens,
+            model=name, stage=model.stage, scenario=scenario, prompt_len=length, new_tokens=new_tokens,
             ttft_first_ms=f_ms, ttft_warm_ms=w_ms, ttft_warm_min_ms=min(warm) * 1e3, ratio=f_ms / w_ms,
             new_binaries=new, warm_reps=warm_reps, prewarm=bool(prewarm), prewarm_s=prewarm_s,
             prewarm_binaries=prewarm_bin, mode=_mode(model.device),
@@ -725,11 +700,11 @@ def step_breakdown(
     try:
         with torch.no_grad(), scope:
             step()
-            _sync(dev)
+            bench.sync(dev)
             with profile(activities=acts) as prof:
                 for _ in range(steps):
                     step()
-                _sync(dev)
+                bench.sync(dev)
     finally:
         for h in handles:
             h.remove()
@@ -788,12 +763,12 @@ def hf_generate(model, prompt: Sequence[int], new_tokens: int, device):
     def cache_of(out):
         return out.cache if getattr(out, "cache", None) is not None else out.past_key_values
 
-    _sync(dev)
+    bench.sync(dev)
     t0 = time.perf_counter()
     ids = torch.tensor([list(prompt)], dtype=torch.int64, device=dev)
     out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
     toks = [out.logits[:, -1].argmax(dim=-1)]
-    _sync(dev)
+    bench.sync(dev)
     t_first = time.perf_counter()
     marks = []
     for _ in range(new_tokens - 1):
@@ -802,7 +777,7 @@ def hf_generate(model, prompt: Sequence[int], new_tokens: int, device):
         marks.append(torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter())
         if cuda:
             marks[-1].record()
-    _sync(dev)
+    bench.sync(dev)
     t_end = time.perf_counter()
     # event times relative to the first token, anchored at the last event = t_end
     ends = [t_end - ev.elapsed_time(marks[-1]) / 1e3 for ev in marks] if cuda else list(marks)

@@ -45,7 +45,7 @@ from ..kernels.stages import FUSED_CONFIG_FIELD
 from ..shapes import Dims
 from . import tuner
 from .tuner import RUN_COLUMNS, TRIAL_COLUMNS
-from .tuning import base_bm_candidates, graph_timer
+from .tuning import base_bm_candidates
 
 __all__ = [
     "CSV_COLUMNS",
@@ -118,33 +118,25 @@ def tune_fused_workload(
     """Tune the two fused GEMMs of one workload; returns {"fused_gate_up": cfg, "fused_down": cfg} (empty
     when the budget ran out before the first BM), every trial in ``log``."""
     from ..kernels.fused import fused_gemm_configs
-    from .moe_bench import layer_inputs, make_run
+    from .moe_bench import layer_inputs
 
     t0 = time.perf_counter() if t0 is None else t0
     s = tuner.check_models([model])[0]
     dims = Dims.of(s, T, rank=R, adapters=L, slices=weights.lora_a13.shape[2])
     cur = fused_gemm_configs(configs.load_layer_config(dims))
     bms = sorted(set(base_bm_candidates(T, s.top_k, s.experts, max_bms)) | {cur.base_block_size_m})
-    kw = dict(
-        rank=R, num_adapters=L, pattern="uniform", weights=weights, seed=0, activation="silu", bias=False
-    )
-    inp = layer_inputs(s, T, **kw)
+    kw = dict(rank=R, num_adapters=L, pattern="uniform", weights=weights, seed=0, activation="silu")
+    inp = layer_inputs(s, T, **kw, bias=False)
     ids = dict(model=model, R=R, L=L, T=T, H=s.hidden, I=s.intermediate, E=s.experts, K=s.top_k)
     fields = [FUSED_CONFIG_FIELD[op] for op in FUSED_OPS]
-
-    def prepare(bm: int):
-        return graph_timer(make_run("fused", inp, tuner.with_bm(cur, fields, bm)), device)
 
     def candidates(op: str, bm: int) -> list[OpConfig]:
         return fused_op_candidates(op, bm, getattr(cur, FUSED_CONFIG_FIELD[op]), max_cands)
 
-    kw = dict(deadline=deadline, t0=t0, first_note="current")
-    ranked = tuner.sweep(bms, prepare, FUSED_OPS, candidates, device, log, ids, **kw)
-    return (
-        tuner.choose_bm(ranked, FUSED_OPS, log, ids, t0=t0, what=f"{model} T={T} fused GEMMs")
-        if ranked
-        else {}
-    )
+    return tuner.tune_layer_ops(
+        "fused", inp, cur, fields, FUSED_OPS, bms, candidates, device, log, ids,
+        what=f"{model} T={T} fused GEMMs", deadline=deadline, t0=t0, first_note="current",
+    )  # fmt: skip
 
 
 def tune_fused(
@@ -191,17 +183,13 @@ def tune_fused(
     files = tuner.ConfigFiles(Path(out), gpu, ["fused"], configs.config_file_name)
     chosen: dict[tuple[str, int], dict[str, OpConfig]] = {}
     weights: dict[str, object] = {}
+    wkw = dict(rank=rank, num_adapters=adapters, dtype=dtype, device=dev, seed=seed, bias=False)
 
     def tune_one(job) -> bool:
         s, T = job
-        if s.name not in weights:
-            weights.clear()  # one model's weights at a time on the device
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
-            kw = dict(rank=rank, num_adapters=adapters, dtype=dtype, device=dev, seed=seed, bias=False)
-            weights[s.name] = layer_inputs(s, 1, **kw)
+        w = tuner.one_at_a_time(weights, s.name, lambda: layer_inputs(s, 1, **wkw), dev)
         kw = dict(deadline=t0 + budget_s, t0=t0, max_bms=max_bms, max_cands=max_cands)
-        if got := tune_fused_workload(s.name, T, rank, adapters, weights[s.name], dev, log, **kw):
+        if got := tune_fused_workload(s.name, T, rank, adapters, w, dev, log, **kw):
             chosen[s.name, T] = got
             leaf = {op: c.to_dict() for op, c in got.items()}
             files.put("fused", configs.base_keys(Dims.of(s, T, rank=rank, adapters=adapters)), leaf)
@@ -265,6 +253,30 @@ def stage_choices_from_csv(
     }
 
 
+def _edit_leaves(path: str | Path, entries: dict, what: str, edit) -> Path:
+    """Call ``edit(leaf, value, key_path)`` on the leaf of the fused config file ``path`` at each key tuple
+    of ``entries`` ({keys: value}) and write the file atomically; validated before and after. ValueError
+    naming the key path (and ``what``) for keys without an exact leaf; nothing is written then."""
+    import json
+
+    path = Path(path)
+    configs.load_config_file(path, "fused")
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    for keys, value in entries.items():
+        kp = "".join(f"[{json.dumps(str(k))}]" for k in keys)
+        edit(None, value, kp)  # the value's own checks, before the keys'
+        node = data
+        for k in keys:
+            if not isinstance(node, dict) or str(k) not in node:
+                raise ValueError(f"{path}: no entry at {kp} to record {what(value)} in")
+            node = node[str(k)]
+        edit(node, value, kp)
+    out = configs.save_config_file(path, data)
+    configs.load_config_file(out, "fused")
+    return out
+
+
 def write_stage_choices(path: str | Path, choices: dict[tuple[int, int, int, int], str]) -> Path:
     """Set ``"stage"`` (:data:`moelora_lib.configs.STAGE_KEY`) in the leaves of the fused config file
     ``path`` named by ``choices`` ({(E, N, K, m): "tuned" | "fused" | "gemv"}, as
@@ -273,31 +285,21 @@ def write_stage_choices(path: str | Path, choices: dict[tuple[int, int, int, int
     is validated before and after. Raises ValueError naming the key path for a choice without an
     exact leaf in the file, a value outside :data:`moelora_lib.configs.STAGE_CHOICES`, or ``"gemv"`` for
     a leaf without gemv configs (:func:`write_gemv_configs`); nothing is written then."""
-    import json
 
-    path = Path(path)
-    configs.load_config_file(path, "fused")
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
-    for keys, stage in choices.items():
-        kp = "".join(f"[{json.dumps(str(k))}]" for k in keys)
+    def edit(node, stage, kp):
         if stage not in configs.STAGE_CHOICES:
             allowed = list(configs.STAGE_CHOICES)
             raise ValueError(f"{path} at {kp}: stage must be one of {allowed}, got {stage!r}")
-        node = data
-        for k in keys:
-            if not isinstance(node, dict) or str(k) not in node:
-                raise ValueError(f"{path}: no entry at {kp} to record stage {stage!r} in")
-            node = node[str(k)]
+        if node is None:
+            return
         if stage == "gemv" and configs.GEMV_KEY not in node:
             raise ValueError(
                 f"{path} at {kp}: stage 'gemv' needs the leaf's {configs.GEMV_KEY!r} configs "
                 "(write_gemv_configs first)"
             )
         node[configs.STAGE_KEY] = stage
-    out = configs.save_config_file(path, data)
-    configs.load_config_file(out, "fused")
-    return out
+
+    return _edit_leaves(path, choices, lambda stage: f"stage {stage!r}", edit)
 
 
 def write_gemv_configs(path: str | Path, entries: dict[tuple[int, int, int, int], dict]) -> Path:
@@ -307,25 +309,14 @@ def write_gemv_configs(path: str | Path, entries: dict[tuple[int, int, int, int]
     and write the file atomically; every other key is kept. Validated before and after. Raises
     ValueError naming the key path for an entry without an exact leaf or without the three configs;
     nothing is written then. Record the stage choice itself with :func:`write_stage_choices`."""
-    import json
 
-    path = Path(path)
-    configs.load_config_file(path, "fused")
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
-    for keys, cfgs in entries.items():
-        kp = "".join(f"[{json.dumps(str(k))}]" for k in keys)
+    def edit(node, cfgs, kp):
         if not isinstance(cfgs, dict) or set(cfgs) != set(configs.GEMV_LEAF_KEYS):
             raise ValueError(f"{path} at {kp}: gemv configs must be {list(configs.GEMV_LEAF_KEYS)}")
-        node = data
-        for k in keys:
-            if not isinstance(node, dict) or str(k) not in node:
-                raise ValueError(f"{path}: no entry at {kp} to record the gemv configs in")
-            node = node[str(k)]
-        node[configs.GEMV_KEY] = {k: c.to_dict() for k, c in cfgs.items()}
-    out = configs.save_config_file(path, data)
-    configs.load_config_file(out, "fused")
-    return out
+        if node is not None:
+            node[configs.GEMV_KEY] = {k: c.to_dict() for k, c in cfgs.items()}
+
+    return _edit_leaves(path, entries, lambda _: "the gemv configs", edit)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

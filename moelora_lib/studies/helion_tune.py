@@ -147,9 +147,7 @@ def cases_to_tune(models: list[str], epilogues: list[str], ms: list[int], table:
     return cases if force else new
 
 
-# ---------------------------------------------------------------------------------------------
-# Parallel precompile (spawned workers; compile without launching)
-# ---------------------------------------------------------------------------------------------
+# --- Parallel precompile (spawned workers; compile without launching) ---------------------------------------
 def _compile_only_launcher(triton_kernel, grid, *args, num_warps, num_stages, **kwargs):
     """Helion launcher that compiles (filling Triton's disk cache) but launches nothing."""
     kwargs.setdefault("launch_cooperative_grid", False)
@@ -253,9 +251,7 @@ def precompile_in_subprocess(tasks: dict[str, dict], jobs: int, timeout_s: float
     return proc.returncode == 0
 
 
-# ---------------------------------------------------------------------------------------------
-# Tuning
-# ---------------------------------------------------------------------------------------------
+# --- Tuning -------------------------------------------------------------------------------------------------
 def _parse(argv):
     from moelora_lib.helion_linear import EPILOGUES, LINEAR_MODELS
 

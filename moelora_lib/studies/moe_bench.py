@@ -205,20 +205,17 @@ def op_costs(shape: MoEShape | str, dims: Dims, *, dtype_bytes: int = 2, topk_id
     return rows
 
 
-def _part_cost(costs: list[dict], part: str) -> tuple[int, int]:
+def _part_cost(costs: list[dict], part: str) -> dict[str, float]:
+    """flops, bytes, floor_us, bytes_floor_us, flops_floor_us of a part (or one op) of :func:`op_costs`' rows:
+    its bytes at the copy rate, its ops' FLOPs each at its own rate (``tflops``: FP8 base GEMMs at the FP8
+    rate, the rest at bf16's)."""
     ops = {"base": BASE_OPS, "lora": LORA_OPS, "total": BASE_OPS + LORA_OPS}.get(part, (part,))
     sel = [c for c in costs if c["op"] in ops]
-    return sum(c["flops"] for c in sel), sum(c["bytes"] for c in sel)
-
-
-def _part_floors(costs: list[dict], part: str) -> dict[str, float]:
-    """floor_us, bytes_floor_us, flops_floor_us of a part: its bytes at the copy rate, its ops' FLOPs each
-    at its own rate (:func:`op_costs`' ``tflops``: FP8 base GEMMs at the FP8 rate, the rest at bf16's)."""
-    ops = {"base": BASE_OPS, "lora": LORA_OPS, "total": BASE_OPS + LORA_OPS}.get(part, (part,))
-    sel = [c for c in costs if c["op"] in ops]
-    b = bench.copy_bandwidth_floor_us(sum(c["bytes"] for c in sel))
+    nbytes = sum(c["bytes"] for c in sel)
+    b = bench.copy_bandwidth_floor_us(nbytes)
     f = sum(c.get("flops_floor_us", bench.compute_floor_us(c["flops"])) for c in sel)
-    return dict(floor_us=max(b, f), bytes_floor_us=b, flops_floor_us=f)
+    return dict(flops=sum(c["flops"] for c in sel), bytes=nbytes, floor_us=max(b, f), bytes_floor_us=b,
+                flops_floor_us=f)  # fmt: skip
 
 
 # --- Inputs ----------------------------------------------------------------------------------------------
@@ -489,11 +486,6 @@ def run_scheme(run) -> str:
     return "dynamic" if getattr(run, "w8a8", False) else "weight_only"
 
 
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
 def _run_fields(shape: MoEShape, run, pattern: str) -> dict[str, Any]:
     """The identifying columns of a row, read from a LayerRun."""
     d = run.dims
@@ -526,11 +518,10 @@ def _costs(shape, dims, inp_or_x, w13, topk_ids=None, lora_ids=None) -> list[dic
 # --- Benchmarks ------------------------------------------------------------------------------------------
 
 
-def _timed_row(fields, part, config, run, mode, tm, cost, budget, **extra) -> dict[str, Any]:
-    """A result row: the run's ``fields``, then part, config, its source, the timing ``tm``, ``cost``
-    (flops, bytes, floor_us, bytes_floor_us, flops_floor_us), ``budget`` (warmup_ms, rep_ms, min_reps) and
-    ``extra`` columns."""
-    row = dict(part=part, config=config, config_source=run.cfg.source, mode=mode)
+def _timed_row(fields, part, config, source, mode, tm, cost, budget, **extra) -> dict[str, Any]:
+    """A result row: the run's ``fields``, then part, config, its ``source``, the timing ``tm``, ``cost``
+    (:func:`_part_cost`), ``budget`` (warmup_ms, rep_ms, min_reps) and ``extra`` columns."""
+    row = dict(part=part, config=config, config_source=source, mode=mode)
     row |= dict(ms_p50=tm.ms_p50, ms_p20=tm.ms_p20, ms_p80=tm.ms_p80, us_p50=tm.ms_p50 * 1e3)
     row |= cost | dict(zip(("warmup_ms", "rep_ms", "min_reps"), budget))
     return bench.result_row(**fields, **row, **extra)
@@ -562,18 +553,16 @@ def bench_layer(stage: str, shape: MoEShape | str | Workload, T: int | None = No
         inp = with_weight_format(inp, weight_format)
     run = make_run(stage, inp, config, adapter_order=adapter_order, activation_scheme=activation_scheme)
     run()  # compile outside the timed region
-    _sync(device)
+    bench.sync(device)
     costs = _costs(shape, run.dims, inp.hidden_states, inp.w13, inp.topk_ids, inp.lora_ids)
     fns = {"base": run.base_part, "lora": run.lora_part, "total": run}
     is_cpu = torch.device(device).type == "cpu"
     fields, rows = _run_fields(shape, run, wl.pattern), []
     for part in parts:
-        flops, nbytes = _part_cost(costs, part)
         for mode in ("cpu-interpreter",) if is_cpu else tuple(modes):
             tm = bench.time_fn(fns[part], mode, device, warmup_ms, rep_ms, min_reps=min_reps)
-            cost = dict(flops=flops, bytes=nbytes, **_part_floors(costs, part))
-            budget = (warmup_ms, rep_ms, min_reps)
-            rows.append(_timed_row(fields, part, run.cfg.short(), run, mode, tm, cost, budget))
+            cost, budget = _part_cost(costs, part), (warmup_ms, rep_ms, min_reps)
+            rows.append(_timed_row(fields, part, run.cfg.short(), run.cfg.source, mode, tm, cost, budget))
     return rows
 
 
@@ -616,23 +605,19 @@ def bench_module(layer, inp: MoELoRAInputs, shape: MoEShape | str, *, parts: Seq
             fn = functools.partial(layer, x, logits, lora_ids=ids)
             if device.type != "cpu":  # the interpreter compiles nothing: one call, timed, on the CPU
                 fn()  # compiled (and the scratch allocated) outside the timed region
-                _sync(device)
+                bench.sync(device)
             tm = bench.time_fn(fn, mode, device, warmup_ms, rep_ms, min_reps=min_reps)
-            flops, nbytes = _part_cost(costs, part)
-            cfg = layer.config_for(T)
-            row = dict(part=part, config=cfg.short(), config_source=cfg.source)
-            row |= dict(mode=mode, ms_p50=tm.ms_p50, ms_p20=tm.ms_p20, ms_p80=tm.ms_p80)
-            row |= dict(us_p50=tm.ms_p50 * 1e3, flops=flops, bytes=nbytes, **_part_floors(costs, part))
-            row |= dict(warmup_ms=warmup_ms, rep_ms=rep_ms, min_reps=min_reps)
-            rows.append(bench.result_row(**fields, **row))
+            cfg, cost, budget = layer.config_for(T), _part_cost(costs, part), (warmup_ms, rep_ms, min_reps)
+            rows.append(_timed_row(fields, part, cfg.short(), cfg.source, mode, tm, cost, budget))
     finally:
         layer.active_slots = saved
     return rows
 
 
 def module_scheme(layer, T: int) -> str:
-    """The activation scheme a :class:`~moelora_lib.MoELoRALayer` runs at T tokens ("dynamic" = W8A8 or
-    "weight_only"): its ``activation_scheme_for(T)``."""
+    """The activation scheme a :class:`~moelora_lib.MoELoRALayer` or :class:`~moelora_lib.LoRALinear` runs
+    at T tokens ("dynamic" = W8A8 or "weight_only"; dense weights run "weight_only"): its
+    ``activation_scheme_for(T)``."""
     return layer.activation_scheme_for(T)
 
 
@@ -679,16 +664,14 @@ def bench_lora_op(stage: str, shape: MoEShape | str, T: int, op: str, *, mode: s
     out = fn()
     if return_output:
         out = out.clone()
-    _sync(device)
+    bench.sync(device)
     # touched (adapter, expert) pairs estimated as min(L·E, T·K) (the run keeps no topk_ids)
     costs = _costs(shape, run.dims, run.x, run.w13)
-    c = {c["op"]: c for c in costs}[op]
     m = "cpu-interpreter" if torch.device(device).type == "cpu" else mode
     tm = bench.time_fn(fn, m, device, warmup_ms, rep_ms, min_reps=min_reps)
-    fields = _run_fields(shape, run, pattern)
-    cost = dict(flops=c["flops"], bytes=c["bytes"], **_part_floors(costs, op))
-    budget = (warmup_ms, rep_ms, min_reps)
-    row = _timed_row(fields, op, op_cfg.short(), run, m, tm, cost, budget, **(op_changes or {}))
+    fields, budget = _run_fields(shape, run, pattern), (warmup_ms, rep_ms, min_reps)
+    row = _timed_row(fields, op, op_cfg.short(), run.cfg.source, m, tm, _part_cost(costs, op), budget,
+                     **(op_changes or {}))  # fmt: skip
     return (row, out) if return_output else row
 
 
@@ -976,7 +959,7 @@ def compile_points(points: Sequence[dict[str, Any]], weights: LayerWeights) -> l
             run.lora_part()
             for op, ch in pt["op_changes"]:
                 lora_op_fn(run, op, dataclasses.replace(getattr(run.cfg, op), **ch))()
-            _sync(inp.hidden_states.device)
+            bench.sync(inp.hidden_states.device)
             del run, inp
         except Exception as e:  # reported, never hidden: the timing loop meets it again
             failed.append(f"{pt['stage']} {pt['model']} T={pt['T']}: {type(e).__name__}: {str(e)[:200]}")

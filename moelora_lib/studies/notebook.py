@@ -136,9 +136,7 @@ def rel(path: str | os.PathLike) -> str:
         return p.name
 
 
-# ------------------------------------------------------------------------------------------------
-# The kernel lines a stage changes
-# ------------------------------------------------------------------------------------------------
+# --- The kernel lines a stage changes -----------------------------------------------------------------------
 
 #: The LoRA kernels, whose constexprs follow the stage's switches (the base GEMM follows its own config).
 _LORA_KERNELS = ("lora_shrink", "lora_expand")

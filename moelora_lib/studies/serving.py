@@ -39,11 +39,6 @@ SHAPES = ("gpt-oss-20b", "qwen3-30b-a3b")
 TOKENS = (1, 8, 64, 256, 1600, 8192)
 
 
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
 def alignments_equal(a: Alignment, b: Alignment) -> bool:
     """True when two alignments are bit-identical (ids, block ids, padded length, sizes)."""
     fields = ("sorted_token_ids", "block_expert_ids", "block_lora_ids", "num_tokens_post_padded")
@@ -123,11 +118,11 @@ def wall_us(fn: Callable[[], Any], device, *, reps: int = 200, warmup: int = 10)
         fn()
     wall, host = [], []
     for _ in range(reps):
-        _sync(device)
+        bench.sync(device)
         t0 = time.perf_counter()
         fn()
         t1 = time.perf_counter()
-        _sync(device)
+        bench.sync(device)
         wall.append((time.perf_counter() - t0) * 1e6)
         host.append((t1 - t0) * 1e6)
     return statistics.median(wall), statistics.median(host)
@@ -229,11 +224,11 @@ def host_profile_rows(
     sh = _shape(shape)
     for _ in range(3):
         fn()
-    _sync(device)
+    bench.sync(device)
     with cProfile.Profile() as prof:
         for _ in range(calls):
             fn()
-        _sync(device)
+        bench.sync(device)
     stats = pstats.Stats(prof).stats  # {(file, line, name): (cc, nc, tt, ct, callers)}
     items = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
     return [
@@ -341,7 +336,7 @@ def variant_rows(
         for T in lengths:
             inp = layer_inputs(sh, T, weights=weights, device=device)
             layer(inp.hidden_states, inp.router_logits, lora_ids=inp.lora_ids)
-        _sync(device)
+        bench.sync(device)
         after_lengths = jit_cache_sizes()
         with warnings.catch_warnings():  # large misaligned inputs are copied, with a warning each
             warnings.simplefilter("ignore", MisalignedCopyWarning)
@@ -349,7 +344,7 @@ def variant_rows(
                 inp = layer_inputs(sh, T, weights=weights, device=device)
                 m = {k: _misaligned(getattr(inp, k)) for k in ("topk_weights", "topk_ids", "lora_ids")}
                 layer(_misaligned(inp.hidden_states), **m)
-        _sync(device)
+        bench.sync(device)
         after_offsets = jit_cache_sizes()
     finally:
         (layer.stage, layer.fixed_config), layer._configs, layer._stages = saved, {}, {}

@@ -50,9 +50,7 @@ BUDGET_BM_NOTE = "budget spent: BM skipped"
 WARMUP_MS, REP_MS = 5.0, 20.0
 
 
-# ------------------------------------------------------------------------------------------------
-# Argument checks: ValueError naming the argument (``name`` None: no prefix, argparse adds the flag)
-# ------------------------------------------------------------------------------------------------
+# --- Argument checks: ValueError naming the argument (``name`` None: no prefix, argparse adds the flag) -----
 def _pfx(name: str | None) -> str:
     return f"{name}: " if name else ""
 
@@ -155,9 +153,7 @@ def check_models(models, name: str = "models") -> list:
         raise ValueError(f"{name}: {e}") from None
 
 
-# ------------------------------------------------------------------------------------------------
-# argparse types: a ValueError becomes argparse's error for the flag (exit code 2)
-# ------------------------------------------------------------------------------------------------
+# --- argparse types: a ValueError becomes argparse's error for the flag (exit code 2) -----------------------
 def arg_type(fn: Callable[[str], Any], name: str) -> Callable[[str], Any]:
     def parse(text: str):
         try:
@@ -252,7 +248,9 @@ def check_run(names, *, tokens, budget_s, device, dtype, out, csv_path, key_colu
         dt = (
             parse_dtype(dtype)
             if dtype is not None
-            else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+            else torch.bfloat16
+            if dev.type == "cuda"
+            else torch.float32
         )
     except ValueError as e:
         raise ValueError(f"{n_dt}: {e}") from None
@@ -263,9 +261,7 @@ def check_run(names, *, tokens, budget_s, device, dtype, out, csv_path, key_colu
     return dev, dt
 
 
-# ------------------------------------------------------------------------------------------------
-# Candidates, the trials CSV, timing
-# ------------------------------------------------------------------------------------------------
+# --- Candidates, the trials CSV, timing ---------------------------------------------------------------------
 def dedupe(cands: list[OpConfig], limit: int) -> list[OpConfig]:
     """``cands`` without repeats (first kept), at most ``limit``."""
     out: list[OpConfig] = []
@@ -409,6 +405,40 @@ def sweep(
     return ranked
 
 
+def graph_timer(run, device: torch.device):
+    """The timer of one op of ``run`` (a LayerRun) alone: graph replay, L2 flushed, :data:`WARMUP_MS` /
+    :data:`REP_MS`; ``run`` is called once first (compiling, untimed)."""
+    from . import bench
+
+    run()
+    return lambda op, c: bench.time_fn(run.op_fn(op, c), "graph", device, WARMUP_MS, REP_MS)
+
+
+def tune_layer_ops(stage: str, inp, cfg, fields: Sequence[str], ops: Sequence[str], bms: Sequence[int],
+                   candidates, device, log: TrialLog, ids: dict, *, what: str, **sweep_kw):  # fmt: skip
+    """:func:`sweep` then :func:`choose_bm` over ``ops`` of a LayerRun of ``stage`` on ``inp`` (a
+    MoELoRAInputs): per BM the run of ``cfg`` (a LayerConfig) with its OpConfig ``fields`` at that BM, each
+    op timed by :func:`graph_timer`. Returns {op: OpConfig}, empty when the budget left no BM."""
+    from .moe_bench import make_run
+
+    def prepare(bm: int):
+        return graph_timer(make_run(stage, inp, with_bm(cfg, fields, bm)), device)
+
+    ranked = sweep(bms, prepare, ops, candidates, device, log, ids, **sweep_kw)
+    return choose_bm(ranked, ops, log, ids, t0=sweep_kw["t0"], what=what) if ranked else {}
+
+
+def one_at_a_time(cache: dict, key, make: Callable[[], Any], device: torch.device):
+    """``cache[key]``, made by ``make()`` after every other entry is dropped (and, on a GPU, the allocator's
+    cache emptied): one model's weights at a time on the device."""
+    if key not in cache:
+        cache.clear()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        cache[key] = make()
+    return cache[key]
+
+
 def choose_bm(ranked, ops: Sequence[str], log: TrialLog, ids: dict, *, t0: float, what: str):
     """The BLOCK_SIZE_M whose ops' best medians sum lowest (``ranked`` from :func:`sweep`): one ``choice``
     row per op, returns {op: config}. RuntimeError naming ``what`` when no candidate ran."""
@@ -422,9 +452,7 @@ def choose_bm(ranked, ops: Sequence[str], log: TrialLog, ids: dict, *, t0: float
     return {op: c for op, (_, c) in chosen.items()}
 
 
-# ------------------------------------------------------------------------------------------------
-# The JSON files and the loop over workloads
-# ------------------------------------------------------------------------------------------------
+# --- The JSON files and the loop over workloads -------------------------------------------------------------
 class ConfigFiles:
     """The JSON config files of ``ops`` in ``folder``, named ``name(gpu, op)`` (:mod:`moelora_lib.configs`
     format), read once, updated in memory (``data[op]``, :meth:`put`), saved atomically."""
@@ -482,6 +510,15 @@ def run_workloads(
         summary[key].append(label(j))
         files.save()
     return summary
+
+
+def summary_line(prog: str, s: dict[str, Any], more: str = "") -> str:
+    """The one line a tuner's command line prints about its summary ``s`` (``more`` after the budget part)."""
+    return (
+        f"{prog}: {len(s['tuned'])} workloads tuned, {len(s['skipped'])} already done, "
+        f"{len(s['not_tuned'])} not tuned (budget): {s['not_tuned']}{more}; wrote {s['out']} ({s['gpu']}); "
+        f"elapsed {s['elapsed_s']:.1f} s"
+    )
 
 
 def finish(log: TrialLog, summary: dict[str, Any], t0: float, note: str = "") -> dict[str, Any]:

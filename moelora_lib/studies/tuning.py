@@ -34,7 +34,7 @@ from .. import configs
 from ..kernels import default_config
 from ..kernels.config import BASE_OPS, LORA_OPS, OpConfig, next_pow2
 from ..shapes import Dims, MoEShape
-from . import bench, tuner
+from . import tuner
 from .tuner import RUN_COLUMNS, TRIAL_COLUMNS
 
 __all__ = ["CSV_COLUMNS", "lora_bm_candidates", "base_bm_candidates", "lora_op_candidates"]
@@ -48,9 +48,7 @@ BASE_BMS = (16, 32, 64, 128)
 GROUP_OPS = {"lora": LORA_OPS, "base": BASE_OPS}
 
 
-# ------------------------------------------------------------------------------------------------
-# Candidate lists (pruned by hand: the whole cartesian product is ~10^4 configs per op)
-# ------------------------------------------------------------------------------------------------
+# --- Candidate lists (pruned by hand: the whole cartesian product is ~10^4 configs per op) ------------------
 def _bms(choices: Sequence[int], rows: float, max_bms: int, dflt: int) -> list[int]:
     cap = max(16, 2 * next_pow2(math.ceil(rows)))  # more than 2x the rows per group is padding
     bms = [bm for bm in choices if bm <= cap][-max_bms:]
@@ -101,22 +99,14 @@ def base_op_candidates(bm: int, dflt: OpConfig, limit: int = 5) -> list[OpConfig
     return tuner.dedupe([d] + [OpConfig(bm, bn, bk, g, 1, w, st) for bn, bk, g, w, st in grid], limit)
 
 
-def graph_timer(run, device: torch.device):
-    """The engine's timer of one op of ``run`` (a LayerRun) alone: graph replay, L2 flushed, 5 / 20 ms."""
-    run()  # compile, untimed
-    return lambda op, c: bench.time_fn(run.op_fn(op, c), "graph", device, tuner.WARMUP_MS, tuner.REP_MS)
-
-
-# ------------------------------------------------------------------------------------------------
-# One workload
-# ------------------------------------------------------------------------------------------------
+# --- One workload -------------------------------------------------------------------------------------------
 def tune_workload(shape: MoEShape, T: int, R: int, L: int, weights, device, log: tuner.TrialLog, *,
                   deadline: float = math.inf, max_bms: int = 2, max_cands: int = 6, t0: float | None = None,
                   groups: Sequence[str] = ("lora", "base")) -> dict[str, dict[str, OpConfig]]:  # fmt: skip
     """Tune the groups ("lora": the four LoRA ops jointly; "base": the two base GEMMs) of one workload
     (``weights``: a layer_inputs of this shape, R, L); returns {group: {op: OpConfig}}, every trial in
     ``log``."""
-    from .moe_bench import layer_inputs, make_run
+    from .moe_bench import layer_inputs
 
     t0 = time.perf_counter() if t0 is None else t0
     H, I, E, K, S = shape.hidden, shape.intermediate, shape.experts, shape.top_k, weights.lora_a13.shape[2]
@@ -136,18 +126,14 @@ def tune_workload(shape: MoEShape, T: int, R: int, L: int, weights, device, log:
         ids = dict(model=shape.name, R=R, L=L, T=T, H=H, I=I, E=E, K=K, S=S, group=group)
         lora = group == "lora"
         bms = lora_bm_candidates(T, K, E, L, max_bms) if lora else base_bm_candidates(T, K, E, max_bms)
-
-        def prepare(bm: int, ops=ops):
-            return graph_timer(make_run(TUNE_STAGE, inp, tuner.with_bm(dflt, ops, bm)), device)
-
-        ranked = tuner.sweep(bms, prepare, ops, candidates, device, log, ids, deadline=deadline, t0=t0)
-        out[group] = tuner.choose_bm(ranked, ops, log, ids, t0=t0, what=f"{shape.name} T={T} {group}")
+        out[group] = tuner.tune_layer_ops(
+            TUNE_STAGE, inp, dflt, ops, ops, bms, candidates, device, log, ids,
+            what=f"{shape.name} T={T} {group}", deadline=deadline, t0=t0,
+        )  # fmt: skip
     return out
 
 
-# ------------------------------------------------------------------------------------------------
-# The whole run
-# ------------------------------------------------------------------------------------------------
+# --- The whole run ------------------------------------------------------------------------------------------
 def _put(files: tuner.ConfigFiles, s: MoEShape, T: int, R: int, L: int, group: str, cfgs) -> None:
     """The choices of one group into the files (the base keys do not depend on R, L or S)."""
     if group == "base":
@@ -212,15 +198,11 @@ def tune(models: Sequence[str], ranks: Sequence[int], adapters: int, tokens: Seq
 
     def tune_one(job) -> bool:
         s, R, T = job
-        if (s.name, R) not in weights:
-            weights.clear()  # one model's weights at a time on the device
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
-            kw = dict(rank=R, num_adapters=adapters, dtype=dtype, device=dev, seed=seed, bias=False)
-            weights[s.name, R] = layer_inputs(s, 1, **kw)
+        wkw = dict(rank=R, num_adapters=adapters, dtype=dtype, device=dev, seed=seed, bias=False)
+        w = tuner.one_at_a_time(weights, (s.name, R), lambda: layer_inputs(s, 1, **wkw), dev)
         groups = [g for g in GROUP_OPS if not done(s, R, T, g)]
         kw = dict(deadline=t0 + budget_s, max_bms=max_bms, max_cands=max_cands, t0=t0, groups=groups)
-        for g, cfgs in tune_workload(s, T, R, adapters, weights[s.name, R], dev, log, **kw).items():
+        for g, cfgs in tune_workload(s, T, R, adapters, w, dev, log, **kw).items():
             _put(files, s, T, R, adapters, g, cfgs)
         return True
 
@@ -269,11 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         p.error(str(e))
     s = tune(*args, **kw, progress=not a.no_progress)
-    print(
-        f"tuning: {len(s['tuned'])} workloads tuned, {len(s['skipped'])} already done, "
-        f"{len(s['not_tuned'])} not tuned (budget): {s['not_tuned']}, {len(s['copied'])} copied; "
-        f"wrote {s['out']} ({s['gpu']}); elapsed {s['elapsed_s']:.1f} s"
-    )
+    print(tuner.summary_line("tuning", s, f", {len(s['copied'])} copied"))
     return 0
 
 

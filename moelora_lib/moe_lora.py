@@ -258,8 +258,8 @@ def validate_moe_lora_inputs(
     k_ids, k_weights = size("topk_ids", 1), size("topk_weights", 1)
     if k_ids is not None and k_weights is not None and k_ids != k_weights:  # a tie: name both
         raise ValueError(
-            f"topk_ids and topk_weights must have the same shape [T, K]: topk_ids has K={k_ids}, "
-            f"topk_weights has K={k_weights}"
+            f"topk_weights must have shape [T, K] like topk_ids (the two disagree): "
+            f"topk_ids has K={k_ids}, topk_weights has K={k_weights}"
         )
     K = _agree([("topk_ids", k_ids), ("topk_weights", k_weights)])
     L = _agree([(n, size(n, 0)) for n in ("lora_a13", "lora_b13", "lora_a2", "lora_b2")])

@@ -1,20 +1,11 @@
 """Compile-only inspection of the kernels for sm_90 (H200) on a machine without a GPU.
 
-The argument binder of a ``JITFunction`` gives the specialization ``JITFunction.run`` keys its cache
-on (dtypes, ints and the 16-byte alignment of ``data_ptr()``, so meta tensors stand in for device
-buffers); ``_pack_args`` turns it into an ``ASTSource`` and ``triton.compile(..., target=GPUTarget("cuda",
-90, 32))`` compiles it to a cubin with the ptxas bundled in the triton wheel (docs/environment.md §3).
-PTX is ``k.asm["ptx"]``; SASS and resource usage come from the bundled ``cuobjdump``.
-
-The kernels must be decorated without ``TRITON_INTERPRET`` (Triton reads it when ``@triton.jit`` runs):
-in an interpreted process the functions here run their job through :func:`run_isolated`, a fresh
-``python -m moelora_lib.studies.compile_check batch`` without the variable. The CLI serves humans too::
+Meta tensors stand in for device buffers; ``triton.compile(..., target=GPUTarget("cuda", 90, 32))`` builds
+the cubin with the ptxas bundled in the triton wheel (docs/environment.md §3). Kernels must be decorated
+without ``TRITON_INTERPRET``: from an interpreted process use :func:`run_isolated`. CLI::
 
     python -m moelora_lib.studies.compile_check count --kernel lora_shrink --naive --lengths 1 7 16 4096
     python -m moelora_lib.studies.compile_check inspect --launch gate_up_shrink --T 64 --cfg '{"SPLIT_K": 4}'
-
-``TRITON_CACHE_DIR`` is honoured. The functions of a ``CompiledKernel`` (:func:`ptx`, :func:`sass`,
-:func:`resource_usage`) and the PTX/SASS text helpers work anywhere.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """Dense multi-LoRA measurements (notebook 10): the attention (qkv, o) and dense-MLP (gate_up, down)
 projections of :data:`MODELS`: seeded inputs, floors, timed parts, torch baselines, checks, vLLM's
-anchor figures and the targets table. For notebook 15 also block-FP8 base weights (:data:`WEIGHT_FORMATS`,
-:func:`fp8_weight`, :func:`build_module`'s ``weight`` and ``activation_scheme``): the :class:`LoRALinear`
-forward timed base-only and with adapters (:func:`bench_module`), checked against the reference on the
-dequantized weight (:func:`check_fp8_projection`), with 1-byte weights in the bytes floor and the FP8 rate
-in the FLOP floor (:func:`part_costs`' ``weight_bytes`` / ``base_tflops``).
+anchor figures and the targets table; for notebook 15 block-FP8 base weights (:data:`WEIGHT_FORMATS`).
 
-Timing: :func:`.bench.time_fn` (CUDA-graph replay, do_bench median, L2 flushed; docs/anchors-h200.md).
-The LoRA part's alignment and the baselines' index lists are built before timing ("total" includes the
-alignment). CPU rows say ``mode = "cpu-interpreter"`` (interpreter wall clock). Units: ms_p50/p20/p80 ms,
+Timing: :func:`.bench.time_fn`; CPU rows say ``mode = "cpu-interpreter"``. Units: ms_p50/p20/p80 ms,
 us_p50 and floor_us µs. Letters: T tokens, H input width, N = Σ slices, S slices, L slots, R rank.
 """
 

@@ -6,21 +6,15 @@
         --ranks 32 --adapters 8 --out moelora_lib/configs/NVIDIA_H200 \\
         --csv data/10_dense_tuning_trials.csv --budget-s 330
 
-CPU smoke run (interpreter; ``--projections tiny``, T ≤ 64, ≤ 2 candidates; files for GPU name ``cpu``;
-times are NOT kernel performance). Per workload (projection, R, L, T; T tokens spread evenly over L
-adapters, shuffled), through :mod:`.tuner`:
+Per workload (projection, R, L, T), through :mod:`.tuner`:
 
-1. Shrink and expand share one alignment, so one BLOCK_SIZE_M (:func:`bm_candidates`): each op is timed
-   over its candidates (default first); the BM with the smallest sum of the two best medians wins.
-2. vLLM's keys do not tell every projection apart (no slice widths in the shrink key, no hidden size in
-   the expand key): an op whose entry exists (this run or ``--out``) keeps it and its BM, and only the
-   other op is tuned; both present with different BMs: nothing written (``conflict`` row).
-3. The fastest pairs are checked against ``lora_linear_reference`` (fp64) within ``TOLERANCES``, then the
-   default; only a checked pair is written.
+1. Shrink and expand share one BLOCK_SIZE_M (:func:`bm_candidates`); the BM with the smallest sum of the
+   two best medians wins.
+2. An op whose entry exists (this run or ``--out``) keeps it and its BM, and only the other op is tuned;
+   both present with different BMs: nothing written (``conflict`` row).
+3. Only a pair checked against ``lora_linear_reference`` (fp64) within ``TOLERANCES`` is written.
 
-On the GPU every candidate is first compiled in ``--jobs`` processes (:func:`precompile`) into Triton's
-cache. Timing: CUDA-graph replay, L2 evicted before every repetition (``--l2``). CSV kinds: trial /
-bm_sum / check / choice / note / conflict / precompile / session; CSV and files resume as :mod:`.tuning`'s.
+CSV kinds: trial / bm_sum / check / choice / note / conflict / precompile / session.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """Notebook 11's measurements (rows for ``data/11_*.csv``): generation of whole models with random weights
 at the real dimensions and multiple adapters, adapter loading, recompilation, a decode step by category,
-transformers + PEFT, the bytes/FLOPs floors and the targets; for notebook 14 also models with MXFP4 experts
-(:func:`build_model`'s ``experts``) and their memory (:func:`model_memory`, :func:`memory_estimate_gb`); for
-notebook 15 models with block-FP8 experts and dense projections (``experts`` / ``projections`` "fp8",
-:func:`fp8_formats`), their exactly dequantized twins (``dequantize``) and the logit error between the two
-(:func:`model_logits`, :func:`logit_error`, :func:`schemes_at`).
+transformers + PEFT, the floors and the targets; MXFP4 (notebook 14) and block-FP8 (notebook 15) models.
 TTFT = call start -> the request's first token on the host; OTPS per request = (tokens − 1) / (last token −
 first token); aggregate OTPS = all output tokens / the whole call. Greedy, no eos."""
 

@@ -1,11 +1,7 @@
 """Notebook 00, the explorer: every stage side by side from the committed H200 evidence, interactively.
 
-:func:`load_evidence` reads the committed GPU CSVs of ``data/`` (never ``data/cpu/``, whose interpreter
-timings are no performance numbers) into tidy tables; a missing file is a note, not an error.
-:func:`options` lists the values they hold, a :class:`Selection` names one view, and :func:`layer_table`,
-:func:`selection_notes` and :func:`figure` build it. :class:`Explorer` wires these into ipywidgets
-controls, with the kernel lines a stage changes (:func:`moelora_lib.studies.notebook.show_kernel_change`).
-No kernel module is imported at import time (``setup`` sets ``TRITON_INTERPRET`` first).
+:func:`load_evidence` reads the committed GPU CSVs of ``data/`` (never ``data/cpu/``); a missing file is a
+note, not an error. No kernel module is imported at import time (``setup`` sets ``TRITON_INTERPRET`` first).
 """
 
 from __future__ import annotations

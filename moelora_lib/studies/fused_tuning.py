@@ -1,31 +1,15 @@
 """Tuner of stage ``fused``'s two GEMMs (notebook 12): the gate_up GEMM with the LoRA expand and the
-activation in it (``fused_gate_up``) and the down GEMM with its expand (``fused_down``).
-
-Run (on the GPU; on the CPU only a functional test through the interpreter)::
+activation in it (``fused_gate_up``) and the down GEMM with its expand (``fused_down``)::
 
     python -m moelora_lib.studies.fused_tuning --model gpt-oss-20b,qwen3-30b-a3b \\
         --tokens 1,8,64,256,1600,8192 --rank 32 --adapters 8 \\
         --out moelora_lib/configs/NVIDIA_H200 --csv data/12_fused_tuning.csv --budget-s 240
 
-Per workload (model, T, R, L), on the inputs of :func:`moelora_lib.studies.moe_bench.layer_inputs` (uniform
-adapter ids, silu, no biases), through the engine :mod:`.tuner`: the starting point is the workload's tuned
-config with the fused GEMMs derived from the tuned base GEMMs
-(:func:`~moelora_lib.kernels.fused.fused_gemm_configs`), never read from the fused file this run writes (its
-nearest entry would be another T's choice). The two GEMMs share the base alignment, so one BLOCK_SIZE_M:
-per candidate BM (:func:`~.tuning.base_bm_candidates` plus the current one) a
-:class:`~moelora_lib.kernels.LayerRun` of stage ``fused``, each GEMM timed alone over
-:func:`fused_op_candidates`; the BM with the smallest sum of the two best medians wins. The choice is
-merged into ``{gpu}_FUSED_MOE_LORA_FUSED.json`` (:mod:`moelora_lib.configs` format) atomically after every
-workload; every timed candidate is a row of the CSV (``kind`` trial / bm_sum / choice / note / session).
-Timing as :mod:`.tuning` (graph replay, L2 flushed, 5 / 20 ms). ``--budget-s``: no workload or BM starts
-past it; an untuned workload is left to the loader's nearest-entry lookup.
-
-The per-T stage choice of ``stage="auto"`` (the fused leaves' ``"stage"`` key,
-:func:`moelora_lib.configs.load_stage_choice`) is not measured here: this tuner times the two fused
-GEMMs alone, never stage ``tuned`` beside them. It comes from notebook 12's layer totals of both stages
-(``data/12_fused.csv``): :func:`stage_choices_from_csv` picks the faster stage per (dims, T) and
-:func:`write_stage_choices` sets the key in the file; a tuner run that rewrites a leaf drops its key
-(the choice was measured with the old configs), so rerun the two after re-tuning.
+Per workload (model, T, R, L), through :mod:`.tuner`: the two GEMMs share one BLOCK_SIZE_M; per candidate
+BM each GEMM is timed alone over :func:`fused_op_candidates`, and the BM with the smallest sum of the two
+best medians wins, merged into ``{gpu}_FUSED_MOE_LORA_FUSED.json``. CSV kinds: trial / bm_sum / choice /
+note / session. The per-T ``"stage"`` key comes from notebook 12's layer totals
+(:func:`stage_choices_from_csv`, :func:`write_stage_choices`); a rewritten leaf drops it.
 """
 
 from __future__ import annotations

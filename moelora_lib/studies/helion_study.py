@@ -1,12 +1,8 @@
 """Notebook 08's measurements: the Helion linear backend against cuBLAS (PyTorch), the memory ceilings,
 the L2-state probe and the best ratio each row allows.
 
-Sweep rows (:func:`sweep`, one per model, proj, epilogue, M, impl, mode): stage "helion_linear", K, N
-(swiglu N = 2I), dtype, impl ("helion" | "torch" | "torch_two_gemm"), path, mode, copies, ms_p50/p20/p80,
-flops, bytes (each tensor once), tb_per_s, tflops, rel_err (vs the fp32 result), environment columns.
-Modes (:func:`.bench.time_fn`): "graph" (replay after do_bench's zeroing L2 flush), "graph_clean" (after
-an eviction by a read), "graph_rotate" (M ≤ :data:`ROTATE_MAX_M`: one replay over ``copies`` copies of W
-streaming 4x the L2, time per GEMM: back-to-back layers as in a decode step), "eager", "cpu".
+Sweep modes (:func:`.bench.time_fn`): "graph", "graph_clean", "graph_rotate" (M ≤ :data:`ROTATE_MAX_M`:
+one replay over ``copies`` copies of W, time per GEMM), "eager", "cpu".
 """
 
 from __future__ import annotations

@@ -5,14 +5,8 @@ and write the winners into the per-GPU JSON (moelora_lib/configs/helion/<GPU_NAM
         --m 1,2,4,8,16,32,256,1024,4096 --epilogues none,swiglu \\
         --out moelora_lib/configs/helion/NVIDIA_H200.json --csv data/helion_tuning.csv --budget-s 300
 
-Every candidate (:func:`candidates`) of each case (:func:`build_cases`) is compiled first in spawned
-processes, checked against PyTorch (``TOLERANCES``) and timed (``bench.time_fn``, graph mode, ``--l2``)
-beside the PyTorch path. Resumable: cases in ``--out`` are skipped (``--force`` redoes them); JSON
-written atomically and CSV appended after every case; no case starts after ``--budget-s``.
-
-CSV, one row per candidate and PyTorch baseline: op, models, K, N, M, bucket, dtype, impl, candidate,
-config, status ("ok" | "compile_error" | "run_error" | "wrong"), error, rel_err, ms_p50/p20/p80, mode,
-speedup_vs_torch, best, compile_s, tune_elapsed_s (summed over runs) and the environment columns.
+Cases in ``--out`` are skipped (``--force`` redoes them); JSON written atomically and CSV appended after
+every case; no case starts after ``--budget-s``. CSV status: "ok" | "compile_error" | "run_error" | "wrong".
 """
 
 from __future__ import annotations

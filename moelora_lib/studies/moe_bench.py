@@ -1,27 +1,12 @@
 """MoE-LoRA measurements for the notebooks, on top of :mod:`.bench` (which times).
 
-:func:`op_costs` (FLOPs, bytes, floor of the six launches of a layer), :func:`layer_inputs` and
-:class:`LayerWeights` (seeded inputs; weights made once per sweep), :func:`bench_layer` /
-:func:`bench_lora_op` (time a layer's parts or one LoRA op), :func:`bench_module` (a
-:class:`~moelora_lib.MoELoRALayer` forward from router logits), :func:`check_layer` (against the fp32
-reference), :func:`anchor_table` (vLLM on the same H200), :func:`mxfp4_anchor_table` (OpenAI's
-``triton_kernels`` MXFP4 MoE on the same H200), and fresh-process helpers (recompilation counts, parallel
-compile pass, ncu L2 hit rate) behind ``python -m moelora_lib.studies.moe_bench``.
-
-Expert weight formats (:data:`WEIGHT_FORMATS`): "dense" (the activations' dtype), "mxfp4" (packed
-:class:`~moelora_lib.quant.MXFP4Weight`, 4.25 bits per weight; :func:`quantize_experts`) or "fp8" (block-FP8
-:class:`~moelora_lib.quant.FP8BlockWeight`, 1 byte per weight plus one float32 scale per block;
-:func:`quantize_fp8_weight`); :func:`with_weight_format` converts. The base GEMMs' bytes and floors count each
-format's bytes per weight, and FP8 experts' FLOP floor the FP8 tensor-core rate. With FP8 experts the
-layer's ``activation_scheme`` (:data:`~moelora_lib.kernels.stages.ACTIVATION_SCHEMES`: "weight_only",
-"dynamic" = W8A8, "auto") is a parameter of :func:`make_run`, :func:`bench_layer`, :func:`check_layer`
-and :func:`bench_lora_op`; rows carry the scheme that ran.
+Expert weight formats (:data:`WEIGHT_FORMATS`): "dense" (the activations' dtype), "mxfp4"
+(:class:`~moelora_lib.quant.MXFP4Weight`) or "fp8" (:class:`~moelora_lib.quant.FP8BlockWeight`); with FP8
+experts the layer's ``activation_scheme`` ("weight_only", "dynamic" = W8A8, "auto") is a parameter of
+:func:`make_run`, :func:`bench_layer`, :func:`check_layer` and :func:`bench_lora_op`.
 
 Units: ms (``ms_p50/p20/p80``), µs (``us_p50``, ``floor_us``); 2 FLOPs per multiply-add; bytes read +
-written; P = T·K. Timing: :func:`.bench.time_fn` (do_bench median, L2 flushed, CUDA-graph replay or
-eager); on the CPU rows say ``mode="cpu-interpreter"`` (no performance number). Inputs: a
-:class:`~moelora_lib.workloads.Workload` or the keywords ``shape, T, rank=, num_adapters=, pattern=,
-dtype=, device=, seed=``; launches come from :class:`moelora_lib.kernels.LayerRun`.
+written; P = T·K. On the CPU rows say ``mode="cpu-interpreter"`` (no performance number).
 """
 
 from __future__ import annotations

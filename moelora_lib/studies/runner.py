@@ -3,15 +3,8 @@
     python -m moelora_lib.studies.runner [--profile cpu|gpu|auto] [--only 01,02] [--out DIR]
                                  [--log-output] [--keep-going] [--cell-timeout S] [--list]
 
-Every ``notebooks/[0-9][0-9]_*.ipynb`` runs in name order with ``PROFILE=<profile>``; the executed copy
-goes to ``<out>/<same name>``, one row per notebook to ``<out>/run_log.csv`` (:data:`RUN_LOG_COLUMNS`).
-Profiles: ``gpu`` (full shapes, no ``TRITON_INTERPRET``), ``cpu`` (small shapes, ``TRITON_INTERPRET=1``,
-copies to ``data/executed/cpu/``), ``auto`` (gpu where torch sees CUDA). The kernel is this interpreter:
-a kernelspec ``moelora-<hash>`` in a temporary folder first on ``JUPYTER_PATH``, checked before use.
-
-Exit status: 0 all ok; 1 a notebook failed (notebook, source cell index and exception named;
-``--keep-going`` runs the rest first); 2 a usage error, refused before any file is written; 130
-interrupted.
+Executed copies go to ``<out>/<same name>``, one row per notebook to ``<out>/run_log.csv``
+(:data:`RUN_LOG_COLUMNS`). Exit status: 0 all ok; 1 a notebook failed; 2 a usage error; 130 interrupted.
 """
 
 from __future__ import annotations

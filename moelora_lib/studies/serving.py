@@ -1,13 +1,8 @@
 """Notebook 09's measurements of the serving layer (rows for ``data/09_*.csv``): alignment, eager host
 overhead, the whole layer in one CUDA graph, compiled variants, memory.
 
-The helpers' ``stage`` is a name of :data:`~moelora_lib.kernels.STAGES` or ``"auto"`` (the stage the config
-files choose per T, :func:`~moelora_lib.kernels.stage_named`); their default is stage ``tuned``, notebook
-09's. A bad name is a ValueError naming ``stage`` and the allowed names.
-
-GPU times: medians of CUDA-graph replays (:func:`.bench.time_fn`, L2 flushed unless said otherwise); eager
-wall times: ``perf_counter`` around one call + synchronize, median after warm-up. On the CPU the Triton
-interpreter runs the same code (rows say ``mode = "cpu-interpreter"``).
+``stage`` is a name of :data:`~moelora_lib.kernels.STAGES` or ``"auto"`` (default ``tuned``); a bad name
+is a ValueError. On the CPU rows say ``mode = "cpu-interpreter"``.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """The tuning engine that :mod:`.tuning` (MoE LoRA ops and base GEMMs), :mod:`.dense_tuning` (dense LoRA)
 and :mod:`.fused_tuning` (stage ``fused``'s two GEMMs) configure.
 
-A tuner supplies its workloads, its candidate lists and a timer per BLOCK_SIZE_M; the engine does the rest:
-
-- argument checks that name the argument (or its CLI flag) and run before anything is written
-  (:func:`check_device`, :func:`check_out`, :func:`check_csv`, :func:`check_budget`, :func:`check_ints`,
-  :func:`check_models`) and the argparse types built on them (a bad flag exits with code 2, one line);
-- :func:`sweep`: every candidate of every op at every BLOCK_SIZE_M, timed alone, one CSV row each;
-  :func:`choose_bm`: the BLOCK_SIZE_M whose ops' best medians sum lowest (the rule of vLLM's
-  ``benchmark_lora_tuning.py``: ops sharing one alignment share BLOCK_SIZE_M);
-- :class:`TrialLog`: the trials CSV, appended and flushed row by row, read back to resume;
-- :class:`ConfigFiles`: the JSON config files of one folder (:mod:`moelora_lib.configs` format), read
-  once, merged in memory, saved atomically;
-- :func:`run_workloads`: the loop over workloads (resume, time budget, progress bar, ``session`` row).
+A tuner supplies its workloads, its candidate lists and a timer per BLOCK_SIZE_M; the engine checks the
+arguments, sweeps (:func:`sweep`, :func:`choose_bm`), logs trials (:class:`TrialLog`), saves configs
+(:class:`ConfigFiles`) and loops over workloads (:func:`run_workloads`).
 """
 
 from __future__ import annotations

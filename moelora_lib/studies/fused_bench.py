@@ -336,8 +336,8 @@ def targets_table(df, anchors, *, stage: str = STAGE, baseline: str = BASELINE):
 
 
 def cumulative_with(cumulative, df, *, stage: str = STAGE, baseline: str = BASELINE):
-    """``cumulative`` (``07_cumulative.csv``) with ``tuned (this run)`` and ``fused (this run)`` columns, on the rows
-    this run measured."""
+    """``cumulative`` (``07_cumulative.csv``) with ``tuned (this run)`` and ``fused (this run)`` columns, on
+    the rows this run measured."""
     lt = layer_table(df)
     out = cumulative.drop(columns=[c for c in ("run",) if c in cumulative]).copy()
     keys = [(p, (m, int(T))) for m, T, p in zip(out.model, out["T"], out.part)]

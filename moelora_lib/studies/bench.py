@@ -1,11 +1,8 @@
 """The one benchmark harness: timing, roofline floors, result rows to CSV, the environment record.
 
 Units: :class:`Timing` in ms; the floor helpers in µs. GPU (:func:`time_cuda`): ``triton.testing.do_bench``'s
-method (warm-up untimed; CUDA events around one call or one ``CUDAGraph.replay()``; median, p20/p80),
-the L2 flushed before every repetition: ``True``/``"dirty"`` zeroes 256 MB as do_bench does (dirty lines
-the timed kernel writes back: 3–9 µs of a decode GEMM, data/08_l2_probe.csv), ``"clean"`` reads 256 MB
-(a cold L2 of clean lines, as after the previous layer's weights). CPU (:func:`time_cpu`): wall clock;
-under ``TRITON_INTERPRET=1`` interpreter cost, never kernel performance.
+method (CUDA events, median, p20/p80), the L2 flushed before every repetition (``"dirty"``: zeroes 256 MB;
+``"clean"``: reads 256 MB). CPU (:func:`time_cpu`): wall clock, never kernel performance.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """Compile-only inspection of the kernels for sm_90 (H200) on a machine without a GPU.
 
-The argument binder of a ``JITFunction`` gives the specialization ``JITFunction.run`` keys its cache
-on (dtypes, ints and the 16-byte alignment of ``data_ptr()``, so meta tensors stand in for device
-buffers); ``_pack_args`` turns it into an ``ASTSource`` and ``triton.compile(..., target=GPUTarget("cuda",
-90, 32))`` compiles it to a cubin with the ptxas bundled in the triton wheel (docs/environment.md §3).
-PTX is ``k.asm["ptx"]``; SASS and resource usage come from the bundled ``cuobjdump``.
-
-The kernels must be decorated without ``TRITON_INTERPRET`` (Triton reads it when ``@triton.jit`` runs):
-in an interpreted process the functions here run their job through :func:`run_isolated`, a fresh
-``python -m moelora_lib.studies.compile_check batch`` without the variable. The CLI serves humans too::
+Meta tensors stand in for device buffers; ``triton.compile(..., target=GPUTarget("cuda", 90, 32))`` builds
+the cubin with the ptxas bundled in the triton wheel (docs/environment.md §3). Kernels must be decorated
+without ``TRITON_INTERPRET``: from an interpreted process use :func:`run_isolated`. CLI::
 
     python -m moelora_lib.studies.compile_check count --kernel lora_shrink --naive --lengths 1 7 16 4096
     python -m moelora_lib.studies.compile_check inspect --launch gate_up_shrink --T 64 --cfg '{"SPLIT_K": 4}'
-
-``TRITON_CACHE_DIR`` is honoured. The functions of a ``CompiledKernel`` (:func:`ptx`, :func:`sass`,
-:func:`resource_usage`) and the PTX/SASS text helpers work anywhere.
 """
 
 from __future__ import annotations
@@ -88,9 +79,8 @@ def _bind(jitfn, args, constexprs, num_warps, num_stages, arch):
 
 def specialization_key(jitfn, args, constexprs: dict, num_warps: int | None = None,
                        num_stages: int | None = None, arch: int = SM90) -> str:  # fmt: skip
-    """The key ``JITFunction.run`` looks its kernel cache up with for these launch arguments
-    (specialization per parameter, e.g. ``('i32', 'D')`` for an int divisible by 16, plus constexprs
-    and options): the same key reuses one binary, a new key compiles a new one."""
+    """The key ``JITFunction.run`` looks its kernel cache up with for these launch arguments: the same key
+    reuses one binary, a new key compiles a new one."""
     from triton.runtime.jit import compute_cache_key
 
     _, _, specialization, options = _bind(jitfn, args, constexprs, num_warps, num_stages, arch)
@@ -100,7 +90,7 @@ def specialization_key(jitfn, args, constexprs: dict, num_warps: int | None = No
 def compile_for_sm90(jitfn, args, constexprs: dict, num_warps: int | None = None,
                      num_stages: int | None = None, arch: int = SM90):  # fmt: skip
     """A ``CompiledKernel`` of ``jitfn`` for sm_``arch`` (no GPU) for these launch arguments (CPU or meta
-    tensors, ints) and keyword constexprs; num_warps/num_stages None = Triton's. Honours TRITON_CACHE_DIR."""
+    tensors, ints) and keyword constexprs; num_warps/num_stages None: Triton's."""
     import triton
     from triton.compiler import ASTSource
 
@@ -136,9 +126,8 @@ def sass(compiled) -> str:
 
 
 def resource_usage(compiled) -> dict:
-    """``cuobjdump -res-usage`` of the cubin as ints: REG, STACK, SHARED (static), LOCAL (> 0 =
-    spills), CONSTANT_0, TEXTURE, SURFACE, SAMPLER; plus DYN_SHARED = ``metadata.shared`` (the
-    dynamic shared memory Triton launches with) and NUM_WARPS."""
+    """``cuobjdump -res-usage`` of the cubin as ints: REG, STACK, SHARED, LOCAL (> 0: spills), CONSTANT_0,
+    TEXTURE, SURFACE, SAMPLER; plus DYN_SHARED and NUM_WARPS."""
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(compiled.asm["cubin"])
         path = f.name
@@ -159,57 +148,6 @@ def resource_usage(compiled) -> dict:
 
 
 # --- text helpers (pure functions over PTX / SASS) -------------------------------------------------
-_LABEL = re.compile(r"^\s*(\$L__\w+):")
-_BRANCH = re.compile(r"\bbra(?:\.uni)?\s+(\$L__\w+)\s*;")
-
-
-def k_loop_bodies(ptx_text: str) -> list[str]:
-    """The bodies of the PTX loops (a label to the last ``bra`` back to it), outermost first. With
-    ``num_stages=1`` (no pipelined prologue) every load of the K loop sits in its body."""
-    lines = ptx_text.splitlines()
-    where = {}
-    for i, line in enumerate(lines):
-        m = _LABEL.match(line)
-        if m:
-            where[m.group(1)] = i
-    spans = {}
-    for j, line in enumerate(lines):
-        m = _BRANCH.search(line)
-        if m and m.group(1) in where and where[m.group(1)] < j:
-            spans[m.group(1)] = (where[m.group(1)], j)
-    return ["\n".join(lines[a : b + 1]) for a, b in sorted(spans.values())]
-
-
-_PRED_LD = re.compile(r"^\s*@!?%p\w*\s+ld\.global\b", re.M)
-_CP_ASYNC_ZFILL = re.compile(r"\bcp\.async\.\w+(?:\.\w+)*\s+\[[^\]]+\],\s*\[[^\]]+\],\s*[^,;]+,\s*%r\w*\s*;")
-_PRED_CP_ASYNC = re.compile(r"^\s*@!?%p\w*\s+cp\.async\b", re.M)
-_LD_GLOBAL = re.compile(r"^\s*(?:@!?%p\w*\s+)?ld\.global\b", re.M)
-
-
-def masked_global_loads(ptx_text: str) -> dict:
-    """Global loads of PTX by kind: ``predicated`` (``@%p ld.global``), ``zero_fill`` (``cp.async`` with a
-    src-size operand), ``predicated_cp_async`` (``@%p cp.async``), ``all_ld_global``."""
-    pats = dict(predicated=_PRED_LD, zero_fill=_CP_ASYNC_ZFILL, predicated_cp_async=_PRED_CP_ASYNC)
-    return {k: len(p.findall(ptx_text)) for k, p in (pats | dict(all_ld_global=_LD_GLOBAL)).items()}
-
-
-_RED_PTX = re.compile(r"(?<![\w.])red\.global\S*add|atom\.global\S*relaxed\S*add|atom\.global\S*add")
-
-
-def has_atomic_add(ptx_text: str | None = None, sass_text: str | None = None) -> dict:
-    """Global atomic adds: PTX ``red.global...add`` / ``atom.global...add`` (with ``relaxed``) and SASS
-    ``REDG...ADD`` / ``ATOMG...ADD`` lines (counts)."""
-    out = {}
-    if ptx_text is not None:
-        hits = _RED_PTX.findall(ptx_text)
-        out["ptx_atomic_add"] = len(hits)
-        out["ptx_relaxed"] = sum("relaxed" in h for h in hits)
-    if sass_text is not None:
-        out["sass_red"] = len(re.findall(r"(?<![\w.])REDG?\.\S*ADD", sass_text))
-        out["sass_atom"] = len(re.findall(r"(?<![\w.])ATOMG?\.\S*ADD", sass_text))
-    return out
-
-
 def tensor_core_ops(ptx_text: str) -> dict:
     """Counts of ``mma.sync`` and ``wgmma.mma_async`` instructions in PTX."""
     mma = len(re.findall(r"(?<![\w.])mma\.sync\.aligned\.\S+", ptx_text))
@@ -265,8 +203,7 @@ def _layer_tensors(d, make, has_bias: bool) -> dict:
 
 def meta_layer_run(dims, *, activation: str = "silu", has_bias: bool = False, dtype="bfloat16", config=None,
                    use_even_k: bool = True, specialize_lengths: bool = False):  # fmt: skip
-    """A :class:`~moelora_lib.kernels.LayerRun` of ``dims`` (a :class:`~moelora_lib.shapes.Dims`) on meta
-    tensors: :func:`_routing`'s ids, the real alignments moved to meta, ``config`` (None =
+    """A :class:`~moelora_lib.kernels.LayerRun` of ``dims`` on meta tensors (``config`` None:
     ``default_config(dims)``), a stage with fused add and the given switches. Nothing is launched."""
     from dataclasses import replace
 
@@ -292,10 +229,9 @@ def meta_layer_run(dims, *, activation: str = "silu", has_bias: bool = False, dt
 def launch(launch_name: str, T: int, *, shape="gpt-oss-20b", rank: int = 32, adapters: int = 8,
            dtype: str = "bfloat16", cfg=None, use_even_k: bool = True,
            with_bias: bool | None = None):  # fmt: skip
-    """``(kernel_name, args, constexprs, num_warps, num_stages, cfg)`` of one layer launch at T
-    (``launch_args`` of :func:`meta_layer_run`). launch_name: of :data:`LAUNCHES` or a kernel name (its
-    first launch); shape: see :func:`_shape`; cfg: an OpConfig, a dict of fields over the default, or
-    None; the launch's alignment group takes cfg's BLOCK_SIZE_M; use_even_k: the LoRA ops' switch."""
+    """``(kernel_name, args, constexprs, num_warps, num_stages, cfg)`` of one layer launch at T. launch_name:
+    of :data:`LAUNCHES` or a kernel name; cfg: an OpConfig, a dict of fields over the default, or None;
+    use_even_k: the LoRA ops' switch."""
     from dataclasses import replace
 
     from ..kernels.config import BASE_OPS, LORA_OPS, OpConfig
@@ -355,10 +291,10 @@ _HASHES: dict = {}
 
 def variants(kernel_name: str, specialize_lengths: bool, lengths, *, launch_name: str | None = None, cfg=None,
              compile: bool = True, **launch_kw) -> dict:  # fmt: skip
-    """Distinct cache keys (and binaries) of one layer launch over ``lengths``. ``cfg``: None = the
-    default config at T = 64 for all; an OpConfig or dict; ``"auto"`` = ``default_config(T)`` per length.
-    Returns ``{"keys", "hashes" (None without compile), "configs", "per_length": {T: key index},
-    "key_list"}``. ValueError when the launch does not run ``kernel_name``."""
+    """Distinct cache keys (and binaries) of one layer launch over ``lengths``. ``cfg``: None (the default at
+    T = 64), an OpConfig or dict, or ``"auto"`` (``default_config(T)`` per length). Returns ``{"keys",
+    "hashes", "configs", "per_length": {T: key index}, "key_list"}``. ValueError when the launch does not run
+    ``kernel_name``."""
     from ..kernels.config import OpConfig
 
     if _interpreted():
@@ -393,8 +329,8 @@ def variants(kernel_name: str, specialize_lengths: bool, lengths, *, launch_name
 def inspect_job(
     launch_name: str, T: int, *, specialize_lengths: bool = False, want=("res", "ptx", "sass"), **launch_kw
 ) -> dict:
-    """Compile one layer launch (:func:`launch`) for sm_90: kernel, hash, key, constexprs, cfg, and the
-    ``want``-ed resources ("res"), PTX and SASS."""
+    """Compile one layer launch for sm_90: kernel, hash, key, constexprs, cfg, and the ``want``-ed "res",
+    "ptx", "sass"."""
     if _interpreted():
         kw = dict(launch=launch_name, T=T, specialize_lengths=specialize_lengths, want=list(want))
         return _isolated("inspect", **kw, **launch_kw)
@@ -418,8 +354,7 @@ _CP_ASYNC_SIZE = re.compile(r"\bcp\.async\.\w+\.shared\.global\s+\[[^\]]+\],\s*\
 
 def global_vector_ops(ptx_text: str) -> dict:
     """Counts of global memory instructions in PTX by width: ``st_v4``/``st_v2``/``st_scalar``,
-    ``ld_v4``/``ld_v2``/``ld_scalar`` (``st.global.v4.b32`` is one 16-byte store) and the pipelined
-    loads ``cp_async_<bytes>`` (``cp.async.cg.shared.global [..], [..], 0x10`` copies 16 bytes)."""
+    ``ld_v4``/``ld_v2``/``ld_scalar`` and ``cp_async_<bytes>``."""
     out = {f"{op}_{w}": 0 for op in ("st", "ld") for w in ("v4", "v2", "scalar")}
     for op, mods in _GLOBAL_OP.findall(ptx_text):
         out[f"{op}_{'v4' if '.v4' in mods else 'v2' if '.v2' in mods else 'scalar'}"] += 1
@@ -456,18 +391,11 @@ def fused_report(
     fixed_T: int = 64,
     res_T=(1, 64, 1600),
 ) -> dict:
-    """Compile-only facts of stage ``fused`` at ``shape`` (real sizes, meta tensors, nothing launched).
-
-    Per launch of :data:`~moelora_lib.kernels.stages.FUSED_LAUNCH_OPS`: ``keys``/``hashes`` (distinct
-    cache keys and binaries over ``lengths`` with the default config at ``fixed_T``: 1 and 1 = no
-    recompile), ``res`` (``{T: {"REG", "LOCAL", "cfg"}}`` of the default config at each T of ``res_T``)
-    and ``vec`` (:func:`global_vector_ops` of the fixed-config binary). Plus ``"shrink_sk1"``: the store
-    widths and registers of the fused shrink and ``tuned``'s shrink (whose [S, P, R] slice stride is
-    do_not_specialize) at SPLIT_K = 1; ``"fused_no_lora"``: the vector counts of both fused GEMMs
-    without their LoRA part; ``"expand_tuned"``: those of ``tuned``'s down expand; ``"split_down"``: the
-    down GEMM at T = 1 with SPLIT_K 1 and 8 (``{"sk1"|"sk8": {"REG", "LOCAL", "grid", "atom_add_f32",
-    "out_dtype"}}``).
-    """
+    """Compile-only facts of stage ``fused`` at ``shape``: per launch of
+    :data:`~moelora_lib.kernels.stages.FUSED_LAUNCH_OPS` ``keys``/``hashes`` over ``lengths`` at ``fixed_T``'s
+    config, ``res`` (``{T: {"REG", "LOCAL", "cfg"}}`` at each T of ``res_T``) and ``vec``
+    (:func:`global_vector_ops`); plus ``"shrink_sk1"``, ``"fused_no_lora"``, ``"expand_tuned"`` and
+    ``"split_down"`` (``{"sk1"|"sk8": {"REG", "LOCAL", "grid", "atom_add_f32", "out_dtype"}}``)."""
     from dataclasses import replace
 
     from ..kernels.config import OpConfig
@@ -524,8 +452,7 @@ def fused_report(
     # tuned's down expand (reads the [1, P, R] intermediate through do_not_specialize'd stride_is)
     old = launch("down_expand", fixed_T, shape=shape, rank=rank, adapters=adapters, dtype=dtype)
     out["expand_tuned"] = global_vector_ops(ptx(compile_for_sm90(_jit(old[0], False), *old[1:5])))
-    # the down GEMM split over K (a decode tile: BLOCK_SIZE_N 128, BLOCK_SIZE_K 64, SPLIT_K 8) against the
-    # same tile unsplit: fp32 atomic adds instead of stores
+    # the down GEMM split over K against the same tile unsplit
     split = {}
     for sk in (1, 8):
         c = fused_default_config(Dims.of(sh, 1, rank=rank, adapters=adapters))
@@ -564,13 +491,9 @@ def _run_job(job: dict) -> dict:
 
 
 def run_isolated(jobs: list[dict], timeout: float = 600.0) -> list[dict]:
-    """Run compile jobs in one fresh subprocess without TRITON_INTERPRET; return their results.
-
-    A job is ``{"op": ..., **arguments}``: "count" (kernel, specialize_lengths, lengths, ... of
-    :func:`variants`), "inspect" (launch, T, ... of :func:`inspect_job`), "fused_report" (lengths, ...
-    of :func:`fused_report`) or "module:function" (its keyword arguments; importable from the repository
-    root). A failing job raises RuntimeError with the subprocess's stderr.
-    """
+    """Run compile jobs (``{"op": "count" | "inspect" | "fused_report" | "module:function", **arguments}``) in
+    one fresh subprocess without TRITON_INTERPRET; returns their results. RuntimeError with the subprocess's
+    stderr when a job fails."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     root = str(Path(__file__).resolve().parents[2])

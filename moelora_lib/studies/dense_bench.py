@@ -1,14 +1,8 @@
 """Dense multi-LoRA measurements (notebook 10): the attention (qkv, o) and dense-MLP (gate_up, down)
 projections of :data:`MODELS`: seeded inputs, floors, timed parts, torch baselines, checks, vLLM's
-anchor figures and the targets table. For notebook 15 also block-FP8 base weights (:data:`WEIGHT_FORMATS`,
-:func:`fp8_weight`, :func:`build_module`'s ``weight`` and ``activation_scheme``): the :class:`LoRALinear`
-forward timed base-only and with adapters (:func:`bench_module`), checked against the reference on the
-dequantized weight (:func:`check_fp8_projection`), with 1-byte weights in the bytes floor and the FP8 rate
-in the FLOP floor (:func:`part_costs`' ``weight_bytes`` / ``base_tflops``).
+anchor figures and the targets table; for notebook 15 block-FP8 base weights (:data:`WEIGHT_FORMATS`).
 
-Timing: :func:`.bench.time_fn` (CUDA-graph replay, do_bench median, L2 flushed; docs/anchors-h200.md).
-The LoRA part's alignment and the baselines' index lists are built before timing ("total" includes the
-alignment). CPU rows say ``mode = "cpu-interpreter"`` (interpreter wall clock). Units: ms_p50/p20/p80 ms,
+Timing: :func:`.bench.time_fn`; CPU rows say ``mode = "cpu-interpreter"``. Units: ms_p50/p20/p80 ms,
 us_p50 and floor_us µs. Letters: T tokens, H input width, N = Σ slices, S slices, L slots, R rank.
 """
 
@@ -44,30 +38,26 @@ BASELINES = ("torch_loop", "torch_gbmm")
 MODELS: dict[str, DenseModel] = {m: DENSE_PRESETS[m] for m in DENSE_GPU_MODELS}
 #: Tiny shapes for the CPU profile: GQA qkv 48 → 64 + 16 + 16, o 64 → 48, gate_up / down of width 96.
 TINY_MODELS: dict[str, DenseModel] = {m: DENSE_PRESETS[m] for m in DENSE_CPU_MODELS}
-#: Formats of a projection's base weight: "dense" (the activations' dtype) or "fp8" (block FP8,
-#: :class:`~moelora_lib.quant.FP8BlockWeight`, as the Qwen3 FP8 checkpoints publish it).
+#: Formats of a projection's base weight.
 WEIGHT_FORMATS = ("dense", "fp8")
 
 
 def fp8_weight(inp: ProjectionInputs, block: tuple[int, int] = FP8_BLOCK) -> FP8BlockWeight:
-    """``inp.weight`` [N, H] quantized to block FP8 with ``block`` scale blocks (the published scheme,
-    :func:`~moelora_lib.studies.moe_bench.quantize_fp8_weight`), on ``inp``'s device."""
+    """``inp.weight`` [N, H] quantized to block FP8 with ``block`` scale blocks, on ``inp``'s device."""
     from .moe_bench import quantize_fp8_weight
 
     return quantize_fp8_weight(inp.weight, block=block)
 
 
 def dequantized(inp: ProjectionInputs, weight: FP8BlockWeight) -> ProjectionInputs:
-    """``inp`` with its base weight replaced by ``weight`` dequantized exactly to ``inp``'s dtype: the
-    dense projection computing with the FP8 weight's values (x and the adapters shared)."""
+    """``inp`` with its base weight replaced by ``weight`` dequantized exactly to ``inp``'s dtype."""
     import dataclasses
 
     return dataclasses.replace(inp, weight=weight.dequantize(inp.dtype))
 
 
 def projections(model: str | DenseModel) -> list[DenseProjection]:
-    """qkv, o and (dense MLP only) gate_up, down of ``model`` (a name of :data:`MODELS` or
-    :data:`TINY_MODELS`). Raises ValueError naming the argument for an unknown model."""
+    """qkv, o and (dense MLP only) gate_up, down of ``model``; ValueError for an unknown model."""
     if isinstance(model, str):
         models = {**MODELS, **TINY_MODELS}
         if model not in models:
@@ -77,8 +67,7 @@ def projections(model: str | DenseModel) -> list[DenseProjection]:
 
 
 def get_projection(name: str | DenseProjection) -> DenseProjection:
-    """A projection by ``"<model>/<proj>"`` (e.g. ``"qwen3-32b/gate_up"``), or ``name`` itself.
-    Raises ValueError naming the argument for an unknown name."""
+    """A projection by ``"<model>/<proj>"``, or ``name`` itself; ValueError for an unknown name."""
     if isinstance(name, DenseProjection):
         return name
     if not isinstance(name, str) or "/" not in name:
@@ -93,9 +82,8 @@ def get_projection(name: str | DenseProjection) -> DenseProjection:
 
 @dataclass
 class ProjectionInputs:
-    """Seeded inputs of one projection for up to ``max_tokens`` (a call at T uses ``x[:T]``):
-    x [max_tokens, H] ~ N(0, 1); weight [N, H] ~ N(0, 1/H); lora_a [L, S, R, H] ~ N(0, 1/H);
-    lora_b [L, N, R] ~ N(0, 1/R) × scaling (lora_alpha / r folded in)."""
+    """Seeded inputs of one projection for up to ``max_tokens``: x [max_tokens, H] ~ N(0, 1); weight [N, H] ~
+    N(0, 1/H); lora_a [L, S, R, H] ~ N(0, 1/H); lora_b [L, N, R] ~ N(0, 1/R) × scaling."""
 
     proj: DenseProjection
     x: torch.Tensor
@@ -116,8 +104,7 @@ class ProjectionInputs:
         return self.x[:T]
 
     def lora_ids(self, T: int, pattern: str = "uniform") -> torch.Tensor:
-        """[T] int32 adapter slots of :func:`moelora_lib.workloads.adapter_ids` ("uniform": spread evenly
-        over the L slots; "mixed": about a third without adapter, -1), seeded by (seed, T)."""
+        """[T] int32 adapter slots of :func:`moelora_lib.workloads.adapter_ids`, seeded by (seed, T)."""
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + T)
         return adapter_ids(T, self.L, pattern, g).to(device=self.device, dtype=torch.int32)
 
@@ -146,13 +133,9 @@ def make_inputs(proj: str | DenseProjection, max_tokens: int, *, rank: int = 32,
 def part_costs(proj: str | DenseProjection, T: int, *, rank: int = 32, adapters: int = 8,
                dtype_bytes: int = 2, lora_ids: torch.Tensor | None = None, weight_bytes: float | None = None,
                base_tflops: float = H200_BF16_TFLOPS) -> dict[str, dict[str, float]]:  # fmt: skip
-    """{part: {flops, bytes, floor_us, bytes_floor_us, flops_floor_us, bound}} of "base", "shrink",
-    "expand", "lora", "total" at T: each tensor once (T_a tokens with an adapter and n_a adapters from
-    ``lora_ids``, else T and min(T, L); the rank intermediate fp32); floor = max(bytes at the H200 copy
-    rate, FLOPs at its measured bf16 rate). ``weight_bytes``: bytes per base weight (None =
-    ``dtype_bytes``; FP8: 1 + the scales' share, :func:`~moelora_lib.studies.moe_bench.fp8_bytes_per_weight`);
-    ``base_tflops``: the base GEMM's rate (FP8: :data:`~moelora_lib.hardware.H200_FP8_TFLOPS`); the
-    LoRA ops stay at the bf16 rate, and a part's FLOP floor is the sum of its ops' own."""
+    """{part: {flops, bytes, floor_us, bytes_floor_us, flops_floor_us, bound}} of "base", "shrink", "expand",
+    "lora", "total" at T (each tensor once; the rank intermediate fp32). ``weight_bytes``: bytes per base
+    weight (None: ``dtype_bytes``); ``base_tflops``: the base GEMM's rate (None: bf16's)."""
     p = get_projection(proj)
     H, N, S, R, b, f32 = p.hidden, p.n_total, len(p.slices), rank, dtype_bytes, 4
     wb = b if weight_bytes is None else weight_bytes
@@ -185,10 +168,9 @@ def part_costs(proj: str | DenseProjection, T: int, *, rank: int = 32, adapters:
 
 
 class LoRAPart:
-    """The LoRA part of ``stage`` at T tokens, adding into ``out`` (a private copy of the base output),
-    with the alignment, the fp32 rank intermediate and the delta buffer built once (as
-    :class:`LoRALinear` holds them). ``reset(); part()`` gives one call's result; timing calls keep
-    adding. ``cfg``: the stage's config (or ``config``); ``launched``: after the stage's adapt."""
+    """The LoRA part of ``stage`` at T tokens, adding into ``out`` (a private copy of the base output), with
+    its buffers built once; ``reset(); part()`` gives one call's result. ``cfg``: the stage's config (or
+    ``config``); ``launched``: after the stage's adapt."""
 
     def __init__(self, stage: str, inp: ProjectionInputs, T: int, lora_ids: torch.Tensor, config=None):
         st, p = STAGES[stage], inp.proj
@@ -216,8 +198,7 @@ class LoRAPart:
         )
 
     def expand(self) -> torch.Tensor:
-        """The expand launch alone, reading the last shrink's intermediate: adding into ``out`` (fused
-        add) or storing into the delta buffer (that stage's fill and torch add are not in it)."""
+        """The expand launch alone, reading the last shrink's intermediate."""
         fused = self.stage.fused_add
         out, cfg = self.out if fused else self.delta, self.launched.expand
         return dl.dense_expand(
@@ -247,9 +228,8 @@ class _TorchBaseline:
 
 
 class TorchLoop(_TorchBaseline):
-    """A loop over adapters: gather the adapter's rows of x, shrink all slices at once, expand slice by
-    slice into a delta [T_a, N], ``index_add_`` it into the output (3 + S launches per adapter; the
-    row lists are built on the host before timing, like vLLM's metadata)."""
+    """A loop over adapters: gather rows, shrink all slices at once, expand slice by slice, ``index_add_``
+    into the output (row lists built before timing)."""
 
     def __init__(self, inp: ProjectionInputs, T: int, lora_ids: torch.Tensor):
         super().__init__(inp, T, lora_ids)
@@ -273,9 +253,8 @@ class TorchLoop(_TorchBaseline):
 
 
 class TorchGatherBmm(_TorchBaseline):
-    """Gather + bmm: each token's A ([S·R, H]) and, slice by slice, its B ([N_s, R]) gathered by adapter
-    id, two batched matmuls per slice, the delta added into the rows with an adapter. The gathered B of
-    one slice is T·N_s·R elements (15 GiB for Llama-3.3-70B gate_up at T = 8192)."""
+    """Gather + bmm: each token's A and B gathered by adapter id, two batched matmuls per slice, the delta
+    added into the rows with an adapter."""
 
     def __init__(self, inp: ProjectionInputs, T: int, lora_ids: torch.Tensor):
         super().__init__(inp, T, lora_ids)
@@ -305,10 +284,9 @@ _BASELINE_CLASSES = {"torch_loop": TorchLoop, "torch_gbmm": TorchGatherBmm}
 def build_module(inp: ProjectionInputs, stage: str = "tuned", *, max_tokens: int | None = None,
                  weight: FP8BlockWeight | None = None,
                  activation_scheme: str = "auto") -> LoRALinear:  # fmt: skip
-    """A :class:`LoRALinear` of ``stage`` on ``inp``'s weight (shared) with its L adapters loaded
-    (scaling 1: already folded in B); ``max_tokens`` defaults to inp.max_tokens. ``weight``: a block-FP8
-    weight of the same shape in place of ``inp.weight`` (:func:`fp8_weight`); ``activation_scheme``:
-    LoRALinear's (ValueError there for an unknown one, or "dynamic" with the dense weight)."""
+    """A :class:`LoRALinear` of ``stage`` on ``inp``'s weight (or the block-FP8 ``weight``) with its L
+    adapters loaded (scaling 1); ``max_tokens`` defaults to inp.max_tokens; ``activation_scheme``:
+    LoRALinear's."""
     p, S = inp.proj, len(inp.proj.slices)
     kw = dict(num_adapters=inp.L, max_rank=inp.R, max_tokens=max_tokens or inp.max_tokens, stage=stage)
     kw |= dict(activation_scheme=activation_scheme)
@@ -336,8 +314,7 @@ def _fields(inp: ProjectionInputs, T: int, pattern: str) -> dict[str, Any]:
 
 
 def _timing(fn, device, mode: str, warmup_ms: float, rep_ms: float, min_reps=None) -> dict[str, Any]:
-    """Run ``fn`` once untimed (compilation), then time it: mode, ms_p50/p20/p80, us_p50 (on the CPU mode
-    "cpu-interpreter", one timed call: the interpreter compiles nothing)."""
+    """Run ``fn`` once untimed, then time it: mode, ms_p50/p20/p80, us_p50."""
     if torch.device(device).type == "cuda":
         fn()
         torch.cuda.synchronize()
@@ -347,8 +324,7 @@ def _timing(fn, device, mode: str, warmup_ms: float, rep_ms: float, min_reps=Non
 
 
 def _time_row(fn, inp, T, pattern, cost, kw, timing) -> dict[str, Any]:
-    """A timing row: the point's fields, ``kw`` (impl, stage, part, config, ...), the timing, the part's
-    cost and the timing parameters."""
+    """A timing row: the point's fields, ``kw``, the timing, the part's cost and the timing parameters."""
     cost = {k: cost[k] for k in ("flops", "bytes", "floor_us", "bytes_floor_us", "flops_floor_us", "bound")}
     budget = {k: timing[k] for k in ("warmup_ms", "rep_ms", "min_reps")}
     return bench.result_row(
@@ -364,8 +340,7 @@ def _point(inp: ProjectionInputs, T: int, pattern: str):
 
 
 def _kw(impl: str, stage: str | None, part: str, cfg=None, launched=None) -> dict[str, Any]:
-    """impl, stage, part, config (``launched``, the config after the stage's adapt, when given),
-    config_source and block_size_m of ``cfg``."""
+    """impl, stage, part, config, config_source and block_size_m of ``cfg``."""
     shown = cfg if launched is None else launched
     cfg_fields = (shown.short(), cfg.source, cfg.block_size_m) if cfg is not None else (None,) * 3
     names = ("impl", "stage", "part", "config", "config_source", "block_size_m")
@@ -376,12 +351,10 @@ def bench_projection(stage: str, inp: ProjectionInputs, T: int, *, parts: Sequen
                      module: LoRALinear | None = None, pattern: str = "uniform", config=None,
                      mode: str = "graph", warmup_ms: float = 25, rep_ms: float = 100,
                      min_reps: int | None = None) -> list[dict[str, Any]]:  # fmt: skip
-    """Time ``parts`` of ``stage`` at T, one row per part (each run once untimed first): "base"
-    (``F.linear``, impl "cublas"), "lora" (:class:`LoRAPart`; ``config`` overrides), "total" (the
-    :class:`LoRALinear` forward; ``module`` reused or built), "shrink"/"expand" (launches alone),
-    "torch_loop"/"torch_gbmm" (baselines). Rows: model, proj, H, N, slices, S, T, L, R, dtype, pattern,
-    impl, stage, part, config, config_source, block_size_m, mode, ms_p50/p20/p80, us_p50, flops, bytes,
-    floor_us, bound, warmup_ms, rep_ms, min_reps, environment columns. ValueError for an unknown stage
+    """Time ``parts`` of ``stage`` at T, one row per part (each run once untimed first): "base", "lora",
+    "total", "shrink"/"expand", "torch_loop"/"torch_gbmm". Rows: model, proj, H, N, slices, S, T, L, R, dtype,
+    pattern, impl, stage, part, config, config_source, block_size_m, mode, ms_p50/p20/p80, us_p50, flops,
+    bytes, floor_us, bound, warmup_ms, rep_ms, min_reps, environment columns. ValueError for an unknown stage
     or part, or a module of another stage."""
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {list(STAGES)}, got {stage!r}")
@@ -418,8 +391,7 @@ def bench_projection(stage: str, inp: ProjectionInputs, T: int, *, parts: Sequen
 
 
 def _module_costs(module: LoRALinear, inp: ProjectionInputs, T: int, ids: torch.Tensor) -> dict:
-    """:func:`part_costs` of a :class:`LoRALinear` forward: an FP8 base weight counts its bytes per weight
-    (codes and scales) and the FP8 FLOP rate."""
+    """:func:`part_costs` of a :class:`LoRALinear` forward (FP8 bytes and rate for an FP8 weight)."""
     kw = {}
     if module.weight_format == "fp8":
         w = module.base_weight()
@@ -435,13 +407,11 @@ MODULE_PARTS = ("base", "total")
 def bench_module(module: LoRALinear, inp: ProjectionInputs, T: int, *, parts: Sequence[str] = MODULE_PARTS,
                  pattern: str = "uniform", mode: str = "graph", warmup_ms: float = 25, rep_ms: float = 100,
                  min_reps: int | None = None) -> list[dict[str, Any]]:  # fmt: skip
-    """Time a :class:`LoRALinear` forward at T tokens of ``inp`` (its x[:T] and the adapter ids of
-    ``pattern``), one row per part: "base" (``active_slots`` empty: the base GEMM alone — ``F.linear``
-    for a dense weight, the FP8 GEMM (and, W8A8, the activation quantization) for an FP8 one) and "total"
-    (with the adapters). Rows: the point's fields, impl "module", stage, part, weight_format,
-    activation_scheme (:func:`module_scheme` at T), config, mode, ms_p50/p20/p80, us_p50, flops, bytes,
-    floor_us, bytes_floor_us, flops_floor_us, bound (:func:`part_costs`; FP8: its bytes per weight and the FP8
-    FLOP rate), warmup_ms, rep_ms, min_reps and the environment columns. ValueError for another part."""
+    """Time a :class:`LoRALinear` forward at T tokens of ``inp``, one row per part: "base" (``active_slots``
+    empty) and "total". Rows: the point's fields, impl "module", stage, part, weight_format,
+    activation_scheme, config, mode, ms_p50/p20/p80, us_p50, flops, bytes, floor_us, bytes_floor_us,
+    flops_floor_us, bound, warmup_ms, rep_ms, min_reps and the environment columns. ValueError for another
+    part."""
     bad = sorted(set(parts) - set(MODULE_PARTS))
     if bad:
         raise ValueError(f"bench_module: parts must be among {MODULE_PARTS}, got {bad}")
@@ -465,14 +435,10 @@ def check_fp8_projection(inp: ProjectionInputs, T: int, weight: FP8BlockWeight, 
                          activation_scheme: str = "auto", stage: str = "tuned", pattern: str = "mixed",
                          module: LoRALinear | None = None, dense_module: LoRALinear | None = None,
                          ref_dtype: torch.dtype | None = None) -> dict[str, Any]:  # fmt: skip
-    """The :class:`LoRALinear` forward on the FP8 ``weight`` (``module``, or built with
-    ``activation_scheme``) at T tokens against ``lora_linear_reference`` on the exactly dequantized weight
-    (``ref_dtype``: float64 on the CPU, float32 on a GPU; unquantized activations) and against the same
-    stage's LoRALinear on the dequantized weight in the activations' dtype (``dense_module``, or built).
-    One row: the point's fields, impl "module", stage, part "total", weight_format "fp8",
-    activation_scheme (the one that ran), rel_err, rel_err_vs_dense, tol (the dtype's, or W8A8's
-    :data:`W8A8_REL_TOL` for a W8A8 run), delta_rel (the LoRA was added), no_adapter_rows,
-    no_adapter_bitwise (those rows equal the module's base-only output bit for bit)."""
+    """The :class:`LoRALinear` forward on the FP8 ``weight`` at T against ``lora_linear_reference`` on the
+    dequantized weight (``ref_dtype``: float64 on the CPU, float32 on a GPU) and against ``dense_module`` (or
+    built) on it. One row: the point's fields, impl "module", stage, part "total", weight_format "fp8",
+    activation_scheme, rel_err, rel_err_vs_dense, tol, delta_rel, no_adapter_rows, no_adapter_bitwise."""
     ids, x = inp.lora_ids(T, pattern), inp.x_for(T)
     if ref_dtype is None:
         ref_dtype = torch.float64 if inp.device.type == "cpu" else torch.float32
@@ -505,9 +471,8 @@ def check_fp8_projection(inp: ProjectionInputs, T: int, weight: FP8BlockWeight, 
 
 def bench_alignment(T: int, *, block_size_m: int, adapters: int = 8, pattern: str = "uniform", device="cuda",
                     seed: int = 0, **timing) -> dict[str, Any]:  # fmt: skip
-    """Time the token→adapter alignment alone (``timing`` as :func:`bench_projection`'s). One row: impl
-    and part "align", T, L, block_size_m, pattern, mode, ms_p50/p20/p80, us_p50, warmup_ms, rep_ms,
-    min_reps."""
+    """Time the token→adapter alignment alone. One row: impl and part "align", T, L, block_size_m, pattern,
+    mode, ms_p50/p20/p80, us_p50, warmup_ms, rep_ms, min_reps."""
     timing = dict(dict(mode="graph", warmup_ms=25, rep_ms=100, min_reps=None), **timing)
     g = torch.Generator().manual_seed(int(seed) * 1_000_003 + T)
     ids = adapter_ids(T, adapters, pattern, g).to(device=device, dtype=torch.int32)
@@ -520,8 +485,7 @@ def bench_alignment(T: int, *, block_size_m: int, adapters: int = 8, pattern: st
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """max|out − ref| / max|ref| on ref's device (no copy to the host: GBs at T = 8192); inf for a
-    non-finite output or a shape mismatch."""
+    """max|out − ref| / max|ref| on ref's device; inf for a non-finite output or a shape mismatch."""
     if out.shape != ref.shape:
         return float("inf")
     o = out.to(ref.dtype)
@@ -535,11 +499,10 @@ def check_projection(inp: ProjectionInputs, T: int, *,
                      module_stages: Sequence[str] = ("tuned",), baselines: Sequence[str] = BASELINES,
                      modules: dict[str, LoRALinear] | None = None, pattern: str = "mixed",
                      ref_dtype: torch.dtype | None = None) -> list[dict[str, Any]]:  # fmt: skip
-    """The LoRA part of each of ``stages``, the :class:`LoRALinear` forward of each of ``module_stages``
-    (part "total"; ``modules`` reused) and the torch ``baselines`` against ``lora_linear_reference``
-    (``ref_dtype``: float64 on the CPU, float32 on a GPU). One row each: the point's fields, impl,
-    stage, part, check "vs_reference", rel_err, tol, delta_rel (the LoRA was added), no_adapter_rows,
-    no_adapter_bitwise (those rows equal ``F.linear``'s bit for bit), config, config_source."""
+    """The LoRA part of each of ``stages``, the :class:`LoRALinear` forward of each of ``module_stages`` and
+    the torch ``baselines`` against ``lora_linear_reference``. One row each: the point's fields, impl, stage,
+    part, check "vs_reference", rel_err, tol, delta_rel, no_adapter_rows, no_adapter_bitwise, config,
+    config_source."""
     ids, x = inp.lora_ids(T, pattern), inp.x_for(T)
     if ref_dtype is None:
         ref_dtype = torch.float64 if inp.device.type == "cpu" else torch.float32
@@ -584,8 +547,7 @@ def check_projection(inp: ProjectionInputs, T: int, *,
 def check_projections(projs: Sequence[str | DenseProjection], tokens: Sequence[int], *,
                       stages: Sequence[str], module_stages: Sequence[str] = ("tuned",),
                       **input_kw) -> list[dict[str, Any]]:  # fmt: skip
-    """:func:`check_projection` at every T for each projection (inputs and modules made once per
-    projection, freed before the next). Rows in (projection, T) order."""
+    """:func:`check_projection` at every T for each projection; rows in (projection, T) order."""
     rows: list[dict[str, Any]] = []
     for p in projs:
         inp = make_inputs(p, max(tokens), **input_kw)
@@ -599,9 +561,8 @@ def check_projections(projs: Sequence[str | DenseProjection], tokens: Sequence[i
 
 def check_in_subprocesses(projs: Sequence[str | DenseProjection], tokens: Sequence[int], *, jobs: int = 4,
                           timeout_s: float = 600, **kw) -> list[dict[str, Any]]:  # fmt: skip
-    """:func:`check_projections` (``dtype`` by name) over ``jobs`` processes side by side, projections dealt
-    round robin; the same rows in the same order as one process (each process also fills Triton's cache).
-    RuntimeError when a process fails."""
+    """:func:`check_projections` over ``jobs`` processes side by side: the same rows in the same order as one
+    process. RuntimeError when a process fails."""
     import json
     import sys
     import tempfile
@@ -635,10 +596,9 @@ ANCHOR_FILE = bench.REPO_ROOT / "data" / "anchors" / "vllm_dense_lora_h200.csv"
 
 
 def anchor_table(path: str | os.PathLike | None = None):
-    """vLLM's dense multi-LoRA figures (µs; CUDA-graph replay, do_bench median, L2 flushed; bf16, R = 32,
-    8 slots, tokens spread evenly) from :data:`ANCHOR_FILE` (or ``path``): one row per (model, proj, T)
-    with H, slices, base_us (cuBLAS), lora_us (``add_lora_linear``), shrink_us, expand_us, total_us,
-    gbmm_us (torch gather + bmm), meta_us (vLLM's eager per-batch metadata step, per T), lora_config."""
+    """vLLM's dense multi-LoRA figures (µs; bf16, R = 32, 8 slots) from :data:`ANCHOR_FILE` (or ``path``): one
+    row per (model, proj, T) with H, slices, base_us, lora_us, shrink_us, expand_us, total_us, gbmm_us,
+    meta_us, lora_config."""
     import pandas as pd
 
     a = pd.read_csv(path or ANCHOR_FILE)
@@ -662,8 +622,7 @@ def anchor_table(path: str | os.PathLike | None = None):
     return t.sort_values(["model", "proj", "T"], ignore_index=True)
 
 
-#: The targets on the final stage's LoRA part: vs vLLM's (vLLM ÷ ours ≥ threshold), its share of the
-#: base projection (ours ÷ base ≤ threshold), vs the faster torch baseline; over t_lo ≤ T ≤ t_hi.
+#: The targets on the final stage's LoRA part, over t_lo ≤ T ≤ t_hi.
 TARGETS: dict[str, dict[str, Any]] = {
     "vs_vllm_small_T": dict(t_lo=0, t_hi=64, kind="speedup", threshold=3.0, vs="vllm"),
     "vs_vllm_large_T": dict(t_lo=1600, t_hi=None, kind="speedup", threshold=1.5, vs="vllm"),
@@ -674,10 +633,9 @@ TARGETS: dict[str, dict[str, Any]] = {
 
 
 def summary_table(df, anchors=None, *, final: str = "tuned"):
-    """One row per (model, proj, slices, T) of the timing rows ``df``: base (µs), ``lora_<stage>`` per
-    stage timed, lora and lora_floor (the ``final`` stage's), total (final), torch_loop, torch_gbmm,
-    torch_best, share = lora ÷ base, x_torch = torch_best ÷ lora; with ``anchors`` (:func:`anchor_table`)
-    vllm_base, vllm_lora, vllm_total, x_vllm = vllm_lora ÷ lora, vllm_share = vllm_lora ÷ vllm_base."""
+    """One row per (model, proj, slices, T) of the timing rows ``df``: base, ``lora_<stage>``, lora,
+    lora_floor, total, torch_loop, torch_gbmm, torch_best, share, x_torch; with ``anchors`` vllm_base,
+    vllm_lora, vllm_total, x_vllm, vllm_share."""
     import numpy as np
 
     key = ["model", "proj", "slices", "T"]
@@ -713,10 +671,8 @@ def summary_table(df, anchors=None, *, final: str = "tuned"):
 
 
 def targets_table(summary):
-    """:data:`TARGETS` at every row of ``summary`` (:func:`summary_table`) where they apply and the
-    numbers exist: target, model, proj, T, ours_us, ref_us (vLLM's LoRA part, our base or the faster
-    torch baseline), value (ref ÷ ours for "speedup", ours ÷ ref for "share"), threshold, kind, met
-    (value ≥ threshold for "speedup", ≤ for "share")."""
+    """:data:`TARGETS` at every row of ``summary`` where they apply: target, model, proj, T, ours_us, ref_us,
+    value, threshold, kind, met."""
     import pandas as pd
 
     cols = ["target", "model", "proj", "T", "ours_us", "ref_us", "value", "threshold", "kind", "met"]

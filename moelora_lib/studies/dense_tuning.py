@@ -6,21 +6,15 @@
         --ranks 32 --adapters 8 --out moelora_lib/configs/NVIDIA_H200 \\
         --csv data/10_dense_tuning_trials.csv --budget-s 330
 
-CPU smoke run (interpreter; ``--projections tiny``, T ≤ 64, ≤ 2 candidates; files for GPU name ``cpu``;
-times are NOT kernel performance). Per workload (projection, R, L, T; T tokens spread evenly over L
-adapters, shuffled), through :mod:`.tuner`:
+Per workload (projection, R, L, T), through :mod:`.tuner`:
 
-1. Shrink and expand share one alignment, so one BLOCK_SIZE_M (:func:`bm_candidates`): each op is timed
-   over its candidates (default first); the BM with the smallest sum of the two best medians wins.
-2. vLLM's keys do not tell every projection apart (no slice widths in the shrink key, no hidden size in
-   the expand key): an op whose entry exists (this run or ``--out``) keeps it and its BM, and only the
-   other op is tuned; both present with different BMs: nothing written (``conflict`` row).
-3. The fastest pairs are checked against ``lora_linear_reference`` (fp64) within ``TOLERANCES``, then the
-   default; only a checked pair is written.
+1. Shrink and expand share one BLOCK_SIZE_M (:func:`bm_candidates`); the BM with the smallest sum of the
+   two best medians wins.
+2. An op whose entry exists (this run or ``--out``) keeps it and its BM, and only the other op is tuned;
+   both present with different BMs: nothing written (``conflict`` row).
+3. Only a pair checked against ``lora_linear_reference`` (fp64) within ``TOLERANCES`` is written.
 
-On the GPU every candidate is first compiled in ``--jobs`` processes (:func:`precompile`) into Triton's
-cache. Timing: CUDA-graph replay, L2 evicted before every repetition (``--l2``). CSV kinds: trial /
-bm_sum / check / choice / note / conflict / precompile / session; CSV and files resume as :mod:`.tuning`'s.
+CSV kinds: trial / bm_sum / check / choice / note / conflict / precompile / session.
 """
 
 from __future__ import annotations
@@ -62,8 +56,7 @@ _FILE_OPS = {"shrink": "dense_shrink", "expand": "dense_expand"}
 
 
 class Projection(DenseProjection):
-    """One dense projection (:class:`moelora_lib.shapes.DenseProjection`) as the tuner names it: ``name``
-    = proj (the CSV's ``proj``), ``label`` = ``"<model>/<proj>"``."""
+    """One dense projection as the tuner names it: ``name`` = proj, ``label`` = ``"<model>/<proj>"``."""
 
     @property
     def name(self) -> str:
@@ -75,8 +68,8 @@ class Projection(DenseProjection):
 
 
 def projections(spec: str | Sequence[str]) -> list[Projection]:
-    """The projections named by ``spec``: ``"all"`` (the GPU models), ``"model"`` (all its projections) or
-    ``"model/proj"`` (or ``model:proj``), comma-separated or a list. ValueError naming an unknown item."""
+    """The projections named by ``spec``: ``"all"``, ``"model"`` or ``"model/proj"`` (or ``model:proj``),
+    comma-separated or a list. ValueError naming an unknown item."""
     items = [str(x).strip() for x in (spec.split(",") if isinstance(spec, str) else spec) if str(x).strip()]
     if not items:
         raise ValueError(f"expected 'all' or comma-separated model[/proj] names, got {spec!r}")
@@ -97,8 +90,7 @@ def projections(spec: str | Sequence[str]) -> list[Projection]:
 
 # --- Candidates ---------------------------------------------------------------------------------------------
 def bm_candidates(T: int, L: int, max_bms: int = 2) -> list[int]:
-    """BLOCK_SIZE_M candidates by tokens per adapter g = T/L: 16 (g ≤ 16), 16/32 (g ≤ 48), 32/64 (g ≤ 128),
-    else 64/128; the largest ``max_bms`` of them plus the default's BM."""
+    """BLOCK_SIZE_M candidates by tokens per adapter T/L: the largest ``max_bms`` plus the default's BM."""
     from ..configs.defaults import _block_m
 
     g = max(1, T) / max(1, L)
@@ -125,11 +117,8 @@ def _warps(bm: int, bn: int, w: int = 4) -> int:
 def shrink_candidates(
     bm: int, dflt: OpConfig, *, hidden: int, n: int, limit: int = 8, elem: int = 2
 ) -> list[OpConfig]:
-    """≤ ``limit`` shrink configs at BLOCK_SIZE_M = bm (K = hidden, N = S·R); the default first.
-
-    BLOCK_SIZE_N: the whole S·R up to 128, or 32 (more programs at decode); BLOCK_SIZE_K 64/128/256 with
-    SPLIT_K around the default's (×½ … ×4; every split gets ≥ one K chunk); 8 warps for 128 × 128 tiles;
-    3–4 stages; GROUP_SIZE_M 8. Dropped: shared memory over :data:`SMEM_LIMIT_BYTES`."""
+    """≤ ``limit`` shrink configs at BLOCK_SIZE_M = bm, the default first; none over
+    :data:`SMEM_LIMIT_BYTES`."""
     full, sk = _p2(n, 16, 128), dflt.SPLIT_K
     d = dataclasses.replace(dflt, BLOCK_SIZE_M=bm, NUM_WARPS=max(dflt.NUM_WARPS, _warps(bm, full)))
     raw = [d]
@@ -154,11 +143,8 @@ def shrink_candidates(
 def expand_candidates(
     bm: int, dflt: OpConfig, *, rank: int, widest: int, limit: int = 8, elem: int = 2
 ) -> list[OpConfig]:
-    """≤ ``limit`` expand configs at BLOCK_SIZE_M = bm (K = R, N = the slices); the default first.
-
-    BLOCK_SIZE_K = max(16, next_pow2(R)) (the whole rank in one step); BLOCK_SIZE_N 32–256 (clamped to the
-    widest slice; 256 not with BM 128); GROUP_SIZE_M 8 or 1; 4 or 8 warps; 2–4 stages. Dropped: shared
-    memory over :data:`SMEM_LIMIT_BYTES`."""
+    """≤ ``limit`` expand configs at BLOCK_SIZE_M = bm, the default first; none over
+    :data:`SMEM_LIMIT_BYTES`."""
     bk, cap = _p2(rank, 16, 1 << 30), _p2(widest, 16, 256)
     d = dataclasses.replace(dflt, BLOCK_SIZE_M=bm)
     grid = [(128, 8, 4, 2), (64, 8, 4, 2), (256, 8, 8, 2), (128, 8, 8, 3), (32, 8, 4, 2), (128, 1, 4, 3)]
@@ -222,9 +208,8 @@ def _choices(log: tuner.TrialLog, w: Workload) -> dict[str, OpConfig]:
 def plan(
     projs: Sequence[Projection], ranks, adapters: int, tokens, *, files=None, log=None
 ) -> list[Workload]:
-    """The workloads in run order (R, then T, then projection: a budget cut leaves gaps across T, not whole
-    models), each marked done (in the CSV) and with which of its ops take an existing entry (point 2 of
-    the module docstring: decided by the keys alone, before any timing)."""
+    """The workloads in run order (R, T, projection), each marked done and with which of its ops take an
+    existing entry."""
     seen: dict[str, set] = {"dense_shrink": set(), "dense_expand": set()}
     out = []
     for R, T, p in ((R, T, p) for R in ranks for T in tokens for p in projs):
@@ -240,8 +225,7 @@ def plan(
 
 
 def _meta_launch(job: dict):
-    """The :class:`~moelora_lib.kernels.dense_lora.DenseLaunch` of one compile job on meta tensors (as
-    stage ``tuned`` launches it; T = 16: the binary does not depend on T)."""
+    """The DenseLaunch of one compile job on meta tensors."""
     from ..kernels import STAGES
     from ..kernels.dense_lora import DenseLoRAConfig, default_dense_config, dense_launches
     from ..routing import align_tokens
@@ -265,8 +249,7 @@ def _meta_launch(job: dict):
 
 
 def compile_jobs(workloads: Sequence[Workload], *, max_bms: int, max_cands: int, dtype: str) -> list[dict]:
-    """One job per distinct kernel binary the not-done workloads may time (every candidate of the ops they
-    tune, at every BM candidate)."""
+    """One job per distinct kernel binary the not-done workloads may time."""
     elem, jobs = parse_dtype(dtype).itemsize, {}
     for w in (w for w in workloads if not w.done):
         for op in (op for op in _FILE_OPS if not getattr(w, f"{op}_shared")):
@@ -303,10 +286,8 @@ def _precompile_main() -> int:
 
 
 def precompile(jobs: list[dict], n_proc: int, timeout_s: float, arch: int) -> dict[str, Any]:
-    """Compile ``jobs`` in ``n_proc`` fresh processes side by side (:func:`~.bench.run_side_by_side`; no GPU
-    used, TRITON_INTERPRET removed) into Triton's on-disk cache, at most ``timeout_s`` seconds (what is not
-    compiled then compiles on demand). Returns {"jobs", "ok", "failed", "unfinished", "wall_s", "compile_s",
-    "errors"}."""
+    """Compile ``jobs`` in ``n_proc`` fresh processes side by side into Triton's on-disk cache, at most
+    ``timeout_s`` seconds. Returns {"jobs", "ok", "failed", "unfinished", "wall_s", "compile_s", "errors"}."""
     from . import bench
 
     t0 = time.perf_counter()
@@ -368,8 +349,7 @@ class _Inputs:
         return lambda: dense_expand(self.inter[:T], self.b, self.out[:T], align, cfg, **kw)
 
     def rel_err(self, T: int, align, shrink: OpConfig, expand: OpConfig, ref: torch.Tensor) -> float:
-        """max|out − ref| / max|ref| of the pair (stage tuned's dense_lora_add into a zero base), computed
-        on the device (the fp64 tensors are GBs at T = 8192); inf for a non-finite output."""
+        """max|out − ref| / max|ref| of the pair, on the device; inf for a non-finite output."""
         from ..kernels import STAGES
         from ..kernels.dense_lora import DenseLoRAConfig, dense_lora_add
         from .dense_bench import _rel_err
@@ -384,8 +364,7 @@ class _Inputs:
 def _tune_workload(
     w: Workload, inp: _Inputs, files, log, *, deadline, max_bms, max_cands, t0, warmup_ms, rep_ms, l2
 ) -> tuple[OpConfig, OpConfig] | None:
-    """Tune one workload (module docstring, points 1–3); returns the checked (shrink, expand), or None for a
-    conflict (nothing written)."""
+    """Tune one workload; the checked (shrink, expand), or None for a conflict."""
     from ..linear import _align_oneshot, lora_linear_reference
     from ..testing import TOLERANCES
     from . import bench
@@ -452,8 +431,7 @@ def _tune_workload(
 
 # --- Arguments, the whole run, the command line -------------------------------------------------------------
 def _defaults(device, max_bms, max_cands, jobs) -> tuple[int, int, int]:
-    """max_bms, max_cands, jobs with the device's defaults where None (CPU: 1, 2, 0; GPU: 2, 8, min(14,
-    usable cpus − 2))."""
+    """max_bms, max_cands, jobs with the device's defaults where None."""
     try:
         on_cpu = torch.device(device).type == "cpu" if device is not None else not torch.cuda.is_available()
     except (RuntimeError, TypeError):
@@ -468,9 +446,8 @@ def _defaults(device, max_bms, max_cands, jobs) -> tuple[int, int, int]:
 
 def _check_args(projs, ranks, adapters, tokens, out, csv_path, budget_s, device, dtype, max_bms, max_cands,
                 jobs, seed, warmup_ms, rep_ms, l2, *, names=None):  # fmt: skip
-    """Every argument of :func:`tune` (max_bms, max_cands, jobs None: :func:`_defaults`), before any work:
-    ValueError naming it (``names``: argument -> name, e.g. :data:`.tuner.FLAGS`). Returns (projections,
-    device, dtype, max_bms, max_cands, jobs)."""
+    """Check every argument of :func:`tune`; returns (projections, device, dtype, max_bms, max_cands,
+    jobs)."""
     n = {a: a for a in tuner.FLAGS} | (names or {})
     max_bms, max_cands, jobs = _defaults(device, max_bms, max_cands, jobs)
     try:
@@ -531,9 +508,9 @@ def tune(
     echo: Callable[[str], Any] = print,
 ) -> dict[str, Any]:
     """Tune every (projection, R, T) workload and write ``{gpu}_SHRINK.json`` / ``{gpu}_EXPAND_TRUE.json``
-    into ``out`` (module docstring); returns a summary dict (tuned, skipped, not_tuned, conflicts: lists of
-    (label, R, T); precompile, elapsed_s, out, gpu). Defaults by device: max_bms 2 (CPU 1), max_cands 8
-    (CPU 2), jobs min(14, cpus − 2) (CPU 0). Raises ValueError naming the argument before any work."""
+    into ``out``; returns a summary dict (tuned, skipped, not_tuned, conflicts: lists of (label, R, T);
+    precompile, elapsed_s, out, gpu). Defaults by device: max_bms 2 (CPU 1), max_cands 8 (CPU 2), jobs min(14,
+    cpus − 2) (CPU 0). ValueError naming the argument before any work."""
     args = (projs, ranks, adapters, tokens, out, csv_path, budget_s, device, dtype, max_bms, max_cands, jobs)
     ps, dev, dt, max_bms, max_cands, jobs = _check_args(*args, seed, warmup_ms, rep_ms, l2, names=names)
     jobs = 0 if dev.type == "cpu" else jobs
@@ -598,8 +575,7 @@ def _put(files: tuner.ConfigFiles, w: Workload, shrink: OpConfig, expand: OpConf
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The command line (module docstring). Every flag is checked before any work: a bad one exits with
-    code 2 and one error line naming the flag."""
+    """The command line; a bad flag exits with code 2 and one error line naming it."""
     p = tuner.parser("python -m moelora_lib.studies.dense_tuning", __doc__, "1,8,64,256,1600,8192")
     add = p.add_argument
     add(

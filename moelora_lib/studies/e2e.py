@@ -1,10 +1,6 @@
 """Notebook 11's measurements (rows for ``data/11_*.csv``): generation of whole models with random weights
 at the real dimensions and multiple adapters, adapter loading, recompilation, a decode step by category,
-transformers + PEFT, the bytes/FLOPs floors and the targets; for notebook 14 also models with MXFP4 experts
-(:func:`build_model`'s ``experts``) and their memory (:func:`model_memory`, :func:`memory_estimate_gb`); for
-notebook 15 models with block-FP8 experts and dense projections (``experts`` / ``projections`` "fp8",
-:func:`fp8_formats`), their exactly dequantized twins (``dequantize``) and the logit error between the two
-(:func:`model_logits`, :func:`logit_error`, :func:`schemes_at`).
+transformers + PEFT, the floors and the targets; MXFP4 (notebook 14) and block-FP8 (notebook 15) models.
 TTFT = call start -> the request's first token on the host; OTPS per request = (tokens − 1) / (last token −
 first token); aggregate OTPS = all output tokens / the whole call. Greedy, no eos."""
 
@@ -41,8 +37,7 @@ MODELS = ("gpt-oss-20b", "qwen3-30b-a3b", "qwen3-32b")
 TINY_MODELS = {"gpt-oss-20b": "tiny-gpt-oss", "qwen3-30b-a3b": "tiny-qwen3-moe", "qwen3-32b": "tiny-qwen3"}
 #: Our scenarios: no adapter loaded at all, and 8 adapters loaded with request i on slot i mod L.
 SCENARIOS = ("base", "adapters_mixed")
-#: Notebook 13's third scenario: every request without an adapter while adapters are loaded (the Generator
-#: picks the variant without LoRA launches for such steps); run after :func:`load_adapters`.
+#: Notebook 13's third scenario: no request with an adapter while adapters are loaded.
 NO_ADAPTER_LOADED = "no_adapter_loaded"
 #: The baseline's: transformers alone, and transformers + PEFT with one adapter.
 HF_SCENARIOS = ("transformers", "transformers_peft")
@@ -61,9 +56,7 @@ _TINY_SIZES = {
 _TINY_OF = {"tiny-gpt-oss": "gpt-oss-20b", "tiny-qwen3-moe": "qwen3-30b-a3b", "tiny-qwen3": "qwen3-32b"}
 
 
-#: Published models whose config.json differs from one of :data:`moelora_lib.model.REAL_CONFIGS` in sizes
-#: only: name -> (that model, the fields that differ). openai/gpt-oss-120b: 36 layers (sliding and full
-#: attention alternating), 128 experts, the rest as gpt-oss-20b (MXFP4 experts as published).
+#: Published models differing from a :data:`moelora_lib.model.REAL_CONFIGS` one in sizes only.
 DERIVED_MODELS = {
     "gpt-oss-120b": ("gpt-oss-20b", dict(num_hidden_layers=36, num_local_experts=128,
                                          layer_types=["sliding_attention", "full_attention"] * 18)),
@@ -71,8 +64,8 @@ DERIVED_MODELS = {
 
 
 def config_dict(name: str) -> dict:
-    """A fresh config.json dict of a :data:`MODELS` name, a :data:`DERIVED_MODELS` name or a
-    :data:`TINY_MODELS` value (the real file with small sizes). Raises ValueError for an unknown name."""
+    """A fresh config.json dict of a :data:`MODELS`, :data:`DERIVED_MODELS` or :data:`TINY_MODELS` name;
+    ValueError for an unknown name."""
     if name in REAL_CONFIGS:
         return REAL_CONFIGS[name]
     if name in DERIVED_MODELS:
@@ -88,9 +81,8 @@ def config_dict(name: str) -> dict:
 
 
 def model_config(name: str, *, num_layers: int | None = None) -> ModelConfig:
-    """:class:`~moelora_lib.model.ModelConfig` of :func:`config_dict`; ``num_layers``: only the first that
-    many decoder layers (a shallower stand-in, e.g. for the CPU profile; None = all). ValueError unless
-    1 ≤ num_layers ≤ the model's."""
+    """:class:`~moelora_lib.model.ModelConfig` of :func:`config_dict`, of the first ``num_layers`` decoder
+    layers (None: all); ValueError unless 1 ≤ num_layers ≤ the model's."""
     d = config_dict(name)
     if num_layers is not None:
         n = d["num_hidden_layers"]
@@ -102,14 +94,12 @@ def model_config(name: str, *, num_layers: int | None = None) -> ModelConfig:
     return ModelConfig.from_hf(d)
 
 
-#: Formats of a built model's expert weights: "dense" (the model's dtype), "mxfp4" (packed, as GPT-OSS is
-#: published) or "fp8" (block FP8, as the Qwen3 FP8 checkpoints are published).
+#: Formats of a built model's expert weights.
 EXPERT_FORMATS = ("dense", "mxfp4", "fp8")
 #: Formats of a built model's attention and dense-MLP projections (qkv, o, gate_up, down): "dense" or "fp8".
 PROJECTION_FORMATS = ("dense", "fp8")
 _EXPERT_WEIGHT = re.compile(r"^layers\.\d+\.mlp\.experts\.(w13|w2)$")
-#: The projections a published block-FP8 checkpoint stores in FP8 (the embeddings, norms, router and
-#: lm_head stay dense): attention q|k|v and o, the dense MLP's gate|up and down.
+#: The projections a published block-FP8 checkpoint stores in FP8.
 _PROJECTION_WEIGHT = re.compile(
     r"^layers\.\d+\.(self_attn\.(qkv_proj|o_proj)|mlp\.(gate_up_proj|down_proj))\.weight$"
 )
@@ -120,8 +110,7 @@ _PROJECTION_PARAM = re.compile(
 
 
 def _check_formats(experts: str, projections: str) -> None:
-    """ValueError unless ``experts`` is of :data:`EXPERT_FORMATS` and ``projections`` of
-    :data:`PROJECTION_FORMATS`."""
+    """ValueError unless ``experts`` / ``projections`` are known formats."""
     if experts not in EXPERT_FORMATS:
         raise ValueError(f"experts must be one of {EXPERT_FORMATS}, got {experts!r}")
     if projections not in PROJECTION_FORMATS:
@@ -133,15 +122,9 @@ def packed_weights(
     fp8_block: tuple[int, int] = FP8_BLOCK, dequantize: bool = False,
 ) -> WeightSource:  # fmt: skip
     """A :data:`~moelora_lib.model.modeling.WeightSource` giving ``source``'s weights, except the MoE experts
-    (``layers.{l}.mlp.experts.w13`` / ``.w2``) in format ``experts`` and the projections
-    (``layers.{l}.self_attn.{qkv,o}_proj.weight``, ``layers.{l}.mlp.{gate_up,down}_proj.weight``) in format
-    ``projections``: those drawn by ``source`` and quantized — MXFP4
-    (:func:`~moelora_lib.studies.moe_bench.quantize_experts`) or block FP8 with ``fp8_block`` scale blocks
-    (:func:`~moelora_lib.studies.moe_bench.quantize_fp8_weight`), a few experts or block rows at a time, so
-    a model keeps them packed as a published checkpoint loads. ``dequantize``: each quantized weight
-    dequantized exactly back to the requested dtype instead (the dense model computing with the packed
-    model's values). One dense weight exists at a time, while it is quantized. ValueError for an unknown
-    format."""
+    in format ``experts`` and the attention / dense-MLP projections in format ``projections`` (MXFP4 or block
+    FP8 with ``fp8_block``, quantized a few experts or block rows at a time). ``dequantize``: each quantized
+    weight dequantized exactly back to the requested dtype instead. ValueError for an unknown format."""
     from .moe_bench import quantize_experts, quantize_fp8_weight
 
     _check_formats(experts, projections)
@@ -168,8 +151,7 @@ def packed_weights(
 
 
 def fp8_formats(name: str) -> dict[str, str]:
-    """The :func:`build_model` formats of ``name``'s published block-FP8 checkpoint (Qwen3-30B-A3B-FP8,
-    Qwen3-32B-FP8): the experts of an MoE model and every attention / dense-MLP projection in FP8."""
+    """The :func:`build_model` formats of ``name``'s published block-FP8 checkpoint."""
     return dict(experts="fp8" if model_config(name).is_moe else "dense", projections="fp8")
 
 
@@ -177,18 +159,12 @@ def build_model(name: str, *, stage: str = "auto", seed: int = 0, experts: str =
                 projections: str = "dense", fp8_block: tuple[int, int] = FP8_BLOCK, dequantize: bool = False,
                 activation_scheme: str | None = None, num_layers: int | None = None,
                 **sizes) -> MultiLoRAModel:  # fmt: skip
-    """A random-weight MultiLoRAModel of ``name``, no adapter loaded. ``stage``: the model's ("auto", the
-    default, or a name of ``STAGES``). ``experts`` (:data:`EXPERT_FORMATS`): "dense" (default), "mxfp4" or
-    "fp8" (MoE models: the same random expert weights quantized and kept packed); ``projections``
-    (:data:`PROJECTION_FORMATS`): "dense" (default) or "fp8" (the attention and dense-MLP projections'
-    random weights quantized to block FP8 and kept in FP8); ``fp8_block``: the FP8 scale blocks (the
-    published (128, 128) by default); :func:`packed_weights`. The rest (embeddings, norms, router,
-    lm_head) in the model's dtype. ``dequantize``: the packed weights' exact values in the model's dtype
-    instead (the dense twin of the packed model, for its error). ``activation_scheme``: the model's (its
-    FP8 projections' W8A8 choice, :class:`~moelora_lib.model.MultiLoRAModel`'s; None = its default).
-    ``num_layers``: :func:`model_config`'s (the first that many decoder layers; None = all). ``sizes``:
-    ``random_model``'s dtype, device, max_batch, max_seq, max_tokens, num_adapters (default 8), max_rank
-    (default 32). Raises ValueError for an unknown format or packed experts on a dense model."""
+    """A random-weight MultiLoRAModel of ``name``, no adapter loaded. ``stage``: "auto" or a name of
+    ``STAGES``; ``experts`` (:data:`EXPERT_FORMATS`), ``projections`` (:data:`PROJECTION_FORMATS`),
+    ``fp8_block``, ``dequantize``: as in :func:`packed_weights`; ``activation_scheme``: the model's (None: its
+    default); ``num_layers``: :func:`model_config`'s; ``sizes``: ``random_model``'s dtype, device, max_batch,
+    max_seq, max_tokens, num_adapters (default 8), max_rank (default 32). ValueError for an unknown format or
+    packed experts on a dense model."""
     sizes = {"num_adapters": 8, "max_rank": 32, **sizes}
     _check_formats(experts, projections)
     config = model_config(name, num_layers=num_layers)
@@ -204,11 +180,8 @@ def build_model(name: str, *, stage: str = "auto", seed: int = 0, experts: str =
 
 
 def model_memory(model: MultiLoRAModel) -> dict[str, float]:
-    """GB (1e9 bytes) a built model holds: expert_weight_gb (the MoE experts' weights, packed or dense, and
-    biases), other_weight_gb (every other parameter), of which projection_weight_gb (the attention and
-    dense-MLP projections' base weights, dense or FP8 codes and scales), buffer_gb (adapter slots, KV
-    cache, tables) and, on a GPU, allocated_gb (``torch.cuda.memory_allocated``: those plus the scratch
-    allocated so far; NaN on the CPU)."""
+    """GB (1e9 bytes) a built model holds: expert_weight_gb, other_weight_gb, of which projection_weight_gb,
+    buffer_gb and allocated_gb (``torch.cuda.memory_allocated``; NaN on the CPU)."""
     seen: set[int] = set()
     experts = other = proj = buffers = 0
     for n, p in model.named_parameters():
@@ -235,14 +208,9 @@ def memory_estimate_gb(name: str, *, experts: str = "dense", projections: str = 
                        num_adapters: int = 8, max_rank: int = 32, max_batch: int = 1, max_seq: int = 2048,
                        max_tokens: int = 8192, dtype_bytes: int = 2, fp8_block: tuple[int, int] = FP8_BLOCK,
                        num_layers: int | None = None) -> dict[str, float]:  # fmt: skip
-    """What :func:`build_model` of ``name`` will hold, in GB, before building it: expert_weight_gb (MoE
-    experts at 4.25 bits per weight for "mxfp4", 1 byte plus a float32 scale per ``fp8_block`` for "fp8",
-    else ``dtype_bytes``; expert biases), other_weight_gb (embeddings, lm_head, attention and dense-MLP
-    projections, router), of which projection_weight_gb (the projections, FP8 for ``projections`` "fp8"),
-    adapter_slot_gb (the L rank-R slots of every LoRA module: the MoE layers hold one A and B per
-    expert), kv_gb (max_batch × max_seq positions per layer), scratch_gb (the MoE layer's shared buffers at
-    max_tokens·top_k pairs), total_gb. Sizes and ``num_layers`` as :func:`build_model`'s; whole scale blocks
-    (a ragged edge block's scale is not counted)."""
+    """What :func:`build_model` of ``name`` will hold, in GB, before building it: expert_weight_gb,
+    other_weight_gb, of which projection_weight_gb, adapter_slot_gb, kv_gb, scratch_gb, total_gb. Arguments as
+    :func:`build_model`'s."""
     from .moe_bench import MXFP4_BYTES_PER_WEIGHT, fp8_bytes_per_weight
 
     _check_formats(experts, projections)
@@ -279,11 +247,9 @@ def memory_estimate_gb(name: str, *, experts: str = "dense", projections: str = 
 def fits_device(
     est: dict[str, float] | float, *, margin_gb: float, device_gb: float | None
 ) -> tuple[bool, str]:
-    """Whether a model whose :func:`memory_estimate_gb` is ``est`` (that dict, or its total_gb) fits a device
-    of ``device_gb`` GB with ``margin_gb`` GB to spare (what the estimate leaves out: the activations of a
-    step, CUDA graphs, the allocator's slack): ``(fits, reason)``, ``reason`` "" when it fits, else the
-    notebooks' skip message "needs ≈ N GB (+ M GB margin), the device has D GB". ``device_gb`` None or NaN
-    (no GPU: the CPU profile, whose tiny models always fit) fits."""
+    """``(fits, reason)`` for a model of estimate ``est`` (:func:`memory_estimate_gb`'s dict or total_gb) on a
+    device of ``device_gb`` GB with ``margin_gb`` to spare; ``reason`` "" when it fits, else the notebooks'
+    skip message. ``device_gb`` None or NaN fits."""
     total = float(est["total_gb"] if isinstance(est, dict) else est)
     if device_gb is None or math.isnan(device_gb) or total + margin_gb <= device_gb:
         return True, ""
@@ -292,9 +258,8 @@ def fits_device(
 
 def model_logits(model: MultiLoRAModel, *, prompt_len: int, seed: int = 0, adapter: int | None = None
                  ) -> torch.Tensor:  # fmt: skip
-    """float32 logits [prompt_len, V] of one forward (a prefill of every position, cache row 0 from
-    position 0) of the random prompt ``make_prompts(1, prompt_len, vocab, seed)`` on adapter slot
-    ``adapter`` (None: no adapter), moved to the host."""
+    """float32 logits [prompt_len, V] on the host of one prefill of the random prompt ``make_prompts(1,
+    prompt_len, vocab, seed)`` on slot ``adapter`` (None: no adapter)."""
     dev = model.device
     ids = torch.tensor(make_prompts(1, prompt_len, model.config.vocab_size, seed), device=dev)
     slot = -1 if adapter is None else int(adapter)
@@ -304,10 +269,9 @@ def model_logits(model: MultiLoRAModel, *, prompt_len: int, seed: int = 0, adapt
 
 
 def logit_error(logits: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
-    """How far ``logits`` [S, V] are from ``ref`` [S, V] (float32; e.g. the FP8 model's against its
-    dequantized twin's): rel_err = max|Δ| / max|ref|, rms_rel = ‖Δ‖ / ‖ref‖, max_abs = max|Δ|, top1_agree
-    = the share of positions whose argmax agrees, kl_mean / kl_max = KL(softmax(ref) ‖ softmax(logits)) per
-    position (nats), positions."""
+    """How far ``logits`` [S, V] are from ``ref`` [S, V]: rel_err = max|Δ| / max|ref|, rms_rel = ‖Δ‖ / ‖ref‖,
+    max_abs, top1_agree (share of positions whose argmax agrees), kl_mean / kl_max (KL(softmax(ref) ‖
+    softmax(logits)) per position, nats), positions."""
     d = (logits.double() - ref.double()).abs()
     r = ref.double()
     lp, lq = torch.log_softmax(r, dim=-1), torch.log_softmax(logits.double(), dim=-1)
@@ -319,9 +283,8 @@ def logit_error(logits: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
 
 
 def schemes_at(model: MultiLoRAModel, T: int) -> dict[str, str]:
-    """The activation schemes a forward of T tokens runs in ``model``'s first layer ("dynamic" = W8A8, or
-    "weight_only"; dense weights run "weight_only"): expert_scheme (the MoE layer's; "none" on a dense
-    model) and projection_scheme (the q|k|v projection's base GEMM)."""
+    """expert_scheme ("none" on a dense model) and projection_scheme: the activation schemes ("dynamic" or
+    "weight_only") a forward of T tokens runs in ``model``'s first layer."""
     from .moe_bench import module_scheme
 
     layer = model.layers[0]
@@ -336,7 +299,7 @@ TABLES = ("generation", "breakdown", "recompile", "adapter_load")
 
 def write_tables(folder, **rows) -> dict[str, Path]:
     """Write each of ``rows`` (keyword = a :data:`TABLES` name) to ``<folder>/11_<name>.csv``, replacing the
-    file; returns the paths. Raises ValueError for an unknown table name."""
+    file; returns the paths. ValueError for an unknown table name."""
     out = {}
     for name, r in rows.items():
         if name not in TABLES:
@@ -350,8 +313,7 @@ _CLASS = {"gpt_oss": "GptOssForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "q
 
 
 def peft_targets(config: ModelConfig) -> tuple[list[str], list[str] | None]:
-    """(target_modules, target_parameters) of the study's adapters: attention q/k/v/o; the experts' 3-D
-    gate_up and down on MoE models, the dense MLP's gate/up/down otherwise."""
+    """(target_modules, target_parameters) of the study's adapters."""
     modules = ["q_proj", "k_proj", "v_proj", "o_proj"]
     if config.is_moe:
         return modules, ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -368,9 +330,8 @@ def _normal(seed: int, dtype, device, std: float):
 def adapter_tensors(
     config: ModelConfig, *, rank: int, seed: int, dtype: torch.dtype = torch.bfloat16, device="cpu", std=0.02
 ) -> dict[str, torch.Tensor]:
-    """A random rank-``rank`` adapter as PEFT's ``adapter_model.safetensors`` holds it, {key: tensor}, keys
-    ``base_model.model.model.layers.{l}.<module>.lora_{A,B}.weight``: linear modules A [r, in], B [out, r];
-    3-D experts (gate_up = ``mlp.experts.base_layer``, down = ``mlp.experts``) A [E·r, in], B [out, E·r]."""
+    """A random rank-``rank`` adapter as PEFT's ``adapter_model.safetensors`` holds it, {key: tensor}: linear
+    modules A [r, in], B [out, r]; 3-D experts A [E·r, in], B [out, E·r]."""
     c, H, rnd = config, config.hidden_size, _normal(seed, dtype, device, std)
     shapes = {"self_attn.q_proj": (H, c.q_width), "self_attn.k_proj": (H, c.kv_width)}  # (in, out)
     shapes |= {"self_attn.v_proj": (H, c.kv_width), "self_attn.o_proj": (c.q_width, H)}
@@ -396,8 +357,7 @@ def write_peft_adapter(
     folder, config: ModelConfig, *, rank: int, alpha: float, seed: int, dtype=torch.bfloat16, device="cpu",
     std: float = 0.02,
 ) -> Path:  # fmt: skip
-    """Write :func:`adapter_tensors` as a PEFT LoRA folder (``adapter_config.json`` with PEFT's plain-LoRA
-    fields, lora_dropout 0 as parameter targets require, and ``adapter_model.safetensors``). Returns it."""
+    """Write :func:`adapter_tensors` as a PEFT LoRA folder; returns it."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
@@ -418,8 +378,8 @@ def write_peft_adapter(
 
 
 def load_random_adapter(model: MultiLoRAModel, slot: int, *, rank: int, alpha: float, seed: int, std=0.02):
-    """Fill slot ``slot`` of every LoRA module that :func:`peft_targets` covers with random rank-``rank``
-    factors drawn on the model's device (scaling alpha / rank)."""
+    """Fill slot ``slot`` of every LoRA module of :func:`peft_targets` with random rank-``rank`` factors
+    (scaling alpha / rank)."""
     rnd, s = _normal(seed, model.dtype, model.device, std), float(alpha) / rank
 
     def dense(mod):
@@ -441,10 +401,9 @@ def load_random_adapter(model: MultiLoRAModel, slot: int, *, rank: int, alpha: f
 def load_adapters(
     model: MultiLoRAModel, name: str, *, rank: int, alpha: float, seed: int, file_slots=(0,), workdir=None
 ) -> list[dict[str, Any]]:
-    """Load an adapter (seed per slot) into every slot: ``file_slots`` written as PEFT files (in ``workdir``
-    or a temporary folder) and loaded with ``load_peft_adapter``, the others filled directly
-    (:func:`load_random_adapter`; files only where asked: a Qwen3-30B-A3B adapter is 2.6 GB). One row per
-    slot: model, stage, slot, source ("peft_file" | "direct"), write_s, load_s, file_mb, rank, alpha."""
+    """Load an adapter (seed per slot) into every slot: ``file_slots`` through PEFT files (in ``workdir`` or a
+    temporary folder), the others directly. One row per slot: model, stage, slot, source ("peft_file" |
+    "direct"), write_s, load_s, file_mb, rank, alpha."""
     from ..model.peft_adapters import load_peft_adapter
 
     dev, rows = model.device, []
@@ -484,8 +443,7 @@ def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def adapter_slots(scenario: str, n: int, num_adapters: int) -> list[int | None]:
-    """Adapter slot per request: "base" and :data:`NO_ADAPTER_LOADED` None for all, "adapters_mixed"
-    request i on slot i mod L. Raises ValueError for another scenario."""
+    """Adapter slot per request of ``scenario``; ValueError for an unknown scenario."""
     if scenario not in (*SCENARIOS, NO_ADAPTER_LOADED):
         raise ValueError(f"scenario must be one of {(*SCENARIOS, NO_ADAPTER_LOADED)}, got {scenario!r}")
     return [i % num_adapters for i in range(n)] if scenario == "adapters_mixed" else [None] * n
@@ -496,8 +454,7 @@ def _mode(device) -> str:
 
 
 def generation_row(res, *, model: str, scenario: str, stage: str | None, impl: str, adapters, **fields):
-    """One CSV row of a GenerationResult (or :func:`hf_generate`'s result): times in ms, throughputs in
-    tokens/s; ``fields`` appended."""
+    """One CSV row of a generation result: times in ms, throughputs in tokens/s; ``fields`` appended."""
     ttft = [t * 1e3 for t in res.ttft_s]
     otps = [x for x in res.request_otps if math.isfinite(x)]
     steps = [s * 1e3 for s in res.step_s]
@@ -519,8 +476,7 @@ def run_generation(
     warm_tokens: int = 2, progress: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """Time one ``gen.generate`` of ``concurrency`` random prompts of ``prompt_len`` tokens making
-    ``new_tokens`` each on the scenario's adapters, after an untimed call of the same shapes making
-    ``warm_tokens`` (compilation and graph capture stay out): :func:`generation_row`'s row."""
+    ``new_tokens`` each, after an untimed call making ``warm_tokens``: :func:`generation_row`'s row."""
     model = gen.model
     vocab, adapters = model.config.vocab_size, adapter_slots(scenario, concurrency, model.num_adapters)
     if warm_tokens:
@@ -537,8 +493,8 @@ def run_generation(
 
 
 def compiled_binaries() -> int:
-    """Kernel binaries in the JIT caches of every Triton kernel of the imported ``moelora_lib.kernels.*``
-    modules (globals and two dict levels, e.g. ``KERNELS[name][flavour]``) on the current GPU; 0 on CPU."""
+    """Kernel binaries in the JIT caches of every Triton kernel of ``moelora_lib.kernels.*`` on the current
+    GPU; 0 on CPU."""
     if not torch.cuda.is_available():
         return 0
     mods = [m for n, m in list(sys.modules.items()) if n.startswith("moelora_lib.kernels.") and m is not None]
@@ -556,11 +512,9 @@ def recompile_rows(
     gen, name: str, *, lengths: Sequence[int], scenario: str = "adapters_mixed", new_tokens: int = 2,
     warm_reps: int = 3, seed: int = 0, prewarm: bool = False,
 ) -> list[dict[str, Any]]:  # fmt: skip
-    """Per prompt length never run before on this model, concurrency 1: TTFT the first time
-    (``ttft_first_ms``) against the median of ``warm_reps`` more (``ttft_warm_ms``), ``ratio`` = first /
-    warm, ``new_binaries`` compiled by the first. ``prewarm``: first capture every single-prompt prefill
-    graph (``gen.warmup(prefill_lengths="all", max_prompts=1)``, as a server at start-up:
-    ``prewarm_s``/``_binaries``)."""
+    """Per prompt length never run before, concurrency 1: ``ttft_first_ms``, ``ttft_warm_ms`` (median of
+    ``warm_reps``), ``ratio`` = first / warm, ``new_binaries``. ``prewarm``: capture every single-prompt
+    prefill graph first (``prewarm_s``/``_binaries``)."""
     model = gen.model
     vocab, adapters = model.config.vocab_size, adapter_slots(scenario, 1, model.num_adapters)
     prewarm_s, prewarm_bin = 0.0, 0
@@ -597,10 +551,7 @@ _SCOPE = "e2e::"
 
 
 def _category(scopes: list[str], kernel: str) -> str:
-    """Category of one kernel (or CPU op) from the e2e scopes around it, innermost first: LoRA shrink/expand
-    and a LoRALinear's ("proj") alignment "lora"; the rest of a LoRALinear (its F.linear) "attn_proj_base"
-    inside attention, else "mlp_base"; attention's other kernels "attention"; the MLP block's (router,
-    routing, alignment, expert GEMMs) "mlp_base"; outside every scope "other"."""
+    """Category of one kernel (or CPU op) from the e2e scopes around it, innermost first."""
     inner = scopes[0] if scopes else None
     if _LORA_KERNEL.search(kernel) or (inner == "proj" and _ALIGN_KERNEL.search(kernel)):
         return "lora"
@@ -610,8 +561,7 @@ def _category(scopes: list[str], kernel: str) -> str:
 
 
 def _category_by_name(kernel: str, *, moe: bool) -> str:
-    """Category of a kernel no op scope was found for: our Triton kernels by name (the alignment serves the
-    MoE layer on an MoE model, only the dense LoRA on a dense one), anything else "unattributed"."""
+    """Category of a kernel without an op scope, by kernel name."""
     named = ((_LORA_KERNEL, "lora"), (_ALIGN_KERNEL, "mlp_base" if moe else "lora"),
              (_MOE_KERNEL, "mlp_base"), (_ATTN_KERNEL, "attention"), (_NORM_KERNEL, "other"))  # fmt: skip
     return next((cat for rx, cat in named if rx.search(kernel)), "unattributed")
@@ -627,8 +577,7 @@ def _scopes(event) -> list[str]:
 
 
 def _attribute(events, *, cuda: bool, moe: bool) -> dict[str, float]:
-    """Sum profiler ``events`` into :data:`CATEGORIES`: on a GPU each kernel's device time through the scopes
-    of the op it is linked to, else by name; on the CPU each op's self CPU time."""
+    """Sum profiler ``events`` into :data:`CATEGORIES` (GPU: device time; CPU: self CPU time)."""
     from torch.autograd import DeviceType
 
     totals = dict.fromkeys(CATEGORIES, 0.0)
@@ -660,10 +609,8 @@ def step_breakdown(
     restrict: bool = False,
 ) -> dict[str, float]:  # fmt: skip
     """µs per decode step by :data:`CATEGORIES` and ``kernel_sum``: ``torch.profiler`` over ``steps`` eager
-    decode steps of ``batch`` rows at cache ``position`` (after one unprofiled step), each kernel attributed
-    through scopes on the attention blocks, MLP blocks and LoRALinear modules (:func:`_category`), unlinked
-    ones by name. GPU: device time; CPU: self CPU time. ``restrict``: the steps run inside
-    ``model.restrict_slots`` of the adapters' slots, as the Generator runs them (no slot: no LoRA launch)."""
+    decode steps of ``batch`` rows at cache ``position`` (GPU: device time; CPU: self CPU time). ``restrict``:
+    inside ``model.restrict_slots`` of the adapters' slots."""
     from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity, profile
 
@@ -716,8 +663,8 @@ def step_breakdown(
 def breakdown_rows(
     breakdown: dict[str, float], gen_row: dict[str, Any], *, position: int
 ) -> list[dict[str, Any]]:
-    """Rows of one :func:`step_breakdown` beside ``gen_row`` (its :func:`run_generation` row): one per
-    category and ``kernel_sum``, ``step`` (timed median step), ``gaps`` = step − kernel_sum (gaps, idle)."""
+    """Rows of one :func:`step_breakdown` beside ``gen_row``: one per category and ``kernel_sum``, ``step``,
+    ``gaps`` = step − kernel_sum."""
     key = {k: gen_row[k] for k in ("model", "scenario", "stage", "concurrency", "prompt_len", "mode")}
     step_us = gen_row["step_ms_p50"] * 1e3
     vals = {c: breakdown[c] for c in (*CATEGORIES, "kernel_sum")}
@@ -726,8 +673,7 @@ def breakdown_rows(
 
 
 def hf_model(name: str, *, dtype: torch.dtype, device, seed: int = 0):
-    """transformers' own model class for ``name`` with random weights (``initializer_range``), built on
-    ``device`` in ``dtype``, eval mode; the file's ``quantization_config`` dropped."""
+    """transformers' own model for ``name`` with random weights, on ``device`` in ``dtype``, eval mode."""
     import transformers
 
     d = config_dict(name)
@@ -746,9 +692,8 @@ def hf_model(name: str, *, dtype: torch.dtype, device, seed: int = 0):
 
 @torch.no_grad()
 def hf_generate(model, prompt: Sequence[int], new_tokens: int, device):
-    """Greedy generation at batch 1 with a transformers model (or PeftModel): one prefill forward
-    (``logits_to_keep=1``), then one forward per token with the model's cache. TTFT as the generator's;
-    per-step times from CUDA events. Returns an object with the fields :func:`generation_row` reads."""
+    """Greedy generation at batch 1 with a transformers model (or PeftModel); returns an object with the
+    fields :func:`generation_row` reads."""
     import inspect
     from types import SimpleNamespace
 
@@ -796,10 +741,9 @@ def hf_baseline_rows(
     name: str, *, dtype: torch.dtype, device, prompt_len: int, new_tokens: int, rank: int, alpha: float,
     seed: int = 0, warm_tokens: int = 2, scenarios: Sequence[str] = HF_SCENARIOS,
 ) -> list[dict[str, Any]]:  # fmt: skip
-    """transformers alone and (``transformers_peft``) + PEFT with one rank-``rank`` adapter on the modules of
-    :func:`peft_targets` (PEFT refuses batches mixing adapters), eager, concurrency 1, each after an untimed
-    call of ``warm_tokens``: :func:`generation_row` rows plus the attention/experts implementations and
-    versions. Frees the model. Raises ValueError for an unknown scenario."""
+    """transformers alone and (``transformers_peft``) + PEFT with one rank-``rank`` adapter, eager,
+    concurrency 1, after an untimed call: :func:`generation_row` rows plus implementations and versions. Frees
+    the model. ValueError for an unknown scenario."""
     import transformers
 
     model = hf_model(name, dtype=dtype, device=device, seed=seed)
@@ -849,10 +793,9 @@ def decode_floor(
     name: str, *, batch: int, context: int, adapters: int = 0, rank: int = 32, bytes_per_el: int = 2,
     tb_per_s: float = H200_READ_TB_PER_S,
 ) -> dict[str, float]:  # fmt: skip
-    """Bytes one decode step of ``batch`` rows must read and its time at ``tb_per_s`` (the H200's measured
-    read stream): each weight once (experts: the expected number hit under uniform routing), the KV cache
-    up to ``context`` positions per row, the factors of ``adapters`` distinct rank-``rank`` adapters (of the
-    touched experts). Returns weight_gb, kv_gb, lora_gb, floor_ms, otps_ceiling (per request)."""
+    """Bytes one decode step of ``batch`` rows must read (weights once, KV up to ``context``, ``adapters``
+    distinct adapters) and its time at ``tb_per_s``. Returns weight_gb, kv_gb, lora_gb, floor_ms,
+    otps_ceiling."""
     c = model_config(name)
     H, Lyr, r = c.hidden_size, c.num_hidden_layers, rank
     per_layer = float(H * (c.q_width + 2 * c.kv_width) + c.q_width * H)
@@ -877,9 +820,7 @@ def decode_floor(
 
 
 def prefill_floor(name: str, *, prompt_len: int, tflops: float = H200_BF16_TFLOPS) -> dict[str, float]:
-    """FLOPs of one request's prefill (2 per multiply-add: the projections, the routed experts, causal
-    attention, the lm_head at the last token) and its time at ``tflops`` (the H200's measured bf16 rate):
-    the TTFT floor at concurrency 1. Returns tflop, floor_ms."""
+    """FLOPs of one request's prefill and its time at ``tflops``: returns tflop, floor_ms."""
     c = model_config(name)
     H, T = c.hidden_size, prompt_len
     attn_proj = H * (c.q_width + 2 * c.kv_width) + c.q_width * H
@@ -905,8 +846,8 @@ HEADLINE = "gpt-oss-20b"
 
 
 def summary_table(gen, *, final: str = "tuned"):
-    """Per (model, concurrency) of our stage ``final``: base and adapters_mixed side by side (TTFT mean,
-    OTPS per request and aggregate, median step), ``ratio`` / ``ratio_aggregate`` = mixed ÷ base OTPS."""
+    """Per (model, concurrency) of stage ``final``: base and adapters_mixed side by side, ``ratio`` /
+    ``ratio_aggregate`` = mixed ÷ base OTPS."""
     ours = gen[(gen.impl == "moelora") & (gen.stage == final)]
     cols = ["ttft_ms_mean", "otps_per_request", "otps_aggregate", "step_ms_p50"]
     wide = ours.pivot_table(index=["model", "concurrency"], columns="scenario", values=cols, sort=False)
@@ -919,10 +860,8 @@ def summary_table(gen, *, final: str = "tuned"):
 
 
 def targets_table(gen, recompile, *, headline: str = HEADLINE, final: str = "tuned"):
-    """The :data:`TARGETS` point by point (columns target, model, concurrency, prompt_len, value, threshold,
-    met): otps_c1/ttft_c1 on ``headline`` with mixed adapters at concurrency 1; lora_vs_base at every
-    (model, concurrency) with both scenarios; vs_transformers = the headline's OTPS ÷ transformers_peft's;
-    recompile per row of ``recompile`` at stage ``final``. Targets without rows are left out."""
+    """The :data:`TARGETS` point by point (target, model, concurrency, prompt_len, value, threshold, met);
+    targets without rows are left out."""
     import pandas as pd
 
     out = []

@@ -1,11 +1,7 @@
 """Notebook 00, the explorer: every stage side by side from the committed H200 evidence, interactively.
 
-:func:`load_evidence` reads the committed GPU CSVs of ``data/`` (never ``data/cpu/``, whose interpreter
-timings are no performance numbers) into tidy tables; a missing file is a note, not an error.
-:func:`options` lists the values they hold, a :class:`Selection` names one view, and :func:`layer_table`,
-:func:`selection_notes` and :func:`figure` build it. :class:`Explorer` wires these into ipywidgets
-controls, with the kernel lines a stage changes (:func:`moelora_lib.studies.notebook.show_kernel_change`).
-No kernel module is imported at import time (``setup`` sets ``TRITON_INTERPRET`` first).
+:func:`load_evidence` reads the committed GPU CSVs of ``data/`` (never ``data/cpu/``); a missing file is a
+note, not an error. No kernel module is imported at import time (``setup`` sets ``TRITON_INTERPRET`` first).
 """
 
 from __future__ import annotations
@@ -25,8 +21,7 @@ from .notebook import rel
 
 PARTS = ("lora", "base", "total")
 PART_LABEL = {"lora": "LoRA part", "base": "base MoE", "total": "whole layer"}
-#: Files of whole-layer times, in priority order: where two files hold the same (stage, model, T, R, L,
-#: pattern, setting, part), the first wins (06 measures naive to even_k_fused_add side by side in one run).
+#: Files of whole-layer times, in priority order: for the same row the first wins.
 LAYER_FILES = (
     ("06_even_k_fused_add.csv", "notebook 06: stages naive to even_k_fused_add, side by side"),
     ("07_tuning.csv", "notebook 07: stage tuned"),
@@ -48,8 +43,8 @@ _LAYER_COLS = [*_KEY, "part", "us_p50", "us_p20", "us_p80", "floor_us", "config_
 @dataclass
 class Evidence:
     """The committed evidence, tidy: ``layer`` (one row per stage, model, T, R, L, pattern, setting, part;
-    µs, CUDA-graph replay, H200), ``anchors`` (``moe_bench.anchor_table`` or None), ``serving`` (notebook
-    09's rows or None), ``notes`` (one per missing or unreadable file), ``files`` (name -> rows)."""
+    µs), ``anchors`` (or None), ``serving`` (or None), ``notes`` (one per missing or unreadable file),
+    ``files`` (name -> rows)."""
 
     layer: Any
     anchors: Any = None
@@ -92,8 +87,7 @@ def _tidy(df, source: str, cols: list[str]):
 
 
 def _with_lora_part(df):
-    """Notebook 12 times stage ``fused`` whole and its base part (its expand runs inside the base GEMMs):
-    its LoRA part is whole − base of the same run, with the floor of the LoRA part of the same point."""
+    """Stage ``fused``'s LoRA part as whole − base of the same run, with the LoRA part's floor."""
     import pandas as pd
 
     key = ["model", "T", "R", "L", "pattern", "activation", "bias"] + (["variant"] if "variant" in df else [])
@@ -116,8 +110,8 @@ def _with_lora_part(df):
 
 
 def load_evidence(data_dir: str | os.PathLike | None = None, *, anchors: bool = True) -> Evidence:
-    """Read the evidence from ``data_dir`` (default ``<repo>/data``); see :class:`Evidence`. Missing or
-    unreadable files are skipped with a note; ``anchors=False`` skips vLLM's figures."""
+    """Read the evidence from ``data_dir`` (default ``<repo>/data``); missing or unreadable files are skipped
+    with a note; ``anchors=False`` skips vLLM's figures."""
     import pandas as pd
 
     folder = Path(data_dir) if data_dir is not None else data_path()
@@ -180,8 +174,8 @@ def describe(ev: Evidence) -> str:
 
 @dataclass(frozen=True)
 class Selection:
-    """One view of the evidence: model preset, tokens T, rank R, adapter slots L, adapter pattern,
-    setting ("as_anchor" or "real", see :data:`SETTINGS`) and the stages to compare (registry order)."""
+    """One view of the evidence: model, T, R, L, pattern, setting (:data:`SETTINGS`) and the stages to
+    compare."""
 
     model: str = "gpt-oss-20b"
     T: int = 64
@@ -239,10 +233,9 @@ def _anchor_row(ev: Evidence, sel: Selection):
 
 
 def layer_table(ev: Evidence, sel: Selection):
-    """Per chosen stage: LoRA part, base MoE and whole layer (µs, median, CUDA-graph replay), the speed-up
-    over naive (naive ÷ stage), vLLM's best path ÷ ours and the LoRA part over its floor, and the files.
-    Then reference rows: vLLM's best and current paths (where its figures apply: R = 32, L = 8, uniform,
-    as_anchor), the H200 floor, and the serving layer of notebook 09. Missing values are NaN."""
+    """Per chosen stage: LoRA part, base MoE and whole layer (µs), the speed-up over naive, vLLM's best ÷
+    ours, the LoRA part over its floor and the files; then reference rows (vLLM's paths where they apply, the
+    H200 floor, notebook 09's serving layer). Missing values are NaN."""
     import pandas as pd
 
     nan = float("nan")
@@ -317,8 +310,7 @@ PART_COLOR = {"lora": "#1f77b4", "base": "#ff7f0e", "total": "#2ca02c"}
 
 
 def figure(ev: Evidence, sel: Selection):
-    """Two panels: the chosen stages at T (LoRA part, base, whole layer; dashed: vLLM's figures, dotted:
-    the floors) and the LoRA part over T per stage. A matplotlib Figure (no pyplot state)."""
+    """Two panels: the chosen stages at T, and the LoRA part over T per stage; a matplotlib Figure."""
     import numpy as np
     from matplotlib import colormaps
     from matplotlib.figure import Figure
@@ -406,8 +398,7 @@ def table_html(df, *, index: bool = False) -> str:
 
 
 def kernel_change_html(stage: str) -> str:
-    """The kernel lines ``stage`` changes against the stage before it in the registry, as HTML (the first
-    stage: its kernels' source); see :func:`moelora_lib.studies.notebook.show_kernel_change`."""
+    """The kernel lines ``stage`` changes against the stage before it, as HTML."""
     from .notebook import show_kernel_change, stage_kernel_source
 
     order = stage_order()
@@ -435,9 +426,8 @@ def _md_code(text: str) -> str:
 
 class Explorer:
     """The interactive view (ipywidgets): controls, plot, layer table, notes and the kernel lines a stage
-    changes. Displaying it shows the widgets in JupyterLab and a static copy (figure and table) where
-    widgets do not render. A control change calls :meth:`redraw` (``last_redraw_s``: its seconds). The CSS
-    classes ``moelora-*`` name the parts for browser tests."""
+    changes; a static copy where widgets do not render. A control change calls :meth:`redraw`
+    (``last_redraw_s``). CSS classes ``moelora-*`` name the parts."""
 
     LABELS = dict(model="model preset", T="tokens T", rank="rank R", adapters="adapters L")
     LABELS.update(pattern="adapter pattern", setting="setting")
@@ -498,9 +488,9 @@ class Explorer:
         )
 
     def set(self, **values) -> float:
-        """Set controls by name (model, T, rank, adapters, pattern, setting; ``stages``: a stage name or a
-        list of them) as a user would; returns the seconds of the last redraw. Raises ValueError for an
-        unknown control, a value it does not offer or an unknown stage; a refused call changes nothing."""
+        """Set controls by name (model, T, rank, adapters, pattern, setting, stages) as a user would; returns
+        the seconds of the last redraw. ValueError for an unknown control, value or stage; a refused call
+        changes nothing."""
         for k, v in values.items():  # every value checked before anything changes
             if k == "stages":
                 names = [v] if isinstance(v, str) else v
@@ -523,8 +513,7 @@ class Explorer:
         return self.last_redraw_s
 
     def redraw(self, *_change) -> None:
-        """Rebuild the plot, the tables and the notes; the status line is set last (a browser test waits
-        on it)."""
+        """Rebuild the plot, the tables and the notes; the status line is set last."""
         t0 = time.perf_counter()
         sel = self.selection()
         try:
@@ -545,8 +534,8 @@ class Explorer:
         self._source.value = kernel_change_html(self.source_stage.value)
 
     def time_redraws(self):
-        """Change every control once to another value the CSVs hold and back, timing each redraw; returns
-        a DataFrame control, value, seconds. The selection ends as it started."""
+        """Change every control once to another value and back, timing each redraw; returns a DataFrame
+        control, value, seconds."""
         import pandas as pd
 
         rows = []

@@ -1,17 +1,9 @@
-"""Notebook 15's tables: block-FP8 Qwen3 (the published ``Qwen3-30B-A3B-FP8`` / ``Qwen3-32B-FP8`` layout) with
-bf16 adapters, against our bf16 layers and models and against the FP8 floors.
+"""Notebook 15's tables: block-FP8 Qwen3 with bf16 adapters, against our bf16 layers and models and
+against the FP8 floors.
 
-The rows come from :mod:`.moe_bench` (the MoE layer, :func:`~.moe_bench.bench_module`), :mod:`.dense_bench`
-(the projections, :func:`~.dense_bench.bench_module`) and :mod:`.e2e` (generation, memory, logits); each timed
-row carries a ``variant`` column (:data:`VARIANTS`): the FP8 weights with activations in the layer's dtype
-("fp8_weight_only"), the FP8 weights with W8A8 activations ("fp8_dynamic"), or dense weights in the
-activations' dtype ("dense": bf16 on the GPU). "auto" is what the library picks at T (the layer's
-``activation_scheme="auto"``, LoRALinear's too): per T one of the two FP8 variants, whose
-columns the ``fp8_auto_*`` columns copy.
-
-Ratios: ``dense_x_fp8_*`` = the dense time ÷ the FP8 time (> 1: FP8 faster); ``fp8_*_x_bytes_floor`` = the FP8
-time ÷ its bytes floor (1-byte weights plus scales at the H200's copy rate); the FLOP floor counts the FP8
-base GEMMs at :data:`~moelora_lib.hardware.H200_FP8_TFLOPS`.
+Each timed row carries a ``variant`` column (:data:`VARIANTS`): "fp8_weight_only", "fp8_dynamic" (W8A8) or
+"dense". Ratios: ``dense_x_fp8_*`` = dense time ÷ FP8 time (> 1: FP8 faster); ``fp8_*_x_bytes_floor`` =
+FP8 time ÷ its bytes floor.
 """
 
 from __future__ import annotations

@@ -26,17 +26,14 @@ STAGE, BASELINE = "fused", "tuned"
 LORA_TARGETS: tuple[tuple[float, float], ...] = ((64, 2.5), (math.inf, 2.0))
 #: Whole layer ≥ this × faster than vLLM's (T = 1 and T ≥ 1600: 1.5×; 8–256: 1.15×); never slower (1.0×).
 TOTAL_TARGETS = {"ends": 1.5, "mid": 1.15, "never_slower": 1.0}
-#: Informational: the LoRA part ≤ 10 % of our own base at T ≤ 64; the base within 1.25× of its floor at
-#: T ≤ 64 and 1.5× at T ≥ 1600.
+#: Informational: the LoRA part's share of our base; the base against its floor.
 LORA_SHARE_MAX, BASE_FLOOR_DECODE, BASE_FLOOR_PREFILL = 0.10, 1.25, 1.5
 
 
 def check_point(stage: str, inp, *, model: str, pattern: str, variant: str) -> list[dict[str, Any]]:
-    """Checks of one layer call of ``stage`` on ``inp`` (MoELoRAInputs), one row per ``check`` with rel_err
-    (max|out − ref| / max|ref|) and tol: ``layer_vs_reference`` (fp32 reference; plus no_adapter_rows,
-    no_adapter_bitwise: rows with adapter −1 equal the base part bitwise, delta_rel: the LoRA share),
-    ``base_vs_reference`` (base part vs the reference with every adapter −1), ``call_twice`` (second call
-    vs the first: split-K atomics may reorder fp32 sums)."""
+    """Checks of one layer call of ``stage`` on ``inp``, one row per ``check`` with rel_err and tol:
+    ``layer_vs_reference`` (plus no_adapter_rows, no_adapter_bitwise, delta_rel), ``base_vs_reference``,
+    ``call_twice``."""
     run = mb.make_run(stage, inp)
     out, base, again = run().clone(), run.base_part().clone(), run().clone()
     ref = moe_lora_reference(*inp.args(), **inp.kwargs())
@@ -64,8 +61,7 @@ _FILLS = ((torch, "zeros"), (torch, "zeros_like"), (torch.Tensor, "zero_"), (tor
 
 
 def count_launches(fn: Callable[[], Any]) -> dict[str, int]:
-    """Call ``fn()`` once (eagerly): {Triton kernel name: launches, "torch_fill": fills of non-empty tensors
-    (one kernel each on a GPU)}. Other torch ops are not counted (:func:`profiled_launches` sees them)."""
+    """Call ``fn()`` once: {Triton kernel name: launches, "torch_fill": fills of non-empty tensors}."""
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
@@ -103,8 +99,7 @@ def count_launches(fn: Callable[[], Any]) -> dict[str, int]:
 
 
 def profiled_launches(fn: Callable[[], Any]) -> dict[str, Any]:
-    """GPU only: the device kernels and memsets ``torch.profiler`` records for one eager ``fn()`` after a
-    warm call: dict(kernels, memsets, names: ";"-joined in launch order, 48 characters each) or error."""
+    """GPU only: dict(kernels, memsets, names) of one profiled eager ``fn()`` after a warm call, or error."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -126,9 +121,8 @@ def profiled_launches(fn: Callable[[], Any]) -> dict[str, Any]:
 
 
 def launch_rows(run, *, model: str, profile_gpu: bool) -> list[dict[str, Any]]:
-    """Launches of a built LayerRun, rows ``part`` = total, base: triton, fills, counted (their sum), kernels
-    (name=count;...), planned (launch ops + the top-k sum; NaN for base), with ``profile_gpu`` (total only)
-    profiled_kernels/_memsets/_names/_error."""
+    """Launches of a built LayerRun, rows ``part`` = total, base: triton, fills, counted, kernels, planned;
+    with ``profile_gpu`` profiled_kernels/_memsets/_names/_error."""
     rows = []
     for part, fn in (("total", run), ("base", run.base_part)):
         c = count_launches(fn)
@@ -152,10 +146,8 @@ def launch_rows(run, *, model: str, profile_gpu: bool) -> list[dict[str, Any]]:
 
 
 def fused_op_costs(run, model: str, topk_ids=None, lora_ids=None) -> dict[str, dict[str, float]]:
-    """FLOPs, minimal bytes and floor (µs) of stage ``fused``'s four launches from ``moe_bench.op_costs``:
-    ``fused_gate_up`` = base gate_up writing g [P, I] not h [P, 2I] + B13 of touched pairs + the fp32
-    intermediate [P, S, R16] + expand FLOPs; ``fused_down`` = base down + B2 + [P, R16] + expand FLOPs;
-    the shrinks write the intermediate padded to R16 (``launchers.rank_stride``)."""
+    """FLOPs, minimal bytes and floor (µs) of stage ``fused``'s four launches (from
+    ``moe_bench.op_costs``)."""
     from ..kernels.launchers import rank_stride
 
     d, b = run.dims, run.x.element_size()
@@ -176,8 +168,8 @@ def fused_op_costs(run, model: str, topk_ids=None, lora_ids=None) -> dict[str, d
 def bench_fused_ops(
     run, *, model: str, topk_ids=None, lora_ids=None, warmup_ms: float = 10, rep_ms: float = 40
 ) -> list[dict[str, Any]]:
-    """Each launch of a ``fused`` layer alone (graph replay, L2 flushed): one row per op in
-    :func:`.moe_bench.bench_layer`'s form (part = the op) with :func:`fused_op_costs`."""
+    """Each launch of a ``fused`` layer alone: one row per op in :func:`.moe_bench.bench_layer`'s form with
+    :func:`fused_op_costs`."""
     from ..kernels.stages import FUSED_CONFIG_FIELD, FUSED_LAUNCH_OPS
 
     device, d, rows = run.x.device, run.dims, []
@@ -195,9 +187,7 @@ def bench_fused_ops(
     return rows
 
 
-#: lever -> (stage, parts timed, config, adapter_order). Configs: ``stage_cfg`` the stage's own for T,
-#: ``default`` the untuned ``fused_default_config``, ``deterministic`` the stage's with SPLIT_K = 1.
-#: adapter_order False = the base alignment in pair order instead of grouped by adapter.
+#: lever -> (stage, parts timed, config, adapter_order).
 LEVERS: dict[str, tuple[str, tuple[str, ...], str, bool | None]] = {
     "fused_v1": (STAGE, ("base", "total"), "default", False),
     "fused_pair_order": (STAGE, ("base", "total"), "stage_cfg", False),
@@ -210,9 +200,9 @@ def bench_levers(
     shape, T: int, *, levers: Sequence[str] | None = None, rank: int = 32, num_adapters: int = 8,
     weights=None, dtype=torch.bfloat16, device="cuda", warmup_ms: float = 10, rep_ms: float = 40, seed=0,
 ) -> list[dict[str, Any]]:  # fmt: skip
-    """Time each lever of :data:`LEVERS` (None = all) at one (model, T) with :func:`.moe_bench.bench_layer`
-    (uniform adapter ids, silu, no biases: the anchor setting); rows as bench_layer's plus ``lever``.
-    Raises ValueError for an unknown, repeated or empty lever list, or T not an int ≥ 1."""
+    """Time each lever of :data:`LEVERS` (None: all) at one (model, T); rows as
+    :func:`.moe_bench.bench_layer`'s plus ``lever``. ValueError for an unknown, repeated or empty lever list,
+    or T not an int ≥ 1."""
     from ..kernels import STAGES
     from ..kernels.fused import fused_default_config
     from ..shapes import Dims, get_shape
@@ -243,11 +233,8 @@ def bench_levers(
 
 
 def levers_table(levers_df, df):
-    """Per (model, T): µs p50 of each lever beside the stage rows of ``df`` (``12_fused.csv``): ``v1_*``
-    (default configs, pair order), ``pair_*`` (stage configs, pair order), ``fused_*`` (the stage),
-    ``tuned_*``, ``det_*`` (``tuned`` deterministic), ``fdet_*`` (``fused`` deterministic, where timed);
-    ``*_lora`` = whole − base for ``fused`` variants, the LoRA launches for ``tuned``/``det``;
-    ``tuned_split_k``/``fused_split_k`` = the largest SPLIT_K in the stage's config string."""
+    """Per (model, T): µs p50 of each lever beside the stage rows of ``df``: ``v1_*``, ``pair_*``,
+    ``fused_*``, ``tuned_*``, ``det_*``, ``fdet_*``, their ``*_lora``, ``tuned_split_k``/``fused_split_k``."""
     import re
 
     import pandas as pd
@@ -280,9 +267,8 @@ def levers_table(levers_df, df):
 
 
 def layer_table(df):
-    """Per (stage, model, T) of :func:`.moe_bench.bench_layer` rows (parts base, total, lora; others ignored;
-    duplicates averaged): base, total, lora_measured (where timed) p50 µs; ``lora`` = total − base with the
-    band ``lora_lo``/``lora_hi`` = (total p20 − base p80, total p80 − base p20); ``base_floor_us``."""
+    """Per (stage, model, T) of :func:`.moe_bench.bench_layer` rows: base, total, lora_measured (µs p50),
+    ``lora`` = total − base with ``lora_lo``/``lora_hi``, ``base_floor_us``."""
     import pandas as pd
 
     d = df[df.part.isin(["base", "lora", "total"])]
@@ -310,14 +296,9 @@ def _ratio(num, den):
 
 
 def targets_table(df, anchors, *, stage: str = STAGE, baseline: str = BASELINE):
-    """The targets of ``stage`` per (model, T) of both ``df`` (``12_fused.csv`` rows) and ``anchors``
-    (:func:`.moe_bench.anchor_table`, vLLM on the H200), ``baseline`` beside it. Columns: base_us, lora_us
-    (total − base) with lora_lo_us/lora_hi_us, total_us, base_floor_us; vllm_base_us, vllm_lora_best_us,
-    vllm_total_best_us; lora_x = vLLM ÷ ours (inf where the LoRA part is ≤ 0), lora_x_low, lora_target,
-    met_lora; total_x, total_target, met_total, met_never_slower; lora_share/met_lora_share (T ≤ 64),
-    base_over_floor/met_base_floor (T ≤ 64, T ≥ 1600); the baseline's tuned_base_us, tuned_lora_us (LoRA
-    launches alone), tuned_lora_derived_us, tuned_total_us, tuned_lora_x, tuned_total_x; speedup_total,
-    speedup_base, speedup_lora = baseline ÷ stage."""
+    """The targets of ``stage`` per (model, T) of both ``df`` and ``anchors``
+    (:func:`.moe_bench.anchor_table`), ``baseline`` beside it: our and vLLM's times, the ratios and each
+    target's ``met_*`` column."""
     import pandas as pd
 
     lt = layer_table(df)
@@ -355,9 +336,8 @@ def targets_table(df, anchors, *, stage: str = STAGE, baseline: str = BASELINE):
 
 
 def cumulative_with(cumulative, df, *, stage: str = STAGE, baseline: str = BASELINE):
-    """Notebook 07's ``07_cumulative.csv`` (model, T, part, one column per stage) with ``tuned (this run)``
-    and ``fused (this run)`` added (LoRA = whole − base for ``fused``, ``tuned``'s LoRA launches timed
-    alone), on the (model, T, part) rows that this run also measured."""
+    """``cumulative`` (``07_cumulative.csv``) with ``tuned (this run)`` and ``fused (this run)`` columns, on
+    the rows this run measured."""
     lt = layer_table(df)
     out = cumulative.drop(columns=[c for c in ("run",) if c in cumulative]).copy()
     keys = [(p, (m, int(T))) for m, T, p in zip(out.model, out["T"], out.part)]
@@ -370,10 +350,9 @@ def cumulative_with(cumulative, df, *, stage: str = STAGE, baseline: str = BASEL
 
 
 def timeline_rows(events: Sequence[tuple[str, int, int]], replays: int) -> list[dict[str, Any]]:
-    """Split ``events`` ((name, start_ns, duration_ns), any order) of ``replays`` back-to-back graph replays
-    into one row per activity: replay, seq, name (60 chars), start_us (from the replay's first start),
-    dur_us, gap_us (start − the previous end in the replay; 0 first, negative on overlap), span_us.
-    Raises ValueError when ``replays`` is not an int ≥ 1 or the events do not split evenly."""
+    """Split ``events`` ((name, start_ns, duration_ns)) of ``replays`` graph replays into rows: replay, seq,
+    name, start_us, dur_us, gap_us, span_us. ValueError when ``replays`` is not an int ≥ 1 or the events do
+    not split evenly."""
     if not isinstance(replays, int) or isinstance(replays, bool) or replays < 1:
         raise ValueError(f"replays must be an int >= 1, got {replays!r}")
     ev = sorted(events, key=lambda e: e[1])
@@ -395,9 +374,8 @@ def timeline_rows(events: Sequence[tuple[str, int, int]], replays: int) -> list[
 
 
 def graph_timeline(run, *, model: str, replays: int = 5) -> list[dict[str, Any]]:
-    """GPU only: the kernels of a CUDA-graph replay of ``run()`` (a built LayerRun), ``torch.profiler`` over
-    ``replays`` replays (host sync after each, L2 not flushed): :func:`timeline_rows` plus stage, model, T,
-    config. Raises RuntimeError without CUDA or when the profiler records nothing."""
+    """GPU only: the kernels of ``replays`` CUDA-graph replays of ``run()``: :func:`timeline_rows` plus stage,
+    model, T, config. RuntimeError without CUDA or when the profiler records nothing."""
     from torch.profiler import ProfilerActivity, profile
 
     if not torch.cuda.is_available():
@@ -419,8 +397,7 @@ def graph_timeline(run, *, model: str, replays: int = 5) -> list[dict[str, Any]]
 
 
 def timeline_table(tl_df):
-    """Per (model, T, stage), medians over replays of kernels (per replay), span_us, busy_us (sum of device
-    times), gaps_us (sum of positive gaps) and gap_share (gaps_us / span_us)."""
+    """Per (model, T, stage), medians over replays of kernels, span_us, busy_us, gaps_us and gap_share."""
     g, keys = tl_df.assign(pos_gap=tl_df.gap_us.clip(lower=0)), ["model", "T", "stage"]
     per = g.groupby([*keys, "replay"]).agg(kernels=("seq", "size"), span_us=("span_us", "first"),
                                            busy_us=("dur_us", "sum"), gaps_us=("pos_gap", "sum"))  # fmt: skip
@@ -430,9 +407,7 @@ def timeline_table(tl_df):
 
 
 class RegisterReport:
-    """:func:`.compile_check.fused_report` per model (registers, spills, binaries over lengths; compile-only
-    for sm_90) in a subprocess (:func:`.compile_check.run_isolated`) started now on a background thread, so
-    it overlaps the GPU measurements."""
+    """:func:`.compile_check.fused_report` per model in a subprocess started now on a background thread."""
 
     def __init__(self, models: Sequence[str], lengths: Sequence[int], res_T: Sequence[int] = (1, 64, 1600)):
         from concurrent.futures import ThreadPoolExecutor
@@ -447,8 +422,8 @@ class RegisterReport:
         self._pool.shutdown(wait=False)
 
     def rows(self, timeout: float = 300.0) -> list[dict[str, Any]]:
-        """One row per (model, op, T): REG, LOCAL (bytes of local memory: spills), cfg, binaries (over the
-        lengths with one config). Waits at most ``timeout`` s; raises RuntimeError if the job failed."""
+        """One row per (model, op, T): REG, LOCAL, cfg, binaries. Waits at most ``timeout`` s; RuntimeError if
+        the job failed."""
         try:
             result = self._future.result(timeout=timeout)
         except Exception as e:  # noqa: BLE001 - a timeout or the child's failure, reported the same way

@@ -1,31 +1,15 @@
 """Tuner of stage ``fused``'s two GEMMs (notebook 12): the gate_up GEMM with the LoRA expand and the
-activation in it (``fused_gate_up``) and the down GEMM with its expand (``fused_down``).
-
-Run (on the GPU; on the CPU only a functional test through the interpreter)::
+activation in it (``fused_gate_up``) and the down GEMM with its expand (``fused_down``)::
 
     python -m moelora_lib.studies.fused_tuning --model gpt-oss-20b,qwen3-30b-a3b \\
         --tokens 1,8,64,256,1600,8192 --rank 32 --adapters 8 \\
         --out moelora_lib/configs/NVIDIA_H200 --csv data/12_fused_tuning.csv --budget-s 240
 
-Per workload (model, T, R, L), on the inputs of :func:`moelora_lib.studies.moe_bench.layer_inputs` (uniform
-adapter ids, silu, no biases), through the engine :mod:`.tuner`: the starting point is the workload's tuned
-config with the fused GEMMs derived from the tuned base GEMMs
-(:func:`~moelora_lib.kernels.fused.fused_gemm_configs`), never read from the fused file this run writes (its
-nearest entry would be another T's choice). The two GEMMs share the base alignment, so one BLOCK_SIZE_M:
-per candidate BM (:func:`~.tuning.base_bm_candidates` plus the current one) a
-:class:`~moelora_lib.kernels.LayerRun` of stage ``fused``, each GEMM timed alone over
-:func:`fused_op_candidates`; the BM with the smallest sum of the two best medians wins. The choice is
-merged into ``{gpu}_FUSED_MOE_LORA_FUSED.json`` (:mod:`moelora_lib.configs` format) atomically after every
-workload; every timed candidate is a row of the CSV (``kind`` trial / bm_sum / choice / note / session).
-Timing as :mod:`.tuning` (graph replay, L2 flushed, 5 / 20 ms). ``--budget-s``: no workload or BM starts
-past it; an untuned workload is left to the loader's nearest-entry lookup.
-
-The per-T stage choice of ``stage="auto"`` (the fused leaves' ``"stage"`` key,
-:func:`moelora_lib.configs.load_stage_choice`) is not measured here: this tuner times the two fused
-GEMMs alone, never stage ``tuned`` beside them. It comes from notebook 12's layer totals of both stages
-(``data/12_fused.csv``): :func:`stage_choices_from_csv` picks the faster stage per (dims, T) and
-:func:`write_stage_choices` sets the key in the file; a tuner run that rewrites a leaf drops its key
-(the choice was measured with the old configs), so rerun the two after re-tuning.
+Per workload (model, T, R, L), through :mod:`.tuner`: the two GEMMs share one BLOCK_SIZE_M; per candidate
+BM each GEMM is timed alone over :func:`fused_op_candidates`, and the BM with the smallest sum of the two
+best medians wins, merged into ``{gpu}_FUSED_MOE_LORA_FUSED.json``. CSV kinds: trial / bm_sum / choice /
+note / session. The per-T ``"stage"`` key comes from notebook 12's layer totals
+(:func:`stage_choices_from_csv`, :func:`write_stage_choices`); a rewritten leaf drops it.
 """
 
 from __future__ import annotations
@@ -60,13 +44,11 @@ __all__ = [
 
 #: the two launches tuned here, in call order
 FUSED_OPS = ("fused_gate_up", "fused_down")
-#: the workload columns, then the engine's (no default_ms: every BM starts from the config derived from
-#: the tuned base GEMMs, marked "current" in ``note``)
+#: the workload columns, then the engine's
 CSV_COLUMNS = [*("kind", "model", "R", "L", "T", "H", "I", "E", "K"), *TRIAL_COLUMNS, *RUN_COLUMNS]
 CSV_COLUMNS.remove("default_ms")
 
-# (BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, NUM_WARPS, NUM_STAGES). fused_gate_up's N counts columns of
-# g: each program holds two accumulators (gate, up) of BM x N and loads two weight tiles per K step.
+# (BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, NUM_WARPS, NUM_STAGES)
 _GATE_UP_DECODE = [(32, 128, 1, 4, 4), (64, 128, 1, 4, 4), (64, 64, 1, 4, 5), (64, 128, 1, 8, 3)]
 _GATE_UP_DECODE += [(128, 64, 1, 8, 3)]
 _GATE_UP_PREFILL = [(64, 64, 8, 4, 4), (64, 64, 8, 8, 3), (128, 64, 8, 8, 3), (64, 128, 8, 8, 3)]
@@ -80,11 +62,8 @@ _DOWN_DECODE_SPLIT = [(128, 64, 8, 4, 4), (128, 128, 4, 8, 4), (64, 64, 4, 4, 4)
 
 
 def fused_op_candidates(op: str, bm: int, current: OpConfig, limit: int = 7) -> list[OpConfig]:
-    """≤ ``limit`` configs of one fused GEMM (``op`` in :data:`FUSED_OPS`) at BLOCK_SIZE_M = ``bm``: the
-    current config (with bm) first, then decode-sized tiles (bm ≤ 32: weight streaming, no grouped order)
-    or prefill-sized ones (bm ≥ 64: tensor cores, GROUP_SIZE_M 8). SPLIT_K is 1 except for ``fused_down``
-    at bm ≤ 32, which also gets :data:`_DOWN_DECODE_SPLIT` (K split over 4 or 8 programs adding into an
-    fp32 y) on top of ``limit``. Raises ValueError for an unknown op."""
+    """≤ ``limit`` configs of ``op`` (:data:`FUSED_OPS`) at BLOCK_SIZE_M = ``bm``, the current config first;
+    ``fused_down`` at bm ≤ 32 also gets :data:`_DOWN_DECODE_SPLIT`. ValueError for an unknown op."""
     if op not in FUSED_OPS:
         raise ValueError(f"op must be one of {FUSED_OPS}, got {op!r}")
     small = bm <= 32
@@ -115,8 +94,7 @@ def tune_fused_workload(
     max_cands: int = 7,
     t0: float | None = None,
 ) -> dict[str, OpConfig]:
-    """Tune the two fused GEMMs of one workload; returns {"fused_gate_up": cfg, "fused_down": cfg} (empty
-    when the budget ran out before the first BM), every trial in ``log``."""
+    """Tune the two fused GEMMs of one workload; returns {op: cfg} (empty when the budget ran out first)."""
     from ..kernels.fused import fused_gemm_configs
     from .moe_bench import layer_inputs
 
@@ -157,15 +135,10 @@ def tune_fused(
     progress: bool = False,
     names: dict[str, str] | None = None,
 ) -> dict[tuple[str, int], dict[str, OpConfig]]:
-    """Tune every (model, T) and merge the choices into ``out/{gpu}_FUSED_MOE_LORA_FUSED.json`` (atomically
-    after each workload). Returns {(model, T): {op: OpConfig}}. ``max_bms``: BLOCK_SIZE_M candidates
-    besides the current one; ``max_cands``: configs per GEMM and BM; ``dtype`` None: bfloat16 on a GPU,
-    float32 on the CPU; ``names``: argument -> name in error messages.
-
-    Raises ValueError naming the argument, before anything is written: ``models`` not a non-empty list of
-    presets, ``tokens`` not a non-empty list of ints ≥ 1, rank/adapters/max_bms/max_cands not ints ≥ 1, a
-    negative budget, a device the tuner cannot use here, a ``gpu`` with path separators, an ``out`` that is
-    a file or cannot be made, a ``csv_path`` that is a folder or cannot be made."""
+    """Tune every (model, T) and merge the choices into ``out/{gpu}_FUSED_MOE_LORA_FUSED.json``. Returns
+    {(model, T): {op: OpConfig}}. ``max_bms``: BLOCK_SIZE_M candidates besides the current one; ``max_cands``:
+    configs per GEMM and BM; ``dtype`` None: bfloat16 on a GPU, float32 on the CPU. ValueError naming a bad
+    argument before anything is written."""
     from .moe_bench import layer_inputs
 
     shapes = tuner.check_models(models, (names or {}).get("models", "models"))
@@ -218,16 +191,11 @@ def tune_fused(
 def stage_choices_from_csv(
     csv_path: str | Path, *, variant: str = "as_anchor", part: str = "total"
 ) -> dict[tuple[int, int, int, int], str]:
-    """The fastest stage per measured (dims, T) of a layer benchmark CSV (notebook 12's
-    ``data/12_fused.csv``, notebook 13's ``data/13_gemv.csv``): ``{(E, 2I, H, T): "tuned" | "fused" |
-    "gemv"}``, keyed like the fused config file (:func:`moelora_lib.configs.base_keys`).
-
-    Rows: ``part`` (default ``"total"``, the whole layer) and ``variant`` (default ``"as_anchor"``, the
-    shipped configs); every (E, 2I, H, T) with a ``us_p50`` for both stage ``tuned`` and stage ``fused``
-    gets the stage with the smallest median among those measured there
-    (:data:`~moelora_lib.configs.STAGE_CHOICES`;
-    ties: the earlier in that tuple); others are left out. Raises ValueError
-    naming the file when a needed column is missing or two rows give one (stage, E, 2I, H, T)."""
+    """The fastest stage per (E, 2I, H, T) of a layer benchmark CSV (``data/12_fused.csv``,
+    ``data/13_gemv.csv``) among those with a ``us_p50`` for both ``tuned`` and ``fused``: ``{(E, 2I, H, T):
+    "tuned" | "fused" | "gemv"}`` (rows of ``part`` and ``variant``; ties: the earlier in
+    :data:`~moelora_lib.configs.STAGE_CHOICES`). ValueError naming the file for a missing column or duplicate
+    rows."""
     import csv
 
     path = Path(csv_path)
@@ -254,9 +222,8 @@ def stage_choices_from_csv(
 
 
 def _edit_leaves(path: str | Path, entries: dict, what: str, edit) -> Path:
-    """Call ``edit(leaf, value, key_path)`` on the leaf of the fused config file ``path`` at each key tuple
-    of ``entries`` ({keys: value}) and write the file atomically; validated before and after. ValueError
-    naming the key path (and ``what``) for keys without an exact leaf; nothing is written then."""
+    """Apply ``edit`` to the leaves of ``path`` at ``entries``' keys and write it atomically; ValueError for
+    keys without an exact leaf."""
     import json
 
     path = Path(path)
@@ -278,13 +245,10 @@ def _edit_leaves(path: str | Path, entries: dict, what: str, edit) -> Path:
 
 
 def write_stage_choices(path: str | Path, choices: dict[tuple[int, int, int, int], str]) -> Path:
-    """Set ``"stage"`` (:data:`moelora_lib.configs.STAGE_KEY`) in the leaves of the fused config file
-    ``path`` named by ``choices`` ({(E, N, K, m): "tuned" | "fused" | "gemv"}, as
-    :func:`stage_choices_from_csv` returns) and write it atomically
-    (:func:`moelora_lib.configs.save_config_file`); every other leaf and key is kept as it is. The file
-    is validated before and after. Raises ValueError naming the key path for a choice without an
-    exact leaf in the file, a value outside :data:`moelora_lib.configs.STAGE_CHOICES`, or ``"gemv"`` for
-    a leaf without gemv configs (:func:`write_gemv_configs`); nothing is written then."""
+    """Set ``"stage"`` in the leaves of the fused config file ``path`` named by ``choices`` (as
+    :func:`stage_choices_from_csv` returns) and write it atomically. ValueError naming the key path for a
+    choice without an exact leaf, a value outside :data:`moelora_lib.configs.STAGE_CHOICES`, or ``"gemv"`` for
+    a leaf without gemv configs; nothing is written then."""
 
     def edit(node, stage, kp):
         if stage not in configs.STAGE_CHOICES:
@@ -303,12 +267,9 @@ def write_stage_choices(path: str | Path, choices: dict[tuple[int, int, int, int
 
 
 def write_gemv_configs(path: str | Path, entries: dict[tuple[int, int, int, int], dict]) -> Path:
-    """Set the ``"gemv"`` key (:data:`moelora_lib.configs.GEMV_KEY`) of the fused config file's leaves
-    named by ``entries`` ({(E, N, K, m): {"gate_up": OpConfig, "down": OpConfig, "shrink": OpConfig}}:
-    stage ``gemv``'s launches at that bucket, as :func:`moelora_lib.configs.load_gemv_config` reads them)
-    and write the file atomically; every other key is kept. Validated before and after. Raises
-    ValueError naming the key path for an entry without an exact leaf or without the three configs;
-    nothing is written then. Record the stage choice itself with :func:`write_stage_choices`."""
+    """Set the ``"gemv"`` key of the fused config file's leaves named by ``entries`` ({(E, N, K, m):
+    {"gate_up", "down", "shrink": OpConfig}}) and write it atomically. ValueError naming the key path for an
+    entry without an exact leaf or the three configs; nothing is written then."""
 
     def edit(node, cfgs, kp):
         if not isinstance(cfgs, dict) or set(cfgs) != set(configs.GEMV_LEAF_KEYS):

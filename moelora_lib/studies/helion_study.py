@@ -1,12 +1,8 @@
 """Notebook 08's measurements: the Helion linear backend against cuBLAS (PyTorch), the memory ceilings,
 the L2-state probe and the best ratio each row allows.
 
-Sweep rows (:func:`sweep`, one per model, proj, epilogue, M, impl, mode): stage "helion_linear", K, N
-(swiglu N = 2I), dtype, impl ("helion" | "torch" | "torch_two_gemm"), path, mode, copies, ms_p50/p20/p80,
-flops, bytes (each tensor once), tb_per_s, tflops, rel_err (vs the fp32 result), environment columns.
-Modes (:func:`.bench.time_fn`): "graph" (replay after do_bench's zeroing L2 flush), "graph_clean" (after
-an eviction by a read), "graph_rotate" (M ≤ :data:`ROTATE_MAX_M`: one replay over ``copies`` copies of W
-streaming 4x the L2, time per GEMM: back-to-back layers as in a decode step), "eager", "cpu".
+Sweep modes (:func:`.bench.time_fn`): "graph", "graph_clean", "graph_rotate" (M ≤ :data:`ROTATE_MAX_M`:
+one replay over ``copies`` copies of W, time per GEMM), "eager", "cpu".
 """
 
 from __future__ import annotations
@@ -36,16 +32,15 @@ ROTATE_BYTES = 4 * H200_L2_BYTES
 ROTATE_MAX_M = 32
 #: The sweep's graph timing modes and the ``bench.time_cuda`` L2 flush each one uses.
 GRAPH_MODE_FLUSH = {"graph": True, "graph_clean": "clean", "graph_rotate": False}
-#: Dense bf16 rate of the bounds: the top of the 769–798 TFLOP/s an 8192³ torch matmul reaches on the
-#: H200 (docs/environment.md), so a floor is never above what cuBLAS shows it can do.
+#: Dense bf16 rate of the bounds: the best an 8192³ torch matmul reaches on the H200.
 PEAK_TFLOPS = 800.0
 CPU_SHAPE = (64, 96)  # K, N of the cpu profile (swiglu: I = 48)
 CPU_CONFIG = {"block_sizes": [16, 32, 32], "num_warps": 4, "num_stages": 2}
 
 
 def rotation_copies(weight_bytes: int) -> int:
-    """Copies of a weight of ``weight_bytes`` one graph_rotate replay cycles through: enough to stream
-    :data:`ROTATE_BYTES` (at least 2), so no call finds its weight in L2. ValueError unless an int ≥ 1."""
+    """Copies of a weight of ``weight_bytes`` one graph_rotate replay cycles through (≥ 2, streaming
+    :data:`ROTATE_BYTES`). ValueError unless an int ≥ 1."""
     if not (is_int(weight_bytes) and weight_bytes >= 1):
         raise ValueError(f"weight_bytes: expected an int >= 1 (bytes of one weight), got {weight_bytes!r}")
     return max(2, math.ceil(ROTATE_BYTES / weight_bytes))
@@ -74,8 +69,7 @@ def _sweep_jobs(models: Iterable[str], epilogues: Iterable[str], dtype: str) -> 
 
 
 def sweep_compile_tasks(methods: dict, jobs: Iterable[tuple], ms: Iterable[int]) -> dict[str, dict]:
-    """The compile tasks (``helion_tune.add_task``) of a sweep: per job, the config ``methods[epilogue]``
-    picks for each M's bucket, at every Triton M-variant its warm-up meets and M itself."""
+    """The compile tasks (``helion_tune.add_task``) of a sweep."""
     from ..helion_linear import bucket_for, lookup, warm_m_values
     from .helion_tune import add_task
 
@@ -111,11 +105,11 @@ def sweep(*, profile: str, models: Iterable[str] = ("llama3-8b", "qwen3-32b", "l
           configs: Any = None, seed: int = 0, timing_kw: dict | None = None,
           epilogues: Iterable[str] = ("none", "swiglu"), progress: bool = True, precompile_jobs: int = -1,
           ) -> list[dict]:  # fmt: skip
-    """Helion against PyTorch for every projection, epilogue and M (rows: module docstring). "gpu":
-    "none" everywhere, "swiglu" for gate_up (torch: merged GEMM and two GEMMs); every mode; ``configs``
-    HelionLinearMethod's (None: this GPU's file); the configs met are first compiled in
-    ``precompile_jobs`` processes (-1 auto, 0 none). "cpu": :data:`CPU_SHAPE` in fp32/fp16 under the
-    interpreter with :func:`cpu_demo_table`. Every row carries rel_err; the caller asserts it."""
+    """Helion against PyTorch for every projection, epilogue and M; ``configs``: HelionLinearMethod's (None:
+    this GPU's file); ``precompile_jobs`` processes (-1 auto, 0 none). "cpu": :data:`CPU_SHAPE` with
+    :func:`cpu_demo_table`. Rows (one per model, proj, epilogue, M, impl, mode): stage, K, N, dtype, impl
+    ("helion" | "torch" | "torch_two_gemm"), path, mode, copies, ms_p50/p20/p80, flops, bytes, tb_per_s,
+    tflops, rel_err, environment columns."""
     from .helion_tune import precompile_in_subprocess
     from .notebook import progress as tqdm
 
@@ -188,9 +182,8 @@ def sweep(*, profile: str, models: Iterable[str] = ("llama3-8b", "qwen3-32b", "l
 
 
 def summary(df):
-    """One row per (model, proj, epilogue, dtype, M, mode) of the sweep rows: helion_us, torch_us,
-    speedup (torch ÷ helion), two_gemm_us and speedup_vs_two_gemm (swiglu sweeps), helion_/torch_tb_per_s,
-    helion_/torch_tflops, helion_path, K, N."""
+    """One row per (model, proj, epilogue, dtype, M, mode): helion_us, torch_us, speedup, two_gemm_us,
+    speedup_vs_two_gemm, helion_/torch_tb_per_s, helion_/torch_tflops, helion_path, K, N."""
     import pandas as pd
 
     key = ["model", "proj", "epilogue", "dtype", "M", "mode"]
@@ -209,9 +202,8 @@ def summary(df):
 
 
 def ceilings(nbytes: int = 2 * 1024**3, timing_kw: dict | None = None) -> dict:
-    """Measured ceilings (TB/s = 1e12 B/s, eager, buffers 35x the L2): ``copy_tb_per_s`` (a copy of
-    ``nbytes``, read + written), ``read_tb_per_s`` (``torch.sum`` of ``nbytes``: a weight-streaming
-    GEMM's bound), ``tiny_kernel_us`` (a one-element kernel graph-replayed: a launch's fixed cost)."""
+    """Measured ceilings: ``copy_tb_per_s``, ``read_tb_per_s`` (TB/s over ``nbytes``) and
+    ``tiny_kernel_us``."""
     kw = {"warmup_ms": 10, "rep_ms": 60, **(timing_kw or {}), "flush_l2": False}
     a = torch.ones(nbytes // 4, dtype=torch.float32, device="cuda")
     b = torch.empty_like(a)
@@ -229,10 +221,9 @@ def ceilings(nbytes: int = 2 * 1024**3, timing_kw: dict | None = None) -> dict:
 def l2_probe(shapes: Iterable[tuple[int, int]] = ((4096, 4096), (4096, 28672), (28672, 8192)), m: int = 1,
              dtype: str = "bfloat16", configs: Any = None, timing_kw: dict | None = None,
              seed: int = 0) -> list[dict]:  # fmt: skip
-    """A decode GEMM of each (K, N), cuBLAS and Helion, graph-replayed after four L2 states: ``dirty``
-    (zeroing flush), ``clean`` (read eviction), ``rotate`` (no flush, :func:`rotation_copies` copies of
-    W, time per GEMM), ``warm`` (no flush). Rows: stage "helion_l2_probe", K, N, M, dtype, impl, l2,
-    copies, weight_bytes, ms_p50/p20/p80, mode, tb_per_s, path, environment columns."""
+    """A decode GEMM of each (K, N), cuBLAS and Helion, graph-replayed after four L2 states (``dirty``,
+    ``clean``, ``rotate``, ``warm``). Rows: stage "helion_l2_probe", K, N, M, dtype, impl, l2, copies,
+    weight_bytes, ms_p50/p20/p80, mode, tb_per_s, path, environment columns."""
     kw = {"warmup_ms": 10, "rep_ms": 40, **(timing_kw or {})}
     kw.pop("flush_l2", None)
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -264,10 +255,9 @@ def l2_probe(shapes: Iterable[tuple[int, int]] = ((4096, 4096), (4096, 28672), (
 
 
 def best_ratio_bounds(s, read_tb_per_s: float, tflops: float, launch_us: float = 0.0):
-    """Per :func:`summary` row, the largest speedup over PyTorch any kernel could reach: adds ``floor_us``
-    = max(bytes / read_tb_per_s, flops / tflops) + ``launch_us`` (each tensor once; swiglu output [M,
-    N/2]) and ``max_speedup`` = torch_us / floor_us. ValueError for a rate ≤ 0, a negative
-    ``launch_us`` or missing columns."""
+    """Per :func:`summary` row, ``floor_us`` = max(bytes / read_tb_per_s, flops / tflops) + ``launch_us`` and
+    ``max_speedup`` = torch_us / floor_us. ValueError for a rate ≤ 0, a negative ``launch_us`` or missing
+    columns."""
     for name, v in (("read_tb_per_s", read_tb_per_s), ("tflops", tflops)):
         if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
             raise ValueError(f"{name}: expected a finite rate > 0, got {v!r}")
@@ -293,11 +283,9 @@ def gmean(values) -> float:
 
 
 def bounds_and_targets(s, ceilings: dict, peak_tflops: float = PEAK_TFLOPS):
-    """(bounds, targets) from :func:`summary` ``s`` and :func:`ceilings`. bounds (graph_clean,
-    graph_rotate): :func:`best_ratio_bounds` at the best rates seen in the mode, plus est_speedup (with
-    ``tiny_kernel_us`` in graph_clean), bound_tb_per_s, bound_tflops, launch_us. targets per mode:
-    target, measured (geomean speedup: decode M ≤ 32, SwiGLU vs merged and two GEMMs, prefill M ≥ 256),
-    goal, bound, bound_with_launch, met. AssertionError if a measured speedup exceeds its bound."""
+    """(bounds, targets) from :func:`summary` ``s`` and :func:`ceilings`: bounds per mode
+    (:func:`best_ratio_bounds` plus est_speedup, bound_tb_per_s, bound_tflops, launch_us); targets: target,
+    measured, goal, bound, bound_with_launch, met. AssertionError if a measured speedup exceeds its bound."""
     import pandas as pd
 
     bounds, targets = [], []

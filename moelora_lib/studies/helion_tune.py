@@ -5,14 +5,8 @@ and write the winners into the per-GPU JSON (moelora_lib/configs/helion/<GPU_NAM
         --m 1,2,4,8,16,32,256,1024,4096 --epilogues none,swiglu \\
         --out moelora_lib/configs/helion/NVIDIA_H200.json --csv data/helion_tuning.csv --budget-s 300
 
-Every candidate (:func:`candidates`) of each case (:func:`build_cases`) is compiled first in spawned
-processes, checked against PyTorch (``TOLERANCES``) and timed (``bench.time_fn``, graph mode, ``--l2``)
-beside the PyTorch path. Resumable: cases in ``--out`` are skipped (``--force`` redoes them); JSON
-written atomically and CSV appended after every case; no case starts after ``--budget-s``.
-
-CSV, one row per candidate and PyTorch baseline: op, models, K, N, M, bucket, dtype, impl, candidate,
-config, status ("ok" | "compile_error" | "run_error" | "wrong"), error, rel_err, ms_p50/p20/p80, mode,
-speedup_vs_torch, best, compile_s, tune_elapsed_s (summed over runs) and the environment columns.
+Cases in ``--out`` are skipped (``--force`` redoes them); JSON written atomically and CSV appended after
+every case; no case starts after ``--budget-s``. CSV status: "ok" | "compile_error" | "run_error" | "wrong".
 """
 
 from __future__ import annotations
@@ -41,8 +35,7 @@ def _cfg(bm, bn, bk, warps, stages, indexing="pointer", pid="flat", l2=None, spl
 
 
 def _split_factor(k: int, n: int, bn: int, num_sms: int, m_tiles: int = 1) -> int | None:
-    """A split_k (power of two, ≤ 16, chunks of ≥ 1024 of K) that brings the ``m_tiles`` x ceil(N / bn)
-    output tiles up to about two programs per SM; None if they already fill the GPU."""
+    """A split_k bringing the output tiles up to about two programs per SM; None if they fill the GPU."""
     tiles = m_tiles * math.ceil(n / bn)
     if tiles >= 2 * num_sms:
         return None
@@ -59,10 +52,7 @@ def smem_bytes(cfg: dict, epilogue: str, elem: int = 2) -> int:
 
 
 def candidates(epilogue: str, k: int, n: int, bucket: int, num_sms: int = H200_NUM_SMS) -> list[dict]:
-    """The 4–12 configs tried for one (epilogue, K, N, bucket) within :data:`SMEM_LIMIT_BYTES`: decode
-    (M ≤ 16, one list for all decode buckets) BM 16, long BK, pointer or TMA loads, split-K when the N
-    tiles cannot give every SM two programs; M = 32 BM 32 or 16; prefill 64–128 x 64–256 tiles, L2
-    grouping 8, TMA + persistent at M ≥ 1024; SwiGLU (two W tiles) halves BN or stages. ValueError for
+    """The 4–12 configs tried for one (epilogue, K, N, bucket) within :data:`SMEM_LIMIT_BYTES`. ValueError for
     an unknown epilogue or bucket, or a size that is not an int ≥ 1."""
     from moelora_lib.common import is_int
     from moelora_lib.helion_linear.configs import BUCKETS, EPILOGUES, SPLIT_K_EPILOGUES
@@ -117,8 +107,7 @@ def candidates(epilogue: str, k: int, n: int, bucket: int, num_sms: int = H200_N
 
 
 def build_cases(models: list[str], epilogues: list[str], ms: list[int]) -> list[dict]:
-    """``[{"epilogue", "K", "N", "models": "llama3-8b:qkv;...", "m", "bucket"}, ...]``: one per
-    (epilogue, K, N, bucket), the first M of each bucket."""
+    """``[{"epilogue", "K", "N", "models", "m", "bucket"}, ...]``: one per (epilogue, K, N, bucket)."""
     from moelora_lib.helion_linear import bucket_for, linear_shapes
 
     groups: dict[tuple[str, int, int], list[str]] = {}
@@ -138,8 +127,7 @@ def build_cases(models: list[str], epilogues: list[str], ms: list[int]) -> list[
 
 def cases_to_tune(models: list[str], epilogues: list[str], ms: list[int], table: dict,
                   dtype: str = "bfloat16", force=False) -> list[dict]:  # fmt: skip
-    """The cases of :func:`build_cases` without an entry in ``table`` (all with ``force``): no GPU, no
-    Helion import, so notebook 08 starts the tuner's process only when one is left."""
+    """The cases of :func:`build_cases` without an entry in ``table`` (all with ``force``); no GPU needed."""
     from moelora_lib.helion_linear import lookup
 
     cases = build_cases(models, epilogues, ms)
@@ -194,9 +182,8 @@ def _jobs(jobs: int) -> int:
 
 
 def precompile_tasks(tasks: dict[str, dict], jobs: int, timeout_s: float, log) -> dict[str, dict]:
-    """Compile ``tasks`` (:func:`add_task`) in ``jobs`` spawned processes into Triton's on-disk cache.
-    Returns {key: result with "ok", "error", "compile_s"} (unfinished after ``timeout_s``: absent).
-    Needs a real ``__main__``; from a notebook use :func:`precompile_in_subprocess`."""
+    """Compile ``tasks`` in ``jobs`` spawned processes into Triton's cache. Returns {key: {"ok", "error",
+    "compile_s"}} (unfinished after ``timeout_s``: absent). Needs a real ``__main__``."""
     if jobs <= 0 or not tasks:
         return {}
     results: dict[str, dict] = {}
@@ -221,8 +208,8 @@ def precompile_tasks(tasks: dict[str, dict], jobs: int, timeout_s: float, log) -
 
 
 def precompile_in_subprocess(tasks: dict[str, dict], jobs: int, timeout_s: float = 360) -> bool:
-    """:func:`precompile_tasks` (``jobs`` -1: cores − 2, at most 14) in a fresh interpreter, its log
-    printed. False on a failure (the configs then compile on first use; nothing measured changes)."""
+    """:func:`precompile_tasks` (``jobs`` -1: cores − 2, at most 14) in a fresh interpreter, its log printed;
+    False on a failure."""
     import subprocess
     import tempfile
 

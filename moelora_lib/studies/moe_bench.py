@@ -1,27 +1,12 @@
 """MoE-LoRA measurements for the notebooks, on top of :mod:`.bench` (which times).
 
-:func:`op_costs` (FLOPs, bytes, floor of the six launches of a layer), :func:`layer_inputs` and
-:class:`LayerWeights` (seeded inputs; weights made once per sweep), :func:`bench_layer` /
-:func:`bench_lora_op` (time a layer's parts or one LoRA op), :func:`bench_module` (a
-:class:`~moelora_lib.MoELoRALayer` forward from router logits), :func:`check_layer` (against the fp32
-reference), :func:`anchor_table` (vLLM on the same H200), :func:`mxfp4_anchor_table` (OpenAI's
-``triton_kernels`` MXFP4 MoE on the same H200), and fresh-process helpers (recompilation counts, parallel
-compile pass, ncu L2 hit rate) behind ``python -m moelora_lib.studies.moe_bench``.
-
-Expert weight formats (:data:`WEIGHT_FORMATS`): "dense" (the activations' dtype), "mxfp4" (packed
-:class:`~moelora_lib.quant.MXFP4Weight`, 4.25 bits per weight; :func:`quantize_experts`) or "fp8" (block-FP8
-:class:`~moelora_lib.quant.FP8BlockWeight`, 1 byte per weight plus one float32 scale per block;
-:func:`quantize_fp8_weight`); :func:`with_weight_format` converts. The base GEMMs' bytes and floors count each
-format's bytes per weight, and FP8 experts' FLOP floor the FP8 tensor-core rate. With FP8 experts the
-layer's ``activation_scheme`` (:data:`~moelora_lib.kernels.stages.ACTIVATION_SCHEMES`: "weight_only",
-"dynamic" = W8A8, "auto") is a parameter of :func:`make_run`, :func:`bench_layer`, :func:`check_layer`
-and :func:`bench_lora_op`; rows carry the scheme that ran.
+Expert weight formats (:data:`WEIGHT_FORMATS`): "dense" (the activations' dtype), "mxfp4"
+(:class:`~moelora_lib.quant.MXFP4Weight`) or "fp8" (:class:`~moelora_lib.quant.FP8BlockWeight`); with FP8
+experts the layer's ``activation_scheme`` ("weight_only", "dynamic" = W8A8, "auto") is a parameter of
+:func:`make_run`, :func:`bench_layer`, :func:`check_layer` and :func:`bench_lora_op`.
 
 Units: ms (``ms_p50/p20/p80``), µs (``us_p50``, ``floor_us``); 2 FLOPs per multiply-add; bytes read +
-written; P = T·K. Timing: :func:`.bench.time_fn` (do_bench median, L2 flushed, CUDA-graph replay or
-eager); on the CPU rows say ``mode="cpu-interpreter"`` (no performance number). Inputs: a
-:class:`~moelora_lib.workloads.Workload` or the keywords ``shape, T, rank=, num_adapters=, pattern=,
-dtype=, device=, seed=``; launches come from :class:`moelora_lib.kernels.LayerRun`.
+written; P = T·K. On the CPU rows say ``mode="cpu-interpreter"`` (no performance number).
 """
 
 from __future__ import annotations
@@ -54,17 +39,15 @@ from . import bench
 
 PARTS = ("base", "lora", "total")
 BASE_OPS = ("base_gate_up", "base_down")
-#: Formats of the expert weights w13 / w2: "dense" tensors of the activations' dtype, "mxfp4"
-#: (:class:`~moelora_lib.quant.MXFP4Weight`, decoded in the base GEMMs' registers) or "fp8"
-#: (:class:`~moelora_lib.quant.FP8BlockWeight`, e4m3 codes scaled in registers, or W8A8).
+#: Formats of the expert weights w13 / w2.
 WEIGHT_FORMATS = ("dense", "mxfp4", "fp8")
-#: Bytes per MXFP4 weight: 16 bytes of e2m1 codes and one e8m0 scale byte per 32 weights (4.25 bits).
+#: Bytes per MXFP4 weight (4.25 bits).
 MXFP4_BYTES_PER_WEIGHT = (MXFP4_BLOCK // 2 + 1) / MXFP4_BLOCK
 
 
 def fp8_bytes_per_weight(block: tuple[int, int] = FP8_BLOCK, scale_bytes: int = 4) -> float:
-    """Bytes per block-FP8 weight: one e4m3 byte plus a ``scale_bytes`` scale shared by a ``block`` (bn, bk)
-    of weights (whole blocks; a ragged edge block costs a little more: :attr:`FP8BlockWeight.nbytes`)."""
+    """Bytes per block-FP8 weight: one e4m3 byte plus a ``scale_bytes`` scale per ``block`` (bn, bk) of
+    weights."""
     return 1.0 + scale_bytes / (block[0] * block[1])
 
 
@@ -83,8 +66,8 @@ _VLLM_BASE, _VLLM_CURRENT, _VLLM_TWO_KERNEL = "vllm", "vllm_main", ("2k_tma_pdl"
 
 def anchor_table(path: str | os.PathLike | None = None):
     """vLLM's figures on the H200 (µs; bf16, R = 32, L = 8) from :data:`ANCHOR_FILE` (or ``path``), one row
-    per (model, T): base_us, lora/total_current_us (its current LoRA path), lora/total_two_kernel_us
-    (faster of its two two-kernel paths), lora/total_best_us (faster of both)."""
+    per (model, T): base_us, lora/total_current_us, lora/total_two_kernel_us (faster two-kernel path),
+    lora/total_best_us."""
     import pandas as pd
 
     a = pd.read_csv(path or ANCHOR_FILE)
@@ -103,9 +86,7 @@ def anchor_table(path: str | os.PathLike | None = None):
     return t[cols + ["total_two_kernel_us", "lora_best_us", "total_best_us"]]
 
 
-#: GPT-OSS-20B's MoE layer with MXFP4 experts through OpenAI's ``triton_kernels`` ``matmul_ogs`` as vLLM
-#: composes it on Hopper (routing, gate_up with SwiGLU, down with scatter and top-k sum; no LoRA), one
-#: CUDA graph per T on one H200 (provenance: data/anchors/README.md), and its split by launch group.
+#: GPT-OSS-20B's MXFP4 MoE layer through ``triton_kernels`` on one H200 (data/anchors/README.md).
 _ANCHORS = bench.REPO_ROOT / "data" / "anchors"
 MXFP4_ANCHOR_FILE = _ANCHORS / "triton_kernels_mxfp4_moe_h200.csv"
 MXFP4_ANCHOR_BREAKDOWN_FILE = _ANCHORS / "triton_kernels_mxfp4_moe_breakdown_h200.csv"
@@ -114,11 +95,9 @@ MXFP4_ANCHOR_MODEL = "gpt-oss-20b"
 
 
 def mxfp4_anchor_table(path: str | os.PathLike | None = None, breakdown: str | os.PathLike | None = None):
-    """``matmul_ogs``'s MXFP4 MoE layer on the H200 (µs; bf16 activations, no LoRA) from
-    :data:`MXFP4_ANCHOR_FILE` (or ``path``) and its breakdown file (or ``breakdown``), one row per (model,
-    T): experts_touched, tk_us / tk_p20_us / tk_p80_us (CUDA-graph median, p20, p80), weight_bytes (the
-    touched experts' MXFP4 bytes), tk_floor_us (those bytes at the copy bandwidth the anchor measured),
-    routing_us / gate_up_us / down_us (each launch group alone; NaN where the breakdown has no row)."""
+    """``matmul_ogs``'s MXFP4 MoE layer on the H200 (µs; no LoRA) from :data:`MXFP4_ANCHOR_FILE` (or ``path``)
+    and its breakdown file, one row per (model, T): experts_touched, tk_us / tk_p20_us / tk_p80_us,
+    weight_bytes, tk_floor_us, routing_us / gate_up_us / down_us (NaN where the breakdown has no row)."""
     import pandas as pd
 
     a = pd.read_csv(path or MXFP4_ANCHOR_FILE)
@@ -136,8 +115,7 @@ def mxfp4_anchor_table(path: str | os.PathLike | None = None, breakdown: str | o
 
 
 def floor_us(flops: float, nbytes: float, tflops: float = H200_BF16_TFLOPS) -> float:
-    """Roofline floor in µs: the larger of ``nbytes`` at 4.3 TB/s and ``flops`` at ``tflops`` (default the
-    H200's measured bf16 675 TFLOP/s; :data:`~moelora_lib.hardware.H200_FP8_TFLOPS` for FP8 GEMMs)."""
+    """Roofline floor in µs: the larger of ``nbytes`` at 4.3 TB/s and ``flops`` at ``tflops``."""
     return max(bench.copy_bandwidth_floor_us(nbytes), bench.compute_floor_us(flops, tflops))
 
 
@@ -161,16 +139,13 @@ def _touched(T: int, E: int, K: int, num_adapters: int | None, topk_ids, lora_id
 def op_costs(shape: MoEShape | str, dims: Dims, *, dtype_bytes: int = 2, topk_ids: torch.Tensor | None = None,
              lora_ids: torch.Tensor | None = None, weight_bytes: float | None = None,
              base_tflops: float | None = None) -> list[dict[str, Any]]:  # fmt: skip
-    """FLOPs, minimal bytes (each tensor once: weights of the touched experts / (adapter, expert) pairs,
-    activations read and written; the rank intermediate fp32), intensity and H200 floor of the six
-    launches. Touched experts/pairs are counted from ``topk_ids`` [T, K] / ``lora_ids`` [T] when given,
-    else min(E, T·K) / min(L·E, T·K). ``weight_bytes``: bytes per expert weight of the two base GEMMs
-    (None = ``dtype_bytes``; :data:`MXFP4_BYTES_PER_WEIGHT` for MXFP4 experts,
-    :data:`FP8_BYTES_PER_WEIGHT` for FP8); activations and adapters stay ``dtype_bytes``.
-    ``base_tflops``: the rate of the two base GEMMs' compute floor (None = the bf16 rate;
-    :data:`~moelora_lib.hardware.H200_FP8_TFLOPS` for FP8 experts); the LoRA ops' is the bf16 rate. One
-    dict per op: model, op, T, H, I, E, K, R, S, experts_touched, lora_pairs_touched, flops, bytes,
-    weight_bytes, intensity, tflops, flops_floor_us, floor_us, bound ("memory"/"compute")."""
+    """FLOPs, minimal bytes (each tensor once; the rank intermediate fp32), intensity and H200 floor of the
+    six launches. Touched experts/pairs come from ``topk_ids`` [T, K] / ``lora_ids`` [T] when given, else
+    min(E, T·K) / min(L·E, T·K). ``weight_bytes`` / ``base_tflops``: bytes per expert weight and FLOP rate of
+    the two base GEMMs (None: ``dtype_bytes``, bf16). One dict per op: model, op, T, H, I, E, K, R, S,
+    experts_touched, lora_pairs_touched, flops, bytes, weight_bytes, intensity, tflops, flops_floor_us,
+    floor_us, bound ("memory"/"compute"). TypeError / ValueError for bad ``dims``, ``weight_bytes``,
+    ``base_tflops``."""
     shape = get_shape(shape) if isinstance(shape, str) else shape
     if not isinstance(dims, Dims):
         raise TypeError(f"op_costs: dims must be a Dims, got {type(dims).__name__}")
@@ -206,9 +181,8 @@ def op_costs(shape: MoEShape | str, dims: Dims, *, dtype_bytes: int = 2, topk_id
 
 
 def _part_cost(costs: list[dict], part: str) -> dict[str, float]:
-    """flops, bytes, floor_us, bytes_floor_us, flops_floor_us of a part (or one op) of :func:`op_costs`' rows:
-    its bytes at the copy rate, its ops' FLOPs each at its own rate (``tflops``: FP8 base GEMMs at the FP8
-    rate, the rest at bf16's)."""
+    """flops, bytes, floor_us, bytes_floor_us, flops_floor_us of a part (or one op) of :func:`op_costs`'
+    rows."""
     ops = {"base": BASE_OPS, "lora": LORA_OPS, "total": BASE_OPS + LORA_OPS}.get(part, (part,))
     sel = [c for c in costs if c["op"] in ops]
     nbytes = sum(c["bytes"] for c in sel)
@@ -226,8 +200,8 @@ _WORKLOAD_KW |= dict(seed="seed", activation="activation", bias="bias")
 
 
 def _workload(shape, T, inputs: dict, pattern: str = "uniform") -> Workload:
-    """``shape`` if a :class:`Workload` (no T, no keywords), else ``Workload(shape, T, **inputs)``; TypeError
-    for both forms, a missing T or an unknown keyword."""
+    """``shape`` if a :class:`Workload`, else ``Workload(shape, T, **inputs)``; TypeError for both forms, no T
+    or an unknown keyword."""
     unknown = sorted(set(inputs) - set(_WORKLOAD_KW))
     if unknown:
         raise TypeError(f"unknown input keyword(s) {unknown}; the inputs are {sorted(_WORKLOAD_KW)}")
@@ -249,21 +223,17 @@ def layer_inputs(
     shape: MoEShape | str | Workload, T: int | None = None, *, weights: MoELoRAInputs | None = None,
     weight_format: str | None = None, **inputs,
 ) -> MoELoRAInputs:  # fmt: skip
-    """Seeded inputs of one layer call (a Workload or its keyword form, :data:`_WORKLOAD_KW`):
-    :func:`moelora_lib.workloads.make_inputs`, or with ``weights`` (an earlier result of the same shape,
-    R, L, dtype, device, dense, MXFP4 or FP8 experts) its weights reused and only tokens, routing and
-    adapter ids new, seeded by (seed, T). ``weight_format``: None keeps the experts as made or given, else
-    :func:`with_weight_format` (quantizing every call: for a sweep, pass weights converted once).
-    ``bias`` True with reused weights that have none: ValueError."""
+    """Seeded inputs of one layer call (a Workload or its keyword form, :data:`_WORKLOAD_KW`); with
+    ``weights`` (an earlier result of the same shape, R, L, dtype, device) its weights are reused and only
+    tokens, routing and adapter ids are new. ``weight_format``: None keeps the experts, else
+    :func:`with_weight_format`. ValueError for ``bias`` True with reused weights that have none."""
     inp = _inputs(_workload(shape, T, inputs), weights)
     return inp if weight_format is None else with_weight_format(inp, weight_format)
 
 
 def quantize_experts(w: torch.Tensor, *, max_elements: int = 1 << 24) -> MXFP4Weight:
-    """The :class:`~moelora_lib.quant.MXFP4Weight` of expert weights ``w`` [E, N, K] (K a multiple of 32),
-    on ``w``'s device: :func:`~moelora_lib.quant.quantize_mxfp4` applied to a few experts at a time, at
-    most ``max_elements`` weights per step (at least one expert), so that the quantizer's float32
-    temporaries (~50 bytes per weight) stay bounded whatever E. Equal to quantizing ``w`` at once."""
+    """The :class:`~moelora_lib.quant.MXFP4Weight` of ``w`` [E, N, K] (K a multiple of 32), quantized at most
+    ``max_elements`` weights per step; equal to quantizing ``w`` at once. ValueError for another shape."""
     if not isinstance(w, torch.Tensor) or w.dim() != 3:
         raise ValueError(f"quantize_experts: w must be a tensor [E, N, K], got {_desc(w)}")
     E, N, K = w.shape
@@ -280,11 +250,9 @@ def quantize_experts(w: torch.Tensor, *, max_elements: int = 1 << 24) -> MXFP4We
 def quantize_fp8_weight(
     w: torch.Tensor, *, block: tuple[int, int] = FP8_BLOCK, max_elements: int = 1 << 24
 ) -> FP8BlockWeight:
-    """The :class:`~moelora_lib.quant.FP8BlockWeight` of a weight ``w`` [..., N, K] (experts [E, N, K] or a
-    projection [N, K]) on ``w``'s device: :func:`~moelora_lib.quant.quantize_fp8_block` applied to a few
-    experts, or a few whole block rows of one, at a time (at most ``max_elements`` weights per step, at
-    least one block row), so that the quantizer's float32 temporaries stay bounded. Equal to quantizing
-    ``w`` at once (each block's scale depends on that block alone)."""
+    """The :class:`~moelora_lib.quant.FP8BlockWeight` of a float weight ``w`` [..., N, K], quantized at most
+    ``max_elements`` weights per step (at least one block row); equal to quantizing ``w`` at once. ValueError
+    for another ``w``."""
     if not isinstance(w, torch.Tensor) or w.dim() < 2 or not w.is_floating_point():
         raise ValueError(f"quantize_fp8_weight: w must be a float tensor [..., N, K], got {_desc(w)}")
     *lead, N, K = w.shape
@@ -309,8 +277,7 @@ def quantize_fp8_weight(
 
 
 def weight_format(w) -> str:
-    """The :data:`WEIGHT_FORMATS` name of an expert weight: "mxfp4" for an MXFP4Weight, "fp8" for an
-    FP8BlockWeight, else "dense"."""
+    """The :data:`WEIGHT_FORMATS` name of an expert weight."""
     if isinstance(w, MXFP4Weight):
         return "mxfp4"
     return "fp8" if isinstance(w, FP8BlockWeight) else "dense"
@@ -324,12 +291,9 @@ def weight_format_of(inp: MoELoRAInputs) -> str:
 def with_weight_format(
     inp: MoELoRAInputs, fmt: str, *, fp8_block: tuple[int, int] = FP8_BLOCK
 ) -> MoELoRAInputs:
-    """``inp`` with both expert weights in format ``fmt`` (:data:`WEIGHT_FORMATS`): "mxfp4" quantizes dense
-    experts (:func:`quantize_experts`), "fp8" quantizes them to block FP8 with ``fp8_block`` scale blocks
-    (:func:`quantize_fp8_weight`), "dense" dequantizes packed ones exactly into the adapters' dtype (the
-    values the packed kernels compute with); weights already in ``fmt`` are kept (``inp`` itself when both
-    are; a packed weight of the other packed format is dequantized first). Raises ValueError for another
-    ``fmt``."""
+    """``inp`` with both expert weights in format ``fmt`` (:data:`WEIGHT_FORMATS`): quantized ("mxfp4", "fp8"
+    with ``fp8_block``) or dequantized exactly into the adapters' dtype ("dense"); weights already in ``fmt``
+    are kept. ValueError for another ``fmt``."""
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {fmt!r}")
     dt = inp.lora_a13.dtype
@@ -369,10 +333,8 @@ def _generator_code_hash() -> str:
 
 class LayerWeights:
     """The seeded weights of each (model, bias), made once: ``get(shape, bias=)`` returns what
-    ``layer_inputs(shape, 1, rank=, num_adapters=, dtype=, device=, seed=, bias=)`` returns, kept until
-    :meth:`drop`. With ``folder`` a generated set is also saved there atomically (~1.8 GB in bf16,
-    loaded in a second by later processes), named by a hash of every generation input, the torch
-    version and the generating modules' source."""
+    ``layer_inputs(shape, 1, ...)`` returns, kept until :meth:`drop`. With ``folder`` a generated set is also
+    saved there atomically, named by a hash of every generation input."""
 
     def __init__(self, *, rank: int = 32, num_adapters: int = 8, dtype=torch.bfloat16, device="cuda",
                  seed: int = 0, folder: str | os.PathLike | None = None):  # fmt: skip
@@ -397,8 +359,8 @@ class LayerWeights:
         )
 
     def get(self, shape: MoEShape | str, *, bias: bool | None = None) -> MoELoRAInputs:
-        """The weight set of ``shape`` (a preset or its name) with (True) or without (False) expert
-        biases; None = the preset's. Returns the same object on every call until :meth:`drop`."""
+        """The weight set of ``shape`` with (True) or without (False) expert biases (None: the preset's); the
+        same object until :meth:`drop`."""
         shape = get_shape(shape) if isinstance(shape, str) else shape
         use_bias = shape.has_bias if bias is None else bool(bias)
         k = (shape.name, use_bias)
@@ -470,11 +432,9 @@ def _inputs(wl: Workload, weights: MoELoRAInputs | None) -> MoELoRAInputs:
 
 def make_run(stage: str, inp: MoELoRAInputs, config: LayerConfig | None = None, *, adapter_order=None,
              activation_scheme: str = "auto"):  # fmt: skip
-    """The :class:`~moelora_lib.kernels.LayerRun` of ``stage`` on ``inp`` (shapes validated, no value
-    check, no host sync); ``config`` None = the stage's config for T; ``adapter_order``: as in
-    :func:`moelora_lib.moe_lora.make_layer_run` (None = the stage's choice); ``activation_scheme``: with
-    FP8 experts, "weight_only", "dynamic" (W8A8) or "auto" (the library's choice at T), as
-    :func:`~moelora_lib.fused_moe_lora` takes it (ValueError naming it otherwise)."""
+    """The :class:`~moelora_lib.kernels.LayerRun` of ``stage`` on ``inp`` (``config`` None: the stage's for
+    T); ``adapter_order`` as in :func:`moelora_lib.moe_lora.make_layer_run`; ``activation_scheme`` (FP8
+    experts): "weight_only", "dynamic" or "auto", ValueError otherwise."""
     from ..moe_lora import make_layer_run
 
     kw = dict(stage=stage, config=config, check_values=False, adapter_order=adapter_order)
@@ -496,16 +456,14 @@ def _run_fields(shape: MoEShape, run, pattern: str) -> dict[str, Any]:
 
 
 def _weight_bytes(w) -> float | None:
-    """:func:`op_costs`' ``weight_bytes`` for expert weight ``w``: MXFP4's 4.25 bits, FP8's bytes (codes
-    and scales) per weight, else None (dtype's)."""
+    """:func:`op_costs`' ``weight_bytes`` for expert weight ``w``."""
     if isinstance(w, FP8BlockWeight):
         return w.nbytes / math.prod(w.shape)
     return MXFP4_BYTES_PER_WEIGHT if weight_format(w) == "mxfp4" else None
 
 
 def _base_tflops(w) -> float | None:
-    """:func:`op_costs`' ``base_tflops`` for expert weight ``w``: the FP8 rate for FP8 experts (the floor of
-    an FP8 layer on this GPU, whichever scheme runs), else None (bf16's)."""
+    """:func:`op_costs`' ``base_tflops`` for expert weight ``w``."""
     return H200_FP8_TFLOPS if isinstance(w, FP8BlockWeight) else None
 
 
@@ -519,8 +477,7 @@ def _costs(shape, dims, inp_or_x, w13, topk_ids=None, lora_ids=None) -> list[dic
 
 
 def _timed_row(fields, part, config, source, mode, tm, cost, budget, **extra) -> dict[str, Any]:
-    """A result row: the run's ``fields``, then part, config, its ``source``, the timing ``tm``, ``cost``
-    (:func:`_part_cost`), ``budget`` (warmup_ms, rep_ms, min_reps) and ``extra`` columns."""
+    """A result row: ``fields``, part, config, source, the timing, the cost, the budget and ``extra``."""
     row = dict(part=part, config=config, config_source=source, mode=mode)
     row |= dict(ms_p50=tm.ms_p50, ms_p20=tm.ms_p20, ms_p80=tm.ms_p80, us_p50=tm.ms_p50 * 1e3)
     row |= cost | dict(zip(("warmup_ms", "rep_ms", "min_reps"), budget))
@@ -533,13 +490,10 @@ def bench_layer(stage: str, shape: MoEShape | str | Workload, T: int | None = No
                 rep_ms: float = 100, min_reps: int | None = None, adapter_order: bool | None = None,
                 weight_format: str | None = None, activation_scheme: str = "auto",
                 **inputs) -> list[dict[str, Any]]:  # fmt: skip
-    """Time the parts of one layer of ``stage`` at T tokens, one row per (part, mode): "base"
-    (``LayerRun.base_part``), "lora" (``lora_part``: the four LoRA ops and their adds), "total". Built
-    and called once untimed first. config None = ``default_config`` for T. ``weights`` / ``weight_format``:
-    as in :func:`layer_inputs` (MXFP4 experts: the base bytes and floor count 4.25 bits per weight; FP8
-    experts 1 byte plus scales, and their FLOPs at the FP8 rate). ``activation_scheme``: as in
-    :func:`make_run`. Rows (:func:`.bench.result_row`): stage, part, model, T, H, I, E, K, L, R, S, dtype,
-    activation, bias, pattern, weight_format, activation_scheme (the one that ran), config,
+    """Time the parts of one layer of ``stage`` at T tokens, one row per (part, mode): "base", "lora",
+    "total"; built and called once untimed first. ``weights`` / ``weight_format``: as in :func:`layer_inputs`;
+    ``activation_scheme``: as in :func:`make_run`. Rows (:func:`.bench.result_row`): stage, part, model, T, H,
+    I, E, K, L, R, S, dtype, activation, bias, pattern, weight_format, activation_scheme, config,
     config_source, mode, ms_p50/p20/p80, us_p50, flops, bytes, floor_us, bytes_floor_us, flops_floor_us,
     warmup_ms, rep_ms, min_reps and the environment columns. ValueError for T < 1."""
     wl = _workload(shape, T, inputs)
@@ -573,16 +527,10 @@ MODULE_PARTS = ("base", "total")
 def bench_module(layer, inp: MoELoRAInputs, shape: MoEShape | str, *, parts: Sequence[str] = MODULE_PARTS,
                  warmup_ms: float = 25, rep_ms: float = 100, min_reps: int | None = None,
                  pattern: str = "uniform") -> list[dict[str, Any]]:  # fmt: skip
-    """Time a :class:`~moelora_lib.MoELoRALayer` forward from router logits at ``inp``'s T (routing,
-    alignment and the stage's launches: what a model runs), one row per part: "base" (``active_slots``
-    empty: no LoRA launch, the adapters stay loaded) and "total" (the adapters of ``inp.lora_ids``).
-    CUDA-graph replay with L2 flushed on a GPU; on the CPU one interpreted call (``mode``
-    "cpu-interpreter"). ``inp``: inputs of the layer's sizes, dtype and device (its router_logits and
-    lora_ids are used; the floor counts the experts its topk_ids touch, 4.25 bits per weight for MXFP4
-    experts, 1 byte plus scales for FP8 ones). Rows: :func:`bench_layer`'s columns with ``stage`` the
-    layer's ("auto" or a stage name), ``resolved_stage`` the one it runs at T
-    (:meth:`~moelora_lib.MoELoRALayer.stage_for`) and ``activation_scheme`` the one it runs at T
-    (:func:`module_scheme`)."""
+    """Time a :class:`~moelora_lib.MoELoRALayer` forward from router logits at ``inp``'s T, one row per part:
+    "base" (``active_slots`` empty) and "total" (the adapters of ``inp.lora_ids``). ``inp``: inputs of the
+    layer's sizes, dtype and device. Rows: :func:`bench_layer`'s columns with ``stage`` the layer's,
+    ``resolved_stage`` and ``activation_scheme`` the ones it runs at T."""
     shape = get_shape(shape) if isinstance(shape, str) else shape
     unknown = sorted(set(parts) - set(MODULE_PARTS))
     if unknown:
@@ -615,16 +563,14 @@ def bench_module(layer, inp: MoELoRAInputs, shape: MoEShape | str, *, parts: Seq
 
 
 def module_scheme(layer, T: int) -> str:
-    """The activation scheme a :class:`~moelora_lib.MoELoRALayer` or :class:`~moelora_lib.LoRALinear` runs
-    at T tokens ("dynamic" = W8A8 or "weight_only"; dense weights run "weight_only"): its
-    ``activation_scheme_for(T)``."""
+    """The activation scheme a MoELoRALayer or LoRALinear runs at T ("dynamic" or "weight_only")."""
     return layer.activation_scheme_for(T)
 
 
 def build_module(inp: MoELoRAInputs, shape: MoEShape | str, *, max_tokens: int, stage: str = "auto",
                  activation_scheme: str = "auto", **kw):  # fmt: skip
-    """:func:`.serving.build_layer` on ``inp``'s weights (dense, MXFP4 or FP8) with the layer's
-    ``activation_scheme``, the adapters of ``inp`` in slots 0..L-1, in ``stage``, dtype the adapters'."""
+    """:func:`.serving.build_layer` on ``inp``'s weights with the adapters of ``inp`` in slots 0..L-1, in
+    ``stage``."""
     from .serving import build_layer
 
     kw = dict(dtype=inp.lora_a13.dtype, activation_scheme=activation_scheme) | kw
@@ -632,9 +578,8 @@ def build_module(inp: MoELoRAInputs, shape: MoEShape | str, *, max_tokens: int, 
 
 
 def lora_op_fn(run, op: str, op_config=None) -> Callable[[], torch.Tensor]:
-    """``run.op_fn(op, op_config)`` for a LoRA op (ValueError for another): one launch with ``op_config``
-    (BLOCK_SIZE_M = the LoRA alignment's) replacing ``run.cfg.<op>`` unclamped; the expand writes into a
-    private copy, so repeated calls cost what one call in the layer costs."""
+    """``run.op_fn(op, op_config)`` for a LoRA op (ValueError for another); the expand writes into a private
+    copy, so repeated calls cost what one call in the layer costs."""
     if op not in LORA_OPS:
         raise ValueError(f"op must be one of {LORA_OPS}, got {op!r}")
     return run.op_fn(op, op_config)
@@ -645,11 +590,9 @@ def bench_lora_op(stage: str, shape: MoEShape | str, T: int, op: str, *, mode: s
                   weights: MoELoRAInputs | None = None, warmup_ms: float = 10, rep_ms: float = 40, run=None,
                   return_output: bool = False, min_reps: int | None = None, activation_scheme: str = "auto",
                   **inputs):  # fmt: skip
-    """Time one LoRA op alone (:func:`lora_op_fn`); one row like :func:`bench_layer`'s with part = op
-    and the ``op_changes`` (e.g. ``{"SPLIT_K": 4}``, applied to the op's config) as columns. Inputs: the
-    keyword form of :func:`layer_inputs`, or ``run``, a LayerRun to reuse (then only ``pattern`` is read,
-    for the row). ``return_output``: (row, output). ``activation_scheme``: as in :func:`make_run` (the
-    LoRA ops read the unquantized activations whatever it is; it changes the run's config)."""
+    """Time one LoRA op alone (:func:`lora_op_fn`); one row like :func:`bench_layer`'s with part = op and the
+    ``op_changes`` as columns. Inputs: the keyword form of :func:`layer_inputs`, or ``run``, a LayerRun to
+    reuse. ``return_output``: (row, output)."""
     shape = get_shape(shape) if isinstance(shape, str) else shape
     pattern = inputs.get("pattern", "uniform")
     if run is None:
@@ -678,17 +621,13 @@ def bench_lora_op(stage: str, shape: MoEShape | str, T: int, op: str, *, mode: s
 # --- Correctness -----------------------------------------------------------------------------------------
 
 
-#: The relative error W8A8 may add to a layer's output against the unquantized-activation result: each
-#: activation element is rounded to e4m3 (3 mantissa bits: within 2^-4 relative) at two points, x before
-#: gate_up and the activation output before down, so the output moves by at most about 2·2^-4 of its scale
-#: (tests/test_fp8_w8a8_moe.py states the same bound; random errors make it ~2^-4/√3 per sum in practice).
+#: The relative error W8A8 may add to a layer's output: two e4m3 roundings of 2^-4 each.
 W8A8_REL_TOL = 2.0**-3
 
 
 def check_tolerance(dtype: torch.dtype, activation_scheme: str = "weight_only") -> float:
-    """The tolerance of a layer check (:func:`check_layer`'s ``rel_err`` and ``rel_err_vs_dense``): the
-    dtype's (:data:`~moelora_lib.testing.TOLERANCES`) for a run on unquantized activations, the larger of
-    it and :data:`W8A8_REL_TOL` for a W8A8 run ("dynamic")."""
+    """The tolerance of :func:`check_layer`: the dtype's (:data:`~moelora_lib.testing.TOLERANCES`), at least
+    :data:`W8A8_REL_TOL` for "dynamic"."""
     from ..testing import TOLERANCES
 
     tol = TOLERANCES[dtype]
@@ -699,17 +638,11 @@ def check_layer(stage: str, shape: MoEShape | str | Workload, T: int | None = No
                 weights: MoELoRAInputs | None = None, config: LayerConfig | None = None,
                 weight_format: str | None = None, activation_scheme: str = "auto",
                 **inputs) -> dict[str, Any]:  # fmt: skip
-    """One layer call against ``moe_lora_reference`` (fp32; default pattern "mixed"). Returns stage,
-    model, T, dtype, activation, bias, pattern, weight_format, activation_scheme (the one that ran),
-    rel_err, tol (:func:`check_tolerance`), no_adapter_rows, no_adapter_bitwise (those rows equal
-    ``base_part()``'s exactly), delta_rel (max|ref − ref without LoRA| / max|ref|: a pass is not a LoRA
-    never added), rel_err_vs_dense, bitwise_vs_dense, config. ``weights`` / ``weight_format``: as in
-    :func:`layer_inputs`; ``activation_scheme``: as in :func:`make_run`. With MXFP4 or FP8 experts the
-    reference runs on the dequantized weights (exact) with unquantized activations, and the same stage with
-    the same config also runs on the dequantized weights in the activations' dtype: ``rel_err_vs_dense``
-    and ``bitwise_vs_dense`` compare the two outputs (NaN and None for dense experts). W8A8 ("dynamic")
-    differs from both by its activation rounding (:data:`W8A8_REL_TOL`). The reference holds [P, 2I, H]
-    fp32: keep P = T·K modest."""
+    """One layer call against ``moe_lora_reference`` (fp32; default pattern "mixed"). Returns stage, model, T,
+    dtype, activation, bias, pattern, weight_format, activation_scheme, rel_err, tol, no_adapter_rows,
+    no_adapter_bitwise, delta_rel (max|ref − ref without LoRA| / max|ref|), rel_err_vs_dense, bitwise_vs_dense
+    (packed experts against the same stage on the dequantized weights; NaN and None for dense), config. The
+    reference holds [P, 2I, H] fp32: keep P = T·K modest."""
     wl = _workload(shape, T, inputs, pattern="mixed")
     inp = _inputs(wl, weights)
     if weight_format is not None:
@@ -752,8 +685,8 @@ def check_layer(stage: str, shape: MoEShape | str | Workload, T: int | None = No
 
 
 def log_spaced_lengths(n: int = 40, lo: int = 1, hi: int = 8192) -> list[int]:
-    """≥ n distinct prompt lengths in [lo, hi]: log-spaced values, each also as an odd neighbour and as
-    a multiple of 16 where that differs, sorted."""
+    """≥ n distinct prompt lengths in [lo, hi]: log-spaced, each with an odd neighbour and a multiple of 16,
+    sorted."""
     import math
 
     out: set[int] = set()
@@ -769,9 +702,8 @@ def log_spaced_lengths(n: int = 40, lo: int = 1, hi: int = 8192) -> list[int]:
 def length_spec_keys(
     stage: str, shape: MoEShape, T: int, rank: int, num_adapters: int, config: LayerConfig
 ) -> dict[str, tuple]:
-    """Triton's specialization key (``native_specialize_impl``, no GPU) of each kernel's length-dependent
-    int arguments at T, valued as the launchers pass them (num_pairs = T·K, num_blocks = static alignment
-    size / BLOCK_SIZE_M, intermediate stride = T·K·R): a new key is a new binary."""
+    """Triton's specialization key of each kernel's length-dependent int arguments at T, valued as the
+    launchers pass them: a new key is a new binary."""
     from triton.backends.compiler import BaseBackend
     from triton.runtime.jit import native_specialize_impl
 
@@ -809,8 +741,7 @@ def count_compiled_variants(specialize_lengths: bool, device: int | None = None)
 
 
 class _TimedSection:
-    """``with _TimedSection(path):`` holds an exclusive ``flock`` on ``path`` for the block (no-op for
-    None): processes sharing the GPU take it around their timed calls, which then never overlap."""
+    """Holds an exclusive ``flock`` on ``path`` for the block (no-op for None)."""
 
     def __init__(self, path: str | os.PathLike | None):
         self.path, self.fd = path, None
@@ -836,13 +767,10 @@ def run_recompile(stage: str, model: str, lengths: Sequence[int], *, rank: int =
                   dtype: str = "bfloat16", config_T: int = 64, seed: int = 0, warm_reps: int = 3,
                   lock_path: str | os.PathLike | None = None,
                   weights_folder: str | os.PathLike | None = None) -> list[dict[str, Any]]:  # fmt: skip
-    """In this (fresh) process, per length in order: build the layer (untimed), time the first call
-    (wall clock, synchronized, compilation included) and the median of ``warm_reps`` warm calls, and
-    count the compiled binaries. One config (:func:`default_config` at ``config_T``) for every length,
-    so every new binary is a length specialization. GPU only.
-
-    lock_path: a file locked around each length's timed calls (stages side by side never overlap
-    them). weights_folder: a :class:`LayerWeights` folder (bias-free weights loaded, not generated)."""
+    """In this (fresh) process, per length in order: build the layer, time the first call (compilation
+    included) and the median of ``warm_reps`` warm calls, and count the compiled binaries, with one config
+    (:func:`default_config` at ``config_T``). GPU only. ``lock_path``: a file locked around each length's
+    timed calls; ``weights_folder``: a :class:`LayerWeights` folder."""
     shape = get_shape(model)
     kw = dict(rank=rank, num_adapters=num_adapters, seed=seed)
     store = LayerWeights(**kw, dtype=DTYPES[dtype], device="cuda", folder=weights_folder)
@@ -903,8 +831,7 @@ def recompile_in_subprocesses(stages: Sequence[str], model: str, lengths: Sequen
                               timeout_s: float = 400, weights_folder: str | os.PathLike | None = None,
                               ) -> dict[str, list[dict[str, Any]]]:  # fmt: skip
     """:func:`run_recompile` per stage in fresh processes started at once, each with an empty
-    ``TRITON_CACHE_DIR``; a lock file keeps their timed calls from overlapping. Returns {stage: rows};
-    RuntimeError with a failing child's output tail (the others are stopped)."""
+    ``TRITON_CACHE_DIR``. Returns {stage: rows}; RuntimeError with a failing child's output tail."""
     import tempfile
 
     stages = list(stages)
@@ -933,16 +860,15 @@ def recompile_in_subprocesses(stages: Sequence[str], model: str, lengths: Sequen
 def layer_point(stage: str, model: str, T: int, *, weights_bias: bool | None = None,
                 activation: str | None = None, bias: bool | None = None, pattern: str = "uniform",
                 op_changes: Sequence[tuple[str, dict]] = ()) -> dict[str, Any]:  # fmt: skip
-    """One point of a compile pass (:func:`compile_points`): the layer of ``stage`` at T on the
-    ``weights_bias`` weight set of ``model``, plus each LoRA op with ``op_changes`` applied
-    (``[("gate_up_shrink", {"SPLIT_K": 4}), ...]``)."""
+    """One point of :func:`compile_points`: the layer of ``stage`` at T on the ``weights_bias`` weight set of
+    ``model``, plus each LoRA op with ``op_changes`` applied."""
     pt = dict(stage=stage, model=model, T=int(T), weights_bias=weights_bias, activation=activation, bias=bias)
     return pt | dict(pattern=pattern, op_changes=[[op, dict(ch)] for op, ch in op_changes])
 
 
 def compile_points(points: Sequence[dict[str, Any]], weights: LayerWeights) -> list[str]:
-    """Launch once, untimed, all a timing loop over ``points`` launches (layer, parts, changed LoRA ops),
-    compiling every binary into Triton's cache. Returns one message per failed point."""
+    """Launch once, untimed, all a timing loop over ``points`` launches, compiling every binary into Triton's
+    cache. Returns one message per failed point."""
     failed = []
     for pt in points:
         try:
@@ -969,10 +895,8 @@ def compile_points(points: Sequence[dict[str, Any]], weights: LayerWeights) -> l
 def precompile_in_subprocesses(
     points: Sequence[dict[str, Any]], weights: LayerWeights, *, jobs: int = 8, timeout_s: float = 300
 ) -> dict[str, Any]:
-    """:func:`compile_points` over ``jobs`` helper processes side by side (Triton compiles one binary at a
-    time per process), filling the on-disk cache the timing loop then loads; nothing measured depends on
-    it. Needs ``weights.folder`` (else does nothing); points dealt per model. Returns dict(seconds,
-    processes, points, failed)."""
+    """:func:`compile_points` over ``jobs`` helper processes side by side, filling the on-disk cache; needs
+    ``weights.folder`` (else does nothing). Returns dict(seconds, processes, points, failed)."""
     import tempfile
 
     t0 = time.perf_counter()
@@ -1011,8 +935,8 @@ NCU_LAUNCHES_PER_POINT = 5
 
 
 def _ncu_target(model: str, points, rank: int, num_adapters: int, seed: int, weights_folder=None) -> None:
-    """The process ncu profiles: per (T, GROUP_SIZE_M), one layer call of stage ``swizzle`` (two shrink
-    launches), then its gate_up shrink with that GROUP_SIZE_M three times."""
+    """The process ncu profiles: per (T, GROUP_SIZE_M), one stage-``swizzle`` layer call, then its gate_up
+    shrink three times."""
     shape = get_shape(model)
     kw = dict(rank=rank, num_adapters=num_adapters, seed=seed)
     store = LayerWeights(**kw, dtype=torch.bfloat16, device="cuda", folder=weights_folder)
@@ -1033,10 +957,9 @@ def _ncu_target(model: str, points, rank: int, num_adapters: int, seed: int, wei
 def ncu_l2_hit_rates(model: str, points: Sequence[tuple[int, int]], *, rank: int = 32, num_adapters: int = 8,
                      seed: int = 0, weights_folder: str | os.PathLike | None = None,
                      timeout_s: float = 300) -> list[dict[str, Any]]:  # fmt: skip
-    """``ncu --metrics lts__t_sector_hit_rate.pct`` over one :func:`_ncu_target` process (caches flushed
-    before each replayed launch). One dict per point: T, group_size_m, ok, l2_hit_pct (mean of its
-    :data:`NCU_LAUNCHES_PER_POINT` launches), launches, message; ok=False with the reason when ncu is
-    missing, fails or reports a launch count that does not split into the points."""
+    """``ncu --metrics lts__t_sector_hit_rate.pct`` over one :func:`_ncu_target` process. One dict per point:
+    T, group_size_m, ok, l2_hit_pct, launches, message; ok=False with the reason when ncu is missing or fails
+    or its launch count does not split into the points."""
     import shutil
     import subprocess
 

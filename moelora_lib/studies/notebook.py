@@ -4,12 +4,6 @@ Every notebook starts (after its ``parameters`` cell) with::
 
     from moelora_lib.studies.notebook import setup
     nb = setup("02", PROFILE, seed=SEED)
-
-:func:`setup` resolves ``PROFILE`` ("auto": gpu where CUDA is present), sets ``TRITON_INTERPRET`` for
-the CPU profile before any kernel module is imported, seeds torch, picks device, dtype (bf16 on the GPU;
-fp32 on the CPU, where the interpreter's bf16 dot is wrong) and data folder (``data/``, or ``data/cpu/``
-so a CPU run never overwrites GPU evidence), and records the environment to ``data/env/<NN>_<profile>.json``.
-Helpers: :func:`progress`, :func:`save_figure`, :func:`conclude`, :func:`rel`, :func:`show_kernel_change`.
 """
 
 from __future__ import annotations

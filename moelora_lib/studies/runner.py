@@ -3,15 +3,8 @@
     python -m moelora_lib.studies.runner [--profile cpu|gpu|auto] [--only 01,02] [--out DIR]
                                  [--log-output] [--keep-going] [--cell-timeout S] [--list]
 
-Every ``notebooks/[0-9][0-9]_*.ipynb`` runs in name order with ``PROFILE=<profile>``; the executed copy
-goes to ``<out>/<same name>``, one row per notebook to ``<out>/run_log.csv`` (:data:`RUN_LOG_COLUMNS`).
-Profiles: ``gpu`` (full shapes, no ``TRITON_INTERPRET``), ``cpu`` (small shapes, ``TRITON_INTERPRET=1``,
-copies to ``data/executed/cpu/``), ``auto`` (gpu where torch sees CUDA). The kernel is this interpreter:
-a kernelspec ``moelora-<hash>`` in a temporary folder first on ``JUPYTER_PATH``, checked before use.
-
-Exit status: 0 all ok; 1 a notebook failed (notebook, source cell index and exception named;
-``--keep-going`` runs the rest first); 2 a usage error, refused before any file is written; 130
-interrupted.
+Executed copies go to ``<out>/<same name>``, one row per notebook to ``<out>/run_log.csv``
+(:data:`RUN_LOG_COLUMNS`). Exit status: 0 all ok; 1 a notebook failed; 2 a usage error; 130 interrupted.
 """
 
 from __future__ import annotations
@@ -92,8 +85,7 @@ def require_cuda(profile: str) -> None:
 
 
 def prepare_out_dir(out: str | os.PathLike) -> Path:
-    """Create ``out`` if needed and check that a file can be written in it; OSError with a one-line
-    message naming the folder otherwise."""
+    """Create ``out`` if needed and check it is writable; OSError naming the folder otherwise."""
     path = Path(out)
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -107,8 +99,7 @@ def prepare_out_dir(out: str | os.PathLike) -> Path:
 
 
 def timeout_seconds(value: float | int | None) -> int | None:
-    """A per-cell timeout in whole seconds, rounded up (0.5 s must not become "no limit"); ValueError
-    unless positive; None stays None."""
+    """A per-cell timeout in whole seconds, rounded up; ValueError unless positive; None stays None."""
     if value is None:
         return None
     seconds = float(value)
@@ -118,9 +109,8 @@ def timeout_seconds(value: float | int | None) -> int | None:
 
 
 def find_notebooks(notebook_dir: str | os.PathLike, only: Sequence[str] | None = None) -> list[Path]:
-    """The notebooks ``NN_*.ipynb`` in ``notebook_dir``, sorted; ``only`` (stage numbers or name prefixes,
-    ``["01", "2", "03_no"]``; None: all) filters. ValueError for a selector that matches nothing or an
-    ``only`` without a non-blank selector (an empty ``--only`` does not mean "everything")."""
+    """The notebooks ``NN_*.ipynb`` in ``notebook_dir``, sorted, filtered by ``only`` (stage numbers or name
+    prefixes; None: all). ValueError for a selector that matches nothing or an ``only`` without a selector."""
     notebooks = sorted(Path(notebook_dir).glob(NOTEBOOK_GLOB))
     if only is None:
         return notebooks
@@ -149,8 +139,8 @@ _NO_SELECTION = "selects no notebook: give stage numbers or name prefixes, e.g. 
 
 @contextlib.contextmanager
 def kernel_environment(profile: str) -> Iterator[None]:
-    """The kernel inherits ``TRITON_INTERPRET=1`` (cpu; ``@triton.jit`` reads it when it decorates) or no
-    ``TRITON_INTERPRET`` (gpu); the variable is restored afterwards."""
+    """The kernel inherits ``TRITON_INTERPRET=1`` (cpu) or no ``TRITON_INTERPRET`` (gpu); restored
+    afterwards."""
     saved = os.environ.get("TRITON_INTERPRET")
     try:
         _set_env("TRITON_INTERPRET", "1" if profile == "cpu" else None)
@@ -173,8 +163,8 @@ def kernel_name_for(executable: str | None = None) -> str:
 
 
 def write_kernelspec(jupyter_dir: str | os.PathLike, executable: str | None = None) -> str:
-    """Write ``<jupyter_dir>/kernels/<name>/kernel.json`` (an entry of ``JUPYTER_PATH``) for an ipykernel
-    in ``executable``; returns the name. The kernel inherits this process's environment."""
+    """Write ``<jupyter_dir>/kernels/<name>/kernel.json`` for an ipykernel in ``executable``; returns the
+    name."""
     exe = os.path.abspath(executable or sys.executable)
     name = kernel_name_for(exe)
     spec_dir = Path(jupyter_dir) / "kernels" / name
@@ -187,8 +177,8 @@ def write_kernelspec(jupyter_dir: str | os.PathLike, executable: str | None = No
 
 
 def check_kernelspec(name: str, executable: str | None = None):
-    """Resolve kernelspec ``name`` as papermill will and return it; :class:`KernelSpecMismatch` naming the
-    spec (name, resource dir, argv[0]) unless it starts ``executable`` (default ``sys.executable``)."""
+    """Resolve kernelspec ``name`` as papermill will and return it; :class:`KernelSpecMismatch` unless it
+    starts ``executable``."""
     from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
 
     exe = os.path.abspath(executable or sys.executable)
@@ -207,8 +197,8 @@ def check_kernelspec(name: str, executable: str | None = None):
 
 @contextlib.contextmanager
 def own_kernel(executable: str | None = None) -> Iterator[str]:
-    """The name of a checked kernelspec that starts ``executable``, in a temporary folder put first on
-    ``JUPYTER_PATH`` (restored afterwards) so no other spec can shadow it."""
+    """The name of a checked kernelspec that starts ``executable``, in a temporary folder first on
+    ``JUPYTER_PATH``."""
     saved = os.environ.get("JUPYTER_PATH")
     with tempfile.TemporaryDirectory(prefix="moelora-kernel-") as tmp:
         name = write_kernelspec(tmp, executable)
@@ -245,8 +235,7 @@ def _tidy_executed(executed: Path, source: Path) -> None:
 
 
 def _source_cell_index(notebook: Path, executed_index: int, source: str) -> int:
-    """Papermill's cell index (the executed copy has an injected-parameters cell) mapped back to the
-    source notebook by matching the failing cell's source."""
+    """Papermill's cell index mapped back to the source notebook."""
     try:
         import nbformat
 
@@ -289,10 +278,8 @@ def run_notebooks(notebook_dir: str | os.PathLike, out_dir: str | os.PathLike | 
                   keep_going: bool = False, cell_timeout: float | None = None,
                   cwd: str | os.PathLike | None = None) -> list[NotebookResult]:  # fmt: skip
     """Execute the notebooks in order, one result each; copies and ``run_log.csv`` in ``out_dir`` (None:
-    :func:`default_out_dir`); ``cwd`` the kernel's folder (default the notebook's). Without
-    ``keep_going`` the first failure raises :class:`NotebookFailure` (``.results`` so far). Before any
-    file is written: :class:`NoCudaDevice`, ValueError (``only``, ``cell_timeout``), FileNotFoundError,
-    OSError (``out`` not writable)."""
+    :func:`default_out_dir`). Without ``keep_going`` the first failure raises :class:`NotebookFailure`. Before
+    any file is written: :class:`NoCudaDevice`, ValueError, FileNotFoundError, OSError."""
     import papermill
 
     from .bench import git_commit

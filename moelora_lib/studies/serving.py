@@ -1,13 +1,8 @@
 """Notebook 09's measurements of the serving layer (rows for ``data/09_*.csv``): alignment, eager host
 overhead, the whole layer in one CUDA graph, compiled variants, memory.
 
-The helpers' ``stage`` is a name of :data:`~moelora_lib.kernels.STAGES` or ``"auto"`` (the stage the config
-files choose per T, :func:`~moelora_lib.kernels.stage_named`); their default is stage ``tuned``, notebook
-09's. A bad name is a ValueError naming ``stage`` and the allowed names.
-
-GPU times: medians of CUDA-graph replays (:func:`.bench.time_fn`, L2 flushed unless said otherwise); eager
-wall times: ``perf_counter`` around one call + synchronize, median after warm-up. On the CPU the Triton
-interpreter runs the same code (rows say ``mode = "cpu-interpreter"``).
+``stage`` is a name of :data:`~moelora_lib.kernels.STAGES` or ``"auto"`` (default ``tuned``); a bad name
+is a ValueError. On the CPU rows say ``mode = "cpu-interpreter"``.
 """
 
 from __future__ import annotations
@@ -63,10 +58,9 @@ def align_rows(
     shape: MoEShape | str, T: int, *, device="cuda", adapters: int = 8, rank: int = 32, seed: int = 0,
     weights: MoELoRAInputs | None = None, warmup_ms: float = WARMUP_MS, rep_ms: float = REP_MS,
 ) -> list[dict[str, Any]]:  # fmt: skip
-    """Base + LoRA alignment of one layer call at T tokens (tuned stage's BLOCK_SIZE_M), one row per impl:
-    ``torch`` (``routing.align_tokens``), ``triton`` (``align_tokens_triton`` twice, preallocated
-    workspaces), up to ``SMALL_MAX_PAIRS`` pairs ``triton_one_launch`` (``align_tokens_pair``); us_p50 and
-    identical (bit-equal to torch). ``weights``: ``layer_inputs``' result; ids redrawn for (seed, T)."""
+    """Base + LoRA alignment of one layer call at T tokens, one row per impl (``torch``, ``triton``,
+    ``triton_one_launch`` up to ``SMALL_MAX_PAIRS`` pairs) with us_p50 and identical (bit-equal to torch).
+    ``weights``: ``layer_inputs``' result."""
     sh = _shape(shape)
     inp = layer_inputs(sh, T, rank=rank, num_adapters=adapters, device=device, seed=seed, weights=weights)
     ti, li, E, K, L = inp.topk_ids, inp.lora_ids, sh.experts, sh.top_k, adapters
@@ -98,7 +92,7 @@ def build_layer(
     inp: MoELoRAInputs, shape: MoEShape | str, *, max_tokens: int, stage: str = "tuned", **kw
 ) -> MoELoRALayer:
     """A MoELoRALayer over ``inp``'s weights (no copy), its L adapters in slots 0..L-1 (scaling 1.0), in
-    ``stage`` (a name of ``STAGES`` or "auto")."""
+    ``stage``."""
     L, S, R = inp.lora_a13.shape[0], inp.lora_a13.shape[2], inp.lora_a13.shape[3]
     layer = MoELoRALayer(
         inp.w13, inp.w2, top_k=inp.topk_ids.shape[1], num_adapters=L, max_rank=R, max_tokens=max_tokens,
@@ -113,7 +107,7 @@ def build_layer(
 
 def wall_us(fn: Callable[[], Any], device, *, reps: int = 200, warmup: int = 10) -> tuple[float, float]:
     """(median wall µs of one call incl. the synchronize after it, median µs until it returns), each from an
-    idle GPU: wall = host time + the GPU time not hidden behind it."""
+    idle GPU."""
     for _ in range(warmup):
         fn()
     wall, host = [], []
@@ -132,10 +126,9 @@ def eager_rows(
     shape: MoEShape | str, T: int, inp: MoELoRAInputs, layer: MoELoRALayer, *, device="cuda",
     stage: str = "tuned", reps: int = 200, warmup_ms: float = WARMUP_MS, rep_ms: float = REP_MS,
 ) -> list[dict[str, Any]]:  # fmt: skip
-    """Eager wall time at T tokens beside the kernels' GPU time. Rows (``what``) with wall_us and host_us:
-    ``public`` (:func:`fused_moe_lora`, all checks), ``module_topk``/``module_logits`` (given top-k ids or
-    logits); with gpu_us (the launches in a CUDA graph, no L2 flush, as consecutive eager calls see L2):
-    ``public_kernels``, ``module_kernels``, ``layer_kernels`` (the layer's launches alone)."""
+    """Eager wall time at T tokens beside the kernels' GPU time: rows (``what``) ``public``, ``module_topk``,
+    ``module_logits`` with wall_us and host_us; ``public_kernels``, ``module_kernels``, ``layer_kernels`` with
+    gpu_us."""
     check_stage_name(stage)
     sh = _shape(shape)
     x, tw, ti, li, lg = inp.hidden_states, inp.topk_weights, inp.topk_ids, inp.lora_ids, inp.router_logits
@@ -166,10 +159,8 @@ def eager_rows(
 def host_breakdown_rows(
     shape: MoEShape | str, T: int, inp: MoELoRAInputs, *, device="cuda", stage: str = "tuned", reps: int = 100
 ) -> list[dict[str, Any]]:
-    """Host µs (median, GPU idle before each) of each step of one public call: validate, config (for "auto"
-    the stage's pick included), id_bounds (+ pinned copy), alignments, layer_run, launches (also one by
-    one, ``launch.*``: the stage's launch ops and the top-k sum), and this host's floors
-    ``floor.triton_launch`` (one tiny Triton launch) and ``floor.torch_op`` (one tiny torch op)."""
+    """Host µs (median, GPU idle before each) of each step of one public call, one by one per launch
+    (``launch.*``), and the floors ``floor.triton_launch`` and ``floor.torch_op``."""
     from ..kernels import LayerRun
 
     check_stage_name(stage)
@@ -203,8 +194,7 @@ def host_breakdown_rows(
 
 
 def _short_path(file: str) -> str:
-    """``file`` without the machine's prefix: ``pkg/module.py`` for packages and this project,
-    ``python/<name>`` for the standard library, built-ins (``~``, ``<string>``) as they are."""
+    """``file`` without the machine's prefix."""
     if file.startswith(("~", "<")):
         return file
     for marker, keep in (("site-packages/", ""), ("dist-packages/", ""), ("moelora_lib/", "moelora_lib/")):
@@ -216,8 +206,8 @@ def _short_path(file: str) -> str:
 def host_profile_rows(
     shape: MoEShape | str, T: int, fn: Callable[[], Any], *, what: str, device="cuda", calls=50, top=20
 ) -> list[dict[str, Any]]:
-    """Where ``fn``'s host time goes: ``cProfile`` over ``calls`` calls, the ``top`` functions by own time
-    (µs per call of ``fn``, inflated by the profiler: the ranking is the point), cumtime, file, line."""
+    """``cProfile`` over ``calls`` calls of ``fn``: the ``top`` functions by own time (µs per call), cumtime,
+    file, line."""
     import cProfile
     import pstats
 
@@ -242,9 +232,8 @@ def graph_rows(
     shape: MoEShape | str, T: int, inp: MoELoRAInputs, layer: MoELoRALayer, *, device="cuda", stage="tuned",
     warmup_ms: float = WARMUP_MS, rep_ms: float = REP_MS,
 ) -> list[dict[str, Any]]:  # fmt: skip
-    """The whole layer in one CUDA graph at T tokens (L2 flushed), rows (``what``): ``layer_kernels`` (the
-    launches with a precomputed alignment, as vLLM's anchors time), ``module_topk`` (+ Triton alignment),
-    ``module_logits`` (+ routing); ``max_abs_diff`` against the public call given the same routing."""
+    """The whole layer in one CUDA graph at T tokens, rows (``what``) ``layer_kernels``, ``module_topk``,
+    ``module_logits`` with ``max_abs_diff`` against the public call."""
     check_stage_name(stage)
     sh = _shape(shape)
     x, tw, ti, li, lg = inp.hidden_states, inp.topk_weights, inp.topk_ids, inp.lora_ids, inp.router_logits
@@ -266,8 +255,7 @@ def graph_rows(
 
 
 def jit_cache_sizes(device: int | None = None) -> dict[str, int]:
-    """Compiled binaries per jitted kernel a layer call may launch (the layer's kernels, then
-    ``<module>.<name>`` of the alignment, routing, id-bounds and top-k modules). All 0 without CUDA."""
+    """Compiled binaries per jitted kernel a layer call may launch; all 0 without CUDA."""
     import importlib
 
     from ..kernels.triton_kernels import KERNELS
@@ -297,13 +285,10 @@ LAUNCH_SITES = {"fused_moe": 2, "lora_shrink": 2, "lora_expand": 2, "gated_act":
 def variant_rows(
     shape: MoEShape | str, layer: MoELoRALayer, weights: MoELoRAInputs, *, n_lengths: int = 32, device="cuda"
 ) -> list[dict[str, Any]]:
-    """New compiled binaries per kernel over ``n_lengths`` log-spaced T (1..max_tokens) with one fixed config,
-    then again with misaligned (offset-view) inputs, beside ``settings``: the distinct compile-time settings
-    those lengths call for (one per launch site; the alignment's tile sizes follow T by design).
-
-    One stage and one config for every length: the layer's stage at T = 64 (``layer.stage_for(64)``; for a
-    layer of stage "auto" the stage the config files choose there) with its config at T = 64. The layer's
-    stage, fixed config and per-T memos are restored afterwards."""
+    """New compiled binaries per kernel over ``n_lengths`` log-spaced T with one fixed config (the layer's
+    stage and config at T = 64), then again with misaligned inputs, beside ``settings`` (the distinct
+    compile-time settings those lengths call for). The layer's stage, config and memos are restored
+    afterwards."""
     from ..kernels.align import align_launch_args
     from ..kernels.align_small import pair_launch_args, use_pair_path
 
@@ -362,8 +347,8 @@ def variant_rows(
 def memory_rows(
     shape: MoEShape | str, layer: MoELoRALayer, inp: MoELoRAInputs, *, device="cuda"
 ) -> list[dict[str, Any]]:
-    """The module's bytes by kind (``memory_report``) and ``forward_temporaries``: the peak of temporaries one
-    forward at ``inp``'s T allocates (GPU: max allocated above the memory in use before; CPU: None)."""
+    """The module's bytes by kind (``memory_report``) and ``forward_temporaries`` (the peak of one forward's
+    temporaries; CPU: None)."""
     sh, T = _shape(shape), inp.hidden_states.shape[0]
     layer(inp.hidden_states, inp.router_logits, lora_ids=inp.lora_ids)  # workspaces allocated
     temp = None

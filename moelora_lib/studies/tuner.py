@@ -1,18 +1,9 @@
 """The tuning engine that :mod:`.tuning` (MoE LoRA ops and base GEMMs), :mod:`.dense_tuning` (dense LoRA)
 and :mod:`.fused_tuning` (stage ``fused``'s two GEMMs) configure.
 
-A tuner supplies its workloads, its candidate lists and a timer per BLOCK_SIZE_M; the engine does the rest:
-
-- argument checks that name the argument (or its CLI flag) and run before anything is written
-  (:func:`check_device`, :func:`check_out`, :func:`check_csv`, :func:`check_budget`, :func:`check_ints`,
-  :func:`check_models`) and the argparse types built on them (a bad flag exits with code 2, one line);
-- :func:`sweep`: every candidate of every op at every BLOCK_SIZE_M, timed alone, one CSV row each;
-  :func:`choose_bm`: the BLOCK_SIZE_M whose ops' best medians sum lowest (the rule of vLLM's
-  ``benchmark_lora_tuning.py``: ops sharing one alignment share BLOCK_SIZE_M);
-- :class:`TrialLog`: the trials CSV, appended and flushed row by row, read back to resume;
-- :class:`ConfigFiles`: the JSON config files of one folder (:mod:`moelora_lib.configs` format), read
-  once, merged in memory, saved atomically;
-- :func:`run_workloads`: the loop over workloads (resume, time budget, progress bar, ``session`` row).
+A tuner supplies its workloads, its candidate lists and a timer per BLOCK_SIZE_M; the engine checks the
+arguments, sweeps (:func:`sweep`, :func:`choose_bm`), logs trials (:class:`TrialLog`), saves configs
+(:class:`ConfigFiles`) and loops over workloads (:func:`run_workloads`).
 """
 
 from __future__ import annotations
@@ -36,8 +27,7 @@ from ..common import parse_dtype
 from ..kernels.config import OpConfig
 from ..shapes import check_int, get_shape
 
-#: The trial columns of every trials CSV (after the tuner's workload columns), and the run columns
-#: that close them (:class:`TrialLog` fills gpu ... timestamp_utc).
+#: The trial columns of every trials CSV, and the run columns that close them.
 TRIAL_COLUMNS = (
     *("op", "BLOCK_SIZE_M", "config", "config_json", "ms_p50", "ms_p20", "ms_p80", "mode"),
     *("default_ms", "sum_ms"),
@@ -56,9 +46,8 @@ def _pfx(name: str | None) -> str:
 
 
 def check_device(device, name: str | None = "device") -> torch.device:
-    """The tuning device: None = cuda if available, else cpu. ValueError naming ``name`` for a device the
-    tuner cannot use here (not cpu/cuda, cuda without a GPU, a missing GPU index, cpu without the Triton
-    interpreter)."""
+    """The tuning device (None: cuda if available, else cpu); ValueError naming ``name`` for one the tuner
+    cannot use here."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     bad = f"{_pfx(name)}expected 'cpu', 'cuda' or 'cuda:N', got {device!r}"
@@ -106,8 +95,8 @@ def check_out(out, name: str | None = "out") -> Path:
 
 
 def check_csv(csv_path, name: str | None, key_columns: Sequence[str], tuner: str = "this tuner") -> Path:
-    """``csv_path`` must be a trials CSV of ``tuner`` (one with every column of ``key_columns``: resumed),
-    an empty file, or a new file in a writable folder."""
+    """``csv_path`` must be a trials CSV of ``tuner`` (every column of ``key_columns``), an empty file, or a
+    new file in a writable folder."""
     if not isinstance(csv_path, (str, os.PathLike)) or not str(csv_path):
         raise ValueError(f"{_pfx(name)}expected a file path, got {csv_path!r}")
     p = Path(csv_path)
@@ -209,9 +198,8 @@ FLAGS = dict(
 
 
 def parser(prog: str, doc: str, tokens: str) -> argparse.ArgumentParser:
-    """The command line every tuner shares (``--tokens`` default ``tokens``); a tuner adds its own flags.
-    A malformed number exits with code 2 and one line naming the flag; the rest is checked by the tuner's
-    argument check with ``names=FLAGS`` before any work."""
+    """The command line every tuner shares (``--tokens`` default ``tokens``); a malformed number exits with
+    code 2."""
     p = argparse.ArgumentParser(prog=prog, description=doc.split("\n")[0])
     add = p.add_argument
     add("--tokens", default=tokens, type=int_list_type(1), help="T values, comma-separated")
@@ -233,9 +221,8 @@ def parser(prog: str, doc: str, tokens: str) -> argparse.ArgumentParser:
 def check_run(names, *, tokens, budget_s, device, dtype, out, csv_path, key_columns, what, ints,
               lists=None) -> tuple[torch.device, torch.dtype]:  # fmt: skip
     """The arguments every tuner takes, before any work: ValueError naming the argument (``names``: argument
-    -> the name to give, e.g. :data:`FLAGS`). ``ints``: {argument: (value, lo, hi)}; ``lists``: {argument:
-    (values, allow_empty)}, ints >= 1; ``key_columns``, ``what``: the trials CSV's (:func:`check_csv`).
-    Returns (device, dtype: ``dtype`` or bfloat16 on a GPU, float32 on the CPU)."""
+    -> name). ``ints``: {argument: (value, lo, hi)}; ``lists``: {argument: (values, allow_empty)}. Returns
+    (device, dtype)."""
     names = names or {}
     for a, (v, allow_empty) in {"tokens": (tokens, False), **(lists or {})}.items():
         check_ints(names.get(a, a), v, allow_empty=allow_empty)
@@ -277,9 +264,8 @@ def with_bm(cfg, fields: Sequence[str], bm: int):
 
 
 class TrialLog:
-    """A tuner's trials CSV (columns ``columns``): the rows already there are read once (resume), every
-    new row is appended and flushed at once, stamped with gpu, torch, triton, git_commit and
-    timestamp_utc; ``rows`` holds them all as strings (as read back)."""
+    """A tuner's trials CSV: rows already there are read once (resume); every new row is appended and flushed
+    at once, stamped with gpu, torch, triton, git_commit and timestamp_utc."""
 
     def __init__(self, path: Path, columns: Sequence[str]):
         from . import bench
@@ -305,8 +291,8 @@ class TrialLog:
         self.rows.append({k: "" if row.get(k) is None else str(row.get(k)) for k in self.columns})
 
     def config_row(self, kind: str, ids: dict, op: str, cfg: OpConfig, *, t0: float | None = None, **more):
-        """One row of ``kind`` about ``cfg`` of ``op``: the workload's ``ids``, BLOCK_SIZE_M, config
-        (short), config_json, elapsed_s since ``t0`` (when given) and ``more``."""
+        """One row of ``kind`` about ``cfg`` of ``op``: ``ids``, BLOCK_SIZE_M, config, config_json, elapsed_s
+        and ``more``."""
         if t0 is not None:
             more["elapsed_s"] = round(time.perf_counter() - t0, 2)
         cj = json.dumps(cfg.to_dict())
@@ -315,8 +301,8 @@ class TrialLog:
         )
 
     def choices(self, ops: Sequence[str], **match) -> dict[str, OpConfig]:
-        """{op: config} of the ``choice`` / ``copied`` rows whose columns equal ``match`` (None: any), if
-        every op of ``ops`` has one (else empty): a finished workload, when resuming."""
+        """{op: config} of the ``choice`` / ``copied`` rows matching ``match``, if every op of ``ops`` has
+        one, else empty."""
         want = {k: str(v) for k, v in match.items() if v is not None}
         out = {}
         for r in self.rows:
@@ -334,10 +320,8 @@ def over_budget(deadline: float, log: TrialLog, note: str, **ids) -> bool:
 
 
 def time_candidate(timer: Callable[[], Any], device: torch.device, cpu_mode: str | None = None):
-    """Time one candidate: ``timer()`` builds and times it (a :class:`~.bench.Timing`). Returns (ms_p50,
-    {ms_p20, ms_p80, mode}, error note); a config that does not compile or fit is recorded, not raised:
-    (inf, {}, "failed: <error>"), after a device sync on a GPU. ``cpu_mode``: the mode written for CPU
-    timings (interpreter wall clock)."""
+    """Time one candidate (``timer()``). Returns (ms_p50, {ms_p20, ms_p80, mode}, note); a failing config
+    gives (inf, {}, "failed: <error>")."""
     try:
         tm = timer()
     except Exception as e:
@@ -363,14 +347,10 @@ def sweep(
     fixed: dict[str, OpConfig] | None = None,
     cpu_mode: str | None = None,
 ) -> dict[int, dict[str, list[tuple[float, OpConfig]]]]:
-    """Time every candidate of every op at every BLOCK_SIZE_M.
-
-    Per ``bm``: ``prepare(bm)`` builds what the ops run on (compiling, untimed) and returns a timer
-    ``(op, config) -> Timing``; each op's ``candidates(op, bm)`` (the first marked ``first_note``, its time
-    the ``default_ms`` of the op's rows) is timed, one ``trial`` row each; an op of ``fixed`` is timed with
-    that config alone (an existing file entry: note "shared entry (not tuned here)"). One ``bm_sum`` row
-    per BM. No BM after the first starts past ``deadline`` (a :data:`BUDGET_BM_NOTE` row instead).
-    Returns ``ranked[bm][op]``: [(ms, config)] fastest first."""
+    """Time every candidate of every op at every BLOCK_SIZE_M: per ``bm`` ``prepare(bm)`` returns a timer
+    ``(op, config) -> Timing``, each op's ``candidates(op, bm)`` (``fixed`` ops: that config alone) gives one
+    ``trial`` row each, then one ``bm_sum`` row; no BM after the first starts past ``deadline``. Returns
+    ``ranked[bm][op]``: [(ms, config)] fastest first."""
     fixed = fixed or {}
     ranked: dict[int, dict[str, list[tuple[float, OpConfig]]]] = {}
     for n_bm, bm in enumerate(bms):
@@ -406,8 +386,8 @@ def sweep(
 
 
 def graph_timer(run, device: torch.device):
-    """The timer of one op of ``run`` (a LayerRun) alone: graph replay, L2 flushed, :data:`WARMUP_MS` /
-    :data:`REP_MS`; ``run`` is called once first (compiling, untimed)."""
+    """The timer of one op of ``run`` (a LayerRun) alone: graph replay, L2 flushed; ``run`` is called once
+    first."""
     from . import bench
 
     run()
@@ -416,9 +396,8 @@ def graph_timer(run, device: torch.device):
 
 def tune_layer_ops(stage: str, inp, cfg, fields: Sequence[str], ops: Sequence[str], bms: Sequence[int],
                    candidates, device, log: TrialLog, ids: dict, *, what: str, **sweep_kw):  # fmt: skip
-    """:func:`sweep` then :func:`choose_bm` over ``ops`` of a LayerRun of ``stage`` on ``inp`` (a
-    MoELoRAInputs): per BM the run of ``cfg`` (a LayerConfig) with its OpConfig ``fields`` at that BM, each
-    op timed by :func:`graph_timer`. Returns {op: OpConfig}, empty when the budget left no BM."""
+    """:func:`sweep` then :func:`choose_bm` over ``ops`` of a LayerRun of ``stage`` on ``inp``. Returns {op:
+    OpConfig}, empty when the budget left no BM."""
     from .moe_bench import make_run
 
     def prepare(bm: int):
@@ -429,8 +408,7 @@ def tune_layer_ops(stage: str, inp, cfg, fields: Sequence[str], ops: Sequence[st
 
 
 def one_at_a_time(cache: dict, key, make: Callable[[], Any], device: torch.device):
-    """``cache[key]``, made by ``make()`` after every other entry is dropped (and, on a GPU, the allocator's
-    cache emptied): one model's weights at a time on the device."""
+    """``cache[key]``, made by ``make()`` after every other entry is dropped."""
     if key not in cache:
         cache.clear()
         if device.type == "cuda":
@@ -440,8 +418,8 @@ def one_at_a_time(cache: dict, key, make: Callable[[], Any], device: torch.devic
 
 
 def choose_bm(ranked, ops: Sequence[str], log: TrialLog, ids: dict, *, t0: float, what: str):
-    """The BLOCK_SIZE_M whose ops' best medians sum lowest (``ranked`` from :func:`sweep`): one ``choice``
-    row per op, returns {op: config}. RuntimeError naming ``what`` when no candidate ran."""
+    """The BLOCK_SIZE_M whose ops' best medians sum lowest: one ``choice`` row per op, returns {op: config}.
+    RuntimeError naming ``what`` when no candidate ran."""
     total = {bm: sum(r[op][0][0] for op in ops) for bm, r in ranked.items()}
     win = min(total, key=total.get)
     if not math.isfinite(total[win]):
@@ -454,8 +432,8 @@ def choose_bm(ranked, ops: Sequence[str], log: TrialLog, ids: dict, *, t0: float
 
 # --- The JSON files and the loop over workloads -------------------------------------------------------------
 class ConfigFiles:
-    """The JSON config files of ``ops`` in ``folder``, named ``name(gpu, op)`` (:mod:`moelora_lib.configs`
-    format), read once, updated in memory (``data[op]``, :meth:`put`), saved atomically."""
+    """The JSON config files of ``ops`` in ``folder``, named ``name(gpu, op)``, read once, updated in memory,
+    saved atomically."""
 
     def __init__(self, folder: Path, gpu: str, ops: Sequence[str], name: Callable[[str, str], str]):
         self.folder, self.gpu, self.name = Path(folder), gpu, name
@@ -491,9 +469,8 @@ def run_workloads(
     progress: bool,
     desc: str,
 ) -> dict[str, Any]:
-    """Each job in order: ``skipped`` when not ``todo(job)`` (its choices are in the CSV), ``not_tuned``
-    past ``deadline`` (a :data:`BUDGET_WORKLOAD_NOTE` row), else ``tune(job)`` (True: ``tuned``, False:
-    ``conflicts``); the files saved after each. ``summary[key]`` gets ``label(job)``."""
+    """Each job in order: ``skipped`` when not ``todo(job)``, ``not_tuned`` past ``deadline``, else
+    ``tune(job)`` (True: ``tuned``, False: ``conflicts``); the files saved after each."""
     from .notebook import progress as bar_of
 
     for k in ("tuned", "skipped", "not_tuned", "conflicts"):

@@ -6,15 +6,10 @@ Run::
         --adapters 8 --tokens 1,8,64,256,1600,8192 --out moelora_lib/configs/NVIDIA_H200 \\
         --csv data/07_tuning_trials.csv --budget-s 240
 
-Per workload (model, R, L, T) on ``moe_bench.layer_inputs`` (uniform ids, silu, no biases: vLLM's
-side-by-side setting), through :mod:`.tuner`: (1) the four LoRA ops share one alignment, so one
-BLOCK_SIZE_M: per BM (:func:`lora_bm_candidates`) a LayerRun of stage ``even_k_fused_add``, each op
-timed alone over :func:`lora_op_candidates` (default first); the BM with the smallest sum of the best
-medians wins. (2) The base GEMMs the same way (:func:`base_bm_candidates`, :func:`base_op_candidates`),
-once per (model, T). Timing: CUDA-graph replay, L2 flushed; on the CPU one interpreted call (not
-performance). CSV kinds: trial / bm_sum / choice / copied / note / session; finished workloads are
-skipped and re-written into the JSON files. ``--copy-ranks``: the first rank's choices with the
-rank-sized tile adjusted, marked ``copied`` (a stand-in, not a tune).
+Per workload (model, R, L, T), through :mod:`.tuner`: the four LoRA ops share one BLOCK_SIZE_M
+(:func:`lora_bm_candidates`, :func:`lora_op_candidates`), the base GEMMs likewise
+(:func:`base_bm_candidates`, :func:`base_op_candidates`). CSV kinds: trial / bm_sum / choice / copied /
+note / session. ``--copy-ranks``: the first rank's choices with the rank-sized tile adjusted.
 """
 
 from __future__ import annotations

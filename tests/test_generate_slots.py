@@ -105,7 +105,7 @@ def _slot_tensors(model, slot: int) -> list[torch.Tensor]:
 
 
 PROMPT = [3, 1, 4, 1, 5]
-NEW = 4
+NEW = 3  # the prefill's token and two decode steps after the stream callback's first token
 
 
 # --- (a), (b): slots held by a running call ----------------------------------------------------------

@@ -1,13 +1,14 @@
 """What would break or mislead when notebooks 11 and 12 first run on the GPU, checked on the CPU.
 
-* Decode-step capture safety: one decode step of every tiny model (the forward a CUDA graph captures in
-  ``Generator._capture``; stages ``tuned``, ``naive`` and ``fused``), with adapters of mixed coverage
-  loaded, makes no host sync in its layers, final norm, lm_head and greedy argmax (``.item()``,
-  ``.tolist()``, ``bool(t)``, ``int(t)``, ``torch.nonzero``, ``torch.tensor(...)``,
-  ``torch.cuda.synchronize``, printing a tensor, ...) and makes no tensor without ``device=`` (a host
-  tensor, which on the GPU means a host->device copy that a capture refuses): each raises while the step
-  runs, except inside Triton's interpreter, whose host work stands for device work. The model's own
-  argument checks (which read CPU-resident index tensors only, never device ones) stay outside the trap.
+* Capture safety: one padded prefill (``pad_prefill``, equal in tokens to the unpadded one) and one decode
+  step of every tiny model (the forwards a CUDA graph captures in ``Generator._capture``; stages
+  ``tuned``, ``naive`` and ``fused``), with adapters of mixed coverage loaded, make no host sync in their
+  layers, final norm, lm_head and greedy argmax (``.item()``, ``.tolist()``, ``bool(t)``, ``int(t)``,
+  ``torch.nonzero``, ``torch.tensor(...)``, ``torch.cuda.synchronize``, printing a tensor, ...) and make
+  no tensor without ``device=`` (a host tensor, which on the GPU means a host->device copy that a capture
+  refuses): each raises while the forward runs, except inside Triton's interpreter, whose host work
+  stands for device work. The model's own argument checks (which read CPU-resident index tensors only,
+  never device ones) stay outside the trap.
 * State a captured graph holds by address stays in place: the KV cache, weights, adapter slots, scratch
   buffers and alignment workspaces of every LoRA module and the generator's bucket buffers keep their
   data pointers across generate calls, adapter loads (direct and from a PEFT file) and unloads; the
@@ -30,7 +31,7 @@ import pytest
 import torch
 from sm90_helpers import run_sm90_script
 
-from moelora_lib.model.generate import Generator
+from moelora_lib.model.generate import Generator, prefill_length
 from moelora_lib.studies import e2e
 
 TINY = ("tiny-gpt-oss", "tiny-qwen3-moe", "tiny-qwen3")
@@ -144,19 +145,50 @@ class _SyncTrap:
     # one stage per model, so every model and each of the three stages is covered once
     [("tiny-gpt-oss", "tuned"), ("tiny-qwen3", "naive"), ("tiny-qwen3-moe", "fused")],
 )
-def test_decode_step_makes_no_host_sync(name, stage, monkeypatch):
-    """Stages: ``tuned`` (notebook 11's), ``naive`` (its initial-vs-optimized run), ``fused`` (12's)."""
-    model = _model(name, stage=stage)
+def test_padded_prefill_and_decode_step_make_no_host_sync(name, stage, monkeypatch):
+    """Stages: ``tuned`` (notebook 11's), ``naive`` (its initial-vs-optimized run), ``fused`` (12's).
+
+    One model per case serves both forwards a CUDA graph captures (they used to build the same model
+    twice): the padded prefill (``pad_prefill``, tests/test_prefill_graphs.py's subject) gives the tokens
+    of the unpadded prefill, and neither it nor the decode step at a padded bucket makes a host sync."""
+    # max_seq 12: the 5-token prompts pad to 12 (the bucket of 64 capped at max_seq), which keeps the
+    # interpreted padded forward small (its cost grows with the padded tokens); the padding itself is the
+    # same code path at any length. max_tokens 48 holds the 3 x 12 padded prefill in one call.
+    model = _model(name, stage=stage, max_seq=12, max_tokens=48)
     _load_mixed(model)
-    gen = Generator(model, pad_to_buckets=True, graph_batch_sizes=(2, 4))
     adapters = [0, -1, 2] if model.config.is_moe else [0, -1, 1]
     prompts = e2e.make_prompts(3, 5, model.config.vocab_size, 0)
-    ref = gen.generate(prompts, adapters, 3)  # eager, as the CPU profile runs it
-    first = torch.tensor([[t[0]] for t in ref.tokens])
-    bucket, _ = gen._load_bucket([0, 1, 2], 0, first, [5] * 3, adapters)  # bucket 4: one dummy row
+    # two new tokens: the prefill's and one decode step reading the prefill's K/V; eager and unpadded, as
+    # the CPU profile runs it
+    ref = Generator(model, pad_prefill=False).generate(prompts, adapters, 2).tokens
+    gen = Generator(model, pad_prefill=True, pad_to_buckets=True, graph_batch_sizes=(2, 4))
+    assert gen.pad_prefill and not gen.use_cuda_graphs
     trap = _SyncTrap(monkeypatch)
-    # armed from the first decoder layer (the model's argument checks before it read CPU index tensors
-    # only; on the GPU they are skipped) to the end of the step: layers, norm, lm_head, argmax
+    # the padded prefill forward inside the generate call: the trap armed from the first decoder layer
+    # (the model's argument checks before it read CPU index tensors only; on the GPU they are skipped) to
+    # the end of the forward
+    real, seen = gen._forward_prefill, []
+
+    def trapped(pb):
+        seen.append((pb.rows, pb.length))
+        hook = model.layers[0].register_forward_pre_hook(trap.arm)
+        try:
+            logits = real(pb)
+        finally:
+            trap.disarm()
+            hook.remove()
+        seen.append(logits.argmax(-1).tolist())
+        return logits
+
+    monkeypatch.setattr(gen, "_forward_prefill", trapped)
+    assert gen.generate(prompts, adapters, 2).tokens == ref  # the decode step read the padded K/V
+    assert not trap.hits, trap.hits
+    assert prefill_length(5, model.max_seq) == 12
+    assert seen == [(3, 12), [t[0] for t in ref]]
+    # one decode step at bucket 4 (one dummy row), the trap armed from the first decoder layer to the end
+    # of the step: layers, norm, lm_head, argmax
+    first = torch.tensor([[t[0]] for t in ref])
+    bucket, _ = gen._load_bucket([0, 1, 2], 0, first, [5] * 3, adapters)
     hook = model.layers[0].register_forward_pre_hook(trap.arm)
     try:
         with torch.no_grad():
@@ -165,8 +197,9 @@ def test_decode_step_makes_no_host_sync(name, stage, monkeypatch):
         trap.disarm()
         hook.remove()
     assert not trap.hits, trap.hits
+    assert bucket.size == 4
     assert logits.shape == (bucket.size, model.config.vocab_size) and logits.dtype == torch.float32
-    assert greedy.tolist()[:3] == [t[1] for t in ref.tokens]  # the step is the generator's second token
+    assert greedy.tolist()[:3] == [t[1] for t in ref]  # the step is the generator's second token
 
 
 def test_sync_trap_sees_a_sync_in_a_layer(monkeypatch):
@@ -233,8 +266,10 @@ def _addresses(model, gen) -> dict[str, int]:
     return out
 
 
-@pytest.mark.parametrize("name", ["tiny-gpt-oss", "tiny-qwen3-moe"])  # the MoE models (dense: decode test)
-def test_graph_state_stays_in_place(name, tmp_path):
+def test_graph_state_stays_in_place(tmp_path):
+    # one MoE model: tiny-qwen3-moe's LoRA modules, scratch, workspaces, KV cache and buckets are the same
+    # classes (GPT-OSS adds biases, sinks and a sliding window); the dense model: the capture test above
+    name = "tiny-gpt-oss"
     model = _model(name)
     gen = Generator(model, pad_to_buckets=True, graph_batch_sizes=(1, 4))
     vocab = model.config.vocab_size

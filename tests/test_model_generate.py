@@ -428,7 +428,9 @@ def test_real_model_greedy_matches_naive_loop():
     """Mixed batch (slot 1 and the base) on a tiny random MultiLoRAModel: generation with the KV cache
     (batched prefill, one decode step for both rows) equals re-running each full sequence alone."""
     model = _tiny_gpt_oss()
-    prompts, adapters, new = prompts_of([5, 5], seed=37, V=64), [1, None], 4
+    # three tokens: the prefill's and two decode steps (the second reads K/V a decode step wrote); the
+    # sequences (up to 7 tokens) stay longer than the sliding window of 4
+    prompts, adapters, new = prompts_of([5, 5], seed=37, V=64), [1, None], 3
     res = Generator(model).generate(prompts, adapters, new)
     for i, (p, a) in enumerate(zip(prompts, adapters)):
         assert res.tokens[i] == naive_greedy(model, p, a, new), f"request {i}"

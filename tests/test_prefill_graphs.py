@@ -3,15 +3,17 @@
 With CUDA graphs the generator pads each prefill group to :func:`prefill_length` and replays a graph per
 (rows, padded length). Capture itself needs a GPU (tests/test_layer_gpu.py style, marked ``gpu``); here the
 same padded forward runs eagerly (``pad_prefill=True`` on the CPU) and must give the tokens of the unpadded
-prefill, on a stub with the model contract and on the tiny real models with mixed adapters; the padded
-forward makes no host sync (the decode step's trap of tests/test_gpu_readiness.py).
+prefill, on a stub with the model contract here; on the tiny real models with mixed adapters (and that the
+padded forward makes no host sync) in tests/test_gpu_readiness.py's
+``test_padded_prefill_and_decode_step_make_no_host_sync``, which shares each model with the decode step's
+check.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_gpu_readiness import _load_mixed, _model, _SyncTrap
+from test_gpu_readiness import _model
 from test_model_generate import ADAPTERS, StubLM, naive_greedy, prompts_of
 
 from moelora_lib.model.generate import Generator, prefill_length
@@ -71,32 +73,6 @@ def test_pad_prefill_needs_last_index():
     with pytest.raises(ValueError, match="pad_prefill"):
         Generator(StubLM(), pad_prefill=True)
     assert not Generator(StubLM()).pad_prefill  # off by default on the CPU
-
-
-@pytest.mark.parametrize("name", ["tiny-gpt-oss", "tiny-qwen3-moe", "tiny-qwen3"])
-def test_padded_prefill_real_models(name, monkeypatch):
-    # max_seq 32: the 11-token prompts pad to 32 (the bucket of 64 capped at max_seq), which keeps the
-    # interpreted padded forward small; the padding itself is the same code path at any length
-    model = _model(name, max_seq=32, max_tokens=96)
-    _load_mixed(model)
-    adapters = [0, -1, 2] if model.config.is_moe else [0, -1, 1]
-    prompts = e2e.make_prompts(3, 11, model.config.vocab_size, 0)
-    # two new tokens: the prefill's and one decode step reading the padded prefill's K/V
-    ref = Generator(model, pad_prefill=False).generate(prompts, adapters, 2).tokens
-    gen = Generator(model, pad_prefill=True)
-    assert gen.generate(prompts, adapters, 2).tokens == ref
-    # the padded prefill forward makes no host sync (it is what a graph captures on the GPU)
-    pb = gen._prefill_bucket(3, prefill_length(11, model.max_seq))
-    trap = _SyncTrap(monkeypatch)
-    hook = model.layers[0].register_forward_pre_hook(trap.arm)
-    try:
-        with torch.no_grad():
-            logits = gen._forward_prefill(pb)
-    finally:
-        trap.disarm()
-        hook.remove()
-    assert not trap.hits, trap.hits
-    assert logits.argmax(-1).tolist() == [t[0] for t in ref]
 
 
 def test_last_index_argument():

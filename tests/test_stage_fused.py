@@ -298,35 +298,37 @@ def test_split_down_compiles_to_atomics(report):
 
 
 @pytest.mark.parametrize(
-    "shape,dtype", [(TINY, F16), (TINY_OSS, F32)], ids=["silu-fp16", "swigluoai_bias-fp32"]
+    "shape,dtype,sk",
+    [(TINY, F16, 4), (TINY_OSS, F32, 2)],
+    ids=["silu-fp16-sk4", "swigluoai_bias-fp32-sk2"],
 )
-def test_split_down_matches_reference_and_unsplit(shape, dtype):
-    # the down GEMM with K split over 2 and 4 programs (I = 32, BLOCK_SIZE_K 16: 1 K block each at 2,
+def test_split_down_matches_reference_and_unsplit(shape, dtype, sk):
+    # the down GEMM with K split over 2 or 4 programs (I = 32, BLOCK_SIZE_K 16: 1 K block each at 2,
     # and at 4 two programs get none and add exact zeros): the LoRA delta and the bias once, every share
-    # times the routing weight, one rounding in the top-k sum
+    # times the routing weight, one rounding in the top-k sum. One split per case (each split on one
+    # shape; the kernel's split path is the same code at both): the interpreted layer runs ~10 times per split
     inp = _inputs(shape, dtype, num_tokens=13)
     ref = moe_lora_reference(*inp.args(), **inp.kwargs())
     cfg = _cfg(bk=16)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
-    for sk in (2, 4):
-        c = cfg.replace(base_down=OpConfig(16, 32, 16, 4, sk, 4, 2))
-        assert not c.is_deterministic and c.deterministic().base_down.SPLIT_K == 1
-        out = fused_moe_lora(*inp.args(), **inp.kwargs(), stage="fused", config=c)
-        one = fused_moe_lora(*inp.args(), **inp.kwargs(), stage="fused", config=c, deterministic=True)
-        assert out.dtype == dtype and out.shape == ref.shape
-        assert_close_rel(out, ref, tol=tol, what=f"split-K {sk} down vs reference")
-        assert_close_rel(out, one, tol=tol, what=f"split-K {sk} down vs SPLIT_K 1")
-        run = make_layer_run(*inp.args(), **inp.kwargs(), stage="fused", config=c)
-        run()
-        assert run._y32 is not None and run._y32.dtype == torch.float32
-        # the base part alone (no LoRA) splits too; the stages without fused GEMMs never split the down GEMM
-        base = make_layer_run(*inp.args(), **inp.kwargs(), stage="fused", config=c.deterministic())
-        assert torch.equal(run.base_part(), run.base_part())  # fp32 atomics of 2 programs: order-free
-        assert_close_rel(run.base_part(), base.base_part(), tol=tol, what="split base part")
-        assert make_layer_run(*inp.args(), **inp.kwargs(), stage="tuned", config=c).cfg.base_down.SPLIT_K == 1
-        # one launch alone with a config that differs from the layer's (the tuner's path): both ways
-        base.op_fn("fused_down", c.base_down)()
-        run.op_fn("fused_down", cfg.base_down)()
+    c = cfg.replace(base_down=OpConfig(16, 32, 16, 4, sk, 4, 2))
+    assert not c.is_deterministic and c.deterministic().base_down.SPLIT_K == 1
+    out = fused_moe_lora(*inp.args(), **inp.kwargs(), stage="fused", config=c)
+    one = fused_moe_lora(*inp.args(), **inp.kwargs(), stage="fused", config=c, deterministic=True)
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert_close_rel(out, ref, tol=tol, what=f"split-K {sk} down vs reference")
+    assert_close_rel(out, one, tol=tol, what=f"split-K {sk} down vs SPLIT_K 1")
+    run = make_layer_run(*inp.args(), **inp.kwargs(), stage="fused", config=c)
+    run()
+    assert run._y32 is not None and run._y32.dtype == torch.float32
+    # the base part alone (no LoRA) splits too; the stages without fused GEMMs never split the down GEMM
+    base = make_layer_run(*inp.args(), **inp.kwargs(), stage="fused", config=c.deterministic())
+    assert torch.equal(run.base_part(), run.base_part())  # 2 programs with work: fp32 atomics order-free
+    assert_close_rel(run.base_part(), base.base_part(), tol=tol, what="split base part")
+    assert make_layer_run(*inp.args(), **inp.kwargs(), stage="tuned", config=c).cfg.base_down.SPLIT_K == 1
+    # one launch alone with a config that differs from the layer's (the tuner's path): both ways
+    base.op_fn("fused_down", c.base_down)()
+    run.op_fn("fused_down", cfg.base_down)()
     # a split gate_up (stage gemv's) is never launched by the tensor-core stages
     c = cfg.replace(base_gate_up=OpConfig(16, 16, 32, 4, 2, 4, 2))
     assert make_layer_run(*inp.args(), **inp.kwargs(), stage="fused", config=c).cfg.base_gate_up.SPLIT_K == 1

@@ -53,8 +53,12 @@ def _layers(w, adapters, S, activation, stages, **kw):
     return out
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("S,activation", [(2, "silu"), (1, "swigluoai")])
+# each dtype and each (slices, activation) once, paired (the cross product repeated the same layer code)
+@pytest.mark.parametrize(
+    "dtype,S,activation",
+    [(torch.float16, 2, "silu"), (torch.float32, 1, "swigluoai")],
+    ids=["fp16-2-silu", "fp32-1-swigluoai"],
+)
 def test_layer_gemv_equals_tuned(dtype, S, activation):
     w, adapters, g = _weights(dtype, S, activation)
     layers = _layers(w, adapters, S, activation, ("gemv", "tuned"))

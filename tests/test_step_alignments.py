@@ -2,7 +2,7 @@
 
 A :class:`~moelora_lib.model.MultiLoRAModel` forward runs its layers inside ``step_alignments.scope()``:
 every LoRALinear of one key (lora_ids tensor, T, BLOCK_SIZE_M, L, the module's loaded slots) reads the
-alignment its first module made. Checks, on a tiny 3-layer dense Qwen3 (fp32, Triton interpreter) with
+alignment its first module made. Checks, on a tiny 2-layer dense Qwen3 (fp32, Triton interpreter) with
 slot 0 on every projection, slot 1 on the attention projections and one down_proj only (so two keys
 interleave through the step and share the modules' scratch sizes), slot 2 empty, and a batch of rows on
 slots 0, 1 and -1:
@@ -28,7 +28,7 @@ from moelora_lib.linear import LoRALinear, StepAlignments
 from moelora_lib.model.checkpoint import random_model
 from moelora_lib.model.config import REAL_CONFIGS
 
-NL = 3
+NL = 2  # the two keys still interleave (layers.1.mlp.down_proj has the attention's slots)
 
 
 def _tiny_dense():

@@ -83,6 +83,15 @@ def check_bool(name: str, v: Any) -> bool:
     return v
 
 
+def check_finite(name: str, t: torch.Tensor) -> None:
+    """ValueError naming ``name`` when the float tensor ``t`` holds a NaN or an infinity (one min/max
+    reduction without a temporary the size of ``t``, one host sync: for weights at construction)."""
+    if t.numel() and t.is_floating_point():
+        lo, hi = torch.aminmax(t)
+        if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
+            raise ValueError(f"{name} holds non-finite values (NaN or inf): every output row would be NaN")
+
+
 def describe(x) -> str:
     """What ``x`` is, for an error message: a tensor's shape, dtype and device, else its type."""
     if isinstance(x, torch.Tensor):

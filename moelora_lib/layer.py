@@ -52,7 +52,7 @@ import weakref
 import torch
 
 from . import ops
-from .common import check_bool, check_kernel_dtype, is_int
+from .common import check_bool, check_finite, check_kernel_dtype, is_int
 from .kernels import AUTO_STAGE, GEMV_STAGE, STAGES, LayerConfig, LayerRun, Stage, check_stage_name
 from .kernels.align import AlignWorkspace, align_tokens_triton, align_workspace
 from .kernels.align_small import (
@@ -354,9 +354,10 @@ class MoELoRALayer(ops.OpLayer):
             expert-parallel fused MoE (``expert_map`` global → local, -1 = not here) and its MoE LoRA with
             per-token adapter ids carried through the dispatch (vllm-project/vllm#40867).
     Raises:
-        ValueError naming the argument: shapes, dtypes, devices, sizes, stage, activation. When w13
-        and w2 disagree, the message names the one that is wrong (a transposed weight is recognised;
-        else w13 is the reference) with its expected shape, the received one and the other's shape.
+        ValueError naming the argument: shapes, dtypes, devices, sizes, stage, activation, dense
+        weights or biases holding NaN/inf (one host sync). When w13 and w2 disagree, the message
+        names the one that is wrong (a transposed weight is recognised; else w13 is the reference)
+        with its expected shape, the received one and the other's shape.
 
     Parameters (frozen, in the state dict): ``w13``, ``w2``, ``b13``, ``b2``; with MXFP4 weights
     ``w13_blocks``, ``w13_scales``, ``w2_blocks``, ``w2_scales`` (uint8), with FP8 weights ``w13_fp8``,
@@ -429,6 +430,10 @@ class MoELoRALayer(ops.OpLayer):
         if fmt == "fp8" and activation_scheme != "weight_only":
             fp8_groups = (packed[0].block[1], packed[1].block[1])
         _check_expert_weights(w13, w2, b13, b2)
+        if fmt == "dense":
+            for name, t in (("w13", w13), ("w2", w2), ("b13", b13), ("b2", b2)):
+                if isinstance(t, torch.Tensor):
+                    check_finite(name, t)
         if w13.shape[1] % (2 * slices):
             raise ValueError(f"w13: 2I (dim 1) = {w13.shape[1]} must be divisible by 2·slices = {2 * slices}")
         E, two_i, H = w13.shape

@@ -59,7 +59,7 @@ import torch
 import torch.nn.functional as F
 
 from . import ops
-from .common import check_bool, check_kernel_dtype, check_tensor, is_int
+from .common import check_bool, check_finite, check_kernel_dtype, check_tensor, is_int
 from .common import describe as _desc
 from .kernels import AUTO_STAGE, STAGES, check_stage_name
 from .kernels.align import AlignWorkspace, align_tokens_triton, align_workspace
@@ -606,7 +606,7 @@ class LoRALinear(ops.OpLayer):
             every T (None: :func:`~moelora_lib.kernels.dense_fp8.default_dense_fp8_config` per T); its
             BLOCK_SIZE_K must divide ``weight.block[1]``. FP8 weights only.
     Raises:
-        ValueError naming the argument.
+        ValueError naming the argument (a dense weight or bias holding NaN/inf too: one host sync).
 
     Parameters (frozen, in the state dict): ``weight``, ``bias``; with an FP8 weight ``weight_fp8``
     (float8_e4m3fn [N_total, H]) and ``weight_scale_inv`` (its scale grid; the block in ``fp8_block``)
@@ -686,6 +686,11 @@ class LoRALinear(ops.OpLayer):
                     f"dtype must be None or weight's dtype {weight.dtype} with a dense weight, got {dtype!r}"
                 )
             dt = weight.dtype
+            if weight.device.type == "cpu":
+                _check_cpu_backend(dt, "weight")
+            check_finite("weight", weight)
+            if isinstance(bias, torch.Tensor) and bias.is_floating_point():
+                check_finite("bias", bias)
         N, H = weight.shape
         slices = _check_slices((N,) if slices is None else slices, N)
         L, R, S = num_adapters, max_rank, len(slices)

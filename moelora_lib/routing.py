@@ -49,11 +49,10 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True):
     Returns:
         (topk_weights [T, K] float32, topk_ids [T, K] int32)
     Raises:
-        ValueError: router_logits not a 2-D float tensor, or top_k outside [1, E].
-        TypeError: renormalize not a Python bool.
+        ValueError: router_logits not a 2-D float tensor, top_k outside [1, E], or renormalize not a
+            Python bool.
     """
-    if not isinstance(renormalize, bool):
-        raise TypeError(f"renormalize must be a Python bool (True or False), got {renormalize!r}")
+    check_bool("renormalize", renormalize)
     if not isinstance(router_logits, torch.Tensor) or router_logits.dim() != 2:
         raise ValueError(f"router_logits must be a 2-D tensor [T, E], got {_desc(router_logits)}")
     if not router_logits.is_floating_point():

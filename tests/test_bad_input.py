@@ -308,7 +308,7 @@ def test_fused_moe_lora_lora_ids_int64_accepted_other_int_named(device):
 def test_route_renormalize_must_be_bool(bad):
     import moelora_lib
 
-    with pytest.raises(TypeError, match="^renormalize must be a Python bool"):
+    with pytest.raises(ValueError, match="^renormalize must be a Python bool"):
         moelora_lib.route(torch.randn(5, 4), 2, renormalize=bad)
 
 

@@ -364,6 +364,11 @@ BAD_FILES = {
         r"quant_method 'fp8': block-FP8 weights are read for model_type 'qwen3' / 'qwen3_moe' only",
     ),
     "not_a_dict": (dict(quantization_config="mxfp4"), None, r"quantization_config: expected a JSON object"),
+    "no_quantization_config": (
+        dict(quantization_config=None),
+        None,
+        r"look like MXFP4 expert blocks, but config.json declares no quantization_config",
+    ),
     "bad_not_convert": (
         dict(quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": "lm_head"}),
         None,

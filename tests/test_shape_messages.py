@@ -163,3 +163,20 @@ def test_topk_k_mismatch_names_both_arguments():
     a2, b2 = torch.zeros(L, E, R, I), torch.zeros(L, E, H, R)
     with pytest.raises(ValueError, match=r"topk_ids has K=1, topk_weights has K=2"):
         moelora_lib.fused_moe_lora(x, w13, w2, tw, ti[:, :1], ids, a13, b13, a2, b2)
+
+
+# --- non-finite base weights: refused at construction, named -----------------------------------------
+@pytest.mark.parametrize("name,bad", [("w13", float("nan")), ("w2", float("inf")), ("b2", float("-inf"))])
+def test_layer_refuses_non_finite_base_weights(name, bad):
+    ws = {"w13": _w(E, 2 * I, H), "w2": _w(E, H, I), "b13": _w(E, 2 * I), "b2": _w(E, H)}
+    ws[name].view(-1)[3] = bad
+    with pytest.raises(ValueError, match=rf"^{name} holds non-finite values"):
+        MoELoRALayer(ws["w13"], ws["w2"], b13=ws["b13"], b2=ws["b2"], **LAYER)
+
+
+@pytest.mark.parametrize("name", ["weight", "bias"])
+def test_lora_linear_refuses_non_finite_weight(name):
+    w, b = _w(3 * H, H), _w(3 * H)
+    (w if name == "weight" else b).view(-1)[5] = float("nan")
+    with pytest.raises(ValueError, match=rf"^{name} holds non-finite values"):
+        LoRALinear(w, bias=b, num_adapters=L, max_rank=R, max_tokens=4)

@@ -598,6 +598,12 @@ def load_hf_checkpoint(
     files = _key_files(path)
     if quant == "mxfp4":
         _check_mxfp4_files(config, files, path)
+    if quant is None and any(k.endswith("_blocks") for k in files):
+        raise ValueError(
+            f"checkpoint {path}: {_few(k for k in files if k.endswith('_blocks'))} look like MXFP4 expert "
+            "blocks, but config.json declares no quantization_config (quant_method 'mxfp4' is needed to "
+            "read them)"
+        )
     if quant == "fp8" and not any(k.endswith(_FP8_SCALE) for k in files):
         raise ValueError(
             f"checkpoint {path}: config.json declares quantization_config.quant_method 'fp8' but no key "

@@ -86,7 +86,7 @@ def check_bool(name: str, v: Any) -> bool:
 def check_finite(name: str, t: torch.Tensor) -> None:
     """ValueError naming ``name`` when the float tensor ``t`` holds a NaN or an infinity (one min/max
     reduction without a temporary the size of ``t``, one host sync: for weights at construction)."""
-    if t.numel() and t.is_floating_point():
+    if t.numel() and t.is_floating_point() and t.device.type in ("cpu", "cuda"):
         lo, hi = torch.aminmax(t)
         if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
             raise ValueError(f"{name} holds non-finite values (NaN or inf): every output row would be NaN")

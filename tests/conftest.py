@@ -6,6 +6,8 @@ without CUDA; on a GPU host the interpreter is not used.
 """
 
 import os
+import re
+from pathlib import Path
 
 # Before numpy loads OpenBLAS: its non-FMA kernels give each row of a product independently of the other rows,
 # as the GPU's MMA does (scripts/_common.sh says why; the interpreter's tl.dot is numpy's matmul).
@@ -17,6 +19,32 @@ import torch  # noqa: E402
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+#: Test files with a module-scoped fixture (a built model, a written checkpoint): pytest-xdist runs each on
+#: one worker, which builds the fixture once (else each worker builds it for its share of the tests).
+SHARED_FIXTURE_FILES = frozenset(
+    p.name
+    for p in Path(__file__).parent.glob("test_*.py")
+    if re.search(r"@pytest\.fixture\(scope=\"module\"", p.read_text())
+)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``-n N`` with the default ``--dist load``: each file of :data:`SHARED_FIXTURE_FILES` is one work unit
+    (given out first, the larger ones first), every other test its own; a worker gets the next unit when it
+    is nearly idle."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedFixtureScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return path if Path(path).name in SHARED_FIXTURE_FILES else nodeid
+
+    return SharedFixtureScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config, items):

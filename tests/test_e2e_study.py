@@ -166,9 +166,11 @@ def cpu_run():
     """The notebook's CPU flow on tiny-gpt-oss: base, adapters (slot 0 from a file), mixed, the mixed
     batch's breakdown, recompilation check."""
     name = "tiny-gpt-oss"
+    # one decoder layer: the flow's code path (every layer runs the same code)
     model = e2e.build_model(
-        name, dtype=torch.float32, device="cpu", max_batch=2, max_seq=16, max_tokens=32, max_rank=4
-    )
+        name, dtype=torch.float32, device="cpu", max_batch=2, max_seq=16, max_tokens=32, max_rank=4,
+        num_layers=1,
+    )  # fmt: skip
     gen = Generator(model)
     rows, bd = [], []
     for scenario in e2e.SCENARIOS:

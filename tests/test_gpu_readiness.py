@@ -38,10 +38,13 @@ TINY = ("tiny-gpt-oss", "tiny-qwen3-moe", "tiny-qwen3")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _model(name, *, max_batch=4, max_seq=24, max_tokens=32, adapters=4, rank=8, stage="tuned"):
+def _model(
+    name, *, max_batch=4, max_seq=24, max_tokens=32, adapters=4, rank=8, stage="tuned", num_layers=None
+):
     return e2e.build_model(
         name,
         stage=stage,
+        num_layers=num_layers,
         dtype=torch.float32,
         device="cpu",
         max_batch=max_batch,
@@ -153,8 +156,10 @@ def test_padded_prefill_and_decode_step_make_no_host_sync(name, stage, monkeypat
     of the unpadded prefill, and neither it nor the decode step at a padded bucket makes a host sync."""
     # max_seq 12: the 5-token prompts pad to 12 (the bucket of 64 capped at max_seq), which keeps the
     # interpreted padded forward small (its cost grows with the padded tokens); the padding itself is the
-    # same code path at any length. max_tokens 48 holds the 3 x 12 padded prefill in one call.
-    model = _model(name, stage=stage, max_seq=12, max_tokens=48)
+    # same code path at any length. max_tokens 48 holds the 3 x 12 padded prefill in one call. One decoder
+    # layer: the layers run one code (GPT-OSS's full and sliding ones differ in the mask they pick from the
+    # model's forward, which builds both).
+    model = _model(name, stage=stage, max_seq=12, max_tokens=48, num_layers=1)
     _load_mixed(model)
     adapters = [0, -1, 2] if model.config.is_moe else [0, -1, 1]
     prompts = e2e.make_prompts(3, 5, model.config.vocab_size, 0)
@@ -269,8 +274,10 @@ def _addresses(model, gen) -> dict[str, int]:
 def test_graph_state_stays_in_place(tmp_path):
     # one MoE model: tiny-qwen3-moe's LoRA modules, scratch, workspaces, KV cache and buckets are the same
     # classes (GPT-OSS adds biases, sinks and a sliding window); the dense model: the capture test above
+    # one decoder layer: every layer holds the same kinds of state (a sliding layer's KV cache is a full
+    # one's)
     name = "tiny-gpt-oss"
-    model = _model(name)
+    model = _model(name, num_layers=1)
     gen = Generator(model, pad_to_buckets=True, graph_batch_sizes=(1, 4))
     vocab = model.config.vocab_size
     for c in (1, 3):

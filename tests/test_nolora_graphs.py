@@ -363,7 +363,7 @@ def test_no_adapter_batch_runs_the_base_model(launches):
     the base-only variant in every step, and the tokens of the same model with nothing loaded."""
     model = _moe_model()
     _load_two(model)
-    prompts, new = e2e.make_prompts(3, 4, model.config.vocab_size, 0), 3
+    prompts, new = e2e.make_prompts(3, 4, model.config.vocab_size, 0), 2  # the prefill and a decode step
     gen = Generator(model, **GEN)
     launches.clear()
     res = gen.generate(prompts, [None] * 3, new)
@@ -381,7 +381,8 @@ def test_mixed_batch_switches_to_base_after_eos(launches):
     run in the forwards with slot 0 only."""
     model = _moe_model()
     _load_two(model)
-    prompts, adapters, new = e2e.make_prompts(3, 4, model.config.vocab_size, 1), [0, None, None], 6
+    # four tokens: one decode step with slot 0 (k = 1), then two without
+    prompts, adapters, new = e2e.make_prompts(3, 4, model.config.vocab_size, 1), [0, None, None], 4
     ref_gen = Generator(model, **GEN)
     ref_gen._has_variants = False  # the forward unrestricted, as before variants
     ref = ref_gen.generate(prompts, adapters, new).tokens

@@ -113,7 +113,7 @@ def _tiny_gpt_oss(folder: Path, adapter_dirs: list[Path]) -> None:
     cfg = transformers.GptOssConfig(
         vocab_size=64,
         hidden_size=32,
-        num_hidden_layers=2,
+        num_hidden_layers=1,  # one decoder layer (sliding, so the window matters): the block's code path
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=8,
@@ -121,7 +121,7 @@ def _tiny_gpt_oss(folder: Path, adapter_dirs: list[Path]) -> None:
         num_local_experts=4,
         num_experts_per_tok=2,
         sliding_window=4,
-        layer_types=["sliding_attention", "full_attention"],
+        layer_types=["sliding_attention"],
         max_position_embeddings=64,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         rms_norm_eps=1e-5,

@@ -221,8 +221,8 @@ def test_cpu_tables(cpu_run, tmp_path):
 
 def test_no_adapter_while_loaded(cpu_run):
     """Notebook 13's third scenario: no request on an adapter while 8 are loaded; its restricted breakdown
-    runs no LoRA launch (the base-only variant: on the interpreter a LoRA launch costs far more CPU time
-    than the whole base step), the mixed batch's restricted breakdown does."""
+    runs no LoRA launch (the base-only variant), the mixed batch's restriction keeps them. Launches are
+    checked, not CPU times (those vary with the machine's load)."""
     model, *_ = cpu_run
     gen = Generator(model)
     row = e2e.run_generation(gen, "tiny-gpt-oss", e2e.NO_ADAPTER_LOADED, concurrency=1, prompt_len=6,
@@ -232,7 +232,9 @@ def test_no_adapter_while_loaded(cpu_run):
     kw = dict(batch=1, position=6, steps=1, restrict=True)
     off = e2e.step_breakdown(model, adapters=e2e.adapter_slots(e2e.NO_ADAPTER_LOADED, 1, 8), **kw)
     on = e2e.step_breakdown(model, adapters=e2e.adapter_slots("adapters_mixed", 1, 8), **kw)
-    assert off["lora"] == 0 and off["kernel_sum"] < 0.5 * on["kernel_sum"], (off, on)
+    assert off["lora"] == 0 and off["kernel_sum"] > 0 and on["kernel_sum"] > 0, (off, on)
+    assert not any(any(m) for m in model.lora_launches([])), "a batch without adapters launches no LoRA"
+    assert any(any(m) for m in model.lora_launches(range(8))), "the mixed batch launches LoRA"
     assert model.lora_launches(None) == model.lora_launches(range(8))  # the restriction was undone
 
 

@@ -689,7 +689,7 @@ class LoRALinear(ops.OpLayer):
             if weight.device.type == "cpu":
                 _check_cpu_backend(dt, "weight")
             check_finite("weight", weight)
-            if isinstance(bias, torch.Tensor) and bias.is_floating_point():
+            if isinstance(bias, torch.Tensor):
                 check_finite("bias", bias)
         N, H = weight.shape
         slices = _check_slices((N,) if slices is None else slices, N)

@@ -151,8 +151,8 @@ class _SyncTrap:
 def test_padded_prefill_and_decode_step_make_no_host_sync(name, stage, monkeypatch):
     """Stages: ``tuned`` (notebook 11's), ``naive`` (its initial-vs-optimized run), ``fused`` (12's).
 
-    One model per case serves both forwards a CUDA graph captures (they used to build the same model
-    twice): the padded prefill (``pad_prefill``, tests/test_prefill_graphs.py's subject) gives the tokens
+    One model per case serves both forwards a CUDA graph captures (built once for both checks): the
+    padded prefill (``pad_prefill``, tests/test_prefill_graphs.py's subject) gives the tokens
     of the unpadded prefill, and neither it nor the decode step at a padded bucket makes a host sync."""
     # max_seq 12: the 5-token prompts pad to 12 (the bucket of 64 capped at max_seq), which keeps the
     # interpreted padded forward small (its cost grows with the padded tokens); the padding itself is the
@@ -272,10 +272,10 @@ def _addresses(model, gen) -> dict[str, int]:
 
 
 def test_graph_state_stays_in_place(tmp_path):
-    # one MoE model: tiny-qwen3-moe's LoRA modules, scratch, workspaces, KV cache and buckets are the same
-    # classes (GPT-OSS adds biases, sinks and a sliding window); the dense model: the capture test above
-    # one decoder layer: every layer holds the same kinds of state (a sliding layer's KV cache is a full
-    # one's)
+    # one MoE model, tiny-gpt-oss: tiny-qwen3-moe's LoRA modules, scratch, workspaces, KV cache and buckets
+    # are the same classes (GPT-OSS adds biases, sinks and a sliding window); the dense model is covered by
+    # the capture test above. One decoder layer: every layer holds the same kinds of state (a sliding
+    # layer's KV cache is a full one's).
     name = "tiny-gpt-oss"
     model = _model(name, num_layers=1)
     gen = Generator(model, pad_to_buckets=True, graph_batch_sizes=(1, 4))

@@ -7,6 +7,7 @@ without CUDA; on a GPU host the interpreter is not used.
 
 import os
 import re
+import sys
 from pathlib import Path
 
 # Before numpy loads OpenBLAS: its non-FMA kernels give each row of a product independently of the other rows,
@@ -19,52 +20,18 @@ import torch  # noqa: E402
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-
-def _patch_lang_once_per_launch() -> None:
-    """Triton's interpreter swaps triton.language's builtins for interpreted ones (``_patch_lang``: an
-    ``inspect.getmembers`` walk of tl, tl.tensor, tl.math, ...) at each launch and again at every call of a
-    ``@triton.jit`` device function from inside it, where the builtins are already swapped and the walk
-    changes nothing: about a fifth of the interpreted test time. Here a device call skips the walk when the
-    launch has already swapped the modules its function sees; the kernels run the same interpreted code.
-    Left as it is if this Triton has other internals."""
-    import triton.language as tl
-    from triton.runtime import interpreter as ti
-
-    real_patch, executor = getattr(ti, "_patch_lang", None), getattr(ti, "GridExecutor", None)
-    if real_patch is None or executor is None or not hasattr(ti, "_LangPatchScope"):
-        return
-    real_call, swapped = executor.__call__, []  # swapped: the lang modules the running launch swapped
-
-    def langs_of(fn):
-        return {id(v) for v in fn.__globals__.values() if isinstance(v, type(tl)) and v in (tl, tl.core)}
-
-    def patch_lang(fn):
-        langs = langs_of(fn)
-        if swapped and langs <= swapped[0]:
-            return ti._LangPatchScope()  # nothing to restore
-        scope = real_patch(fn)
-        if swapped:
-            swapped[0] |= langs
-        else:
-            swapped.append(langs)
-        return scope
-
-    def call(self, *args, **kwargs):
-        outer = not swapped
-        try:
-            return real_call(self, *args, **kwargs)
-        finally:
-            if outer:
-                swapped.clear()
-
-    ti._patch_lang = patch_lang
-    executor.__call__ = call
+#: tests/interpreter_site: interpreter_speedups.py and the sitecustomize.py that applies it in child processes
+INTERPRETER_SITE = Path(__file__).resolve().parent / "interpreter_site"
 
 
 if os.environ.get("TRITON_INTERPRET") == "1":
-    _patch_lang_once_per_launch()
+    # the same replacements in this process and in the Python processes the tests start
+    sys.path.insert(0, str(INTERPRETER_SITE))
+    _paths = [str(INTERPRETER_SITE), os.environ.get("PYTHONPATH")]
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in _paths if p)
+    import interpreter_speedups  # noqa: E402
 
+    interpreter_speedups.apply()
 
 #: Test files with a module-scoped fixture (a built model, a written checkpoint): pytest-xdist runs each on
 #: one worker, which builds the fixture once (else each worker builds it for its share of the tests).

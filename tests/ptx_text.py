@@ -32,6 +32,12 @@ _PRED_CP_ASYNC = re.compile(r"^\s*@!?%p\w*\s+cp\.async\b", re.M)
 _LD_GLOBAL = re.compile(r"^\s*(?:@!?%p\w*\s+)?ld\.global\b", re.M)
 
 
+def tensor_core_ops(ptx_text: str) -> dict:
+    """Counts of ``mma.sync`` and ``wgmma.mma_async`` instructions in PTX."""
+    mma = len(re.findall(r"(?<![\w.])mma\.sync\.aligned\.\S+", ptx_text))
+    return {"mma_sync": mma, "wgmma": len(re.findall(r"\bwgmma\.mma_async\.\S+", ptx_text))}
+
+
 def masked_global_loads(ptx_text: str) -> dict:
     """Global loads of PTX by kind: ``predicated`` (``@%p ld.global``), ``zero_fill`` (``cp.async`` with a
     src-size operand), ``predicated_cp_async`` (``@%p cp.async``), ``all_ld_global``."""

@@ -147,13 +147,6 @@ def resource_usage(compiled) -> dict:
     return res
 
 
-# --- text helpers (pure functions over PTX / SASS) -------------------------------------------------
-def tensor_core_ops(ptx_text: str) -> dict:
-    """Counts of ``mma.sync`` and ``wgmma.mma_async`` instructions in PTX."""
-    mma = len(re.findall(r"(?<![\w.])mma\.sync\.aligned\.\S+", ptx_text))
-    return {"mma_sync": mma, "wgmma": len(re.findall(r"\bwgmma\.mma_async\.\S+", ptx_text))}
-
-
 # --- the real launch arguments of one layer launch, on meta tensors --------------------------------------
 #: launch name -> kernel name (the launches of one layer, :data:`moelora_lib.kernels.stages.LAUNCH_KERNELS`)
 LAUNCHES = dict(base_gate_up="fused_moe", base_down="fused_moe", gate_up_shrink="lora_shrink")

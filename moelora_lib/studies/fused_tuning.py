@@ -96,15 +96,12 @@ def tune_fused_workload(
 ) -> dict[str, OpConfig]:
     """Tune the two fused GEMMs of one workload; returns {op: cfg} (empty when the budget ran out first)."""
     from ..kernels.fused import fused_gemm_configs
-    from .moe_bench import layer_inputs
 
     t0 = time.perf_counter() if t0 is None else t0
     s = tuner.check_models([model])[0]
     dims = Dims.of(s, T, rank=R, adapters=L, slices=weights.lora_a13.shape[2])
     cur = fused_gemm_configs(configs.load_layer_config(dims))
     bms = sorted(set(base_bm_candidates(T, s.top_k, s.experts, max_bms)) | {cur.base_block_size_m})
-    kw = dict(rank=R, num_adapters=L, pattern="uniform", weights=weights, seed=0, activation="silu")
-    inp = layer_inputs(s, T, **kw, bias=False)
     ids = dict(model=model, R=R, L=L, T=T, H=s.hidden, I=s.intermediate, E=s.experts, K=s.top_k)
     fields = [FUSED_CONFIG_FIELD[op] for op in FUSED_OPS]
 
@@ -112,7 +109,7 @@ def tune_fused_workload(
         return fused_op_candidates(op, bm, getattr(cur, FUSED_CONFIG_FIELD[op]), max_cands)
 
     return tuner.tune_layer_ops(
-        "fused", inp, cur, fields, FUSED_OPS, bms, candidates, device, log, ids,
+        "fused", s, T, weights, cur, fields, FUSED_OPS, bms, candidates, device, log, ids,
         what=f"{model} T={T} fused GEMMs", deadline=deadline, t0=t0, first_note="current",
     )  # fmt: skip
 

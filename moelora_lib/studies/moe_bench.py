@@ -51,10 +51,6 @@ def fp8_bytes_per_weight(block: tuple[int, int] = FP8_BLOCK, scale_bytes: int = 
     return 1.0 + scale_bytes / (block[0] * block[1])
 
 
-#: Bytes per FP8 weight in the published layout: 1 byte + a float32 scale per 128 x 128 block.
-FP8_BYTES_PER_WEIGHT = fp8_bytes_per_weight()
-
-
 # --- vLLM anchors ----------------------------------------------------------------------------------------
 
 #: vLLM's MoE (+ multi-LoRA) kernels measured side by side with this project in one process on one H200.

@@ -394,11 +394,15 @@ def graph_timer(run, device: torch.device):
     return lambda op, c: bench.time_fn(run.op_fn(op, c), "graph", device, WARMUP_MS, REP_MS)
 
 
-def tune_layer_ops(stage: str, inp, cfg, fields: Sequence[str], ops: Sequence[str], bms: Sequence[int],
-                   candidates, device, log: TrialLog, ids: dict, *, what: str, **sweep_kw):  # fmt: skip
-    """:func:`sweep` then :func:`choose_bm` over ``ops`` of a LayerRun of ``stage`` on ``inp``. Returns {op:
-    OpConfig}, empty when the budget left no BM."""
-    from .moe_bench import make_run
+def tune_layer_ops(stage: str, shape, T: int, weights, cfg, fields: Sequence[str], ops: Sequence[str],
+                   bms: Sequence[int], candidates, device, log: TrialLog, ids: dict, *, what: str,
+                   **sweep_kw):  # fmt: skip
+    """:func:`sweep` then :func:`choose_bm` over ``ops`` of a LayerRun of ``stage`` on ``shape``'s seeded
+    inputs of T tokens (``weights``: a layer_inputs of this shape, R, L). Returns {op: OpConfig}, empty when
+    the budget left no BM."""
+    from .moe_bench import layer_inputs, make_run
+
+    inp = layer_inputs(shape, T, pattern="uniform", weights=weights, seed=0, activation="silu", bias=False)
 
     def prepare(bm: int):
         return graph_timer(make_run(stage, inp, with_bm(cfg, fields, bm)), device)

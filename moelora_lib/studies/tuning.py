@@ -101,13 +101,9 @@ def tune_workload(shape: MoEShape, T: int, R: int, L: int, weights, device, log:
     """Tune the groups ("lora": the four LoRA ops jointly; "base": the two base GEMMs) of one workload
     (``weights``: a layer_inputs of this shape, R, L); returns {group: {op: OpConfig}}, every trial in
     ``log``."""
-    from .moe_bench import layer_inputs
-
     t0 = time.perf_counter() if t0 is None else t0
     H, I, E, K, S = shape.hidden, shape.intermediate, shape.experts, shape.top_k, weights.lora_a13.shape[2]
     dflt = default_config(Dims.of(shape, T, rank=R, adapters=L, slices=S))
-    kw = dict(rank=R, num_adapters=L, pattern="uniform", weights=weights, seed=0, activation="silu")
-    inp = layer_inputs(shape, T, **kw, bias=False)
     k_dims = {"gate_up_shrink": H, "down_shrink": I}
 
     def candidates(op: str, bm: int) -> list[OpConfig]:
@@ -122,7 +118,7 @@ def tune_workload(shape: MoEShape, T: int, R: int, L: int, weights, device, log:
         lora = group == "lora"
         bms = lora_bm_candidates(T, K, E, L, max_bms) if lora else base_bm_candidates(T, K, E, max_bms)
         out[group] = tuner.tune_layer_ops(
-            TUNE_STAGE, inp, dflt, ops, ops, bms, candidates, device, log, ids,
+            TUNE_STAGE, shape, T, weights, dflt, ops, ops, bms, candidates, device, log, ids,
             what=f"{shape.name} T={T} {group}", deadline=deadline, t0=t0,
         )  # fmt: skip
     return out

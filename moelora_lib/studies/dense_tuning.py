@@ -1,10 +1,6 @@
 """The dense multi-LoRA tuner: shrink and expand configs of :func:`moelora_lib.linear.lora_linear`
 (stage ``tuned``) per projection shape and T, in vLLM's dense LoRA file format (``{gpu}_SHRINK.json``,
-``{gpu}_EXPAND_TRUE.json``; ``load_dense_config``)::
-
-    python -m moelora_lib.studies.dense_tuning --projections all --tokens 1,8,64,256,1600,8192 \\
-        --ranks 32 --adapters 8 --out moelora_lib/configs/NVIDIA_H200 \\
-        --csv data/10_dense_tuning_trials.csv --budget-s 330
+``{gpu}_EXPAND_TRUE.json``; ``load_dense_config``). The run command: moelora_lib/configs/README.md.
 
 Per workload (projection, R, L, T), through :mod:`.tuner`:
 
@@ -40,7 +36,7 @@ from ..shapes import DENSE_CPU_MODELS, DENSE_GPU_MODELS, DENSE_PRESETS, DensePro
 from . import tuner
 from .tuner import RUN_COLUMNS, TRIAL_COLUMNS
 
-__all__ = ["Projection", "projections", "CSV_COLUMNS", "bm_candidates", "shrink_candidates"]
+__all__ = ["projections", "CSV_COLUMNS", "bm_candidates", "shrink_candidates"]
 __all__ += ["expand_candidates", "plan", "precompile", "tune", "main"]
 
 #: The stage whose switches the tuned configs are for (split-K, grouped order, EVEN_K, fused add).
@@ -55,32 +51,19 @@ _KEY_COLUMNS = ("kind", "model", "proj", "H", "slices", "R", "L", "T", "op", "co
 _FILE_OPS = {"shrink": "dense_shrink", "expand": "dense_expand"}
 
 
-class Projection(DenseProjection):
-    """One dense projection as the tuner names it: ``name`` = proj, ``label`` = ``"<model>/<proj>"``."""
-
-    @property
-    def name(self) -> str:
-        return self.proj
-
-    @property
-    def label(self) -> str:
-        return f"{self.model}/{self.proj}"
-
-
-def projections(spec: str | Sequence[str]) -> list[Projection]:
+def projections(spec: str | Sequence[str]) -> list[DenseProjection]:
     """The projections named by ``spec``: ``"all"``, ``"model"`` or ``"model/proj"`` (or ``model:proj``),
     comma-separated or a list. ValueError naming an unknown item."""
     items = [str(x).strip() for x in (spec.split(",") if isinstance(spec, str) else spec) if str(x).strip()]
     if not items:
         raise ValueError(f"expected 'all' or comma-separated model[/proj] names, got {spec!r}")
-    out: list[Projection] = []
+    out: list[DenseProjection] = []
     for it in items:
         model, _, proj = it.replace(":", "/").partition("/")
         if it != "all" and model not in DENSE_PRESETS:
             raise ValueError(f"unknown model {model!r} in {it!r}; known: {['all', *DENSE_PRESETS]}")
         models = DENSE_GPU_MODELS if it == "all" else [model]
-        presets = [p for m in models for p in DENSE_PRESETS[m].projections()]
-        got = [Projection(p.model, p.proj, p.hidden, p.slices) for p in presets]
+        got = [p for m in models for p in DENSE_PRESETS[m].projections()]
         if proj and not (got := [p for p in got if p.proj == proj]):
             have = [p.proj for p in DENSE_PRESETS[model].projections()]
             raise ValueError(f"unknown projection {proj!r} of {model}; it has {have}")
@@ -160,7 +143,7 @@ def expand_candidates(
 # --- The plan: workloads, which ops they tune, the compiles -------------------------------------------------
 @dataclass
 class Workload:
-    proj: Projection
+    proj: DenseProjection
     R: int
     L: int
     T: int
@@ -206,7 +189,7 @@ def _choices(log: tuner.TrialLog, w: Workload) -> dict[str, OpConfig]:
 
 
 def plan(
-    projs: Sequence[Projection], ranks, adapters: int, tokens, *, files=None, log=None
+    projs: Sequence[DenseProjection], ranks, adapters: int, tokens, *, files=None, log=None
 ) -> list[Workload]:
     """The workloads in run order (R, T, projection), each marked done and with which of its ops take an
     existing entry."""
@@ -320,7 +303,7 @@ def precompile(jobs: list[dict], n_proc: int, timeout_s: float, arch: int) -> di
 class _Inputs:
     """The tensors of one projection (up to the largest T), made once per (projection, R)."""
 
-    def __init__(self, proj: Projection, R: int, L: int, max_T: int, dtype, device, seed: int):
+    def __init__(self, proj: DenseProjection, R: int, L: int, max_T: int, dtype, device, seed: int):
         g = torch.Generator(device=device).manual_seed(seed)  # on the device: 10^8 values at T = 8192
         H, S, N = proj.hidden, len(proj.slices), sum(proj.slices)
 
@@ -424,7 +407,7 @@ def _tune_workload(
                 log.config_row("choice", w.ids, op, c, t0=t0, ms_p50=ms, sum_ms=total, rel_err=err, note=note)
             return cs, ce
     raise RuntimeError(
-        f"{w.proj.label} R={w.R} L={w.L} T={T}: no config passed the correctness check (see the 'check' rows "
+        f"{w.proj.name} R={w.R} L={w.L} T={T}: no config passed the correctness check (see the 'check' rows "
         f"of {log.path}); the kernels or the reference are broken"
     )
 
@@ -468,7 +451,7 @@ def _check_args(projs, ranks, adapters, tokens, out, csv_path, budget_s, device,
     if l2 not in ("clean", "dirty"):
         raise ValueError(f"{n['l2']}: expected 'clean' or 'dirty', got {l2!r}")
     if dev.type == "cpu":  # the interpreter runs a kernel program by program
-        big = [p.label for p in ps if p.model not in DENSE_CPU_MODELS]
+        big = [p.name for p in ps if p.model not in DENSE_CPU_MODELS]
         if big:
             raise ValueError(f"{n['projections']}: the CPU (Triton interpreter) runs only the smoke presets "
                              f"{list(DENSE_CPU_MODELS)} (e.g. 'tiny/qkv'), got {big}")  # fmt: skip
@@ -561,7 +544,7 @@ def tune(
         return got is not None
 
     tuner.run_workloads(
-        wls, log, files, summary, label=lambda w: (w.proj.label, w.R, w.T), ids=lambda w: w.ids,
+        wls, log, files, summary, label=lambda w: (w.proj.name, w.R, w.T), ids=lambda w: w.ids,
         todo=lambda w: not _choices(log, w), tune=tune_one, deadline=t0 + budget_s, t0=t0, progress=progress,
         desc="dense tuning",
     )  # fmt: skip

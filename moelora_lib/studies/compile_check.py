@@ -220,8 +220,7 @@ def meta_layer_run(dims, *, activation: str = "silu", has_bias: bool = False, dt
 
 
 def launch(launch_name: str, T: int, *, shape="gpt-oss-20b", rank: int = 32, adapters: int = 8,
-           dtype: str = "bfloat16", cfg=None, use_even_k: bool = True,
-           with_bias: bool | None = None):  # fmt: skip
+           dtype: str = "bfloat16", cfg=None, use_even_k: bool = True):  # fmt: skip
     """``(kernel_name, args, constexprs, num_warps, num_stages, cfg)`` of one layer launch at T. launch_name:
     of :data:`LAUNCHES` or a kernel name; cfg: an OpConfig, a dict of fields over the default, or None;
     use_even_k: the LoRA ops' switch."""
@@ -247,8 +246,7 @@ def launch(launch_name: str, T: int, *, shape="gpt-oss-20b", rank: int = 32, ada
         layer_cfg = layer_cfg.replace(
             **{op: replace(getattr(layer_cfg, op), BLOCK_SIZE_M=bm) for op in group}
         )
-    has_bias = sh.has_bias if with_bias is None else with_bias
-    kw = dict(activation=sh.activation, has_bias=has_bias, dtype=dtype, config=layer_cfg)
+    kw = dict(activation=sh.activation, has_bias=sh.has_bias, dtype=dtype, config=layer_cfg)
     kw["use_even_k"] = use_even_k
     la = meta_layer_run(dims, **kw).launch_args(launch_name, cfg)
     return la.kernel, la.args, la.constexprs, la.num_warps, la.num_stages, la.cfg

@@ -739,11 +739,11 @@ def hf_generate(model, prompt: Sequence[int], new_tokens: int, device):
 
 def hf_baseline_rows(
     name: str, *, dtype: torch.dtype, device, prompt_len: int, new_tokens: int, rank: int, alpha: float,
-    seed: int = 0, warm_tokens: int = 2, scenarios: Sequence[str] = HF_SCENARIOS,
+    seed: int = 0, warm_tokens: int = 2,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """transformers alone and (``transformers_peft``) + PEFT with one rank-``rank`` adapter, eager,
     concurrency 1, after an untimed call: :func:`generation_row` rows plus implementations and versions. Frees
-    the model. ValueError for an unknown scenario."""
+    the model."""
     import transformers
 
     model = hf_model(name, dtype=dtype, device=device, seed=seed)
@@ -752,7 +752,7 @@ def hf_baseline_rows(
                 experts_implementation=getattr(model.config, "_experts_implementation", None),
                 transformers=transformers.__version__)  # fmt: skip
     try:
-        for scenario in scenarios:
+        for scenario in HF_SCENARIOS:
             if scenario == "transformers_peft":
                 import peft
 
@@ -765,8 +765,6 @@ def hf_baseline_rows(
                     warnings.simplefilter("ignore", FutureWarning)
                     model = peft.get_peft_model(model, lc).eval()
                 impl["peft"] = peft.__version__
-            elif scenario != "transformers":
-                raise ValueError(f"scenario must be one of {HF_SCENARIOS}, got {scenario!r}")
             if warm_tokens:
                 hf_generate(model, make_prompts(1, prompt_len, vocab, seed + 7919)[0], warm_tokens, device)
             res = hf_generate(model, make_prompts(1, prompt_len, vocab, seed)[0], new_tokens, device)

@@ -55,7 +55,6 @@ def fp8_bytes_per_weight(block: tuple[int, int] = FP8_BLOCK, scale_bytes: int = 
 
 #: vLLM's MoE (+ multi-LoRA) kernels measured side by side with this project in one process on one H200.
 ANCHOR_FILE = bench.REPO_ROOT / "data" / "anchors" / "vllm_vs_moelora_moe_h200.csv"
-ANCHOR_SOURCE = "data/anchors/vllm_vs_moelora_moe_h200.csv (method: docs/anchors-h200.md)"
 #: impl names of the anchor file: vLLM's base MoE, its current LoRA path, and its two two-kernel paths.
 _VLLM_BASE, _VLLM_CURRENT, _VLLM_TWO_KERNEL = "vllm", "vllm_main", ("2k_tma_pdl", "2k_notma")
 

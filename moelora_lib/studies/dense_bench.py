@@ -28,10 +28,9 @@ from ..testing import TOLERANCES
 from ..workloads import adapter_ids
 from . import bench
 from .bench import free_memory
-from .moe_bench import W8A8_REL_TOL, check_tolerance, module_scheme  # noqa: F401 (db.W8A8_REL_TOL)
+from .moe_bench import MODULE_PARTS, PARTS, W8A8_REL_TOL, check_tolerance, module_scheme  # noqa: F401
 
-#: What :func:`bench_projection` times: parts of one call, the LoRA part's launches, torch baselines.
-PARTS = ("base", "lora", "total")
+#: What :func:`bench_projection` times besides :data:`PARTS`: the LoRA part's launches, torch baselines.
 KERNELS = ("shrink", "expand")
 BASELINES = ("torch_loop", "torch_gbmm")
 #: GPT-OSS-20B and Qwen3-30B-A3B (attention only: their MLPs are MoE), Qwen3-32B and Llama-3.3-70B.
@@ -392,10 +391,6 @@ def bench_projection(stage: str, inp: ProjectionInputs, T: int, *, parts: Sequen
         rows.append(_time_row(fn, inp, T, pattern, cost, kw, timing))
         del fn
     return rows
-
-
-#: :func:`bench_module`'s parts: the forward with no LoRA launch (the base GEMM alone), and with adapters.
-MODULE_PARTS = ("base", "total")
 
 
 def bench_module(module: LoRALinear, inp: ProjectionInputs, T: int, *, parts: Sequence[str] = MODULE_PARTS,

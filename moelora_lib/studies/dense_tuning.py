@@ -176,11 +176,8 @@ class Workload:
 
 
 def _leaf_at(data: dict, keys: tuple[int, ...]):
-    for k in keys:
-        if not isinstance(data, dict) or str(k) not in data:
-            return None
-        data = data[str(k)]
-    return data
+    found = configs.lookup(data, keys, exact_levels=tuple(range(len(keys))))
+    return found and found[1]
 
 
 def _choices(log: tuner.TrialLog, w: Workload) -> dict[str, OpConfig]:

@@ -27,7 +27,7 @@ import torch
 from ..common import DTYPES, dtype_name
 from ..hardware import H200_BF16_TFLOPS, H200_FP8_TFLOPS
 from ..kernels import STAGES, LayerConfig, default_config
-from ..kernels.config import LORA_OPS
+from ..kernels.config import BASE_OPS, LORA_OPS
 from ..quant.fp8 import FP8_BLOCK, FP8BlockWeight, quantize_fp8_block
 from ..quant.mxfp4 import MXFP4_BLOCK, MXFP4Weight, quantize_mxfp4
 from ..reference import moe_lora_reference
@@ -38,7 +38,6 @@ from ..workloads import MoELoRAInputs, Workload, adapter_ids, make_inputs
 from . import bench
 
 PARTS = ("base", "lora", "total")
-BASE_OPS = ("base_gate_up", "base_down")
 #: Formats of the expert weights w13 / w2.
 WEIGHT_FORMATS = ("dense", "mxfp4", "fp8")
 #: Bytes per MXFP4 weight (4.25 bits).

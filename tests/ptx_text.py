@@ -45,6 +45,23 @@ def masked_global_loads(ptx_text: str) -> dict:
     return {k: len(p.findall(ptx_text)) for k, p in (pats | dict(all_ld_global=_LD_GLOBAL)).items()}
 
 
+_GLOBAL_OP = re.compile(r"^\s*(?:@!?%p\w*\s+)?(st|ld)\.global((?:\.\w+)*)\s", re.M)
+_CP_ASYNC_SIZE = re.compile(
+    r"\bcp\.async\.\w+\.shared\.global\s+\[[^\]]+\],\s*\[[^\]]+\],\s*(0x[0-9a-f]+|\d+)"
+)
+
+
+def global_vector_ops(ptx_text: str) -> dict:
+    """Counts of global memory instructions in PTX by width: ``st_v4``/``st_v2``/``st_scalar``,
+    ``ld_v4``/``ld_v2``/``ld_scalar`` and ``cp_async_<bytes>``."""
+    out = {f"{op}_{w}": 0 for op in ("st", "ld") for w in ("v4", "v2", "scalar")}
+    for op, mods in _GLOBAL_OP.findall(ptx_text):
+        out[f"{op}_{'v4' if '.v4' in mods else 'v2' if '.v2' in mods else 'scalar'}"] += 1
+    for size in _CP_ASYNC_SIZE.findall(ptx_text):
+        out[f"cp_async_{int(size, 0)}"] = out.get(f"cp_async_{int(size, 0)}", 0) + 1
+    return out
+
+
 _RED_PTX = re.compile(r"(?<![\w.])red\.global\S*add|atom\.global\S*relaxed\S*add|atom\.global\S*add")
 
 

@@ -337,23 +337,7 @@ def inspect_job(
     return out
 
 
-# --- stage fused: variants over lengths, registers, vector stores/loads of the rank intermediate ---------
-_GLOBAL_OP = re.compile(r"^\s*(?:@!?%p\w*\s+)?(st|ld)\.global((?:\.\w+)*)\s", re.M)
-_CP_ASYNC_SIZE = re.compile(r"\bcp\.async\.\w+\.shared\.global\s+\[[^\]]+\],\s*\[[^\]]+\],"
-                            r"\s*(0x[0-9a-f]+|\d+)")  # fmt: skip
-
-
-def global_vector_ops(ptx_text: str) -> dict:
-    """Counts of global memory instructions in PTX by width: ``st_v4``/``st_v2``/``st_scalar``,
-    ``ld_v4``/``ld_v2``/``ld_scalar`` and ``cp_async_<bytes>``."""
-    out = {f"{op}_{w}": 0 for op in ("st", "ld") for w in ("v4", "v2", "scalar")}
-    for op, mods in _GLOBAL_OP.findall(ptx_text):
-        out[f"{op}_{'v4' if '.v4' in mods else 'v2' if '.v2' in mods else 'scalar'}"] += 1
-    for size in _CP_ASYNC_SIZE.findall(ptx_text):
-        out[f"cp_async_{int(size, 0)}"] = out.get(f"cp_async_{int(size, 0)}", 0) + 1
-    return out
-
-
+# --- stage fused: variants over lengths, registers ---------------------------------------------------------
 def _fused_meta_run(dims, *, activation: str, has_bias: bool, dtype: str, config):
     """:func:`meta_layer_run` with stage ``fused``'s switches and ``config`` as that stage adapts it."""
     from dataclasses import replace
@@ -384,12 +368,7 @@ def fused_report(
 ) -> dict:
     """Compile-only facts of stage ``fused`` at ``shape``: per launch of
     :data:`~moelora_lib.kernels.stages.FUSED_LAUNCH_OPS` ``keys``/``hashes`` over ``lengths`` at ``fixed_T``'s
-    config, ``res`` (``{T: {"REG", "LOCAL", "cfg"}}`` at each T of ``res_T``) and ``vec``
-    (:func:`global_vector_ops`); plus ``"shrink_sk1"``, ``"fused_no_lora"``, ``"expand_tuned"`` and
-    ``"split_down"`` (``{"sk1"|"sk8": {"REG", "LOCAL", "grid", "atom_add_f32", "out_dtype"}}``)."""
-    from dataclasses import replace
-
-    from ..kernels.config import OpConfig
+    config and ``res`` (``{T: {"REG", "LOCAL", "cfg"}}`` at each T of ``res_T``)."""
     from ..kernels.fused import fused_default_config
     from ..kernels.stages import FUSED_CONFIG_FIELD, FUSED_LAUNCH_OPS
     from ..shapes import Dims
@@ -404,7 +383,7 @@ def fused_report(
     fixed = fused_default_config(Dims.of(sh, int(fixed_T), rank=rank, adapters=adapters))
     out: dict = {}
     for op in FUSED_LAUNCH_OPS:
-        keys, hashes, first = [], set(), None
+        keys, hashes = [], set()
         for T in lengths:
             la = run_at(T, fixed).launch_args(op)
             key = specialization_key(
@@ -412,56 +391,14 @@ def fused_report(
             )
             if key not in keys:
                 keys.append(key)
-                k = _compile_launch(la)
-                hashes.add(k.hash)
-                first = first or k
+                hashes.add(_compile_launch(la).hash)
         res = {}
         for T in res_T:
             la = run_at(T).launch_args(op)
             ru = resource_usage(_compile_launch(la))
             res[int(T)] = {"REG": ru["REG"], "LOCAL": ru["LOCAL"], "cfg": la.cfg.short()}
         kernel = FUSED_CONFIG_FIELD[op] and run_at(fixed_T, fixed).launch_args(op).kernel
-        out[op] = dict(
-            kernel=kernel, keys=len(keys), hashes=len(hashes), res=res, vec=global_vector_ops(ptx(first))
-        )
-    run = run_at(fixed_T, fixed)
-    sk1 = replace(fixed.gate_up_shrink, SPLIT_K=1)
-    new = _compile_launch(run.launch_args("gate_up_shrink", sk1))
-    old = launch("gate_up_shrink", fixed_T, shape=shape, rank=rank, adapters=adapters, dtype=dtype, cfg=sk1)
-    old_k = compile_for_sm90(_jit(old[0], False), *old[1:5])
-    out["shrink_sk1"] = {
-        "fused": global_vector_ops(ptx(new)),
-        "tuned": global_vector_ops(ptx(old_k)),
-        "fused_reg": resource_usage(new)["REG"],
-        "tuned_reg": resource_usage(old_k)["REG"],
-    }
-    run.lora_align = run.lora_align_down = None  # the fused GEMMs without their LoRA part
-    out["fused_no_lora"] = {
-        op: global_vector_ops(ptx(_compile_launch(run.launch_args(op))))
-        for op in ("fused_gate_up", "fused_down")
-    }
-    # tuned's down expand (reads the [1, P, R] intermediate through do_not_specialize'd stride_is)
-    old = launch("down_expand", fixed_T, shape=shape, rank=rank, adapters=adapters, dtype=dtype)
-    out["expand_tuned"] = global_vector_ops(ptx(compile_for_sm90(_jit(old[0], False), *old[1:5])))
-    # the down GEMM split over K against the same tile unsplit
-    split = {}
-    for sk in (1, 8):
-        c = fused_default_config(Dims.of(sh, 1, rank=rank, adapters=adapters))
-        c = c.replace(
-            base_down=OpConfig(16, 128, 64, 1, sk, 4, 4),
-            base_gate_up=replace(c.base_gate_up, BLOCK_SIZE_M=16),
-        )
-        la = run_at(1, c).launch_args("fused_down")  # args: x, w, out (y, or the fp32 y when split), ...
-        k = _compile_launch(la)
-        ru = resource_usage(k)
-        split[f"sk{sk}"] = {
-            "REG": ru["REG"],
-            "LOCAL": ru["LOCAL"],
-            "grid": int(la.grid[0]),
-            "atom_add_f32": len(re.findall(r"\b(?:atom|red)\.[\w.]*add[\w.]*f32\b", ptx(k))),
-            "out_dtype": str(la.args[2].dtype),
-        }
-    out["split_down"] = split
+        out[op] = dict(kernel=kernel, keys=len(keys), hashes=len(hashes), res=res)
     return out
 
 

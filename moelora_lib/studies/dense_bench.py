@@ -397,10 +397,8 @@ def bench_module(module: LoRALinear, inp: ProjectionInputs, T: int, *, parts: Se
                  pattern: str = "uniform", mode: str = "graph", warmup_ms: float = 25, rep_ms: float = 100,
                  min_reps: int | None = None) -> list[dict[str, Any]]:  # fmt: skip
     """Time a :class:`LoRALinear` forward at T tokens of ``inp``, one row per part: "base" (``active_slots``
-    empty) and "total". Rows: the point's fields, impl "module", stage, part, weight_format,
-    activation_scheme, config, mode, ms_p50/p20/p80, us_p50, flops, bytes, floor_us, bytes_floor_us,
-    flops_floor_us, bound, warmup_ms, rep_ms, min_reps and the environment columns. ValueError for another
-    part."""
+    empty) and "total". Rows: :func:`bench_projection`'s columns (impl "module") plus weight_format and
+    activation_scheme. ValueError for another part."""
     bad = sorted(set(parts) - set(MODULE_PARTS))
     if bad:
         raise ValueError(f"bench_module: parts must be among {MODULE_PARTS}, got {bad}")

@@ -136,8 +136,6 @@ def tune_fused(
     {(model, T): {op: OpConfig}}. ``max_bms``: BLOCK_SIZE_M candidates besides the current one; ``max_cands``:
     configs per GEMM and BM; ``dtype`` None: bfloat16 on a GPU, float32 on the CPU. ValueError naming a bad
     argument before anything is written."""
-    from .moe_bench import layer_inputs
-
     shapes = tuner.check_models(models, (names or {}).get("models", "models"))
     if gpu is not None and (not isinstance(gpu, str) or not gpu or "/" in gpu or "\\" in gpu):
         raise ValueError(f"gpu: expected a GPU name for the file names (no path separators), got {gpu!r}")
@@ -152,12 +150,11 @@ def tune_fused(
     log = tuner.TrialLog(Path(csv_path), CSV_COLUMNS)
     files = tuner.ConfigFiles(Path(out), gpu, ["fused"], configs.config_file_name)
     chosen: dict[tuple[str, int], dict[str, OpConfig]] = {}
-    weights: dict[str, object] = {}
-    wkw = dict(rank=rank, num_adapters=adapters, dtype=dtype, device=dev, seed=seed, bias=False)
+    weights: dict[tuple[str, int], object] = {}
 
     def tune_one(job) -> bool:
         s, T = job
-        w = tuner.one_at_a_time(weights, s.name, lambda: layer_inputs(s, 1, **wkw), dev)
+        w = tuner.layer_weights(weights, s, rank, adapters, dtype, dev, seed)
         kw = dict(deadline=t0 + budget_s, t0=t0, max_bms=max_bms, max_cands=max_cands)
         if got := tune_fused_workload(s.name, T, rank, adapters, w, dev, log, **kw):
             chosen[s.name, T] = got

@@ -411,14 +411,18 @@ def tune_layer_ops(stage: str, shape, T: int, weights, cfg, fields: Sequence[str
     return choose_bm(ranked, ops, log, ids, t0=sweep_kw["t0"], what=what) if ranked else {}
 
 
-def one_at_a_time(cache: dict, key, make: Callable[[], Any], device: torch.device):
-    """``cache[key]``, made by ``make()`` after every other entry is dropped."""
-    if key not in cache:
+def layer_weights(cache: dict, shape, R: int, L: int, dtype, device: torch.device, seed: int):
+    """The seeded weight set of (``shape``, R) (a layer_inputs without biases) in ``cache``, made after every
+    other entry is dropped."""
+    from .moe_bench import layer_inputs
+
+    if (shape.name, R) not in cache:
         cache.clear()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        cache[key] = make()
-    return cache[key]
+        kw = dict(rank=R, num_adapters=L, dtype=dtype, device=device, seed=seed, bias=False)
+        cache[shape.name, R] = layer_inputs(shape, 1, **kw)
+    return cache[shape.name, R]
 
 
 def choose_bm(ranked, ops: Sequence[str], log: TrialLog, ids: dict, *, t0: float, what: str):

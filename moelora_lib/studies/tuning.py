@@ -166,8 +166,6 @@ def tune(models: Sequence[str], ranks: Sequence[int], adapters: int, tokens: Seq
     """Tune every (model, rank, T) workload (ranks, then T, then models) and write the JSON files into
     ``out``; returns a summary (tuned, skipped, not_tuned, copied: lists of (model, R, T); elapsed_s, out,
     gpu). ValueError naming the argument before any work (presets, ints, budget, device, out, csv)."""
-    from .moe_bench import layer_inputs
-
     kw = dict(budget_s=budget_s, copy_ranks=copy_ranks, device=device, dtype=dtype, seed=seed)
     kw |= dict(max_bms=max_bms, max_cands=max_cands)
     shapes, dev, dtype = _check_tune_args(models, ranks, adapters, tokens, out, csv_path, **kw)
@@ -189,8 +187,7 @@ def tune(models: Sequence[str], ranks: Sequence[int], adapters: int, tokens: Seq
 
     def tune_one(job) -> bool:
         s, R, T = job
-        wkw = dict(rank=R, num_adapters=adapters, dtype=dtype, device=dev, seed=seed, bias=False)
-        w = tuner.one_at_a_time(weights, (s.name, R), lambda: layer_inputs(s, 1, **wkw), dev)
+        w = tuner.layer_weights(weights, s, R, adapters, dtype, dev, seed)
         groups = [g for g in GROUP_OPS if not done(s, R, T, g)]
         kw = dict(deadline=t0 + budget_s, max_bms=max_bms, max_cands=max_cands, t0=t0, groups=groups)
         for g, cfgs in tune_workload(s, T, R, adapters, w, dev, log, **kw).items():

@@ -258,25 +258,6 @@ def _jit(kernel: str, specialize_lengths: bool):
     return KERNELS[kernel][bool(specialize_lengths)]
 
 
-def _interpreted() -> bool:
-    """True when this process decorated the kernels under TRITON_INTERPRET (they cannot compile)."""
-    from triton.runtime.jit import JITFunction
-
-    return not isinstance(_jit("lora_shrink", True), JITFunction)
-
-
-def _isolated(op: str, **job) -> dict:
-    """Job ``op`` in :func:`run_isolated` (OpConfig arguments as dicts; ``per_length`` keys back to ints)."""
-    from ..kernels.config import OpConfig
-
-    job = {k: v.to_dict() if isinstance(v, OpConfig) else v for k, v in job.items()}
-    r = run_isolated([dict(op=op, **job)])[0]
-    for v in [r, *r.values()]:
-        if isinstance(v, dict) and "per_length" in v:
-            v["per_length"] = {int(t): i for t, i in v["per_length"].items()}
-    return r
-
-
 _HASHES: dict = {}
 
 
@@ -288,12 +269,6 @@ def variants(kernel_name: str, specialize_lengths: bool, lengths, *, launch_name
     ``kernel_name``."""
     from ..kernels.config import OpConfig
 
-    if _interpreted():
-        lens = [int(t) for t in lengths]
-        return _isolated(
-            "count", kernel=kernel_name, specialize_lengths=bool(specialize_lengths), lengths=lens,
-            launch_name=launch_name, compile=compile, cfg=cfg, **launch_kw,
-        )  # fmt: skip
     name = launch_name or _DEFAULT_LAUNCH[kernel_name]
     if LAUNCHES[name] != kernel_name:
         raise ValueError(f"launch {name!r} runs {LAUNCHES[name]}, not {kernel_name}")
@@ -322,9 +297,6 @@ def inspect_job(
 ) -> dict:
     """Compile one layer launch for sm_90: kernel, hash, key, constexprs, cfg, and the ``want``-ed "res",
     "ptx", "sass"."""
-    if _interpreted():
-        kw = dict(launch=launch_name, T=T, specialize_lengths=specialize_lengths, want=list(want))
-        return _isolated("inspect", **kw, **launch_kw)
     kernel, args, cx, nw, ns, cfg = launch(launch_name, T, **launch_kw)
     jf = _jit(kernel, specialize_lengths)
     k = compile_for_sm90(jf, args, cx, nw, ns)

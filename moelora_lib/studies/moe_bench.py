@@ -496,9 +496,7 @@ def bench_layer(stage: str, shape: MoEShape | str | Workload, T: int | None = No
             f"bench_layer: T must be >= 1 (a layer call of no tokens has nothing to time), got {wl.T}"
         )
     shape, device = wl.shape, wl.device
-    inp = _inputs(wl, weights)
-    if weight_format is not None:
-        inp = with_weight_format(inp, weight_format)
+    inp = layer_inputs(wl, weights=weights, weight_format=weight_format)
     run = make_run(stage, inp, config, adapter_order=adapter_order, activation_scheme=activation_scheme)
     run()  # compile outside the timed region
     bench.sync(device)
@@ -638,9 +636,7 @@ def check_layer(stage: str, shape: MoEShape | str | Workload, T: int | None = No
     (packed experts against the same stage on the dequantized weights; NaN and None for dense), config. The
     reference holds [P, 2I, H] fp32: keep P = T·K modest."""
     wl = _workload(shape, T, inputs, pattern="mixed")
-    inp = _inputs(wl, weights)
-    if weight_format is not None:
-        inp = with_weight_format(inp, weight_format)
+    inp = layer_inputs(wl, weights=weights, weight_format=weight_format)
     run = make_run(stage, inp, config, activation_scheme=activation_scheme)
     out = run().clone()
     base = run.base_part().clone()

@@ -336,8 +336,6 @@ class LayerWeights:
         self.device = torch.device(device)
         self.folder = None if folder is None else os.fspath(folder)
         self._sets: dict[tuple[str, bool], MoELoRAInputs] = {}
-        #: per get(): (model, bias, "memo" | "loaded" | "generated")
-        self.log: list[tuple[str, bool, str]] = []
 
     def _key(self, shape: MoEShape, bias: bool) -> str:
         import hashlib
@@ -359,14 +357,13 @@ class LayerWeights:
         use_bias = shape.has_bias if bias is None else bool(bias)
         k = (shape.name, use_bias)
         if k in self._sets:
-            self.log.append((shape.name, use_bias, "memo"))
             return self._sets[k]
         path = None if self.folder is None else os.path.join(self.folder, self._key(shape, use_bias))
-        inp, how = None, "generated"
+        inp = None
         if path is not None and os.path.exists(path):
             try:
                 state = torch.load(path, map_location=self.device, weights_only=True)
-                inp, how = MoELoRAInputs(**state), "loaded"
+                inp = MoELoRAInputs(**state)
             except Exception:  # a truncated or foreign file: generate and overwrite it
                 inp = None
         if inp is None:
@@ -375,7 +372,6 @@ class LayerWeights:
             if path is not None:
                 self._save(inp, path)
         self._sets[k] = inp
-        self.log.append((shape.name, use_bias, how))
         return inp
 
     def drop(self, shape: MoEShape | str | None = None) -> None:

@@ -36,9 +36,6 @@ from ..shapes import DENSE_CPU_MODELS, DENSE_GPU_MODELS, DENSE_PRESETS, DensePro
 from . import tuner
 from .tuner import RUN_COLUMNS, TRIAL_COLUMNS
 
-__all__ = ["projections", "CSV_COLUMNS", "bm_candidates", "shrink_candidates"]
-__all__ += ["expand_candidates", "plan", "precompile", "tune", "main"]
-
 #: The stage whose switches the tuned configs are for (split-K, grouped order, EVEN_K, fused add).
 TUNE_STAGE = "tuned"
 #: Largest shared memory a candidate may ask for (the H200 allows 227 KiB per block).

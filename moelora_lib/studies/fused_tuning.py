@@ -31,17 +31,6 @@ from . import tuner
 from .tuner import RUN_COLUMNS, TRIAL_COLUMNS
 from .tuning import base_bm_candidates
 
-__all__ = [
-    "CSV_COLUMNS",
-    "FUSED_OPS",
-    "fused_op_candidates",
-    "tune_fused_workload",
-    "tune_fused",
-    "stage_choices_from_csv",
-    "write_stage_choices",
-    "main",
-]
-
 #: the two launches tuned here, in call order
 FUSED_OPS = ("fused_gate_up", "fused_down")
 #: the workload columns, then the engine's

@@ -32,9 +32,6 @@ from ..shapes import Dims, MoEShape
 from . import tuner
 from .tuner import RUN_COLUMNS, TRIAL_COLUMNS
 
-__all__ = ["CSV_COLUMNS", "lora_bm_candidates", "base_bm_candidates", "lora_op_candidates"]
-__all__ += ["base_op_candidates", "tune_workload", "tune", "main"]
-
 TUNE_STAGE = "even_k_fused_add"
 CSV_COLUMNS = ["kind", "model", "R", "L", "T", "H", "I", "E", "K", "S", "group", *TRIAL_COLUMNS, *RUN_COLUMNS]
 _KEY_COLUMNS = ("kind", "model", "R", "L", "T", "group", "op", "config_json")

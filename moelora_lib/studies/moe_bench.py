@@ -445,22 +445,13 @@ def _run_fields(shape: MoEShape, run, pattern: str) -> dict[str, Any]:
     return f | dict(activation_scheme=run_scheme(run))
 
 
-def _weight_bytes(w) -> float | None:
-    """:func:`op_costs`' ``weight_bytes`` for expert weight ``w``."""
-    if isinstance(w, FP8BlockWeight):
-        return w.nbytes / math.prod(w.shape)
-    return MXFP4_BYTES_PER_WEIGHT if weight_format(w) == "mxfp4" else None
-
-
-def _base_tflops(w) -> float | None:
-    """:func:`op_costs`' ``base_tflops`` for expert weight ``w``."""
-    return H200_FP8_TFLOPS if isinstance(w, FP8BlockWeight) else None
-
-
 def _costs(shape, dims, inp_or_x, w13, topk_ids=None, lora_ids=None) -> list[dict[str, Any]]:
     """:func:`op_costs` of a run on expert weight ``w13`` (its bytes per weight and FLOP rate)."""
+    wb, rate = (MXFP4_BYTES_PER_WEIGHT if weight_format(w13) == "mxfp4" else None), None
+    if isinstance(w13, FP8BlockWeight):
+        wb, rate = w13.nbytes / math.prod(w13.shape), H200_FP8_TFLOPS
     return op_costs(shape, dims, dtype_bytes=inp_or_x.element_size(), topk_ids=topk_ids, lora_ids=lora_ids,
-                    weight_bytes=_weight_bytes(w13), base_tflops=_base_tflops(w13))  # fmt: skip
+                    weight_bytes=wb, base_tflops=rate)  # fmt: skip
 
 
 # --- Benchmarks ------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from ..hardware import H200_BF16_TFLOPS, H200_READ_TB_PER_S
 from ..model import REAL_CONFIGS, ModelConfig, MultiLoRAModel, random_model
 from ..model.modeling import WeightSource, random_weights
 from ..quant.fp8 import FP8_BLOCK
-from . import bench
+from . import bench, dense_bench, moe_bench
 from .bench import free_memory
 
 #: The three models of the study (names of :data:`moelora_lib.model.REAL_CONFIGS`).
@@ -94,10 +94,9 @@ def model_config(name: str, *, num_layers: int | None = None) -> ModelConfig:
     return ModelConfig.from_hf(d)
 
 
-#: Formats of a built model's expert weights.
-EXPERT_FORMATS = ("dense", "mxfp4", "fp8")
-#: Formats of a built model's attention and dense-MLP projections (qkv, o, gate_up, down): "dense" or "fp8".
-PROJECTION_FORMATS = ("dense", "fp8")
+#: Formats of a built model's expert weights, and of its attention and dense-MLP projections.
+EXPERT_FORMATS = moe_bench.WEIGHT_FORMATS
+PROJECTION_FORMATS = dense_bench.WEIGHT_FORMATS
 _EXPERT_WEIGHT = re.compile(r"^layers\.\d+\.mlp\.experts\.(w13|w2)$")
 #: The projections a published block-FP8 checkpoint stores in FP8.
 _PROJECTION_WEIGHT = re.compile(

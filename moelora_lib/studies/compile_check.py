@@ -18,6 +18,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from functools import cache
 from pathlib import Path
 
@@ -158,8 +159,6 @@ _DEFAULT_LAUNCH = {k: next(n for n, v in LAUNCHES.items() if v == k) for k in KE
 
 def _shape(shape):
     """A preset name, or a dict of MoEShape fields over ``base`` (default gpt-oss-20b)."""
-    from dataclasses import replace
-
     from ..shapes import get_shape
 
     if isinstance(shape, str):
@@ -198,8 +197,6 @@ def meta_layer_run(dims, *, activation: str = "silu", has_bias: bool = False, dt
                    use_even_k: bool = True, specialize_lengths: bool = False):  # fmt: skip
     """A :class:`~moelora_lib.kernels.LayerRun` of ``dims`` on meta tensors (``config`` None:
     ``default_config(dims)``), a stage with fused add and the given switches. Nothing is launched."""
-    from dataclasses import replace
-
     import torch
 
     from ..common import parse_dtype
@@ -224,8 +221,6 @@ def launch(launch_name: str, T: int, *, shape="gpt-oss-20b", rank: int = 32, ada
     """``(kernel_name, args, constexprs, num_warps, num_stages, cfg)`` of one layer launch at T. launch_name:
     of :data:`LAUNCHES` or a kernel name; cfg: an OpConfig, a dict of fields over the default, or None;
     use_even_k: the LoRA ops' switch."""
-    from dataclasses import replace
-
     from ..kernels.config import BASE_OPS, LORA_OPS, OpConfig
     from ..kernels.stages import default_config
     from ..shapes import Dims
@@ -312,8 +307,6 @@ def inspect_job(
 # --- stage fused: variants over lengths, registers ---------------------------------------------------------
 def _fused_meta_run(dims, *, activation: str, has_bias: bool, dtype: str, config):
     """:func:`meta_layer_run` with stage ``fused``'s switches and ``config`` as that stage adapts it."""
-    from dataclasses import replace
-
     from ..kernels import STAGES
 
     run = meta_layer_run(dims, activation=activation, has_bias=has_bias, dtype=dtype, config=config)

@@ -31,6 +31,7 @@ import torch
 
 from .. import configs
 from ..common import parse_dtype
+from ..kernels import STAGES
 from ..kernels.config import OpConfig, next_pow2
 from ..shapes import DENSE_CPU_MODELS, DENSE_GPU_MODELS, DENSE_PRESETS, DenseProjection
 from . import tuner
@@ -203,7 +204,6 @@ def plan(
 
 def _meta_launch(job: dict):
     """The DenseLaunch of one compile job on meta tensors."""
-    from ..kernels import STAGES
     from ..kernels.dense_lora import DenseLoRAConfig, default_dense_config, dense_launches
     from ..routing import align_tokens
 
@@ -242,7 +242,6 @@ def compile_jobs(workloads: Sequence[Workload], *, max_bms: int, max_cands: int,
 
 def _precompile_main() -> int:
     """Worker: compile the jobs of JSON file argv[1] for sm_<argv[3]>, one JSON line per job to argv[2]."""
-    from ..kernels import STAGES
     from ..kernels.dense_lora import DENSE_KERNELS
     from .compile_check import compile_for_sm90
 
@@ -315,7 +314,6 @@ class _Inputs:
         return (torch.arange(T) % self.L)[torch.randperm(T, generator=g)].to(torch.int32).to(self.device)
 
     def op_fn(self, op: str, T: int, align, cfg: OpConfig) -> Callable[[], Any]:
-        from ..kernels import STAGES
         from ..kernels.dense_lora import dense_expand, dense_shrink
 
         st = STAGES[TUNE_STAGE]
@@ -327,7 +325,6 @@ class _Inputs:
 
     def rel_err(self, T: int, align, shrink: OpConfig, expand: OpConfig, ref: torch.Tensor) -> float:
         """max|out − ref| / max|ref| of the pair, on the device; inf for a non-finite output."""
-        from ..kernels import STAGES
         from ..kernels.dense_lora import DenseLoRAConfig, dense_lora_add
         from .dense_bench import _rel_err
 

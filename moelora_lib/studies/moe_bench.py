@@ -18,6 +18,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -381,8 +382,6 @@ class LayerWeights:
             del self._sets[k]
 
     def _save(self, inp: MoELoRAInputs, path: str) -> None:
-        import tempfile
-
         os.makedirs(os.path.dirname(path), exist_ok=True)
         state = {f.name: getattr(inp, f.name) for f in dataclasses.fields(inp)}
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
@@ -664,8 +663,6 @@ def check_layer(stage: str, shape: MoEShape | str | Workload, T: int | None = No
 def log_spaced_lengths(n: int = 40, lo: int = 1, hi: int = 8192) -> list[int]:
     """≥ n distinct prompt lengths in [lo, hi]: log-spaced, each with an odd neighbour and a multiple of 16,
     sorted."""
-    import math
-
     out: set[int] = set()
     for i in range(n):
         v = round(math.exp(math.log(lo) + (math.log(hi) - math.log(lo)) * i / max(1, n - 1)))
@@ -809,8 +806,6 @@ def recompile_in_subprocesses(stages: Sequence[str], model: str, lengths: Sequen
                               ) -> dict[str, list[dict[str, Any]]]:  # fmt: skip
     """:func:`run_recompile` per stage in fresh processes started at once, each with an empty
     ``TRITON_CACHE_DIR``. Returns {stage: rows}; RuntimeError with a failing child's output tail."""
-    import tempfile
-
     stages = list(stages)
     with tempfile.TemporaryDirectory(prefix="moelora_recompile_") as tmp:
         lock = os.path.join(tmp, "timed.lock") if len(stages) > 1 else None
@@ -874,8 +869,6 @@ def precompile_in_subprocesses(
 ) -> dict[str, Any]:
     """:func:`compile_points` over ``jobs`` helper processes side by side, filling the on-disk cache; needs
     ``weights.folder`` (else does nothing). Returns dict(seconds, processes, points, failed)."""
-    import tempfile
-
     t0 = time.perf_counter()
     points = list(points)
     if weights.folder is None or not points or jobs < 1:

@@ -34,7 +34,7 @@ from ..common import parse_dtype
 from ..kernels import STAGES
 from ..kernels.config import OpConfig, next_pow2
 from ..shapes import DENSE_CPU_MODELS, DENSE_GPU_MODELS, DENSE_PRESETS, DenseProjection
-from . import tuner
+from . import bench, tuner
 from .tuner import RUN_COLUMNS, TRIAL_COLUMNS
 
 #: The stage whose switches the tuned configs are for (split-K, grouped order, EVEN_K, fused add).
@@ -264,8 +264,6 @@ def _precompile_main() -> int:
 def precompile(jobs: list[dict], n_proc: int, timeout_s: float, arch: int) -> dict[str, Any]:
     """Compile ``jobs`` in ``n_proc`` fresh processes side by side into Triton's on-disk cache, at most
     ``timeout_s`` seconds. Returns {"jobs", "ok", "failed", "unfinished", "wall_s", "compile_s", "errors"}."""
-    from . import bench
-
     t0 = time.perf_counter()
     stats: dict[str, Any] = dict(jobs=len(jobs), ok=0, failed=0, unfinished=len(jobs), compile_s=0.0)
     stats["errors"] = []
@@ -341,7 +339,6 @@ def _tune_workload(
     """Tune one workload; the checked (shrink, expand), or None for a conflict."""
     from ..linear import _align_oneshot, lora_linear_reference
     from ..testing import TOLERANCES
-    from . import bench
 
     dev, T, elem = inp.device, w.T, inp.x.element_size()
     fixed = {op: files.data[fop] and _leaf_at(files.data[fop], w.keys(fop)) for op, fop in _FILE_OPS.items()}

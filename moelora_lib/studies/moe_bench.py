@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 import os
@@ -317,7 +318,6 @@ WEIGHTS_CACHE = bench.REPO_ROOT / ".cache" / "layer_weights"
 @functools.cache
 def _generator_code_hash() -> str:
     """Hash of the code that generates the inputs: part of every :class:`LayerWeights` file name."""
-    import hashlib
     import inspect
 
     from .. import routing, shapes, workloads
@@ -339,8 +339,6 @@ class LayerWeights:
         self._sets: dict[tuple[str, bool], MoELoRAInputs] = {}
 
     def _key(self, shape: MoEShape, bias: bool) -> str:
-        import hashlib
-
         fields = dict(shape=dataclasses.asdict(shape), T=1, rank=self.rank, adapters=self.num_adapters)
         fields |= dict(slices=shape.lora_slices, pattern="uniform", dtype=dtype_name(self.dtype))
         fields |= dict(device=self.device.type, seed=self.seed, bias=bias, torch=torch.__version__)

@@ -26,6 +26,7 @@ from .. import configs
 from ..common import parse_dtype
 from ..kernels.config import OpConfig
 from ..shapes import check_int, get_shape
+from . import bench
 
 #: The trial columns of every trials CSV, and the run columns that close them.
 TRIAL_COLUMNS = (
@@ -268,8 +269,6 @@ class TrialLog:
     at once, stamped with gpu, torch, triton, git_commit and timestamp_utc."""
 
     def __init__(self, path: Path, columns: Sequence[str]):
-        from . import bench
-
         self.path, self.columns = Path(path), list(columns)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.rows: list[dict] = []
@@ -388,8 +387,6 @@ def sweep(
 def graph_timer(run, device: torch.device):
     """The timer of one op of ``run`` (a LayerRun) alone: graph replay, L2 flushed; ``run`` is called once
     first."""
-    from . import bench
-
     run()
     return lambda op, c: bench.time_fn(run.op_fn(op, c), "graph", device, WARMUP_MS, REP_MS)
 

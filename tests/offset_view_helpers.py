@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 
 from moelora_lib.studies.compile_check import (
-    _interpreted,
     _jit,
     _layer_tensors,
     _routing,
@@ -141,6 +140,13 @@ def align_length_keys(lengths, *, E=32, K=4, L=8, block_size_m=16, layout="conti
         }
         for name, r in out.items()
     }
+
+
+def _interpreted() -> bool:
+    """True when this process decorated the kernels under TRITON_INTERPRET (they cannot compile)."""
+    from triton.runtime.jit import JITFunction
+
+    return not isinstance(_jit("lora_shrink", True), JITFunction)
 
 
 def reduce_keys(T: int = 5, E: int = 32, K: int = 4, L: int = 8, H: int = 64) -> dict:

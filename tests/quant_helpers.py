@@ -6,7 +6,8 @@
   process without TRITON_INTERPRET through
   :func:`~moelora_lib.studies.compile_check.run_isolated` with the ops :data:`FP8_SM90`,
   :data:`MXFP4_SM90` and :data:`W8A8_SM90` (:func:`sm90_report` does it). That process imports this
-  module as ``tests.quant_helpers``, so it imports only moelora_lib, torch and safetensors.
+  module as ``tests.quant_helpers``, so it imports only moelora_lib, torch, safetensors and
+  ``tests.ptx_text``.
 * The published-checkpoint tests (tests/test_fp8_checkpoint.py, tests/test_mxfp4_checkpoint.py): the
   model sizes and the loader call, config.json and safetensors writers (one file or two shards), the
   refused-file edits, transformers' dequantized model, and the PEFT adapters and transformers + PEFT
@@ -274,13 +275,14 @@ def fp8_sm90_report(T: int = 64) -> dict:
     (:data:`FP8_SM90`)."""
     from moelora_lib.kernels.stages import fp8_config
     from moelora_lib.studies import compile_check as cc
+    from tests.ptx_text import tensor_core_ops
 
     out = {}
     for op, la, k in _base_gemm_launches(
         "qwen3-30b-a3b", T, _fp8_meta, False, "silu", lambda cfg: fp8_config(cfg, 128)
     ):
         ru = cc.resource_usage(k)
-        tc = cc.tensor_core_ops(cc.ptx(k))
+        tc = tensor_core_ops(cc.ptx(k))
         mma = tc["mma_sync"] + tc["wgmma"]
         out[op] = dict(W_FP8=la.constexprs["W_FP8"], mma=mma, REG=ru["REG"], LOCAL=ru["LOCAL"])
     return out
@@ -295,12 +297,13 @@ def mxfp4_sm90_report(T: int = 64) -> dict:
 
     from moelora_lib.kernels.stages import mxfp4_config
     from moelora_lib.studies import compile_check as cc
+    from tests.ptx_text import tensor_core_ops
 
     out = {}
     for op, la, k in _base_gemm_launches("gpt-oss-20b", T, _mxfp4_meta, True, "swigluoai", mxfp4_config):
         ptx = cc.ptx(k)
         ru = cc.resource_usage(k)
-        tc = cc.tensor_core_ops(ptx)
+        tc = tensor_core_ops(ptx)
         out[op] = dict(
             W_MXFP4=la.constexprs["W_MXFP4"],
             mma=tc["mma_sync"] + tc["wgmma"],

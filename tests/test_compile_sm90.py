@@ -13,9 +13,9 @@ from __future__ import annotations
 import time
 
 import pytest
-from ptx_text import has_atomic_add, k_loop_bodies, masked_global_loads
+from ptx_text import has_atomic_add, k_loop_bodies, masked_global_loads, tensor_core_ops
 
-from moelora_lib.studies.compile_check import KERNEL_NAMES, run_isolated, tensor_core_ops
+from moelora_lib.studies.compile_check import KERNEL_NAMES, run_isolated
 
 # ≥ 16 prompt lengths: == 1 (T = 1 still gives T·K = 4 pairs), multiples of 16 and not, up to 8192
 LENGTHS = [1, 2, 3, 4, 7, 8, 15, 16, 17, 31, 32, 33, 64, 100, 128, 1000, 1024, 4096, 8192]

@@ -425,6 +425,7 @@ def fp8_dense_sm90_report() -> dict:
     import re
 
     from moelora_lib.studies import compile_check as cc
+    from tests.ptx_text import tensor_core_ops
 
     def meta(*shape, dtype=torch.bfloat16):
         return torch.empty(*shape, dtype=dtype, device="meta")
@@ -442,7 +443,7 @@ def fp8_dense_sm90_report() -> dict:
             grid, args, cx = df.dense_fp8_args(meta(T, K), w, meta(T, N), cfg, bias=meta(N))
         k = cc.compile_for_sm90(df.DENSE_FP8_KERNEL, args, cx, cfg.NUM_WARPS, cfg.NUM_STAGES)
         p = cc.ptx(k)
-        tc, ru = cc.tensor_core_ops(p), cc.resource_usage(k)
+        tc, ru = tensor_core_ops(p), cc.resource_usage(k)
         out[name] = dict(
             W8A8=cx["W8A8"], cfg=cfg.short(), **tc, wgmma_e4m3=len(re.findall(r"wgmma\.mma_async\S*e4m3", p)),
             REG=ru["REG"], LOCAL=ru["LOCAL"],

@@ -175,32 +175,56 @@ def test_figure_png(ev):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
 
 
+def set_controls(e: ex.Explorer, **values) -> float:
+    """Set the controls of ``e`` by name (model, T, rank, adapters, pattern, setting, stages) as a user would;
+    returns the seconds of the last redraw. ValueError for an unknown control, value or stage; a refused call
+    changes nothing."""
+    for k, v in values.items():  # every value checked before anything changes
+        if k == "stages":
+            names = [v] if isinstance(v, str) else v
+            if not isinstance(names, (list, tuple, set, frozenset)) or set(names) - set(e.stage_boxes):
+                raise ValueError(
+                    f"stages: expected a stage name or a list of {list(e.stage_boxes)}, got {v!r}"
+                )
+        elif k not in e.controls:
+            raise ValueError(f"unknown control {k!r}; controls are {['stages', *e.controls]}")
+        elif v not in (allowed := [o[1] if isinstance(o, tuple) else o for o in e.controls[k].options]):
+            raise ValueError(f"{k}: {v!r} is not one of the values the evidence holds: {allowed}")
+    for k, v in values.items():
+        if k == "stages":
+            for s, b in e.stage_boxes.items():
+                b.value = s in names
+        else:
+            e.controls[k].value = v
+    return e.last_redraw_s
+
+
 def test_set_stages_by_name_and_bad_names(ev):
     e = ex.Explorer(ev, ex.Selection("gpt-oss-20b", 64))
-    e.set(stages="tuned")  # one name, not a substring match ("tuned" must not also tick others)
+    set_controls(e, stages="tuned")  # one name, not a substring match ("tuned" must not also tick others)
     assert e.selection().stages == ("tuned",)
-    e.set(stages=["naive", "tuned"])
+    set_controls(e, stages=["naive", "tuned"])
     assert e.selection().stages == ("naive", "tuned")
     with pytest.raises(ValueError, match="stages: expected a stage name or a list of"):
-        e.set(stages=["tune"])
+        set_controls(e, stages=["tune"])
     with pytest.raises(ValueError, match="unknown control 'tokens'"):
-        e.set(tokens=64)
+        set_controls(e, tokens=64)
     assert e.selection().stages == ("naive", "tuned")  # a refused call changes nothing
     before = e.selection()
     with pytest.raises(ValueError, match="stages: expected a stage name or a list of"):
-        e.set(model="qwen3-30b-a3b", stages="bogus")  # checked before the model changes
+        set_controls(e, model="qwen3-30b-a3b", stages="bogus")  # checked before the model changes
     with pytest.raises(ValueError, match="T: 12345 is not one of the values"):
-        e.set(T=12345)
+        set_controls(e, T=12345)
     for bad in ({"fused": True}, b"fused", None, 5):
         with pytest.raises(ValueError, match="stages: expected a stage name or a list of"):
-            e.set(stages=bad)
+            set_controls(e, stages=bad)
     assert e.selection() == before
 
 
 def test_a_control_change_redraws_plot_and_table(ev):
     e = ex.Explorer(ev, ex.Selection("gpt-oss-20b", 64))
     png, table = e._plot.outputs[0]["data"]["image/png"], e._table.value
-    e.set(T=1600)
+    set_controls(e, T=1600)
     assert e._plot.outputs[0]["data"]["image/png"] != png and e._table.value != table
     assert "T = 1600" in e._status.value and _tuned_total_1600() in e._table.value
     times = e.time_redraws()

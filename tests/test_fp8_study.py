@@ -57,7 +57,7 @@ def test_quantize_fp8_weight_equals_the_whole_tensor_and_refuses_bad_weights():
     )
     with pytest.raises(ValueError, match=r"quantize_fp8_weight: w must be a float tensor \[..., N, K\]"):
         mb.quantize_fp8_weight(torch.ones(4))
-    assert mb.fp8_bytes_per_weight() == 1 + 4 / (128 * 128) == mb.FP8_BYTES_PER_WEIGHT
+    assert mb.fp8_bytes_per_weight() == 1 + 4 / (128 * 128)
     assert mb.fp8_bytes_per_weight(BLOCK) == 1 + 4 / 512
 
 

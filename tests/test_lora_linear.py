@@ -447,8 +447,8 @@ _COMPILE_SCRIPT = textwrap.dedent(
         DENSE_KERNELS, DenseLoRAConfig, adapt_dense_config, default_dense_config, dense_launches)
     from moelora_lib.routing import align_tokens
     from moelora_lib.studies.compile_check import (
-        compile_for_sm90, ptx, resource_usage, specialization_key, tensor_core_ops)
-    from tests.ptx_text import has_atomic_add
+        compile_for_sm90, ptx, resource_usage, specialization_key)
+    from tests.ptx_text import has_atomic_add, tensor_core_ops
 
     H, SLICES, R, L = 2048, (4096, 512, 512), 32, 8   # Qwen3-30B-A3B qkv (GQA), bf16
     LENGTHS = [1, 2, 3, 4, 7, 8, 15, 16, 17, 31, 32, 33, 64, 100, 128, 1000, 1024, 4096, 8192]

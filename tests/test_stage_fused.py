@@ -227,6 +227,72 @@ def swigluoai_min_max_ops() -> dict:
     return {op: {k: len(re.findall(p, text)) for k, p in pats.items()} for op, text in ptx.items()}
 
 
+def fused_ptx_facts(fixed_T: int = 64) -> dict:
+    """PTX facts of stage ``fused`` at gpt-oss-20b (R = 32, L = 8, bf16), compiled for sm_90: ``vec`` (per
+    launch of FUSED_LAUNCH_OPS at ``fixed_T``'s config, T = LENGTHS[0]: ``ptx_text.global_vector_ops``),
+    ``shrink_sk1`` (the gate_up shrink at SPLIT_K = 1, fused against tuned), ``fused_no_lora`` (the fused
+    GEMMs without their LoRA part), ``expand_tuned`` (tuned's down expand) and ``split_down`` (``{"sk1"|"sk8":
+    {"REG", "LOCAL", "grid", "atom_add_f32", "out_dtype"}}``). Run in a process without the interpreter."""
+    from dataclasses import replace
+
+    from moelora_lib.studies import compile_check as cc
+    from tests.ptx_text import global_vector_ops
+
+    sh, kw = get_shape("gpt-oss-20b"), dict(rank=32, adapters=8)
+
+    def run_at(T, cfg):
+        d = Dims.of(sh, int(T), **kw)
+        return cc._fused_meta_run(
+            d, activation=sh.activation, has_bias=sh.has_bias, dtype="bfloat16", config=cfg
+        )
+
+    def vec(k):
+        return global_vector_ops(cc.ptx(k))
+
+    def tuned(name, **more):
+        kernel, *args, _ = cc.launch(name, fixed_T, shape=sh.name, **kw, **more)
+        return cc.compile_for_sm90(cc._jit(kernel, False), *args)
+
+    fixed = fused_default_config(Dims.of(sh, fixed_T, **kw))
+    out: dict = {
+        "vec": {
+            op: vec(cc._compile_launch(run_at(LENGTHS[0], fixed).launch_args(op))) for op in FUSED_LAUNCH_OPS
+        }
+    }
+    run = run_at(fixed_T, fixed)
+    sk1 = replace(fixed.gate_up_shrink, SPLIT_K=1)
+    new, old = cc._compile_launch(run.launch_args("gate_up_shrink", sk1)), tuned("gate_up_shrink", cfg=sk1)
+    out["shrink_sk1"] = dict(fused=vec(new), tuned=vec(old))
+    out["shrink_sk1"] |= dict(
+        fused_reg=cc.resource_usage(new)["REG"], tuned_reg=cc.resource_usage(old)["REG"]
+    )
+    run.lora_align = run.lora_align_down = None  # the fused GEMMs without their LoRA part
+    out["fused_no_lora"] = {
+        op: vec(cc._compile_launch(run.launch_args(op))) for op in ("fused_gate_up", "fused_down")
+    }
+    # tuned's down expand (reads the [1, P, R] intermediate through do_not_specialize'd stride_is)
+    out["expand_tuned"] = vec(tuned("down_expand"))
+    # the down GEMM split over K against the same tile unsplit
+    out["split_down"] = {}
+    for sk in (1, 8):
+        c = fused_default_config(Dims.of(sh, 1, **kw))
+        c = c.replace(
+            base_down=OpConfig(16, 128, 64, 1, sk, 4, 4),
+            base_gate_up=replace(c.base_gate_up, BLOCK_SIZE_M=16),
+        )
+        la = run_at(1, c).launch_args("fused_down")  # args: x, w, out (y, or the fp32 y when split), ...
+        k = cc._compile_launch(la)
+        ru = cc.resource_usage(k)
+        out["split_down"][f"sk{sk}"] = {
+            "REG": ru["REG"],
+            "LOCAL": ru["LOCAL"],
+            "grid": int(la.grid[0]),
+            "atom_add_f32": len(re.findall(r"\b(?:atom|red)\.[\w.]*add[\w.]*f32\b", cc.ptx(k))),
+            "out_dtype": str(la.args[2].dtype),
+        }
+    return out
+
+
 @pytest.fixture(scope="module")
 def report():
     from moelora_lib.studies.compile_check import run_isolated
@@ -235,9 +301,13 @@ def report():
     jobs = [
         dict(op="fused_report", lengths=LENGTHS, shape="gpt-oss-20b"),
         dict(op="tests.test_stage_fused:swigluoai_min_max_ops"),
+        dict(op="tests.test_stage_fused:fused_ptx_facts"),
     ]
-    r, min_max = run_isolated(jobs, timeout=300)
+    r, min_max, facts = run_isolated(jobs, timeout=300)
     r["swigluoai_min_max"] = min_max
+    for op, v in facts.pop("vec").items():
+        r[op]["vec"] = v
+    r |= facts
     regs = {
         op: {T: (v["REG"], v["LOCAL"], v["cfg"]) for T, v in r[op]["res"].items()} for op in FUSED_LAUNCH_OPS
     }

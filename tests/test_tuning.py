@@ -240,17 +240,17 @@ def dense_leaf(bm, bn, **kw):
 
 
 def test_dense_projections_plan_and_candidates():
-    ps = {p.label: p for p in dt.projections("all")}
+    ps = {p.name: p for p in dt.projections("all")}
     assert (
         len(ps) == 12
         and ps["gpt-oss-20b/qkv"].slices == (4096, 512, 512)
         and ps["qwen3-32b/down"].hidden == 25600
     )
-    assert [p.label for p in dt.projections("tiny:qkv,qwen3-32b:down")] == ["tiny/qkv", "qwen3-32b/down"]
+    assert [p.name for p in dt.projections("tiny:qkv,qwen3-32b:down")] == ["tiny/qkv", "qwen3-32b/down"]
     with pytest.raises(ValueError, match="unknown projection 'mlp'"):
         dt.projections("gpt-oss-20b:mlp")
     # identical entries under vLLM's keys: the later workload takes the existing one
-    wl = {w.proj.label: w for w in dt.plan(dt.projections("all"), [32], 8, [64])}
+    wl = {w.proj.name: w for w in dt.plan(dt.projections("all"), [32], 8, [64])}
     assert wl["qwen3-30b-a3b/qkv"].expand_shared and not wl["qwen3-30b-a3b/qkv"].shrink_shared
     assert wl["qwen3-30b-a3b/o"].shrink_shared and wl["qwen3-32b/down"].expand_shared
     assert not any(w.shrink_shared and w.expand_shared for w in wl.values())

@@ -18,6 +18,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from functools import cache
 from pathlib import Path
 
@@ -147,13 +148,6 @@ def resource_usage(compiled) -> dict:
     return res
 
 
-# --- text helpers (pure functions over PTX / SASS) -------------------------------------------------
-def tensor_core_ops(ptx_text: str) -> dict:
-    """Counts of ``mma.sync`` and ``wgmma.mma_async`` instructions in PTX."""
-    mma = len(re.findall(r"(?<![\w.])mma\.sync\.aligned\.\S+", ptx_text))
-    return {"mma_sync": mma, "wgmma": len(re.findall(r"\bwgmma\.mma_async\.\S+", ptx_text))}
-
-
 # --- the real launch arguments of one layer launch, on meta tensors --------------------------------------
 #: launch name -> kernel name (the launches of one layer, :data:`moelora_lib.kernels.stages.LAUNCH_KERNELS`)
 LAUNCHES = dict(base_gate_up="fused_moe", base_down="fused_moe", gate_up_shrink="lora_shrink")
@@ -165,8 +159,6 @@ _DEFAULT_LAUNCH = {k: next(n for n, v in LAUNCHES.items() if v == k) for k in KE
 
 def _shape(shape):
     """A preset name, or a dict of MoEShape fields over ``base`` (default gpt-oss-20b)."""
-    from dataclasses import replace
-
     from ..shapes import get_shape
 
     if isinstance(shape, str):
@@ -205,8 +197,6 @@ def meta_layer_run(dims, *, activation: str = "silu", has_bias: bool = False, dt
                    use_even_k: bool = True, specialize_lengths: bool = False):  # fmt: skip
     """A :class:`~moelora_lib.kernels.LayerRun` of ``dims`` on meta tensors (``config`` None:
     ``default_config(dims)``), a stage with fused add and the given switches. Nothing is launched."""
-    from dataclasses import replace
-
     import torch
 
     from ..common import parse_dtype
@@ -227,13 +217,10 @@ def meta_layer_run(dims, *, activation: str = "silu", has_bias: bool = False, dt
 
 
 def launch(launch_name: str, T: int, *, shape="gpt-oss-20b", rank: int = 32, adapters: int = 8,
-           dtype: str = "bfloat16", cfg=None, use_even_k: bool = True,
-           with_bias: bool | None = None):  # fmt: skip
+           dtype: str = "bfloat16", cfg=None, use_even_k: bool = True):  # fmt: skip
     """``(kernel_name, args, constexprs, num_warps, num_stages, cfg)`` of one layer launch at T. launch_name:
     of :data:`LAUNCHES` or a kernel name; cfg: an OpConfig, a dict of fields over the default, or None;
     use_even_k: the LoRA ops' switch."""
-    from dataclasses import replace
-
     from ..kernels.config import BASE_OPS, LORA_OPS, OpConfig
     from ..kernels.stages import default_config
     from ..shapes import Dims
@@ -254,8 +241,7 @@ def launch(launch_name: str, T: int, *, shape="gpt-oss-20b", rank: int = 32, ada
         layer_cfg = layer_cfg.replace(
             **{op: replace(getattr(layer_cfg, op), BLOCK_SIZE_M=bm) for op in group}
         )
-    has_bias = sh.has_bias if with_bias is None else with_bias
-    kw = dict(activation=sh.activation, has_bias=has_bias, dtype=dtype, config=layer_cfg)
+    kw = dict(activation=sh.activation, has_bias=sh.has_bias, dtype=dtype, config=layer_cfg)
     kw["use_even_k"] = use_even_k
     la = meta_layer_run(dims, **kw).launch_args(launch_name, cfg)
     return la.kernel, la.args, la.constexprs, la.num_warps, la.num_stages, la.cfg
@@ -265,25 +251,6 @@ def _jit(kernel: str, specialize_lengths: bool):
     from ..kernels.triton_kernels import KERNELS
 
     return KERNELS[kernel][bool(specialize_lengths)]
-
-
-def _interpreted() -> bool:
-    """True when this process decorated the kernels under TRITON_INTERPRET (they cannot compile)."""
-    from triton.runtime.jit import JITFunction
-
-    return not isinstance(_jit("lora_shrink", True), JITFunction)
-
-
-def _isolated(op: str, **job) -> dict:
-    """Job ``op`` in :func:`run_isolated` (OpConfig arguments as dicts; ``per_length`` keys back to ints)."""
-    from ..kernels.config import OpConfig
-
-    job = {k: v.to_dict() if isinstance(v, OpConfig) else v for k, v in job.items()}
-    r = run_isolated([dict(op=op, **job)])[0]
-    for v in [r, *r.values()]:
-        if isinstance(v, dict) and "per_length" in v:
-            v["per_length"] = {int(t): i for t, i in v["per_length"].items()}
-    return r
 
 
 _HASHES: dict = {}
@@ -297,12 +264,6 @@ def variants(kernel_name: str, specialize_lengths: bool, lengths, *, launch_name
     ``kernel_name``."""
     from ..kernels.config import OpConfig
 
-    if _interpreted():
-        lens = [int(t) for t in lengths]
-        return _isolated(
-            "count", kernel=kernel_name, specialize_lengths=bool(specialize_lengths), lengths=lens,
-            launch_name=launch_name, compile=compile, cfg=cfg, **launch_kw,
-        )  # fmt: skip
     name = launch_name or _DEFAULT_LAUNCH[kernel_name]
     if LAUNCHES[name] != kernel_name:
         raise ValueError(f"launch {name!r} runs {LAUNCHES[name]}, not {kernel_name}")
@@ -331,9 +292,6 @@ def inspect_job(
 ) -> dict:
     """Compile one layer launch for sm_90: kernel, hash, key, constexprs, cfg, and the ``want``-ed "res",
     "ptx", "sass"."""
-    if _interpreted():
-        kw = dict(launch=launch_name, T=T, specialize_lengths=specialize_lengths, want=list(want))
-        return _isolated("inspect", **kw, **launch_kw)
     kernel, args, cx, nw, ns, cfg = launch(launch_name, T, **launch_kw)
     jf = _jit(kernel, specialize_lengths)
     k = compile_for_sm90(jf, args, cx, nw, ns)
@@ -346,27 +304,9 @@ def inspect_job(
     return out
 
 
-# --- stage fused: variants over lengths, registers, vector stores/loads of the rank intermediate ---------
-_GLOBAL_OP = re.compile(r"^\s*(?:@!?%p\w*\s+)?(st|ld)\.global((?:\.\w+)*)\s", re.M)
-_CP_ASYNC_SIZE = re.compile(r"\bcp\.async\.\w+\.shared\.global\s+\[[^\]]+\],\s*\[[^\]]+\],"
-                            r"\s*(0x[0-9a-f]+|\d+)")  # fmt: skip
-
-
-def global_vector_ops(ptx_text: str) -> dict:
-    """Counts of global memory instructions in PTX by width: ``st_v4``/``st_v2``/``st_scalar``,
-    ``ld_v4``/``ld_v2``/``ld_scalar`` and ``cp_async_<bytes>``."""
-    out = {f"{op}_{w}": 0 for op in ("st", "ld") for w in ("v4", "v2", "scalar")}
-    for op, mods in _GLOBAL_OP.findall(ptx_text):
-        out[f"{op}_{'v4' if '.v4' in mods else 'v2' if '.v2' in mods else 'scalar'}"] += 1
-    for size in _CP_ASYNC_SIZE.findall(ptx_text):
-        out[f"cp_async_{int(size, 0)}"] = out.get(f"cp_async_{int(size, 0)}", 0) + 1
-    return out
-
-
+# --- stage fused: variants over lengths, registers ---------------------------------------------------------
 def _fused_meta_run(dims, *, activation: str, has_bias: bool, dtype: str, config):
     """:func:`meta_layer_run` with stage ``fused``'s switches and ``config`` as that stage adapts it."""
-    from dataclasses import replace
-
     from ..kernels import STAGES
 
     run = meta_layer_run(dims, activation=activation, has_bias=has_bias, dtype=dtype, config=config)
@@ -393,12 +333,7 @@ def fused_report(
 ) -> dict:
     """Compile-only facts of stage ``fused`` at ``shape``: per launch of
     :data:`~moelora_lib.kernels.stages.FUSED_LAUNCH_OPS` ``keys``/``hashes`` over ``lengths`` at ``fixed_T``'s
-    config, ``res`` (``{T: {"REG", "LOCAL", "cfg"}}`` at each T of ``res_T``) and ``vec``
-    (:func:`global_vector_ops`); plus ``"shrink_sk1"``, ``"fused_no_lora"``, ``"expand_tuned"`` and
-    ``"split_down"`` (``{"sk1"|"sk8": {"REG", "LOCAL", "grid", "atom_add_f32", "out_dtype"}}``)."""
-    from dataclasses import replace
-
-    from ..kernels.config import OpConfig
+    config and ``res`` (``{T: {"REG", "LOCAL", "cfg"}}`` at each T of ``res_T``)."""
     from ..kernels.fused import fused_default_config
     from ..kernels.stages import FUSED_CONFIG_FIELD, FUSED_LAUNCH_OPS
     from ..shapes import Dims
@@ -413,7 +348,7 @@ def fused_report(
     fixed = fused_default_config(Dims.of(sh, int(fixed_T), rank=rank, adapters=adapters))
     out: dict = {}
     for op in FUSED_LAUNCH_OPS:
-        keys, hashes, first = [], set(), None
+        keys, hashes = [], set()
         for T in lengths:
             la = run_at(T, fixed).launch_args(op)
             key = specialization_key(
@@ -421,56 +356,14 @@ def fused_report(
             )
             if key not in keys:
                 keys.append(key)
-                k = _compile_launch(la)
-                hashes.add(k.hash)
-                first = first or k
+                hashes.add(_compile_launch(la).hash)
         res = {}
         for T in res_T:
             la = run_at(T).launch_args(op)
             ru = resource_usage(_compile_launch(la))
             res[int(T)] = {"REG": ru["REG"], "LOCAL": ru["LOCAL"], "cfg": la.cfg.short()}
         kernel = FUSED_CONFIG_FIELD[op] and run_at(fixed_T, fixed).launch_args(op).kernel
-        out[op] = dict(
-            kernel=kernel, keys=len(keys), hashes=len(hashes), res=res, vec=global_vector_ops(ptx(first))
-        )
-    run = run_at(fixed_T, fixed)
-    sk1 = replace(fixed.gate_up_shrink, SPLIT_K=1)
-    new = _compile_launch(run.launch_args("gate_up_shrink", sk1))
-    old = launch("gate_up_shrink", fixed_T, shape=shape, rank=rank, adapters=adapters, dtype=dtype, cfg=sk1)
-    old_k = compile_for_sm90(_jit(old[0], False), *old[1:5])
-    out["shrink_sk1"] = {
-        "fused": global_vector_ops(ptx(new)),
-        "tuned": global_vector_ops(ptx(old_k)),
-        "fused_reg": resource_usage(new)["REG"],
-        "tuned_reg": resource_usage(old_k)["REG"],
-    }
-    run.lora_align = run.lora_align_down = None  # the fused GEMMs without their LoRA part
-    out["fused_no_lora"] = {
-        op: global_vector_ops(ptx(_compile_launch(run.launch_args(op))))
-        for op in ("fused_gate_up", "fused_down")
-    }
-    # tuned's down expand (reads the [1, P, R] intermediate through do_not_specialize'd stride_is)
-    old = launch("down_expand", fixed_T, shape=shape, rank=rank, adapters=adapters, dtype=dtype)
-    out["expand_tuned"] = global_vector_ops(ptx(compile_for_sm90(_jit(old[0], False), *old[1:5])))
-    # the down GEMM split over K against the same tile unsplit
-    split = {}
-    for sk in (1, 8):
-        c = fused_default_config(Dims.of(sh, 1, rank=rank, adapters=adapters))
-        c = c.replace(
-            base_down=OpConfig(16, 128, 64, 1, sk, 4, 4),
-            base_gate_up=replace(c.base_gate_up, BLOCK_SIZE_M=16),
-        )
-        la = run_at(1, c).launch_args("fused_down")  # args: x, w, out (y, or the fp32 y when split), ...
-        k = _compile_launch(la)
-        ru = resource_usage(k)
-        split[f"sk{sk}"] = {
-            "REG": ru["REG"],
-            "LOCAL": ru["LOCAL"],
-            "grid": int(la.grid[0]),
-            "atom_add_f32": len(re.findall(r"\b(?:atom|red)\.[\w.]*add[\w.]*f32\b", ptx(k))),
-            "out_dtype": str(la.args[2].dtype),
-        }
-    out["split_down"] = split
+        out[op] = dict(kernel=kernel, keys=len(keys), hashes=len(hashes), res=res)
     return out
 
 

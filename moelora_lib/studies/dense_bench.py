@@ -28,10 +28,9 @@ from ..testing import TOLERANCES
 from ..workloads import adapter_ids
 from . import bench
 from .bench import free_memory
-from .moe_bench import W8A8_REL_TOL, check_tolerance, module_scheme  # noqa: F401 (db.W8A8_REL_TOL)
+from .moe_bench import MODULE_PARTS, PARTS, W8A8_REL_TOL, check_tolerance, module_scheme  # noqa: F401
 
-#: What :func:`bench_projection` times: parts of one call, the LoRA part's launches, torch baselines.
-PARTS = ("base", "lora", "total")
+#: What :func:`bench_projection` times besides :data:`PARTS`: the LoRA part's launches, torch baselines.
 KERNELS = ("shrink", "expand")
 BASELINES = ("torch_loop", "torch_gbmm")
 #: GPT-OSS-20B and Qwen3-30B-A3B (attention only: their MLPs are MoE), Qwen3-32B and Llama-3.3-70B.
@@ -332,11 +331,15 @@ def _time_row(fn, inp, T, pattern, cost, kw, timing) -> dict[str, Any]:
     )
 
 
-def _point(inp: ProjectionInputs, T: int, pattern: str):
-    """(adapter ids of ``pattern``, :func:`part_costs`) of one timed point."""
-    ids = inp.lora_ids(T, pattern)
+def _point(inp: ProjectionInputs, T: int, pattern: str, module: LoRALinear | None = None):
+    """(adapter ids of ``pattern``, :func:`part_costs`) of one timed point; a ``module`` on an FP8 weight
+    gives the base its FP8 bytes and rate."""
+    ids, kw = inp.lora_ids(T, pattern), {}
+    if module is not None and module.weight_format == "fp8":
+        w = module.base_weight()
+        kw = dict(weight_bytes=w.nbytes / (w.shape[0] * w.shape[1]), base_tflops=H200_FP8_TFLOPS)
     elem = inp.x.element_size()
-    return ids, part_costs(inp.proj, T, rank=inp.R, adapters=inp.L, dtype_bytes=elem, lora_ids=ids)
+    return ids, part_costs(inp.proj, T, rank=inp.R, adapters=inp.L, dtype_bytes=elem, lora_ids=ids, **kw)
 
 
 def _kw(impl: str, stage: str | None, part: str, cfg=None, launched=None) -> dict[str, Any]:
@@ -390,34 +393,17 @@ def bench_projection(stage: str, inp: ProjectionInputs, T: int, *, parts: Sequen
     return rows
 
 
-def _module_costs(module: LoRALinear, inp: ProjectionInputs, T: int, ids: torch.Tensor) -> dict:
-    """:func:`part_costs` of a :class:`LoRALinear` forward (FP8 bytes and rate for an FP8 weight)."""
-    kw = {}
-    if module.weight_format == "fp8":
-        w = module.base_weight()
-        kw = dict(weight_bytes=w.nbytes / (w.shape[0] * w.shape[1]), base_tflops=H200_FP8_TFLOPS)
-    elem = inp.x.element_size()
-    return part_costs(inp.proj, T, rank=inp.R, adapters=inp.L, dtype_bytes=elem, lora_ids=ids, **kw)
-
-
-#: :func:`bench_module`'s parts: the forward with no LoRA launch (the base GEMM alone), and with adapters.
-MODULE_PARTS = ("base", "total")
-
-
 def bench_module(module: LoRALinear, inp: ProjectionInputs, T: int, *, parts: Sequence[str] = MODULE_PARTS,
                  pattern: str = "uniform", mode: str = "graph", warmup_ms: float = 25, rep_ms: float = 100,
                  min_reps: int | None = None) -> list[dict[str, Any]]:  # fmt: skip
     """Time a :class:`LoRALinear` forward at T tokens of ``inp``, one row per part: "base" (``active_slots``
-    empty) and "total". Rows: the point's fields, impl "module", stage, part, weight_format,
-    activation_scheme, config, mode, ms_p50/p20/p80, us_p50, flops, bytes, floor_us, bytes_floor_us,
-    flops_floor_us, bound, warmup_ms, rep_ms, min_reps and the environment columns. ValueError for another
-    part."""
+    empty) and "total". Rows: :func:`bench_projection`'s columns (impl "module") plus weight_format and
+    activation_scheme. ValueError for another part."""
     bad = sorted(set(parts) - set(MODULE_PARTS))
     if bad:
         raise ValueError(f"bench_module: parts must be among {MODULE_PARTS}, got {bad}")
-    ids = inp.lora_ids(T, pattern)
+    ids, costs = _point(inp, T, pattern, module)
     x = inp.x_for(T)
-    costs = _module_costs(module, inp, T, ids)
     timing = dict(mode=mode, warmup_ms=warmup_ms, rep_ms=rep_ms, min_reps=min_reps)
     saved, rows = module.active_slots, []
     fields = dict(weight_format=module.weight_format, activation_scheme=module_scheme(module, T))
@@ -439,19 +425,12 @@ def check_fp8_projection(inp: ProjectionInputs, T: int, weight: FP8BlockWeight, 
     dequantized weight (``ref_dtype``: float64 on the CPU, float32 on a GPU) and against ``dense_module`` (or
     built) on it. One row: the point's fields, impl "module", stage, part "total", weight_format "fp8",
     activation_scheme, rel_err, rel_err_vs_dense, tol, delta_rel, no_adapter_rows, no_adapter_bitwise."""
-    ids, x = inp.lora_ids(T, pattern), inp.x_for(T)
-    if ref_dtype is None:
-        ref_dtype = torch.float64 if inp.device.type == "cpu" else torch.float32
+    ids, x, ref, delta_rel = _reference(inp, T, pattern, weight, ref_dtype)
     deq = dequantized(inp, weight)
     if module is None:
         module = build_module(inp, stage, max_tokens=T, weight=weight, activation_scheme=activation_scheme)
     mod = module
     dmod = dense_module if dense_module is not None else build_module(deq, stage, max_tokens=T)
-    w = weight.dequantize(torch.float32).to(ref_dtype)  # exact
-    ref = lora_linear_reference(x, w, inp.lora_a, inp.lora_b, ids, slices=inp.proj.slices, dtype=ref_dtype)
-    ref_base = x.to(ref_dtype) @ w.T
-    delta_rel = float((ref - ref_base).abs().max() / ref.abs().max().clamp_min(1e-30))
-    del ref_base, w
     out = mod(x, ids)
     saved = mod.active_slots
     try:
@@ -484,6 +463,21 @@ def bench_alignment(T: int, *, block_size_m: int, adapters: int = 8, pattern: st
 # --- Correctness --------------------------------------------------------------------------------------------
 
 
+def _reference(inp: ProjectionInputs, T: int, pattern: str, weight, ref_dtype):
+    """(ids, x, ref, delta_rel) of one check at T: ``lora_linear_reference`` on ``weight`` (dense or FP8) in
+    ``ref_dtype`` (None: float64 on the CPU, float32 on a GPU); delta_rel = max|ref − ref without LoRA| /
+    max|ref|."""
+    ids, x = inp.lora_ids(T, pattern), inp.x_for(T)
+    if ref_dtype is None:
+        ref_dtype = torch.float64 if inp.device.type == "cpu" else torch.float32
+    ref = lora_linear_reference(
+        x, weight, inp.lora_a, inp.lora_b, ids, slices=inp.proj.slices, dtype=ref_dtype
+    )
+    w = weight.dequantize(torch.float32) if isinstance(weight, FP8BlockWeight) else weight  # exact
+    ref_base = x.to(ref_dtype) @ w.to(ref_dtype).T
+    return ids, x, ref, float((ref - ref_base).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """max|out − ref| / max|ref| on ref's device; inf for a non-finite output or a shape mismatch."""
     if out.shape != ref.shape:
@@ -503,15 +497,7 @@ def check_projection(inp: ProjectionInputs, T: int, *,
     the torch ``baselines`` against ``lora_linear_reference``. One row each: the point's fields, impl, stage,
     part, check "vs_reference", rel_err, tol, delta_rel, no_adapter_rows, no_adapter_bitwise, config,
     config_source."""
-    ids, x = inp.lora_ids(T, pattern), inp.x_for(T)
-    if ref_dtype is None:
-        ref_dtype = torch.float64 if inp.device.type == "cpu" else torch.float32
-    ref = lora_linear_reference(
-        x, inp.weight, inp.lora_a, inp.lora_b, ids, slices=inp.proj.slices, dtype=ref_dtype
-    )
-    ref_base = x.to(ref_dtype) @ inp.weight.to(ref_dtype).T
-    delta_rel = float((ref - ref_base).abs().max() / ref.abs().max().clamp_min(1e-30))
-    del ref_base
+    ids, x, ref, delta_rel = _reference(inp, T, pattern, inp.weight, ref_dtype)
     base = F.linear(x, inp.weight)
     none = ids < 0
     n_none = int(none.sum())

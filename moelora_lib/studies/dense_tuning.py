@@ -1,10 +1,6 @@
 """The dense multi-LoRA tuner: shrink and expand configs of :func:`moelora_lib.linear.lora_linear`
 (stage ``tuned``) per projection shape and T, in vLLM's dense LoRA file format (``{gpu}_SHRINK.json``,
-``{gpu}_EXPAND_TRUE.json``; ``load_dense_config``)::
-
-    python -m moelora_lib.studies.dense_tuning --projections all --tokens 1,8,64,256,1600,8192 \\
-        --ranks 32 --adapters 8 --out moelora_lib/configs/NVIDIA_H200 \\
-        --csv data/10_dense_tuning_trials.csv --budget-s 330
+``{gpu}_EXPAND_TRUE.json``; ``load_dense_config``). The run command: moelora_lib/configs/README.md.
 
 Per workload (projection, R, L, T), through :mod:`.tuner`:
 
@@ -35,13 +31,11 @@ import torch
 
 from .. import configs
 from ..common import parse_dtype
+from ..kernels import STAGES
 from ..kernels.config import OpConfig, next_pow2
 from ..shapes import DENSE_CPU_MODELS, DENSE_GPU_MODELS, DENSE_PRESETS, DenseProjection
-from . import tuner
+from . import bench, tuner
 from .tuner import RUN_COLUMNS, TRIAL_COLUMNS
-
-__all__ = ["Projection", "projections", "CSV_COLUMNS", "bm_candidates", "shrink_candidates"]
-__all__ += ["expand_candidates", "plan", "precompile", "tune", "main"]
 
 #: The stage whose switches the tuned configs are for (split-K, grouped order, EVEN_K, fused add).
 TUNE_STAGE = "tuned"
@@ -55,32 +49,19 @@ _KEY_COLUMNS = ("kind", "model", "proj", "H", "slices", "R", "L", "T", "op", "co
 _FILE_OPS = {"shrink": "dense_shrink", "expand": "dense_expand"}
 
 
-class Projection(DenseProjection):
-    """One dense projection as the tuner names it: ``name`` = proj, ``label`` = ``"<model>/<proj>"``."""
-
-    @property
-    def name(self) -> str:
-        return self.proj
-
-    @property
-    def label(self) -> str:
-        return f"{self.model}/{self.proj}"
-
-
-def projections(spec: str | Sequence[str]) -> list[Projection]:
+def projections(spec: str | Sequence[str]) -> list[DenseProjection]:
     """The projections named by ``spec``: ``"all"``, ``"model"`` or ``"model/proj"`` (or ``model:proj``),
     comma-separated or a list. ValueError naming an unknown item."""
     items = [str(x).strip() for x in (spec.split(",") if isinstance(spec, str) else spec) if str(x).strip()]
     if not items:
         raise ValueError(f"expected 'all' or comma-separated model[/proj] names, got {spec!r}")
-    out: list[Projection] = []
+    out: list[DenseProjection] = []
     for it in items:
         model, _, proj = it.replace(":", "/").partition("/")
         if it != "all" and model not in DENSE_PRESETS:
             raise ValueError(f"unknown model {model!r} in {it!r}; known: {['all', *DENSE_PRESETS]}")
         models = DENSE_GPU_MODELS if it == "all" else [model]
-        presets = [p for m in models for p in DENSE_PRESETS[m].projections()]
-        got = [Projection(p.model, p.proj, p.hidden, p.slices) for p in presets]
+        got = [p for m in models for p in DENSE_PRESETS[m].projections()]
         if proj and not (got := [p for p in got if p.proj == proj]):
             have = [p.proj for p in DENSE_PRESETS[model].projections()]
             raise ValueError(f"unknown projection {proj!r} of {model}; it has {have}")
@@ -160,7 +141,7 @@ def expand_candidates(
 # --- The plan: workloads, which ops they tune, the compiles -------------------------------------------------
 @dataclass
 class Workload:
-    proj: Projection
+    proj: DenseProjection
     R: int
     L: int
     T: int
@@ -193,11 +174,8 @@ class Workload:
 
 
 def _leaf_at(data: dict, keys: tuple[int, ...]):
-    for k in keys:
-        if not isinstance(data, dict) or str(k) not in data:
-            return None
-        data = data[str(k)]
-    return data
+    found = configs.lookup(data, keys, exact_levels=tuple(range(len(keys))))
+    return found and found[1]
 
 
 def _choices(log: tuner.TrialLog, w: Workload) -> dict[str, OpConfig]:
@@ -206,7 +184,7 @@ def _choices(log: tuner.TrialLog, w: Workload) -> dict[str, OpConfig]:
 
 
 def plan(
-    projs: Sequence[Projection], ranks, adapters: int, tokens, *, files=None, log=None
+    projs: Sequence[DenseProjection], ranks, adapters: int, tokens, *, files=None, log=None
 ) -> list[Workload]:
     """The workloads in run order (R, T, projection), each marked done and with which of its ops take an
     existing entry."""
@@ -226,7 +204,6 @@ def plan(
 
 def _meta_launch(job: dict):
     """The DenseLaunch of one compile job on meta tensors."""
-    from ..kernels import STAGES
     from ..kernels.dense_lora import DenseLoRAConfig, default_dense_config, dense_launches
     from ..routing import align_tokens
 
@@ -265,7 +242,6 @@ def compile_jobs(workloads: Sequence[Workload], *, max_bms: int, max_cands: int,
 
 def _precompile_main() -> int:
     """Worker: compile the jobs of JSON file argv[1] for sm_<argv[3]>, one JSON line per job to argv[2]."""
-    from ..kernels import STAGES
     from ..kernels.dense_lora import DENSE_KERNELS
     from .compile_check import compile_for_sm90
 
@@ -288,8 +264,6 @@ def _precompile_main() -> int:
 def precompile(jobs: list[dict], n_proc: int, timeout_s: float, arch: int) -> dict[str, Any]:
     """Compile ``jobs`` in ``n_proc`` fresh processes side by side into Triton's on-disk cache, at most
     ``timeout_s`` seconds. Returns {"jobs", "ok", "failed", "unfinished", "wall_s", "compile_s", "errors"}."""
-    from . import bench
-
     t0 = time.perf_counter()
     stats: dict[str, Any] = dict(jobs=len(jobs), ok=0, failed=0, unfinished=len(jobs), compile_s=0.0)
     stats["errors"] = []
@@ -320,7 +294,7 @@ def precompile(jobs: list[dict], n_proc: int, timeout_s: float, arch: int) -> di
 class _Inputs:
     """The tensors of one projection (up to the largest T), made once per (projection, R)."""
 
-    def __init__(self, proj: Projection, R: int, L: int, max_T: int, dtype, device, seed: int):
+    def __init__(self, proj: DenseProjection, R: int, L: int, max_T: int, dtype, device, seed: int):
         g = torch.Generator(device=device).manual_seed(seed)  # on the device: 10^8 values at T = 8192
         H, S, N = proj.hidden, len(proj.slices), sum(proj.slices)
 
@@ -338,7 +312,6 @@ class _Inputs:
         return (torch.arange(T) % self.L)[torch.randperm(T, generator=g)].to(torch.int32).to(self.device)
 
     def op_fn(self, op: str, T: int, align, cfg: OpConfig) -> Callable[[], Any]:
-        from ..kernels import STAGES
         from ..kernels.dense_lora import dense_expand, dense_shrink
 
         st = STAGES[TUNE_STAGE]
@@ -350,7 +323,6 @@ class _Inputs:
 
     def rel_err(self, T: int, align, shrink: OpConfig, expand: OpConfig, ref: torch.Tensor) -> float:
         """max|out − ref| / max|ref| of the pair, on the device; inf for a non-finite output."""
-        from ..kernels import STAGES
         from ..kernels.dense_lora import DenseLoRAConfig, dense_lora_add
         from .dense_bench import _rel_err
 
@@ -367,7 +339,6 @@ def _tune_workload(
     """Tune one workload; the checked (shrink, expand), or None for a conflict."""
     from ..linear import _align_oneshot, lora_linear_reference
     from ..testing import TOLERANCES
-    from . import bench
 
     dev, T, elem = inp.device, w.T, inp.x.element_size()
     fixed = {op: files.data[fop] and _leaf_at(files.data[fop], w.keys(fop)) for op, fop in _FILE_OPS.items()}
@@ -424,7 +395,7 @@ def _tune_workload(
                 log.config_row("choice", w.ids, op, c, t0=t0, ms_p50=ms, sum_ms=total, rel_err=err, note=note)
             return cs, ce
     raise RuntimeError(
-        f"{w.proj.label} R={w.R} L={w.L} T={T}: no config passed the correctness check (see the 'check' rows "
+        f"{w.proj.name} R={w.R} L={w.L} T={T}: no config passed the correctness check (see the 'check' rows "
         f"of {log.path}); the kernels or the reference are broken"
     )
 
@@ -468,7 +439,7 @@ def _check_args(projs, ranks, adapters, tokens, out, csv_path, budget_s, device,
     if l2 not in ("clean", "dirty"):
         raise ValueError(f"{n['l2']}: expected 'clean' or 'dirty', got {l2!r}")
     if dev.type == "cpu":  # the interpreter runs a kernel program by program
-        big = [p.label for p in ps if p.model not in DENSE_CPU_MODELS]
+        big = [p.name for p in ps if p.model not in DENSE_CPU_MODELS]
         if big:
             raise ValueError(f"{n['projections']}: the CPU (Triton interpreter) runs only the smoke presets "
                              f"{list(DENSE_CPU_MODELS)} (e.g. 'tiny/qkv'), got {big}")  # fmt: skip
@@ -561,7 +532,7 @@ def tune(
         return got is not None
 
     tuner.run_workloads(
-        wls, log, files, summary, label=lambda w: (w.proj.label, w.R, w.T), ids=lambda w: w.ids,
+        wls, log, files, summary, label=lambda w: (w.proj.name, w.R, w.T), ids=lambda w: w.ids,
         todo=lambda w: not _choices(log, w), tune=tune_one, deadline=t0 + budget_s, t0=t0, progress=progress,
         desc="dense tuning",
     )  # fmt: skip

@@ -28,7 +28,7 @@ from ..hardware import H200_BF16_TFLOPS, H200_READ_TB_PER_S
 from ..model import REAL_CONFIGS, ModelConfig, MultiLoRAModel, random_model
 from ..model.modeling import WeightSource, random_weights
 from ..quant.fp8 import FP8_BLOCK
-from . import bench
+from . import bench, dense_bench, moe_bench
 from .bench import free_memory
 
 #: The three models of the study (names of :data:`moelora_lib.model.REAL_CONFIGS`).
@@ -94,10 +94,9 @@ def model_config(name: str, *, num_layers: int | None = None) -> ModelConfig:
     return ModelConfig.from_hf(d)
 
 
-#: Formats of a built model's expert weights.
-EXPERT_FORMATS = ("dense", "mxfp4", "fp8")
-#: Formats of a built model's attention and dense-MLP projections (qkv, o, gate_up, down): "dense" or "fp8".
-PROJECTION_FORMATS = ("dense", "fp8")
+#: Formats of a built model's expert weights, and of its attention and dense-MLP projections.
+EXPERT_FORMATS = moe_bench.WEIGHT_FORMATS
+PROJECTION_FORMATS = dense_bench.WEIGHT_FORMATS
 _EXPERT_WEIGHT = re.compile(r"^layers\.\d+\.mlp\.experts\.(w13|w2)$")
 #: The projections a published block-FP8 checkpoint stores in FP8.
 _PROJECTION_WEIGHT = re.compile(
@@ -739,11 +738,11 @@ def hf_generate(model, prompt: Sequence[int], new_tokens: int, device):
 
 def hf_baseline_rows(
     name: str, *, dtype: torch.dtype, device, prompt_len: int, new_tokens: int, rank: int, alpha: float,
-    seed: int = 0, warm_tokens: int = 2, scenarios: Sequence[str] = HF_SCENARIOS,
+    seed: int = 0, warm_tokens: int = 2,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """transformers alone and (``transformers_peft``) + PEFT with one rank-``rank`` adapter, eager,
     concurrency 1, after an untimed call: :func:`generation_row` rows plus implementations and versions. Frees
-    the model. ValueError for an unknown scenario."""
+    the model."""
     import transformers
 
     model = hf_model(name, dtype=dtype, device=device, seed=seed)
@@ -752,7 +751,7 @@ def hf_baseline_rows(
                 experts_implementation=getattr(model.config, "_experts_implementation", None),
                 transformers=transformers.__version__)  # fmt: skip
     try:
-        for scenario in scenarios:
+        for scenario in HF_SCENARIOS:
             if scenario == "transformers_peft":
                 import peft
 
@@ -765,8 +764,6 @@ def hf_baseline_rows(
                     warnings.simplefilter("ignore", FutureWarning)
                     model = peft.get_peft_model(model, lc).eval()
                 impl["peft"] = peft.__version__
-            elif scenario != "transformers":
-                raise ValueError(f"scenario must be one of {HF_SCENARIOS}, got {scenario!r}")
             if warm_tokens:
                 hf_generate(model, make_prompts(1, prompt_len, vocab, seed + 7919)[0], warm_tokens, device)
             res = hf_generate(model, make_prompts(1, prompt_len, vocab, seed)[0], new_tokens, device)

@@ -487,31 +487,6 @@ class Explorer:
             c["model"], int(c["T"]), int(c["rank"]), int(c["adapters"]), c["pattern"], c["setting"], stages
         )
 
-    def set(self, **values) -> float:
-        """Set controls by name (model, T, rank, adapters, pattern, setting, stages) as a user would; returns
-        the seconds of the last redraw. ValueError for an unknown control, value or stage; a refused call
-        changes nothing."""
-        for k, v in values.items():  # every value checked before anything changes
-            if k == "stages":
-                names = [v] if isinstance(v, str) else v
-                if not isinstance(names, (list, tuple, set, frozenset)) or set(names) - set(self.stage_boxes):
-                    raise ValueError(
-                        f"stages: expected a stage name or a list of {list(self.stage_boxes)}, got {v!r}"
-                    )
-            elif k not in self.controls:
-                raise ValueError(f"unknown control {k!r}; controls are {['stages', *self.controls]}")
-            elif v not in (
-                allowed := [o[1] if isinstance(o, tuple) else o for o in self.controls[k].options]
-            ):
-                raise ValueError(f"{k}: {v!r} is not one of the values the evidence holds: {allowed}")
-        for k, v in values.items():
-            if k == "stages":
-                for s, b in self.stage_boxes.items():
-                    b.value = s in names
-            else:
-                self.controls[k].value = v
-        return self.last_redraw_s
-
     def redraw(self, *_change) -> None:
         """Rebuild the plot, the tables and the notes; the status line is set last."""
         t0 = time.perf_counter()

@@ -31,17 +31,6 @@ from . import tuner
 from .tuner import RUN_COLUMNS, TRIAL_COLUMNS
 from .tuning import base_bm_candidates
 
-__all__ = [
-    "CSV_COLUMNS",
-    "FUSED_OPS",
-    "fused_op_candidates",
-    "tune_fused_workload",
-    "tune_fused",
-    "stage_choices_from_csv",
-    "write_stage_choices",
-    "main",
-]
-
 #: the two launches tuned here, in call order
 FUSED_OPS = ("fused_gate_up", "fused_down")
 #: the workload columns, then the engine's
@@ -96,15 +85,12 @@ def tune_fused_workload(
 ) -> dict[str, OpConfig]:
     """Tune the two fused GEMMs of one workload; returns {op: cfg} (empty when the budget ran out first)."""
     from ..kernels.fused import fused_gemm_configs
-    from .moe_bench import layer_inputs
 
     t0 = time.perf_counter() if t0 is None else t0
     s = tuner.check_models([model])[0]
     dims = Dims.of(s, T, rank=R, adapters=L, slices=weights.lora_a13.shape[2])
     cur = fused_gemm_configs(configs.load_layer_config(dims))
     bms = sorted(set(base_bm_candidates(T, s.top_k, s.experts, max_bms)) | {cur.base_block_size_m})
-    kw = dict(rank=R, num_adapters=L, pattern="uniform", weights=weights, seed=0, activation="silu")
-    inp = layer_inputs(s, T, **kw, bias=False)
     ids = dict(model=model, R=R, L=L, T=T, H=s.hidden, I=s.intermediate, E=s.experts, K=s.top_k)
     fields = [FUSED_CONFIG_FIELD[op] for op in FUSED_OPS]
 
@@ -112,7 +98,7 @@ def tune_fused_workload(
         return fused_op_candidates(op, bm, getattr(cur, FUSED_CONFIG_FIELD[op]), max_cands)
 
     return tuner.tune_layer_ops(
-        "fused", inp, cur, fields, FUSED_OPS, bms, candidates, device, log, ids,
+        "fused", s, T, weights, cur, fields, FUSED_OPS, bms, candidates, device, log, ids,
         what=f"{model} T={T} fused GEMMs", deadline=deadline, t0=t0, first_note="current",
     )  # fmt: skip
 
@@ -139,8 +125,6 @@ def tune_fused(
     {(model, T): {op: OpConfig}}. ``max_bms``: BLOCK_SIZE_M candidates besides the current one; ``max_cands``:
     configs per GEMM and BM; ``dtype`` None: bfloat16 on a GPU, float32 on the CPU. ValueError naming a bad
     argument before anything is written."""
-    from .moe_bench import layer_inputs
-
     shapes = tuner.check_models(models, (names or {}).get("models", "models"))
     if gpu is not None and (not isinstance(gpu, str) or not gpu or "/" in gpu or "\\" in gpu):
         raise ValueError(f"gpu: expected a GPU name for the file names (no path separators), got {gpu!r}")
@@ -155,12 +139,11 @@ def tune_fused(
     log = tuner.TrialLog(Path(csv_path), CSV_COLUMNS)
     files = tuner.ConfigFiles(Path(out), gpu, ["fused"], configs.config_file_name)
     chosen: dict[tuple[str, int], dict[str, OpConfig]] = {}
-    weights: dict[str, object] = {}
-    wkw = dict(rank=rank, num_adapters=adapters, dtype=dtype, device=dev, seed=seed, bias=False)
+    weights: dict[tuple[str, int], object] = {}
 
     def tune_one(job) -> bool:
         s, T = job
-        w = tuner.one_at_a_time(weights, s.name, lambda: layer_inputs(s, 1, **wkw), dev)
+        w = tuner.layer_weights(weights, s, rank, adapters, dtype, dev, seed)
         kw = dict(deadline=t0 + budget_s, t0=t0, max_bms=max_bms, max_cands=max_cands)
         if got := tune_fused_workload(s.name, T, rank, adapters, w, dev, log, **kw):
             chosen[s.name, T] = got

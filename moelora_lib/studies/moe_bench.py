@@ -14,10 +14,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,7 +29,7 @@ import torch
 from ..common import DTYPES, dtype_name
 from ..hardware import H200_BF16_TFLOPS, H200_FP8_TFLOPS
 from ..kernels import STAGES, LayerConfig, default_config
-from ..kernels.config import LORA_OPS
+from ..kernels.config import BASE_OPS, LORA_OPS
 from ..quant.fp8 import FP8_BLOCK, FP8BlockWeight, quantize_fp8_block
 from ..quant.mxfp4 import MXFP4_BLOCK, MXFP4Weight, quantize_mxfp4
 from ..reference import moe_lora_reference
@@ -38,7 +40,6 @@ from ..workloads import MoELoRAInputs, Workload, adapter_ids, make_inputs
 from . import bench
 
 PARTS = ("base", "lora", "total")
-BASE_OPS = ("base_gate_up", "base_down")
 #: Formats of the expert weights w13 / w2.
 WEIGHT_FORMATS = ("dense", "mxfp4", "fp8")
 #: Bytes per MXFP4 weight (4.25 bits).
@@ -51,15 +52,10 @@ def fp8_bytes_per_weight(block: tuple[int, int] = FP8_BLOCK, scale_bytes: int = 
     return 1.0 + scale_bytes / (block[0] * block[1])
 
 
-#: Bytes per FP8 weight in the published layout: 1 byte + a float32 scale per 128 x 128 block.
-FP8_BYTES_PER_WEIGHT = fp8_bytes_per_weight()
-
-
 # --- vLLM anchors ----------------------------------------------------------------------------------------
 
 #: vLLM's MoE (+ multi-LoRA) kernels measured side by side with this project in one process on one H200.
 ANCHOR_FILE = bench.REPO_ROOT / "data" / "anchors" / "vllm_vs_moelora_moe_h200.csv"
-ANCHOR_SOURCE = "data/anchors/vllm_vs_moelora_moe_h200.csv (method: docs/anchors-h200.md)"
 #: impl names of the anchor file: vLLM's base MoE, its current LoRA path, and its two two-kernel paths.
 _VLLM_BASE, _VLLM_CURRENT, _VLLM_TWO_KERNEL = "vllm", "vllm_main", ("2k_tma_pdl", "2k_notma")
 
@@ -322,7 +318,6 @@ WEIGHTS_CACHE = bench.REPO_ROOT / ".cache" / "layer_weights"
 @functools.cache
 def _generator_code_hash() -> str:
     """Hash of the code that generates the inputs: part of every :class:`LayerWeights` file name."""
-    import hashlib
     import inspect
 
     from .. import routing, shapes, workloads
@@ -342,12 +337,8 @@ class LayerWeights:
         self.device = torch.device(device)
         self.folder = None if folder is None else os.fspath(folder)
         self._sets: dict[tuple[str, bool], MoELoRAInputs] = {}
-        #: per get(): (model, bias, "memo" | "loaded" | "generated")
-        self.log: list[tuple[str, bool, str]] = []
 
     def _key(self, shape: MoEShape, bias: bool) -> str:
-        import hashlib
-
         fields = dict(shape=dataclasses.asdict(shape), T=1, rank=self.rank, adapters=self.num_adapters)
         fields |= dict(slices=shape.lora_slices, pattern="uniform", dtype=dtype_name(self.dtype))
         fields |= dict(device=self.device.type, seed=self.seed, bias=bias, torch=torch.__version__)
@@ -365,14 +356,13 @@ class LayerWeights:
         use_bias = shape.has_bias if bias is None else bool(bias)
         k = (shape.name, use_bias)
         if k in self._sets:
-            self.log.append((shape.name, use_bias, "memo"))
             return self._sets[k]
         path = None if self.folder is None else os.path.join(self.folder, self._key(shape, use_bias))
-        inp, how = None, "generated"
+        inp = None
         if path is not None and os.path.exists(path):
             try:
                 state = torch.load(path, map_location=self.device, weights_only=True)
-                inp, how = MoELoRAInputs(**state), "loaded"
+                inp = MoELoRAInputs(**state)
             except Exception:  # a truncated or foreign file: generate and overwrite it
                 inp = None
         if inp is None:
@@ -381,7 +371,6 @@ class LayerWeights:
             if path is not None:
                 self._save(inp, path)
         self._sets[k] = inp
-        self.log.append((shape.name, use_bias, how))
         return inp
 
     def drop(self, shape: MoEShape | str | None = None) -> None:
@@ -391,8 +380,6 @@ class LayerWeights:
             del self._sets[k]
 
     def _save(self, inp: MoELoRAInputs, path: str) -> None:
-        import tempfile
-
         os.makedirs(os.path.dirname(path), exist_ok=True)
         state = {f.name: getattr(inp, f.name) for f in dataclasses.fields(inp)}
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
@@ -455,22 +442,13 @@ def _run_fields(shape: MoEShape, run, pattern: str) -> dict[str, Any]:
     return f | dict(activation_scheme=run_scheme(run))
 
 
-def _weight_bytes(w) -> float | None:
-    """:func:`op_costs`' ``weight_bytes`` for expert weight ``w``."""
-    if isinstance(w, FP8BlockWeight):
-        return w.nbytes / math.prod(w.shape)
-    return MXFP4_BYTES_PER_WEIGHT if weight_format(w) == "mxfp4" else None
-
-
-def _base_tflops(w) -> float | None:
-    """:func:`op_costs`' ``base_tflops`` for expert weight ``w``."""
-    return H200_FP8_TFLOPS if isinstance(w, FP8BlockWeight) else None
-
-
 def _costs(shape, dims, inp_or_x, w13, topk_ids=None, lora_ids=None) -> list[dict[str, Any]]:
     """:func:`op_costs` of a run on expert weight ``w13`` (its bytes per weight and FLOP rate)."""
+    wb, rate = (MXFP4_BYTES_PER_WEIGHT if weight_format(w13) == "mxfp4" else None), None
+    if isinstance(w13, FP8BlockWeight):
+        wb, rate = w13.nbytes / math.prod(w13.shape), H200_FP8_TFLOPS
     return op_costs(shape, dims, dtype_bytes=inp_or_x.element_size(), topk_ids=topk_ids, lora_ids=lora_ids,
-                    weight_bytes=_weight_bytes(w13), base_tflops=_base_tflops(w13))  # fmt: skip
+                    weight_bytes=wb, base_tflops=rate)  # fmt: skip
 
 
 # --- Benchmarks ------------------------------------------------------------------------------------------
@@ -502,9 +480,7 @@ def bench_layer(stage: str, shape: MoEShape | str | Workload, T: int | None = No
             f"bench_layer: T must be >= 1 (a layer call of no tokens has nothing to time), got {wl.T}"
         )
     shape, device = wl.shape, wl.device
-    inp = _inputs(wl, weights)
-    if weight_format is not None:
-        inp = with_weight_format(inp, weight_format)
+    inp = layer_inputs(wl, weights=weights, weight_format=weight_format)
     run = make_run(stage, inp, config, adapter_order=adapter_order, activation_scheme=activation_scheme)
     run()  # compile outside the timed region
     bench.sync(device)
@@ -644,9 +620,7 @@ def check_layer(stage: str, shape: MoEShape | str | Workload, T: int | None = No
     (packed experts against the same stage on the dequantized weights; NaN and None for dense), config. The
     reference holds [P, 2I, H] fp32: keep P = T·K modest."""
     wl = _workload(shape, T, inputs, pattern="mixed")
-    inp = _inputs(wl, weights)
-    if weight_format is not None:
-        inp = with_weight_format(inp, weight_format)
+    inp = layer_inputs(wl, weights=weights, weight_format=weight_format)
     run = make_run(stage, inp, config, activation_scheme=activation_scheme)
     out = run().clone()
     base = run.base_part().clone()
@@ -687,8 +661,6 @@ def check_layer(stage: str, shape: MoEShape | str | Workload, T: int | None = No
 def log_spaced_lengths(n: int = 40, lo: int = 1, hi: int = 8192) -> list[int]:
     """≥ n distinct prompt lengths in [lo, hi]: log-spaced, each with an odd neighbour and a multiple of 16,
     sorted."""
-    import math
-
     out: set[int] = set()
     for i in range(n):
         v = round(math.exp(math.log(lo) + (math.log(hi) - math.log(lo)) * i / max(1, n - 1)))
@@ -832,8 +804,6 @@ def recompile_in_subprocesses(stages: Sequence[str], model: str, lengths: Sequen
                               ) -> dict[str, list[dict[str, Any]]]:  # fmt: skip
     """:func:`run_recompile` per stage in fresh processes started at once, each with an empty
     ``TRITON_CACHE_DIR``. Returns {stage: rows}; RuntimeError with a failing child's output tail."""
-    import tempfile
-
     stages = list(stages)
     with tempfile.TemporaryDirectory(prefix="moelora_recompile_") as tmp:
         lock = os.path.join(tmp, "timed.lock") if len(stages) > 1 else None
@@ -897,8 +867,6 @@ def precompile_in_subprocesses(
 ) -> dict[str, Any]:
     """:func:`compile_points` over ``jobs`` helper processes side by side, filling the on-disk cache; needs
     ``weights.folder`` (else does nothing). Returns dict(seconds, processes, points, failed)."""
-    import tempfile
-
     t0 = time.perf_counter()
     points = list(points)
     if weights.folder is None or not points or jobs < 1:

@@ -22,8 +22,6 @@ from typing import Any
 
 from .runner import REPO_ROOT, _set_env, resolve_profile
 
-__all__ = ["NotebookSession", "setup", "progress", "save_figure", "conclude", "rel", "show_kernel_change"]
-
 
 @dataclass(frozen=True)
 class NotebookSession:

@@ -26,6 +26,7 @@ from .. import configs
 from ..common import parse_dtype
 from ..kernels.config import OpConfig
 from ..shapes import check_int, get_shape
+from . import bench
 
 #: The trial columns of every trials CSV, and the run columns that close them.
 TRIAL_COLUMNS = (
@@ -268,8 +269,6 @@ class TrialLog:
     at once, stamped with gpu, torch, triton, git_commit and timestamp_utc."""
 
     def __init__(self, path: Path, columns: Sequence[str]):
-        from . import bench
-
         self.path, self.columns = Path(path), list(columns)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.rows: list[dict] = []
@@ -388,17 +387,19 @@ def sweep(
 def graph_timer(run, device: torch.device):
     """The timer of one op of ``run`` (a LayerRun) alone: graph replay, L2 flushed; ``run`` is called once
     first."""
-    from . import bench
-
     run()
     return lambda op, c: bench.time_fn(run.op_fn(op, c), "graph", device, WARMUP_MS, REP_MS)
 
 
-def tune_layer_ops(stage: str, inp, cfg, fields: Sequence[str], ops: Sequence[str], bms: Sequence[int],
-                   candidates, device, log: TrialLog, ids: dict, *, what: str, **sweep_kw):  # fmt: skip
-    """:func:`sweep` then :func:`choose_bm` over ``ops`` of a LayerRun of ``stage`` on ``inp``. Returns {op:
-    OpConfig}, empty when the budget left no BM."""
-    from .moe_bench import make_run
+def tune_layer_ops(stage: str, shape, T: int, weights, cfg, fields: Sequence[str], ops: Sequence[str],
+                   bms: Sequence[int], candidates, device, log: TrialLog, ids: dict, *, what: str,
+                   **sweep_kw):  # fmt: skip
+    """:func:`sweep` then :func:`choose_bm` over ``ops`` of a LayerRun of ``stage`` on ``shape``'s seeded
+    inputs of T tokens (``weights``: a layer_inputs of this shape, R, L). Returns {op: OpConfig}, empty when
+    the budget left no BM."""
+    from .moe_bench import layer_inputs, make_run
+
+    inp = layer_inputs(shape, T, pattern="uniform", weights=weights, seed=0, activation="silu", bias=False)
 
     def prepare(bm: int):
         return graph_timer(make_run(stage, inp, with_bm(cfg, fields, bm)), device)
@@ -407,14 +408,18 @@ def tune_layer_ops(stage: str, inp, cfg, fields: Sequence[str], ops: Sequence[st
     return choose_bm(ranked, ops, log, ids, t0=sweep_kw["t0"], what=what) if ranked else {}
 
 
-def one_at_a_time(cache: dict, key, make: Callable[[], Any], device: torch.device):
-    """``cache[key]``, made by ``make()`` after every other entry is dropped."""
-    if key not in cache:
+def layer_weights(cache: dict, shape, R: int, L: int, dtype, device: torch.device, seed: int):
+    """The seeded weight set of (``shape``, R) (a layer_inputs without biases) in ``cache``, made after every
+    other entry is dropped."""
+    from .moe_bench import layer_inputs
+
+    if (shape.name, R) not in cache:
         cache.clear()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        cache[key] = make()
-    return cache[key]
+        kw = dict(rank=R, num_adapters=L, dtype=dtype, device=device, seed=seed, bias=False)
+        cache[shape.name, R] = layer_inputs(shape, 1, **kw)
+    return cache[shape.name, R]
 
 
 def choose_bm(ranked, ops: Sequence[str], log: TrialLog, ids: dict, *, t0: float, what: str):

@@ -32,9 +32,6 @@ from ..shapes import Dims, MoEShape
 from . import tuner
 from .tuner import RUN_COLUMNS, TRIAL_COLUMNS
 
-__all__ = ["CSV_COLUMNS", "lora_bm_candidates", "base_bm_candidates", "lora_op_candidates"]
-__all__ += ["base_op_candidates", "tune_workload", "tune", "main"]
-
 TUNE_STAGE = "even_k_fused_add"
 CSV_COLUMNS = ["kind", "model", "R", "L", "T", "H", "I", "E", "K", "S", "group", *TRIAL_COLUMNS, *RUN_COLUMNS]
 _KEY_COLUMNS = ("kind", "model", "R", "L", "T", "group", "op", "config_json")
@@ -101,13 +98,9 @@ def tune_workload(shape: MoEShape, T: int, R: int, L: int, weights, device, log:
     """Tune the groups ("lora": the four LoRA ops jointly; "base": the two base GEMMs) of one workload
     (``weights``: a layer_inputs of this shape, R, L); returns {group: {op: OpConfig}}, every trial in
     ``log``."""
-    from .moe_bench import layer_inputs
-
     t0 = time.perf_counter() if t0 is None else t0
     H, I, E, K, S = shape.hidden, shape.intermediate, shape.experts, shape.top_k, weights.lora_a13.shape[2]
     dflt = default_config(Dims.of(shape, T, rank=R, adapters=L, slices=S))
-    kw = dict(rank=R, num_adapters=L, pattern="uniform", weights=weights, seed=0, activation="silu")
-    inp = layer_inputs(shape, T, **kw, bias=False)
     k_dims = {"gate_up_shrink": H, "down_shrink": I}
 
     def candidates(op: str, bm: int) -> list[OpConfig]:
@@ -122,7 +115,7 @@ def tune_workload(shape: MoEShape, T: int, R: int, L: int, weights, device, log:
         lora = group == "lora"
         bms = lora_bm_candidates(T, K, E, L, max_bms) if lora else base_bm_candidates(T, K, E, max_bms)
         out[group] = tuner.tune_layer_ops(
-            TUNE_STAGE, inp, dflt, ops, ops, bms, candidates, device, log, ids,
+            TUNE_STAGE, shape, T, weights, dflt, ops, ops, bms, candidates, device, log, ids,
             what=f"{shape.name} T={T} {group}", deadline=deadline, t0=t0,
         )  # fmt: skip
     return out
@@ -146,35 +139,22 @@ def _for_rank(cfgs: dict[str, OpConfig], R: int) -> dict[str, OpConfig]:
     return {op: dataclasses.replace(c, **{key[op.endswith("shrink")]: r}) for op, c in cfgs.items()}
 
 
-def _check_tune_args(
-    models, ranks, adapters, tokens, out, csv_path, *, budget_s, copy_ranks, device, dtype, max_bms,
-    max_cands, seed, names=None
-) -> tuple[list[MoEShape], torch.device, torch.dtype]:  # fmt: skip
-    """Every argument of :func:`tune`, before any work; ValueError naming the argument (``names``: argument
-    -> name, e.g. :data:`.tuner.FLAGS`). Returns (shapes, device, dtype)."""
-    shapes = tuner.check_models(models, (names or {}).get("models", "models"))
-    ints = dict(adapters=(adapters, 1, None), max_bms=(max_bms, 1, None), max_cands=(max_cands, 1, None))
-    dev, dt = tuner.check_run(
-        names, tokens=tokens, budget_s=budget_s, device=device, dtype=dtype, out=out, csv_path=csv_path,
-        key_columns=_KEY_COLUMNS, what="the MoE tuner", ints=dict(ints, seed=(seed, None, None)),
-        lists=dict(ranks=(ranks, False), copy_ranks=(copy_ranks, True)),
-    )  # fmt: skip
-    return shapes, dev, dt
-
-
 def tune(models: Sequence[str], ranks: Sequence[int], adapters: int, tokens: Sequence[int],
          out: str | os.PathLike, csv_path: str | os.PathLike, *, budget_s: float = math.inf,
          copy_ranks: Sequence[int] = (), device: str | None = None, dtype: torch.dtype | None = None,
          max_bms: int = 2, max_cands: int = 6, seed: int = 0, progress: bool = True,
-         ) -> dict[str, Any]:  # fmt: skip
+         names: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
     """Tune every (model, rank, T) workload (ranks, then T, then models) and write the JSON files into
     ``out``; returns a summary (tuned, skipped, not_tuned, copied: lists of (model, R, T); elapsed_s, out,
-    gpu). ValueError naming the argument before any work (presets, ints, budget, device, out, csv)."""
-    from .moe_bench import layer_inputs
-
-    kw = dict(budget_s=budget_s, copy_ranks=copy_ranks, device=device, dtype=dtype, seed=seed)
-    kw |= dict(max_bms=max_bms, max_cands=max_cands)
-    shapes, dev, dtype = _check_tune_args(models, ranks, adapters, tokens, out, csv_path, **kw)
+    gpu). ValueError naming the argument (``names``: argument -> name, e.g. :data:`.tuner.FLAGS`) before any
+    work (presets, ints, budget, device, out, csv)."""
+    shapes = tuner.check_models(models, (names or {}).get("models", "models"))
+    ints = dict(adapters=(adapters, 1, None), max_bms=(max_bms, 1, None), max_cands=(max_cands, 1, None))
+    dev, dtype = tuner.check_run(
+        names, tokens=tokens, budget_s=budget_s, device=device, dtype=dtype, out=out, csv_path=csv_path,
+        key_columns=_KEY_COLUMNS, what="the MoE tuner", ints=dict(ints, seed=(seed, None, None)),
+        lists=dict(ranks=(ranks, False), copy_ranks=(copy_ranks, True)),
+    )  # fmt: skip
     t0 = time.perf_counter()
     gpu = configs.gpu_name() if dev.type == "cuda" else "cpu"
     log = tuner.TrialLog(Path(csv_path), CSV_COLUMNS)
@@ -193,8 +173,7 @@ def tune(models: Sequence[str], ranks: Sequence[int], adapters: int, tokens: Seq
 
     def tune_one(job) -> bool:
         s, R, T = job
-        wkw = dict(rank=R, num_adapters=adapters, dtype=dtype, device=dev, seed=seed, bias=False)
-        w = tuner.one_at_a_time(weights, (s.name, R), lambda: layer_inputs(s, 1, **wkw), dev)
+        w = tuner.layer_weights(weights, s, R, adapters, dtype, dev, seed)
         groups = [g for g in GROUP_OPS if not done(s, R, T, g)]
         kw = dict(deadline=t0 + budget_s, max_bms=max_bms, max_cands=max_cands, t0=t0, groups=groups)
         for g, cfgs in tune_workload(s, T, R, adapters, w, dev, log, **kw).items():
@@ -241,11 +220,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ([m.strip() for m in a.model.split(",") if m.strip()], a.ranks, a.adapters, a.tokens, a.out, a.csv)
     kw = dict(budget_s=a.budget_s, copy_ranks=a.copy_ranks, device=a.device, dtype=a.dtype, seed=a.seed)
     kw.update(max_bms=a.max_bms, max_cands=a.max_cands)
-    try:
-        _check_tune_args(*args, **kw, names=tuner.FLAGS)
+    try:  # every flag checked before any work
+        s = tune(*args, **kw, progress=not a.no_progress, names=tuner.FLAGS)
     except ValueError as e:
         p.error(str(e))
-    s = tune(*args, **kw, progress=not a.no_progress)
     print(tuner.summary_line("tuning", s, f", {len(s['copied'])} copied"))
     return 0
 

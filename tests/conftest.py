@@ -62,8 +62,62 @@ def _patch_lang_once_per_launch() -> None:
     executor.__call__ = call
 
 
+def _skip_dead_interpreter_work() -> None:
+    """Two costs of Triton's interpreter that compute nothing a kernel sees:
+
+    * the integer-overflow sanitizer: every int add/sub/mul recomputed in int64 and compared with the
+      type's range, for a ``device_assert`` that is a no-op unless ``debug`` is on (the interpreter's
+      builder never turns it on): about a third of the interpreted test time. It is switched off only
+      while ``debug`` is off, where the check it builds is dropped anyway;
+    * ``_get_np_dtype`` rebuilding its dtype table (hashing every tl dtype) at each call: built once here,
+      the same table and lookups.
+
+    Left as they are if this Triton has other internals."""
+    import inspect
+    from dataclasses import replace
+
+    import numpy as np
+    import triton.language as tl
+    from triton.language import semantic
+    from triton.runtime import interpreter as ti
+
+    builder = getattr(ti, "InterpreterBuilder", None)
+    device_assert = getattr(getattr(semantic, "TritonSemantic", None), "device_assert", None)
+    assert_src = inspect.getsource(device_assert) if device_assert is not None else ""
+    if builder is not None and "if not self.builder.options.debug:" in assert_src:
+        real_init = builder.__init__
+
+        def init(self, *args, **kwargs):
+            real_init(self, *args, **kwargs)
+            if not self.options.debug:
+                self.options = replace(self.options, sanitize_overflow=False)
+
+        builder.__init__ = init
+        shared = getattr(ti, "interpreter_builder", None)
+        if shared is not None and not shared.options.debug:
+            shared.options = replace(shared.options, sanitize_overflow=False)
+
+    real_np_dtype = getattr(ti, "_get_np_dtype", None)
+    if real_np_dtype is None:
+        return
+    names = "int1 float16 float32 float64 int8 uint8 int16 uint16 int32 uint32 int64 uint64 bfloat16".split()
+    names += "float8e5 float8e5b16 float8e4nv float8e4b8 float8e4b15".split()
+    table = {getattr(tl, n): real_np_dtype(getattr(tl, n)) for n in names}
+    ptr = np.dtype(np.uint64)
+
+    def np_dtype(tt_dtype):
+        if isinstance(tt_dtype, tl.pointer_type):
+            return ptr
+        if isinstance(tt_dtype, tl.block_type):
+            return ptr if isinstance(tt_dtype.element_ty, tl.pointer_type) else table[tt_dtype.element_ty]
+        return table[tt_dtype]
+
+    ti._get_np_dtype = np_dtype
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_lang_once_per_launch()
+    _skip_dead_interpreter_work()
 
 
 #: Test files with a module-scoped fixture (a built model, a written checkpoint): pytest-xdist runs each on

@@ -321,6 +321,8 @@ def reference(adapters: str) -> dict:
 
 
 if __name__ == "__main__":
+    import conftest  # noqa: F401  (the test session's interpreter set-up, in this rank's process too)
+
     run_rank(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
     print(json.dumps({"rank": int(sys.argv[1]), "ok": True}), file=sys.stderr)
     os._exit(0)

@@ -36,8 +36,14 @@ def _patch_lang_once_per_launch() -> None:
         return
     real_call, swapped = executor.__call__, []  # swapped: the lang modules the running launch swapped
 
+    seen_langs: dict = {}  # (id, size) of a module's globals -> its lang modules: one walk per module
+
     def langs_of(fn):
-        return {id(v) for v in fn.__globals__.values() if isinstance(v, type(tl)) and v in (tl, tl.core)}
+        g = fn.__globals__
+        key = (id(g), len(g))
+        if key not in seen_langs:
+            seen_langs[key] = {id(v) for v in g.values() if isinstance(v, type(tl)) and v in (tl, tl.core)}
+        return seen_langs[key]
 
     def patch_lang(fn):
         langs = langs_of(fn)
@@ -47,7 +53,7 @@ def _patch_lang_once_per_launch() -> None:
         if swapped:
             swapped[0] |= langs
         else:
-            swapped.append(langs)
+            swapped.append(set(langs))  # a copy: the cached set stays as it is
         return scope
 
     def call(self, *args, **kwargs):

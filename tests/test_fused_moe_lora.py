@@ -39,12 +39,21 @@ CASES = [
 _CASE = {c[0]: c for c in CASES}
 
 # Every case on the stages whose kernels or launch plans differ (naive: masked loads, delta buffers,
-# length specialization; even_k_fused_add: split-K, grouped order, EVEN_K, fused add; fused: the fused
-# GEMMs); the stages between them only switch a subset of those features on, and ``tuned`` runs
-# even_k_fused_add's kernels with its configs (the defaults on the CPU): a few edges each.
-FULL_STAGES = ("naive", "even_k_fused_add", "fused")
+# length specialization; even_k_fused_add: split-K, grouped order, EVEN_K, fused add); the stages between
+# them only switch a subset of those features on, and ``tuned`` runs even_k_fused_add's kernels with its
+# configs (the defaults on the CPU): a few edges each. Stage ``fused`` (the fused GEMMs): the few edges and
+# the ones tests/test_stage_fused.py's curated cases leave out (its cases cover one decode token, ragged
+# blocks, E7/top-3, rank 8, the zero-padded rank, S = 1, biases, swigluoai beyond the clamp, mixed and
+# zipf slots).
+FULL_STAGES = ("naive", "even_k_fused_add")
 FEW_CASES = ("T_not_multiple", "R8", "S1_fused_gate_up")
-STAGE_CASES = [(stage, c) for stage in STAGES for c in CASES if stage in FULL_STAGES or c[0] in FEW_CASES]
+FUSED_CASES = FEW_CASES + ("T_lt_BM", "R64", "L8_two_slots_used")
+STAGE_CASES = [
+    (stage, c)
+    for stage in STAGES
+    for c in CASES
+    if stage in FULL_STAGES or c[0] in (FUSED_CASES if stage == "fused" else FEW_CASES)
+]
 
 
 def _inputs(shape, device, dtype, **kw):

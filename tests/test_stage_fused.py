@@ -2,7 +2,7 @@
 the gate_up epilogue, the [P, S, R16] rank intermediate.
 
 CPU: the Triton interpreter in fp32 and fp16 against the fp32 reference (the whole-layer curated cases of
-tests/test_fused_moe_lora.py already run this stage in fp32, since it is in STAGES), the launch plan,
+tests/test_fused_moe_lora.py run this stage in fp32 on the edges CASES leaves out), the launch plan,
 rows without an adapter bit-identical to the base, partial-projection adapters through MoELoRALayer, and
 compile-only sm_90 facts (one subprocess): one binary per config over prompt lengths, vector stores of
 the intermediate (against tuned's scalar ones), registers and spills.

@@ -1,10 +1,10 @@
 """Cheaper Triton-interpreter internals for the tests (CPU machines, ``TRITON_INTERPRET=1``).
 
 The interpreter runs each kernel program in Python and spends most of its time in per-operation bookkeeping;
-the replacements below remove work whose result is the same every time. The kernels run the same interpreted
-code and give the same values. :func:`apply` is called by tests/conftest.py in the pytest process and, through
-``sitecustomize.py`` in this folder (on PYTHONPATH for the processes the tests start: notebook kernels, gloo
-ranks, helper processes), when a child process imports ``triton.runtime.interpreter``.
+the replacements below remove work whose result is the same every time or never used. The kernels run the
+same interpreted code and give the same values. :func:`apply` is called by tests/conftest.py in the pytest
+process and, through ``sitecustomize.py`` in this folder (on PYTHONPATH for the processes the tests start:
+notebook kernels, gloo ranks, helper processes), once a child process's ``import triton`` has finished.
 MOELORA_PLAIN_INTERPRETER=1 leaves the interpreter as Triton ships it.
 """
 
@@ -22,6 +22,7 @@ def apply() -> None:
         return
     _applied = True
     _patch_lang_once_per_launch()
+    _no_dead_overflow_checks()
     _cheaper_interpreter_types()
 
 
@@ -40,8 +41,14 @@ def _patch_lang_once_per_launch() -> None:
         return
     real_call, swapped = executor.__call__, []  # swapped: the lang modules the running launch swapped
 
+    seen_langs: dict = {}  # (id, size) of a module's globals -> its lang modules: one walk per module
+
     def langs_of(fn):
-        return {id(v) for v in fn.__globals__.values() if isinstance(v, type(tl)) and v in (tl, tl.core)}
+        g = fn.__globals__
+        key = (id(g), len(g))
+        if key not in seen_langs:
+            seen_langs[key] = {id(v) for v in g.values() if isinstance(v, type(tl)) and v in (tl, tl.core)}
+        return seen_langs[key]
 
     def patch_lang(fn):
         langs = langs_of(fn)
@@ -51,7 +58,7 @@ def _patch_lang_once_per_launch() -> None:
         if swapped:
             swapped[0] |= langs
         else:
-            swapped.append(langs)
+            swapped.append(set(langs))  # a copy: the cached set stays as it is
         return scope
 
     def call(self, *args, **kwargs):
@@ -169,3 +176,32 @@ def _cheaper_interpreter_types() -> None:
         sample.append(tl.pointer_type(tl.float32))
         if all(np_dtype(d) == real_np_dtype(d) for d in sample + sample):
             ti._get_np_dtype = np_dtype
+
+
+def _no_dead_overflow_checks() -> None:
+    """Triton's integer-overflow sanitizer recomputes every int add/sub/mul in int64 and compares it with the
+    type's range, for a ``device_assert`` that returns at once unless ``debug`` is on (the interpreter's
+    builder never turns it on): about a third of the interpreted time, for no effect. Switched off only while
+    ``debug`` is off, and only where this Triton's ``device_assert`` has that early return."""
+    import inspect
+    from dataclasses import replace
+
+    from triton.language import semantic
+    from triton.runtime import interpreter as ti
+
+    builder = getattr(ti, "InterpreterBuilder", None)
+    device_assert = getattr(getattr(semantic, "TritonSemantic", None), "device_assert", None)
+    assert_src = inspect.getsource(device_assert) if device_assert is not None else ""
+    if builder is None or "if not self.builder.options.debug:" not in assert_src:
+        return
+    real_init = builder.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        if not self.options.debug:
+            self.options = replace(self.options, sanitize_overflow=False)
+
+    builder.__init__ = init
+    shared = getattr(ti, "interpreter_builder", None)
+    if shared is not None and not shared.options.debug:
+        shared.options = replace(shared.options, sanitize_overflow=False)

@@ -1,6 +1,6 @@
-"""Applies interpreter_speedups.py (this folder) in a Python process the tests start, once its ``import triton``
-has finished (triton.language complete), with ``TRITON_INTERPRET=1``; tests/conftest.py puts this folder on PYTHONPATH.
-Any other process, or a failure to apply, leaves Triton as it ships."""
+"""Applies interpreter_speedups.py (this folder) in a Python process the tests start, once its
+``import triton`` has finished (triton.language complete), with ``TRITON_INTERPRET=1``; tests/conftest.py puts
+this folder on PYTHONPATH. Any other process, or a failure to apply, leaves Triton as it ships."""
 
 import os
 import sys

@@ -139,22 +139,33 @@ def _for_rank(cfgs: dict[str, OpConfig], R: int) -> dict[str, OpConfig]:
     return {op: dataclasses.replace(c, **{key[op.endswith("shrink")]: r}) for op, c in cfgs.items()}
 
 
-def tune(models: Sequence[str], ranks: Sequence[int], adapters: int, tokens: Sequence[int],
-         out: str | os.PathLike, csv_path: str | os.PathLike, *, budget_s: float = math.inf,
-         copy_ranks: Sequence[int] = (), device: str | None = None, dtype: torch.dtype | None = None,
-         max_bms: int = 2, max_cands: int = 6, seed: int = 0, progress: bool = True,
-         names: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
-    """Tune every (model, rank, T) workload (ranks, then T, then models) and write the JSON files into
-    ``out``; returns a summary (tuned, skipped, not_tuned, copied: lists of (model, R, T); elapsed_s, out,
-    gpu). ValueError naming the argument (``names``: argument -> name, e.g. :data:`.tuner.FLAGS`) before any
-    work (presets, ints, budget, device, out, csv)."""
+def _check_tune_args(
+    models, ranks, adapters, tokens, out, csv_path, *, budget_s, copy_ranks, device, dtype, max_bms,
+    max_cands, seed, names=None
+) -> tuple[list[MoEShape], torch.device, torch.dtype]:  # fmt: skip
+    """Every argument of :func:`tune`, before any work; ValueError naming the argument (``names``: argument
+    -> name, e.g. :data:`.tuner.FLAGS`). Returns (shapes, device, dtype)."""
     shapes = tuner.check_models(models, (names or {}).get("models", "models"))
     ints = dict(adapters=(adapters, 1, None), max_bms=(max_bms, 1, None), max_cands=(max_cands, 1, None))
-    dev, dtype = tuner.check_run(
+    dev, dt = tuner.check_run(
         names, tokens=tokens, budget_s=budget_s, device=device, dtype=dtype, out=out, csv_path=csv_path,
         key_columns=_KEY_COLUMNS, what="the MoE tuner", ints=dict(ints, seed=(seed, None, None)),
         lists=dict(ranks=(ranks, False), copy_ranks=(copy_ranks, True)),
     )  # fmt: skip
+    return shapes, dev, dt
+
+
+def tune(models: Sequence[str], ranks: Sequence[int], adapters: int, tokens: Sequence[int],
+         out: str | os.PathLike, csv_path: str | os.PathLike, *, budget_s: float = math.inf,
+         copy_ranks: Sequence[int] = (), device: str | None = None, dtype: torch.dtype | None = None,
+         max_bms: int = 2, max_cands: int = 6, seed: int = 0, progress: bool = True,
+         ) -> dict[str, Any]:  # fmt: skip
+    """Tune every (model, rank, T) workload (ranks, then T, then models) and write the JSON files into
+    ``out``; returns a summary (tuned, skipped, not_tuned, copied: lists of (model, R, T); elapsed_s, out,
+    gpu). ValueError naming the argument before any work (presets, ints, budget, device, out, csv)."""
+    kw = dict(budget_s=budget_s, copy_ranks=copy_ranks, device=device, dtype=dtype, seed=seed)
+    kw |= dict(max_bms=max_bms, max_cands=max_cands)
+    shapes, dev, dtype = _check_tune_args(models, ranks, adapters, tokens, out, csv_path, **kw)
     t0 = time.perf_counter()
     gpu = configs.gpu_name() if dev.type == "cuda" else "cpu"
     log = tuner.TrialLog(Path(csv_path), CSV_COLUMNS)
@@ -220,10 +231,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ([m.strip() for m in a.model.split(",") if m.strip()], a.ranks, a.adapters, a.tokens, a.out, a.csv)
     kw = dict(budget_s=a.budget_s, copy_ranks=a.copy_ranks, device=a.device, dtype=a.dtype, seed=a.seed)
     kw.update(max_bms=a.max_bms, max_cands=a.max_cands)
-    try:  # every flag checked before any work
-        s = tune(*args, **kw, progress=not a.no_progress, names=tuner.FLAGS)
+    try:
+        _check_tune_args(*args, **kw, names=tuner.FLAGS)
     except ValueError as e:
         p.error(str(e))
+    s = tune(*args, **kw, progress=not a.no_progress)
     print(tuner.summary_line("tuning", s, f", {len(s['copied'])} copied"))
     return 0
 

@@ -83,13 +83,21 @@ def check_bool(name: str, v: Any) -> bool:
     return v
 
 
+def is_finite(t: torch.Tensor) -> bool:
+    """Whether the float tensor ``t`` holds no NaN and no infinity: one min/max reduction (NaN propagates
+    into both) without a temporary the size of ``t``, one host sync. For weights and adapters when they are
+    loaded, never per call."""
+    if not t.numel():
+        return True
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+
+
 def check_finite(name: str, t: torch.Tensor) -> None:
-    """ValueError naming ``name`` when the float tensor ``t`` holds a NaN or an infinity (one min/max
-    reduction without a temporary the size of ``t``, one host sync: for weights at construction)."""
-    if t.numel() and t.is_floating_point() and t.device.type in ("cpu", "cuda"):
-        lo, hi = torch.aminmax(t)
-        if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
-            raise ValueError(f"{name} holds non-finite values (NaN or inf): every output row would be NaN")
+    """ValueError naming ``name`` when the float tensor ``t`` holds a NaN or an infinity (:func:`is_finite`;
+    for weights at construction)."""
+    if t.is_floating_point() and t.device.type in ("cpu", "cuda") and not is_finite(t):
+        raise ValueError(f"{name} holds non-finite values (NaN or inf): every output row would be NaN")
 
 
 def describe(x) -> str:

@@ -52,7 +52,7 @@ import weakref
 import torch
 
 from . import ops
-from .common import check_bool, check_finite, check_kernel_dtype, is_int
+from .common import check_bool, check_finite, check_kernel_dtype, is_finite, is_int
 from .kernels import AUTO_STAGE, GEMV_STAGE, STAGES, LayerConfig, LayerRun, Stage, check_stage_name
 from .kernels.align import AlignWorkspace, align_tokens_triton, align_workspace
 from .kernels.align_small import (
@@ -761,7 +761,7 @@ class MoELoRALayer(ops.OpLayer):
                     a, b = a.index_select(0, idx), b.index_select(0, idx)
                 a_c, b_c = a.to(dt), (b.float() * float(scaling)).to(dt)
                 for what, t in (("A", a_c), (f"B·scaling (scaling {float(scaling):g})", b_c)):
-                    if not bool(torch.isfinite(t).all()):  # one host sync per load, not per call
+                    if not is_finite(t):  # one host sync per load, not per call
                         raise ValueError(
                             f"{proj} {what} is not finite in the layer's dtype {dt} (inf/NaN, or beyond its "
                             "range): the slot would make every token on it NaN"

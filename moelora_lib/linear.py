@@ -59,7 +59,7 @@ import torch
 import torch.nn.functional as F
 
 from . import ops
-from .common import check_bool, check_finite, check_kernel_dtype, check_tensor, is_int
+from .common import check_bool, check_finite, check_kernel_dtype, check_tensor, is_finite, is_int
 from .common import describe as _desc
 from .kernels import AUTO_STAGE, STAGES, check_stage_name
 from .kernels.align import AlignWorkspace, align_tokens_triton, align_workspace
@@ -973,7 +973,7 @@ class LoRALinear(ops.OpLayer):
                 a, b, r = p
                 a_c, b_c = a.to(dt), (b.float() * float(scales[s])).to(dt)
                 for what, t in ((f"lora_a[{s}]", a_c), (f"lora_b[{s}]·scaling ({float(scales[s]):g})", b_c)):
-                    if not bool(torch.isfinite(t).all()):  # one host sync per load, not per call
+                    if not is_finite(t):  # one host sync per load, not per call
                         raise ValueError(
                             f"{what} is not finite in the layer's dtype {dt} (inf/NaN, or beyond its range): "
                             "the slot would make every token on it inf/NaN"

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..common import check_bool, describe, is_int
+from ..common import check_bool, describe, is_finite, is_int
 from ..quant import FP8BlockWeight, MXFP4Weight
 from .config import ModelConfig
 
@@ -844,7 +844,7 @@ class MultiLoRAModel(nn.Module):
             if shard is not None:  # this rank's part, cut before the copy to the device
                 t = shard(t)
             t = t.detach().to(device=device, dtype=dt).contiguous()
-            if check_finite and not bool(torch.isfinite(t).all()):
+            if check_finite and not is_finite(t):
                 raise ValueError(
                     f"weights[{name!r}]: not finite in {dt} (inf/NaN in the source, or values beyond the "
                     f"range of {dt})"

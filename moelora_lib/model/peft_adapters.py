@@ -99,7 +99,7 @@ from typing import Any
 
 import torch
 
-from ..common import is_int
+from ..common import is_finite, is_int
 from .config import ModelConfig
 
 __all__ = ["PeftAdapter", "read_peft_adapter", "load_peft_adapter"]
@@ -664,7 +664,7 @@ def _prep(t: torch.Tensor, scale: float, module, what: str) -> torch.Tensor:
     """t·scale in fp32, cast to the module's dtype/device; refused if not finite there."""
     ref = module._ref  # a tensor of the module's dtype and device (its weight may be packed)
     out = (t.float() * float(scale)).to(device=ref.device, dtype=ref.dtype)
-    if not bool(torch.isfinite(out).all()):
+    if not is_finite(out):
         raise ValueError(f"{what}: not finite in the model's dtype {ref.dtype} (inf/NaN or out of range)")
     return out
 

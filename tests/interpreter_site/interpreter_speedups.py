@@ -74,7 +74,7 @@ def _patch_lang_once_per_launch() -> None:
 
 
 def _cheaper_interpreter_types() -> None:
-    """Two pure functions of Triton's interpreter that run at every interpreted operation, made cheaper:
+    """Bookkeeping of Triton's interpreter that runs at every interpreted operation, made cheaper:
 
     * ``tl.core.tensor`` wraps its shape in a ``tl.tuple`` whose ``tuple_type`` formats a ``name`` string from
       every element type when it is built (a few hundred thousand times a test file); the name is read only
@@ -122,6 +122,7 @@ def _cheaper_interpreter_types() -> None:
     lang_tuple = getattr(core, "tuple", None)
     if (
         isinstance(lang_tuple, type)
+        and isinstance(tuple_type, type)  # the replacement builds tuple_type from a given list
         and "type" not in vars(lang_tuple)
         and callable(getattr(core, "_type_for_tuple_values", None))
     ):

@@ -470,10 +470,8 @@ def _reference(inp: ProjectionInputs, T: int, pattern: str, weight, ref_dtype):
     ids, x = inp.lora_ids(T, pattern), inp.x_for(T)
     if ref_dtype is None:
         ref_dtype = torch.float64 if inp.device.type == "cpu" else torch.float32
-    ref = lora_linear_reference(
-        x, weight, inp.lora_a, inp.lora_b, ids, slices=inp.proj.slices, dtype=ref_dtype
-    )
-    w = weight.dequantize(torch.float32) if isinstance(weight, FP8BlockWeight) else weight  # exact
+    w = weight.dequantize(torch.float32) if isinstance(weight, FP8BlockWeight) else weight  # exact, once
+    ref = lora_linear_reference(x, w, inp.lora_a, inp.lora_b, ids, slices=inp.proj.slices, dtype=ref_dtype)
     ref_base = x.to(ref_dtype) @ w.to(ref_dtype).T
     return ids, x, ref, float((ref - ref_base).abs().max() / ref.abs().max().clamp_min(1e-30))
 

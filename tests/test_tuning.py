@@ -352,3 +352,22 @@ def test_dense_precompile_compiles_for_sm90(tmp_path, monkeypatch):
     assert (st["ok"], st["failed"], st["unfinished"]) == (1, 1, 0), st
     assert "BLOCK_SIZE_N must be a power of two" in st["errors"][0]
     assert any((tmp_path / "triton_cache").rglob("*.cubin"))
+
+
+def test_fused_tuning_cli_usage_errors_and_run_errors(tmp_path, capsys, monkeypatch):
+    """A bad flag exits with code 2 naming it before any work; an error raised during the run is not
+    turned into a usage error."""
+    out, t = str(tmp_path / "o"), str(tmp_path / "t.csv")
+    for argv, flag in [(["--model", "nope"], "--model"), (["--model", "tiny", "--rank", "0"], "--rank")]:
+        with pytest.raises(SystemExit) as e:
+            ft.main([*argv, "--out", out, "--csv", t])
+        assert e.value.code == 2
+        assert flag in capsys.readouterr().err
+    assert not (tmp_path / "o").exists() and not (tmp_path / "t.csv").exists()
+
+    def boom(*a, **k):
+        raise ValueError("mid-run failure")
+
+    monkeypatch.setattr(ft, "tune_fused_workload", boom)
+    with pytest.raises(ValueError, match="mid-run failure"):
+        ft.main(["--model", "tiny", "--tokens", "1", "--out", out, "--csv", t, "--no-progress"])

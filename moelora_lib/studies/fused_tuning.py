@@ -103,6 +103,21 @@ def tune_fused_workload(
     )  # fmt: skip
 
 
+def _check_args(models, tokens, *, rank, adapters, out, csv_path, budget_s, device, dtype, gpu, max_bms,
+                max_cands, seed, names=None):  # fmt: skip
+    """(shapes, device, dtype) of :func:`tune_fused`'s arguments; ValueError naming a bad one."""
+    shapes = tuner.check_models(models, (names or {}).get("models", "models"))
+    if gpu is not None and (not isinstance(gpu, str) or not gpu or "/" in gpu or "\\" in gpu):
+        raise ValueError(f"gpu: expected a GPU name for the file names (no path separators), got {gpu!r}")
+    ints = dict(rank=(rank, 1, None), adapters=(adapters, 1, None), max_bms=(max_bms, 1, None))
+    dev, dtype = tuner.check_run(
+        names, tokens=tokens, budget_s=budget_s, device=device, dtype=dtype, out=out, csv_path=csv_path,
+        key_columns=("kind", "model", "T", "op", "config_json"), what="the fused tuner",
+        ints=dict(ints, max_cands=(max_cands, 1, None), seed=(seed, None, None)),
+    )  # fmt: skip
+    return shapes, dev, dtype
+
+
 def tune_fused(
     models: Sequence[str],
     tokens: Sequence[int],
@@ -125,14 +140,9 @@ def tune_fused(
     {(model, T): {op: OpConfig}}. ``max_bms``: BLOCK_SIZE_M candidates besides the current one; ``max_cands``:
     configs per GEMM and BM; ``dtype`` None: bfloat16 on a GPU, float32 on the CPU. ValueError naming a bad
     argument before anything is written."""
-    shapes = tuner.check_models(models, (names or {}).get("models", "models"))
-    if gpu is not None and (not isinstance(gpu, str) or not gpu or "/" in gpu or "\\" in gpu):
-        raise ValueError(f"gpu: expected a GPU name for the file names (no path separators), got {gpu!r}")
-    ints = dict(rank=(rank, 1, None), adapters=(adapters, 1, None), max_bms=(max_bms, 1, None))
-    dev, dtype = tuner.check_run(
-        names, tokens=tokens, budget_s=budget_s, device=device, dtype=dtype, out=out, csv_path=csv_path,
-        key_columns=("kind", "model", "T", "op", "config_json"), what="the fused tuner",
-        ints=dict(ints, max_cands=(max_cands, 1, None), seed=(seed, None, None)),
+    shapes, dev, dtype = _check_args(
+        models, tokens, rank=rank, adapters=adapters, out=out, csv_path=csv_path, budget_s=budget_s,
+        device=device, dtype=dtype, gpu=gpu, max_bms=max_bms, max_cands=max_cands, seed=seed, names=names,
     )  # fmt: skip
     gpu = gpu or (configs.gpu_name() if dev.type == "cuda" else "cpu")
     t0 = time.perf_counter()
@@ -271,13 +281,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.set_defaults(max_bms=2, max_cands=7)
     a = p.parse_args(argv)
     kw = dict(rank=a.rank, adapters=a.adapters, out=a.out, csv_path=a.csv, budget_s=a.budget_s, dtype=a.dtype)
-    kw.update(
-        max_bms=a.max_bms, max_cands=a.max_cands, device=a.device, seed=a.seed, progress=not a.no_progress
-    )
-    try:
-        chosen = tune_fused([m for m in a.model.split(",") if m], a.tokens, **kw, names=tuner.FLAGS)
+    kw.update(max_bms=a.max_bms, max_cands=a.max_cands, device=a.device, seed=a.seed)
+    models = [m for m in a.model.split(",") if m]
+    try:  # every flag checked before any work; an error during the run is not a usage error
+        _check_args(models, a.tokens, **kw, gpu=None, names=tuner.FLAGS)
     except ValueError as e:
         p.error(str(e))
+    chosen = tune_fused(models, a.tokens, **kw, progress=not a.no_progress, names=tuner.FLAGS)
     for (m, T), got in chosen.items():
         print(m, T, " ".join(f"{op}={c.short()}" for op, c in got.items()))
     return 0

@@ -1,0 +1,352 @@
+"""The one-launch decode GEMV of a dense multi-LoRA projection (moelora_lib.kernels.dense_gemv) on the CPU
+interpreter against the float64 reference ``lora_linear_reference``, its split-K workspace contract
+(left all zero by every call), ids out of range (NaN rows), NaN in an unused slot, input checks, the
+default config picker, and a compile-only check for sm_90 of the last-arriver reduction's PTX."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from moelora_lib.kernels.dense_gemv import (
+    DENSE_GEMV_MAX_TOKENS,
+    DenseGemvConfig,
+    DenseGemvWorkspace,
+    default_dense_gemv_config,
+    dense_gemv_lora,
+    dense_gemv_num_tiles,
+    dense_gemv_workspace,
+)
+from moelora_lib.linear import lora_linear_reference
+from moelora_lib.testing import TOLERANCES, rel_err
+
+ROOT = Path(__file__).resolve().parents[1]
+L, R = 3, 8
+SLOT_RANK = (8, 3, 8)  # slot 1 holds a rank-3 adapter, zero-padded to R = 8
+ONE = (64,)
+THREE = (32, 16, 16)  # unequal slices; with BLOCK_SIZE_N 32 a 16-wide slice fills half a tile
+# (name, config, H): unsplit; split 3 with EVEN_K (96 = 32·3); split 2 over 6 ragged K tiles (88 = 16·5.5)
+CONFIGS = [
+    ("sk1", DenseGemvConfig(BLOCK_SIZE_N=16, BLOCK_SIZE_K=32, SPLIT_K=1), 96),
+    ("sk3_even", DenseGemvConfig(BLOCK_SIZE_N=16, BLOCK_SIZE_K=32, SPLIT_K=3), 96),
+    ("sk2_ragged", DenseGemvConfig(BLOCK_SIZE_N=32, BLOCK_SIZE_K=16, SPLIT_K=2), 88),
+]
+
+
+def _inputs(T, H, slices, dtype, seed=0, bias=True):
+    """x, weight, bias, lora_a, lora_b, ids: N(0, 1) activations, weights scaled so outputs are O(1),
+    the adapters' deltas of the same order as the base; ids mix every slot and -1."""
+    g = torch.Generator().manual_seed(seed)
+    N, S = sum(slices), len(slices)
+
+    def rnd(*shape, std=1.0):
+        return (torch.randn(shape, generator=g) * std).to(dtype)
+
+    x = rnd(T, H)
+    w = rnd(N, H, std=H**-0.5)
+    b = rnd(N) if bias else None
+    a = rnd(L, S, R, H, std=H**-0.5)
+    bb = rnd(L, N, R, std=R**-0.5)
+    for slot, r in enumerate(SLOT_RANK):
+        a[slot, :, r:] = 0
+        bb[slot, :, r:] = 0
+    ids = torch.tensor([(t % (L + 1)) - 1 for t in range(T)][::-1], dtype=torch.int32)  # ..., 1, 0, -1
+    return x, w, b, a, bb, ids
+
+
+def _workspace(T, slices, cfg):
+    return dense_gemv_workspace(max(T, 8), sum(slices), dense_gemv_num_tiles(slices, cfg.BLOCK_SIZE_N), "cpu")
+
+
+def _is_zero(ws: DenseGemvWorkspace) -> bool:
+    return bool((ws.partial == 0).all() and (ws.counters == 0).all())
+
+
+@pytest.mark.parametrize("slices", [ONE, THREE], ids=["one_slice", "three_slices"])
+@pytest.mark.parametrize("name, cfg, H", CONFIGS, ids=[c[0] for c in CONFIGS])
+@pytest.mark.parametrize("T", [1, 2, 5, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_matches_reference(dtype, T, name, cfg, H, slices):
+    # bias on every other case (T odd: bias), so both forms meet every config and slice layout
+    x, w, b, a, bb, ids = _inputs(T, H, slices, dtype, seed=T + H, bias=T % 2 == 1)
+    ws = _workspace(T, slices, cfg)
+    y = dense_gemv_lora(x, w, b, a, bb, ids, slices=slices, config=cfg, workspace=ws)
+    ref = lora_linear_reference(x, w, a, bb, ids, slices=slices, bias=b)
+    assert y.dtype == dtype and y.shape == (T, sum(slices))
+    err = rel_err(y, ref)
+    assert err <= (1e-5 if dtype == torch.float32 else TOLERANCES[dtype]), err
+    if (ids >= 0).any():  # the LoRA part is really there
+        base = lora_linear_reference(x, w, a, bb, torch.full_like(ids, -1), slices=slices, bias=b)
+        assert rel_err(base, ref) > 0.05
+    assert _is_zero(ws)
+
+
+def test_base_only_and_all_rows_without_adapter():
+    T, H, slices = 5, 96, THREE
+    x, w, b, a, bb, ids = _inputs(T, H, slices, torch.float32)
+    none = torch.full_like(ids, -1)
+    ref = lora_linear_reference(x, w, a, bb, none, slices=slices, bias=b)
+    for cfg in (CONFIGS[0][1], CONFIGS[1][1]):
+        ws = _workspace(T, slices, cfg)
+        y0 = dense_gemv_lora(x, w, b, None, None, None, slices=slices, config=cfg, workspace=ws)
+        y1 = dense_gemv_lora(x, w, b, a, bb, none, slices=slices, config=cfg, workspace=ws)
+        assert rel_err(y0, ref) < 1e-6 and torch.equal(y0, y1)  # ids -1 skip the LoRA work exactly
+        assert _is_zero(ws)
+
+
+def test_default_config_and_workspace_allocated_when_omitted():
+    T, H, slices = 3, 96, THREE
+    x, w, b, a, bb, ids = _inputs(T, H, slices, torch.float32)
+    y = dense_gemv_lora(x, w, b, a, bb, ids, slices=slices)
+    assert rel_err(y, lora_linear_reference(x, w, a, bb, ids, slices=slices, bias=b)) < 1e-5
+    # out= is written and returned; int64 ids work alike
+    out = torch.empty_like(y)
+    got = dense_gemv_lora(x, w, b, a, bb, ids.long(), slices=slices, config=CONFIGS[1][1], out=out)
+    assert got is out and rel_err(out, y) < 1e-6
+
+
+@pytest.mark.parametrize("name, cfg, H", CONFIGS[:2], ids=[c[0] for c in CONFIGS[:2]])
+def test_ids_out_of_range_give_nan_rows_and_leave_the_others_exact(name, cfg, H):
+    T, slices = 6, THREE
+    x, w, b, a, bb, _ = _inputs(T, H, slices, torch.float32)
+    ids = torch.tensor([0, L, -2, 2, -1, 1 << 20], dtype=torch.int32)
+    ws = _workspace(T, slices, cfg)
+    y = dense_gemv_lora(x, w, b, a, bb, ids, slices=slices, config=cfg, workspace=ws)
+    bad = torch.tensor([False, True, True, False, False, True])
+    assert torch.isnan(y[bad]).all()
+    fixed = torch.where(bad, torch.full_like(ids, -1), ids)
+    y_ok = dense_gemv_lora(x, w, b, a, bb, fixed, slices=slices, config=cfg, workspace=ws)
+    assert torch.equal(y[~bad], y_ok[~bad])  # bit for bit
+    assert _is_zero(ws)
+
+
+@pytest.mark.parametrize("name, cfg, H", CONFIGS[:2], ids=[c[0] for c in CONFIGS[:2]])
+def test_nan_in_an_unused_slot_stays_there(name, cfg, H):
+    T, slices = 5, THREE
+    x, w, b, a, bb, _ = _inputs(T, H, slices, torch.float16)
+    ids = torch.tensor([0, -1, 1, 0, -1], dtype=torch.int32)  # slot 2 unused
+    y_clean = dense_gemv_lora(
+        x, w, b, a, bb, ids, slices=slices, config=cfg, workspace=_workspace(T, slices, cfg)
+    )
+    a[2], bb[2] = float("nan"), float("nan")
+    # an id out of range is clamped before its loads, never to a slot it would read NaN from
+    y = dense_gemv_lora(x, w, b, a, bb, ids, slices=slices, config=cfg, workspace=_workspace(T, slices, cfg))
+    assert torch.isfinite(y).all() and torch.equal(y, y_clean)
+
+
+def test_workspace_is_left_zero_and_reused():
+    slices, H = THREE, 96
+    cfg = CONFIGS[1][1]
+    ws = dense_gemv_workspace(8, sum(slices), dense_gemv_num_tiles(slices, 16), "cpu")
+    x, w, b, a, bb, ids = _inputs(8, H, slices, torch.float32, seed=5)
+    first = dense_gemv_lora(x, w, b, a, bb, ids, slices=slices, config=cfg, workspace=ws)
+    assert _is_zero(ws)
+    second = dense_gemv_lora(x, w, b, a, bb, ids, slices=slices, config=cfg, workspace=ws)
+    assert torch.equal(first, second) and _is_zero(ws)
+    # a smaller call and another tile width on the same workspace
+    cfg2 = DenseGemvConfig(BLOCK_SIZE_N=32, BLOCK_SIZE_K=16, SPLIT_K=2)
+    y = dense_gemv_lora(x[:3], w, b, a, bb, ids[:3], slices=slices, config=cfg2, workspace=ws)
+    assert torch.equal(y, first[:3]) or rel_err(y, first[:3]) < 1e-6
+    assert _is_zero(ws)
+
+
+# ---- bad inputs -------------------------------------------------------------------------------------------
+
+
+def _bad(name):
+    T, H, slices = 4, 32, THREE
+    x, w, b, a, bb, ids = _inputs(T, H, slices, torch.float32)
+    kw = dict(x=x, weight=w, bias=b, lora_a=a, lora_b=bb, lora_ids=ids, slices=slices)
+    cfg2 = DenseGemvConfig(BLOCK_SIZE_N=16, BLOCK_SIZE_K=16, SPLIT_K=2)
+    changes = {
+        "x_1d": dict(x=x[0]),
+        "x_dtype": dict(x=x.double()),
+        "x_bf16_cpu": dict(x=x.bfloat16()),
+        "x_too_many_tokens": dict(x=torch.zeros(DENSE_GEMV_MAX_TOKENS + 1, H)),
+        "weight_H": dict(weight=w[:, :16]),
+        "weight_dtype": dict(weight=w.half()),
+        "slices_sum": dict(slices=(32, 16, 8)),
+        "slices_type": dict(slices=64),
+        "bias_shape": dict(bias=b[:10]),
+        "lora_a_S": dict(lora_a=a[:, :2]),
+        "lora_b_R": dict(lora_b=bb[..., :4]),
+        "ids_dtype": dict(lora_ids=ids.to(torch.int16)),
+        "ids_T": dict(lora_ids=ids[:2]),
+        "lora_partial": dict(lora_b=None),
+        "config": dict(config="n64"),
+        "workspace_type": dict(config=cfg2, workspace=(1, 2)),
+        "workspace_rows": dict(config=cfg2, workspace=dense_gemv_workspace(2, 64, 8, "cpu")),
+        "workspace_tiles": dict(config=cfg2, workspace=dense_gemv_workspace(8, 64, 2, "cpu")),
+        "out_shape": dict(out=torch.empty(T, 63)),
+        "device": dict(lora_b=bb.to("meta")),
+    }
+    kw.update(changes[name])
+    return kw
+
+
+BAD = {
+    "x_1d": r"x must be a 2-D tensor \[T, H\]",
+    "x_dtype": "x dtype must be float16, bfloat16 or float32, got torch.float64",
+    "x_bf16_cpu": "bfloat16 is not supported on the CPU",
+    "x_too_many_tokens": rf"x: T = {DENSE_GEMV_MAX_TOKENS + 1} tokens must be in \[1, ",
+    "weight_H": r"weight must have shape \[N_total=64, H=32\]",
+    "weight_dtype": "weight must have dtype torch.float32",
+    "slices_sum": "slices must be .* summing to N_total",
+    "slices_type": "slices must be a non-empty tuple",
+    "bias_shape": r"bias must have shape \[N_total=64\]",
+    "lora_a_S": r"lora_a must have shape \[L=3, S=3, R=8, H=32\]",
+    "lora_b_R": r"lora_b must have shape \[L=3, N_total=64, R=8\]",
+    "ids_dtype": r"lora_ids must have dtype in \['torch.int32', 'torch.int64'\], got torch.int16",
+    "ids_T": r"lora_ids must have shape \[T=4\]",
+    "lora_partial": "lora_a, lora_b and lora_ids must be given together",
+    "config": "config must be a DenseGemvConfig or None",
+    "workspace_type": "workspace must be a DenseGemvWorkspace",
+    "workspace_rows": r"workspace.partial must be a float32 tensor \[>= T=4, N_total=64\]",
+    "workspace_tiles": r"workspace.counters must be an int32 tensor \[>= n_tiles=4\]",
+    "out_shape": r"out must have shape \[T=4, N_total=64\]",
+    "device": "lora_b must be on cpu",
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_inputs_name_the_argument(name):
+    kw = _bad(name)
+    args = [kw.pop(k) for k in ("x", "weight", "bias", "lora_a", "lora_b", "lora_ids")]
+    with pytest.raises(ValueError, match=BAD[name]):
+        dense_gemv_lora(*args, **kw)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("BLOCK_SIZE_N", 48), ("BLOCK_SIZE_N", 4), ("BLOCK_SIZE_K", 8), ("SPLIT_K", 0), ("SPLIT_K", 2.0),
+     ("NUM_WARPS", 3), ("NUM_STAGES", 0)],
+)  # fmt: skip
+def test_config_validation(field, value):
+    with pytest.raises(ValueError, match=f"DenseGemvConfig.{field} must be"):
+        DenseGemvConfig(**{field: value})
+
+
+def test_workspace_and_picker_argument_checks():
+    with pytest.raises(ValueError, match="n_tiles must be an int >= 1"):
+        dense_gemv_workspace(8, 64, 0, "cpu")
+    with pytest.raises(ValueError, match=rf"T must be an int in \[1, {DENSE_GEMV_MAX_TOKENS}\]"):
+        default_dense_gemv_config(0, 64, 64)
+    with pytest.raises(ValueError, match="hidden must be an int >= 1"):
+        default_dense_gemv_config(1, 64, 0)
+
+
+# (H, slices) of the GPU presets: GPT-OSS-20B qkv / o, Qwen3-30B-A3B qkv / o,
+# Qwen3-32B qkv / o / gate_up / down
+GPU_SHAPES = [
+    (2880, (4096, 512, 512)),
+    (4096, (2880,)),
+    (2048, (4096, 512, 512)),
+    (4096, (2048,)),
+    (5120, (8192, 1024, 1024)),
+    (8192, (5120,)),
+    (5120, (25600, 25600)),
+    (25600, (5120,)),
+]
+
+
+@pytest.mark.parametrize("T", [1, 2, 4, 8])
+@pytest.mark.parametrize("H, slices", GPU_SHAPES, ids=[f"{h}x{sum(s)}" for h, s in GPU_SHAPES])
+def test_default_config_fills_the_gpu(T, H, slices):
+    cfg = default_dense_gemv_config(T, sum(slices), H, slices=slices)
+    tiles = dense_gemv_num_tiles(slices, cfg.BLOCK_SIZE_N)
+    k_tiles = -(-H // cfg.BLOCK_SIZE_K)
+    assert tiles * cfg.SPLIT_K >= 2 * 132 or cfg.SPLIT_K == k_tiles  # >= 2 programs per SM
+    assert cfg.SPLIT_K <= k_tiles  # every split has a K tile
+    assert cfg.BLOCK_SIZE_N in (32, 64)
+    # every preset admits an unmasked K loop at the picked split
+    assert cfg.even_k(H), cfg
+
+
+# ---- compile-only for sm_90: the last arriver's memory ordering in the PTX ---------------------------------
+_COMPILE_SCRIPT = textwrap.dedent(
+    """
+    import json, torch
+    from moelora_lib.kernels import dense_gemv as dg
+    from moelora_lib.studies.compile_check import compile_for_sm90, ptx, resource_usage
+
+    H, SLICES, R, L = 2880, (4096, 512, 512), 32, 8   # GPT-OSS-20B qkv, bf16
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    N = sum(SLICES)
+    w, bias = torch.empty(N, H, **meta), torch.empty(N, **meta)
+    a, b = torch.empty(L, len(SLICES), R, H, **meta), torch.empty(L, N, R, **meta)
+    res = {}
+    for T in (1, 8):
+        x, y = torch.empty(T, H, **meta), torch.empty(T, N, **meta)
+        ids = torch.empty(T, dtype=torch.int32, device="meta")
+        cfg = dg.default_dense_gemv_config(T, N, H, slices=SLICES)
+        for split in (cfg.SPLIT_K, 1):
+            c = dg.DenseGemvConfig(cfg.BLOCK_SIZE_N, cfg.BLOCK_SIZE_K, split, cfg.NUM_WARPS, cfg.NUM_STAGES)
+            ws = dg.dense_gemv_workspace(8, N, dg.dense_gemv_num_tiles(SLICES, c.BLOCK_SIZE_N), "meta")
+            grid, args, cx = dg.dense_gemv_args(x, w, bias, a, b, ids, y, ws, c, slices=SLICES)
+            k = compile_for_sm90(dg._KERNEL, args, cx, c.NUM_WARPS, c.NUM_STAGES)
+            res[f"T{T}/" + ("split" if split > 1 else "unsplit")] = dict(
+                ptx=ptx(k), res=resource_usage(k), grid=list(grid))
+    print(json.dumps(res))
+    """
+)
+
+
+def _compile_only_available() -> bool:
+    if importlib.util.find_spec("triton.backends.nvidia") is None:
+        return False
+    import triton
+
+    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    if not _compile_only_available():
+        pytest.skip("compile-only for sm_90 needs triton's NVIDIA backend and its bundled ptxas")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    proc = subprocess.run(
+        [sys.executable, "-c", _COMPILE_SCRIPT],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+_RELAXED_ADD = re.compile(r"(?<![\w.])(?:red|atom)\.global\.gpu\.relaxed\.add\.(?:v\d\.)?f32")
+_ACQ_REL = re.compile(r"atom\.global\.gpu\.acq_rel\.add\.u32")
+
+
+@pytest.mark.parametrize("T", [1, 8])
+def test_sm90_last_arriver_ordering(compiled, T):
+    r = compiled[f"T{T}/split"]
+    p = r["ptx"]
+    assert r["grid"][1] > 1
+    adds = [m.end() for m in _RELAXED_ADD.finditer(p)]
+    acq = [m.start() for m in _ACQ_REL.finditer(p)]
+    assert adds and len(acq) == 1, (len(adds), len(acq))
+    # the partial tile's relaxed fp32 adds, then a CTA barrier, then the one acq_rel arrival
+    assert max(adds) < acq[0], "an fp32 add follows the arrival"
+    assert "bar.sync" in p[max(adds) : acq[0]], "no bar.sync between the partial adds and the arrival"
+    # the last arriver reads the workspace past L1 and puts the counter back to 0
+    assert re.search(r"ld\.global\.cg\.", p[acq[0] :]), "the workspace load is not .cg"
+    assert re.search(r"atom\.global\.gpu\.relaxed\.exch\.b32", p[acq[0] :]), "no counter reset"
+    assert r["res"]["LOCAL"] == 0, r["res"]  # no spills
+    # unsplit: no workspace, no atomics, no barrier for them
+    one = compiled[f"T{T}/unsplit"]
+    assert not _RELAXED_ADD.search(one["ptx"]) and not _ACQ_REL.search(one["ptx"])
+    assert one["res"]["LOCAL"] == 0, one["res"]

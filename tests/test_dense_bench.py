@@ -238,3 +238,43 @@ def test_summary_and_targets(anchors):
 def test_targets_empty_without_rows():
     t = db.targets_table(db.summary_table(_rows({("tiny/qkv", 5): dict(base=1.0, lora=1.0)})).iloc[0:0])
     assert t.empty and list(t.columns)[:4] == ["target", "model", "proj", "T"]
+
+
+# ---- the one-launch decode GEMV (dense_gemv_bench) ------------------------------------------------------
+
+
+def test_dense_gemv_bench_rows_on_cpu():
+    # tiny qkv (3 slices, H 48) at T 1 and 2 with two configs: the row set, the default/sweep-best pair
+    from moelora_lib.kernels.dense_gemv import DenseGemvConfig
+
+    cfgs = [DenseGemvConfig(16, 16, 3), DenseGemvConfig(32, 16, 1)]
+    rows = db.dense_gemv_bench(["tiny/qkv"], [1, 2], configs=lambda T, p: cfgs, rank=8, adapters=3,
+                               dtype=torch.float32, device="cpu")  # fmt: skip
+    df = pd.DataFrame(rows)
+    per_T = [
+        ("cublas", "base", "none", "-"),
+        ("tuned", "total", "uniform", "-"),
+        ("tuned", "total", "mixed", "-"),
+        *[(impl, part, pat, src) for impl, part, pat in
+          [("gemv_base", "base", "none"), ("gemv", "total", "none"), ("gemv", "total", "uniform"),
+           ("gemv", "total", "mixed")] for src in ("default", "sweep-best")],
+    ]  # fmt: skip
+    got = list(zip(df.impl, df.part, df.pattern, df.config_source.where(df.impl.str.startswith("gemv"), "-")))
+    assert got == per_T * 2
+    assert list(df["T"]) == [1] * len(per_T) + [2] * len(per_T)
+    assert (df["mode"] == "cpu-interpreter").all() and (df.us_p50 > 0).all()
+    g = df[df.impl.str.startswith("gemv")]
+    assert (g.rel_err < 1e-5).all() and g.config.isin([c.short() for c in cfgs]).all()
+    assert (g[g.config_source == "default"].config == cfgs[0].short()).all()
+    assert (df[df.impl == "tuned"].rel_err < 1e-5).all()
+    assert df.x_base.notna().all() and (df[df.impl == "cublas"].x_base == 1.0).all()
+    for col in ("model", "proj", "H", "N", "slices", "S", "L", "R", "dtype", "flops", "bytes", "floor_us"):
+        assert df[col].notna().all(), col
+    with pytest.raises(ValueError, match="tokens must be in"):
+        db.dense_gemv_bench(["tiny/qkv"], [0], device="cpu", dtype=torch.float32)
+
+
+def test_gemv_sweep_configs():
+    cfgs = db.gemv_sweep_configs(1, "gpt-oss-20b/qkv")
+    assert cfgs[0].short() == "n64k64s5w4st1" and len(cfgs) == len(set(cfgs)) >= 6
+    assert all(c.SPLIT_K <= -(-2880 // c.BLOCK_SIZE_K) for c in cfgs)

@@ -222,7 +222,8 @@ class DenseGemvConfig:
         SPLIT_K: K splits (programs per column tile), an int in [1, 128]; > 1 combines the partial
             tiles in the caller's workspace (module docstring).
         NUM_WARPS: 1, 2, 4, 8 or 16.
-        NUM_STAGES: software pipelining depth of the K loop, an int in [1, 8].
+        NUM_STAGES: Triton's num_stages, an int in [1, 8] (the K loop's loads feed no tl.dot: compiled for
+            sm_90 with Triton 3.6, 1 and 3 give the same loads, no cp.async; kept for GPU sweeps).
     Raises:
         ValueError naming the field and its allowed values.
     """

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from ..common import dtype_name, parse_dtype
 from ..hardware import H200_BF16_TFLOPS, H200_FP8_TFLOPS
 from ..kernels import STAGES
+from ..kernels import dense_gemv as dg
 from ..kernels import dense_lora as dl
 from ..linear import LoRALinear, _align_oneshot, lora_linear_reference
 from ..quant.fp8 import FP8_BLOCK, FP8BlockWeight
@@ -458,6 +459,162 @@ def bench_alignment(T: int, *, block_size_m: int, adapters: int = 8, pattern: st
     row = dict(impl="align", part="align", T=T, L=adapters, block_size_m=block_size_m, pattern=pattern)
     tm = _timing(lambda: _align_oneshot(ids, adapters, block_size_m), device, **timing)
     return bench.result_row(**row, **tm, **{k: timing[k] for k in ("warmup_ms", "rep_ms", "min_reps")})
+
+
+# --- One-launch decode GEMV (kernels.dense_gemv) -----------------------------------------------------------
+
+#: The projections :func:`dense_gemv_bench` times by default: GPT-OSS-20B and Qwen3-30B-A3B attention,
+#: Qwen3-32B attention and dense MLP.
+GEMV_PROJECTIONS = (
+    "gpt-oss-20b/qkv",
+    "gpt-oss-20b/o",
+    "qwen3-30b-a3b/qkv",
+    "qwen3-30b-a3b/o",
+    "qwen3-32b/qkv",
+    "qwen3-32b/o",
+    "qwen3-32b/gate_up",
+    "qwen3-32b/down",
+)
+#: Decode sizes :func:`dense_gemv_bench` times by default.
+GEMV_TOKENS = (1, 2, 4, 8)
+
+
+def gemv_sweep_configs(
+    T: int, proj: str | DenseProjection, *, num_sms: int = 132
+) -> list[dg.DenseGemvConfig]:
+    """A handful of :class:`~moelora_lib.kernels.dense_gemv.DenseGemvConfig` around
+    :func:`~moelora_lib.kernels.dense_gemv.default_dense_gemv_config` (first): 8 warps; 2 pipeline stages;
+    BLOCK_SIZE_N 128 with SPLIT_K doubled and 32 with it halved (about the same programs); SPLIT_K doubled;
+    BLOCK_SIZE_K halved and doubled (32..256). SPLIT_K is kept within the K tiles; duplicates dropped."""
+    import dataclasses
+
+    p = get_projection(proj)
+    H, N = p.hidden, p.n_total
+    d = dg.default_dense_gemv_config(T, N, H, slices=p.slices, num_sms=num_sms)
+
+    def cfg(bn=d.BLOCK_SIZE_N, bk=d.BLOCK_SIZE_K, split=d.SPLIT_K, **kw):
+        split = max(1, min(split, -(-H // bk)))
+        return dataclasses.replace(d, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, SPLIT_K=split, **kw)
+
+    out = [
+        d,
+        cfg(NUM_WARPS=8),
+        cfg(NUM_STAGES=2),
+        cfg(bn=128, split=2 * d.SPLIT_K),
+        cfg(bn=32, split=max(1, d.SPLIT_K // 2)),
+        cfg(split=2 * d.SPLIT_K),
+        cfg(bk=max(32, d.BLOCK_SIZE_K // 2)),
+        cfg(bk=min(256, 2 * d.BLOCK_SIZE_K)),
+    ]
+    return list(dict.fromkeys(out))
+
+
+class GemvCall:
+    """One :func:`~moelora_lib.kernels.dense_gemv.dense_gemv_lora` call at T tokens of ``inp`` with its output
+    and workspace built once (a CUDA graph captures it as is): ``lora`` False runs the base GEMV alone."""
+
+    def __init__(self, inp: ProjectionInputs, T: int, lora_ids: torch.Tensor, config: dg.DenseGemvConfig, *,
+                 lora: bool = True, workspace: dg.DenseGemvWorkspace | None = None):  # fmt: skip
+        p = inp.proj
+        self.x, self.weight, self.slices, self.config = inp.x_for(T), inp.weight, p.slices, config
+        self.lora = (inp.lora_a, inp.lora_b, lora_ids) if lora else (None, None, None)
+        self.out = torch.empty((T, p.n_total), dtype=inp.dtype, device=inp.device)
+        tiles = dg.dense_gemv_num_tiles(p.slices, config.BLOCK_SIZE_N)
+        self.workspace = workspace or dg.dense_gemv_workspace(T, p.n_total, tiles, inp.device)
+
+    def __call__(self) -> torch.Tensor:
+        kw = dict(slices=self.slices, config=self.config, workspace=self.workspace, out=self.out)
+        return dg.dense_gemv_lora(self.x, self.weight, None, *self.lora, **kw)
+
+
+def dense_gemv_bench(projs: Sequence[str | DenseProjection] = GEMV_PROJECTIONS,
+                     tokens: Sequence[int] = GEMV_TOKENS, *, patterns: Sequence[str] = ("uniform", "mixed"),
+                     configs=None, rank: int = 32, adapters: int = 8, dtype=torch.bfloat16, device="cuda",
+                     seed: int = 0, mode: str = "graph", warmup_ms: float = 25, rep_ms: float = 100,
+                     min_reps: int | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    """The one-launch decode GEMV against cuBLAS and stage ``tuned`` per projection and T, side by side.
+
+    Per (projection, T), rows with :func:`bench_projection`'s columns plus ``rel_err`` (against
+    ``lora_linear_reference``; NaN for the cuBLAS base) and ``x_base`` (us_p50 / the cuBLAS base's):
+
+    * impl "cublas", part "base", pattern "none": ``F.linear`` alone;
+    * impl "tuned", part "total", per pattern: the stage-``tuned`` :class:`LoRALinear` forward (cuBLAS base,
+      alignment, shrink, expand);
+    * impl "gemv_base", part "base", pattern "none": the GEMV without its LoRA part (HAS_LORA off);
+    * impl "gemv", part "total", pattern "none" (every id -1) and each of ``patterns``.
+
+    Each gemv point is timed at every config of ``configs(T, proj)`` (default :func:`gemv_sweep_configs`) and
+    gives two rows: config_source "default" (the picker's config) and "sweep-best" (the fastest whose output
+    passes the tolerance; ``config`` names it). ``mode``/``warmup_ms``/``rep_ms``/``min_reps``: the timing
+    (CUDA graphs by default; on a CPU device the interpreter, one call each). ValueError for an unknown
+    projection or a T outside [1, DENSE_GEMV_MAX_TOKENS]."""
+    configs = configs or gemv_sweep_configs
+    bad = [T for T in tokens if not 1 <= int(T) <= dg.DENSE_GEMV_MAX_TOKENS]
+    if bad:
+        raise ValueError(f"tokens must be in [1, {dg.DENSE_GEMV_MAX_TOKENS}], got {bad}")
+    timing = dict(mode=mode, warmup_ms=warmup_ms, rep_ms=rep_ms, min_reps=min_reps)
+    rows: list[dict[str, Any]] = []
+    for proj in projs:
+        inp = make_inputs(
+            proj, max(tokens), rank=rank, adapters=adapters, dtype=dtype, device=device, seed=seed
+        )
+        for T in tokens:
+            rows += _gemv_point(inp, T, patterns, configs, timing)
+        del inp
+        free_memory(device)
+    return rows
+
+
+def _gemv_point(inp: ProjectionInputs, T: int, patterns, configs, timing) -> list[dict[str, Any]]:
+    """The rows of :func:`dense_gemv_bench` at one (projection, T)."""
+    import math
+
+    ref_dtype = torch.float64 if inp.device.type == "cpu" else torch.float32
+    x, w = inp.x_for(T), inp.weight
+    _, costs = _point(inp, T, "uniform")
+    base = _time_row(
+        lambda: F.linear(x, w), inp, T, "none", costs["base"], _kw("cublas", None, "base"), timing
+    )
+    rows = [base | dict(rel_err=math.nan)]
+    for pat in patterns:
+        (r,) = bench_projection("tuned", inp, T, parts=("total",), pattern=pat, **timing)
+        _, ids, ref = _gemv_reference(inp, T, pat, ref_dtype)
+        rows.append(r | dict(rel_err=_rel_err(build_module(inp, "tuned", max_tokens=T)(x, ids), ref)))
+    cands = list(configs(T, inp.proj))
+    points = [("gemv_base", "base", "none"), ("gemv", "total", "none")]
+    points += [("gemv", "total", pat) for pat in patterns]
+    for impl, part, pat in points:
+        _, ids, ref = _gemv_reference(inp, T, pat, ref_dtype)
+        cost = (costs if pat == "none" else _point(inp, T, pat)[1])[part]
+        timed = []
+        for cfg in cands:
+            call = GemvCall(inp, T, ids, cfg, lora=impl == "gemv")
+            err = _rel_err(call(), ref)
+            kw = dict(
+                impl=impl, stage=None, part=part, config=cfg.short(), config_source="sweep", block_size_m=None
+            )
+            timed.append(_time_row(call, inp, T, pat, cost, kw, timing) | dict(rel_err=err))
+            del call
+        ok = [r for r in timed if r["rel_err"] <= TOLERANCES[inp.dtype]]
+        rows.append(dict(timed[0], config_source="default"))
+        rows.append(dict(min(ok or timed[:1], key=lambda r: r["us_p50"]), config_source="sweep-best"))
+    for r in rows:
+        r["x_base"] = r["us_p50"] / base["us_p50"]
+    return rows
+
+
+def _gemv_reference(inp: ProjectionInputs, T: int, pattern: str, ref_dtype: torch.dtype):
+    """(x, ids, ref) of one gemv check: ids of ``pattern`` ("none": every id -1) and
+    ``lora_linear_reference`` in ``ref_dtype``."""
+    x = inp.x_for(T)
+    if pattern == "none":
+        ids = torch.full((T,), -1, dtype=torch.int32, device=inp.device)
+    else:
+        ids = inp.lora_ids(T, pattern)
+    ref = lora_linear_reference(
+        x, inp.weight, inp.lora_a, inp.lora_b, ids, slices=inp.proj.slices, dtype=ref_dtype
+    )
+    return x, ids, ref
 
 
 # --- Correctness --------------------------------------------------------------------------------------------

@@ -75,6 +75,15 @@ from .kernels.dense_fp8 import (
     quantize_act,
     resolve_dense_scheme,
 )
+from .kernels.dense_gemv import (
+    DENSE_GEMV_MAX_TOKENS,
+    DenseGemvConfig,
+    DenseGemvWorkspace,
+    default_dense_gemv_config,
+    dense_gemv_lora,
+    dense_gemv_num_tiles,
+    dense_gemv_workspace,
+)
 from .kernels.dense_lora import (
     DENSE_KERNELS,
     DenseLoRAConfig,
@@ -628,6 +637,12 @@ class LoRALinear(ops.OpLayer):
     (``MultiLoRAModel.restrict_slots``), only the base GEMM. Alignment workspaces are allocated at
     construction for every BLOCK_SIZE_M the configs up to max_tokens use (a few KB; stage ``tuned``:
     those of the tuned files found at construction); a call under another config allocates its own once.
+        gemv_max_tokens: calls of T ≤ this many tokens whose adapters need LoRA launches run as one
+            launch each (:func:`~moelora_lib.kernels.dense_gemv.dense_gemv_lora`: split-K GEMV with the
+            shrink and expand inside it) instead of ``F.linear`` + alignment + shrink + expand; an int in
+            [0, DENSE_GEMV_MAX_TOKENS], 0 = never (default). Dense weights only (ValueError with an FP8
+            weight above 0). Its rows with id -1 equal the base up to summation order (fp32, not
+            cuBLAS's); calls without LoRA launches keep ``F.linear``. Ids out of [-1, L) give NaN rows there.
     """
 
     _op_prefix = "lora_linear"
@@ -654,6 +669,7 @@ class LoRALinear(ops.OpLayer):
         dtype: torch.dtype | None = None,
         activation_scheme: str = "auto",
         fp8_config: DenseFP8Config | None = None,
+        gemv_max_tokens: int = 0,
     ):
         super().__init__()
         check_bool("deterministic", deterministic)
@@ -735,6 +751,9 @@ class LoRALinear(ops.OpLayer):
         self.activation_scheme = activation_scheme  # property: validates, clears the per-T choices
         self.deterministic = deterministic  # property: validates, clears the per-T configs
         self.share_scratch = check_bool("share_scratch", share_scratch)
+        self._gemv_configs: dict[tuple[int, bool], DenseGemvConfig] = {}
+        self._gemv_ws: DenseGemvWorkspace | None = None
+        self.gemv_max_tokens = gemv_max_tokens  # property: validates (needs a dense weight above 0)
         self._loaded = [False] * L  # host copy of slot_loaded
         self._scratch = None
         self._buffers_key = None
@@ -753,6 +772,7 @@ class LoRALinear(ops.OpLayer):
             f"stage={self.stage.name!r}, dtype={self.dtype}"
             + fp8
             + (", deterministic=True" if self.deterministic else "")
+            + (f", gemv_max_tokens={self.gemv_max_tokens}" if self.gemv_max_tokens else "")
         )
 
     # --- weights ----------------------------------------------------------------------------------
@@ -793,6 +813,54 @@ class LoRALinear(ops.OpLayer):
         self._activation_scheme = value
         self._schemes.clear()
         self._fp8_configs.clear()
+
+    @property
+    def gemv_max_tokens(self) -> int:
+        """Largest T run by the one-launch decode GEMV (0 = never; see the constructor). Setting it
+        validates the value (ValueError naming ``gemv_max_tokens``); a CUDA graph captured before keeps
+        the path it captured."""
+        return self._gemv_max_tokens
+
+    @gemv_max_tokens.setter
+    def gemv_max_tokens(self, value: int) -> None:
+        if not is_int(value) or not 0 <= value <= DENSE_GEMV_MAX_TOKENS:
+            raise ValueError(f"gemv_max_tokens must be an int in [0, {DENSE_GEMV_MAX_TOKENS}], got {value!r}")
+        if value and self.weight_format != "dense":
+            raise ValueError(
+                "gemv_max_tokens must be 0 with an FP8 weight (the decode GEMV takes dense weights)"
+            )
+        self._gemv_max_tokens = int(value)
+
+    def gemv_config_for(self, T: int) -> DenseGemvConfig:
+        """The :class:`~moelora_lib.kernels.dense_gemv.DenseGemvConfig` of the decode GEMV at T tokens
+        (:func:`~moelora_lib.kernels.dense_gemv.default_dense_gemv_config` for this device's SM count;
+        SPLIT_K = 1 when ``deterministic``); resolved once per T."""
+        key = (T, self.deterministic)
+        cfg = self._gemv_configs.get(key)
+        if cfg is None:
+            sms = 132
+            if self.device.type == "cuda":
+                sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            cfg = default_dense_gemv_config(
+                T, self.out_features, self.in_features, slices=self.slices, num_sms=sms
+            )
+            if self.deterministic:
+                cfg = DenseGemvConfig(cfg.BLOCK_SIZE_N, cfg.BLOCK_SIZE_K, 1, cfg.NUM_WARPS, cfg.NUM_STAGES)
+            self._gemv_configs[key] = cfg
+        return cfg
+
+    def _gemv(self, x: torch.Tensor, lora_ids: torch.Tensor, T: int) -> torch.Tensor:
+        """The decode GEMV's output [T, N_total] (a new tensor), its split-K workspace kept per module."""
+        cfg = self.gemv_config_for(T)
+        ws = self._gemv_ws
+        if ws is None or ws.partial.device != self.device:
+            rows = min(self.max_tokens, DENSE_GEMV_MAX_TOKENS)
+            tiles = dense_gemv_num_tiles(self.slices, 8)  # the smallest BLOCK_SIZE_N
+            ws = self._gemv_ws = dense_gemv_workspace(rows, self.out_features, tiles, self.device)
+        return dense_gemv_lora(
+            x, self.weight, self.bias, self.lora_a, self.lora_b, lora_ids, slices=self.slices, config=cfg,
+            workspace=ws if cfg.SPLIT_K > 1 else None,
+        )  # fmt: skip
 
     def activation_scheme_for(self, T: int) -> str:
         """The form the base GEMM runs at T tokens: "dynamic" (W8A8) or "weight_only"
@@ -1098,9 +1166,12 @@ class LoRALinear(ops.OpLayer):
             self._check_runs_here(dev)
         if self.debug:
             _check_values(lora_ids, self.L)
-        out = self._base(x)
         T = x.shape[0]
-        if T == 0 or not self._launches(self._active_slots)[0]:  # host-side flags: no LoRA launch at all
+        lora = T > 0 and self._launches(self._active_slots)[0]  # host-side flags
+        if lora and T <= self._gemv_max_tokens:
+            return self._gemv(x, lora_ids, T)
+        out = self._base(x)
+        if not lora:  # no LoRA launch at all
             return out
         if self._buffers_key != (self.dtype, self.device):
             self._alloc_buffers()

@@ -350,3 +350,55 @@ def test_sm90_last_arriver_ordering(compiled, T):
     one = compiled[f"T{T}/unsplit"]
     assert not _RELAXED_ADD.search(one["ptx"]) and not _ACQ_REL.search(one["ptx"])
     assert one["res"]["LOCAL"] == 0, one["res"]
+
+
+# --------------------------------------------------------------------------------------------------
+# LoRALinear(gemv_max_tokens=...): the decode GEMV wired into the module
+# --------------------------------------------------------------------------------------------------
+def _module(gemv_max_tokens, dtype=torch.float32, **kw):
+    from moelora_lib.linear import LoRALinear
+
+    x, w, b, a, bb, _ = _inputs(8, 96, THREE, dtype)
+    m = LoRALinear(w, b, slices=THREE, num_adapters=L, max_rank=R, max_tokens=16,
+                   gemv_max_tokens=gemv_max_tokens, **kw)  # fmt: skip
+    for slot, r in enumerate(SLOT_RANK):
+        As = [a[slot, s, :r] for s in range(3)]
+        Bs = [bb[slot, o : o + n, :r] for o, n in ((0, 32), (32, 16), (48, 16))]
+        m.load_adapter(slot, As, Bs)
+    return m, x, w, b, a, bb
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_lora_linear_module_runs_the_gemv_up_to_its_threshold(dtype, monkeypatch):
+    import moelora_lib.linear as lin
+
+    m, x, w, b, a, bb = _module(4, dtype)
+    calls = []
+    real = lin.dense_gemv_lora
+    monkeypatch.setattr(lin, "dense_gemv_lora", lambda *p, **k: calls.append(p[0].shape[0]) or real(*p, **k))
+    for T in (1, 3, 4, 6):
+        ids = torch.tensor([(t % (L + 1)) - 1 for t in range(T)], dtype=torch.int32)
+        y = m(x[:T], ids)
+        ref = lora_linear_reference(x[:T], w, a, bb, ids, slices=THREE, bias=b)
+        assert rel_err(y, ref) <= TOLERANCES[dtype], (T, rel_err(y, ref))
+    assert calls == [1, 3, 4]  # T = 6 > 4: F.linear + the LoRA launches
+
+
+def test_lora_linear_module_gemv_settings_and_checks():
+    m, x, *_ = _module(8)
+    assert "gemv_max_tokens=8" in repr(m)
+    assert m.gemv_config_for(2).SPLIT_K >= 1
+    m.deterministic = True
+    assert m.gemv_config_for(2).SPLIT_K == 1
+    ids = torch.full((2,), -1, dtype=torch.int32)
+    m.active_slots = ()  # no LoRA launch: F.linear, bit for bit
+    assert torch.equal(m(x[:2], ids), torch.nn.functional.linear(x[:2], m.weight, m.bias))
+    for bad in (-1, DENSE_GEMV_MAX_TOKENS + 1, 2.0, True):
+        with pytest.raises(ValueError, match="gemv_max_tokens"):
+            m.gemv_max_tokens = bad
+    from moelora_lib.linear import LoRALinear
+    from moelora_lib.quant.fp8 import FP8BlockWeight, quantize_fp8_block
+
+    fp8 = FP8BlockWeight(*quantize_fp8_block(torch.randn(64, 128), (128, 128)), (128, 128))
+    with pytest.raises(ValueError, match="gemv_max_tokens must be 0 with an FP8 weight"):
+        LoRALinear(fp8, num_adapters=2, max_rank=4, max_tokens=8, dtype=torch.float32, gemv_max_tokens=4)

@@ -137,7 +137,8 @@ class RowParallelLoRALinear(LoRALinear):
             world size (each rank expands N/w output columns).
         bias: [N] (whole) or None: added once, after the all-reduce.
         group: a ``torch.distributed`` process group or None (as :class:`ColumnParallelLoRALinear`).
-        Other keywords: :class:`~moelora_lib.LoRALinear`'s; one slice only (``slices`` is not taken).
+        Other keywords: :class:`~moelora_lib.LoRALinear`'s; one slice only (``slices`` is not taken), and
+            ``gemv_max_tokens`` 0 only.
     Forward: x [T, H/w] (this rank's columns of the input, e.g. its attention heads' output), lora_ids [T]
     -> [T, N], the whole output, the same on every rank.
     Raises: ValueError naming the argument (N not divisible by the world size, group not a process group)
@@ -151,6 +152,10 @@ class RowParallelLoRALinear(LoRALinear):
     def __init__(self, weight, bias=None, *, group=None, **kw):
         if "slices" in kw:
             raise ValueError("slices: a RowParallelLoRALinear has one output slice (o_proj, down_proj)")
+        if kw.get("gemv_max_tokens"):  # its forward all-reduces the rank intermediate between the launches
+            raise ValueError(
+                "gemv_max_tokens must be 0 for a RowParallelLoRALinear (no one-launch decode path)"
+            )
         rank, world = group_rank_world(group)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             raise ValueError(

@@ -5,6 +5,8 @@
 - :func:`write_json_atomic`: the one atomic JSON writer (temporary file in the same folder, fsync,
   ``os.replace``).
 - :func:`is_int`: an int that is not a bool (JSON ``true`` must not pass as 1).
+- :func:`check_real_scalar`: one finite real number of any of Python's, numpy's or torch's scalar kinds
+  (an adapter's ``scaling``).
 - :func:`aligned16`: a tensor whose data pointer is 16-byte aligned (Triton's pointer specialization).
 - :func:`describe` / :func:`check_tensor`: the one shape / dtype / device check of an input tensor, with
   a message naming the argument.
@@ -13,6 +15,8 @@
 from __future__ import annotations
 
 import json
+import math
+import numbers
 import os
 import tempfile
 import warnings
@@ -28,6 +32,7 @@ __all__ = [
     "gpu_name",
     "write_json_atomic",
     "is_int",
+    "check_real_scalar",
     "check_bool",
     "aligned16",
     "MisalignedCopyWarning",
@@ -68,9 +73,38 @@ def dtype_name(dtype: str | torch.dtype) -> str:
 
 def is_int(v: Any) -> bool:
     """True for a Python or numpy integer that is not a bool."""
-    import numbers
-
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+#: What :func:`check_real_scalar` accepts, for its message.
+_REAL_SCALAR_KINDS = (
+    "a Python int or float, a numpy real scalar, a numbers.Real (e.g. Fraction) or a 0-d real tensor"
+)
+
+
+def check_real_scalar(name: str, v: Any) -> float:
+    """``float(v)`` when ``v`` is one finite real number; ValueError naming ``name`` otherwise.
+
+    Accepted: a Python int or float, a numpy real scalar (``np.float32``, ``np.int64``, ...), any other
+    :class:`numbers.Real` (e.g. ``fractions.Fraction``), and a 0-d tensor of a float or int dtype (its
+    ``.item()``: one host read, for a CUDA tensor a sync; meant for values given at load time, not per
+    call). Refused: bools (``True`` is a flag, not 1.0), complex
+    numbers, tensors with a dim or without data (meta), NaN, infinities and values beyond float64's range.
+    """
+    value = None
+    if isinstance(v, torch.Tensor):
+        if v.dim() == 0 and v.dtype != torch.bool and not v.is_complex() and v.device.type != "meta":
+            value = v.item()
+    elif isinstance(v, numbers.Real) and not isinstance(v, bool):
+        value = v
+    if value is not None:
+        try:
+            value = float(value)
+        except OverflowError:  # an int or Fraction beyond float64
+            value = None
+    if value is None or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite real number ({_REAL_SCALAR_KINDS}), got {v!r}")
+    return value
 
 
 def check_bool(name: str, v: Any) -> bool:

@@ -45,14 +45,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 import os
 import weakref
 
 import torch
 
 from . import ops
-from .common import check_bool, check_finite, check_kernel_dtype, is_finite, is_int
+from .common import check_bool, check_finite, check_kernel_dtype, check_real_scalar, is_finite, is_int
 from .kernels import AUTO_STAGE, GEMV_STAGE, STAGES, LayerConfig, LayerRun, Stage, check_stage_name
 from .kernels.align import AlignWorkspace, align_tokens_triton, align_workspace
 from .kernels.align_small import (
@@ -723,7 +722,9 @@ class MoELoRALayer(ops.OpLayer):
                 Any rank 1 ≤ r ≤ R per projection; the slot's ranks r..R-1 are zeroed, so the result
                 is exactly that of the rank-r adapter whatever the slot held before. Float tensors on
                 the layer's device; cast to the layer's dtype after the scaling is applied in fp32.
-            scaling: a finite float multiplied into B (e.g. PEFT's lora_alpha / r).
+            scaling: a finite real number multiplied into B (e.g. PEFT's lora_alpha / r): a Python or
+                numpy int or float, a numbers.Real or a 0-d real tensor
+                (:func:`~moelora_lib.common.check_real_scalar`).
         Raises:
             ValueError naming the argument: slot out of range, neither projection given, not a pair,
             wrong rank (> R or < 1), shape, non-float dtype, other device, non-finite scaling, A or
@@ -741,8 +742,7 @@ class MoELoRALayer(ops.OpLayer):
             raise ValueError(
                 "load_adapter: pass gate_up=(A, B) and/or down=(A, B); to clear a slot use unload_adapter"
             )
-        if isinstance(scaling, bool) or not isinstance(scaling, numbers.Real) or not math.isfinite(scaling):
-            raise ValueError(f"scaling must be a finite real number, got {scaling!r}")
+        scaling = check_real_scalar("scaling", scaling)
         E, H, I, S = self.num_global_experts, self.H, self.I, self.S
         gu = dn = None
         if gate_up is not None:
@@ -759,8 +759,8 @@ class MoELoRALayer(ops.OpLayer):
                 if self.local_to_global is not None:  # expert parallelism: keep the local experts' rows
                     idx = torch.tensor(self.local_to_global, dtype=torch.long, device=a.device)
                     a, b = a.index_select(0, idx), b.index_select(0, idx)
-                a_c, b_c = a.to(dt), (b.float() * float(scaling)).to(dt)
-                for what, t in (("A", a_c), (f"B·scaling (scaling {float(scaling):g})", b_c)):
+                a_c, b_c = a.to(dt), (b.float() * scaling).to(dt)
+                for what, t in (("A", a_c), (f"B·scaling (scaling {scaling:g})", b_c)):
                     if not is_finite(t):  # one host sync per load, not per call
                         raise ValueError(
                             f"{proj} {what} is not finite in the layer's dtype {dt} (inf/NaN, or beyond its "

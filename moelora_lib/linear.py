@@ -59,7 +59,15 @@ import torch
 import torch.nn.functional as F
 
 from . import ops
-from .common import check_bool, check_finite, check_kernel_dtype, check_tensor, is_finite, is_int
+from .common import (
+    check_bool,
+    check_finite,
+    check_kernel_dtype,
+    check_real_scalar,
+    check_tensor,
+    is_finite,
+    is_int,
+)
 from .common import describe as _desc
 from .kernels import AUTO_STAGE, STAGES, check_stage_name
 from .kernels.align import AlignWorkspace, align_tokens_triton, align_workspace
@@ -914,8 +922,10 @@ class LoRALinear(ops.OpLayer):
                 adapter does not cover it (e.g. a q/v-only adapter on a fused qkv: [A_q, None, A_v]).
                 A single tensor is accepted when S = 1.
             lora_b: per slice s, ``lora_B.weight`` [N_s, r_s], or None where lora_a is None.
-            scaling: a finite float (e.g. lora_alpha / r), or one per slice; multiplied into B in fp32
-                before the cast to the layer's dtype.
+            scaling: a finite real number (e.g. lora_alpha / r), or a list/tuple of one per slice: a
+                Python or numpy int or float, a numbers.Real or a 0-d real tensor
+                (:func:`~moelora_lib.common.check_real_scalar`); multiplied into B in fp32 before the
+                cast to the layer's dtype.
         Any rank 1 ≤ r_s ≤ R per slice; everything else in the slot is zeroed, so the result is exactly
         that of the rank-r adapter whatever the slot held. Float tensors on the layer's device.
         Raises:
@@ -929,12 +939,15 @@ class LoRALinear(ops.OpLayer):
         slot = self._check_slot(slot)
         self._guard_slot(slot, "load_adapter")
         As, Bs = self._per_slice("lora_a", lora_a), self._per_slice("lora_b", lora_b)
-        scales = list(scaling) if isinstance(scaling, (list, tuple)) else [scaling] * self.S
-        if len(scales) != self.S:
-            raise ValueError(f"scaling must be a float or S = {self.S} floats, got {len(scales)}")
-        for sc in scales:
-            if isinstance(sc, bool) or not isinstance(sc, (int, float)) or not math.isfinite(sc):
-                raise ValueError(f"scaling must be finite floats, got {scaling!r}")
+        if isinstance(scaling, (list, tuple)):
+            if len(scaling) != self.S:
+                raise ValueError(
+                    f"scaling must be one real number or a list of S = {self.S} (one per slice), got "
+                    f"{len(scaling)} entries"
+                )
+            scales = [check_real_scalar(f"scaling[{s}]", v) for s, v in enumerate(scaling)]
+        else:
+            scales = [check_real_scalar("scaling", scaling)] * self.S
         pairs = []
         for s, (a, b) in enumerate(zip(As, Bs)):
             if a is None and b is None:
@@ -971,8 +984,8 @@ class LoRALinear(ops.OpLayer):
                     cast.append(None)
                     continue
                 a, b, r = p
-                a_c, b_c = a.to(dt), (b.float() * float(scales[s])).to(dt)
-                for what, t in ((f"lora_a[{s}]", a_c), (f"lora_b[{s}]·scaling ({float(scales[s]):g})", b_c)):
+                a_c, b_c = a.to(dt), (b.float() * scales[s]).to(dt)
+                for what, t in ((f"lora_a[{s}]", a_c), (f"lora_b[{s}]·scaling ({scales[s]:g})", b_c)):
                     if not is_finite(t):  # one host sync per load, not per call
                         raise ValueError(
                             f"{what} is not finite in the layer's dtype {dt} (inf/NaN, or beyond its range): "

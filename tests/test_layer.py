@@ -7,6 +7,9 @@ skip the LoRA work of projections a slot does not cover, and compile with torch.
 
 from __future__ import annotations
 
+import fractions
+
+import numpy as np
 import pytest
 import torch
 
@@ -222,8 +225,28 @@ def test_load_adapter_errors():
         layer.load_adapter(0)
     with pytest.raises(ValueError, match="scaling must be a finite real number"):
         layer.load_adapter(0, down=dn, scaling=float("inf"))
+    with pytest.raises(
+        ValueError, match=r"scaling must be a finite real number \(.*0-d real tensor\), got tensor"
+    ):
+        layer.load_adapter(0, down=dn, scaling=torch.tensor([2.0]))
     assert layer.loaded_slots == {}  # nothing written by a failed load
     assert not layer.lora_a13.any() and not layer.lora_a2.any()
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [np.float32(2.0), np.int64(2), torch.tensor(2.0), torch.tensor(2), fractions.Fraction(2, 1)],
+    ids=repr,
+)
+def test_load_adapter_accepts_any_finite_real_scaling(scaling):
+    """numpy scalars, 0-d tensors and numbers.Real scale B exactly as the float 2.0 does."""
+    dt = torch.float32
+    layer, ref = _layer(dt), _layer(dt)
+    gu, dn = _adapter(dt, 8)
+    ref.load_adapter(0, gate_up=gu, down=dn, scaling=2.0)
+    layer.load_adapter(0, gate_up=gu, down=dn, scaling=scaling)
+    for name in ("lora_a13", "lora_b13", "lora_a2", "lora_b2"):
+        assert torch.equal(getattr(layer, name), getattr(ref, name)), name
 
 
 def test_forward_errors_and_debug():

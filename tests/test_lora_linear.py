@@ -10,6 +10,7 @@ small H never split K). Tokens with id -1 must come out bit for bit as F.linear'
 
 from __future__ import annotations
 
+import fractions
 import json
 import os
 import subprocess
@@ -18,6 +19,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -420,8 +422,12 @@ def test_module_errors():
         m.load_adapter(0, A[:2], B[:2])
     with pytest.raises(ValueError, match="both be tensors or both None"):
         m.load_adapter(0, [A[0], None, A[2]], B)
-    with pytest.raises(ValueError, match="scaling must be finite"):
+    with pytest.raises(ValueError, match="scaling must be a finite real number"):
         m.load_adapter(0, A, B, scaling=float("inf"))
+    with pytest.raises(ValueError, match=r"scaling\[1\] must be a finite real number .*got nan"):
+        m.load_adapter(0, A, B, scaling=[1.0, float("nan"), 1.0])
+    with pytest.raises(ValueError, match="scaling must be one real number or a list of S = 3"):
+        m.load_adapter(0, A, B, scaling=[1.0, 2.0])
     assert m.loaded_slots == [] and (m.lora_a == 0).all()  # nothing written by a failed load
     with pytest.raises(ValueError, match="exceeds the layer's max_tokens = 48"):
         m(torch.zeros(49, H).half(), torch.zeros(49, dtype=torch.int32))
@@ -595,6 +601,46 @@ def test_trial_module_dtype_after_to_copy_pickle_and_load_checks():
     with pytest.raises(ValueError, match=r"lora_a\[0\] is not finite"):
         m16.load_adapter(0, [torch.full_like(t, float("nan")) for t in a16], b16)
     assert m16.loaded_slots == []
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        2,
+        2.0,
+        np.float32(2.0),
+        np.float64(2.0),
+        np.int64(2),
+        torch.tensor(2.0),
+        torch.tensor(2, dtype=torch.int32),
+        fractions.Fraction(2, 1),
+        [np.float32(2.0), torch.tensor(2.0), fractions.Fraction(4, 2)],  # one per slice, mixed kinds
+    ],
+    ids=repr,
+)
+def test_load_adapter_accepts_any_finite_real_scaling(scaling):
+    """Every finite real scalar kind (Python, numpy, numbers.Real, 0-d tensor) scales B like 2.0 does."""
+    m, ref = _module(), _module()
+    A, B = _adapter(8, 1)
+    ref.load_adapter(0, A, B, scaling=2.0)
+    m.load_adapter(0, A, B, scaling=scaling)
+    assert torch.equal(m.lora_a, ref.lora_a) and torch.equal(m.lora_b, ref.lora_b)
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [True, 1 + 2j, torch.tensor([2.0]), torch.tensor(True), torch.tensor(2.0, device="meta"), "2.0", None,
+     np.float32("inf"), torch.tensor(float("nan")), 10**400],
+    ids=repr,
+)  # fmt: skip
+def test_load_adapter_refuses_non_real_or_non_finite_scaling(scaling):
+    """The message names scaling and lists the accepted kinds; nothing is written."""
+    m = _module()
+    with pytest.raises(
+        ValueError, match=r"scaling must be a finite real number \(a Python int or float, a numpy"
+    ):
+        m.load_adapter(0, *_adapter(8, 1), scaling=scaling)
+    assert m.loaded_slots == [] and not m.lora_b.any()
 
 
 def test_trial_functional_meta_and_requires_grad_refused():

@@ -208,11 +208,34 @@ def _check_fp8_args(weight, activation_scheme, fp8_config) -> None:
         )
 
 
+def _hidden_size(x: torch.Tensor, weight, lora_a) -> tuple[int, int]:
+    """(T, H) of a call: H is weight's in_features (dim 1) unless x and lora_a (dim 3) agree on another
+    size, so a wrong H is blamed on the one argument that disagrees (as fused_moe_lora does): ValueError
+    naming x when x is that argument; a disagreeing weight or lora_a fails its own shape check."""
+
+    def dim(t, nd: int, d: int) -> int | None:  # None: not a tensor of that rank (fails its own check)
+        t = t.weight if isinstance(t, FP8BlockWeight) else t
+        return t.shape[d] if isinstance(t, torch.Tensor) and t.dim() == nd else None
+
+    votes = [
+        ("weight's in_features", dim(weight, 2, 1)),
+        ("x", x.shape[1]),
+        ("lora_a's H (dim 3)", dim(lora_a, 4, 3)),
+    ]
+    sizes = [v for _, v in votes if v is not None]
+    H = max(sizes, key=lambda v: (sizes.count(v), -sizes.index(v)))  # ties: weight, then x
+    if x.shape[1] != H:
+        source = next(what for what, v in votes if v == H)
+        raise ValueError(f"x must have shape [T, H={H}] ({source}), got {tuple(x.shape)}")
+    return x.shape[0], H
+
+
 def validate_lora_linear_inputs(
     x, weight, lora_a, lora_b, lora_ids, slices, bias=None, check_values: bool = True
 ) -> dict:
     """Check every argument of :func:`lora_linear`; return the sizes T, H, N (N_total), L, S, R and
-    ``slices`` (a tuple of ints).
+    ``slices`` (a tuple of ints). H is weight's in_features unless x and lora_a agree on another size,
+    so a wrong H names the argument that disagrees (x with a wrong H is blamed, not weight).
 
     Raises:
         ValueError naming the argument: not a tensor, wrong rank/shape (the message gives the expected
@@ -235,7 +258,7 @@ def validate_lora_linear_inputs(
         )
     if dev.type == "cpu":
         _check_cpu_backend(dt)
-    T, H = x.shape
+    T, H = _hidden_size(x, weight, lora_a)
     if isinstance(weight, FP8BlockWeight):
         N = _check_fp8_weight(weight, H, dev)
     elif not isinstance(weight, torch.Tensor) or weight.dim() != 2:

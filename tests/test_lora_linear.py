@@ -246,6 +246,8 @@ def _bad(name):
         kw["x"] = x.long()
     elif name == "x_bf16_cpu":
         kw.update({k: kw[k].bfloat16() for k in ("x", "weight", "lora_a", "lora_b", "bias")})
+    elif name == "x_H":  # weight and lora_a agree on H = 64: x is the one named
+        kw["x"] = torch.randn(6, 65)
     elif name == "weight_H":
         kw["weight"] = w[:, :32]
     elif name == "weight_dtype":
@@ -283,6 +285,7 @@ BAD = {
     "x_1d": "x must be a 2-D tensor",
     "x_int": "x dtype must be",
     "x_bf16_cpu": "bfloat16 is not supported on the CPU",
+    "x_H": r"^x must have shape \[T, H=64\] \(weight's in_features\), got \(6, 65\)$",
     "weight_H": r"weight must have shape \[N_total=96, H=64\]",
     "weight_dtype": "weight must have dtype torch.float32",
     "slices_sum": "slices .* must sum to N_total",

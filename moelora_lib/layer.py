@@ -479,6 +479,7 @@ class MoELoRALayer(ops.OpLayer):
             b13,
             b2,
             check_values=False,
+            like="w13",  # the hidden_states above is a stand-in of w13's dtype and device
         )
         self.fp8_block = None  # FP8: the (bn, bk) of the scale blocks of w13 and w2
         if fmt != "dense":  # packed: w13/w2 are None, the packed tensors are the parameters

@@ -237,6 +237,22 @@ def test_fused_moe_lora_dtype_mismatch_names_the_tensor():
         fused_moe_lora(**kw)
 
 
+@pytest.mark.parametrize("name", ["w2", "b13", "b2"])
+def test_layer_dtype_mismatch_names_w13_as_the_reference(name):
+    """The constructor takes no hidden_states: its dtype reference is w13."""
+    from moelora_lib import MoELoRALayer
+
+    kw = _kw()
+    E, two_i = kw["w13"].shape[:2]
+    args = dict(w13=kw["w13"].half(), w2=kw["w2"].half(), b13=torch.zeros(E, two_i).half())
+    args["b2"] = torch.zeros(E, kw["w13"].shape[2]).half()
+    args[name] = args[name].float()
+    with pytest.raises(
+        ValueError, match=rf"^{name} must have dtype torch.float16 \(like w13\), got torch.float32$"
+    ):
+        MoELoRALayer(**args, top_k=2, num_adapters=3, max_rank=16, max_tokens=8)
+
+
 @pytest.mark.parametrize("name", ["w13", "w2", "lora_a13", "topk_ids", "lora_ids"])
 def test_fused_moe_lora_wrong_rank_or_type_names_the_argument(name):
     kw = _kw()

@@ -292,6 +292,10 @@ class MoELoRALayer(ops.OpLayer):
             as the dense layer with :func:`~moelora_lib.quant.dequantize_fp8_block`'d weights in the
             layer's dtype; their BLOCK_SIZE_K is lowered to divide the scale block's columns where it
             does not. The adapters, biases and activations are of the layer's dtype (``dtype``).
+            w13 and w2 (dense or the packed weights' tensors; b13 and b2 too) are kept, not copied: the
+            layer aliases the caller's tensors, so the expert weights are never held twice; modifying
+            them afterwards changes the layer, and its finiteness check ran at construction only
+            (``load_state_dict`` writes into them as well).
         top_k: K, experts per token (1 ≤ K ≤ E).
         num_adapters: L ≥ 1 adapter slots.
         max_rank: R ≥ 1, the largest rank a slot holds.

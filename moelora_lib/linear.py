@@ -606,6 +606,9 @@ class LoRALinear(ops.OpLayer):
             [ceil(N_total/bn), ceil(H/bk)], as Qwen3 FP8 checkpoints publish them; bk a multiple of 16;
             fused slices stacked with ``FP8BlockWeight.cat``), kept in FP8: the base GEMM is
             :mod:`moelora_lib.kernels.dense_fp8`'s instead of ``F.linear`` (``activation_scheme``).
+            Kept, not copied (an FP8 weight's codes and scales, and bias, too): the layer aliases the
+            caller's tensors; modifying them afterwards changes the layer, and its finiteness check ran at
+            construction only (``load_state_dict`` writes into them as well).
         bias: [N_total] of the layer's dtype, or None.
         slices: output widths, Σ = N_total (default: one slice of N_total), e.g. (q, k, v) widths.
         num_adapters: L ≥ 1 slots. max_rank: R ≥ 1, the largest rank a slot holds.

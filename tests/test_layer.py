@@ -249,6 +249,16 @@ def test_load_adapter_accepts_any_finite_real_scaling(scaling):
         assert torch.equal(getattr(layer, name), getattr(ref, name)), name
 
 
+def test_weights_are_kept_not_copied():
+    """As documented: the layer aliases the caller's w13, w2, b13, b2 (no second copy of the experts)."""
+    w13, w2, b13, b2 = _weights(torch.float32, bias=True)
+    layer = MoELoRALayer(w13, w2, b13=b13, b2=b2, top_k=K, num_adapters=L, max_rank=R, max_tokens=8)
+    for name, t in (("w13", w13), ("w2", w2), ("b13", b13), ("b2", b2)):
+        assert getattr(layer, name).data_ptr() == t.data_ptr(), name
+    w2.mul_(2.0)  # a change by the caller is the layer's
+    assert torch.equal(layer.w2, w2)
+
+
 def test_forward_errors_and_debug():
     dt = torch.float32
     layer = _layer(dt, max_tokens=8)

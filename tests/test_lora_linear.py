@@ -606,6 +606,15 @@ def test_trial_module_dtype_after_to_copy_pickle_and_load_checks():
     assert m16.loaded_slots == []
 
 
+def test_module_keeps_weight_and_bias_not_copied():
+    """As documented: the layer aliases the caller's weight and bias."""
+    w, b = torch.randn(96, H).half(), torch.randn(96).half()
+    m = LoRALinear(w, b, slices=SLICES, num_adapters=L, max_rank=R, max_tokens=8)
+    assert m.weight.data_ptr() == w.data_ptr() and m.bias.data_ptr() == b.data_ptr()
+    w.zero_()  # a change by the caller is the layer's
+    assert not m.weight.any()
+
+
 @pytest.mark.parametrize(
     "scaling",
     [

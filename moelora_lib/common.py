@@ -7,6 +7,7 @@
 - :func:`is_int`: an int that is not a bool (JSON ``true`` must not pass as 1).
 - :func:`check_real_scalar`: one finite real number of any of Python's, numpy's or torch's scalar kinds
   (an adapter's ``scaling``).
+- :func:`check_no_grad`: the inference-only check of inputs that require grad (host-side).
 - :func:`aligned16`: a tensor whose data pointer is 16-byte aligned (Triton's pointer specialization).
 - :func:`describe` / :func:`check_tensor`: the one shape / dtype / device check of an input tensor, with
   a message naming the argument.
@@ -34,6 +35,7 @@ __all__ = [
     "is_int",
     "check_real_scalar",
     "check_bool",
+    "check_no_grad",
     "aligned16",
     "MisalignedCopyWarning",
     "MISALIGNED_COPY_WARN_BYTES",
@@ -115,6 +117,25 @@ def check_bool(name: str, v: Any) -> bool:
         kind = t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
         raise ValueError(f"{name} must be a Python bool (True or False), got {kind}: {v!r}")
     return v
+
+
+def check_no_grad(*named: tuple[str, Any]) -> None:
+    """ValueError naming the first tensor of the (name, value) pairs ``named`` that requires grad while
+    grad mode is on (non-tensors and None are skipped).
+
+    Why: the kernels are Triton launches with no autograd formula, so such a call would return a
+    result that silently carries no gradient (or, through a custom op, fails only in backward).
+    Cost: ``torch.is_grad_enabled()`` and one ``requires_grad`` attribute read per tensor on the host;
+    no device work, no sync, nothing a CUDA graph or torch.compile sees.
+    """
+    if not torch.is_grad_enabled():
+        return
+    for name, t in named:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            raise ValueError(
+                f"{name} requires grad: moelora_lib is inference only; call under torch.no_grad() / "
+                "torch.inference_mode() or pass a detached tensor"
+            )
 
 
 def is_finite(t: torch.Tensor) -> bool:

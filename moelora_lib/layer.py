@@ -51,7 +51,15 @@ import weakref
 import torch
 
 from . import ops
-from .common import check_bool, check_finite, check_kernel_dtype, check_real_scalar, is_finite, is_int
+from .common import (
+    check_bool,
+    check_finite,
+    check_kernel_dtype,
+    check_no_grad,
+    check_real_scalar,
+    is_finite,
+    is_int,
+)
 from .kernels import AUTO_STAGE, GEMV_STAGE, STAGES, LayerConfig, LayerRun, Stage, check_stage_name
 from .kernels.align import AlignWorkspace, align_tokens_triton, align_workspace
 from .kernels.align_small import (
@@ -467,24 +475,26 @@ class MoELoRALayer(ops.OpLayer):
         lora_b13 = torch.zeros((L, E, S, two_i // S, R), **z)
         lora_a2 = torch.zeros((L, E, R, two_i // 2), **z)
         lora_b2 = torch.zeros((L, E, H, R), **z)
-        # all shape/dtype/device checks of the functional API, on an empty batch
-        validate_moe_lora_inputs(
-            torch.empty((0, H), **z),
-            w13,
-            w2,
-            torch.empty((0, min(K, E)), dtype=torch.float32, device=dev),  # K > E: expert parallelism
-            torch.empty((0, min(K, E)), dtype=torch.int32, device=dev),
-            torch.empty((0,), dtype=torch.int32, device=dev),
-            lora_a13,
-            lora_b13,
-            lora_a2,
-            lora_b2,
-            activation,
-            b13,
-            b2,
-            check_values=False,
-            like="w13",  # the hidden_states above is a stand-in of w13's dtype and device
-        )
+        # all shape/dtype/device checks of the functional API, on an empty batch; without its grad check:
+        # the layer freezes the weights it keeps (requires_grad=False), so a caller's tensor may require grad
+        with torch.no_grad():
+            validate_moe_lora_inputs(
+                torch.empty((0, H), **z),
+                w13,
+                w2,
+                torch.empty((0, min(K, E)), dtype=torch.float32, device=dev),  # K > E: expert parallelism
+                torch.empty((0, min(K, E)), dtype=torch.int32, device=dev),
+                torch.empty((0,), dtype=torch.int32, device=dev),
+                lora_a13,
+                lora_b13,
+                lora_a2,
+                lora_b2,
+                activation,
+                b13,
+                b2,
+                check_values=False,
+                like="w13",  # the hidden_states above is a stand-in of w13's dtype and device
+            )
         self.fp8_block = None  # FP8: the (bn, bk) of the scale blocks of w13 and w2
         if fmt != "dense":  # packed: w13/w2 are None, the packed tensors are the parameters
             self.register_parameter("w13", None)
@@ -846,7 +856,8 @@ class MoELoRALayer(ops.OpLayer):
             ValueError naming the argument for a wrong shape, dtype or device, T > max_tokens, both or
             neither routing form (a routing argument or lora_ids that is not a tensor included); with
             ``debug=True`` also for id values out of range and for NaN or inf in router_logits or
-            topk_weights.
+            topk_weights; hidden_states, router_logits or topk_weights requiring grad while grad mode
+            is on (inference only: run under torch.no_grad() / torch.inference_mode()).
         Id values are not checked otherwise (no host sync): a token with a top-k id outside [0, E) or an
         adapter id outside [-1, L) — or NaN router logits, which route nowhere — gets a NaN output row
         (its pairs are dropped by the alignment; :mod:`moelora_lib.kernels.topk_reduce`), never values
@@ -856,6 +867,10 @@ class MoELoRALayer(ops.OpLayer):
         # the dispatcher pick the op's fake (shape-only) implementation
         self._check_runs_here(self._ref.device)
         self._check_call(hidden_states, router_logits, topk_weights, topk_ids, lora_ids)
+        # inference only (the custom op has no autograd formula); host-side attribute reads
+        check_no_grad(
+            ("hidden_states", hidden_states), ("router_logits", router_logits), ("topk_weights", topk_weights)
+        )
         return ops.moe_lora_layer(
             hidden_states, router_logits, topk_weights, topk_ids, lora_ids, self.layer_name
         )

@@ -63,6 +63,7 @@ from .common import (
     check_bool,
     check_finite,
     check_kernel_dtype,
+    check_no_grad,
     check_real_scalar,
     check_tensor,
     is_finite,
@@ -294,20 +295,8 @@ def validate_lora_linear_inputs(
     _check("lora_ids", lora_ids, (("T", T),), (torch.int32, torch.int64), dev)
     if bias is not None:
         _check("bias", bias, (("N_total", N),), (dt,), dev)
-    if torch.is_grad_enabled():  # the LoRA part is Triton launches with no autograd formula
-        dense_w = weight if isinstance(weight, torch.Tensor) else None
-        for name, t in (
-            ("x", x),
-            ("weight", dense_w),
-            ("lora_a", lora_a),
-            ("lora_b", lora_b),
-            ("bias", bias),
-        ):
-            if t is not None and t.requires_grad:
-                raise ValueError(
-                    f"{name} requires grad: lora_linear is inference only (its LoRA part has no gradient); "
-                    "call it under torch.no_grad() or torch.inference_mode()"
-                )
+    # the LoRA part is Triton launches with no autograd formula (an FP8BlockWeight is skipped: no tensor)
+    check_no_grad(("x", x), ("weight", weight), ("lora_a", lora_a), ("lora_b", lora_b), ("bias", bias))
     if check_bool("check_values", check_values):
         _check_values(lora_ids, L)
     return dict(T=T, H=H, N=N, L=L, S=S, R=R, slices=slices)
@@ -1070,13 +1059,16 @@ class LoRALinear(ops.OpLayer):
         Returns:
             [T, N_total] of the layer's dtype (a new tensor).
         Raises:
-            ValueError naming the argument for a wrong shape, dtype or device, T > max_tokens; with
-            ``debug`` also for id values out of range (otherwise unchecked: no host sync; out-of-range
-            ids are dropped by the alignment, their rows' LoRA part unspecified).
+            ValueError naming the argument for a wrong shape, dtype or device, T > max_tokens, x
+            requiring grad while grad mode is on (inference only: run under torch.no_grad() /
+            torch.inference_mode()); with ``debug`` also for id values out of range (otherwise
+            unchecked: no host sync; out-of-range ids are dropped by the alignment, their rows' LoRA
+            part unspecified).
         """
         # checked before the op too: a meta or foreign tensor would otherwise reach its fake impl
         self._check_runs_here(self.device)
         self._check_call(x, lora_ids)
+        check_no_grad(("x", x))  # inference only (the custom op has no autograd formula); host-side
         return lora_linear_module(x, lora_ids, self.layer_name)
 
     def _check_call(self, x, lora_ids) -> None:

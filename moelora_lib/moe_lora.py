@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import check_bool, check_tensor
+from .common import check_bool, check_no_grad, check_tensor
 from .common import describe as _desc
 from .kernels import GEMV_STAGE, STAGES, LayerConfig, LayerRun, check_stage_name, stage_named
 from .kernels.gemv import GemvRun
@@ -187,7 +187,8 @@ def validate_moe_lora_inputs(
     w13's dtype and device).
     Raises:
         ValueError naming the argument and the expected shape, dtype, device or range; a
-        check_values that is not a bool.
+        check_values that is not a bool; a float input that requires grad while grad mode is on
+        (inference only: :func:`~moelora_lib.common.check_no_grad`).
     """
     check_bool("check_values", check_values)
     if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 2:
@@ -310,6 +311,19 @@ def validate_moe_lora_inputs(
         _check("b13", b13, (("E", E), ("2I", two_i)), (dt,), dev, note, like)
     if b2 is not None:
         _check("b2", b2, (("E", E), ("H", H)), (dt,), dev, note, like)
+    # Triton launches with no autograd formula: a float input that requires grad is refused (host-side)
+    check_no_grad(
+        ("hidden_states", hidden_states),
+        ("w13", w13),
+        ("w2", w2),
+        ("topk_weights", topk_weights),
+        ("lora_a13", lora_a13),
+        ("lora_b13", lora_b13),
+        ("lora_a2", lora_a2),
+        ("lora_b2", lora_b2),
+        ("b13", b13),
+        ("b2", b2),
+    )
     if check_values:
         check_finite_weights(topk_weights)
         check_id_values(topk_ids, E, lora_ids, L)
@@ -542,7 +556,10 @@ def fused_moe_lora(
     Raises:
         ValueError: an argument's shape, dtype, device or value range is wrong (the message names
             it; NaN or inf in topk_weights included; one expert weight MXFP4 and the other not),
-            unknown activation or stage, a non-bool deterministic; bfloat16 on the CPU (the
+            unknown activation or stage, a non-bool deterministic; a float input (hidden_states, a
+            dense weight, topk_weights, an adapter, a bias) that requires grad while grad mode is on
+            (inference only; under torch.no_grad() / torch.inference_mode() or detached it runs);
+            bfloat16 on the CPU (the
             interpreter's bf16 is wrong); ``activation_scheme`` not one of its values, or "dynamic" with
             weights that are not FP8 (or whose scale blocks' columns are not a multiple of 32) or with
             stage "gemv".

@@ -237,6 +237,23 @@ def test_fused_moe_lora_dtype_mismatch_names_the_tensor():
         fused_moe_lora(**kw)
 
 
+@pytest.mark.parametrize(
+    "name", ["hidden_states", "w13", "w2", "topk_weights", "lora_a13", "lora_b13", "lora_a2", "lora_b2", "b2"]
+)
+def test_fused_moe_lora_refuses_an_input_that_requires_grad(name):
+    """Inference only: the result would silently carry no gradient. Refused by name under grad mode;
+    the same call runs under torch.no_grad()."""
+    kw = _kw()
+    kw["b2"] = torch.zeros(TINY.experts, TINY.hidden)
+    kw[name] = kw[name].clone().requires_grad_()
+    with pytest.raises(
+        ValueError, match=rf"^{name} requires grad: moelora_lib is inference only; call under"
+    ):
+        fused_moe_lora(**kw)
+    with torch.no_grad():
+        assert fused_moe_lora(**kw).shape == kw["hidden_states"].shape
+
+
 @pytest.mark.parametrize("name", ["w2", "b13", "b2"])
 def test_layer_dtype_mismatch_names_w13_as_the_reference(name):
     """The constructor takes no hidden_states: its dtype reference is w13."""

@@ -259,6 +259,29 @@ def test_weights_are_kept_not_copied():
     assert torch.equal(layer.w2, w2)
 
 
+def test_forward_refuses_inputs_that_require_grad():
+    """Inference only: hidden_states, router_logits or topk_weights requiring grad under grad mode are
+    refused by name; the same call under no_grad runs. Weights that require grad are accepted (frozen)."""
+    dt = torch.float32
+    w13, w2, _, _ = _weights(dt)
+    layer = MoELoRALayer(
+        w13.requires_grad_(), w2, top_k=K, num_adapters=L, max_rank=R, max_tokens=8
+    )  # the layer keeps it frozen
+    assert not layer.w13.requires_grad
+    x, logits, ids = _inputs(dt, 4)
+    msg = "requires grad: moelora_lib is inference only; call under torch.no_grad"
+    with pytest.raises(ValueError, match=f"^hidden_states {msg}"):
+        layer(x.clone().requires_grad_(), logits, lora_ids=ids)
+    with pytest.raises(ValueError, match=f"^router_logits {msg}"):
+        layer(x, logits.clone().requires_grad_(), lora_ids=ids)
+    tw, ti = route(logits, K, True)
+    with pytest.raises(ValueError, match=f"^topk_weights {msg}"):
+        layer(x, topk_weights=tw.requires_grad_(), topk_ids=ti, lora_ids=ids)
+    with torch.no_grad():
+        out = layer(x.clone().requires_grad_(), logits, lora_ids=ids)
+    assert torch.equal(out, layer(x, logits, lora_ids=ids))
+
+
 def test_forward_errors_and_debug():
     dt = torch.float32
     layer = _layer(dt, max_tokens=8)

@@ -665,10 +665,26 @@ def test_trial_functional_meta_and_requires_grad_refused():
     ids = torch.tensor([0, -1, 1], dtype=torch.int32)
     with pytest.raises(ValueError, match="x is on meta"):
         lora_linear(x.to("meta"), w, la, lb, ids, slices=(64, 16, 16), check_values=False)
-    with pytest.raises(ValueError, match="x requires grad: lora_linear is inference only"):
+    with pytest.raises(ValueError, match="^x requires grad: moelora_lib is inference only; call under"):
         lora_linear(x.requires_grad_(), w, la, lb, ids, slices=(64, 16, 16))
+    with pytest.raises(ValueError, match="^lora_b requires grad: .*or pass a detached tensor$"):
+        lora_linear(x.detach(), w, la, lb.requires_grad_(), ids, slices=(64, 16, 16))
     with torch.no_grad():
         assert lora_linear(x, w, la, lb, ids, slices=(64, 16, 16)).shape == (3, 96)
+    with torch.inference_mode():
+        assert lora_linear(x, w, la, lb, ids, slices=(64, 16, 16)).shape == (3, 96)
+
+
+def test_module_forward_refuses_x_that_requires_grad():
+    """The output would carry no gradient (the custom op has none): refused unless grad mode is off."""
+    m = _module()
+    m.load_adapter(0, *_adapter(8, 1))
+    x, ids = torch.randn(3, H).half().requires_grad_(), torch.tensor([0, -1, 0], dtype=torch.int32)
+    with pytest.raises(ValueError, match="^x requires grad: moelora_lib is inference only"):
+        m(x, ids)
+    with torch.no_grad():
+        want = m(x, ids)
+    assert torch.equal(m(x.detach(), ids), want)
 
 
 def test_package_names_are_the_function_and_the_class_in_any_import_order():

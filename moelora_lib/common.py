@@ -5,6 +5,9 @@
 - :func:`write_json_atomic`: the one atomic JSON writer (temporary file in the same folder, fsync,
   ``os.replace``).
 - :func:`is_int`: an int that is not a bool (JSON ``true`` must not pass as 1).
+- :func:`check_real_scalar`: one finite real number of any of Python's, numpy's or torch's scalar kinds
+  (an adapter's ``scaling``).
+- :func:`check_no_grad`: the inference-only check of inputs that require grad (host-side).
 - :func:`aligned16`: a tensor whose data pointer is 16-byte aligned (Triton's pointer specialization).
 - :func:`describe` / :func:`check_tensor`: the one shape / dtype / device check of an input tensor, with
   a message naming the argument.
@@ -13,6 +16,8 @@
 from __future__ import annotations
 
 import json
+import math
+import numbers
 import os
 import tempfile
 import warnings
@@ -28,7 +33,9 @@ __all__ = [
     "gpu_name",
     "write_json_atomic",
     "is_int",
+    "check_real_scalar",
     "check_bool",
+    "check_no_grad",
     "aligned16",
     "MisalignedCopyWarning",
     "MISALIGNED_COPY_WARN_BYTES",
@@ -68,9 +75,38 @@ def dtype_name(dtype: str | torch.dtype) -> str:
 
 def is_int(v: Any) -> bool:
     """True for a Python or numpy integer that is not a bool."""
-    import numbers
-
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+#: What :func:`check_real_scalar` accepts, for its message.
+_REAL_SCALAR_KINDS = (
+    "a Python int or float, a numpy real scalar, a numbers.Real (e.g. Fraction) or a 0-d real tensor"
+)
+
+
+def check_real_scalar(name: str, v: Any) -> float:
+    """``float(v)`` when ``v`` is one finite real number; ValueError naming ``name`` otherwise.
+
+    Accepted: a Python int or float, a numpy real scalar (``np.float32``, ``np.int64``, ...), any other
+    :class:`numbers.Real` (e.g. ``fractions.Fraction``), and a 0-d tensor of a float or int dtype (its
+    ``.item()``: one host read, for a CUDA tensor a sync; meant for values given at load time, not per
+    call). Refused: bools (``True`` is a flag, not 1.0), complex
+    numbers, tensors with a dim or without data (meta), NaN, infinities and values beyond float64's range.
+    """
+    value = None
+    if isinstance(v, torch.Tensor):
+        if v.dim() == 0 and v.dtype != torch.bool and not v.is_complex() and v.device.type != "meta":
+            value = v.item()
+    elif isinstance(v, numbers.Real) and not isinstance(v, bool):
+        value = v
+    if value is not None:
+        try:
+            value = float(value)
+        except OverflowError:  # an int or Fraction beyond float64
+            value = None
+    if value is None or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite real number ({_REAL_SCALAR_KINDS}), got {v!r}")
+    return value
 
 
 def check_bool(name: str, v: Any) -> bool:
@@ -81,6 +117,25 @@ def check_bool(name: str, v: Any) -> bool:
         kind = t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
         raise ValueError(f"{name} must be a Python bool (True or False), got {kind}: {v!r}")
     return v
+
+
+def check_no_grad(*named: tuple[str, Any]) -> None:
+    """ValueError naming the first tensor of the (name, value) pairs ``named`` that requires grad while
+    grad mode is on (non-tensors and None are skipped).
+
+    Why: the kernels are Triton launches with no autograd formula, so such a call would return a
+    result that silently carries no gradient (or, through a custom op, fails only in backward).
+    Cost: ``torch.is_grad_enabled()`` and one ``requires_grad`` attribute read per tensor on the host;
+    no device work, no sync, nothing a CUDA graph or torch.compile sees.
+    """
+    if not torch.is_grad_enabled():
+        return
+    for name, t in named:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            raise ValueError(
+                f"{name} requires grad: moelora_lib is inference only; call under torch.no_grad() / "
+                "torch.inference_mode() or pass a detached tensor"
+            )
 
 
 def is_finite(t: torch.Tensor) -> bool:

@@ -45,14 +45,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 import os
 import weakref
 
 import torch
 
 from . import ops
-from .common import check_bool, check_finite, check_kernel_dtype, is_finite, is_int
+from .common import (
+    check_bool,
+    check_finite,
+    check_kernel_dtype,
+    check_no_grad,
+    check_real_scalar,
+    is_finite,
+    is_int,
+)
 from .kernels import AUTO_STAGE, GEMV_STAGE, STAGES, LayerConfig, LayerRun, Stage, check_stage_name
 from .kernels.align import AlignWorkspace, align_tokens_triton, align_workspace
 from .kernels.align_small import (
@@ -293,6 +300,10 @@ class MoELoRALayer(ops.OpLayer):
             as the dense layer with :func:`~moelora_lib.quant.dequantize_fp8_block`'d weights in the
             layer's dtype; their BLOCK_SIZE_K is lowered to divide the scale block's columns where it
             does not. The adapters, biases and activations are of the layer's dtype (``dtype``).
+            w13 and w2 (dense or the packed weights' tensors; b13 and b2 too) are kept, not copied: the
+            layer aliases the caller's tensors, so the expert weights are never held twice; modifying
+            them afterwards changes the layer, and its finiteness check ran at construction only
+            (``load_state_dict`` writes into them as well).
         top_k: K, experts per token (1 ≤ K ≤ E).
         num_adapters: L ≥ 1 adapter slots.
         max_rank: R ≥ 1, the largest rank a slot holds.
@@ -464,23 +475,26 @@ class MoELoRALayer(ops.OpLayer):
         lora_b13 = torch.zeros((L, E, S, two_i // S, R), **z)
         lora_a2 = torch.zeros((L, E, R, two_i // 2), **z)
         lora_b2 = torch.zeros((L, E, H, R), **z)
-        # all shape/dtype/device checks of the functional API, on an empty batch
-        validate_moe_lora_inputs(
-            torch.empty((0, H), **z),
-            w13,
-            w2,
-            torch.empty((0, min(K, E)), dtype=torch.float32, device=dev),  # K > E: expert parallelism
-            torch.empty((0, min(K, E)), dtype=torch.int32, device=dev),
-            torch.empty((0,), dtype=torch.int32, device=dev),
-            lora_a13,
-            lora_b13,
-            lora_a2,
-            lora_b2,
-            activation,
-            b13,
-            b2,
-            check_values=False,
-        )
+        # all shape/dtype/device checks of the functional API, on an empty batch; without its grad check:
+        # the layer freezes the weights it keeps (requires_grad=False), so a caller's tensor may require grad
+        with torch.no_grad():
+            validate_moe_lora_inputs(
+                torch.empty((0, H), **z),
+                w13,
+                w2,
+                torch.empty((0, min(K, E)), dtype=torch.float32, device=dev),  # K > E: expert parallelism
+                torch.empty((0, min(K, E)), dtype=torch.int32, device=dev),
+                torch.empty((0,), dtype=torch.int32, device=dev),
+                lora_a13,
+                lora_b13,
+                lora_a2,
+                lora_b2,
+                activation,
+                b13,
+                b2,
+                check_values=False,
+                like="w13",  # the hidden_states above is a stand-in of w13's dtype and device
+            )
         self.fp8_block = None  # FP8: the (bn, bk) of the scale blocks of w13 and w2
         if fmt != "dense":  # packed: w13/w2 are None, the packed tensors are the parameters
             self.register_parameter("w13", None)
@@ -723,7 +737,9 @@ class MoELoRALayer(ops.OpLayer):
                 Any rank 1 ≤ r ≤ R per projection; the slot's ranks r..R-1 are zeroed, so the result
                 is exactly that of the rank-r adapter whatever the slot held before. Float tensors on
                 the layer's device; cast to the layer's dtype after the scaling is applied in fp32.
-            scaling: a finite float multiplied into B (e.g. PEFT's lora_alpha / r).
+            scaling: a finite real number multiplied into B (e.g. PEFT's lora_alpha / r): a Python or
+                numpy int or float, a numbers.Real or a 0-d real tensor
+                (:func:`~moelora_lib.common.check_real_scalar`).
         Raises:
             ValueError naming the argument: slot out of range, neither projection given, not a pair,
             wrong rank (> R or < 1), shape, non-float dtype, other device, non-finite scaling, A or
@@ -741,8 +757,7 @@ class MoELoRALayer(ops.OpLayer):
             raise ValueError(
                 "load_adapter: pass gate_up=(A, B) and/or down=(A, B); to clear a slot use unload_adapter"
             )
-        if isinstance(scaling, bool) or not isinstance(scaling, numbers.Real) or not math.isfinite(scaling):
-            raise ValueError(f"scaling must be a finite real number, got {scaling!r}")
+        scaling = check_real_scalar("scaling", scaling)
         E, H, I, S = self.num_global_experts, self.H, self.I, self.S
         gu = dn = None
         if gate_up is not None:
@@ -759,8 +774,8 @@ class MoELoRALayer(ops.OpLayer):
                 if self.local_to_global is not None:  # expert parallelism: keep the local experts' rows
                     idx = torch.tensor(self.local_to_global, dtype=torch.long, device=a.device)
                     a, b = a.index_select(0, idx), b.index_select(0, idx)
-                a_c, b_c = a.to(dt), (b.float() * float(scaling)).to(dt)
-                for what, t in (("A", a_c), (f"B·scaling (scaling {float(scaling):g})", b_c)):
+                a_c, b_c = a.to(dt), (b.float() * scaling).to(dt)
+                for what, t in (("A", a_c), (f"B·scaling (scaling {scaling:g})", b_c)):
                     if not is_finite(t):  # one host sync per load, not per call
                         raise ValueError(
                             f"{proj} {what} is not finite in the layer's dtype {dt} (inf/NaN, or beyond its "
@@ -841,7 +856,8 @@ class MoELoRALayer(ops.OpLayer):
             ValueError naming the argument for a wrong shape, dtype or device, T > max_tokens, both or
             neither routing form (a routing argument or lora_ids that is not a tensor included); with
             ``debug=True`` also for id values out of range and for NaN or inf in router_logits or
-            topk_weights.
+            topk_weights; hidden_states, router_logits or topk_weights requiring grad while grad mode
+            is on (inference only: run under torch.no_grad() / torch.inference_mode()).
         Id values are not checked otherwise (no host sync): a token with a top-k id outside [0, E) or an
         adapter id outside [-1, L) — or NaN router logits, which route nowhere — gets a NaN output row
         (its pairs are dropped by the alignment; :mod:`moelora_lib.kernels.topk_reduce`), never values
@@ -851,6 +867,10 @@ class MoELoRALayer(ops.OpLayer):
         # the dispatcher pick the op's fake (shape-only) implementation
         self._check_runs_here(self._ref.device)
         self._check_call(hidden_states, router_logits, topk_weights, topk_ids, lora_ids)
+        # inference only (the custom op has no autograd formula); host-side attribute reads
+        check_no_grad(
+            ("hidden_states", hidden_states), ("router_logits", router_logits), ("topk_weights", topk_weights)
+        )
         return ops.moe_lora_layer(
             hidden_states, router_logits, topk_weights, topk_ids, lora_ids, self.layer_name
         )

@@ -59,7 +59,16 @@ import torch
 import torch.nn.functional as F
 
 from . import ops
-from .common import check_bool, check_finite, check_kernel_dtype, check_tensor, is_finite, is_int
+from .common import (
+    check_bool,
+    check_finite,
+    check_kernel_dtype,
+    check_no_grad,
+    check_real_scalar,
+    check_tensor,
+    is_finite,
+    is_int,
+)
 from .common import describe as _desc
 from .kernels import AUTO_STAGE, STAGES, check_stage_name
 from .kernels.align import AlignWorkspace, align_tokens_triton, align_workspace
@@ -209,11 +218,34 @@ def _check_fp8_args(weight, activation_scheme, fp8_config) -> None:
         )
 
 
+def _hidden_size(x: torch.Tensor, weight, lora_a) -> tuple[int, int]:
+    """(T, H) of a call: H is weight's in_features (dim 1) unless x and lora_a (dim 3) agree on another
+    size, so a wrong H is blamed on the one argument that disagrees (as fused_moe_lora does): ValueError
+    naming x when x is that argument; a disagreeing weight or lora_a fails its own shape check."""
+
+    def dim(t, nd: int, d: int) -> int | None:  # None: not a tensor of that rank (fails its own check)
+        t = t.weight if isinstance(t, FP8BlockWeight) else t
+        return t.shape[d] if isinstance(t, torch.Tensor) and t.dim() == nd else None
+
+    votes = [
+        ("weight's in_features", dim(weight, 2, 1)),
+        ("x", x.shape[1]),
+        ("lora_a's H (dim 3)", dim(lora_a, 4, 3)),
+    ]
+    sizes = [v for _, v in votes if v is not None]
+    H = max(sizes, key=lambda v: (sizes.count(v), -sizes.index(v)))  # ties: weight, then x
+    if x.shape[1] != H:
+        source = next(what for what, v in votes if v == H)
+        raise ValueError(f"x must have shape [T, H={H}] ({source}), got {tuple(x.shape)}")
+    return x.shape[0], H
+
+
 def validate_lora_linear_inputs(
     x, weight, lora_a, lora_b, lora_ids, slices, bias=None, check_values: bool = True
 ) -> dict:
     """Check every argument of :func:`lora_linear`; return the sizes T, H, N (N_total), L, S, R and
-    ``slices`` (a tuple of ints).
+    ``slices`` (a tuple of ints). H is weight's in_features unless x and lora_a agree on another size,
+    so a wrong H names the argument that disagrees (x with a wrong H is blamed, not weight).
 
     Raises:
         ValueError naming the argument: not a tensor, wrong rank/shape (the message gives the expected
@@ -236,7 +268,7 @@ def validate_lora_linear_inputs(
         )
     if dev.type == "cpu":
         _check_cpu_backend(dt)
-    T, H = x.shape
+    T, H = _hidden_size(x, weight, lora_a)
     if isinstance(weight, FP8BlockWeight):
         N = _check_fp8_weight(weight, H, dev)
     elif not isinstance(weight, torch.Tensor) or weight.dim() != 2:
@@ -272,20 +304,8 @@ def validate_lora_linear_inputs(
     _check("lora_ids", lora_ids, (("T", T),), (torch.int32, torch.int64), dev)
     if bias is not None:
         _check("bias", bias, (("N_total", N),), (dt,), dev)
-    if torch.is_grad_enabled():  # the LoRA part is Triton launches with no autograd formula
-        dense_w = weight if isinstance(weight, torch.Tensor) else None
-        for name, t in (
-            ("x", x),
-            ("weight", dense_w),
-            ("lora_a", lora_a),
-            ("lora_b", lora_b),
-            ("bias", bias),
-        ):
-            if t is not None and t.requires_grad:
-                raise ValueError(
-                    f"{name} requires grad: lora_linear is inference only (its LoRA part has no gradient); "
-                    "call it under torch.no_grad() or torch.inference_mode()"
-                )
+    # the LoRA part is Triton launches with no autograd formula (an FP8BlockWeight is skipped: no tensor)
+    check_no_grad(("x", x), ("weight", weight), ("lora_a", lora_a), ("lora_b", lora_b), ("bias", bias))
     if check_bool("check_values", check_values):
         _check_values(lora_ids, L)
     return dict(T=T, H=H, N=N, L=L, S=S, R=R, slices=slices)
@@ -584,6 +604,9 @@ class LoRALinear(ops.OpLayer):
             [ceil(N_total/bn), ceil(H/bk)], as Qwen3 FP8 checkpoints publish them; bk a multiple of 16;
             fused slices stacked with ``FP8BlockWeight.cat``), kept in FP8: the base GEMM is
             :mod:`moelora_lib.kernels.dense_fp8`'s instead of ``F.linear`` (``activation_scheme``).
+            Kept, not copied (an FP8 weight's codes and scales, and bias, too): the layer aliases the
+            caller's tensors; modifying them afterwards changes the layer, and its finiteness check ran at
+            construction only (``load_state_dict`` writes into them as well).
         bias: [N_total] of the layer's dtype, or None.
         slices: output widths, Σ = N_total (default: one slice of N_total), e.g. (q, k, v) widths.
         num_adapters: L ≥ 1 slots. max_rank: R ≥ 1, the largest rank a slot holds.
@@ -982,8 +1005,10 @@ class LoRALinear(ops.OpLayer):
                 adapter does not cover it (e.g. a q/v-only adapter on a fused qkv: [A_q, None, A_v]).
                 A single tensor is accepted when S = 1.
             lora_b: per slice s, ``lora_B.weight`` [N_s, r_s], or None where lora_a is None.
-            scaling: a finite float (e.g. lora_alpha / r), or one per slice; multiplied into B in fp32
-                before the cast to the layer's dtype.
+            scaling: a finite real number (e.g. lora_alpha / r), or a list/tuple of one per slice: a
+                Python or numpy int or float, a numbers.Real or a 0-d real tensor
+                (:func:`~moelora_lib.common.check_real_scalar`); multiplied into B in fp32 before the
+                cast to the layer's dtype.
         Any rank 1 ≤ r_s ≤ R per slice; everything else in the slot is zeroed, so the result is exactly
         that of the rank-r adapter whatever the slot held. Float tensors on the layer's device.
         Raises:
@@ -997,12 +1022,15 @@ class LoRALinear(ops.OpLayer):
         slot = self._check_slot(slot)
         self._guard_slot(slot, "load_adapter")
         As, Bs = self._per_slice("lora_a", lora_a), self._per_slice("lora_b", lora_b)
-        scales = list(scaling) if isinstance(scaling, (list, tuple)) else [scaling] * self.S
-        if len(scales) != self.S:
-            raise ValueError(f"scaling must be a float or S = {self.S} floats, got {len(scales)}")
-        for sc in scales:
-            if isinstance(sc, bool) or not isinstance(sc, (int, float)) or not math.isfinite(sc):
-                raise ValueError(f"scaling must be finite floats, got {scaling!r}")
+        if isinstance(scaling, (list, tuple)):
+            if len(scaling) != self.S:
+                raise ValueError(
+                    f"scaling must be one real number or a list of S = {self.S} (one per slice), got "
+                    f"{len(scaling)} entries"
+                )
+            scales = [check_real_scalar(f"scaling[{s}]", v) for s, v in enumerate(scaling)]
+        else:
+            scales = [check_real_scalar("scaling", scaling)] * self.S
         pairs = []
         for s, (a, b) in enumerate(zip(As, Bs)):
             if a is None and b is None:
@@ -1039,8 +1067,8 @@ class LoRALinear(ops.OpLayer):
                     cast.append(None)
                     continue
                 a, b, r = p
-                a_c, b_c = a.to(dt), (b.float() * float(scales[s])).to(dt)
-                for what, t in ((f"lora_a[{s}]", a_c), (f"lora_b[{s}]·scaling ({float(scales[s]):g})", b_c)):
+                a_c, b_c = a.to(dt), (b.float() * scales[s]).to(dt)
+                for what, t in ((f"lora_a[{s}]", a_c), (f"lora_b[{s}]·scaling ({scales[s]:g})", b_c)):
                     if not is_finite(t):  # one host sync per load, not per call
                         raise ValueError(
                             f"{what} is not finite in the layer's dtype {dt} (inf/NaN, or beyond its range): "
@@ -1099,13 +1127,16 @@ class LoRALinear(ops.OpLayer):
         Returns:
             [T, N_total] of the layer's dtype (a new tensor).
         Raises:
-            ValueError naming the argument for a wrong shape, dtype or device, T > max_tokens; with
-            ``debug`` also for id values out of range (otherwise unchecked: no host sync; out-of-range
-            ids are dropped by the alignment, their rows' LoRA part unspecified).
+            ValueError naming the argument for a wrong shape, dtype or device, T > max_tokens, x
+            requiring grad while grad mode is on (inference only: run under torch.no_grad() /
+            torch.inference_mode()); with ``debug`` also for id values out of range (otherwise
+            unchecked: no host sync; out-of-range ids are dropped by the alignment, their rows' LoRA
+            part unspecified).
         """
         # checked before the op too: a meta or foreign tensor would otherwise reach its fake impl
         self._check_runs_here(self.device)
         self._check_call(x, lora_ids)
+        check_no_grad(("x", x))  # inference only (the custom op has no autograd formula); host-side
         return lora_linear_module(x, lora_ids, self.layer_name)
 
     def _check_call(self, x, lora_ids) -> None:

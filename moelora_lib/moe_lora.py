@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import check_bool, check_tensor
+from .common import check_bool, check_no_grad, check_tensor
 from .common import describe as _desc
 from .kernels import GEMV_STAGE, STAGES, LayerConfig, LayerRun, check_stage_name, stage_named
 from .kernels.gemv import GemvRun
@@ -20,11 +20,13 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _ACTIVATIONS = ("silu", "swigluoai")
 
 
-def _check(name: str, t, shape: tuple, dtypes, device, dtype_note: str = "") -> None:
-    """:func:`moelora_lib.common.check_tensor` with hidden_states as the reference: ValueError naming
-    ``name`` unless t is a tensor of ``shape`` ((letter, size) pairs, the sizes most arguments agree
-    on, :func:`_agree`), dtype and device."""
-    check_tensor(name, t, shape, dtypes, device, dtype_note, like="hidden_states")
+def _check(
+    name: str, t, shape: tuple, dtypes, device, dtype_note: str = "", like: str = "hidden_states"
+) -> None:
+    """:func:`moelora_lib.common.check_tensor` with ``like`` (hidden_states unless a caller names
+    another) as the reference: ValueError naming ``name`` unless t is a tensor of ``shape`` ((letter,
+    size) pairs, the sizes most arguments agree on, :func:`_agree`), dtype and device."""
+    check_tensor(name, t, shape, dtypes, device, dtype_note, like=like)
 
 
 def _agree(votes: list[tuple[str, int | None]]) -> int:
@@ -169,6 +171,8 @@ def validate_moe_lora_inputs(
     b13=None,
     b2=None,
     check_values: bool = True,
+    *,
+    like: str = "hidden_states",
 ) -> dict:
     """Check every argument of :func:`fused_moe_lora`; return the dims T, H, I, E, K, L, S, R.
 
@@ -178,9 +182,13 @@ def validate_moe_lora_inputs(
     shapes, of hidden_states' dtype, on their packed tensors' device.
     Each shape letter (T, H, I, E, K, L, R) takes the size most arguments agree on, so a wrong size is
     reported on the argument that disagrees (a wrong H in hidden_states names hidden_states, not w13).
+    ``like``: the argument the others' dtype and device must match, as the messages name it
+    (:class:`~moelora_lib.MoELoRALayer` passes "w13": the hidden_states it checks with is a stand-in of
+    w13's dtype and device).
     Raises:
         ValueError naming the argument and the expected shape, dtype, device or range; a
-        check_values that is not a bool.
+        check_values that is not a bool; a float input that requires grad while grad mode is on
+        (inference only: :func:`~moelora_lib.common.check_no_grad`).
     """
     check_bool("check_values", check_values)
     if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 2:
@@ -278,25 +286,44 @@ def validate_moe_lora_inputs(
         raise ValueError(f"lora_a13: L and R must be >= 1, got L={lora_a13.shape[0]}, R={lora_a13.shape[3]}")
     if L < 1 or R < 1:
         raise ValueError(f"lora_a13 and the other adapters: L and R must be >= 1, got L={L}, R={R}")
-    like = " (like hidden_states)"
-    _check("hidden_states", hidden_states, (("T", T), ("H", H)), (dt,), dev)
-    _check("w13", w13, (("E", E), ("2I", two_i), ("H", H)), (dt,), dev, like)
-    _check("w2", w2, (("E", E), ("H", H), ("I", inter)), (dt,), dev, like)
-    _check("topk_ids", topk_ids, (("T", T), ("K", K)), (torch.int32, torch.int64), dev)
+    note = f" (like {like})"
+    _check("hidden_states", hidden_states, (("T", T), ("H", H)), (dt,), dev, like=like)
+    _check("w13", w13, (("E", E), ("2I", two_i), ("H", H)), (dt,), dev, note, like)
+    _check("w2", w2, (("E", E), ("H", H), ("I", inter)), (dt,), dev, note, like)
+    _check("topk_ids", topk_ids, (("T", T), ("K", K)), (torch.int32, torch.int64), dev, like=like)
     if not 1 <= K <= E:
         raise ValueError(f"topk_ids: top_k = {K} must be in [1, E={E}]")
-    _check("topk_weights", topk_weights, (("T", T), ("K", K)), (torch.float32,), dev)
-    _check("lora_ids", lora_ids, (("T", T),), (torch.int32, torch.int64), dev)
-    _check("lora_a13", lora_a13, (("L", L), ("E", E), ("S", S), ("R", R), ("H", H)), (dt,), dev, like)
+    _check("topk_weights", topk_weights, (("T", T), ("K", K)), (torch.float32,), dev, like=like)
+    _check("lora_ids", lora_ids, (("T", T),), (torch.int32, torch.int64), dev, like=like)
+    _check("lora_a13", lora_a13, (("L", L), ("E", E), ("S", S), ("R", R), ("H", H)), (dt,), dev, note, like)
     _check(
-        "lora_b13", lora_b13, (("L", L), ("E", E), ("S", S), ("2I/S", two_i // S), ("R", R)), (dt,), dev, like
+        "lora_b13",
+        lora_b13,
+        (("L", L), ("E", E), ("S", S), ("2I/S", two_i // S), ("R", R)),
+        (dt,),
+        dev,
+        note,
+        like,
     )
-    _check("lora_a2", lora_a2, (("L", L), ("E", E), ("R", R), ("I", inter)), (dt,), dev, like)
-    _check("lora_b2", lora_b2, (("L", L), ("E", E), ("H", H), ("R", R)), (dt,), dev, like)
+    _check("lora_a2", lora_a2, (("L", L), ("E", E), ("R", R), ("I", inter)), (dt,), dev, note, like)
+    _check("lora_b2", lora_b2, (("L", L), ("E", E), ("H", H), ("R", R)), (dt,), dev, note, like)
     if b13 is not None:
-        _check("b13", b13, (("E", E), ("2I", two_i)), (dt,), dev, like)
+        _check("b13", b13, (("E", E), ("2I", two_i)), (dt,), dev, note, like)
     if b2 is not None:
-        _check("b2", b2, (("E", E), ("H", H)), (dt,), dev, like)
+        _check("b2", b2, (("E", E), ("H", H)), (dt,), dev, note, like)
+    # Triton launches with no autograd formula: a float input that requires grad is refused (host-side)
+    check_no_grad(
+        ("hidden_states", hidden_states),
+        ("w13", w13),
+        ("w2", w2),
+        ("topk_weights", topk_weights),
+        ("lora_a13", lora_a13),
+        ("lora_b13", lora_b13),
+        ("lora_a2", lora_a2),
+        ("lora_b2", lora_b2),
+        ("b13", b13),
+        ("b2", b2),
+    )
     if check_values:
         check_finite_weights(topk_weights)
         check_id_values(topk_ids, E, lora_ids, L)
@@ -529,7 +556,10 @@ def fused_moe_lora(
     Raises:
         ValueError: an argument's shape, dtype, device or value range is wrong (the message names
             it; NaN or inf in topk_weights included; one expert weight MXFP4 and the other not),
-            unknown activation or stage, a non-bool deterministic; bfloat16 on the CPU (the
+            unknown activation or stage, a non-bool deterministic; a float input (hidden_states, a
+            dense weight, topk_weights, an adapter, a bias) that requires grad while grad mode is on
+            (inference only; under torch.no_grad() / torch.inference_mode() or detached it runs);
+            bfloat16 on the CPU (the
             interpreter's bf16 is wrong); ``activation_scheme`` not one of its values, or "dynamic" with
             weights that are not FP8 (or whose scale blocks' columns are not a multiple of 32) or with
             stage "gemv".

@@ -237,6 +237,39 @@ def test_fused_moe_lora_dtype_mismatch_names_the_tensor():
         fused_moe_lora(**kw)
 
 
+@pytest.mark.parametrize(
+    "name", ["hidden_states", "w13", "w2", "topk_weights", "lora_a13", "lora_b13", "lora_a2", "lora_b2", "b2"]
+)
+def test_fused_moe_lora_refuses_an_input_that_requires_grad(name):
+    """Inference only: the result would silently carry no gradient. Refused by name under grad mode;
+    the same call runs under torch.no_grad()."""
+    kw = _kw()
+    kw["b2"] = torch.zeros(TINY.experts, TINY.hidden)
+    kw[name] = kw[name].clone().requires_grad_()
+    with pytest.raises(
+        ValueError, match=rf"^{name} requires grad: moelora_lib is inference only; call under"
+    ):
+        fused_moe_lora(**kw)
+    with torch.no_grad():
+        assert fused_moe_lora(**kw).shape == kw["hidden_states"].shape
+
+
+@pytest.mark.parametrize("name", ["w2", "b13", "b2"])
+def test_layer_dtype_mismatch_names_w13_as_the_reference(name):
+    """The constructor takes no hidden_states: its dtype reference is w13."""
+    from moelora_lib import MoELoRALayer
+
+    kw = _kw()
+    E, two_i = kw["w13"].shape[:2]
+    args = dict(w13=kw["w13"].half(), w2=kw["w2"].half(), b13=torch.zeros(E, two_i).half())
+    args["b2"] = torch.zeros(E, kw["w13"].shape[2]).half()
+    args[name] = args[name].float()
+    with pytest.raises(
+        ValueError, match=rf"^{name} must have dtype torch.float16 \(like w13\), got torch.float32$"
+    ):
+        MoELoRALayer(**args, top_k=2, num_adapters=3, max_rank=16, max_tokens=8)
+
+
 @pytest.mark.parametrize("name", ["w13", "w2", "lora_a13", "topk_ids", "lora_ids"])
 def test_fused_moe_lora_wrong_rank_or_type_names_the_argument(name):
     kw = _kw()

@@ -7,6 +7,9 @@ skip the LoRA work of projections a slot does not cover, and compile with torch.
 
 from __future__ import annotations
 
+import fractions
+
+import numpy as np
 import pytest
 import torch
 
@@ -222,8 +225,61 @@ def test_load_adapter_errors():
         layer.load_adapter(0)
     with pytest.raises(ValueError, match="scaling must be a finite real number"):
         layer.load_adapter(0, down=dn, scaling=float("inf"))
+    with pytest.raises(
+        ValueError, match=r"scaling must be a finite real number \(.*0-d real tensor\), got tensor"
+    ):
+        layer.load_adapter(0, down=dn, scaling=torch.tensor([2.0]))
     assert layer.loaded_slots == {}  # nothing written by a failed load
     assert not layer.lora_a13.any() and not layer.lora_a2.any()
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [np.float32(2.0), np.int64(2), torch.tensor(2.0), torch.tensor(2), fractions.Fraction(2, 1)],
+    ids=repr,
+)
+def test_load_adapter_accepts_any_finite_real_scaling(scaling):
+    """numpy scalars, 0-d tensors and numbers.Real scale B exactly as the float 2.0 does."""
+    dt = torch.float32
+    layer, ref = _layer(dt), _layer(dt)
+    gu, dn = _adapter(dt, 8)
+    ref.load_adapter(0, gate_up=gu, down=dn, scaling=2.0)
+    layer.load_adapter(0, gate_up=gu, down=dn, scaling=scaling)
+    for name in ("lora_a13", "lora_b13", "lora_a2", "lora_b2"):
+        assert torch.equal(getattr(layer, name), getattr(ref, name)), name
+
+
+def test_weights_are_kept_not_copied():
+    """As documented: the layer aliases the caller's w13, w2, b13, b2 (no second copy of the experts)."""
+    w13, w2, b13, b2 = _weights(torch.float32, bias=True)
+    layer = MoELoRALayer(w13, w2, b13=b13, b2=b2, top_k=K, num_adapters=L, max_rank=R, max_tokens=8)
+    for name, t in (("w13", w13), ("w2", w2), ("b13", b13), ("b2", b2)):
+        assert getattr(layer, name).data_ptr() == t.data_ptr(), name
+    w2.mul_(2.0)  # a change by the caller is the layer's
+    assert torch.equal(layer.w2, w2)
+
+
+def test_forward_refuses_inputs_that_require_grad():
+    """Inference only: hidden_states, router_logits or topk_weights requiring grad under grad mode are
+    refused by name; the same call under no_grad runs. Weights that require grad are accepted (frozen)."""
+    dt = torch.float32
+    w13, w2, _, _ = _weights(dt)
+    layer = MoELoRALayer(
+        w13.requires_grad_(), w2, top_k=K, num_adapters=L, max_rank=R, max_tokens=8
+    )  # the layer keeps it frozen
+    assert not layer.w13.requires_grad
+    x, logits, ids = _inputs(dt, 4)
+    msg = "requires grad: moelora_lib is inference only; call under torch.no_grad"
+    with pytest.raises(ValueError, match=f"^hidden_states {msg}"):
+        layer(x.clone().requires_grad_(), logits, lora_ids=ids)
+    with pytest.raises(ValueError, match=f"^router_logits {msg}"):
+        layer(x, logits.clone().requires_grad_(), lora_ids=ids)
+    tw, ti = route(logits, K, True)
+    with pytest.raises(ValueError, match=f"^topk_weights {msg}"):
+        layer(x, topk_weights=tw.requires_grad_(), topk_ids=ti, lora_ids=ids)
+    with torch.no_grad():
+        out = layer(x.clone().requires_grad_(), logits, lora_ids=ids)
+    assert torch.equal(out, layer(x, logits, lora_ids=ids))
 
 
 def test_forward_errors_and_debug():

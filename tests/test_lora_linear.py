@@ -10,6 +10,7 @@ small H never split K). Tokens with id -1 must come out bit for bit as F.linear'
 
 from __future__ import annotations
 
+import fractions
 import json
 import os
 import subprocess
@@ -18,6 +19,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -244,6 +246,8 @@ def _bad(name):
         kw["x"] = x.long()
     elif name == "x_bf16_cpu":
         kw.update({k: kw[k].bfloat16() for k in ("x", "weight", "lora_a", "lora_b", "bias")})
+    elif name == "x_H":  # weight and lora_a agree on H = 64: x is the one named
+        kw["x"] = torch.randn(6, 65)
     elif name == "weight_H":
         kw["weight"] = w[:, :32]
     elif name == "weight_dtype":
@@ -281,6 +285,7 @@ BAD = {
     "x_1d": "x must be a 2-D tensor",
     "x_int": "x dtype must be",
     "x_bf16_cpu": "bfloat16 is not supported on the CPU",
+    "x_H": r"^x must have shape \[T, H=64\] \(weight's in_features\), got \(6, 65\)$",
     "weight_H": r"weight must have shape \[N_total=96, H=64\]",
     "weight_dtype": "weight must have dtype torch.float32",
     "slices_sum": "slices .* must sum to N_total",
@@ -420,8 +425,12 @@ def test_module_errors():
         m.load_adapter(0, A[:2], B[:2])
     with pytest.raises(ValueError, match="both be tensors or both None"):
         m.load_adapter(0, [A[0], None, A[2]], B)
-    with pytest.raises(ValueError, match="scaling must be finite"):
+    with pytest.raises(ValueError, match="scaling must be a finite real number"):
         m.load_adapter(0, A, B, scaling=float("inf"))
+    with pytest.raises(ValueError, match=r"scaling\[1\] must be a finite real number .*got nan"):
+        m.load_adapter(0, A, B, scaling=[1.0, float("nan"), 1.0])
+    with pytest.raises(ValueError, match="scaling must be one real number or a list of S = 3"):
+        m.load_adapter(0, A, B, scaling=[1.0, 2.0])
     assert m.loaded_slots == [] and (m.lora_a == 0).all()  # nothing written by a failed load
     with pytest.raises(ValueError, match="exceeds the layer's max_tokens = 48"):
         m(torch.zeros(49, H).half(), torch.zeros(49, dtype=torch.int32))
@@ -597,6 +606,55 @@ def test_trial_module_dtype_after_to_copy_pickle_and_load_checks():
     assert m16.loaded_slots == []
 
 
+def test_module_keeps_weight_and_bias_not_copied():
+    """As documented: the layer aliases the caller's weight and bias."""
+    w, b = torch.randn(96, H).half(), torch.randn(96).half()
+    m = LoRALinear(w, b, slices=SLICES, num_adapters=L, max_rank=R, max_tokens=8)
+    assert m.weight.data_ptr() == w.data_ptr() and m.bias.data_ptr() == b.data_ptr()
+    w.zero_()  # a change by the caller is the layer's
+    assert not m.weight.any()
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        2,
+        2.0,
+        np.float32(2.0),
+        np.float64(2.0),
+        np.int64(2),
+        torch.tensor(2.0),
+        torch.tensor(2, dtype=torch.int32),
+        fractions.Fraction(2, 1),
+        [np.float32(2.0), torch.tensor(2.0), fractions.Fraction(4, 2)],  # one per slice, mixed kinds
+    ],
+    ids=repr,
+)
+def test_load_adapter_accepts_any_finite_real_scaling(scaling):
+    """Every finite real scalar kind (Python, numpy, numbers.Real, 0-d tensor) scales B like 2.0 does."""
+    m, ref = _module(), _module()
+    A, B = _adapter(8, 1)
+    ref.load_adapter(0, A, B, scaling=2.0)
+    m.load_adapter(0, A, B, scaling=scaling)
+    assert torch.equal(m.lora_a, ref.lora_a) and torch.equal(m.lora_b, ref.lora_b)
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [True, 1 + 2j, torch.tensor([2.0]), torch.tensor(True), torch.tensor(2.0, device="meta"), "2.0", None,
+     np.float32("inf"), torch.tensor(float("nan")), 10**400],
+    ids=repr,
+)  # fmt: skip
+def test_load_adapter_refuses_non_real_or_non_finite_scaling(scaling):
+    """The message names scaling and lists the accepted kinds; nothing is written."""
+    m = _module()
+    with pytest.raises(
+        ValueError, match=r"scaling must be a finite real number \(a Python int or float, a numpy"
+    ):
+        m.load_adapter(0, *_adapter(8, 1), scaling=scaling)
+    assert m.loaded_slots == [] and not m.lora_b.any()
+
+
 def test_trial_functional_meta_and_requires_grad_refused():
     from moelora_lib.linear import lora_linear
 
@@ -607,10 +665,26 @@ def test_trial_functional_meta_and_requires_grad_refused():
     ids = torch.tensor([0, -1, 1], dtype=torch.int32)
     with pytest.raises(ValueError, match="x is on meta"):
         lora_linear(x.to("meta"), w, la, lb, ids, slices=(64, 16, 16), check_values=False)
-    with pytest.raises(ValueError, match="x requires grad: lora_linear is inference only"):
+    with pytest.raises(ValueError, match="^x requires grad: moelora_lib is inference only; call under"):
         lora_linear(x.requires_grad_(), w, la, lb, ids, slices=(64, 16, 16))
+    with pytest.raises(ValueError, match="^lora_b requires grad: .*or pass a detached tensor$"):
+        lora_linear(x.detach(), w, la, lb.requires_grad_(), ids, slices=(64, 16, 16))
     with torch.no_grad():
         assert lora_linear(x, w, la, lb, ids, slices=(64, 16, 16)).shape == (3, 96)
+    with torch.inference_mode():
+        assert lora_linear(x, w, la, lb, ids, slices=(64, 16, 16)).shape == (3, 96)
+
+
+def test_module_forward_refuses_x_that_requires_grad():
+    """The output would carry no gradient (the custom op has none): refused unless grad mode is off."""
+    m = _module()
+    m.load_adapter(0, *_adapter(8, 1))
+    x, ids = torch.randn(3, H).half().requires_grad_(), torch.tensor([0, -1, 0], dtype=torch.int32)
+    with pytest.raises(ValueError, match="^x requires grad: moelora_lib is inference only"):
+        m(x, ids)
+    with torch.no_grad():
+        want = m(x, ids)
+    assert torch.equal(m(x.detach(), ids), want)
 
 
 def test_package_names_are_the_function_and_the_class_in_any_import_order():

@@ -563,6 +563,25 @@ def test_load_into_slots(adapters, kind):
     assert _slot_deltas(model, 1) == {}
 
 
+def test_loaded_adapter_repr_is_one_short_line(adapters):
+    """load_peft_adapter's result prints its slot, rank, alpha, scaling, tensor count, projections, layers
+    and path on one line, not its tensors."""
+    kind, folder = adapters["qwen3_dense_attn_up"][:2]
+    model = _Skeleton(_model_config(kind), L=3, R=6, S=2)
+    adapter = load_peft_adapter(model, 1, folder)
+    n_layers = len(adapter.layers)
+    text = repr(adapter)
+    assert text == (
+        f"PeftAdapter(slot=1, rank=2, lora_alpha=5, scaling=2.5, tensors={2 * 3 * n_layers}, "
+        f"projections=[q, v, up], layers=0-{n_layers - 1} of {n_layers}, path={str(folder)!r})"
+    )
+    assert "tensor(" not in text and "\n" not in text
+    read = read_peft_adapter(folder, model.config, expert_slices=2)
+    assert repr(read).startswith("PeftAdapter(slot=None, rank=2,")  # read only: no slot
+    several = adapters["qwen3_dense_rslora_patterns"][1]  # rank_pattern / alpha_pattern: several scalings
+    assert "scaling=[" in repr(read_peft_adapter(several, model.config, expert_slices=2))
+
+
 def test_load_refusals_write_nothing(adapters, tmp_path):
     model = _Skeleton(_model_config("gpt_oss"), L=2, R=3, S=1)
     load_peft_adapter(model, 0, adapters["gpt_oss_down_rslora"][1])  # rank 2 <= R

@@ -185,6 +185,11 @@ class PeftAdapter:
         expert_slices: S used for "experts_gate_up".
         expert_orientation: "normal" or "swapped" for files with 3-D expert factors, else None.
         sources: (layer, name) → the module path in the file (for messages).
+        slot: the adapter slot :func:`load_peft_adapter` loaded it into; None from
+            :func:`read_peft_adapter`.
+
+    Its repr is one line (slot, rank, lora_alpha, scalings, tensor count, projections, layers, path),
+    not the tensors.
     """
 
     layers: list[dict[str, tuple[torch.Tensor, torch.Tensor, float]]]
@@ -194,6 +199,41 @@ class PeftAdapter:
     expert_slices: int
     expert_orientation: str | None = None
     sources: dict[tuple[int, str], str] = field(default_factory=dict)
+    slot: int | None = None
+
+    def __repr__(self) -> str:
+        entries = [(layer, name, e) for layer, d in enumerate(self.layers) for name, e in d.items()]
+        order = {n: i for i, n in enumerate(_ENTRY_ORDER)}
+        names = sorted({n for _, n, _ in entries}, key=lambda n: (order.get(n, len(order)), n))
+        alpha = self.peft_config.get("lora_alpha")
+        scalings = sorted({float(e[2]) for _, _, e in entries})
+        if len(scalings) == 1:
+            scaling = f"{scalings[0]:g}"
+        elif len(scalings) <= 4:
+            scaling = "[" + ", ".join(f"{v:g}" for v in scalings) + "]"
+        else:  # per-module patterns: the range, not every value
+            scaling = f"{scalings[0]:g}..{scalings[-1]:g} ({len(scalings)} values)"
+        return (
+            f"PeftAdapter(slot={self.slot}, rank={self.rank}, lora_alpha={alpha}, "
+            f"scaling={scaling}, tensors={2 * len(entries)}, projections=[{', '.join(names)}], "
+            f"layers={_ranges(sorted({layer for layer, _, _ in entries}))} of {len(self.layers)}, "
+            f"path={str(self.path)!r})"
+        )
+
+
+#: Entry names in the order a decoder layer runs them (for PeftAdapter's repr).
+_ENTRY_ORDER = ("q", "k", "v", "o", "gate", "up", "down", "experts_gate_up", "experts_down")
+
+
+def _ranges(ids: list[int]) -> str:
+    """Sorted ints as ranges: [0, 1, 2, 5] -> "0-2,5"; [] -> "none"."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs) or "none"
 
 
 # --- small helpers ---------------------------------------------------------------------------------
@@ -682,7 +722,7 @@ def load_peft_adapter(model, slot: int, path) -> PeftAdapter:
     Every check (file, config, shapes, each module's rank ≤ R, slot range, finiteness in the model's
     dtype) runs before anything is written; then the slot is emptied in every module and each covered
     module's part is loaded (the scalings are folded into B here, so modules get scaling 1.0).
-    Returns: the :class:`PeftAdapter` that was loaded.
+    Returns: the :class:`PeftAdapter` that was loaded (its ``slot`` set; a one-line repr).
     Raises: ValueError naming the key/field (see :func:`read_peft_adapter`), or the module and its R;
         RuntimeError, before reading the files, while a running generate call uses the slot
         (``model.check_slot_free``).
@@ -788,4 +828,5 @@ def load_peft_adapter(model, slot: int, path) -> PeftAdapter:
         mod.unload_adapter(slot)
     for mod, args, kw in plan:
         mod.load_adapter(slot, *args, **kw)
+    adapter.slot = slot
     return adapter

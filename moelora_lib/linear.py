@@ -737,16 +737,17 @@ class LoRALinear(ops.OpLayer):
         z = dict(dtype=dt, device=dev)
         lora_a = torch.zeros((L, S, R, H), **z)
         lora_b = torch.zeros((L, N, R), **z)
-        validate_lora_linear_inputs(
-            torch.empty((0, H), **z),
-            weight,
-            lora_a,
-            lora_b,
-            torch.empty((0,), dtype=torch.int32, device=dev),
-            slices,
-            bias,
-            check_values=False,
-        )
+        with torch.no_grad():  # a weight that requires grad (an nn.Linear's) is taken and frozen
+            validate_lora_linear_inputs(
+                torch.empty((0, H), **z),
+                weight,
+                lora_a,
+                lora_b,
+                torch.empty((0,), dtype=torch.int32, device=dev),
+                slices,
+                bias,
+                check_values=False,
+            )
         self.fp8_block = None  # FP8: the (bn, bk) of the weight's scale blocks
         if fp8:
             self.register_parameter("weight", None)

@@ -709,3 +709,13 @@ def test_lora_ids_int64_accepted_like_int32():
     assert _same_bits(m(xm, ids.long()), m(xm, ids))
     with pytest.raises(ValueError, match=r"^lora_ids must be an int32/int64 tensor \[T=13\]"):
         m(xm, ids.to(torch.uint8))
+
+
+def test_module_takes_an_nn_linear_weight_that_requires_grad_and_freezes_it():
+    lin = torch.nn.Linear(32, 24).half()
+    m = LoRALinear(lin.weight, lin.bias, num_adapters=2, max_rank=4, max_tokens=8)
+    assert not m.weight.requires_grad and not m.bias.requires_grad
+    x, ids = torch.randn(3, 32).half(), torch.tensor([0, -1, 1], dtype=torch.int32)
+    with torch.no_grad():
+        ref = lin(x)
+    assert torch.equal(m(x, ids), ref)  # empty slots: exactly the base

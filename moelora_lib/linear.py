@@ -660,12 +660,24 @@ class LoRALinear(ops.OpLayer):
     (``MultiLoRAModel.restrict_slots``), only the base GEMM. Alignment workspaces are allocated at
     construction for every BLOCK_SIZE_M the configs up to max_tokens use (a few KB; stage ``tuned``:
     those of the tuned files found at construction); a call under another config allocates its own once.
-        gemv_max_tokens: calls of T ≤ this many tokens whose adapters need LoRA launches run as one
-            launch each (:func:`~moelora_lib.kernels.dense_gemv.dense_gemv_lora`: split-K GEMV with the
-            shrink and expand inside it) instead of ``F.linear`` + alignment + shrink + expand; an int in
-            [0, DENSE_GEMV_MAX_TOKENS], 0 = never (default). Dense weights only (ValueError with an FP8
-            weight above 0). Its rows with id -1 equal the base up to summation order (fp32, not
-            cuBLAS's); calls without LoRA launches keep ``F.linear``. Ids out of [-1, L) give NaN rows there.
+        gemv_max_tokens: calls of T ≤ this many tokens run as one launch each
+            (:func:`~moelora_lib.kernels.dense_gemv.dense_gemv_lora`: split-K GEMV with the shrink and
+            expand inside it) instead of the base GEMM + alignment + shrink + expand; an int in
+            [0, DENSE_GEMV_MAX_TOKENS], 0 = never (default). Which calls of such a T take it:
+
+            * dense weight: those with LoRA launches; calls without keep ``F.linear`` (cuBLAS, bit for
+              bit). The GEMV's rows with id -1 equal the base up to summation order (fp32, not cuBLAS's).
+            * block-FP8 weight: every call whose form (:meth:`activation_scheme_for`) is "weight_only",
+              with or without LoRA launches (without: the base GEMV alone, the LoRA arguments None). The
+              FP8 base is this package's kernel either way, so one kernel serves both: a batch's rows
+              without an adapter get the same arithmetic whether or not another row has one (a CUDA graph
+              captured with adapters and one without agree on them), and the weight-only GEMM's 16-row
+              tensor-core tiles, mostly padding at decode, are not used. Its result equals ``F.linear``
+              on the weight dequantized to the layer's dtype up to summation order, as the weight-only
+              GEMM's does. A call whose form is "dynamic" (W8A8: ``activation_scheme="dynamic"``) keeps
+              the W8A8 GEMM and the LoRA launches.
+
+            Ids out of [-1, L) give NaN rows on the GEMV.
     """
 
     _op_prefix = "lora_linear"
@@ -777,7 +789,7 @@ class LoRALinear(ops.OpLayer):
         self.share_scratch = check_bool("share_scratch", share_scratch)
         self._gemv_configs: dict[tuple[int, bool], DenseGemvConfig] = {}
         self._gemv_ws: DenseGemvWorkspace | None = None
-        self.gemv_max_tokens = gemv_max_tokens  # property: validates (needs a dense weight above 0)
+        self.gemv_max_tokens = gemv_max_tokens  # property: validates
         self._loaded = [False] * L  # host copy of slot_loaded
         self._scratch = None
         self._buffers_key = None
@@ -849,40 +861,49 @@ class LoRALinear(ops.OpLayer):
     def gemv_max_tokens(self, value: int) -> None:
         if not is_int(value) or not 0 <= value <= DENSE_GEMV_MAX_TOKENS:
             raise ValueError(f"gemv_max_tokens must be an int in [0, {DENSE_GEMV_MAX_TOKENS}], got {value!r}")
-        if value and self.weight_format != "dense":
-            raise ValueError(
-                "gemv_max_tokens must be 0 with an FP8 weight (the decode GEMV takes dense weights)"
-            )
         self._gemv_max_tokens = int(value)
 
     def gemv_config_for(self, T: int) -> DenseGemvConfig:
         """The :class:`~moelora_lib.kernels.dense_gemv.DenseGemvConfig` of the decode GEMV at T tokens
-        (:func:`~moelora_lib.kernels.dense_gemv.default_dense_gemv_config` for this device's SM count;
-        SPLIT_K = 1 when ``deterministic``); resolved once per T."""
+        (:func:`~moelora_lib.kernels.dense_gemv.default_dense_gemv_config` for this device's SM count and,
+        FP8 weight, its scale block's columns; SPLIT_K = 1 when ``deterministic``); resolved once per T."""
         key = (T, self.deterministic)
         cfg = self._gemv_configs.get(key)
         if cfg is None:
             sms = 132
             if self.device.type == "cuda":
                 sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            block_k = self.fp8_block[1] if self.weight_format == "fp8" else None
             cfg = default_dense_gemv_config(
-                T, self.out_features, self.in_features, slices=self.slices, num_sms=sms
+                T, self.out_features, self.in_features, slices=self.slices, num_sms=sms, block_k=block_k
             )
             if self.deterministic:
                 cfg = DenseGemvConfig(cfg.BLOCK_SIZE_N, cfg.BLOCK_SIZE_K, 1, cfg.NUM_WARPS, cfg.NUM_STAGES)
             self._gemv_configs[key] = cfg
         return cfg
 
-    def _gemv(self, x: torch.Tensor, lora_ids: torch.Tensor, T: int) -> torch.Tensor:
-        """The decode GEMV's output [T, N_total] (a new tensor), its split-K workspace kept per module."""
+    def _gemv_runs(self, T: int, lora: bool) -> bool:
+        """Whether a call of T tokens (``lora``: with LoRA launches) runs the decode GEMV: T ≤
+        ``gemv_max_tokens`` and, dense weight, ``lora``; FP8 weight, the weight-only form at T (see the
+        constructor's ``gemv_max_tokens``). Host-side."""
+        if not 0 < T <= self._gemv_max_tokens:
+            return False
+        if self.weight_format == "fp8":
+            return self.activation_scheme_for(T) == "weight_only"
+        return lora
+
+    def _gemv(self, x: torch.Tensor, lora_ids: torch.Tensor | None, T: int) -> torch.Tensor:
+        """The decode GEMV's output [T, N_total] (a new tensor), its split-K workspace kept per module;
+        ``lora_ids`` None: the base GEMV alone (no LoRA launch needed)."""
         cfg = self.gemv_config_for(T)
         ws = self._gemv_ws
         if ws is None or ws.partial.device != self.device:
             rows = min(self.max_tokens, DENSE_GEMV_MAX_TOKENS)
             tiles = dense_gemv_num_tiles(self.slices, 8)  # the smallest BLOCK_SIZE_N
             ws = self._gemv_ws = dense_gemv_workspace(rows, self.out_features, tiles, self.device)
+        lora = (None, None, None) if lora_ids is None else (self.lora_a, self.lora_b, lora_ids)
         return dense_gemv_lora(
-            x, self.weight, self.bias, self.lora_a, self.lora_b, lora_ids, slices=self.slices, config=cfg,
+            x, self.base_weight(), self.bias, *lora, slices=self.slices, config=cfg,
             workspace=ws if cfg.SPLIT_K > 1 else None,
         )  # fmt: skip
 
@@ -1190,7 +1211,14 @@ class LoRALinear(ops.OpLayer):
         return step.alignment(self, lora_ids, T, bm)
 
     def _forward_impl(self, x: torch.Tensor, lora_ids: torch.Tensor) -> torch.Tensor:
-        """The eager body of the custom op (see :meth:`forward`)."""
+        """The eager body of the custom op (see :meth:`forward`).
+
+        A call of T ≤ ``gemv_max_tokens`` tokens runs the one-launch decode GEMV: with a dense weight when
+        it has LoRA launches (otherwise ``F.linear`` alone); with a block-FP8 weight whenever its form at T
+        is weight-only, with or without LoRA launches (without: the base GEMV alone), so every call of that
+        T gives its rows without an adapter the same arithmetic. Other calls: the base GEMM
+        (:meth:`_base`), then, with LoRA launches, the alignment, shrink and expand.
+        """
         self._check_call(x, lora_ids)
         if self._buffers_key != (self.dtype, self.device):  # built, moved (.to()) or unpickled
             dt, dev = self.dtype, self.device
@@ -1200,8 +1228,10 @@ class LoRALinear(ops.OpLayer):
             _check_values(lora_ids, self.L)
         T = x.shape[0]
         lora = T > 0 and self._launches(self._active_slots)[0]  # host-side flags
-        if lora and T <= self._gemv_max_tokens:
-            return self._gemv(x, lora_ids, T)
+        # T ≤ gemv_max_tokens: one GEMV launch; dense weights only when LoRA launches run (else cuBLAS),
+        # FP8 weights for every weight-only call, so the base rows' arithmetic is one kernel's either way
+        if self._gemv_runs(T, lora):
+            return self._gemv(x, lora_ids if lora else None, T)
         out = self._base(x)
         if not lora:  # no LoRA launch at all
             return out

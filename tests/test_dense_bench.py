@@ -274,7 +274,34 @@ def test_dense_gemv_bench_rows_on_cpu():
         db.dense_gemv_bench(["tiny/qkv"], [0], device="cpu", dtype=torch.float32)
 
 
+def test_dense_gemv_bench_fp8_rows_on_cpu():
+    # the same rows on the block-FP8 weight (32 x 32 blocks: H 48 ends in a ragged scale column), the FP8
+    # weight-only GEMM as the base; rel_err against the reference on the dequantized weight
+    from moelora_lib.kernels.dense_gemv import DenseGemvConfig
+
+    cfgs = [DenseGemvConfig(16, 16, 3), DenseGemvConfig(32, 32, 1)]
+    kw = dict(configs=lambda T, p: cfgs, rank=8, adapters=3, dtype=torch.float32, device="cpu")
+    df = pd.DataFrame(
+        db.dense_gemv_bench(["tiny/qkv"], [2], patterns=("mixed",), fp8=True, fp8_block=(32, 32), **kw)
+    )
+    dense = pd.DataFrame(db.dense_gemv_bench(["tiny/qkv"], [2], patterns=("mixed",), **kw))
+    assert list(df.columns) == list(dense.columns)  # one CSV holds both
+    assert (df.weight_format == "fp8").all() and (dense.weight_format == "dense").all()
+    assert list(df.impl) == ["fp8_weight_only", "tuned"] + ["gemv_base"] * 2 + ["gemv"] * 4
+    assert list(dense.impl) == ["cublas", *df.impl[1:]]
+    g = df[df.impl != "fp8_weight_only"]
+    assert (g.rel_err < 1e-5).all() and df.x_base.notna().all()
+    assert (df[df.impl == "fp8_weight_only"].x_base == 1.0).all()
+    # the base reads one byte per weight plus the scales: fewer bytes than the dense rows' base
+    assert (df[df.part == "base"].bytes.values < dense[dense.part == "base"].bytes.values).all()
+    with pytest.raises(ValueError, match="must divide"):  # a K tile spanning two 16-wide scale columns
+        db.dense_gemv_bench(["tiny/qkv"], [1], patterns=(), fp8=True, fp8_block=(16, 16), **kw)
+
+
 def test_gemv_sweep_configs():
     cfgs = db.gemv_sweep_configs(1, "gpt-oss-20b/qkv")
     assert cfgs[0].short() == "n64k64s5w4st1" and len(cfgs) == len(set(cfgs)) >= 6
     assert all(c.SPLIT_K <= -(-2880 // c.BLOCK_SIZE_K) for c in cfgs)
+    # a block-FP8 weight's scale columns: every config's K tile lies in one
+    fp8 = db.gemv_sweep_configs(1, "gpt-oss-20b/qkv", block_k=64)
+    assert fp8 and all(64 % c.BLOCK_SIZE_K == 0 for c in fp8)

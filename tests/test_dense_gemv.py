@@ -1,7 +1,9 @@
 """The one-launch decode GEMV of a dense multi-LoRA projection (moelora_lib.kernels.dense_gemv) on the CPU
 interpreter against the float64 reference ``lora_linear_reference``, its split-K workspace contract
 (left all zero by every call), ids out of range (NaN rows), NaN in an unused slot, input checks, the
-default config picker, and a compile-only check for sm_90 of the last-arriver reduction's PTX."""
+default config picker, block-FP8 weights (against the reference on the dequantized weight), LoRALinear's
+``gemv_max_tokens`` with dense and FP8 weights, and a compile-only check for sm_90 of the last-arriver
+reduction's PTX and of the FP8 variant's loads and registers."""
 
 from __future__ import annotations
 
@@ -271,17 +273,143 @@ def test_default_config_fills_the_gpu(T, H, slices):
     assert cfg.even_k(H), cfg
 
 
+# ---- block-FP8 weights ------------------------------------------------------------------------------------
+# (name, block, config, H, slices):
+#   b16x32: small blocks, 3 unequal slices, one scale column per 32-wide K tile, unsplit, EVEN_K;
+#   b16x32_ragged: N = 81 (last block row holds 1 row) and H = 88 (last scale column 24 wide, K tiles of 16
+#     ragged over 2 splits); the 17-wide slice starts mid block row, so its tiles read two scale rows;
+#   b64x64: a 16-wide tile of the 30-wide slice crosses the block row at 64; H = 160 = 2.5 scale columns,
+#     3 splits over 3 K tiles of 64 (EVEN_K off: 160 % 192);
+#   b128x128: the published block on small sizes: N = 80 < bn (one ragged block row), H = 160 (scale columns
+#     of 128 and 32), BLOCK_SIZE_K 32 over 2 splits.
+FP8_CASES = [
+    ("b16x32", (16, 32), DenseGemvConfig(BLOCK_SIZE_N=16, BLOCK_SIZE_K=32, SPLIT_K=1), 96, THREE),
+    (
+        "b16x32_ragged",
+        (16, 32),
+        DenseGemvConfig(BLOCK_SIZE_N=32, BLOCK_SIZE_K=16, SPLIT_K=2),
+        88,
+        (40, 24, 17),
+    ),
+    ("b64x64", (64, 64), DenseGemvConfig(BLOCK_SIZE_N=16, BLOCK_SIZE_K=64, SPLIT_K=3), 160, (50, 30)),
+    ("b128x128", (128, 128), DenseGemvConfig(BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, SPLIT_K=2), 160, (80,)),
+]
+
+
+def _fp8(w, block):
+    from moelora_lib.quant.fp8 import FP8BlockWeight, quantize_fp8_block
+
+    return FP8BlockWeight(*quantize_fp8_block(w.float(), block), block)
+
+
+def _dequantized(fw, dtype):
+    """The dense weight the FP8 GEMV's result equals (up to summation order): codes·scales in fp32, rounded
+    once to the activations' dtype."""
+    from moelora_lib.quant.fp8 import dequantize_fp8_block
+
+    return dequantize_fp8_block(fw.weight, fw.scale_inv, dtype, fw.block)
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("name, block, cfg, H, slices", FP8_CASES, ids=[c[0] for c in FP8_CASES])
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_fp8_weight_matches_reference_on_the_dequantized_weight(dtype, T, name, block, cfg, H, slices, bias):
+    x, w, b, a, bb, ids = _inputs(T, H, slices, dtype, seed=7 * T + H, bias=bias)
+    fw = _fp8(w, block)
+    deq = _dequantized(fw, dtype)
+    ws = _workspace(T, slices, cfg)
+    y = dense_gemv_lora(x, fw, b, a, bb, ids, slices=slices, config=cfg, workspace=ws)
+    ref = lora_linear_reference(x, deq, a, bb, ids, slices=slices, bias=b)
+    assert y.dtype == dtype and y.shape == (T, sum(slices))
+    err = rel_err(y, ref)
+    assert err <= (1e-5 if dtype == torch.float32 else TOLERANCES[dtype]), err
+    assert _is_zero(ws)
+    # each tile is the dequantized weight exactly: the interpreter adds in one order, so the dense GEMV on
+    # that weight gives the same bits (on a GPU the split-K adds may land in another order)
+    y_dense = dense_gemv_lora(x, deq, b, a, bb, ids, slices=slices, config=cfg, workspace=ws)
+    assert torch.equal(y, y_dense)
+    # the base GEMV alone (no LoRA arguments) gives the id -1 rows bit for bit
+    y0 = dense_gemv_lora(x, fw, b, None, None, None, slices=slices, config=cfg, workspace=ws)
+    none = ids < 0
+    assert torch.equal(y0[none], y[none]) and _is_zero(ws)
+    if T > 1:  # the quantization is visible: FP8 is not the unquantized weight
+        assert not torch.equal(y0, dense_gemv_lora(x, w, b, None, None, None, slices=slices, config=cfg))
+
+
+def test_fp8_default_config_and_scale_dtypes():
+    from moelora_lib.quant.fp8 import FP8BlockWeight
+
+    T, H, slices = 3, 96, THREE
+    x, w, b, a, bb, ids = _inputs(T, H, slices, torch.float32)
+    fw = _fp8(w, (16, 32))
+    y = dense_gemv_lora(x, fw, b, a, bb, ids, slices=slices)  # the picker's BLOCK_SIZE_K divides 32
+    ref = lora_linear_reference(x, _dequantized(fw, torch.float32), a, bb, ids, slices=slices, bias=b)
+    assert rel_err(y, ref) < 1e-5
+    # float16 scales (some checkpoints) are widened exactly, as dequantize_fp8_block does
+    fh = FP8BlockWeight(fw.weight, fw.scale_inv.half(), fw.block)
+    yh = dense_gemv_lora(x, fh, b, a, bb, ids, slices=slices, config=CONFIGS[0][1])
+    refh = lora_linear_reference(x, _dequantized(fh, torch.float32), a, bb, ids, slices=slices, bias=b)
+    assert rel_err(yh, refh) < 1e-5
+
+
+FP8_BAD = {
+    # BLOCK_SIZE_K 64 would span two 32-wide scale columns
+    "block_k_not_dividing": (dict(block=(16, 32), config=DenseGemvConfig(16, 64, 1)),
+                             r"config.BLOCK_SIZE_K = 64 must divide .* weight.block\[1\] = 32"),
+    "block_not_16": (dict(block=(16, 24)), r"weight.block = \(16, 24\): .* multiple of 16 columns"),
+    "weight_H": (dict(block=(16, 16), H=48), r"weight must have shape \[N_total, H=32\]"),
+    "weight_device": (dict(block=(16, 32), device="meta"), "weight must be on cpu"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(FP8_BAD))
+def test_fp8_bad_inputs_name_the_argument(name):
+    from moelora_lib.quant.fp8 import FP8BlockWeight
+
+    kw, msg = FP8_BAD[name]
+    T, H, slices = 2, 32, THREE
+    x, w, b, a, bb, ids = _inputs(T, kw.get("H", H), slices, torch.float32)
+    fw = _fp8(w, kw["block"])
+    if "device" in kw:
+        fw = FP8BlockWeight(fw.weight.to(kw["device"]), fw.scale_inv.to(kw["device"]), fw.block)
+    x = x[:, :H]
+    with pytest.raises(ValueError, match=msg):
+        dense_gemv_lora(x, fw, None, None, None, None, slices=slices, config=kw.get("config"))
+
+
+@pytest.mark.parametrize("block_k", [16, 32, 48, 128, 384])
+@pytest.mark.parametrize("T", [1, 4])
+@pytest.mark.parametrize("H, slices", GPU_SHAPES[:4], ids=[f"{h}x{sum(s)}" for h, s in GPU_SHAPES[:4]])
+def test_default_config_keeps_block_k_divisible(H, slices, T, block_k):
+    cfg = default_dense_gemv_config(T, sum(slices), H, slices=slices, block_k=block_k)
+    assert block_k % cfg.BLOCK_SIZE_K == 0, cfg
+    assert cfg.SPLIT_K <= -(-H // cfg.BLOCK_SIZE_K)
+    if block_k % 128 == 0:  # the published block changes nothing
+        assert cfg == default_dense_gemv_config(T, sum(slices), H, slices=slices)
+
+
+def test_default_config_block_k_checks():
+    for bad in (24, 0, 8, 2.0):
+        with pytest.raises(ValueError, match="block_k must be None"):
+            default_dense_gemv_config(1, 64, 64, block_k=bad)
+
+
 # ---- compile-only for sm_90: the last arriver's memory ordering in the PTX ---------------------------------
 _COMPILE_SCRIPT = textwrap.dedent(
     """
     import json, torch
     from moelora_lib.kernels import dense_gemv as dg
+    from moelora_lib.quant.fp8 import FP8BlockWeight
     from moelora_lib.studies.compile_check import compile_for_sm90, ptx, resource_usage
 
     H, SLICES, R, L = 2880, (4096, 512, 512), 32, 8   # GPT-OSS-20B qkv, bf16
     meta = dict(device="meta", dtype=torch.bfloat16)
     N = sum(SLICES)
     w, bias = torch.empty(N, H, **meta), torch.empty(N, **meta)
+    # the same projection in block FP8, 128 x 128 blocks (H = 22.5 scale columns: the last one ragged)
+    wq = FP8BlockWeight(torch.empty(N, H, dtype=torch.float8_e4m3fn, device="meta"),
+                        torch.empty(-(-N // 128), -(-H // 128), device="meta"), (128, 128))
     a, b = torch.empty(L, len(SLICES), R, H, **meta), torch.empty(L, N, R, **meta)
     res = {}
     for T in (1, 8):
@@ -295,6 +423,15 @@ _COMPILE_SCRIPT = textwrap.dedent(
             k = compile_for_sm90(dg._KERNEL, args, cx, c.NUM_WARPS, c.NUM_STAGES)
             res[f"T{T}/" + ("split" if split > 1 else "unsplit")] = dict(
                 ptx=ptx(k), res=resource_usage(k), grid=list(grid))
+        cfg = dg.default_dense_gemv_config(T, N, H, slices=SLICES, block_k=128)
+        for split in (cfg.SPLIT_K, 1):
+            c = dg.DenseGemvConfig(cfg.BLOCK_SIZE_N, cfg.BLOCK_SIZE_K, split, cfg.NUM_WARPS, cfg.NUM_STAGES)
+            ws = dg.dense_gemv_workspace(8, N, dg.dense_gemv_num_tiles(SLICES, c.BLOCK_SIZE_N), "meta")
+            for name, weight in (("fp8", wq), ("fp8dense", w)):  # and the dense weight at the same config
+                grid, args, cx = dg.dense_gemv_args(x, weight, bias, a, b, ids, y, ws, c, slices=SLICES)
+                k = compile_for_sm90(dg._KERNEL, args, cx, c.NUM_WARPS, c.NUM_STAGES)
+                res[f"T{T}/{name}_" + ("split" if split > 1 else "unsplit")] = dict(
+                    ptx=ptx(k), res=resource_usage(k), grid=list(grid), config=c.short())
     print(json.dumps(res))
     """
 )
@@ -396,9 +533,80 @@ def test_lora_linear_module_gemv_settings_and_checks():
     for bad in (-1, DENSE_GEMV_MAX_TOKENS + 1, 2.0, True):
         with pytest.raises(ValueError, match="gemv_max_tokens"):
             m.gemv_max_tokens = bad
-    from moelora_lib.linear import LoRALinear
-    from moelora_lib.quant.fp8 import FP8BlockWeight, quantize_fp8_block
 
-    fp8 = FP8BlockWeight(*quantize_fp8_block(torch.randn(64, 128), (128, 128)), (128, 128))
-    with pytest.raises(ValueError, match="gemv_max_tokens must be 0 with an FP8 weight"):
-        LoRALinear(fp8, num_adapters=2, max_rank=4, max_tokens=8, dtype=torch.float32, gemv_max_tokens=4)
+
+def _fp8_module(gemv_max_tokens, dtype, block=(16, 32), **kw):
+    """A LoRALinear on the block-FP8 weight of _module's inputs, its adapters loaded alike."""
+    from moelora_lib.linear import LoRALinear
+
+    x, w, b, a, bb, _ = _inputs(8, 96, THREE, dtype)
+    fw = _fp8(w, block)
+    m = LoRALinear(fw, b, slices=THREE, num_adapters=L, max_rank=R, max_tokens=16, dtype=dtype,
+                   gemv_max_tokens=gemv_max_tokens, **kw)  # fmt: skip
+    for slot, r in enumerate(SLOT_RANK):
+        As = [a[slot, s, :r] for s in range(3)]
+        Bs = [bb[slot, o : o + n, :r] for o, n in ((0, 32), (32, 16), (48, 16))]
+        m.load_adapter(slot, As, Bs)
+    return m, x, _dequantized(fw, dtype), b, a, bb
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_lora_linear_fp8_runs_the_gemv_with_and_without_adapters(dtype, monkeypatch):
+    import moelora_lib.linear as lin
+
+    m, x, deq, b, a, bb = _fp8_module(4, dtype)
+    assert m.gemv_config_for(3).BLOCK_SIZE_K <= 32  # divides the scale block's 32 columns
+    calls = []
+    real = lin.dense_gemv_lora
+
+    def counted(*p, **k):  # (T, with LoRA arguments)
+        calls.append((p[0].shape[0], p[3] is not None))
+        return real(*p, **k)
+
+    monkeypatch.setattr(lin, "dense_gemv_lora", counted)
+    for T in (1, 3, 6):
+        ids = torch.tensor([(t % (L + 1)) - 1 for t in range(T)], dtype=torch.int32)
+        y = m(x[:T], ids)
+        ref = lora_linear_reference(x[:T], deq, a, bb, ids, slices=THREE, bias=b)
+        assert rel_err(y, ref) <= TOLERANCES[dtype], (T, rel_err(y, ref))
+        m.active_slots = frozenset()  # no LoRA launch: the base alone, still the GEMV up to T = 4
+        y0 = m(x[:T], ids)
+        m.active_slots = None
+        base = lora_linear_reference(x[:T], deq, a, bb, torch.full_like(ids, -1), slices=THREE, bias=b)
+        assert rel_err(y0, base) <= TOLERANCES[dtype], (T, rel_err(y0, base))
+        if T <= 4:  # one kernel both ways: rows without an adapter agree bit for bit (one order on the CPU)
+            assert torch.equal(y0[ids < 0], y[ids < 0])
+    # T = 6 > 4: the weight-only GEMM (+ LoRA launches), no GEMV
+    assert calls == [(1, True), (1, False), (3, True), (3, False)]
+
+
+def test_lora_linear_fp8_gemv_follows_the_activation_scheme():
+    m, *_ = _fp8_module(4, torch.float32)
+    assert m._gemv_runs(2, False) and m._gemv_runs(2, True) and not m._gemv_runs(5, True)
+    m.activation_scheme = "dynamic"  # W8A8 requested: the GEMV (a weight-only form) is not used
+    assert not m._gemv_runs(2, True) and not m._gemv_runs(2, False)
+    m.activation_scheme = "auto"  # weight-only at decode sizes
+    assert m._gemv_runs(2, False)
+    m.gemv_max_tokens = 0
+    assert not m._gemv_runs(1, True)
+    # a dense weight keeps F.linear for calls without LoRA launches
+    d, *_ = _module(4)
+    assert d._gemv_runs(2, True) and not d._gemv_runs(2, False)
+
+
+_B32_LOAD = re.compile(r"ld\.global(?:\.(?!v\d)\w+)*\.b32 ")  # scalar 32-bit loads, not vectors
+
+
+@pytest.mark.parametrize("split", ["split", "unsplit"])
+@pytest.mark.parametrize("T", [1, 8])
+def test_sm90_fp8_variant(compiled, T, split):
+    r, d = compiled[f"T{T}/fp8_{split}"], compiled[f"T{T}/fp8dense_{split}"]
+    p = r["ptx"]
+    assert r["res"]["LOCAL"] == 0, r["res"]  # no local-memory spills
+    assert "e4m3x2" in p, "the codes are not converted from e4m3"
+    # the scales: one [BLOCK_SIZE_N] vector per K tile, a couple of scalar 32-bit loads per thread (the dense
+    # weight at the same config has none of them), not one per weight element (64·BLOCK_SIZE_K / 128 threads)
+    extra = len(_B32_LOAD.findall(p)) - len(_B32_LOAD.findall(d["ptx"]))
+    assert 1 <= extra <= 4, extra
+    if split == "split":  # the last-arriver reduction is the dense one's
+        assert _ACQ_REL.search(p) and _RELAXED_ADD.search(p)

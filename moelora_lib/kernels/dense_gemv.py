@@ -33,6 +33,18 @@ K split q covers a contiguous run of K tiles. Each program:
 The workspace (:func:`dense_gemv_workspace`: fp32 [max_tokens, N_total] and int32 counters, zero when
 allocated) is kept by the caller across calls; one call at a time may use it (one stream).
 
+Block-FP8 weights (:class:`~moelora_lib.quant.FP8BlockWeight`: float8_e4m3fn codes [N_total, H] and one
+fp32/bf16/fp16 scale per (bn, bk) block, scale grid [ceil(N_total/bn), ceil(H/bk)]; the constexpr ``W_FP8``):
+the K loop streams the 1-byte code tile instead of the dense one, converts it to fp32, multiplies row n by
+the scale of block (n // bn, k0 // bk) and rounds the product once to x's dtype and back to fp32 — the
+weight :func:`~moelora_lib.quant.dequantize_fp8_block` gives in x's dtype, so the result equals the dense
+path on the dequantized weight up to summation order (the contract of
+:func:`~moelora_lib.kernels.dense_fp8.dense_fp8_weight_only`). BLOCK_SIZE_K must divide bk (checked:
+ValueError naming ``config``), so a K tile lies in one scale column and its scales are one
+[BLOCK_SIZE_N] vector load per K tile (rows of one block share an address), never a per-element
+gather. Ragged N and K edges need nothing more: loaded rows are clamped into the weight (so into the
+scale grid's last block row) and a K tile starts below H (so in the grid's last block column).
+
 Ids: tokens with id -1 skip the LoRA work; tokens whose id is outside [-1, L) get a NaN row (written by
 the program that finalizes the tile), never an out-of-bounds read (ids are clamped before any load and
 their A/B loads are masked off). Adapter slots no token uses are never read, so NaN there stays there.
@@ -59,6 +71,7 @@ import triton.language as tl
 
 from ..common import describe as _desc
 from ..common import is_int
+from ..quant.fp8 import FP8BlockWeight
 
 __all__ = [
     "DENSE_GEMV_MAX_TOKENS",
@@ -81,16 +94,20 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # kernel
 # --------------------------------------------------------------------------------------------------
 def _dense_gemv_lora_kernel(
-    x_ptr, w_ptr, bias_ptr, a_ptr, b_ptr, ids_ptr, y_ptr, ws_ptr, cnt_ptr,
+    x_ptr, w_ptr, s_ptr, bias_ptr, a_ptr, b_ptr, ids_ptr, y_ptr, ws_ptr, cnt_ptr,
     T, K, L, R,
-    stride_xm, stride_xk, stride_wn, stride_wk,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk,
     stride_al, stride_as, stride_ar, stride_ak, stride_bl, stride_bn, stride_br,
     stride_ym, stride_yn, stride_wsm,
     SLICE_WIDTHS: tl.constexpr, NUM_SLICES: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr, BLOCK_SIZE_R: tl.constexpr,
     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
+    W_FP8: tl.constexpr = False, FP8_BN: tl.constexpr = 1, FP8_BK: tl.constexpr = 1,
 ):  # fmt: skip
     # y[t, tile] of T tokens over K split pid_k (module docstring); tile pid_n lies in slice slice_id.
+    # W_FP8: w_ptr holds float8_e4m3fn codes [N_total, K] and s_ptr their scale grid
+    # [ceil(N_total/FP8_BN), ceil(K/FP8_BK)]; BLOCK_SIZE_K divides FP8_BK (checked by the launcher), so a K
+    # tile has one scale column.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     slice_id = 0
@@ -118,6 +135,10 @@ def _dense_gemv_lora_kernel(
     offs_r = tl.arange(0, BLOCK_SIZE_R)
     r_mask = offs_r < R
     w_rows = w_ptr + n_ld[:, None] * stride_wn
+    if W_FP8:
+        # each tile row's block row of scales (in range: the clamped row < N); int32 offsets suffice (a scale
+        # grid holds far fewer than 2^31 entries)
+        s_rows = s_ptr + (tl.minimum(offs_n, col_end - 1) // FP8_BN) * stride_sn
 
     if HAS_LORA:
         lid = tl.load(ids_ptr + offs_t, mask=t_mask, other=-1)
@@ -139,9 +160,16 @@ def _dense_gemv_lora_kernel(
         k_idx = kt * BLOCK_SIZE_K + offs_k
         k_ok = k_idx < K
         if EVEN_K:
-            w = tl.load(w_rows + k_idx[None, :] * stride_wk).to(tl.float32)
+            w = tl.load(w_rows + k_idx[None, :] * stride_wk)
         else:
-            w = tl.load(w_rows + k_idx[None, :] * stride_wk, mask=k_ok[None, :], other=0.0).to(tl.float32)
+            w = tl.load(w_rows + k_idx[None, :] * stride_wk, mask=k_ok[None, :], other=0.0)
+        if W_FP8:
+            # the scales of this K tile's one scale column (kt·BLOCK_SIZE_K < K: in range), one per tile row;
+            # fp32(code)·fp32(scale) rounded once to x's dtype = dequantize_fp8_block in that dtype
+            sc = tl.load(s_rows + ((kt * BLOCK_SIZE_K) // FP8_BK) * stride_sk).to(tl.float32)
+            w = (w.to(tl.float32) * sc[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
+        else:
+            w = w.to(tl.float32)
         for t in tl.static_range(BLOCK_T):
             if t < T:
                 x_ptrs = x_ptr + t * stride_xm + k_idx * stride_xk
@@ -262,8 +290,19 @@ def dense_gemv_num_tiles(slices: tuple[int, ...], block_size_n: int) -> int:
     return sum(triton.cdiv(int(n), block_size_n) for n in slices)
 
 
+def _pow2_divisor(n: int) -> int:
+    """The largest power of two dividing n (n ≥ 1)."""
+    return n & -n
+
+
 def default_dense_gemv_config(
-    T: int, n_total: int, hidden: int, *, slices: tuple[int, ...] | None = None, num_sms: int = 132
+    T: int,
+    n_total: int,
+    hidden: int,
+    *,
+    slices: tuple[int, ...] | None = None,
+    num_sms: int = 132,
+    block_k: int | None = None,
 ) -> DenseGemvConfig:
     """A starting config for T tokens on an [n_total, hidden] weight (hand-picked for an H100/H200-class
     GPU of ``num_sms`` SMs; a GPU sweep, :func:`moelora_lib.studies.dense_bench.dense_gemv_bench`, refines
@@ -274,15 +313,26 @@ def default_dense_gemv_config(
     row of its tile); SPLIT_K the smallest that gives at least 2·num_sms programs and never more than the
     K tiles. Where that split leaves a ragged K loop, the first (BLOCK_SIZE_K halved down to 32, SPLIT_K
     raised up to twice the need) with H % (BLOCK_SIZE_K·SPLIT_K) == 0 is taken instead (unmasked loads).
-    ValueError naming the argument for a T outside [1, DENSE_GEMV_MAX_TOKENS] or sizes < 1.
+    ``block_k``: the scale block's columns of a block-FP8 weight (None: a dense weight); every BLOCK_SIZE_K
+    considered is then also capped at the largest power of two dividing it (and the halving stops there
+    when that is below 32), so BLOCK_SIZE_K divides ``block_k`` and a K tile reads one scale column.
+    ValueError naming the argument for a T outside [1, DENSE_GEMV_MAX_TOKENS], sizes < 1, or a ``block_k``
+    that is not a multiple of 16 (no K tile of the smallest BLOCK_SIZE_K, 16, fits one scale column).
     """
     for name, v in (("n_total", n_total), ("hidden", hidden), ("num_sms", num_sms)):
         if not is_int(v) or v < 1:
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
     if not is_int(T) or not 1 <= T <= DENSE_GEMV_MAX_TOKENS:
         raise ValueError(f"T must be an int in [1, {DENSE_GEMV_MAX_TOKENS}], got {T!r}")
+    if block_k is not None and (not is_int(block_k) or block_k < 1 or block_k % 16):
+        raise ValueError(
+            f"block_k must be None (a dense weight) or the FP8 scale block's columns, an int multiple of 16, "
+            f"got {block_k!r}"
+        )
     slices = (int(n_total),) if slices is None else tuple(int(n) for n in slices)
     bk0 = 128 if T <= 2 else 64
+    if block_k is not None:
+        bk0 = min(bk0, _pow2_divisor(int(block_k)))
     target = 2 * num_sms
     bn = 64
     if dense_gemv_num_tiles(slices, bn) * max(1, hidden // bk0) < num_sms:
@@ -293,7 +343,7 @@ def default_dense_gemv_config(
         return min(max(1, math.ceil(target / tiles)), triton.cdiv(hidden, bk))
 
     bk = bk0
-    while bk >= 32:
+    while bk >= min(32, bk0):
         k_tiles = triton.cdiv(hidden, bk)
         for split in range(need(bk), min(2 * need(bk), k_tiles) + 1):
             if hidden % (bk * split) == 0:
@@ -363,10 +413,31 @@ def _check_inputs(x, weight, bias, lora_a, lora_b, lora_ids, slices, out) -> dic
         raise ValueError(f"x: T = {T} tokens must be in [1, {DENSE_GEMV_MAX_TOKENS}] (decode sizes)")
     if H < 1:
         raise ValueError(f"x: H must be >= 1, got shape {tuple(x.shape)}")
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        raise ValueError(f"weight must be a 2-D tensor [N_total, H] (nn.Linear layout), got {_desc(weight)}")
-    N = weight.shape[0]
-    check_tensor("weight", weight, (("N_total", N), ("H", H)), (dt,), dev, " (like x)", like="x")
+    if isinstance(weight, FP8BlockWeight):
+        if weight.weight.dim() != 2:
+            raise ValueError(
+                f"weight must be a 2-D FP8BlockWeight [N_total, H], got shape {list(weight.shape)}"
+            )
+        N = weight.shape[0]
+        if weight.shape[1] != H:
+            raise ValueError(
+                f"weight must have shape [N_total, H={H}], got FP8 of shape {list(weight.shape)}"
+            )
+        if weight.device != dev:
+            raise ValueError(f"weight must be on {dev} (like x), got {weight.device}")
+        if weight.block[1] % 16:
+            raise ValueError(
+                f"weight.block = {weight.block}: the GEMV needs scale blocks of a multiple of 16 columns "
+                "(a K tile of at least 16 must lie in one scale column)"
+            )
+    elif not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(
+            "weight must be a 2-D tensor [N_total, H] (nn.Linear layout) or an FP8BlockWeight, got "
+            f"{_desc(weight)}"
+        )
+    else:
+        N = weight.shape[0]
+        check_tensor("weight", weight, (("N_total", N), ("H", H)), (dt,), dev, " (like x)", like="x")
     if (
         not isinstance(slices, (tuple, list))
         or not slices
@@ -400,6 +471,16 @@ def _check_inputs(x, weight, bias, lora_a, lora_b, lora_ids, slices, out) -> dic
     if out is not None:
         check_tensor("out", out, (("T", T), ("N_total", N)), (dt,), dev, " (like x)", like="x")
     return dict(T=T, H=H, N=N, L=L, S=S, R=R, slices=slices, has_lora=has_lora)
+
+
+def _check_config_block(config: DenseGemvConfig, weight) -> None:
+    """ValueError naming ``config`` unless its BLOCK_SIZE_K divides a block-FP8 ``weight``'s scale block
+    columns (a K tile must lie in one scale column); nothing to check for a dense weight."""
+    if isinstance(weight, FP8BlockWeight) and weight.block[1] % config.BLOCK_SIZE_K:
+        raise ValueError(
+            f"config.BLOCK_SIZE_K = {config.BLOCK_SIZE_K} must divide the FP8 weight's scale block columns "
+            f"weight.block[1] = {weight.block[1]}: a K tile reads one scale column"
+        )
 
 
 def _check_workspace(workspace, T: int, N: int, n_tiles: int, split_k: int, device) -> None:
@@ -440,8 +521,16 @@ def dense_gemv_args(x, weight, bias, lora_a, lora_b, lora_ids, out, workspace, c
                     slices: tuple[int, ...]) -> tuple[tuple, tuple, dict]:  # fmt: skip
     """``(grid, args, constexprs)`` of one :func:`dense_gemv_lora` launch for checked inputs; allocates and
     launches nothing (meta tensors work: the single source of the launch arguments, shared with compile-only
-    checks). ``lora_a``/``lora_b``/``lora_ids`` None: the base GEMV alone; ``workspace`` None: SPLIT_K 1."""
+    checks). ``lora_a``/``lora_b``/``lora_ids`` None: the base GEMV alone; ``workspace`` None: SPLIT_K 1;
+    ``weight`` an :class:`~moelora_lib.quant.FP8BlockWeight`: its codes and scale grid (W_FP8)."""
     T, H = x.shape
+    if isinstance(weight, FP8BlockWeight):
+        w, sc = weight.weight, weight.scale_inv
+        s_str = (sc.stride(0), sc.stride(1))
+        fp8 = dict(W_FP8=True, FP8_BN=weight.block[0], FP8_BK=weight.block[1])
+    else:
+        w, sc, s_str = weight, weight, (0, 0)  # sc never read (W_FP8 False)
+        fp8 = dict(W_FP8=False, FP8_BN=1, FP8_BK=1)
     slices = tuple(int(n) for n in slices)
     has_lora = lora_a is not None
     has_bias = bias is not None
@@ -459,9 +548,9 @@ def dense_gemv_args(x, weight, bias, lora_a, lora_b, lora_ids, out, workspace, c
         ws, cnt = out, out  # never touched (SPLIT_K 1 stores directly)
     grid = (dense_gemv_num_tiles(slices, config.BLOCK_SIZE_N), config.SPLIT_K)
     args = (
-        x, weight, bias if has_bias else x, lora_a, lora_b, lora_ids, out, ws, cnt,
+        x, w, sc, bias if has_bias else x, lora_a, lora_b, lora_ids, out, ws, cnt,
         T, H, L, R,
-        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), *a_str, *b_str,
+        x.stride(0), x.stride(1), w.stride(0), w.stride(1), *s_str, *a_str, *b_str,
         out.stride(0), out.stride(1), ws.stride(0) if config.SPLIT_K > 1 else 0,
     )  # fmt: skip
     constexprs = dict(
@@ -475,13 +564,14 @@ def dense_gemv_args(x, weight, bias, lora_a, lora_b, lora_ids, out, workspace, c
         EVEN_K=config.even_k(H),
         HAS_BIAS=has_bias,
         HAS_LORA=has_lora,
+        **fp8,
     )
     return grid, args, constexprs
 
 
 def dense_gemv_lora(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | FP8BlockWeight,
     bias: torch.Tensor | None,
     lora_a: torch.Tensor | None,
     lora_b: torch.Tensor | None,
@@ -498,7 +588,11 @@ def dense_gemv_lora(
     Args:
         x: [T, H] float16/bfloat16/float32 (CUDA, or CPU under TRITON_INTERPRET=1 without bfloat16),
             1 ≤ T ≤ :data:`DENSE_GEMV_MAX_TOKENS`.
-        weight: [N_total, H] of x's dtype (nn.Linear layout; the slices' weights concatenated along dim 0).
+        weight: [N_total, H] of x's dtype (nn.Linear layout; the slices' weights concatenated along dim 0),
+            or a block-FP8 :class:`~moelora_lib.quant.FP8BlockWeight` [N_total, H] on x's device (codes
+            float8_e4m3fn, scale grid [ceil(N_total/bn), ceil(H/bk)] float32/bfloat16/float16, any bn and
+            any bk a multiple of 16; fused slices via ``FP8BlockWeight.cat``): each weight tile is
+            dequantized in registers to x's dtype (module docstring).
         bias: [N_total] of x's dtype, or None.
         lora_a: [L, S, R, H] of x's dtype (slice s = projection s's A, rank ≤ R zero-padded), or None.
         lora_b: [L, N_total, R] of x's dtype (rows of slice s = projection s's B, scaling folded in), or None.
@@ -506,27 +600,32 @@ def dense_gemv_lora(
             checked on the host (no sync): a token whose id is outside [-1, L) gets a NaN row. The three
             LoRA arguments are given together or all None (the base GEMV alone).
         slices: output widths (N_0, ..., N_{S-1}), Σ = N_total (a constexpr: one binary per projection shape).
-        config: a :class:`DenseGemvConfig`; None = :func:`default_dense_gemv_config` (T, N_total, H).
+        config: a :class:`DenseGemvConfig`; None = :func:`default_dense_gemv_config` (T, N_total, H; an FP8
+            weight's ``block_k``). With an FP8 weight its BLOCK_SIZE_K must divide ``weight.block[1]``.
         workspace: a :class:`DenseGemvWorkspace` (:func:`dense_gemv_workspace`) with at least T rows, N_total
             columns and :func:`dense_gemv_num_tiles` counters; needed when SPLIT_K > 1 (None: one is
             allocated for this call). All zero before the call and left all zero by it.
         out: optional [T, N_total] of x's dtype to write into.
     Returns:
         y [T, N_total] in x's dtype (``out`` when given). Rows of tokens with id -1 are the base GEMV's
-        (fp32 accumulation, not bitwise cuBLAS's).
+        (fp32 accumulation, not bitwise cuBLAS's). With an FP8 weight: equal to the dense call on
+        ``weight.dequantize(x.dtype)`` up to fp32 summation order.
     Raises:
         ValueError naming the argument: not a tensor, shape (in the shape letters), dtype, device, T outside
         [1, DENSE_GEMV_MAX_TOKENS], slices not summing to N_total, LoRA arguments not all given or all None,
-        a config that is not a DenseGemvConfig, a workspace too small, bfloat16 on the CPU.
+        a config that is not a DenseGemvConfig (or, FP8 weight, whose BLOCK_SIZE_K does not divide
+        ``weight.block[1]``), a workspace too small, bfloat16 on the CPU.
 
     Precision: fp32 accumulation and intermediate, one rounding to x's dtype; split-K adds partial tiles with
     fp32 atomics in a hardware-chosen order (not bitwise repeatable across runs when SPLIT_K > 1).
     """
     d = _check_inputs(x, weight, bias, lora_a, lora_b, lora_ids, slices, out)
+    block_k = weight.block[1] if isinstance(weight, FP8BlockWeight) else None
     if config is None:
-        config = default_dense_gemv_config(d["T"], d["N"], d["H"], slices=d["slices"])
+        config = default_dense_gemv_config(d["T"], d["N"], d["H"], slices=d["slices"], block_k=block_k)
     elif not isinstance(config, DenseGemvConfig):
         raise ValueError(f"config must be a DenseGemvConfig or None, got {_desc(config)}")
+    _check_config_block(config, weight)
     if config.SPLIT_K > 1:
         n_tiles = dense_gemv_num_tiles(d["slices"], config.BLOCK_SIZE_N)
         if workspace is None:

@@ -480,17 +480,19 @@ GEMV_TOKENS = (1, 2, 4, 8)
 
 
 def gemv_sweep_configs(
-    T: int, proj: str | DenseProjection, *, num_sms: int = 132
+    T: int, proj: str | DenseProjection, *, num_sms: int = 132, block_k: int | None = None
 ) -> list[dg.DenseGemvConfig]:
     """A handful of :class:`~moelora_lib.kernels.dense_gemv.DenseGemvConfig` around
     :func:`~moelora_lib.kernels.dense_gemv.default_dense_gemv_config` (first): 8 warps; 2 pipeline stages;
     BLOCK_SIZE_N 128 with SPLIT_K doubled and 32 with it halved (about the same programs); SPLIT_K doubled;
-    BLOCK_SIZE_K halved and doubled (32..256). SPLIT_K is kept within the K tiles; duplicates dropped."""
+    BLOCK_SIZE_K halved and doubled (32..256). SPLIT_K is kept within the K tiles; duplicates dropped.
+    ``block_k``: a block-FP8 weight's scale block columns (the picker's argument); configs whose
+    BLOCK_SIZE_K does not divide it are dropped."""
     import dataclasses
 
     p = get_projection(proj)
     H, N = p.hidden, p.n_total
-    d = dg.default_dense_gemv_config(T, N, H, slices=p.slices, num_sms=num_sms)
+    d = dg.default_dense_gemv_config(T, N, H, slices=p.slices, num_sms=num_sms, block_k=block_k)
 
     def cfg(bn=d.BLOCK_SIZE_N, bk=d.BLOCK_SIZE_K, split=d.SPLIT_K, **kw):
         split = max(1, min(split, -(-H // bk)))
@@ -506,17 +508,22 @@ def gemv_sweep_configs(
         cfg(bk=max(32, d.BLOCK_SIZE_K // 2)),
         cfg(bk=min(256, 2 * d.BLOCK_SIZE_K)),
     ]
+    if block_k is not None:
+        out = [c for c in out if block_k % c.BLOCK_SIZE_K == 0]
     return list(dict.fromkeys(out))
 
 
 class GemvCall:
     """One :func:`~moelora_lib.kernels.dense_gemv.dense_gemv_lora` call at T tokens of ``inp`` with its output
-    and workspace built once (a CUDA graph captures it as is): ``lora`` False runs the base GEMV alone."""
+    and workspace built once (a CUDA graph captures it as is): ``lora`` False runs the base GEMV alone;
+    ``weight``: a block-FP8 weight of ``inp.weight``'s shape to run on instead of ``inp.weight``."""
 
     def __init__(self, inp: ProjectionInputs, T: int, lora_ids: torch.Tensor, config: dg.DenseGemvConfig, *,
-                 lora: bool = True, workspace: dg.DenseGemvWorkspace | None = None):  # fmt: skip
+                 lora: bool = True, workspace: dg.DenseGemvWorkspace | None = None,
+                 weight: FP8BlockWeight | None = None):  # fmt: skip
         p = inp.proj
-        self.x, self.weight, self.slices, self.config = inp.x_for(T), inp.weight, p.slices, config
+        self.x, self.slices, self.config = inp.x_for(T), p.slices, config
+        self.weight = inp.weight if weight is None else weight
         self.lora = (inp.lora_a, inp.lora_b, lora_ids) if lora else (None, None, None)
         self.out = torch.empty((T, p.n_total), dtype=inp.dtype, device=inp.device)
         tiles = dg.dense_gemv_num_tiles(p.slices, config.BLOCK_SIZE_N)
@@ -531,69 +538,90 @@ def dense_gemv_bench(projs: Sequence[str | DenseProjection] = GEMV_PROJECTIONS,
                      tokens: Sequence[int] = GEMV_TOKENS, *, patterns: Sequence[str] = ("uniform", "mixed"),
                      configs=None, rank: int = 32, adapters: int = 8, dtype=torch.bfloat16, device="cuda",
                      seed: int = 0, mode: str = "graph", warmup_ms: float = 25, rep_ms: float = 100,
-                     min_reps: int | None = None) -> list[dict[str, Any]]:  # fmt: skip
-    """The one-launch decode GEMV against cuBLAS and stage ``tuned`` per projection and T, side by side.
+                     min_reps: int | None = None, fp8: bool = False,
+                     fp8_block: tuple[int, int] = FP8_BLOCK) -> list[dict[str, Any]]:  # fmt: skip
+    """The one-launch decode GEMV against the base GEMM alone and stage ``tuned`` per projection and T, side
+    by side; ``fp8`` True: all of them on the projection's weight quantized to block FP8 (``fp8_block`` scale
+    blocks, :func:`fp8_weight`) instead of the dense one.
 
-    Per (projection, T), rows with :func:`bench_projection`'s columns plus ``rel_err`` (against
-    ``lora_linear_reference``; NaN for the cuBLAS base) and ``x_base`` (us_p50 / the cuBLAS base's):
+    Per (projection, T), rows with :func:`bench_projection`'s columns plus ``weight_format`` ("dense" or
+    "fp8"), ``rel_err`` (against ``lora_linear_reference``, FP8: on the weight dequantized to ``dtype``, the
+    GEMV's and the weight-only GEMM's contract; NaN for the base GEMM) and ``x_base`` (us_p50 / the base
+    GEMM's):
 
-    * impl "cublas", part "base", pattern "none": ``F.linear`` alone;
-    * impl "tuned", part "total", per pattern: the stage-``tuned`` :class:`LoRALinear` forward (cuBLAS base,
-      alignment, shrink, expand);
+    * part "base", pattern "none": the base GEMM alone, impl "cublas" (``F.linear``) or, FP8, impl
+      "fp8_weight_only" (:func:`~moelora_lib.kernels.dense_fp8.dense_fp8_weight_only`, default config);
+    * impl "tuned", part "total", per pattern: the stage-``tuned`` :class:`LoRALinear` forward (that base
+      GEMM, alignment, shrink, expand; ``gemv_max_tokens`` 0);
     * impl "gemv_base", part "base", pattern "none": the GEMV without its LoRA part (HAS_LORA off);
     * impl "gemv", part "total", pattern "none" (every id -1) and each of ``patterns``.
 
-    Each gemv point is timed at every config of ``configs(T, proj)`` (default :func:`gemv_sweep_configs`) and
-    gives two rows: config_source "default" (the picker's config) and "sweep-best" (the fastest whose output
-    passes the tolerance; ``config`` names it). ``mode``/``warmup_ms``/``rep_ms``/``min_reps``: the timing
-    (CUDA graphs by default; on a CPU device the interpreter, one call each). ValueError for an unknown
-    projection or a T outside [1, DENSE_GEMV_MAX_TOKENS]."""
-    configs = configs or gemv_sweep_configs
+    Each gemv point is timed at every config of ``configs(T, proj)`` (default :func:`gemv_sweep_configs`, FP8
+    with the block's ``block_k``) and gives two rows: config_source "default" (the picker's config) and
+    "sweep-best" (the fastest whose output passes the tolerance; ``config`` names it). Costs (bytes, floors)
+    count an FP8 weight's bytes. ``mode``/``warmup_ms``/``rep_ms``/``min_reps``: the timing (CUDA graphs by
+    default; on a CPU device the interpreter, one call each). ValueError for an unknown projection, a T
+    outside [1, DENSE_GEMV_MAX_TOKENS] or (FP8) a block the quantizer or the GEMV refuses."""
     bad = [T for T in tokens if not 1 <= int(T) <= dg.DENSE_GEMV_MAX_TOKENS]
     if bad:
         raise ValueError(f"tokens must be in [1, {dg.DENSE_GEMV_MAX_TOKENS}], got {bad}")
+    if configs is None:
+        bk = fp8_block[1] if fp8 else None
+        configs = lambda T, p: gemv_sweep_configs(T, p, block_k=bk)  # noqa: E731
     timing = dict(mode=mode, warmup_ms=warmup_ms, rep_ms=rep_ms, min_reps=min_reps)
     rows: list[dict[str, Any]] = []
     for proj in projs:
         inp = make_inputs(
             proj, max(tokens), rank=rank, adapters=adapters, dtype=dtype, device=device, seed=seed
         )
+        weight = fp8_weight(inp, tuple(fp8_block)) if fp8 else None
         for T in tokens:
-            rows += _gemv_point(inp, T, patterns, configs, timing)
-        del inp
+            rows += _gemv_point(inp, T, patterns, configs, timing, weight)
+        del inp, weight
         free_memory(device)
     return rows
 
 
-def _gemv_point(inp: ProjectionInputs, T: int, patterns, configs, timing) -> list[dict[str, Any]]:
-    """The rows of :func:`dense_gemv_bench` at one (projection, T)."""
+def _gemv_point(inp: ProjectionInputs, T: int, patterns, configs, timing,
+                weight: FP8BlockWeight | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    """The rows of :func:`dense_gemv_bench` at one (projection, T); ``weight``: the block-FP8 base weight
+    (None: ``inp.weight``)."""
     import math
 
+    from ..kernels.dense_fp8 import dense_fp8_weight_only
+
     ref_dtype = torch.float64 if inp.device.type == "cpu" else torch.float32
-    x, w = inp.x_for(T), inp.weight
-    _, costs = _point(inp, T, "uniform")
-    base = _time_row(
-        lambda: F.linear(x, w), inp, T, "none", costs["base"], _kw("cublas", None, "base"), timing
-    )
-    rows = [base | dict(rel_err=math.nan)]
+    ref_inp = inp if weight is None else dequantized(inp, weight)  # the weight the kernels' results equal
+    fmt = dict(weight_format="dense" if weight is None else "fp8")
+    x = inp.x_for(T)
+    if weight is None:
+        base_fn, base_impl = (lambda: F.linear(x, inp.weight)), "cublas"
+    else:
+        base_fn, base_impl = (lambda: dense_fp8_weight_only(x, weight)), "fp8_weight_only"
+    mod = build_module(inp, "tuned", max_tokens=T, weight=weight)  # its weight format sets the costs too
+    _, costs = _point(inp, T, "uniform", mod)
+    base = _time_row(base_fn, inp, T, "none", costs["base"], _kw(base_impl, None, "base"), timing)
+    rows = [base | fmt | dict(rel_err=math.nan)]
     for pat in patterns:
-        (r,) = bench_projection("tuned", inp, T, parts=("total",), pattern=pat, **timing)
-        _, ids, ref = _gemv_reference(inp, T, pat, ref_dtype)
-        rows.append(r | dict(rel_err=_rel_err(build_module(inp, "tuned", max_tokens=T)(x, ids), ref)))
+        ids, cost = _point(inp, T, pat, mod)
+        kw = _kw("tuned", "tuned", "total", mod.config_for(T))
+        r = _time_row(lambda ids=ids: mod(x, ids), inp, T, pat, cost["total"], kw, timing)
+        _, _, ref = _gemv_reference(ref_inp, T, pat, ref_dtype)
+        rows.append(r | fmt | dict(rel_err=_rel_err(mod(x, ids), ref)))
     cands = list(configs(T, inp.proj))
     points = [("gemv_base", "base", "none"), ("gemv", "total", "none")]
     points += [("gemv", "total", pat) for pat in patterns]
     for impl, part, pat in points:
-        _, ids, ref = _gemv_reference(inp, T, pat, ref_dtype)
-        cost = (costs if pat == "none" else _point(inp, T, pat)[1])[part]
+        _, ids, ref = _gemv_reference(ref_inp, T, pat, ref_dtype)
+        cost = (costs if pat == "none" else _point(inp, T, pat, mod)[1])[part]
         timed = []
         for cfg in cands:
-            call = GemvCall(inp, T, ids, cfg, lora=impl == "gemv")
+            call = GemvCall(inp, T, ids, cfg, lora=impl == "gemv", weight=weight)
             err = _rel_err(call(), ref)
             kw = dict(
                 impl=impl, stage=None, part=part, config=cfg.short(), config_source="sweep", block_size_m=None
             )
-            timed.append(_time_row(call, inp, T, pat, cost, kw, timing) | dict(rel_err=err))
+            timed.append(_time_row(call, inp, T, pat, cost, kw, timing) | fmt | dict(rel_err=err))
             del call
         ok = [r for r in timed if r["rel_err"] <= TOLERANCES[inp.dtype]]
         rows.append(dict(timed[0], config_source="default"))

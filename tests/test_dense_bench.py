@@ -240,7 +240,18 @@ def test_targets_empty_without_rows():
     assert t.empty and list(t.columns)[:4] == ["target", "model", "proj", "T"]
 
 
-# ---- the one-launch decode GEMV (dense_gemv_bench) ------------------------------------------------------
+# ---- the one-launch decode GEMV's dev probe (data/dev/probes/dense_gemv_probe.py) ------------------------
+
+
+def _probe():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "data" / "dev" / "probes" / "dense_gemv_probe.py"
+    spec = importlib.util.spec_from_file_location("dense_gemv_probe", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def test_dense_gemv_bench_rows_on_cpu():
@@ -248,7 +259,7 @@ def test_dense_gemv_bench_rows_on_cpu():
     from moelora_lib.kernels.dense_gemv import DenseGemvConfig
 
     cfgs = [DenseGemvConfig(16, 16, 3), DenseGemvConfig(32, 16, 1)]
-    rows = db.dense_gemv_bench(["tiny/qkv"], [1, 2], configs=lambda T, p: cfgs, rank=8, adapters=3,
+    rows = _probe().dense_gemv_bench(["tiny/qkv"], [1, 2], configs=lambda T, p: cfgs, rank=8, adapters=3,
                                dtype=torch.float32, device="cpu")  # fmt: skip
     df = pd.DataFrame(rows)
     per_T = [
@@ -271,7 +282,7 @@ def test_dense_gemv_bench_rows_on_cpu():
     for col in ("model", "proj", "H", "N", "slices", "S", "L", "R", "dtype", "flops", "bytes", "floor_us"):
         assert df[col].notna().all(), col
     with pytest.raises(ValueError, match="tokens must be in"):
-        db.dense_gemv_bench(["tiny/qkv"], [0], device="cpu", dtype=torch.float32)
+        _probe().dense_gemv_bench(["tiny/qkv"], [0], device="cpu", dtype=torch.float32)
 
 
 def test_dense_gemv_bench_fp8_rows_on_cpu():
@@ -282,9 +293,9 @@ def test_dense_gemv_bench_fp8_rows_on_cpu():
     cfgs = [DenseGemvConfig(16, 16, 3), DenseGemvConfig(32, 32, 1)]
     kw = dict(configs=lambda T, p: cfgs, rank=8, adapters=3, dtype=torch.float32, device="cpu")
     df = pd.DataFrame(
-        db.dense_gemv_bench(["tiny/qkv"], [2], patterns=("mixed",), fp8=True, fp8_block=(32, 32), **kw)
+        _probe().dense_gemv_bench(["tiny/qkv"], [2], patterns=("mixed",), fp8=True, fp8_block=(32, 32), **kw)
     )
-    dense = pd.DataFrame(db.dense_gemv_bench(["tiny/qkv"], [2], patterns=("mixed",), **kw))
+    dense = pd.DataFrame(_probe().dense_gemv_bench(["tiny/qkv"], [2], patterns=("mixed",), **kw))
     assert list(df.columns) == list(dense.columns)  # one CSV holds both
     assert (df.weight_format == "fp8").all() and (dense.weight_format == "dense").all()
     assert list(df.impl) == ["fp8_weight_only", "tuned"] + ["gemv_base"] * 2 + ["gemv"] * 4
@@ -295,13 +306,13 @@ def test_dense_gemv_bench_fp8_rows_on_cpu():
     # the base reads one byte per weight plus the scales: fewer bytes than the dense rows' base
     assert (df[df.part == "base"].bytes.values < dense[dense.part == "base"].bytes.values).all()
     with pytest.raises(ValueError, match="must divide"):  # a K tile spanning two 16-wide scale columns
-        db.dense_gemv_bench(["tiny/qkv"], [1], patterns=(), fp8=True, fp8_block=(16, 16), **kw)
+        _probe().dense_gemv_bench(["tiny/qkv"], [1], patterns=(), fp8=True, fp8_block=(16, 16), **kw)
 
 
 def test_gemv_sweep_configs():
-    cfgs = db.gemv_sweep_configs(1, "gpt-oss-20b/qkv")
+    cfgs = _probe().gemv_sweep_configs(1, "gpt-oss-20b/qkv")
     assert cfgs[0].short() == "n64k64s5w4st1" and len(cfgs) == len(set(cfgs)) >= 6
     assert all(c.SPLIT_K <= -(-2880 // c.BLOCK_SIZE_K) for c in cfgs)
     # a block-FP8 weight's scale columns: every config's K tile lies in one
-    fp8 = db.gemv_sweep_configs(1, "gpt-oss-20b/qkv", block_k=64)
+    fp8 = _probe().gemv_sweep_configs(1, "gpt-oss-20b/qkv", block_k=64)
     assert fp8 and all(64 % c.BLOCK_SIZE_K == 0 for c in fp8)

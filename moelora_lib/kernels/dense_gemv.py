@@ -305,7 +305,7 @@ def default_dense_gemv_config(
     block_k: int | None = None,
 ) -> DenseGemvConfig:
     """A starting config for T tokens on an [n_total, hidden] weight (hand-picked for an H100/H200-class
-    GPU of ``num_sms`` SMs; a GPU sweep, :func:`moelora_lib.studies.dense_bench.dense_gemv_bench`, refines
+    GPU of ``num_sms`` SMs; a GPU sweep, data/dev/probes/dense_gemv_probe.py, refines
     it).
 
     BLOCK_SIZE_N 64 (32 when 64-column tiles give fewer than ``num_sms`` programs even split over K);

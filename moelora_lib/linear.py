@@ -663,7 +663,10 @@ class LoRALinear(ops.OpLayer):
         gemv_max_tokens: calls of T ≤ this many tokens run as one launch each
             (:func:`~moelora_lib.kernels.dense_gemv.dense_gemv_lora`: split-K GEMV with the shrink and
             expand inside it) instead of the base GEMM + alignment + shrink + expand; an int in
-            [0, DENSE_GEMV_MAX_TOKENS], 0 = never (default). Which calls of such a T take it:
+            [0, DENSE_GEMV_MAX_TOKENS], 0 = never; default 1: one token (one request's decode step) is
+            where the GEMV beats the four launches on every projection measured, and from two tokens on
+            the per-token A reads and CUDA-core work make it slower (docs/perf_notes.md, "Dense projections
+            at decode in one launch"). Which calls of such a T take it:
 
             * dense weight: those with LoRA launches; calls without keep ``F.linear`` (cuBLAS, bit for
               bit). The GEMV's rows with id -1 equal the base up to summation order (fp32, not cuBLAS's).
@@ -704,7 +707,7 @@ class LoRALinear(ops.OpLayer):
         dtype: torch.dtype | None = None,
         activation_scheme: str = "auto",
         fp8_config: DenseFP8Config | None = None,
-        gemv_max_tokens: int = 0,
+        gemv_max_tokens: int = 1,
     ):
         super().__init__()
         check_bool("deterministic", deterministic)
@@ -1153,7 +1156,7 @@ class LoRALinear(ops.OpLayer):
             requiring grad while grad mode is on (inference only: run under torch.no_grad() /
             torch.inference_mode()); with ``debug`` also for id values out of range (otherwise
             unchecked: no host sync; out-of-range ids are dropped by the alignment, their rows' LoRA
-            part unspecified).
+            part unspecified; on the GEMV path, T ≤ ``gemv_max_tokens``, their rows are NaN).
         """
         # checked before the op too: a meta or foreign tensor would otherwise reach its fake impl
         self._check_runs_here(self.device)

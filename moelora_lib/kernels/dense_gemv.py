@@ -72,6 +72,7 @@ import triton.language as tl
 from ..common import describe as _desc
 from ..common import is_int
 from ..quant.fp8 import FP8BlockWeight
+from .dense_lora import _slice_tile
 
 __all__ = [
     "DENSE_GEMV_MAX_TOKENS",
@@ -110,19 +111,7 @@ def _dense_gemv_lora_kernel(
     # tile has one scale column.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    slice_id = 0
-    col0 = 0
-    col_end = SLICE_WIDTHS[0]
-    tile_start = 0
-    slice_start = 0
-    for s in tl.static_range(NUM_SLICES):
-        nt = (SLICE_WIDTHS[s] + BLOCK_SIZE_N - 1) // BLOCK_SIZE_N
-        hit = (pid_n >= tile_start) & (pid_n < tile_start + nt)
-        slice_id = tl.where(hit, s, slice_id)
-        col0 = tl.where(hit, slice_start + (pid_n - tile_start) * BLOCK_SIZE_N, col0)
-        col_end = tl.where(hit, slice_start + SLICE_WIDTHS[s], col_end)
-        tile_start += nt
-        slice_start += SLICE_WIDTHS[s]
+    slice_id, col0, col_end = _slice_tile(pid_n, SLICE_WIDTHS, NUM_SLICES, BLOCK_SIZE_N)
 
     # Token t's values live in column t of [*, BLOCK_T] tiles that share the weight tile's layout, so
     # adding a token's [BLOCK_SIZE_N] (or [BLOCK_SIZE_R]) result into them needs no layout change.

@@ -109,6 +109,27 @@ __all__ = [
 # --------------------------------------------------------------------------------------------------
 # kernels
 # --------------------------------------------------------------------------------------------------
+@triton.jit
+def _slice_tile(pid_n, SLICE_WIDTHS: tl.constexpr, NUM_SLICES: tl.constexpr, BLOCK_SIZE_N: tl.constexpr):
+    """(slice id, first column, end column of its slice) of column tile pid_n, where slice s owns
+    cdiv(SLICE_WIDTHS[s], BLOCK_SIZE_N) consecutive tiles (compile-time tile bounds: no tile straddles two
+    slices)."""
+    slice_id = 0
+    col0 = 0
+    col_end = SLICE_WIDTHS[0]
+    tile_start = 0
+    slice_start = 0
+    for s in tl.static_range(NUM_SLICES):
+        nt = (SLICE_WIDTHS[s] + BLOCK_SIZE_N - 1) // BLOCK_SIZE_N
+        hit = (pid_n >= tile_start) & (pid_n < tile_start + nt)
+        slice_id = tl.where(hit, s, slice_id)
+        col0 = tl.where(hit, slice_start + (pid_n - tile_start) * BLOCK_SIZE_N, col0)
+        col_end = tl.where(hit, slice_start + SLICE_WIDTHS[s], col_end)
+        tile_start += nt
+        slice_start += SLICE_WIDTHS[s]
+    return slice_id, col0, col_end
+
+
 def _dense_shrink_kernel(
     x_ptr,
     a_ptr,
@@ -211,20 +232,7 @@ def _dense_expand_kernel(
     lora = tl.load(block_lora_ptr + pid_m).to(tl.int64)
     if lora < 0:
         return
-    # the slice of column tile pid_n, its first column and its end (compile-time tile bounds)
-    slice_id = 0
-    col0 = 0
-    col_end = SLICE_WIDTHS[0]
-    tile_start = 0
-    slice_start = 0
-    for s in tl.static_range(NUM_SLICES):
-        nt = (SLICE_WIDTHS[s] + BLOCK_SIZE_N - 1) // BLOCK_SIZE_N
-        hit = (pid_n >= tile_start) & (pid_n < tile_start + nt)
-        slice_id = tl.where(hit, s, slice_id)
-        col0 = tl.where(hit, slice_start + (pid_n - tile_start) * BLOCK_SIZE_N, col0)
-        col_end = tl.where(hit, slice_start + SLICE_WIDTHS[s], col_end)
-        tile_start += nt
-        slice_start += SLICE_WIDTHS[s]
+    slice_id, col0, col_end = _slice_tile(pid_n, SLICE_WIDTHS, NUM_SLICES, BLOCK_SIZE_N)
     offs_m = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)
     tok = tl.load(sorted_ids_ptr + offs_m)
     row_mask = tok < num_tokens

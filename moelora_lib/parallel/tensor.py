@@ -156,6 +156,7 @@ class RowParallelLoRALinear(LoRALinear):
             raise ValueError(
                 "gemv_max_tokens must be 0 for a RowParallelLoRALinear (no one-launch decode path)"
             )
+        kw["gemv_max_tokens"] = 0
         rank, world = group_rank_world(group)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             raise ValueError(

@@ -54,6 +54,7 @@ import math
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -489,7 +490,19 @@ class _Scratch(Scratch):
     def _make_workspace(self, kind: str, bm: int):
         return _align_workspace(kind, self.max_tokens, bm, self.L, self.device)
 
+    def gemv_workspace(self, slices: tuple[int, ...]) -> DenseGemvWorkspace:
+        """The decode GEMV's split-K workspace for ``slices`` (rows for min(max_tokens,
+        DENSE_GEMV_MAX_TOKENS) tokens, counters for the smallest BLOCK_SIZE_N, 8): every call leaves it
+        zero, so the modules sharing this scratch, which run one after another, share it too."""
+        return self.cached(("gemv", slices), self._make_gemv_workspace, slices)
+
+    def _make_gemv_workspace(self, slices: tuple[int, ...]) -> DenseGemvWorkspace:
+        rows = min(self.max_tokens, DENSE_GEMV_MAX_TOKENS)
+        return dense_gemv_workspace(rows, sum(slices), dense_gemv_num_tiles(slices, 8), self.device)
+
     def workspace_tensors(self, ws) -> list[torch.Tensor]:
+        if isinstance(ws, DenseGemvWorkspace):
+            return [ws.partial, ws.counters]
         if isinstance(ws, AlignWorkspace):  # num_tokens_post_padded not counted (MoELoRALayer counts it)
             return [ws.sorted_token_ids, ws.block_expert_ids, ws.block_lora_ids, ws.scratch]
         return [ws.buffer]
@@ -791,7 +804,6 @@ class LoRALinear(ops.OpLayer):
         self.deterministic = deterministic  # property: validates, clears the per-T configs
         self.share_scratch = check_bool("share_scratch", share_scratch)
         self._gemv_configs: dict[tuple[int, bool], DenseGemvConfig] = {}
-        self._gemv_ws: DenseGemvWorkspace | None = None
         self.gemv_max_tokens = gemv_max_tokens  # property: validates
         self._loaded = [False] * L  # host copy of slot_loaded
         self._scratch = None
@@ -881,7 +893,7 @@ class LoRALinear(ops.OpLayer):
                 T, self.out_features, self.in_features, slices=self.slices, num_sms=sms, block_k=block_k
             )
             if self.deterministic:
-                cfg = DenseGemvConfig(cfg.BLOCK_SIZE_N, cfg.BLOCK_SIZE_K, 1, cfg.NUM_WARPS, cfg.NUM_STAGES)
+                cfg = replace(cfg, SPLIT_K=1)
             self._gemv_configs[key] = cfg
         return cfg
 
@@ -896,19 +908,19 @@ class LoRALinear(ops.OpLayer):
         return lora
 
     def _gemv(self, x: torch.Tensor, lora_ids: torch.Tensor | None, T: int) -> torch.Tensor:
-        """The decode GEMV's output [T, N_total] (a new tensor), its split-K workspace kept per module;
-        ``lora_ids`` None: the base GEMV alone (no LoRA launch needed)."""
+        """The decode GEMV's output [T, N_total] (a new tensor), its split-K workspace in the module's
+        scratch (shared, see ``share_scratch``); ``lora_ids`` None: the base GEMV alone (no LoRA launch
+        needed)."""
         cfg = self.gemv_config_for(T)
-        ws = self._gemv_ws
-        if ws is None or ws.partial.device != self.device:
-            rows = min(self.max_tokens, DENSE_GEMV_MAX_TOKENS)
-            tiles = dense_gemv_num_tiles(self.slices, 8)  # the smallest BLOCK_SIZE_N
-            ws = self._gemv_ws = dense_gemv_workspace(rows, self.out_features, tiles, self.device)
+        ws = None
+        if cfg.SPLIT_K > 1:
+            if self._buffers_key != (self.dtype, self.device):
+                self._alloc_buffers()
+            ws = self._scratch.gemv_workspace(self.slices)
         lora = (None, None, None) if lora_ids is None else (self.lora_a, self.lora_b, lora_ids)
         return dense_gemv_lora(
-            x, self.base_weight(), self.bias, *lora, slices=self.slices, config=cfg,
-            workspace=ws if cfg.SPLIT_K > 1 else None,
-        )  # fmt: skip
+            x, self.base_weight(), self.bias, *lora, slices=self.slices, config=cfg, workspace=ws
+        )
 
     def activation_scheme_for(self, T: int) -> str:
         """The form the base GEMM runs at T tokens: "dynamic" (W8A8) or "weight_only"

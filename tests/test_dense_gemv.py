@@ -610,3 +610,21 @@ def test_sm90_fp8_variant(compiled, T, split):
     assert 1 <= extra <= 4, extra
     if split == "split":  # the last-arriver reduction is the dense one's
         assert _ACQ_REL.search(p) and _RELAXED_ADD.search(p)
+
+
+def test_lora_linear_modules_share_one_gemv_workspace_left_zero():
+    # the split-K workspace lives in the shared scratch (one per sizes, counted by memory_report), not per
+    # module; every call leaves it zero, so modules that run one after another can share it
+    from moelora_lib.kernels.dense_gemv import DenseGemvWorkspace
+
+    m1, x, w, b, a, bb = _module(1)
+    m2 = _module(1)[0]
+    ids = torch.tensor([1], dtype=torch.int32)
+    for m in (m1, m2, m1):
+        y = m(x[:1], ids)
+        assert rel_err(y, lora_linear_reference(x[:1], w, a, bb, ids, slices=THREE, bias=b)) <= 1e-5
+    assert m1.gemv_config_for(1).SPLIT_K > 1  # the default config splits K here: a workspace is used
+    assert m1._scratch is m2._scratch
+    ws = [v for v in m1._scratch.workspaces.values() if isinstance(v, DenseGemvWorkspace)]
+    assert len(ws) == 1 and _is_zero(ws[0])
+    assert m1.memory_report()["scratch"] >= ws[0].partial.numel() * 4 + ws[0].counters.numel() * 4

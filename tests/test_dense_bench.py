@@ -311,7 +311,8 @@ def test_dense_gemv_bench_fp8_rows_on_cpu():
 
 def test_gemv_sweep_configs():
     cfgs = _probe().gemv_sweep_configs(1, "gpt-oss-20b/qkv")
-    assert cfgs[0].short() == "n64k64s5w4st1" and len(cfgs) == len(set(cfgs)) >= 6
+    assert cfgs[0].short() == "n64k128s6w4st1" and len(cfgs) == len(set(cfgs)) >= 6
+    assert {"n64k128s12w4st1", "n64k128s3w4st1", "n64k64s6w4st1"} <= {c.short() for c in cfgs}
     assert all(c.SPLIT_K <= -(-2880 // c.BLOCK_SIZE_K) for c in cfgs)
     # a block-FP8 weight's scale columns: every config's K tile lies in one
     fp8 = _probe().gemv_sweep_configs(1, "gpt-oss-20b/qkv", block_k=64)

@@ -266,11 +266,30 @@ def test_default_config_fills_the_gpu(T, H, slices):
     cfg = default_dense_gemv_config(T, sum(slices), H, slices=slices)
     tiles = dense_gemv_num_tiles(slices, cfg.BLOCK_SIZE_N)
     k_tiles = -(-H // cfg.BLOCK_SIZE_K)
-    assert tiles * cfg.SPLIT_K >= 2 * 132 or cfg.SPLIT_K == k_tiles  # >= 2 programs per SM
-    assert cfg.SPLIT_K <= k_tiles  # every split has a K tile
+    per = -(-k_tiles // cfg.SPLIT_K)
+    assert (cfg.SPLIT_K - 1) * per < k_tiles  # no split without a K tile
     assert cfg.BLOCK_SIZE_N in (32, 64)
-    # every preset admits an unmasked K loop at the picked split
-    assert cfg.even_k(H), cfg
+    if T == 1:  # >= 4 programs per SM, >= 2 K tiles per program, 128-wide K tiles
+        assert tiles * cfg.SPLIT_K >= 3 * 132 or 2 * cfg.SPLIT_K >= k_tiles - 1, cfg
+        assert per >= 2 and cfg.BLOCK_SIZE_K == 128, cfg
+    else:  # >= 2 programs per SM; every preset admits an unmasked K loop at the picked split
+        assert tiles * cfg.SPLIT_K >= 2 * 132 or cfg.SPLIT_K == k_tiles, cfg
+        assert cfg.even_k(H), cfg
+
+
+def test_default_config_at_one_token_follows_the_sweep():
+    """T = 1 on the projections data/dev/h100_20261207_dense_gemv/ swept: the sweep's fastest K split (or, on
+    GPT-OSS-20B qkv, 128-wide ragged K tiles, whose 6 splits replace the sweep's 5)."""
+    for H, slices, want in [
+        (2880, (4096, 512, 512), "n64k128s6"),  # GPT-OSS-20B qkv: H = 22.5 K tiles
+        (4096, (2880,), "n64k128s16"),  # GPT-OSS-20B o (swept best n128k128s16)
+        (5120, (8192, 1024, 1024), "n64k128s4"),  # Qwen3-32B qkv
+        (25600, (5120,), "n64k128s8"),  # Qwen3-32B down
+        (2048, (4096, 512, 512), "n64k128s8"),  # Qwen3-30B-A3B qkv
+    ]:
+        cfg = default_dense_gemv_config(1, sum(slices), H, slices=slices)
+        assert cfg.short().startswith(want), (H, slices, cfg)
+        assert default_dense_gemv_config(1, sum(slices), H, slices=slices, block_k=128) == cfg
 
 
 # ---- block-FP8 weights ------------------------------------------------------------------------------------
@@ -617,13 +636,15 @@ def test_lora_linear_modules_share_one_gemv_workspace_left_zero():
     # module; every call leaves it zero, so modules that run one after another can share it
     from moelora_lib.kernels.dense_gemv import DenseGemvWorkspace
 
-    m1, x, w, b, a, bb = _module(1)
-    m2 = _module(1)[0]
-    ids = torch.tensor([1], dtype=torch.int32)
+    m1, x, w, b, a, bb = _module(2)
+    m2 = _module(2)[0]
+    ids = torch.tensor([1, 0], dtype=torch.int32)
     for m in (m1, m2, m1):
-        y = m(x[:1], ids)
-        assert rel_err(y, lora_linear_reference(x[:1], w, a, bb, ids, slices=THREE, bias=b)) <= 1e-5
-    assert m1.gemv_config_for(1).SPLIT_K > 1  # the default config splits K here: a workspace is used
+        y = m(x[:2], ids)
+        assert rel_err(y, lora_linear_reference(x[:2], w, a, bb, ids, slices=THREE, bias=b)) <= 1e-5
+    # the default config splits K at T = 2 on H = 96 (32-wide K tiles; T = 1 keeps 128-wide ones, one split
+    # here): a workspace is used
+    assert m1.gemv_config_for(2).SPLIT_K > 1
     assert m1._scratch is m2._scratch
     ws = [v for v in m1._scratch.workspaces.values() if isinstance(v, DenseGemvWorkspace)]
     assert len(ws) == 1 and _is_zero(ws[0])

@@ -299,9 +299,15 @@ def default_dense_gemv_config(
 
     BLOCK_SIZE_N 64 (32 when 64-column tiles give fewer than ``num_sms`` programs even split over K);
     BLOCK_SIZE_K 128 for T ≤ 2, 64 above (a program holds next_pow2(T) output and rank accumulators per
-    row of its tile); SPLIT_K the smallest that gives at least 2·num_sms programs and never more than the
-    K tiles. Where that split leaves a ragged K loop, the first (BLOCK_SIZE_K halved down to 32, SPLIT_K
-    raised up to twice the need) with H % (BLOCK_SIZE_K·SPLIT_K) == 0 is taken instead (unmasked loads).
+    row of its tile); SPLIT_K the smallest that gives at least 4·num_sms programs at T = 1 and 2·num_sms
+    above (a lone token's program streams its tile with little arithmetic per byte: more bytes in flight
+    per SM pay until the splits' reduction does not), never more than the K tiles (half of them at T = 1:
+    two K tiles or more per program). Where that split
+    leaves a ragged K loop, the first SPLIT_K up to twice the need with H % (BLOCK_SIZE_K·SPLIT_K) == 0 is
+    taken instead (unmasked loads); above T = 1 BLOCK_SIZE_K is also halved down to 32 in that search,
+    at T = 1 it stays 128 and the K loop stays ragged when no split divides (128-wide K tiles measured
+    faster than an even loop of 64-wide ones there). The rule follows the sweep of
+    data/dev/probes/dense_gemv_probe.py (data/dev/h100_20261207_dense_gemv/).
     ``block_k``: the scale block's columns of a block-FP8 weight (None: a dense weight); every BLOCK_SIZE_K
     considered is then also capped at the largest power of two dividing it (and the halving stops there
     when that is below 32), so BLOCK_SIZE_K divides ``block_k`` and a K tile reads one scale column.
@@ -322,25 +328,32 @@ def default_dense_gemv_config(
     bk0 = 128 if T <= 2 else 64
     if block_k is not None:
         bk0 = min(bk0, _pow2_divisor(int(block_k)))
-    target = 2 * num_sms
+    target = (4 if T == 1 else 2) * num_sms
     bn = 64
     if dense_gemv_num_tiles(slices, bn) * max(1, hidden // bk0) < num_sms:
         bn = 32
     tiles = dense_gemv_num_tiles(slices, bn)
 
+    def max_split(bk: int) -> int:  # at T = 1 every split keeps two K tiles or more
+        k_tiles = triton.cdiv(hidden, bk)
+        return max(1, k_tiles // 2) if T == 1 else k_tiles
+
     def need(bk: int) -> int:
-        return min(max(1, math.ceil(target / tiles)), triton.cdiv(hidden, bk))
+        return min(max(1, math.ceil(target / tiles)), max_split(bk))
 
     bk = bk0
-    while bk >= min(32, bk0):
-        k_tiles = triton.cdiv(hidden, bk)
-        for split in range(need(bk), min(2 * need(bk), k_tiles) + 1):
+    while bk >= (bk0 if T == 1 else min(32, bk0)):
+        for split in range(need(bk), min(2 * need(bk), max_split(bk)) + 1):
             if hidden % (bk * split) == 0:
                 return DenseGemvConfig(
                     BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, SPLIT_K=split, NUM_WARPS=4, NUM_STAGES=1
                 )
         bk //= 2
-    return DenseGemvConfig(BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk0, SPLIT_K=need(bk0), NUM_WARPS=4, NUM_STAGES=1)
+    # ragged: cdiv(k_tiles, SPLIT_K) tiles per split, so a split count that leaves the last splits empty
+    # shrinks to the splits that hold a tile
+    k_tiles = triton.cdiv(hidden, bk0)
+    split = triton.cdiv(k_tiles, triton.cdiv(k_tiles, need(bk0)))
+    return DenseGemvConfig(BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk0, SPLIT_K=split, NUM_WARPS=4, NUM_STAGES=1)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -43,8 +43,8 @@ from moelora_lib.testing import TOLERANCES
 
 def gemv_sweep_configs(T: int, proj, *, num_sms: int = 132, block_k: int | None = None) -> list:
     """:func:`~moelora_lib.kernels.dense_gemv.default_dense_gemv_config` first, then 8 warps, 2 stages,
-    BLOCK_SIZE_N 128 (SPLIT_K doubled) and 32 (halved), SPLIT_K doubled, BLOCK_SIZE_K halved and doubled
-    (32..256); SPLIT_K within the K tiles; ``block_k`` (an FP8 weight's block columns): BLOCK_SIZE_K | it."""
+    BLOCK_SIZE_N 128 (SPLIT_K doubled) and 32 (halved), SPLIT_K doubled and halved, BLOCK_SIZE_K halved and
+    doubled (32..256); SPLIT_K within the K tiles; ``block_k`` (an FP8 weight's block columns): BLOCK_SIZE_K | it."""
     import dataclasses
 
     p = get_projection(proj)
@@ -57,7 +57,7 @@ def gemv_sweep_configs(T: int, proj, *, num_sms: int = 132, block_k: int | None 
         return dataclasses.replace(d, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, SPLIT_K=split, **kw)
 
     out = [d, cfg(NUM_WARPS=8), cfg(NUM_STAGES=2), cfg(bn=128, split=2 * d.SPLIT_K),
-           cfg(bn=32, split=max(1, d.SPLIT_K // 2)), cfg(split=2 * d.SPLIT_K),
+           cfg(bn=32, split=max(1, d.SPLIT_K // 2)), cfg(split=2 * d.SPLIT_K), cfg(split=max(1, d.SPLIT_K // 2)),
            cfg(bk=max(32, d.BLOCK_SIZE_K // 2)), cfg(bk=min(256, 2 * d.BLOCK_SIZE_K))]  # fmt: skip
     return list(dict.fromkeys(c for c in out if block_k is None or block_k % c.BLOCK_SIZE_K == 0))
 

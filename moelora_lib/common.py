@@ -176,6 +176,25 @@ def check_kernel_dtype(dtype: torch.dtype, device: torch.device, name: str, cpu_
         cpu_backend_check(dtype, name)
 
 
+def check_cpu_backend(kernel, dtype: torch.dtype | None, name: str) -> None:
+    """ValueError naming ``name`` (an argument on the CPU) unless ``kernel`` can run it: CPU tensors run only
+    through the Triton interpreter, so ``kernel`` (a jitted function of the module the call launches) must
+    have been built with ``TRITON_INTERPRET=1``; and the interpreter multiplies raw bf16 bit patterns
+    (triton-lang/triton#11584), so ``dtype`` must not be bfloat16 (None: not checked, for kernels that only
+    convert)."""
+    if type(kernel).__name__ != "InterpretedFunction":
+        raise ValueError(
+            f"{name} is on the CPU but the kernels were not built for the Triton interpreter: use CUDA "
+            "tensors, or set TRITON_INTERPRET=1 before the first kernel module is imported (before the first "
+            "call into moelora_lib; restart the process if a kernel was already built)"
+        )
+    if dtype == torch.bfloat16:
+        raise ValueError(
+            f"{name}: bfloat16 is not supported on the CPU (the Triton interpreter multiplies raw bf16 bit "
+            "patterns, triton-lang/triton#11584); use float16 or float32 on the CPU, bfloat16 on a GPU"
+        )
+
+
 def check_tensor(name: str, t, shape: tuple, dtypes, device, dtype_note: str = "", *, like: str) -> None:
     """Raise ValueError naming ``name`` unless t is a tensor of ``shape``, dtype and device.
 

@@ -62,6 +62,7 @@ import torch.nn.functional as F
 from . import ops
 from .common import (
     check_bool,
+    check_cpu_backend,
     check_finite,
     check_kernel_dtype,
     check_no_grad,
@@ -128,19 +129,8 @@ def _check(name: str, t, shape: tuple, dtypes, device) -> None:
 
 
 def _check_cpu_backend(dtype: torch.dtype, name: str = "x") -> None:
-    """CPU tensors run only through the Triton interpreter, which has no correct bf16 arithmetic
-    (as :func:`moelora_lib.moe_lora._check_cpu_backend`, for the dense kernels)."""
-    if type(DENSE_KERNELS["dense_shrink"][True]).__name__ != "InterpretedFunction":
-        raise ValueError(
-            f"{name} is on the CPU but the kernels were not built for the Triton interpreter: use CUDA "
-            "tensors, or set TRITON_INTERPRET=1 before the first kernel module is imported (restart "
-            "the process if a kernel was already built)"
-        )
-    if dtype == torch.bfloat16:
-        raise ValueError(
-            f"{name}: bfloat16 is not supported on the CPU (the Triton interpreter multiplies raw bf16 bit "
-            "patterns, triton-lang/triton#11584); use float16 or float32 on the CPU, bfloat16 on a GPU"
-        )
+    """:func:`~moelora_lib.common.check_cpu_backend` for the dense kernels."""
+    check_cpu_backend(DENSE_KERNELS["dense_shrink"][True], dtype, name)
 
 
 def _check_slices(slices, n_total: int | None) -> tuple[int, ...]:

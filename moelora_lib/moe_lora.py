@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import check_bool, check_no_grad, check_tensor
+from .common import check_bool, check_cpu_backend, check_no_grad, check_tensor
 from .common import describe as _desc
 from .kernels import GEMV_STAGE, STAGES, LayerConfig, LayerRun, check_stage_name, stage_named
 from .kernels.gemv import GemvRun
@@ -55,23 +55,11 @@ _NDIMS = {
 
 
 def _check_cpu_backend(dtype: torch.dtype, name: str = "hidden_states") -> None:
-    """CPU tensors run only through the Triton interpreter, which has no correct bf16 arithmetic.
-    ``name``: the argument the message names."""
+    """:func:`~moelora_lib.common.check_cpu_backend` for the MoE kernels; ``name``: the argument the message
+    names."""
     from .kernels.triton_kernels import KERNELS
 
-    if type(KERNELS["fused_moe"][True]).__name__ != "InterpretedFunction":
-        raise ValueError(
-            f"{name} is on the CPU but the kernels were not built for the Triton "
-            "interpreter: use CUDA tensors, or set TRITON_INTERPRET=1 before the first kernel "
-            "module is imported (before the first call into moelora_lib; restart the process if "
-            "a kernel was already built)"
-        )
-    if dtype == torch.bfloat16:
-        raise ValueError(
-            f"{name}: bfloat16 is not supported on the CPU (the Triton interpreter "
-            "multiplies raw bf16 bit patterns, triton-lang/triton#11584); use float16 or "
-            "float32 on the CPU, bfloat16 on a GPU"
-        )
+    check_cpu_backend(KERNELS["fused_moe"][True], dtype, name)
 
 
 def _weight_format(w) -> str:

@@ -54,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import describe, is_int
+from ..common import check_cpu_backend, describe, is_int
 from ..hardware import H200_NUM_SMS
 from .config import next_pow2
 
@@ -284,16 +284,7 @@ def default_num_splits(
 
 
 def _check_cpu_backend(name: str, dtype: torch.dtype) -> None:
-    if type(_decode_split_kernel).__name__ != "InterpretedFunction":
-        raise ValueError(
-            f"{name} is on the CPU but the kernels were not built for the Triton interpreter: use CUDA "
-            "tensors, or set TRITON_INTERPRET=1 before the first kernel module is imported"
-        )
-    if dtype == torch.bfloat16:
-        raise ValueError(
-            f"{name}: bfloat16 is not supported on the CPU (the Triton interpreter has no correct bf16 "
-            "arithmetic); use float16 or float32 on the CPU, bfloat16 on a GPU"
-        )
+    check_cpu_backend(_decode_split_kernel, dtype, name)
 
 
 def _check(name: str, t, shape: tuple, dtypes: tuple, device, want: str) -> None:

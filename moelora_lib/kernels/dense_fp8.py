@@ -69,7 +69,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ..common import aligned16, check_tensor, describe
+from ..common import aligned16, check_cpu_backend, check_tensor, describe
 from ..hardware import H200_NUM_SMS
 from ..quant.fp8 import FP8BlockWeight
 from .fp8_act import quantize_fp8_act
@@ -385,16 +385,7 @@ def _check_cpu(dtype: torch.dtype, device: torch.device, name: str) -> None:
             f"{name} is on {device}: the kernels run on CUDA tensors (or CPU ones through the interpreter)"
         )
     if device.type == "cpu":
-        if type(DENSE_FP8_KERNEL).__name__ != "InterpretedFunction":
-            raise ValueError(
-                f"{name} is on the CPU but the kernels were not built for the Triton interpreter: use CUDA "
-                "tensors, or set TRITON_INTERPRET=1 before the first kernel module is imported"
-            )
-        if dtype == torch.bfloat16:
-            raise ValueError(
-                f"{name}: bfloat16 is not supported on the CPU (the Triton interpreter multiplies raw bf16 "
-                "bit patterns, triton-lang/triton#11584); use float16 or float32 on the CPU, bfloat16 on GPUs"
-            )
+        check_cpu_backend(DENSE_FP8_KERNEL, dtype, name)
 
 
 def _out(out, T: int, N: int, dtype: torch.dtype, device) -> torch.Tensor:

@@ -69,8 +69,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..common import check_cpu_backend, is_int
 from ..common import describe as _desc
-from ..common import is_int
 from ..quant.fp8 import FP8BlockWeight
 from .dense_lora import _slice_tile
 
@@ -400,16 +400,7 @@ def _check_inputs(x, weight, bias, lora_a, lora_b, lora_ids, slices, out) -> dic
             f"x is on {dev}: the kernel runs on CUDA tensors (or CPU ones through the interpreter)"
         )
     if dev.type == "cpu":
-        if type(_KERNEL).__name__ != "InterpretedFunction":
-            raise ValueError(
-                "x is on the CPU but the kernel was not built for the Triton interpreter: use CUDA tensors, "
-                "or set TRITON_INTERPRET=1 before moelora_lib's kernels are imported"
-            )
-        if dt == torch.bfloat16:
-            raise ValueError(
-                "x: bfloat16 is not supported on the CPU (the Triton interpreter's bf16 arithmetic is wrong, "
-                "triton-lang/triton#11584); use float16 or float32 on the CPU"
-            )
+        check_cpu_backend(_KERNEL, dt, "x")
     T, H = x.shape
     if not 1 <= T <= DENSE_GEMV_MAX_TOKENS:
         raise ValueError(f"x: T = {T} tokens must be in [1, {DENSE_GEMV_MAX_TOKENS}] (decode sizes)")

@@ -35,8 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..common import check_cpu_backend, is_int
 from ..common import describe as _desc
-from ..common import is_int
 
 __all__ = ["quantize_fp8_act", "fp8_act_scale_shape", "FP8Activations", "FP8_ACT_GROUP"]
 
@@ -115,11 +115,8 @@ def fp8_act_scale_shape(T: int, K: int, group_size: int = FP8_ACT_GROUP) -> tupl
 
 
 def _check_cpu(x: torch.Tensor) -> None:
-    if x.device.type == "cpu" and type(_quantize_fp8_act_kernel).__name__ != "InterpretedFunction":
-        raise ValueError(
-            "x is on the CPU but the kernels were not built for the Triton interpreter: use CUDA tensors, "
-            "or set TRITON_INTERPRET=1 before moelora_lib's kernel modules are imported"
-        )
+    if x.device.type == "cpu":
+        check_cpu_backend(_quantize_fp8_act_kernel, None, "x")
 
 
 def quantize_fp8_act(

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import describe
+from ..common import check_cpu_backend, describe
 
 __all__ = ["rms_norm", "qk_norm_rope_cache"]
 
@@ -93,16 +93,7 @@ def _check_backend(name: str, t: torch.Tensor) -> None:
     if t.device.type not in ("cpu", "cuda"):
         raise ValueError(f"{name} must be on a CUDA device or the CPU, got {t.device}")
     if t.device.type == "cpu":
-        if type(_rms_norm).__name__ != "InterpretedFunction":
-            raise ValueError(
-                f"{name} is on the CPU but the kernels were not built for the Triton interpreter: use CUDA "
-                "tensors, or set TRITON_INTERPRET=1 before the first kernel module is imported"
-            )
-        if t.dtype == torch.bfloat16:
-            raise ValueError(
-                f"{name}: bfloat16 is not supported on the CPU (the Triton interpreter has no correct bf16 "
-                "arithmetic); use float16 or float32 on the CPU, bfloat16 on a GPU"
-            )
+        check_cpu_backend(_rms_norm, t.dtype, name)
 
 
 def _check_eps(eps) -> float:

@@ -195,6 +195,26 @@ def check_cpu_backend(kernel, dtype: torch.dtype | None, name: str) -> None:
         )
 
 
+def check_activations(name: str, x, kernel) -> tuple[torch.dtype, torch.device]:
+    """The (dtype, device) of ``x``, the [T, H] activations of a kernel call; ValueError naming ``name``
+    unless x is a 2-D tensor of one of :data:`KERNEL_DTYPES` on a CUDA device, or on the CPU where
+    :func:`check_cpu_backend` accepts it for ``kernel``."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"{name} must be a 2-D tensor [T, H], got {describe(x)}")
+    dt, dev = x.dtype, x.device
+    if dt not in KERNEL_DTYPES:
+        raise ValueError(f"{name} dtype must be float16, bfloat16 or float32, got {dt}")
+    if dev.type not in ("cuda", "cpu"):
+        what = "meta tensors hold no data and are not supported" if dev.type == "meta" else "not supported"
+        raise ValueError(
+            f"{name} is on {dev}: {what}; the kernels run on CUDA (or on the CPU through the Triton "
+            "interpreter)"
+        )
+    if dev.type == "cpu":
+        check_cpu_backend(kernel, dt, name)
+    return dt, dev
+
+
 def check_tensor(name: str, t, shape: tuple, dtypes, device, dtype_note: str = "", *, like: str) -> None:
     """Raise ValueError naming ``name`` unless t is a tensor of ``shape``, dtype and device.
 

@@ -61,6 +61,8 @@ import torch.nn.functional as F
 
 from . import ops
 from .common import (
+    KERNEL_DTYPES,
+    check_activations,
     check_bool,
     check_cpu_backend,
     check_finite,
@@ -116,7 +118,7 @@ __all__ = [
     "StepAlignments",
 ]
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_FLOAT_DTYPES = KERNEL_DTYPES
 
 
 # --------------------------------------------------------------------------------------------------
@@ -248,17 +250,7 @@ def validate_lora_linear_inputs(
         than CPU/CUDA (meta), an input that requires grad while grad mode is on (inference only), and
         with ``check_values`` lora_ids values outside [-1, L) (one host sync).
     """
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        raise ValueError(f"x must be a 2-D tensor [T, H], got {_desc(x)}")
-    dt, dev = x.dtype, x.device
-    if dt not in _FLOAT_DTYPES:
-        raise ValueError(f"x dtype must be float16, bfloat16 or float32, got {dt}")
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(
-            f"x is on {dev}: the kernels run on CUDA tensors (or CPU ones through the interpreter)"
-        )
-    if dev.type == "cpu":
-        _check_cpu_backend(dt)
+    dt, dev = check_activations("x", x, DENSE_KERNELS["dense_shrink"][True])
     T, H = _hidden_size(x, weight, lora_a)
     if isinstance(weight, FP8BlockWeight):
         N = _check_fp8_weight(weight, H, dev)

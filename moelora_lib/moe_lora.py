@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import check_bool, check_cpu_backend, check_no_grad, check_tensor
+from .common import check_activations, check_bool, check_cpu_backend, check_no_grad, check_tensor
 from .common import describe as _desc
 from .kernels import GEMV_STAGE, STAGES, LayerConfig, LayerRun, check_stage_name, stage_named
 from .kernels.gemv import GemvRun
@@ -16,7 +16,6 @@ from .shapes import Dims
 
 __all__ = ["fused_moe_lora", "validate_moe_lora_inputs", "make_layer_run"]
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _ACTIVATIONS = ("silu", "swigluoai")
 
 
@@ -179,21 +178,11 @@ def validate_moe_lora_inputs(
         (inference only: :func:`~moelora_lib.common.check_no_grad`).
     """
     check_bool("check_values", check_values)
-    if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 2:
-        raise ValueError(f"hidden_states must be a 2-D tensor [T, H], got {_desc(hidden_states)}")
-    dt, dev = hidden_states.dtype, hidden_states.device
-    if dt not in _FLOAT_DTYPES:
-        raise ValueError(f"hidden_states dtype must be float16, bfloat16 or float32, got {dt}")
+    from .kernels.triton_kernels import KERNELS
+
+    dt, dev = check_activations("hidden_states", hidden_states, KERNELS["fused_moe"][True])
     if activation not in _ACTIVATIONS:
         raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
-    if dev.type not in ("cuda", "cpu"):
-        what = "meta tensors hold no data and are not supported" if dev.type == "meta" else "not supported"
-        raise ValueError(
-            f"hidden_states is on {dev}: {what}; the kernels run on CUDA (or on the CPU through the Triton "
-            "interpreter)"
-        )
-    if dev.type == "cpu":
-        _check_cpu_backend(dt)
     if {_weight_format(w13), _weight_format(w2)} != {"dense"}:  # checked as dense weights of dtype dt
         w13, w2, _ = _dense_views(w13, w2, dt)
     args = dict(

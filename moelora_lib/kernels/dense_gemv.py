@@ -69,7 +69,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import check_cpu_backend, is_int
+from ..common import check_activations, is_int
 from ..common import describe as _desc
 from ..quant.fp8 import FP8BlockWeight
 from .dense_lora import _slice_tile
@@ -87,8 +87,6 @@ __all__ = [
 
 #: Largest T one call takes (the token rows are one register block of next_pow2(T) rows).
 DENSE_GEMV_MAX_TOKENS = 16
-
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -390,17 +388,7 @@ def _check_inputs(x, weight, bias, lora_a, lora_b, lora_ids, slices, out) -> dic
     argument otherwise."""
     from ..common import check_tensor
 
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        raise ValueError(f"x must be a 2-D tensor [T, H], got {_desc(x)}")
-    dt, dev = x.dtype, x.device
-    if dt not in _FLOAT_DTYPES:
-        raise ValueError(f"x dtype must be float16, bfloat16 or float32, got {dt}")
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(
-            f"x is on {dev}: the kernel runs on CUDA tensors (or CPU ones through the interpreter)"
-        )
-    if dev.type == "cpu":
-        check_cpu_backend(_KERNEL, dt, "x")
+    dt, dev = check_activations("x", x, _KERNEL)
     T, H = x.shape
     if not 1 <= T <= DENSE_GEMV_MAX_TOKENS:
         raise ValueError(f"x: T = {T} tokens must be in [1, {DENSE_GEMV_MAX_TOKENS}] (decode sizes)")

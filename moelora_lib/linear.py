@@ -879,10 +879,11 @@ class LoRALinear(ops.OpLayer):
             self._gemv_configs[key] = cfg
         return cfg
 
-    def _gemv_runs(self, T: int, lora: bool) -> bool:
-        """Whether a call of T tokens (``lora``: with LoRA launches) runs the decode GEMV: T ≤
-        ``gemv_max_tokens`` and, dense weight, ``lora``; FP8 weight, the weight-only form at T (see the
-        constructor's ``gemv_max_tokens``). Host-side."""
+    def runs_gemv(self, T: int, lora: bool = True) -> bool:
+        """Whether a call of T tokens (``lora``: with LoRA launches, i.e. an active slot covers the call)
+        runs as the one-launch decode GEMV (:meth:`gemv_config_for`) rather than the base GEMM plus the
+        stage's LoRA launches: T ≤ ``gemv_max_tokens`` and, dense weight, ``lora``; FP8 weight, the
+        weight-only form at T (see the constructor's ``gemv_max_tokens``). Host-side, no sync."""
         if not 0 < T <= self._gemv_max_tokens:
             return False
         if self.weight_format == "fp8":
@@ -1227,7 +1228,7 @@ class LoRALinear(ops.OpLayer):
         lora = T > 0 and self._launches(self._active_slots)[0]  # host-side flags
         # T ≤ gemv_max_tokens: one GEMV launch; dense weights only when LoRA launches run (else cuBLAS),
         # FP8 weights for every weight-only call, so the base rows' arithmetic is one kernel's either way
-        if self._gemv_runs(T, lora):
+        if self.runs_gemv(T, lora):
             return self._gemv(x, lora_ids if lora else None, T)
         out = self._base(x)
         if not lora:  # no LoRA launch at all

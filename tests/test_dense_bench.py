@@ -178,6 +178,21 @@ def test_timing_rows_on_cpu():
         db.bench_projection("tuned", inp, 5, parts=("everything",))
 
 
+def test_module_rows_name_the_decode_gemv_where_it_runs():
+    # LoRALinear runs a one-token call with adapters as the decode GEMV: the row's config says so; its
+    # base (no active slot) and a two-token call run the stage's launches and show the stage's config
+    inp = db.make_inputs("tiny/o", 8, **TINY)
+    mod = db.build_module(inp, "tuned")
+    rows = db.bench_projection("tuned", inp, 1, parts=("total",), module=mod)
+    rows += db.bench_projection("tuned", inp, 2, parts=("total",), module=mod)
+    rows += db.bench_module(mod, inp, 1)
+    df = pd.DataFrame(rows)
+    gemv = "gemv:" + mod.gemv_config_for(1).short()
+    assert list(df.config) == [gemv, mod.config_for(2).short(), mod.config_for(1).short(), gemv]
+    assert list(df.config_source == "default:dense_gemv") == [True, False, False, True]
+    assert df[df.config_source == "default:dense_gemv"].block_size_m.isna().all()
+
+
 def test_module_total_of_another_stage_is_refused():
     inp = db.make_inputs("tiny/o", 8, **TINY)
     mod = db.build_module(inp, "even_k_fused_add")

@@ -601,16 +601,16 @@ def test_lora_linear_fp8_runs_the_gemv_with_and_without_adapters(dtype, monkeypa
 
 def test_lora_linear_fp8_gemv_follows_the_activation_scheme():
     m, *_ = _fp8_module(4, torch.float32)
-    assert m._gemv_runs(2, False) and m._gemv_runs(2, True) and not m._gemv_runs(5, True)
+    assert m.runs_gemv(2, False) and m.runs_gemv(2, True) and not m.runs_gemv(5, True)
     m.activation_scheme = "dynamic"  # W8A8 requested: the GEMV (a weight-only form) is not used
-    assert not m._gemv_runs(2, True) and not m._gemv_runs(2, False)
+    assert not m.runs_gemv(2, True) and not m.runs_gemv(2, False)
     m.activation_scheme = "auto"  # weight-only at decode sizes
-    assert m._gemv_runs(2, False)
+    assert m.runs_gemv(2, False)
     m.gemv_max_tokens = 0
-    assert not m._gemv_runs(1, True)
+    assert not m.runs_gemv(1, True)
     # a dense weight keeps F.linear for calls without LoRA launches
     d, *_ = _module(4)
-    assert d._gemv_runs(2, True) and not d._gemv_runs(2, False)
+    assert d.runs_gemv(2, True) and not d.runs_gemv(2, False)
 
 
 _B32_LOAD = re.compile(r"ld\.global(?:\.(?!v\d)\w+)*\.b32 ")  # scalar 32-bit loads, not vectors

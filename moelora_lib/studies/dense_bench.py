@@ -342,6 +342,18 @@ def _point(inp: ProjectionInputs, T: int, pattern: str, module: LoRALinear | Non
     return ids, part_costs(inp.proj, T, rank=inp.R, adapters=inp.L, dtype_bytes=elem, lora_ids=ids, **kw)
 
 
+def _module_kw(module: LoRALinear, impl: str, part: str, T: int) -> dict[str, Any]:
+    """:func:`_kw` of a ``module`` forward at T: where that call runs the one-launch decode GEMV
+    (:meth:`LoRALinear.runs_gemv <moelora_lib.linear.LoRALinear.runs_gemv>`; part "base" runs with no
+    active slot) the config column names it, ``gemv:<DenseGemvConfig.short()>``, source
+    ``default:dense_gemv``; else the stage's config."""
+    if module.runs_gemv(T, lora=part != "base"):
+        cfg = module.gemv_config_for(T)
+        return dict(impl=impl, stage=module.stage.name, part=part, config=f"gemv:{cfg.short()}",
+                    config_source="default:dense_gemv", block_size_m=None)  # fmt: skip
+    return _kw(impl, module.stage.name, part, module.config_for(T))
+
+
 def _kw(impl: str, stage: str | None, part: str, cfg=None, launched=None) -> dict[str, Any]:
     """impl, stage, part, config, config_source and block_size_m of ``cfg``."""
     shown = cfg if launched is None else launched
@@ -379,7 +391,7 @@ def bench_projection(stage: str, inp: ProjectionInputs, T: int, *, parts: Sequen
             mod = module if module is not None else build_module(inp, stage, max_tokens=T)
             if mod.stage.name != stage:
                 raise ValueError(f"module is of stage {mod.stage.name!r}, not {stage!r}")
-            fn, kw, cost = (lambda m=mod: m(x, ids)), _kw(stage, stage, part, mod.config_for(T)), costs[part]
+            fn, kw, cost = (lambda m=mod: m(x, ids)), _module_kw(mod, stage, part, T), costs[part]
         elif part in KERNELS:
             kernels = kernels or LoRAPart(stage, inp, T, ids)
             fn, cost = getattr(kernels, part), costs[part]
@@ -410,7 +422,7 @@ def bench_module(module: LoRALinear, inp: ProjectionInputs, T: int, *, parts: Se
     try:
         for part in parts:
             module.active_slots = frozenset() if part == "base" else saved
-            kw = _kw("module", module.stage.name, part, module.config_for(T)) | fields
+            kw = _module_kw(module, "module", part, T) | fields
             rows.append(_time_row(lambda: module(x, ids), inp, T, pattern, costs[part], kw, timing))
     finally:
         module.active_slots = saved

@@ -75,6 +75,7 @@ from .kernels.route import route_triton
 from .kernels.stages import (
     W8A8_MIN_TOKENS,
     check_activation_scheme,
+    config_weight_format,
     packed_config,
     resolve_activation_scheme,
 )
@@ -632,9 +633,11 @@ class MoELoRALayer(ops.OpLayer):
 
     def _dims(self, T: int) -> Dims:
         # (expert parallelism: top_k may exceed the local E; the config lookup takes at most E)
+        # the weights' form at T picks the tuned files (MXFP4, FP8 weight-only or W8A8, dense)
+        fmt = config_weight_format(self.expert_weights()[0], self.activation_scheme_for(T))
         return Dims(
             T=T, H=self.H, I=self.I, E=self.E, top_k=min(self.K, self.E), adapters=self.L, rank=self.R,
-            slices=self.S,
+            slices=self.S, weight_format=fmt,
         )  # fmt: skip
 
     def activation_scheme_for(self, T: int) -> str:

@@ -8,7 +8,12 @@ from .common import check_activations, check_bool, check_cpu_backend, check_no_g
 from .common import describe as _desc
 from .kernels import GEMV_STAGE, STAGES, LayerConfig, LayerRun, check_stage_name, stage_named
 from .kernels.gemv import GemvRun
-from .kernels.stages import check_activation_scheme, packed_config, resolve_activation_scheme
+from .kernels.stages import (
+    check_activation_scheme,
+    config_weight_format,
+    packed_config,
+    resolve_activation_scheme,
+)
 from .quant.fp8 import FP8BlockWeight
 from .quant.mxfp4 import MXFP4_BLOCK, MXFP4Weight
 from .routing import check_finite_weights, check_id_bounds, check_id_values
@@ -366,11 +371,12 @@ def make_layer_run(
         b2,
         check_values,
     )
+    scheme = resolve_activation_scheme(activation_scheme, w13, d["T"])
     dims = Dims(
-        T=d["T"], H=d["H"], I=d["I"], E=d["E"], top_k=d["K"], adapters=d["L"], rank=d["R"], slices=d["S"]
-    )
+        T=d["T"], H=d["H"], I=d["I"], E=d["E"], top_k=d["K"], adapters=d["L"], rank=d["R"], slices=d["S"],
+        weight_format=config_weight_format(w13, scheme),
+    )  # fmt: skip
     st = stage_named(stage, dims)  # "auto": the stage the config files choose for these dims
-    scheme = resolve_activation_scheme(activation_scheme, w13, dims.T)
     if scheme == "dynamic" and st is GEMV_STAGE:  # stage auto picked gemv (weight-only): W8A8 runs tuned
         st = STAGES["tuned"]
     if config is None:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 __all__ = [
     "MoEShape",
     "Dims",
+    "CONFIG_WEIGHT_FORMATS",
     "PRESETS",
     "get_shape",
     "check_int",
@@ -47,6 +48,11 @@ __all__ = [
 ]
 
 ACTIVATIONS = ("silu", "swigluoai")
+
+#: The expert-weight forms a config is tuned for (:attr:`Dims.weight_format`): "dense" (bf16/fp16/fp32
+#: weights), "mxfp4" (MXFP4 experts), "fp8" (block-FP8 experts, weight-only: dequantized in the GEMM),
+#: "fp8_w8a8" (block-FP8 experts with activations quantized per token and group).
+CONFIG_WEIGHT_FORMATS = ("dense", "mxfp4", "fp8", "fp8_w8a8")
 
 
 @dataclass(frozen=True)
@@ -154,11 +160,15 @@ class Dims:
     Attributes:
         T: tokens (0 = an empty batch). H: hidden. I: intermediate per expert. E: experts. top_k: K.
         adapters: L, LoRA slots. rank: R, max rank of the slots. slices: S, gate_up LoRA slices (1 or 2).
+        weight_format: the experts' form, one of :data:`CONFIG_WEIGHT_FORMATS` (default "dense"): the
+            base and fused GEMMs' configs are looked up in that form's files where they exist
+            (:func:`moelora_lib.configs.config_file_name`).
 
     Used instead of loose positional ints wherever a layer's sizes travel together (config keys, default
     configs, op costs, compile-only launches). Build one with :meth:`of` from a preset, or
     :meth:`from_tensors` from a layer's inputs. Raises ValueError naming the field for a non-int,
-    a negative T, another size < 1, S not in (1, 2), or top_k > E.
+    a negative T, another size < 1, S not in (1, 2), top_k > E, or a weight_format outside
+    :data:`CONFIG_WEIGHT_FORMATS`.
     """
 
     T: int
@@ -169,6 +179,7 @@ class Dims:
     adapters: int
     rank: int
     slices: int = 2
+    weight_format: str = "dense"
 
     def __post_init__(self) -> None:
         for f in ("T", "H", "I", "E", "top_k", "adapters", "rank", "slices"):
@@ -179,6 +190,10 @@ class Dims:
             raise ValueError(f"Dims.slices must be 1 or 2, got {self.slices}")
         if self.top_k > self.E:
             raise ValueError(f"Dims.top_k must be <= E={self.E}, got {self.top_k}")
+        if self.weight_format not in CONFIG_WEIGHT_FORMATS:
+            raise ValueError(
+                f"Dims.weight_format must be one of {CONFIG_WEIGHT_FORMATS}, got {self.weight_format!r}"
+            )
 
     # The short letters of shapes.py, for formulas.
     @property
@@ -204,12 +219,20 @@ class Dims:
 
     @classmethod
     def of(
-        cls, shape: MoEShape | str, T: int, *, rank: int = 32, adapters: int = 8, slices: int | None = None
+        cls,
+        shape: MoEShape | str,
+        T: int,
+        *,
+        rank: int = 32,
+        adapters: int = 8,
+        slices: int | None = None,
+        weight_format: str = "dense",
     ) -> Dims:
         """Dims of preset ``shape`` (a :class:`MoEShape` or its name) at T tokens.
 
         T, rank and adapters must be ints (numpy ints accepted; floats, strings and bools raise
-        ValueError naming the argument); ``slices`` None = the preset's S, else 1 or 2.
+        ValueError naming the argument); ``slices`` None = the preset's S, else 1 or 2;
+        ``weight_format``: one of :data:`CONFIG_WEIGHT_FORMATS`.
         """
         if isinstance(shape, MoEShape):
             sh = shape
@@ -226,16 +249,27 @@ class Dims:
             adapters=check_int("Dims.of: adapters", adapters, 1),
             rank=check_int("Dims.of: rank", rank, 1),
             slices=sh.lora_slices if slices is None else check_int("Dims.of: slices", slices, 1, 2),
+            weight_format=weight_format,
         )
 
     @classmethod
-    def from_tensors(cls, hidden_states, w2, topk_ids, lora_a13) -> Dims:
+    def from_tensors(cls, hidden_states, w2, topk_ids, lora_a13, weight_format: str = "dense") -> Dims:
         """Dims of a layer call: hidden_states [T, H], w2 [E, H, I], topk_ids [T, K],
-        lora_a13 [L, E, S, R, H]."""
+        lora_a13 [L, E, S, R, H]; ``weight_format`` as in :meth:`of`."""
         T, H = hidden_states.shape
         E, _, I = w2.shape
         L, _, S, R, _ = lora_a13.shape
-        return cls(T=T, H=H, I=I, E=E, top_k=topk_ids.shape[1], adapters=L, rank=R, slices=S)
+        return cls(
+            T=T,
+            H=H,
+            I=I,
+            E=E,
+            top_k=topk_ids.shape[1],
+            adapters=L,
+            rank=R,
+            slices=S,
+            weight_format=weight_format,
+        )
 
 
 def check_dims(name: str, dims) -> Dims:

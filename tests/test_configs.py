@@ -409,3 +409,85 @@ def test_fused_moe_lora_tuned_on_unknown_gpu_warns(monkeypatch, no_map):
     with pytest.warns(configs.TunedConfigWarning, match="NVIDIA_H20_3e"):
         run = make_layer_run(*inp.args(), **inp.kwargs(), stage="tuned")
     assert run.cfg.source == "default"
+
+
+# ---- configs of packed expert weights (Dims.weight_format) ----------------------------------------------
+def test_packed_forms_have_their_own_base_and_fused_file_names():
+    assert configs.config_file_name("G", "base", "mxfp4") == "G_FUSED_MOE_BASE_MXFP4.json"
+    assert configs.config_file_name("G", "fused", "fp8_w8a8") == "G_FUSED_MOE_LORA_FUSED_FP8_W8A8.json"
+    assert configs.config_file_name("G", "base_down", "fp8") == "G_FUSED_MOE_BASE_FP8.json"
+    # the LoRA ops run on the activations' dtype whatever the experts' form: one file each
+    lora_file = configs.config_file_name("G", "gate_up_shrink")
+    assert configs.config_file_name("G", "gate_up_shrink", "mxfp4") == lora_file
+    with pytest.raises(ValueError, match="weight_format must be one of"):
+        configs.config_file_name("G", "base", "int4")
+    with pytest.raises(ValueError, match="Dims.weight_format must be one of"):
+        dims(weight_format="bf16")
+    assert Dims.of("gpt-oss-20b", 1, weight_format="mxfp4").weight_format == "mxfp4"
+    assert W.weight_format == "dense"
+
+
+def _write_base(folder, fmt, bn, stage=None):
+    data = {}
+    for T in (1, 64):
+        entry = {"base_gate_up": leaf(32, BLOCK_SIZE_N=bn), "base_down": leaf(32, BLOCK_SIZE_N=bn)}
+        configs.set_entry(data, configs.base_keys(dims(T=T)), entry)
+    configs.save_config_file(folder / configs.config_file_name(GPU, "base", fmt), data)
+    fused = {}
+    for T in (1, 64):
+        entry = {"fused_gate_up": leaf(32, BLOCK_SIZE_N=bn), "fused_down": leaf(32, BLOCK_SIZE_N=bn)}
+        configs.set_entry(fused, configs.base_keys(dims(T=T)), entry | ({"stage": stage} if stage else {}))
+    configs.save_config_file(folder / configs.config_file_name(GPU, "fused", fmt), fused)
+
+
+def test_a_packed_form_reads_its_own_files_where_they_exist(tmp_path):
+    folder = write_folder(tmp_path / "f")  # dense base: BLOCK_SIZE_N 32 / 64
+    _write_base(folder, "dense", 128, stage="tuned")
+    _write_base(folder, "mxfp4", 256, stage="fused")
+    mx = load(folder, weight_format="mxfp4")
+    assert mx.base_gate_up.BLOCK_SIZE_N == 256 and mx.source.endswith("; base=mxfp4")
+    assert mx.gate_up_shrink == load(folder).gate_up_shrink  # the LoRA ops: one file for every form
+    dense = load(folder)
+    assert dense.base_gate_up.BLOCK_SIZE_N == 128 and "base=" not in dense.source
+    fp8 = load(folder, weight_format="fp8")  # no FP8 files: the dense ones, said by nothing new
+    assert fp8.base_gate_up == dense.base_gate_up and fp8.source == dense.source
+    fused = configs.load_fused_config(dims(weight_format="mxfp4"), folder=folder, gpu_name=GPU)
+    assert fused.base_gate_up.BLOCK_SIZE_N == 256 and fused.source.endswith("; fused=file(mxfp4)")
+    assert configs.load_fused_config(dims(), folder=folder, gpu_name=GPU).source.endswith("; fused=file")
+    # stage auto's choice follows the form's file
+    assert configs.load_stage_choice(dims(weight_format="mxfp4"), folder=folder, gpu_name=GPU) == "fused"
+    assert configs.load_stage_choice(dims(), folder=folder, gpu_name=GPU) == "tuned"
+    assert configs.load_stage_choice(dims(weight_format="fp8_w8a8"), folder=folder, gpu_name=GPU) == "tuned"
+
+
+def test_a_layer_looks_up_the_form_its_weights_run_at_each_T(tmp_path, monkeypatch):
+    from moelora_lib import MoELoRALayer
+    from moelora_lib.kernels.stages import W8A8_MIN_TOKENS
+    from moelora_lib.quant import FP8BlockWeight, MXFP4Weight
+
+    H, I, E = 64, 32, 4
+    g = torch.Generator().manual_seed(0)
+    w13, w2 = torch.randn(E, 2 * I, H, generator=g) * 0.1, torch.randn(E, H, I, generator=g) * 0.1
+    kw = dict(top_k=2, num_adapters=2, max_rank=16, max_tokens=8, dtype=torch.float32)
+    mx = MoELoRALayer(MXFP4Weight.quantize(w13), MXFP4Weight.quantize(w2), **kw)
+    fp8 = MoELoRALayer(FP8BlockWeight.quantize(w13, (32, 32)), FP8BlockWeight.quantize(w2, (32, 32)), **kw)
+    dense = MoELoRALayer(w13, w2, **kw)
+    assert mx._dims(1).weight_format == "mxfp4" and dense._dims(1).weight_format == "dense"
+    assert fp8._dims(1).weight_format == "fp8"  # activation_scheme "auto": weight-only below W8A8_MIN_TOKENS
+    assert fp8._dims(W8A8_MIN_TOKENS).weight_format == "fp8_w8a8"
+    # through the environment's folder (the CPU's GPU name is "cpu"): the MXFP4 layer takes its own base file
+    folder = write_folder(tmp_path / "f", gpu="cpu", w=Dims(T=1, H=H, I=I, E=E, top_k=2, adapters=2, rank=16))
+    data = {}
+    for T in (1, 64):
+        entry = {"base_gate_up": leaf(16, BLOCK_SIZE_N=128), "base_down": leaf(16, BLOCK_SIZE_N=128)}
+        configs.set_entry(
+            data, configs.base_keys(Dims(T=T, H=H, I=I, E=E, top_k=2, adapters=2, rank=16)), entry
+        )
+    configs.save_config_file(folder / configs.config_file_name("cpu", "base", "mxfp4"), data)
+    monkeypatch.setenv(configs.ENV_VAR, str(folder))
+    configs.clear_cache()
+    # (layers built after the folder is set: a layer resolves its configs once per T)
+    mx2 = MoELoRALayer(MXFP4Weight.quantize(w13), MXFP4Weight.quantize(w2), **kw)
+    for layer, want in ((mx2, 128), (MoELoRALayer(w13, w2, **kw), 32)):
+        cfg = layer.config_for(1)
+        assert cfg.base_gate_up.BLOCK_SIZE_N == want, (layer.weight_format, cfg)

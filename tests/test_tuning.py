@@ -54,6 +54,28 @@ def test_tiny_tune_writes_a_file_the_loader_reads(tmp_path):
     assert s2["tuned"] == [] and s2["skipped"] == [("tiny", 16, 3)]
 
 
+@needs_interpreter
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8_w8a8"])
+def test_packed_tune_writes_its_forms_base_file_only(tmp_path, fmt):
+    # packed experts: the base GEMMs tuned on them into the form's own base file; the LoRA ops (one file for
+    # every form) untouched; CSV group base_<form>; a dense lookup never reads the packed file
+    out, csv_path = tmp_path / "cfg", tmp_path / "trials.csv"
+    kw = dict(device="cpu", max_bms=1, max_cands=2, progress=False, weight_format=fmt)
+    s = tuning.tune(["tiny"], [16], 2, [3], out, csv_path, **kw)
+    assert s["tuned"] == [("tiny", 16, 3)]
+    assert sorted(p.name for p in out.iterdir()) == [configs.config_file_name("cpu", "base", fmt)]
+    rows = rows_of(csv_path)
+    assert {r["group"] for r in rows if r["kind"] == "choice"} == {f"base_{fmt}"}
+    chosen = {r["op"]: OpConfig(**json.loads(r["config_json"])) for r in rows if r["kind"] == "choice"}
+    d = Dims.of(get_shape("tiny"), 3, rank=16, adapters=2, weight_format=fmt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no LoRA files in this folder: those fall back to the defaults
+        cfg = configs.load_layer_config(d, folder=out, gpu_name="cpu")
+        assert (cfg.base_gate_up, cfg.base_down) == (chosen["base_gate_up"], chosen["base_down"])
+        assert cfg.source.endswith(f"; lora=default; base={fmt}")
+    assert tuning.tune(["tiny"], [16], 2, [3], out, csv_path, **kw)["tuned"] == []  # resumable
+
+
 def test_candidate_lists_are_small_and_valid():
     for T in (1, 64, 1600, 8192):
         for m in ("gpt-oss-20b", "qwen3-30b-a3b"):
@@ -138,6 +160,7 @@ def test_tuning_cli_rejects_bad_paths_and_devices(tmp_path, capsys):
         (dict(budget_s=-1.0), "budget_s"),
         (dict(device="tpu"), "device"),
         (dict(seed="a"), "seed"),
+        (dict(weight_format="int4"), "weight_format"),
     ],
 )
 def test_tune_api_rejects_bad_arguments(tmp_path, kw, name):

@@ -31,6 +31,11 @@ spaces and ``-`` replaced by ``_``, e.g. ``NVIDIA_H200``; ``cpu`` without CUDA):
   with (N, K) = (2I, H), the shape of the w13 GEMM, and m = T. A single flat leaf is applied to both
   GEMMs, as vLLM's base fused-MoE configs are.
 
+* ``{gpu}_FUSED_MOE_BASE_<FORMAT>.json`` and ``{gpu}_FUSED_MOE_LORA_FUSED_<FORMAT>.json`` (FORMAT: MXFP4,
+  FP8, FP8_W8A8, :data:`~moelora_lib.shapes.CONFIG_WEIGHT_FORMATS`) — the same two files tuned on packed
+  expert weights (:attr:`~moelora_lib.shapes.Dims.weight_format`); a lookup of such dims reads them where
+  they exist and the dense files otherwise.
+
 * ``{gpu}_FUSED_MOE_LORA_FUSED.json`` — stage ``fused``'s two GEMMs (base GEMM + LoRA expand
   [+ activation]): the base file's nesting, leaf ``{"fused_gate_up": leaf, "fused_down": leaf}``,
   optionally with ``"stage": "fused"`` or ``"tuned"`` (the stage :class:`~moelora_lib.layer.MoELoRALayer`'s
@@ -73,7 +78,7 @@ from pathlib import Path
 from typing import Any
 
 from ..common import write_json_atomic
-from ..shapes import Dims, check_dims
+from ..shapes import CONFIG_WEIGHT_FORMATS, Dims, check_dims
 from .schema import BASE_OPS, LORA_OPS, OpConfig
 
 __all__ = [
@@ -157,12 +162,20 @@ _DENSE_IGNORED = {"num_ctas", "max_nreg", "use_tma"}  # vLLM dense leaf keys wit
 _RESOLVED: dict = {}
 
 
-def config_file_name(gpu: str, op: str) -> str:
+def config_file_name(gpu: str, op: str, weight_format: str = "dense") -> str:
     """File name of ``op`` (a LoRA op of :data:`LORA_FILE_OPS`, "base", or "fused": stage ``fused``'s
-    two GEMMs) for ``gpu``."""
+    two GEMMs) for ``gpu``; ``weight_format`` (:data:`~moelora_lib.shapes.CONFIG_WEIGHT_FORMATS`) other
+    than "dense" names the base or fused file of that form, ``_<FORMAT>`` before ``.json``
+    (``NVIDIA_H200_FUSED_MOE_BASE_MXFP4.json``); the LoRA ops' files have no form (they run on the
+    activations' dtype whatever the experts' form). ValueError for an unknown form."""
+    if weight_format not in CONFIG_WEIGHT_FORMATS:
+        raise ValueError(f"weight_format must be one of {CONFIG_WEIGHT_FORMATS}, got {weight_format!r}")
     if op == "fused":
-        return f"{gpu}_{FUSED_FILE_OP}.json"
-    part = BASE_FILE_OP if op in ("base",) + BASE_OPS else LORA_FILE_OPS[op]
+        part = FUSED_FILE_OP
+    else:
+        part = BASE_FILE_OP if op in ("base",) + BASE_OPS else LORA_FILE_OPS[op]
+    if weight_format != "dense" and part in (BASE_FILE_OP, FUSED_FILE_OP):
+        part += "_" + weight_format.upper()
     return f"{gpu}_{part}.json"
 
 

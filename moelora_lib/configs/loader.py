@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..common import gpu_name
-from ..shapes import Dims, check_dims
+from ..shapes import CONFIG_WEIGHT_FORMATS, Dims, check_dims
 from .defaults import (
     default_config,
     default_dense_config,
@@ -194,7 +194,11 @@ def _gpus_in(folder: Path) -> list[str]:
 
 
 def _has_any_file(folder: Path, gpu: str) -> bool:
-    return any((folder / config_file_name(gpu, op)).is_file() for op in (*LORA_OPS, "base", "fused"))
+    """Whether ``folder`` has a MoE config file of ``gpu``: a LoRA op's, a base or fused one (any form)."""
+    ops = [(op, "dense") for op in LORA_OPS] + [
+        (op, f) for op in ("base", "fused") for f in CONFIG_WEIGHT_FORMATS
+    ]
+    return any((folder / config_file_name(gpu, op, f)).is_file() for op, f in ops)
 
 
 class _NoConfigs(NamedTuple):
@@ -285,13 +289,30 @@ def _lora_group(folder: Path, gpu: str, dims: Dims) -> dict[str, OpConfig] | Non
     return found
 
 
+def _base_path(folder: Path, gpu: str, dims: Dims, op: str) -> Path:
+    """The base or fused file (``op``) a lookup of ``dims`` reads: that of ``dims.weight_format`` where the
+    folder has it, else the dense one."""
+    if dims.weight_format != "dense":
+        own = folder / config_file_name(gpu, op, dims.weight_format)
+        if own.is_file():
+            return own
+    return folder / config_file_name(gpu, op)
+
+
+def _form_label(folder: Path, gpu: str, dims: Dims, op: str) -> str:
+    """``"(<weight_format>)"`` when a lookup of ``dims`` reads the packed form's own ``op`` file, else ""."""
+    dense = folder / config_file_name(gpu, op)
+    return "" if _base_path(folder, gpu, dims, op) == dense else f"({dims.weight_format})"
+
+
 def _base_group(
     folder: Path, gpu: str, dims: Dims, op: str = "base", then: str | None = None, *, warn: bool = True
 ) -> dict[str, OpConfig] | None:
     """The entry for ``dims`` of a file keyed like the base file (``op`` "base", or "fused": stage
-    ``fused``'s GEMMs), None when it is missing: with one warning (``then``: what happens instead), or
-    silently with ``warn=False``."""
-    path = folder / config_file_name(gpu, op)
+    ``fused``'s GEMMs) — the file of ``dims.weight_format`` where the folder has it, else the dense one —
+    None when it is missing: with one warning (``then``: what happens instead), or silently with
+    ``warn=False``."""
+    path = _base_path(folder, gpu, dims, op)
     if not path.is_file():
         if warn:
             _warn_once(str(folder), op, f"no file {path}", then)
@@ -335,7 +356,9 @@ def load_fused_config(
     if fused is not None:  # the fused file is used even when the LoRA/base groups fell back to defaults
         fused = {k: v for k, v in fused.items() if k not in (STAGE_KEY, GEMV_KEY)}  # not fields
         label = tuned.source if tuned.source != "default" else src.label + "; lora=default; base=default"
-        cfg = tuned.replace(**fused, source=label + "; fused=file")
+        cfg = tuned.replace(
+            **fused, source=label + "; fused=file" + _form_label(src.where, src.gpu, dims, "fused")
+        )
     elif tuned.source == "default":
         cfg = fused_default_config(dims)
     else:
@@ -551,6 +574,8 @@ def _resolve_layer_config(dims: Dims, folder, gpu_name: str | None) -> LayerConf
     if lora is None and base is None:
         return dflt  # source "default"
     source = label + ("; lora=default" if lora is None else "") + ("; base=default" if base is None else "")
+    if base is not None and _form_label(where, gpu, dims, "base"):
+        source += f"; base={dims.weight_format}"
     changes: dict[str, Any] = {"source": source}
     changes.update(lora or {})
     changes.update(base or {})

@@ -60,7 +60,7 @@ import triton.language as tl
 from ..configs.schema import GEMV_MAX_PAIRS, LayerConfig
 from ..quant.fp8 import FP8BlockWeight
 from ..shapes import Dims
-from .stages import Stage
+from .stages import Stage, config_weight_format
 
 __all__ = [
     "GEMV_MAX_PAIRS",
@@ -812,4 +812,5 @@ class GemvRun:
         a13 = self.lora[0]
         T, H = self.x.shape
         return Dims(T=T, H=H, I=self.w2.shape[2], E=self.w13.shape[0], top_k=self.topk_ids.shape[1],
-                    adapters=a13.shape[0], rank=a13.shape[3], slices=a13.shape[2])  # fmt: skip
+                    adapters=a13.shape[0], rank=a13.shape[3], slices=a13.shape[2],
+                    weight_format=config_weight_format(self.w13))  # fmt: skip

@@ -54,6 +54,7 @@ __all__ = [
     "fp8_config",
     "w8a8_config",
     "packed_config",
+    "config_weight_format",
     "ACTIVATION_SCHEMES",
     "W8A8_MIN_TOKENS",
     "W8A8_MIN_BLOCK_K",
@@ -309,6 +310,17 @@ def packed_config(cfg: LayerConfig, w, activation_scheme: str = "weight_only") -
     return cfg
 
 
+def config_weight_format(w, activation_scheme: str = "weight_only") -> str:
+    """The :attr:`~moelora_lib.shapes.Dims.weight_format` whose tuned files configure a layer on the expert
+    weight ``w`` running ``activation_scheme`` ("weight_only" or "dynamic"): "mxfp4", "fp8_w8a8" /
+    "fp8" for an FP8BlockWeight, else "dense"."""
+    if isinstance(w, MXFP4Weight):
+        return "mxfp4"
+    if isinstance(w, FP8BlockWeight):
+        return "fp8_w8a8" if activation_scheme == "dynamic" else "fp8"
+    return "dense"
+
+
 class Launch(NamedTuple):
     """One kernel launch of a layer, as compile-only checks need it (nothing allocated, nothing run).
 
@@ -519,6 +531,7 @@ class LayerRun:
             adapters=self.L,
             rank=a13.shape[3],
             slices=a13.shape[2],
+            weight_format=config_weight_format(self.w13, "dynamic" if self.w8a8 else "weight_only"),
         )
 
     # --- the wiring: which tensors each launch reads and writes ---------------------------------

@@ -343,15 +343,12 @@ def _point(inp: ProjectionInputs, T: int, pattern: str, module: LoRALinear | Non
 
 
 def _module_kw(module: LoRALinear, impl: str, part: str, T: int) -> dict[str, Any]:
-    """:func:`_kw` of a ``module`` forward at T: where that call runs the one-launch decode GEMV
-    (:meth:`LoRALinear.runs_gemv <moelora_lib.linear.LoRALinear.runs_gemv>`; part "base" runs with no
-    active slot) the config column names it, ``gemv:<DenseGemvConfig.short()>``, source
-    ``default:dense_gemv``; else the stage's config."""
-    if module.runs_gemv(T, lora=part != "base"):
-        cfg = module.gemv_config_for(T)
-        return dict(impl=impl, stage=module.stage.name, part=part, config=f"gemv:{cfg.short()}",
-                    config_source="default:dense_gemv", block_size_m=None)  # fmt: skip
-    return _kw(impl, module.stage.name, part, module.config_for(T))
+    """:func:`_kw` of a ``module`` forward at T (part "base": no active slot); config ``gemv:<config>``,
+    source ``default:dense_gemv`` where that call runs the one-launch decode GEMV (LoRALinear.runs_gemv)."""
+    if not module.runs_gemv(T, lora=part != "base"):
+        return _kw(impl, module.stage.name, part, module.config_for(T))
+    gemv = f"gemv:{module.gemv_config_for(T).short()}"
+    return dict(_kw(impl, module.stage.name, part), config=gemv, config_source="default:dense_gemv")
 
 
 def _kw(impl: str, stage: str | None, part: str, cfg=None, launched=None) -> dict[str, Any]:

@@ -194,7 +194,7 @@ FLAGS = dict(
     models="--model", projections="--projections", ranks="--ranks", rank="--rank", copy_ranks="--copy-ranks",
     adapters="--adapters", tokens="--tokens", out="--out", csv_path="--csv", budget_s="--budget-s",
     device="--device", dtype="--dtype", max_bms="--max-bms", max_cands="--max-candidates", seed="--seed",
-    jobs="--jobs", warmup_ms="--warmup-ms", rep_ms="--rep-ms", l2="--l2",
+    jobs="--jobs", warmup_ms="--warmup-ms", rep_ms="--rep-ms", l2="--l2", weight_format="--weight-format",
 )  # fmt: skip
 
 
@@ -393,33 +393,37 @@ def graph_timer(run, device: torch.device):
 
 def tune_layer_ops(stage: str, shape, T: int, weights, cfg, fields: Sequence[str], ops: Sequence[str],
                    bms: Sequence[int], candidates, device, log: TrialLog, ids: dict, *, what: str,
-                   **sweep_kw):  # fmt: skip
+                   activation_scheme: str = "auto", **sweep_kw):  # fmt: skip
     """:func:`sweep` then :func:`choose_bm` over ``ops`` of a LayerRun of ``stage`` on ``shape``'s seeded
-    inputs of T tokens (``weights``: a layer_inputs of this shape, R, L). Returns {op: OpConfig}, empty when
-    the budget left no BM."""
+    inputs of T tokens (``weights``: a layer_inputs of this shape, R, L; ``activation_scheme`` as in
+    :func:`~.moe_bench.make_run`). Returns {op: OpConfig}, empty when the budget left no BM."""
     from .moe_bench import layer_inputs, make_run
 
     inp = layer_inputs(shape, T, pattern="uniform", weights=weights, seed=0, activation="silu", bias=False)
 
     def prepare(bm: int):
-        return graph_timer(make_run(stage, inp, with_bm(cfg, fields, bm)), device)
+        return graph_timer(
+            make_run(stage, inp, with_bm(cfg, fields, bm), activation_scheme=activation_scheme), device
+        )
 
     ranked = sweep(bms, prepare, ops, candidates, device, log, ids, **sweep_kw)
     return choose_bm(ranked, ops, log, ids, t0=sweep_kw["t0"], what=what) if ranked else {}
 
 
-def layer_weights(cache: dict, shape, R: int, L: int, dtype, device: torch.device, seed: int):
-    """The seeded weight set of (``shape``, R) (a layer_inputs without biases) in ``cache``, made after every
-    other entry is dropped."""
+def layer_weights(cache: dict, shape, R: int, L: int, dtype, device: torch.device, seed: int,
+                  weight_format: str = "dense"):  # fmt: skip
+    """The seeded weight set of (``shape``, R) (a layer_inputs without biases, experts in ``weight_format``)
+    in ``cache``, made after every other entry is dropped."""
     from .moe_bench import layer_inputs
 
-    if (shape.name, R) not in cache:
+    key = (shape.name, R, weight_format)
+    if key not in cache:
         cache.clear()
         if device.type == "cuda":
             torch.cuda.empty_cache()
         kw = dict(rank=R, num_adapters=L, dtype=dtype, device=device, seed=seed, bias=False)
-        cache[shape.name, R] = layer_inputs(shape, 1, **kw)
-    return cache[shape.name, R]
+        cache[key] = layer_inputs(shape, 1, weight_format=weight_format, **kw)
+    return cache[key]
 
 
 def choose_bm(ranked, ops: Sequence[str], log: TrialLog, ids: dict, *, t0: float, what: str):

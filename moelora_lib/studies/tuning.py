@@ -10,6 +10,8 @@ Per workload (model, R, L, T), through :mod:`.tuner`: the four LoRA ops share on
 (:func:`lora_bm_candidates`, :func:`lora_op_candidates`), the base GEMMs likewise
 (:func:`base_bm_candidates`, :func:`base_op_candidates`). CSV kinds: trial / bm_sum / choice / copied /
 note / session. ``--copy-ranks``: the first rank's choices with the rank-sized tile adjusted.
+``--weight-format mxfp4|fp8|fp8_w8a8``: the base GEMMs (the LoRA ops' configs hold for any experts) on the
+seeded experts quantized, into that form's base file; CSV group ``base_<format>``.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 from .. import configs
 from ..kernels import default_config
 from ..kernels.config import BASE_OPS, LORA_OPS, OpConfig, next_pow2
-from ..shapes import Dims, MoEShape
+from ..shapes import CONFIG_WEIGHT_FORMATS, Dims, MoEShape
 from . import tuner
 from .tuner import RUN_COLUMNS, TRIAL_COLUMNS
 
@@ -38,6 +40,9 @@ _KEY_COLUMNS = ("kind", "model", "R", "L", "T", "group", "op", "config_json")
 LORA_BMS = (16, 32, 64)
 BASE_BMS = (16, 32, 64, 128)
 GROUP_OPS = {"lora": LORA_OPS, "base": BASE_OPS}
+#: experts' form -> (moe_bench weight format, activation_scheme)
+_FORMS = {"dense": ("dense", "auto"), "mxfp4": ("mxfp4", "auto"), "fp8": ("fp8", "weight_only"),
+          "fp8_w8a8": ("fp8", "dynamic")}  # fmt: skip
 
 
 # --- Candidate lists (pruned by hand: the whole cartesian product is ~10^4 configs per op) ------------------
@@ -94,10 +99,11 @@ def base_op_candidates(bm: int, dflt: OpConfig, limit: int = 5) -> list[OpConfig
 # --- One workload -------------------------------------------------------------------------------------------
 def tune_workload(shape: MoEShape, T: int, R: int, L: int, weights, device, log: tuner.TrialLog, *,
                   deadline: float = math.inf, max_bms: int = 2, max_cands: int = 6, t0: float | None = None,
-                  groups: Sequence[str] = ("lora", "base")) -> dict[str, dict[str, OpConfig]]:  # fmt: skip
-    """Tune the groups ("lora": the four LoRA ops jointly; "base": the two base GEMMs) of one workload
-    (``weights``: a layer_inputs of this shape, R, L); returns {group: {op: OpConfig}}, every trial in
-    ``log``."""
+                  groups: Sequence[str] = ("lora", "base"),
+                  weight_format: str = "dense") -> dict[str, dict[str, OpConfig]]:  # fmt: skip
+    """Tune the groups ("lora": the LoRA ops jointly; "base" or "base_<weight_format>": the base GEMMs) of one
+    workload (``weights``: layer_inputs of this shape, R, L, experts in ``weight_format``); returns {group:
+    {op: OpConfig}}, every trial in ``log``."""
     t0 = time.perf_counter() if t0 is None else t0
     H, I, E, K, S = shape.hidden, shape.intermediate, shape.experts, shape.top_k, weights.lora_a13.shape[2]
     dflt = default_config(Dims.of(shape, T, rank=R, adapters=L, slices=S))
@@ -110,13 +116,14 @@ def tune_workload(shape: MoEShape, T: int, R: int, L: int, weights, device, log:
 
     out = {}
     for group in groups:
-        ops = GROUP_OPS[group]
+        ops = GROUP_OPS[group.split("_")[0]]
         ids = dict(model=shape.name, R=R, L=L, T=T, H=H, I=I, E=E, K=K, S=S, group=group)
         lora = group == "lora"
         bms = lora_bm_candidates(T, K, E, L, max_bms) if lora else base_bm_candidates(T, K, E, max_bms)
         out[group] = tuner.tune_layer_ops(
             TUNE_STAGE, shape, T, weights, dflt, ops, ops, bms, candidates, device, log, ids,
             what=f"{shape.name} T={T} {group}", deadline=deadline, t0=t0,
+            activation_scheme=_FORMS[weight_format][1],
         )  # fmt: skip
     return out
 
@@ -124,7 +131,7 @@ def tune_workload(shape: MoEShape, T: int, R: int, L: int, weights, device, log:
 # --- The whole run ------------------------------------------------------------------------------------------
 def _put(files: tuner.ConfigFiles, s: MoEShape, T: int, R: int, L: int, group: str, cfgs) -> None:
     """The choices of one group into the files (the base keys do not depend on R, L or S)."""
-    if group == "base":
+    if group.startswith("base"):
         files.put("base", configs.base_keys(Dims.of(s, T)), {op: cfgs[op].to_dict() for op in BASE_OPS})
         return
     dims = Dims.of(s, T, rank=R, adapters=L, slices=s.lora_slices)
@@ -141,10 +148,13 @@ def _for_rank(cfgs: dict[str, OpConfig], R: int) -> dict[str, OpConfig]:
 
 def _check_tune_args(
     models, ranks, adapters, tokens, out, csv_path, *, budget_s, copy_ranks, device, dtype, max_bms,
-    max_cands, seed, names=None
+    max_cands, seed, weight_format="dense", names=None
 ) -> tuple[list[MoEShape], torch.device, torch.dtype]:  # fmt: skip
     """Every argument of :func:`tune`, before any work; ValueError naming the argument (``names``: argument
     -> name, e.g. :data:`.tuner.FLAGS`). Returns (shapes, device, dtype)."""
+    wf = (names or {}).get("weight_format", "weight_format")
+    if weight_format not in CONFIG_WEIGHT_FORMATS:
+        raise ValueError(f"{wf} must be one of {CONFIG_WEIGHT_FORMATS}, got {weight_format!r}")
     shapes = tuner.check_models(models, (names or {}).get("models", "models"))
     ints = dict(adapters=(adapters, 1, None), max_bms=(max_bms, 1, None), max_cands=(max_cands, 1, None))
     dev, dt = tuner.check_run(
@@ -159,35 +169,43 @@ def tune(models: Sequence[str], ranks: Sequence[int], adapters: int, tokens: Seq
          out: str | os.PathLike, csv_path: str | os.PathLike, *, budget_s: float = math.inf,
          copy_ranks: Sequence[int] = (), device: str | None = None, dtype: torch.dtype | None = None,
          max_bms: int = 2, max_cands: int = 6, seed: int = 0, progress: bool = True,
-         ) -> dict[str, Any]:  # fmt: skip
+         weight_format: str = "dense") -> dict[str, Any]:  # fmt: skip
     """Tune every (model, rank, T) workload (ranks, then T, then models) and write the JSON files into
     ``out``; returns a summary (tuned, skipped, not_tuned, copied: lists of (model, R, T); elapsed_s, out,
-    gpu). ValueError naming the argument before any work (presets, ints, budget, device, out, csv)."""
+    gpu). ``weight_format``: module docstring. ValueError naming the argument before any work (presets,
+    ints, budget, device, out, csv, weight_format)."""
     kw = dict(budget_s=budget_s, copy_ranks=copy_ranks, device=device, dtype=dtype, seed=seed)
-    kw |= dict(max_bms=max_bms, max_cands=max_cands)
+    kw |= dict(max_bms=max_bms, max_cands=max_cands, weight_format=weight_format)
     shapes, dev, dtype = _check_tune_args(models, ranks, adapters, tokens, out, csv_path, **kw)
     t0 = time.perf_counter()
     gpu = configs.gpu_name() if dev.type == "cuda" else "cpu"
     log = tuner.TrialLog(Path(csv_path), CSV_COLUMNS)
-    files = tuner.ConfigFiles(Path(out), gpu, (*LORA_OPS, "base"), configs.config_file_name)
+    dense = weight_format == "dense"  # packed experts: their base GEMMs only
+    known = dict(GROUP_OPS) if dense else {f"base_{weight_format}": BASE_OPS}  # CSV group -> ops
+    ops = (*LORA_OPS, "base") if dense else ("base",)
+    files = tuner.ConfigFiles(
+        Path(out), gpu, ops, lambda g, op: configs.config_file_name(g, op, weight_format)
+    )
 
     def done(s: MoEShape, R: int, T: int, group: str) -> dict[str, OpConfig]:
         R, L = (R, adapters) if group == "lora" else (None, None)
-        return log.choices(GROUP_OPS[group], model=s.name, group=group, T=T, R=R, L=L)
+        return log.choices(known[group], model=s.name, group=group, T=T, R=R, L=L)
 
     jobs = [(s, R, T) for R in ranks for T in tokens for s in shapes]
     for s, R, T in jobs:  # finished work into the files first (resume)
-        for g in GROUP_OPS:
+        for g in known:
             if cfgs := done(s, R, T, g):
                 _put(files, s, T, R, adapters, g, cfgs)
-    weights: dict[tuple[str, int], Any] = {}
+    weights: dict[tuple, Any] = {}
 
     def tune_one(job) -> bool:
         s, R, T = job
-        w = tuner.layer_weights(weights, s, R, adapters, dtype, dev, seed)
-        groups = [g for g in GROUP_OPS if not done(s, R, T, g)]
+        w = tuner.layer_weights(weights, s, R, adapters, dtype, dev, seed, _FORMS[weight_format][0])
+        groups = [g for g in known if not done(s, R, T, g)]
         kw = dict(deadline=t0 + budget_s, max_bms=max_bms, max_cands=max_cands, t0=t0, groups=groups)
-        for g, cfgs in tune_workload(s, T, R, adapters, w, dev, log, **kw).items():
+        for g, cfgs in tune_workload(
+            s, T, R, adapters, w, dev, log, weight_format=weight_format, **kw
+        ).items():
             _put(files, s, T, R, adapters, g, cfgs)
         return True
 
@@ -195,7 +213,7 @@ def tune(models: Sequence[str], ranks: Sequence[int], adapters: int, tokens: Seq
     tuner.run_workloads(
         jobs, log, files, summary, label=lambda j: (j[0].name, j[1], j[2]),
         ids=lambda j: dict(model=j[0].name, R=j[1], L=adapters, T=j[2]),
-        todo=lambda j: any(not done(*j, g) for g in GROUP_OPS), tune=tune_one, deadline=t0 + budget_s, t0=t0,
+        todo=lambda j: any(not done(*j, g) for g in known), tune=tune_one, deadline=t0 + budget_s, t0=t0,
         progress=progress, desc="tuning",
     )  # fmt: skip
     weights.clear()
@@ -226,11 +244,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--ranks", default="32", type=tuner.int_list_type(1), help="ranks (first: copy source)")
     p.add_argument("--copy-ranks", default="", type=tuner.int_list_type(1, allow_empty=True),
                    help="ranks given the first rank's choices (not tuned)")  # fmt: skip
+    p.add_argument(
+        "--weight-format", default="dense", choices=CONFIG_WEIGHT_FORMATS, help="packed: base only"
+    )
     p.set_defaults(max_bms=2, max_cands=6)
     a = p.parse_args(argv)
     args = ([m.strip() for m in a.model.split(",") if m.strip()], a.ranks, a.adapters, a.tokens, a.out, a.csv)
     kw = dict(budget_s=a.budget_s, copy_ranks=a.copy_ranks, device=a.device, dtype=a.dtype, seed=a.seed)
-    kw.update(max_bms=a.max_bms, max_cands=a.max_cands)
+    kw.update(max_bms=a.max_bms, max_cands=a.max_cands, weight_format=a.weight_format)
     try:
         _check_tune_args(*args, **kw, names=tuner.FLAGS)
     except ValueError as e:

@@ -901,9 +901,24 @@ class LoRALinear(ops.OpLayer):
                 self._alloc_buffers()
             ws = self._scratch.gemv_workspace(self.slices)
         lora = (None, None, None) if lora_ids is None else (self.lora_a, self.lora_b, lora_ids)
-        return dense_gemv_lora(
-            x, self.base_weight(), self.bias, *lora, slices=self.slices, config=cfg, workspace=ws
-        )
+        # slots holding no adapter: no LoRA work, as id -1 (checked in the kernel, no extra launch)
+        mask = None if lora_ids is None or all(self._loaded) else self.slot_loaded
+        try:
+            return dense_gemv_lora(
+                x,
+                self.base_weight(),
+                self.bias,
+                *lora,
+                slices=self.slices,
+                config=cfg,
+                workspace=ws,
+                slot_mask=mask,
+            )
+        except BaseException:  # a call cut short (an interrupt under the interpreter) may leave partial sums
+            if ws is not None:
+                ws.partial.zero_()
+                ws.counters.zero_()
+            raise
 
     def activation_scheme_for(self, T: int) -> str:
         """The form the base GEMM runs at T tokens: "dynamic" (W8A8) or "weight_only"

@@ -190,9 +190,34 @@ def _bad(name):
         "workspace_tiles": dict(config=cfg2, workspace=dense_gemv_workspace(8, 64, 2, "cpu")),
         "out_shape": dict(out=torch.empty(T, 63)),
         "device": dict(lora_b=bb.to("meta")),
+        "out_expanded": dict(out=torch.empty(1, 64).expand(T, 64)),
+        "out_is_x": dict(
+            x=torch.zeros(T, 64), weight=torch.zeros(64, 64), lora_a=a.new_zeros(L, 3, R, 64), out="x"
+        ),  # fmt: skip
+        "out_is_workspace": dict(config=cfg2, workspace=_ws, out="ws"),
+        "workspace_expanded": dict(
+            config=cfg2,
+            workspace=DenseGemvWorkspace(torch.zeros(1, 64).expand(8, 64), torch.zeros(8, dtype=torch.int32)),
+        ),
+        "counters_expanded": dict(
+            config=cfg2,
+            workspace=DenseGemvWorkspace(torch.zeros(8, 64), torch.zeros(1, dtype=torch.int32).expand(8)),
+        ),
+        "x_requires_grad": dict(x=x.clone().requires_grad_()),
+        "slot_mask_dtype": dict(slot_mask=torch.ones(L, dtype=torch.int32)),
+        "slot_mask_no_lora": dict(
+            lora_a=None, lora_b=None, lora_ids=None, slot_mask=torch.ones(L, dtype=torch.bool)
+        ),
     }
     kw.update(changes[name])
+    if kw.get("out") == "x":
+        kw["out"] = kw["x"]
+    elif kw.get("out") == "ws":
+        kw["out"] = kw["workspace"].partial[:T]
     return kw
+
+
+_ws = dense_gemv_workspace(8, 64, 8, "cpu")
 
 
 BAD = {
@@ -213,9 +238,17 @@ BAD = {
     "config": "config must be a DenseGemvConfig or None",
     "workspace_type": "workspace must be a DenseGemvWorkspace",
     "workspace_rows": r"workspace.partial must be a float32 tensor \[>= T=4, N_total=64\]",
-    "workspace_tiles": r"workspace.counters must be an int32 tensor \[>= n_tiles=4\]",
+    "workspace_tiles": r"workspace.counters must be a contiguous int32 tensor \[>= n_tiles=4\]",
     "out_shape": r"out must have shape \[T=4, N_total=64\]",
     "device": "lora_b must be on cpu",
+    "out_expanded": "out must have rows of unit stride that do not overlap",
+    "out_is_x": "out must not share memory with x",
+    "out_is_workspace": "out must not share memory with the workspace",
+    "workspace_expanded": "workspace.partial must be a float32 tensor .* of non-overlapping rows",
+    "counters_expanded": "workspace.counters must be a contiguous int32 tensor",
+    "x_requires_grad": "x requires grad: moelora_lib is inference only",
+    "slot_mask_dtype": r"slot_mask must have dtype torch.bool",
+    "slot_mask_no_lora": "slot_mask needs the LoRA arguments",
 }
 
 
@@ -649,3 +682,85 @@ def test_lora_linear_modules_share_one_gemv_workspace_left_zero():
     ws = [v for v in m1._scratch.workspaces.values() if isinstance(v, DenseGemvWorkspace)]
     assert len(ws) == 1 and _is_zero(ws[0])
     assert m1.memory_report()["scratch"] >= ws[0].partial.numel() * 4 + ws[0].counters.numel() * 4
+
+
+# ---- strides, slot masks, the picker's bounds, a call cut short -------------------------------------------
+def test_strided_ids_and_bias_are_read_as_given():
+    # views whose stride is not 1 (a column of a table, every other element, an expanded id): the kernel
+    # reads them through their strides, the result is the contiguous inputs' one
+    T, H, cfg = 4, 96, CONFIGS[1][1]
+    x, w, b, a, bb, _ = _inputs(T, H, THREE, torch.float32)
+    table = torch.tensor([[0, 9], [1, 9], [2, 9], [-1, 9]], dtype=torch.int32)
+    big_bias = torch.stack([b, torch.full_like(b, 1e6)], dim=1)
+    for ids, bias in ((table[:, 0], big_bias[:, 0]), (torch.tensor([2], dtype=torch.int32).expand(T), b)):
+        assert not ids.is_contiguous() or not bias.is_contiguous()
+        ref = lora_linear_reference(x, w, a, bb, ids.contiguous(), slices=THREE, bias=bias.contiguous())
+        y = dense_gemv_lora(x, w, bias, a, bb, ids, slices=THREE, config=cfg)
+        assert rel_err(y, ref) <= 1e-5
+
+
+def test_slot_mask_gives_masked_slots_exactly_the_base():
+    T, H, cfg = 4, 96, CONFIGS[0][1]
+    x, w, b, a, bb, _ = _inputs(T, H, THREE, torch.float32)
+    x[1, 5] = float("inf")  # an inf on a masked slot's token: the base's inf, never inf·0 = NaN
+    ids = torch.tensor([0, 1, -1, 1], dtype=torch.int32)
+    mask = torch.tensor([True, False, True])
+    y = dense_gemv_lora(x, w, b, a, bb, ids, slices=THREE, config=cfg, slot_mask=mask)
+    as_none = dense_gemv_lora(x, w, b, a, bb, torch.tensor([0, -1, -1, -1], dtype=torch.int32), slices=THREE,
+                              config=cfg)  # fmt: skip
+    assert torch.equal(y[~torch.isnan(as_none)], as_none[~torch.isnan(as_none)])
+    assert not torch.isnan(y[1]).any() and torch.isinf(y[1]).any()
+
+
+def test_picker_bounds_and_arguments():
+    # SPLIT_K never above the config's 128, at T = 1 and above, whatever H (Llama-405B's 16384, larger)
+    for T, N, H in ((4, 128, 16384), (1, 128, 65536), (2, 64, 1 << 20)):
+        assert default_dense_gemv_config(T, N, H).SPLIT_K <= 128
+    for bad in ((0,), (), (-64,), (100,), ("a",), 64):
+        with pytest.raises(ValueError, match="slices must be a non-empty tuple"):
+            default_dense_gemv_config(1, 64, 96, slices=bad)
+    with pytest.raises(ValueError, match="block_size_n must be an int >= 1"):
+        dense_gemv_num_tiles((64,), 0)
+    with pytest.raises(ValueError, match="device must be a torch.device"):
+        dense_gemv_workspace(1, 64, 1, "nope")
+    import numpy as np
+
+    cfg = DenseGemvConfig(BLOCK_SIZE_N=np.int64(16), BLOCK_SIZE_K=np.int32(32), SPLIT_K=np.int64(2))
+    assert all(type(v) is int for v in (cfg.BLOCK_SIZE_N, cfg.BLOCK_SIZE_K, cfg.SPLIT_K))
+
+
+def test_lora_linear_zeroes_the_workspace_when_a_call_is_cut_short(monkeypatch):
+    # a GEMV call interrupted mid-kernel (possible under the interpreter) would leave partial sums and
+    # counters in the shared workspace; the module zeroes it before the error propagates
+    import moelora_lib.linear as lin
+
+    m, x, w, b, a, bb = _module(2)
+    ids = torch.tensor([1, 0], dtype=torch.int32)
+    m(x[:2], ids)  # the workspace exists
+
+    def cut_short(*args, workspace=None, **kw):
+        workspace.partial.fill_(3.0)
+        workspace.counters.fill_(1)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(lin, "dense_gemv_lora", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        m(x[:2], ids)
+    monkeypatch.undo()
+    from moelora_lib.kernels.dense_gemv import DenseGemvWorkspace as WS
+
+    assert all(_is_zero(v) for v in m._scratch.workspaces.values() if isinstance(v, WS))
+    y = m(x[:2], ids)
+    assert rel_err(y, lora_linear_reference(x[:2], w, a, bb, ids, slices=THREE, bias=b)) <= 1e-5
+
+
+def test_lora_linear_gemv_skips_slots_that_hold_no_adapter():
+    m, x, w, b, a, bb = _module(1)
+    m.unload_adapter(1)
+    x1 = x[:1].clone()
+    x1[0, 3] = float("inf")
+    ids = torch.tensor([1], dtype=torch.int32)
+    assert m.runs_gemv(1)
+    y = m(x1, ids)
+    base = torch.nn.functional.linear(x1.double(), w.double(), b.double())
+    assert torch.equal(torch.isnan(y), torch.isnan(base)) and torch.equal(torch.isinf(y), torch.isinf(base))

@@ -93,14 +93,15 @@ DENSE_GEMV_MAX_TOKENS = 16
 # kernel
 # --------------------------------------------------------------------------------------------------
 def _dense_gemv_lora_kernel(
-    x_ptr, w_ptr, s_ptr, bias_ptr, a_ptr, b_ptr, ids_ptr, y_ptr, ws_ptr, cnt_ptr,
+    x_ptr, w_ptr, s_ptr, bias_ptr, a_ptr, b_ptr, ids_ptr, mask_ptr, y_ptr, ws_ptr, cnt_ptr,
     T, K, L, R,
-    stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk, stride_bias, stride_id,
     stride_al, stride_as, stride_ar, stride_ak, stride_bl, stride_bn, stride_br,
     stride_ym, stride_yn, stride_wsm,
     SLICE_WIDTHS: tl.constexpr, NUM_SLICES: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr, BLOCK_SIZE_R: tl.constexpr,
     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
+    HAS_MASK: tl.constexpr = False,
     W_FP8: tl.constexpr = False, FP8_BN: tl.constexpr = 1, FP8_BK: tl.constexpr = 1,
 ):  # fmt: skip
     # y[t, tile] of T tokens over K split pid_k (module docstring); tile pid_n lies in slice slice_id.
@@ -128,10 +129,12 @@ def _dense_gemv_lora_kernel(
         s_rows = s_ptr + (tl.minimum(offs_n, col_end - 1) // FP8_BN) * stride_sn
 
     if HAS_LORA:
-        lid = tl.load(ids_ptr + offs_t, mask=t_mask, other=-1)
+        lid = tl.load(ids_ptr + offs_t * stride_id, mask=t_mask, other=-1)
         valid = t_mask & (lid >= 0) & (lid < L)
         bad = t_mask & ((lid < -1) | (lid >= L))
         lid_ld = tl.where(valid, lid, 0)  # clamped before any load
+        if HAS_MASK:  # a slot holding no adapter: no LoRA work, exactly the base (as id -1)
+            valid = valid & (tl.load(mask_ptr + lid_ld, mask=valid, other=0) != 0)
         a_rows = a_ptr + slice_id * stride_as + offs_r[:, None] * stride_ar
     acc = tl.zeros((BLOCK_SIZE_N, BLOCK_T), dtype=tl.float32)
     inter = tl.zeros((BLOCK_SIZE_R, BLOCK_T), dtype=tl.float32)
@@ -193,7 +196,7 @@ def _dense_gemv_lora_kernel(
     if SPLIT_K == 1:
         res = acc
         if HAS_BIAS:
-            res += tl.load(bias_ptr + n_ld).to(tl.float32)[:, None]
+            res += tl.load(bias_ptr + n_ld * stride_bias).to(tl.float32)[:, None]
         if HAS_LORA:
             res = tl.where(bad[None, :], float("nan"), res)
         tl.store(y_ptrs, res.to(y_ptr.dtype.element_ty), mask=out_mask)
@@ -207,7 +210,7 @@ def _dense_gemv_lora_kernel(
         if arrived == SPLIT_K - 1:
             res = tl.load(ws_ptrs, mask=out_mask, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
-                res += tl.load(bias_ptr + n_ld).to(tl.float32)[:, None]
+                res += tl.load(bias_ptr + n_ld * stride_bias).to(tl.float32)[:, None]
             if HAS_LORA:
                 res = tl.where(bad[None, :], float("nan"), res)
             tl.store(y_ptrs, res.to(y_ptr.dtype.element_ty), mask=out_mask)
@@ -262,6 +265,7 @@ class DenseGemvConfig:
         for name, ok, want in checks:
             if not ok:
                 raise ValueError(f"DenseGemvConfig.{name} must be {want}, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, int(getattr(self, name)))  # numpy ints become Python ints
 
     def short(self) -> str:
         """A compact name for result rows: ``n64k128s5w4st1``."""
@@ -272,9 +276,24 @@ class DenseGemvConfig:
         return hidden % (self.BLOCK_SIZE_K * self.SPLIT_K) == 0
 
 
+def _check_slices(slices, n_total: int | None = None) -> tuple[int, ...]:
+    """``slices`` as a tuple of ints; ValueError naming it unless a non-empty tuple/list of ints >= 1
+    (summing to ``n_total`` when given)."""
+    ok = isinstance(slices, (tuple, list)) and slices and all(is_int(n) and n >= 1 for n in slices)
+    if not ok or (n_total is not None and sum(slices) != n_total):
+        total = "" if n_total is None else f" summing to N_total = {n_total}"
+        raise ValueError(
+            f"slices must be a non-empty tuple of output widths (ints >= 1){total}, got {slices!r}"
+        )
+    return tuple(int(n) for n in slices)
+
+
 def dense_gemv_num_tiles(slices: tuple[int, ...], block_size_n: int) -> int:
-    """Column tiles of a launch: Σ_s cdiv(N_s, BLOCK_SIZE_N) (no tile straddles two slices)."""
-    return sum(triton.cdiv(int(n), block_size_n) for n in slices)
+    """Column tiles of a launch: Σ_s cdiv(N_s, BLOCK_SIZE_N) (no tile straddles two slices). ValueError
+    naming the argument for bad slices or a block_size_n < 1."""
+    if not is_int(block_size_n) or block_size_n < 1:
+        raise ValueError(f"block_size_n must be an int >= 1, got {block_size_n!r}")
+    return sum(triton.cdiv(n, int(block_size_n)) for n in _check_slices(slices))
 
 
 def _pow2_divisor(n: int) -> int:
@@ -322,7 +341,7 @@ def default_dense_gemv_config(
             f"block_k must be None (a dense weight) or the FP8 scale block's columns, an int multiple of 16, "
             f"got {block_k!r}"
         )
-    slices = (int(n_total),) if slices is None else tuple(int(n) for n in slices)
+    slices = (int(n_total),) if slices is None else _check_slices(slices, n_total)
     bk0 = 128 if T <= 2 else 64
     if block_k is not None:
         bk0 = min(bk0, _pow2_divisor(int(block_k)))
@@ -332,9 +351,9 @@ def default_dense_gemv_config(
         bn = 32
     tiles = dense_gemv_num_tiles(slices, bn)
 
-    def max_split(bk: int) -> int:  # at T = 1 every split keeps two K tiles or more
+    def max_split(bk: int) -> int:  # at T = 1 every split keeps two K tiles or more; 128 at most
         k_tiles = triton.cdiv(hidden, bk)
-        return max(1, k_tiles // 2) if T == 1 else k_tiles
+        return min(128, max(1, k_tiles // 2) if T == 1 else k_tiles)
 
     def need(bk: int) -> int:
         return min(max(1, math.ceil(target / tiles)), max_split(bk))
@@ -373,7 +392,10 @@ def dense_gemv_workspace(max_tokens: int, n_total: int, n_tiles: int, device) ->
     for name, v in (("max_tokens", max_tokens), ("n_total", n_total), ("n_tiles", n_tiles)):
         if not is_int(v) or v < 1:
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device must be a torch.device or a device string, got {device!r}") from e
     return DenseGemvWorkspace(
         torch.zeros((max_tokens, n_total), dtype=torch.float32, device=dev),
         torch.zeros((n_tiles,), dtype=torch.int32, device=dev),
@@ -383,12 +405,20 @@ def dense_gemv_workspace(max_tokens: int, n_total: int, n_tiles: int, device) ->
 # --------------------------------------------------------------------------------------------------
 # launcher
 # --------------------------------------------------------------------------------------------------
-def _check_inputs(x, weight, bias, lora_a, lora_b, lora_ids, slices, out) -> dict:
+def _storage(t) -> int | None:
+    return t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) and t.device.type != "meta" else None
+
+
+def _check_inputs(x, weight, bias, lora_a, lora_b, lora_ids, slices, out, slot_mask=None) -> dict:
     """Sizes of a :func:`dense_gemv_lora` call (T, H, N, L, S, R, slices, has_lora); ValueError naming the
     argument otherwise."""
-    from ..common import check_tensor
+    from ..common import check_no_grad, check_tensor
 
     dt, dev = check_activations("x", x, _KERNEL)
+    w = weight.weight if isinstance(weight, FP8BlockWeight) else weight
+    check_no_grad(
+        ("x", x), ("weight", w), ("bias", bias), ("lora_a", lora_a), ("lora_b", lora_b), ("out", out)
+    )
     T, H = x.shape
     if not 1 <= T <= DENSE_GEMV_MAX_TOKENS:
         raise ValueError(f"x: T = {T} tokens must be in [1, {DENSE_GEMV_MAX_TOKENS}] (decode sizes)")
@@ -419,17 +449,7 @@ def _check_inputs(x, weight, bias, lora_a, lora_b, lora_ids, slices, out) -> dic
     else:
         N = weight.shape[0]
         check_tensor("weight", weight, (("N_total", N), ("H", H)), (dt,), dev, " (like x)", like="x")
-    if (
-        not isinstance(slices, (tuple, list))
-        or not slices
-        or not all(is_int(n) and n >= 1 for n in slices)
-        or sum(slices) != N
-    ):
-        raise ValueError(
-            f"slices must be a non-empty tuple of output widths (ints >= 1) summing to N_total = "
-            f"weight.shape[0] = {N}, got {slices!r}"
-        )
-    slices = tuple(int(n) for n in slices)
+    slices = _check_slices(slices, N)
     S = len(slices)
     if bias is not None:
         check_tensor("bias", bias, (("N_total", N),), (dt,), dev, " (like x)", like="x")
@@ -449,8 +469,21 @@ def _check_inputs(x, weight, bias, lora_a, lora_b, lora_ids, slices, out) -> dic
             "lora_b", lora_b, (("L", L), ("N_total", N), ("R", R)), (dt,), dev, " (like x)", like="x"
         )
         check_tensor("lora_ids", lora_ids, (("T", T),), (torch.int32, torch.int64), dev, like="x")
+        if slot_mask is not None:
+            check_tensor("slot_mask", slot_mask, (("L", L),), (torch.bool,), dev, like="x")
+            if slot_mask.stride(0) != 1:
+                raise ValueError(f"slot_mask must be contiguous, got stride {slot_mask.stride()}")
+    elif slot_mask is not None:
+        raise ValueError("slot_mask needs the LoRA arguments (lora_a, lora_b, lora_ids)")
     if out is not None:
         check_tensor("out", out, (("T", T), ("N_total", N)), (dt,), dev, " (like x)", like="x")
+        if out.stride(1) != 1 or (T > 1 and out.stride(0) < N):
+            raise ValueError(
+                f"out must have rows of unit stride that do not overlap, got strides {out.stride()}"
+            )
+        inputs = (x, w, bias, lora_a, lora_b, lora_ids)
+        if _storage(out) is not None and any(_storage(t) == _storage(out) for t in inputs if t is not None):
+            raise ValueError("out must not share memory with x, weight, bias or the LoRA arguments")
     return dict(T=T, H=H, N=N, L=L, S=S, R=R, slices=slices, has_lora=has_lora)
 
 
@@ -481,10 +514,12 @@ def _check_workspace(workspace, T: int, N: int, n_tiles: int, split_k: int, devi
         and p.dtype == torch.float32
         and p.device == device
         and p.stride(1) == 1
+        and (p.shape[0] == 1 or p.stride(0) >= N)
     ):
         raise ValueError(
-            f"workspace.partial must be a float32 tensor [>= T={T}, N_total={N}] with unit column stride on "
-            f"{device}, got {_desc(p)}"
+            f"workspace.partial must be a float32 tensor [>= T={T}, N_total={N}] of non-overlapping rows "
+            f"with unit column stride on {device}, got {_desc(p)}"
+            + (f", strides {p.stride()}" if isinstance(p, torch.Tensor) else "")
         )
     if not (
         isinstance(c, torch.Tensor)
@@ -492,18 +527,21 @@ def _check_workspace(workspace, T: int, N: int, n_tiles: int, split_k: int, devi
         and c.numel() >= n_tiles
         and c.dtype == torch.int32
         and c.device == device
+        and c.stride(0) == 1
     ):
         raise ValueError(
-            f"workspace.counters must be an int32 tensor [>= n_tiles={n_tiles}] on {device}, got {_desc(c)}"
+            f"workspace.counters must be a contiguous int32 tensor [>= n_tiles={n_tiles}] on {device}, got "
+            f"{_desc(c)}"
         )
 
 
 def dense_gemv_args(x, weight, bias, lora_a, lora_b, lora_ids, out, workspace, config: DenseGemvConfig, *,
-                    slices: tuple[int, ...]) -> tuple[tuple, tuple, dict]:  # fmt: skip
+                    slices: tuple[int, ...], slot_mask=None) -> tuple[tuple, tuple, dict]:  # fmt: skip
     """``(grid, args, constexprs)`` of one :func:`dense_gemv_lora` launch for checked inputs; allocates and
     launches nothing (meta tensors work: the single source of the launch arguments, shared with compile-only
     checks). ``lora_a``/``lora_b``/``lora_ids`` None: the base GEMV alone; ``workspace`` None: SPLIT_K 1;
-    ``weight`` an :class:`~moelora_lib.quant.FP8BlockWeight`: its codes and scale grid (W_FP8)."""
+    ``weight`` an :class:`~moelora_lib.quant.FP8BlockWeight`: its codes and scale grid (W_FP8);
+    ``slot_mask`` a bool [L] (HAS_MASK) or None."""
     T, H = x.shape
     if isinstance(weight, FP8BlockWeight):
         w, sc = weight.weight, weight.scale_inv
@@ -523,15 +561,18 @@ def dense_gemv_args(x, weight, bias, lora_a, lora_b, lora_ids, out, workspace, c
         L, R = 0, 1
         lora_a = lora_b = lora_ids = x  # never read (HAS_LORA False)
         a_str, b_str = (0, 0, 0, 0), (0, 0, 0)
+    has_mask = has_lora and slot_mask is not None
+    mask = slot_mask.view(torch.uint8) if has_mask else x  # never read without HAS_MASK
     if config.SPLIT_K > 1:
         ws, cnt = workspace.partial, workspace.counters
     else:
         ws, cnt = out, out  # never touched (SPLIT_K 1 stores directly)
     grid = (dense_gemv_num_tiles(slices, config.BLOCK_SIZE_N), config.SPLIT_K)
     args = (
-        x, w, sc, bias if has_bias else x, lora_a, lora_b, lora_ids, out, ws, cnt,
+        x, w, sc, bias if has_bias else x, lora_a, lora_b, lora_ids, mask, out, ws, cnt,
         T, H, L, R,
-        x.stride(0), x.stride(1), w.stride(0), w.stride(1), *s_str, *a_str, *b_str,
+        x.stride(0), x.stride(1), w.stride(0), w.stride(1), *s_str,
+        bias.stride(0) if has_bias else 0, lora_ids.stride(0) if has_lora else 0, *a_str, *b_str,
         out.stride(0), out.stride(1), ws.stride(0) if config.SPLIT_K > 1 else 0,
     )  # fmt: skip
     constexprs = dict(
@@ -545,6 +586,7 @@ def dense_gemv_args(x, weight, bias, lora_a, lora_b, lora_ids, out, workspace, c
         EVEN_K=config.even_k(H),
         HAS_BIAS=has_bias,
         HAS_LORA=has_lora,
+        HAS_MASK=has_mask,
         **fp8,
     )
     return grid, args, constexprs
@@ -562,6 +604,7 @@ def dense_gemv_lora(
     config: DenseGemvConfig | None = None,
     workspace: DenseGemvWorkspace | None = None,
     out: torch.Tensor | None = None,
+    slot_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A dense multi-LoRA projection of a few tokens in one launch (module docstring):
     ``y[t] = x[t]·Wᵀ (+ bias) + Σ_s B_s[a_t]·(A_s[a_t]·x[t])``, a_t = lora_ids[t].
@@ -586,7 +629,11 @@ def dense_gemv_lora(
         workspace: a :class:`DenseGemvWorkspace` (:func:`dense_gemv_workspace`) with at least T rows, N_total
             columns and :func:`dense_gemv_num_tiles` counters; needed when SPLIT_K > 1 (None: one is
             allocated for this call). All zero before the call and left all zero by it.
-        out: optional [T, N_total] of x's dtype to write into.
+        out: optional [T, N_total] of x's dtype to write into (unit column stride, rows not overlapping, no
+            memory shared with the inputs or the workspace).
+        slot_mask: optional bool [L] on x's device (with the LoRA arguments): a token whose slot is False
+            gets no LoRA work, exactly as id -1 (a slot that holds no adapter: its zero factors would still
+            turn an inf of x into NaN).
     Returns:
         y [T, N_total] in x's dtype (``out`` when given). Rows of tokens with id -1 are the base GEMV's
         (fp32 accumulation, not bitwise cuBLAS's). With an FP8 weight: equal to the dense call on
@@ -595,12 +642,14 @@ def dense_gemv_lora(
         ValueError naming the argument: not a tensor, shape (in the shape letters), dtype, device, T outside
         [1, DENSE_GEMV_MAX_TOKENS], slices not summing to N_total, LoRA arguments not all given or all None,
         a config that is not a DenseGemvConfig (or, FP8 weight, whose BLOCK_SIZE_K does not divide
-        ``weight.block[1]``), a workspace too small, bfloat16 on the CPU.
+        ``weight.block[1]``), a workspace too small or of overlapping rows, an ``out`` that overlaps itself,
+        an input or the workspace, an input that requires grad while grad mode is on, bfloat16 on the CPU.
+        Any stride of x, weight, bias, the LoRA tensors and lora_ids is read as given.
 
     Precision: fp32 accumulation and intermediate, one rounding to x's dtype; split-K adds partial tiles with
     fp32 atomics in a hardware-chosen order (not bitwise repeatable across runs when SPLIT_K > 1).
     """
-    d = _check_inputs(x, weight, bias, lora_a, lora_b, lora_ids, slices, out)
+    d = _check_inputs(x, weight, bias, lora_a, lora_b, lora_ids, slices, out, slot_mask)
     block_k = weight.block[1] if isinstance(weight, FP8BlockWeight) else None
     if config is None:
         config = default_dense_gemv_config(d["T"], d["N"], d["H"], slices=d["slices"], block_k=block_k)
@@ -613,10 +662,25 @@ def dense_gemv_lora(
             workspace = dense_gemv_workspace(d["T"], d["N"], n_tiles, x.device)
         else:
             _check_workspace(workspace, d["T"], d["N"], n_tiles, config.SPLIT_K, x.device)
+            if out is not None and _storage(out) in (
+                _storage(workspace.partial),
+                _storage(workspace.counters),
+            ):
+                raise ValueError("out must not share memory with the workspace")
     if out is None:
         out = torch.empty((d["T"], d["N"]), dtype=x.dtype, device=x.device)
     grid, args, cx = dense_gemv_args(
-        x, weight, bias, lora_a, lora_b, lora_ids, out, workspace, config, slices=d["slices"]
+        x,
+        weight,
+        bias,
+        lora_a,
+        lora_b,
+        lora_ids,
+        out,
+        workspace,
+        config,
+        slices=d["slices"],
+        slot_mask=slot_mask,
     )
     _KERNEL[grid](*args, **cx, num_warps=config.NUM_WARPS, num_stages=config.NUM_STAGES)
     return out

@@ -118,8 +118,6 @@ __all__ = [
     "StepAlignments",
 ]
 
-_FLOAT_DTYPES = KERNEL_DTYPES
-
 
 # --------------------------------------------------------------------------------------------------
 # validation
@@ -157,7 +155,7 @@ def _check_values(lora_ids: torch.Tensor, L: int) -> None:
 
 def _check_dense_weight_dtype(weight: torch.Tensor) -> None:
     """A float8 tensor as ``weight`` is refused by name: without its block scales it is not the weight."""
-    if weight.dtype not in _FLOAT_DTYPES:
+    if weight.dtype not in KERNEL_DTYPES:
         hint = (
             " (FP8 codes need their block scales: pass FP8BlockWeight(weight, scale_inv, block))"
             if weight.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -883,7 +881,10 @@ class LoRALinear(ops.OpLayer):
         """Whether a call of T tokens (``lora``: with LoRA launches, i.e. an active slot covers the call)
         runs as the one-launch decode GEMV (:meth:`gemv_config_for`) rather than the base GEMM plus the
         stage's LoRA launches: T ≤ ``gemv_max_tokens`` and, dense weight, ``lora``; FP8 weight, the
-        weight-only form at T (see the constructor's ``gemv_max_tokens``). Host-side, no sync."""
+        weight-only form at T (see the constructor's ``gemv_max_tokens``). Host-side, no sync. ValueError
+        naming T for a T that is not an int >= 0."""
+        if not is_int(T) or T < 0:
+            raise ValueError(f"T must be an int >= 0, got {T!r}")
         if not 0 < T <= self._gemv_max_tokens:
             return False
         if self.weight_format == "fp8":
@@ -915,7 +916,7 @@ class LoRALinear(ops.OpLayer):
                 slot_mask=mask,
             )
         except BaseException:  # a call cut short (an interrupt under the interpreter) may leave partial sums
-            if ws is not None:
+            if ws is not None and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
                 ws.partial.zero_()
                 ws.counters.zero_()
             raise

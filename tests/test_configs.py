@@ -445,7 +445,7 @@ def test_a_packed_form_reads_its_own_files_where_they_exist(tmp_path):
     _write_base(folder, "dense", 128, stage="tuned")
     _write_base(folder, "mxfp4", 256, stage="fused")
     mx = load(folder, weight_format="mxfp4")
-    assert mx.base_gate_up.BLOCK_SIZE_N == 256 and mx.source.endswith("; base=mxfp4")
+    assert mx.base_gate_up.BLOCK_SIZE_N == 256 and mx.source.endswith("; base=file(mxfp4)")
     assert mx.gate_up_shrink == load(folder).gate_up_shrink  # the LoRA ops: one file for every form
     dense = load(folder)
     assert dense.base_gate_up.BLOCK_SIZE_N == 128 and "base=" not in dense.source
@@ -454,6 +454,12 @@ def test_a_packed_form_reads_its_own_files_where_they_exist(tmp_path):
     fused = configs.load_fused_config(dims(weight_format="mxfp4"), folder=folder, gpu_name=GPU)
     assert fused.base_gate_up.BLOCK_SIZE_N == 256 and fused.source.endswith("; fused=file(mxfp4)")
     assert configs.load_fused_config(dims(), folder=folder, gpu_name=GPU).source.endswith("; fused=file")
+    # a form's file configures only the layers it holds exactly: another (E, N, K) takes the dense entry
+    other = load(folder, weight_format="mxfp4", E=5)
+    assert other.base_gate_up.BLOCK_SIZE_N == 128 and "base=file(" not in other.source
+    assert (
+        configs.load_stage_choice(dims(weight_format="mxfp4", H=100), folder=folder, gpu_name=GPU) == "tuned"
+    )
     # stage auto's choice follows the form's file
     assert configs.load_stage_choice(dims(weight_format="mxfp4"), folder=folder, gpu_name=GPU) == "fused"
     assert configs.load_stage_choice(dims(), folder=folder, gpu_name=GPU) == "tuned"
@@ -491,3 +497,19 @@ def test_a_layer_looks_up_the_form_its_weights_run_at_each_T(tmp_path, monkeypat
     for layer, want in ((mx2, 128), (MoELoRALayer(w13, w2, **kw), 32)):
         cfg = layer.config_for(1)
         assert cfg.base_gate_up.BLOCK_SIZE_N == want, (layer.weight_format, cfg)
+    # an FP8 layer (scheme "auto") reads the weight-only file below W8A8_MIN_TOKENS and the W8A8 one from it
+    for fmt, bn in (("fp8", 64), ("fp8_w8a8", 256)):
+        data = {}
+        for T in (1, 64):
+            entry = {"base_gate_up": leaf(16, BLOCK_SIZE_N=bn), "base_down": leaf(16, BLOCK_SIZE_N=bn)}
+            configs.set_entry(
+                data, configs.base_keys(Dims(T=T, H=H, I=I, E=E, top_k=2, adapters=2, rank=16)), entry
+            )
+        configs.save_config_file(folder / configs.config_file_name("cpu", "base", fmt), data)
+    configs.clear_cache()
+    fp8b = MoELoRALayer(FP8BlockWeight.quantize(w13, (32, 32)), FP8BlockWeight.quantize(w2, (32, 32)), **kw)
+    kw64 = dict(kw, max_tokens=W8A8_MIN_TOKENS)
+    fp8c = MoELoRALayer(FP8BlockWeight.quantize(w13, (32, 32)), FP8BlockWeight.quantize(w2, (32, 32)), **kw64)
+    assert fp8b.config_for(1).base_gate_up.BLOCK_SIZE_N == 64
+    assert fp8c.config_for(W8A8_MIN_TOKENS).base_gate_up.BLOCK_SIZE_N == 256
+    assert fp8c.config_for(1).base_gate_up.BLOCK_SIZE_N == 64

@@ -59,9 +59,20 @@ def test_tiny_tune_writes_a_file_the_loader_reads(tmp_path):
 def test_packed_tune_writes_its_forms_base_file_only(tmp_path, fmt):
     # packed experts: the base GEMMs tuned on them into the form's own base file; the LoRA ops (one file for
     # every form) untouched; CSV group base_<form>; a dense lookup never reads the packed file
+    from moelora_lib.studies import tuner
+
     out, csv_path = tmp_path / "cfg", tmp_path / "trials.csv"
     kw = dict(device="cpu", max_bms=1, max_cands=2, progress=False, weight_format=fmt)
-    s = tuning.tune(["tiny"], [16], 2, [3], out, csv_path, **kw)
+    timers, real = [], tuner.graph_timer  # each candidate is timed as the layer would launch it
+    tuner.graph_timer = lambda run, device, adapt: timers.append((run, adapt)) or real(run, device, adapt)
+    try:
+        s = tuning.tune(["tiny"], [16], 2, [3], out, csv_path, **kw)
+    finally:
+        tuner.graph_timer = real
+    run, adapt = timers[0]
+    assert type(run.w13).__name__ == ("MXFP4Weight" if fmt == "mxfp4" else "FP8BlockWeight")
+    want_k = {"mxfp4": 32, "fp8_w8a8": 64}[fmt]  # W8A8 doubles a 16-bit tile's K step (w8a8_config)
+    assert adapt("base_gate_up", OpConfig(BLOCK_SIZE_K=32)).BLOCK_SIZE_K == want_k
     assert s["tuned"] == [("tiny", 16, 3)]
     assert sorted(p.name for p in out.iterdir()) == [configs.config_file_name("cpu", "base", fmt)]
     rows = rows_of(csv_path)
@@ -72,7 +83,11 @@ def test_packed_tune_writes_its_forms_base_file_only(tmp_path, fmt):
         warnings.simplefilter("ignore")  # no LoRA files in this folder: those fall back to the defaults
         cfg = configs.load_layer_config(d, folder=out, gpu_name="cpu")
         assert (cfg.base_gate_up, cfg.base_down) == (chosen["base_gate_up"], chosen["base_down"])
-        assert cfg.source.endswith(f"; lora=default; base={fmt}")
+        assert cfg.source.endswith(f"; lora=default; base=file({fmt})")
+        dense = configs.load_layer_config(
+            Dims.of(get_shape("tiny"), 3, rank=16, adapters=2), folder=out, gpu_name="cpu"
+        )
+        assert dense.source == "default"  # the packed file never configures dense experts
     assert tuning.tune(["tiny"], [16], 2, [3], out, csv_path, **kw)["tuned"] == []  # resumable
 
 
@@ -161,6 +176,7 @@ def test_tuning_cli_rejects_bad_paths_and_devices(tmp_path, capsys):
         (dict(device="tpu"), "device"),
         (dict(seed="a"), "seed"),
         (dict(weight_format="int4"), "weight_format"),
+        (dict(weight_format="mxfp4", copy_ranks=[32]), "copy_ranks"),
     ],
 )
 def test_tune_api_rejects_bad_arguments(tmp_path, kw, name):

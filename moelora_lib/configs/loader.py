@@ -9,7 +9,12 @@ Nearest entries are looked up independently in the four LoRA files, so mixing wo
 different BLOCK_SIZE_M to the four ops: that raises (the four ops share one alignment). The returned
 ``LayerConfig.source`` says where the config came from (``folder:/p``, ``env:/p``,
 ``shipped:NVIDIA_H200`` or ``default``, with ``; lora=default`` / ``; base=default`` when one group
-fell back, and `` (mapped from <gpu>)`` when :func:`map_gpu_name` chose the GPU name).
+fell back, ``; base=file(<form>)`` when packed experts took their form's own file, and
+`` (mapped from <gpu>)`` when :func:`map_gpu_name` chose the GPU name).
+
+Packed experts (:attr:`~moelora_lib.shapes.Dims.weight_format` other than "dense") read the base and
+fused entries of their form's files (``<gpu>_FUSED_MOE_BASE_<FORM>.json``, ...) where those hold the
+layer's exact (E, N, K), the dense files otherwise; the LoRA files serve every form.
 
 Other GPU names: the GPU name must match a folder (shipped) or the file names (explicit / env folder)
 exactly; "NVIDIA H200 NVL" or "NVIDIA H20-3e" are *not* treated as "NVIDIA H200" (different chips,
@@ -184,7 +189,8 @@ def _warn_once(folder: str, op: str, why: str, then: str | None = None) -> None:
 
 def _gpus_in(folder: Path) -> list[str]:
     """GPU names that have a base or LoRA config file in ``folder``."""
-    parts = (BASE_FILE_OP, *LORA_FILE_OPS.values())
+    forms = [f"{BASE_FILE_OP}_{f.upper()}" for f in CONFIG_WEIGHT_FORMATS if f != "dense"]
+    parts = (BASE_FILE_OP, *forms, *LORA_FILE_OPS.values())
     names = set()
     for p in folder.glob("*_FUSED_MOE_*.json"):
         for part in parts:
@@ -289,30 +295,37 @@ def _lora_group(folder: Path, gpu: str, dims: Dims) -> dict[str, OpConfig] | Non
     return found
 
 
-def _base_path(folder: Path, gpu: str, dims: Dims, op: str) -> Path:
-    """The base or fused file (``op``) a lookup of ``dims`` reads: that of ``dims.weight_format`` where the
-    folder has it, else the dense one."""
-    if dims.weight_format != "dense":
-        own = folder / config_file_name(gpu, op, dims.weight_format)
-        if own.is_file():
-            return own
-    return folder / config_file_name(gpu, op)
+def _form_entry(folder: Path, gpu: str, dims: Dims, op: str) -> dict | None:
+    """The parsed entry for ``dims`` in the ``op`` file ("base" or "fused") of the packed form
+    ``dims.weight_format``, or None: a dense form, no such file, or no entry for exactly this layer's
+    (E, N, K) in it (a form tuned for one model never configures another; T takes the nearest bucket)."""
+    if dims.weight_format == "dense":
+        return None
+    path = folder / config_file_name(gpu, op, dims.weight_format)
+    if not path.is_file():
+        return None
+    st = path.stat()
+    data, parsed = _load_cached(str(path), st.st_mtime_ns, st.st_size, BASE_DEPTH, op)
+    hit = lookup(data, base_keys(dims), exact_levels=(0, 1, 2))
+    return None if hit is None else parsed[hit[0]]
 
 
 def _form_label(folder: Path, gpu: str, dims: Dims, op: str) -> str:
-    """``"(<weight_format>)"`` when a lookup of ``dims`` reads the packed form's own ``op`` file, else ""."""
-    dense = folder / config_file_name(gpu, op)
-    return "" if _base_path(folder, gpu, dims, op) == dense else f"({dims.weight_format})"
+    """``"(<weight_format>)"`` when a lookup of ``dims`` takes the packed form's own ``op`` entry, else ""."""
+    return "" if _form_entry(folder, gpu, dims, op) is None else f"({dims.weight_format})"
 
 
 def _base_group(
     folder: Path, gpu: str, dims: Dims, op: str = "base", then: str | None = None, *, warn: bool = True
 ) -> dict[str, OpConfig] | None:
     """The entry for ``dims`` of a file keyed like the base file (``op`` "base", or "fused": stage
-    ``fused``'s GEMMs) — the file of ``dims.weight_format`` where the folder has it, else the dense one —
-    None when it is missing: with one warning (``then``: what happens instead), or silently with
+    ``fused``'s GEMMs): the packed form's own entry (:func:`_form_entry`), else the dense file's; None when
+    that file is missing: with one warning (``then``: what happens instead), or silently with
     ``warn=False``."""
-    path = _base_path(folder, gpu, dims, op)
+    own = _form_entry(folder, gpu, dims, op)
+    if own is not None:
+        return own
+    path = folder / config_file_name(gpu, op)
     if not path.is_file():
         if warn:
             _warn_once(str(folder), op, f"no file {path}", then)
@@ -338,7 +351,8 @@ def load_fused_config(
     :mod:`moelora_lib.studies.fused_tuning`); without that file (one :class:`TunedConfigWarning`) they
     are derived from the tuned base GEMMs (:func:`~moelora_lib.configs.defaults.fused_gemm_configs`).
     With no tuned file at all (e.g. the CPU): :func:`~moelora_lib.configs.defaults.fused_default_config`.
-    ``source`` ends in ``; fused=file``, ``; fused=derived`` or is ``default:fused``.
+    ``source`` ends in ``; fused=file`` (``; fused=file(<form>)`` from a packed form's own file: module
+    docstring), ``; fused=derived`` or is ``default:fused``.
     """
     dims = check_dims("load_fused_config: dims", dims)
     _check_source_args(folder, gpu_name)
@@ -574,8 +588,8 @@ def _resolve_layer_config(dims: Dims, folder, gpu_name: str | None) -> LayerConf
     if lora is None and base is None:
         return dflt  # source "default"
     source = label + ("; lora=default" if lora is None else "") + ("; base=default" if base is None else "")
-    if base is not None and _form_label(where, gpu, dims, "base"):
-        source += f"; base={dims.weight_format}"
+    form = _form_label(where, gpu, dims, "base") if base is not None else ""
+    source += f"; base=file{form}" if form else ""
     changes: dict[str, Any] = {"source": source}
     changes.update(lora or {})
     changes.update(base or {})

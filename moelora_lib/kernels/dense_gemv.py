@@ -45,9 +45,10 @@ ValueError naming ``config``), so a K tile lies in one scale column and its scal
 gather. Ragged N and K edges need nothing more: loaded rows are clamped into the weight (so into the
 scale grid's last block row) and a K tile starts below H (so in the grid's last block column).
 
-Ids: tokens with id -1 skip the LoRA work; tokens whose id is outside [-1, L) get a NaN row (written by
-the program that finalizes the tile), never an out-of-bounds read (ids are clamped before any load and
-their A/B loads are masked off). Adapter slots no token uses are never read, so NaN there stays there.
+Ids: tokens with id -1 skip the LoRA work, as do tokens whose slot the optional ``slot_mask`` marks
+empty; tokens whose id is outside [-1, L) get a NaN row (written by the program that finalizes the tile),
+never an out-of-bounds read (ids are clamped before any load and their A/B loads are masked off). Adapter
+slots no token uses are never read, so NaN there stays there.
 
 Precision: fp32 accumulation of the base and the LoRA part, the rank intermediate kept in fp32 and
 multiplied with B in fp32, one rounding to x's dtype at the end; with SPLIT_K > 1 the fp32 atomic adds
@@ -316,15 +317,15 @@ def default_dense_gemv_config(
 
     BLOCK_SIZE_N 64 (32 when 64-column tiles give fewer than ``num_sms`` programs even split over K);
     BLOCK_SIZE_K 128 for T ≤ 2, 64 above (a program holds next_pow2(T) output and rank accumulators per
-    row of its tile); SPLIT_K the smallest that gives at least 4·num_sms programs at T = 1 and 2·num_sms
+    row of its tile); SPLIT_K the smallest that gives about 4·num_sms programs at T = 1 and 2·num_sms
     above (a lone token's program streams its tile with little arithmetic per byte: more bytes in flight
-    per SM pay until the splits' reduction does not), never more than the K tiles (half of them at T = 1:
-    two K tiles or more per program). Where that split
-    leaves a ragged K loop, the first SPLIT_K up to twice the need with H % (BLOCK_SIZE_K·SPLIT_K) == 0 is
-    taken instead (unmasked loads); above T = 1 BLOCK_SIZE_K is also halved down to 32 in that search,
-    at T = 1 it stays 128 and the K loop stays ragged when no split divides (128-wide K tiles measured
-    faster than an even loop of 64-wide ones there). The rule follows the sweep of
-    data/dev/probes/dense_gemv_probe.py (data/dev/h100_20261207_dense_gemv/).
+    per SM pay until the splits' reduction does not), capped at the K tiles (half of them at T = 1: two
+    K tiles or more per program) and at 128. Where that split leaves a ragged K loop, the first SPLIT_K up
+    to twice the need with H % (BLOCK_SIZE_K·SPLIT_K) == 0 is taken instead (unmasked loads); above T = 1
+    BLOCK_SIZE_K is also halved down to 32 in that search; at T = 1 it stays 128 and, when no split
+    divides, the K loop stays ragged with the split shrunk to the splits that hold a K tile (fewer than
+    4·num_sms programs then: 128-wide K tiles beat an even loop of 64-wide ones on the projections swept,
+    docs/perf_notes.md, "Dense projections at decode in one launch").
     ``block_k``: the scale block's columns of a block-FP8 weight (None: a dense weight); every BLOCK_SIZE_K
     considered is then also capped at the largest power of two dividing it (and the halving stops there
     when that is below 32), so BLOCK_SIZE_K divides ``block_k`` and a K tile reads one scale column.

@@ -520,7 +520,7 @@ class LayerRun:
 
     @property
     def dims(self) -> Dims:
-        """The sizes of this call (T, H, I, E, top_k, adapters, rank, slices)."""
+        """The sizes of this call (T, H, I, E, top_k, adapters, rank, slices) and its experts' form."""
         a13 = self.lora[0]
         return Dims(
             T=self.T,

@@ -124,14 +124,9 @@ def packed_weights(
     in format ``experts`` and the attention / dense-MLP projections in format ``projections`` (MXFP4 or block
     FP8 with ``fp8_block``, quantized a few experts or block rows at a time). ``dequantize``: each quantized
     weight dequantized exactly back to the requested dtype instead. ValueError for an unknown format."""
-    from .moe_bench import quantize_experts, quantize_fp8_weight
+    from .moe_bench import quantize_to
 
     _check_formats(experts, projections)
-
-    def quantize(w: torch.Tensor, fmt: str):
-        if fmt == "mxfp4":
-            return quantize_experts(w)
-        return quantize_fp8_weight(w, block=fp8_block) if fmt == "fp8" else w
 
     def wrapped(name: str, shape: tuple[int, ...], *, kind: str, dtype: torch.dtype, device):
         w = source(name, shape, kind=kind, dtype=dtype, device=device)
@@ -142,7 +137,7 @@ def packed_weights(
             fmt = projections
         if fmt == "dense":
             return w
-        q = quantize(w, fmt)
+        q = quantize_to(w, fmt, fp8_block)
         return q.dequantize(dtype) if dequantize else q
 
     wrapped.is_random = getattr(source, "is_random", False)  # type: ignore[attr-defined]

@@ -30,6 +30,7 @@ from ..common import DTYPES, dtype_name
 from ..hardware import H200_BF16_TFLOPS, H200_FP8_TFLOPS
 from ..kernels import STAGES, LayerConfig, default_config
 from ..kernels.config import BASE_OPS, LORA_OPS
+from ..kernels.stages import config_weight_format
 from ..quant.fp8 import FP8_BLOCK, FP8BlockWeight, quantize_fp8_block
 from ..quant.mxfp4 import MXFP4_BLOCK, MXFP4Weight, quantize_mxfp4
 from ..reference import moe_lora_reference
@@ -272,11 +273,15 @@ def quantize_fp8_weight(
     return FP8BlockWeight(q.view(*lead, N, K), sc.view(*lead, *sc.shape[1:]), tuple(block))
 
 
-def weight_format(w) -> str:
-    """The :data:`WEIGHT_FORMATS` name of an expert weight."""
-    if isinstance(w, MXFP4Weight):
-        return "mxfp4"
-    return "fp8" if isinstance(w, FP8BlockWeight) else "dense"
+#: The :data:`WEIGHT_FORMATS` name of an expert weight (``weight_format(w)``).
+weight_format = config_weight_format
+
+
+def quantize_to(w: torch.Tensor, fmt: str, fp8_block: tuple[int, int] = FP8_BLOCK):
+    """A dense expert (or projection) weight in format ``fmt`` (:data:`WEIGHT_FORMATS`; "dense": ``w``)."""
+    if fmt == "mxfp4":
+        return quantize_experts(w)
+    return quantize_fp8_weight(w, block=fp8_block) if fmt == "fp8" else w
 
 
 def weight_format_of(inp: MoELoRAInputs) -> str:
@@ -299,9 +304,7 @@ def with_weight_format(
             return w
         if weight_format(w) != "dense":
             w = w.dequantize(dt)  # exact, cast once
-        if fmt == "mxfp4":
-            return quantize_experts(w)
-        return quantize_fp8_weight(w, block=fp8_block) if fmt == "fp8" else w
+        return quantize_to(w, fmt, fp8_block)
 
     w13, w2 = conv(inp.w13), conv(inp.w2)
     return inp if (w13 is inp.w13 and w2 is inp.w2) else dataclasses.replace(inp, w13=w13, w2=w2)

@@ -165,13 +165,13 @@ def host_breakdown_rows(
 
     check_stage_name(stage)
     sh = _shape(shape)
-    L, S, R = inp.lora_a13.shape[0], inp.lora_a13.shape[2], inp.lora_a13.shape[3]
-    dims = Dims.of(sh, T, rank=R, adapters=L, slices=S)
+    L = inp.lora_a13.shape[0]
+    run = make_layer_run(*inp.args(), **inp.kwargs(), stage=stage, check_values=False)
+    dims = run.dims  # the call's sizes and its experts' form (the config files of packed experts)
     st, cuda = stage_named(stage, dims), torch.device(device).type == "cuda"
     cfg = st.adapt(raw_cfg := st.config_for(dims))
     bounds = id_bounds_triton if cuda else id_value_bounds
     pinned = torch.empty(4, dtype=torch.int64, pin_memory=cuda)
-    run = make_layer_run(*inp.args(), **inp.kwargs(), stage=stage, check_values=False)
     al = (run.base_align, run.lora_align, run.lora_align_down)
     steps = {
         "validate": lambda: validate_moe_lora_inputs(*inp.args(), inp.activation, inp.b13, inp.b2, False),
@@ -294,10 +294,8 @@ def variant_rows(
 
     sh = _shape(shape)
     lengths = list(log_spaced_lengths(n_lengths, 1, layer.max_tokens))
-    ly = layer
-    d = Dims(T=64, H=ly.H, I=ly.I, E=ly.E, top_k=ly.K, adapters=ly.L, rank=ly.R, slices=ly.S)
     st = layer.stage_for(64)  # a concrete stage ("auto": the config files' choice at T = 64)
-    fixed = st.config_for(d)
+    fixed = st.config_for(layer._dims(64))
     saved = layer.stage, layer.fixed_config
     layer.stage, layer.fixed_config, layer._configs, layer._stages = st, fixed, {}, {}
     seen: dict[str, set] = {}  # each alignment kernel's constexpr settings (launch args from CPU ids)

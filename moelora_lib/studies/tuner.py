@@ -384,11 +384,11 @@ def sweep(
     return ranked
 
 
-def graph_timer(run, device: torch.device):
-    """The timer of one op of ``run`` (a LayerRun) alone: graph replay, L2 flushed; ``run`` is called once
-    first."""
+def graph_timer(run, device: torch.device, adapt=lambda op, c: c):
+    """The timer of one op of ``run`` (a LayerRun) alone, candidate c launched as ``adapt(op, c)``: graph
+    replay, L2 flushed; ``run`` is called once first."""
     run()
-    return lambda op, c: bench.time_fn(run.op_fn(op, c), "graph", device, WARMUP_MS, REP_MS)
+    return lambda op, c: bench.time_fn(run.op_fn(op, adapt(op, c)), "graph", device, WARMUP_MS, REP_MS)
 
 
 def tune_layer_ops(stage: str, shape, T: int, weights, cfg, fields: Sequence[str], ops: Sequence[str],
@@ -397,14 +397,18 @@ def tune_layer_ops(stage: str, shape, T: int, weights, cfg, fields: Sequence[str
     """:func:`sweep` then :func:`choose_bm` over ``ops`` of a LayerRun of ``stage`` on ``shape``'s seeded
     inputs of T tokens (``weights``: a layer_inputs of this shape, R, L; ``activation_scheme`` as in
     :func:`~.moe_bench.make_run`). Returns {op: OpConfig}, empty when the budget left no BM."""
+    from ..kernels.stages import packed_config
     from .moe_bench import layer_inputs, make_run
 
     inp = layer_inputs(shape, T, pattern="uniform", weights=weights, seed=0, activation="silu", bias=False)
 
-    def prepare(bm: int):
-        return graph_timer(
-            make_run(stage, inp, with_bm(cfg, fields, bm), activation_scheme=activation_scheme), device
-        )
+    f = dict(zip(ops, fields))  # op -> its LayerConfig field
+
+    def prepare(bm: int):  # a candidate runs as the layer runs that file entry: adapted to packed experts
+        run = make_run(stage, inp, with_bm(cfg, fields, bm), activation_scheme=activation_scheme)
+        sc = "dynamic" if getattr(run, "w8a8", False) else "weight_only"
+        adapt = lambda op, c: getattr(packed_config(cfg.replace(**{f[op]: c}), inp.w13, sc), f[op])  # noqa: E731
+        return graph_timer(run, device, adapt)
 
     ranked = sweep(bms, prepare, ops, candidates, device, log, ids, **sweep_kw)
     return choose_bm(ranked, ops, log, ids, t0=sweep_kw["t0"], what=what) if ranked else {}

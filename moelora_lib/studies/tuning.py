@@ -10,8 +10,7 @@ Per workload (model, R, L, T), through :mod:`.tuner`: the four LoRA ops share on
 (:func:`lora_bm_candidates`, :func:`lora_op_candidates`), the base GEMMs likewise
 (:func:`base_bm_candidates`, :func:`base_op_candidates`). CSV kinds: trial / bm_sum / choice / copied /
 note / session. ``--copy-ranks``: the first rank's choices with the rank-sized tile adjusted.
-``--weight-format mxfp4|fp8|fp8_w8a8``: the base GEMMs (the LoRA ops' configs hold for any experts) on the
-seeded experts quantized, into that form's base file; CSV group ``base_<format>``.
+``--weight-format mxfp4|fp8|fp8_w8a8``: the base GEMMs only, on packed experts, into that form's base file.
 """
 
 from __future__ import annotations
@@ -40,9 +39,8 @@ _KEY_COLUMNS = ("kind", "model", "R", "L", "T", "group", "op", "config_json")
 LORA_BMS = (16, 32, 64)
 BASE_BMS = (16, 32, 64, 128)
 GROUP_OPS = {"lora": LORA_OPS, "base": BASE_OPS}
-#: experts' form -> (moe_bench weight format, activation_scheme)
-_FORMS = {"dense": ("dense", "auto"), "mxfp4": ("mxfp4", "auto"), "fp8": ("fp8", "weight_only"),
-          "fp8_w8a8": ("fp8", "dynamic")}  # fmt: skip
+#: experts' form -> (moe_bench weight format, activation_scheme) where they differ from (form, "auto")
+_FORMS = {"fp8": ("fp8", "weight_only"), "fp8_w8a8": ("fp8", "dynamic")}
 
 
 # --- Candidate lists (pruned by hand: the whole cartesian product is ~10^4 configs per op) ------------------
@@ -123,7 +121,7 @@ def tune_workload(shape: MoEShape, T: int, R: int, L: int, weights, device, log:
         out[group] = tuner.tune_layer_ops(
             TUNE_STAGE, shape, T, weights, dflt, ops, ops, bms, candidates, device, log, ids,
             what=f"{shape.name} T={T} {group}", deadline=deadline, t0=t0,
-            activation_scheme=_FORMS[weight_format][1],
+            activation_scheme=_FORMS.get(weight_format, (weight_format, "auto"))[1],
         )  # fmt: skip
     return out
 
@@ -152,10 +150,12 @@ def _check_tune_args(
 ) -> tuple[list[MoEShape], torch.device, torch.dtype]:  # fmt: skip
     """Every argument of :func:`tune`, before any work; ValueError naming the argument (``names``: argument
     -> name, e.g. :data:`.tuner.FLAGS`). Returns (shapes, device, dtype)."""
-    wf = (names or {}).get("weight_format", "weight_format")
+    n = names or {}
     if weight_format not in CONFIG_WEIGHT_FORMATS:
-        raise ValueError(f"{wf} must be one of {CONFIG_WEIGHT_FORMATS}, got {weight_format!r}")
-    shapes = tuner.check_models(models, (names or {}).get("models", "models"))
+        raise ValueError(f"{n.get('weight_format', 'weight_format')} must be one of {CONFIG_WEIGHT_FORMATS}")
+    if weight_format != "dense" and copy_ranks:  # packed forms tune the base GEMMs only
+        raise ValueError(f"{n.get('copy_ranks', 'copy_ranks')} copies LoRA configs: weight_format dense only")
+    shapes = tuner.check_models(models, n.get("models", "models"))
     ints = dict(adapters=(adapters, 1, None), max_bms=(max_bms, 1, None), max_cands=(max_cands, 1, None))
     dev, dt = tuner.check_run(
         names, tokens=tokens, budget_s=budget_s, device=device, dtype=dtype, out=out, csv_path=csv_path,
@@ -197,15 +197,15 @@ def tune(models: Sequence[str], ranks: Sequence[int], adapters: int, tokens: Seq
             if cfgs := done(s, R, T, g):
                 _put(files, s, T, R, adapters, g, cfgs)
     weights: dict[tuple, Any] = {}
+    wfmt = _FORMS.get(weight_format, (weight_format, "auto"))[0]  # the experts' moe_bench format
 
     def tune_one(job) -> bool:
         s, R, T = job
-        w = tuner.layer_weights(weights, s, R, adapters, dtype, dev, seed, _FORMS[weight_format][0])
+        w = tuner.layer_weights(weights, s, R, adapters, dtype, dev, seed, wfmt)
         groups = [g for g in known if not done(s, R, T, g)]
         kw = dict(deadline=t0 + budget_s, max_bms=max_bms, max_cands=max_cands, t0=t0, groups=groups)
-        for g, cfgs in tune_workload(
-            s, T, R, adapters, w, dev, log, weight_format=weight_format, **kw
-        ).items():
+        kw["weight_format"] = weight_format
+        for g, cfgs in tune_workload(s, T, R, adapters, w, dev, log, **kw).items():
             _put(files, s, T, R, adapters, g, cfgs)
         return True
 

@@ -253,12 +253,21 @@ def write_json_atomic(
     """Write ``data`` as JSON to ``path`` atomically; returns the path.
 
     A temporary file in the same folder is written, fsynced and renamed over ``path`` (``os.replace``),
-    so an interrupted write leaves the old file (or none), never half a JSON. Parent folders are made.
+    so an interrupted write leaves the old file (or none), never half a JSON. Parent folders are made. The
+    file keeps an existing file's permission bits, else gets those of a plain new file (0o666 less the
+    umask: the temporary file's 0o600 would hide a shared config folder's files from other users).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        mode = path.stat().st_mode & 0o7777
+    except OSError:
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o666 & ~umask
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.chmod(tmp, mode)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(data, f, indent=indent, sort_keys=sort_keys)
             f.write("\n")

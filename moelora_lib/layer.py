@@ -509,7 +509,7 @@ class MoELoRALayer(ops.OpLayer):
             self.w13 = torch.nn.Parameter(w13, requires_grad=False)
             self.w2 = torch.nn.Parameter(w2, requires_grad=False)
         self.weight_format = fmt
-        self.activation_scheme = activation_scheme
+        self._activation_scheme = activation_scheme  # checked above; the property checks later changes
         self._fp8_groups = fp8_groups
         self._schemes: dict[int, str] = {}
         self.b13 = None if b13 is None else torch.nn.Parameter(b13, requires_grad=False)
@@ -639,6 +639,27 @@ class MoELoRALayer(ops.OpLayer):
             T=T, H=self.H, I=self.I, E=self.E, top_k=min(self.K, self.E), adapters=self.L, rank=self.R,
             slices=self.S, weight_format=fmt,
         )  # fmt: skip
+
+    @property
+    def activation_scheme(self) -> str:
+        """How the base GEMMs treat the activations with FP8 weights ("auto", "weight_only", "dynamic"; see
+        the constructor). Setting it validates the value (ValueError naming ``activation_scheme``, as at
+        construction) and drops the per-T schemes, stages and configs resolved so far, so the next forward at
+        every T follows it; the scratch is re-sized on the next forward when W8A8 becomes possible (a CUDA
+        graph captured before keeps the form it captured)."""
+        return self._activation_scheme
+
+    @activation_scheme.setter
+    def activation_scheme(self, value: str) -> None:
+        w13, w2 = self.expert_weights()
+        check_activation_scheme(value, w13, self.stage.name)
+        self._activation_scheme = value
+        w8a8 = self.weight_format == "fp8" and value != "weight_only"  # may run W8A8
+        groups = (w13.block[1], w2.block[1]) if w8a8 else None
+        if groups != self._fp8_groups:
+            self._fp8_groups, self._buffers_key = groups, None  # the scratch holds the quantized activations
+        for memo in (self._schemes, self._stages, self._configs):
+            memo.clear()
 
     def activation_scheme_for(self, T: int) -> str:
         """The concrete activation scheme of a forward of T tokens, "dynamic" (W8A8) or "weight_only":

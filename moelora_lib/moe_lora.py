@@ -86,8 +86,8 @@ def _dense_views(w13, w2, dtype) -> tuple[torch.Tensor, torch.Tensor, str]:
     blocks are not [E, N, K/32, 16] or not contiguous in the last two dims, or whose scales hold the
     e8m0 byte 255 (NaN: the kernels would decode it as inf); an FP8 weight that is not 3-D, not
     contiguous along K, or whose scale block's columns have no power-of-two divisor of at least 16
-    (no K step fits one scale column); ``dtype`` given with dense weights and different from w13's, or
-    not a torch.dtype.
+    (no K step fits one scale column); FP8 w13 and w2 of different scale blocks; ``dtype`` given with dense
+    weights and different from w13's, or not a torch.dtype.
     """
     f13, f2 = _weight_format(w13), _weight_format(w2)
     if f13 != f2:
@@ -128,6 +128,11 @@ def _dense_views(w13, w2, dtype) -> tuple[torch.Tensor, torch.Tensor, str]:
                     f"{name}.block = {w.block}: the scale block's {bk} columns must be a multiple of 16 "
                     "(a base GEMM's K step, at least 16, reads one scale column)"
                 )
+        if tuple(w2.block) != tuple(w13.block):  # one K-step rule and one W8A8 group size serve both GEMMs
+            raise ValueError(
+                f"w2.block = {tuple(w2.block)} must equal w13.block = {tuple(w13.block)} (one scale block "
+                "for both expert weights, as the published checkpoints have)"
+            )
         return standin(w13), standin(w2), "fp8"
     for name, w, layout in (("w13", w13, "[E, 2I, H]"), ("w2", w2, "[E, H, I]")):
         q = w.blocks

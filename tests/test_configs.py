@@ -513,3 +513,18 @@ def test_a_layer_looks_up_the_form_its_weights_run_at_each_T(tmp_path, monkeypat
     assert fp8b.config_for(1).base_gate_up.BLOCK_SIZE_N == 64
     assert fp8c.config_for(W8A8_MIN_TOKENS).base_gate_up.BLOCK_SIZE_N == 256
     assert fp8c.config_for(1).base_gate_up.BLOCK_SIZE_N == 64
+
+
+def test_config_files_keep_readable_permissions_and_bad_ops_are_named(tmp_path):
+    # the atomic write's temporary file is 0o600: the written file gets a plain new file's mode (umask),
+    # and an existing file keeps its own
+    folder = write_folder(tmp_path / "f")
+    p = folder / configs.config_file_name(GPU, "base")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert p.stat().st_mode & 0o777 == 0o666 & ~umask
+    os.chmod(p, 0o640)
+    configs.save_config_file(p, configs.load_config_file(p, "base"))
+    assert p.stat().st_mode & 0o777 == 0o640
+    with pytest.raises(ValueError, match="op must be 'base', 'fused'"):
+        configs.config_file_name(GPU, "fused_gate_up")

@@ -211,6 +211,9 @@ def test_layer_bad_weights_name_the_argument():
     # a scale block of 24 columns: no K step of 16 or more reads a single scale column
     with pytest.raises(ValueError, match=r"^w2\.block = \(32, 24\): the scale block's 24 columns"):
         MoELoRALayer(w13, fp8_weight((E, H, I), seed=2, block=(32, 24)), **kw)
+    # two scale blocks: one K-step rule and one W8A8 group size serve both GEMMs, so both must agree
+    with pytest.raises(ValueError, match=r"^w2\.block = \(16, 16\) must equal w13\.block = \(32, 32\)"):
+        MoELoRALayer(w13, fp8_weight((E, H, I), seed=2, block=(16, 16)), **kw)
     # e4m3 codes strided along K
     wide = torch.zeros(E, H, 2 * I, dtype=torch.float8_e4m3fn)[..., ::2]
     strided = FP8BlockWeight(wide, w2.scale_inv, w2.block)

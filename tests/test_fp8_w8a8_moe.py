@@ -445,3 +445,28 @@ def test_w8a8_variants_compile_for_sm90():
     assert r["fused_down_split4"]["BLOCK_SIZE_M"] == 16
     # both divisions correctly rounded, no flush to zero (the bit-exact rule on the GPU)
     assert r["quant"]["div_rn"] >= 2 and r["quant"]["ftz"] == 0 and r["quant"]["LOCAL"] == 0
+
+
+def test_setting_the_activation_scheme_is_checked_and_applies_at_every_T(device):
+    # a layer built weight-only, switched to W8A8: the per-T forms and configs are dropped, the scratch grows
+    # the quantized activations, and the output is the W8A8 layer's; bad values are refused as at
+    # construction (and an MXFP4 layer cannot run W8A8)
+    if device != "cpu":
+        pytest.skip("CPU interpreter test (fp16/fp32)")
+    dt, H, I, T = F32, 64, 64, 9
+    layer, (w13, w2) = _layer(dt, "tuned", "silu", 2, False, H, I, (32, 64), "weight_only")
+    want, _ = _layer(dt, "tuned", "silu", 2, False, H, I, (32, 64), "dynamic")
+    x, tw, ti, ids = layer_inputs(T, H, dt, seed=T)
+    wo = layer(x, topk_weights=tw, topk_ids=ti, lora_ids=ids)
+    assert layer.activation_scheme_for(T) == "weight_only" and layer._dims(T).weight_format == "fp8"
+    layer.activation_scheme = "dynamic"
+    assert layer.activation_scheme_for(T) == "dynamic" and layer._dims(T).weight_format == "fp8_w8a8"
+    out = layer(x, topk_weights=tw, topk_ids=ti, lora_ids=ids)
+    assert torch.equal(out, want(x, topk_weights=tw, topk_ids=ti, lora_ids=ids)) and not torch.equal(out, wo)
+    with pytest.raises(ValueError, match="activation_scheme must be one of"):
+        layer.activation_scheme = "bogus"
+    assert layer.activation_scheme == "dynamic"
+    mx = MoELoRALayer(MXFP4Weight.quantize(w13.dequantize(F32)), MXFP4Weight.quantize(w2.dequantize(F32)),
+                      top_k=2, num_adapters=2, max_rank=8, max_tokens=8, dtype=F32)  # fmt: skip
+    with pytest.raises(ValueError, match="activation_scheme 'dynamic'"):
+        mx.activation_scheme = "dynamic"

@@ -126,6 +126,9 @@ def test_candidate_lists_are_small_and_valid():
         (["--device", "tpu"], "--device", "'tpu'"),
         (["--budget-s", "nan"], "--budget-s", ">= 0"),
         (["--seed", "x"], "--seed", "'x'"),
+        (["--device", "cpu", "--dtype", "bfloat16"], "--dtype", "bfloat16 does not run on the CPU"),
+        (["--weight-format", "int4"], "--weight-format", "invalid choice"),
+        (["--weight-format", "mxfp4", "--copy-ranks", "64"], "--copy-ranks", "weight_format dense only"),
     ],
 )
 def test_tuning_cli_rejects_bad_arguments(tmp_path, capsys, extra, flag, text):

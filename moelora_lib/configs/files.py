@@ -167,13 +167,15 @@ def config_file_name(gpu: str, op: str, weight_format: str = "dense") -> str:
     two GEMMs) for ``gpu``; ``weight_format`` (:data:`~moelora_lib.shapes.CONFIG_WEIGHT_FORMATS`) other
     than "dense" names the base or fused file of that form, ``_<FORMAT>`` before ``.json``
     (``NVIDIA_H200_FUSED_MOE_BASE_MXFP4.json``); the LoRA ops' files have no form (they run on the
-    activations' dtype whatever the experts' form). ValueError for an unknown form."""
+    activations' dtype whatever the experts' form). ValueError for an unknown op or form."""
     if weight_format not in CONFIG_WEIGHT_FORMATS:
         raise ValueError(f"weight_format must be one of {CONFIG_WEIGHT_FORMATS}, got {weight_format!r}")
     if op == "fused":
         part = FUSED_FILE_OP
-    else:
+    elif op in ("base",) + BASE_OPS or op in LORA_FILE_OPS:
         part = BASE_FILE_OP if op in ("base",) + BASE_OPS else LORA_FILE_OPS[op]
+    else:
+        raise ValueError(f"op must be 'base', 'fused', a base or a LoRA op {list(LORA_FILE_OPS)}, got {op!r}")
     if weight_format != "dense" and part in (BASE_FILE_OP, FUSED_FILE_OP):
         part += "_" + weight_format.upper()
     return f"{gpu}_{part}.json"

@@ -399,8 +399,9 @@ def load_gemv_config(
     NUM_WARPS); the expand fields are unused. From the ``"gemv"`` key of the fused file's leaf for
     ``dims`` (:data:`~moelora_lib.configs.files.GEMV_KEY`; the same folder precedence, GPU mapping and
     nearest-key lookup as :func:`load_fused_config`), else
-    :func:`~moelora_lib.configs.defaults.gemv_default_config`. ``source`` ends in ``; gemv=file`` or is
-    ``default:gemv``. Same errors as :func:`load_layer_config`.
+    :func:`~moelora_lib.configs.defaults.gemv_default_config`. ``source`` ends in ``; gemv=file``
+    (``; gemv=file(<form>)`` from a packed form's own fused file) or is ``default:gemv``. Same errors as
+    :func:`load_layer_config`.
     """
     dims = check_dims("load_gemv_config: dims", dims)
     _check_source_args(folder, gpu_name)
@@ -420,7 +421,7 @@ def load_gemv_config(
             base_down=replace(g["base_down"], BLOCK_SIZE_M=bm),
             gate_up_shrink=replace(g["shrink"], BLOCK_SIZE_M=lm),
             down_shrink=replace(g["shrink"], BLOCK_SIZE_M=lm),
-            source=src.label + "; gemv=file",
+            source=src.label + "; gemv=file" + _form_label(src.where, src.gpu, dims, "fused"),
         )
     return _memo_put(key, cfg)
 

@@ -232,18 +232,17 @@ def check_run(names, *, tokens, budget_s, device, dtype, out, csv_path, key_colu
     check_budget(budget_s, names.get("budget_s", "budget_s"))
     n_dev, n_dt = names.get("device", "device"), names.get("dtype", "dtype")
     dev = check_device(device, n_dev)
+    default = torch.bfloat16 if dev.type == "cuda" else torch.float32
     try:
-        dt = (
-            parse_dtype(dtype)
-            if dtype is not None
-            else torch.bfloat16
-            if dev.type == "cuda"
-            else torch.float32
-        )
+        dt = parse_dtype(dtype) if dtype is not None else default
     except ValueError as e:
         raise ValueError(f"{n_dt}: {e}") from None
     if dt not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"{n_dt}: expected float16, bfloat16 or float32, got {dtype!r}")
+    if dev.type == "cpu" and dt == torch.bfloat16:
+        raise ValueError(
+            f"{n_dt}: bfloat16 does not run on the CPU (Triton's interpreter); use float16 or float32"
+        )
     check_out(out, names.get("out", "out"))
     check_csv(csv_path, names.get("csv_path", "csv_path"), key_columns, what)
     return dev, dt

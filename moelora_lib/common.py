@@ -119,6 +119,21 @@ def check_bool(name: str, v: Any) -> bool:
     return v
 
 
+def check_slices(slices, n_total: int | None = None, total: str = "N_total") -> tuple[int, ...]:
+    """``slices`` (a projection's output widths N_s) as a tuple of ints.
+
+    Raises:
+        ValueError naming ``slices`` unless it is a non-empty tuple/list of ints >= 1 that sums to
+        ``n_total`` when given (``total`` names where that width comes from, e.g. ``weight.shape[0]``).
+    """
+    if not isinstance(slices, (tuple, list)) or not slices or not all(is_int(n) and n >= 1 for n in slices):
+        raise ValueError(f"slices must be a non-empty tuple of output widths (ints >= 1), got {slices!r}")
+    slices = tuple(int(n) for n in slices)
+    if n_total is not None and sum(slices) != n_total:
+        raise ValueError(f"slices {slices} must sum to {total} = {n_total}, got {sum(slices)}")
+    return slices
+
+
 def check_no_grad(*named: tuple[str, Any]) -> None:
     """ValueError naming the first tensor of the (name, value) pairs ``named`` that requires grad while
     grad mode is on (non-tensors and None are skipped).

@@ -69,6 +69,7 @@ from .common import (
     check_kernel_dtype,
     check_no_grad,
     check_real_scalar,
+    check_slices,
     check_tensor,
     is_finite,
     is_int,
@@ -131,17 +132,6 @@ def _check(name: str, t, shape: tuple, dtypes, device) -> None:
 def _check_cpu_backend(dtype: torch.dtype, name: str = "x") -> None:
     """:func:`~moelora_lib.common.check_cpu_backend` for the dense kernels."""
     check_cpu_backend(DENSE_KERNELS["dense_shrink"][True], dtype, name)
-
-
-def _check_slices(slices, n_total: int | None) -> tuple[int, ...]:
-    if not isinstance(slices, (tuple, list)) or not slices or not all(is_int(n) and n >= 1 for n in slices):
-        raise ValueError(f"slices must be a non-empty tuple of output widths (ints >= 1), got {slices!r}")
-    slices = tuple(int(n) for n in slices)
-    if n_total is not None and sum(slices) != n_total:
-        raise ValueError(
-            f"slices {slices} must sum to N_total = weight.shape[0] = {n_total}, got {sum(slices)}"
-        )
-    return slices
 
 
 def _check_values(lora_ids: torch.Tensor, L: int) -> None:
@@ -259,7 +249,7 @@ def validate_lora_linear_inputs(
         )
     else:
         N = weight.shape[0]
-    slices = _check_slices(slices, N)
+    slices = check_slices(slices, N, "N_total = weight.shape[0]")
     S = len(slices)
     if not isinstance(weight, FP8BlockWeight):
         _check_dense_weight_dtype(weight)
@@ -739,7 +729,7 @@ class LoRALinear(ops.OpLayer):
             if isinstance(bias, torch.Tensor):
                 check_finite("bias", bias)
         N, H = weight.shape
-        slices = _check_slices((N,) if slices is None else slices, N)
+        slices = check_slices((N,) if slices is None else slices, N, "N_total = weight.shape[0]")
         L, R, S = num_adapters, max_rank, len(slices)
         dev = weight.device
         z = dict(dtype=dt, device=dev)

@@ -138,8 +138,18 @@ def test_two_gloo_ranks_match_one_process(tmp_path):
         check(
             bool((local == -1).all()) == (r == 1), f"rank {r}: local ids of the logits batch {local.tolist()}"
         )
+        # base rows bitwise; adapter rows within tolerance (the shard's expand may pick a narrower
+        # BLOCK_SIZE_N, and a dot of another shape may add in another order)
         want = _local_columns(ref["tp/qkv"], pc.QKV, r, world)
-        check(torch.equal(res["tp/qkv"], want), f"rank {r} tp/qkv: not bitwise equal to its columns")
+        base_rows = pc.LINEAR_IDS == -1
+        check(
+            torch.equal(res["tp/qkv"][base_rows], want[base_rows]),
+            f"rank {r} tp/qkv: base rows not bitwise equal to its columns",
+        )
+        try:
+            assert_close_rel(res["tp/qkv"], want, what=f"rank {r} tp/qkv")
+        except AssertionError as e:
+            failures.append(str(e))
         for name in (
             "tp/o",
             "tp/o_base_only",

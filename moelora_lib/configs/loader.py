@@ -640,15 +640,13 @@ def _warn_no_dense_configs(gpu: str, mapped_from: str | None, folder, env: str |
 
 def _check_dense_args(T, hidden, slices, rank, adapters, t_name: str = "T") -> tuple:
     """(T, hidden, slices as a tuple of ints, rank, adapters), or ValueError naming the argument."""
-    from ..common import is_int
+    from ..common import check_slices
     from ..shapes import check_int
 
     out = [check_int(t_name, T, 1), check_int("hidden", hidden, 1)]
-    if not isinstance(slices, (tuple, list)) or not slices or not all(is_int(n) and n >= 1 for n in slices):
-        raise ValueError(f"slices must be a non-empty tuple of output widths (ints >= 1), got {slices!r}")
     return (
         *out,
-        tuple(int(n) for n in slices),
+        check_slices(slices),
         check_int("rank", rank, 1),
         check_int("adapters", adapters, 1),
     )

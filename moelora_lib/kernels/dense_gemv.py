@@ -70,7 +70,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import check_activations, is_int
+from ..common import check_activations, check_slices, is_int
 from ..common import describe as _desc
 from ..quant.fp8 import FP8BlockWeight
 from .dense_lora import _slice_tile
@@ -277,24 +277,12 @@ class DenseGemvConfig:
         return hidden % (self.BLOCK_SIZE_K * self.SPLIT_K) == 0
 
 
-def _check_slices(slices, n_total: int | None = None) -> tuple[int, ...]:
-    """``slices`` as a tuple of ints; ValueError naming it unless a non-empty tuple/list of ints >= 1
-    (summing to ``n_total`` when given)."""
-    ok = isinstance(slices, (tuple, list)) and slices and all(is_int(n) and n >= 1 for n in slices)
-    if not ok or (n_total is not None and sum(slices) != n_total):
-        total = "" if n_total is None else f" summing to N_total = {n_total}"
-        raise ValueError(
-            f"slices must be a non-empty tuple of output widths (ints >= 1){total}, got {slices!r}"
-        )
-    return tuple(int(n) for n in slices)
-
-
 def dense_gemv_num_tiles(slices: tuple[int, ...], block_size_n: int) -> int:
     """Column tiles of a launch: Σ_s cdiv(N_s, BLOCK_SIZE_N) (no tile straddles two slices). ValueError
     naming the argument for bad slices or a block_size_n < 1."""
     if not is_int(block_size_n) or block_size_n < 1:
         raise ValueError(f"block_size_n must be an int >= 1, got {block_size_n!r}")
-    return sum(triton.cdiv(n, int(block_size_n)) for n in _check_slices(slices))
+    return sum(triton.cdiv(n, int(block_size_n)) for n in check_slices(slices))
 
 
 def _pow2_divisor(n: int) -> int:
@@ -342,7 +330,7 @@ def default_dense_gemv_config(
             f"block_k must be None (a dense weight) or the FP8 scale block's columns, an int multiple of 16, "
             f"got {block_k!r}"
         )
-    slices = (int(n_total),) if slices is None else _check_slices(slices, n_total)
+    slices = (int(n_total),) if slices is None else check_slices(slices, n_total)
     bk0 = 128 if T <= 2 else 64
     if block_k is not None:
         bk0 = min(bk0, _pow2_divisor(int(block_k)))
@@ -450,7 +438,7 @@ def _check_inputs(x, weight, bias, lora_a, lora_b, lora_ids, slices, out, slot_m
     else:
         N = weight.shape[0]
         check_tensor("weight", weight, (("N_total", N), ("H", H)), (dt,), dev, " (like x)", like="x")
-    slices = _check_slices(slices, N)
+    slices = check_slices(slices, N, "N_total = weight.shape[0]")
     S = len(slices)
     if bias is not None:
         check_tensor("bias", bias, (("N_total", N),), (dt,), dev, " (like x)", like="x")

@@ -32,10 +32,10 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from ..common import check_kernel_dtype
+from ..common import check_kernel_dtype, check_slices
 from ..common import describe as _desc
 from ..kernels.dense_lora import dense_expand, dense_shrink
-from ..linear import LoRALinear, _check_cpu_backend, _check_slices, _check_values
+from ..linear import LoRALinear, _check_cpu_backend, _check_values
 from .comm import all_reduce, group_rank_world
 
 __all__ = ["ColumnParallelLoRALinear", "RowParallelLoRALinear"]
@@ -78,7 +78,7 @@ class ColumnParallelLoRALinear(LoRALinear):
                 f"weight must be a 2-D tensor [Σ N_s/world, H] (this rank's rows), got {_desc(weight)}"
             )
         n_local = weight.shape[0]
-        slices = _check_slices((n_local * world,) if slices is None else slices, None)
+        slices = check_slices((n_local * world,) if slices is None else slices)
         for n in slices:
             _shard_of(n, rank, world, f"slices: width {n} in {slices}")
         local = tuple(n // world for n in slices)
@@ -96,7 +96,7 @@ class ColumnParallelLoRALinear(LoRALinear):
         """This rank's rows of each slice of ``t`` (dim 0 = N_total = Σ slices: a weight [N_total, H], a
         bias [N_total] or an adapter B [N_total, r]), concatenated: [Σ N_s/world, ...] (a copy).
         Raises ValueError naming the argument (t's dim 0 not Σ slices, a slice not divisible)."""
-        slices = _check_slices(slices, None)
+        slices = check_slices(slices)
         if not isinstance(t, torch.Tensor) or t.dim() < 1 or t.shape[0] != sum(slices):
             raise ValueError(f"t must have N_total = {sum(slices)} rows (dim 0), got {_desc(t)}")
         parts, o = [], 0

@@ -80,7 +80,8 @@ def test_sorted_alignment_bad_arguments_are_named():
 )
 def test_fused_stage_adapter_order_same_result(model, dtype):
     """The adapter order changes which rows share a tile, not a row's sums: equal to the pair order
-    (bit for bit here: other adapters' dots add exact zeros to a row) and close to the reference."""
+    within the dtype's tolerance (not bit for bit: the interpreter's dot may round a row differently
+    at another position in its tile, seen on an AMD EPYC's OpenBLAS) and close to the reference."""
     inp = make_inputs(get_shape(model), 29, rank=16, num_adapters=3, pattern="mixed", dtype=dtype, seed=4)
     cfg = fused_default_config(
         Dims.of(get_shape(model), 29, rank=16, adapters=3, slices=inp.lora_a13.shape[2])
@@ -93,7 +94,7 @@ def test_fused_stage_adapter_order_same_result(model, dtype):
     K = inp.topk_ids.shape[1]
     assert not torch.equal(ids, runs[False].base_align.sorted_token_ids)  # the order did change
     outs = {o: r() for o, r in runs.items()}
-    assert torch.equal(outs[True], outs[False])
+    assert_close_rel(outs[True], outs[False], dtype)
     ref = moe_lora_reference(*inp.args(), **inp.kwargs())
     assert_close_rel(outs[True], ref, dtype)
     # inside every block of the sorted alignment the adapter ids are non-decreasing

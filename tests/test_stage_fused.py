@@ -152,7 +152,9 @@ def test_config_op_fn_and_launch_args():
 def test_layer_partial_coverage_and_equal_to_functional(act, S, dtype):
     # MoELoRALayer with stage fused: slot 0 covers gate_up only, slot 1 down only, slot 2 both; the
     # absent projections are poisoned with NaN (a fused GEMM that read them, or an unwritten row of the
-    # intermediate, would give NaN); equals the public call (bit for bit, unpoisoned layer) and tuned
+    # intermediate, would give NaN); equals the public call (unpoisoned layer) and tuned within tolerance
+    # (the layer groups rows into tiles by its active slots; the interpreter's dot may round a row
+    # differently at another position in a tile, seen on an AMD EPYC's OpenBLAS)
     E, H, I, K, L, R = 4, 64, 32, 2, 3, 16
     g = torch.Generator().manual_seed(0)
 
@@ -182,7 +184,7 @@ def test_layer_partial_coverage_and_equal_to_functional(act, S, dtype):
     layer.lora_b13[1].fill_(float("nan"))
     out = layer(x, logits, lora_ids=ids)
     assert torch.isfinite(out).all()
-    assert torch.equal(out, functional)
+    assert_close_rel(out, functional, dtype)
     assert_close_rel(out, ref, dtype)
     assert_close_rel(out, tuned.float(), dtype)
 
@@ -442,7 +444,7 @@ def test_layer_split_down_buffer_and_cap(monkeypatch):
         assert (layer.config_for(T).base_down.SPLIT_K > 1) == split
         want = fused_moe_lora(*args, stage="fused", config=layer.config_for(T))
         out = layer(x, logits, lora_ids=ids)
-        assert torch.equal(out, want), T
+        assert_close_rel(out, want, torch.float32, what=f"T={T}")  # rows may share tiles differently
         assert_close_rel(out, moe_lora_reference(*args), torch.float32)
     y32 = layer._scratch.workspaces[("y32",)]
     assert y32.dtype == torch.float32 and y32.numel() == 16 * K * H

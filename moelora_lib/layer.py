@@ -80,7 +80,7 @@ from .kernels.stages import (
     resolve_activation_scheme,
 )
 from .moe_lora import _check_cpu_backend, _dense_views, _desc, validate_moe_lora_inputs
-from .quant.fp8 import FP8BlockWeight
+from .quant.fp8 import FP8BlockWeight, check_fp8_finite
 from .quant.mxfp4 import MXFP4Weight
 from .routing import check_finite_weights, check_id_values, route
 from .scratch import Scratch, attach_scratch, memory_report, nbytes
@@ -367,7 +367,8 @@ class MoELoRALayer(ops.OpLayer):
             per-token adapter ids carried through the dispatch (vllm-project/vllm#40867).
     Raises:
         ValueError naming the argument: shapes, dtypes, devices, sizes, stage, activation, dense
-        weights or biases holding NaN/inf (one host sync). When w13 and w2 disagree, the message
+        weights or biases holding NaN/inf, FP8 weights holding a NaN code or a NaN/inf scale (one host
+        sync each; MXFP4: a scale byte 255). When w13 and w2 disagree, the message
         names the one that is wrong (a transposed weight is recognised; else w13 is the reference)
         with its expected shape, the received one and the other's shape.
 
@@ -442,10 +443,15 @@ class MoELoRALayer(ops.OpLayer):
         if fmt == "fp8" and activation_scheme != "weight_only":
             fp8_groups = (packed[0].block[1], packed[1].block[1])
         _check_expert_weights(w13, w2, b13, b2)
-        if fmt == "dense":
-            for name, t in (("w13", w13), ("w2", w2), ("b13", b13), ("b2", b2)):
-                if isinstance(t, torch.Tensor):
-                    check_finite(name, t)
+        # finiteness, one host sync each: dense weights, FP8 codes and scales (MXFP4's NaN scale byte is
+        # refused by _dense_views), and the biases whatever the weights' form
+        finite = (("w13", w13), ("w2", w2)) if fmt == "dense" else ()
+        for name, t in finite + (("b13", b13), ("b2", b2)):
+            if isinstance(t, torch.Tensor):
+                check_finite(name, t)
+        if fmt == "fp8":
+            for name, w in zip(("w13", "w2"), packed):
+                check_fp8_finite(name, w)
         if w13.shape[1] % (2 * slices):
             raise ValueError(f"w13: 2I (dim 1) = {w13.shape[1]} must be divisible by 2·slices = {2 * slices}")
         E, two_i, H = w13.shape

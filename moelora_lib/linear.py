@@ -106,7 +106,7 @@ from .kernels.dense_lora import (
     dense_config_for,
     dense_lora_add,
 )
-from .quant.fp8 import FP8BlockWeight
+from .quant.fp8 import FP8BlockWeight, check_fp8_finite
 from .routing import Alignment, align_tokens
 from .scratch import Scratch, attach_scratch, memory_report, nbytes
 
@@ -621,7 +621,8 @@ class LoRALinear(ops.OpLayer):
             every T (None: :func:`~moelora_lib.kernels.dense_fp8.default_dense_fp8_config` per T); its
             BLOCK_SIZE_K must divide ``weight.block[1]``. FP8 weights only.
     Raises:
-        ValueError naming the argument (a dense weight or bias holding NaN/inf too: one host sync).
+        ValueError naming the argument (a dense weight or bias holding NaN/inf too, an FP8 weight holding a
+        NaN code or a NaN/inf scale: one host sync each).
 
     Parameters (frozen, in the state dict): ``weight``, ``bias``; with an FP8 weight ``weight_fp8``
     (float8_e4m3fn [N_total, H]) and ``weight_scale_inv`` (its scale grid; the block in ``fp8_block``)
@@ -726,8 +727,10 @@ class LoRALinear(ops.OpLayer):
             if weight.device.type == "cpu":
                 _check_cpu_backend(dt, "weight")
             check_finite("weight", weight)
-            if isinstance(bias, torch.Tensor):
-                check_finite("bias", bias)
+        if fp8:
+            check_fp8_finite("weight", weight)
+        if isinstance(bias, torch.Tensor):
+            check_finite("bias", bias)
         N, H = weight.shape
         slices = check_slices((N,) if slices is None else slices, N, "N_total = weight.shape[0]")
         L, R, S = num_adapters, max_rank, len(slices)

@@ -300,6 +300,16 @@ def test_layer_state_dict_to_copy_compile():
 # --------------------------------------------------------------------------------------------------
 # bad input
 # --------------------------------------------------------------------------------------------------
+def _poisoned(w: FP8BlockWeight, scale: float | None = None, code: int | None = None) -> FP8BlockWeight:
+    """A copy of ``w`` with its last scale set to ``scale`` or its last code's byte set to ``code``."""
+    q, s = w.weight.clone(), w.scale_inv.clone()
+    if scale is not None:
+        s.view(-1)[-1] = scale
+    if code is not None:
+        q.view(torch.uint8).view(-1)[-1] = code
+    return FP8BlockWeight(q, s, w.block)
+
+
 def _bad_cases():
     w = _weight(64, 64, (32, 32))
     x = torch.randn(3, 64)
@@ -389,6 +399,19 @@ def _bad_cases():
         "layer_slices": (
             lambda: LoRALinear(w, slices=(32, 16), **f32, **kw),
             r"slices \(32, 16\) must sum to N_total = weight\.shape\[0\] = 64",
+        ),
+        # non-finite parameters, refused at construction as a dense weight's are (one host sync each)
+        "layer_bias_nan": (
+            lambda: LoRALinear(w, torch.full((64,), float("nan")), **f32, **kw),
+            r"^bias holds non-finite values \(NaN or inf\)",
+        ),
+        "layer_scale_inf": (
+            lambda: LoRALinear(_poisoned(w, scale=float("inf")), **f32, **kw),
+            r"^weight\.scale_inv holds NaN or inf",
+        ),
+        "layer_nan_code": (
+            lambda: LoRALinear(_poisoned(w, code=0xFF), **f32, **kw),
+            r"^weight\.weight holds the float8_e4m3fn NaN code",
         ),
         "lora_linear_H": (
             lambda: lora_linear(

@@ -224,6 +224,43 @@ def test_layer_bad_weights_name_the_argument():
             MoELoRALayer(w13, w2, **{**kw, "dtype": None})
 
 
+def _with_byte(w: FP8BlockWeight, index: tuple, byte: int) -> FP8BlockWeight:
+    """A copy of ``w`` whose code at ``index`` is the e4m3 byte ``byte``."""
+    q = w.weight.clone()
+    q.view(torch.uint8)[index] = byte
+    return FP8BlockWeight(q, w.scale_inv, w.block)
+
+
+def test_layer_non_finite_weights_and_biases_refused():
+    # FP8 codes and scales and the biases are checked for NaN/inf at construction, as dense weights are
+    H, I = 64, 32
+    w13, w2 = fp8_weight((E, 2 * I, H), seed=1, block=(32, 32)), fp8_weight((E, H, I), seed=2, block=(32, 32))
+    kw = dict(top_k=K_TOP, num_adapters=L, max_rank=R, max_tokens=8, dtype=F32)
+    for byte in (0x7F, 0xFF):  # e4m3fn's two NaN codes
+        with pytest.raises(ValueError, match=r"^w2\.weight holds the float8_e4m3fn NaN code"):
+            MoELoRALayer(w13, _with_byte(w2, (3, 5, 7), byte), **kw)
+    for bad in (float("nan"), float("inf")):
+        s = w13.scale_inv.clone()
+        s[1, 0, 1] = bad
+        with pytest.raises(ValueError, match=r"^w13\.scale_inv holds NaN or inf"):
+            MoELoRALayer(FP8BlockWeight(w13.weight, s, w13.block), w2, **kw)
+    b13, b2 = torch.zeros(E, 2 * I), torch.zeros(E, H)
+    b13[2, 3], b2[0, 1] = float("nan"), float("-inf")
+    with pytest.raises(ValueError, match=r"^b13 holds non-finite values"):
+        MoELoRALayer(w13, w2, b13=b13, **kw)
+    with pytest.raises(ValueError, match=r"^b2 holds non-finite values"):
+        MoELoRALayer(w13, w2, b2=b2, **kw)
+    # the largest finite codes (±448) are no NaN: accepted, and the layer is the fp32 reference's
+    big13 = _with_byte(_with_byte(w13, (0, 0, 0), 0x7E), (1, 2, 3), 0xFE)
+    layer = MoELoRALayer(big13, w2, **kw)
+    x, logits = torch.randn(4, H) * 0.1, torch.randn(4, E)
+    ids = torch.tensor([-1, 0, -1, 1], dtype=torch.int32)
+    tw, ti = route_reference(logits, K_TOP)
+    out = layer(x, topk_weights=tw.float(), topk_ids=ti.to(torch.int32), lora_ids=ids)
+    want = layer_reference(layer, x, big13, w2, tw.float(), ti, ids, "silu")
+    assert_close_rel(out, want, F32)
+
+
 @pytest.mark.parametrize("stage", ["tuned", "fused", "gemv"])
 def test_fused_moe_lora_takes_fp8_weights(device, stage):
     # the functional API on FP8 weights: the serving layer's result bit for bit, and the dense call on the

@@ -260,6 +260,11 @@ def test_layer_bad_weights_name_the_argument():
     # biases of another dtype than the layer's
     with pytest.raises(ValueError, match=r"b13"):
         MoELoRALayer(w13, w2, b13=torch.zeros(E, 2 * I, dtype=F16), **kw)
+    # biases holding NaN/inf are refused as with dense weights (every row on that expert would be NaN)
+    with pytest.raises(ValueError, match=r"^b13 holds non-finite values"):
+        MoELoRALayer(w13, w2, b13=torch.full((E, 2 * I), float("nan")), **kw)
+    with pytest.raises(ValueError, match=r"^b2 holds non-finite values"):
+        MoELoRALayer(w13, w2, b2=torch.full((E, H), float("inf")), **kw)
     # a dtype that contradicts dense weights
     with pytest.raises(ValueError, match=r"^dtype = torch.float16 differs from w13's torch.float32"):
         MoELoRALayer(_dense(w13, F32), _dense(w2, F32), **{**kw, "dtype": F16})

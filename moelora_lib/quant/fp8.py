@@ -35,6 +35,7 @@ __all__ = [
     "E4M3_MAX",
     "FP8_BLOCK",
     "FP8BlockWeight",
+    "check_fp8_finite",
     "dequantize_fp8_block",
     "fp8_scale_grid",
     "quantize_fp8_block",
@@ -99,6 +100,32 @@ def _check_packed(weight: torch.Tensor, scale_inv: torch.Tensor, block) -> tuple
             f"weight and scale_inv must be on one device, got {weight.device} and {scale_inv.device}"
         )
     return bn, bk
+
+
+def check_fp8_finite(name: str, w: FP8BlockWeight) -> None:
+    """ValueError naming ``{name}.scale_inv`` or ``{name}.weight`` when the block-FP8 weight ``w`` is not
+    finite: a NaN or infinite scale, or a NaN code (0x7F or 0xFF; float8_e4m3fn has no infinities) —
+    every output row reading it would be NaN. The codes are read in chunks of rows (temporaries of about
+    8 MiB at most), with two host syncs; for weights at construction, never per call. Meta tensors are
+    not read."""
+    if w.weight.device.type == "meta":
+        return
+    s = w.scale_inv
+    if s.numel() and not bool(torch.isfinite(s).all()):
+        raise ValueError(
+            f"{name}.scale_inv holds NaN or inf: every output row reading its block would be NaN"
+        )
+    codes = w.weight.view(torch.uint8)
+    codes = codes.reshape(-1, codes.shape[-1])  # an FP8BlockWeight has at least 2 dims
+    rows = max(1, _ELEMS_PER_CHUNK // max(codes.shape[1], 1))
+    bad = torch.zeros((), dtype=torch.bool, device=codes.device)
+    for r0 in range(0, codes.shape[0], rows):
+        bad |= ((codes[r0 : r0 + rows] & 0x7F) == 0x7F).any()
+    if bool(bad):
+        raise ValueError(
+            f"{name}.weight holds the float8_e4m3fn NaN code (0x7F or 0xFF): every output row reading it "
+            "would be NaN"
+        )
 
 
 def dequantize_fp8_block(

@@ -210,6 +210,17 @@ def check_cpu_backend(kernel, dtype: torch.dtype | None, name: str) -> None:
         )
 
 
+def check_kernel_device(name: str, device: torch.device) -> None:
+    """ValueError naming ``name`` (the argument on ``device``) unless ``device`` is a CUDA device or the
+    CPU: the kernels hold no other backend, and meta tensors no data."""
+    if device.type not in ("cuda", "cpu"):
+        what = "meta tensors hold no data and are not supported" if device.type == "meta" else "not supported"
+        raise ValueError(
+            f"{name} is on {device}: {what}; the kernels run on CUDA (or on the CPU through the Triton "
+            "interpreter)"
+        )
+
+
 def check_activations(name: str, x, kernel) -> tuple[torch.dtype, torch.device]:
     """The (dtype, device) of ``x``, the [T, H] activations of a kernel call; ValueError naming ``name``
     unless x is a 2-D tensor of one of :data:`KERNEL_DTYPES` on a CUDA device, or on the CPU where
@@ -219,12 +230,7 @@ def check_activations(name: str, x, kernel) -> tuple[torch.dtype, torch.device]:
     dt, dev = x.dtype, x.device
     if dt not in KERNEL_DTYPES:
         raise ValueError(f"{name} dtype must be float16, bfloat16 or float32, got {dt}")
-    if dev.type not in ("cuda", "cpu"):
-        what = "meta tensors hold no data and are not supported" if dev.type == "meta" else "not supported"
-        raise ValueError(
-            f"{name} is on {dev}: {what}; the kernels run on CUDA (or on the CPU through the Triton "
-            "interpreter)"
-        )
+    check_kernel_device(name, dev)
     if dev.type == "cpu":
         check_cpu_backend(kernel, dt, name)
     return dt, dev

@@ -54,6 +54,7 @@ from . import ops
 from .common import (
     check_bool,
     check_finite,
+    check_kernel_device,
     check_kernel_dtype,
     check_no_grad,
     check_real_scalar,
@@ -457,6 +458,7 @@ class MoELoRALayer(ops.OpLayer):
         E, two_i, H = w13.shape
         L, R, S, K = num_adapters, max_rank, slices, top_k
         dt, dev = w13.dtype, w13.device
+        check_kernel_device("w13", dev)  # w2 and the rest must be on w13's device (checked below)
         what = "w13" if fmt == "dense" else f"dtype (the layer's, with {fmt.upper()} weights)"
         _check_layer_dtype(dt, dev, what)
         emap, local_to_global = _check_expert_map(expert_map, E, dev)

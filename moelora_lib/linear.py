@@ -66,6 +66,7 @@ from .common import (
     check_bool,
     check_cpu_backend,
     check_finite,
+    check_kernel_device,
     check_kernel_dtype,
     check_no_grad,
     check_real_scalar,
@@ -731,6 +732,7 @@ class LoRALinear(ops.OpLayer):
             check_fp8_finite("weight", weight)
         if isinstance(bias, torch.Tensor):
             check_finite("bias", bias)
+        check_kernel_device("weight", weight.device)  # the rest must be on weight's device (checked below)
         N, H = weight.shape
         slices = check_slices((N,) if slices is None else slices, N, "N_total = weight.shape[0]")
         L, R, S = num_adapters, max_rank, len(slices)

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from .common import check_activations, check_bool, check_cpu_backend, check_no_grad, check_tensor
+from .common import (
+    KERNEL_DTYPES,
+    check_activations,
+    check_bool,
+    check_cpu_backend,
+    check_no_grad,
+    check_tensor,
+)
 from .common import describe as _desc
 from .kernels import GEMV_STAGE, STAGES, LayerConfig, LayerRun, check_stage_name, stage_named
 from .kernels.gemv import GemvRun
@@ -87,7 +94,8 @@ def _dense_views(w13, w2, dtype) -> tuple[torch.Tensor, torch.Tensor, str]:
     e8m0 byte 255 (NaN: the kernels would decode it as inf); an FP8 weight that is not 3-D, not
     contiguous along K, or whose scale block's columns have no power-of-two divisor of at least 16
     (no K step fits one scale column); FP8 w13 and w2 of different scale blocks; ``dtype`` given with dense
-    weights and different from w13's, or not a torch.dtype.
+    weights and different from w13's, not a torch.dtype, or with packed weights not float16, bfloat16
+    or float32.
     """
     f13, f2 = _weight_format(w13), _weight_format(w2)
     if f13 != f2:
@@ -107,6 +115,10 @@ def _dense_views(w13, w2, dtype) -> tuple[torch.Tensor, torch.Tensor, str]:
             )
         return w13, w2, "dense"
     dt = torch.bfloat16 if dtype is None else dtype
+    if dt not in KERNEL_DTYPES:  # the layer's dtype (hidden_states' is checked before this)
+        raise ValueError(
+            f"dtype (the layer's, with {f13.upper()} weights) must be float16, bfloat16 or float32, got {dt}"
+        )
 
     def standin(w):  # a zero-stride view: no memory
         return torch.empty((), dtype=dt, device=w.device).expand(w.shape)

@@ -389,3 +389,46 @@ def test_dims_accepts_empty_batch_only_for_T():
         Dims(T=-1, H=64, I=32, E=4, top_k=2, adapters=1, rank=1)
     with pytest.raises(ValueError, match=r"^Dims.H must be an int >= 1"):
         Dims(T=0, H=0, I=32, E=4, top_k=2, adapters=1, rank=1)
+
+
+def _packed_weights(form: str, device: str):
+    """(w13 [4, 64, 64], w2 [4, 64, 32]) on ``device``: dense (fp32), MXFP4 or block-FP8 (block 32)."""
+    from moelora_lib.quant import FP8BlockWeight, MXFP4Weight
+
+    w13, w2 = torch.randn(4, 64, 64) * 0.1, torch.randn(4, 64, 32) * 0.1
+    if form == "mxfp4":
+        w13, w2 = MXFP4Weight.quantize(w13), MXFP4Weight.quantize(w2)
+    elif form == "fp8":
+        w13, w2 = FP8BlockWeight.quantize(w13, (32, 32)), FP8BlockWeight.quantize(w2, (32, 32))
+    return w13.to(device), w2.to(device)
+
+
+@pytest.mark.parametrize("form", ["dense", "mxfp4", "fp8"])
+def test_layer_constructor_on_meta_names_the_weight(form):
+    """The constructors take no activations: a weight on the meta device is named as the weight."""
+    from moelora_lib import LoRALinear, MoELoRALayer
+    from moelora_lib.quant import FP8BlockWeight
+
+    w13, w2 = _packed_weights(form, "meta")
+    dt = dict(dtype=torch.float32) if form != "dense" else {}
+    with pytest.raises(ValueError, match=r"^w13 is on meta: meta tensors hold no data and are not supported"):
+        MoELoRALayer(w13, w2, top_k=2, num_adapters=2, max_rank=4, max_tokens=8, **dt)
+    if form == "mxfp4":  # LoRALinear takes a dense or a block-FP8 weight [N, H]
+        return
+    weight = FP8BlockWeight(w13.weight[0], w13.scale_inv[0], w13.block) if form == "fp8" else w13[0]
+    with pytest.raises(ValueError, match=r"^weight is on meta: meta tensors hold no data"):
+        LoRALinear(weight, num_adapters=2, max_rank=4, max_tokens=8, **dt)
+
+
+@pytest.mark.parametrize("form", ["mxfp4", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float64, torch.float8_e4m3fn])
+def test_layer_packed_weights_non_kernel_dtype_names_dtype(form, dtype):
+    """With packed weights the layer's dtype is the dtype argument: a non-kernel one is named as such."""
+    from moelora_lib import MoELoRALayer
+
+    w13, w2 = _packed_weights(form, "cpu")
+    with pytest.raises(
+        ValueError,
+        match=rf"^dtype \(the layer's, with {form.upper()} weights\) must be float16, bfloat16 or float32",
+    ):
+        MoELoRALayer(w13, w2, top_k=2, num_adapters=2, max_rank=4, max_tokens=8, dtype=dtype)

@@ -81,6 +81,7 @@ from .kernels.stages import (
     resolve_activation_scheme,
 )
 from .moe_lora import _check_cpu_backend, _dense_views, _desc, validate_moe_lora_inputs
+from .quant import check_dequantized_finite
 from .quant.fp8 import FP8BlockWeight, check_fp8_finite
 from .quant.mxfp4 import MXFP4Weight
 from .routing import check_finite_weights, check_id_values, route
@@ -368,8 +369,9 @@ class MoELoRALayer(ops.OpLayer):
             per-token adapter ids carried through the dispatch (vllm-project/vllm#40867).
     Raises:
         ValueError naming the argument: shapes, dtypes, devices, sizes, stage, activation, dense
-        weights or biases holding NaN/inf, FP8 weights holding a NaN code or a NaN/inf scale (one host
-        sync each; MXFP4: a scale byte 255). When w13 and w2 disagree, the message
+        weights or biases holding NaN/inf, FP8 weights holding a NaN code or a NaN/inf scale, packed
+        weights whose dequantized values are not finite in ``dtype`` (beyond float16's range, say; one
+        host sync each; MXFP4: a scale byte 255). When w13 and w2 disagree, the message
         names the one that is wrong (a transposed weight is recognised; else w13 is the reference)
         with its expected shape, the received one and the other's shape.
 
@@ -461,6 +463,9 @@ class MoELoRALayer(ops.OpLayer):
         check_kernel_device("w13", dev)  # w2 and the rest must be on w13's device (checked below)
         what = "w13" if fmt == "dense" else f"dtype (the layer's, with {fmt.upper()} weights)"
         _check_layer_dtype(dt, dev, what)
+        if fmt != "dense":  # packed: the dequantized values must fit the layer's dtype, as dense ones do
+            for name, w in zip(("w13", "w2"), packed):
+                check_dequantized_finite(name, w, dt)
         emap, local_to_global = _check_expert_map(expert_map, E, dev)
         E_global = E if emap is None else emap.shape[0]
         if K > E_global:

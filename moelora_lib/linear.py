@@ -107,6 +107,7 @@ from .kernels.dense_lora import (
     dense_config_for,
     dense_lora_add,
 )
+from .quant import check_dequantized_finite
 from .quant.fp8 import FP8BlockWeight, check_fp8_finite
 from .routing import Alignment, align_tokens
 from .scratch import Scratch, attach_scratch, memory_report, nbytes
@@ -623,7 +624,7 @@ class LoRALinear(ops.OpLayer):
             BLOCK_SIZE_K must divide ``weight.block[1]``. FP8 weights only.
     Raises:
         ValueError naming the argument (a dense weight or bias holding NaN/inf too, an FP8 weight holding a
-        NaN code or a NaN/inf scale: one host sync each).
+        NaN code or a NaN/inf scale or values beyond ``dtype``'s range: one host sync each).
 
     Parameters (frozen, in the state dict): ``weight``, ``bias``; with an FP8 weight ``weight_fp8``
     (float8_e4m3fn [N_total, H]) and ``weight_scale_inv`` (its scale grid; the block in ``fp8_block``)
@@ -730,6 +731,7 @@ class LoRALinear(ops.OpLayer):
             check_finite("weight", weight)
         if fp8:
             check_fp8_finite("weight", weight)
+            check_dequantized_finite("weight", weight, dt)  # values beyond the layer dtype's range
         if isinstance(bias, torch.Tensor):
             check_finite("bias", bias)
         check_kernel_device("weight", weight.device)  # the rest must be on weight's device (checked below)

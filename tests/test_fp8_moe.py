@@ -294,3 +294,30 @@ def test_fp8_variants_compile_for_sm90():
     assert set(r) == {"base_gate_up", "base_down", "fused_gate_up", "fused_down"}
     for op, v in r.items():
         assert v["W_FP8"] is True and v["mma"] > 0, (op, v)
+
+
+def test_values_beyond_the_layer_dtype_refused():
+    # a scale that puts a code beyond float16's range (448 · 200 = 89600 > 65504) would make every row
+    # reading it inf/NaN in a float16 layer: refused naming the weight (MoELoRALayer and LoRALinear); the
+    # float32 layer takes it and equals the fp32 reference
+    from moelora_lib import LoRALinear
+
+    H, I = 64, 32
+    w13, w2 = fp8_weight((E, 2 * I, H), seed=1, block=(32, 32)), fp8_weight((E, H, I), seed=2, block=(32, 32))
+    s = w13.scale_inv.clone()
+    s[2, 1, 0] = 200.0
+    big = FP8BlockWeight(w13.weight, s, w13.block)
+    assert big.dequantize(F32)[2, 32:64, 0:32].abs().max() == 448 * 200
+    kw = dict(top_k=K_TOP, num_adapters=L, max_rank=R, max_tokens=8)
+    with pytest.raises(ValueError, match=r"^w13: dequantized to the layer's dtype torch\.float16, some"):
+        MoELoRALayer(big, w2, dtype=F16, **kw)
+    lin = FP8BlockWeight(big.weight[2], big.scale_inv[2], big.block)
+    with pytest.raises(ValueError, match=r"^weight: dequantized to the layer's dtype torch\.float16"):
+        LoRALinear(lin, num_adapters=2, max_rank=4, max_tokens=8, dtype=F16)
+    layer = MoELoRALayer(big, w2, dtype=F32, **kw)
+    x, logits = torch.randn(4, H) * 0.01, torch.randn(4, E)
+    ids = torch.full((4,), -1, dtype=torch.int32)
+    tw, ti = route_reference(logits, K_TOP)
+    out = layer(x, topk_weights=tw.float(), topk_ids=ti.to(torch.int32), lora_ids=ids)
+    assert torch.isfinite(out).all()
+    assert_close_rel(out, layer_reference(layer, x, big, w2, tw.float(), ti, ids, "silu"), F32)

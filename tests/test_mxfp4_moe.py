@@ -324,3 +324,31 @@ def test_scale_byte_255_refused():
     bad.scales[1, 3, 0] = 255
     with pytest.raises(ValueError, match="w2.scales holds the e8m0 byte 255"):
         MoELoRALayer(w13, bad, top_k=1, num_adapters=1, max_rank=4, max_tokens=4, dtype=torch.float32)
+
+
+def test_values_beyond_the_layer_dtype_refused():
+    # a block whose scale puts a value beyond float16's range (4 · 2^14 = 65536 > 65504) would make every
+    # row reading it inf/NaN in a float16 layer: refused naming the weight; 3 · 2^14 = 49152 fits. The
+    # float32 layer takes both and equals the fp32 reference.
+    E, H, I = 2, 64, 32
+    w13, w2 = _mx((E, 2 * I, H), seed=1), _mx((E, H, I), seed=2)
+    blocks, scales = w2.blocks.clone(), w2.scales.clone()
+    scales[1, 5, 0] = 127 + 14
+    blocks[1, 5, 0] = 0  # the block's other 31 values: zero
+    for code, fits in ((0x5, True), (0x6, False)):  # e2m1 codes of 3 and 4
+        blocks[1, 5, 0, 0] = code  # element 0 of the block (low nibble)
+        big = MXFP4Weight(blocks.clone(), scales)
+        assert big.dequantize(F32)[1, 5, 0] == (3 if fits else 4) * 2.0**14
+        kw = dict(top_k=1, num_adapters=1, max_rank=4, max_tokens=4)
+        if fits:
+            MoELoRALayer(w13, big, dtype=F16, **kw)
+        else:
+            with pytest.raises(ValueError, match=r"^w2: dequantized to the layer's dtype torch\.float16"):
+                MoELoRALayer(w13, big, dtype=F16, **kw)
+        layer = MoELoRALayer(w13, big, dtype=F32, **kw)
+        x, logits = torch.randn(3, H), torch.randn(3, E)
+        ids = torch.full((3,), -1, dtype=torch.int32)
+        tw, ti = route_reference(logits, 1)
+        out = layer(x, topk_weights=tw.float(), topk_ids=ti.to(torch.int32), lora_ids=ids)
+        assert torch.isfinite(out).all()
+        assert_close_rel(out, layer_reference(layer, x, w13, big, tw.float(), ti, ids, "silu"), F32)

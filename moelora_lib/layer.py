@@ -280,6 +280,12 @@ def _packed_parts(w) -> dict[str, torch.Tensor]:
     return {"blocks": w.blocks, "scales": w.scales}
 
 
+def _stage_named(name: str) -> Stage:
+    """The Stage of a checked stage name ("auto" and "gemv" included; auto's fused_add is that of both
+    stages it picks among)."""
+    return {AUTO_STAGE.name: AUTO_STAGE, GEMV_STAGE.name: GEMV_STAGE}.get(name) or STAGES[name]
+
+
 class MoELoRALayer(ops.OpLayer):
     """MoE layer (gate_up, activation, down, weighted sum over top-k) with L LoRA adapter slots.
 
@@ -473,10 +479,8 @@ class MoELoRALayer(ops.OpLayer):
                 f"E = {E} (w13 dim 0)" if emap is None else f"E_global = {E_global} (expert_map's length)"
             )
             raise ValueError(f"top_k = {K} must be <= {what_e}")
-        self.stage = {AUTO_STAGE.name: AUTO_STAGE, GEMV_STAGE.name: GEMV_STAGE}.get(stage) or STAGES[
-            stage
-        ]  # auto: fused_add as both
-        sizes = _scratch_sizes(dt, max_tokens, H, two_i // 2, K, R, S, self.stage.fused_add, fp8_groups)
+        self._stage = _stage_named(stage)
+        sizes = _scratch_sizes(dt, max_tokens, H, two_i // 2, K, R, S, self._stage.fused_add, fp8_groups)
         need = sum(n * torch.empty((), dtype=bdt).element_size() for n, bdt in sizes.values())
         total = _device_total_memory(dev)
         if total is not None and need > total:
@@ -672,6 +676,31 @@ class MoELoRALayer(ops.OpLayer):
         if groups != self._fp8_groups:
             self._fp8_groups, self._buffers_key = groups, None  # the scratch holds the quantized activations
         for memo in (self._schemes, self._stages, self._configs):
+            memo.clear()
+
+    @property
+    def stage(self) -> Stage:
+        """The layer's stage (a :class:`~moelora_lib.kernels.stages.Stage`; ``stage.name`` is "auto",
+        "gemv" or one of :data:`~moelora_lib.kernels.STAGES`). Set it by name, as at construction (or to a
+        Stage object):
+        ValueError naming ``stage`` for an unknown name or one the activation scheme cannot run ("gemv"
+        with "dynamic"); the per-T stages and configs resolved so far are dropped, and the scratch is
+        re-sized on the next forward when the new stage needs other buffers (a CUDA graph captured
+        before keeps the stage it captured). A ``config`` given at construction still applies."""
+        return self._stage
+
+    @stage.setter
+    def stage(self, value: str | Stage) -> None:
+        if not isinstance(value, Stage):
+            check_stage_name(value)
+        check_activation_scheme(
+            self.activation_scheme, self.expert_weights()[0], getattr(value, "name", value)
+        )
+        new = value if isinstance(value, Stage) else _stage_named(value)
+        if new.fused_add != self._stage.fused_add:
+            self._buffers_key = None  # the scratch's delta buffer depends on it
+        self._stage = new
+        for memo in (self._stages, self._configs):
             memo.clear()
 
     def activation_scheme_for(self, T: int) -> str:

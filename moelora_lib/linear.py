@@ -76,7 +76,7 @@ from .common import (
     is_int,
 )
 from .common import describe as _desc
-from .kernels import AUTO_STAGE, STAGES, check_stage_name
+from .kernels import AUTO_STAGE, STAGES, Stage, check_stage_name
 from .kernels.align import AlignWorkspace, align_tokens_triton, align_workspace
 from .kernels.align_small import PAIR_PATH_MAX_PAIRS, align_tokens_pair, pair_workspace, use_pair_path
 from .kernels.dense_fp8 import (
@@ -770,7 +770,7 @@ class LoRALinear(ops.OpLayer):
         self.slices, self.L, self.R, self.S = slices, L, R, S
         self.offsets = tuple(sum(slices[:s]) for s in range(S))
         self.max_tokens = max_tokens
-        self.stage = STAGES[stage]
+        self._stage = STAGES[stage]
         self.fixed_config = config
         self.fixed_fp8_config = fp8_config
         self.debug = check_bool("debug", debug)
@@ -841,6 +841,26 @@ class LoRALinear(ops.OpLayer):
         self._activation_scheme = value
         self._schemes.clear()
         self._fp8_configs.clear()
+
+    @property
+    def stage(self) -> Stage:
+        """The layer's stage (a :class:`~moelora_lib.kernels.stages.Stage` of
+        :data:`~moelora_lib.kernels.STAGES`). Set it by name, as at construction (or to a Stage object):
+        ValueError naming
+        ``stage`` for another value; the per-T configs resolved so far are dropped and the scratch is
+        re-sized on the next forward when the new stage needs other buffers (a CUDA graph captured before
+        keeps the stage it captured). A ``config`` given at construction still applies."""
+        return self._stage
+
+    @stage.setter
+    def stage(self, value: str | Stage) -> None:
+        if not isinstance(value, Stage):
+            _check_stage_and_config(value, None)
+        new = value if isinstance(value, Stage) else STAGES[value]
+        if new.fused_add != self._stage.fused_add:
+            self._buffers_key = None  # the scratch's delta buffer depends on it
+        self._stage = new
+        self._configs.clear()
 
     @property
     def gemv_max_tokens(self) -> int:

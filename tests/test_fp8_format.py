@@ -409,3 +409,14 @@ def test_act_reference_bad_input(x, group, match):
 
     with pytest.raises(ValueError, match=match):
         quantize_fp8_act_reference(x, group)
+
+
+def test_block_accepts_numpy_ints():
+    import numpy as np
+
+    w = torch.randn(64, 48)
+    q, s = quantize_fp8_block(w, (np.int64(32), np.int32(16)))
+    fw = FP8BlockWeight(q, s, (np.int64(32), 16))
+    assert fw.block == (32, 16) and all(type(b) is int for b in fw.block)
+    ref = FP8BlockWeight.quantize(w, (32, 16))
+    assert torch.equal(fw.dequantize(torch.float32), ref.dequantize(torch.float32))

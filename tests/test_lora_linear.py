@@ -719,3 +719,22 @@ def test_module_takes_an_nn_linear_weight_that_requires_grad_and_freezes_it():
     with torch.no_grad():
         ref = lin(x)
     assert torch.equal(m(x, ids), ref)  # empty slots: exactly the base
+
+
+def test_stage_set_after_construction_runs_that_stage():
+    m = _module("tuned", dt=torch.float32)
+    A, B = _adapter(8, 5, dt=torch.float32)
+    m.load_adapter(1, A, B)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(13, H, generator=g)
+    ids = torch.randint(-1, L, (13,), generator=g, dtype=torch.int32)
+    m(x, ids)
+    for name in ("naive", "split_k", "tuned"):
+        m.stage = name
+        other = _module(name, dt=torch.float32)
+        other.load_adapter(1, A, B)
+        assert m.stage.name == name and torch.equal(m(x, ids), other(x, ids)), name
+    for bad in ("auto", "fastest", None):
+        with pytest.raises(ValueError, match="stage must be one of"):
+            m.stage = bad
+    assert m.stage.name == "tuned"

@@ -26,6 +26,7 @@ the OCP 8-bit Floating Point Specification (OFP8) for e4m3.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -65,7 +66,7 @@ def _check_block(block) -> tuple[int, int]:
     ok = (
         isinstance(block, Sequence)
         and len(block) == 2
-        and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+        and all(isinstance(b, numbers.Integral) and not isinstance(b, bool) and b > 0 for b in block)
     )
     if not ok:
         raise ValueError(f"block must be two positive ints (rows, columns), e.g. (128, 128), got {block!r}")

@@ -420,3 +420,29 @@ def test_block_accepts_numpy_ints():
     assert fw.block == (32, 16) and all(type(b) is int for b in fw.block)
     ref = FP8BlockWeight.quantize(w, (32, 16))
     assert torch.equal(fw.dequantize(torch.float32), ref.dequantize(torch.float32))
+
+
+@pytest.mark.parametrize("form", ["mxfp4", "fp8"])
+def test_dequantized_finite_check_covers_every_chunk(monkeypatch, form):
+    # small chunks: the overflow sits in the last row (the last chunk) of the last expert, then the first
+    import moelora_lib.quant as quant
+    from moelora_lib.quant import MXFP4Weight, check_dequantized_finite
+
+    monkeypatch.setattr(quant, "_CHECK_CHUNK", 96)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(3, 40, 64, generator=g)
+    for row in ((2, 39), (0, 0)):
+        if form == "mxfp4":
+            pw = MXFP4Weight.quantize(w)
+            sc = pw.scales.clone()
+            sc[row[0], row[1], 1] = 127 + 15  # 2^15 · up to 6: beyond float16's 65504
+            bad = MXFP4Weight(pw.blocks, sc)
+        else:
+            pw = FP8BlockWeight.quantize(w, (16, 32))
+            s = pw.scale_inv.clone()
+            s[row[0], row[1] // 16, 1] = 1e3  # codes up to 448 · 1000
+            bad = FP8BlockWeight(pw.weight, s, (16, 32))
+        check_dequantized_finite("w13", pw, torch.float16)  # the unmodified weight fits
+        check_dequantized_finite("w13", bad, torch.float32)  # float32 holds it
+        with pytest.raises(ValueError, match=r"w13: dequantized to the layer's dtype torch.float16"):
+            check_dequantized_finite("w13", bad, torch.float16)

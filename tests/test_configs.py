@@ -223,6 +223,12 @@ def test_non_integer_key_and_bad_nesting(tmp_path):
     p = folder / configs.config_file_name(GPU, "down_shrink")
     p.write_text(json.dumps({"2": {"one": {}}}))
     _expect_error(folder, "down_shrink", "not an integer")
+    base = write_folder(tmp_path / "g") / configs.config_file_name(GPU, "base")
+    data = json.loads(base.read_text())
+    leaf = data["4"]["64"]["64"]["1"]
+    base.write_text(json.dumps({"4": {"64": leaf}}))  # a leaf two levels early
+    msg = _expect_error(base.parent, "base", r"key 'base_\w+' is not an integer \(2 more level\(s\)")
+    assert "the file nests 4 levels" in msg
     p.write_text(json.dumps({"2": [1, 2]}))
     _expect_error(folder, "down_shrink", "expected a non-empty JSON object")
 

@@ -311,7 +311,10 @@ def _walk(node: Any, depth: int, path: str, keys: tuple, out: dict, leaf_kind: s
         try:
             int(k)
         except ValueError:
-            raise ValueError(f"{path} at {_keypath(keys + (k,))}: key {k!r} is not an integer") from None
+            raise ValueError(
+                f"{path} at {_keypath(keys + (k,))}: key {k!r} is not an integer ({depth} more level(s) of "
+                f"integer keys expected above the leaf: the file nests {len(keys) + depth} levels)"
+            ) from None
         _walk(v, depth - 1, path, keys + (k,), out, leaf_kind)
 
 

@@ -360,6 +360,44 @@ def test_rope_matches_transformers(name, scaling):
     assert scale == want_scale
 
 
+@pytest.mark.parametrize("name", ["gpt-oss-20b", "qwen3-30b-a3b", "qwen3-32b"])
+def test_missing_head_fields_read_as_transformers(name):
+    """A config.json without num_key_value_heads and head_dim: the widths transformers' own attention
+    module builds from it (its config class's defaults: gpt_oss 8 / 64, qwen3 32 / 128, qwen3_moe 4 /
+    hidden // heads), not num_attention_heads and hidden // heads for every model_type."""
+    import importlib
+
+    import transformers as tf
+
+    d = json.loads(json.dumps(REAL_CONFIGS[name]))
+    d.pop("quantization_config", None)
+    d.update(hidden_size=64, num_attention_heads=32, num_hidden_layers=1)  # hidden // heads = 2
+    if "layer_types" in d:
+        d["layer_types"] = d["layer_types"][:1]
+    del d["num_key_value_heads"]
+    d.pop("head_dim", None)
+    mt = d["model_type"]
+    cls = {"gpt_oss": "GptOss", "qwen3_moe": "Qwen3Moe", "qwen3": "Qwen3"}[mt]
+    hf = getattr(tf, cls + "Config")(**json.loads(json.dumps(d)))
+    modeling = importlib.import_module(f"transformers.models.{mt}.modeling_{mt}")
+    att = getattr(modeling, cls + "Attention")(hf, 0)
+    ours = ModelConfig.from_hf(d)
+    assert (ours.q_width, ours.kv_width) == (att.q_proj.out_features, att.k_proj.out_features)
+    assert (ours.num_key_value_heads, ours.head_dim) == {
+        "gpt_oss": (8, 64),
+        "qwen3_moe": (4, 2),
+        "qwen3": (32, 128),
+    }[mt]
+    # null reads as "none given": num_attention_heads and hidden // heads
+    d.update(num_key_value_heads=None, head_dim=None)
+    assert (ModelConfig.from_hf(d).num_key_value_heads, ModelConfig.from_hf(d).head_dim) == (32, 2)
+    # a default that does not fit the file's heads is named as the default
+    d["num_attention_heads"] = 6  # divisible by none of 4, 8, 32
+    del d["num_key_value_heads"]
+    with pytest.raises(ValueError, match=r"num_key_value_heads: \d+ \(the \w+ default: the file has none\)"):
+        ModelConfig.from_hf(d)
+
+
 @pytest.mark.parametrize(
     "edit, match",
     [

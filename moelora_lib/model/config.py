@@ -35,6 +35,10 @@ __all__ = ["ModelConfig", "REAL_CONFIGS", "MODEL_TYPES"]
 #: The model_type values :meth:`ModelConfig.from_hf` accepts.
 MODEL_TYPES = ("gpt_oss", "qwen3_moe", "qwen3")
 _LAYER_TYPES = ("sliding_attention", "full_attention")
+# (num_key_value_heads, head_dim) of a config.json without them: the defaults of transformers' config
+# classes (GptOssConfig, Qwen3MoeConfig, Qwen3Config); head_dim None: hidden_size // num_attention_heads
+# (Qwen3MoeConfig has no head_dim field, and its attention takes hidden // heads)
+_HEAD_DEFAULTS = {"gpt_oss": (8, 64), "qwen3_moe": (4, None), "qwen3": (32, 128)}
 # the constants the swigluoai kernels hard-code (moelora_lib/kernels/triton_kernels.py)
 _SWIGLU_LIMIT, _SWIGLU_ALPHA = 7.0, 1.702
 
@@ -47,6 +51,9 @@ class ModelConfig:
         model_type: "gpt_oss" | "qwen3_moe" | "qwen3".
         hidden_size: H. num_hidden_layers. num_attention_heads, num_key_value_heads (GQA), head_dim
             (q width = heads·head_dim, kv width = kv_heads·head_dim; need not equal H). vocab_size: V.
+            A config.json without num_key_value_heads / head_dim gets what transformers' config class
+            gives it: gpt_oss 8 / 64, qwen3 32 / 128, qwen3_moe 4 / hidden_size // num_attention_heads;
+            one with null there gets num_attention_heads / hidden_size // num_attention_heads.
         rms_norm_eps. rope_theta. rope_scaling: None (plain RoPE) or the YaRN dict with keys rope_type
             ("yarn"), factor, beta_fast, beta_slow, original_max_position_embeddings, truncate (and
             attention_factor / mscale / mscale_all_dim when the file has them). max_position_embeddings.
@@ -130,14 +137,16 @@ class ModelConfig:
         H = req("hidden_size")
         n_layers = req("num_hidden_layers")
         heads = req("num_attention_heads")
-        kv = opt("num_key_value_heads", heads, "int")
-        head_dim = opt("head_dim", None, "int")
-        if head_dim is None:  # transformers: hidden_size // num_attention_heads
-            head_dim = H // heads
+        # a field the file lacks gets the default of transformers' config class (what transformers builds);
+        # one set to null, num_attention_heads / hidden_size // num_attention_heads
+        kv_default, hd_default = _HEAD_DEFAULTS[mt]
+        kv = opt("num_key_value_heads", heads if "num_key_value_heads" in d else kv_default, "int")
+        head_dim = opt("head_dim", H // heads if "head_dim" in d else hd_default or H // heads, "int")
         if heads % kv:
+            default = "" if "num_key_value_heads" in d else f" (the {mt} default: the file has none)"
             raise ValueError(
-                f"num_key_value_heads: {kv} must divide num_attention_heads = {heads} (grouped-query "
-                "attention)"
+                f"num_key_value_heads: {kv}{default} must divide num_attention_heads = {heads} "
+                "(grouped-query attention)"
             )
         if head_dim % 2:
             raise ValueError(f"head_dim: must be even for RoPE, got {head_dim}")

@@ -17,7 +17,14 @@ import numpy as np
 import pytest
 import torch
 
-from moelora_lib.model import Generator, ModelConfig, load_hf_checkpoint, load_peft_adapter, random_model
+from moelora_lib.model import (
+    Generator,
+    ModelConfig,
+    load_hf_checkpoint,
+    load_peft_adapter,
+    random_model,
+    read_peft_adapter,
+)
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -309,6 +316,25 @@ def test_adapter_path_errors(model, files, tmp_path):
     with pytest.raises(ValueError, match=r"adapter_model.safetensors: not a readable safetensors file"):
         load_peft_adapter(model, 1, _edit_adapter(files, tmp_path, raw=b"junk"))
     assert 1 not in model.layers[0].self_attn.qkv_proj.loaded_slots  # nothing written
+
+
+def test_read_adapter_config_forms(model, files):
+    """read_peft_adapter takes the model's ModelConfig or its config.json dict (the same tensors); another
+    object, or a file for the folder, is named in the message (not 'model_type ... got None' / 'no
+    adapter_config.json' for a file that is there)."""
+    raw = json.loads((files["ckpt"] / "config.json").read_text())
+    want = read_peft_adapter(files["r4"], model.config, expert_slices=1)
+    got = read_peft_adapter(files["r4"], raw, expert_slices=1)
+    assert [sorted(d) for d in got.layers] == [sorted(d) for d in want.layers] and got.rank == want.rank == 4
+    for d_got, d_want in zip(got.layers, want.layers):
+        for name, (a, b, s) in d_want.items():
+            assert torch.equal(d_got[name][0], a) and torch.equal(d_got[name][1], b) and d_got[name][2] == s
+    with pytest.raises(ValueError, match="config must be a ModelConfig .*got str"):
+        read_peft_adapter(files["r4"], "qwen3", expert_slices=1)
+    with pytest.raises(ValueError, match="model_type"):  # a dict is read by ModelConfig.from_hf
+        read_peft_adapter(files["r4"], dict(raw, model_type="llama"), expert_slices=1)
+    with pytest.raises(ValueError, match=r"adapter_config.json' is a file; expected a PEFT adapter folder"):
+        load_peft_adapter(model, 1, files["r4"] / "adapter_config.json")
 
 
 @pytest.mark.parametrize(

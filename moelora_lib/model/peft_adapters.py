@@ -94,6 +94,7 @@ import json
 import math
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -254,6 +255,11 @@ def _pattern_value(patterns: dict, module_key: str, default, what: str):
 
 
 def _read_config(path: str) -> dict:
+    if os.path.isfile(path):
+        raise ValueError(
+            f"{path!r} is a file; expected a PEFT adapter folder (adapter_config.json + "
+            "adapter_model.safetensors)"
+        )
     cfg_path = os.path.join(path, "adapter_config.json")
     if not os.path.isfile(cfg_path):
         raise ValueError(f"{path!r}: no adapter_config.json (expected a PEFT adapter folder)")
@@ -451,20 +457,27 @@ def read_peft_adapter(path, config, *, expert_slices: int) -> PeftAdapter:
         path: folder with adapter_config.json and adapter_model.safetensors (as written by
             ``PeftModel.save_pretrained``).
         config: the model's ModelConfig (model_type, hidden_size, heads, head_dim, num_experts,
-            moe_intermediate_size, intermediate_size, num_hidden_layers are read).
+            moe_intermediate_size, intermediate_size, num_hidden_layers are read), or its config.json
+            dict (read with :meth:`ModelConfig.from_hf`).
         expert_slices: S of the MoE layers' gate_up (1 or 2; GPT-OSS uses 1, Qwen3-MoE 2). Ignored for a
             dense model.
     Returns: a :class:`PeftAdapter` (fp32 CPU tensors).
-    Raises: ValueError naming the key or field (see the module docstring for what is refused).
+    Raises: ValueError naming the key or field (see the module docstring for what is refused), the
+        path when it is a file, or ``config`` when it is neither a ModelConfig nor a config.json dict.
     """
     if not isinstance(path, (str, os.PathLike)):
         raise ValueError(
             f"path must be a PEFT adapter folder (str or os.PathLike), got {type(path).__name__}"
         )
     path = os.fspath(path)
-    model_type = _cfg(config, "model_type")
-    if model_type not in _CLASS_PREFIX:
-        raise ValueError(f"config.model_type must be one of {sorted(_CLASS_PREFIX)}, got {model_type!r}")
+    if isinstance(config, Mapping):
+        config = ModelConfig.from_hf(config)
+    if not isinstance(config, ModelConfig):
+        raise ValueError(
+            "config must be a ModelConfig (or a config.json dict: ModelConfig.from_hf), "
+            f"got {type(config).__name__}"
+        )
+    model_type = config.model_type
     is_moe = model_type != "qwen3"
     if is_moe:
         if expert_slices not in (1, 2) or isinstance(expert_slices, bool):

@@ -106,6 +106,16 @@ def test_main_exit_code_and_list(nb_dir: Path, tmp_path: Path, capsys):
     assert runner.main(["--notebooks", str(nb_dir), "--only", "9"]) == 2
 
 
+def test_list_of_a_folder_without_notebooks_is_a_usage_error(tmp_path: Path, capsys):
+    """--list of a folder that holds no notebook (a typo, a folder that does not exist) exits 2 naming the
+    folder, as a run of it does, instead of listing nothing with exit code 0."""
+    for folder in (tmp_path / "missing", tmp_path):
+        assert runner.main(["--notebooks", str(folder), "--list"]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == ""
+        assert "no notebooks matching" in captured.err and str(folder) in captured.err
+
+
 def _kernelspec(jupyter_dir: Path, name: str, argv0: str) -> Path:
     spec_dir = jupyter_dir / "kernels" / name
     spec_dir.mkdir(parents=True)

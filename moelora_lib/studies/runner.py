@@ -363,12 +363,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     # usage errors are refused before anything is written (a failed gpu run would overwrite data/executed/)
     try:
         notebooks = find_notebooks(args.notebooks, args.only)
+        if not notebooks:
+            raise ValueError(f"no notebooks matching {NOTEBOOK_GLOB} in {args.notebooks}")
         if args.list:
             for nb in notebooks:
                 print(nb.name)
             return 0
-        if not notebooks:
-            raise ValueError(f"no notebooks matching {NOTEBOOK_GLOB} in {args.notebooks}")
         profile = resolve_profile(args.profile)
         require_cuda(profile)
         prepare_out_dir(args.out if args.out is not None else default_out_dir(profile))

@@ -141,6 +141,18 @@ def test_tuning_cli_rejects_bad_arguments(tmp_path, capsys, extra, flag, text):
     assert not (tmp_path / "cfg").exists() and not (tmp_path / "t.csv").exists()  # no work done
 
 
+@pytest.mark.parametrize("module", [tuning, dt, ft], ids=["tuning", "dense_tuning", "fused_tuning"])
+def test_tuner_help_describes_the_tool_in_whole_sentences(module, capsys):
+    """--help shows the module docstring's first paragraph, joined, not its first line cut mid-sentence."""
+    with pytest.raises(SystemExit) as e:
+        module.main(["--help"])
+    assert e.value.code == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    first = " ".join(module.__doc__.split("\n\n")[0].split()).rstrip(":")
+    assert first in help_text
+    assert first.endswith((".", ")")), first
+
+
 def test_tuning_cli_rejects_bad_paths_and_devices(tmp_path, capsys):
     f = tmp_path / "file"
     f.write_text("x")

@@ -201,7 +201,7 @@ FLAGS = dict(
 def parser(prog: str, doc: str, tokens: str) -> argparse.ArgumentParser:
     """The command line every tuner shares (``--tokens`` default ``tokens``); a malformed number exits with
     code 2."""
-    p = argparse.ArgumentParser(prog=prog, description=doc.split("\n")[0])
+    p = argparse.ArgumentParser(prog=prog, description=" ".join(doc.split("\n\n")[0].split()).rstrip(":"))
     add = p.add_argument
     add("--tokens", default=tokens, type=int_list_type(1), help="T values, comma-separated")
     add("--adapters", type=int_type(1), default=8, help="L, adapter slots")

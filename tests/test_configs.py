@@ -534,3 +534,32 @@ def test_config_files_keep_readable_permissions_and_bad_ops_are_named(tmp_path):
     assert p.stat().st_mode & 0o777 == 0o640
     with pytest.raises(ValueError, match="op must be 'base', 'fused'"):
         configs.config_file_name(GPU, "fused_gate_up")
+
+
+def test_gpu_name_in_torch_spelling_finds_the_same_files(tmp_path):
+    """gpu_name and the file-name helpers take a GPU name as torch.cuda.get_device_name() spells it
+    ("NVIDIA H200") or as the files do ("NVIDIA_H200"), like map_gpu_name: the spaced spelling read no file
+    (defaults, and load_stage_choice silently "tuned" where the shipped file chooses "gemv")."""
+    assert configs.config_file_name("NVIDIA H200", "base") == "NVIDIA_H200_FUSED_MOE_BASE.json"
+    assert configs.config_file_name("MY GPU-1", "down_shrink") == "MY_GPU_1_FUSED_MOE_LORA_W2_SHRINK.json"
+    assert configs.dense_config_file_name("NVIDIA H200", "shrink") == "NVIDIA_H200_SHRINK.json"
+    folder = write_folder(tmp_path / "cfg", gpu="MY_GPU_1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", configs.TunedConfigWarning)
+        spaced = load(folder, gpu="MY GPU-1")
+    assert spaced == load(folder, gpu="MY_GPU_1") and spaced.source == f"folder:{folder}"
+    assert spaced.base_gate_up.BLOCK_SIZE_M == 32  # the file's entry, not the default
+    d = dataclasses.replace(_qwen_dims(), T=1)
+    assert configs.load_stage_choice(d, gpu_name="NVIDIA_H200") == "gemv"  # the shipped choice at T = 1
+    assert configs.load_stage_choice(d, gpu_name="NVIDIA H200") == configs.load_stage_choice(
+        d, gpu_name="NVIDIA_H200"
+    )
+    assert configs.load_layer_config(d, gpu_name="NVIDIA H200").source == "shipped:NVIDIA_H200"
+    for bad in (None, "", "../NVIDIA_H200", 3):
+        with pytest.raises(ValueError, match="gpu must be a GPU name"):
+            configs.config_file_name(bad, "base")
+    with pytest.raises(ValueError, match="op must be 'dense_shrink' or 'dense_expand', got 3"):
+        configs.dense_config_file_name("NVIDIA_H200", 3)
+    for bad in ("../NVIDIA_H200", " ", ".."):
+        with pytest.raises(ValueError, match="gpu_name must be a GPU name"):
+            configs.load_layer_config(d, gpu_name=bad)

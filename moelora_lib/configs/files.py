@@ -91,6 +91,7 @@ __all__ = [
     "GEMV_KEY",
     "GEMV_LEAF_KEYS",
     "DENSE_FILE_OPS",
+    "gpu_file_part",
     "config_file_name",
     "lora_keys",
     "base_keys",
@@ -162,12 +163,24 @@ _DENSE_IGNORED = {"num_ctas", "max_nreg", "use_tma"}  # vLLM dense leaf keys wit
 _RESOLVED: dict = {}
 
 
+def gpu_file_part(gpu: str) -> str:
+    """The GPU part of a config file name and of a shipped folder's name: ``gpu`` with spaces and '-' as
+    '_', so ``"NVIDIA H200"`` (as ``torch.cuda.get_device_name()`` spells it) and ``"NVIDIA_H200"`` both
+    give ``NVIDIA_H200``, the name the loaders look for (:func:`moelora_lib.common.gpu_name`). ValueError
+    unless ``gpu`` is a non-empty str without path separators."""
+    if not isinstance(gpu, str) or not gpu.strip() or any(c in gpu for c in "/\\") or gpu in (".", ".."):
+        raise ValueError(f"gpu must be a GPU name such as 'NVIDIA_H200' (no path separators), got {gpu!r}")
+    return gpu.replace(" ", "_").replace("-", "_")
+
+
 def config_file_name(gpu: str, op: str, weight_format: str = "dense") -> str:
     """File name of ``op`` (a LoRA op of :data:`LORA_FILE_OPS`, "base", or "fused": stage ``fused``'s
-    two GEMMs) for ``gpu``; ``weight_format`` (:data:`~moelora_lib.shapes.CONFIG_WEIGHT_FORMATS`) other
-    than "dense" names the base or fused file of that form, ``_<FORMAT>`` before ``.json``
-    (``NVIDIA_H200_FUSED_MOE_BASE_MXFP4.json``); the LoRA ops' files have no form (they run on the
-    activations' dtype whatever the experts' form). ValueError for an unknown op or form."""
+    two GEMMs) for ``gpu`` (either spelling: :func:`gpu_file_part`); ``weight_format``
+    (:data:`~moelora_lib.shapes.CONFIG_WEIGHT_FORMATS`) other than "dense" names the base or fused file
+    of that form, ``_<FORMAT>`` before ``.json`` (``NVIDIA_H200_FUSED_MOE_BASE_MXFP4.json``); the LoRA
+    ops' files have no form (they run on the activations' dtype whatever the experts' form). ValueError
+    for an unknown op or form, or a ``gpu`` that is not a GPU name."""
+    gpu = gpu_file_part(gpu)
     if weight_format not in CONFIG_WEIGHT_FORMATS:
         raise ValueError(f"weight_format must be one of {CONFIG_WEIGHT_FORMATS}, got {weight_format!r}")
     if op == "fused":
@@ -419,7 +432,11 @@ def save_config_file(path: str | os.PathLike, data: dict) -> Path:
 def dense_config_file_name(gpu: str, op: str, add_inputs: bool = True) -> str:
     """``{gpu}_SHRINK.json`` for "dense_shrink" (or "shrink"), ``{gpu}_EXPAND_TRUE.json`` /
     ``{gpu}_EXPAND_FALSE.json`` for "dense_expand" (or "expand") with / without ``add_inputs`` (the
-    fused add into the base output, the stages with ``fused_add``): vLLM's dense LoRA file names."""
+    fused add into the base output, the stages with ``fused_add``): vLLM's dense LoRA file names.
+    ``gpu`` in either spelling (:func:`gpu_file_part`). ValueError for another op or a bad ``gpu``."""
+    gpu = gpu_file_part(gpu)
+    if not isinstance(op, str):
+        raise ValueError(f"op must be 'dense_shrink' or 'dense_expand', got {op!r}")
     op = op if op.startswith("dense_") else f"dense_{op}"
     if op == "dense_shrink":
         return f"{gpu}_SHRINK.json"

@@ -72,6 +72,7 @@ from .files import (
     config_file_name,
     dense_config_file_name,
     dense_keys,
+    gpu_file_part,
     lookup,
     lora_keys,
 )
@@ -122,7 +123,7 @@ def shipped_folder(gpu: str | None = None) -> Path:
 
 
 def _norm_gpu(name: str) -> str:
-    return name.replace(" ", "_").replace("-", "_")
+    return name.replace(" ", "_").replace("-", "_")  # as gpu_file_part, unchecked (callers check)
 
 
 def shipped_gpus() -> list[str]:
@@ -475,12 +476,14 @@ def load_layer_config(
         dims: a :class:`~moelora_lib.shapes.Dims` (``Dims.of("qwen3-30b-a3b", T, rank=32, adapters=8)``).
         folder: a config folder (highest precedence); else ``$MOELORA_TUNED_CONFIG_FOLDER``; else the
             shipped ``moelora_lib/configs/<gpu>/``; else the defaults.
-        gpu_name: the GPU part of the file names and the shipped folder's name (default: the
-            mapping set by :func:`map_gpu_name` for the current GPU, else :func:`gpu_name`). Passing
-            ``"NVIDIA_H200"`` on another GPU uses the H200's configs there, explicitly.
+        gpu_name: the GPU part of the file names and the shipped folder's name, spaces and '-' read
+            as '_' (:func:`~moelora_lib.configs.files.gpu_file_part`; default: the mapping set by
+            :func:`map_gpu_name` for the current GPU, else :func:`gpu_name`). Passing ``"NVIDIA_H200"``
+            (or ``"NVIDIA H200"``) on another GPU uses the H200's configs there, explicitly.
     Returns: a LayerConfig whose ``source`` records where each group came from.
     Raises: TypeError when ``dims`` is not a Dims. ValueError naming the argument when ``folder`` is
-        not a str / os.PathLike / None or ``gpu_name`` not a str / None; for a malformed or invalid
+        not a str / os.PathLike / None or ``gpu_name`` not a str / None (or holding a path
+        separator); for a malformed or invalid
         file (naming the file and key path), or when the folder named by ``folder`` or by
         ``$MOELORA_TUNED_CONFIG_FOLDER`` is not a directory (a typo there would otherwise silently drop
         every tuned config). A missing file inside an existing folder falls back to the defaults with
@@ -507,6 +510,10 @@ def _check_source_args(folder, gpu_name) -> None:
             "gpu_name must be a str (e.g. 'NVIDIA_H200') or None, "
             f"got {type(gpu_name).__name__}: {gpu_name!r}"
         )
+    if gpu_name and (any(c in gpu_name for c in "/\\") or gpu_name.strip() in ("", ".", "..")):
+        raise ValueError(
+            f"gpu_name must be a GPU name such as 'NVIDIA_H200' (no path separators), got {gpu_name!r}"
+        )
 
 
 def _memo_key(key: tuple, folder, gpu_name: str | None) -> tuple:
@@ -529,7 +536,7 @@ def _memo_put(key: tuple, cfg):
 def _config_gpu(gpu_name: str | None) -> tuple[str, str | None]:
     """(config GPU name, the running GPU's name when mapped by map_gpu_name else None)."""
     if gpu_name:
-        return gpu_name, None
+        return gpu_file_part(gpu_name), None
     gpu = _current_gpu_name()
     if gpu in _GPU_MAP:
         return _GPU_MAP[gpu], gpu

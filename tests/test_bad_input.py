@@ -183,6 +183,23 @@ def test_layer_config_fields_must_be_op_configs(op, bad):
         dataclasses.replace(good, **{op: bad})
 
 
+def test_op_config_takes_numpy_ints_and_refuses_bools():
+    """A config built from numpy integers (a tuner CSV read with pandas) is the same OpConfig as from Python
+    ints (it was refused as 'BLOCK_SIZE_M must be a power of two >= 16, got np.int64(32)'); a bool is not a
+    size (SPLIT_K=True was taken as 1)."""
+    np = pytest.importorskip("numpy")
+    cfg = OpConfig(
+        BLOCK_SIZE_M=np.int64(32), BLOCK_SIZE_K=np.int32(128), SPLIT_K=np.int64(4), NUM_STAGES=np.int8(3)
+    )
+    assert cfg == OpConfig(BLOCK_SIZE_M=32, BLOCK_SIZE_K=128, SPLIT_K=4, NUM_STAGES=3)
+    assert all(type(v) is int for v in cfg.to_dict().values())
+    for field in ("BLOCK_SIZE_M", "SPLIT_K", "GROUP_SIZE_M", "NUM_WARPS", "NUM_STAGES"):
+        with pytest.raises(ValueError, match=f"{field} must be a"):
+            OpConfig(**{field: True})
+    with pytest.raises(ValueError, match="BLOCK_SIZE_N must be a power of two >= 16"):
+        OpConfig(BLOCK_SIZE_N=np.float64(32))
+
+
 # --- 6. fused_moe_lora names the tensor that disagrees ------------------------------------------------
 def _kw(T=6):
     inp = make_inputs(TINY, T, rank=16, num_adapters=3, pattern="mixed")

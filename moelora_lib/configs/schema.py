@@ -8,6 +8,7 @@ loaders (:mod:`moelora_lib.configs.files`, :mod:`moelora_lib.configs.loader`), t
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import asdict, dataclass, fields, replace
 
 __all__ = ["OpConfig", "LayerConfig", "DenseLoRAConfig", "LORA_OPS", "BASE_OPS", "next_pow2"]
@@ -26,8 +27,12 @@ def next_pow2(n: int) -> int:
 GEMV_MAX_PAIRS = 256
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def _is_pow2(v: int) -> bool:
-    return isinstance(v, int) and v > 0 and v & (v - 1) == 0
+    return _is_int(v) and v > 0 and v & (v - 1) == 0
 
 
 @dataclass(frozen=True)
@@ -41,8 +46,9 @@ class OpConfig:
             ``fused``'s down GEMM, ``base_down``, at decode; 1 everywhere else).
         NUM_WARPS: warps per program, power of two.
         NUM_STAGES: software-pipelining depth, ≥ 1.
+    Every field is an int (numpy integers are taken as Python ints; a bool is refused).
     Raises:
-        ValueError: any field out of range, naming the field.
+        ValueError: any field not an int or out of range, naming the field.
     """
 
     BLOCK_SIZE_M: int = 16
@@ -54,6 +60,10 @@ class OpConfig:
     NUM_STAGES: int = 2
 
     def __post_init__(self) -> None:
+        for f in fields(self):  # numpy ints (a config read from a DataFrame) become Python ints
+            v = getattr(self, f.name)
+            if isinstance(v, numbers.Integral) and not isinstance(v, (bool, int)):
+                object.__setattr__(self, f.name, int(v))
         for name in ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K"):
             v = getattr(self, name)
             if not _is_pow2(v) or v < 16:
@@ -61,9 +71,9 @@ class OpConfig:
         for name in ("SPLIT_K", "NUM_WARPS"):
             if not _is_pow2(getattr(self, name)):
                 raise ValueError(f"{name} must be a power of two >= 1, got {getattr(self, name)!r}")
-        if not isinstance(self.GROUP_SIZE_M, int) or self.GROUP_SIZE_M < 1:
+        if not _is_int(self.GROUP_SIZE_M) or self.GROUP_SIZE_M < 1:
             raise ValueError(f"GROUP_SIZE_M must be an int >= 1, got {self.GROUP_SIZE_M!r}")
-        if not isinstance(self.NUM_STAGES, int) or self.NUM_STAGES < 1:
+        if not _is_int(self.NUM_STAGES) or self.NUM_STAGES < 1:
             raise ValueError(f"NUM_STAGES must be an int >= 1, got {self.NUM_STAGES!r}")
 
     def to_dict(self) -> dict:

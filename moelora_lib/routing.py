@@ -181,7 +181,9 @@ def align_tokens(
         include_no_adapter: keep pairs of tokens with lora id -1 (slot L, laid out last); the LoRA
             kernels pass False.
         check_values: also check topk_ids ∈ [0, E) and lora_ids ∈ [-1, L) (a host sync; the layer
-            passes False after :func:`moelora_lib.fused_moe_lora` has checked them).
+            passes False after :func:`moelora_lib.fused_moe_lora` has checked them). Without it, pairs
+            with an id out of range are dropped (in no group), as the Triton alignments
+            (:mod:`moelora_lib.kernels.align`) drop them.
         sort_lora_ids: [T] int32/int64 adapter ids, only for the expert-only alignment (lora_ids
             None; needs num_adapters ≥ 1): the groups stay one per expert, padded as without it, but
             inside each expert's group the pairs are ordered by their token's adapter (ids outside
@@ -237,6 +239,7 @@ def align_tokens(
     num_pairs = T * K
     E = num_experts
     experts = topk_ids.reshape(-1).long()
+    out_of_range = (experts < 0) | (experts >= E)
     if lora_ids is None:
         num_slots = 1
         key = experts
@@ -245,11 +248,13 @@ def align_tokens(
             raise ValueError(f"lora_ids must be [T={T}], got {_desc(lora_ids)}")
         num_slots = num_adapters + 1
         slot = lora_ids.long().repeat_interleave(K)
+        out_of_range |= (slot < -1) | (slot >= num_adapters)
         slot = torch.where(slot < 0, torch.full_like(slot, num_adapters), slot)
         key = slot * E + experts
     G = num_slots * E
     if lora_ids is not None and not include_no_adapter:
         key = torch.where(key >= num_adapters * E, torch.full_like(key, G), key)  # G = dropped
+    key = torch.where(out_of_range, torch.full_like(key, G), key)  # dropped, as the Triton alignments do
     P = max_padded_pairs(num_pairs, G, block_size_m)
     BM = block_size_m
 

@@ -196,12 +196,22 @@ def test_workspace_out(device):
 
 
 def test_out_of_range_ids_are_dropped(device):
-    """No value check (no host sync); out-of-range pairs never land in the buffer."""
+    """No value check (no host sync); out-of-range pairs never land in the buffer, and the torch oracle
+    (check_values=False) drops the same pairs, bit for bit (it used to index past its counts, or file an
+    expert id of E + 1 under another adapter's group)."""
     ids = torch.tensor([[0, 9], [-1, 1], [2, 3]], dtype=torch.int32, device=device)
     lora = torch.tensor([0, 1, 7], dtype=torch.int32, device=device)
     al = align_tokens_triton(ids, 4, 16, lora, 2, True)
     s = al.sorted_token_ids.cpu()
     assert sorted(s[s < 6].tolist()) == [0, 3]
+    _same(ids, 4, 16, lora, 2, True)
+    _same(ids, 4, 16)  # expert-only
+    ids = torch.tensor([[0, 5], [1, 2], [3, -2]], dtype=torch.int32, device=device)  # 5 = slot 1's key 1
+    lora = torch.tensor([0, -3, -1], dtype=torch.int32, device=device)
+    for incl in (False, True):
+        al = _same(ids, 4, 16, lora, 2, incl)
+        s = al.sorted_token_ids.cpu()
+        assert sorted(s[s < 6].tolist()) == ([0, 4] if incl else [0])
 
 
 def test_int32_edge_by_arithmetic():

@@ -235,6 +235,8 @@ def test_out_of_range_ids_are_dropped(device):
         o = (t.data_ptr() - ws.buffer.data_ptr()) // elem
         used[o : o + t.numel()] = True
     assert (ws.buffer.cpu()[~used] == guard).all()
+    _same(ids, E, 16, lora, L, 16)  # and the torch oracle drops the same pairs, bit for bit
+    _same(ids, E, 16, lora, L, 32, incl=True)
     # only lora ids out of range: the base alignment is still the oracle's, bit for bit
     ids2, lora2 = _ids(T, K, E, L, device, seed=10)
     lora2[3], lora2[4] = 99, -5

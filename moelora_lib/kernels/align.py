@@ -52,8 +52,8 @@ TC from NT and its GB from TC): a few classes, each compiled once
 (``tests/offset_view_helpers.py`` counts them).
 
 Ids out of range (topk_ids ∉ [0, E), lora_ids ∉ [-1, L)) are not checked (that would need a host
-sync): such pairs are dropped, never written out of bounds; the torch oracle's result is then
-unspecified, so only in-range ids are part of the contract.
+sync): such pairs are dropped, never written out of bounds, and the torch oracle (without its value
+check) drops the same pairs.
 
 Default tile: next_pow2(T·K / 8) clamped to [64, 512], the H200's best totals in a tile sweep (tiles of
 64–256 at T = 256, 512 at T = 8192; docs/perf_notes.md). The scatter/fill launch dominates the time.

@@ -13,7 +13,7 @@ Contract: that of :mod:`moelora_lib.kernels.align` (its docstring), i.e. each re
 ``routing.align_tokens(..., check_values=False)``: the base one with ``lora_ids=None``, the LoRA one
 with ``(lora_ids, num_adapters, include_no_adapter)`` (False by default, as the LoRA kernels use it).
 Ids out of range (topk_ids ∉ [0, E), lora_ids ∉ [-1, L)) are not checked (no host sync): their
-pairs are dropped and never written out of bounds; the oracle's result is then unspecified.
+pairs are dropped and never written out of bounds, as the oracle drops them.
 
 Method (per program; the counting-sort layout of vLLM's ``moe_align_block_size``, csrc/moe, with the
 stable rank taken from a sort instead of atomic cursors, so every run gives the same bytes). The

@@ -241,7 +241,7 @@ def test_missing_file_warns_once_and_falls_back(tmp_path):
         c1 = load(folder)
         c2 = load(folder, T=64)
     msgs = [str(w.message) for w in rec if "tuned configs" in str(w.message)]
-    assert len(msgs) == 1 and "FUSED_MOE_LORA_W2_EXPAND" in msgs[0]
+    assert len(msgs) == 1 and "FUSED_MOE_LORA_W2_EXPAND" in msgs[0] and "all four LoRA ops" in msgs[0]
     dflt = default_config(W)
     assert all(getattr(c1, op) == getattr(dflt, op) for op in LORA_OPS)
     assert c1.base_gate_up.BLOCK_SIZE_M == 32 and c1.source == f"folder:{folder}; lora=default"

@@ -269,20 +269,24 @@ def _warn_no_configs(gpu: str, mapped_from: str | None, folder, env: str | None,
     )
 
 
+#: what a missing LoRA file or entry means: the four LoRA ops share BLOCK_SIZE_M, so all four fall back
+_LORA_DEFAULTS = "using the default configs of all four LoRA ops (they share one BLOCK_SIZE_M)"
+
+
 def _lora_group(folder: Path, gpu: str, dims: Dims) -> dict[str, OpConfig] | None:
     found: dict[str, OpConfig] = {}
     where: dict[str, str] = {}
     for op in LORA_OPS:
         path = folder / config_file_name(gpu, op)
         if not path.is_file():
-            _warn_once(str(folder), op, f"no file {path}")
+            _warn_once(str(folder), op, f"no file {path}", _LORA_DEFAULTS)
             return None
         st = path.stat()
         data, parsed = _load_cached(str(path), st.st_mtime_ns, st.st_size, LORA_DEPTH, _kind(op))
         keys = lora_keys(op, dims)
         hit = lookup(data, keys, exact_levels=(1,))
         if hit is None:
-            _warn_once(str(folder), op, f"{path} has no entry for num_slices={keys[1]}")
+            _warn_once(str(folder), op, f"{path} has no entry for num_slices={keys[1]}", _LORA_DEFAULTS)
             return None
         taken, _ = hit
         found[op] = parsed[taken]

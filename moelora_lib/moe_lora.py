@@ -285,6 +285,10 @@ def validate_moe_lora_inputs(
         raise ValueError(f"lora_a13: L and R must be >= 1, got L={lora_a13.shape[0]}, R={lora_a13.shape[3]}")
     if L < 1 or R < 1:
         raise ValueError(f"lora_a13 and the other adapters: L and R must be >= 1, got L={L}, R={R}")
+    if H < 1 or inter < 1 or E < 1:  # sizes the kernels cannot tile (empty weights)
+        raise ValueError(
+            f"w13 [E, 2I, H] and w2 [E, H, I] must have E, I and H >= 1, got E={E}, I={inter}, H={H}"
+        )
     note = f" (like {like})"
     _check("hidden_states", hidden_states, (("T", T), ("H", H)), (dt,), dev, like=like)
     _check("w13", w13, (("E", E), ("2I", two_i), ("H", H)), (dt,), dev, note, like)

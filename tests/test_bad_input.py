@@ -247,6 +247,41 @@ def test_fused_moe_lora_wrong_H_message_gives_the_agreed_H():
         fused_moe_lora(**kw)
 
 
+@pytest.mark.parametrize("dim", ["H", "I", "E"])
+def test_fused_moe_lora_refuses_empty_weights(dim):
+    kw = _kw()
+    sl = {
+        "H": {
+            "hidden_states": (slice(None), slice(0, 0)),
+            "w13": (..., slice(0, 0)),
+            "w2": (slice(None), slice(0, 0)),
+        },
+        "I": {"w13": (slice(None), slice(0, 0)), "w2": (..., slice(0, 0))},
+        "E": {"w13": (slice(0, 0),), "w2": (slice(0, 0),)},
+    }[dim]
+    for name, idx in sl.items():
+        kw[name] = kw[name][idx]
+    for name, t in list(kw.items()):  # the adapters follow the weights' sizes
+        if name.startswith("lora_") and name != "lora_ids":
+            d = {
+                "lora_a13": (1, None, 4),
+                "lora_b13": (1, 3, None),
+                "lora_a2": (1, 3, None),
+                "lora_b2": (1, 2, None),
+            }[name]
+            e_dim, i_dim, h_dim = d
+            idx = [slice(None)] * t.dim()
+            if dim == "E":
+                idx[e_dim] = slice(0, 0)
+            elif dim == "I" and i_dim is not None:
+                idx[i_dim] = slice(0, 0)
+            elif dim == "H" and h_dim is not None:
+                idx[h_dim] = slice(0, 0)
+            kw[name] = t[tuple(idx)]
+    with pytest.raises(ValueError, match=rf"must have E, I and H >= 1, got .*{dim}=0"):
+        fused_moe_lora(**kw)
+
+
 def test_fused_moe_lora_dtype_mismatch_names_the_tensor():
     kw = _kw()
     kw["w2"] = kw["w2"].half()

@@ -47,7 +47,10 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True):
         renormalize: divide the K kept probabilities by their sum (GPT-OSS, Qwen3-MoE, Mixtral);
             False keeps the softmax probabilities (DeepSeek-V2 with norm_topk_prob=false).
     Returns:
-        (topk_weights [T, K] float32, topk_ids [T, K] int32)
+        (topk_weights [T, K] float32, topk_ids [T, K] int32). A row of router_logits holding NaN or +inf
+        (or only -inf) gets NaN weights and unspecified ids in [0, E): the values are not checked here (a
+        host sync); :func:`moelora_lib.fused_moe_lora` then refuses the weights as not finite, and
+        :class:`~moelora_lib.MoELoRALayer` gives that token a NaN output row.
     Raises:
         ValueError: router_logits not a 2-D float tensor, top_k outside [1, E], or renormalize not a
             Python bool.

@@ -460,9 +460,21 @@ def test_a_packed_form_reads_its_own_files_where_they_exist(tmp_path):
     fused = configs.load_fused_config(dims(weight_format="mxfp4"), folder=folder, gpu_name=GPU)
     assert fused.base_gate_up.BLOCK_SIZE_N == 256 and fused.source.endswith("; fused=file(mxfp4)")
     assert configs.load_fused_config(dims(), folder=folder, gpu_name=GPU).source.endswith("; fused=file")
-    # a form's file configures only the layers it holds exactly: another (E, N, K) takes the dense entry
-    other = load(folder, weight_format="mxfp4", E=5)
+    # a form's file configures only the GEMM shapes (N, K) it holds: another takes the dense entry; another
+    # E (an expert-parallel shard) takes the nearest E holding this (N, K)
+    shard = load(folder, weight_format="mxfp4", E=2)
+    assert shard.base_gate_up.BLOCK_SIZE_N == 256 and shard.source.endswith("; base=file(mxfp4)")
+    other = load(folder, weight_format="mxfp4", H=100)
     assert other.base_gate_up.BLOCK_SIZE_N == 128 and "base=file(" not in other.source
+    # another model's entry at the shard's own E (other N, K) is not taken: the nearest E with this (N, K) is
+    path = folder / configs.config_file_name(GPU, "base", "mxfp4")
+    data = json.loads(path.read_text())
+    entry = {"base_gate_up": leaf(32, BLOCK_SIZE_N=16), "base_down": leaf(32, BLOCK_SIZE_N=16)}
+    configs.set_entry(data, configs.base_keys(dims(E=2, H=100, T=1)), entry)
+    configs.save_config_file(path, data)
+    configs.clear_cache()
+    assert load(folder, weight_format="mxfp4", E=2).base_gate_up.BLOCK_SIZE_N == 256
+    assert load(folder, weight_format="mxfp4", E=2, H=100).base_gate_up.BLOCK_SIZE_N == 16
     assert (
         configs.load_stage_choice(dims(weight_format="mxfp4", H=100), folder=folder, gpu_name=GPU) == "tuned"
     )

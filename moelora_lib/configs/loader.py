@@ -14,7 +14,8 @@ fell back, ``; base=file(<form>)`` when packed experts took their form's own fil
 
 Packed experts (:attr:`~moelora_lib.shapes.Dims.weight_format` other than "dense") read the base and
 fused entries of their form's files (``<gpu>_FUSED_MOE_BASE_<FORM>.json``, ...) where those hold the
-layer's exact (E, N, K), the dense files otherwise; the LoRA files serve every form.
+layer's exact GEMM shape (N, K; E and T take the nearest key, so an expert-parallel shard of E/world
+experts finds its model's entry), the dense files otherwise; the LoRA files serve every form.
 
 Other GPU names: the GPU name must match a folder (shipped) or the file names (explicit / env folder)
 exactly; "NVIDIA H200 NVL" or "NVIDIA H20-3e" are *not* treated as "NVIDIA H200" (different chips,
@@ -303,7 +304,9 @@ def _lora_group(folder: Path, gpu: str, dims: Dims) -> dict[str, OpConfig] | Non
 def _form_entry(folder: Path, gpu: str, dims: Dims, op: str) -> dict | None:
     """The parsed entry for ``dims`` in the ``op`` file ("base" or "fused") of the packed form
     ``dims.weight_format``, or None: a dense form, no such file, or no entry for exactly this layer's
-    (E, N, K) in it (a form tuned for one model never configures another; T takes the nearest bucket)."""
+    GEMM shape (N, K) in it (a form tuned for one model never configures another). Among the E keys
+    holding that (N, K) the nearest is taken (an expert-parallel shard holds E/world experts), then the
+    nearest T bucket."""
     if dims.weight_format == "dense":
         return None
     path = folder / config_file_name(gpu, op, dims.weight_format)
@@ -311,7 +314,9 @@ def _form_entry(folder: Path, gpu: str, dims: Dims, op: str) -> dict | None:
         return None
     st = path.stat()
     data, parsed = _load_cached(str(path), st.st_mtime_ns, st.st_size, BASE_DEPTH, op)
-    hit = lookup(data, base_keys(dims), exact_levels=(0, 1, 2))
+    E, N, K, T = base_keys(dims)
+    es = {e: v for e, v in data.items() if str(N) in v and str(K) in v[str(N)]}
+    hit = lookup(es, (E, N, K, T), exact_levels=(1, 2)) if es else None
     return None if hit is None else parsed[hit[0]]
 
 

@@ -82,7 +82,7 @@ from .kernels.stages import (
 )
 from .moe_lora import _check_cpu_backend, _dense_views, _desc, validate_moe_lora_inputs
 from .quant import check_dequantized_finite
-from .quant.fp8 import FP8BlockWeight, check_fp8_finite
+from .quant.fp8 import FP8BlockWeight
 from .quant.mxfp4 import MXFP4Weight
 from .routing import check_finite_weights, check_id_values, route
 from .scratch import Scratch, attach_scratch, memory_report, nbytes
@@ -452,15 +452,12 @@ class MoELoRALayer(ops.OpLayer):
         if fmt == "fp8" and activation_scheme != "weight_only":
             fp8_groups = (packed[0].block[1], packed[1].block[1])
         _check_expert_weights(w13, w2, b13, b2)
-        # finiteness, one host sync each: dense weights, FP8 codes and scales (MXFP4's NaN scale byte is
-        # refused by _dense_views), and the biases whatever the weights' form
+        # finiteness, one host sync each: dense weights and the biases whatever the weights' form (packed
+        # weights below, dequantized to the layer's dtype; MXFP4's NaN scale byte is refused by _dense_views)
         finite = (("w13", w13), ("w2", w2)) if fmt == "dense" else ()
         for name, t in finite + (("b13", b13), ("b2", b2)):
             if isinstance(t, torch.Tensor):
                 check_finite(name, t)
-        if fmt == "fp8":
-            for name, w in zip(("w13", "w2"), packed):
-                check_fp8_finite(name, w)
         if w13.shape[1] % (2 * slices):
             raise ValueError(f"w13: 2I (dim 1) = {w13.shape[1]} must be divisible by 2·slices = {2 * slices}")
         E, two_i, H = w13.shape
@@ -469,7 +466,7 @@ class MoELoRALayer(ops.OpLayer):
         check_kernel_device("w13", dev)  # w2 and the rest must be on w13's device (checked below)
         what = "w13" if fmt == "dense" else f"dtype (the layer's, with {fmt.upper()} weights)"
         _check_layer_dtype(dt, dev, what)
-        if fmt != "dense":  # packed: the dequantized values must fit the layer's dtype, as dense ones do
+        if fmt != "dense":  # packed: finite codes and scales, dequantized values within the layer's dtype
             for name, w in zip(("w13", "w2"), packed):
                 check_dequantized_finite(name, w, dt)
         emap, local_to_global = _check_expert_map(expert_map, E, dev)

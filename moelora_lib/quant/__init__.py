@@ -7,6 +7,7 @@ from .fp8 import (
     E4M3_MAX,
     FP8_BLOCK,
     FP8BlockWeight,
+    check_fp8_finite,
     dequantize_fp8_block,
     fp8_scale_grid,
     quantize_fp8_act_reference,
@@ -72,7 +73,8 @@ def check_dequantized_finite(name: str, w: MXFP4Weight | FP8BlockWeight, dtype: 
     (``w.dequantize(dtype)``, what the kernels compute with) is finite: a scale that puts a value
     beyond ``dtype``'s range (e.g. above float16's 65504) would make every output row reading it inf or
     NaN. Dequantizes chunk by chunk (4M elements on the CPU, 64M on a GPU), one host sync; for weights at
-    construction, never per call. Meta tensors are not read."""
+    construction, never per call. Meta tensors are not read. An FP8 weight holding a NaN code or a
+    NaN/inf scale raises :func:`~moelora_lib.quant.fp8.check_fp8_finite`'s error, naming which."""
     if w.device.type == "meta":
         return
     ok = torch.ones((), dtype=torch.bool, device=w.device)
@@ -81,6 +83,8 @@ def check_dequantized_finite(name: str, w: MXFP4Weight | FP8BlockWeight, dtype: 
             lo, hi = torch.aminmax(part.dequantize(dtype))
             ok &= torch.isfinite(lo) & torch.isfinite(hi)
     if not bool(ok):
+        if isinstance(w, FP8BlockWeight):  # a NaN code or a NaN/inf scale: named as such
+            check_fp8_finite(name, w)
         hint = "; float32 or bfloat16 hold them" if dtype == torch.float16 else ""
         raise ValueError(
             f"{name}: dequantized to the layer's dtype {dtype}, some values are not finite (beyond its "

@@ -163,13 +163,13 @@ _DENSE_IGNORED = {"num_ctas", "max_nreg", "use_tma"}  # vLLM dense leaf keys wit
 _RESOLVED: dict = {}
 
 
-def gpu_file_part(gpu: str) -> str:
+def gpu_file_part(gpu: str, arg: str = "gpu") -> str:
     """The GPU part of a config file name and of a shipped folder's name: ``gpu`` with spaces and '-' as
     '_', so ``"NVIDIA H200"`` (as ``torch.cuda.get_device_name()`` spells it) and ``"NVIDIA_H200"`` both
     give ``NVIDIA_H200``, the name the loaders look for (:func:`moelora_lib.common.gpu_name`). ValueError
-    unless ``gpu`` is a non-empty str without path separators."""
+    naming ``arg`` unless ``gpu`` is a non-empty str without path separators."""
     if not isinstance(gpu, str) or not gpu.strip() or any(c in gpu for c in "/\\") or gpu in (".", ".."):
-        raise ValueError(f"gpu must be a GPU name such as 'NVIDIA_H200' (no path separators), got {gpu!r}")
+        raise ValueError(f"{arg} must be a GPU name such as 'NVIDIA_H200' (no path separators), got {gpu!r}")
     return gpu.replace(" ", "_").replace("-", "_")
 
 

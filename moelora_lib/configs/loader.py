@@ -123,10 +123,6 @@ def shipped_folder(gpu: str | None = None) -> Path:
     return SHIPPED_DIR / (gpu or gpu_name())
 
 
-def _norm_gpu(name: str) -> str:
-    return name.replace(" ", "_").replace("-", "_")  # as gpu_file_part, unchecked (callers check)
-
-
 def shipped_gpus() -> list[str]:
     """GPU names with tuned configs shipped in this package (folders ``moelora_lib/configs/<gpu>/``
     holding ``<gpu>_FUSED_MOE_*.json`` files or dense LoRA files ``<gpu>_SHRINK.json`` /
@@ -155,11 +151,11 @@ def map_gpu_name(gpu: str, use: str | None) -> None:
             continue
         if not isinstance(v, str) or not v.strip() or any(c in v for c in "/\\") or v in (".", ".."):
             raise ValueError(f"map_gpu_name: {arg} must be a GPU name (no path separators), got {v!r}")
-    key = _norm_gpu(gpu)
+    key = gpu_file_part(gpu)
     if use is None:
         _GPU_MAP.pop(key, None)
         return
-    target = _norm_gpu(use)
+    target = gpu_file_part(use)
     if target not in shipped_gpus():
         raise ValueError(
             f"map_gpu_name: no shipped tuned configs for {use!r} (shipped: {shipped_gpus()}); to use "
@@ -519,10 +515,8 @@ def _check_source_args(folder, gpu_name) -> None:
             "gpu_name must be a str (e.g. 'NVIDIA_H200') or None, "
             f"got {type(gpu_name).__name__}: {gpu_name!r}"
         )
-    if gpu_name and (any(c in gpu_name for c in "/\\") or gpu_name.strip() in ("", ".", "..")):
-        raise ValueError(
-            f"gpu_name must be a GPU name such as 'NVIDIA_H200' (no path separators), got {gpu_name!r}"
-        )
+    if gpu_name:
+        gpu_file_part(gpu_name, "gpu_name")
 
 
 def _memo_key(key: tuple, folder, gpu_name: str | None) -> tuple:

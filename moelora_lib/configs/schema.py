@@ -8,8 +8,9 @@ loaders (:mod:`moelora_lib.configs.files`, :mod:`moelora_lib.configs.loader`), t
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import asdict, dataclass, fields, replace
+
+from ..common import is_int
 
 __all__ = ["OpConfig", "LayerConfig", "DenseLoRAConfig", "LORA_OPS", "BASE_OPS", "next_pow2"]
 
@@ -27,12 +28,8 @@ def next_pow2(n: int) -> int:
 GEMV_MAX_PAIRS = 256
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _is_pow2(v: int) -> bool:
-    return _is_int(v) and v > 0 and v & (v - 1) == 0
+    return is_int(v) and v > 0 and v & (v - 1) == 0
 
 
 @dataclass(frozen=True)
@@ -62,7 +59,7 @@ class OpConfig:
     def __post_init__(self) -> None:
         for f in fields(self):  # numpy ints (a config read from a DataFrame) become Python ints
             v = getattr(self, f.name)
-            if isinstance(v, numbers.Integral) and not isinstance(v, (bool, int)):
+            if is_int(v) and type(v) is not int:
                 object.__setattr__(self, f.name, int(v))
         for name in ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K"):
             v = getattr(self, name)
@@ -71,9 +68,9 @@ class OpConfig:
         for name in ("SPLIT_K", "NUM_WARPS"):
             if not _is_pow2(getattr(self, name)):
                 raise ValueError(f"{name} must be a power of two >= 1, got {getattr(self, name)!r}")
-        if not _is_int(self.GROUP_SIZE_M) or self.GROUP_SIZE_M < 1:
+        if not is_int(self.GROUP_SIZE_M) or self.GROUP_SIZE_M < 1:
             raise ValueError(f"GROUP_SIZE_M must be an int >= 1, got {self.GROUP_SIZE_M!r}")
-        if not _is_int(self.NUM_STAGES) or self.NUM_STAGES < 1:
+        if not is_int(self.NUM_STAGES) or self.NUM_STAGES < 1:
             raise ValueError(f"NUM_STAGES must be an int >= 1, got {self.NUM_STAGES!r}")
 
     def to_dict(self) -> dict:
